@@ -1,0 +1,50 @@
+"""EngineService servicer: the engine-facing API of an agent over gRPC (translation only)."""
+
+from __future__ import annotations
+
+import torch
+
+from agent.core.engine_api import TORCH_DTYPES, KVEngineAPI
+from protos import errors
+from protos.kvcp.v1 import agent_pb2, agent_pb2_grpc
+
+
+class EngineServicer(agent_pb2_grpc.EngineServiceServicer):
+    def __init__(self, engine: KVEngineAPI):
+        self._engine = engine
+
+    def _tokens(self, request) -> list[int]:
+        if not request.model_id:
+            raise errors.InvalidArgument("model_id", "must not be empty")
+        if not request.token_ids:
+            raise errors.InvalidArgument("token_ids", "give at least one token id")
+        return list(request.token_ids)
+
+    def Store(self, request, context):
+        tokens = self._tokens(request)
+        model = self._engine.model(request.model_id)
+        first = request.first_block
+        n_blocks = len(tokens) // model.block_size - first
+        if n_blocks < 0:
+            raise errors.InvalidArgument("first_block", f"{first} is past the last full block")
+        if len(request.kv) != n_blocks * model.block_bytes:
+            raise errors.InvalidArgument(
+                "kv", f"{len(request.kv)} bytes given, {n_blocks} blocks x {model.block_bytes} B expected"
+            )
+        raw = torch.frombuffer(bytearray(request.kv), dtype=torch.uint8) if request.kv else torch.empty(0, dtype=torch.uint8)
+        kv = raw.view(TORCH_DTYPES[model.dtype]).reshape(n_blocks, *model.block_shape)
+        result = self._engine.store(request.model_id, tokens, kv, first_block=first, extra_keys=tuple(request.extra_keys))
+        return agent_pb2.StoreResponse(
+            num_stored_blocks=result.num_stored_blocks, num_present_blocks=result.num_present_blocks
+        )
+
+    def Lookup(self, request, context):
+        tokens = self._tokens(request)
+        n = self._engine.lookup(request.model_id, tokens, tuple(request.extra_keys))
+        return agent_pb2.EngineLookupResponse(num_cached_tokens=n)
+
+    def Load(self, request, context):
+        tokens = self._tokens(request)
+        result = self._engine.load(request.model_id, tokens, tuple(request.extra_keys))
+        raw = result.kv.contiguous().view(torch.uint8).numpy().tobytes() if result.kv.numel() else b""
+        return agent_pb2.LoadResponse(num_cached_tokens=result.num_cached_tokens, kv=raw)

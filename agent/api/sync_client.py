@@ -1,0 +1,173 @@
+"""The agent's link to the control plane: Register, then one Sync stream carrying the
+full inventory first and sequence-numbered event batches after; the control plane can
+ask for a resync at any time. On any failure the link backs off and starts over (a new
+stream always begins with a full inventory), while the engine keeps being served."""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+import uuid
+from collections.abc import Callable
+
+import grpc
+
+from agent.core.block_pool import BlockPool
+from agent.core.engine_api import KVEngineAPI
+from agent.core.journal import STORED
+from protos.kvcp.v1 import agent_pb2, agent_pb2_grpc, types_pb2
+
+log = logging.getLogger(__name__)
+
+INVENTORY_CHUNK_BLOCKS = 65536
+
+
+def tier_usage_pb(pool: BlockPool) -> list[types_pb2.TierUsage]:
+    return [
+        types_pb2.TierUsage(tier=int(u.tier), capacity_bytes=u.capacity_bytes, used_bytes=u.used_bytes, num_blocks=u.num_blocks)
+        for u in pool.usage()
+    ]
+
+
+class ControlPlaneLink:
+    def __init__(
+        self,
+        agent_info: Callable[[], types_pb2.AgentInfo],
+        pool: BlockPool,
+        engine: KVEngineAPI,
+        controlplane_address: Callable[[], str],
+        stats_interval_seconds: float = 1.0,
+    ):
+        self._agent_info = agent_info
+        self._pool = pool
+        self._engine = engine
+        self._address = controlplane_address
+        self.stats_interval_seconds = stats_interval_seconds
+        self.session_id = uuid.uuid4().hex
+        self._resync = threading.Event()
+        self._reconnect = threading.Event()
+        self.connected = threading.Event()
+        self.epoch = 0
+        self.connections_total = 0
+        self.resyncs_total = 0
+
+    def request_reconnect(self) -> None:
+        self._reconnect.set()
+        self._pool.journal.wake.set()
+
+    # ---- messages -------------------------------------------------------------------
+    def _inventory_messages(self):
+        seq, groups = self._pool.inventory()
+        chunk: list[agent_pb2.BlockGroup] = []
+        size = 0
+        index = 0
+        for g in groups:
+            n = len(g.block_hashes) // 16
+            for start in range(0, n, INVENTORY_CHUNK_BLOCKS):
+                end = min(n, start + INVENTORY_CHUNK_BLOCKS)
+                chunk.append(
+                    agent_pb2.BlockGroup(
+                        model_id=g.model_id,
+                        tier=int(g.tier),
+                        block_hashes=g.block_hashes[start * 16 : end * 16],
+                        parent_hashes=g.parent_hashes[start * 16 : end * 16],
+                    )
+                )
+                size += end - start
+                if size >= INVENTORY_CHUNK_BLOCKS:
+                    yield agent_pb2.AgentMessage(inventory=agent_pb2.Inventory(seq=seq, chunk_index=index, groups=chunk))
+                    chunk, size, index = [], 0, index + 1
+        yield agent_pb2.AgentMessage(
+            inventory=agent_pb2.Inventory(seq=seq, chunk_index=index, last_chunk=True, groups=chunk)
+        )
+
+    def _stats_message(self) -> agent_pb2.AgentMessage:
+        e = self._engine
+        return agent_pb2.AgentMessage(
+            stats=agent_pb2.AgentStats(
+                tiers=tier_usage_pb(self._pool),
+                lookups_total=e.lookups_total,
+                lookup_tokens_total=e.lookup_tokens_total,
+                lookup_hit_tokens_total=e.lookup_hit_tokens_total,
+            )
+        )
+
+    def _outgoing(self, stop: threading.Event, done: threading.Event):
+        agent_id = self._agent_info().agent_id
+        yield agent_pb2.AgentMessage(hello=agent_pb2.Hello(agent_id=agent_id, session_id=self.session_id))
+        yield from self._inventory_messages()
+        yield self._stats_message()
+        next_stats = time.monotonic() + self.stats_interval_seconds
+        wake = self._pool.journal.wake
+        while not (stop.is_set() or done.is_set() or self._reconnect.is_set()):
+            if self._resync.is_set():
+                self._resync.clear()
+                self.resyncs_total += 1
+                yield from self._inventory_messages()
+                continue
+            for batch in self._pool.drain_events():
+                kind = agent_pb2.BLOCK_EVENT_KIND_STORED if batch.kind == STORED else agent_pb2.BLOCK_EVENT_KIND_REMOVED
+                yield agent_pb2.AgentMessage(
+                    events=agent_pb2.BlockEventBatch(
+                        seq=batch.seq,
+                        kind=kind,
+                        groups=[
+                            agent_pb2.BlockGroup(
+                                model_id=g.model_id,
+                                tier=int(g.tier),
+                                block_hashes=bytes(g.block_hashes),
+                                parent_hashes=bytes(g.parent_hashes),
+                            )
+                            for g in batch.groups
+                        ],
+                    )
+                )
+            now = time.monotonic()
+            if now >= next_stats:
+                next_stats = now + self.stats_interval_seconds
+                yield self._stats_message()
+            wake.wait(min(0.05, max(next_stats - now, 0.001)))
+
+    # ---- connection loop ------------------------------------------------------------
+    def run_once(self, stop: threading.Event) -> None:
+        """Connect, register and stream until the stream breaks or `stop` is set."""
+        address = self._address()
+        if not address:
+            raise ConnectionError("no control-plane leader known yet")
+        with grpc.insecure_channel(address) as channel:
+            stub = agent_pb2_grpc.AgentServiceStub(channel)
+            reply = stub.Register(agent_pb2.RegisterRequest(agent=self._agent_info()), timeout=5)
+            self.epoch = reply.epoch
+            self._reconnect.clear()
+            self._resync.clear()
+            done = threading.Event()
+            self.connections_total += 1
+            log.info("connected to control plane %s (epoch %d)", address, reply.epoch)
+            self.connected.set()
+            try:
+                for msg in stub.Sync(self._outgoing(stop, done)):
+                    if msg.WhichOneof("body") == "resync":
+                        log.info("control plane asks for a resync: %s", msg.resync.reason)
+                        self._resync.set()
+                        self._pool.journal.wake.set()
+            finally:
+                done.set()
+                self.connected.clear()
+
+    def run_forever(self, stop: threading.Event) -> None:
+        backoff = 0.2
+        while not stop.is_set():
+            started = time.monotonic()
+            try:
+                self.run_once(stop)
+            except grpc.RpcError as exc:
+                if not stop.is_set():
+                    log.warning("control-plane link down: %s %s", exc.code(), exc.details())
+            except Exception as exc:  # noqa: BLE001 - keep retrying; the engine is still served
+                if not stop.is_set():
+                    log.warning("control-plane link down: %s", exc)
+            if time.monotonic() - started > 5:
+                backoff = 0.2
+            stop.wait(backoff)
+            backoff = min(backoff * 2, 5.0)

@@ -1,0 +1,119 @@
+"""The engine-facing API of an agent: what an inference engine's KV connector calls.
+
+    store(model_id, token_ids, kv)      -> StoreResult   (kv of the full blocks)
+    lookup(model_id, token_ids)         -> num_cached_tokens
+    load(model_id, token_ids)           -> LoadResult    (kv of the cached prefix)
+
+kv tensors have shape [num_blocks, num_layers, 2, block_size, num_kv_heads, head_dim]
+in the model's dtype; tokens past the last full block are never cached.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from agent.core.block_pool import BlockPool
+from agent.core.model_spec import ModelSpec
+from protos import errors
+from protos.block_hash import hash_prefix, split_hashes
+
+TORCH_DTYPES = {
+    "float16": torch.float16,
+    "bfloat16": torch.bfloat16,
+    "float32": torch.float32,
+    "int8": torch.int8,
+}
+if hasattr(torch, "float8_e4m3fn"):
+    TORCH_DTYPES["float8_e4m3fn"] = torch.float8_e4m3fn
+
+
+@dataclass(frozen=True)
+class StoreResult:
+    num_stored_blocks: int
+    num_present_blocks: int
+
+
+@dataclass(frozen=True)
+class LoadResult:
+    num_cached_tokens: int
+    kv: torch.Tensor
+
+
+class KVEngineAPI:
+    def __init__(self, pool: BlockPool, models: Sequence[ModelSpec]):
+        self.pool = pool
+        self.models = {m.model_id: m for m in models}
+        self._lock = threading.Lock()
+        self.lookups_total = 0
+        self.lookup_tokens_total = 0
+        self.lookup_hit_tokens_total = 0
+
+    def model(self, model_id: str) -> ModelSpec:
+        m = self.models.get(model_id)
+        if m is None:
+            raise errors.NotFound(f"model_id: this agent serves no model {model_id!r} (serves {', '.join(self.models)})")
+        return m
+
+    def hashes(self, model: ModelSpec, token_ids, extra_keys: Sequence[str] = ()) -> list[bytes]:
+        try:
+            return split_hashes(hash_prefix(model.model_id, token_ids, model.block_size, tuple(extra_keys)))
+        except ValueError as exc:
+            raise errors.InvalidArgument("token_ids", str(exc)) from None
+
+    def store(
+        self, model_id: str, token_ids, kv: torch.Tensor, first_block: int = 0, extra_keys: Sequence[str] = ()
+    ) -> StoreResult:
+        """Cache the full blocks of `token_ids`; `kv` holds blocks [first_block, n)."""
+        model = self.model(model_id)
+        hashes = self.hashes(model, token_ids, extra_keys)
+        n_given = len(hashes) - first_block
+        if first_block < 0 or n_given < 0:
+            raise errors.InvalidArgument("first_block", f"must be in [0, {len(hashes)}]")
+        expected = (n_given, *model.block_shape)
+        if tuple(kv.shape) != expected:
+            raise errors.InvalidArgument("kv", f"shape {tuple(kv.shape)} != expected {expected}")
+        if kv.dtype != TORCH_DTYPES[model.dtype]:
+            raise errors.InvalidArgument("kv", f"dtype {kv.dtype} != model dtype {model.dtype}")
+        if first_block and self.pool.num_leading(hashes[:first_block]) < first_block:
+            return StoreResult(0, 0)  # the prefix the caller skipped is not cached here
+        rows = kv.contiguous().view(torch.uint8).reshape(n_given, model.block_bytes) if n_given else kv
+
+        def write(i: int, store, slot: int) -> None:
+            store.write(slot, rows[i - first_block])
+
+        stored, present = self.pool.insert_chain(model_id, hashes, model.block_bytes, write)
+        return StoreResult(stored, present)
+
+    def lookup(self, model_id: str, token_ids, extra_keys: Sequence[str] = ()) -> int:
+        model = self.model(model_id)
+        hashes = self.hashes(model, token_ids, extra_keys)
+        n = self.pool.num_leading(hashes)
+        self._count(len(token_ids), n * model.block_size)
+        return n * model.block_size
+
+    def load(self, model_id: str, token_ids, extra_keys: Sequence[str] = ()) -> LoadResult:
+        model = self.model(model_id)
+        hashes = self.hashes(model, token_ids, extra_keys)
+        metas = self.pool.acquire_chain(hashes)
+        try:
+            rows = [self.pool.read(m) for m in metas]
+        finally:
+            self.pool.release_chain(metas)
+        if rows:
+            kv = torch.stack(rows).view(TORCH_DTYPES[model.dtype]).reshape(len(rows), *model.block_shape)
+        else:
+            kv = torch.empty((0, *model.block_shape), dtype=TORCH_DTYPES[model.dtype])
+        self._count(len(token_ids), len(rows) * model.block_size)
+        return LoadResult(len(rows) * model.block_size, kv)
+
+    def _count(self, num_tokens: int, hit_tokens: int) -> None:
+        with self._lock:
+            self.lookups_total += 1
+            self.lookup_tokens_total += num_tokens
+            self.lookup_hit_tokens_total += hit_tokens
+
+

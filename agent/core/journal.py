@@ -1,0 +1,83 @@
+"""Block events waiting to go to the control plane, batched and sequence-numbered.
+
+Each drained batch takes the next sequence number. A full inventory supersedes every
+pending event (`reset`), so while the control plane is away the journal only needs to
+remember that an inventory is due; it is capped instead of growing without bound.
+The owner (BlockPool) calls everything under its lock.
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass, field
+
+from protos.tier import Tier
+
+STORED = 1
+REMOVED = 2
+
+
+@dataclass
+class EventGroup:
+    model_id: str
+    tier: Tier
+    block_hashes: bytearray = field(default_factory=bytearray)
+    parent_hashes: bytearray = field(default_factory=bytearray)
+    num_blocks: int = 0
+
+
+@dataclass
+class EventBatch:
+    seq: int
+    kind: int  # STORED or REMOVED
+    groups: list[EventGroup]
+
+    @property
+    def num_blocks(self) -> int:
+        return sum(g.num_blocks for g in self.groups)
+
+
+class EventJournal:
+    def __init__(self, max_pending: int = 200_000):
+        self.max_pending = max_pending
+        self.last_seq = 0
+        self.overflowed = False
+        self._pending: list[tuple[int, str, Tier, bytes, bytes]] = []
+        self.wake = threading.Event()
+
+    def record(self, kind: int, model_id: str, tier: Tier, block_hash: bytes, parent_hash: bytes) -> None:
+        if len(self._pending) >= self.max_pending:
+            self._pending.clear()  # the next inventory will carry the state
+            self.overflowed = True
+        self._pending.append((kind, model_id, tier, block_hash, parent_hash))
+        self.wake.set()
+
+    def reset(self) -> int:
+        """Drop pending events (an inventory is being taken); returns its seq."""
+        self._pending.clear()
+        self.overflowed = False
+        return self.last_seq
+
+    def drain(self, max_blocks: int = 8192) -> list[EventBatch]:
+        """Pending events as batches: one batch per run of one kind, groups per run of
+        (model, tier), so the order of events on one block is kept."""
+        taken, self._pending = self._pending[:max_blocks], self._pending[max_blocks:]
+        if not self._pending:
+            self.wake.clear()
+        batches: list[EventBatch] = []
+        for kind, model_id, tier, h, parent in taken:
+            if not batches or batches[-1].kind != kind:
+                self.last_seq += 1
+                batches.append(EventBatch(self.last_seq, kind, []))
+            groups = batches[-1].groups
+            if not groups or groups[-1].model_id != model_id or groups[-1].tier != tier:
+                groups.append(EventGroup(model_id, tier))
+            g = groups[-1]
+            g.block_hashes += h
+            g.parent_hashes += parent
+            g.num_blocks += 1
+        return batches
+
+    @property
+    def num_pending(self) -> int:
+        return len(self._pending)

@@ -1,0 +1,62 @@
+"""KV layout of a model, as an agent stores it.
+
+One block is a tensor of shape [num_layers, 2, block_size, num_kv_heads, head_dim]
+(keys and values of every layer for block_size tokens), in the model's dtype.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+DTYPE_BYTES = {"float16": 2, "bfloat16": 2, "float32": 4, "float8_e4m3fn": 1, "int8": 1}
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    model_id: str
+    block_size: int
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    dtype: str = "float16"
+
+    def __post_init__(self) -> None:
+        if not self.model_id:
+            raise ValueError("model_id must not be empty")
+        for name in ("block_size", "num_layers", "num_kv_heads", "head_dim"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be positive")
+        if self.dtype not in DTYPE_BYTES:
+            raise ValueError(f"dtype {self.dtype!r} not supported; use one of {', '.join(DTYPE_BYTES)}")
+
+    @property
+    def block_shape(self) -> tuple[int, int, int, int, int]:
+        return (self.num_layers, 2, self.block_size, self.num_kv_heads, self.head_dim)
+
+    @property
+    def block_bytes(self) -> int:
+        n = self.num_layers * 2 * self.block_size * self.num_kv_heads * self.head_dim
+        return n * DTYPE_BYTES[self.dtype]
+
+    @classmethod
+    def parse(cls, text: str) -> ModelSpec:
+        """'MODEL:block_size=16,num_layers=2,num_kv_heads=2,head_dim=64,dtype=float16'."""
+        model_id, sep, rest = text.partition(":")
+        if not sep:
+            raise ValueError(f"model spec {text!r} must look like NAME:block_size=16,num_layers=2,...")
+        fields: dict[str, object] = {}
+        for part in filter(None, (p.strip() for p in rest.split(","))):
+            key, eq, value = part.partition("=")
+            if not eq or key not in {"block_size", "num_layers", "num_kv_heads", "head_dim", "dtype"}:
+                raise ValueError(f"model spec {text!r}: bad field {part!r}")
+            fields[key] = value if key == "dtype" else int(value)
+        missing = {"block_size", "num_layers", "num_kv_heads", "head_dim"} - set(fields)
+        if missing:
+            raise ValueError(f"model spec {text!r}: missing {', '.join(sorted(missing))}")
+        return cls(model_id=model_id.strip(), **fields)  # type: ignore[arg-type]
+
+    def format(self) -> str:
+        return (
+            f"{self.model_id}:block_size={self.block_size},num_layers={self.num_layers},"
+            f"num_kv_heads={self.num_kv_heads},head_dim={self.head_dim},dtype={self.dtype}"
+        )

@@ -1,0 +1,157 @@
+"""Wires one agent process: tiers and block pool, the engine API (in process and over
+gRPC), etcd registration under a lease, and the control-plane link.
+
+Tests build `Agent(AgentConfig(...))` in process with port 0; the `kvcp-agent` console
+script (agent.main) builds the same thing."""
+
+from __future__ import annotations
+
+import logging
+import threading
+from concurrent import futures
+from dataclasses import dataclass, field
+
+import grpc
+from google.protobuf import json_format
+from grpc_health.v1 import health, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from agent.api.engine_service import EngineServicer
+from agent.api.sync_client import ControlPlaneLink, tier_usage_pb
+from agent.core.block_pool import BlockPool
+from agent.core.engine_api import KVEngineAPI
+from agent.core.model_spec import ModelSpec
+from agent.store.memory_tier import MemoryTier, cuda_available
+from agent.store.registry import EtcdRegistration
+from protos import etcd_keys
+from protos.grpc_errors import ErrorMappingInterceptor
+from protos.kvcp.v1 import agent_pb2, agent_pb2_grpc, types_pb2
+from protos.tier import Tier
+
+log = logging.getLogger(__name__)
+
+DEMO_MODEL = ModelSpec("demo-model", block_size=16, num_layers=2, num_kv_heads=2, head_dim=32, dtype="float16")
+MAX_MESSAGE_BYTES = 256 * 1024 * 1024
+
+
+@dataclass
+class AgentConfig:
+    agent_id: str
+    listen: str = "127.0.0.1:50061"
+    etcd: str = "127.0.0.1:2379"
+    controlplane: str = ""  # empty: follow the leader key in etcd
+    advertise: str = ""
+    models: list[ModelSpec] = field(default_factory=lambda: [DEMO_MODEL])
+    gpu_capacity_bytes: int = 0  # used only when CUDA is present
+    cpu_capacity_bytes: int = 64 * 1024 * 1024
+    lease_ttl_seconds: int = 10
+    stats_interval_seconds: float = 1.0
+    etcd_wait_seconds: float = 30.0
+
+
+class Agent:
+    def __init__(self, config: AgentConfig, log_fn=None):
+        self.config = config
+        self._log_fn = log_fn or (lambda msg: log.warning(msg))
+        slot_bytes = max(m.block_bytes for m in config.models)
+        tiers = []
+        if config.gpu_capacity_bytes and cuda_available():
+            tiers.append(MemoryTier(Tier.GPU, config.gpu_capacity_bytes, slot_bytes))
+        tiers.append(MemoryTier(Tier.CPU, config.cpu_capacity_bytes, slot_bytes))
+        self.pool = BlockPool(tiers)
+        self.engine = KVEngineAPI(self.pool, config.models)
+        self._stop = threading.Event()
+        self._threads: list[threading.Thread] = []
+        self.server: grpc.Server | None = None
+        self.registration: EtcdRegistration | None = None
+        self.etcd = None
+        self.port = 0
+        self.link = ControlPlaneLink(
+            self.info, self.pool, self.engine, self._controlplane_address, config.stats_interval_seconds
+        )
+
+    @property
+    def agent_id(self) -> str:
+        return self.config.agent_id
+
+    @property
+    def address(self) -> str:
+        host = self.config.listen.rpartition(":")[0] or "127.0.0.1"
+        return self.config.advertise or f"{host}:{self.port}"
+
+    def info(self) -> types_pb2.AgentInfo:
+        return types_pb2.AgentInfo(
+            agent_id=self.agent_id,
+            address=self.address,
+            models=[
+                types_pb2.ModelSpec(
+                    model_id=m.model_id,
+                    block_size=m.block_size,
+                    num_layers=m.num_layers,
+                    num_kv_heads=m.num_kv_heads,
+                    head_dim=m.head_dim,
+                    dtype=m.dtype,
+                )
+                for m in self.config.models
+            ],
+            tiers=tier_usage_pb(self.pool),
+            lease_id=self.registration.lease.id if self.registration and self.registration.lease else 0,
+        )
+
+    def _controlplane_address(self) -> str:
+        if self.config.controlplane:
+            return self.config.controlplane
+        return self.registration.leader_address()
+
+    def start(self) -> Agent:
+        self.server = grpc.server(
+            futures.ThreadPoolExecutor(max_workers=16, thread_name_prefix="agent-rpc"),
+            interceptors=[ErrorMappingInterceptor()],
+            options=[
+                ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+                ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+                ("grpc.so_reuseport", 0),
+            ],
+        )
+        self.port = self.server.add_insecure_port(self.config.listen)
+        if self.port == 0:
+            raise OSError(f"cannot listen on {self.config.listen} (port in use?)")
+        agent_pb2_grpc.add_EngineServiceServicer_to_server(EngineServicer(self.engine), self.server)
+        self.health = health.HealthServicer()
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
+        reflection.enable_server_reflection(
+            (agent_pb2.DESCRIPTOR.services_by_name["EngineService"].full_name, health.SERVICE_NAME, reflection.SERVICE_NAME),
+            self.server,
+        )
+        self.server.start()
+        # the engine is served from here on, whether or not etcd and the control plane are up
+        self.etcd = etcd_keys.connect(self.config.etcd, wait_seconds=self.config.etcd_wait_seconds, log=self._log_fn)
+        self.registration = EtcdRegistration(
+            self.etcd,
+            self.agent_id,
+            lambda: json_format.MessageToJson(self.info(), indent=None),
+            self.config.lease_ttl_seconds,
+        )
+        self.registration.register()
+        self.registration.on_reregistered = self.link.request_reconnect
+        self._spawn("etcd-keepalive", self.registration.run_forever)
+        self._spawn("cp-link", self.link.run_forever)
+        log.info("agent %s serving on %s", self.agent_id, self.address)
+        return self
+
+    def _spawn(self, name: str, target) -> None:
+        t = threading.Thread(target=target, args=(self._stop,), name=name, daemon=True)
+        t.start()
+        self._threads.append(t)
+
+    def stop(self, deregister: bool = True) -> None:
+        self._stop.set()
+        self.link.request_reconnect()
+        if deregister and self.registration is not None:
+            self.registration.deregister()
+        if self.server is not None:
+            self.server.stop(0.5).wait()
+        for t in self._threads:
+            t.join(timeout=3)
+        if self.etcd is not None:
+            self.etcd.close()

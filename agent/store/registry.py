@@ -1,0 +1,62 @@
+"""The agent's membership in etcd: `/kvcp/v1/agents/<agent_id>` under a lease.
+
+The lease is refreshed every ttl/3. If it was lost (etcd restarted, a long pause), a
+new lease is granted and the key rewritten; `on_reregistered` lets the control-plane
+link register again. While the key exists the control plane keeps the agent's blocks.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable
+
+from protos import etcd_keys
+
+log = logging.getLogger(__name__)
+
+
+class EtcdRegistration:
+    def __init__(self, client, agent_id: str, value: Callable[[], str], ttl_seconds: int = 10):
+        self._client = client
+        self.agent_id = agent_id
+        self.key = etcd_keys.agent_key(agent_id)
+        self._value = value
+        self.ttl_seconds = ttl_seconds
+        self.lease = None
+        self.on_reregistered: Callable[[], None] | None = None
+
+    def register(self) -> None:
+        self.lease = self._client.lease(self.ttl_seconds)
+        self._client.put(self.key, self._value(), lease=self.lease)
+        log.info("registered %s in etcd (lease %x, ttl %ds)", self.key, self.lease.id, self.ttl_seconds)
+
+    def run_once(self) -> None:
+        if self.lease is None:
+            self.register()
+            return
+        ttl = self.lease.refresh()[0].TTL
+        if ttl <= 0 or self._client.get(self.key)[0] is None:
+            log.warning("lease of %s was lost; registering again", self.agent_id)
+            self.register()
+            if self.on_reregistered:
+                self.on_reregistered()
+
+    def run_forever(self, stop: threading.Event) -> None:
+        while not stop.wait(max(self.ttl_seconds / 3.0, 0.2)):
+            try:
+                self.run_once()
+            except Exception as exc:  # noqa: BLE001 - etcd away: keep serving, retry
+                log.warning("etcd keep-alive of %s failed: %s", self.agent_id, exc)
+
+    def leader_address(self) -> str:
+        value, _ = self._client.get(etcd_keys.LEADER_KEY)
+        return value.decode() if value else ""
+
+    def deregister(self) -> None:
+        if self.lease is not None:
+            try:
+                self.lease.revoke()
+            except Exception:  # noqa: BLE001 - best effort at shutdown
+                pass
+            self.lease = None

@@ -1,0 +1,221 @@
+"""ControlPlaneClient: the one client facade of the admin API. kvctl and the dashboard
+call these methods and get plain values back; neither builds gRPC requests by hand.
+
+Errors come back as `ClientError` with a sentence for the person at the terminal. A
+follower replica answers FAILED_PRECONDITION with the leader's address in trailing
+metadata; the facade follows it once, transparently."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import grpc
+
+from protos.block_hash import BLOCK_HASH_BYTES
+from protos.grpc_errors import LEADER_METADATA_KEY
+from protos.kvcp.v1 import admin_pb2, admin_pb2_grpc, types_pb2
+from protos.tier import Tier
+
+DEFAULT_ENDPOINT = "127.0.0.1:50051"
+
+AGENT_STATES = {
+    types_pb2.AGENT_STATE_READY: "ready",
+    types_pb2.AGENT_STATE_SYNCING: "syncing",
+    types_pb2.AGENT_STATE_DISCONNECTED: "disconnected",
+}
+
+
+class ClientError(Exception):
+    """A failed admin call; `code` is the gRPC status code name (e.g. 'INVALID_ARGUMENT')."""
+
+    def __init__(self, code: str, message: str):
+        super().__init__(message)
+        self.code = code
+
+
+@dataclass(frozen=True)
+class TierView:
+    tier: str
+    capacity_bytes: int
+    used_bytes: int
+    num_blocks: int
+
+
+@dataclass(frozen=True)
+class AgentView:
+    agent_id: str
+    address: str
+    state: str
+    num_blocks: int
+    tiers: list[TierView]
+    models: list[str]
+    lookups_total: int
+    lookup_tokens_total: int
+    lookup_hit_tokens_total: int
+    last_seen_unix_seconds: float
+
+    @property
+    def hit_ratio(self) -> float:
+        return self.lookup_hit_tokens_total / self.lookup_tokens_total if self.lookup_tokens_total else 0.0
+
+
+@dataclass(frozen=True)
+class AgentMatchView:
+    agent_id: str
+    num_hit_blocks: int
+    num_hit_tokens: int
+    tiers: list[str]
+
+
+@dataclass(frozen=True)
+class LookupView:
+    model_id: str
+    num_tokens: int
+    num_blocks: int
+    best_agent_id: str
+    agents: list[AgentMatchView]
+    possibly_stale: bool = False
+
+
+@dataclass(frozen=True)
+class StatsView:
+    num_agents: int
+    num_blocks: int
+    num_block_replicas: int
+    lookups_total: int
+    lookup_tokens_total: int
+    lookup_hit_tokens_total: int
+    resyncs_total: int
+    events_total: int
+    leader_address: str
+    epoch: int
+    is_leader: bool
+    tiers: list[TierView] = field(default_factory=list)
+    models: list[dict] = field(default_factory=list)
+
+    @property
+    def hit_ratio(self) -> float:
+        return self.lookup_hit_tokens_total / self.lookup_tokens_total if self.lookup_tokens_total else 0.0
+
+
+def _tier_name(value: int) -> str:
+    try:
+        return Tier(value).label
+    except ValueError:
+        return f"tier{value}"
+
+
+def _tiers(tiers) -> list[TierView]:
+    return [TierView(_tier_name(t.tier), t.capacity_bytes, t.used_bytes, t.num_blocks) for t in tiers]
+
+
+class ControlPlaneClient:
+    def __init__(self, endpoint: str = DEFAULT_ENDPOINT, timeout_seconds: float = 5.0):
+        self.endpoint = endpoint
+        self.timeout_seconds = timeout_seconds
+        self._connect(endpoint)
+
+    def _connect(self, endpoint: str) -> None:
+        self.endpoint = endpoint
+        self._channel = grpc.insecure_channel(endpoint)
+        self._stub = admin_pb2_grpc.AdminServiceStub(self._channel)
+
+    def close(self) -> None:
+        self._channel.close()
+
+    def __enter__(self) -> ControlPlaneClient:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def _call(self, method: str, request, follow: bool = True):
+        try:
+            return getattr(self._stub, method)(request, timeout=self.timeout_seconds)
+        except grpc.RpcError as exc:
+            code = exc.code()
+            if code == grpc.StatusCode.FAILED_PRECONDITION and follow:
+                leader = dict(exc.trailing_metadata() or ()).get(LEADER_METADATA_KEY, "")
+                if leader and leader != self.endpoint:
+                    self.close()
+                    self._connect(leader)
+                    return self._call(method, request, follow=False)
+            raise self._error(exc) from None
+
+    def _error(self, exc: grpc.RpcError) -> ClientError:
+        code = exc.code()
+        if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED) and (
+            "connect" in (exc.details() or "").lower() or code == grpc.StatusCode.DEADLINE_EXCEEDED
+        ):
+            return ClientError(
+                code.name,
+                f"cannot reach the kvcp control plane at {self.endpoint} ({code.name.lower()}); "
+                "start one with `make demo` or `kvcp-controlplane`, or pass --endpoint / KVCTL_ENDPOINT",
+            )
+        return ClientError(code.name, exc.details() or code.name)
+
+    # ---- calls ----------------------------------------------------------------------
+    def list_agents(self) -> list[AgentView]:
+        resp = self._call("ListAgents", admin_pb2.ListAgentsRequest())
+        return [
+            AgentView(
+                agent_id=a.info.agent_id,
+                address=a.info.address,
+                state=AGENT_STATES.get(a.state, "unknown"),
+                num_blocks=a.num_blocks,
+                tiers=_tiers(a.info.tiers),
+                models=[m.model_id for m in a.info.models],
+                lookups_total=a.lookups_total,
+                lookup_tokens_total=a.lookup_tokens_total,
+                lookup_hit_tokens_total=a.lookup_hit_tokens_total,
+                last_seen_unix_seconds=a.last_seen_unix_seconds,
+            )
+            for a in resp.agents
+        ]
+
+    def lookup(
+        self,
+        model_id: str,
+        token_ids: list[int] | None = None,
+        block_hashes: bytes = b"",
+        extra_keys: tuple[str, ...] = (),
+    ) -> LookupView:
+        if block_hashes and len(block_hashes) % BLOCK_HASH_BYTES:
+            raise ClientError(
+                "INVALID_ARGUMENT", f"block hashes must be {BLOCK_HASH_BYTES} bytes each ({2 * BLOCK_HASH_BYTES} hex digits)"
+            )
+        resp = self._call(
+            "Lookup",
+            admin_pb2.LookupRequest(
+                model_id=model_id, token_ids=token_ids or [], block_hashes=block_hashes, extra_keys=list(extra_keys)
+            ),
+        )
+        return LookupView(
+            model_id=resp.model_id,
+            num_tokens=resp.num_tokens,
+            num_blocks=resp.num_blocks,
+            best_agent_id=resp.best_agent_id,
+            agents=[
+                AgentMatchView(m.agent_id, m.num_hit_blocks, m.num_hit_tokens, [_tier_name(t) for t in m.tiers])
+                for m in resp.agents
+            ],
+            possibly_stale=resp.possibly_stale,
+        )
+
+    def stats(self) -> StatsView:
+        s = self._call("GetStats", admin_pb2.GetStatsRequest())
+        return StatsView(
+            num_agents=s.num_agents,
+            num_blocks=s.num_blocks,
+            num_block_replicas=s.num_block_replicas,
+            lookups_total=s.lookups_total,
+            lookup_tokens_total=s.lookup_tokens_total,
+            lookup_hit_tokens_total=s.lookup_hit_tokens_total,
+            resyncs_total=s.resyncs_total,
+            events_total=s.events_total,
+            leader_address=s.leader_address,
+            epoch=s.epoch,
+            is_leader=s.is_leader,
+            tiers=_tiers(s.tiers),
+            models=[{"model_id": m.model_id, "block_size": m.block_size} for m in s.models],
+        )

@@ -1,0 +1,172 @@
+"""`kvctl`: operate a kvcp cluster from the shell. Every command is a thin call on
+ControlPlaneClient; `-o json` prints the stable shape scripts rely on."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import click
+
+from cli import output
+from cli.client import DEFAULT_ENDPOINT, ClientError, ControlPlaneClient
+from protos.block_hash import BLOCK_HASH_BYTES
+
+
+def fail(message: str, code: int = 2):
+    click.echo(f"kvctl: {message}", err=True)
+    sys.exit(code)
+
+
+class Context:
+    def __init__(self, endpoint: str, output_format: str, timeout_seconds: float):
+        self.endpoint = endpoint
+        self.output = output_format
+        self.timeout_seconds = timeout_seconds
+
+    def client(self) -> ControlPlaneClient:
+        return ControlPlaneClient(self.endpoint, self.timeout_seconds)
+
+    def call(self, fn):
+        try:
+            with self.client() as c:
+                return fn(c)
+        except ClientError as exc:
+            fail(str(exc), 1)
+
+
+pass_ctx = click.make_pass_decorator(Context)
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+@click.option("--endpoint", envvar="KVCTL_ENDPOINT", default=DEFAULT_ENDPOINT, show_default=True,
+              help="Control-plane address (env KVCTL_ENDPOINT).")
+@click.option("-o", "--output", "output_format", type=click.Choice(["table", "json"]), default="table",
+              show_default=True, help="Tables for people, JSON for scripts.")
+@click.option("--timeout", "timeout_seconds", default=5.0, show_default=True, type=float, help="Seconds per call.")
+@click.pass_context
+def main(ctx, endpoint, output_format, timeout_seconds):
+    """kvctl: inspect and operate a kvcp KV cache cluster."""
+    ctx.obj = Context(endpoint, output_format, timeout_seconds)
+
+
+@main.command()
+@pass_ctx
+def agents(ctx: Context):
+    """List agents with their tiers and blocks."""
+    views = ctx.call(lambda c: c.list_agents())
+    if ctx.output == "json":
+        click.echo(output.dumps(views))
+        return
+    if not views:
+        click.echo("no agents registered")
+        return
+    rows = []
+    for a in views:
+        tiers = " ".join(f"{t.tier}:{output.usage_cell(t.used_bytes, t.capacity_bytes)}" for t in a.tiers)
+        rows.append([a.agent_id, a.address, a.state, a.num_blocks, f"{a.hit_ratio:.1%}", tiers])
+    click.echo(output.table(["AGENT", "ADDRESS", "STATE", "BLOCKS", "HIT", "TIERS (used/capacity)"], rows))
+
+
+def parse_tokens(text: str, source: str) -> list[int]:
+    text = text.strip()
+    if not text:
+        fail(f"{source}: no tokens given")
+    try:
+        if text.startswith("["):
+            values = json.loads(text)
+        else:
+            values = [p for p in text.replace(",", " ").split()]
+        tokens = [int(v) for v in values]
+    except (ValueError, TypeError, json.JSONDecodeError):
+        fail(f"{source}: token ids must be integers, separated by commas or spaces (or a JSON list)")
+    bad = [t for t in tokens if t < 0 or t >= 2**32]
+    if bad:
+        fail(f"{source}: token id {bad[0]} is out of range [0, 2^32)")
+    return tokens
+
+
+def read_tokens(tokens: str | None, tokens_file: str | None) -> list[int] | None:
+    if tokens is not None and tokens_file is not None:
+        fail("give --tokens or --tokens-file, not both")
+    if tokens_file is not None:
+        path = Path(tokens_file)
+        if not path.is_file():
+            fail(f"--tokens-file: {tokens_file} does not exist or is not a file")
+        return parse_tokens(path.read_text(), f"--tokens-file {tokens_file}")
+    if tokens is not None:
+        return parse_tokens(tokens, "--tokens")
+    return None
+
+
+def parse_hashes(hashes: tuple[str, ...]) -> bytes:
+    out = bytearray()
+    for h in hashes:
+        for part in h.replace(",", " ").split():
+            try:
+                raw = bytes.fromhex(part)
+            except ValueError:
+                fail(f"--hashes: {part!r} is not hexadecimal")
+            if len(raw) != BLOCK_HASH_BYTES:
+                fail(f"--hashes: {part!r} is {len(raw)} bytes; block hashes are {BLOCK_HASH_BYTES} bytes ({2 * BLOCK_HASH_BYTES} hex digits)")
+            out += raw
+    return bytes(out)
+
+
+@main.command()
+@click.option("--model", "model_id", required=True, help="Model id.")
+@click.option("--tokens", help="Token ids, comma separated: 1,2,3")
+@click.option("--tokens-file", help="File of token ids (commas, spaces or a JSON list).")
+@click.option("--hashes", multiple=True, help="Packed block hashes as hex (32 digits each), instead of tokens.")
+@click.option("--extra-key", "extra_keys", multiple=True, help="Extra hash key (e.g. a LoRA id), repeatable.")
+@pass_ctx
+def lookup(ctx: Context, model_id, tokens, tokens_file, hashes, extra_keys):
+    """Which agent holds the longest cached prefix of a prompt, and in which tiers."""
+    token_ids = read_tokens(tokens, tokens_file)
+    packed = parse_hashes(hashes) if hashes else b""
+    if token_ids is None and not packed:
+        fail("give the prompt as --tokens, --tokens-file or --hashes")
+    if token_ids is not None and packed:
+        fail("give tokens or --hashes, not both")
+    view = ctx.call(lambda c: c.lookup(model_id, token_ids=token_ids, block_hashes=packed, extra_keys=extra_keys))
+    if ctx.output == "json":
+        click.echo(output.dumps(view))
+        return
+    click.echo(f"model {view.model_id}: {view.num_tokens} tokens, {view.num_blocks} full blocks; "
+               f"best agent: {view.best_agent_id or '(none: nothing cached)'}")
+    if view.agents:
+        rows = [[m.agent_id, m.num_hit_blocks, m.num_hit_tokens, output.tier_runs(m.tiers)] for m in view.agents]
+        click.echo(output.table(["AGENT", "HIT_BLOCKS", "HIT_TOKENS", "TIERS"], rows))
+
+
+@main.command()
+@pass_ctx
+def stats(ctx: Context):
+    """Cluster totals: agents, blocks, lookups, hit ratio, tiers."""
+    s = ctx.call(lambda c: c.stats())
+    if ctx.output == "json":
+        data = output.to_jsonable(s)
+        data["hit_ratio"] = s.hit_ratio
+        click.echo(json.dumps(data, indent=2))
+        return
+    rows = [
+        ["leader", f"{s.leader_address} (epoch {s.epoch})"],
+        ["agents", s.num_agents],
+        ["blocks (distinct)", s.num_blocks],
+        ["block replicas", s.num_block_replicas],
+        ["lookups", s.lookups_total],
+        ["lookup tokens", s.lookup_tokens_total],
+        ["hit tokens", f"{s.lookup_hit_tokens_total} ({s.hit_ratio:.1%})"],
+        ["block events", s.events_total],
+        ["resyncs", s.resyncs_total],
+    ]
+    for t in s.tiers:
+        rows.append([f"tier {t.tier}", f"{output.usage_cell(t.used_bytes, t.capacity_bytes)}, {t.num_blocks} blocks"])
+    for m in s.models:
+        rows.append(["model", f"{m['model_id']} (block_size {m['block_size']})"])
+    click.echo(output.table(["FIELD", "VALUE"], rows))
+
+
+if __name__ == "__main__":
+    main()

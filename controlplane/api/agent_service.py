@@ -1,0 +1,119 @@
+"""AgentService servicer: Register and the Sync stream (agent -> control plane)."""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+
+from controlplane.api import convert
+from controlplane.core.cluster import Cluster
+from protos import errors
+from protos.kvcp.v1 import agent_pb2, agent_pb2_grpc
+
+log = logging.getLogger(__name__)
+
+
+class AgentServicer(agent_pb2_grpc.AgentServiceServicer):
+    def __init__(self, cluster: Cluster, leadership, agent_key_exists=None):
+        self._cluster = cluster
+        self._leadership = leadership
+        # callable(agent_id) -> bool; None skips the check (in-memory tests)
+        self._agent_key_exists = agent_key_exists
+
+    def _require_leader(self) -> None:
+        if not self._leadership.is_leader:
+            raise errors.NotLeader(self._leadership.leader_address)
+
+    def Register(self, request, context):
+        self._require_leader()
+        info = request.agent
+        if not info.agent_id:
+            raise errors.InvalidArgument("agent.agent_id", "must not be empty")
+        if self._agent_key_exists is not None and not self._agent_key_exists(info.agent_id):
+            raise errors.FailedPrecondition(
+                f"agent {info.agent_id!r} has no key in etcd; register it under a lease first"
+            )
+        self._cluster.register(convert.agent_record_from_pb(info))
+        log.info("agent %s registered from %s", info.agent_id, info.address)
+        return agent_pb2.RegisterResponse(
+            epoch=self._leadership.epoch, leader_address=self._leadership.leader_address
+        )
+
+    def Sync(self, request_iterator, context):
+        self._require_leader()
+        outbox: queue.Queue = queue.Queue()
+        session = {"agent_id": "", "session_id": ""}
+        epoch = self._leadership.epoch
+
+        def read() -> None:
+            try:
+                for msg in request_iterator:
+                    reply = self._handle(msg, session, epoch)
+                    if reply is not None:
+                        outbox.put(reply)
+            except errors.KvcpError as exc:
+                outbox.put(exc)
+            except Exception as exc:  # noqa: BLE001 - stream broken by the peer
+                log.debug("sync stream of %s ended: %s", session["agent_id"], exc)
+            finally:
+                outbox.put(None)
+
+        reader = threading.Thread(target=read, name="sync-reader", daemon=True)
+        reader.start()
+        try:
+            while True:
+                item = outbox.get()
+                if item is None:
+                    break
+                if isinstance(item, errors.KvcpError):
+                    raise item
+                yield item
+        finally:
+            if session["agent_id"]:
+                self._cluster.stream_closed(session["agent_id"], session["session_id"])
+
+    def _handle(self, msg: agent_pb2.AgentMessage, session: dict, epoch: int):
+        kind = msg.WhichOneof("body")
+        if kind == "hello":
+            self._cluster.hello(msg.hello.agent_id, msg.hello.session_id)
+            session["agent_id"], session["session_id"] = msg.hello.agent_id, msg.hello.session_id
+            return None
+        agent_id = session["agent_id"]
+        if not agent_id:
+            raise errors.FailedPrecondition("Sync stream must start with a Hello message")
+        if kind == "inventory":
+            inv = msg.inventory
+            reason = self._cluster.apply_inventory_chunk(
+                agent_id, inv.seq, inv.chunk_index, inv.last_chunk, self._groups(inv.groups)
+            )
+        elif kind == "events":
+            ev = msg.events
+            if ev.kind not in (agent_pb2.BLOCK_EVENT_KIND_STORED, agent_pb2.BLOCK_EVENT_KIND_REMOVED):
+                raise errors.InvalidArgument("events.kind", f"unknown event kind {ev.kind}")
+            reason = self._cluster.apply_events(
+                agent_id, ev.seq, ev.kind == agent_pb2.BLOCK_EVENT_KIND_STORED, self._groups(ev.groups)
+            )
+        elif kind == "stats":
+            st = msg.stats
+            self._cluster.update_stats(
+                agent_id,
+                [convert.tier_usage_from_pb(t) for t in st.tiers],
+                st.lookups_total,
+                st.lookup_tokens_total,
+                st.lookup_hit_tokens_total,
+            )
+            return None
+        else:
+            raise errors.InvalidArgument("body", "empty AgentMessage")
+        if reason is not None:
+            log.info("asking %s to resync: %s", agent_id, reason)
+            return convert.control_resync(epoch, reason)
+        return None
+
+    @staticmethod
+    def _groups(groups):
+        try:
+            return convert.groups_from_pb(groups)
+        except ValueError as exc:
+            raise errors.InvalidArgument("groups.block_hashes", str(exc)) from None

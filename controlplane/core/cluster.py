@@ -1,0 +1,326 @@
+"""Cluster state of the leader: agents, their sync sessions, and the block index.
+
+The API layer translates protobuf into the plain values below and calls these methods;
+everything here is pure and thread-safe (one lock), so scenario tests drive it directly.
+
+Sync protocol (per agent stream): Hello(session) -> Inventory chunks (seq S) -> event
+batches S+1, S+2, ... A batch whose seq is not last_seq + 1 means events were lost: the
+agent is asked to resync and its batches are ignored until the next full inventory.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass, field
+from enum import IntEnum
+
+from controlplane.core.index import AgentMatch, BlockIndex
+from protos import errors
+from protos.block_hash import BLOCK_HASH_BYTES, hash_prefix, split_hashes
+from protos.tier import Tier
+
+MAX_LOOKUP_TOKENS = 1 << 20
+MAX_LOOKUP_BLOCKS = 1 << 16
+
+
+class AgentState(IntEnum):
+    READY = 1
+    SYNCING = 2
+    DISCONNECTED = 3
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    model_id: str
+    block_size: int
+    num_layers: int = 0
+    num_kv_heads: int = 0
+    head_dim: int = 0
+    dtype: str = ""
+
+
+@dataclass(frozen=True)
+class TierUsage:
+    tier: Tier
+    capacity_bytes: int
+    used_bytes: int
+    num_blocks: int
+
+
+@dataclass
+class AgentRecord:
+    agent_id: str
+    address: str
+    models: list[ModelInfo]
+    tiers: list[TierUsage]
+    metrics_address: str = ""
+    state: AgentState = AgentState.SYNCING
+    session_id: str = ""
+    last_seq: int = 0
+    awaiting_inventory: bool = True
+    last_seen_unix_seconds: float = 0.0
+    registered_at_unix_seconds: float = 0.0
+    lookups_total: int = 0
+    lookup_tokens_total: int = 0
+    lookup_hit_tokens_total: int = 0
+    # inventory chunks received so far (swapped into the index at the last chunk)
+    staging: dict[bytes, int] = field(default_factory=dict)
+    next_chunk: int = 0
+
+
+@dataclass(frozen=True)
+class BlockGroup:
+    """Blocks of one model in one tier, as packed 16-byte digests."""
+
+    model_id: str
+    tier: Tier
+    block_hashes: bytes
+
+
+@dataclass(frozen=True)
+class LookupResult:
+    model_id: str
+    num_tokens: int
+    num_blocks: int
+    block_size: int
+    matches: list[AgentMatch]
+    possibly_stale: bool = False
+
+    @property
+    def best_agent_id(self) -> str:
+        return self.matches[0].agent_id if self.matches else ""
+
+
+@dataclass(frozen=True)
+class ClusterStats:
+    num_agents: int
+    num_blocks: int
+    num_block_replicas: int
+    lookups_total: int
+    lookup_tokens_total: int
+    lookup_hit_tokens_total: int
+    resyncs_total: int
+    events_total: int
+    tiers: list[TierUsage]
+    models: list[ModelInfo]
+
+
+class Cluster:
+    """Agents and the global index. Invariant: the index holds blocks only of agents in
+    `_agents` (an agent that leaves takes its blocks with it)."""
+
+    def __init__(self, clock=time.time) -> None:
+        self._lock = threading.RLock()
+        self._clock = clock
+        self._agents: dict[str, AgentRecord] = {}
+        self._models: dict[str, ModelInfo] = {}
+        self.index = BlockIndex()
+        self.lookups_total = 0
+        self.lookup_tokens_total = 0
+        self.lookup_hit_tokens_total = 0
+        self.resyncs_total = 0
+        self.events_total = 0
+
+    # ---- membership -----------------------------------------------------------------
+    def register(self, record: AgentRecord) -> None:
+        if not record.agent_id:
+            raise errors.InvalidArgument("agent.agent_id", "must not be empty")
+        for m in record.models:
+            if m.block_size <= 0:
+                raise errors.InvalidArgument("agent.models.block_size", "must be positive")
+            known = self._models.get(m.model_id)
+            if known is not None and known.block_size != m.block_size:
+                raise errors.InvalidArgument(
+                    "agent.models.block_size",
+                    f"model {m.model_id!r} has block_size {known.block_size} on other agents, "
+                    f"not {m.block_size}",
+                )
+        with self._lock:
+            old = self._agents.get(record.agent_id)
+            if old is not None:
+                # keep the sync position and counters of a re-registering agent
+                record.session_id, record.last_seq = old.session_id, old.last_seq
+                record.awaiting_inventory = old.awaiting_inventory
+                record.lookups_total = old.lookups_total
+                record.lookup_tokens_total = old.lookup_tokens_total
+                record.lookup_hit_tokens_total = old.lookup_hit_tokens_total
+            record.last_seen_unix_seconds = record.registered_at_unix_seconds = self._clock()
+            self._agents[record.agent_id] = record
+            for m in record.models:
+                self._models.setdefault(m.model_id, m)
+
+    def remove_agent(self, agent_id: str) -> int:
+        """The agent's lease is gone: forget it and its blocks. Returns replicas dropped."""
+        with self._lock:
+            self._agents.pop(agent_id, None)
+            return self.index.drop_agent(agent_id)
+
+    def reconcile_membership(self, live_agent_ids: set[str], listed_at_unix_seconds: float) -> list[str]:
+        """Level-triggered repair: drop every agent not in `live_agent_ids` (listed from
+        etcd at `listed_at_unix_seconds`; agents that registered after that are kept)."""
+        with self._lock:
+            recent = {a for a, r in self._agents.items() if r.registered_at_unix_seconds > listed_at_unix_seconds}
+            known = set(self._agents) | set(self.index.agents())
+            gone = [a for a in known if a not in live_agent_ids and a not in recent]
+            for a in gone:
+                self.remove_agent(a)
+            return gone
+
+    def agent(self, agent_id: str) -> AgentRecord:
+        with self._lock:
+            rec = self._agents.get(agent_id)
+            if rec is None:
+                raise errors.NotFound(f"agent {agent_id!r} is not registered")
+            return rec
+
+    def agents(self) -> list[tuple[AgentRecord, int]]:
+        with self._lock:
+            return [(r, self.index.num_agent_blocks(r.agent_id)) for r in sorted(self._agents.values(), key=lambda r: r.agent_id)]
+
+    # ---- sync -----------------------------------------------------------------------
+    def hello(self, agent_id: str, session_id: str) -> None:
+        """A Sync stream opened: the agent sends a full inventory next."""
+        with self._lock:
+            rec = self.agent(agent_id)
+            rec.session_id = session_id
+            rec.state = AgentState.SYNCING
+            rec.awaiting_inventory = True
+            rec.staging = {}
+            rec.next_chunk = 0
+            rec.last_seen_unix_seconds = self._clock()
+
+    def apply_inventory_chunk(
+        self, agent_id: str, seq: int, chunk_index: int, last_chunk: bool, groups: list[BlockGroup]
+    ) -> str | None:
+        """Stage one chunk; at the last one swap it in. Returns a resync reason on error."""
+        with self._lock:
+            rec = self.agent(agent_id)
+            if chunk_index != rec.next_chunk:
+                reason = f"inventory chunk {chunk_index} arrived, expected {rec.next_chunk}"
+                rec.staging, rec.next_chunk = {}, 0
+                rec.awaiting_inventory = True
+                self.resyncs_total += 1
+                return reason
+            for g in groups:
+                t = int(g.tier)
+                for h in split_hashes(g.block_hashes):
+                    rec.staging[h] = t
+            rec.next_chunk += 1
+            if last_chunk:
+                self.index.replace_agent(agent_id, rec.staging)
+                rec.staging, rec.next_chunk = {}, 0
+                rec.last_seq = seq
+                rec.awaiting_inventory = False
+                rec.state = AgentState.READY
+            rec.last_seen_unix_seconds = self._clock()
+            return None
+
+    def apply_events(self, agent_id: str, seq: int, stored: bool, groups: list[BlockGroup]) -> str | None:
+        """Apply one event batch. Returns a resync reason when a gap is seen."""
+        with self._lock:
+            rec = self.agent(agent_id)
+            rec.last_seen_unix_seconds = self._clock()
+            if rec.awaiting_inventory:
+                return None  # a resync is already under way; the inventory supersedes this
+            if seq != rec.last_seq + 1:
+                rec.awaiting_inventory = True
+                rec.state = AgentState.SYNCING
+                self.resyncs_total += 1
+                return f"event batch seq {seq} arrived, expected {rec.last_seq + 1}"
+            rec.last_seq = seq
+            for g in groups:
+                hashes = split_hashes(g.block_hashes)
+                self.events_total += len(hashes)
+                if stored:
+                    self.index.add(agent_id, hashes, g.tier)
+                else:
+                    self.index.remove(agent_id, hashes)
+            return None
+
+    def update_stats(self, agent_id: str, tiers: list[TierUsage], lookups: int, lookup_tokens: int, hit_tokens: int) -> None:
+        with self._lock:
+            rec = self.agent(agent_id)
+            rec.tiers = tiers
+            rec.lookups_total, rec.lookup_tokens_total, rec.lookup_hit_tokens_total = lookups, lookup_tokens, hit_tokens
+            rec.last_seen_unix_seconds = self._clock()
+
+    def stream_closed(self, agent_id: str, session_id: str) -> None:
+        """The Sync stream ended; blocks stay indexed until the agent's lease is gone."""
+        with self._lock:
+            rec = self._agents.get(agent_id)
+            if rec is not None and rec.session_id == session_id:
+                rec.state = AgentState.DISCONNECTED
+
+    # ---- lookup ---------------------------------------------------------------------
+    def model(self, model_id: str) -> ModelInfo:
+        with self._lock:
+            m = self._models.get(model_id)
+        if m is None:
+            known = ", ".join(sorted(self._models)) or "none yet"
+            raise errors.NotFound(f"model_id: unknown model {model_id!r} (known: {known})")
+        return m
+
+    def lookup(
+        self,
+        model_id: str,
+        token_ids: list[int] | None = None,
+        block_hashes: bytes = b"",
+        extra_keys: tuple[str, ...] = (),
+    ) -> LookupResult:
+        if not model_id:
+            raise errors.InvalidArgument("model_id", "must not be empty")
+        if token_ids and block_hashes:
+            raise errors.InvalidArgument("token_ids", "give token_ids or block_hashes, not both")
+        if not token_ids and not block_hashes:
+            raise errors.InvalidArgument("token_ids", "give at least one token id (or block_hashes)")
+        model = self.model(model_id)
+        if token_ids:
+            if len(token_ids) > MAX_LOOKUP_TOKENS:
+                raise errors.InvalidArgument("token_ids", f"at most {MAX_LOOKUP_TOKENS} tokens per lookup")
+            try:
+                packed = hash_prefix(model_id, token_ids, model.block_size, extra_keys)
+            except ValueError as exc:
+                raise errors.InvalidArgument("token_ids", str(exc)) from None
+            num_tokens = len(token_ids)
+        else:
+            if len(block_hashes) % BLOCK_HASH_BYTES:
+                raise errors.InvalidArgument(
+                    "block_hashes",
+                    f"length {len(block_hashes)} is not a multiple of {BLOCK_HASH_BYTES} bytes",
+                )
+            packed = block_hashes
+            num_tokens = len(packed) // BLOCK_HASH_BYTES * model.block_size
+        hashes = split_hashes(packed)
+        if len(hashes) > MAX_LOOKUP_BLOCKS:
+            raise errors.InvalidArgument("block_hashes", f"at most {MAX_LOOKUP_BLOCKS} blocks per lookup")
+        with self._lock:
+            matches = self.index.lookup(hashes)
+            hit_tokens = matches[0].num_hit_blocks * model.block_size if matches else 0
+            self.lookups_total += 1
+            self.lookup_tokens_total += num_tokens
+            self.lookup_hit_tokens_total += hit_tokens
+        return LookupResult(model_id, num_tokens, len(hashes), model.block_size, matches)
+
+    # ---- stats ----------------------------------------------------------------------
+    def stats(self) -> ClusterStats:
+        with self._lock:
+            totals: dict[Tier, list[int]] = {}
+            for rec in self._agents.values():
+                for t in rec.tiers:
+                    acc = totals.setdefault(t.tier, [0, 0, 0])
+                    acc[0] += t.capacity_bytes
+                    acc[1] += t.used_bytes
+                    acc[2] += t.num_blocks
+            return ClusterStats(
+                num_agents=len(self._agents),
+                num_blocks=self.index.num_blocks,
+                num_block_replicas=self.index.num_replicas,
+                lookups_total=self.lookups_total,
+                lookup_tokens_total=self.lookup_tokens_total,
+                lookup_hit_tokens_total=self.lookup_hit_tokens_total,
+                resyncs_total=self.resyncs_total,
+                events_total=self.events_total,
+                tiers=[TierUsage(t, *v) for t, v in sorted(totals.items())],
+                models=sorted(self._models.values(), key=lambda m: m.model_id),
+            )

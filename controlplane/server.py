@@ -1,0 +1,125 @@
+"""Wires one control-plane process: etcd client, election, membership watch, the
+cluster state and the gRPC server (AdminService, AgentService, health, reflection).
+
+Tests build `ControlPlane(ControlPlaneConfig(...))` in process with port 0; the
+`kvcp-controlplane` console script (controlplane.main) builds the same thing."""
+
+from __future__ import annotations
+
+import logging
+import threading
+from concurrent import futures
+from dataclasses import dataclass
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from controlplane.api.admin_service import AdminServicer
+from controlplane.api.agent_service import AgentServicer
+from controlplane.core.cluster import Cluster
+from controlplane.store.election import LeaderElection
+from controlplane.store.membership import MembershipWatcher
+from protos import etcd_keys
+from protos.grpc_errors import ErrorMappingInterceptor
+from protos.kvcp.v1 import admin_pb2, admin_pb2_grpc, agent_pb2, agent_pb2_grpc
+
+log = logging.getLogger(__name__)
+
+MAX_MESSAGE_BYTES = 64 * 1024 * 1024
+
+
+@dataclass
+class ControlPlaneConfig:
+    listen: str = "127.0.0.1:50051"
+    etcd: str = "127.0.0.1:2379"
+    advertise: str = ""  # address others reach us at; defaults to the bound listen address
+    election_ttl_seconds: int = 5
+    membership_resync_seconds: float = 2.0
+    etcd_wait_seconds: float = 30.0
+    max_workers: int = 128
+
+
+class ControlPlane:
+    def __init__(self, config: ControlPlaneConfig, log_fn=None):
+        self.config = config
+        self._log_fn = log_fn or (lambda msg: log.warning(msg))
+        self.cluster = Cluster()
+        self._stop = threading.Event()
+        self._threads: list[threading.Thread] = []
+        self.etcd = None
+        self.election: LeaderElection | None = None
+        self.server: grpc.Server | None = None
+        self.port = 0
+
+    @property
+    def address(self) -> str:
+        host = self.config.listen.rpartition(":")[0] or "127.0.0.1"
+        return self.config.advertise or f"{host}:{self.port}"
+
+    def start(self) -> ControlPlane:
+        self.etcd = etcd_keys.connect(self.config.etcd, wait_seconds=self.config.etcd_wait_seconds, log=self._log_fn)
+        self.server = grpc.server(
+            futures.ThreadPoolExecutor(max_workers=self.config.max_workers, thread_name_prefix="cp-rpc"),
+            interceptors=[ErrorMappingInterceptor()],
+            options=[
+                ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+                ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+                ("grpc.so_reuseport", 0),
+            ],
+        )
+        self.port = self.server.add_insecure_port(self.config.listen)
+        if self.port == 0:
+            raise OSError(f"cannot listen on {self.config.listen} (port in use?)")
+        self.election = LeaderElection(self.etcd, self.address, self.config.election_ttl_seconds)
+        self.election.run_once()
+        admin_pb2_grpc.add_AdminServiceServicer_to_server(AdminServicer(self.cluster, self.election), self.server)
+        agent_pb2_grpc.add_AgentServiceServicer_to_server(
+            AgentServicer(self.cluster, self.election, self._agent_key_exists), self.server
+        )
+        self.health = health.HealthServicer()
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
+        names = (
+            admin_pb2.DESCRIPTOR.services_by_name["AdminService"].full_name,
+            agent_pb2.DESCRIPTOR.services_by_name["AgentService"].full_name,
+            health.SERVICE_NAME,
+            reflection.SERVICE_NAME,
+        )
+        reflection.enable_server_reflection(names, self.server)
+        self.server.start()
+        self.membership = MembershipWatcher(self.etcd, self.cluster, self.config.membership_resync_seconds)
+        self._spawn("election", self._run_election)
+        self._spawn("membership", self.membership.run_forever)
+        log.info("control plane serving on %s (leader=%s)", self.address, self.election.is_leader)
+        return self
+
+    def _agent_key_exists(self, agent_id: str) -> bool:
+        value, _ = self.etcd.get(etcd_keys.agent_key(agent_id))
+        return value is not None
+
+    def _run_election(self, stop: threading.Event) -> None:
+        while not stop.is_set():
+            leading = self.election.run_once()
+            status = health_pb2.HealthCheckResponse.SERVING if leading else health_pb2.HealthCheckResponse.NOT_SERVING
+            self.health.set("kvcp.v1.AdminService", status)
+            self.health.set("", health_pb2.HealthCheckResponse.SERVING)
+            stop.wait(max(self.config.election_ttl_seconds / 3.0, 0.2))
+
+    def _spawn(self, name: str, target) -> None:
+        t = threading.Thread(target=target, args=(self._stop,), name=name, daemon=True)
+        t.start()
+        self._threads.append(t)
+
+    def wait(self) -> None:
+        self.server.wait_for_termination()
+
+    def stop(self, grace_seconds: float = 1.0) -> None:
+        self._stop.set()
+        if self.server is not None:
+            self.server.stop(grace_seconds).wait()
+        if self.election is not None:
+            self.election.resign()
+        for t in self._threads:
+            t.join(timeout=2)
+        if self.etcd is not None:
+            self.etcd.close()

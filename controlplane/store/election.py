@@ -1,0 +1,87 @@
+"""Leader election on etcd, after etcd's own `concurrency` package.
+
+The leader key holds the leader's address under the leader's lease; a candidate wins
+with a transaction that creates the key only if it does not exist. The key's
+create_revision is the epoch: it grows with every new leader, so agents can reject
+commands from an older one. Leadership ends when the lease cannot be refreshed.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+
+from protos.etcd_keys import LEADER_KEY
+
+log = logging.getLogger(__name__)
+
+
+class LeaderElection:
+    def __init__(self, client, address: str, ttl_seconds: int = 5, key: str = LEADER_KEY):
+        self._client = client
+        self.address = address
+        self.ttl_seconds = ttl_seconds
+        self.key = key
+        self._lease = None
+        self._lock = threading.Lock()
+        self.is_leader = False
+        self.epoch = 0
+        self.leader_address = ""
+
+    def run_once(self) -> bool:
+        """One step: refresh our lease if leading, else try to win. Returns is_leader."""
+        with self._lock:
+            try:
+                if self.is_leader:
+                    self._refresh()
+                else:
+                    self._campaign()
+            except Exception as exc:  # noqa: BLE001 - etcd trouble means "not leader"
+                if self.is_leader:
+                    log.warning("lost leadership (epoch %d): %s", self.epoch, exc)
+                self.is_leader = False
+                self._lease = None
+            return self.is_leader
+
+    def _refresh(self) -> None:
+        ttl = self._lease.refresh()[0].TTL
+        value, meta = self._client.get(self.key)
+        if ttl <= 0 or meta is None or meta.lease_id != self._lease.id:
+            raise RuntimeError("leader lease expired")
+
+    def _campaign(self) -> None:
+        client = self._client
+        value, meta = client.get(self.key)
+        if meta is not None:
+            self.leader_address = value.decode()
+            self.epoch = meta.create_revision
+            return
+        lease = client.lease(self.ttl_seconds)
+        won, _ = client.transaction(
+            compare=[client.transactions.create(self.key) == 0],
+            success=[client.transactions.put(self.key, self.address, lease)],
+            failure=[],
+        )
+        if not won:
+            lease.revoke()
+            return
+        value, meta = client.get(self.key)
+        self._lease = lease
+        self.is_leader = True
+        self.epoch = meta.create_revision
+        self.leader_address = self.address
+        log.info("became leader at %s, epoch %d", self.address, self.epoch)
+
+    def resign(self) -> None:
+        with self._lock:
+            if self.is_leader and self._lease is not None:
+                try:
+                    self._lease.revoke()
+                except Exception:  # noqa: BLE001 - best effort on shutdown
+                    pass
+            self.is_leader = False
+
+    def run_forever(self, stop: threading.Event) -> None:
+        while not stop.is_set():
+            self.run_once()
+            stop.wait(max(self.ttl_seconds / 3.0, 0.2))

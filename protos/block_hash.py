@@ -1,0 +1,105 @@
+"""Block hashing: the deterministic chained digest that names a KV block everywhere.
+
+This function is part of the wire contract (package kvcp.v1), like the .proto files:
+every agent, control plane and client computes it the same way, on any machine.
+
+    digest(block i) = BLAKE2b-128(
+        key    = none, person = b"kvcp.v1.block",
+        data   = parent_digest                       (16 bytes; 16 zero bytes for block 0)
+               || u32le(len(model_id)) || model_id   (UTF-8)
+               || u32le(len(extra_keys)) || for each key: u32le(len(key)) || key (UTF-8)
+               || u32le(block_size) || token ids of the block as u32le
+    )
+
+Only full blocks are hashed: a prompt of n tokens has n // block_size blocks. Digests
+travel packed, BLOCK_HASH_BYTES each, back to back, in `bytes` fields. Python's `hash()`
+is never used (it is salted per process). Engines that bring their own hashes (vLLM KV
+events) are indexed under their own hashes, truncated or zero-padded to 16 bytes.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import struct
+from collections.abc import Iterable, Sequence
+
+import numpy as np
+
+BLOCK_HASH_BYTES = 16
+ROOT_PARENT_HASH = bytes(BLOCK_HASH_BYTES)
+_PERSON = b"kvcp.v1.block"
+_MAX_TOKEN_ID = 2**32 - 1
+
+
+def _header(model_id: str, extra_keys: Sequence[str]) -> bytes:
+    parts = [struct.pack("<I", len(model_id.encode())), model_id.encode()]
+    parts.append(struct.pack("<I", len(extra_keys)))
+    for key in extra_keys:
+        raw = key.encode()
+        parts.append(struct.pack("<I", len(raw)))
+        parts.append(raw)
+    return b"".join(parts)
+
+
+def token_array(token_ids: Iterable[int]) -> np.ndarray:
+    """Token ids as a little-endian uint32 array; raises ValueError on a bad id."""
+    arr = np.asarray(list(token_ids) if not isinstance(token_ids, np.ndarray) else token_ids)
+    if arr.size == 0:
+        return np.zeros(0, dtype="<u4")
+    if arr.dtype.kind not in "iu":
+        raise ValueError("token ids must be integers")
+    if int(arr.min()) < 0 or int(arr.max()) > _MAX_TOKEN_ID:
+        raise ValueError(f"token ids must be in [0, {_MAX_TOKEN_ID}]")
+    return arr.astype("<u4", copy=False)
+
+
+def hash_block(
+    parent_hash: bytes, token_ids: Sequence[int], model_id: str, extra_keys: Sequence[str] = ()
+) -> bytes:
+    """Digest of one block given its parent's digest (ROOT_PARENT_HASH for the first)."""
+    tokens = token_array(token_ids)
+    return _digest(parent_hash, _header(model_id, extra_keys), tokens)
+
+
+def _digest(parent_hash: bytes, header: bytes, tokens: np.ndarray) -> bytes:
+    if len(parent_hash) != BLOCK_HASH_BYTES:
+        raise ValueError(f"parent hash must be {BLOCK_HASH_BYTES} bytes")
+    h = hashlib.blake2b(digest_size=BLOCK_HASH_BYTES, person=_PERSON)
+    h.update(parent_hash)
+    h.update(header)
+    h.update(struct.pack("<I", len(tokens)))
+    h.update(tokens.tobytes())
+    return h.digest()
+
+
+def hash_prefix(
+    model_id: str,
+    token_ids: Sequence[int] | np.ndarray,
+    block_size: int,
+    extra_keys: Sequence[str] = (),
+) -> bytes:
+    """Packed digests of the full blocks of `token_ids` (len = 16 * (n // block_size))."""
+    if block_size <= 0:
+        raise ValueError("block_size must be positive")
+    tokens = token_array(token_ids)
+    header = _header(model_id, extra_keys)
+    parent = ROOT_PARENT_HASH
+    out = bytearray()
+    for start in range(0, len(tokens) - block_size + 1, block_size):
+        parent = _digest(parent, header, tokens[start : start + block_size])
+        out += parent
+    return bytes(out)
+
+
+def split_hashes(packed: bytes) -> list[bytes]:
+    """Packed digests -> list of 16-byte digests; ValueError when the length is wrong."""
+    if len(packed) % BLOCK_HASH_BYTES:
+        raise ValueError(
+            f"packed block hashes must be a multiple of {BLOCK_HASH_BYTES} bytes, got {len(packed)}"
+        )
+    return [packed[i : i + BLOCK_HASH_BYTES] for i in range(0, len(packed), BLOCK_HASH_BYTES)]
+
+
+def parents_of(packed: bytes) -> bytes:
+    """Packed parent digests of a packed chain (the first block's parent is the root)."""
+    return ROOT_PARENT_HASH + packed[:-BLOCK_HASH_BYTES] if packed else b""

@@ -1,0 +1,168 @@
+from protos.kvcp.v1 import types_pb2 as _types_pb2
+from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class BlockEventKind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    BLOCK_EVENT_KIND_UNSPECIFIED: _ClassVar[BlockEventKind]
+    BLOCK_EVENT_KIND_STORED: _ClassVar[BlockEventKind]
+    BLOCK_EVENT_KIND_REMOVED: _ClassVar[BlockEventKind]
+BLOCK_EVENT_KIND_UNSPECIFIED: BlockEventKind
+BLOCK_EVENT_KIND_STORED: BlockEventKind
+BLOCK_EVENT_KIND_REMOVED: BlockEventKind
+
+class RegisterRequest(_message.Message):
+    __slots__ = ("agent",)
+    AGENT_FIELD_NUMBER: _ClassVar[int]
+    agent: _types_pb2.AgentInfo
+    def __init__(self, agent: _Optional[_Union[_types_pb2.AgentInfo, _Mapping]] = ...) -> None: ...
+
+class RegisterResponse(_message.Message):
+    __slots__ = ("epoch", "leader_address")
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    LEADER_ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    epoch: int
+    leader_address: str
+    def __init__(self, epoch: _Optional[int] = ..., leader_address: _Optional[str] = ...) -> None: ...
+
+class BlockGroup(_message.Message):
+    __slots__ = ("model_id", "tier", "block_hashes", "parent_hashes")
+    MODEL_ID_FIELD_NUMBER: _ClassVar[int]
+    TIER_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_HASHES_FIELD_NUMBER: _ClassVar[int]
+    PARENT_HASHES_FIELD_NUMBER: _ClassVar[int]
+    model_id: str
+    tier: _types_pb2.Tier
+    block_hashes: bytes
+    parent_hashes: bytes
+    def __init__(self, model_id: _Optional[str] = ..., tier: _Optional[_Union[_types_pb2.Tier, str]] = ..., block_hashes: _Optional[bytes] = ..., parent_hashes: _Optional[bytes] = ...) -> None: ...
+
+class BlockEventBatch(_message.Message):
+    __slots__ = ("seq", "kind", "groups")
+    SEQ_FIELD_NUMBER: _ClassVar[int]
+    KIND_FIELD_NUMBER: _ClassVar[int]
+    GROUPS_FIELD_NUMBER: _ClassVar[int]
+    seq: int
+    kind: BlockEventKind
+    groups: _containers.RepeatedCompositeFieldContainer[BlockGroup]
+    def __init__(self, seq: _Optional[int] = ..., kind: _Optional[_Union[BlockEventKind, str]] = ..., groups: _Optional[_Iterable[_Union[BlockGroup, _Mapping]]] = ...) -> None: ...
+
+class Inventory(_message.Message):
+    __slots__ = ("seq", "chunk_index", "last_chunk", "groups")
+    SEQ_FIELD_NUMBER: _ClassVar[int]
+    CHUNK_INDEX_FIELD_NUMBER: _ClassVar[int]
+    LAST_CHUNK_FIELD_NUMBER: _ClassVar[int]
+    GROUPS_FIELD_NUMBER: _ClassVar[int]
+    seq: int
+    chunk_index: int
+    last_chunk: bool
+    groups: _containers.RepeatedCompositeFieldContainer[BlockGroup]
+    def __init__(self, seq: _Optional[int] = ..., chunk_index: _Optional[int] = ..., last_chunk: _Optional[bool] = ..., groups: _Optional[_Iterable[_Union[BlockGroup, _Mapping]]] = ...) -> None: ...
+
+class AgentStats(_message.Message):
+    __slots__ = ("tiers", "lookups_total", "lookup_tokens_total", "lookup_hit_tokens_total")
+    TIERS_FIELD_NUMBER: _ClassVar[int]
+    LOOKUPS_TOTAL_FIELD_NUMBER: _ClassVar[int]
+    LOOKUP_TOKENS_TOTAL_FIELD_NUMBER: _ClassVar[int]
+    LOOKUP_HIT_TOKENS_TOTAL_FIELD_NUMBER: _ClassVar[int]
+    tiers: _containers.RepeatedCompositeFieldContainer[_types_pb2.TierUsage]
+    lookups_total: int
+    lookup_tokens_total: int
+    lookup_hit_tokens_total: int
+    def __init__(self, tiers: _Optional[_Iterable[_Union[_types_pb2.TierUsage, _Mapping]]] = ..., lookups_total: _Optional[int] = ..., lookup_tokens_total: _Optional[int] = ..., lookup_hit_tokens_total: _Optional[int] = ...) -> None: ...
+
+class Hello(_message.Message):
+    __slots__ = ("agent_id", "session_id")
+    AGENT_ID_FIELD_NUMBER: _ClassVar[int]
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    agent_id: str
+    session_id: str
+    def __init__(self, agent_id: _Optional[str] = ..., session_id: _Optional[str] = ...) -> None: ...
+
+class AgentMessage(_message.Message):
+    __slots__ = ("hello", "inventory", "events", "stats")
+    HELLO_FIELD_NUMBER: _ClassVar[int]
+    INVENTORY_FIELD_NUMBER: _ClassVar[int]
+    EVENTS_FIELD_NUMBER: _ClassVar[int]
+    STATS_FIELD_NUMBER: _ClassVar[int]
+    hello: Hello
+    inventory: Inventory
+    events: BlockEventBatch
+    stats: AgentStats
+    def __init__(self, hello: _Optional[_Union[Hello, _Mapping]] = ..., inventory: _Optional[_Union[Inventory, _Mapping]] = ..., events: _Optional[_Union[BlockEventBatch, _Mapping]] = ..., stats: _Optional[_Union[AgentStats, _Mapping]] = ...) -> None: ...
+
+class ResyncRequest(_message.Message):
+    __slots__ = ("reason",)
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    reason: str
+    def __init__(self, reason: _Optional[str] = ...) -> None: ...
+
+class ControlMessage(_message.Message):
+    __slots__ = ("epoch", "resync")
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    RESYNC_FIELD_NUMBER: _ClassVar[int]
+    epoch: int
+    resync: ResyncRequest
+    def __init__(self, epoch: _Optional[int] = ..., resync: _Optional[_Union[ResyncRequest, _Mapping]] = ...) -> None: ...
+
+class StoreRequest(_message.Message):
+    __slots__ = ("model_id", "token_ids", "kv", "extra_keys", "first_block")
+    MODEL_ID_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    KV_FIELD_NUMBER: _ClassVar[int]
+    EXTRA_KEYS_FIELD_NUMBER: _ClassVar[int]
+    FIRST_BLOCK_FIELD_NUMBER: _ClassVar[int]
+    model_id: str
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    kv: bytes
+    extra_keys: _containers.RepeatedScalarFieldContainer[str]
+    first_block: int
+    def __init__(self, model_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., kv: _Optional[bytes] = ..., extra_keys: _Optional[_Iterable[str]] = ..., first_block: _Optional[int] = ...) -> None: ...
+
+class StoreResponse(_message.Message):
+    __slots__ = ("num_stored_blocks", "num_present_blocks")
+    NUM_STORED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    NUM_PRESENT_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    num_stored_blocks: int
+    num_present_blocks: int
+    def __init__(self, num_stored_blocks: _Optional[int] = ..., num_present_blocks: _Optional[int] = ...) -> None: ...
+
+class EngineLookupRequest(_message.Message):
+    __slots__ = ("model_id", "token_ids", "extra_keys")
+    MODEL_ID_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    EXTRA_KEYS_FIELD_NUMBER: _ClassVar[int]
+    model_id: str
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    extra_keys: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, model_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., extra_keys: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class EngineLookupResponse(_message.Message):
+    __slots__ = ("num_cached_tokens",)
+    NUM_CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    num_cached_tokens: int
+    def __init__(self, num_cached_tokens: _Optional[int] = ...) -> None: ...
+
+class LoadRequest(_message.Message):
+    __slots__ = ("model_id", "token_ids", "extra_keys")
+    MODEL_ID_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    EXTRA_KEYS_FIELD_NUMBER: _ClassVar[int]
+    model_id: str
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    extra_keys: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, model_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., extra_keys: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class LoadResponse(_message.Message):
+    __slots__ = ("num_cached_tokens", "kv")
+    NUM_CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    KV_FIELD_NUMBER: _ClassVar[int]
+    num_cached_tokens: int
+    kv: bytes
+    def __init__(self, num_cached_tokens: _Optional[int] = ..., kv: _Optional[bytes] = ...) -> None: ...

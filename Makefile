@@ -1,0 +1,36 @@
+# The two commands of the README: `make demo` (a local cluster) and `make test`.
+# Both bootstrap a fresh machine first (scripts/bootstrap.sh).
+VENV := .venv
+PY := $(VENV)/bin/python
+
+.PHONY: bootstrap demo test lint format protos bench clean
+
+bootstrap:
+	@scripts/bootstrap.sh
+
+demo: bootstrap
+	@$(PY) scripts/demo.py
+
+test: bootstrap
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+	$(VENV)/bin/lint-imports
+	$(VENV)/bin/pytest -q
+
+lint: bootstrap
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+	$(VENV)/bin/lint-imports
+
+format: bootstrap
+	$(VENV)/bin/ruff format .
+	$(VENV)/bin/ruff check --fix .
+
+protos: bootstrap
+	$(PY) -m protos.generate
+
+bench: bootstrap
+	$(VENV)/bin/kvcp-bench --help
+
+clean:
+	rm -rf .run .pytest_cache .ruff_cache

@@ -1,0 +1,59 @@
+"""Shared fixtures: one real etcd per session (KVCP_TEST_ETCD when CI started one),
+a clean key space per test, and an in-process control plane on port 0."""
+
+from __future__ import annotations
+
+import os
+import uuid
+
+import pytest
+
+from tests.helpers import EtcdServer, ExternalEtcd
+
+
+@pytest.fixture(scope="session")
+def etcd_server():
+    endpoint = os.environ.get("KVCP_TEST_ETCD")
+    server = ExternalEtcd(endpoint) if endpoint else EtcdServer().start()
+    yield server
+    server.cleanup()
+
+
+@pytest.fixture
+def etcd(etcd_server):
+    """The session etcd with an empty /kvcp/ key space (tests share one server)."""
+    from protos.etcd_keys import ROOT, connect
+
+    client = connect(etcd_server.endpoint)
+    client.delete_prefix(ROOT)
+    yield etcd_server.endpoint
+    client.delete_prefix(ROOT)
+    client.close()
+
+
+@pytest.fixture
+def controlplane(etcd):
+    from controlplane.server import ControlPlane, ControlPlaneConfig
+
+    cp = ControlPlane(ControlPlaneConfig(listen="127.0.0.1:0", etcd=etcd, election_ttl_seconds=3,
+                                         membership_resync_seconds=0.5)).start()
+    yield cp
+    cp.stop()
+
+
+@pytest.fixture
+def make_agent(etcd):
+    from agent.server import Agent, AgentConfig
+
+    agents = []
+
+    def make(agent_id: str | None = None, **kwargs) -> Agent:
+        cfg = AgentConfig(agent_id=agent_id or f"agent-{uuid.uuid4().hex[:6]}", listen="127.0.0.1:0", etcd=etcd,
+                          lease_ttl_seconds=kwargs.pop("lease_ttl_seconds", 2), stats_interval_seconds=0.2, **kwargs)
+        a = Agent(cfg).start()
+        agents.append(a)
+        return a
+
+    yield make
+    for a in agents:
+        a.stop()

@@ -217,5 +217,15 @@ class ControlPlaneClient:
             epoch=s.epoch,
             is_leader=s.is_leader,
             tiers=_tiers(s.tiers),
-            models=[{"model_id": m.model_id, "block_size": m.block_size} for m in s.models],
+            models=[
+                {
+                    "model_id": m.model_id,
+                    "block_size": m.block_size,
+                    "num_layers": m.num_layers,
+                    "num_kv_heads": m.num_kv_heads,
+                    "head_dim": m.head_dim,
+                    "dtype": m.dtype,
+                }
+                for m in s.models
+            ],
         )

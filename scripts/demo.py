@@ -1,0 +1,249 @@
+"""`make demo`: a local kvcp cluster on this machine, until Ctrl-C.
+
+etcd on loopback (data under .run/etcd), one control plane on 127.0.0.1:50051, two
+agents with small CPU tiers, and the demo workload (chat sessions sharing system
+prompts, Zipf-popular documents) storing and looking up KV through the agents, so
+kvctl shows a living cluster. Every process it starts is stopped on exit; pid files of
+a run that was killed are used to clean up before starting, so it can run again.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+BIN = Path(sys.executable).parent
+sys.path.insert(0, str(REPO))
+
+from cli.client import ClientError, ControlPlaneClient  # noqa: E402
+from protos.etcd_keys import connect  # noqa: E402
+
+
+def port_free(port: int) -> bool:
+    with socket.socket() as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind(("127.0.0.1", port))
+            return True
+        except OSError:
+            return False
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Demo:
+    def __init__(self, args):
+        self.args = args
+        self.run_dir = Path(args.run_dir).resolve()
+        self.logs = self.run_dir / "logs"
+        self.pids = self.run_dir / "pids"
+        self.procs: list[tuple[str, subprocess.Popen]] = []
+
+    def say(self, msg: str) -> None:
+        print(msg, flush=True)
+
+    def clean_stale(self) -> None:
+        """Stop what a previous, killed demo left running (pid files in .run/pids)."""
+        if not self.pids.exists():
+            return
+        for pid_file in self.pids.glob("*.pid"):
+            try:
+                pid = int(pid_file.read_text())
+                cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace")
+            except (ValueError, OSError):
+                pid_file.unlink(missing_ok=True)
+                continue
+            if str(self.run_dir) in cmdline or "kvcp" in cmdline or "etcd" in cmdline:
+                self.say(f"demo: stopping {pid_file.stem} (pid {pid}) left by an earlier run")
+                try:
+                    os.killpg(pid, signal.SIGTERM)
+                except OSError:
+                    pass
+                for _ in range(50):
+                    if not Path(f"/proc/{pid}").exists():
+                        break
+                    time.sleep(0.1)
+                else:
+                    try:
+                        os.killpg(pid, signal.SIGKILL)
+                    except OSError:
+                        pass
+            pid_file.unlink(missing_ok=True)
+
+    def spawn(self, name: str, argv: list[str]) -> subprocess.Popen:
+        log = open(self.logs / f"{name}.log", "ab")  # noqa: SIM115 - kept open for the child
+        proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, start_new_session=True, cwd=REPO)
+        (self.pids / f"{name}.pid").write_text(str(proc.pid))
+        self.procs.append((name, proc))
+        return proc
+
+    def wait_port(self, name: str, proc: subprocess.Popen, port: int, timeout_seconds: float = 30) -> None:
+        deadline = time.monotonic() + timeout_seconds
+        while time.monotonic() < deadline:
+            if proc.poll() is not None:
+                tail = (self.logs / f"{name}.log").read_text(errors="replace").strip().splitlines()[-5:]
+                raise RuntimeError(f"{name} exited with code {proc.returncode}:\n  " + "\n  ".join(tail))
+            with socket.socket() as s:
+                if s.connect_ex(("127.0.0.1", port)) == 0:
+                    return
+            time.sleep(0.1)
+        raise RuntimeError(f"{name} did not listen on port {port} within {timeout_seconds:.0f}s")
+
+    def check_ports(self) -> None:
+        a = self.args
+        wanted = {"control plane": a.controlplane_port, "agent-1": a.agent_ports[0], "agent-2": a.agent_ports[1]}
+        busy = [f"{name} port {p}" for name, p in wanted.items() if not port_free(p)]
+        if busy:
+            raise RuntimeError(
+                f"{', '.join(busy)} in use by another program (another demo still running?); "
+                "stop it or choose ports with --controlplane-port / --agent-ports"
+            )
+        if not port_free(a.etcd_port) or not port_free(a.etcd_port + 1):
+            a.etcd_port = free_port()
+            self.say(f"demo: port 2379 is taken, using {a.etcd_port} for the demo's etcd")
+
+    def start(self) -> None:
+        a = self.args
+        if shutil.which("etcd") is None:
+            raise RuntimeError("etcd is not installed; run `make demo` (it installs etcd-server) or apt-get install -y etcd-server")
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        self.logs.mkdir(exist_ok=True)
+        self.pids.mkdir(exist_ok=True)
+        self.clean_stale()
+        self.check_ports()
+        shutil.rmtree(self.run_dir / "etcd", ignore_errors=True)  # a fresh cluster each run
+        peer_port = free_port()
+        client_url = f"http://127.0.0.1:{a.etcd_port}"
+        peer_url = f"http://127.0.0.1:{peer_port}"
+        etcd = self.spawn("etcd", [
+            "etcd", "--name", "kvcp-demo", "--data-dir", str(self.run_dir / "etcd"),
+            "--listen-client-urls", client_url, "--advertise-client-urls", client_url,
+            "--listen-peer-urls", peer_url, "--initial-advertise-peer-urls", peer_url,
+            "--initial-cluster", f"kvcp-demo={peer_url}",
+        ])
+        self.wait_port("etcd", etcd, a.etcd_port)
+        etcd_ep = f"127.0.0.1:{a.etcd_port}"
+        connect(etcd_ep, wait_seconds=20, log=self.say).close()
+        cp_addr = f"127.0.0.1:{a.controlplane_port}"
+        cp = self.spawn("controlplane", [str(BIN / "kvcp-controlplane"), "--listen", cp_addr, "--etcd", etcd_ep])
+        self.wait_port("controlplane", cp, a.controlplane_port)
+        for i, port in enumerate(a.agent_ports, start=1):
+            name = f"agent-{i}"
+            proc = self.spawn(name, [
+                str(BIN / "kvcp-agent"), "--agent-id", name, "--listen", f"127.0.0.1:{port}",
+                "--etcd", etcd_ep, "--cpu-capacity", a.agent_capacity,
+            ])
+            self.wait_port(name, proc, port)
+        with ControlPlaneClient(cp_addr) as c:
+            deadline = time.monotonic() + 20
+            while len([x for x in c.list_agents() if x.state == "ready"]) < len(a.agent_ports):
+                if time.monotonic() > deadline:
+                    raise RuntimeError("agents did not become ready within 20s (see .run/logs/)")
+                time.sleep(0.2)
+        if a.rate > 0:
+            self.spawn("workload", [str(BIN / "kvcp-bench"), "workload", "--controlplane", cp_addr, "--rate", str(a.rate)])
+        kvctl = os.path.relpath(BIN / "kvctl", Path.cwd())
+        ep = "" if a.controlplane_port == 50051 else f" --endpoint {cp_addr}"
+        self.say(
+            "\nkvcp demo cluster is up:\n"
+            f"  etcd           {etcd_ep:<18} data {self.run_dir / 'etcd'}\n"
+            f"  control plane  {cp_addr:<18} (leader)\n"
+            + "".join(f"  agent-{i}        127.0.0.1:{p:<8} cpu tier {a.agent_capacity}\n" for i, p in enumerate(a.agent_ports, 1))
+            + f"  workload       {a.rate:g} requests/s (chat sessions + Zipf documents)\n"
+            f"  logs           {self.logs}/\n\n"
+            "Try, in another terminal:\n"
+            f"  {kvctl}{ep} agents\n"
+            f"  {kvctl}{ep} stats\n"
+            f"  {kvctl}{ep} lookup --model demo-model --tokens $(seq -s, 1 64)\n"
+            f"  {kvctl}{ep} -o json agents\n\n"
+            "Ctrl-C stops every process this demo started.\n"
+        )
+
+    def status_line(self) -> str:
+        cp_addr = f"127.0.0.1:{self.args.controlplane_port}"
+        try:
+            with ControlPlaneClient(cp_addr, timeout_seconds=2) as c:
+                s = c.stats()
+            return (f"demo: {s.num_agents} agents, {s.num_blocks} blocks ({s.num_block_replicas} replicas), "
+                    f"{s.lookups_total} lookups, hit ratio {s.hit_ratio:.1%}")
+        except ClientError as exc:
+            return f"demo: control plane not answering: {exc}"
+
+    def watch(self) -> None:
+        deadline = time.monotonic() + self.args.duration if self.args.duration else None
+        next_status = time.monotonic() + 10
+        while deadline is None or time.monotonic() < deadline:
+            for name, proc in self.procs:
+                if proc.poll() is not None:
+                    raise RuntimeError(f"{name} exited with code {proc.returncode} (see {self.logs / (name + '.log')})")
+            if time.monotonic() >= next_status:
+                self.say(self.status_line())
+                next_status += 10
+            time.sleep(0.2)
+
+    def stop(self) -> None:
+        for name, proc in reversed(self.procs):
+            if proc.poll() is None:
+                try:
+                    os.killpg(proc.pid, signal.SIGTERM)
+                except OSError:
+                    pass
+        for name, proc in reversed(self.procs):
+            try:
+                proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+            (self.pids / f"{name}.pid").unlink(missing_ok=True)
+        if self.procs:
+            self.say(f"demo: stopped {len(self.procs)} processes")
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--run-dir", default=str(REPO / ".run"))
+    p.add_argument("--etcd-port", type=int, default=2379)
+    p.add_argument("--controlplane-port", type=int, default=50051)
+    p.add_argument("--agent-ports", type=int, nargs=2, default=[50061, 50062])
+    p.add_argument("--agent-capacity", default="32MiB")
+    p.add_argument("--rate", type=float, default=10.0, help="workload requests per second (0: no workload)")
+    p.add_argument("--duration", type=float, default=0.0, help="seconds to run (0: until Ctrl-C)")
+    args = p.parse_args(argv)
+    demo = Demo(args)
+    stopping = {"flag": False}
+
+    def on_signal(*_):
+        if not stopping["flag"]:
+            stopping["flag"] = True
+            raise KeyboardInterrupt
+
+    signal.signal(signal.SIGTERM, on_signal)
+    code = 0
+    try:
+        demo.start()
+        demo.watch()
+    except KeyboardInterrupt:
+        print("\ndemo: stopping ...", flush=True)
+    except RuntimeError as exc:
+        print(f"demo: {exc}", file=sys.stderr, flush=True)
+        code = 1
+    finally:
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        demo.stop()
+    return code
+
+
+if __name__ == "__main__":
+    sys.exit(main())

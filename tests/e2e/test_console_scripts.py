@@ -1,0 +1,197 @@
+"""End to end: the real console scripts as subprocesses, as a user runs them:
+kvcp-controlplane, two kvcp-agent, the kvcp-bench workload, and kvctl against them.
+Also the demo launcher, twice in a row, and an agent killed with SIGKILL."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+
+import pytest
+
+from agent.client import EngineClient
+from agent.server import DEMO_MODEL
+from tests.helpers import REPO, free_port, script, wait_for
+
+M = DEMO_MODEL
+
+
+def kvctl(endpoint: str, *args: str, check: bool = True) -> subprocess.CompletedProcess:
+    proc = subprocess.run([script("kvctl"), "--endpoint", endpoint, *args], capture_output=True, text=True, timeout=30)
+    if check and proc.returncode != 0:
+        raise AssertionError(f"kvctl {' '.join(args)} failed ({proc.returncode}): {proc.stderr}")
+    return proc
+
+
+class Cluster:
+    def __init__(self, etcd: str, tmp_path):
+        self.etcd = etcd
+        self.tmp = tmp_path
+        self.procs: dict[str, subprocess.Popen] = {}
+        self.cp_port = free_port()
+        self.endpoint = f"127.0.0.1:{self.cp_port}"
+        self.agent_ports: dict[str, int] = {}
+
+    def spawn(self, name: str, argv: list[str]) -> subprocess.Popen:
+        log = open(self.tmp / f"{name}.log", "ab")  # noqa: SIM115
+        proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT)
+        self.procs[name] = proc
+        return proc
+
+    def start_controlplane(self):
+        self.spawn("cp", [script("kvcp-controlplane"), "--listen", self.endpoint, "--etcd", self.etcd,
+                          "--election-ttl-seconds", "3"])
+        wait_for(lambda: kvctl(self.endpoint, "stats", check=False).returncode == 0, 20, 0.2, "control plane up")
+
+    def start_agent(self, agent_id: str, port: int | None = None):
+        port = port or self.agent_ports.get(agent_id) or free_port()
+        self.agent_ports[agent_id] = port
+        return self.spawn(agent_id, [script("kvcp-agent"), "--agent-id", agent_id, "--listen", f"127.0.0.1:{port}",
+                                     "--etcd", self.etcd, "--cpu-capacity", "8MiB", "--lease-ttl-seconds", "3"])
+
+    def agents(self) -> dict[str, dict]:
+        return {a["agent_id"]: a for a in json.loads(kvctl(self.endpoint, "-o", "json", "agents").stdout)}
+
+    def stop(self):
+        for p in self.procs.values():
+            if p.poll() is None:
+                p.terminate()
+        for p in self.procs.values():
+            try:
+                p.wait(10)
+            except subprocess.TimeoutExpired:
+                p.kill()
+
+
+@pytest.fixture
+def cluster(etcd, tmp_path):
+    c = Cluster(etcd, tmp_path)
+    yield c
+    c.stop()
+
+
+def test_cluster_from_console_scripts(cluster, tmp_path):
+    cluster.start_controlplane()
+    cluster.start_agent("agent-a")
+    cluster.start_agent("agent-b")
+    wait_for(lambda: set(cluster.agents()) == {"agent-a", "agent-b"}, 30, 0.3, "two agents")
+    # the workload stores and looks up KV through the agents; every loaded block is verified
+    wl = subprocess.run([script("kvcp-bench"), "workload", "--controlplane", cluster.endpoint, "--rate", "0",
+                         "--duration", "4", "-o", "json"], capture_output=True, text=True, timeout=60)
+    assert wl.returncode == 0, wl.stderr
+    result = json.loads(wl.stdout)
+    assert result["requests"] > 10 and result["errors"] == 0 and result["corrupt_blocks"] == 0
+    assert result["hit_ratio"] > 0.2  # shared system prompts and multi-turn sessions hit
+
+    agents = cluster.agents()
+    for a in agents.values():
+        assert a["state"] == "ready" and a["address"].startswith("127.0.0.1:")
+        assert a["tiers"][0]["tier"] == "cpu" and a["tiers"][0]["capacity_bytes"] == 8 << 20
+        assert set(a["tiers"][0]) >= {"tier", "capacity_bytes", "used_bytes", "num_blocks"}
+    stats = json.loads(kvctl(cluster.endpoint, "-o", "json", "stats").stdout)
+    assert stats["num_agents"] == 2 and stats["num_blocks"] > 0
+    assert stats["lookups_total"] >= result["requests"]
+    assert stats["lookup_hit_tokens_total"] > 0
+
+    # a prompt stored on agent-b only: lookup names agent-b as best, with all its blocks
+    tokens = list(range(5_000_000, 5_000_000 + 6 * M.block_size))
+    engine = EngineClient(f"127.0.0.1:{cluster.agent_ports['agent-b']}")
+    engine.store(M.model_id, tokens, bytes(6 * M.block_bytes))
+    engine.close()
+    tf = tmp_path / "prompt.txt"
+    tf.write_text(",".join(map(str, tokens + [1, 2])))
+
+    def best():
+        out = json.loads(kvctl(cluster.endpoint, "-o", "json", "lookup", "--model", M.model_id, "--tokens-file", str(tf)).stdout)
+        return out if out["best_agent_id"] == "agent-b" else None
+
+    out = wait_for(best, 10, 0.2, "lookup to find agent-b")
+    assert out["num_tokens"] == len(tokens) + 2 and out["model_id"] == M.model_id
+    match = out["agents"][0]
+    assert match == {"agent_id": "agent-b", "num_hit_blocks": 6, "num_hit_tokens": 6 * M.block_size, "tiers": ["cpu"] * 6}
+    table = kvctl(cluster.endpoint, "lookup", "--model", M.model_id, "--tokens-file", str(tf)).stdout
+    assert "best agent: agent-b" in table and "cpu×6" in table
+
+    # SIGKILL an agent: it leaves ListAgents and the index within TTL (3 s) + 2 s
+    cluster.procs["agent-b"].send_signal(signal.SIGKILL)
+    wait_for(lambda: "agent-b" not in cluster.agents(), 3 + 2 + 1, 0.2, "killed agent gone")
+    out = json.loads(kvctl(cluster.endpoint, "-o", "json", "lookup", "--model", M.model_id, "--tokens-file", str(tf)).stdout)
+    assert all(m["agent_id"] != "agent-b" for m in out["agents"])
+
+    # restarted with the same id, it registers again and resyncs (its memory tier is empty)
+    cluster.start_agent("agent-b")
+    wait_for(lambda: cluster.agents().get("agent-b", {}).get("state") == "ready", 20, 0.2, "agent-b back")
+    assert cluster.agents()["agent-b"]["num_blocks"] == 0
+
+
+def test_restart_before_lease_expiry_replaces_stale_blocks(cluster):
+    cluster.start_controlplane()
+    cluster.start_agent("agent-r")
+    wait_for(lambda: "agent-r" in cluster.agents(), 20, 0.2, "agent up")
+    engine = EngineClient(f"127.0.0.1:{cluster.agent_ports['agent-r']}")
+    engine.store(M.model_id, list(range(4 * M.block_size)), bytes(4 * M.block_bytes))
+    engine.close()
+    wait_for(lambda: cluster.agents()["agent-r"]["num_blocks"] == 4, 10, 0.2, "indexed")
+    cluster.procs["agent-r"].send_signal(signal.SIGKILL)
+    cluster.procs["agent-r"].wait()
+    cluster.start_agent("agent-r")  # same id, new process, old lease still alive
+    wait_for(lambda: cluster.agents()["agent-r"]["num_blocks"] == 0, 10, 0.2, "stale blocks replaced by the new inventory")
+
+
+@pytest.mark.parametrize(
+    "args, needle",
+    [
+        (["lookup", "--model", "demo-model"], "--tokens"),
+        (["lookup", "--model", "demo-model", "--tokens", "1,x,3"], "integers"),
+        (["lookup", "--model", "demo-model", "--tokens", ""], "no tokens"),
+        (["lookup", "--model", "demo-model", "--tokens-file", "/nonexistent/prompt.txt"], "does not exist"),
+        (["lookup", "--model", "demo-model", "--hashes", "abcd"], "16 bytes"),
+        (["lookup", "--model", "demo-model", "--hashes", "zz"], "hexadecimal"),
+        (["lookup", "--model", "demo-model", "--tokens", "-1"], "out of range"),
+    ],
+)
+def test_kvctl_bad_input_one_line_nonzero(args, needle):
+    proc = kvctl("127.0.0.1:1", *args, check=False)
+    assert proc.returncode != 0
+    assert needle in proc.stderr
+    assert "Traceback" not in proc.stderr and len(proc.stderr.strip().splitlines()) == 1
+
+
+def test_kvctl_unknown_model_is_not_found(cluster):
+    cluster.start_controlplane()
+    cluster.start_agent("agent-m")
+    wait_for(lambda: "agent-m" in cluster.agents(), 20, 0.2, "agent up")
+    proc = kvctl(cluster.endpoint, "lookup", "--model", "no-such-model", "--tokens", "1,2,3", check=False)
+    assert proc.returncode == 1
+    assert "unknown model 'no-such-model'" in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_kvctl_without_controlplane_names_endpoint():
+    endpoint = f"127.0.0.1:{free_port()}"
+    proc = kvctl(endpoint, "agents", check=False)
+    assert proc.returncode == 1
+    assert endpoint in proc.stderr and "make demo" in proc.stderr
+    assert len(proc.stderr.strip().splitlines()) == 1
+
+
+def test_controlplane_without_etcd_exits_with_message():
+    port = free_port()
+    proc = subprocess.run([script("kvcp-controlplane"), "--listen", "127.0.0.1:0", "--etcd", f"127.0.0.1:{port}",
+                           "--etcd-wait-seconds", "1"], capture_output=True, text=True, timeout=30)
+    assert proc.returncode == 2
+    assert f"127.0.0.1:{port}" in proc.stderr and "etcd is not reachable" in proc.stderr
+
+
+def test_demo_runs_twice_in_a_row(tmp_path):
+    run_dir = tmp_path / "run"
+    argv = [sys.executable, str(REPO / "scripts" / "demo.py"), "--run-dir", str(run_dir), "--etcd-port", str(free_port()),
+            "--controlplane-port", str(free_port()), "--agent-ports", str(free_port()), str(free_port()),
+            "--duration", "3", "--rate", "20"]
+    for _ in range(2):
+        proc = subprocess.run(argv, capture_output=True, text=True, timeout=120, env={**os.environ})
+        assert proc.returncode == 0, proc.stdout + proc.stderr
+        assert "kvcp demo cluster is up" in proc.stdout and "stopped 5 processes" in proc.stdout
+        assert not list((run_dir / "pids").glob("*.pid"))

@@ -22,7 +22,8 @@ class EngineClient:
         self.address = address
         self.timeout_seconds = timeout_seconds
         self._channel = grpc.insecure_channel(
-            address, options=[("grpc.max_receive_message_length", 256 << 20), ("grpc.max_send_message_length", 256 << 20)]
+            address,
+            options=[("grpc.max_receive_message_length", 256 << 20), ("grpc.max_send_message_length", 256 << 20)],
         )
         self._stub = agent_pb2_grpc.EngineServiceStub(self._channel)
 
@@ -32,7 +33,10 @@ class EngineClient:
     def store(self, model_id: str, token_ids, kv: bytes, first_block: int = 0, extra_keys=()) -> tuple[int, int]:
         r = self._stub.Store(
             agent_pb2.StoreRequest(
-                model_id=model_id, token_ids=np.asarray(token_ids).tolist(), kv=kv, first_block=first_block,
+                model_id=model_id,
+                token_ids=np.asarray(token_ids).tolist(),
+                kv=kv,
+                first_block=first_block,
                 extra_keys=list(extra_keys),
             ),
             timeout=self.timeout_seconds,

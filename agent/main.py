@@ -12,15 +12,26 @@ import click
 from agent.core.model_spec import ModelSpec
 from agent.server import DEMO_MODEL, Agent, AgentConfig
 
-SIZE_UNITS = {"": 1, "b": 1, "k": 1 << 10, "kb": 1 << 10, "kib": 1 << 10, "m": 1 << 20, "mb": 1 << 20,
-              "mib": 1 << 20, "g": 1 << 30, "gb": 1 << 30, "gib": 1 << 30}
+SIZE_UNITS = {
+    "": 1,
+    "b": 1,
+    "k": 1 << 10,
+    "kb": 1 << 10,
+    "kib": 1 << 10,
+    "m": 1 << 20,
+    "mb": 1 << 20,
+    "mib": 1 << 20,
+    "g": 1 << 30,
+    "gb": 1 << 30,
+    "gib": 1 << 30,
+}
 
 
 def parse_bytes(text: str) -> int:
     """'64MiB' -> 67108864."""
     s = text.strip().lower()
     num = s.rstrip("abcdefghijklmnopqrstuvwxyz")
-    unit = s[len(num):]
+    unit = s[len(num) :]
     if unit not in SIZE_UNITS or not num:
         raise ValueError(f"{text!r} is not a size (examples: 4096, 64MiB, 2GiB)")
     return int(float(num) * SIZE_UNITS[unit])
@@ -56,15 +67,33 @@ class ModelType(click.ParamType):
 @click.option("--etcd", default="127.0.0.1:2379", show_default=True, help="etcd endpoints, comma separated.")
 @click.option("--controlplane", default="", help="Control-plane address; default: the leader recorded in etcd.")
 @click.option("--advertise", default="", help="Address peers and the control plane reach this agent at.")
-@click.option("--model", "models", multiple=True, type=ModelType(),
-              help=f"Model KV layout, repeatable (default {DEMO_MODEL.format()}).")
+@click.option(
+    "--model",
+    "models",
+    multiple=True,
+    type=ModelType(),
+    help=f"Model KV layout, repeatable (default {DEMO_MODEL.format()}).",
+)
 @click.option("--cpu-capacity", default="64MiB", show_default=True, type=SizeType(), help="Host-memory tier size.")
-@click.option("--gpu-capacity", default="0", show_default=True, type=SizeType(), help="GPU tier size (used when CUDA is present).")
+@click.option(
+    "--gpu-capacity", default="0", show_default=True, type=SizeType(), help="GPU tier size (used when CUDA is present)."
+)
 @click.option("--lease-ttl-seconds", default=10, show_default=True, type=click.IntRange(2, 3600))
 @click.option("--etcd-wait-seconds", default=30.0, show_default=True, type=float)
 @click.option("--log-level", default="INFO", show_default=True)
-def main(agent_id, listen, etcd, controlplane, advertise, models, cpu_capacity, gpu_capacity,
-         lease_ttl_seconds, etcd_wait_seconds, log_level):
+def main(
+    agent_id,
+    listen,
+    etcd,
+    controlplane,
+    advertise,
+    models,
+    cpu_capacity,
+    gpu_capacity,
+    lease_ttl_seconds,
+    etcd_wait_seconds,
+    log_level,
+):
     """Run a kvcp agent: a tiered KV block store that reports to the control plane."""
     logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     config = AgentConfig(

@@ -120,7 +120,11 @@ class Agent:
         self.health = health.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         reflection.enable_server_reflection(
-            (agent_pb2.DESCRIPTOR.services_by_name["EngineService"].full_name, health.SERVICE_NAME, reflection.SERVICE_NAME),
+            (
+                agent_pb2.DESCRIPTOR.services_by_name["EngineService"].full_name,
+                health.SERVICE_NAME,
+                reflection.SERVICE_NAME,
+            ),
             self.server,
         )
         self.server.start()

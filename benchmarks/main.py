@@ -18,7 +18,14 @@ def main():
 
 @main.command()
 @click.option("--controlplane", default="127.0.0.1:50051", show_default=True, envvar="KVCTL_ENDPOINT")
-@click.option("--rate", "rate_per_second", default=10.0, show_default=True, type=float, help="Requests per second (0: as fast as possible).")
+@click.option(
+    "--rate",
+    "rate_per_second",
+    default=10.0,
+    show_default=True,
+    type=float,
+    help="Requests per second (0: as fast as possible).",
+)
 @click.option("--duration", "duration_seconds", default=0.0, type=float, help="Seconds to run (0: until Ctrl-C).")
 @click.option("--seed", default=0, show_default=True, type=int)
 @click.option("-o", "--output", "output_format", type=click.Choice(["table", "json"]), default="table")

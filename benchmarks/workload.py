@@ -60,9 +60,12 @@ class PromptGenerator:
         self.cfg = cfg
         self.rng = random.Random(cfg.seed)
         r = np.random.default_rng(cfg.seed)
-        self.system_prompts = [r.integers(0, cfg.vocab_size, cfg.system_prompt_tokens).tolist() for _ in range(cfg.num_system_prompts)]
+        self.system_prompts = [
+            r.integers(0, cfg.vocab_size, cfg.system_prompt_tokens).tolist() for _ in range(cfg.num_system_prompts)
+        ]
         self.documents = [
-            r.integers(0, cfg.vocab_size, int(r.integers(*cfg.document_tokens))).tolist() for _ in range(cfg.num_documents)
+            r.integers(0, cfg.vocab_size, int(r.integers(*cfg.document_tokens))).tolist()
+            for _ in range(cfg.num_documents)
         ]
         weights = 1.0 / np.arange(1, cfg.num_documents + 1) ** cfg.zipf_s
         self.doc_cdf = np.cumsum(weights / weights.sum())
@@ -177,8 +180,10 @@ class Workload:
                 if report and time.monotonic() >= next_report:
                     next_report += 10
                     s = self.stats
-                    report(f"workload: {s.requests_total} requests, hit ratio {s.hit_ratio:.1%}, "
-                           f"{s.corrupt_blocks_total} corrupt blocks, {s.errors_total} errors")
+                    report(
+                        f"workload: {s.requests_total} requests, hit ratio {s.hit_ratio:.1%}, "
+                        f"{s.corrupt_blocks_total} corrupt blocks, {s.errors_total} errors"
+                    )
                 stop.wait(max(0.0, interval - (time.monotonic() - t0)))
         for e in self._engines.values():
             e.close()

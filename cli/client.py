@@ -182,7 +182,8 @@ class ControlPlaneClient:
     ) -> LookupView:
         if block_hashes and len(block_hashes) % BLOCK_HASH_BYTES:
             raise ClientError(
-                "INVALID_ARGUMENT", f"block hashes must be {BLOCK_HASH_BYTES} bytes each ({2 * BLOCK_HASH_BYTES} hex digits)"
+                "INVALID_ARGUMENT",
+                f"block hashes must be {BLOCK_HASH_BYTES} bytes each ({2 * BLOCK_HASH_BYTES} hex digits)",
             )
         resp = self._call(
             "Lookup",

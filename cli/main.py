@@ -40,10 +40,22 @@ pass_ctx = click.make_pass_decorator(Context)
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
-@click.option("--endpoint", envvar="KVCTL_ENDPOINT", default=DEFAULT_ENDPOINT, show_default=True,
-              help="Control-plane address (env KVCTL_ENDPOINT).")
-@click.option("-o", "--output", "output_format", type=click.Choice(["table", "json"]), default="table",
-              show_default=True, help="Tables for people, JSON for scripts.")
+@click.option(
+    "--endpoint",
+    envvar="KVCTL_ENDPOINT",
+    default=DEFAULT_ENDPOINT,
+    show_default=True,
+    help="Control-plane address (env KVCTL_ENDPOINT).",
+)
+@click.option(
+    "-o",
+    "--output",
+    "output_format",
+    type=click.Choice(["table", "json"]),
+    default="table",
+    show_default=True,
+    help="Tables for people, JSON for scripts.",
+)
 @click.option("--timeout", "timeout_seconds", default=5.0, show_default=True, type=float, help="Seconds per call.")
 @click.pass_context
 def main(ctx, endpoint, output_format, timeout_seconds):
@@ -109,7 +121,9 @@ def parse_hashes(hashes: tuple[str, ...]) -> bytes:
             except ValueError:
                 fail(f"--hashes: {part!r} is not hexadecimal")
             if len(raw) != BLOCK_HASH_BYTES:
-                fail(f"--hashes: {part!r} is {len(raw)} bytes; block hashes are {BLOCK_HASH_BYTES} bytes ({2 * BLOCK_HASH_BYTES} hex digits)")
+                fail(
+                    f"--hashes: {part!r} is {len(raw)} bytes; block hashes are {BLOCK_HASH_BYTES} bytes ({2 * BLOCK_HASH_BYTES} hex digits)"
+                )
             out += raw
     return bytes(out)
 
@@ -133,8 +147,10 @@ def lookup(ctx: Context, model_id, tokens, tokens_file, hashes, extra_keys):
     if ctx.output == "json":
         click.echo(output.dumps(view))
         return
-    click.echo(f"model {view.model_id}: {view.num_tokens} tokens, {view.num_blocks} full blocks; "
-               f"best agent: {view.best_agent_id or '(none: nothing cached)'}")
+    click.echo(
+        f"model {view.model_id}: {view.num_tokens} tokens, {view.num_blocks} full blocks; "
+        f"best agent: {view.best_agent_id or '(none: nothing cached)'}"
+    )
     if view.agents:
         rows = [[m.agent_id, m.num_hit_blocks, m.num_hit_tokens, output.tier_runs(m.tiers)] for m in view.agents]
         click.echo(output.table(["AGENT", "HIT_BLOCKS", "HIT_TOKENS", "TIERS"], rows))

@@ -14,10 +14,14 @@ from controlplane.server import ControlPlane, ControlPlaneConfig
 
 @click.command(context_settings={"auto_envvar_prefix": "KVCP", "help_option_names": ["-h", "--help"]})
 @click.option("--listen", default="127.0.0.1:50051", show_default=True, help="gRPC listen address (env KVCP_LISTEN).")
-@click.option("--etcd", default="127.0.0.1:2379", show_default=True, help="etcd endpoints, comma separated (env KVCP_ETCD).")
+@click.option(
+    "--etcd", default="127.0.0.1:2379", show_default=True, help="etcd endpoints, comma separated (env KVCP_ETCD)."
+)
 @click.option("--advertise", default="", help="Address agents and clients reach this replica at.")
 @click.option("--election-ttl-seconds", default=5, show_default=True, type=click.IntRange(1, 3600))
-@click.option("--etcd-wait-seconds", default=30.0, show_default=True, type=float, help="How long to wait for etcd at start.")
+@click.option(
+    "--etcd-wait-seconds", default=30.0, show_default=True, type=float, help="How long to wait for etcd at start."
+)
 @click.option("--log-level", default="INFO", show_default=True)
 def main(listen, etcd, advertise, election_ttl_seconds, etcd_wait_seconds, log_level):
     """Run a kvcp control-plane replica (global block index, lookup, policy)."""
@@ -35,7 +39,10 @@ def main(listen, etcd, advertise, election_ttl_seconds, etcd_wait_seconds, log_l
     except (ConnectionError, OSError) as exc:
         click.echo(f"kvcp-controlplane: {exc}", err=True)
         sys.exit(2)
-    click.echo(f"kvcp-controlplane serving on {cp.address} (leader: {cp.election.is_leader}, epoch {cp.election.epoch})", err=True)
+    click.echo(
+        f"kvcp-controlplane serving on {cp.address} (leader: {cp.election.is_leader}, epoch {cp.election.epoch})",
+        err=True,
+    )
     done = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: done.set())

@@ -53,9 +53,7 @@ def token_array(token_ids: Iterable[int]) -> np.ndarray:
     return arr.astype("<u4", copy=False)
 
 
-def hash_block(
-    parent_hash: bytes, token_ids: Sequence[int], model_id: str, extra_keys: Sequence[str] = ()
-) -> bytes:
+def hash_block(parent_hash: bytes, token_ids: Sequence[int], model_id: str, extra_keys: Sequence[str] = ()) -> bytes:
     """Digest of one block given its parent's digest (ROOT_PARENT_HASH for the first)."""
     tokens = token_array(token_ids)
     return _digest(parent_hash, _header(model_id, extra_keys), tokens)
@@ -94,9 +92,7 @@ def hash_prefix(
 def split_hashes(packed: bytes) -> list[bytes]:
     """Packed digests -> list of 16-byte digests; ValueError when the length is wrong."""
     if len(packed) % BLOCK_HASH_BYTES:
-        raise ValueError(
-            f"packed block hashes must be a multiple of {BLOCK_HASH_BYTES} bytes, got {len(packed)}"
-        )
+        raise ValueError(f"packed block hashes must be a multiple of {BLOCK_HASH_BYTES} bytes, got {len(packed)}")
     return [packed[i : i + BLOCK_HASH_BYTES] for i in range(0, len(packed), BLOCK_HASH_BYTES)]
 
 

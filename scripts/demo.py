@@ -117,7 +117,9 @@ class Demo:
     def start(self) -> None:
         a = self.args
         if shutil.which("etcd") is None:
-            raise RuntimeError("etcd is not installed; run `make demo` (it installs etcd-server) or apt-get install -y etcd-server")
+            raise RuntimeError(
+                "etcd is not installed; run `make demo` (it installs etcd-server) or apt-get install -y etcd-server"
+            )
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self.logs.mkdir(exist_ok=True)
         self.pids.mkdir(exist_ok=True)
@@ -127,12 +129,26 @@ class Demo:
         peer_port = free_port()
         client_url = f"http://127.0.0.1:{a.etcd_port}"
         peer_url = f"http://127.0.0.1:{peer_port}"
-        etcd = self.spawn("etcd", [
-            "etcd", "--name", "kvcp-demo", "--data-dir", str(self.run_dir / "etcd"),
-            "--listen-client-urls", client_url, "--advertise-client-urls", client_url,
-            "--listen-peer-urls", peer_url, "--initial-advertise-peer-urls", peer_url,
-            "--initial-cluster", f"kvcp-demo={peer_url}",
-        ])
+        etcd = self.spawn(
+            "etcd",
+            [
+                "etcd",
+                "--name",
+                "kvcp-demo",
+                "--data-dir",
+                str(self.run_dir / "etcd"),
+                "--listen-client-urls",
+                client_url,
+                "--advertise-client-urls",
+                client_url,
+                "--listen-peer-urls",
+                peer_url,
+                "--initial-advertise-peer-urls",
+                peer_url,
+                "--initial-cluster",
+                f"kvcp-demo={peer_url}",
+            ],
+        )
         self.wait_port("etcd", etcd, a.etcd_port)
         etcd_ep = f"127.0.0.1:{a.etcd_port}"
         connect(etcd_ep, wait_seconds=20, log=self.say).close()
@@ -141,10 +157,20 @@ class Demo:
         self.wait_port("controlplane", cp, a.controlplane_port)
         for i, port in enumerate(a.agent_ports, start=1):
             name = f"agent-{i}"
-            proc = self.spawn(name, [
-                str(BIN / "kvcp-agent"), "--agent-id", name, "--listen", f"127.0.0.1:{port}",
-                "--etcd", etcd_ep, "--cpu-capacity", a.agent_capacity,
-            ])
+            proc = self.spawn(
+                name,
+                [
+                    str(BIN / "kvcp-agent"),
+                    "--agent-id",
+                    name,
+                    "--listen",
+                    f"127.0.0.1:{port}",
+                    "--etcd",
+                    etcd_ep,
+                    "--cpu-capacity",
+                    a.agent_capacity,
+                ],
+            )
             self.wait_port(name, proc, port)
         with ControlPlaneClient(cp_addr) as c:
             deadline = time.monotonic() + 20
@@ -153,14 +179,19 @@ class Demo:
                     raise RuntimeError("agents did not become ready within 20s (see .run/logs/)")
                 time.sleep(0.2)
         if a.rate > 0:
-            self.spawn("workload", [str(BIN / "kvcp-bench"), "workload", "--controlplane", cp_addr, "--rate", str(a.rate)])
+            self.spawn(
+                "workload", [str(BIN / "kvcp-bench"), "workload", "--controlplane", cp_addr, "--rate", str(a.rate)]
+            )
         kvctl = os.path.relpath(BIN / "kvctl", Path.cwd())
         ep = "" if a.controlplane_port == 50051 else f" --endpoint {cp_addr}"
         self.say(
             "\nkvcp demo cluster is up:\n"
             f"  etcd           {etcd_ep:<18} data {self.run_dir / 'etcd'}\n"
             f"  control plane  {cp_addr:<18} (leader)\n"
-            + "".join(f"  agent-{i}        127.0.0.1:{p:<8} cpu tier {a.agent_capacity}\n" for i, p in enumerate(a.agent_ports, 1))
+            + "".join(
+                f"  agent-{i}        127.0.0.1:{p:<8} cpu tier {a.agent_capacity}\n"
+                for i, p in enumerate(a.agent_ports, 1)
+            )
             + f"  workload       {a.rate:g} requests/s (chat sessions + Zipf documents)\n"
             f"  logs           {self.logs}/\n\n"
             "Try, in another terminal:\n"
@@ -176,8 +207,10 @@ class Demo:
         try:
             with ControlPlaneClient(cp_addr, timeout_seconds=2) as c:
                 s = c.stats()
-            return (f"demo: {s.num_agents} agents, {s.num_blocks} blocks ({s.num_block_replicas} replicas), "
-                    f"{s.lookups_total} lookups, hit ratio {s.hit_ratio:.1%}")
+            return (
+                f"demo: {s.num_agents} agents, {s.num_blocks} blocks ({s.num_block_replicas} replicas), "
+                f"{s.lookups_total} lookups, hit ratio {s.hit_ratio:.1%}"
+            )
         except ClientError as exc:
             return f"demo: control plane not answering: {exc}"
 
@@ -194,7 +227,7 @@ class Demo:
             time.sleep(0.2)
 
     def stop(self) -> None:
-        for name, proc in reversed(self.procs):
+        for _name, proc in reversed(self.procs):
             if proc.poll() is None:
                 try:
                     os.killpg(proc.pid, signal.SIGTERM)

@@ -35,8 +35,9 @@ def etcd(etcd_server):
 def controlplane(etcd):
     from controlplane.server import ControlPlane, ControlPlaneConfig
 
-    cp = ControlPlane(ControlPlaneConfig(listen="127.0.0.1:0", etcd=etcd, election_ttl_seconds=3,
-                                         membership_resync_seconds=0.5)).start()
+    cp = ControlPlane(
+        ControlPlaneConfig(listen="127.0.0.1:0", etcd=etcd, election_ttl_seconds=3, membership_resync_seconds=0.5)
+    ).start()
     yield cp
     cp.stop()
 
@@ -48,8 +49,14 @@ def make_agent(etcd):
     agents = []
 
     def make(agent_id: str | None = None, **kwargs) -> Agent:
-        cfg = AgentConfig(agent_id=agent_id or f"agent-{uuid.uuid4().hex[:6]}", listen="127.0.0.1:0", etcd=etcd,
-                          lease_ttl_seconds=kwargs.pop("lease_ttl_seconds", 2), stats_interval_seconds=0.2, **kwargs)
+        cfg = AgentConfig(
+            agent_id=agent_id or f"agent-{uuid.uuid4().hex[:6]}",
+            listen="127.0.0.1:0",
+            etcd=etcd,
+            lease_ttl_seconds=kwargs.pop("lease_ttl_seconds", 2),
+            stats_interval_seconds=0.2,
+            **kwargs,
+        )
         a = Agent(cfg).start()
         agents.append(a)
         return a

@@ -31,9 +31,15 @@ class EngineServicer(agent_pb2_grpc.EngineServiceServicer):
             raise errors.InvalidArgument(
                 "kv", f"{len(request.kv)} bytes given, {n_blocks} blocks x {model.block_bytes} B expected"
             )
-        raw = torch.frombuffer(bytearray(request.kv), dtype=torch.uint8) if request.kv else torch.empty(0, dtype=torch.uint8)
+        raw = (
+            torch.frombuffer(bytearray(request.kv), dtype=torch.uint8)
+            if request.kv
+            else torch.empty(0, dtype=torch.uint8)
+        )
         kv = raw.view(TORCH_DTYPES[model.dtype]).reshape(n_blocks, *model.block_shape)
-        result = self._engine.store(request.model_id, tokens, kv, first_block=first, extra_keys=tuple(request.extra_keys))
+        result = self._engine.store(
+            request.model_id, tokens, kv, first_block=first, extra_keys=tuple(request.extra_keys)
+        )
         return agent_pb2.StoreResponse(
             num_stored_blocks=result.num_stored_blocks, num_present_blocks=result.num_present_blocks
         )

@@ -25,7 +25,9 @@ INVENTORY_CHUNK_BLOCKS = 65536
 
 def tier_usage_pb(pool: BlockPool) -> list[types_pb2.TierUsage]:
     return [
-        types_pb2.TierUsage(tier=int(u.tier), capacity_bytes=u.capacity_bytes, used_bytes=u.used_bytes, num_blocks=u.num_blocks)
+        types_pb2.TierUsage(
+            tier=int(u.tier), capacity_bytes=u.capacity_bytes, used_bytes=u.used_bytes, num_blocks=u.num_blocks
+        )
         for u in pool.usage()
     ]
 
@@ -76,7 +78,9 @@ class ControlPlaneLink:
                 )
                 size += end - start
                 if size >= INVENTORY_CHUNK_BLOCKS:
-                    yield agent_pb2.AgentMessage(inventory=agent_pb2.Inventory(seq=seq, chunk_index=index, groups=chunk))
+                    yield agent_pb2.AgentMessage(
+                        inventory=agent_pb2.Inventory(seq=seq, chunk_index=index, groups=chunk)
+                    )
                     chunk, size, index = [], 0, index + 1
         yield agent_pb2.AgentMessage(
             inventory=agent_pb2.Inventory(seq=seq, chunk_index=index, last_chunk=True, groups=chunk)

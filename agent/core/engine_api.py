@@ -55,7 +55,9 @@ class KVEngineAPI:
     def model(self, model_id: str) -> ModelSpec:
         m = self.models.get(model_id)
         if m is None:
-            raise errors.NotFound(f"model_id: this agent serves no model {model_id!r} (serves {', '.join(self.models)})")
+            raise errors.NotFound(
+                f"model_id: this agent serves no model {model_id!r} (serves {', '.join(self.models)})"
+            )
         return m
 
     def hashes(self, model: ModelSpec, token_ids, extra_keys: Sequence[str] = ()) -> list[bytes]:
@@ -115,5 +117,3 @@ class KVEngineAPI:
             self.lookups_total += 1
             self.lookup_tokens_total += num_tokens
             self.lookup_hit_tokens_total += hit_tokens
-
-

@@ -36,9 +36,7 @@ class AgentServicer(agent_pb2_grpc.AgentServiceServicer):
             )
         self._cluster.register(convert.agent_record_from_pb(info))
         log.info("agent %s registered from %s", info.agent_id, info.address)
-        return agent_pb2.RegisterResponse(
-            epoch=self._leadership.epoch, leader_address=self._leadership.leader_address
-        )
+        return agent_pb2.RegisterResponse(epoch=self._leadership.epoch, leader_address=self._leadership.leader_address)
 
     def Sync(self, request_iterator, context):
         self._require_leader()

@@ -133,8 +133,7 @@ class Cluster:
             if known is not None and known.block_size != m.block_size:
                 raise errors.InvalidArgument(
                     "agent.models.block_size",
-                    f"model {m.model_id!r} has block_size {known.block_size} on other agents, "
-                    f"not {m.block_size}",
+                    f"model {m.model_id!r} has block_size {known.block_size} on other agents, not {m.block_size}",
                 )
         with self._lock:
             old = self._agents.get(record.agent_id)
@@ -176,7 +175,10 @@ class Cluster:
 
     def agents(self) -> list[tuple[AgentRecord, int]]:
         with self._lock:
-            return [(r, self.index.num_agent_blocks(r.agent_id)) for r in sorted(self._agents.values(), key=lambda r: r.agent_id)]
+            return [
+                (r, self.index.num_agent_blocks(r.agent_id))
+                for r in sorted(self._agents.values(), key=lambda r: r.agent_id)
+            ]
 
     # ---- sync -----------------------------------------------------------------------
     def hello(self, agent_id: str, session_id: str) -> None:
@@ -238,7 +240,9 @@ class Cluster:
                     self.index.remove(agent_id, hashes)
             return None
 
-    def update_stats(self, agent_id: str, tiers: list[TierUsage], lookups: int, lookup_tokens: int, hit_tokens: int) -> None:
+    def update_stats(
+        self, agent_id: str, tiers: list[TierUsage], lookups: int, lookup_tokens: int, hit_tokens: int
+    ) -> None:
         with self._lock:
             rec = self.agent(agent_id)
             rec.tiers = tiers

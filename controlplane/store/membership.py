@@ -25,7 +25,7 @@ class MembershipWatcher:
 
     def live_agent_ids(self) -> set[str]:
         return {
-            meta.key.decode()[len(AGENTS_PREFIX):]
+            meta.key.decode()[len(AGENTS_PREFIX) :]
             for _, meta in self._client.get_prefix(AGENTS_PREFIX, keys_only=True)
         }
 
@@ -43,7 +43,7 @@ class MembershipWatcher:
             return
         for event in response.events:
             if isinstance(event, pyetcd.events.DeleteEvent):
-                agent_id = event.key.decode()[len(AGENTS_PREFIX):]
+                agent_id = event.key.decode()[len(AGENTS_PREFIX) :]
                 dropped = self._cluster.remove_agent(agent_id)
                 log.info("agent %s left (key deleted), %d replicas dropped", agent_id, dropped)
 

@@ -42,15 +42,39 @@ class Cluster:
         return proc
 
     def start_controlplane(self):
-        self.spawn("cp", [script("kvcp-controlplane"), "--listen", self.endpoint, "--etcd", self.etcd,
-                          "--election-ttl-seconds", "3"])
+        self.spawn(
+            "cp",
+            [
+                script("kvcp-controlplane"),
+                "--listen",
+                self.endpoint,
+                "--etcd",
+                self.etcd,
+                "--election-ttl-seconds",
+                "3",
+            ],
+        )
         wait_for(lambda: kvctl(self.endpoint, "stats", check=False).returncode == 0, 20, 0.2, "control plane up")
 
     def start_agent(self, agent_id: str, port: int | None = None):
         port = port or self.agent_ports.get(agent_id) or free_port()
         self.agent_ports[agent_id] = port
-        return self.spawn(agent_id, [script("kvcp-agent"), "--agent-id", agent_id, "--listen", f"127.0.0.1:{port}",
-                                     "--etcd", self.etcd, "--cpu-capacity", "8MiB", "--lease-ttl-seconds", "3"])
+        return self.spawn(
+            agent_id,
+            [
+                script("kvcp-agent"),
+                "--agent-id",
+                agent_id,
+                "--listen",
+                f"127.0.0.1:{port}",
+                "--etcd",
+                self.etcd,
+                "--cpu-capacity",
+                "8MiB",
+                "--lease-ttl-seconds",
+                "3",
+            ],
+        )
 
     def agents(self) -> dict[str, dict]:
         return {a["agent_id"]: a for a in json.loads(kvctl(self.endpoint, "-o", "json", "agents").stdout)}
@@ -79,8 +103,23 @@ def test_cluster_from_console_scripts(cluster, tmp_path):
     cluster.start_agent("agent-b")
     wait_for(lambda: set(cluster.agents()) == {"agent-a", "agent-b"}, 30, 0.3, "two agents")
     # the workload stores and looks up KV through the agents; every loaded block is verified
-    wl = subprocess.run([script("kvcp-bench"), "workload", "--controlplane", cluster.endpoint, "--rate", "0",
-                         "--duration", "4", "-o", "json"], capture_output=True, text=True, timeout=60)
+    wl = subprocess.run(
+        [
+            script("kvcp-bench"),
+            "workload",
+            "--controlplane",
+            cluster.endpoint,
+            "--rate",
+            "0",
+            "--duration",
+            "4",
+            "-o",
+            "json",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert wl.returncode == 0, wl.stderr
     result = json.loads(wl.stdout)
     assert result["requests"] > 10 and result["errors"] == 0 and result["corrupt_blocks"] == 0
@@ -105,20 +144,29 @@ def test_cluster_from_console_scripts(cluster, tmp_path):
     tf.write_text(",".join(map(str, tokens + [1, 2])))
 
     def best():
-        out = json.loads(kvctl(cluster.endpoint, "-o", "json", "lookup", "--model", M.model_id, "--tokens-file", str(tf)).stdout)
+        out = json.loads(
+            kvctl(cluster.endpoint, "-o", "json", "lookup", "--model", M.model_id, "--tokens-file", str(tf)).stdout
+        )
         return out if out["best_agent_id"] == "agent-b" else None
 
     out = wait_for(best, 10, 0.2, "lookup to find agent-b")
     assert out["num_tokens"] == len(tokens) + 2 and out["model_id"] == M.model_id
     match = out["agents"][0]
-    assert match == {"agent_id": "agent-b", "num_hit_blocks": 6, "num_hit_tokens": 6 * M.block_size, "tiers": ["cpu"] * 6}
+    assert match == {
+        "agent_id": "agent-b",
+        "num_hit_blocks": 6,
+        "num_hit_tokens": 6 * M.block_size,
+        "tiers": ["cpu"] * 6,
+    }
     table = kvctl(cluster.endpoint, "lookup", "--model", M.model_id, "--tokens-file", str(tf)).stdout
     assert "best agent: agent-b" in table and "cpu×6" in table
 
     # SIGKILL an agent: it leaves ListAgents and the index within TTL (3 s) + 2 s
     cluster.procs["agent-b"].send_signal(signal.SIGKILL)
     wait_for(lambda: "agent-b" not in cluster.agents(), 3 + 2 + 1, 0.2, "killed agent gone")
-    out = json.loads(kvctl(cluster.endpoint, "-o", "json", "lookup", "--model", M.model_id, "--tokens-file", str(tf)).stdout)
+    out = json.loads(
+        kvctl(cluster.endpoint, "-o", "json", "lookup", "--model", M.model_id, "--tokens-file", str(tf)).stdout
+    )
     assert all(m["agent_id"] != "agent-b" for m in out["agents"])
 
     # restarted with the same id, it registers again and resyncs (its memory tier is empty)
@@ -138,7 +186,9 @@ def test_restart_before_lease_expiry_replaces_stale_blocks(cluster):
     cluster.procs["agent-r"].send_signal(signal.SIGKILL)
     cluster.procs["agent-r"].wait()
     cluster.start_agent("agent-r")  # same id, new process, old lease still alive
-    wait_for(lambda: cluster.agents()["agent-r"]["num_blocks"] == 0, 10, 0.2, "stale blocks replaced by the new inventory")
+    wait_for(
+        lambda: cluster.agents()["agent-r"]["num_blocks"] == 0, 10, 0.2, "stale blocks replaced by the new inventory"
+    )
 
 
 @pytest.mark.parametrize(
@@ -179,17 +229,43 @@ def test_kvctl_without_controlplane_names_endpoint():
 
 def test_controlplane_without_etcd_exits_with_message():
     port = free_port()
-    proc = subprocess.run([script("kvcp-controlplane"), "--listen", "127.0.0.1:0", "--etcd", f"127.0.0.1:{port}",
-                           "--etcd-wait-seconds", "1"], capture_output=True, text=True, timeout=30)
+    proc = subprocess.run(
+        [
+            script("kvcp-controlplane"),
+            "--listen",
+            "127.0.0.1:0",
+            "--etcd",
+            f"127.0.0.1:{port}",
+            "--etcd-wait-seconds",
+            "1",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
     assert proc.returncode == 2
     assert f"127.0.0.1:{port}" in proc.stderr and "etcd is not reachable" in proc.stderr
 
 
 def test_demo_runs_twice_in_a_row(tmp_path):
     run_dir = tmp_path / "run"
-    argv = [sys.executable, str(REPO / "scripts" / "demo.py"), "--run-dir", str(run_dir), "--etcd-port", str(free_port()),
-            "--controlplane-port", str(free_port()), "--agent-ports", str(free_port()), str(free_port()),
-            "--duration", "3", "--rate", "20"]
+    argv = [
+        sys.executable,
+        str(REPO / "scripts" / "demo.py"),
+        "--run-dir",
+        str(run_dir),
+        "--etcd-port",
+        str(free_port()),
+        "--controlplane-port",
+        str(free_port()),
+        "--agent-ports",
+        str(free_port()),
+        str(free_port()),
+        "--duration",
+        "3",
+        "--rate",
+        "20",
+    ]
     for _ in range(2):
         proc = subprocess.run(argv, capture_output=True, text=True, timeout=120, env={**os.environ})
         assert proc.returncode == 0, proc.stdout + proc.stderr

@@ -113,7 +113,11 @@ def test_admin_errors_have_status_codes(controlplane, make_agent):
     cases = [
         (admin_pb2.LookupRequest(model_id="", token_ids=[1]), grpc.StatusCode.INVALID_ARGUMENT, "model_id"),
         (admin_pb2.LookupRequest(model_id=M.model_id), grpc.StatusCode.INVALID_ARGUMENT, "token_ids"),
-        (admin_pb2.LookupRequest(model_id=M.model_id, block_hashes=b"x" * 17), grpc.StatusCode.INVALID_ARGUMENT, "block_hashes"),
+        (
+            admin_pb2.LookupRequest(model_id=M.model_id, block_hashes=b"x" * 17),
+            grpc.StatusCode.INVALID_ARGUMENT,
+            "block_hashes",
+        ),
         (admin_pb2.LookupRequest(model_id="nope", token_ids=[1]), grpc.StatusCode.NOT_FOUND, "model_id"),
     ]
     wait_for(lambda: stub.GetStats(admin_pb2.GetStatsRequest()).models, what="model known")

@@ -1,0 +1,340 @@
+"""Cluster: registration, the Sync protocol (hello, inventory chunks, event batches with
+sequence numbers) and lookups, driven directly with a fake clock."""
+
+from __future__ import annotations
+
+import pytest
+
+from controlplane.core.cluster import (
+    AgentRecord,
+    AgentState,
+    BlockGroup,
+    Cluster,
+    ModelInfo,
+    TierUsage,
+)
+from protos import errors
+from protos.block_hash import hash_prefix
+from protos.tier import Tier
+
+BS = 4
+
+
+class FakeClock:
+    def __init__(self, now: float = 1000.0) -> None:
+        self.now = now
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def record(agent_id: str, *models: ModelInfo) -> AgentRecord:
+    return AgentRecord(
+        agent_id=agent_id, address=f"{agent_id}:1", models=list(models) or [ModelInfo("m", BS)], tiers=[]
+    )
+
+
+def packed(n_blocks: int, start: int = 0, model_id: str = "m", extra: tuple[str, ...] = ()) -> bytes:
+    return hash_prefix(model_id, range(start, start + n_blocks * BS), BS, extra)
+
+
+def block(p: bytes, i: int) -> bytes:
+    return p[16 * i : 16 * (i + 1)]
+
+
+@pytest.fixture
+def clock():
+    return FakeClock()
+
+
+@pytest.fixture
+def cluster(clock):
+    return Cluster(clock=clock)
+
+
+def ready_agent(cluster: Cluster, agent_id: str, groups: list[BlockGroup], seq: int = 0, session: str = "s1") -> None:
+    cluster.register(record(agent_id))
+    cluster.hello(agent_id, session)
+    assert cluster.apply_inventory_chunk(agent_id, seq, 0, True, groups) is None
+
+
+# ---- registration ------------------------------------------------------------------
+def test_register_and_agent(cluster, clock):
+    cluster.register(record("a"))
+    rec = cluster.agent("a")
+    assert rec.state is AgentState.SYNCING
+    assert rec.registered_at_unix_seconds == clock.now
+    assert cluster.model("m").block_size == BS
+    assert [r.agent_id for r, _ in cluster.agents()] == ["a"]
+
+
+def test_unknown_agent_is_not_found(cluster):
+    with pytest.raises(errors.NotFound, match="'ghost'"):
+        cluster.agent("ghost")
+    with pytest.raises(errors.NotFound):
+        cluster.apply_events("ghost", 1, True, [])
+
+
+def test_register_rejects_empty_agent_id(cluster):
+    with pytest.raises(errors.InvalidArgument) as info:
+        cluster.register(record(""))
+    assert info.value.field == "agent.agent_id"
+
+
+@pytest.mark.parametrize("block_size", [0, -16])
+def test_register_rejects_bad_block_size(cluster, block_size):
+    with pytest.raises(errors.InvalidArgument) as info:
+        cluster.register(record("a", ModelInfo("m", block_size)))
+    assert info.value.field == "agent.models.block_size"
+    assert "block_size" in str(info.value)
+    with pytest.raises(errors.NotFound):
+        cluster.agent("a")
+
+
+def test_register_rejects_conflicting_block_size_across_agents(cluster):
+    cluster.register(record("a", ModelInfo("m", 16)))
+    with pytest.raises(errors.InvalidArgument) as info:
+        cluster.register(record("b", ModelInfo("m", 32)))
+    assert info.value.field == "agent.models.block_size"
+    assert "'m'" in str(info.value) and "16" in str(info.value) and "32" in str(info.value)
+    with pytest.raises(errors.NotFound):
+        cluster.agent("b")
+    cluster.register(record("c", ModelInfo("m", 16), ModelInfo("other", 32)))  # same size is fine
+    assert cluster.model("other").block_size == 32
+
+
+def test_register_rejects_conflicting_block_size_within_one_agent(cluster):
+    # BUG: the check only compares against models registered earlier, so one record that
+    # names the same model twice with different block sizes is accepted (first one wins).
+    with pytest.raises(errors.InvalidArgument):
+        cluster.register(record("a", ModelInfo("m", 16), ModelInfo("m", 32)))
+
+
+def test_model_block_size_can_change_once_no_agent_serves_it(cluster):
+    # BUG: `_models` is never pruned, so a model keeps its first block_size for the life
+    # of the control plane even after every agent that served it is gone; the error then
+    # speaks of "other agents" that do not exist.
+    cluster.register(record("a", ModelInfo("m", 16)))
+    cluster.remove_agent("a")
+    cluster.register(record("b", ModelInfo("m", 32)))
+    assert cluster.model("m").block_size == 32
+
+
+def test_reregister_keeps_sync_position_and_counters(cluster, clock):
+    ready_agent(cluster, "a", [BlockGroup("m", Tier.CPU, packed(2))], seq=7)
+    cluster.update_stats("a", [], lookups=3, lookup_tokens=30, hit_tokens=12)
+    clock.now += 5
+    cluster.register(record("a"))
+    rec = cluster.agent("a")
+    assert (rec.session_id, rec.last_seq, rec.awaiting_inventory) == ("s1", 7, False)
+    assert (rec.lookups_total, rec.lookup_tokens_total, rec.lookup_hit_tokens_total) == (3, 30, 12)
+    assert rec.registered_at_unix_seconds == clock.now
+    assert cluster.apply_events("a", 8, True, [BlockGroup("m", Tier.CPU, packed(3))]) is None
+
+
+# ---- sync: inventory ---------------------------------------------------------------
+def test_multi_chunk_inventory_swaps_in_at_the_last_chunk(cluster):
+    p = packed(5)
+    ready_agent(cluster, "a", [BlockGroup("m", Tier.DISK, packed(1, start=1000))])
+    cluster.hello("a", "s2")
+    assert cluster.agent("a").state is AgentState.SYNCING
+    assert cluster.apply_inventory_chunk("a", 3, 0, False, [BlockGroup("m", Tier.GPU, p[:32])]) is None
+    assert cluster.apply_inventory_chunk("a", 3, 1, False, [BlockGroup("m", Tier.CPU, p[32:48])]) is None
+    # until the last chunk the old inventory is what lookups see
+    assert cluster.index.agent_blocks("a") == {packed(1, start=1000): int(Tier.DISK)}
+    assert cluster.lookup("m", block_hashes=p).matches == []
+    last = [BlockGroup("m", Tier.DISK, p[48:]), BlockGroup("m2", Tier.CPU, b"")]
+    assert cluster.apply_inventory_chunk("a", 3, 2, True, last) is None
+    rec = cluster.agent("a")
+    assert rec.state is AgentState.READY
+    assert rec.last_seq == 3 and not rec.awaiting_inventory
+    assert cluster.index.num_agent_blocks("a") == 5
+    (m,) = cluster.lookup("m", block_hashes=p).matches
+    assert m.tier_list() == [Tier.GPU, Tier.GPU, Tier.CPU, Tier.DISK, Tier.DISK]
+
+
+def test_inventory_chunk_out_of_order_returns_a_reason(cluster):
+    cluster.register(record("a"))
+    cluster.hello("a", "s1")
+    p = packed(3)
+    assert cluster.apply_inventory_chunk("a", 0, 0, False, [BlockGroup("m", Tier.CPU, p[:16])]) is None
+    reason = cluster.apply_inventory_chunk("a", 0, 2, True, [BlockGroup("m", Tier.CPU, p[16:])])
+    assert reason is not None and "chunk 2" in reason and "expected 1" in reason
+    assert cluster.resyncs_total == 1
+    assert cluster.index.num_agent_blocks("a") == 0
+    assert cluster.agent("a").awaiting_inventory
+    # a fresh inventory from chunk 0 is accepted
+    assert cluster.apply_inventory_chunk("a", 0, 0, True, [BlockGroup("m", Tier.CPU, p)]) is None
+    assert cluster.index.num_agent_blocks("a") == 3
+
+
+def test_hello_discards_a_half_received_inventory(cluster):
+    cluster.register(record("a"))
+    cluster.hello("a", "s1")
+    cluster.apply_inventory_chunk("a", 0, 0, False, [BlockGroup("m", Tier.CPU, packed(2))])
+    cluster.hello("a", "s2")
+    assert cluster.apply_inventory_chunk("a", 0, 0, True, [BlockGroup("m", Tier.CPU, packed(1, start=500))]) is None
+    assert cluster.index.agent_blocks("a") == {packed(1, start=500): int(Tier.CPU)}
+
+
+# ---- sync: events ------------------------------------------------------------------
+def test_consecutive_event_batches_are_applied(cluster):
+    p = packed(4)
+    ready_agent(cluster, "a", [BlockGroup("m", Tier.GPU, p[:16])], seq=10)
+    assert cluster.apply_events("a", 11, True, [BlockGroup("m", Tier.GPU, p[16:48])]) is None
+    assert (
+        cluster.apply_events("a", 12, True, [BlockGroup("m", Tier.CPU, p[:16]), BlockGroup("m", Tier.GPU, p[48:])])
+        is None
+    )
+    (m,) = cluster.lookup("m", block_hashes=p).matches
+    assert m.tier_list() == [Tier.CPU, Tier.GPU, Tier.GPU, Tier.GPU]
+    assert cluster.apply_events("a", 13, False, [BlockGroup("m", Tier.GPU, p[32:])]) is None
+    assert cluster.lookup("m", block_hashes=p).matches[0].num_hit_blocks == 2
+    assert cluster.agent("a").last_seq == 13
+    assert cluster.events_total == 2 + 2 + 2
+
+
+def test_events_before_the_inventory_are_ignored(cluster):
+    cluster.register(record("a"))
+    cluster.hello("a", "s1")
+    assert cluster.apply_events("a", 1, True, [BlockGroup("m", Tier.CPU, packed(1))]) is None
+    assert cluster.index.num_agent_blocks("a") == 0
+
+
+def test_seq_gap_asks_for_resync_and_ignores_batches_until_inventory(cluster):
+    p = packed(4)
+    ready_agent(cluster, "a", [], seq=0)
+    assert cluster.apply_events("a", 1, True, [BlockGroup("m", Tier.CPU, p[:16])]) is None
+    reason = cluster.apply_events("a", 3, True, [BlockGroup("m", Tier.CPU, p[16:32])])
+    assert reason is not None and "seq 3" in reason and "expected 2" in reason
+    rec = cluster.agent("a")
+    assert rec.state is AgentState.SYNCING and rec.awaiting_inventory
+    assert cluster.resyncs_total == 1
+    # later batches are ignored, even ones that look consecutive, and ask nothing more
+    assert cluster.apply_events("a", 2, True, [BlockGroup("m", Tier.CPU, p[16:32])]) is None
+    assert cluster.apply_events("a", 4, True, [BlockGroup("m", Tier.CPU, p[32:48])]) is None
+    assert cluster.index.num_agent_blocks("a") == 1
+    assert cluster.resyncs_total == 1
+    # the fresh inventory resets the sequence
+    assert cluster.apply_inventory_chunk("a", 9, 0, True, [BlockGroup("m", Tier.CPU, p[:32])]) is None
+    assert cluster.agent("a").state is AgentState.READY
+    assert cluster.apply_events("a", 10, True, [BlockGroup("m", Tier.CPU, p[32:])]) is None
+    assert cluster.lookup("m", block_hashes=p).matches[0].num_hit_blocks == 4
+
+
+# ---- lookup ------------------------------------------------------------------------
+@pytest.mark.parametrize(
+    ("kwargs", "field"),
+    [
+        ({"model_id": "", "token_ids": [1, 2, 3, 4]}, "model_id"),
+        ({"model_id": "m"}, "token_ids"),
+        ({"model_id": "m", "token_ids": []}, "token_ids"),
+        ({"model_id": "m", "token_ids": [1, 2, 3, 4], "block_hashes": b"\x00" * 16}, "token_ids"),
+        ({"model_id": "m", "block_hashes": b"\x00" * 17}, "block_hashes"),
+        ({"model_id": "m", "token_ids": [1, -2, 3, 4]}, "token_ids"),
+        ({"model_id": "m", "token_ids": [1, 2**32, 3, 4]}, "token_ids"),
+    ],
+)
+def test_lookup_invalid_arguments(cluster, kwargs, field):
+    cluster.register(record("a"))
+    with pytest.raises(errors.InvalidArgument) as info:
+        cluster.lookup(**kwargs)
+    assert info.value.field == field
+    assert cluster.lookups_total == 0
+
+
+def test_lookup_unknown_model(cluster):
+    cluster.register(record("a"))
+    with pytest.raises(errors.NotFound, match="unknown model 'nope'.*known: m"):
+        cluster.lookup("nope", token_ids=[1, 2, 3, 4])
+    with pytest.raises(errors.NotFound, match="none yet"):
+        Cluster().lookup("m", token_ids=[1])
+
+
+def test_lookup_by_tokens_and_by_hashes_agree(cluster):
+    p = packed(3)
+    ready_agent(cluster, "a", [BlockGroup("m", Tier.GPU, p[:32])])
+    ready_agent(cluster, "b", [BlockGroup("m", Tier.CPU, p)], session="s9")
+    tokens = list(range(3 * BS + 2))
+    by_tokens = cluster.lookup("m", token_ids=tokens)
+    assert (by_tokens.num_tokens, by_tokens.num_blocks, by_tokens.block_size) == (3 * BS + 2, 3, BS)
+    assert [(m.agent_id, m.num_hit_blocks) for m in by_tokens.matches] == [("b", 3), ("a", 2)]
+    assert by_tokens.best_agent_id == "b"
+    by_hashes = cluster.lookup("m", block_hashes=p)
+    assert by_hashes.matches == by_tokens.matches
+    assert by_hashes.num_tokens == 3 * BS
+
+
+def test_lookup_extra_keys_are_another_namespace(cluster):
+    ready_agent(cluster, "a", [BlockGroup("m", Tier.GPU, packed(2, extra=("lora",)))])
+    tokens = list(range(2 * BS))
+    assert cluster.lookup("m", token_ids=tokens).matches == []
+    assert cluster.lookup("m", token_ids=tokens, extra_keys=("lora",)).best_agent_id == "a"
+
+
+def test_lookup_shorter_than_a_block(cluster):
+    ready_agent(cluster, "a", [BlockGroup("m", Tier.GPU, packed(1))])
+    res = cluster.lookup("m", token_ids=[0, 1])
+    assert (res.num_blocks, res.matches, res.best_agent_id) == (0, [], "")
+
+
+def test_lookup_counters(cluster):
+    ready_agent(cluster, "a", [BlockGroup("m", Tier.GPU, packed(2))])
+    cluster.lookup("m", token_ids=list(range(3 * BS + 1)))  # 2 of 3 blocks hit
+    cluster.lookup("m", token_ids=list(range(100, 100 + BS)))  # miss
+    cluster.lookup("m", block_hashes=packed(1))  # 1 block hit
+    assert cluster.lookups_total == 3
+    assert cluster.lookup_tokens_total == (3 * BS + 1) + BS + BS
+    assert cluster.lookup_hit_tokens_total == 2 * BS + 0 + BS
+    stats = cluster.stats()
+    assert (stats.lookups_total, stats.lookup_tokens_total, stats.lookup_hit_tokens_total) == (3, 5 * BS + 1, 3 * BS)
+
+
+# ---- membership --------------------------------------------------------------------
+def test_remove_agent_drops_its_blocks(cluster):
+    p = packed(3)
+    ready_agent(cluster, "a", [BlockGroup("m", Tier.GPU, p)])
+    ready_agent(cluster, "b", [BlockGroup("m", Tier.GPU, p[:16])])
+    assert cluster.remove_agent("a") == 3
+    assert cluster.index.num_blocks == 1
+    assert [m.agent_id for m in cluster.lookup("m", block_hashes=p).matches] == ["b"]
+    with pytest.raises(errors.NotFound):
+        cluster.agent("a")
+    assert cluster.remove_agent("a") == 0
+
+
+def test_reconcile_membership_keeps_agents_registered_after_the_listing(cluster, clock):
+    ready_agent(cluster, "live", [BlockGroup("m", Tier.GPU, packed(1))])
+    ready_agent(cluster, "dead", [BlockGroup("m", Tier.GPU, packed(2))])
+    listed_at = clock.now
+    clock.now += 1
+    ready_agent(cluster, "new", [BlockGroup("m", Tier.GPU, packed(1, start=77))])
+    gone = cluster.reconcile_membership({"live"}, listed_at)
+    assert gone == ["dead"]
+    assert [r.agent_id for r, _ in cluster.agents()] == ["live", "new"]
+    assert cluster.index.num_agent_blocks("dead") == 0
+    assert cluster.index.num_blocks == 2
+    # a later listing without "new" drops it too
+    assert cluster.reconcile_membership({"live"}, clock.now + 1) == ["new"]
+
+
+def test_stream_closed_marks_disconnected_and_keeps_blocks(cluster):
+    p = packed(2)
+    ready_agent(cluster, "a", [BlockGroup("m", Tier.GPU, p)], session="s1")
+    cluster.stream_closed("a", "old-session")  # a stale stream closing changes nothing
+    assert cluster.agent("a").state is AgentState.READY
+    cluster.stream_closed("a", "s1")
+    assert cluster.agent("a").state is AgentState.DISCONNECTED
+    assert cluster.lookup("m", block_hashes=p).matches[0].num_hit_blocks == 2
+    cluster.stream_closed("ghost", "s1")  # unknown agents are ignored
+
+
+def test_stats(cluster):
+    ready_agent(cluster, "a", [BlockGroup("m", Tier.GPU, packed(2))])
+    ready_agent(cluster, "b", [BlockGroup("m", Tier.GPU, packed(1))])
+    cluster.update_stats("a", [TierUsage(Tier.GPU, 100, 40, 2), TierUsage(Tier.CPU, 1000, 0, 0)], 0, 0, 0)
+    cluster.update_stats("b", [TierUsage(Tier.GPU, 100, 20, 1)], 0, 0, 0)
+    s = cluster.stats()
+    assert (s.num_agents, s.num_blocks, s.num_block_replicas) == (2, 2, 3)
+    assert s.tiers == [TierUsage(Tier.GPU, 200, 60, 3), TierUsage(Tier.CPU, 1000, 0, 0)]
+    assert [m.model_id for m in s.models] == ["m"]

@@ -1,0 +1,46 @@
+"""The plain-Python Tier must stay equal to the wire enum kvcp.v1.Tier."""
+
+from __future__ import annotations
+
+import pytest
+
+from protos.kvcp.v1 import types_pb2
+from protos.tier import Tier
+
+
+def test_values_equal_the_proto_enum():
+    for t in Tier:
+        assert types_pb2.Tier.Value(f"TIER_{t.name}") == int(t)
+    wire = {name for name in types_pb2.Tier.keys() if name != "TIER_UNSPECIFIED"}
+    assert wire == {f"TIER_{t.name}" for t in Tier}
+
+
+def test_named_constants():
+    assert Tier.GPU == types_pb2.TIER_GPU
+    assert Tier.CPU == types_pb2.TIER_CPU
+    assert Tier.DISK == types_pb2.TIER_DISK
+    assert Tier.REMOTE == types_pb2.TIER_REMOTE
+
+
+def test_fastest_first():
+    assert sorted(Tier) == [Tier.GPU, Tier.CPU, Tier.DISK, Tier.REMOTE]
+
+
+@pytest.mark.parametrize(("text", "tier"), [("gpu", Tier.GPU), ("CPU", Tier.CPU), (" Disk ", Tier.DISK)])
+def test_parse_accepts_names_in_any_case(text, tier):
+    assert Tier.parse(text) is tier
+
+
+def test_label_roundtrip():
+    for t in Tier:
+        assert Tier.parse(t.label) is t
+
+
+@pytest.mark.parametrize("text", ["ssd", "", "1", "gpu0"])
+def test_parse_rejects_unknown_with_the_choices(text):
+    with pytest.raises(ValueError) as info:
+        Tier.parse(text)
+    msg = str(info.value)
+    assert repr(text) in msg
+    for name in ("gpu", "cpu", "disk"):
+        assert name in msg

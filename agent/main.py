@@ -9,8 +9,11 @@ import threading
 
 import click
 
+from agent.core.codecs import available_codecs
 from agent.core.model_spec import ModelSpec
+from protos.tier import Tier
 from agent.server import DEMO_MODEL, Agent, AgentConfig
+from protos.metrics import parse_listen
 
 SIZE_UNITS = {
     "": 1,
@@ -61,6 +64,15 @@ class ModelType(click.ParamType):
             self.fail(str(exc), param, ctx)
 
 
+def _metrics_listen(ctx, param, value: str) -> str:
+    if value:
+        try:
+            parse_listen(value)
+        except ValueError as exc:
+            raise click.BadParameter(str(exc)) from None
+    return value
+
+
 @click.command(context_settings={"auto_envvar_prefix": "KVCP_AGENT", "help_option_names": ["-h", "--help"]})
 @click.option("--agent-id", required=True, help="Unique id of this agent (env KVCP_AGENT_AGENT_ID).")
 @click.option("--listen", default="127.0.0.1:50061", show_default=True, help="gRPC listen address of the engine API.")
@@ -78,8 +90,23 @@ class ModelType(click.ParamType):
 @click.option(
     "--gpu-capacity", default="0", show_default=True, type=SizeType(), help="GPU tier size (used when CUDA is present)."
 )
+@click.option("--disk-dir", default="", help="Directory of the disk tier (one file per block); empty: no disk tier.")
+@click.option("--disk-capacity", default="1GiB", show_default=True, type=SizeType(), help="Disk tier size.")
+@click.option("--disk-fsync/--no-disk-fsync", default=False, show_default=True, help="fsync every block written to disk.")
+@click.option("--gpu-codec", default="none", show_default=True, type=click.Choice(available_codecs()))
+@click.option("--cpu-codec", default="none", show_default=True, type=click.Choice(available_codecs()),
+              help="Codec applied to raw blocks entering the CPU tier.")
+@click.option("--disk-codec", default="zstd", show_default=True, type=click.Choice(available_codecs()),
+              help="Codec applied to raw blocks demoted to disk.")
 @click.option("--lease-ttl-seconds", default=10, show_default=True, type=click.IntRange(2, 3600))
 @click.option("--etcd-wait-seconds", default=30.0, show_default=True, type=float)
+@click.option(
+    "--metrics-listen",
+    default="127.0.0.1:9401",
+    show_default=True,
+    callback=_metrics_listen,
+    help="Prometheus /metrics address (port 0: any free port; empty: none); a taken port falls back to a free one.",
+)
 @click.option("--log-level", default="INFO", show_default=True)
 def main(
     agent_id,
@@ -90,8 +117,15 @@ def main(
     models,
     cpu_capacity,
     gpu_capacity,
+    disk_dir,
+    disk_capacity,
+    disk_fsync,
+    gpu_codec,
+    cpu_codec,
+    disk_codec,
     lease_ttl_seconds,
     etcd_wait_seconds,
+    metrics_listen,
     log_level,
 ):
     """Run a kvcp agent: a tiered KV block store that reports to the control plane."""
@@ -105,15 +139,21 @@ def main(
         models=list(models) or [DEMO_MODEL],
         cpu_capacity_bytes=cpu_capacity,
         gpu_capacity_bytes=gpu_capacity,
+        disk_dir=disk_dir,
+        disk_capacity_bytes=disk_capacity,
+        disk_fsync=disk_fsync,
+        tier_codecs={Tier.GPU: gpu_codec, Tier.CPU: cpu_codec, Tier.DISK: disk_codec},
         lease_ttl_seconds=lease_ttl_seconds,
         etcd_wait_seconds=etcd_wait_seconds,
+        metrics_listen=metrics_listen,
     )
     try:
         agent = Agent(config, log_fn=lambda m: click.echo(m, err=True)).start()
     except (ConnectionError, OSError, ValueError) as exc:
         click.echo(f"kvcp-agent: {exc}", err=True)
         sys.exit(2)
-    click.echo(f"kvcp-agent {agent_id} serving on {agent.address}", err=True)
+    metrics = f", metrics on http://{agent.metrics_address}/metrics" if agent.metrics_address else ""
+    click.echo(f"kvcp-agent {agent_id} serving on {agent.address}{metrics}", err=True)
     done = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: done.set())

@@ -15,17 +15,22 @@ import grpc
 from google.protobuf import json_format
 from grpc_health.v1 import health, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
+from prometheus_client import CollectorRegistry
 
 from agent.api.engine_service import EngineServicer
 from agent.api.sync_client import ControlPlaneLink, tier_usage_pb
 from agent.core.block_pool import BlockPool
 from agent.core.engine_api import KVEngineAPI
 from agent.core.model_spec import ModelSpec
+from agent.core.mover import Mover
+from agent.metrics import AgentMetrics
+from agent.store.disk_tier import DiskTier
 from agent.store.memory_tier import MemoryTier, cuda_available
 from agent.store.registry import EtcdRegistration
 from protos import etcd_keys
 from protos.grpc_errors import ErrorMappingInterceptor
 from protos.kvcp.v1 import agent_pb2, agent_pb2_grpc, types_pb2
+from protos.metrics import InstrumentedEtcd, serve_metrics
 from protos.tier import Tier
 
 log = logging.getLogger(__name__)
@@ -44,22 +49,38 @@ class AgentConfig:
     models: list[ModelSpec] = field(default_factory=lambda: [DEMO_MODEL])
     gpu_capacity_bytes: int = 0  # used only when CUDA is present
     cpu_capacity_bytes: int = 64 * 1024 * 1024
+    disk_dir: str = ""  # empty: no disk tier
+    disk_capacity_bytes: int = 0
+    disk_fsync: bool = False
+    tier_codecs: dict[Tier, str] = field(default_factory=dict)  # codec applied on entering a tier
+    page_bytes: int = 0  # memory-tier page; 0: 1/16 of the smallest block, at least 1 KiB
     lease_ttl_seconds: int = 10
     stats_interval_seconds: float = 1.0
     etcd_wait_seconds: float = 30.0
+    metrics_listen: str = ""  # /metrics HOST:PORT (port 0: any free one); "" serves none
 
 
 class Agent:
-    def __init__(self, config: AgentConfig, log_fn=None):
+    def __init__(self, config: AgentConfig, log_fn=None, registry: CollectorRegistry | None = None):
         self.config = config
         self._log_fn = log_fn or (lambda msg: log.warning(msg))
-        slot_bytes = max(m.block_bytes for m in config.models)
+        page = config.page_bytes or max(1024, min(m.block_bytes for m in config.models) // 16)
         tiers = []
         if config.gpu_capacity_bytes and cuda_available():
-            tiers.append(MemoryTier(Tier.GPU, config.gpu_capacity_bytes, slot_bytes))
-        tiers.append(MemoryTier(Tier.CPU, config.cpu_capacity_bytes, slot_bytes))
-        self.pool = BlockPool(tiers)
-        self.engine = KVEngineAPI(self.pool, config.models)
+            tiers.append(MemoryTier(Tier.GPU, config.gpu_capacity_bytes, page))
+        tiers.append(MemoryTier(Tier.CPU, config.cpu_capacity_bytes, page))
+        self.disk = None
+        if config.disk_dir:
+            self.disk = DiskTier(config.disk_dir, config.disk_capacity_bytes or 1 << 30, fsync=config.disk_fsync)
+            tiers.append(self.disk)
+        self.pool = BlockPool(tiers, config.models, tier_codecs=config.tier_codecs)
+        if self.disk is not None:
+            found, corrupt = self.disk.scan()
+            adopted = self.pool.recover(self.disk, found)
+            self.pool.corrupt_blocks_total += corrupt
+            log.info("disk tier %s: recovered %d blocks (%d corrupt removed)", config.disk_dir, adopted, corrupt)
+        self.mover = Mover(self.pool)
+        self.engine = KVEngineAPI(self.pool, config.models, self.mover)
         self._stop = threading.Event()
         self._threads: list[threading.Thread] = []
         self.server: grpc.Server | None = None
@@ -67,8 +88,13 @@ class Agent:
         self.etcd = None
         self.port = 0
         self.link = ControlPlaneLink(
-            self.info, self.pool, self.engine, self._controlplane_address, config.stats_interval_seconds
+            self.info, self.pool, self.engine, self._controlplane_address, config.stats_interval_seconds, self.mover
         )
+        self.registry = registry if registry is not None else CollectorRegistry()
+        self.metrics = AgentMetrics(
+            self.registry, config.agent_id, self.pool, self.engine, self.link, getattr(self, "mover", None)
+        )
+        self.metrics_server = None
 
     @property
     def agent_id(self) -> str:
@@ -79,10 +105,20 @@ class Agent:
         host = self.config.listen.rpartition(":")[0] or "127.0.0.1"
         return self.config.advertise or f"{host}:{self.port}"
 
+    @property
+    def metrics_address(self) -> str:
+        if self.metrics_server is None:
+            return ""
+        host = self.metrics_server.host
+        if host in ("", "0.0.0.0", "::"):  # bound to all interfaces: peers use our advertised host
+            host = self.address.rpartition(":")[0]
+        return f"{host}:{self.metrics_server.port}"
+
     def info(self) -> types_pb2.AgentInfo:
         return types_pb2.AgentInfo(
             agent_id=self.agent_id,
             address=self.address,
+            metrics_address=self.metrics_address,
             models=[
                 types_pb2.ModelSpec(
                     model_id=m.model_id,
@@ -106,7 +142,7 @@ class Agent:
     def start(self) -> Agent:
         self.server = grpc.server(
             futures.ThreadPoolExecutor(max_workers=16, thread_name_prefix="agent-rpc"),
-            interceptors=[ErrorMappingInterceptor()],
+            interceptors=[ErrorMappingInterceptor(), self.metrics.rpc],
             options=[
                 ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
                 ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
@@ -128,8 +164,12 @@ class Agent:
             self.server,
         )
         self.server.start()
+        self.metrics_server = serve_metrics(self.config.metrics_listen, self.registry, self._log_fn)
         # the engine is served from here on, whether or not etcd and the control plane are up
-        self.etcd = etcd_keys.connect(self.config.etcd, wait_seconds=self.config.etcd_wait_seconds, log=self._log_fn)
+        self.etcd = InstrumentedEtcd(
+            etcd_keys.connect(self.config.etcd, wait_seconds=self.config.etcd_wait_seconds, log=self._log_fn),
+            self.metrics.etcd,
+        )
         self.registration = EtcdRegistration(
             self.etcd,
             self.agent_id,
@@ -140,6 +180,7 @@ class Agent:
         self.registration.on_reregistered = self.link.request_reconnect
         self._spawn("etcd-keepalive", self.registration.run_forever)
         self._spawn("cp-link", self.link.run_forever)
+        self._spawn("mover", self.mover.run_forever)
         log.info("agent %s serving on %s", self.agent_id, self.address)
         return self
 
@@ -155,6 +196,8 @@ class Agent:
             self.registration.deregister()
         if self.server is not None:
             self.server.stop(0.5).wait()
+        if self.metrics_server is not None:
+            self.metrics_server.stop()
         for t in self._threads:
             t.join(timeout=3)
         if self.etcd is not None:

@@ -51,3 +51,17 @@ def workload(controlplane, rate_per_second, duration_seconds, seed, output_forma
     else:
         for k, v in data.items():
             click.echo(f"{k:20s} {v}")
+
+
+@main.command()
+@click.option("--block-mib", "block_mibs", multiple=True, type=int, default=[1, 4], show_default=True)
+@click.option("--blocks", "num_blocks", default=32, show_default=True, type=int, help="Blocks of 1 MiB per run (fewer when larger).")
+@click.option("--repeats", default=3, show_default=True, type=int)
+@click.option("--fsync/--no-fsync", default=False, show_default=True, help="Durability of disk writes (baseline too).")
+@click.option("-o", "--output", "output_format", type=click.Choice(["table", "json"]), default="table")
+def tiers(block_mibs, num_blocks, repeats, fsync, output_format):
+    """Tier moves (CPU<->DISK, CPU<->GPU with CUDA) and codecs, against raw baselines."""
+    from benchmarks import tiers as bench
+
+    result = bench.run(tuple(block_mibs), num_blocks, repeats, fsync)
+    click.echo(json.dumps(result, indent=2) if output_format == "json" else bench.format_table(result))

@@ -10,6 +10,16 @@ import threading
 import click
 
 from controlplane.server import ControlPlane, ControlPlaneConfig
+from protos.metrics import parse_listen
+
+
+def _metrics_listen(ctx, param, value: str) -> str:
+    if value:
+        try:
+            parse_listen(value)
+        except ValueError as exc:
+            raise click.BadParameter(str(exc)) from None
+    return value
 
 
 @click.command(context_settings={"auto_envvar_prefix": "KVCP", "help_option_names": ["-h", "--help"]})
@@ -22,8 +32,15 @@ from controlplane.server import ControlPlane, ControlPlaneConfig
 @click.option(
     "--etcd-wait-seconds", default=30.0, show_default=True, type=float, help="How long to wait for etcd at start."
 )
+@click.option(
+    "--metrics-listen",
+    default="127.0.0.1:9400",
+    show_default=True,
+    callback=_metrics_listen,
+    help="Prometheus /metrics address (env KVCP_METRICS_LISTEN; port 0: any free port; empty: none).",
+)
 @click.option("--log-level", default="INFO", show_default=True)
-def main(listen, etcd, advertise, election_ttl_seconds, etcd_wait_seconds, log_level):
+def main(listen, etcd, advertise, election_ttl_seconds, etcd_wait_seconds, metrics_listen, log_level):
     """Run a kvcp control-plane replica (global block index, lookup, policy)."""
     logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     config = ControlPlaneConfig(
@@ -32,6 +49,7 @@ def main(listen, etcd, advertise, election_ttl_seconds, etcd_wait_seconds, log_l
         advertise=advertise,
         election_ttl_seconds=election_ttl_seconds,
         etcd_wait_seconds=etcd_wait_seconds,
+        metrics_listen=metrics_listen,
     )
     cp = ControlPlane(config, log_fn=lambda m: click.echo(m, err=True))
     try:
@@ -40,7 +58,8 @@ def main(listen, etcd, advertise, election_ttl_seconds, etcd_wait_seconds, log_l
         click.echo(f"kvcp-controlplane: {exc}", err=True)
         sys.exit(2)
     click.echo(
-        f"kvcp-controlplane serving on {cp.address} (leader: {cp.election.is_leader}, epoch {cp.election.epoch})",
+        f"kvcp-controlplane serving on {cp.address} (leader: {cp.election.is_leader}, epoch {cp.election.epoch})"
+        + (f", metrics on http://{cp.metrics_address}/metrics" if cp.metrics_address else ""),
         err=True,
     )
     done = threading.Event()

@@ -14,15 +14,18 @@ from dataclasses import dataclass
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
+from prometheus_client import CollectorRegistry
 
 from controlplane.api.admin_service import AdminServicer
 from controlplane.api.agent_service import AgentServicer
 from controlplane.core.cluster import Cluster
+from controlplane.metrics import ControlPlaneMetrics
 from controlplane.store.election import LeaderElection
 from controlplane.store.membership import MembershipWatcher
 from protos import etcd_keys
 from protos.grpc_errors import ErrorMappingInterceptor
 from protos.kvcp.v1 import admin_pb2, admin_pb2_grpc, agent_pb2, agent_pb2_grpc
+from protos.metrics import InstrumentedEtcd, serve_metrics
 
 log = logging.getLogger(__name__)
 
@@ -38,13 +41,17 @@ class ControlPlaneConfig:
     membership_resync_seconds: float = 2.0
     etcd_wait_seconds: float = 30.0
     max_workers: int = 128
+    metrics_listen: str = ""  # /metrics HOST:PORT (port 0: any free one); "" serves none
 
 
 class ControlPlane:
-    def __init__(self, config: ControlPlaneConfig, log_fn=None):
+    def __init__(self, config: ControlPlaneConfig, log_fn=None, registry: CollectorRegistry | None = None):
         self.config = config
         self._log_fn = log_fn or (lambda msg: log.warning(msg))
         self.cluster = Cluster()
+        self.registry = registry if registry is not None else CollectorRegistry()
+        self.metrics = ControlPlaneMetrics(self.registry, self.cluster)
+        self.metrics_server = None
         self._stop = threading.Event()
         self._threads: list[threading.Thread] = []
         self.etcd = None
@@ -58,10 +65,13 @@ class ControlPlane:
         return self.config.advertise or f"{host}:{self.port}"
 
     def start(self) -> ControlPlane:
-        self.etcd = etcd_keys.connect(self.config.etcd, wait_seconds=self.config.etcd_wait_seconds, log=self._log_fn)
+        self.etcd = InstrumentedEtcd(
+            etcd_keys.connect(self.config.etcd, wait_seconds=self.config.etcd_wait_seconds, log=self._log_fn),
+            self.metrics.etcd,
+        )
         self.server = grpc.server(
             futures.ThreadPoolExecutor(max_workers=self.config.max_workers, thread_name_prefix="cp-rpc"),
-            interceptors=[ErrorMappingInterceptor()],
+            interceptors=[ErrorMappingInterceptor(), self.metrics.rpc],
             options=[
                 ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
                 ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
@@ -72,8 +82,11 @@ class ControlPlane:
         if self.port == 0:
             raise OSError(f"cannot listen on {self.config.listen} (port in use?)")
         self.election = LeaderElection(self.etcd, self.address, self.config.election_ttl_seconds)
+        self.metrics.leadership = self.election
         self.election.run_once()
-        admin_pb2_grpc.add_AdminServiceServicer_to_server(AdminServicer(self.cluster, self.election), self.server)
+        admin_pb2_grpc.add_AdminServiceServicer_to_server(
+            AdminServicer(self.cluster, self.election, self.metrics.lookup_duration), self.server
+        )
         agent_pb2_grpc.add_AgentServiceServicer_to_server(
             AgentServicer(self.cluster, self.election, self._agent_key_exists), self.server
         )
@@ -87,6 +100,7 @@ class ControlPlane:
         )
         reflection.enable_server_reflection(names, self.server)
         self.server.start()
+        self.metrics_server = serve_metrics(self.config.metrics_listen, self.registry, self._log_fn)
         self.membership = MembershipWatcher(self.etcd, self.cluster, self.config.membership_resync_seconds)
         self._spawn("election", self._run_election)
         self._spawn("membership", self.membership.run_forever)
@@ -110,6 +124,10 @@ class ControlPlane:
         t.start()
         self._threads.append(t)
 
+    @property
+    def metrics_address(self) -> str:
+        return self.metrics_server.address if self.metrics_server is not None else ""
+
     def wait(self) -> None:
         self.server.wait_for_termination()
 
@@ -119,6 +137,8 @@ class ControlPlane:
             self.server.stop(grace_seconds).wait()
         if self.election is not None:
             self.election.resign()
+        if self.metrics_server is not None:
+            self.metrics_server.stop()
         for t in self._threads:
             t.join(timeout=2)
         if self.etcd is not None:

@@ -21,8 +21,8 @@ class Tier(IntEnum):
 
     @classmethod
     def parse(cls, text: str) -> Tier:
-        try:
-            return cls[text.strip().upper()]
-        except KeyError:
+        tier = cls.__members__.get(text.strip().upper())
+        if tier is None or tier is cls.REMOTE:  # REMOTE is reported, never asked for
             names = "|".join(t.label for t in cls if t is not cls.REMOTE)
-            raise ValueError(f"unknown tier {text!r}; expected one of {names}") from None
+            raise ValueError(f"unknown tier {text!r}; expected one of {names}")
+        return tier

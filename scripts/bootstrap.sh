@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Makes a fresh Debian machine ready for kvcp: Debian packages (etcd-server, tmux),
+# Makes a fresh Debian machine ready for kvcp: Debian packages (etcd-server, tmux, prometheus),
 # a virtualenv in .venv with the project installed editable, and the dev tools.
 # Idempotent and quick when nothing changed. Prints what it cannot do and exits non-zero.
 set -euo pipefail
@@ -12,10 +12,12 @@ if ! "$PY" -c 'import sys; sys.exit(0 if sys.version_info[:2] == (3, 11) else 1)
   exit 1
 fi
 
-# Debian packages the suite and the demo run: etcd (real server), tmux (terminal e2e test)
+# Debian packages the suite and the demo run: etcd (real server), tmux (terminal e2e test),
+# prometheus (the real scraper and promtool the metrics tests run)
 need_apt=()
 command -v etcd >/dev/null 2>&1 || need_apt+=(etcd-server)
 command -v tmux >/dev/null 2>&1 || need_apt+=(tmux)
+command -v prometheus >/dev/null 2>&1 || need_apt+=(prometheus)
 if [ ${#need_apt[@]} -gt 0 ]; then
   if command -v apt-get >/dev/null 2>&1 && [ "$(id -u)" = 0 ]; then
     echo "bootstrap: installing ${need_apt[*]} with apt-get"

@@ -113,6 +113,14 @@ class Demo:
         if not port_free(a.etcd_port) or not port_free(a.etcd_port + 1):
             a.etcd_port = free_port()
             self.say(f"demo: port 2379 is taken, using {a.etcd_port} for the demo's etcd")
+        # /metrics ports: dashboard/grafana/prometheus.yml scrapes 9400-9402; others only if taken
+        names = ["control plane", *(f"agent-{i}" for i in range(1, len(a.agent_metrics_ports) + 1))]
+        ports = [a.controlplane_metrics_port, *a.agent_metrics_ports]
+        for i, (name, port) in enumerate(zip(names, ports, strict=True)):
+            if not port_free(port) or port in ports[:i]:
+                ports[i] = free_port()
+                self.say(f"demo: metrics port {port} is taken, {name} serves /metrics on {ports[i]}")
+        a.controlplane_metrics_port, a.agent_metrics_ports = ports[0], ports[1:]
 
     def start(self) -> None:
         a = self.args
@@ -153,7 +161,18 @@ class Demo:
         etcd_ep = f"127.0.0.1:{a.etcd_port}"
         connect(etcd_ep, wait_seconds=20, log=self.say).close()
         cp_addr = f"127.0.0.1:{a.controlplane_port}"
-        cp = self.spawn("controlplane", [str(BIN / "kvcp-controlplane"), "--listen", cp_addr, "--etcd", etcd_ep])
+        cp = self.spawn(
+            "controlplane",
+            [
+                str(BIN / "kvcp-controlplane"),
+                "--listen",
+                cp_addr,
+                "--etcd",
+                etcd_ep,
+                "--metrics-listen",
+                f"127.0.0.1:{a.controlplane_metrics_port}",
+            ],
+        )
         self.wait_port("controlplane", cp, a.controlplane_port)
         for i, port in enumerate(a.agent_ports, start=1):
             name = f"agent-{i}"
@@ -169,6 +188,8 @@ class Demo:
                     etcd_ep,
                     "--cpu-capacity",
                     a.agent_capacity,
+                    "--metrics-listen",
+                    f"127.0.0.1:{a.agent_metrics_ports[i - 1]}",
                 ],
             )
             self.wait_port(name, proc, port)
@@ -193,12 +214,16 @@ class Demo:
                 for i, p in enumerate(a.agent_ports, 1)
             )
             + f"  workload       {a.rate:g} requests/s (chat sessions + Zipf documents)\n"
+            f"  metrics        http://127.0.0.1:{{{a.controlplane_metrics_port},"
+            + ",".join(str(p) for p in a.agent_metrics_ports)
+            + "}/metrics (control plane, agents)\n"
             f"  logs           {self.logs}/\n\n"
             "Try, in another terminal:\n"
             f"  {kvctl}{ep} agents\n"
             f"  {kvctl}{ep} stats\n"
             f"  {kvctl}{ep} lookup --model demo-model --tokens $(seq -s, 1 64)\n"
-            f"  {kvctl}{ep} -o json agents\n\n"
+            f"  {kvctl}{ep} -o json agents\n"
+            "  prometheus --config.file=dashboard/grafana/prometheus.yml   (then Grafana: see README)\n\n"
             "Ctrl-C stops every process this demo started.\n"
         )
 
@@ -251,6 +276,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--controlplane-port", type=int, default=50051)
     p.add_argument("--agent-ports", type=int, nargs=2, default=[50061, 50062])
     p.add_argument("--agent-capacity", default="32MiB")
+    p.add_argument("--controlplane-metrics-port", type=int, default=9400)
+    p.add_argument("--agent-metrics-ports", type=int, nargs=2, default=[9401, 9402])
     p.add_argument("--rate", type=float, default=10.0, help="workload requests per second (0: no workload)")
     p.add_argument("--duration", type=float, default=0.0, help="seconds to run (0: until Ctrl-C)")
     args = p.parse_args(argv)

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import torch
 
-from agent.core.engine_api import TORCH_DTYPES, KVEngineAPI
+from agent.core.engine_api import KVEngineAPI
+from agent.core.model_spec import TORCH_DTYPES
 from protos import errors
 from protos.kvcp.v1 import agent_pb2, agent_pb2_grpc
 

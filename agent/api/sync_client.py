@@ -6,6 +6,7 @@ stream always begins with a full inventory), while the engine keeps being served
 from __future__ import annotations
 
 import logging
+import queue
 import threading
 import time
 import uuid
@@ -16,7 +17,10 @@ import grpc
 from agent.core.block_pool import BlockPool
 from agent.core.engine_api import KVEngineAPI
 from agent.core.journal import STORED
+from agent.core.mover import SUCCEEDED, Mover, MoveOp
+from protos.block_hash import split_hashes
 from protos.kvcp.v1 import agent_pb2, agent_pb2_grpc, types_pb2
+from protos.tier import Tier
 
 log = logging.getLogger(__name__)
 
@@ -40,12 +44,19 @@ class ControlPlaneLink:
         engine: KVEngineAPI,
         controlplane_address: Callable[[], str],
         stats_interval_seconds: float = 1.0,
+        mover: Mover | None = None,
     ):
         self._agent_info = agent_info
         self._pool = pool
         self._engine = engine
         self._address = controlplane_address
         self.stats_interval_seconds = stats_interval_seconds
+        self._mover = mover
+        if mover is not None:
+            mover.on_update = self._on_op_update
+        self._outbox: queue.Queue[agent_pb2.AgentMessage] = queue.Queue(maxsize=10_000)
+        self.highest_epoch = 0
+        self.rejected_commands_total = 0
         self.session_id = uuid.uuid4().hex
         self._resync = threading.Event()
         self._reconnect = threading.Event()
@@ -53,6 +64,53 @@ class ControlPlaneLink:
         self.epoch = 0
         self.connections_total = 0
         self.resyncs_total = 0
+
+    def _on_op_update(self, op: MoveOp) -> None:
+        if op.kind == "promote":
+            return  # engine-driven, local: only its block events go up
+        self._send(op_update_pb(op))
+
+    def _send(self, msg: agent_pb2.AgentMessage) -> None:
+        try:
+            self._outbox.put_nowait(msg)
+            self._pool.journal.wake.set()
+        except queue.Full:
+            log.warning("control-plane outbox full; dropping a %s", msg.WhichOneof("body"))
+
+    def handle_command(self, epoch: int, cmd: agent_pb2.Command) -> None:
+        """Execute a leader's command; commands of an older epoch are rejected (fencing)."""
+        if epoch < self.highest_epoch:
+            self.rejected_commands_total += 1
+            log.warning("rejecting command %s from epoch %d (newest seen %d)", cmd.op_id, epoch, self.highest_epoch)
+            self._send(agent_pb2.AgentMessage(op_update=agent_pb2.OpUpdate(
+                op_id=cmd.op_id, state="FAILED", error=f"stale epoch {epoch} < {self.highest_epoch}")))
+            return
+        self.highest_epoch = epoch
+        try:
+            hashes = split_hashes(cmd.block_hashes)
+        except ValueError as exc:
+            self._send(agent_pb2.AgentMessage(op_update=agent_pb2.OpUpdate(op_id=cmd.op_id, state="FAILED", error=str(exc))))
+            return
+        kind = cmd.kind
+        tier = Tier(cmd.tier) if cmd.tier in (t.value for t in Tier) else None
+        codec = cmd.codec or None
+        if kind in (agent_pb2.COMMAND_KIND_MOVE, agent_pb2.COMMAND_KIND_COMPRESS) and self._mover is not None:
+            if kind == agent_pb2.COMMAND_KIND_MOVE and tier is None:
+                self._send(agent_pb2.AgentMessage(op_update=agent_pb2.OpUpdate(op_id=cmd.op_id, state="FAILED", error="move needs a tier")))
+                return
+            self._mover.submit(hashes, tier, codec, kind="move" if kind == agent_pb2.COMMAND_KIND_MOVE else "compress", op_id=cmd.op_id)
+        elif kind == agent_pb2.COMMAND_KIND_CANCEL and self._mover is not None:
+            self._mover.cancel(cmd.op_id)
+        elif kind in (agent_pb2.COMMAND_KIND_EVICT, agent_pb2.COMMAND_KIND_PIN, agent_pb2.COMMAND_KIND_UNPIN):
+            if kind == agent_pb2.COMMAND_KIND_EVICT:
+                done = sum(1 for h in reversed(hashes) if self._pool.drop(h))
+            else:
+                done = self._pool.set_pin(hashes, tier if kind == agent_pb2.COMMAND_KIND_PIN else None)
+            self._send(agent_pb2.AgentMessage(op_update=agent_pb2.OpUpdate(
+                op_id=cmd.op_id, state=SUCCEEDED, done=done, total=len(hashes), failed=len(hashes) - done)))
+        else:
+            self._send(agent_pb2.AgentMessage(op_update=agent_pb2.OpUpdate(
+                op_id=cmd.op_id, state="FAILED", error=f"unknown command kind {kind}")))
 
     def request_reconnect(self) -> None:
         self._reconnect.set()
@@ -127,6 +185,15 @@ class ControlPlaneLink:
                         ],
                     )
                 )
+            for notice in self._pool.drain_notices():
+                yield agent_pb2.AgentMessage(
+                    notice=agent_pb2.Notice(kind=notice.kind, message=notice.message, unix_seconds=notice.unix_seconds)
+                )
+            while True:
+                try:
+                    yield self._outbox.get_nowait()
+                except queue.Empty:
+                    break
             now = time.monotonic()
             if now >= next_stats:
                 next_stats = now + self.stats_interval_seconds
@@ -143,6 +210,9 @@ class ControlPlaneLink:
             stub = agent_pb2_grpc.AgentServiceStub(channel)
             reply = stub.Register(agent_pb2.RegisterRequest(agent=self._agent_info()), timeout=5)
             self.epoch = reply.epoch
+            if reply.epoch < self.highest_epoch:
+                raise ConnectionError(f"control plane at {address} has epoch {reply.epoch} < {self.highest_epoch}: a deposed leader")
+            self.highest_epoch = reply.epoch
             self._reconnect.clear()
             self._resync.clear()
             done = threading.Event()
@@ -151,10 +221,13 @@ class ControlPlaneLink:
             self.connected.set()
             try:
                 for msg in stub.Sync(self._outgoing(stop, done)):
-                    if msg.WhichOneof("body") == "resync":
+                    body = msg.WhichOneof("body")
+                    if body == "resync":
                         log.info("control plane asks for a resync: %s", msg.resync.reason)
                         self._resync.set()
                         self._pool.journal.wake.set()
+                    elif body == "command":
+                        self.handle_command(msg.epoch, msg.command)
             finally:
                 done.set()
                 self.connected.clear()

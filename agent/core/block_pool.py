@@ -1,44 +1,62 @@
-"""The agent's block pool: which blocks it holds, in which tier, and which go first
-when a tier is full. Bytes live in tier stores (agent.store); this module only decides.
+"""The agent's block pool: which blocks it holds, in which tier and codec, and which go
+first when a tier is full. Bytes live in tier stores (agent.store); this module decides.
 
 Invariants (checked by tests):
 - a block's parent is held on this agent whenever the block is (any tier): held
   blocks form a forest of prefixes, so a lookup walk never skips a hole;
 - `num_children` of a block is the number of held blocks whose parent it is;
-- a block with `ref_count > 0` (being read or written) is never freed or moved;
-- a pinned block (hook for control-plane pins) is never dropped.
+- a block with `ref_count > 0` (being read) is never freed, and a move switches it to
+  its new place only once no reader holds it; a block that is `moving` is neither
+  evicted nor dropped, and its source stays intact until the copy is written;
+- a pinned block is never dropped, and never demoted below its pin's tier.
 
 Access recency is a logical clock. Every access touches a chain from its deepest block
 up to the root, deepest first, so a parent is always more recent than its children and
 the least recently used block of a tier is a leaf: LRU evicts leaves before parents.
+When a tier is full, its LRU block is demoted to the next tier (copy, then switch, then
+free), and only the last tier drops blocks.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import heapq
+import logging
 import threading
+import time
+from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
+import torch
+
+from agent.core import codecs
 from agent.core.journal import REMOVED, STORED, EventBatch, EventJournal
+from agent.core.model_spec import ModelSpec
 from protos.block_hash import ROOT_PARENT_HASH
 from protos.tier import Tier
 
+log = logging.getLogger(__name__)
+
+
+class BlockUnreadable(Exception):
+    """A tier could not return a block's bytes intact (checksum, truncation, I/O)."""
+
 
 class TierStore(Protocol):
-    """Fixed-size slots of one tier (implemented in agent.store)."""
+    """Where one tier keeps bytes (implemented in agent.store)."""
 
     tier: Tier
-    slot_bytes: int
-    num_slots: int
+    capacity_bytes: int
 
-    def allocate(self) -> int | None: ...
-    def free(self, slot: int) -> None: ...
-    def write(self, slot: int, data) -> None: ...
-    def read(self, slot: int, num_bytes: int): ...
     @property
-    def num_free(self) -> int: ...
+    def used_bytes(self) -> int: ...
+    def footprint(self, num_bytes: int) -> int: ...
+    def allocate(self, num_bytes: int, block_hash: bytes = b""): ...
+    def free(self, handle) -> None: ...
+    def write(self, handle, data: torch.Tensor, meta) -> None: ...
+    def read(self, handle, num_bytes: int) -> torch.Tensor: ...
 
 
 @dataclass
@@ -46,14 +64,22 @@ class BlockMeta:
     block_hash: bytes
     parent_hash: bytes
     model_id: str
-    num_bytes: int
+    num_bytes: int  # uncompressed
     tier: Tier
-    slot: int
+    handle: object
+    codec: str = "none"
+    stored_bytes: int = 0
     last_access: int = 0
     num_children: int = 0
     ref_count: int = 0
-    pinned: bool = False
-    ready: bool = True  # False while its bytes are being written: invisible to readers
+    pin_tier: int = 0  # 0: not pinned; else the slowest Tier value it may live in
+    ready: bool = True  # False while its bytes are first written: invisible to readers
+    moving: bool = False
+    corrupt: bool = False
+
+    @property
+    def visible(self) -> bool:
+        return self.ready and not self.corrupt
 
 
 @dataclass(frozen=True)
@@ -62,6 +88,8 @@ class TierUsage:
     capacity_bytes: int
     used_bytes: int
     num_blocks: int
+    uncompressed_bytes: int = 0
+    stored_bytes: int = 0
 
 
 @dataclass(frozen=True)
@@ -72,33 +100,93 @@ class InventoryGroup:
     parent_hashes: bytes
 
 
+@dataclass(frozen=True)
+class Notice:
+    """Something an operator should see (error events): kind is a short fixed word."""
+
+    kind: str
+    message: str
+    unix_seconds: float
+
+
+@dataclass(frozen=True)
+class MoveOutcome:
+    ok: bool
+    moved_bytes: int = 0
+    reason: str = ""
+
+
 class PoolFull(Exception):
-    """No slot can be freed (everything left is pinned or in use)."""
+    """No room can be made (everything left is pinned, in use or moving)."""
+
+
+def _copy_unchanged(src, src_handle, dst, dst_handle, num_bytes: int, header) -> None:
+    """Copy a block's stored bytes between tiers with as few copies as the stores allow:
+    slab pages are written to disk as they are, and disk payloads are read straight into
+    slab pages (verified there); otherwise through one temporary copy."""
+    if hasattr(src, "views") and getattr(src, "device", "cpu") == "cpu" and not hasattr(dst, "views"):
+        dst.write(dst_handle, src.views(src_handle, num_bytes), header)
+    elif hasattr(src, "read_into") and hasattr(dst, "views") and getattr(dst, "device", "cpu") == "cpu":
+        src.read_into(src_handle, dst.views(dst_handle, num_bytes))
+    elif hasattr(src, "views") and hasattr(dst, "views"):
+        offset = 0
+        flat = [seg for seg in src.views(src_handle, num_bytes)]
+        data = flat[0] if len(flat) == 1 else torch.cat([f.to(dst.device) for f in flat])
+        for seg in dst.views(dst_handle, num_bytes):
+            seg.copy_(data[offset : offset + seg.numel()], non_blocking=True)
+            offset += seg.numel()
+    else:
+        dst.write(dst_handle, src.read(src_handle, num_bytes), header)
 
 
 class BlockPool:
-    def __init__(self, tiers: Sequence[TierStore], journal: EventJournal | None = None):
+    def __init__(
+        self,
+        tiers: Sequence[TierStore],
+        models: Sequence[ModelSpec],
+        journal: EventJournal | None = None,
+        tier_codecs: dict[Tier, str] | None = None,
+    ):
         if not tiers:
             raise ValueError("a block pool needs at least one tier")
         self.tiers = sorted(tiers, key=lambda t: int(t.tier))  # fastest first
-        self._tier_by_kind = {t.tier: t for t in self.tiers}
+        self.store_of = {t.tier: t for t in self.tiers}
+        self.models = {m.model_id: m for m in models}
+        self.tier_codecs = {t.tier: "none" for t in self.tiers} | dict(tier_codecs or {})
+        for c in self.tier_codecs.values():
+            codecs.check_codec(c)
         self.journal = journal or EventJournal()
         self.lock = threading.RLock()
         self.blocks: dict[bytes, BlockMeta] = {}
         self._clock = 0
         self._lru: dict[Tier, list[tuple[int, bytes]]] = {t.tier: [] for t in self.tiers}
         self._count: dict[Tier, int] = {t.tier: 0 for t in self.tiers}
-        self.evictions_total = 0
-        self.demotions_total = 0
+        self._logical: dict[Tier, int] = {t.tier: 0 for t in self.tiers}
+        self._stored: dict[Tier, int] = {t.tier: 0 for t in self.tiers}
+        self.notices: deque[Notice] = deque(maxlen=1000)
+        self.evictions_total: dict[Tier, int] = {t.tier: 0 for t in self.tiers}
+        self.demotions_total: dict[Tier, int] = {t.tier: 0 for t in self.tiers}
+        self.promotions_total = 0
+        self.corrupt_blocks_total = 0
+        self.move_failures_total = 0
+        self.moved_bytes_total: dict[tuple[Tier, Tier], int] = {}
+
+    @property
+    def top(self) -> TierStore:
+        return self.tiers[0]
+
+    def lower_of(self, tier: Tier) -> TierStore | None:
+        i = self.tiers.index(self.store_of[tier])
+        return self.tiers[i + 1] if i + 1 < len(self.tiers) else None
 
     # ---- queries --------------------------------------------------------------------
     def num_leading(self, block_hashes: Sequence[bytes]) -> int:
-        """How many leading blocks of the chain are held (no side effects)."""
+        """How many leading blocks of the chain are held and readable (no side effects)."""
         with self.lock:
             n = 0
             for h in block_hashes:
                 meta = self.blocks.get(h)
-                if meta is None or not meta.ready:
+                if meta is None or not meta.visible:
                     break
                 n += 1
             return n
@@ -115,127 +203,268 @@ class BlockPool:
         with self.lock:
             return [
                 TierUsage(
-                    t.tier,
-                    t.num_slots * t.slot_bytes,
-                    (t.num_slots - t.num_free) * t.slot_bytes,
-                    self._count[t.tier],
+                    t.tier, t.capacity_bytes, t.used_bytes, self._count[t.tier], self._logical[t.tier],
+                    self._stored[t.tier],
                 )
                 for t in self.tiers
             ]
 
+    def tier_of(self, block_hash: bytes) -> Tier | None:
+        with self.lock:
+            meta = self.blocks.get(block_hash)
+            return meta.tier if meta is not None else None
+
+    def spec(self, model_id: str) -> ModelSpec:
+        return self.models[model_id]
+
     # ---- writes ---------------------------------------------------------------------
     def insert_chain(
-        self,
-        model_id: str,
-        block_hashes: Sequence[bytes],
-        num_bytes: int,
-        write: Callable[[int, TierStore, int], None],
+        self, model_id: str, block_hashes: Sequence[bytes], block: Callable[[int], torch.Tensor]
     ) -> tuple[int, int]:
-        """Store the chain's missing blocks into the fastest tier, evicting as needed.
+        """Store the chain's missing blocks into the fastest tier, making room as needed.
 
-        `write(i, store, slot)` copies block i's bytes into the slot. Blocks are stored
-        in order and stop at the first that cannot be (a missing parent, or no room):
-        the held set stays a forest of prefixes. Returns (num_stored, num_present)."""
+        `block(i)` returns block i as a tensor of the model's shape (None: not available,
+        e.g. a prefix the caller skipped was evicted meanwhile). Blocks are stored in
+        order and stop at the first that cannot be (a missing parent, no room, a write
+        error): the held set stays a forest of prefixes. Returns (num_stored, num_present)."""
+        spec = self.models[model_id]
+        top = self.top
+        codec = self.tier_codecs[top.tier]
         stored = present = 0
-        top = self.tiers[0]
-        held: list[BlockMeta] = []
+        chain: list[bytes] = []
+        # Only the current parent is referenced while its child is written: the rest of
+        # the chain may be demoted meanwhile, so a chain longer than the top tier spills.
+        parent_meta: BlockMeta | None = None
+        pending: BlockMeta | None = None
         try:
             parent = ROOT_PARENT_HASH
             for i, h in enumerate(block_hashes):
                 with self.lock:
                     meta = self.blocks.get(h)
                     if meta is not None:
-                        if not meta.ready:
-                            break  # another writer is storing it; its chain continues there
+                        if not meta.visible:
+                            break  # being written by another caller, or unreadable
                         meta.ref_count += 1
-                        held.append(meta)
+                        if parent_meta is not None:
+                            parent_meta.ref_count -= 1
+                        parent_meta = meta
                         present += 1
+                        chain.append(h)
                         parent = h
                         continue
                     if parent != ROOT_PARENT_HASH and parent not in self.blocks:
                         break
+                data = block(i)
+                if data is None:
+                    break
+                payload = codecs.encode(codec, data)
+                with self.lock:
+                    if h in self.blocks:
+                        break
                     try:
-                        slot = self._allocate(top)
+                        handle = self._allocate(top, payload.numel(), h)
                     except PoolFull:
                         break
-                    # reserve the hash now, visible to readers only once written
-                    meta = BlockMeta(h, parent, model_id, num_bytes, top.tier, slot, ref_count=1, ready=False)
-                    self.blocks[h] = meta
-                    self._count[top.tier] += 1
-                    held.append(meta)
-                write(i, top, slot)
+                    pending = BlockMeta(
+                        h, parent, model_id, spec.block_bytes, top.tier, handle, codec, payload.numel(), ref_count=1,
+                        ready=False,
+                    )
+                    self.blocks[h] = pending
+                    self._account(pending, +1)
+                try:
+                    top.write(handle, payload, pending)
+                except OSError as exc:
+                    self._notice("write_error", f"writing a block to the {top.tier.label} tier failed: {exc}")
+                    break
                 with self.lock:
+                    meta, pending = pending, None
                     meta.ready = True
                     if parent in self.blocks:
                         self.blocks[parent].num_children += 1
                     self.journal.record(STORED, model_id, top.tier, h, parent)
+                    self._touch(meta)
+                    if parent_meta is not None:
+                        parent_meta.ref_count -= 1
+                    parent_meta = meta
                 stored += 1
+                chain.append(h)
                 parent = h
         finally:
             with self.lock:
-                for meta in held:
-                    meta.ref_count -= 1
-                for meta in reversed(held):
-                    if not meta.ready and meta.ref_count == 0:  # a write failed: undo it
-                        del self.blocks[meta.block_hash]
-                        self._tier_by_kind[meta.tier].free(meta.slot)
-                        self._count[meta.tier] -= 1
-                self.touch([m.block_hash for m in held if m.ready])
+                if parent_meta is not None:
+                    parent_meta.ref_count -= 1
+                if pending is not None:  # a write failed: undo the reservation
+                    del self.blocks[pending.block_hash]
+                    self._account(pending, -1)
+                    self.store_of[pending.tier].free(pending.handle)
+                self.touch(chain)
         return stored, present
 
-    def acquire_chain(self, block_hashes: Sequence[bytes]) -> list[BlockMeta]:
-        """Pin the held leading blocks for reading (ref_count + 1); release when done."""
+    def read_chain(self, block_hashes: Sequence[bytes]) -> tuple[list[torch.Tensor], list[Tier]]:
+        """The decoded leading blocks that are held and intact, with their tiers.
+
+        A block that fails its checksum or does not decode ends the prefix there; it
+        (and its descendants) is removed and reported, never returned."""
         with self.lock:
-            out = []
+            metas = []
             for h in block_hashes:
                 meta = self.blocks.get(h)
-                if meta is None or not meta.ready:
+                if meta is None or not meta.visible:
                     break
                 meta.ref_count += 1
-                out.append(meta)
-            return out
-
-    def release_chain(self, metas: Sequence[BlockMeta]) -> None:
-        with self.lock:
+                metas.append(meta)
+        out: list[torch.Tensor] = []
+        tiers: list[Tier] = []
+        try:
             for meta in metas:
-                meta.ref_count -= 1
-            self.touch([m.block_hash for m in metas])
+                spec = self.models[meta.model_id]
+                try:
+                    payload = self.store_of[meta.tier].read(meta.handle, meta.stored_bytes)
+                    out.append(codecs.decode(meta.codec, payload, spec.block_shape, spec.torch_dtype))
+                except (BlockUnreadable, codecs.CodecError, OSError) as exc:
+                    self._mark_corrupt(meta, str(exc))
+                    break
+                tiers.append(meta.tier)
+        finally:
+            with self.lock:
+                for meta in metas:
+                    meta.ref_count -= 1
+                self.touch([m.block_hash for m in metas[: len(out)]])
+                for meta in metas:
+                    if meta.corrupt and meta.ref_count == 0:
+                        self._drop_subtree(meta.block_hash)
+        return out, tiers
 
-    def read(self, meta: BlockMeta):
-        """Copy of a block's bytes; the caller holds a reference (acquire_chain)."""
-        return self._tier_by_kind[meta.tier].read(meta.slot, meta.num_bytes)
-
-    def set_pinned(self, block_hashes: Sequence[bytes], pinned: bool) -> int:
+    def set_pin(self, block_hashes: Sequence[bytes], pin_tier: Tier | None) -> int:
+        """Pin blocks at `pin_tier` (kept there or faster, never dropped); None unpins."""
         with self.lock:
             n = 0
             for h in block_hashes:
                 meta = self.blocks.get(h)
                 if meta is not None:
-                    meta.pinned = pinned
+                    meta.pin_tier = int(pin_tier) if pin_tier is not None else 0
                     n += 1
             return n
 
     def drop(self, block_hash: bytes) -> bool:
-        """Remove one block and, first, every held descendant of it (keeps the forest)."""
+        """Remove one unpinned block and, first, every held descendant of it; refused
+        when it or a descendant is pinned (the descendant could not outlive it)."""
         with self.lock:
             meta = self.blocks.get(block_hash)
-            if meta is None or meta.ref_count > 0:
+            if meta is None or self._pinned_subtree(meta):
                 return False
-            if meta.num_children:
-                for child in [m for m in self.blocks.values() if m.parent_hash == block_hash]:
-                    if not self.drop(child.block_hash):
-                        return False
-            self._free(meta)
-            return True
+            return self._drop_subtree(block_hash)
 
-    # ---- inventory ------------------------------------------------------------------
+    def _pinned_subtree(self, meta: BlockMeta) -> bool:
+        if meta.pin_tier:
+            return True
+        if not meta.num_children:
+            return False
+        return any(self._pinned_subtree(m) for m in list(self.blocks.values()) if m.parent_hash == meta.block_hash)
+
+    def move_block(self, block_hash: bytes, to_tier: Tier, codec: str | None = None, wait_seconds: float = 5.0) -> MoveOutcome:
+        """Move (and optionally re-encode) one block: copy, verify, switch, then free.
+
+        A failure at any step leaves the block where it was, intact."""
+        dst = self.store_of.get(to_tier)
+        if dst is None:
+            return MoveOutcome(False, reason=f"this agent has no {to_tier.label} tier")
+        if codec is not None:
+            codecs.check_codec(codec)
+        with self.lock:
+            meta = self.blocks.get(block_hash)
+            if meta is None or not meta.visible:
+                return MoveOutcome(False, reason="not held")
+            if meta.moving:
+                return MoveOutcome(False, reason="already moving")
+            if meta.tier == to_tier and (codec is None or codec == meta.codec):
+                return MoveOutcome(True)
+            if meta.pin_tier and int(to_tier) > meta.pin_tier:
+                return MoveOutcome(False, reason=f"pinned at tier {Tier(meta.pin_tier).label}")
+            meta.moving = True
+            src, src_tier, src_handle, src_codec, src_stored = self.store_of[meta.tier], meta.tier, meta.handle, meta.codec, meta.stored_bytes
+        new_handle = None
+        try:
+            target = codec if codec is not None else (self.tier_codecs[to_tier] if src_codec == "none" else src_codec)
+            if target != src_codec:
+                spec = self.models[meta.model_id]
+                data = codecs.encode(target, codecs.decode(src_codec, src.read(src_handle, src_stored), spec.block_shape, spec.torch_dtype))
+                nbytes = data.numel()
+            else:
+                data, nbytes = None, src_stored
+            with self.lock:
+                new_handle = self._allocate(dst, nbytes, block_hash)
+            header = dataclasses.replace(meta, codec=target)
+            if data is not None:
+                dst.write(new_handle, data, header)
+            else:
+                _copy_unchanged(src, src_handle, dst, new_handle, nbytes, header)
+            payload = nbytes
+            deadline = time.monotonic() + wait_seconds
+            while True:
+                with self.lock:
+                    if meta.ref_count == 0:
+                        self._switch(meta, dst.tier, new_handle, target, payload)
+                        src.free(src_handle)
+                        new_handle = None
+                        key = (src_tier, dst.tier)
+                        self.moved_bytes_total[key] = self.moved_bytes_total.get(key, 0) + payload
+                        if int(dst.tier) < int(src_tier):
+                            self.promotions_total += 1
+                        return MoveOutcome(True, payload)
+                if time.monotonic() > deadline:
+                    raise TimeoutError("readers held the block too long")
+                time.sleep(0.001)
+        except BlockUnreadable as exc:
+            self._mark_corrupt(meta, str(exc))
+            with self.lock:
+                if meta.ref_count == 0:
+                    self._drop_subtree(block_hash)
+            return self._move_failed(f"source unreadable: {exc}")
+        except (PoolFull, OSError, TimeoutError, codecs.CodecError) as exc:
+            return self._move_failed(f"{type(exc).__name__}: {exc}")
+        finally:
+            with self.lock:
+                meta.moving = False
+                if new_handle is not None:
+                    dst.free(new_handle)
+
+    # ---- recovery and inventory -----------------------------------------------------
+    def recover(self, store, found: list) -> int:
+        """Adopt blocks a tier found after a restart (verified by their checksums).
+        Blocks of unknown models and orphans (parent not held) are removed; returns the
+        number adopted."""
+        with self.lock:
+            candidates = {b.block_hash: b for b in found if b.model_id in self.models}
+            for b in found:
+                if b.model_id not in self.models:
+                    store.free(b.handle)
+            changed = True
+            while changed:  # prune orphans until every parent is present
+                changed = False
+                for h, b in list(candidates.items()):
+                    if b.parent_hash != ROOT_PARENT_HASH and b.parent_hash not in candidates and b.parent_hash not in self.blocks:
+                        store.free(candidates.pop(h).handle)
+                        changed = True
+            for b in candidates.values():
+                meta = BlockMeta(b.block_hash, b.parent_hash, b.model_id, b.num_bytes, store.tier, b.handle, b.codec, b.stored_bytes)
+                self.blocks[b.block_hash] = meta
+                self._account(meta, +1)
+            for b in candidates.values():
+                parent = self.blocks.get(b.parent_hash)
+                if parent is not None:
+                    parent.num_children += 1
+            for b in candidates.values():
+                self._touch(self.blocks[b.block_hash])
+            return len(candidates)
+
     def inventory(self) -> tuple[int, list[InventoryGroup]]:
         """A consistent snapshot with the seq it reflects; pending events are superseded."""
         with self.lock:
             seq = self.journal.reset()
             acc: dict[tuple[str, Tier], tuple[bytearray, bytearray]] = {}
             for meta in self.blocks.values():
-                if not meta.ready:
+                if not meta.visible:
                     continue  # reported by its STORED event once written
                 hs, ps = acc.setdefault((meta.model_id, meta.tier), (bytearray(), bytearray()))
                 hs += meta.block_hash
@@ -246,7 +475,42 @@ class BlockPool:
         with self.lock:
             return self.journal.drain(max_blocks)
 
-    # ---- internals ------------------------------------------------------------------
+    def drain_notices(self) -> list[Notice]:
+        with self.lock:
+            out = list(self.notices)
+            self.notices.clear()
+            return out
+
+    # ---- internals (called with the lock held) --------------------------------------
+    def _notice(self, kind: str, message: str) -> None:
+        log.warning("%s: %s", kind, message)
+        with self.lock:
+            self.notices.append(Notice(kind, message, time.time()))
+
+    def _move_failed(self, reason: str) -> MoveOutcome:
+        with self.lock:
+            self.move_failures_total += 1
+        return MoveOutcome(False, reason=reason)
+
+    def _mark_corrupt(self, meta: BlockMeta, why: str) -> None:
+        with self.lock:
+            if not meta.corrupt:
+                meta.corrupt = True
+                self.corrupt_blocks_total += 1
+        self._notice("corrupt_block", f"block {meta.block_hash.hex()[:12]} in the {meta.tier.label} tier is unreadable ({why}); removed")
+
+    def _account(self, meta: BlockMeta, sign: int) -> None:
+        self._count[meta.tier] += sign
+        self._logical[meta.tier] += sign * meta.num_bytes
+        self._stored[meta.tier] += sign * meta.stored_bytes
+
+    def _switch(self, meta: BlockMeta, tier: Tier, handle, codec: str, stored_bytes: int) -> None:
+        self._account(meta, -1)
+        meta.tier, meta.handle, meta.codec, meta.stored_bytes = tier, handle, codec, stored_bytes
+        self._account(meta, +1)
+        heapq.heappush(self._lru[tier], (meta.last_access, meta.block_hash))
+        self.journal.record(STORED, meta.model_id, tier, meta.block_hash, meta.parent_hash)
+
     def _touch(self, meta: BlockMeta) -> None:
         self._clock += 1
         meta.last_access = self._clock
@@ -260,14 +524,17 @@ class BlockPool:
         heapq.heapify(heap)
         self._lru[tier] = heap
 
-    def _allocate(self, store: TierStore) -> int:
-        slot = store.allocate()
-        while slot is None:
+    def _allocate(self, store: TierStore, num_bytes: int, block_hash: bytes):
+        if store.footprint(num_bytes) > store.capacity_bytes:
+            raise PoolFull(f"a {num_bytes} B block does not fit the {store.tier.label} tier at all")
+        handle = store.allocate(num_bytes, block_hash)
+        while handle is None:
             self._make_room(store)
-            slot = store.allocate()
-        return slot
+            handle = store.allocate(num_bytes, block_hash)
+        return handle
 
-    def _victim(self, tier: Tier, must_be_leaf: bool) -> BlockMeta | None:
+    def _victim(self, tier: Tier, demote_to: Tier | None) -> BlockMeta | None:
+        """LRU block of `tier` that may go: to `demote_to`, or dropped when None."""
         heap = self._lru[tier]
         skipped = []
         victim = None
@@ -276,48 +543,79 @@ class BlockPool:
             meta = self.blocks.get(h)
             if meta is None or meta.tier != tier or meta.last_access != tick:
                 continue  # stale entry
-            if meta.ref_count or meta.pinned or not meta.ready or (must_be_leaf and meta.num_children):
-                skipped.append((tick, h))
+            skipped.append((tick, h))
+            if meta.ref_count or meta.moving or not meta.ready:
+                continue
+            if demote_to is None and (meta.pin_tier or meta.num_children):
+                continue
+            if demote_to is not None and meta.pin_tier and int(demote_to) > meta.pin_tier:
                 continue
             victim = meta
-            skipped.append((tick, h))
             break
         for item in skipped:
             heapq.heappush(heap, item)
         return victim
 
     def _make_room(self, store: TierStore) -> None:
-        """Free one slot of `store`: demote its LRU block to the next tier, or drop an
-        LRU leaf when this is the last tier. Raises PoolFull when nothing can go."""
-        i = self.tiers.index(store)
-        lower = self.tiers[i + 1] if i + 1 < len(self.tiers) else None
+        """Free space in `store`: demote its LRU block to the next tier, or drop an LRU
+        leaf when that fails or this is the last tier. Raises PoolFull when nothing can go."""
+        lower = self.lower_of(store.tier)
         if lower is not None:
-            meta = self._victim(store.tier, must_be_leaf=False)
-            if meta is not None:
-                self._demote(meta, store, lower)
+            meta = self._victim(store.tier, lower.tier)
+            if meta is not None and self._demote_locked(meta, store, lower):
                 return
-        meta = self._victim(store.tier, must_be_leaf=True)
+        meta = self._victim(store.tier, None)
         if meta is None:
-            raise PoolFull(f"tier {store.tier.label} is full of pinned or in-use blocks")
-        self._free(meta)
-        self.evictions_total += 1
+            raise PoolFull(f"the {store.tier.label} tier is full of pinned, in-use or moving blocks")
+        self._drop_subtree(meta.block_hash)
+        self.evictions_total[store.tier] += 1
 
-    def _demote(self, meta: BlockMeta, src: TierStore, dst: TierStore) -> None:
-        slot = self._allocate(dst)
-        dst.write(slot, src.read(meta.slot, meta.num_bytes))  # copy, then switch, then free
-        src.free(meta.slot)
-        self._count[src.tier] -= 1
-        self._count[dst.tier] += 1
-        meta.tier, meta.slot = dst.tier, slot
-        heapq.heappush(self._lru[dst.tier], (meta.last_access, meta.block_hash))
-        self.demotions_total += 1
-        self.journal.record(STORED, meta.model_id, dst.tier, meta.block_hash, meta.parent_hash)
+    def _demote_locked(self, meta: BlockMeta, src: TierStore, dst: TierStore) -> bool:
+        """Synchronous demotion for the local safety net (lock held)."""
+        try:
+            payload = src.read(meta.handle, meta.stored_bytes)
+        except BlockUnreadable as exc:
+            self._mark_corrupt(meta, str(exc))
+            self._drop_subtree(meta.block_hash)
+            return True  # its space is free now
+        codec = self.tier_codecs[dst.tier] if meta.codec == "none" else meta.codec
+        if codec != meta.codec:
+            spec = self.models[meta.model_id]
+            payload = codecs.encode(codec, codecs.decode(meta.codec, payload, spec.block_shape, spec.torch_dtype))
+        try:
+            handle = self._allocate(dst, payload.numel(), meta.block_hash)
+        except PoolFull:
+            return False
+        try:
+            dst.write(handle, payload, dataclasses.replace(meta, codec=codec))
+        except OSError as exc:
+            dst.free(handle)
+            self._notice("write_error", f"demoting to the {dst.tier.label} tier failed: {exc}")
+            return False
+        old_handle, old_tier = meta.handle, meta.tier
+        self._switch(meta, dst.tier, handle, codec, payload.numel())
+        src.free(old_handle)
+        self.demotions_total[old_tier] += 1
+        key = (old_tier, dst.tier)
+        self.moved_bytes_total[key] = self.moved_bytes_total.get(key, 0) + payload.numel()
+        return True
 
-    def _free(self, meta: BlockMeta) -> None:
-        del self.blocks[meta.block_hash]
-        self._tier_by_kind[meta.tier].free(meta.slot)
-        self._count[meta.tier] -= 1
+    def _drop_subtree(self, block_hash: bytes) -> bool:
+        meta = self.blocks.get(block_hash)
+        if meta is None:
+            return True
+        if meta.ref_count or meta.moving:
+            return False
+        if meta.num_children:
+            for child in [m for m in self.blocks.values() if m.parent_hash == block_hash]:
+                if not self._drop_subtree(child.block_hash):
+                    return False
+        del self.blocks[block_hash]
+        self._account(meta, -1)
+        self.store_of[meta.tier].free(meta.handle)
         parent = self.blocks.get(meta.parent_hash)
         if parent is not None:
             parent.num_children -= 1
-        self.journal.record(REMOVED, meta.model_id, meta.tier, meta.block_hash, meta.parent_hash)
+        if meta.ready:
+            self.journal.record(REMOVED, meta.model_id, meta.tier, meta.block_hash, meta.parent_hash)
+        return True

@@ -17,18 +17,11 @@ from dataclasses import dataclass
 import torch
 
 from agent.core.block_pool import BlockPool
-from agent.core.model_spec import ModelSpec
+from agent.core.model_spec import TORCH_DTYPES, ModelSpec
+from agent.core.mover import Mover
 from protos import errors
 from protos.block_hash import hash_prefix, split_hashes
-
-TORCH_DTYPES = {
-    "float16": torch.float16,
-    "bfloat16": torch.bfloat16,
-    "float32": torch.float32,
-    "int8": torch.int8,
-}
-if hasattr(torch, "float8_e4m3fn"):
-    TORCH_DTYPES["float8_e4m3fn"] = torch.float8_e4m3fn
+from protos.tier import Tier
 
 
 @dataclass(frozen=True)
@@ -41,11 +34,13 @@ class StoreResult:
 class LoadResult:
     num_cached_tokens: int
     kv: torch.Tensor
+    tiers: tuple[Tier, ...] = ()
 
 
 class KVEngineAPI:
-    def __init__(self, pool: BlockPool, models: Sequence[ModelSpec]):
+    def __init__(self, pool: BlockPool, models: Sequence[ModelSpec], mover: Mover | None = None):
         self.pool = pool
+        self.mover = mover  # when set, loads from a lower tier promote in the background
         self.models = {m.model_id: m for m in models}
         self._lock = threading.Lock()
         self.lookups_total = 0
@@ -82,12 +77,7 @@ class KVEngineAPI:
             raise errors.InvalidArgument("kv", f"dtype {kv.dtype} != model dtype {model.dtype}")
         if first_block and self.pool.num_leading(hashes[:first_block]) < first_block:
             return StoreResult(0, 0)  # the prefix the caller skipped is not cached here
-        rows = kv.contiguous().view(torch.uint8).reshape(n_given, model.block_bytes) if n_given else kv
-
-        def write(i: int, store, slot: int) -> None:
-            store.write(slot, rows[i - first_block])
-
-        stored, present = self.pool.insert_chain(model_id, hashes, model.block_bytes, write)
+        stored, present = self.pool.insert_chain(model_id, hashes, lambda i: kv[i - first_block] if i >= first_block else None)
         return StoreResult(stored, present)
 
     def lookup(self, model_id: str, token_ids, extra_keys: Sequence[str] = ()) -> int:
@@ -100,17 +90,17 @@ class KVEngineAPI:
     def load(self, model_id: str, token_ids, extra_keys: Sequence[str] = ()) -> LoadResult:
         model = self.model(model_id)
         hashes = self.hashes(model, token_ids, extra_keys)
-        metas = self.pool.acquire_chain(hashes)
-        try:
-            rows = [self.pool.read(m) for m in metas]
-        finally:
-            self.pool.release_chain(metas)
-        if rows:
-            kv = torch.stack(rows).view(TORCH_DTYPES[model.dtype]).reshape(len(rows), *model.block_shape)
+        blocks, tiers = self.pool.read_chain(hashes)
+        if blocks:
+            kv = torch.stack(blocks)
         else:
             kv = torch.empty((0, *model.block_shape), dtype=TORCH_DTYPES[model.dtype])
-        self._count(len(token_ids), len(rows) * model.block_size)
-        return LoadResult(len(rows) * model.block_size, kv)
+        top = self.pool.top.tier
+        lower = [h for h, t in zip(hashes, tiers, strict=False) if t != top]
+        if lower and self.mover is not None:
+            self.mover.promote(lower)
+        self._count(len(token_ids), len(blocks) * model.block_size)
+        return LoadResult(len(blocks) * model.block_size, kv, tuple(tiers))
 
     def _count(self, num_tokens: int, hit_tokens: int) -> None:
         with self._lock:

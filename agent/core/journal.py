@@ -47,8 +47,11 @@ class EventJournal:
 
     def record(self, kind: int, model_id: str, tier: Tier, block_hash: bytes, parent_hash: bytes) -> None:
         if len(self._pending) >= self.max_pending:
-            self._pending.clear()  # the next inventory will carry the state
+            # drop them, and skip a sequence number so the control plane sees the gap
+            # and asks for an inventory, which carries the state
+            self._pending.clear()
             self.overflowed = True
+            self.last_seq += 1
         self._pending.append((kind, model_id, tier, block_hash, parent_hash))
         self.wake.set()
 

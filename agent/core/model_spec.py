@@ -8,7 +8,19 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import torch
+
 DTYPE_BYTES = {"float16": 2, "bfloat16": 2, "float32": 4, "float8_e4m3fn": 1, "int8": 1}
+
+
+TORCH_DTYPES = {
+    "float16": torch.float16,
+    "bfloat16": torch.bfloat16,
+    "float32": torch.float32,
+    "int8": torch.int8,
+}
+if hasattr(torch, "float8_e4m3fn"):
+    TORCH_DTYPES["float8_e4m3fn"] = torch.float8_e4m3fn
 
 
 @dataclass(frozen=True)
@@ -26,12 +38,16 @@ class ModelSpec:
         for name in ("block_size", "num_layers", "num_kv_heads", "head_dim"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive")
-        if self.dtype not in DTYPE_BYTES:
+        if self.dtype not in TORCH_DTYPES:
             raise ValueError(f"dtype {self.dtype!r} not supported; use one of {', '.join(DTYPE_BYTES)}")
 
     @property
     def block_shape(self) -> tuple[int, int, int, int, int]:
         return (self.num_layers, 2, self.block_size, self.num_kv_heads, self.head_dim)
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return TORCH_DTYPES[self.dtype]
 
     @property
     def block_bytes(self) -> int:
@@ -49,7 +65,13 @@ class ModelSpec:
             key, eq, value = part.partition("=")
             if not eq or key not in {"block_size", "num_layers", "num_kv_heads", "head_dim", "dtype"}:
                 raise ValueError(f"model spec {text!r}: bad field {part!r}")
-            fields[key] = value if key == "dtype" else int(value)
+            if key == "dtype":
+                fields[key] = value
+            else:
+                try:
+                    fields[key] = int(value)
+                except ValueError:
+                    raise ValueError(f"model spec {text!r}: {key} must be an integer, got {value!r}") from None
         missing = {"block_size", "num_layers", "num_kv_heads", "head_dim"} - set(fields)
         if missing:
             raise ValueError(f"model spec {text!r}: missing {', '.join(sorted(missing))}")

@@ -1,6 +1,12 @@
-"""Memory tiers: one preallocated slab of fixed-size slots, in host memory (CPU tier,
+"""Memory tiers: one preallocated slab of fixed-size pages, in host memory (CPU tier,
 pinned when CUDA is present so copies to the GPU are DMA) or in CUDA memory (GPU tier).
-A slot holds one block's bytes; the slab is allocated once, never a tensor per block."""
+
+A block takes ceil(stored_bytes / page_bytes) pages, so a compressed block takes fewer
+pages than a raw one; the slab is allocated once, never a tensor per block. A handle is
+the block's list of page indices. Freed pages go back so that the next allocation gets
+them in ascending order again: most blocks sit in one contiguous run of pages, and
+copies are a few large memcpys instead of a gather.
+"""
 
 from __future__ import annotations
 
@@ -13,34 +19,72 @@ def cuda_available() -> bool:
     return torch.cuda.is_available()
 
 
+def runs(pages: list[int]) -> list[tuple[int, int]]:
+    """[3,4,5,9,10] -> [(3,6), (9,11)]: contiguous page runs as half-open ranges."""
+    out: list[tuple[int, int]] = []
+    for p in pages:
+        if out and out[-1][1] == p:
+            out[-1] = (out[-1][0], p + 1)
+        else:
+            out.append((p, p + 1))
+    return out
+
+
 class MemoryTier:
-    def __init__(self, tier: Tier, capacity_bytes: int, slot_bytes: int, device: str | None = None):
-        if slot_bytes <= 0:
-            raise ValueError("slot_bytes must be positive")
-        if capacity_bytes < slot_bytes:
-            raise ValueError(f"{tier.label} capacity {capacity_bytes} B is smaller than one block ({slot_bytes} B)")
+    def __init__(self, tier: Tier, capacity_bytes: int, page_bytes: int, device: str | None = None):
+        if page_bytes <= 0:
+            raise ValueError("page_bytes must be positive")
+        if capacity_bytes < page_bytes:
+            raise ValueError(f"{tier.label} capacity {capacity_bytes} B is smaller than one page ({page_bytes} B)")
         self.tier = tier
-        self.slot_bytes = slot_bytes
-        self.num_slots = capacity_bytes // slot_bytes
+        self.page_bytes = page_bytes
+        self.num_pages = capacity_bytes // page_bytes
+        self.capacity_bytes = self.num_pages * page_bytes
         if device is None:
             device = "cuda" if tier == Tier.GPU else "cpu"
+        self.device = device
         pin = device == "cpu" and cuda_available()
-        self.slab = torch.empty((self.num_slots, slot_bytes), dtype=torch.uint8, device=device, pin_memory=pin)
-        self._free = list(range(self.num_slots - 1, -1, -1))
+        self.slab = torch.empty(self.num_pages * page_bytes, dtype=torch.uint8, device=device, pin_memory=pin)
+        self._free = list(range(self.num_pages - 1, -1, -1))  # a stack: pops ascend
 
     @property
-    def num_free(self) -> int:
-        return len(self._free)
+    def used_bytes(self) -> int:
+        return (self.num_pages - len(self._free)) * self.page_bytes
 
-    def allocate(self) -> int | None:
-        return self._free.pop() if self._free else None
+    def footprint(self, num_bytes: int) -> int:
+        return max(1, -(-num_bytes // self.page_bytes)) * self.page_bytes
 
-    def free(self, slot: int) -> None:
-        self._free.append(slot)
+    def allocate(self, num_bytes: int, block_hash: bytes = b""):
+        n = max(1, -(-num_bytes // self.page_bytes))
+        if n > len(self._free):
+            return None
+        return [self._free.pop() for _ in range(n)]
 
-    def write(self, slot: int, data: torch.Tensor) -> None:
-        """`data`: a flat uint8 tensor of at most slot_bytes."""
-        self.slab[slot, : data.numel()].copy_(data, non_blocking=False)
+    def free(self, handle) -> None:
+        self._free.extend(reversed(handle))
 
-    def read(self, slot: int, num_bytes: int) -> torch.Tensor:
-        return self.slab[slot, :num_bytes].clone()
+    def views(self, handle, num_bytes: int) -> list[torch.Tensor]:
+        """The slab segments holding the first `num_bytes` of a block, in order (no copy)."""
+        out, left, pb = [], num_bytes, self.page_bytes
+        for start, end in runs(handle):
+            if left <= 0:
+                break
+            n = min(left, (end - start) * pb)
+            out.append(self.slab[start * pb : start * pb + n])
+            left -= n
+        return out
+
+    def write(self, handle, data, meta=None) -> None:
+        """`data`: a flat uint8 tensor that fits the handle's pages."""
+        data = data.reshape(-1)
+        offset = 0
+        for seg in self.views(handle, data.numel()):
+            seg.copy_(data[offset : offset + seg.numel()], non_blocking=True)
+            offset += seg.numel()
+
+    def read(self, handle, num_bytes: int) -> torch.Tensor:
+        """A CPU copy of the first `num_bytes` stored under `handle`."""
+        segs = self.views(handle, num_bytes)
+        if len(segs) == 1:
+            return segs[0].to("cpu", copy=True)
+        return torch.cat(segs).to("cpu")

@@ -126,16 +126,24 @@ class Cluster:
     def register(self, record: AgentRecord) -> None:
         if not record.agent_id:
             raise errors.InvalidArgument("agent.agent_id", "must not be empty")
-        for m in record.models:
-            if m.block_size <= 0:
-                raise errors.InvalidArgument("agent.models.block_size", "must be positive")
-            known = self._models.get(m.model_id)
-            if known is not None and known.block_size != m.block_size:
-                raise errors.InvalidArgument(
-                    "agent.models.block_size",
-                    f"model {m.model_id!r} has block_size {known.block_size} on other agents, not {m.block_size}",
-                )
         with self._lock:
+            # block sizes other agents serve; the registering agent's old record does not count
+            sizes = {m.model_id: m.block_size for a in self._agents.values() if a.agent_id != record.agent_id for m in a.models}
+            mine: dict[str, int] = {}
+            for m in record.models:
+                if m.block_size <= 0:
+                    raise errors.InvalidArgument("agent.models.block_size", "must be positive")
+                if mine.get(m.model_id, m.block_size) != m.block_size:
+                    raise errors.InvalidArgument(
+                        "agent.models.block_size", f"model {m.model_id!r} is listed twice with different block sizes"
+                    )
+                mine[m.model_id] = m.block_size
+                known = sizes.get(m.model_id)
+                if known is not None and known != m.block_size:
+                    raise errors.InvalidArgument(
+                        "agent.models.block_size",
+                        f"model {m.model_id!r} has block_size {known} on other agents, not {m.block_size}",
+                    )
             old = self._agents.get(record.agent_id)
             if old is not None:
                 # keep the sync position and counters of a re-registering agent
@@ -146,13 +154,21 @@ class Cluster:
                 record.lookup_hit_tokens_total = old.lookup_hit_tokens_total
             record.last_seen_unix_seconds = record.registered_at_unix_seconds = self._clock()
             self._agents[record.agent_id] = record
-            for m in record.models:
-                self._models.setdefault(m.model_id, m)
+            self._refresh_models()
+
+    def _refresh_models(self) -> None:
+        """Models are those some registered agent serves (lock held)."""
+        models: dict[str, ModelInfo] = {}
+        for a in self._agents.values():
+            for m in a.models:
+                models.setdefault(m.model_id, m)
+        self._models = models
 
     def remove_agent(self, agent_id: str) -> int:
         """The agent's lease is gone: forget it and its blocks. Returns replicas dropped."""
         with self._lock:
-            self._agents.pop(agent_id, None)
+            if self._agents.pop(agent_id, None) is not None:
+                self._refresh_models()
             return self.index.drop_agent(agent_id)
 
     def reconcile_membership(self, live_agent_ids: set[str], listed_at_unix_seconds: float) -> list[str]:

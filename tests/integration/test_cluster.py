@@ -86,6 +86,7 @@ def test_sequence_gap_forces_resync(controlplane, make_agent):
 
 
 def test_agent_leaves_index_when_lease_expires(controlplane, make_agent, etcd):
+    make_agent("survivor", lease_ttl_seconds=10)
     a = make_agent("mortal", lease_ttl_seconds=2)
     a.engine.store(M.model_id, tokens(3), kv(3))
     with ControlPlaneClient(controlplane.address) as c:

@@ -17,10 +17,11 @@ SPEC = ModelSpec("tiny", block_size=4, num_layers=1, num_kv_heads=1, head_dim=4,
 BS = SPEC.block_size
 
 
-def make_engine(num_slots: int = 16, *specs: ModelSpec) -> KVEngineAPI:
+def make_engine(num_blocks: int = 16, *specs: ModelSpec) -> KVEngineAPI:
+    """An engine over one CPU slab of `num_blocks` pages, one raw block per page."""
     specs = specs or (SPEC,)
-    slot = max(s.block_bytes for s in specs)
-    pool = BlockPool([MemoryTier(Tier.CPU, num_slots * slot, slot, device="cpu")])
+    page = max(s.block_bytes for s in specs)
+    pool = BlockPool([MemoryTier(Tier.CPU, num_blocks * page, page, device="cpu")], list(specs))
     return KVEngineAPI(pool, list(specs))
 
 
@@ -39,6 +40,19 @@ def test_store_lookup_load_roundtrip():
     assert res.num_cached_tokens == 3 * BS
     assert res.kv.dtype == torch.float16 and tuple(res.kv.shape) == (3, *SPEC.block_shape)
     assert torch.equal(res.kv, kv)
+    assert res.tiers == (Tier.CPU,) * 3
+
+
+def test_loaded_kv_is_a_copy_and_stored_kv_is_taken_by_value():
+    engine = make_engine()
+    tokens = list(range(2 * BS))
+    kv = kv_for(2)
+    original = kv.clone()
+    engine.store("tiny", tokens, kv)
+    kv.zero_()  # the engine reuses its buffer
+    res = engine.load("tiny", tokens)
+    res.kv.fill_(7)  # and writes into what it loaded
+    assert torch.equal(engine.load("tiny", tokens).kv, original)
 
 
 def test_load_returns_exactly_the_cached_prefix():
@@ -205,7 +219,7 @@ def test_counters():
 
 
 def test_eviction_keeps_loads_consistent():
-    engine = make_engine(num_slots=4)
+    engine = make_engine(num_blocks=4)
     stored = {}
     for i in range(6):
         tokens = list(range(100 * i, 100 * i + 2 * BS))

@@ -13,9 +13,26 @@ class BlockEventKind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     BLOCK_EVENT_KIND_UNSPECIFIED: _ClassVar[BlockEventKind]
     BLOCK_EVENT_KIND_STORED: _ClassVar[BlockEventKind]
     BLOCK_EVENT_KIND_REMOVED: _ClassVar[BlockEventKind]
+
+class CommandKind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    COMMAND_KIND_UNSPECIFIED: _ClassVar[CommandKind]
+    COMMAND_KIND_MOVE: _ClassVar[CommandKind]
+    COMMAND_KIND_EVICT: _ClassVar[CommandKind]
+    COMMAND_KIND_COMPRESS: _ClassVar[CommandKind]
+    COMMAND_KIND_PIN: _ClassVar[CommandKind]
+    COMMAND_KIND_UNPIN: _ClassVar[CommandKind]
+    COMMAND_KIND_CANCEL: _ClassVar[CommandKind]
 BLOCK_EVENT_KIND_UNSPECIFIED: BlockEventKind
 BLOCK_EVENT_KIND_STORED: BlockEventKind
 BLOCK_EVENT_KIND_REMOVED: BlockEventKind
+COMMAND_KIND_UNSPECIFIED: CommandKind
+COMMAND_KIND_MOVE: CommandKind
+COMMAND_KIND_EVICT: CommandKind
+COMMAND_KIND_COMPRESS: CommandKind
+COMMAND_KIND_PIN: CommandKind
+COMMAND_KIND_UNPIN: CommandKind
+COMMAND_KIND_CANCEL: CommandKind
 
 class RegisterRequest(_message.Message):
     __slots__ = ("agent",)
@@ -85,17 +102,49 @@ class Hello(_message.Message):
     session_id: str
     def __init__(self, agent_id: _Optional[str] = ..., session_id: _Optional[str] = ...) -> None: ...
 
+class Notice(_message.Message):
+    __slots__ = ("kind", "message", "unix_seconds")
+    KIND_FIELD_NUMBER: _ClassVar[int]
+    MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    UNIX_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    kind: str
+    message: str
+    unix_seconds: float
+    def __init__(self, kind: _Optional[str] = ..., message: _Optional[str] = ..., unix_seconds: _Optional[float] = ...) -> None: ...
+
+class OpUpdate(_message.Message):
+    __slots__ = ("op_id", "state", "done", "total", "failed", "moved_bytes", "error")
+    OP_ID_FIELD_NUMBER: _ClassVar[int]
+    STATE_FIELD_NUMBER: _ClassVar[int]
+    DONE_FIELD_NUMBER: _ClassVar[int]
+    TOTAL_FIELD_NUMBER: _ClassVar[int]
+    FAILED_FIELD_NUMBER: _ClassVar[int]
+    MOVED_BYTES_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
+    op_id: str
+    state: str
+    done: int
+    total: int
+    failed: int
+    moved_bytes: int
+    error: str
+    def __init__(self, op_id: _Optional[str] = ..., state: _Optional[str] = ..., done: _Optional[int] = ..., total: _Optional[int] = ..., failed: _Optional[int] = ..., moved_bytes: _Optional[int] = ..., error: _Optional[str] = ...) -> None: ...
+
 class AgentMessage(_message.Message):
-    __slots__ = ("hello", "inventory", "events", "stats")
+    __slots__ = ("hello", "inventory", "events", "stats", "notice", "op_update")
     HELLO_FIELD_NUMBER: _ClassVar[int]
     INVENTORY_FIELD_NUMBER: _ClassVar[int]
     EVENTS_FIELD_NUMBER: _ClassVar[int]
     STATS_FIELD_NUMBER: _ClassVar[int]
+    NOTICE_FIELD_NUMBER: _ClassVar[int]
+    OP_UPDATE_FIELD_NUMBER: _ClassVar[int]
     hello: Hello
     inventory: Inventory
     events: BlockEventBatch
     stats: AgentStats
-    def __init__(self, hello: _Optional[_Union[Hello, _Mapping]] = ..., inventory: _Optional[_Union[Inventory, _Mapping]] = ..., events: _Optional[_Union[BlockEventBatch, _Mapping]] = ..., stats: _Optional[_Union[AgentStats, _Mapping]] = ...) -> None: ...
+    notice: Notice
+    op_update: OpUpdate
+    def __init__(self, hello: _Optional[_Union[Hello, _Mapping]] = ..., inventory: _Optional[_Union[Inventory, _Mapping]] = ..., events: _Optional[_Union[BlockEventBatch, _Mapping]] = ..., stats: _Optional[_Union[AgentStats, _Mapping]] = ..., notice: _Optional[_Union[Notice, _Mapping]] = ..., op_update: _Optional[_Union[OpUpdate, _Mapping]] = ...) -> None: ...
 
 class ResyncRequest(_message.Message):
     __slots__ = ("reason",)
@@ -103,13 +152,29 @@ class ResyncRequest(_message.Message):
     reason: str
     def __init__(self, reason: _Optional[str] = ...) -> None: ...
 
+class Command(_message.Message):
+    __slots__ = ("op_id", "kind", "block_hashes", "tier", "codec")
+    OP_ID_FIELD_NUMBER: _ClassVar[int]
+    KIND_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_HASHES_FIELD_NUMBER: _ClassVar[int]
+    TIER_FIELD_NUMBER: _ClassVar[int]
+    CODEC_FIELD_NUMBER: _ClassVar[int]
+    op_id: str
+    kind: CommandKind
+    block_hashes: bytes
+    tier: _types_pb2.Tier
+    codec: str
+    def __init__(self, op_id: _Optional[str] = ..., kind: _Optional[_Union[CommandKind, str]] = ..., block_hashes: _Optional[bytes] = ..., tier: _Optional[_Union[_types_pb2.Tier, str]] = ..., codec: _Optional[str] = ...) -> None: ...
+
 class ControlMessage(_message.Message):
-    __slots__ = ("epoch", "resync")
+    __slots__ = ("epoch", "resync", "command")
     EPOCH_FIELD_NUMBER: _ClassVar[int]
     RESYNC_FIELD_NUMBER: _ClassVar[int]
+    COMMAND_FIELD_NUMBER: _ClassVar[int]
     epoch: int
     resync: ResyncRequest
-    def __init__(self, epoch: _Optional[int] = ..., resync: _Optional[_Union[ResyncRequest, _Mapping]] = ...) -> None: ...
+    command: Command
+    def __init__(self, epoch: _Optional[int] = ..., resync: _Optional[_Union[ResyncRequest, _Mapping]] = ..., command: _Optional[_Union[Command, _Mapping]] = ...) -> None: ...
 
 class StoreRequest(_message.Message):
     __slots__ = ("model_id", "token_ids", "kv", "extra_keys", "first_block")

@@ -1,0 +1,90 @@
+"""KVConnector: the small class an inference engine calls to reuse KV through its
+local agent, in the engine's own layout (one (key, value) pair per layer, each shaped
+[batch=1, num_kv_heads, num_tokens, head_dim], as Hugging Face caches hold them).
+
+    connector.lookup(token_ids)          -> num_cached_tokens
+    connector.load(token_ids)            -> (num_cached_tokens, [(k, v) per layer])
+    connector.store(token_ids, kv)       -> number of blocks newly stored
+
+It talks to the agent in process (KVEngineAPI) or over gRPC (EngineClient); both move
+whole blocks in the agent's layout [num_blocks, num_layers, 2, block_size, heads, dim].
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from agent.core.model_spec import ModelSpec
+
+LayerKV = tuple[torch.Tensor, torch.Tensor]
+
+
+def layers_to_blocks(kv: Sequence[LayerKV], spec: ModelSpec, first_block: int, num_blocks: int) -> torch.Tensor:
+    """Per-layer [1, H, T, D] pairs -> blocks [n, L, 2, block_size, H, D] for blocks
+    [first_block, first_block + num_blocks)."""
+    bs = spec.block_size
+    start, end = first_block * bs, (first_block + num_blocks) * bs
+    out = torch.empty((num_blocks, *spec.block_shape), dtype=spec.torch_dtype)
+    for layer, (k, v) in enumerate(kv):
+        for which, t in ((0, k), (1, v)):
+            seg = t[0, :, start:end, :].to("cpu", spec.torch_dtype)  # [H, n*bs, D]
+            out[:, layer, which] = seg.reshape(spec.num_kv_heads, num_blocks, bs, spec.head_dim).permute(1, 2, 0, 3)
+    return out
+
+
+def blocks_to_layers(blocks: torch.Tensor, spec: ModelSpec, device="cpu", dtype=None) -> list[LayerKV]:
+    """Inverse of layers_to_blocks for the whole prefix."""
+    n = blocks.shape[0]
+    out = []
+    for layer in range(spec.num_layers):
+        pair = []
+        for which in (0, 1):
+            t = blocks[:, layer, which].reshape(n * spec.block_size, spec.num_kv_heads, spec.head_dim).permute(1, 0, 2)
+            pair.append(t.unsqueeze(0).to(device=device, dtype=dtype or blocks.dtype).contiguous())
+        out.append((pair[0], pair[1]))
+    return out
+
+
+class KVConnector:
+    def __init__(self, spec: ModelSpec, engine, extra_keys: Sequence[str] = ()):
+        """`engine`: a KVEngineAPI (in process) or an agent.client.EngineClient (gRPC)."""
+        self.spec = spec
+        self.engine = engine
+        self.extra_keys = tuple(extra_keys)
+        self._remote = not hasattr(engine, "pool")
+
+    def lookup(self, token_ids: Sequence[int]) -> int:
+        return self.engine.lookup(self.spec.model_id, list(token_ids), self.extra_keys)
+
+    def load(self, token_ids: Sequence[int], device="cpu", dtype=None) -> tuple[int, list[LayerKV]]:
+        tokens = list(token_ids)
+        if self._remote:
+            loaded = self.engine.load(self.spec.model_id, tokens, self.extra_keys)
+            n = loaded.num_cached_tokens // self.spec.block_size
+            raw = torch.frombuffer(bytearray(loaded.kv), dtype=torch.uint8) if n else torch.empty(0, dtype=torch.uint8)
+            blocks = raw.view(self.spec.torch_dtype).reshape(n, *self.spec.block_shape)
+            num_tokens = loaded.num_cached_tokens
+        else:
+            result = self.engine.load(self.spec.model_id, tokens, self.extra_keys)
+            blocks, num_tokens = result.kv, result.num_cached_tokens
+        if num_tokens == 0:
+            return 0, []
+        return num_tokens, blocks_to_layers(blocks, self.spec, device, dtype)
+
+    def store(self, token_ids: Sequence[int], kv: Sequence[LayerKV], first_block: int = 0) -> int:
+        """Store the full blocks of `token_ids` from per-layer KV covering at least them;
+        blocks before `first_block` are assumed cached already (not sent)."""
+        tokens = list(token_ids)
+        if len(kv) != self.spec.num_layers:
+            raise ValueError(f"kv has {len(kv)} layers, model {self.spec.model_id} has {self.spec.num_layers}")
+        n = len(tokens) // self.spec.block_size - first_block
+        if n <= 0:
+            return 0
+        blocks = layers_to_blocks(kv, self.spec, first_block, n)
+        if self._remote:
+            raw = blocks.contiguous().view(torch.uint8).numpy().tobytes()
+            stored, _ = self.engine.store(self.spec.model_id, tokens, raw, first_block, self.extra_keys)
+            return stored
+        return self.engine.store(self.spec.model_id, tokens, blocks, first_block, self.extra_keys).num_stored_blocks

@@ -1,0 +1,211 @@
+"""KV block codecs, applied per block and transparent on load.
+
+A block is a tensor [num_layers, 2, block_size, num_kv_heads, head_dim] (index 0 of
+axis 1 holds keys, 1 values). Every codec maps it to a flat uint8 payload and back;
+the payload layout is fixed by the shape, so no per-block header is needed beyond the
+codec name kept in the block's metadata.
+
+- `none`: the raw bytes.
+- `int8`: symmetric, one fp16 scale per (layer, k/v, token, head) over head_dim.
+- `int4`: KIVI-style asymmetric 4-bit: keys quantized per channel (groups along the
+  token axis), values per token (groups along head_dim); one fp16 scale and minimum
+  per group; two values packed per byte.
+- `fp8`: float8_e4m3fn with one fp16 scale per (layer, k/v, token, head), where torch
+  has the dtype.
+- `zstd`: lossless zstandard of the raw bytes (for the disk tier).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+FP8 = getattr(torch, "float8_e4m3fn", None)
+FP8_MAX = 448.0
+INT4_GROUP = 128
+
+
+class CodecError(ValueError):
+    pass
+
+
+def _u8(t: torch.Tensor) -> torch.Tensor:
+    return t.contiguous().view(torch.uint8).reshape(-1)
+
+
+def _take(buf: torch.Tensor, offset: int, n: int, dtype: torch.dtype, shape) -> tuple[torch.Tensor, int]:
+    size = n * torch.tensor([], dtype=dtype).element_size()
+    if offset + size > buf.numel():
+        raise CodecError("payload is truncated")
+    return buf[offset : offset + size].view(dtype).reshape(shape), offset + size
+
+
+# ---- int8 ---------------------------------------------------------------------------
+def _int8_encode(x: torch.Tensor) -> torch.Tensor:
+    xf = x.float()
+    scale = xf.abs().amax(dim=-1, keepdim=True).clamp_min(1e-8) / 127.0
+    q = torch.round(xf / scale).clamp_(-127, 127).to(torch.int8)
+    return torch.cat([_u8(scale.to(torch.float16)), _u8(q)])
+
+
+def _int8_decode(buf: torch.Tensor, shape, dtype) -> torch.Tensor:
+    n_scale = math.prod(shape[:-1])
+    scale, off = _take(buf, 0, n_scale, torch.float16, (*shape[:-1], 1))
+    q, _ = _take(buf, off, math.prod(shape), torch.int8, shape)
+    return (q.float() * scale.float()).to(dtype)
+
+
+# ---- fp8 ----------------------------------------------------------------------------
+def _fp8_encode(x: torch.Tensor) -> torch.Tensor:
+    if FP8 is None:
+        raise CodecError("this torch build has no float8_e4m3fn")
+    xf = x.float()
+    scale = xf.abs().amax(dim=-1, keepdim=True).clamp_min(1e-8) / FP8_MAX
+    q = (xf / scale).to(FP8)
+    return torch.cat([_u8(scale.to(torch.float16)), _u8(q)])
+
+
+def _fp8_decode(buf: torch.Tensor, shape, dtype) -> torch.Tensor:
+    if FP8 is None:
+        raise CodecError("this torch build has no float8_e4m3fn")
+    n_scale = math.prod(shape[:-1])
+    scale, off = _take(buf, 0, n_scale, torch.float16, (*shape[:-1], 1))
+    q, _ = _take(buf, off, math.prod(shape), FP8, shape)
+    return (q.float() * scale.float()).to(dtype)
+
+
+# ---- int4 (KIVI) --------------------------------------------------------------------
+def _groups(n: int) -> int:
+    return max(1, math.ceil(n / INT4_GROUP))
+
+
+def _quant4(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """x: [..., G, g] grouped on the last axis -> (packed uint8, scale fp16, min fp16)."""
+    lo = x.amin(dim=-1, keepdim=True)
+    hi = x.amax(dim=-1, keepdim=True)
+    scale = ((hi - lo) / 15.0).clamp_min(1e-8)
+    q = torch.round((x - lo) / scale).clamp_(0, 15).to(torch.uint8).reshape(-1)
+    if q.numel() % 2:
+        q = torch.cat([q, q.new_zeros(1)])
+    packed = q[0::2] | (q[1::2] << 4)
+    return packed, scale.to(torch.float16), lo.to(torch.float16)
+
+
+def _dequant4(packed: torch.Tensor, scale: torch.Tensor, lo: torch.Tensor, n: int) -> torch.Tensor:
+    q = torch.empty(packed.numel() * 2, dtype=torch.uint8)
+    q[0::2] = packed & 0x0F
+    q[1::2] = packed >> 4
+    q = q[:n].float().reshape(*scale.shape[:-1], -1)
+    return q * scale.float() + lo.float()
+
+
+def _pad_groups(x: torch.Tensor, axis_len: int) -> tuple[torch.Tensor, int]:
+    """Pad the last axis to a multiple of the group count -> [..., G, g]."""
+    g_count = _groups(axis_len)
+    g = math.ceil(axis_len / g_count)
+    pad = g_count * g - axis_len
+    if pad:
+        x = torch.cat([x, x[..., -1:].expand(*x.shape[:-1], pad)], dim=-1)
+    return x.reshape(*x.shape[:-1], g_count, g), g_count * g
+
+
+def _int4_encode(x: torch.Tensor) -> torch.Tensor:
+    xf = x.float()
+    keys = xf[:, 0]  # [L, T, H, D]: per channel -> groups along tokens
+    vals = xf[:, 1]  # per token -> groups along D
+    k_t = keys.permute(0, 2, 3, 1)  # [L, H, D, T]
+    kg, _ = _pad_groups(k_t, k_t.shape[-1])
+    vg, _ = _pad_groups(vals, vals.shape[-1])
+    parts = []
+    for grouped in (kg, vg):
+        packed, scale, lo = _quant4(grouped)
+        parts += [_u8(scale), _u8(lo), packed]
+    return torch.cat(parts)
+
+
+def _int4_decode(buf: torch.Tensor, shape, dtype) -> torch.Tensor:
+    L, _, T, H, D = shape
+    out = torch.empty(shape, dtype=torch.float32)
+    off = 0
+    for which, (lead, axis) in enumerate((((L, H, D), T), ((L, T, H), D))):
+        g_count = _groups(axis)
+        g = math.ceil(axis / g_count)
+        n_groups = math.prod(lead) * g_count
+        scale, off = _take(buf, off, n_groups, torch.float16, (*lead, g_count, 1))
+        lo, off = _take(buf, off, n_groups, torch.float16, (*lead, g_count, 1))
+        n = n_groups * g
+        n_packed = (n + 1) // 2
+        if off + n_packed > buf.numel():
+            raise CodecError("payload is truncated")
+        packed = buf[off : off + n_packed]
+        off += n_packed
+        x = _dequant4(packed, scale, lo, n).reshape(*lead, g_count * g)[..., :axis]
+        if which == 0:
+            out[:, 0] = x.permute(0, 3, 1, 2)
+        else:
+            out[:, 1] = x
+    return out.to(dtype)
+
+
+# ---- zstd ---------------------------------------------------------------------------
+def _zstd_encode(x: torch.Tensor) -> torch.Tensor:
+    import zstandard
+
+    raw = _u8(x).numpy().tobytes()
+    return torch.frombuffer(bytearray(zstandard.ZstdCompressor(level=1).compress(raw)), dtype=torch.uint8)
+
+
+def _zstd_decode(buf: torch.Tensor, shape, dtype) -> torch.Tensor:
+    import zstandard
+
+    try:
+        raw = zstandard.ZstdDecompressor().decompress(buf.numpy().tobytes())
+    except zstandard.ZstdError as exc:
+        raise CodecError(f"zstd payload is corrupt: {exc}") from None
+    expected = math.prod(shape) * torch.tensor([], dtype=dtype).element_size()
+    if len(raw) != expected:
+        raise CodecError("zstd payload has the wrong size")
+    return torch.frombuffer(bytearray(raw), dtype=torch.uint8).view(dtype).reshape(shape)
+
+
+CODECS = {
+    "int8": (_int8_encode, _int8_decode),
+    "int4": (_int4_encode, _int4_decode),
+    "fp8": (_fp8_encode, _fp8_decode),
+    "zstd": (_zstd_encode, _zstd_decode),
+}
+LOSSY = {"int8", "int4", "fp8"}
+
+
+def available_codecs() -> list[str]:
+    return ["none"] + [c for c in CODECS if c != "fp8" or FP8 is not None]
+
+
+def check_codec(name: str) -> str:
+    if name not in available_codecs():
+        raise CodecError(f"unknown codec {name!r}; expected one of {'|'.join(available_codecs())}")
+    return name
+
+
+def encode(codec: str, block: torch.Tensor) -> torch.Tensor:
+    """A block tensor -> flat uint8 payload (on the CPU)."""
+    check_codec(codec)
+    block = block.detach().to("cpu")
+    if codec == "none":
+        return _u8(block)
+    if codec in LOSSY and not block.dtype.is_floating_point:
+        raise CodecError(f"codec {codec} needs a floating-point KV dtype, not {block.dtype}")
+    return CODECS[codec][0](block)
+
+
+def decode(codec: str, payload: torch.Tensor, shape, dtype: torch.dtype) -> torch.Tensor:
+    """Inverse of encode; raises CodecError when the payload does not fit the shape."""
+    check_codec(codec)
+    payload = payload.reshape(-1).to("cpu")
+    if codec == "none":
+        expected = math.prod(shape) * torch.tensor([], dtype=dtype).element_size()
+        if payload.numel() != expected:
+            raise CodecError("payload has the wrong size")
+        return payload.view(dtype).reshape(shape)
+    return CODECS[codec][1](payload, tuple(shape), dtype)

@@ -1,0 +1,151 @@
+"""Asynchronous, batched block movement between tiers: operations with an id, state
+and progress, run one at a time by a background thread. Control-plane commands and the
+engine API (a load from a lower tier promotes) both submit here."""
+
+from __future__ import annotations
+
+import itertools
+import queue
+import threading
+import time
+from collections import OrderedDict
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+from agent.core.block_pool import BlockPool
+from protos.tier import Tier
+
+PENDING, RUNNING, SUCCEEDED, FAILED, CANCELLED = "PENDING", "RUNNING", "SUCCEEDED", "FAILED", "CANCELLED"
+TERMINAL = {SUCCEEDED, FAILED, CANCELLED}
+
+
+@dataclass
+class MoveOp:
+    op_id: str
+    kind: str  # move | promote | compress
+    to_tier: Tier | None  # None: stay in the current tier (compress in place)
+    codec: str | None
+    block_hashes: list[bytes]
+    state: str = PENDING
+    done: int = 0
+    failed: int = 0
+    moved_bytes: int = 0
+    error: str = ""
+    created_unix_seconds: float = field(default_factory=time.time)
+    finished_unix_seconds: float = 0.0
+    cancel_requested: bool = False
+
+    @property
+    def total(self) -> int:
+        return len(self.block_hashes)
+
+
+class Mover:
+    def __init__(self, pool: BlockPool, on_update: Callable[[MoveOp], None] | None = None, keep_finished: int = 256):
+        self.pool = pool
+        self.on_update = on_update
+        self._queue: queue.Queue[MoveOp] = queue.Queue()
+        self._ops: OrderedDict[str, MoveOp] = OrderedDict()
+        self._lock = threading.Lock()
+        self._ids = itertools.count(1)
+        self.keep_finished = keep_finished
+        self._promoting: set[bytes] = set()
+
+    def submit(
+        self,
+        block_hashes: Sequence[bytes],
+        to_tier: Tier | None,
+        codec: str | None = None,
+        kind: str = "move",
+        op_id: str = "",
+    ) -> MoveOp:
+        op = MoveOp(op_id or f"local-{next(self._ids)}", kind, to_tier, codec, list(block_hashes))
+        with self._lock:
+            self._ops[op.op_id] = op
+            while len(self._ops) > self.keep_finished:
+                oldest = next(iter(self._ops.values()))
+                if oldest.state not in TERMINAL:
+                    break
+                self._ops.popitem(last=False)
+        self._queue.put(op)
+        return op
+
+    def promote(self, block_hashes: Sequence[bytes]) -> MoveOp | None:
+        """Bring blocks read from a lower tier up to the fastest one (deduplicated)."""
+        with self._lock:
+            fresh = [h for h in block_hashes if h not in self._promoting]
+            self._promoting.update(fresh)
+        if not fresh:
+            return None
+        return self.submit(fresh, self.pool.top.tier, kind="promote")
+
+    def get(self, op_id: str) -> MoveOp | None:
+        with self._lock:
+            return self._ops.get(op_id)
+
+    def ops(self) -> list[MoveOp]:
+        with self._lock:
+            return list(self._ops.values())
+
+    def cancel(self, op_id: str) -> bool:
+        op = self.get(op_id)
+        if op is None or op.state in TERMINAL:
+            return False
+        op.cancel_requested = True
+        return True
+
+    def _update(self, op: MoveOp) -> None:
+        if self.on_update:
+            self.on_update(op)
+
+    def run_op(self, op: MoveOp) -> MoveOp:
+        if op.cancel_requested:
+            op.state = CANCELLED
+        else:
+            op.state = RUNNING
+            self._update(op)
+            last = time.monotonic()
+            for h in op.block_hashes:
+                if op.cancel_requested:
+                    op.state = CANCELLED
+                    break
+                to_tier = op.to_tier if op.to_tier is not None else self.pool.tier_of(h)
+                outcome = self.pool.move_block(h, to_tier, op.codec) if to_tier is not None else None
+                if outcome is None:
+                    op.failed += 1
+                    op.error = "not held"
+                    continue
+                if outcome.ok:
+                    op.done += 1
+                    op.moved_bytes += outcome.moved_bytes
+                else:
+                    op.failed += 1
+                    op.error = outcome.reason
+                if time.monotonic() - last > 0.2:
+                    last = time.monotonic()
+                    self._update(op)
+            else:
+                op.state = SUCCEEDED if op.failed == 0 else (FAILED if op.done == 0 else SUCCEEDED)
+        if op.kind == "promote":
+            with self._lock:
+                self._promoting.difference_update(op.block_hashes)
+        op.finished_unix_seconds = time.time()
+        self._update(op)
+        return op
+
+    def run_once(self, timeout_seconds: float = 0.1) -> MoveOp | None:
+        try:
+            op = self._queue.get(timeout=timeout_seconds)
+        except queue.Empty:
+            return None
+        return self.run_op(op)
+
+    def run_forever(self, stop: threading.Event) -> None:
+        while not stop.is_set():
+            self.run_once()
+
+    def wait(self, op: MoveOp, timeout_seconds: float = 30.0) -> MoveOp:
+        deadline = time.monotonic() + timeout_seconds
+        while op.state not in TERMINAL and time.monotonic() < deadline:
+            time.sleep(0.005)
+        return op

@@ -1,0 +1,271 @@
+"""Prometheus metrics of one agent. Every series carries `agent_id` (one value per
+process), so dashboards break down by agent without relabelling.
+
+Block-pool and engine values are read when Prometheus scrapes (`AgentCollector` calls
+`BlockPool.usage()` and reads the pool's and engine's plain counters), so storing and
+loading KV pays nothing for metrics. What happens outside `core` is measured where it
+happens: etcd requests (`protos.metrics.InstrumentedEtcd`), RPC status codes (an
+interceptor), and transfers between agents (`record_transfer()`, for the data plane).
+
+The pool's counters are plain ints or dicts keyed by tier, tier pair or (tier, reason):
+`evictions_total`, `demotions_total`, `promotions_total`, `moved_bytes_total`,
+`corrupt_blocks_total`, `move_failures_total`. A count without a reason is reported as
+reason "capacity" (the local safety net is the only cause today); a feature that adds a
+cause keys its count by (tier, reason) and shows up without a change here."""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Mapping
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, ProcessCollector
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
+from prometheus_client.utils import floatToGoString
+
+from protos.metrics import (
+    DURATION_BUCKETS_SECONDS,
+    BuildInfoCollector,
+    EtcdMetrics,
+    RpcMetricsInterceptor,
+)
+from protos.tier import Tier
+
+MEMORY_AND_DISK = (Tier.GPU, Tier.CPU, Tier.DISK)
+TRANSFER_KINDS = ("handoff", "replicate", "migrate")
+TRANSFER_FALLBACKS = ("secondary_path", "recompute")
+AGENT_OPERATION_KINDS = ("move", "promote", "compress")
+TERMINAL_STATES = ("succeeded", "failed", "cancelled")
+DEFAULT_REASON = "capacity"
+
+
+def _by_tier_reason(value, default_tier: Tier) -> dict[tuple[Tier, str], int]:
+    """Normalise a pool counter: int, {tier: n} or {(tier, reason): n}."""
+    if value is None:
+        return {}
+    if not isinstance(value, Mapping):
+        return {(default_tier, DEFAULT_REASON): int(value)}
+    out: dict[tuple[Tier, str], int] = {}
+    for key, n in value.items():
+        tier, reason = key if isinstance(key, tuple) else (key, DEFAULT_REASON)
+        out[(Tier(tier), reason)] = out.get((Tier(tier), reason), 0) + int(n)
+    return out
+
+
+class _OperationDurations:
+    """Durations of the mover's finished operations, observed once each at scrape time
+    (the mover keeps its recent operations; ids seen finished are remembered while kept)."""
+
+    def __init__(self, agent_id: str):
+        self._agent_id = agent_id
+        self._seen: set[str] = set()
+        self._buckets: dict[tuple[str, str], list[int]] = {}
+        self._sums: dict[tuple[str, str], float] = {}
+        for kind, state in itertools.product(AGENT_OPERATION_KINDS, TERMINAL_STATES):
+            self._slot(kind, state)
+
+    def _slot(self, kind: str, state: str) -> tuple[list[int], float]:
+        key = (kind, state)
+        if key not in self._buckets:
+            self._buckets[key] = [0] * (len(DURATION_BUCKETS_SECONDS) + 1)
+            self._sums[key] = 0.0
+        return self._buckets[key], self._sums[key]
+
+    def update(self, ops) -> None:
+        present = set()
+        for op in ops:
+            state = str(op.state).lower()
+            if state not in TERMINAL_STATES:
+                continue
+            present.add(op.op_id)
+            if op.op_id in self._seen:
+                continue
+            self._seen.add(op.op_id)
+            seconds = max(0.0, float(op.finished_unix_seconds) - float(op.created_unix_seconds))
+            counts, _ = self._slot(op.kind, state)
+            for i, bound in enumerate((*DURATION_BUCKETS_SECONDS, float("inf"))):
+                if seconds <= bound:
+                    counts[i] += 1
+            self._sums[(op.kind, state)] += seconds
+        self._seen &= present
+
+    def family(self) -> HistogramMetricFamily:
+        h = HistogramMetricFamily(
+            "kvcp_agent_operation_duration_seconds",
+            "Duration of this agent's finished block operations (submit to finish), by kind and final state.",
+            labels=["agent_id", "kind", "state"],
+        )
+        bounds = [*(floatToGoString(b) for b in DURATION_BUCKETS_SECONDS), "+Inf"]
+        for (kind, state), counts in sorted(self._buckets.items()):
+            h.add_metric(
+                [self._agent_id, kind, state], list(zip(bounds, counts, strict=True)), self._sums[(kind, state)]
+            )
+        return h
+
+
+class AgentCollector:
+    """Block pool, engine, mover and control-plane link of one agent at scrape time."""
+
+    def __init__(self, agent_id: str, pool, engine=None, link=None, mover=None):
+        self.agent_id = agent_id
+        self.pool = pool
+        self.engine = engine
+        self.link = link
+        self.mover = mover
+        self._durations = _OperationDurations(agent_id)
+
+    def _families(self):
+        g, c = GaugeMetricFamily, CounterMetricFamily
+        a = ["agent_id"]
+        specs = [
+            (g, "kvcp_tier_capacity_bytes", "Capacity of each tier of this agent.", [*a, "tier"]),
+            (g, "kvcp_tier_used_bytes", "Bytes of each tier in use (stored blocks, after compression).", [*a, "tier"]),
+            (g, "kvcp_tier_blocks", "Blocks held in each tier.", [*a, "tier"]),
+            (
+                g,
+                "kvcp_compression_saved_bytes",
+                "Bytes each tier saves by compression (uncompressed minus stored size of its blocks).",
+                [*a, "tier"],
+            ),
+            (c, "kvcp_agent_lookups_total", "Engine lookups and loads served by this agent.", a),
+            (c, "kvcp_agent_lookup_tokens_total", "Tokens asked about in engine lookups and loads.", a),
+            (c, "kvcp_agent_lookup_hit_tokens_total", "Tokens found cached in engine lookups and loads.", a),
+            (c, "kvcp_evictions_total", "Blocks dropped from a tier, by tier and reason.", [*a, "tier", "reason"]),
+            (
+                c,
+                "kvcp_demotions_total",
+                "Blocks moved to a slower tier, by source tier and reason.",
+                [*a, "tier", "reason"],
+            ),
+            (c, "kvcp_promotions_total", "Blocks moved to a faster tier.", a),
+            (
+                c,
+                "kvcp_tier_moved_bytes_total",
+                "Bytes moved between tiers of this agent, by source and destination tier.",
+                [*a, "src_tier", "dst_tier"],
+            ),
+            (c, "kvcp_move_failures_total", "Block moves between tiers that failed (source left intact).", a),
+            (c, "kvcp_corrupt_blocks_total", "Blocks found corrupt or truncated on read, removed, never returned.", a),
+            (g, "kvcp_agent_controlplane_connected", "1 while the Sync stream to the control plane is up.", a),
+            (c, "kvcp_agent_sync_connections_total", "Sync streams opened to the control plane.", a),
+            (c, "kvcp_agent_resyncs_total", "Full inventories sent because the control plane asked.", a),
+            (
+                g,
+                "kvcp_agent_operations",
+                "This agent's block operations waiting or running, by kind and state.",
+                [*a, "kind", "state"],
+            ),
+        ]
+        return {name: kind(name, doc, labels=labels) for kind, name, doc, labels in specs}
+
+    def describe(self):
+        return [*self._families().values(), self._durations.family()]
+
+    def collect(self):
+        f = self._families()
+        aid = self.agent_id
+        pool = self.pool
+        tiers = [u.tier for u in pool.usage()]
+        for u in pool.usage():
+            t = u.tier.label
+            f["kvcp_tier_capacity_bytes"].add_metric([aid, t], u.capacity_bytes)
+            f["kvcp_tier_used_bytes"].add_metric([aid, t], u.used_bytes)
+            f["kvcp_tier_blocks"].add_metric([aid, t], u.num_blocks)
+            uncompressed, stored = getattr(u, "uncompressed_bytes", 0), getattr(u, "stored_bytes", 0)
+            f["kvcp_compression_saved_bytes"].add_metric([aid, t], max(0, uncompressed - stored) if stored else 0)
+        e = self.engine
+        if e is not None:
+            f["kvcp_agent_lookups_total"].add_metric([aid], e.lookups_total)
+            f["kvcp_agent_lookup_tokens_total"].add_metric([aid], e.lookup_tokens_total)
+            f["kvcp_agent_lookup_hit_tokens_total"].add_metric([aid], e.lookup_hit_tokens_total)
+        # evictions happen in the last tier, demotions start in any but the last
+        for name, attr, default_tier in (
+            ("kvcp_evictions_total", "evictions_total", tiers[-1]),
+            ("kvcp_demotions_total", "demotions_total", tiers[0]),
+        ):
+            counts = dict.fromkeys(((t, DEFAULT_REASON) for t in tiers), 0)
+            counts.update(_by_tier_reason(getattr(pool, attr, None), default_tier))
+            for (tier, reason), n in sorted(counts.items()):
+                f[name].add_metric([aid, tier.label, reason], n)
+        f["kvcp_promotions_total"].add_metric([aid], int(getattr(pool, "promotions_total", 0) or 0))
+        moved = dict.fromkeys(itertools.permutations(sorted({*MEMORY_AND_DISK, *tiers}), 2), 0)
+        moved.update(
+            {(Tier(s), Tier(d)): int(n) for (s, d), n in (getattr(pool, "moved_bytes_total", None) or {}).items()}
+        )
+        for (src, dst), n in sorted(moved.items()):
+            f["kvcp_tier_moved_bytes_total"].add_metric([aid, src.label, dst.label], n)
+        f["kvcp_move_failures_total"].add_metric([aid], int(getattr(pool, "move_failures_total", 0) or 0))
+        f["kvcp_corrupt_blocks_total"].add_metric([aid], int(getattr(pool, "corrupt_blocks_total", 0) or 0))
+        link = self.link
+        if link is not None:
+            f["kvcp_agent_controlplane_connected"].add_metric([aid], 1 if link.connected.is_set() else 0)
+            f["kvcp_agent_sync_connections_total"].add_metric([aid], link.connections_total)
+            f["kvcp_agent_resyncs_total"].add_metric([aid], link.resyncs_total)
+        ops = self.mover.ops() if self.mover is not None else []
+        active = {(k, s): 0 for k in AGENT_OPERATION_KINDS for s in ("pending", "running")}
+        for op in ops:
+            state = str(op.state).lower()
+            if state in ("pending", "running"):
+                active[(op.kind, state)] = active.get((op.kind, state), 0) + 1
+        for (kind, state), n in sorted(active.items()):
+            f["kvcp_agent_operations"].add_metric([aid, kind, state], n)
+        self._durations.update(ops)
+        return [*f.values(), self._durations.family()]
+
+
+class AgentMetrics:
+    """Every metric of one agent, in one injected registry."""
+
+    def __init__(
+        self, registry: CollectorRegistry, agent_id: str, pool, engine=None, link=None, mover=None, process: bool = True
+    ):
+        self.registry = registry
+        self.agent_id = agent_id
+        const = {"agent_id": agent_id}
+        self.collector = AgentCollector(agent_id, pool, engine, link, mover)
+        registry.register(self.collector)
+        registry.register(BuildInfoCollector("agent", const))
+        if process:
+            ProcessCollector(registry=registry)
+        self.etcd = EtcdMetrics(registry, const)
+        self.rpc = RpcMetricsInterceptor(registry, const)
+        a = ("agent_id", "kind")
+        self.transfers = Counter(
+            "kvcp_transfers_total", "KV transfers to or from peer agents, by kind.", a, registry=registry
+        )
+        self.transfer_failures = Counter(
+            "kvcp_transfer_failures_total", "KV transfers that failed on their first path.", a, registry=registry
+        )
+        self.transfer_fallbacks = Counter(
+            "kvcp_transfer_fallbacks_total",
+            "Failed transfers completed another way: a secondary path, or recompute by the engine.",
+            (*a, "fallback"),
+            registry=registry,
+        )
+        self.transfer_bytes = Counter(
+            "kvcp_transfer_bytes_total", "Bytes of KV moved by transfers, by kind.", a, registry=registry
+        )
+        self.transfer_duration = Histogram(
+            "kvcp_transfer_duration_seconds",
+            "Duration of transfers, by kind (failed ones included).",
+            a,
+            registry=registry,
+            buckets=DURATION_BUCKETS_SECONDS,
+        )
+        for kind in TRANSFER_KINDS:
+            for m in (self.transfers, self.transfer_failures, self.transfer_bytes, self.transfer_duration):
+                m.labels(agent_id, kind)
+            for fb in TRANSFER_FALLBACKS:
+                self.transfer_fallbacks.labels(agent_id, kind, fb)
+
+    def record_transfer(self, kind: str, num_bytes: int, seconds: float, ok: bool, fallback: str = "") -> None:
+        """One transfer finished: `ok` on its first path; `fallback` names how a failed
+        one was completed instead ('secondary_path', 'recompute'), '' if it was not."""
+        aid = self.agent_id
+        self.transfers.labels(aid, kind).inc()
+        self.transfer_duration.labels(aid, kind).observe(seconds)
+        if ok or fallback == "secondary_path":
+            self.transfer_bytes.labels(aid, kind).inc(num_bytes)
+        if not ok:
+            self.transfer_failures.labels(aid, kind).inc()
+            if fallback:
+                self.transfer_fallbacks.labels(aid, kind, fallback).inc()

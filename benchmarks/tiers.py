@@ -1,0 +1,176 @@
+"""`kvcp-bench tiers`: block movement between tiers and codec speed, each against a raw
+baseline measured in the same run on the same bytes.
+
+Moves go through the agent's real path (BlockPool.move_block: read, encode when asked,
+allocate, write, verify, switch, free). Baselines: a plain torch copy of the same bytes
+between the same devices, and for the disk a plain sequential write of the same bytes
+into one file (same fsync setting) and a sequential read of it. Disk reads come from the
+page cache in both cases unless the machine evicts it; the figures are ratios for that
+reason.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+import time
+from dataclasses import asdict, dataclass
+
+import torch
+
+from agent.core import codecs
+from agent.core.block_pool import BlockPool
+from agent.core.model_spec import ModelSpec
+from agent.store.disk_tier import DiskTier
+from agent.store.memory_tier import MemoryTier, cuda_available
+from protos.tier import Tier
+
+
+@dataclass
+class MoveResult:
+    path: str
+    block_bytes: int
+    gbps: float
+    baseline_gbps: float
+    ratio: float
+
+
+@dataclass
+class CodecResult:
+    codec: str
+    size_ratio: float
+    compress_gbps: float
+    decompress_gbps: float
+    max_abs_error: float
+
+
+def _spec(block_mib: int) -> ModelSpec:
+    # [layers, 2, block_size, kv_heads, head_dim] fp16; 1 MiB per layer-pair group of 4
+    return ModelSpec(f"bench-{block_mib}m", block_size=256, num_layers=4 * block_mib, num_kv_heads=4, head_dim=64)
+
+
+def _best(fn, repeats: int) -> float:
+    best = float("inf")
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - t0)
+    return best
+
+
+def bench_moves(block_mib: int, num_blocks: int, repeats: int, fsync: bool, workdir: str) -> list[MoveResult]:
+    spec = _spec(block_mib)
+    nbytes = spec.block_bytes
+    total = nbytes * num_blocks
+    tiers = []
+    if cuda_available():
+        tiers.append(MemoryTier(Tier.GPU, total + nbytes, nbytes // 16))
+    cpu = MemoryTier(Tier.CPU, total + nbytes, nbytes // 16)
+    disk = DiskTier(os.path.join(workdir, f"disk-{block_mib}"), 4 * total, fsync=fsync)
+    tiers += [cpu, disk]
+    pool = BlockPool(tiers, [spec])
+    gen = torch.Generator().manual_seed(0)
+    data = torch.randn((num_blocks, *spec.block_shape), generator=gen).to(torch.float16)
+    hashes = [os.urandom(16) for _ in range(num_blocks)]
+    # independent roots: each block is its own chain
+    for i, h in enumerate(hashes):
+        pool.insert_chain(spec.model_id, [h], lambda _i, i=i: data[i])
+    top = pool.top.tier
+
+    def move_all(tier: Tier):
+        for h in hashes:
+            out = pool.move_block(h, tier)
+            if not out.ok:
+                raise RuntimeError(f"move to {tier.label} failed: {out.reason}")
+
+    results = []
+    paths = [(Tier.CPU, Tier.DISK), (Tier.DISK, Tier.CPU)]
+    if top == Tier.GPU:
+        paths = [(Tier.GPU, Tier.CPU), (Tier.CPU, Tier.GPU)] + paths
+    move_all(Tier.CPU)
+    flat = data.view(torch.uint8).reshape(num_blocks, -1)
+    raw_file = os.path.join(workdir, f"raw-{block_mib}.bin")
+    host = flat.pin_memory() if cuda_available() else flat
+    dev = torch.empty_like(flat, device="cuda") if cuda_available() else None
+
+    def raw_write():
+        with open(raw_file, "wb", buffering=0) as f:
+            for i in range(num_blocks):
+                f.write(memoryview(host[i].numpy()))
+            if fsync:
+                os.fsync(f.fileno())
+
+    def raw_read():
+        buf = torch.empty(nbytes, dtype=torch.uint8)
+        with open(raw_file, "rb", buffering=0) as f:
+            for _ in range(num_blocks):
+                f.readinto(memoryview(buf.numpy()))
+
+    def h2d():
+        dev.copy_(host, non_blocking=True)
+        torch.cuda.synchronize()
+
+    def d2h():
+        host.copy_(dev, non_blocking=True)
+        torch.cuda.synchronize()
+
+    baselines = {(Tier.CPU, Tier.DISK): raw_write, (Tier.DISK, Tier.CPU): raw_read, (Tier.CPU, Tier.GPU): h2d, (Tier.GPU, Tier.CPU): d2h}
+    raw_write()
+    for src, dst in paths:
+        def run(src=src, dst=dst):
+            move_all(src)
+            t0 = time.perf_counter()
+            move_all(dst)
+            if dst == Tier.GPU or src == Tier.GPU:
+                torch.cuda.synchronize()
+            return time.perf_counter() - t0
+
+        t = min(run() for _ in range(repeats))
+        tb = _best(baselines[(src, dst)], repeats)
+        gbps, base = total / t / 1e9, total / tb / 1e9
+        results.append(MoveResult(f"{src.label}->{dst.label}", nbytes, round(gbps, 3), round(base, 3), round(gbps / base, 3)))
+    os.unlink(raw_file)
+    return results
+
+
+def bench_codecs(repeats: int) -> list[CodecResult]:
+    spec = _spec(1)
+    gen = torch.Generator().manual_seed(1)
+    block = torch.randn(spec.block_shape, generator=gen).to(torch.float16)
+    raw = block.numel() * 2
+    out = []
+    for name in codecs.available_codecs():
+        if name == "none":
+            continue
+        payload = codecs.encode(name, block)
+        tc = _best(lambda name=name: codecs.encode(name, block), repeats)
+        td = _best(lambda name=name, payload=payload: codecs.decode(name, payload, spec.block_shape, torch.float16), repeats)
+        back = codecs.decode(name, payload, spec.block_shape, torch.float16)
+        err = (back.float() - block.float()).abs().max().item()
+        out.append(CodecResult(name, round(raw / payload.numel(), 3), round(raw / tc / 1e9, 3), round(raw / td / 1e9, 3), round(err, 5)))
+    return out
+
+
+def run(block_mibs=(1, 4), num_blocks: int = 32, repeats: int = 3, fsync: bool = False) -> dict:
+    with tempfile.TemporaryDirectory(prefix="kvcp-bench-tiers-") as workdir:
+        moves = []
+        for mib in block_mibs:
+            moves += bench_moves(mib, max(4, num_blocks // mib), repeats, fsync, workdir)
+    return {
+        "cuda": cuda_available(),
+        "fsync": fsync,
+        "moves": [asdict(m) for m in moves],
+        "codecs": [asdict(c) for c in bench_codecs(repeats)],
+    }
+
+
+def format_table(result: dict) -> str:
+    lines = [f"block moves (cuda={result['cuda']}, fsync={result['fsync']})",
+             f"{'path':12s} {'block':>8s} {'GB/s':>8s} {'raw GB/s':>9s} {'ratio':>6s}"]
+    for m in result["moves"]:
+        lines.append(f"{m['path']:12s} {m['block_bytes'] >> 20:>6d}Mi {m['gbps']:>8.2f} {m['baseline_gbps']:>9.2f} {m['ratio']:>6.2f}")
+    lines += ["", "codecs (fp16 block [4,2,256,4,64])",
+              f"{'codec':6s} {'size ratio':>10s} {'enc GB/s':>9s} {'dec GB/s':>9s} {'max |err|':>10s}"]
+    for c in result["codecs"]:
+        lines.append(f"{c['codec']:6s} {c['size_ratio']:>10.2f} {c['compress_gbps']:>9.2f} {c['decompress_gbps']:>9.2f} {c['max_abs_error']:>10.4f}")
+    return "\n".join(lines)

@@ -1,0 +1,172 @@
+"""Prometheus metrics of a control-plane replica.
+
+Most values are read from the core state when Prometheus scrapes (`ClusterCollector`
+calls `Cluster.stats()` and `Cluster.agents()`), so the ingest and lookup paths pay
+nothing for them. What can only be seen in passing is measured where it happens: lookup
+latency in the AdminService (`lookup_duration`), etcd requests in the store adapters
+(`protos.metrics.InstrumentedEtcd`), RPC status codes in an interceptor.
+
+Features that are not built yet report through hooks that default to "nothing yet":
+`pins_source` (pin count and pinned bytes), `operations_source` (operations by kind and
+state) and `observe_operation()` (durations of finished operations). Their families are
+exported from the start, with zeros, so dashboards and alerts see them now."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+
+from prometheus_client import CollectorRegistry, Histogram, ProcessCollector
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+from controlplane.core.cluster import AgentState, Cluster
+from protos.metrics import (
+    DURATION_BUCKETS_SECONDS,
+    LATENCY_BUCKETS_SECONDS,
+    BuildInfoCollector,
+    EtcdMetrics,
+    RpcMetricsInterceptor,
+)
+
+AGENT_STATES = tuple(s.name.lower() for s in AgentState)
+OPERATION_KINDS = ("move", "cleanup", "compress", "transfer")
+OPERATION_STATES = ("pending", "running", "succeeded", "failed", "cancelled")
+
+
+@dataclass(frozen=True)
+class PinStats:
+    num_pins: int = 0
+    pinned_bytes: int = 0
+
+
+class ClusterCollector:
+    """Cluster state at scrape time. `leadership` has is_leader, epoch (LeaderElection)."""
+
+    def __init__(
+        self,
+        cluster: Cluster,
+        leadership=None,
+        pins_source: Callable[[], PinStats] | None = None,
+        operations_source: Callable[[], Mapping[tuple[str, str], int]] | None = None,
+    ):
+        self._cluster = cluster
+        self._leadership = leadership
+        self.pins_source = pins_source
+        self.operations_source = operations_source
+
+    @staticmethod
+    def _families() -> dict[str, GaugeMetricFamily | CounterMetricFamily]:
+        g, c = GaugeMetricFamily, CounterMetricFamily
+        specs = [
+            (g, "kvcp_controlplane_is_leader", "1 if this replica is the leader now, else 0.", []),
+            (g, "kvcp_controlplane_epoch", "Epoch (leader key create revision) of the leader this replica knows.", []),
+            (g, "kvcp_agents", "Registered agents by sync state.", ["state"]),
+            (
+                g,
+                "kvcp_agent_state",
+                "Sync state of each registered agent (1 for its current state).",
+                ["agent_id", "state"],
+            ),
+            (g, "kvcp_agent_indexed_blocks", "Blocks the index holds for each agent.", ["agent_id"]),
+            (
+                g,
+                "kvcp_agent_last_seen_timestamp_seconds",
+                "Unix time of the last message from each agent.",
+                ["agent_id"],
+            ),
+            (g, "kvcp_index_blocks", "Distinct blocks in the global index.", []),
+            (
+                g,
+                "kvcp_index_block_replicas",
+                "Block copies in the global index (a block on two agents counts twice).",
+                [],
+            ),
+            (c, "kvcp_lookups_total", "Prefix lookups answered.", []),
+            (c, "kvcp_lookup_tokens_total", "Tokens asked about in lookups.", []),
+            (c, "kvcp_lookup_hit_tokens_total", "Tokens of the best agent's cached prefix, summed over lookups.", []),
+            (c, "kvcp_block_events_total", "Block events (stored/removed blocks) ingested from agents.", []),
+            (c, "kvcp_resyncs_total", "Full inventories asked of agents after a gap in their event sequence.", []),
+            (g, "kvcp_pins", "Pins in force.", []),
+            (g, "kvcp_pinned_bytes", "Bytes of KV cache held by pins.", []),
+            (g, "kvcp_operations", "Operations known to the control plane by kind and state.", ["kind", "state"]),
+        ]
+        return {name: kind(name, doc, labels=labels) for kind, name, doc, labels in specs}
+
+    def describe(self):
+        return list(self._families().values())
+
+    def collect(self):
+        f = self._families()
+        lead = self._leadership
+        f["kvcp_controlplane_is_leader"].add_metric([], 1 if lead is not None and lead.is_leader else 0)
+        f["kvcp_controlplane_epoch"].add_metric([], lead.epoch if lead is not None else 0)
+        stats = self._cluster.stats()
+        by_state = dict.fromkeys(AGENT_STATES, 0)
+        for rec, num_blocks in self._cluster.agents():
+            state = rec.state.name.lower()
+            by_state[state] += 1
+            for s in AGENT_STATES:
+                f["kvcp_agent_state"].add_metric([rec.agent_id, s], 1 if s == state else 0)
+            f["kvcp_agent_indexed_blocks"].add_metric([rec.agent_id], num_blocks)
+            f["kvcp_agent_last_seen_timestamp_seconds"].add_metric([rec.agent_id], rec.last_seen_unix_seconds)
+        for s, n in by_state.items():
+            f["kvcp_agents"].add_metric([s], n)
+        f["kvcp_index_blocks"].add_metric([], stats.num_blocks)
+        f["kvcp_index_block_replicas"].add_metric([], stats.num_block_replicas)
+        f["kvcp_lookups_total"].add_metric([], stats.lookups_total)
+        f["kvcp_lookup_tokens_total"].add_metric([], stats.lookup_tokens_total)
+        f["kvcp_lookup_hit_tokens_total"].add_metric([], stats.lookup_hit_tokens_total)
+        f["kvcp_block_events_total"].add_metric([], stats.events_total)
+        f["kvcp_resyncs_total"].add_metric([], stats.resyncs_total)
+        pins = self.pins_source() if self.pins_source else PinStats()
+        f["kvcp_pins"].add_metric([], pins.num_pins)
+        f["kvcp_pinned_bytes"].add_metric([], pins.pinned_bytes)
+        ops = dict(self.operations_source()) if self.operations_source else {}
+        for kind in OPERATION_KINDS:
+            for state in OPERATION_STATES:
+                f["kvcp_operations"].add_metric([kind, state], ops.pop((kind, state), 0))
+        for (kind, state), n in sorted(ops.items()):  # a kind added later still shows
+            f["kvcp_operations"].add_metric([kind, state], n)
+        return list(f.values())
+
+
+class ControlPlaneMetrics:
+    """Every metric of one control-plane replica, in one injected registry."""
+
+    def __init__(self, registry: CollectorRegistry, cluster: Cluster, leadership=None, process: bool = True):
+        self.registry = registry
+        self.collector = ClusterCollector(cluster, leadership)
+        registry.register(self.collector)
+        registry.register(BuildInfoCollector("controlplane"))
+        if process:
+            ProcessCollector(registry=registry)
+        self.etcd = EtcdMetrics(registry)
+        self.rpc = RpcMetricsInterceptor(registry)
+        self.lookup_duration = Histogram(
+            "kvcp_lookup_duration_seconds",
+            "Time to answer a prefix lookup in the AdminService (answered lookups).",
+            registry=registry,
+            buckets=LATENCY_BUCKETS_SECONDS,
+        )
+        self.operation_duration = Histogram(
+            "kvcp_operation_duration_seconds",
+            "Duration of finished operations, by kind and final state.",
+            ("kind", "state"),
+            registry=registry,
+            buckets=DURATION_BUCKETS_SECONDS,
+        )
+        for kind in OPERATION_KINDS:
+            for state in ("succeeded", "failed", "cancelled"):
+                self.operation_duration.labels(kind=kind, state=state)
+
+    @property
+    def leadership(self):
+        return self.collector._leadership
+
+    @leadership.setter
+    def leadership(self, value) -> None:
+        self.collector._leadership = value
+
+    def observe_operation(self, kind: str, state: str, seconds: float) -> None:
+        """An operation finished (state: succeeded, failed or cancelled)."""
+        self.operation_duration.labels(kind=kind, state=state.lower()).observe(seconds)

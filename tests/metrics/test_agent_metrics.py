@@ -1,0 +1,147 @@
+"""Agent metrics through an injected registry: a real agent's block pool and engine
+(built, not started), exact values after known stores, evictions and lookups; operation
+durations of the mover; transfer counters; how pool counters are normalised."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+from prometheus_client import CollectorRegistry
+
+from agent.metrics import AgentCollector, AgentMetrics, _by_tier_reason
+from agent.server import DEMO_MODEL, Agent, AgentConfig
+from protos.tier import Tier
+
+M = DEMO_MODEL
+BS = M.block_size
+
+
+def kv(n_blocks: int) -> torch.Tensor:
+    return torch.ones((n_blocks, *M.block_shape), dtype=torch.float16)
+
+
+def tokens(n_blocks: int, start: int = 0) -> list[int]:
+    return list(range(start, start + n_blocks * BS))
+
+
+@pytest.fixture
+def agent():
+    registry = CollectorRegistry()
+    a = Agent(AgentConfig(agent_id="m1", cpu_capacity_bytes=6 * M.block_bytes), registry=registry)
+    return a, registry
+
+
+def test_pool_and_engine_values_are_read_at_scrape_time(agent):
+    a, registry = agent
+    v = registry.get_sample_value
+    cpu = {"agent_id": "m1", "tier": "cpu"}
+    assert v("kvcp_tier_capacity_bytes", cpu) == 6 * M.block_bytes
+    assert v("kvcp_tier_blocks", cpu) == 0
+
+    a.engine.store(M.model_id, tokens(4), kv(4))
+    a.engine.store(M.model_id, tokens(4, start=90_000), kv(4))  # full at 6: drops 2 old leaves
+    assert a.engine.lookup(M.model_id, tokens(4)) == 2 * BS
+    a.engine.lookup(M.model_id, tokens(1, start=50_000))  # miss
+
+    assert v("kvcp_tier_blocks", cpu) == 6
+    assert v("kvcp_tier_used_bytes", cpu) >= 6 * M.block_bytes * 0.9
+    assert v("kvcp_evictions_total", {**cpu, "reason": "capacity"}) == 2
+    assert v("kvcp_demotions_total", {**cpu, "reason": "capacity"}) == 0  # no slower tier to demote to
+    assert v("kvcp_agent_lookups_total", {"agent_id": "m1"}) == 2
+    assert v("kvcp_agent_lookup_tokens_total", {"agent_id": "m1"}) == 5 * BS
+    assert v("kvcp_agent_lookup_hit_tokens_total", {"agent_id": "m1"}) == 2 * BS
+    # families of features that move bytes exist from the start, at zero
+    assert v("kvcp_tier_moved_bytes_total", {"agent_id": "m1", "src_tier": "cpu", "dst_tier": "disk"}) == 0
+    assert v("kvcp_promotions_total", {"agent_id": "m1"}) == 0
+    assert v("kvcp_corrupt_blocks_total", {"agent_id": "m1"}) == 0
+    assert v("kvcp_compression_saved_bytes", cpu) == 0
+    assert v("kvcp_agent_controlplane_connected", {"agent_id": "m1"}) == 0  # not started
+    assert v("kvcp_agent_sync_connections_total", {"agent_id": "m1"}) == 0
+    assert v("kvcp_transfers_total", {"agent_id": "m1", "kind": "handoff"}) == 0
+    assert v("kvcp_etcd_request_errors_total", {"agent_id": "m1", "op": "lease_refresh"}) == 0
+    info = [s for m in registry.collect() if m.name == "kvcp_build_info" for s in m.samples]
+    assert [s.labels["agent_id"] for s in info] == ["m1"] and info[0].labels["component"] == "agent"
+
+
+def test_every_kvcp_series_carries_the_agent_id(agent):
+    _, registry = agent
+    kvcp = [s for m in registry.collect() if m.name.startswith("kvcp_") for s in m.samples]
+    assert kvcp and all(s.labels.get("agent_id") == "m1" for s in kvcp)
+
+
+def op(op_id, kind, state, created, finished=0.0):
+    return SimpleNamespace(
+        op_id=op_id, kind=kind, state=state, created_unix_seconds=created, finished_unix_seconds=finished
+    )
+
+
+def test_operations_in_flight_and_durations_observed_once():
+    pool = SimpleNamespace(usage=lambda: [SimpleNamespace(tier=Tier.CPU, capacity_bytes=1, used_bytes=0, num_blocks=0)])
+    mover = SimpleNamespace(ops=lambda: ops)
+    ops = [
+        op("1", "move", "SUCCEEDED", 100.0, 100.3),
+        op("2", "promote", "RUNNING", 100.0),
+        op("3", "move", "PENDING", 100.0),
+        op("4", "compress", "FAILED", 100.0, 140.0),
+    ]
+    registry = CollectorRegistry()
+    registry.register(AgentCollector("m1", pool, mover=mover))
+    v = registry.get_sample_value
+    a = {"agent_id": "m1"}
+    for _ in range(2):  # a second scrape does not count the same operation again
+        assert v("kvcp_agent_operations", {**a, "kind": "promote", "state": "running"}) == 1
+        assert v("kvcp_agent_operations", {**a, "kind": "move", "state": "pending"}) == 1
+        assert v("kvcp_agent_operations", {**a, "kind": "compress", "state": "running"}) == 0
+        move = {**a, "kind": "move", "state": "succeeded"}
+        assert v("kvcp_agent_operation_duration_seconds_count", move) == 1
+        assert v("kvcp_agent_operation_duration_seconds_sum", move) == pytest.approx(0.3)
+        assert v("kvcp_agent_operation_duration_seconds_bucket", {**move, "le": "0.1"}) == 0
+        assert v("kvcp_agent_operation_duration_seconds_bucket", {**move, "le": "0.5"}) == 1
+        assert v("kvcp_agent_operation_duration_seconds_bucket", {**move, "le": "+Inf"}) == 1
+        failed = {**a, "kind": "compress", "state": "failed"}
+        assert v("kvcp_agent_operation_duration_seconds_bucket", {**failed, "le": "30.0"}) == 0
+        assert v("kvcp_agent_operation_duration_seconds_bucket", {**failed, "le": "60.0"}) == 1
+    ops[1] = op("2", "promote", "SUCCEEDED", 100.0, 102.0)
+    ops.pop(0)  # the mover forgot op 1: it stays counted
+    promote = {**a, "kind": "promote", "state": "succeeded"}
+    assert v("kvcp_agent_operation_duration_seconds_count", promote) == 1
+    assert v("kvcp_agent_operation_duration_seconds_count", {**a, "kind": "move", "state": "succeeded"}) == 1
+    assert v("kvcp_agent_operations", {**a, "kind": "promote", "state": "running"}) == 0
+
+
+def test_transfers():
+    registry = CollectorRegistry()
+    pool = SimpleNamespace(usage=lambda: [SimpleNamespace(tier=Tier.CPU, capacity_bytes=1, used_bytes=0, num_blocks=0)])
+    m = AgentMetrics(registry, "m1", pool, process=False)
+    m.record_transfer("handoff", 1000, 0.2, ok=True)
+    m.record_transfer("handoff", 500, 1.5, ok=False, fallback="recompute")
+    m.record_transfer("handoff", 700, 0.7, ok=False, fallback="secondary_path")
+    m.record_transfer("replicate", 300, 0.05, ok=False)
+    v = registry.get_sample_value
+    h = {"agent_id": "m1", "kind": "handoff"}
+    assert v("kvcp_transfers_total", h) == 3
+    assert v("kvcp_transfer_failures_total", h) == 2
+    assert v("kvcp_transfer_fallbacks_total", {**h, "fallback": "recompute"}) == 1
+    assert v("kvcp_transfer_fallbacks_total", {**h, "fallback": "secondary_path"}) == 1
+    assert v("kvcp_transfer_bytes_total", h) == 1700  # recomputed bytes never moved
+    assert v("kvcp_transfer_duration_seconds_count", h) == 3
+    assert v("kvcp_transfer_duration_seconds_sum", h) == pytest.approx(2.4)
+    assert v("kvcp_transfer_duration_seconds_bucket", {**h, "le": "1.0"}) == 2
+    r = {"agent_id": "m1", "kind": "replicate"}
+    assert v("kvcp_transfer_failures_total", r) == 1 and v("kvcp_transfer_bytes_total", r) == 0
+    assert v("kvcp_transfer_fallbacks_total", {**r, "fallback": "recompute"}) == 0
+
+
+def test_pool_counters_of_any_shape():
+    assert _by_tier_reason(None, Tier.CPU) == {}
+    assert _by_tier_reason(3, Tier.CPU) == {(Tier.CPU, "capacity"): 3}
+    assert _by_tier_reason({Tier.GPU: 2, Tier.CPU: 0}, Tier.CPU) == {
+        (Tier.GPU, "capacity"): 2,
+        (Tier.CPU, "capacity"): 0,
+    }
+    assert _by_tier_reason({(Tier.DISK, "cleanup"): 5, (2, "policy"): 1}, Tier.CPU) == {
+        (Tier.DISK, "cleanup"): 5,
+        (Tier.CPU, "policy"): 1,
+    }

@@ -91,9 +91,7 @@ class Agent:
             self.info, self.pool, self.engine, self._controlplane_address, config.stats_interval_seconds, self.mover
         )
         self.registry = registry if registry is not None else CollectorRegistry()
-        self.metrics = AgentMetrics(
-            self.registry, config.agent_id, self.pool, self.engine, self.link, getattr(self, "mover", None)
-        )
+        self.metrics = AgentMetrics(self.registry, config.agent_id, self.pool, self.engine, self.link, self.mover)
         self.metrics_server = None
 
     @property

@@ -223,7 +223,8 @@ class Demo:
             f"  {kvctl}{ep} stats\n"
             f"  {kvctl}{ep} lookup --model demo-model --tokens $(seq -s, 1 64)\n"
             f"  {kvctl}{ep} -o json agents\n"
-            "  prometheus --config.file=dashboard/grafana/prometheus.yml   (then Grafana: see README)\n\n"
+            "  prometheus --config.file=dashboard/grafana/prometheus.yml --storage.tsdb.path=.run/prometheus\n"
+            "  (Grafana: dashboard/grafana/kvcp.json; see README, Metrics and dashboards)\n\n"
             "Ctrl-C stops every process this demo started.\n"
         )
 

@@ -11,9 +11,9 @@ import click
 
 from agent.core.codecs import available_codecs
 from agent.core.model_spec import ModelSpec
-from protos.tier import Tier
 from agent.server import DEMO_MODEL, Agent, AgentConfig
 from protos.metrics import parse_listen
+from protos.tier import Tier
 
 SIZE_UNITS = {
     "": 1,
@@ -92,12 +92,24 @@ def _metrics_listen(ctx, param, value: str) -> str:
 )
 @click.option("--disk-dir", default="", help="Directory of the disk tier (one file per block); empty: no disk tier.")
 @click.option("--disk-capacity", default="1GiB", show_default=True, type=SizeType(), help="Disk tier size.")
-@click.option("--disk-fsync/--no-disk-fsync", default=False, show_default=True, help="fsync every block written to disk.")
+@click.option(
+    "--disk-fsync/--no-disk-fsync", default=False, show_default=True, help="fsync every block written to disk."
+)
 @click.option("--gpu-codec", default="none", show_default=True, type=click.Choice(available_codecs()))
-@click.option("--cpu-codec", default="none", show_default=True, type=click.Choice(available_codecs()),
-              help="Codec applied to raw blocks entering the CPU tier.")
-@click.option("--disk-codec", default="zstd", show_default=True, type=click.Choice(available_codecs()),
-              help="Codec applied to raw blocks demoted to disk.")
+@click.option(
+    "--cpu-codec",
+    default="none",
+    show_default=True,
+    type=click.Choice(available_codecs()),
+    help="Codec applied to raw blocks entering the CPU tier.",
+)
+@click.option(
+    "--disk-codec",
+    default="zstd",
+    show_default=True,
+    type=click.Choice(available_codecs()),
+    help="Codec applied to raw blocks demoted to disk.",
+)
 @click.option("--lease-ttl-seconds", default=10, show_default=True, type=click.IntRange(2, 3600))
 @click.option("--etcd-wait-seconds", default=30.0, show_default=True, type=float)
 @click.option(

@@ -98,6 +98,119 @@ class StatsView:
         return self.lookup_hit_tokens_total / self.lookup_tokens_total if self.lookup_tokens_total else 0.0
 
 
+@dataclass(frozen=True)
+class PinView:
+    pin_id: str
+    namespace: str
+    model_id: str
+    min_tier: str
+    num_blocks: int
+    pinned_bytes: int
+    whole_namespace: bool
+    agent_id: str
+    owner: str
+    created_unix_seconds: float
+    expires_unix_seconds: float  # 0: no TTL (tied to the owner's lease)
+
+    def ttl_left_seconds(self, now: float) -> float | None:
+        return max(0.0, self.expires_unix_seconds - now) if self.expires_unix_seconds else None
+
+
+@dataclass(frozen=True)
+class AgentProgressView:
+    agent_id: str
+    state: str
+    done: int
+    total: int
+    failed: int
+    error: str
+
+
+@dataclass(frozen=True)
+class OperationView:
+    op_id: str
+    kind: str
+    state: str  # PENDING | RUNNING | SUCCEEDED | FAILED | CANCELLED
+    progress: float
+    done: int
+    total: int
+    failed: int
+    skipped_pinned: int
+    moved_bytes: int
+    freed: list[TierView]
+    error: str
+    created_unix_seconds: float
+    updated_unix_seconds: float
+    params: dict[str, str]
+    agents: list[AgentProgressView]
+    dry_run: bool
+
+    @property
+    def finished(self) -> bool:
+        return self.state in ("SUCCEEDED", "FAILED", "CANCELLED")
+
+
+@dataclass(frozen=True)
+class EventView:
+    seq: int
+    unix_seconds: float
+    kind: str
+    severity: str
+    agent_id: str
+    op_id: str
+    pin_id: str
+    message: str
+
+
+def _scope(model_id="", token_ids=None, block_hashes=b"", extra_keys=(), namespace="", agent_id=""):
+    return admin_pb2.Scope(
+        model_id=model_id,
+        token_ids=token_ids or [],
+        block_hashes=block_hashes,
+        extra_keys=list(extra_keys),
+        namespace=namespace,
+        agent_id=agent_id,
+    )
+
+
+def _pin_view(p) -> PinView:
+    whole = not p.scope.token_ids and not p.scope.block_hashes
+    return PinView(
+        p.pin_id,
+        p.namespace,
+        p.scope.model_id,
+        _tier_name(p.min_tier),
+        p.num_blocks,
+        p.pinned_bytes,
+        whole,
+        p.scope.agent_id,
+        p.owner,
+        p.created_unix_seconds,
+        p.expires_unix_seconds,
+    )
+
+
+def _op_view(o) -> OperationView:
+    return OperationView(
+        op_id=o.op_id,
+        kind=o.kind,
+        state=admin_pb2.OperationState.Name(o.state).removeprefix("OPERATION_STATE_"),
+        progress=o.progress,
+        done=o.done,
+        total=o.total,
+        failed=o.failed,
+        skipped_pinned=o.skipped_pinned,
+        moved_bytes=o.moved_bytes,
+        freed=_tiers(o.freed),
+        error=o.error,
+        created_unix_seconds=o.created_unix_seconds,
+        updated_unix_seconds=o.updated_unix_seconds,
+        params=dict(o.params),
+        agents=[AgentProgressView(a.agent_id, a.state, a.done, a.total, a.failed, a.error) for a in o.agents],
+        dry_run=o.dry_run,
+    )
+
+
 def _tier_name(value: int) -> str:
     try:
         return Tier(value).label
@@ -230,3 +343,137 @@ class ControlPlaneClient:
                 for m in s.models
             ],
         )
+
+    # ---- pins -----------------------------------------------------------------------
+    def pin(
+        self,
+        model_id: str = "",
+        token_ids: list[int] | None = None,
+        block_hashes: bytes = b"",
+        extra_keys: tuple[str, ...] = (),
+        namespace: str = "",
+        agent_id: str = "",
+        min_tier: str = "cpu",
+        ttl_seconds: float = 0.0,
+        owner: str = "",
+        owner_lease_id: int = 0,
+    ) -> PinView:
+        try:
+            tier = int(Tier.parse(min_tier))
+        except ValueError as exc:
+            raise ClientError("INVALID_ARGUMENT", f"min_tier: {exc}") from None
+        req = admin_pb2.PinRequest(
+            scope=_scope(model_id, token_ids, block_hashes, extra_keys, namespace, agent_id),
+            min_tier=tier,
+            ttl_seconds=ttl_seconds,
+            owner=owner,
+            owner_lease_id=owner_lease_id,
+        )
+        return _pin_view(self._call("Pin", req))
+
+    def unpin(self, pin_id: str) -> PinView:
+        return _pin_view(self._call("Unpin", admin_pb2.UnpinRequest(pin_id=pin_id)))
+
+    def list_pins(self, namespace: str = "") -> list[PinView]:
+        return [_pin_view(p) for p in self._call("ListPins", admin_pb2.ListPinsRequest(namespace=namespace)).pins]
+
+    # ---- operations -----------------------------------------------------------------
+    def move(
+        self,
+        to_tier: str,
+        model_id: str = "",
+        token_ids=None,
+        block_hashes: bytes = b"",
+        extra_keys=(),
+        namespace: str = "",
+        agent_id: str = "",
+        codec: str = "",
+    ) -> OperationView:
+        try:
+            tier = int(Tier.parse(to_tier))
+        except ValueError as exc:
+            raise ClientError("INVALID_ARGUMENT", f"to_tier: {exc}") from None
+        req = admin_pb2.MoveRequest(
+            scope=_scope(model_id, token_ids, block_hashes, extra_keys, namespace, agent_id), to_tier=tier, codec=codec
+        )
+        return _op_view(self._call("Move", req))
+
+    def cleanup(
+        self,
+        older_than_seconds: float = 0.0,
+        namespace: str = "",
+        agent_id: str = "",
+        model_id: str = "",
+        dry_run: bool = False,
+    ) -> OperationView:
+        req = admin_pb2.CleanupRequest(
+            older_than_seconds=older_than_seconds,
+            namespace=namespace,
+            agent_id=agent_id,
+            model_id=model_id,
+            dry_run=dry_run,
+        )
+        return _op_view(self._call("Cleanup", req))
+
+    def compress(
+        self,
+        codec: str,
+        model_id: str = "",
+        token_ids=None,
+        block_hashes: bytes = b"",
+        extra_keys=(),
+        namespace: str = "",
+        agent_id: str = "",
+        tier: str = "",
+    ) -> OperationView:
+        try:
+            tier_value = int(Tier.parse(tier)) if tier else 0
+        except ValueError as exc:
+            raise ClientError("INVALID_ARGUMENT", f"tier: {exc}") from None
+        req = admin_pb2.CompressRequest(
+            scope=_scope(model_id, token_ids, block_hashes, extra_keys, namespace, agent_id),
+            codec=codec,
+            tier=tier_value,
+        )
+        return _op_view(self._call("Compress", req))
+
+    def get_operation(self, op_id: str) -> OperationView:
+        return _op_view(self._call("GetOperation", admin_pb2.GetOperationRequest(op_id=op_id)))
+
+    def list_operations(self, limit: int = 100) -> list[OperationView]:
+        resp = self._call("ListOperations", admin_pb2.ListOperationsRequest(limit=limit))
+        return [_op_view(o) for o in resp.operations]
+
+    def cancel_operation(self, op_id: str) -> OperationView:
+        return _op_view(self._call("CancelOperation", admin_pb2.CancelOperationRequest(op_id=op_id)))
+
+    def wait_operation(self, op_id: str, timeout_seconds: float = 300.0, on_progress=None) -> OperationView:
+        """Poll an operation until it finishes (or the timeout passes); `on_progress(op)` is
+        called on every poll."""
+        import time
+
+        deadline = time.monotonic() + timeout_seconds
+        while True:
+            op = self.get_operation(op_id)
+            if on_progress:
+                on_progress(op)
+            if op.finished or time.monotonic() > deadline:
+                return op
+            time.sleep(0.2)
+
+    # ---- policy ---------------------------------------------------------------------
+    def get_policy(self) -> dict[str, str]:
+        return dict(self._call("GetPolicy", admin_pb2.GetPolicyRequest()).values)
+
+    def set_policy(self, values: dict[str, str]) -> dict[str, str]:
+        return dict(self._call("SetPolicy", admin_pb2.SetPolicyRequest(values=values)).values)
+
+    # ---- watch ----------------------------------------------------------------------
+    def watch(self, kinds: tuple[str, ...] = (), replay_recent: bool = True):
+        """Iterator of EventView from the control plane's Watch stream (no deadline).
+        Raises ClientError when the stream breaks; callers reconnect."""
+        try:
+            for e in self._stub.Watch(admin_pb2.WatchRequest(kinds=list(kinds), replay_recent=replay_recent)):
+                yield EventView(e.seq, e.unix_seconds, e.kind, e.severity, e.agent_id, e.op_id, e.pin_id, e.message)
+        except grpc.RpcError as exc:
+            raise self._error(exc) from None

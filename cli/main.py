@@ -184,5 +184,7 @@ def stats(ctx: Context):
     click.echo(output.table(["FIELD", "VALUE"], rows))
 
 
+from cli import operate  # noqa: E402,F401 - registers pin/unpin/pins/move/cleanup/compress/ops/op/cancel/policy
+
 if __name__ == "__main__":
     main()

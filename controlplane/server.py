@@ -19,7 +19,9 @@ from prometheus_client import CollectorRegistry
 from controlplane.api.admin_service import AdminServicer
 from controlplane.api.agent_service import AgentServicer
 from controlplane.core.cluster import Cluster
+from controlplane.manager import Manager, validate_policy
 from controlplane.metrics import ControlPlaneMetrics
+from controlplane.store.durable import DurableStore
 from controlplane.store.election import LeaderElection
 from controlplane.store.membership import MembershipWatcher
 from protos import etcd_keys
@@ -41,6 +43,7 @@ class ControlPlaneConfig:
     membership_resync_seconds: float = 2.0
     etcd_wait_seconds: float = 30.0
     max_workers: int = 128
+    op_timeout_seconds: float = 60.0
     metrics_listen: str = ""  # /metrics HOST:PORT (port 0: any free one); "" serves none
 
 
@@ -84,11 +87,20 @@ class ControlPlane:
         self.election = LeaderElection(self.etcd, self.address, self.config.election_ttl_seconds)
         self.metrics.leadership = self.election
         self.election.run_once()
-        admin_pb2_grpc.add_AdminServiceServicer_to_server(
-            AdminServicer(self.cluster, self.election, self.metrics.lookup_duration), self.server
+        self.durable = DurableStore(self.etcd, self.election, self.config.etcd)
+        self.manager = Manager(
+            self.cluster,
+            self.durable,
+            self.election,
+            self.etcd,
+            op_timeout_seconds=self.config.op_timeout_seconds,
+            policy_validator=validate_policy,
         )
+        admin = AdminServicer(self.cluster, self.election, self.metrics.lookup_duration)
+        admin.manager = self.manager
+        admin_pb2_grpc.add_AdminServiceServicer_to_server(admin, self.server)
         agent_pb2_grpc.add_AgentServiceServicer_to_server(
-            AgentServicer(self.cluster, self.election, self._agent_key_exists), self.server
+            AgentServicer(self.cluster, self.election, self._agent_key_exists, self._on_op_update), self.server
         )
         self.health = health.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
@@ -104,8 +116,23 @@ class ControlPlane:
         self.membership = MembershipWatcher(self.etcd, self.cluster, self.config.membership_resync_seconds)
         self._spawn("election", self._run_election)
         self._spawn("membership", self.membership.run_forever)
+        self._spawn("reconcile", self.manager.run_forever)
         log.info("control plane serving on %s (leader=%s)", self.address, self.election.is_leader)
         return self
+
+    def _on_op_update(self, agent_id: str, u) -> None:
+        self.manager.on_op_update(
+            agent_id,
+            u.op_id,
+            u.state,
+            u.done,
+            u.total,
+            u.failed,
+            u.moved_bytes,
+            u.error,
+            u.skipped_pinned,
+            {t.tier: (t.num_blocks, t.used_bytes) for t in u.freed},
+        )
 
     def _agent_key_exists(self, agent_id: str) -> bool:
         value, _ = self.etcd.get(etcd_keys.agent_key(agent_id))

@@ -39,7 +39,12 @@ class EngineServicer(agent_pb2_grpc.EngineServiceServicer):
         )
         kv = raw.view(TORCH_DTYPES[model.dtype]).reshape(n_blocks, *model.block_shape)
         result = self._engine.store(
-            request.model_id, tokens, kv, first_block=first, extra_keys=tuple(request.extra_keys)
+            request.model_id,
+            tokens,
+            kv,
+            first_block=first,
+            extra_keys=tuple(request.extra_keys),
+            namespace=request.namespace,
         )
         return agent_pb2.StoreResponse(
             num_stored_blocks=result.num_stored_blocks, num_present_blocks=result.num_present_blocks

@@ -17,7 +17,8 @@ import grpc
 from agent.core.block_pool import BlockPool
 from agent.core.engine_api import KVEngineAPI
 from agent.core.journal import STORED
-from agent.core.mover import SUCCEEDED, Mover, MoveOp
+from agent.core.mover import FAILED, SUCCEEDED, MoveOp, Mover
+from agent.core.pins import AgentPin
 from protos.block_hash import split_hashes
 from protos.kvcp.v1 import agent_pb2, agent_pb2_grpc, types_pb2
 from protos.tier import Tier
@@ -25,6 +26,20 @@ from protos.tier import Tier
 log = logging.getLogger(__name__)
 
 INVENTORY_CHUNK_BLOCKS = 65536
+
+
+def op_update_pb(op: MoveOp) -> agent_pb2.AgentMessage:
+    return agent_pb2.AgentMessage(
+        op_update=agent_pb2.OpUpdate(
+            op_id=op.op_id,
+            state=op.state,
+            done=op.done,
+            total=op.total,
+            failed=op.failed,
+            moved_bytes=op.moved_bytes,
+            error=op.error,
+        )
+    )
 
 
 def tier_usage_pb(pool: BlockPool) -> list[types_pb2.TierUsage]:
@@ -77,40 +92,76 @@ class ControlPlaneLink:
         except queue.Full:
             log.warning("control-plane outbox full; dropping a %s", msg.WhichOneof("body"))
 
+    def _reply(self, op_id: str, state: str, **fields) -> None:
+        self._send(agent_pb2.AgentMessage(op_update=agent_pb2.OpUpdate(op_id=op_id, state=state, **fields)))
+
     def handle_command(self, epoch: int, cmd: agent_pb2.Command) -> None:
         """Execute a leader's command; commands of an older epoch are rejected (fencing)."""
         if epoch < self.highest_epoch:
             self.rejected_commands_total += 1
             log.warning("rejecting command %s from epoch %d (newest seen %d)", cmd.op_id, epoch, self.highest_epoch)
-            self._send(agent_pb2.AgentMessage(op_update=agent_pb2.OpUpdate(
-                op_id=cmd.op_id, state="FAILED", error=f"stale epoch {epoch} < {self.highest_epoch}")))
+            self._reply(cmd.op_id, FAILED, error=f"stale epoch {epoch} < {self.highest_epoch}")
             return
         self.highest_epoch = epoch
         try:
             hashes = split_hashes(cmd.block_hashes)
         except ValueError as exc:
-            self._send(agent_pb2.AgentMessage(op_update=agent_pb2.OpUpdate(op_id=cmd.op_id, state="FAILED", error=str(exc))))
+            self._reply(cmd.op_id, FAILED, error=str(exc))
             return
         kind = cmd.kind
         tier = Tier(cmd.tier) if cmd.tier in (t.value for t in Tier) else None
-        codec = cmd.codec or None
-        if kind in (agent_pb2.COMMAND_KIND_MOVE, agent_pb2.COMMAND_KIND_COMPRESS) and self._mover is not None:
-            if kind == agent_pb2.COMMAND_KIND_MOVE and tier is None:
-                self._send(agent_pb2.AgentMessage(op_update=agent_pb2.OpUpdate(op_id=cmd.op_id, state="FAILED", error="move needs a tier")))
+        only_tier = Tier(cmd.only_tier) if cmd.only_tier in (t.value for t in Tier) else None
+        pool = self._pool
+        if not hashes and kind in (
+            agent_pb2.COMMAND_KIND_MOVE,
+            agent_pb2.COMMAND_KIND_COMPRESS,
+            agent_pb2.COMMAND_KIND_EVICT,
+        ):
+            hashes = pool.blocks_matching(cmd.namespace, cmd.model_id, only_tier)  # a namespace scope
+        if kind in (agent_pb2.COMMAND_KIND_MOVE, agent_pb2.COMMAND_KIND_COMPRESS):
+            if self._mover is None or (kind == agent_pb2.COMMAND_KIND_MOVE and tier is None):
+                self._reply(cmd.op_id, FAILED, error="move needs a tier this agent has")
                 return
-            self._mover.submit(hashes, tier, codec, kind="move" if kind == agent_pb2.COMMAND_KIND_MOVE else "compress", op_id=cmd.op_id)
-        elif kind == agent_pb2.COMMAND_KIND_CANCEL and self._mover is not None:
-            self._mover.cancel(cmd.op_id)
-        elif kind in (agent_pb2.COMMAND_KIND_EVICT, agent_pb2.COMMAND_KIND_PIN, agent_pb2.COMMAND_KIND_UNPIN):
-            if kind == agent_pb2.COMMAND_KIND_EVICT:
-                done = sum(1 for h in reversed(hashes) if self._pool.drop(h))
-            else:
-                done = self._pool.set_pin(hashes, tier if kind == agent_pb2.COMMAND_KIND_PIN else None)
-            self._send(agent_pb2.AgentMessage(op_update=agent_pb2.OpUpdate(
-                op_id=cmd.op_id, state=SUCCEEDED, done=done, total=len(hashes), failed=len(hashes) - done)))
+            is_move = kind == agent_pb2.COMMAND_KIND_MOVE
+            self._mover.submit(
+                hashes,
+                tier if is_move else None,
+                cmd.codec or None,
+                kind="move" if is_move else "compress",
+                op_id=cmd.op_id,
+            )
+        elif kind == agent_pb2.COMMAND_KIND_CANCEL:
+            if self._mover is not None:
+                self._mover.cancel(cmd.op_id)
+        elif kind == agent_pb2.COMMAND_KIND_EVICT:
+            done = sum(1 for h in reversed(hashes) if pool.drop(h))  # leaves first
+            self._reply(cmd.op_id, SUCCEEDED, done=done, total=len(hashes), failed=len(hashes) - done)
+        elif kind == agent_pb2.COMMAND_KIND_PIN:
+            with pool.lock:
+                pool.pins.add(
+                    AgentPin(
+                        cmd.pin_id, int(tier or Tier.CPU), cmd.expires_unix_seconds, cmd.namespace, frozenset(hashes)
+                    )
+                )
+            self._reply(cmd.op_id, SUCCEEDED, done=len(hashes), total=len(hashes))
+        elif kind == agent_pb2.COMMAND_KIND_UNPIN:
+            with pool.lock:
+                pool.pins.remove(cmd.pin_id)
+            self._reply(cmd.op_id, SUCCEEDED)
+        elif kind == agent_pb2.COMMAND_KIND_CLEANUP:
+            result = pool.cleanup(cmd.older_than_seconds, cmd.namespace or None, cmd.model_id, cmd.dry_run)
+            self._reply(
+                cmd.op_id,
+                SUCCEEDED,
+                done=result.num_blocks,
+                total=result.num_blocks,
+                skipped_pinned=result.skipped_pinned,
+                freed=[
+                    types_pb2.TierUsage(tier=int(t), num_blocks=n, used_bytes=b) for t, (n, b) in result.freed.items()
+                ],
+            )
         else:
-            self._send(agent_pb2.AgentMessage(op_update=agent_pb2.OpUpdate(
-                op_id=cmd.op_id, state="FAILED", error=f"unknown command kind {kind}")))
+            self._reply(cmd.op_id, FAILED, error=f"unknown command kind {kind}")
 
     def request_reconnect(self) -> None:
         self._reconnect.set()
@@ -149,6 +200,10 @@ class ControlPlaneLink:
         return agent_pb2.AgentMessage(
             stats=agent_pb2.AgentStats(
                 tiers=tier_usage_pb(self._pool),
+                namespaces=[
+                    agent_pb2.NamespaceUsage(namespace=ns, num_blocks=n, uncompressed_bytes=b)
+                    for ns, (n, b) in self._pool.namespace_usage().items()
+                ],
                 lookups_total=e.lookups_total,
                 lookup_tokens_total=e.lookup_tokens_total,
                 lookup_hit_tokens_total=e.lookup_hit_tokens_total,
@@ -211,7 +266,9 @@ class ControlPlaneLink:
             reply = stub.Register(agent_pb2.RegisterRequest(agent=self._agent_info()), timeout=5)
             self.epoch = reply.epoch
             if reply.epoch < self.highest_epoch:
-                raise ConnectionError(f"control plane at {address} has epoch {reply.epoch} < {self.highest_epoch}: a deposed leader")
+                raise ConnectionError(
+                    f"control plane at {address} has epoch {reply.epoch} < {self.highest_epoch}: a deposed leader"
+                )
             self.highest_epoch = reply.epoch
             self._reconnect.clear()
             self._resync.clear()

@@ -34,6 +34,7 @@ import torch
 from agent.core import codecs
 from agent.core.journal import REMOVED, STORED, EventBatch, EventJournal
 from agent.core.model_spec import ModelSpec
+from agent.core.pins import PinTable
 from protos.block_hash import ROOT_PARENT_HASH
 from protos.tier import Tier
 
@@ -72,7 +73,9 @@ class BlockMeta:
     last_access: int = 0
     num_children: int = 0
     ref_count: int = 0
-    pin_tier: int = 0  # 0: not pinned; else the slowest Tier value it may live in
+    pin_tier: int = 0  # local pin (set_pin): 0 none, else the slowest Tier value it may live in
+    namespace: str = ""
+    last_access_unix_seconds: float = 0.0
     ready: bool = True  # False while its bytes are first written: invisible to readers
     moving: bool = False
     corrupt: bool = False
@@ -114,6 +117,13 @@ class MoveOutcome:
     ok: bool
     moved_bytes: int = 0
     reason: str = ""
+
+
+@dataclass(frozen=True)
+class CleanupResult:
+    freed: dict[Tier, tuple[int, int]]  # tier -> (blocks, bytes)
+    skipped_pinned: int
+    num_blocks: int
 
 
 class PoolFull(Exception):
@@ -164,6 +174,7 @@ class BlockPool:
         self._logical: dict[Tier, int] = {t.tier: 0 for t in self.tiers}
         self._stored: dict[Tier, int] = {t.tier: 0 for t in self.tiers}
         self.notices: deque[Notice] = deque(maxlen=1000)
+        self.pins = PinTable()  # pins from the control plane (by hash or namespace)
         self.evictions_total: dict[Tier, int] = {t.tier: 0 for t in self.tiers}
         self.demotions_total: dict[Tier, int] = {t.tier: 0 for t in self.tiers}
         self.promotions_total = 0
@@ -203,11 +214,23 @@ class BlockPool:
         with self.lock:
             return [
                 TierUsage(
-                    t.tier, t.capacity_bytes, t.used_bytes, self._count[t.tier], self._logical[t.tier],
+                    t.tier,
+                    t.capacity_bytes,
+                    t.used_bytes,
+                    self._count[t.tier],
+                    self._logical[t.tier],
                     self._stored[t.tier],
                 )
                 for t in self.tiers
             ]
+
+    def pin_tier(self, meta: BlockMeta) -> int:
+        """Fastest tier any active pin (local or from the control plane) keeps the block
+        at; 0 when unpinned."""
+        remote = self.pins.tier_of(meta.block_hash, meta.namespace)
+        if meta.pin_tier and remote:
+            return min(meta.pin_tier, remote)
+        return meta.pin_tier or remote
 
     def tier_of(self, block_hash: bytes) -> Tier | None:
         with self.lock:
@@ -219,7 +242,11 @@ class BlockPool:
 
     # ---- writes ---------------------------------------------------------------------
     def insert_chain(
-        self, model_id: str, block_hashes: Sequence[bytes], block: Callable[[int], torch.Tensor]
+        self,
+        model_id: str,
+        block_hashes: Sequence[bytes],
+        block: Callable[[int], torch.Tensor | None],
+        namespace: str = "",
     ) -> tuple[int, int]:
         """Store the chain's missing blocks into the fastest tier, making room as needed.
 
@@ -266,8 +293,17 @@ class BlockPool:
                     except PoolFull:
                         break
                     pending = BlockMeta(
-                        h, parent, model_id, spec.block_bytes, top.tier, handle, codec, payload.numel(), ref_count=1,
+                        h,
+                        parent,
+                        model_id,
+                        spec.block_bytes,
+                        top.tier,
+                        handle,
+                        codec,
+                        payload.numel(),
+                        ref_count=1,
                         ready=False,
+                        namespace=namespace,
                     )
                     self.blocks[h] = pending
                     self._account(pending, +1)
@@ -356,13 +392,15 @@ class BlockPool:
             return self._drop_subtree(block_hash)
 
     def _pinned_subtree(self, meta: BlockMeta) -> bool:
-        if meta.pin_tier:
+        if self.pin_tier(meta):
             return True
         if not meta.num_children:
             return False
         return any(self._pinned_subtree(m) for m in list(self.blocks.values()) if m.parent_hash == meta.block_hash)
 
-    def move_block(self, block_hash: bytes, to_tier: Tier, codec: str | None = None, wait_seconds: float = 5.0) -> MoveOutcome:
+    def move_block(
+        self, block_hash: bytes, to_tier: Tier, codec: str | None = None, wait_seconds: float = 5.0
+    ) -> MoveOutcome:
         """Move (and optionally re-encode) one block: copy, verify, switch, then free.
 
         A failure at any step leaves the block where it was, intact."""
@@ -370,7 +408,10 @@ class BlockPool:
         if dst is None:
             return MoveOutcome(False, reason=f"this agent has no {to_tier.label} tier")
         if codec is not None:
-            codecs.check_codec(codec)
+            try:
+                codecs.check_codec(codec)
+            except codecs.CodecError as exc:  # a command's bad input: a failed move, not a crash
+                return MoveOutcome(False, reason=str(exc))
         with self.lock:
             meta = self.blocks.get(block_hash)
             if meta is None or not meta.visible:
@@ -379,26 +420,43 @@ class BlockPool:
                 return MoveOutcome(False, reason="already moving")
             if meta.tier == to_tier and (codec is None or codec == meta.codec):
                 return MoveOutcome(True)
-            if meta.pin_tier and int(to_tier) > meta.pin_tier:
-                return MoveOutcome(False, reason=f"pinned at tier {Tier(meta.pin_tier).label}")
+            pinned = self.pin_tier(meta)
+            if pinned and int(to_tier) > pinned:
+                return MoveOutcome(False, reason=f"pinned at tier {Tier(pinned).label}")
             meta.moving = True
-            src, src_tier, src_handle, src_codec, src_stored = self.store_of[meta.tier], meta.tier, meta.handle, meta.codec, meta.stored_bytes
+            src, src_tier, src_handle, src_codec, src_stored = (
+                self.store_of[meta.tier],
+                meta.tier,
+                meta.handle,
+                meta.codec,
+                meta.stored_bytes,
+            )
         new_handle = None
         try:
             target = codec if codec is not None else (self.tier_codecs[to_tier] if src_codec == "none" else src_codec)
             if target != src_codec:
                 spec = self.models[meta.model_id]
-                data = codecs.encode(target, codecs.decode(src_codec, src.read(src_handle, src_stored), spec.block_shape, spec.torch_dtype))
+                data = codecs.encode(
+                    target,
+                    codecs.decode(src_codec, src.read(src_handle, src_stored), spec.block_shape, spec.torch_dtype),
+                )
                 nbytes = data.numel()
             else:
                 data, nbytes = None, src_stored
             with self.lock:
                 new_handle = self._allocate(dst, nbytes, block_hash)
             header = dataclasses.replace(meta, codec=target)
-            if data is not None:
-                dst.write(new_handle, data, header)
-            else:
-                _copy_unchanged(src, src_handle, dst, new_handle, nbytes, header)
+            try:
+                if data is not None:
+                    dst.write(new_handle, data, header)
+                else:
+                    _copy_unchanged(src, src_handle, dst, new_handle, nbytes, header)
+            except OSError as exc:
+                kind = "write_error" if dst.tier is Tier.DISK else "read_error"
+                self._notice(
+                    kind, f"moving a block from the {src_tier.label} to the {dst.tier.label} tier failed: {exc}"
+                )
+                raise
             payload = nbytes
             deadline = time.monotonic() + wait_seconds
             while True:
@@ -418,6 +476,7 @@ class BlockPool:
         except BlockUnreadable as exc:
             self._mark_corrupt(meta, str(exc))
             with self.lock:
+                meta.moving = False  # else _drop_subtree refuses it and the corrupt block stays
                 if meta.ref_count == 0:
                     self._drop_subtree(block_hash)
             return self._move_failed(f"source unreadable: {exc}")
@@ -428,6 +487,70 @@ class BlockPool:
                 meta.moving = False
                 if new_handle is not None:
                     dst.free(new_handle)
+
+    def blocks_matching(
+        self, namespace: str | None = None, model_id: str = "", tier: Tier | None = None
+    ) -> list[bytes]:
+        """Hashes of visible blocks in a namespace / model / tier, parents before children."""
+        with self.lock:
+            out = [
+                m
+                for m in self.blocks.values()
+                if m.visible
+                and (namespace is None or m.namespace == namespace)
+                and (not model_id or m.model_id == model_id)
+                and (tier is None or m.tier == tier)
+            ]
+            out.sort(key=lambda m: -m.last_access)  # parents are more recent than children
+            return [m.block_hash for m in out]
+
+    def cleanup(
+        self,
+        older_than_seconds: float,
+        namespace: str | None = None,
+        model_id: str = "",
+        dry_run: bool = False,
+        now: float | None = None,
+    ) -> CleanupResult:
+        """Drop unpinned blocks not accessed for `older_than_seconds`, leaves first (a
+        parent goes only once all its held children went). Pinned blocks are skipped
+        and counted. With `dry_run`, report what would go and change nothing."""
+        now = time.time() if now is None else now
+        cutoff = now - older_than_seconds
+        with self.lock:
+            candidates: dict[bytes, BlockMeta] = {}
+            skipped = 0
+            for m in self.blocks.values():
+                if not m.visible or (namespace is not None and m.namespace != namespace):
+                    continue
+                if (model_id and m.model_id != model_id) or m.last_access_unix_seconds > cutoff:
+                    continue
+                if self.pin_tier(m):
+                    skipped += 1
+                    continue
+                if m.ref_count or m.moving:
+                    continue
+                candidates[m.block_hash] = m
+            children = {h: m.num_children for h, m in candidates.items()}
+            ready = [h for h, n in children.items() if n == 0]
+            order: list[BlockMeta] = []
+            while ready:
+                h = ready.pop()
+                meta = candidates[h]
+                order.append(meta)
+                p = meta.parent_hash
+                if p in children:
+                    children[p] -= 1
+                    if children[p] == 0:
+                        ready.append(p)
+            freed: dict[Tier, list[int]] = {}
+            for meta in order:
+                acc = freed.setdefault(meta.tier, [0, 0])
+                acc[0] += 1
+                acc[1] += self.store_of[meta.tier].footprint(meta.stored_bytes)
+                if not dry_run:
+                    self._drop_subtree(meta.block_hash)
+            return CleanupResult({t: (n, b) for t, (n, b) in freed.items()}, skipped, len(order))
 
     # ---- recovery and inventory -----------------------------------------------------
     def recover(self, store, found: list) -> int:
@@ -443,11 +566,25 @@ class BlockPool:
             while changed:  # prune orphans until every parent is present
                 changed = False
                 for h, b in list(candidates.items()):
-                    if b.parent_hash != ROOT_PARENT_HASH and b.parent_hash not in candidates and b.parent_hash not in self.blocks:
+                    if (
+                        b.parent_hash != ROOT_PARENT_HASH
+                        and b.parent_hash not in candidates
+                        and b.parent_hash not in self.blocks
+                    ):
                         store.free(candidates.pop(h).handle)
                         changed = True
             for b in candidates.values():
-                meta = BlockMeta(b.block_hash, b.parent_hash, b.model_id, b.num_bytes, store.tier, b.handle, b.codec, b.stored_bytes)
+                meta = BlockMeta(
+                    b.block_hash,
+                    b.parent_hash,
+                    b.model_id,
+                    b.num_bytes,
+                    store.tier,
+                    b.handle,
+                    b.codec,
+                    b.stored_bytes,
+                    namespace=getattr(b, "namespace", ""),
+                )
                 self.blocks[b.block_hash] = meta
                 self._account(meta, +1)
             for b in candidates.values():
@@ -457,6 +594,17 @@ class BlockPool:
             for b in candidates.values():
                 self._touch(self.blocks[b.block_hash])
             return len(candidates)
+
+    def namespace_usage(self) -> dict[str, tuple[int, int]]:
+        """namespace -> (blocks, uncompressed bytes)."""
+        with self.lock:
+            out: dict[str, list[int]] = {}
+            for m in self.blocks.values():
+                if m.visible:
+                    acc = out.setdefault(m.namespace, [0, 0])
+                    acc[0] += 1
+                    acc[1] += m.num_bytes
+            return {k: (v[0], v[1]) for k, v in out.items()}
 
     def inventory(self) -> tuple[int, list[InventoryGroup]]:
         """A consistent snapshot with the seq it reflects; pending events are superseded."""
@@ -497,7 +645,10 @@ class BlockPool:
             if not meta.corrupt:
                 meta.corrupt = True
                 self.corrupt_blocks_total += 1
-        self._notice("corrupt_block", f"block {meta.block_hash.hex()[:12]} in the {meta.tier.label} tier is unreadable ({why}); removed")
+        self._notice(
+            "corrupt_block",
+            f"block {meta.block_hash.hex()[:12]} in the {meta.tier.label} tier is unreadable ({why}); removed",
+        )
 
     def _account(self, meta: BlockMeta, sign: int) -> None:
         self._count[meta.tier] += sign
@@ -514,6 +665,7 @@ class BlockPool:
     def _touch(self, meta: BlockMeta) -> None:
         self._clock += 1
         meta.last_access = self._clock
+        meta.last_access_unix_seconds = time.time()
         heap = self._lru[meta.tier]
         heapq.heappush(heap, (self._clock, meta.block_hash))
         if len(heap) > 4 * max(self._count[meta.tier], 1024):
@@ -546,10 +698,12 @@ class BlockPool:
             skipped.append((tick, h))
             if meta.ref_count or meta.moving or not meta.ready:
                 continue
-            if demote_to is None and (meta.pin_tier or meta.num_children):
+            if demote_to is None and (meta.num_children or self.pin_tier(meta)):
                 continue
-            if demote_to is not None and meta.pin_tier and int(demote_to) > meta.pin_tier:
-                continue
+            if demote_to is not None:
+                pinned = self.pin_tier(meta)
+                if pinned and int(demote_to) > pinned:
+                    continue
             victim = meta
             break
         for item in skipped:

@@ -35,10 +35,14 @@ def _u8(t: torch.Tensor) -> torch.Tensor:
 
 
 def _take(buf: torch.Tensor, offset: int, n: int, dtype: torch.dtype, shape) -> tuple[torch.Tensor, int]:
-    size = n * torch.tensor([], dtype=dtype).element_size()
+    itemsize = torch.tensor([], dtype=dtype).element_size()
+    size = n * itemsize
     if offset + size > buf.numel():
         raise CodecError("payload is truncated")
-    return buf[offset : offset + size].view(dtype).reshape(shape), offset + size
+    part = buf[offset : offset + size]
+    if part.storage_offset() % itemsize:  # after an odd-length section: a view would fail
+        part = part.clone()
+    return part.view(dtype).reshape(shape), offset + size
 
 
 # ---- int8 ---------------------------------------------------------------------------

@@ -62,7 +62,13 @@ class KVEngineAPI:
             raise errors.InvalidArgument("token_ids", str(exc)) from None
 
     def store(
-        self, model_id: str, token_ids, kv: torch.Tensor, first_block: int = 0, extra_keys: Sequence[str] = ()
+        self,
+        model_id: str,
+        token_ids,
+        kv: torch.Tensor,
+        first_block: int = 0,
+        extra_keys: Sequence[str] = (),
+        namespace: str = "",
     ) -> StoreResult:
         """Cache the full blocks of `token_ids`; `kv` holds blocks [first_block, n)."""
         model = self.model(model_id)
@@ -77,7 +83,9 @@ class KVEngineAPI:
             raise errors.InvalidArgument("kv", f"dtype {kv.dtype} != model dtype {model.dtype}")
         if first_block and self.pool.num_leading(hashes[:first_block]) < first_block:
             return StoreResult(0, 0)  # the prefix the caller skipped is not cached here
-        stored, present = self.pool.insert_chain(model_id, hashes, lambda i: kv[i - first_block] if i >= first_block else None)
+        stored, present = self.pool.insert_chain(
+            model_id, hashes, lambda i: kv[i - first_block] if i >= first_block else None, namespace
+        )
         return StoreResult(stored, present)
 
     def lookup(self, model_id: str, token_ids, extra_keys: Sequence[str] = ()) -> int:

@@ -2,7 +2,8 @@
 the block and a checksum of its payload, verified on every read.
 
     <dir>/<first two hex digits>/<block hash hex>-<write number>.kvb
-    header: b"KVCPBLK1", u16 model_id length, model_id, 16-byte block hash, 16-byte parent
+    header: b"KVCPBLK1", u16 model_id length, model_id, u16 namespace length, namespace,
+            16-byte block hash, 16-byte parent
             hash, 8-byte codec name, u64 uncompressed bytes, u64 payload bytes,
             u64 xxh3-64 of the payload
     payload
@@ -53,6 +54,7 @@ class RecoveredBlock:
     block_hash: bytes
     parent_hash: bytes
     codec: str
+    namespace: str
     num_bytes: int
     stored_bytes: int
     handle: DiskHandle
@@ -110,7 +112,8 @@ class DiskTier:
     @staticmethod
     def _header(meta) -> bytes:
         model = meta.model_id.encode()
-        return b"".join([MAGIC, struct.pack("<H", len(model)), model])
+        ns = meta.namespace.encode()
+        return b"".join([MAGIC, struct.pack("<H", len(model)), model, struct.pack("<H", len(ns)), ns])
 
     def footprint(self, num_bytes: int) -> int:
         return num_bytes + 128
@@ -137,7 +140,11 @@ class DiskTier:
             h.update(seg)
         nbytes = sum(seg.nbytes for seg in segments)
         head = self._header(meta) + _FIXED.pack(
-            meta.block_hash, meta.parent_hash, meta.codec.encode().ljust(8, b"\0"), meta.num_bytes, nbytes,
+            meta.block_hash,
+            meta.parent_hash,
+            meta.codec.encode().ljust(8, b"\0"),
+            meta.num_bytes,
+            nbytes,
             h.intdigest(),
         )
         path = Path(handle.path)
@@ -158,7 +165,9 @@ class DiskTier:
             tmp.unlink(missing_ok=True)
             raise
 
-    def _read_file(self, path: str, into: list | None = None) -> tuple[bytes, bytes, str, int, np.ndarray, bytes]:
+    def _read_file(
+        self, path: str, into: list | None = None
+    ) -> tuple[bytes, bytes, str, int, np.ndarray, bytes, bytes]:
         """Read and verify one block file; with `into` (uint8 tensors), the payload is
         read straight into those segments instead of a new array."""
         with open(path, "rb", buffering=0) as f:
@@ -167,8 +176,13 @@ class DiskTier:
                 raise CorruptBlock(f"{path}: bad header")
             (model_len,) = struct.unpack("<H", head[len(MAGIC) :])
             model = f.read(model_len)
+            ns_len_raw = f.read(2)
+            if len(model) != model_len or len(ns_len_raw) != 2:
+                raise CorruptBlock(f"{path}: truncated header")
+            (ns_len,) = struct.unpack("<H", ns_len_raw)
+            namespace = f.read(ns_len)
             fixed = f.read(_FIXED.size)
-            if len(model) != model_len or len(fixed) != _FIXED.size:
+            if len(namespace) != ns_len or len(fixed) != _FIXED.size:
                 raise CorruptBlock(f"{path}: truncated header")
             block_hash, parent, codec, num_bytes, payload_bytes, digest = _FIXED.unpack(fixed)
             if into is None:
@@ -178,7 +192,9 @@ class DiskTier:
                 segments = [t.numpy() for t in into]
                 payload = segments[0]
                 if sum(s.nbytes for s in segments) != payload_bytes:
-                    raise CorruptBlock(f"{path}: payload is {payload_bytes} B, expected {sum(s.nbytes for s in segments)} B")
+                    raise CorruptBlock(
+                        f"{path}: payload is {payload_bytes} B, expected {sum(s.nbytes for s in segments)} B"
+                    )
             h = xxhash.xxh3_64()
             for seg in segments:
                 got = f.readinto(memoryview(seg))
@@ -189,11 +205,11 @@ class DiskTier:
                 raise CorruptBlock(f"{path}: oversized payload")
         if h.intdigest() != digest:
             raise CorruptBlock(f"{path}: checksum mismatch")
-        return block_hash, parent, codec.rstrip(b"\0").decode(), num_bytes, payload, model
+        return block_hash, parent, codec.rstrip(b"\0").decode(), num_bytes, payload, model, namespace
 
     def read(self, handle: DiskHandle, num_bytes: int) -> torch.Tensor:
         try:
-            _, _, _, _, payload, _ = self._read_file(handle.path)
+            payload = self._read_file(handle.path)[4]
         except FileNotFoundError:
             raise CorruptBlock(f"{handle.path}: missing") from None
         if payload.nbytes != num_bytes:
@@ -215,7 +231,7 @@ class DiskTier:
         seen: set[bytes] = set()
         for path in sorted(self.directory.glob("*/*.kvb")):
             try:
-                block_hash, parent, codec, num_bytes, payload, model = self._read_file(str(path))
+                block_hash, parent, codec, num_bytes, payload, model, namespace = self._read_file(str(path))
                 if path.stem.split("-")[0] != block_hash.hex():
                     raise CorruptBlock(f"{path}: name does not match its block hash")
                 if block_hash in seen:  # an older copy whose removal a crash interrupted
@@ -230,7 +246,16 @@ class DiskTier:
             size = self.footprint(payload.nbytes)
             self.used_bytes += size
             found.append(
-                RecoveredBlock(model.decode(), block_hash, parent, codec, num_bytes, payload.nbytes, DiskHandle(str(path), size))
+                RecoveredBlock(
+                    model.decode(),
+                    block_hash,
+                    parent,
+                    codec,
+                    namespace.decode(),
+                    num_bytes,
+                    payload.nbytes,
+                    DiskHandle(str(path), size),
+                )
             )
         for tmp in self.directory.glob("*/*.tmp"):
             tmp.unlink(missing_ok=True)

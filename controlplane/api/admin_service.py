@@ -8,9 +8,15 @@ from controlplane.api import convert
 from controlplane.core.cluster import Cluster
 from protos import errors
 from protos.kvcp.v1 import admin_pb2, admin_pb2_grpc
+from protos.tier import Tier
+
+# how often an idle Watch stream checks that its client and our leadership are still there
+WATCH_IDLE_CHECK_SECONDS = 1.0
 
 
 class AdminServicer(admin_pb2_grpc.AdminServiceServicer):
+    manager = None  # controlplane.manager.Manager, set by the server (pins, operations, policy)
+
     def __init__(self, cluster: Cluster, leadership, lookup_duration=None):
         self._cluster = cluster
         self._leadership = leadership
@@ -48,3 +54,94 @@ class AdminServicer(admin_pb2_grpc.AdminServiceServicer):
         resp.epoch = self._leadership.epoch
         resp.is_leader = self._leadership.is_leader
         return resp
+
+    def Watch(self, request, context):
+        """Server stream of cluster events: the buffered recent ones first (when asked),
+        then live ones, filtered by kind. The client going away, or the server stopping,
+        closes the subscription from gRPC's callback, which wakes this loop at once, so no
+        worker thread stays parked on a stream nobody reads."""
+        self._require_leader()
+        sub = self._cluster.events.subscribe(tuple(request.kinds), replay_recent=request.replay_recent)
+        context.add_callback(sub.close)
+        try:
+            while context.is_active():
+                event = sub.get(WATCH_IDLE_CHECK_SECONDS)
+                if event is not None:
+                    yield convert.event_to_pb(event)
+                elif sub.closed:
+                    return
+                else:
+                    self._require_leader()
+        finally:
+            sub.close()
+
+    # ---- pins, operations, policy (controlplane.manager) -----------------------------
+    def _manager(self):
+        self._require_leader()
+        if self.manager is None:
+            raise errors.Unavailable("this control plane runs without etcd-backed pins and operations")
+        return self.manager
+
+    def Pin(self, request, context):
+        tier = request.min_tier or int(Tier.CPU)
+        if tier not in (int(Tier.GPU), int(Tier.CPU), int(Tier.DISK)):
+            raise errors.InvalidArgument("min_tier", "must be gpu, cpu or disk")
+        pin = self._manager().pin(
+            convert.scope_from_pb(request.scope), Tier(tier), request.ttl_seconds, request.owner, request.owner_lease_id
+        )
+        return convert.pin_to_pb(pin)
+
+    def Unpin(self, request, context):
+        if not request.pin_id:
+            raise errors.InvalidArgument("pin_id", "must not be empty")
+        return convert.pin_to_pb(self._manager().unpin(request.pin_id))
+
+    def ListPins(self, request, context):
+        return admin_pb2.ListPinsResponse(
+            pins=[convert.pin_to_pb(p) for p in self._manager().list_pins(request.namespace)]
+        )
+
+    def Move(self, request, context):
+        if request.to_tier not in (int(Tier.GPU), int(Tier.CPU), int(Tier.DISK)):
+            raise errors.InvalidArgument("to_tier", "must be gpu, cpu or disk")
+        op = self._manager().move(convert.scope_from_pb(request.scope), Tier(request.to_tier), request.codec)
+        return convert.op_to_pb(op)
+
+    def Compress(self, request, context):
+        if request.tier and request.tier not in (int(Tier.GPU), int(Tier.CPU), int(Tier.DISK)):
+            raise errors.InvalidArgument("tier", "must be gpu, cpu or disk")
+        op = self._manager().compress(
+            convert.scope_from_pb(request.scope), request.codec, Tier(request.tier) if request.tier else None
+        )
+        return convert.op_to_pb(op)
+
+    def Cleanup(self, request, context):
+        op = self._manager().cleanup(
+            request.older_than_seconds, request.namespace, request.agent_id, request.model_id, request.dry_run
+        )
+        return convert.op_to_pb(op)
+
+    def GetOperation(self, request, context):
+        if not request.op_id:
+            raise errors.InvalidArgument("op_id", "must not be empty")
+        return convert.op_to_pb(self._manager().get_op(request.op_id))
+
+    def ListOperations(self, request, context):
+        return admin_pb2.ListOperationsResponse(
+            operations=[convert.op_to_pb(o) for o in self._manager().list_ops(min(request.limit or 100, 1000))]
+        )
+
+    def CancelOperation(self, request, context):
+        if not request.op_id:
+            raise errors.InvalidArgument("op_id", "must not be empty")
+        return convert.op_to_pb(self._manager().cancel_op(request.op_id))
+
+    def GetPolicy(self, request, context):
+        values, revision = self._manager().get_policy()
+        return admin_pb2.Policy(values=values, revision=revision)
+
+    def SetPolicy(self, request, context):
+        if not request.values:
+            raise errors.InvalidArgument("values", "give at least one key=value")
+        values = self._manager().set_policy(dict(request.values))
+        return admin_pb2.Policy(values=values, revision=self._manager().policy_revision)

@@ -7,7 +7,7 @@ import queue
 import threading
 
 from controlplane.api import convert
-from controlplane.core.cluster import Cluster
+from controlplane.core.cluster import AgentCommand, Cluster
 from protos import errors
 from protos.kvcp.v1 import agent_pb2, agent_pb2_grpc
 
@@ -15,9 +15,11 @@ log = logging.getLogger(__name__)
 
 
 class AgentServicer(agent_pb2_grpc.AgentServiceServicer):
-    def __init__(self, cluster: Cluster, leadership, agent_key_exists=None):
+    def __init__(self, cluster: Cluster, leadership, agent_key_exists=None, on_op_update=None):
         self._cluster = cluster
         self._leadership = leadership
+        # callable(agent_id, OpUpdate message): operation progress from agents
+        self._on_op_update = on_op_update
         # callable(agent_id) -> bool; None skips the check (in-memory tests)
         self._agent_key_exists = agent_key_exists
 
@@ -41,7 +43,7 @@ class AgentServicer(agent_pb2_grpc.AgentServiceServicer):
     def Sync(self, request_iterator, context):
         self._require_leader()
         outbox: queue.Queue = queue.Queue()
-        session = {"agent_id": "", "session_id": ""}
+        session = {"agent_id": "", "session_id": "", "outbox": outbox}
         epoch = self._leadership.epoch
 
         def read() -> None:
@@ -66,6 +68,8 @@ class AgentServicer(agent_pb2_grpc.AgentServiceServicer):
                     break
                 if isinstance(item, errors.KvcpError):
                     raise item
+                if isinstance(item, AgentCommand):
+                    item = convert.command_to_pb(item, self._leadership.epoch)
                 yield item
         finally:
             if session["agent_id"]:
@@ -76,6 +80,7 @@ class AgentServicer(agent_pb2_grpc.AgentServiceServicer):
         if kind == "hello":
             self._cluster.hello(msg.hello.agent_id, msg.hello.session_id)
             session["agent_id"], session["session_id"] = msg.hello.agent_id, msg.hello.session_id
+            self._cluster.attach_outbox(msg.hello.agent_id, msg.hello.session_id, session["outbox"])
             return None
         agent_id = session["agent_id"]
         if not agent_id:
@@ -101,6 +106,18 @@ class AgentServicer(agent_pb2_grpc.AgentServiceServicer):
                 st.lookup_tokens_total,
                 st.lookup_hit_tokens_total,
             )
+            self._cluster.update_namespaces(
+                agent_id, {n.namespace: (n.num_blocks, n.uncompressed_bytes) for n in st.namespaces}
+            )
+            return None
+        elif kind == "op_update":
+            if self._on_op_update is not None:
+                self._on_op_update(agent_id, msg.op_update)
+            return None
+        elif kind == "notice":
+            # something an operator should see (corrupt_block, write_error): to the dashboard's Watch
+            n = msg.notice
+            self._cluster.events.publish("notice", f"{n.kind}: {n.message}", "warning", agent_id=agent_id)
             return None
         else:
             raise errors.InvalidArgument("body", "empty AgentMessage")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from controlplane.core import cluster as core
+from controlplane.core import events
 from protos.kvcp.v1 import admin_pb2, agent_pb2, types_pb2
 from protos.tier import Tier
 
@@ -107,3 +108,112 @@ def stats_to_pb(s: core.ClusterStats) -> admin_pb2.GetStatsResponse:
 
 def control_resync(epoch: int, reason: str) -> agent_pb2.ControlMessage:
     return agent_pb2.ControlMessage(epoch=epoch, resync=agent_pb2.ResyncRequest(reason=reason))
+
+
+def event_to_pb(e: events.Event) -> admin_pb2.ClusterEvent:
+    return admin_pb2.ClusterEvent(
+        seq=e.seq,
+        unix_seconds=e.unix_seconds,
+        kind=e.kind,
+        severity=e.severity,
+        agent_id=e.agent_id,
+        op_id=e.op_id,
+        pin_id=e.pin_id,
+        message=e.message,
+    )
+
+
+_COMMAND_KINDS = {
+    "move": agent_pb2.COMMAND_KIND_MOVE,
+    "evict": agent_pb2.COMMAND_KIND_EVICT,
+    "compress": agent_pb2.COMMAND_KIND_COMPRESS,
+    "pin": agent_pb2.COMMAND_KIND_PIN,
+    "unpin": agent_pb2.COMMAND_KIND_UNPIN,
+    "cancel": agent_pb2.COMMAND_KIND_CANCEL,
+    "cleanup": agent_pb2.COMMAND_KIND_CLEANUP,
+}
+
+
+def command_to_pb(c: core.AgentCommand, epoch: int) -> agent_pb2.ControlMessage:
+    return agent_pb2.ControlMessage(
+        epoch=epoch,
+        command=agent_pb2.Command(
+            op_id=c.op_id,
+            kind=_COMMAND_KINDS[c.kind],
+            block_hashes=c.block_hashes,
+            tier=c.tier,
+            codec=c.codec,
+            namespace=c.namespace,
+            model_id=c.model_id,
+            older_than_seconds=c.older_than_seconds,
+            dry_run=c.dry_run,
+            only_tier=c.only_tier,
+            pin_id=c.pin_id,
+            expires_unix_seconds=c.expires_unix_seconds,
+        ),
+    )
+
+
+def scope_from_pb(s: admin_pb2.Scope):
+    from controlplane.manager import Scope
+
+    return Scope(
+        model_id=s.model_id,
+        token_ids=tuple(s.token_ids),
+        block_hashes=s.block_hashes,
+        extra_keys=tuple(s.extra_keys),
+        namespace=s.namespace,
+        agent_id=s.agent_id,
+    )
+
+
+def pin_to_pb(p) -> admin_pb2.PinInfo:
+    return admin_pb2.PinInfo(
+        pin_id=p.pin_id,
+        namespace=p.namespace,
+        scope=admin_pb2.Scope(
+            model_id=p.model_id, block_hashes=p.block_hashes, namespace=p.namespace, agent_id=p.agent_id
+        ),
+        min_tier=int(p.min_tier),
+        created_unix_seconds=p.created_unix_seconds,
+        expires_unix_seconds=p.expires_unix_seconds,
+        owner=p.owner,
+        owner_lease_id=p.owner_lease_id,
+        num_blocks=p.num_blocks,
+        pinned_bytes=p.pinned_bytes,
+    )
+
+
+_OP_STATES = {
+    "PENDING": admin_pb2.OPERATION_STATE_PENDING,
+    "RUNNING": admin_pb2.OPERATION_STATE_RUNNING,
+    "SUCCEEDED": admin_pb2.OPERATION_STATE_SUCCEEDED,
+    "FAILED": admin_pb2.OPERATION_STATE_FAILED,
+    "CANCELLED": admin_pb2.OPERATION_STATE_CANCELLED,
+}
+
+
+def op_to_pb(op) -> admin_pb2.Operation:
+    return admin_pb2.Operation(
+        op_id=op.op_id,
+        kind=op.kind,
+        state=_OP_STATES[op.state],
+        progress=op.progress,
+        done=op.done,
+        total=op.total,
+        failed=op.failed,
+        skipped_pinned=op.skipped_pinned,
+        moved_bytes=op.moved_bytes,
+        freed=[types_pb2.TierUsage(tier=int(t), num_blocks=n, used_bytes=b) for t, (n, b) in op.freed().items()],
+        error=op.error,
+        created_unix_seconds=op.created_unix_seconds,
+        updated_unix_seconds=op.updated_unix_seconds,
+        params=op.params,
+        agents=[
+            admin_pb2.AgentProgress(
+                agent_id=p.agent_id, state=p.state, done=p.done, total=p.total, failed=p.failed, error=p.error
+            )
+            for p in op.parts.values()
+        ],
+        dry_run=op.dry_run,
+    )

@@ -15,6 +15,7 @@ import time
 from dataclasses import dataclass, field
 from enum import IntEnum
 
+from controlplane.core.events import EventBus
 from controlplane.core.index import AgentMatch, BlockIndex
 from protos import errors
 from protos.block_hash import BLOCK_HASH_BYTES, hash_prefix, split_hashes
@@ -67,6 +68,28 @@ class AgentRecord:
     # inventory chunks received so far (swapped into the index at the last chunk)
     staging: dict[bytes, int] = field(default_factory=dict)
     next_chunk: int = 0
+    namespaces: dict[str, tuple[int, int]] = field(default_factory=dict)  # ns -> (blocks, bytes)
+    # commands go down the agent's current Sync stream; pins applied on this stream
+    outbox: object = None
+    applied_pins: set[str] = field(default_factory=set)
+
+
+@dataclass(frozen=True)
+class AgentCommand:
+    """A command for one agent (the API layer turns it into a ControlMessage)."""
+
+    op_id: str
+    kind: str  # move | evict | compress | pin | unpin | cancel | cleanup
+    block_hashes: bytes = b""
+    tier: int = 0
+    codec: str = ""
+    namespace: str = ""
+    model_id: str = ""
+    older_than_seconds: float = 0.0
+    dry_run: bool = False
+    only_tier: int = 0
+    pin_id: str = ""
+    expires_unix_seconds: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -121,6 +144,8 @@ class Cluster:
         self.lookup_hit_tokens_total = 0
         self.resyncs_total = 0
         self.events_total = 0
+        # what the dashboard watches (AdminService.Watch); published to with no lock of ours needed
+        self.events = EventBus(clock=clock)
 
     # ---- membership -----------------------------------------------------------------
     def register(self, record: AgentRecord) -> None:
@@ -128,7 +153,12 @@ class Cluster:
             raise errors.InvalidArgument("agent.agent_id", "must not be empty")
         with self._lock:
             # block sizes other agents serve; the registering agent's old record does not count
-            sizes = {m.model_id: m.block_size for a in self._agents.values() if a.agent_id != record.agent_id for m in a.models}
+            sizes = {
+                m.model_id: m.block_size
+                for a in self._agents.values()
+                if a.agent_id != record.agent_id
+                for m in a.models
+            }
             mine: dict[str, int] = {}
             for m in record.models:
                 if m.block_size <= 0:
@@ -155,6 +185,10 @@ class Cluster:
             record.last_seen_unix_seconds = record.registered_at_unix_seconds = self._clock()
             self._agents[record.agent_id] = record
             self._refresh_models()
+            if old is None:
+                self.events.publish(
+                    "agent_joined", f"{record.agent_id} joined from {record.address}", agent_id=record.agent_id
+                )
 
     def _refresh_models(self) -> None:
         """Models are those some registered agent serves (lock held)."""
@@ -167,9 +201,15 @@ class Cluster:
     def remove_agent(self, agent_id: str) -> int:
         """The agent's lease is gone: forget it and its blocks. Returns replicas dropped."""
         with self._lock:
-            if self._agents.pop(agent_id, None) is not None:
+            known = self._agents.pop(agent_id, None) is not None
+            if known:
                 self._refresh_models()
-            return self.index.drop_agent(agent_id)
+            dropped = self.index.drop_agent(agent_id)
+            if known or dropped:
+                self.events.publish(
+                    "agent_left", f"{agent_id} left (lease gone); {dropped} block replicas dropped", agent_id=agent_id
+                )
+            return dropped
 
     def reconcile_membership(self, live_agent_ids: set[str], listed_at_unix_seconds: float) -> list[str]:
         """Level-triggered repair: drop every agent not in `live_agent_ids` (listed from
@@ -203,6 +243,7 @@ class Cluster:
             rec = self.agent(agent_id)
             rec.session_id = session_id
             rec.state = AgentState.SYNCING
+            self.events.publish("agent_state", f"{agent_id} connected; syncing its inventory", agent_id=agent_id)
             rec.awaiting_inventory = True
             rec.staging = {}
             rec.next_chunk = 0
@@ -219,6 +260,7 @@ class Cluster:
                 rec.staging, rec.next_chunk = {}, 0
                 rec.awaiting_inventory = True
                 self.resyncs_total += 1
+                self.events.publish("agent_state", f"{agent_id} resyncing: {reason}", "warning", agent_id=agent_id)
                 return reason
             for g in groups:
                 t = int(g.tier)
@@ -231,6 +273,8 @@ class Cluster:
                 rec.last_seq = seq
                 rec.awaiting_inventory = False
                 rec.state = AgentState.READY
+                n = self.index.num_agent_blocks(agent_id)
+                self.events.publish("agent_state", f"{agent_id} ready ({n} blocks)", agent_id=agent_id)
             rec.last_seen_unix_seconds = self._clock()
             return None
 
@@ -245,7 +289,9 @@ class Cluster:
                 rec.awaiting_inventory = True
                 rec.state = AgentState.SYNCING
                 self.resyncs_total += 1
-                return f"event batch seq {seq} arrived, expected {rec.last_seq + 1}"
+                reason = f"event batch seq {seq} arrived, expected {rec.last_seq + 1}"
+                self.events.publish("agent_state", f"{agent_id} resyncing: {reason}", "warning", agent_id=agent_id)
+                return reason
             rec.last_seq = seq
             for g in groups:
                 hashes = split_hashes(g.block_hashes)
@@ -265,12 +311,58 @@ class Cluster:
             rec.lookups_total, rec.lookup_tokens_total, rec.lookup_hit_tokens_total = lookups, lookup_tokens, hit_tokens
             rec.last_seen_unix_seconds = self._clock()
 
+    # ---- commands -------------------------------------------------------------------
+    def attach_outbox(self, agent_id: str, session_id: str, outbox) -> None:
+        """A Sync stream is open: commands for the agent go into `outbox` (put(cmd))."""
+        with self._lock:
+            rec = self.agent(agent_id)
+            if rec.session_id == session_id:
+                rec.outbox = outbox
+                rec.applied_pins = set()  # a new stream: pins are sent again
+
+    def send(self, agent_id: str, command: AgentCommand) -> bool:
+        """Queue a command for an agent; False when it has no open stream."""
+        with self._lock:
+            rec = self._agents.get(agent_id)
+            outbox = rec.outbox if rec is not None else None
+        if outbox is None:
+            return False
+        outbox.put(command)
+        return True
+
+    def connected_agents(self) -> list[AgentRecord]:
+        with self._lock:
+            return [r for r in self._agents.values() if r.outbox is not None and r.state != AgentState.DISCONNECTED]
+
+    def holders_of(self, block_hashes: list[bytes]) -> dict[str, list[bytes]]:
+        """agent_id -> the given blocks it holds (order kept)."""
+        with self._lock:
+            out: dict[str, list[bytes]] = {}
+            for h in block_hashes:
+                for a in self.index.holders(h):
+                    out.setdefault(a, []).append(h)
+            return out
+
+    def namespace_bytes(self, namespace: str) -> int:
+        with self._lock:
+            return sum(r.namespaces.get(namespace, (0, 0))[1] for r in self._agents.values())
+
+    def update_namespaces(self, agent_id: str, namespaces: dict[str, tuple[int, int]]) -> None:
+        with self._lock:
+            rec = self._agents.get(agent_id)
+            if rec is not None:
+                rec.namespaces = namespaces
+
     def stream_closed(self, agent_id: str, session_id: str) -> None:
         """The Sync stream ended; blocks stay indexed until the agent's lease is gone."""
         with self._lock:
             rec = self._agents.get(agent_id)
             if rec is not None and rec.session_id == session_id:
                 rec.state = AgentState.DISCONNECTED
+                rec.outbox = None
+                self.events.publish(
+                    "agent_state", f"{agent_id} disconnected (sync stream closed)", "warning", agent_id=agent_id
+                )
 
     # ---- lookup ---------------------------------------------------------------------
     def model(self, model_id: str) -> ModelInfo:

@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from protos.kvcp.v1 import types_pb2 as protos_dot_kvcp_dot_v1_dot_types__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1aprotos/kvcp/v1/admin.proto\x12\x07kvcp.v1\x1a\x1aprotos/kvcp/v1/types.proto\"\x13\n\x11ListAgentsRequest\"\xdc\x01\n\x0b\x41gentStatus\x12 \n\x04info\x18\x01 \x01(\x0b\x32\x12.kvcp.v1.AgentInfo\x12\"\n\x05state\x18\x02 \x01(\x0e\x32\x13.kvcp.v1.AgentState\x12\x12\n\nnum_blocks\x18\x03 \x01(\x04\x12\x1e\n\x16last_seen_unix_seconds\x18\x04 \x01(\x01\x12\x15\n\rlookups_total\x18\x05 \x01(\x04\x12\x1f\n\x17lookup_hit_tokens_total\x18\x06 \x01(\x04\x12\x1b\n\x13lookup_tokens_total\x18\x07 \x01(\x04\":\n\x12ListAgentsResponse\x12$\n\x06\x61gents\x18\x01 \x03(\x0b\x32\x14.kvcp.v1.AgentStatus\"b\n\rLookupRequest\x12\x10\n\x08model_id\x18\x01 \x01(\t\x12\x15\n\ttoken_ids\x18\x02 \x03(\rB\x02\x10\x01\x12\x14\n\x0c\x62lock_hashes\x18\x03 \x01(\x0c\x12\x12\n\nextra_keys\x18\x04 \x03(\t\"]\n\nAgentMatch\x12\x10\n\x08\x61gent_id\x18\x01 \x01(\t\x12\x16\n\x0enum_hit_blocks\x18\x02 \x01(\r\x12\x16\n\x0enum_hit_tokens\x18\x03 \x01(\r\x12\r\n\x05tiers\x18\x04 \x01(\x0c\"\x9e\x01\n\x0eLookupResponse\x12\x10\n\x08model_id\x18\x01 \x01(\t\x12\x12\n\nnum_tokens\x18\x02 \x01(\r\x12\x12\n\nnum_blocks\x18\x03 \x01(\r\x12\x15\n\rbest_agent_id\x18\x04 \x01(\t\x12#\n\x06\x61gents\x18\x05 \x03(\x0b\x32\x13.kvcp.v1.AgentMatch\x12\x16\n\x0epossibly_stale\x18\x06 \x01(\x08\"\x11\n\x0fGetStatsRequest\"\xd9\x02\n\x10GetStatsResponse\x12\x12\n\nnum_agents\x18\x01 \x01(\r\x12\x12\n\nnum_blocks\x18\x02 \x01(\x04\x12\x1a\n\x12num_block_replicas\x18\x03 \x01(\x04\x12\x15\n\rlookups_total\x18\x04 \x01(\x04\x12\x1b\n\x13lookup_tokens_total\x18\x05 \x01(\x04\x12\x1f\n\x17lookup_hit_tokens_total\x18\x06 \x01(\x04\x12!\n\x05tiers\x18\x07 \x03(\x0b\x32\x12.kvcp.v1.TierUsage\x12\x16\n\x0eleader_address\x18\x08 \x01(\t\x12\r\n\x05\x65poch\x18\t \x01(\x04\x12\x11\n\tis_leader\x18\n \x01(\x08\x12\"\n\x06models\x18\x0b \x03(\x0b\x32\x12.kvcp.v1.ModelSpec\x12\x15\n\rresyncs_total\x18\x0c \x01(\x04\x12\x14\n\x0c\x65vents_total\x18\r \x01(\x04\x32\xd1\x01\n\x0c\x41\x64minService\x12\x45\n\nListAgents\x12\x1a.kvcp.v1.ListAgentsRequest\x1a\x1b.kvcp.v1.ListAgentsResponse\x12\x39\n\x06Lookup\x12\x16.kvcp.v1.LookupRequest\x1a\x17.kvcp.v1.LookupResponse\x12?\n\x08GetStats\x12\x18.kvcp.v1.GetStatsRequest\x1a\x19.kvcp.v1.GetStatsResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1aprotos/kvcp/v1/admin.proto\x12\x07kvcp.v1\x1a\x1aprotos/kvcp/v1/types.proto\"\x13\n\x11ListAgentsRequest\"\xdc\x01\n\x0b\x41gentStatus\x12 \n\x04info\x18\x01 \x01(\x0b\x32\x12.kvcp.v1.AgentInfo\x12\"\n\x05state\x18\x02 \x01(\x0e\x32\x13.kvcp.v1.AgentState\x12\x12\n\nnum_blocks\x18\x03 \x01(\x04\x12\x1e\n\x16last_seen_unix_seconds\x18\x04 \x01(\x01\x12\x15\n\rlookups_total\x18\x05 \x01(\x04\x12\x1f\n\x17lookup_hit_tokens_total\x18\x06 \x01(\x04\x12\x1b\n\x13lookup_tokens_total\x18\x07 \x01(\x04\":\n\x12ListAgentsResponse\x12$\n\x06\x61gents\x18\x01 \x03(\x0b\x32\x14.kvcp.v1.AgentStatus\"b\n\rLookupRequest\x12\x10\n\x08model_id\x18\x01 \x01(\t\x12\x15\n\ttoken_ids\x18\x02 \x03(\rB\x02\x10\x01\x12\x14\n\x0c\x62lock_hashes\x18\x03 \x01(\x0c\x12\x12\n\nextra_keys\x18\x04 \x03(\t\"]\n\nAgentMatch\x12\x10\n\x08\x61gent_id\x18\x01 \x01(\t\x12\x16\n\x0enum_hit_blocks\x18\x02 \x01(\r\x12\x16\n\x0enum_hit_tokens\x18\x03 \x01(\r\x12\r\n\x05tiers\x18\x04 \x01(\x0c\"\x9e\x01\n\x0eLookupResponse\x12\x10\n\x08model_id\x18\x01 \x01(\t\x12\x12\n\nnum_tokens\x18\x02 \x01(\r\x12\x12\n\nnum_blocks\x18\x03 \x01(\r\x12\x15\n\rbest_agent_id\x18\x04 \x01(\t\x12#\n\x06\x61gents\x18\x05 \x03(\x0b\x32\x13.kvcp.v1.AgentMatch\x12\x16\n\x0epossibly_stale\x18\x06 \x01(\x08\"\x11\n\x0fGetStatsRequest\"\xd9\x02\n\x10GetStatsResponse\x12\x12\n\nnum_agents\x18\x01 \x01(\r\x12\x12\n\nnum_blocks\x18\x02 \x01(\x04\x12\x1a\n\x12num_block_replicas\x18\x03 \x01(\x04\x12\x15\n\rlookups_total\x18\x04 \x01(\x04\x12\x1b\n\x13lookup_tokens_total\x18\x05 \x01(\x04\x12\x1f\n\x17lookup_hit_tokens_total\x18\x06 \x01(\x04\x12!\n\x05tiers\x18\x07 \x03(\x0b\x32\x12.kvcp.v1.TierUsage\x12\x16\n\x0eleader_address\x18\x08 \x01(\t\x12\r\n\x05\x65poch\x18\t \x01(\x04\x12\x11\n\tis_leader\x18\n \x01(\x08\x12\"\n\x06models\x18\x0b \x03(\x0b\x32\x12.kvcp.v1.ModelSpec\x12\x15\n\rresyncs_total\x18\x0c \x01(\x04\x12\x14\n\x0c\x65vents_total\x18\r \x01(\x04\"\x7f\n\x05Scope\x12\x10\n\x08model_id\x18\x01 \x01(\t\x12\x15\n\ttoken_ids\x18\x02 \x03(\rB\x02\x10\x01\x12\x14\n\x0c\x62lock_hashes\x18\x03 \x01(\x0c\x12\x12\n\nextra_keys\x18\x04 \x03(\t\x12\x11\n\tnamespace\x18\x05 \x01(\t\x12\x10\n\x08\x61gent_id\x18\x06 \x01(\t\"\xf9\x01\n\x07PinInfo\x12\x0e\n\x06pin_id\x18\x01 \x01(\t\x12\x11\n\tnamespace\x18\x02 \x01(\t\x12\x1d\n\x05scope\x18\x03 \x01(\x0b\x32\x0e.kvcp.v1.Scope\x12\x1f\n\x08min_tier\x18\x04 \x01(\x0e\x32\r.kvcp.v1.Tier\x12\x1c\n\x14\x63reated_unix_seconds\x18\x05 \x01(\x01\x12\x1c\n\x14\x65xpires_unix_seconds\x18\x06 \x01(\x01\x12\r\n\x05owner\x18\x07 \x01(\t\x12\x16\n\x0eowner_lease_id\x18\x08 \x01(\x04\x12\x12\n\nnum_blocks\x18\t \x01(\x04\x12\x14\n\x0cpinned_bytes\x18\n \x01(\x04\"\x88\x01\n\nPinRequest\x12\x1d\n\x05scope\x18\x01 \x01(\x0b\x32\x0e.kvcp.v1.Scope\x12\x1f\n\x08min_tier\x18\x02 \x01(\x0e\x32\r.kvcp.v1.Tier\x12\x13\n\x0bttl_seconds\x18\x03 \x01(\x01\x12\r\n\x05owner\x18\x04 \x01(\t\x12\x16\n\x0eowner_lease_id\x18\x05 \x01(\x04\"\x1e\n\x0cUnpinRequest\x12\x0e\n\x06pin_id\x18\x01 \x01(\t\"$\n\x0fListPinsRequest\x12\x11\n\tnamespace\x18\x01 \x01(\t\"2\n\x10ListPinsResponse\x12\x1e\n\x04pins\x18\x01 \x03(\x0b\x32\x10.kvcp.v1.PinInfo\"l\n\rAgentProgress\x12\x10\n\x08\x61gent_id\x18\x01 \x01(\t\x12\r\n\x05state\x18\x02 \x01(\t\x12\x0c\n\x04\x64one\x18\x03 \x01(\x04\x12\r\n\x05total\x18\x04 \x01(\x04\x12\x0e\n\x06\x66\x61iled\x18\x05 \x01(\x04\x12\r\n\x05\x65rror\x18\x06 \x01(\t\"\xc2\x03\n\tOperation\x12\r\n\x05op_id\x18\x01 \x01(\t\x12\x0c\n\x04kind\x18\x02 \x01(\t\x12&\n\x05state\x18\x03 \x01(\x0e\x32\x17.kvcp.v1.OperationState\x12\x10\n\x08progress\x18\x04 \x01(\x01\x12\x0c\n\x04\x64one\x18\x05 \x01(\x04\x12\r\n\x05total\x18\x06 \x01(\x04\x12\x0e\n\x06\x66\x61iled\x18\x07 \x01(\x04\x12\x16\n\x0eskipped_pinned\x18\x08 \x01(\x04\x12\x13\n\x0bmoved_bytes\x18\t \x01(\x04\x12!\n\x05\x66reed\x18\n \x03(\x0b\x32\x12.kvcp.v1.TierUsage\x12\r\n\x05\x65rror\x18\x0b \x01(\t\x12\x1c\n\x14\x63reated_unix_seconds\x18\x0c \x01(\x01\x12\x1c\n\x14updated_unix_seconds\x18\r \x01(\x01\x12.\n\x06params\x18\x0e \x03(\x0b\x32\x1e.kvcp.v1.Operation.ParamsEntry\x12&\n\x06\x61gents\x18\x0f \x03(\x0b\x32\x16.kvcp.v1.AgentProgress\x12\x0f\n\x07\x64ry_run\x18\x10 \x01(\x08\x1a-\n\x0bParamsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"[\n\x0bMoveRequest\x12\x1d\n\x05scope\x18\x01 \x01(\x0b\x32\x0e.kvcp.v1.Scope\x12\x1e\n\x07to_tier\x18\x02 \x01(\x0e\x32\r.kvcp.v1.Tier\x12\r\n\x05\x63odec\x18\x03 \x01(\t\"t\n\x0e\x43leanupRequest\x12\x1a\n\x12older_than_seconds\x18\x01 \x01(\x01\x12\x11\n\tnamespace\x18\x02 \x01(\t\x12\x10\n\x08\x61gent_id\x18\x03 \x01(\t\x12\x10\n\x08model_id\x18\x04 \x01(\t\x12\x0f\n\x07\x64ry_run\x18\x05 \x01(\x08\"\\\n\x0f\x43ompressRequest\x12\x1d\n\x05scope\x18\x01 \x01(\x0b\x32\x0e.kvcp.v1.Scope\x12\r\n\x05\x63odec\x18\x02 \x01(\t\x12\x1b\n\x04tier\x18\x03 \x01(\x0e\x32\r.kvcp.v1.Tier\"$\n\x13GetOperationRequest\x12\r\n\x05op_id\x18\x01 \x01(\t\"&\n\x15ListOperationsRequest\x12\r\n\x05limit\x18\x01 \x01(\r\"@\n\x16ListOperationsResponse\x12&\n\noperations\x18\x01 \x03(\x0b\x32\x12.kvcp.v1.Operation\"\'\n\x16\x43\x61ncelOperationRequest\x12\r\n\x05op_id\x18\x01 \x01(\t\"v\n\x06Policy\x12+\n\x06values\x18\x01 \x03(\x0b\x32\x1b.kvcp.v1.Policy.ValuesEntry\x12\x10\n\x08revision\x18\x02 \x01(\x04\x1a-\n\x0bValuesEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"\x12\n\x10GetPolicyRequest\"x\n\x10SetPolicyRequest\x12\x35\n\x06values\x18\x01 \x03(\x0b\x32%.kvcp.v1.SetPolicyRequest.ValuesEntry\x1a-\n\x0bValuesEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"4\n\x0cWatchRequest\x12\r\n\x05kinds\x18\x01 \x03(\t\x12\x15\n\rreplay_recent\x18\x02 \x01(\x08\"\x93\x01\n\x0c\x43lusterEvent\x12\x0b\n\x03seq\x18\x01 \x01(\x04\x12\x14\n\x0cunix_seconds\x18\x02 \x01(\x01\x12\x0c\n\x04kind\x18\x03 \x01(\t\x12\x10\n\x08severity\x18\x04 \x01(\t\x12\x10\n\x08\x61gent_id\x18\x05 \x01(\t\x12\r\n\x05op_id\x18\x06 \x01(\t\x12\x0e\n\x06pin_id\x18\x07 \x01(\t\x12\x0f\n\x07message\x18\x08 \x01(\t*\xc5\x01\n\x0eOperationState\x12\x1f\n\x1bOPERATION_STATE_UNSPECIFIED\x10\x00\x12\x1b\n\x17OPERATION_STATE_PENDING\x10\x01\x12\x1b\n\x17OPERATION_STATE_RUNNING\x10\x02\x12\x1d\n\x19OPERATION_STATE_SUCCEEDED\x10\x03\x12\x1a\n\x16OPERATION_STATE_FAILED\x10\x04\x12\x1d\n\x19OPERATION_STATE_CANCELLED\x10\x05\x32\x9e\x07\n\x0c\x41\x64minService\x12\x45\n\nListAgents\x12\x1a.kvcp.v1.ListAgentsRequest\x1a\x1b.kvcp.v1.ListAgentsResponse\x12\x39\n\x06Lookup\x12\x16.kvcp.v1.LookupRequest\x1a\x17.kvcp.v1.LookupResponse\x12?\n\x08GetStats\x12\x18.kvcp.v1.GetStatsRequest\x1a\x19.kvcp.v1.GetStatsResponse\x12,\n\x03Pin\x12\x13.kvcp.v1.PinRequest\x1a\x10.kvcp.v1.PinInfo\x12\x30\n\x05Unpin\x12\x15.kvcp.v1.UnpinRequest\x1a\x10.kvcp.v1.PinInfo\x12?\n\x08ListPins\x12\x18.kvcp.v1.ListPinsRequest\x1a\x19.kvcp.v1.ListPinsResponse\x12\x30\n\x04Move\x12\x14.kvcp.v1.MoveRequest\x1a\x12.kvcp.v1.Operation\x12\x36\n\x07\x43leanup\x12\x17.kvcp.v1.CleanupRequest\x1a\x12.kvcp.v1.Operation\x12\x38\n\x08\x43ompress\x12\x18.kvcp.v1.CompressRequest\x1a\x12.kvcp.v1.Operation\x12@\n\x0cGetOperation\x12\x1c.kvcp.v1.GetOperationRequest\x1a\x12.kvcp.v1.Operation\x12Q\n\x0eListOperations\x12\x1e.kvcp.v1.ListOperationsRequest\x1a\x1f.kvcp.v1.ListOperationsResponse\x12\x46\n\x0f\x43\x61ncelOperation\x12\x1f.kvcp.v1.CancelOperationRequest\x1a\x12.kvcp.v1.Operation\x12\x37\n\tGetPolicy\x12\x19.kvcp.v1.GetPolicyRequest\x1a\x0f.kvcp.v1.Policy\x12\x37\n\tSetPolicy\x12\x19.kvcp.v1.SetPolicyRequest\x1a\x0f.kvcp.v1.Policy\x12\x37\n\x05Watch\x12\x15.kvcp.v1.WatchRequest\x1a\x15.kvcp.v1.ClusterEvent0\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -34,6 +34,16 @@ if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_LOOKUPREQUEST'].fields_by_name['token_ids']._loaded_options = None
   _globals['_LOOKUPREQUEST'].fields_by_name['token_ids']._serialized_options = b'\020\001'
+  _globals['_SCOPE'].fields_by_name['token_ids']._loaded_options = None
+  _globals['_SCOPE'].fields_by_name['token_ids']._serialized_options = b'\020\001'
+  _globals['_OPERATION_PARAMSENTRY']._loaded_options = None
+  _globals['_OPERATION_PARAMSENTRY']._serialized_options = b'8\001'
+  _globals['_POLICY_VALUESENTRY']._loaded_options = None
+  _globals['_POLICY_VALUESENTRY']._serialized_options = b'8\001'
+  _globals['_SETPOLICYREQUEST_VALUESENTRY']._loaded_options = None
+  _globals['_SETPOLICYREQUEST_VALUESENTRY']._serialized_options = b'8\001'
+  _globals['_OPERATIONSTATE']._serialized_start=3256
+  _globals['_OPERATIONSTATE']._serialized_end=3453
   _globals['_LISTAGENTSREQUEST']._serialized_start=67
   _globals['_LISTAGENTSREQUEST']._serialized_end=86
   _globals['_AGENTSTATUS']._serialized_start=89
@@ -50,6 +60,52 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_GETSTATSREQUEST']._serialized_end=744
   _globals['_GETSTATSRESPONSE']._serialized_start=747
   _globals['_GETSTATSRESPONSE']._serialized_end=1092
-  _globals['_ADMINSERVICE']._serialized_start=1095
-  _globals['_ADMINSERVICE']._serialized_end=1304
+  _globals['_SCOPE']._serialized_start=1094
+  _globals['_SCOPE']._serialized_end=1221
+  _globals['_PININFO']._serialized_start=1224
+  _globals['_PININFO']._serialized_end=1473
+  _globals['_PINREQUEST']._serialized_start=1476
+  _globals['_PINREQUEST']._serialized_end=1612
+  _globals['_UNPINREQUEST']._serialized_start=1614
+  _globals['_UNPINREQUEST']._serialized_end=1644
+  _globals['_LISTPINSREQUEST']._serialized_start=1646
+  _globals['_LISTPINSREQUEST']._serialized_end=1682
+  _globals['_LISTPINSRESPONSE']._serialized_start=1684
+  _globals['_LISTPINSRESPONSE']._serialized_end=1734
+  _globals['_AGENTPROGRESS']._serialized_start=1736
+  _globals['_AGENTPROGRESS']._serialized_end=1844
+  _globals['_OPERATION']._serialized_start=1847
+  _globals['_OPERATION']._serialized_end=2297
+  _globals['_OPERATION_PARAMSENTRY']._serialized_start=2252
+  _globals['_OPERATION_PARAMSENTRY']._serialized_end=2297
+  _globals['_MOVEREQUEST']._serialized_start=2299
+  _globals['_MOVEREQUEST']._serialized_end=2390
+  _globals['_CLEANUPREQUEST']._serialized_start=2392
+  _globals['_CLEANUPREQUEST']._serialized_end=2508
+  _globals['_COMPRESSREQUEST']._serialized_start=2510
+  _globals['_COMPRESSREQUEST']._serialized_end=2602
+  _globals['_GETOPERATIONREQUEST']._serialized_start=2604
+  _globals['_GETOPERATIONREQUEST']._serialized_end=2640
+  _globals['_LISTOPERATIONSREQUEST']._serialized_start=2642
+  _globals['_LISTOPERATIONSREQUEST']._serialized_end=2680
+  _globals['_LISTOPERATIONSRESPONSE']._serialized_start=2682
+  _globals['_LISTOPERATIONSRESPONSE']._serialized_end=2746
+  _globals['_CANCELOPERATIONREQUEST']._serialized_start=2748
+  _globals['_CANCELOPERATIONREQUEST']._serialized_end=2787
+  _globals['_POLICY']._serialized_start=2789
+  _globals['_POLICY']._serialized_end=2907
+  _globals['_POLICY_VALUESENTRY']._serialized_start=2862
+  _globals['_POLICY_VALUESENTRY']._serialized_end=2907
+  _globals['_GETPOLICYREQUEST']._serialized_start=2909
+  _globals['_GETPOLICYREQUEST']._serialized_end=2927
+  _globals['_SETPOLICYREQUEST']._serialized_start=2929
+  _globals['_SETPOLICYREQUEST']._serialized_end=3049
+  _globals['_SETPOLICYREQUEST_VALUESENTRY']._serialized_start=2862
+  _globals['_SETPOLICYREQUEST_VALUESENTRY']._serialized_end=2907
+  _globals['_WATCHREQUEST']._serialized_start=3051
+  _globals['_WATCHREQUEST']._serialized_end=3103
+  _globals['_CLUSTEREVENT']._serialized_start=3106
+  _globals['_CLUSTEREVENT']._serialized_end=3253
+  _globals['_ADMINSERVICE']._serialized_start=3456
+  _globals['_ADMINSERVICE']._serialized_end=4382
 # @@protoc_insertion_point(module_scope)

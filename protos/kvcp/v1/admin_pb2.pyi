@@ -1,11 +1,27 @@
 from protos.kvcp.v1 import types_pb2 as _types_pb2
 from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
 from collections.abc import Iterable as _Iterable, Mapping as _Mapping
 from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
+
+class OperationState(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    OPERATION_STATE_UNSPECIFIED: _ClassVar[OperationState]
+    OPERATION_STATE_PENDING: _ClassVar[OperationState]
+    OPERATION_STATE_RUNNING: _ClassVar[OperationState]
+    OPERATION_STATE_SUCCEEDED: _ClassVar[OperationState]
+    OPERATION_STATE_FAILED: _ClassVar[OperationState]
+    OPERATION_STATE_CANCELLED: _ClassVar[OperationState]
+OPERATION_STATE_UNSPECIFIED: OperationState
+OPERATION_STATE_PENDING: OperationState
+OPERATION_STATE_RUNNING: OperationState
+OPERATION_STATE_SUCCEEDED: OperationState
+OPERATION_STATE_FAILED: OperationState
+OPERATION_STATE_CANCELLED: OperationState
 
 class ListAgentsRequest(_message.Message):
     __slots__ = ()
@@ -108,3 +124,252 @@ class GetStatsResponse(_message.Message):
     resyncs_total: int
     events_total: int
     def __init__(self, num_agents: _Optional[int] = ..., num_blocks: _Optional[int] = ..., num_block_replicas: _Optional[int] = ..., lookups_total: _Optional[int] = ..., lookup_tokens_total: _Optional[int] = ..., lookup_hit_tokens_total: _Optional[int] = ..., tiers: _Optional[_Iterable[_Union[_types_pb2.TierUsage, _Mapping]]] = ..., leader_address: _Optional[str] = ..., epoch: _Optional[int] = ..., is_leader: _Optional[bool] = ..., models: _Optional[_Iterable[_Union[_types_pb2.ModelSpec, _Mapping]]] = ..., resyncs_total: _Optional[int] = ..., events_total: _Optional[int] = ...) -> None: ...
+
+class Scope(_message.Message):
+    __slots__ = ("model_id", "token_ids", "block_hashes", "extra_keys", "namespace", "agent_id")
+    MODEL_ID_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_HASHES_FIELD_NUMBER: _ClassVar[int]
+    EXTRA_KEYS_FIELD_NUMBER: _ClassVar[int]
+    NAMESPACE_FIELD_NUMBER: _ClassVar[int]
+    AGENT_ID_FIELD_NUMBER: _ClassVar[int]
+    model_id: str
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    block_hashes: bytes
+    extra_keys: _containers.RepeatedScalarFieldContainer[str]
+    namespace: str
+    agent_id: str
+    def __init__(self, model_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., block_hashes: _Optional[bytes] = ..., extra_keys: _Optional[_Iterable[str]] = ..., namespace: _Optional[str] = ..., agent_id: _Optional[str] = ...) -> None: ...
+
+class PinInfo(_message.Message):
+    __slots__ = ("pin_id", "namespace", "scope", "min_tier", "created_unix_seconds", "expires_unix_seconds", "owner", "owner_lease_id", "num_blocks", "pinned_bytes")
+    PIN_ID_FIELD_NUMBER: _ClassVar[int]
+    NAMESPACE_FIELD_NUMBER: _ClassVar[int]
+    SCOPE_FIELD_NUMBER: _ClassVar[int]
+    MIN_TIER_FIELD_NUMBER: _ClassVar[int]
+    CREATED_UNIX_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    EXPIRES_UNIX_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    OWNER_FIELD_NUMBER: _ClassVar[int]
+    OWNER_LEASE_ID_FIELD_NUMBER: _ClassVar[int]
+    NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    PINNED_BYTES_FIELD_NUMBER: _ClassVar[int]
+    pin_id: str
+    namespace: str
+    scope: Scope
+    min_tier: _types_pb2.Tier
+    created_unix_seconds: float
+    expires_unix_seconds: float
+    owner: str
+    owner_lease_id: int
+    num_blocks: int
+    pinned_bytes: int
+    def __init__(self, pin_id: _Optional[str] = ..., namespace: _Optional[str] = ..., scope: _Optional[_Union[Scope, _Mapping]] = ..., min_tier: _Optional[_Union[_types_pb2.Tier, str]] = ..., created_unix_seconds: _Optional[float] = ..., expires_unix_seconds: _Optional[float] = ..., owner: _Optional[str] = ..., owner_lease_id: _Optional[int] = ..., num_blocks: _Optional[int] = ..., pinned_bytes: _Optional[int] = ...) -> None: ...
+
+class PinRequest(_message.Message):
+    __slots__ = ("scope", "min_tier", "ttl_seconds", "owner", "owner_lease_id")
+    SCOPE_FIELD_NUMBER: _ClassVar[int]
+    MIN_TIER_FIELD_NUMBER: _ClassVar[int]
+    TTL_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    OWNER_FIELD_NUMBER: _ClassVar[int]
+    OWNER_LEASE_ID_FIELD_NUMBER: _ClassVar[int]
+    scope: Scope
+    min_tier: _types_pb2.Tier
+    ttl_seconds: float
+    owner: str
+    owner_lease_id: int
+    def __init__(self, scope: _Optional[_Union[Scope, _Mapping]] = ..., min_tier: _Optional[_Union[_types_pb2.Tier, str]] = ..., ttl_seconds: _Optional[float] = ..., owner: _Optional[str] = ..., owner_lease_id: _Optional[int] = ...) -> None: ...
+
+class UnpinRequest(_message.Message):
+    __slots__ = ("pin_id",)
+    PIN_ID_FIELD_NUMBER: _ClassVar[int]
+    pin_id: str
+    def __init__(self, pin_id: _Optional[str] = ...) -> None: ...
+
+class ListPinsRequest(_message.Message):
+    __slots__ = ("namespace",)
+    NAMESPACE_FIELD_NUMBER: _ClassVar[int]
+    namespace: str
+    def __init__(self, namespace: _Optional[str] = ...) -> None: ...
+
+class ListPinsResponse(_message.Message):
+    __slots__ = ("pins",)
+    PINS_FIELD_NUMBER: _ClassVar[int]
+    pins: _containers.RepeatedCompositeFieldContainer[PinInfo]
+    def __init__(self, pins: _Optional[_Iterable[_Union[PinInfo, _Mapping]]] = ...) -> None: ...
+
+class AgentProgress(_message.Message):
+    __slots__ = ("agent_id", "state", "done", "total", "failed", "error")
+    AGENT_ID_FIELD_NUMBER: _ClassVar[int]
+    STATE_FIELD_NUMBER: _ClassVar[int]
+    DONE_FIELD_NUMBER: _ClassVar[int]
+    TOTAL_FIELD_NUMBER: _ClassVar[int]
+    FAILED_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
+    agent_id: str
+    state: str
+    done: int
+    total: int
+    failed: int
+    error: str
+    def __init__(self, agent_id: _Optional[str] = ..., state: _Optional[str] = ..., done: _Optional[int] = ..., total: _Optional[int] = ..., failed: _Optional[int] = ..., error: _Optional[str] = ...) -> None: ...
+
+class Operation(_message.Message):
+    __slots__ = ("op_id", "kind", "state", "progress", "done", "total", "failed", "skipped_pinned", "moved_bytes", "freed", "error", "created_unix_seconds", "updated_unix_seconds", "params", "agents", "dry_run")
+    class ParamsEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: str
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[str] = ...) -> None: ...
+    OP_ID_FIELD_NUMBER: _ClassVar[int]
+    KIND_FIELD_NUMBER: _ClassVar[int]
+    STATE_FIELD_NUMBER: _ClassVar[int]
+    PROGRESS_FIELD_NUMBER: _ClassVar[int]
+    DONE_FIELD_NUMBER: _ClassVar[int]
+    TOTAL_FIELD_NUMBER: _ClassVar[int]
+    FAILED_FIELD_NUMBER: _ClassVar[int]
+    SKIPPED_PINNED_FIELD_NUMBER: _ClassVar[int]
+    MOVED_BYTES_FIELD_NUMBER: _ClassVar[int]
+    FREED_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
+    CREATED_UNIX_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    UPDATED_UNIX_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    PARAMS_FIELD_NUMBER: _ClassVar[int]
+    AGENTS_FIELD_NUMBER: _ClassVar[int]
+    DRY_RUN_FIELD_NUMBER: _ClassVar[int]
+    op_id: str
+    kind: str
+    state: OperationState
+    progress: float
+    done: int
+    total: int
+    failed: int
+    skipped_pinned: int
+    moved_bytes: int
+    freed: _containers.RepeatedCompositeFieldContainer[_types_pb2.TierUsage]
+    error: str
+    created_unix_seconds: float
+    updated_unix_seconds: float
+    params: _containers.ScalarMap[str, str]
+    agents: _containers.RepeatedCompositeFieldContainer[AgentProgress]
+    dry_run: bool
+    def __init__(self, op_id: _Optional[str] = ..., kind: _Optional[str] = ..., state: _Optional[_Union[OperationState, str]] = ..., progress: _Optional[float] = ..., done: _Optional[int] = ..., total: _Optional[int] = ..., failed: _Optional[int] = ..., skipped_pinned: _Optional[int] = ..., moved_bytes: _Optional[int] = ..., freed: _Optional[_Iterable[_Union[_types_pb2.TierUsage, _Mapping]]] = ..., error: _Optional[str] = ..., created_unix_seconds: _Optional[float] = ..., updated_unix_seconds: _Optional[float] = ..., params: _Optional[_Mapping[str, str]] = ..., agents: _Optional[_Iterable[_Union[AgentProgress, _Mapping]]] = ..., dry_run: _Optional[bool] = ...) -> None: ...
+
+class MoveRequest(_message.Message):
+    __slots__ = ("scope", "to_tier", "codec")
+    SCOPE_FIELD_NUMBER: _ClassVar[int]
+    TO_TIER_FIELD_NUMBER: _ClassVar[int]
+    CODEC_FIELD_NUMBER: _ClassVar[int]
+    scope: Scope
+    to_tier: _types_pb2.Tier
+    codec: str
+    def __init__(self, scope: _Optional[_Union[Scope, _Mapping]] = ..., to_tier: _Optional[_Union[_types_pb2.Tier, str]] = ..., codec: _Optional[str] = ...) -> None: ...
+
+class CleanupRequest(_message.Message):
+    __slots__ = ("older_than_seconds", "namespace", "agent_id", "model_id", "dry_run")
+    OLDER_THAN_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    NAMESPACE_FIELD_NUMBER: _ClassVar[int]
+    AGENT_ID_FIELD_NUMBER: _ClassVar[int]
+    MODEL_ID_FIELD_NUMBER: _ClassVar[int]
+    DRY_RUN_FIELD_NUMBER: _ClassVar[int]
+    older_than_seconds: float
+    namespace: str
+    agent_id: str
+    model_id: str
+    dry_run: bool
+    def __init__(self, older_than_seconds: _Optional[float] = ..., namespace: _Optional[str] = ..., agent_id: _Optional[str] = ..., model_id: _Optional[str] = ..., dry_run: _Optional[bool] = ...) -> None: ...
+
+class CompressRequest(_message.Message):
+    __slots__ = ("scope", "codec", "tier")
+    SCOPE_FIELD_NUMBER: _ClassVar[int]
+    CODEC_FIELD_NUMBER: _ClassVar[int]
+    TIER_FIELD_NUMBER: _ClassVar[int]
+    scope: Scope
+    codec: str
+    tier: _types_pb2.Tier
+    def __init__(self, scope: _Optional[_Union[Scope, _Mapping]] = ..., codec: _Optional[str] = ..., tier: _Optional[_Union[_types_pb2.Tier, str]] = ...) -> None: ...
+
+class GetOperationRequest(_message.Message):
+    __slots__ = ("op_id",)
+    OP_ID_FIELD_NUMBER: _ClassVar[int]
+    op_id: str
+    def __init__(self, op_id: _Optional[str] = ...) -> None: ...
+
+class ListOperationsRequest(_message.Message):
+    __slots__ = ("limit",)
+    LIMIT_FIELD_NUMBER: _ClassVar[int]
+    limit: int
+    def __init__(self, limit: _Optional[int] = ...) -> None: ...
+
+class ListOperationsResponse(_message.Message):
+    __slots__ = ("operations",)
+    OPERATIONS_FIELD_NUMBER: _ClassVar[int]
+    operations: _containers.RepeatedCompositeFieldContainer[Operation]
+    def __init__(self, operations: _Optional[_Iterable[_Union[Operation, _Mapping]]] = ...) -> None: ...
+
+class CancelOperationRequest(_message.Message):
+    __slots__ = ("op_id",)
+    OP_ID_FIELD_NUMBER: _ClassVar[int]
+    op_id: str
+    def __init__(self, op_id: _Optional[str] = ...) -> None: ...
+
+class Policy(_message.Message):
+    __slots__ = ("values", "revision")
+    class ValuesEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: str
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[str] = ...) -> None: ...
+    VALUES_FIELD_NUMBER: _ClassVar[int]
+    REVISION_FIELD_NUMBER: _ClassVar[int]
+    values: _containers.ScalarMap[str, str]
+    revision: int
+    def __init__(self, values: _Optional[_Mapping[str, str]] = ..., revision: _Optional[int] = ...) -> None: ...
+
+class GetPolicyRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class SetPolicyRequest(_message.Message):
+    __slots__ = ("values",)
+    class ValuesEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: str
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[str] = ...) -> None: ...
+    VALUES_FIELD_NUMBER: _ClassVar[int]
+    values: _containers.ScalarMap[str, str]
+    def __init__(self, values: _Optional[_Mapping[str, str]] = ...) -> None: ...
+
+class WatchRequest(_message.Message):
+    __slots__ = ("kinds", "replay_recent")
+    KINDS_FIELD_NUMBER: _ClassVar[int]
+    REPLAY_RECENT_FIELD_NUMBER: _ClassVar[int]
+    kinds: _containers.RepeatedScalarFieldContainer[str]
+    replay_recent: bool
+    def __init__(self, kinds: _Optional[_Iterable[str]] = ..., replay_recent: _Optional[bool] = ...) -> None: ...
+
+class ClusterEvent(_message.Message):
+    __slots__ = ("seq", "unix_seconds", "kind", "severity", "agent_id", "op_id", "pin_id", "message")
+    SEQ_FIELD_NUMBER: _ClassVar[int]
+    UNIX_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    KIND_FIELD_NUMBER: _ClassVar[int]
+    SEVERITY_FIELD_NUMBER: _ClassVar[int]
+    AGENT_ID_FIELD_NUMBER: _ClassVar[int]
+    OP_ID_FIELD_NUMBER: _ClassVar[int]
+    PIN_ID_FIELD_NUMBER: _ClassVar[int]
+    MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    seq: int
+    unix_seconds: float
+    kind: str
+    severity: str
+    agent_id: str
+    op_id: str
+    pin_id: str
+    message: str
+    def __init__(self, seq: _Optional[int] = ..., unix_seconds: _Optional[float] = ..., kind: _Optional[str] = ..., severity: _Optional[str] = ..., agent_id: _Optional[str] = ..., op_id: _Optional[str] = ..., pin_id: _Optional[str] = ..., message: _Optional[str] = ...) -> None: ...

@@ -49,6 +49,66 @@ class AdminServiceStub:
                 request_serializer=protos_dot_kvcp_dot_v1_dot_admin__pb2.GetStatsRequest.SerializeToString,
                 response_deserializer=protos_dot_kvcp_dot_v1_dot_admin__pb2.GetStatsResponse.FromString,
                 _registered_method=True)
+        self.Pin = channel.unary_unary(
+                '/kvcp.v1.AdminService/Pin',
+                request_serializer=protos_dot_kvcp_dot_v1_dot_admin__pb2.PinRequest.SerializeToString,
+                response_deserializer=protos_dot_kvcp_dot_v1_dot_admin__pb2.PinInfo.FromString,
+                _registered_method=True)
+        self.Unpin = channel.unary_unary(
+                '/kvcp.v1.AdminService/Unpin',
+                request_serializer=protos_dot_kvcp_dot_v1_dot_admin__pb2.UnpinRequest.SerializeToString,
+                response_deserializer=protos_dot_kvcp_dot_v1_dot_admin__pb2.PinInfo.FromString,
+                _registered_method=True)
+        self.ListPins = channel.unary_unary(
+                '/kvcp.v1.AdminService/ListPins',
+                request_serializer=protos_dot_kvcp_dot_v1_dot_admin__pb2.ListPinsRequest.SerializeToString,
+                response_deserializer=protos_dot_kvcp_dot_v1_dot_admin__pb2.ListPinsResponse.FromString,
+                _registered_method=True)
+        self.Move = channel.unary_unary(
+                '/kvcp.v1.AdminService/Move',
+                request_serializer=protos_dot_kvcp_dot_v1_dot_admin__pb2.MoveRequest.SerializeToString,
+                response_deserializer=protos_dot_kvcp_dot_v1_dot_admin__pb2.Operation.FromString,
+                _registered_method=True)
+        self.Cleanup = channel.unary_unary(
+                '/kvcp.v1.AdminService/Cleanup',
+                request_serializer=protos_dot_kvcp_dot_v1_dot_admin__pb2.CleanupRequest.SerializeToString,
+                response_deserializer=protos_dot_kvcp_dot_v1_dot_admin__pb2.Operation.FromString,
+                _registered_method=True)
+        self.Compress = channel.unary_unary(
+                '/kvcp.v1.AdminService/Compress',
+                request_serializer=protos_dot_kvcp_dot_v1_dot_admin__pb2.CompressRequest.SerializeToString,
+                response_deserializer=protos_dot_kvcp_dot_v1_dot_admin__pb2.Operation.FromString,
+                _registered_method=True)
+        self.GetOperation = channel.unary_unary(
+                '/kvcp.v1.AdminService/GetOperation',
+                request_serializer=protos_dot_kvcp_dot_v1_dot_admin__pb2.GetOperationRequest.SerializeToString,
+                response_deserializer=protos_dot_kvcp_dot_v1_dot_admin__pb2.Operation.FromString,
+                _registered_method=True)
+        self.ListOperations = channel.unary_unary(
+                '/kvcp.v1.AdminService/ListOperations',
+                request_serializer=protos_dot_kvcp_dot_v1_dot_admin__pb2.ListOperationsRequest.SerializeToString,
+                response_deserializer=protos_dot_kvcp_dot_v1_dot_admin__pb2.ListOperationsResponse.FromString,
+                _registered_method=True)
+        self.CancelOperation = channel.unary_unary(
+                '/kvcp.v1.AdminService/CancelOperation',
+                request_serializer=protos_dot_kvcp_dot_v1_dot_admin__pb2.CancelOperationRequest.SerializeToString,
+                response_deserializer=protos_dot_kvcp_dot_v1_dot_admin__pb2.Operation.FromString,
+                _registered_method=True)
+        self.GetPolicy = channel.unary_unary(
+                '/kvcp.v1.AdminService/GetPolicy',
+                request_serializer=protos_dot_kvcp_dot_v1_dot_admin__pb2.GetPolicyRequest.SerializeToString,
+                response_deserializer=protos_dot_kvcp_dot_v1_dot_admin__pb2.Policy.FromString,
+                _registered_method=True)
+        self.SetPolicy = channel.unary_unary(
+                '/kvcp.v1.AdminService/SetPolicy',
+                request_serializer=protos_dot_kvcp_dot_v1_dot_admin__pb2.SetPolicyRequest.SerializeToString,
+                response_deserializer=protos_dot_kvcp_dot_v1_dot_admin__pb2.Policy.FromString,
+                _registered_method=True)
+        self.Watch = channel.unary_stream(
+                '/kvcp.v1.AdminService/Watch',
+                request_serializer=protos_dot_kvcp_dot_v1_dot_admin__pb2.WatchRequest.SerializeToString,
+                response_deserializer=protos_dot_kvcp_dot_v1_dot_admin__pb2.ClusterEvent.FromString,
+                _registered_method=True)
 
 
 class AdminServiceServicer:
@@ -72,6 +132,82 @@ class AdminServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Pin(self, request, context):
+        """Pins: durable intent in etcd, enforced on every agent that holds the blocks.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Unpin(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ListPins(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Move(self, request, context):
+        """Operations: asynchronous, with an op_id, state and progress, kept in etcd.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Cleanup(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Compress(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def GetOperation(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ListOperations(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def CancelOperation(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def GetPolicy(self, request, context):
+        """Policy: key=value settings in etcd, validated, applied live.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def SetPolicy(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Watch(self, request, context):
+        """Cluster events for the dashboard: joins, leaves, evictions, pins, operations, notices.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_AdminServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -89,6 +225,66 @@ def add_AdminServiceServicer_to_server(servicer, server):
                     servicer.GetStats,
                     request_deserializer=protos_dot_kvcp_dot_v1_dot_admin__pb2.GetStatsRequest.FromString,
                     response_serializer=protos_dot_kvcp_dot_v1_dot_admin__pb2.GetStatsResponse.SerializeToString,
+            ),
+            'Pin': grpc.unary_unary_rpc_method_handler(
+                    servicer.Pin,
+                    request_deserializer=protos_dot_kvcp_dot_v1_dot_admin__pb2.PinRequest.FromString,
+                    response_serializer=protos_dot_kvcp_dot_v1_dot_admin__pb2.PinInfo.SerializeToString,
+            ),
+            'Unpin': grpc.unary_unary_rpc_method_handler(
+                    servicer.Unpin,
+                    request_deserializer=protos_dot_kvcp_dot_v1_dot_admin__pb2.UnpinRequest.FromString,
+                    response_serializer=protos_dot_kvcp_dot_v1_dot_admin__pb2.PinInfo.SerializeToString,
+            ),
+            'ListPins': grpc.unary_unary_rpc_method_handler(
+                    servicer.ListPins,
+                    request_deserializer=protos_dot_kvcp_dot_v1_dot_admin__pb2.ListPinsRequest.FromString,
+                    response_serializer=protos_dot_kvcp_dot_v1_dot_admin__pb2.ListPinsResponse.SerializeToString,
+            ),
+            'Move': grpc.unary_unary_rpc_method_handler(
+                    servicer.Move,
+                    request_deserializer=protos_dot_kvcp_dot_v1_dot_admin__pb2.MoveRequest.FromString,
+                    response_serializer=protos_dot_kvcp_dot_v1_dot_admin__pb2.Operation.SerializeToString,
+            ),
+            'Cleanup': grpc.unary_unary_rpc_method_handler(
+                    servicer.Cleanup,
+                    request_deserializer=protos_dot_kvcp_dot_v1_dot_admin__pb2.CleanupRequest.FromString,
+                    response_serializer=protos_dot_kvcp_dot_v1_dot_admin__pb2.Operation.SerializeToString,
+            ),
+            'Compress': grpc.unary_unary_rpc_method_handler(
+                    servicer.Compress,
+                    request_deserializer=protos_dot_kvcp_dot_v1_dot_admin__pb2.CompressRequest.FromString,
+                    response_serializer=protos_dot_kvcp_dot_v1_dot_admin__pb2.Operation.SerializeToString,
+            ),
+            'GetOperation': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetOperation,
+                    request_deserializer=protos_dot_kvcp_dot_v1_dot_admin__pb2.GetOperationRequest.FromString,
+                    response_serializer=protos_dot_kvcp_dot_v1_dot_admin__pb2.Operation.SerializeToString,
+            ),
+            'ListOperations': grpc.unary_unary_rpc_method_handler(
+                    servicer.ListOperations,
+                    request_deserializer=protos_dot_kvcp_dot_v1_dot_admin__pb2.ListOperationsRequest.FromString,
+                    response_serializer=protos_dot_kvcp_dot_v1_dot_admin__pb2.ListOperationsResponse.SerializeToString,
+            ),
+            'CancelOperation': grpc.unary_unary_rpc_method_handler(
+                    servicer.CancelOperation,
+                    request_deserializer=protos_dot_kvcp_dot_v1_dot_admin__pb2.CancelOperationRequest.FromString,
+                    response_serializer=protos_dot_kvcp_dot_v1_dot_admin__pb2.Operation.SerializeToString,
+            ),
+            'GetPolicy': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetPolicy,
+                    request_deserializer=protos_dot_kvcp_dot_v1_dot_admin__pb2.GetPolicyRequest.FromString,
+                    response_serializer=protos_dot_kvcp_dot_v1_dot_admin__pb2.Policy.SerializeToString,
+            ),
+            'SetPolicy': grpc.unary_unary_rpc_method_handler(
+                    servicer.SetPolicy,
+                    request_deserializer=protos_dot_kvcp_dot_v1_dot_admin__pb2.SetPolicyRequest.FromString,
+                    response_serializer=protos_dot_kvcp_dot_v1_dot_admin__pb2.Policy.SerializeToString,
+            ),
+            'Watch': grpc.unary_stream_rpc_method_handler(
+                    servicer.Watch,
+                    request_deserializer=protos_dot_kvcp_dot_v1_dot_admin__pb2.WatchRequest.FromString,
+                    response_serializer=protos_dot_kvcp_dot_v1_dot_admin__pb2.ClusterEvent.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -172,6 +368,330 @@ class AdminService:
             '/kvcp.v1.AdminService/GetStats',
             protos_dot_kvcp_dot_v1_dot_admin__pb2.GetStatsRequest.SerializeToString,
             protos_dot_kvcp_dot_v1_dot_admin__pb2.GetStatsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Pin(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvcp.v1.AdminService/Pin',
+            protos_dot_kvcp_dot_v1_dot_admin__pb2.PinRequest.SerializeToString,
+            protos_dot_kvcp_dot_v1_dot_admin__pb2.PinInfo.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Unpin(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvcp.v1.AdminService/Unpin',
+            protos_dot_kvcp_dot_v1_dot_admin__pb2.UnpinRequest.SerializeToString,
+            protos_dot_kvcp_dot_v1_dot_admin__pb2.PinInfo.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ListPins(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvcp.v1.AdminService/ListPins',
+            protos_dot_kvcp_dot_v1_dot_admin__pb2.ListPinsRequest.SerializeToString,
+            protos_dot_kvcp_dot_v1_dot_admin__pb2.ListPinsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Move(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvcp.v1.AdminService/Move',
+            protos_dot_kvcp_dot_v1_dot_admin__pb2.MoveRequest.SerializeToString,
+            protos_dot_kvcp_dot_v1_dot_admin__pb2.Operation.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Cleanup(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvcp.v1.AdminService/Cleanup',
+            protos_dot_kvcp_dot_v1_dot_admin__pb2.CleanupRequest.SerializeToString,
+            protos_dot_kvcp_dot_v1_dot_admin__pb2.Operation.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Compress(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvcp.v1.AdminService/Compress',
+            protos_dot_kvcp_dot_v1_dot_admin__pb2.CompressRequest.SerializeToString,
+            protos_dot_kvcp_dot_v1_dot_admin__pb2.Operation.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetOperation(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvcp.v1.AdminService/GetOperation',
+            protos_dot_kvcp_dot_v1_dot_admin__pb2.GetOperationRequest.SerializeToString,
+            protos_dot_kvcp_dot_v1_dot_admin__pb2.Operation.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ListOperations(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvcp.v1.AdminService/ListOperations',
+            protos_dot_kvcp_dot_v1_dot_admin__pb2.ListOperationsRequest.SerializeToString,
+            protos_dot_kvcp_dot_v1_dot_admin__pb2.ListOperationsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def CancelOperation(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvcp.v1.AdminService/CancelOperation',
+            protos_dot_kvcp_dot_v1_dot_admin__pb2.CancelOperationRequest.SerializeToString,
+            protos_dot_kvcp_dot_v1_dot_admin__pb2.Operation.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetPolicy(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvcp.v1.AdminService/GetPolicy',
+            protos_dot_kvcp_dot_v1_dot_admin__pb2.GetPolicyRequest.SerializeToString,
+            protos_dot_kvcp_dot_v1_dot_admin__pb2.Policy.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def SetPolicy(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvcp.v1.AdminService/SetPolicy',
+            protos_dot_kvcp_dot_v1_dot_admin__pb2.SetPolicyRequest.SerializeToString,
+            protos_dot_kvcp_dot_v1_dot_admin__pb2.Policy.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Watch(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/kvcp.v1.AdminService/Watch',
+            protos_dot_kvcp_dot_v1_dot_admin__pb2.WatchRequest.SerializeToString,
+            protos_dot_kvcp_dot_v1_dot_admin__pb2.ClusterEvent.FromString,
             options,
             channel_credentials,
             insecure,

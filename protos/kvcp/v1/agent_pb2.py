@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from protos.kvcp.v1 import types_pb2 as protos_dot_kvcp_dot_v1_dot_types__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1aprotos/kvcp/v1/agent.proto\x12\x07kvcp.v1\x1a\x1aprotos/kvcp/v1/types.proto\"4\n\x0fRegisterRequest\x12!\n\x05\x61gent\x18\x01 \x01(\x0b\x32\x12.kvcp.v1.AgentInfo\"9\n\x10RegisterResponse\x12\r\n\x05\x65poch\x18\x01 \x01(\x04\x12\x16\n\x0eleader_address\x18\x02 \x01(\t\"h\n\nBlockGroup\x12\x10\n\x08model_id\x18\x01 \x01(\t\x12\x1b\n\x04tier\x18\x02 \x01(\x0e\x32\r.kvcp.v1.Tier\x12\x14\n\x0c\x62lock_hashes\x18\x03 \x01(\x0c\x12\x15\n\rparent_hashes\x18\x04 \x01(\x0c\"j\n\x0f\x42lockEventBatch\x12\x0b\n\x03seq\x18\x01 \x01(\x04\x12%\n\x04kind\x18\x02 \x01(\x0e\x32\x17.kvcp.v1.BlockEventKind\x12#\n\x06groups\x18\x03 \x03(\x0b\x32\x13.kvcp.v1.BlockGroup\"f\n\tInventory\x12\x0b\n\x03seq\x18\x01 \x01(\x04\x12\x13\n\x0b\x63hunk_index\x18\x02 \x01(\r\x12\x12\n\nlast_chunk\x18\x03 \x01(\x08\x12#\n\x06groups\x18\x04 \x03(\x0b\x32\x13.kvcp.v1.BlockGroup\"\x84\x01\n\nAgentStats\x12!\n\x05tiers\x18\x01 \x03(\x0b\x32\x12.kvcp.v1.TierUsage\x12\x15\n\rlookups_total\x18\x02 \x01(\x04\x12\x1b\n\x13lookup_tokens_total\x18\x03 \x01(\x04\x12\x1f\n\x17lookup_hit_tokens_total\x18\x04 \x01(\x04\"-\n\x05Hello\x12\x10\n\x08\x61gent_id\x18\x01 \x01(\t\x12\x12\n\nsession_id\x18\x02 \x01(\t\"=\n\x06Notice\x12\x0c\n\x04kind\x18\x01 \x01(\t\x12\x0f\n\x07message\x18\x02 \x01(\t\x12\x14\n\x0cunix_seconds\x18\x03 \x01(\x01\"y\n\x08OpUpdate\x12\r\n\x05op_id\x18\x01 \x01(\t\x12\r\n\x05state\x18\x02 \x01(\t\x12\x0c\n\x04\x64one\x18\x03 \x01(\r\x12\r\n\x05total\x18\x04 \x01(\r\x12\x0e\n\x06\x66\x61iled\x18\x05 \x01(\r\x12\x13\n\x0bmoved_bytes\x18\x06 \x01(\x04\x12\r\n\x05\x65rror\x18\x07 \x01(\t\"\xfd\x01\n\x0c\x41gentMessage\x12\x1f\n\x05hello\x18\x01 \x01(\x0b\x32\x0e.kvcp.v1.HelloH\x00\x12\'\n\tinventory\x18\x02 \x01(\x0b\x32\x12.kvcp.v1.InventoryH\x00\x12*\n\x06\x65vents\x18\x03 \x01(\x0b\x32\x18.kvcp.v1.BlockEventBatchH\x00\x12$\n\x05stats\x18\x04 \x01(\x0b\x32\x13.kvcp.v1.AgentStatsH\x00\x12!\n\x06notice\x18\x05 \x01(\x0b\x32\x0f.kvcp.v1.NoticeH\x00\x12&\n\top_update\x18\x06 \x01(\x0b\x32\x11.kvcp.v1.OpUpdateH\x00\x42\x06\n\x04\x62ody\"\x1f\n\rResyncRequest\x12\x0e\n\x06reason\x18\x01 \x01(\t\"~\n\x07\x43ommand\x12\r\n\x05op_id\x18\x01 \x01(\t\x12\"\n\x04kind\x18\x02 \x01(\x0e\x32\x14.kvcp.v1.CommandKind\x12\x14\n\x0c\x62lock_hashes\x18\x03 \x01(\x0c\x12\x1b\n\x04tier\x18\x04 \x01(\x0e\x32\r.kvcp.v1.Tier\x12\r\n\x05\x63odec\x18\x05 \x01(\t\"v\n\x0e\x43ontrolMessage\x12\r\n\x05\x65poch\x18\x01 \x01(\x04\x12(\n\x06resync\x18\x02 \x01(\x0b\x32\x16.kvcp.v1.ResyncRequestH\x00\x12#\n\x07\x63ommand\x18\x03 \x01(\x0b\x32\x10.kvcp.v1.CommandH\x00\x42\x06\n\x04\x62ody\"l\n\x0cStoreRequest\x12\x10\n\x08model_id\x18\x01 \x01(\t\x12\x15\n\ttoken_ids\x18\x02 \x03(\rB\x02\x10\x01\x12\n\n\x02kv\x18\x03 \x01(\x0c\x12\x12\n\nextra_keys\x18\x04 \x03(\t\x12\x13\n\x0b\x66irst_block\x18\x05 \x01(\r\"F\n\rStoreResponse\x12\x19\n\x11num_stored_blocks\x18\x01 \x01(\r\x12\x1a\n\x12num_present_blocks\x18\x02 \x01(\r\"R\n\x13\x45ngineLookupRequest\x12\x10\n\x08model_id\x18\x01 \x01(\t\x12\x15\n\ttoken_ids\x18\x02 \x03(\rB\x02\x10\x01\x12\x12\n\nextra_keys\x18\x03 \x03(\t\"1\n\x14\x45ngineLookupResponse\x12\x19\n\x11num_cached_tokens\x18\x01 \x01(\r\"J\n\x0bLoadRequest\x12\x10\n\x08model_id\x18\x01 \x01(\t\x12\x15\n\ttoken_ids\x18\x02 \x03(\rB\x02\x10\x01\x12\x12\n\nextra_keys\x18\x03 \x03(\t\"5\n\x0cLoadResponse\x12\x19\n\x11num_cached_tokens\x18\x01 \x01(\r\x12\n\n\x02kv\x18\x02 \x01(\x0c*m\n\x0e\x42lockEventKind\x12 \n\x1c\x42LOCK_EVENT_KIND_UNSPECIFIED\x10\x00\x12\x1b\n\x17\x42LOCK_EVENT_KIND_STORED\x10\x01\x12\x1c\n\x18\x42LOCK_EVENT_KIND_REMOVED\x10\x02*\xbc\x01\n\x0b\x43ommandKind\x12\x1c\n\x18\x43OMMAND_KIND_UNSPECIFIED\x10\x00\x12\x15\n\x11\x43OMMAND_KIND_MOVE\x10\x01\x12\x16\n\x12\x43OMMAND_KIND_EVICT\x10\x02\x12\x19\n\x15\x43OMMAND_KIND_COMPRESS\x10\x03\x12\x14\n\x10\x43OMMAND_KIND_PIN\x10\x04\x12\x16\n\x12\x43OMMAND_KIND_UNPIN\x10\x05\x12\x17\n\x13\x43OMMAND_KIND_CANCEL\x10\x06\x32\x8b\x01\n\x0c\x41gentService\x12?\n\x08Register\x12\x18.kvcp.v1.RegisterRequest\x1a\x19.kvcp.v1.RegisterResponse\x12:\n\x04Sync\x12\x15.kvcp.v1.AgentMessage\x1a\x17.kvcp.v1.ControlMessage(\x01\x30\x01\x32\xc3\x01\n\rEngineService\x12\x36\n\x05Store\x12\x15.kvcp.v1.StoreRequest\x1a\x16.kvcp.v1.StoreResponse\x12\x45\n\x06Lookup\x12\x1c.kvcp.v1.EngineLookupRequest\x1a\x1d.kvcp.v1.EngineLookupResponse\x12\x33\n\x04Load\x12\x14.kvcp.v1.LoadRequest\x1a\x15.kvcp.v1.LoadResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1aprotos/kvcp/v1/agent.proto\x12\x07kvcp.v1\x1a\x1aprotos/kvcp/v1/types.proto\"4\n\x0fRegisterRequest\x12!\n\x05\x61gent\x18\x01 \x01(\x0b\x32\x12.kvcp.v1.AgentInfo\"9\n\x10RegisterResponse\x12\r\n\x05\x65poch\x18\x01 \x01(\x04\x12\x16\n\x0eleader_address\x18\x02 \x01(\t\"h\n\nBlockGroup\x12\x10\n\x08model_id\x18\x01 \x01(\t\x12\x1b\n\x04tier\x18\x02 \x01(\x0e\x32\r.kvcp.v1.Tier\x12\x14\n\x0c\x62lock_hashes\x18\x03 \x01(\x0c\x12\x15\n\rparent_hashes\x18\x04 \x01(\x0c\"j\n\x0f\x42lockEventBatch\x12\x0b\n\x03seq\x18\x01 \x01(\x04\x12%\n\x04kind\x18\x02 \x01(\x0e\x32\x17.kvcp.v1.BlockEventKind\x12#\n\x06groups\x18\x03 \x03(\x0b\x32\x13.kvcp.v1.BlockGroup\"f\n\tInventory\x12\x0b\n\x03seq\x18\x01 \x01(\x04\x12\x13\n\x0b\x63hunk_index\x18\x02 \x01(\r\x12\x12\n\nlast_chunk\x18\x03 \x01(\x08\x12#\n\x06groups\x18\x04 \x03(\x0b\x32\x13.kvcp.v1.BlockGroup\"S\n\x0eNamespaceUsage\x12\x11\n\tnamespace\x18\x01 \x01(\t\x12\x12\n\nnum_blocks\x18\x02 \x01(\x04\x12\x1a\n\x12uncompressed_bytes\x18\x03 \x01(\x04\"\xb1\x01\n\nAgentStats\x12+\n\nnamespaces\x18\x05 \x03(\x0b\x32\x17.kvcp.v1.NamespaceUsage\x12!\n\x05tiers\x18\x01 \x03(\x0b\x32\x12.kvcp.v1.TierUsage\x12\x15\n\rlookups_total\x18\x02 \x01(\x04\x12\x1b\n\x13lookup_tokens_total\x18\x03 \x01(\x04\x12\x1f\n\x17lookup_hit_tokens_total\x18\x04 \x01(\x04\"-\n\x05Hello\x12\x10\n\x08\x61gent_id\x18\x01 \x01(\t\x12\x12\n\nsession_id\x18\x02 \x01(\t\"=\n\x06Notice\x12\x0c\n\x04kind\x18\x01 \x01(\t\x12\x0f\n\x07message\x18\x02 \x01(\t\x12\x14\n\x0cunix_seconds\x18\x03 \x01(\x01\"\xb4\x01\n\x08OpUpdate\x12\r\n\x05op_id\x18\x01 \x01(\t\x12\r\n\x05state\x18\x02 \x01(\t\x12\x0c\n\x04\x64one\x18\x03 \x01(\r\x12\r\n\x05total\x18\x04 \x01(\r\x12\x0e\n\x06\x66\x61iled\x18\x05 \x01(\r\x12\x13\n\x0bmoved_bytes\x18\x06 \x01(\x04\x12\r\n\x05\x65rror\x18\x07 \x01(\t\x12\x16\n\x0eskipped_pinned\x18\x08 \x01(\r\x12!\n\x05\x66reed\x18\t \x03(\x0b\x32\x12.kvcp.v1.TierUsage\"\xfd\x01\n\x0c\x41gentMessage\x12\x1f\n\x05hello\x18\x01 \x01(\x0b\x32\x0e.kvcp.v1.HelloH\x00\x12\'\n\tinventory\x18\x02 \x01(\x0b\x32\x12.kvcp.v1.InventoryH\x00\x12*\n\x06\x65vents\x18\x03 \x01(\x0b\x32\x18.kvcp.v1.BlockEventBatchH\x00\x12$\n\x05stats\x18\x04 \x01(\x0b\x32\x13.kvcp.v1.AgentStatsH\x00\x12!\n\x06notice\x18\x05 \x01(\x0b\x32\x0f.kvcp.v1.NoticeH\x00\x12&\n\top_update\x18\x06 \x01(\x0b\x32\x11.kvcp.v1.OpUpdateH\x00\x42\x06\n\x04\x62ody\"\x1f\n\rResyncRequest\x12\x0e\n\x06reason\x18\x01 \x01(\t\"\xa0\x02\n\x07\x43ommand\x12\r\n\x05op_id\x18\x01 \x01(\t\x12\"\n\x04kind\x18\x02 \x01(\x0e\x32\x14.kvcp.v1.CommandKind\x12\x14\n\x0c\x62lock_hashes\x18\x03 \x01(\x0c\x12\x1b\n\x04tier\x18\x04 \x01(\x0e\x32\r.kvcp.v1.Tier\x12\r\n\x05\x63odec\x18\x05 \x01(\t\x12\x11\n\tnamespace\x18\x06 \x01(\t\x12\x10\n\x08model_id\x18\x07 \x01(\t\x12\x1a\n\x12older_than_seconds\x18\x08 \x01(\x01\x12\x0f\n\x07\x64ry_run\x18\t \x01(\x08\x12 \n\tonly_tier\x18\n \x01(\x0e\x32\r.kvcp.v1.Tier\x12\x0e\n\x06pin_id\x18\x0b \x01(\t\x12\x1c\n\x14\x65xpires_unix_seconds\x18\x0c \x01(\x01\"v\n\x0e\x43ontrolMessage\x12\r\n\x05\x65poch\x18\x01 \x01(\x04\x12(\n\x06resync\x18\x02 \x01(\x0b\x32\x16.kvcp.v1.ResyncRequestH\x00\x12#\n\x07\x63ommand\x18\x03 \x01(\x0b\x32\x10.kvcp.v1.CommandH\x00\x42\x06\n\x04\x62ody\"\x7f\n\x0cStoreRequest\x12\x10\n\x08model_id\x18\x01 \x01(\t\x12\x15\n\ttoken_ids\x18\x02 \x03(\rB\x02\x10\x01\x12\n\n\x02kv\x18\x03 \x01(\x0c\x12\x12\n\nextra_keys\x18\x04 \x03(\t\x12\x13\n\x0b\x66irst_block\x18\x05 \x01(\r\x12\x11\n\tnamespace\x18\x06 \x01(\t\"F\n\rStoreResponse\x12\x19\n\x11num_stored_blocks\x18\x01 \x01(\r\x12\x1a\n\x12num_present_blocks\x18\x02 \x01(\r\"R\n\x13\x45ngineLookupRequest\x12\x10\n\x08model_id\x18\x01 \x01(\t\x12\x15\n\ttoken_ids\x18\x02 \x03(\rB\x02\x10\x01\x12\x12\n\nextra_keys\x18\x03 \x03(\t\"1\n\x14\x45ngineLookupResponse\x12\x19\n\x11num_cached_tokens\x18\x01 \x01(\r\"J\n\x0bLoadRequest\x12\x10\n\x08model_id\x18\x01 \x01(\t\x12\x15\n\ttoken_ids\x18\x02 \x03(\rB\x02\x10\x01\x12\x12\n\nextra_keys\x18\x03 \x03(\t\"5\n\x0cLoadResponse\x12\x19\n\x11num_cached_tokens\x18\x01 \x01(\r\x12\n\n\x02kv\x18\x02 \x01(\x0c*m\n\x0e\x42lockEventKind\x12 \n\x1c\x42LOCK_EVENT_KIND_UNSPECIFIED\x10\x00\x12\x1b\n\x17\x42LOCK_EVENT_KIND_STORED\x10\x01\x12\x1c\n\x18\x42LOCK_EVENT_KIND_REMOVED\x10\x02*\xd6\x01\n\x0b\x43ommandKind\x12\x1c\n\x18\x43OMMAND_KIND_UNSPECIFIED\x10\x00\x12\x15\n\x11\x43OMMAND_KIND_MOVE\x10\x01\x12\x16\n\x12\x43OMMAND_KIND_EVICT\x10\x02\x12\x19\n\x15\x43OMMAND_KIND_COMPRESS\x10\x03\x12\x14\n\x10\x43OMMAND_KIND_PIN\x10\x04\x12\x16\n\x12\x43OMMAND_KIND_UNPIN\x10\x05\x12\x17\n\x13\x43OMMAND_KIND_CANCEL\x10\x06\x12\x18\n\x14\x43OMMAND_KIND_CLEANUP\x10\x07\x32\x8b\x01\n\x0c\x41gentService\x12?\n\x08Register\x12\x18.kvcp.v1.RegisterRequest\x1a\x19.kvcp.v1.RegisterResponse\x12:\n\x04Sync\x12\x15.kvcp.v1.AgentMessage\x1a\x17.kvcp.v1.ControlMessage(\x01\x30\x01\x32\xc3\x01\n\rEngineService\x12\x36\n\x05Store\x12\x15.kvcp.v1.StoreRequest\x1a\x16.kvcp.v1.StoreResponse\x12\x45\n\x06Lookup\x12\x1c.kvcp.v1.EngineLookupRequest\x1a\x1d.kvcp.v1.EngineLookupResponse\x12\x33\n\x04Load\x12\x14.kvcp.v1.LoadRequest\x1a\x15.kvcp.v1.LoadResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -38,10 +38,10 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_ENGINELOOKUPREQUEST'].fields_by_name['token_ids']._serialized_options = b'\020\001'
   _globals['_LOADREQUEST'].fields_by_name['token_ids']._loaded_options = None
   _globals['_LOADREQUEST'].fields_by_name['token_ids']._serialized_options = b'\020\001'
-  _globals['_BLOCKEVENTKIND']._serialized_start=1851
-  _globals['_BLOCKEVENTKIND']._serialized_end=1960
-  _globals['_COMMANDKIND']._serialized_start=1963
-  _globals['_COMMANDKIND']._serialized_end=2151
+  _globals['_BLOCKEVENTKIND']._serialized_start=2223
+  _globals['_BLOCKEVENTKIND']._serialized_end=2332
+  _globals['_COMMANDKIND']._serialized_start=2335
+  _globals['_COMMANDKIND']._serialized_end=2549
   _globals['_REGISTERREQUEST']._serialized_start=67
   _globals['_REGISTERREQUEST']._serialized_end=119
   _globals['_REGISTERRESPONSE']._serialized_start=121
@@ -52,36 +52,38 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_BLOCKEVENTBATCH']._serialized_end=392
   _globals['_INVENTORY']._serialized_start=394
   _globals['_INVENTORY']._serialized_end=496
-  _globals['_AGENTSTATS']._serialized_start=499
-  _globals['_AGENTSTATS']._serialized_end=631
-  _globals['_HELLO']._serialized_start=633
-  _globals['_HELLO']._serialized_end=678
-  _globals['_NOTICE']._serialized_start=680
-  _globals['_NOTICE']._serialized_end=741
-  _globals['_OPUPDATE']._serialized_start=743
-  _globals['_OPUPDATE']._serialized_end=864
-  _globals['_AGENTMESSAGE']._serialized_start=867
-  _globals['_AGENTMESSAGE']._serialized_end=1120
-  _globals['_RESYNCREQUEST']._serialized_start=1122
-  _globals['_RESYNCREQUEST']._serialized_end=1153
-  _globals['_COMMAND']._serialized_start=1155
-  _globals['_COMMAND']._serialized_end=1281
-  _globals['_CONTROLMESSAGE']._serialized_start=1283
-  _globals['_CONTROLMESSAGE']._serialized_end=1401
-  _globals['_STOREREQUEST']._serialized_start=1403
-  _globals['_STOREREQUEST']._serialized_end=1511
-  _globals['_STORERESPONSE']._serialized_start=1513
-  _globals['_STORERESPONSE']._serialized_end=1583
-  _globals['_ENGINELOOKUPREQUEST']._serialized_start=1585
-  _globals['_ENGINELOOKUPREQUEST']._serialized_end=1667
-  _globals['_ENGINELOOKUPRESPONSE']._serialized_start=1669
-  _globals['_ENGINELOOKUPRESPONSE']._serialized_end=1718
-  _globals['_LOADREQUEST']._serialized_start=1720
-  _globals['_LOADREQUEST']._serialized_end=1794
-  _globals['_LOADRESPONSE']._serialized_start=1796
-  _globals['_LOADRESPONSE']._serialized_end=1849
-  _globals['_AGENTSERVICE']._serialized_start=2154
-  _globals['_AGENTSERVICE']._serialized_end=2293
-  _globals['_ENGINESERVICE']._serialized_start=2296
-  _globals['_ENGINESERVICE']._serialized_end=2491
+  _globals['_NAMESPACEUSAGE']._serialized_start=498
+  _globals['_NAMESPACEUSAGE']._serialized_end=581
+  _globals['_AGENTSTATS']._serialized_start=584
+  _globals['_AGENTSTATS']._serialized_end=761
+  _globals['_HELLO']._serialized_start=763
+  _globals['_HELLO']._serialized_end=808
+  _globals['_NOTICE']._serialized_start=810
+  _globals['_NOTICE']._serialized_end=871
+  _globals['_OPUPDATE']._serialized_start=874
+  _globals['_OPUPDATE']._serialized_end=1054
+  _globals['_AGENTMESSAGE']._serialized_start=1057
+  _globals['_AGENTMESSAGE']._serialized_end=1310
+  _globals['_RESYNCREQUEST']._serialized_start=1312
+  _globals['_RESYNCREQUEST']._serialized_end=1343
+  _globals['_COMMAND']._serialized_start=1346
+  _globals['_COMMAND']._serialized_end=1634
+  _globals['_CONTROLMESSAGE']._serialized_start=1636
+  _globals['_CONTROLMESSAGE']._serialized_end=1754
+  _globals['_STOREREQUEST']._serialized_start=1756
+  _globals['_STOREREQUEST']._serialized_end=1883
+  _globals['_STORERESPONSE']._serialized_start=1885
+  _globals['_STORERESPONSE']._serialized_end=1955
+  _globals['_ENGINELOOKUPREQUEST']._serialized_start=1957
+  _globals['_ENGINELOOKUPREQUEST']._serialized_end=2039
+  _globals['_ENGINELOOKUPRESPONSE']._serialized_start=2041
+  _globals['_ENGINELOOKUPRESPONSE']._serialized_end=2090
+  _globals['_LOADREQUEST']._serialized_start=2092
+  _globals['_LOADREQUEST']._serialized_end=2166
+  _globals['_LOADRESPONSE']._serialized_start=2168
+  _globals['_LOADRESPONSE']._serialized_end=2221
+  _globals['_AGENTSERVICE']._serialized_start=2552
+  _globals['_AGENTSERVICE']._serialized_end=2691
+  _globals['_ENGINESERVICE']._serialized_start=2694
+  _globals['_ENGINESERVICE']._serialized_end=2889
 # @@protoc_insertion_point(module_scope)

@@ -23,6 +23,7 @@ class CommandKind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     COMMAND_KIND_PIN: _ClassVar[CommandKind]
     COMMAND_KIND_UNPIN: _ClassVar[CommandKind]
     COMMAND_KIND_CANCEL: _ClassVar[CommandKind]
+    COMMAND_KIND_CLEANUP: _ClassVar[CommandKind]
 BLOCK_EVENT_KIND_UNSPECIFIED: BlockEventKind
 BLOCK_EVENT_KIND_STORED: BlockEventKind
 BLOCK_EVENT_KIND_REMOVED: BlockEventKind
@@ -33,6 +34,7 @@ COMMAND_KIND_COMPRESS: CommandKind
 COMMAND_KIND_PIN: CommandKind
 COMMAND_KIND_UNPIN: CommandKind
 COMMAND_KIND_CANCEL: CommandKind
+COMMAND_KIND_CLEANUP: CommandKind
 
 class RegisterRequest(_message.Message):
     __slots__ = ("agent",)
@@ -82,17 +84,29 @@ class Inventory(_message.Message):
     groups: _containers.RepeatedCompositeFieldContainer[BlockGroup]
     def __init__(self, seq: _Optional[int] = ..., chunk_index: _Optional[int] = ..., last_chunk: _Optional[bool] = ..., groups: _Optional[_Iterable[_Union[BlockGroup, _Mapping]]] = ...) -> None: ...
 
+class NamespaceUsage(_message.Message):
+    __slots__ = ("namespace", "num_blocks", "uncompressed_bytes")
+    NAMESPACE_FIELD_NUMBER: _ClassVar[int]
+    NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    UNCOMPRESSED_BYTES_FIELD_NUMBER: _ClassVar[int]
+    namespace: str
+    num_blocks: int
+    uncompressed_bytes: int
+    def __init__(self, namespace: _Optional[str] = ..., num_blocks: _Optional[int] = ..., uncompressed_bytes: _Optional[int] = ...) -> None: ...
+
 class AgentStats(_message.Message):
-    __slots__ = ("tiers", "lookups_total", "lookup_tokens_total", "lookup_hit_tokens_total")
+    __slots__ = ("namespaces", "tiers", "lookups_total", "lookup_tokens_total", "lookup_hit_tokens_total")
+    NAMESPACES_FIELD_NUMBER: _ClassVar[int]
     TIERS_FIELD_NUMBER: _ClassVar[int]
     LOOKUPS_TOTAL_FIELD_NUMBER: _ClassVar[int]
     LOOKUP_TOKENS_TOTAL_FIELD_NUMBER: _ClassVar[int]
     LOOKUP_HIT_TOKENS_TOTAL_FIELD_NUMBER: _ClassVar[int]
+    namespaces: _containers.RepeatedCompositeFieldContainer[NamespaceUsage]
     tiers: _containers.RepeatedCompositeFieldContainer[_types_pb2.TierUsage]
     lookups_total: int
     lookup_tokens_total: int
     lookup_hit_tokens_total: int
-    def __init__(self, tiers: _Optional[_Iterable[_Union[_types_pb2.TierUsage, _Mapping]]] = ..., lookups_total: _Optional[int] = ..., lookup_tokens_total: _Optional[int] = ..., lookup_hit_tokens_total: _Optional[int] = ...) -> None: ...
+    def __init__(self, namespaces: _Optional[_Iterable[_Union[NamespaceUsage, _Mapping]]] = ..., tiers: _Optional[_Iterable[_Union[_types_pb2.TierUsage, _Mapping]]] = ..., lookups_total: _Optional[int] = ..., lookup_tokens_total: _Optional[int] = ..., lookup_hit_tokens_total: _Optional[int] = ...) -> None: ...
 
 class Hello(_message.Message):
     __slots__ = ("agent_id", "session_id")
@@ -113,7 +127,7 @@ class Notice(_message.Message):
     def __init__(self, kind: _Optional[str] = ..., message: _Optional[str] = ..., unix_seconds: _Optional[float] = ...) -> None: ...
 
 class OpUpdate(_message.Message):
-    __slots__ = ("op_id", "state", "done", "total", "failed", "moved_bytes", "error")
+    __slots__ = ("op_id", "state", "done", "total", "failed", "moved_bytes", "error", "skipped_pinned", "freed")
     OP_ID_FIELD_NUMBER: _ClassVar[int]
     STATE_FIELD_NUMBER: _ClassVar[int]
     DONE_FIELD_NUMBER: _ClassVar[int]
@@ -121,6 +135,8 @@ class OpUpdate(_message.Message):
     FAILED_FIELD_NUMBER: _ClassVar[int]
     MOVED_BYTES_FIELD_NUMBER: _ClassVar[int]
     ERROR_FIELD_NUMBER: _ClassVar[int]
+    SKIPPED_PINNED_FIELD_NUMBER: _ClassVar[int]
+    FREED_FIELD_NUMBER: _ClassVar[int]
     op_id: str
     state: str
     done: int
@@ -128,7 +144,9 @@ class OpUpdate(_message.Message):
     failed: int
     moved_bytes: int
     error: str
-    def __init__(self, op_id: _Optional[str] = ..., state: _Optional[str] = ..., done: _Optional[int] = ..., total: _Optional[int] = ..., failed: _Optional[int] = ..., moved_bytes: _Optional[int] = ..., error: _Optional[str] = ...) -> None: ...
+    skipped_pinned: int
+    freed: _containers.RepeatedCompositeFieldContainer[_types_pb2.TierUsage]
+    def __init__(self, op_id: _Optional[str] = ..., state: _Optional[str] = ..., done: _Optional[int] = ..., total: _Optional[int] = ..., failed: _Optional[int] = ..., moved_bytes: _Optional[int] = ..., error: _Optional[str] = ..., skipped_pinned: _Optional[int] = ..., freed: _Optional[_Iterable[_Union[_types_pb2.TierUsage, _Mapping]]] = ...) -> None: ...
 
 class AgentMessage(_message.Message):
     __slots__ = ("hello", "inventory", "events", "stats", "notice", "op_update")
@@ -153,18 +171,32 @@ class ResyncRequest(_message.Message):
     def __init__(self, reason: _Optional[str] = ...) -> None: ...
 
 class Command(_message.Message):
-    __slots__ = ("op_id", "kind", "block_hashes", "tier", "codec")
+    __slots__ = ("op_id", "kind", "block_hashes", "tier", "codec", "namespace", "model_id", "older_than_seconds", "dry_run", "only_tier", "pin_id", "expires_unix_seconds")
     OP_ID_FIELD_NUMBER: _ClassVar[int]
     KIND_FIELD_NUMBER: _ClassVar[int]
     BLOCK_HASHES_FIELD_NUMBER: _ClassVar[int]
     TIER_FIELD_NUMBER: _ClassVar[int]
     CODEC_FIELD_NUMBER: _ClassVar[int]
+    NAMESPACE_FIELD_NUMBER: _ClassVar[int]
+    MODEL_ID_FIELD_NUMBER: _ClassVar[int]
+    OLDER_THAN_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    DRY_RUN_FIELD_NUMBER: _ClassVar[int]
+    ONLY_TIER_FIELD_NUMBER: _ClassVar[int]
+    PIN_ID_FIELD_NUMBER: _ClassVar[int]
+    EXPIRES_UNIX_SECONDS_FIELD_NUMBER: _ClassVar[int]
     op_id: str
     kind: CommandKind
     block_hashes: bytes
     tier: _types_pb2.Tier
     codec: str
-    def __init__(self, op_id: _Optional[str] = ..., kind: _Optional[_Union[CommandKind, str]] = ..., block_hashes: _Optional[bytes] = ..., tier: _Optional[_Union[_types_pb2.Tier, str]] = ..., codec: _Optional[str] = ...) -> None: ...
+    namespace: str
+    model_id: str
+    older_than_seconds: float
+    dry_run: bool
+    only_tier: _types_pb2.Tier
+    pin_id: str
+    expires_unix_seconds: float
+    def __init__(self, op_id: _Optional[str] = ..., kind: _Optional[_Union[CommandKind, str]] = ..., block_hashes: _Optional[bytes] = ..., tier: _Optional[_Union[_types_pb2.Tier, str]] = ..., codec: _Optional[str] = ..., namespace: _Optional[str] = ..., model_id: _Optional[str] = ..., older_than_seconds: _Optional[float] = ..., dry_run: _Optional[bool] = ..., only_tier: _Optional[_Union[_types_pb2.Tier, str]] = ..., pin_id: _Optional[str] = ..., expires_unix_seconds: _Optional[float] = ...) -> None: ...
 
 class ControlMessage(_message.Message):
     __slots__ = ("epoch", "resync", "command")
@@ -177,18 +209,20 @@ class ControlMessage(_message.Message):
     def __init__(self, epoch: _Optional[int] = ..., resync: _Optional[_Union[ResyncRequest, _Mapping]] = ..., command: _Optional[_Union[Command, _Mapping]] = ...) -> None: ...
 
 class StoreRequest(_message.Message):
-    __slots__ = ("model_id", "token_ids", "kv", "extra_keys", "first_block")
+    __slots__ = ("model_id", "token_ids", "kv", "extra_keys", "first_block", "namespace")
     MODEL_ID_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     KV_FIELD_NUMBER: _ClassVar[int]
     EXTRA_KEYS_FIELD_NUMBER: _ClassVar[int]
     FIRST_BLOCK_FIELD_NUMBER: _ClassVar[int]
+    NAMESPACE_FIELD_NUMBER: _ClassVar[int]
     model_id: str
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     kv: bytes
     extra_keys: _containers.RepeatedScalarFieldContainer[str]
     first_block: int
-    def __init__(self, model_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., kv: _Optional[bytes] = ..., extra_keys: _Optional[_Iterable[str]] = ..., first_block: _Optional[int] = ...) -> None: ...
+    namespace: str
+    def __init__(self, model_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., kv: _Optional[bytes] = ..., extra_keys: _Optional[_Iterable[str]] = ..., first_block: _Optional[int] = ..., namespace: _Optional[str] = ...) -> None: ...
 
 class StoreResponse(_message.Message):
     __slots__ = ("num_stored_blocks", "num_present_blocks")

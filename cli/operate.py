@@ -1,0 +1,293 @@
+"""kvctl commands that change the cluster: pin/unpin/pins, move, cleanup, compress,
+ops/op/cancel, policy get/set. Thin calls on ControlPlaneClient, like the rest."""
+
+from __future__ import annotations
+
+import json
+import re
+import sys
+import time
+
+import click
+
+from cli import output
+from cli.client import OperationView, PinView
+from cli.main import Context, fail, main, parse_hashes, pass_ctx, read_tokens
+
+_DURATION = re.compile(r"^(\d+(?:\.\d+)?)(ms|s|m|h|d)?$")
+_UNITS = {"ms": 0.001, "s": 1, "m": 60, "h": 3600, "d": 86400, None: 1}
+
+
+def parse_duration(text: str, option: str) -> float:
+    """'30m' -> 1800.0; a sentence naming the option when it does not parse."""
+    m = _DURATION.match(text.strip().lower())
+    if not m:
+        fail(f"{option}: {text!r} is not a duration (examples: 90s, 30m, 2h, 1d)")
+    return float(m.group(1)) * _UNITS[m.group(2)]
+
+
+def scope_options(fn):
+    fn = click.option("--agent", "agent_id", default="", help="Only this agent.")(fn)
+    fn = click.option("--namespace", default="", help="A namespace (alone: all its blocks).")(fn)
+    fn = click.option("--extra-key", "extra_keys", multiple=True, help="Extra hash key, repeatable.")(fn)
+    fn = click.option("--hashes", multiple=True, help="Packed block hashes as hex (32 digits each).")(fn)
+    fn = click.option("--tokens-file", help="File of token ids.")(fn)
+    fn = click.option("--tokens", help="Token ids, comma separated.")(fn)
+    fn = click.option("--model", "model_id", default="", help="Model id (for a prefix).")(fn)
+    return fn
+
+
+def scope_kwargs(model_id, tokens, tokens_file, hashes, extra_keys, namespace, agent_id) -> dict:
+    token_ids = read_tokens(tokens, tokens_file)
+    packed = parse_hashes(hashes) if hashes else b""
+    if token_ids is not None and packed:
+        fail("give tokens or --hashes, not both")
+    if (token_ids is not None or packed) and not model_id:
+        fail("--model is needed with --tokens, --tokens-file or --hashes")
+    if token_ids is None and not packed and not namespace:
+        fail("give a prefix (--tokens, --tokens-file, --hashes) or --namespace")
+    return dict(
+        model_id=model_id,
+        token_ids=token_ids,
+        block_hashes=packed,
+        extra_keys=tuple(extra_keys),
+        namespace=namespace,
+        agent_id=agent_id,
+    )
+
+
+def _ttl(p: PinView, now: float) -> str:
+    left = p.ttl_left_seconds(now)
+    if left is None:
+        return "owner lease"
+    return f"{int(left) // 3600}h{int(left) % 3600 // 60:02d}m{int(left) % 60:02d}s"
+
+
+def print_pins(ctx: Context, pins: list[PinView]) -> None:
+    if ctx.output == "json":
+        click.echo(output.dumps(pins))
+        return
+    if not pins:
+        click.echo("no pins")
+        return
+    now = time.time()
+    rows = [
+        [
+            p.pin_id,
+            p.namespace,
+            "namespace" if p.whole_namespace else f"{p.num_blocks} blocks of {p.model_id}",
+            p.min_tier,
+            output.human_bytes(p.pinned_bytes),
+            p.agent_id or "*",
+            _ttl(p, now),
+            p.owner or "-",
+        ]
+        for p in pins
+    ]
+    click.echo(output.table(["PIN", "NAMESPACE", "WHAT", "TIER>=", "BYTES", "AGENT", "TTL LEFT", "OWNER"], rows))
+
+
+def print_op(ctx: Context, op: OperationView) -> None:
+    if ctx.output == "json":
+        click.echo(output.dumps(op))
+        return
+    line = f"{op.kind} {op.op_id}: {op.state}"
+    if op.total:
+        line += f", {op.done}/{op.total} blocks"
+    if op.failed:
+        line += f", {op.failed} failed"
+    if op.skipped_pinned:
+        line += f", {op.skipped_pinned} pinned skipped"
+    if op.moved_bytes:
+        line += f", {output.human_bytes(op.moved_bytes)} moved"
+    if op.error:
+        line += f" ({op.error})"
+    click.echo(line)
+    if op.freed:
+        verb = "would free" if op.dry_run else "freed"
+        for t in op.freed:
+            click.echo(f"  {verb} {t.num_blocks} blocks, {output.human_bytes(t.used_bytes)} in {t.tier}")
+    elif op.kind == "cleanup" and op.finished:
+        click.echo("  nothing matched" if not op.dry_run else "  would free nothing")
+
+
+def wait_and_print(ctx: Context, op: OperationView, wait: bool) -> None:
+    if wait and not op.finished:
+        tty = sys.stderr.isatty() and ctx.output != "json"
+
+        def progress(o: OperationView):
+            if tty:
+                width = 30
+                filled = int(o.progress * width)
+                click.echo(
+                    f"\r[{'#' * filled}{'.' * (width - filled)}] {o.progress:4.0%} {o.state:<9}", nl=False, err=True
+                )
+
+        op = ctx.call(lambda c: c.wait_operation(op.op_id, on_progress=progress))
+        if tty:
+            click.echo("", err=True)
+    print_op(ctx, op)
+    if op.finished and op.state != "SUCCEEDED":
+        sys.exit(1)
+
+
+@main.command()
+@scope_options
+@click.option("--tier", default="cpu", show_default=True, help="Keep at this tier or faster: gpu|cpu|disk.")
+@click.option("--ttl", default="", help="How long the pin holds (90s, 30m, 2h, 1d).")
+@click.option("--owner", default="", help="Who asked (shown in kvctl pins).")
+@click.option("--owner-lease", default=0, type=int, help="etcd lease id: the pin goes when this lease goes.")
+@pass_ctx
+def pin(
+    ctx: Context, model_id, tokens, tokens_file, hashes, extra_keys, namespace, agent_id, tier, ttl, owner, owner_lease
+):
+    """Pin a prefix or a namespace: never evicted, never demoted below --tier."""
+    scope = scope_kwargs(model_id, tokens, tokens_file, hashes, extra_keys, namespace, agent_id)
+    if not ttl and not owner_lease:
+        fail("--ttl: a pin needs a TTL (or --owner-lease that bounds its life)")
+    ttl_seconds = parse_duration(ttl, "--ttl") if ttl else 0.0
+    if ttl and ttl_seconds <= 0:
+        fail("--ttl: must be positive")
+    p = ctx.call(
+        lambda c: c.pin(min_tier=tier, ttl_seconds=ttl_seconds, owner=owner, owner_lease_id=owner_lease, **scope)
+    )
+    if ctx.output == "json":
+        click.echo(output.dumps(p))
+    else:
+        click.echo(p.pin_id)
+
+
+@main.command()
+@click.argument("pin_id")
+@pass_ctx
+def unpin(ctx: Context, pin_id):
+    """Remove a pin."""
+    p = ctx.call(lambda c: c.unpin(pin_id))
+    click.echo(output.dumps(p) if ctx.output == "json" else f"unpinned {p.pin_id}")
+
+
+@main.command()
+@click.option("--namespace", default="", help="Only this namespace.")
+@pass_ctx
+def pins(ctx: Context, namespace):
+    """List pins with the time they have left."""
+    print_pins(ctx, ctx.call(lambda c: c.list_pins(namespace)))
+
+
+@main.command()
+@scope_options
+@click.option("--to", "to_tier", required=True, help="Destination tier: gpu|cpu|disk.")
+@click.option("--codec", default="", help="Re-encode on the way: none|int8|int4|fp8|zstd.")
+@click.option("--wait", is_flag=True, help="Wait until the move finishes.")
+@pass_ctx
+def move(ctx: Context, model_id, tokens, tokens_file, hashes, extra_keys, namespace, agent_id, to_tier, codec, wait):
+    """Move a prefix or a namespace to a tier, on every agent that holds it (or --agent)."""
+    scope = scope_kwargs(model_id, tokens, tokens_file, hashes, extra_keys, namespace, agent_id)
+    wait_and_print(ctx, ctx.call(lambda c: c.move(to_tier, codec=codec, **scope)), wait)
+
+
+@main.command()
+@click.option("--older-than", default="", help="Blocks not accessed for this long (2h, 30m); default: any age.")
+@click.option("--namespace", default="")
+@click.option("--agent", "agent_id", default="")
+@click.option("--model", "model_id", default="")
+@click.option("--dry-run", is_flag=True, help="Report what would be freed; change nothing.")
+@click.option("--wait", is_flag=True)
+@pass_ctx
+def cleanup(ctx: Context, older_than, namespace, agent_id, model_id, dry_run, wait):
+    """Drop unpinned blocks idle for --older-than (leaves first); pinned ones are skipped and counted."""
+    seconds = parse_duration(older_than, "--older-than") if older_than else 0.0
+    op = ctx.call(lambda c: c.cleanup(seconds, namespace, agent_id, model_id, dry_run))
+    wait_and_print(ctx, op, wait or dry_run)
+
+
+@main.command()
+@scope_options
+@click.option("--codec", required=True, help="int8|int4|fp8|zstd|none")
+@click.option("--tier", default="", help="Only blocks in this tier.")
+@click.option("--wait", is_flag=True)
+@pass_ctx
+def compress(ctx: Context, model_id, tokens, tokens_file, hashes, extra_keys, namespace, agent_id, codec, tier, wait):
+    """Re-encode blocks in place with a codec (transparent on load)."""
+    scope = scope_kwargs(model_id, tokens, tokens_file, hashes, extra_keys, namespace, agent_id)
+    wait_and_print(ctx, ctx.call(lambda c: c.compress(codec, tier=tier, **scope)), wait)
+
+
+@main.command()
+@click.option("--limit", default=20, show_default=True, type=click.IntRange(1, 1000))
+@pass_ctx
+def ops(ctx: Context, limit):
+    """Recent operations, newest first."""
+    views = ctx.call(lambda c: c.list_operations(limit))
+    if ctx.output == "json":
+        click.echo(output.dumps(views))
+        return
+    if not views:
+        click.echo("no operations")
+        return
+    rows = [
+        [
+            o.op_id,
+            o.kind,
+            o.state,
+            f"{o.progress:.0%}",
+            f"{o.done}/{o.total}",
+            o.failed,
+            time.strftime("%H:%M:%S", time.localtime(o.created_unix_seconds)),
+            o.error[:40],
+        ]
+        for o in views
+    ]
+    click.echo(output.table(["OP", "KIND", "STATE", "PROGRESS", "BLOCKS", "FAILED", "CREATED", "ERROR"], rows))
+
+
+@main.command()
+@click.argument("op_id")
+@click.option("--wait", is_flag=True)
+@pass_ctx
+def op(ctx: Context, op_id, wait):
+    """One operation (with --wait: until it finishes)."""
+    wait_and_print(ctx, ctx.call(lambda c: c.get_operation(op_id)), wait)
+
+
+@main.command()
+@click.argument("op_id")
+@pass_ctx
+def cancel(ctx: Context, op_id):
+    """Cancel a running operation."""
+    print_op(ctx, ctx.call(lambda c: c.cancel_operation(op_id)))
+
+
+@main.group()
+def policy():
+    """Tier policy and namespace quotas (stored in etcd, applied live)."""
+
+
+@policy.command("get")
+@pass_ctx
+def policy_get(ctx: Context):
+    values = ctx.call(lambda c: c.get_policy())
+    if ctx.output == "json":
+        click.echo(json.dumps(values, indent=2, sort_keys=True))
+    else:
+        click.echo(
+            output.table(["KEY", "VALUE"], [[k, v] for k, v in sorted(values.items())]) if values else "(defaults)"
+        )
+
+
+@policy.command("set")
+@click.argument("assignments", nargs=-1, required=True)
+@pass_ctx
+def policy_set(ctx: Context, assignments):
+    """kvctl policy set key=value ..."""
+    changes = {}
+    for a in assignments:
+        key, eq, value = a.partition("=")
+        if not eq or not key.strip():
+            fail(f"{a!r} is not key=value")
+        changes[key.strip()] = value.strip()
+    values = ctx.call(lambda c: c.set_policy(changes))
+    if ctx.output == "json":
+        click.echo(json.dumps(values, indent=2, sort_keys=True))
+    else:
+        click.echo(output.table(["KEY", "VALUE"], [[k, v] for k, v in sorted(values.items())]))

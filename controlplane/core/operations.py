@@ -1,0 +1,182 @@
+"""Operations (move, cleanup, compress, transfer): asynchronous, with an op_id, a state,
+per-agent progress and a result. The control plane fans an operation out to agents as
+commands; agents report OpUpdates, folded here into one state.
+
+States: PENDING -> RUNNING -> SUCCEEDED | FAILED | CANCELLED. An operation succeeds
+when every agent it was sent to succeeded; it fails when one failed, left, or went
+silent for longer than the timeout."""
+
+from __future__ import annotations
+
+import time
+import uuid
+from dataclasses import dataclass, field
+
+from protos.tier import Tier
+
+PENDING, RUNNING, SUCCEEDED, FAILED, CANCELLED = "PENDING", "RUNNING", "SUCCEEDED", "FAILED", "CANCELLED"
+TERMINAL = frozenset({SUCCEEDED, FAILED, CANCELLED})
+KINDS = frozenset({"move", "cleanup", "compress", "transfer"})
+
+
+@dataclass
+class AgentPart:
+    agent_id: str
+    state: str = PENDING
+    done: int = 0
+    total: int = 0
+    failed: int = 0
+    skipped_pinned: int = 0
+    moved_bytes: int = 0
+    error: str = ""
+    freed: dict[int, tuple[int, int]] = field(default_factory=dict)  # tier -> (blocks, bytes)
+    updated_unix_seconds: float = 0.0
+
+
+@dataclass
+class Operation:
+    op_id: str
+    kind: str
+    params: dict[str, str]
+    state: str = PENDING
+    error: str = ""
+    dry_run: bool = False
+    parts: dict[str, AgentPart] = field(default_factory=dict)
+    created_unix_seconds: float = field(default_factory=time.time)
+    updated_unix_seconds: float = field(default_factory=time.time)
+    cancel_requested: bool = False
+
+    @property
+    def finished(self) -> bool:
+        return self.state in TERMINAL
+
+    @property
+    def done(self) -> int:
+        return sum(p.done for p in self.parts.values())
+
+    @property
+    def total(self) -> int:
+        return sum(p.total for p in self.parts.values())
+
+    @property
+    def failed(self) -> int:
+        return sum(p.failed for p in self.parts.values())
+
+    @property
+    def skipped_pinned(self) -> int:
+        return sum(p.skipped_pinned for p in self.parts.values())
+
+    @property
+    def moved_bytes(self) -> int:
+        return sum(p.moved_bytes for p in self.parts.values())
+
+    @property
+    def progress(self) -> float:
+        if self.finished:
+            return 1.0
+        total = self.total
+        if total:
+            return min(1.0, (self.done + self.failed) / total)
+        parts = self.parts.values()
+        return sum(p.state in TERMINAL for p in parts) / len(self.parts) if self.parts else 0.0
+
+    def freed(self) -> dict[Tier, tuple[int, int]]:
+        out: dict[Tier, list[int]] = {}
+        for p in self.parts.values():
+            for t, (n, b) in p.freed.items():
+                acc = out.setdefault(Tier(t), [0, 0])
+                acc[0] += n
+                acc[1] += b
+        return {t: (v[0], v[1]) for t, v in sorted(out.items())}
+
+
+def new_operation(
+    kind: str, params: dict[str, str], agent_ids: list[str], dry_run: bool = False, now: float | None = None
+) -> Operation:
+    now = time.time() if now is None else now
+    op = Operation(
+        f"{kind}-{uuid.uuid4().hex[:10]}",
+        kind,
+        dict(params),
+        dry_run=dry_run,
+        created_unix_seconds=now,
+        updated_unix_seconds=now,
+    )
+    op.parts = {a: AgentPart(a, updated_unix_seconds=now) for a in agent_ids}
+    if not agent_ids:
+        op.state = SUCCEEDED  # nothing to do anywhere: done at once, said so in the result
+        op.error = ""
+    return op
+
+
+def apply_update(
+    op: Operation,
+    agent_id: str,
+    state: str,
+    done: int,
+    total: int,
+    failed: int,
+    moved_bytes: int,
+    error: str,
+    skipped_pinned: int = 0,
+    freed: dict[int, tuple[int, int]] | None = None,
+    now: float | None = None,
+) -> bool:
+    """Fold one agent's OpUpdate in; returns True when the operation's state changed."""
+    now = time.time() if now is None else now
+    part = op.parts.get(agent_id)
+    if part is None or op.finished:
+        return False
+    part.state, part.done, part.total, part.failed = state, done, max(total, part.total), failed
+    part.moved_bytes, part.error, part.skipped_pinned = moved_bytes, error, skipped_pinned
+    if freed is not None:
+        part.freed = dict(freed)
+    part.updated_unix_seconds = now
+    op.updated_unix_seconds = now
+    return _settle(op)
+
+
+def _settle(op: Operation) -> bool:
+    before = op.state
+    states = [p.state for p in op.parts.values()]
+    if all(s in TERMINAL for s in states):
+        if op.cancel_requested or any(s == CANCELLED for s in states):
+            op.state = CANCELLED
+        elif any(s == FAILED for s in states):
+            op.state = FAILED
+            op.error = "; ".join(f"{p.agent_id}: {p.error or 'failed'}" for p in op.parts.values() if p.state == FAILED)
+        else:
+            op.state = SUCCEEDED
+    elif any(s != PENDING for s in states):
+        op.state = RUNNING
+    return op.state != before
+
+
+def fail_part(op: Operation, agent_id: str, reason: str, now: float | None = None) -> bool:
+    part = op.parts.get(agent_id)
+    if part is None or part.state in TERMINAL or op.finished:
+        return False
+    part.state, part.error = FAILED, reason
+    part.updated_unix_seconds = op.updated_unix_seconds = time.time() if now is None else now
+    return _settle(op)
+
+
+def expire_silent_parts(op: Operation, now: float, timeout_seconds: float) -> bool:
+    """Fail agents that have not reported within the timeout (level-triggered)."""
+    changed = False
+    for part in op.parts.values():
+        if part.state not in TERMINAL and now - part.updated_unix_seconds > timeout_seconds:
+            changed |= fail_part(op, part.agent_id, f"no progress for {timeout_seconds:.0f}s", now)
+    return changed
+
+
+def cancel(op: Operation, now: float | None = None) -> bool:
+    if op.finished:
+        return False
+    op.cancel_requested = True
+    for part in op.parts.values():
+        if part.state == PENDING:
+            part.state = CANCELLED
+    op.updated_unix_seconds = time.time() if now is None else now
+    _settle(op)
+    return True

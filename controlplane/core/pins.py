@@ -1,0 +1,109 @@
+"""Pins as the control plane keeps them: durable intent ("keep this prefix, or this
+namespace, at tier >= T until the TTL or unpin"), stored in etcd, enforced by sending
+each pin to the agents it concerns.
+
+Pure values and rules; etcd and commands live in controlplane.store / reconciler."""
+
+from __future__ import annotations
+
+import re
+import time
+import uuid
+from dataclasses import dataclass
+
+from protos import errors
+from protos.tier import Tier
+
+DEFAULT_NAMESPACE = "default"
+_NAMESPACE_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,62}$")
+MAX_PIN_BLOCKS = 1 << 16
+MAX_TTL_SECONDS = 365 * 24 * 3600.0
+
+
+def check_namespace(namespace: str, field: str = "scope.namespace") -> str:
+    ns = namespace or DEFAULT_NAMESPACE
+    if not _NAMESPACE_RE.match(ns):
+        raise errors.InvalidArgument(field, f"{namespace!r} is not a namespace (letters, digits, . _ -; at most 63)")
+    return ns
+
+
+@dataclass(frozen=True)
+class Pin:
+    """Invariant: a pin names either blocks (`block_hashes`, packed) or a whole
+    namespace (no hashes), never neither; `expires_unix_seconds` is 0 only when an
+    owner lease bounds its life."""
+
+    pin_id: str
+    namespace: str
+    model_id: str
+    block_hashes: bytes
+    min_tier: Tier
+    created_unix_seconds: float
+    expires_unix_seconds: float
+    owner: str = ""
+    owner_lease_id: int = 0
+    agent_id: str = ""
+    pinned_bytes: int = 0
+
+    @property
+    def whole_namespace(self) -> bool:
+        return not self.block_hashes
+
+    @property
+    def num_blocks(self) -> int:
+        return len(self.block_hashes) // 16
+
+    def active(self, now: float) -> bool:
+        return not self.expires_unix_seconds or now < self.expires_unix_seconds
+
+    def applies_to(self, agent_id: str) -> bool:
+        return not self.agent_id or self.agent_id == agent_id
+
+
+def new_pin(
+    namespace: str,
+    model_id: str,
+    block_hashes: bytes,
+    min_tier: Tier,
+    ttl_seconds: float,
+    owner: str,
+    owner_lease_id: int,
+    agent_id: str,
+    pinned_bytes: int,
+    now: float | None = None,
+) -> Pin:
+    now = time.time() if now is None else now
+    ns = check_namespace(namespace)
+    if ttl_seconds < 0 or ttl_seconds > MAX_TTL_SECONDS:
+        raise errors.InvalidArgument("ttl_seconds", f"must be in (0, {MAX_TTL_SECONDS:.0f}] seconds")
+    if not ttl_seconds and not owner_lease_id:
+        raise errors.InvalidArgument("ttl_seconds", "a pin needs a TTL, or an owner lease that bounds its life")
+    if min_tier not in (Tier.GPU, Tier.CPU, Tier.DISK):
+        raise errors.InvalidArgument("min_tier", "must be gpu, cpu or disk")
+    if len(block_hashes) // 16 > MAX_PIN_BLOCKS:
+        raise errors.InvalidArgument("scope.block_hashes", f"at most {MAX_PIN_BLOCKS} blocks per pin")
+    return Pin(
+        pin_id=uuid.uuid4().hex[:12],
+        namespace=ns,
+        model_id=model_id,
+        block_hashes=block_hashes,
+        min_tier=min_tier,
+        created_unix_seconds=now,
+        expires_unix_seconds=now + ttl_seconds if ttl_seconds else 0.0,
+        owner=owner,
+        owner_lease_id=owner_lease_id,
+        agent_id=agent_id,
+        pinned_bytes=pinned_bytes,
+    )
+
+
+def check_quota(pins: list[Pin], new: Pin, quota_bytes: int | None) -> None:
+    """Reject a pin that would take its namespace beyond its quota (nothing changes)."""
+    if quota_bytes is None:
+        return
+    used = sum(p.pinned_bytes for p in pins if p.namespace == new.namespace)
+    if used + new.pinned_bytes > quota_bytes:
+        raise errors.ResourceExhausted(
+            f"pin quota of namespace {new.namespace!r} exceeded: {used} B pinned + {new.pinned_bytes} B asked "
+            f"> quota {quota_bytes} B; unpin something or raise quota.{new.namespace}"
+        )

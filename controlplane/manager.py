@@ -1,0 +1,579 @@
+"""The leader's durable actions and its reconcile loop: pins, operations and policy.
+
+Pins, operations and policy live in etcd (controlplane.store.durable) and in memory
+here; agents get them as commands over their Sync streams. `run_once(now)` is level
+triggered: it expires pins, re-applies every pin to every connected agent that lacks it
+(after an agent or control-plane restart), times out silent operations, and reloads
+from etcd what other writers changed (a pin released with its owner's lease).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import threading
+import time
+from collections import OrderedDict
+from dataclasses import dataclass
+
+from controlplane.core import operations as ops
+from controlplane.core.cluster import AgentCommand, Cluster, ModelInfo
+from controlplane.core.pins import Pin, check_namespace, check_quota, new_pin
+from controlplane.store.durable import DurableStore, op_to_json, pin_key, pin_to_json
+from controlplane.store.locks import EtcdLock
+from protos import errors, etcd_keys
+from protos.block_hash import BLOCK_HASH_BYTES, hash_prefix
+from protos.tier import Tier
+
+log = logging.getLogger(__name__)
+
+DTYPE_BYTES = {"float16": 2, "bfloat16": 2, "float32": 4, "float8_e4m3fn": 1, "int8": 1}
+CODECS = ("none", "int8", "int4", "fp8", "zstd")
+MAX_OPS_KEPT = 500
+
+
+def block_bytes(m: ModelInfo) -> int:
+    return m.num_layers * 2 * m.block_size * m.num_kv_heads * m.head_dim * DTYPE_BYTES.get(m.dtype, 2)
+
+
+@dataclass(frozen=True)
+class Scope:
+    """What an action is about: a prefix of one model, or a namespace; optionally one agent."""
+
+    model_id: str = ""
+    token_ids: tuple[int, ...] = ()
+    block_hashes: bytes = b""
+    extra_keys: tuple[str, ...] = ()
+    namespace: str = ""
+    agent_id: str = ""
+
+
+def parse_size(text: str) -> int:
+    units = {
+        "": 1,
+        "b": 1,
+        "kib": 1 << 10,
+        "mib": 1 << 20,
+        "gib": 1 << 30,
+        "tib": 1 << 40,
+        "kb": 1000,
+        "mb": 1000**2,
+        "gb": 1000**3,
+        "k": 1 << 10,
+        "m": 1 << 20,
+        "g": 1 << 30,
+    }
+    s = text.strip().lower()
+    num = s.rstrip("abcdefghijklmnopqrstuvwxyz")
+    unit = s[len(num) :]
+    if not num or unit not in units:
+        raise ValueError(f"{text!r} is not a size (examples: 512MiB, 2GiB, 1000000)")
+    return int(float(num) * units[unit])
+
+
+def validate_policy(values: dict[str, str]) -> dict[str, str]:
+    """Effective policy from stored/changed values: quota.<namespace> sizes here, the
+    tier policy's keys by its own validator (controlplane.core.policy)."""
+    quotas = {k: v for k, v in values.items() if k.startswith("quota.")}
+    for key, value in quotas.items():
+        check_namespace(key.removeprefix("quota."), f"values[{key}]")
+        try:
+            parse_size(value)
+        except ValueError as exc:
+            raise errors.InvalidArgument(f"values[{key}]", str(exc)) from None
+    rest = {k: v for k, v in values.items() if not k.startswith("quota.")}
+    try:
+        from controlplane.core.policy import Policy
+    except ImportError:  # the tier policy is not built into this control plane
+        if rest:
+            raise errors.InvalidArgument(f"values[{sorted(rest)[0]}]", "unknown policy key") from None
+        return quotas
+    policy = Policy.from_mapping(rest)
+    return {**policy.to_mapping(), **quotas}
+
+
+class Manager:
+    def __init__(
+        self,
+        cluster: Cluster,
+        durable: DurableStore,
+        election,
+        etcd_client=None,
+        clock=time.time,
+        op_timeout_seconds: float = 60.0,
+        resync_seconds: float = 2.0,
+        policy_validator=None,
+    ):
+        self.cluster = cluster
+        self.durable = durable
+        self.election = election
+        self._etcd = etcd_client
+        self.clock = clock
+        self.op_timeout_seconds = op_timeout_seconds
+        self.resync_seconds = resync_seconds
+        # callable(values: dict[str, str]) -> dict[str, str] of effective values; raises InvalidArgument
+        self.policy_validator = policy_validator or (lambda values: dict(values))
+        self._lock = threading.RLock()
+        self.pins: dict[str, Pin] = {}
+        self.ops: OrderedDict[str, ops.Operation] = OrderedDict()
+        self._op_done: dict[str, threading.Event] = {}
+        self.policy: dict[str, str] = {}
+        self.policy_revision = 0
+        self._loaded_epoch = 0
+        self._next_reload = 0.0
+        self.pins_expired_total = 0
+
+    # ---- leadership -----------------------------------------------------------------
+    def load(self) -> None:
+        """On winning an election: read pins, operations and policy from etcd. Operations
+        a previous leader left unfinished are marked failed (their agents' commands may
+        or may not have run; a new operation can be started)."""
+        pins = self.durable.load_pins()
+        loaded_ops = self.durable.load_ops()
+        values, revision = self.durable.load_policy()
+        with self._lock:
+            self.pins = {p.pin_id: p for p in pins}
+            self.ops = OrderedDict((o.op_id, o) for o in sorted(loaded_ops, key=lambda o: o.created_unix_seconds))
+            self.policy = self.policy_validator(values) if values else self.policy_validator({})
+            self.policy_revision = revision
+            self._loaded_epoch = self.election.epoch
+        for op in loaded_ops:
+            if not op.finished:
+                op.state, op.error = ops.FAILED, "the control plane that ran it went away; start it again"
+                op.updated_unix_seconds = self.clock()
+                self._persist_op(op)
+
+    # ---- scope ----------------------------------------------------------------------
+    def _model(self, model_id: str) -> ModelInfo:
+        return self.cluster.model(model_id)
+
+    def resolve(self, scope: Scope, field: str = "scope") -> tuple[bytes, str]:
+        """-> (packed block hashes, namespace); hashes empty means the whole namespace."""
+        if scope.token_ids and scope.block_hashes:
+            raise errors.InvalidArgument(f"{field}.token_ids", "give token_ids or block_hashes, not both")
+        if scope.token_ids or scope.block_hashes:
+            if not scope.model_id:
+                raise errors.InvalidArgument(f"{field}.model_id", "a prefix needs its model")
+            model = self._model(scope.model_id)
+            if scope.token_ids:
+                try:
+                    packed = hash_prefix(scope.model_id, list(scope.token_ids), model.block_size, scope.extra_keys)
+                except ValueError as exc:
+                    raise errors.InvalidArgument(f"{field}.token_ids", str(exc)) from None
+                if not packed:
+                    raise errors.InvalidArgument(
+                        f"{field}.token_ids", f"fewer tokens than one block ({model.block_size}) of {scope.model_id}"
+                    )
+            else:
+                if len(scope.block_hashes) % BLOCK_HASH_BYTES:
+                    raise errors.InvalidArgument(
+                        f"{field}.block_hashes",
+                        f"length {len(scope.block_hashes)} is not a multiple of {BLOCK_HASH_BYTES}",
+                    )
+                packed = scope.block_hashes
+            return packed, check_namespace(scope.namespace, f"{field}.namespace")
+        if not scope.namespace:
+            raise errors.InvalidArgument(f"{field}.namespace", "give a prefix (tokens or hashes) or a namespace")
+        return b"", check_namespace(scope.namespace, f"{field}.namespace")
+
+    def _targets(self, scope: Scope, packed: bytes) -> dict[str, bytes]:
+        """agent_id -> packed hashes to send (b"" for a namespace scope)."""
+        agents = [r.agent_id for r, _ in self.cluster.agents()]
+        if scope.agent_id:
+            if scope.agent_id not in agents:
+                raise errors.NotFound(f"scope.agent_id: no agent {scope.agent_id!r} is registered")
+            agents = [scope.agent_id]
+        if not packed:
+            return {a: b"" for a in agents}
+        hashes = [packed[i : i + 16] for i in range(0, len(packed), 16)]
+        held = self.cluster.holders_of(hashes)
+        return {a: b"".join(held[a]) for a in agents if a in held}
+
+    # ---- pins -----------------------------------------------------------------------
+    def quota_of(self, namespace: str) -> int | None:
+        raw = self.policy.get(f"quota.{namespace}")
+        return parse_size(raw) if raw else None
+
+    def pin(self, scope: Scope, min_tier: Tier, ttl_seconds: float, owner: str = "", owner_lease_id: int = 0) -> Pin:
+        packed, namespace = self.resolve(scope)
+        if scope.agent_id and scope.agent_id not in {r.agent_id for r, _ in self.cluster.agents()}:
+            raise errors.NotFound(f"scope.agent_id: no agent {scope.agent_id!r} is registered")
+        if packed:
+            pinned_bytes = len(packed) // BLOCK_HASH_BYTES * block_bytes(self._model(scope.model_id))
+        else:
+            pinned_bytes = self.cluster.namespace_bytes(namespace)
+        if owner_lease_id and not self.durable.lease_alive(owner_lease_id):
+            raise errors.InvalidArgument("owner_lease_id", f"lease {owner_lease_id:x} does not exist or has expired")
+        pin = new_pin(
+            namespace,
+            scope.model_id,
+            packed,
+            min_tier,
+            ttl_seconds,
+            owner,
+            owner_lease_id,
+            scope.agent_id,
+            pinned_bytes,
+            self.clock(),
+        )
+        with self._lock:
+            check_quota(list(self.pins.values()), pin, self.quota_of(namespace))
+            self.durable.put(pin_key(pin), pin_to_json(pin), owner_lease_id)
+            self.pins[pin.pin_id] = pin
+        self.cluster.events.publish("pin_created", self._describe(pin), pin_id=pin.pin_id)
+        self._apply_pins(self.clock())
+        return pin
+
+    @staticmethod
+    def _describe(pin: Pin) -> str:
+        what = f"{pin.num_blocks} blocks of {pin.model_id}" if pin.block_hashes else f"namespace {pin.namespace}"
+        ttl = (
+            f", expires in {pin.expires_unix_seconds - pin.created_unix_seconds:.0f}s"
+            if pin.expires_unix_seconds
+            else ""
+        )
+        return f"pin {pin.pin_id}: {what} at >= {pin.min_tier.label}{ttl}"
+
+    def unpin(self, pin_id: str) -> Pin:
+        with self._lock:
+            pin = self.pins.get(pin_id)
+            if pin is None:
+                raise errors.NotFound(f"pin_id: no pin {pin_id!r} (kvctl pins lists them)")
+            self.durable.delete(pin_key(pin))
+            del self.pins[pin_id]
+        self.cluster.events.publish("pin_removed", f"pin {pin_id} removed", pin_id=pin_id)
+        self._apply_pins(self.clock())
+        return pin
+
+    def list_pins(self, namespace: str = "") -> list[Pin]:
+        now = self.clock()
+        with self._lock:
+            return sorted(
+                (p for p in self.pins.values() if p.active(now) and (not namespace or p.namespace == namespace)),
+                key=lambda p: p.created_unix_seconds,
+            )
+
+    def _apply_pins(self, now: float) -> None:
+        """Send every connected agent the pins it should hold and lacks; unpin the rest."""
+        with self._lock:
+            pins = [p for p in self.pins.values() if p.active(now)]
+        for rec in self.cluster.connected_agents():
+            want = {p.pin_id: p for p in pins if p.applies_to(rec.agent_id)}
+            for pin_id in list(rec.applied_pins - set(want)):
+                if self.cluster.send(rec.agent_id, AgentCommand(f"unpin-{pin_id}", "unpin", pin_id=pin_id)):
+                    rec.applied_pins.discard(pin_id)
+            for pin_id, p in want.items():
+                if pin_id in rec.applied_pins:
+                    continue
+                cmd = AgentCommand(
+                    f"pin-{pin_id}",
+                    "pin",
+                    block_hashes=p.block_hashes,
+                    tier=int(p.min_tier),
+                    namespace=p.namespace if p.whole_namespace else "",
+                    pin_id=pin_id,
+                    expires_unix_seconds=p.expires_unix_seconds,
+                )
+                if self.cluster.send(rec.agent_id, cmd):
+                    rec.applied_pins.add(pin_id)
+
+    def _expire_pins(self, now: float) -> None:
+        with self._lock:
+            expired = [p for p in self.pins.values() if not p.active(now)]
+        for p in expired:
+            try:
+                self.durable.delete(pin_key(p))
+            except errors.KvcpError as exc:
+                log.warning("could not delete expired pin %s yet: %s", p.pin_id, exc)
+                continue  # agents stop honouring it at its expiry anyway; retried next pass
+            with self._lock:
+                self.pins.pop(p.pin_id, None)
+            self.pins_expired_total += 1
+            self.cluster.events.publish("pin_expired", f"pin {p.pin_id} expired (TTL)", pin_id=p.pin_id)
+
+    def _reload_pins(self) -> None:
+        """Level-triggered: etcd is the truth (a pin tied to an owner lease vanishes with it)."""
+        stored = {p.pin_id: p for p in self.durable.load_pins()}
+        with self._lock:
+            gone = [pid for pid in self.pins if pid not in stored]
+            for pid in gone:
+                del self.pins[pid]
+            for pid, p in stored.items():
+                self.pins.setdefault(pid, p)
+        for pid in gone:
+            self.cluster.events.publish("pin_removed", f"pin {pid} released (owner lease gone)", pin_id=pid)
+
+    # ---- operations -----------------------------------------------------------------
+    def _register_op(self, op: ops.Operation) -> None:
+        self._persist_op(op)
+        with self._lock:
+            self.ops[op.op_id] = op
+            self._op_done[op.op_id] = threading.Event()
+            while len(self.ops) > MAX_OPS_KEPT:
+                old_id, old = next(iter(self.ops.items()))
+                if not old.finished:
+                    break
+                self.ops.popitem(last=False)
+                self._op_done.pop(old_id, None)
+                try:
+                    self.durable.delete(etcd_keys.OPS_PREFIX + old_id)
+                except errors.KvcpError:
+                    pass
+
+    def _persist_op(self, op: ops.Operation) -> None:
+        self.durable.put(etcd_keys.OPS_PREFIX + op.op_id, op_to_json(op))
+
+    def _op_changed(self, op: ops.Operation) -> None:
+        try:
+            self._persist_op(op)
+        except errors.KvcpError as exc:
+            log.warning("could not persist operation %s: %s", op.op_id, exc)
+        self.cluster.events.publish(
+            "op_state",
+            f"{op.kind} {op.op_id}: {op.state}" + (f" ({op.error})" if op.error else ""),
+            "error" if op.state == ops.FAILED else "info",
+            op_id=op.op_id,
+        )
+        if op.finished:
+            ev = self._op_done.get(op.op_id)
+            if ev is not None:
+                ev.set()
+
+    def _fan_out(self, op: ops.Operation, commands: dict[str, AgentCommand]) -> None:
+        now = self.clock()
+        for part in op.parts.values():
+            part.updated_unix_seconds = now  # silence is counted from when commands go out
+        for agent_id, cmd in commands.items():
+            if not self.cluster.send(agent_id, cmd):
+                ops.fail_part(op, agent_id, "agent has no open stream to the control plane")
+        if op.finished or op.state == ops.RUNNING:
+            self._op_changed(op)
+
+    def move(self, scope: Scope, to_tier: Tier, codec: str = "") -> ops.Operation:
+        if to_tier not in (Tier.GPU, Tier.CPU, Tier.DISK):
+            raise errors.InvalidArgument("to_tier", "must be gpu, cpu or disk")
+        if codec and codec not in CODECS:
+            raise errors.InvalidArgument("codec", f"unknown codec {codec!r}; expected one of {'|'.join(CODECS)}")
+        packed, namespace = self.resolve(scope)
+        targets = self._targets(scope, packed)
+        params = {"to": to_tier.label, "namespace": namespace if not packed else "", "blocks": str(len(packed) // 16)}
+        op = ops.new_operation("move", params, list(targets), now=self.clock())
+        self._register_op(op)
+        self._fan_out(
+            op,
+            {
+                a: AgentCommand(
+                    op.op_id,
+                    "move",
+                    block_hashes=h,
+                    tier=int(to_tier),
+                    codec=codec,
+                    namespace=namespace if not h else "",
+                    model_id=scope.model_id if not h else "",
+                )
+                for a, h in targets.items()
+            },
+        )
+        return op
+
+    def compress(self, scope: Scope, codec: str, tier: Tier | None = None) -> ops.Operation:
+        if codec not in CODECS:
+            raise errors.InvalidArgument("codec", f"unknown codec {codec!r}; expected one of {'|'.join(CODECS)}")
+        packed, namespace = self.resolve(scope)
+        targets = self._targets(scope, packed)
+        params = {"codec": codec, "namespace": namespace if not packed else "", "tier": tier.label if tier else ""}
+        op = ops.new_operation("compress", params, list(targets), now=self.clock())
+        self._register_op(op)
+        self._fan_out(
+            op,
+            {
+                a: AgentCommand(
+                    op.op_id,
+                    "compress",
+                    block_hashes=h,
+                    codec=codec,
+                    namespace=namespace if not h else "",
+                    only_tier=int(tier) if tier else 0,
+                )
+                for a, h in targets.items()
+            },
+        )
+        return op
+
+    def cleanup(
+        self,
+        older_than_seconds: float,
+        namespace: str = "",
+        agent_id: str = "",
+        model_id: str = "",
+        dry_run: bool = False,
+    ) -> ops.Operation:
+        if older_than_seconds < 0:
+            raise errors.InvalidArgument("older_than_seconds", "must not be negative")
+        ns = check_namespace(namespace, "namespace") if namespace else ""
+        if model_id:
+            self._model(model_id)
+        agents = [r.agent_id for r, _ in self.cluster.agents()]
+        if agent_id:
+            if agent_id not in agents:
+                raise errors.NotFound(f"agent_id: no agent {agent_id!r} is registered")
+            agents = [agent_id]
+        params = {
+            "older_than_seconds": f"{older_than_seconds:g}",
+            "namespace": ns,
+            "agent": agent_id,
+            "model": model_id,
+        }
+        op = ops.new_operation("cleanup", params, agents, dry_run=dry_run, now=self.clock())
+        self._register_op(op)
+        command = AgentCommand(
+            op.op_id, "cleanup", namespace=ns, model_id=model_id, older_than_seconds=older_than_seconds, dry_run=dry_run
+        )
+        if dry_run or op.finished:
+            self._fan_out(op, dict.fromkeys(agents, command))
+            return op
+        # a real cleanup of a scope takes that scope's lock: two cleanups never race
+        t = threading.Thread(
+            target=self._run_locked,
+            args=(op, f"cleanup/{ns or '_all'}", dict.fromkeys(agents, command)),
+            name=f"op {op.op_id}",
+            daemon=True,
+        )
+        t.start()
+        return op
+
+    def _run_locked(self, op: ops.Operation, lock_name: str, commands: dict[str, AgentCommand]) -> None:
+        lock = EtcdLock(self._etcd, lock_name, op.op_id)
+        try:
+            got = lock.acquire(self.op_timeout_seconds, cancelled=lambda: op.cancel_requested)
+        except Exception as exc:  # noqa: BLE001 - etcd trouble fails the operation, visibly
+            got, why = False, f"etcd: {exc}"
+        else:
+            why = f"lock {lock_name} stayed taken for {self.op_timeout_seconds:.0f}s"
+        if not got:
+            with self._lock:
+                if not op.finished:
+                    for part in op.parts.values():
+                        ops.fail_part(op, part.agent_id, "cancelled while waiting" if op.cancel_requested else why)
+            self._op_changed(op)
+            return
+        try:
+            with self._lock:
+                if op.finished:
+                    return
+            self._fan_out(op, commands)
+            done = self._op_done.get(op.op_id)
+            if done is not None:
+                done.wait(self.op_timeout_seconds * 2)
+        finally:
+            lock.release()
+
+    def on_op_update(
+        self,
+        agent_id: str,
+        op_id: str,
+        state: str,
+        done: int,
+        total: int,
+        failed: int,
+        moved_bytes: int,
+        error: str,
+        skipped_pinned: int = 0,
+        freed=None,
+    ) -> None:
+        with self._lock:
+            op = self.ops.get(op_id)
+            if op is None:
+                return  # pin/unpin acknowledgements and local operations
+            changed = ops.apply_update(
+                op, agent_id, state, done, total, failed, moved_bytes, error, skipped_pinned, freed, self.clock()
+            )
+        if changed:
+            self._op_changed(op)
+
+    def get_op(self, op_id: str) -> ops.Operation:
+        with self._lock:
+            op = self.ops.get(op_id)
+        if op is None:
+            raise errors.NotFound(f"op_id: no operation {op_id!r} (kvctl ops lists them)")
+        return op
+
+    def list_ops(self, limit: int = 100) -> list[ops.Operation]:
+        with self._lock:
+            return list(reversed(self.ops.values()))[: limit or 100]
+
+    def cancel_op(self, op_id: str) -> ops.Operation:
+        op = self.get_op(op_id)
+        with self._lock:
+            if op.finished:
+                raise errors.FailedPrecondition(f"operation {op_id} already {op.state.lower()}")
+            running = [p.agent_id for p in op.parts.values() if p.state not in ops.TERMINAL]
+            ops.cancel(op, self.clock())
+        for agent_id in running:
+            self.cluster.send(agent_id, AgentCommand(op.op_id, "cancel"))
+        self._op_changed(op)
+        return op
+
+    def _expire_ops(self, now: float) -> None:
+        live = {r.agent_id for r, _ in self.cluster.agents()}
+        with self._lock:
+            # a cleanup still waiting for its lock has its own timeout (_run_locked)
+            running = [
+                o for o in self.ops.values() if not o.finished and not (o.kind == "cleanup" and o.state == ops.PENDING)
+            ]
+        for op in running:
+            changed = False
+            with self._lock:
+                for part in list(op.parts.values()):
+                    if part.agent_id not in live:
+                        changed |= ops.fail_part(op, part.agent_id, "agent left", now)
+                changed |= ops.expire_silent_parts(op, now, self.op_timeout_seconds)
+            if changed:
+                self._op_changed(op)
+
+    # ---- policy ---------------------------------------------------------------------
+    def get_policy(self) -> tuple[dict[str, str], int]:
+        with self._lock:
+            return dict(self.policy), self.policy_revision
+
+    def set_policy(self, changes: dict[str, str]) -> dict[str, str]:
+        for key, value in changes.items():
+            if key.startswith("quota."):
+                check_namespace(key.removeprefix("quota."), f"values[{key}]")
+                try:
+                    parse_size(value)
+                except ValueError as exc:
+                    raise errors.InvalidArgument(f"values[{key}]", str(exc)) from None
+        with self._lock:
+            merged = self.policy_validator({**self.policy, **changes})
+            self.durable.put(etcd_keys.POLICY_KEY, json.dumps(merged, sort_keys=True))
+            self.policy = merged
+        self.cluster.events.publish(
+            "policy", "policy set: " + ", ".join(f"{k}={v}" for k, v in sorted(changes.items()))
+        )
+        return dict(merged)
+
+    # ---- loop -----------------------------------------------------------------------
+    def run_once(self, now: float | None = None) -> None:
+        if not self.election.is_leader:
+            self._loaded_epoch = 0
+            return
+        now = self.clock() if now is None else now
+        if self._loaded_epoch != self.election.epoch:
+            self.load()
+        if now >= self._next_reload:
+            self._next_reload = now + self.resync_seconds
+            self._reload_pins()
+        self._expire_pins(now)
+        self._apply_pins(now)
+        self._expire_ops(now)
+
+    def run_forever(self, stop: threading.Event, interval_seconds: float = 0.2) -> None:
+        while not stop.is_set():
+            try:
+                self.run_once()
+            except errors.KvcpError as exc:
+                log.warning("reconcile pass failed: %s", exc)
+            except Exception:  # noqa: BLE001 - keep reconciling; the next pass repairs
+                log.exception("reconcile pass failed")
+            stop.wait(interval_seconds)

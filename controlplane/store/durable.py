@@ -1,0 +1,192 @@
+"""What must survive a control-plane restart, in etcd: pins, operations, policy.
+
+Every write the leader makes is a transaction guarded by the leader key: it applies
+only while the leader key still has the create revision (the epoch) this replica won,
+so a deposed leader that wakes up (SIGSTOP/SIGCONT, a long GC pause) can write nothing.
+etcd being unreachable becomes `Unavailable` with a sentence saying so.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+
+from controlplane.core.operations import AgentPart, Operation
+from controlplane.core.pins import Pin
+from protos import errors, etcd_keys
+from protos.tier import Tier
+
+log = logging.getLogger(__name__)
+
+
+def pin_key(pin: Pin) -> str:
+    return f"{etcd_keys.PINS_PREFIX}{pin.namespace}/{pin.pin_id}"
+
+
+def pin_to_json(p: Pin) -> str:
+    return json.dumps(
+        {
+            "pin_id": p.pin_id,
+            "namespace": p.namespace,
+            "model_id": p.model_id,
+            "block_hashes": p.block_hashes.hex(),
+            "min_tier": p.min_tier.label,
+            "created_unix_seconds": p.created_unix_seconds,
+            "expires_unix_seconds": p.expires_unix_seconds,
+            "owner": p.owner,
+            "owner_lease_id": p.owner_lease_id,
+            "agent_id": p.agent_id,
+            "pinned_bytes": p.pinned_bytes,
+        }
+    )
+
+
+def pin_from_json(raw: bytes) -> Pin:
+    d = json.loads(raw)
+    return Pin(
+        pin_id=d["pin_id"],
+        namespace=d["namespace"],
+        model_id=d["model_id"],
+        block_hashes=bytes.fromhex(d["block_hashes"]),
+        min_tier=Tier.parse(d["min_tier"]),
+        created_unix_seconds=d["created_unix_seconds"],
+        expires_unix_seconds=d["expires_unix_seconds"],
+        owner=d.get("owner", ""),
+        owner_lease_id=d.get("owner_lease_id", 0),
+        agent_id=d.get("agent_id", ""),
+        pinned_bytes=d.get("pinned_bytes", 0),
+    )
+
+
+def op_to_json(op: Operation) -> str:
+    return json.dumps(
+        {
+            "op_id": op.op_id,
+            "kind": op.kind,
+            "params": op.params,
+            "state": op.state,
+            "error": op.error,
+            "dry_run": op.dry_run,
+            "created_unix_seconds": op.created_unix_seconds,
+            "updated_unix_seconds": op.updated_unix_seconds,
+            "parts": [
+                {
+                    "agent_id": p.agent_id,
+                    "state": p.state,
+                    "done": p.done,
+                    "total": p.total,
+                    "failed": p.failed,
+                    "skipped_pinned": p.skipped_pinned,
+                    "moved_bytes": p.moved_bytes,
+                    "error": p.error,
+                    "freed": {str(t): list(v) for t, v in p.freed.items()},
+                }
+                for p in op.parts.values()
+            ],
+        }
+    )
+
+
+def op_from_json(raw: bytes) -> Operation:
+    d = json.loads(raw)
+    op = Operation(
+        d["op_id"],
+        d["kind"],
+        d["params"],
+        d["state"],
+        d["error"],
+        d["dry_run"],
+        created_unix_seconds=d["created_unix_seconds"],
+        updated_unix_seconds=d["updated_unix_seconds"],
+    )
+    for p in d["parts"]:
+        op.parts[p["agent_id"]] = AgentPart(
+            p["agent_id"],
+            p["state"],
+            p["done"],
+            p["total"],
+            p["failed"],
+            p["skipped_pinned"],
+            p["moved_bytes"],
+            p["error"],
+            {int(t): (v[0], v[1]) for t, v in p["freed"].items()},
+            d["updated_unix_seconds"],
+        )
+    return op
+
+
+class DurableStore:
+    def __init__(self, client, election, endpoint: str = ""):
+        self._client = client
+        self._election = election
+        self.endpoint = endpoint
+        self.errors_total = 0
+
+    def _unavailable(self, exc: Exception) -> errors.Unavailable:
+        self.errors_total += 1
+        return errors.Unavailable(
+            f"etcd is unreachable{(' at ' + self.endpoint) if self.endpoint else ''} ({type(exc).__name__}); "
+            "durable changes (pin, unpin, policy, operations) are rejected until it returns"
+        )
+
+    def _fenced(self, ops) -> None:
+        c = self._client
+        if not self._election.is_leader:
+            raise errors.NotLeader(self._election.leader_address)
+        try:
+            ok, _ = c.transaction(
+                compare=[c.transactions.create(etcd_keys.LEADER_KEY) == self._election.epoch],
+                success=ops,
+                failure=[],
+            )
+        except Exception as exc:  # noqa: BLE001 - any etcd failure is "unavailable"
+            raise self._unavailable(exc) from None
+        if not ok:
+            raise errors.NotLeader(self._election.leader_address)
+
+    def put(self, key: str, value: str, lease_id: int = 0) -> None:
+        c = self._client
+        self._fenced([c.transactions.put(key, value, lease_id or None)])
+
+    def delete(self, key: str) -> None:
+        self._fenced([self._client.transactions.delete(key)])
+
+    def _prefix(self, prefix: str) -> list[bytes]:
+        try:
+            return [value for value, _ in self._client.get_prefix(prefix)]
+        except Exception as exc:  # noqa: BLE001
+            raise self._unavailable(exc) from None
+
+    def load_pins(self) -> list[Pin]:
+        out = []
+        for raw in self._prefix(etcd_keys.PINS_PREFIX):
+            try:
+                out.append(pin_from_json(raw))
+            except (ValueError, KeyError) as exc:
+                log.warning("ignoring a malformed pin in etcd: %s", exc)
+        return out
+
+    def load_ops(self) -> list[Operation]:
+        out = []
+        for raw in self._prefix(etcd_keys.OPS_PREFIX):
+            try:
+                out.append(op_from_json(raw))
+            except (ValueError, KeyError) as exc:
+                log.warning("ignoring a malformed operation in etcd: %s", exc)
+        return out
+
+    def load_policy(self) -> tuple[dict[str, str], int]:
+        try:
+            value, meta = self._client.get(etcd_keys.POLICY_KEY)
+        except Exception as exc:  # noqa: BLE001
+            raise self._unavailable(exc) from None
+        if value is None:
+            return {}, 0
+        return json.loads(value), meta.mod_revision
+
+    def lease_alive(self, lease_id: int) -> bool:
+        try:
+            info = self._client.get_lease_info(lease_id)
+        except Exception as exc:  # noqa: BLE001
+            raise self._unavailable(exc) from None
+        return info.TTL > 0

@@ -1,0 +1,381 @@
+"""`kvctl dashboard`: a Textual app that watches and operates a kvcp cluster.
+
+A thin client of `cli.client.ControlPlaneClient`, like kvctl. Two kinds of background
+work, both in thread workers so the UI loop never waits on the network:
+
+- the watch worker iterates `client.watch()` (the AdminService.Watch server stream) and
+  posts each event to the app; when the stream breaks it says so (the top line turns to
+  "reconnecting") and retries with a capped backoff;
+- the fetch worker runs the unary calls (stats, agents, pins, operations), one batch at a
+  time: requests made while a batch is in flight are merged into the next one, so a burst
+  of events costs one refresh, not one per event.
+
+Events say what changed (an agent joined: agents and stats; a pin expired: pins), so the
+app refreshes what they name, plus a slow periodic refresh of stats for the sparklines
+(every `refresh_seconds`). Every result goes through the `apply_*` methods below, which
+tests also call with fixed views to take deterministic snapshots."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+from textual.app import App
+from textual.binding import Binding
+from textual.message import Message
+from textual.worker import get_current_worker
+
+from cli.client import (
+    DEFAULT_ENDPOINT,
+    AgentView,
+    ClientError,
+    ControlPlaneClient,
+    EventView,
+    OperationView,
+    PinView,
+    StatsView,
+)
+from dashboard.screens import (
+    ClusterScreen,
+    DashboardScreen,
+    EventsScreen,
+    HelpScreen,
+    OperationsScreen,
+    PinsScreen,
+)
+from dashboard.state import CONNECTED, RECONNECTING, DashboardState
+
+WATCH_BACKOFF_SECONDS = (0.25, 5.0)  # first retry, cap
+SLOW_REFRESH_EVERY = 5  # pins and operations not in view: every 5th periodic refresh
+FETCH_ORDER = ("operations", "pins", "agents", "stats")  # operations first: stats samples their moved bytes
+UNREACHABLE = {"UNAVAILABLE", "DEADLINE_EXCEEDED", "CANCELLED"}
+
+# which refreshes an event kind calls for
+EVENT_TOPICS = {
+    "agent_joined": {"agents", "stats"},
+    "agent_left": {"agents", "stats"},
+    "agent_state": {"agents"},
+    "eviction": {"agents", "stats"},
+    "pin_created": {"pins"},
+    "pin_removed": {"pins"},
+    "pin_expired": {"pins"},
+    "op_state": {"operations", "agents"},
+    "leader": set(FETCH_ORDER),
+    "dropped": set(FETCH_ORDER),
+}
+
+
+class Fetched(Message):
+    """A batch of unary results: topic -> view(s) or the ClientError it raised."""
+
+    def __init__(self, results: dict, at_unix_seconds: float):
+        super().__init__()
+        self.results = results
+        self.at_unix_seconds = at_unix_seconds
+
+
+class EventReceived(Message):
+    def __init__(self, event: EventView):
+        super().__init__()
+        self.event = event
+
+
+class WatchBroken(Message):
+    def __init__(self, reason: str, unimplemented: bool = False):
+        super().__init__()
+        self.reason = reason
+        self.unimplemented = unimplemented
+
+
+class ActionDone(Message):
+    """A pin, unpin or cancel finished (error is '' on success)."""
+
+    def __init__(self, what: str, error: str, refresh: set[str]):
+        super().__init__()
+        self.what = what
+        self.error = error
+        self.refresh = refresh
+
+
+class DashboardApp(App):
+    CSS_PATH = "app.tcss"
+    TITLE = "kvcp dashboard"
+    MODES = {
+        "cluster": ClusterScreen,
+        "pins": PinsScreen,
+        "operations": OperationsScreen,
+        "events": EventsScreen,
+    }
+    DEFAULT_MODE = "cluster"
+    BINDINGS = [
+        Binding("c", "switch_mode('cluster')", "Cluster"),
+        Binding("p", "switch_mode('pins')", "Pins"),
+        Binding("o", "switch_mode('operations')", "Ops"),
+        Binding("e", "switch_mode('events')", "Events"),
+        Binding("r", "refresh", "Refresh", show=False),
+        Binding("question_mark", "help", "Help"),
+        Binding("q", "quit", "Quit"),
+    ]
+
+    def __init__(
+        self,
+        endpoint: str = DEFAULT_ENDPOINT,
+        timeout_seconds: float = 5.0,
+        *,
+        live: bool = True,
+        refresh_seconds: float = 2.0,
+        clock=time.time,
+    ):
+        """`live=False` starts no workers and opens no connection: the screens show only
+        what is given to the `apply_*` methods (snapshot tests, screenshots)."""
+        super().__init__()
+        self.endpoint = endpoint
+        self.timeout_seconds = timeout_seconds
+        self.live = live
+        self.refresh_seconds = refresh_seconds
+        self.clock = clock
+        self.state = DashboardState()
+        self._client: ControlPlaneClient | None = None
+        self._client_lock = threading.Lock()
+        self._watch_client: ControlPlaneClient | None = None
+        self._stopping = threading.Event()
+        self._fetching = False
+        self._pending: set[str] = set()
+        self._ticks = 0
+
+    def now(self) -> float:
+        return self.clock()
+
+    # ---- lifecycle --------------------------------------------------------------------
+    def on_mount(self) -> None:
+        self.set_interval(1.0, self._clock_tick)
+        if self.live:
+            self._client = ControlPlaneClient(self.endpoint, self.timeout_seconds)
+            self._watch_worker()
+            self.set_interval(self.refresh_seconds, self._periodic_refresh)
+            self.request_refresh(*FETCH_ORDER)
+
+    def on_unmount(self) -> None:
+        # closing the channels cancels the watch stream and any call in flight, so the
+        # worker threads end and the app exits at once
+        self._stopping.set()
+        for client in (self._watch_client, self._client):
+            if client is not None:
+                client.close()
+
+    def _periodic_refresh(self) -> None:
+        self._ticks += 1
+        topics = {"stats", "agents"}
+        slow = self._ticks % SLOW_REFRESH_EVERY == 0
+        if slow or isinstance(self.screen, PinsScreen):
+            topics.add("pins")
+        if slow or isinstance(self.screen, OperationsScreen) or self.state.running_operations():
+            topics.add("operations")
+        if self.state.pins_feature.available is False and not slow:
+            topics.discard("pins")
+        if self.state.operations_feature.available is False and not slow:
+            topics.discard("operations")
+        self.request_refresh(*topics)
+
+    def _clock_tick(self) -> None:
+        self._show(frozenset({"clock"}))
+
+    # ---- showing ----------------------------------------------------------------------
+    def _show(self, topics: frozenset[str]) -> None:
+        screen = self.screen
+        if isinstance(screen, DashboardScreen) and screen.is_mounted:
+            screen.show(topics)
+
+    # ---- the update methods (live results and tests come through here) ---------------
+    def apply_connection(self, connection: str, detail: str = "") -> None:
+        if (connection, detail) != (self.state.connection, self.state.connection_detail):
+            self.state.connection, self.state.connection_detail = connection, detail
+            self._show(frozenset({"connection"}))
+
+    def apply_stats(self, stats: StatsView, at_unix_seconds: float | None = None) -> None:
+        self.state.add_stats(stats, self.now() if at_unix_seconds is None else at_unix_seconds)
+        self._show(frozenset({"stats"}))
+
+    def apply_agents(self, agents: list[AgentView]) -> None:
+        self.state.agents = list(agents)
+        self._show(frozenset({"agents"}))
+
+    def apply_pins(self, pins: list[PinView] | ClientError) -> None:
+        feature = self.state.pins_feature
+        if isinstance(pins, ClientError):
+            feature.available = False if pins.code == "UNIMPLEMENTED" else feature.available
+            feature.error = "" if pins.code == "UNIMPLEMENTED" else str(pins)
+        else:
+            feature.available, feature.error = True, ""
+            self.state.pins = list(pins)
+        self._show(frozenset({"pins"}))
+
+    def apply_operations(self, operations: list[OperationView] | ClientError) -> None:
+        feature = self.state.operations_feature
+        if isinstance(operations, ClientError):
+            feature.available = False if operations.code == "UNIMPLEMENTED" else feature.available
+            feature.error = "" if operations.code == "UNIMPLEMENTED" else str(operations)
+        else:
+            feature.available, feature.error = True, ""
+            self.state.operations = list(operations)
+        self._show(frozenset({"operations"}))
+
+    def apply_event(self, event: EventView) -> None:
+        if not self.state.add_event(event):
+            return
+        screen = self.screen
+        if isinstance(screen, DashboardScreen) and screen.is_mounted:
+            screen.event_added(event)
+
+    # ---- fetching ---------------------------------------------------------------------
+    def request_refresh(self, *topics: str) -> None:
+        """Ask for a refresh of `topics`; merged with any already waiting."""
+        self._pending.update(topics)
+        if self.live and not self._fetching and self._pending:
+            batch, self._pending = frozenset(self._pending), set()
+            self._fetching = True
+            self._fetch(batch)
+
+    def _current_client(self) -> ControlPlaneClient:
+        with self._client_lock:
+            if self._client is None:
+                self._client = ControlPlaneClient(self.endpoint, self.timeout_seconds)
+            return self._client
+
+    def _drop_client(self, client: ControlPlaneClient) -> None:
+        """A fresh channel for the next try: a channel that saw the server go away waits
+        out gRPC's own growing reconnect backoff, which would delay recovery."""
+        with self._client_lock:
+            if self._client is client:
+                self._client = None
+        client.close()
+
+    def _fetch(self, topics: frozenset[str]) -> None:
+        self.run_worker(lambda: self._fetch_batch(topics), thread=True, group="fetch", exit_on_error=False)
+
+    def _fetch_batch(self, topics: frozenset[str]) -> None:
+        client = self._current_client()
+        calls = {
+            "operations": lambda: client.list_operations(limit=50),
+            "pins": client.list_pins,
+            "agents": client.list_agents,
+            "stats": client.stats,
+        }
+        results: dict = {}
+        for topic in FETCH_ORDER:
+            if topic not in topics or self._stopping.is_set():
+                continue
+            try:
+                results[topic] = calls[topic]()
+            except ClientError as exc:
+                results[topic] = exc
+                if exc.code in UNREACHABLE:
+                    self._drop_client(client)
+                    break  # the rest would fail the same way
+        if not self._stopping.is_set():
+            self.post_message(Fetched(results, self.now()))
+
+    def on_fetched(self, message: Fetched) -> None:
+        self._fetching = False
+        results = message.results
+        unreachable = next((r for r in results.values() if isinstance(r, ClientError) and r.code in UNREACHABLE), None)
+        if unreachable is not None:
+            self.apply_connection(RECONNECTING, str(unreachable))
+        if "operations" in results:
+            self.apply_operations(results["operations"])
+        if "pins" in results:
+            self.apply_pins(results["pins"])
+        agents = results.get("agents")
+        if isinstance(agents, list):
+            self.apply_agents(agents)
+        stats = results.get("stats")
+        if isinstance(stats, StatsView):
+            self.apply_connection(CONNECTED)
+            self.apply_stats(stats, message.at_unix_seconds)
+        elif isinstance(stats, ClientError) and stats.code not in UNREACHABLE:
+            # e.g. FAILED_PRECONDITION: the replica lost its leadership (etcd away?)
+            self.state.stats_error = str(stats)
+            self.apply_connection(CONNECTED)
+            self._show(frozenset({"stats"}))
+        self.request_refresh()  # what was asked for meanwhile
+
+    def action_refresh(self) -> None:
+        self.request_refresh(*FETCH_ORDER)
+
+    # ---- watching ---------------------------------------------------------------------
+    def _watch_worker(self) -> None:
+        self.run_worker(self._watch_loop, thread=True, group="watch", exit_on_error=False)
+
+    def _watch_loop(self) -> None:
+        worker = get_current_worker()
+        backoff = WATCH_BACKOFF_SECONDS[0]
+        while not self._stopping.is_set() and not worker.is_cancelled:
+            client = ControlPlaneClient(self.endpoint, self.timeout_seconds)
+            self._watch_client = client
+            unimplemented = False
+            try:
+                for event in client.watch(replay_recent=True):
+                    backoff = WATCH_BACKOFF_SECONDS[0]
+                    self.post_message(EventReceived(event))
+                reason = "the control plane ended the event stream"
+            except ClientError as exc:
+                reason = str(exc)
+                unimplemented = exc.code == "UNIMPLEMENTED"
+            finally:
+                client.close()
+            if self._stopping.is_set():
+                return
+            self.post_message(WatchBroken(reason, unimplemented))
+            # a control plane without Watch: the periodic refresh carries on alone
+            self._stopping.wait(30.0 if unimplemented else backoff)
+            backoff = min(backoff * 2, WATCH_BACKOFF_SECONDS[1])
+
+    def on_event_received(self, message: EventReceived) -> None:
+        self.state.watch_available = True
+        self.apply_connection(CONNECTED)
+        self.apply_event(message.event)
+        self.request_refresh(*EVENT_TOPICS.get(message.event.kind, ()))
+
+    def on_watch_broken(self, message: WatchBroken) -> None:
+        if message.unimplemented:
+            self.state.watch_available = False
+            self._show(frozenset({"connection"}))
+            return
+        self.apply_connection(RECONNECTING, message.reason)
+        self.request_refresh("stats", "agents")  # probe now, not at the next tick
+
+    # ---- actions the screens ask for ----------------------------------------------------
+    def _act(self, what: str, call, refresh: set[str]) -> None:
+        def run() -> None:
+            try:
+                call(self._current_client())
+                error = ""
+            except ClientError as exc:
+                error = str(exc)
+            self.post_message(ActionDone(what, error, refresh))
+
+        self.run_worker(run, thread=True, group="actions", exit_on_error=False)
+
+    def create_pin(self, request: dict) -> None:
+        self._act("pinned", lambda c: c.pin(**request), {"pins"})
+
+    def remove_pin(self, pin_id: str) -> None:
+        self._act(f"unpinned {pin_id}", lambda c: c.unpin(pin_id), {"pins"})
+
+    def cancel_operation(self, op_id: str) -> None:
+        self._act(f"cancel of {op_id} asked", lambda c: c.cancel_operation(op_id), {"operations"})
+
+    def on_action_done(self, message: ActionDone) -> None:
+        if message.error:
+            self.notify(message.error, title="failed", severity="error", timeout=8)
+        else:
+            self.notify(message.what, timeout=3)
+        self.request_refresh(*message.refresh)
+
+    def action_help(self) -> None:
+        if not isinstance(self.screen, HelpScreen):
+            self.push_screen(HelpScreen())
+
+
+def run(endpoint: str = DEFAULT_ENDPOINT, timeout_seconds: float = 5.0) -> None:
+    DashboardApp(endpoint, timeout_seconds).run()

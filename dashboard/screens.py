@@ -1,0 +1,756 @@
+"""The dashboard's screens. Each one renders from the app's `DashboardState` in
+`show(topics)` (called by the app when a topic it shows changes, and when the screen comes
+back into view) and asks the app for actions (pin, unpin, cancel); none of them calls
+the control plane itself."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from rich.text import Text
+from textual import on
+from textual.app import ComposeResult
+from textual.binding import Binding
+from textual.containers import Grid, Horizontal, Vertical, VerticalScroll
+from textual.screen import ModalScreen, Screen
+from textual.widgets import Button, DataTable, Footer, Input, Label, RichLog, Select, Sparkline, Static
+
+from dashboard import render
+from dashboard.state import CONNECTED, CONNECTING, RECONNECTING, DashboardState, matches_filter
+
+if TYPE_CHECKING:
+    from dashboard.app import DashboardApp
+
+ALL_TOPICS = frozenset({"connection", "agents", "stats", "pins", "operations", "events", "clock"})
+
+
+class StatusLine(Static):
+    """Top line of every screen: where we are connected and in what state."""
+
+    def show(self, state: DashboardState, endpoint: str, title: str) -> None:
+        marks = {
+            CONNECTED: ("●", "connected", "green"),
+            CONNECTING: ("◌", "connecting", "yellow"),
+            RECONNECTING: ("◌", "reconnecting", "bold red"),
+        }
+        dot, word, style = marks[state.connection]
+        text = Text()
+        text.append(" kvcp ", style="bold reverse")
+        text.append(f" {title}  ", style="bold")
+        text.append(f"{endpoint}  ")
+        text.append(f"{dot} {word}", style=style)
+        if state.connection != CONNECTED and state.connection_detail:
+            text.append(f": {state.connection_detail}", style="dim")
+        if state.watch_available is False:
+            text.append("  (live events not available)", style="dim")
+        self.update(text)
+        self.set_class(state.connection == RECONNECTING, "-reconnecting")
+
+
+class DashboardScreen(Screen):
+    TITLE = ""
+
+    @property
+    def dash(self) -> DashboardApp:
+        return self.app  # type: ignore[return-value]
+
+    @property
+    def state(self) -> DashboardState:
+        return self.dash.state
+
+    def compose_status(self) -> ComposeResult:
+        yield StatusLine(id="status")
+
+    def on_screen_resume(self) -> None:
+        self.show(ALL_TOPICS)
+
+    def show(self, topics: frozenset[str]) -> None:
+        if "connection" in topics:
+            self.query_one(StatusLine).show(self.state, self.dash.endpoint, self.TITLE)
+        self.show_data(topics)
+
+    def show_data(self, topics: frozenset[str]) -> None:
+        pass
+
+    def event_added(self, event) -> None:
+        """A new event arrived while this screen is in view."""
+
+
+# ---- cluster ---------------------------------------------------------------------------
+
+
+class ClusterScreen(DashboardScreen):
+    TITLE = "Cluster"
+    BINDINGS = [Binding("enter", "open_agent", "Agent detail", show=True)]
+
+    def compose(self) -> ComposeResult:
+        yield from self.compose_status()
+        yield Static(id="totals")
+        with Horizontal(id="sparks"):
+            for key in ("lookups", "hit", "moved"):
+                with Vertical(classes="spark"):
+                    yield Label(id=f"spark-{key}-label", classes="spark-label")
+                    yield Sparkline([], id=f"spark-{key}")
+        yield DataTable(id="agents", cursor_type="row", zebra_stripes=True)
+        yield Footer()
+
+    def on_mount(self) -> None:
+        table = self.query_one("#agents", DataTable)
+        table.add_column("AGENT", key="agent")
+        table.add_column("ADDRESS", key="address")
+        table.add_column("STATE", key="state")
+        table.add_column("TIERS used/capacity", key="tiers")
+        table.add_column("BLOCKS", key="blocks")
+        table.add_column("HIT", key="hit")
+
+    def show_data(self, topics: frozenset[str]) -> None:
+        if topics & {"stats", "connection", "agents"}:
+            self._show_totals()
+        if "stats" in topics:
+            self._show_sparks()
+        if "agents" in topics:
+            self._show_agents()
+
+    def _show_totals(self) -> None:
+        s = self.state.stats
+        text = Text()
+        if s is None:
+            text.append(self.state.stats_error or "waiting for the control plane…", style="dim")
+        else:
+            if s.is_leader:
+                text.append("leader ", style="bold")
+                text.append(f"{s.leader_address} (epoch {s.epoch})  ")
+                text.append("etcd ", style="bold")
+                text.append("ok", style="green")
+            else:
+                text.append("no leader", style="bold red")
+                text.append(f" (last known {s.leader_address or 'none'}); etcd may be down")
+            if self.state.stats_error:
+                text.append(f"  last refresh failed: {self.state.stats_error}", style="yellow")
+            text.append("\n")
+            text.append("agents ", style="bold")
+            text.append(f"{s.num_agents}  ")
+            text.append("blocks ", style="bold")
+            text.append(f"{s.num_blocks}  ")
+            text.append("replicas ", style="bold")
+            text.append(f"{s.num_block_replicas}  ")
+            text.append("lookups ", style="bold")
+            text.append(f"{s.lookups_total}  ")
+            text.append("hit ", style="bold")
+            text.append(f"{s.hit_ratio:.1%}  ")
+            text.append("resyncs ", style="bold")
+            text.append(f"{s.resyncs_total}")
+            for t in s.tiers:
+                text.append("\n")
+                text.append_text(render.usage_bar(t.used_bytes, t.capacity_bytes, t.tier, width=20))
+                text.append(
+                    f"  {render.bytes_text(t.used_bytes)}/{render.bytes_text(t.capacity_bytes)}, {t.num_blocks} blocks"
+                )
+        self.query_one("#totals", Static).update(text)
+
+    def _show_sparks(self) -> None:
+        series = {
+            "lookups": (self.state.lookup_rate_series(), lambda v: f"lookups/s {v:.1f}"),
+            "hit": (self.state.hit_ratio_series(), lambda v: f"hit ratio {v:.0%}"),
+            "moved": (self.state.movement_series(), lambda v: f"moved {render.rate_bytes(v)}"),
+        }
+        for key, (data, label) in series.items():
+            self.query_one(f"#spark-{key}", Sparkline).data = data or [0.0]
+            self.query_one(f"#spark-{key}-label", Label).update(label(data[-1] if data else 0.0))
+
+    def _show_agents(self) -> None:
+        table = self.query_one("#agents", DataTable)
+        selected = None
+        if table.row_count:
+            selected = table.coordinate_to_cell_key(table.cursor_coordinate).row_key.value
+        table.clear()
+        for a in self.state.agents:
+            tiers = Text("\n").join(
+                render.usage_bar(t.used_bytes, t.capacity_bytes, t.tier, width=8)
+                + Text(f" {render.bytes_text(t.used_bytes)}")
+                for t in a.tiers
+            )
+            table.add_row(
+                a.agent_id,
+                a.address,
+                render.styled(a.state),
+                tiers if a.tiers else Text("-", style="dim"),
+                str(a.num_blocks),
+                f"{a.hit_ratio:.1%}",
+                key=a.agent_id,
+                height=max(1, len(a.tiers)),
+            )
+        if selected is not None:
+            ids = [a.agent_id for a in self.state.agents]
+            if selected in ids:
+                table.move_cursor(row=ids.index(selected), animate=False)
+
+    def _selected_agent(self) -> str | None:
+        table = self.query_one("#agents", DataTable)
+        if not table.row_count:
+            return None
+        return table.coordinate_to_cell_key(table.cursor_coordinate).row_key.value
+
+    def action_open_agent(self) -> None:
+        agent_id = self._selected_agent()
+        if agent_id:
+            self.app.push_screen(AgentScreen(agent_id))
+
+    @on(DataTable.RowSelected, "#agents")
+    def _row_selected(self, event: DataTable.RowSelected) -> None:
+        self.app.push_screen(AgentScreen(str(event.row_key.value)))
+
+
+class AgentScreen(DashboardScreen):
+    """One agent: its tiers, models (and namespaces when the control plane reports them),
+    and the recent events that name it."""
+
+    TITLE = "Agent"
+    BINDINGS = [Binding("escape,backspace", "app.pop_screen", "Back")]
+
+    def __init__(self, agent_id: str):
+        super().__init__()
+        self.agent_id = agent_id
+
+    def compose(self) -> ComposeResult:
+        yield from self.compose_status()
+        with VerticalScroll(id="agent-body"):
+            yield Static(id="agent-info")
+            yield Label("Recent events", classes="section")
+            yield Static(id="agent-events")
+        yield Footer()
+
+    def show_data(self, topics: frozenset[str]) -> None:
+        if topics & {"agents", "clock"}:
+            self._show_info()
+        if "events" in topics:
+            self._show_events()
+
+    def _show_info(self) -> None:
+        a = self.state.agent(self.agent_id)
+        text = Text()
+        text.append(f"{self.agent_id}", style="bold")
+        if a is None:
+            text.append("  not registered (it left the cluster, or has not joined yet)", style="yellow")
+            self.query_one("#agent-info", Static).update(text)
+            return
+        text.append("  ")
+        text.append_text(render.styled(a.state))
+        text.append(f"  {a.address}")
+        if a.last_seen_unix_seconds:
+            text.append(f"  last seen {render.duration(self.dash.now() - a.last_seen_unix_seconds)} ago", style="dim")
+        text.append("\n\n")
+        text.append("blocks ", style="bold")
+        text.append(f"{a.num_blocks}  ")
+        text.append("lookups ", style="bold")
+        text.append(f"{a.lookups_total}  ")
+        text.append("hit ", style="bold")
+        text.append(f"{a.hit_ratio:.1%} ({a.lookup_hit_tokens_total}/{a.lookup_tokens_total} tokens)\n\n")
+        text.append("Tiers\n", style="bold underline")
+        for t in a.tiers:
+            text.append_text(render.usage_bar(t.used_bytes, t.capacity_bytes, t.tier, width=24))
+            text.append(
+                f"  {render.bytes_text(t.used_bytes)} / {render.bytes_text(t.capacity_bytes)}, {t.num_blocks} blocks\n"
+            )
+        if not a.tiers:
+            text.append("no tiers reported\n", style="dim")
+        text.append("\nModels  ", style="bold")
+        text.append(", ".join(a.models) or "none")
+        # namespaces by bytes, when the facade reports them (AgentStats carries them)
+        namespaces = getattr(a, "namespaces", None)
+        if namespaces:
+            text.append("\n\nTop namespaces by bytes\n", style="bold underline")
+            top = sorted(namespaces, key=lambda n: getattr(n, "uncompressed_bytes", 0), reverse=True)[:5]
+            for n in top:
+                text.append(
+                    f"{n.namespace or 'default':<20} {render.bytes_text(n.uncompressed_bytes):>10}  {n.num_blocks} blocks\n"
+                )
+        self.query_one("#agent-info", Static).update(text)
+
+    def event_added(self, event) -> None:
+        if event.agent_id == self.agent_id:
+            self._show_events()
+
+    def _show_events(self) -> None:
+        events = self.state.agent_events(self.agent_id, limit=8)
+        text = Text()
+        for e in events:
+            text.append(f"{render.clock_time(e.unix_seconds)} ", style="dim")
+            text.append(f"{e.kind:<13}", style=render.SEVERITY_STYLES.get(e.severity, ""))
+            text.append(f" {e.message}\n")
+        if not events:
+            text.append("none yet", style="dim")
+        self.query_one("#agent-events", Static).update(text)
+
+
+# ---- pins ------------------------------------------------------------------------------
+
+
+class PinsScreen(DashboardScreen):
+    TITLE = "Pins"
+    BINDINGS = [
+        Binding("n", "new_pin", "New pin"),
+        Binding("d,delete", "unpin", "Unpin"),
+    ]
+
+    def compose(self) -> ComposeResult:
+        yield from self.compose_status()
+        yield Static(id="pins-note", classes="note")
+        yield DataTable(id="pins", cursor_type="row", zebra_stripes=True)
+        yield Static(id="pin-detail", classes="detail")
+        yield Footer()
+
+    def on_mount(self) -> None:
+        table = self.query_one("#pins", DataTable)
+        for label, key in (
+            ("PIN", "pin"),
+            ("NAMESPACE", "namespace"),
+            ("SCOPE", "scope"),
+            ("TIER", "tier"),
+            ("BYTES", "bytes"),
+            ("TTL", "ttl"),
+            ("OWNER", "owner"),
+        ):
+            table.add_column(label, key=key)
+
+    def show_data(self, topics: frozenset[str]) -> None:
+        if "pins" in topics:
+            self._show_pins()
+        elif "clock" in topics:
+            self._show_ttls()
+        if topics & {"pins", "clock"}:
+            self._show_detail()
+
+    def _show_detail(self) -> None:
+        pin_id = self._selected()
+        p = next((p for p in self.state.pins if p.pin_id == pin_id), None)
+        text = Text()
+        if p is not None:
+            text.append(p.pin_id, style="bold")
+            text.append(f"  {p.namespace}  model {p.model_id or '*'}  {p.num_blocks} blocks")
+            text.append(f"  {render.bytes_text(p.pinned_bytes)} at {p.min_tier} or faster\n")
+            text.append(f"created {render.clock_time(p.created_unix_seconds)}", style="dim")
+            if p.expires_unix_seconds:
+                text.append(f"  expires {render.clock_time(p.expires_unix_seconds)}", style="dim")
+            else:
+                text.append("  no TTL: released with its owner's lease", style="dim")
+            if p.owner:
+                text.append(f"  owner {p.owner}", style="dim")
+        self.query_one("#pin-detail", Static).update(text)
+
+    @on(DataTable.RowHighlighted, "#pins")
+    def _highlighted(self) -> None:
+        self._show_detail()
+
+    def _note(self) -> str:
+        f = self.state.pins_feature
+        if f.available is False:
+            return "Pins are not available on this control plane (it answers UNIMPLEMENTED); this screen lights up when they are."
+        if f.error:
+            return f"could not list pins: {f.error}"
+        if f.available is None:
+            return "loading pins…"
+        if not self.state.pins:
+            return "no pins; press n to pin a prefix or a namespace"
+        return ""
+
+    def _show_pins(self) -> None:
+        note = self._note()
+        self.query_one("#pins-note", Static).update(note)
+        self.query_one("#pins-note", Static).display = bool(note)
+        table = self.query_one("#pins", DataTable)
+        selected = self._selected()
+        table.clear()
+        now = self.dash.now()
+        for p in self.state.pins:
+            scope = "namespace" if p.whole_namespace else "prefix"
+            if p.agent_id:
+                scope += f"@{p.agent_id}"
+            table.add_row(
+                render.short_id(p.pin_id, 12),
+                render.short_id(p.namespace, 12),
+                render.short_id(scope, 16),
+                p.min_tier,
+                render.bytes_text(p.pinned_bytes),
+                self._ttl(p, now),
+                render.short_id(p.owner or "-", 12),
+                key=p.pin_id,
+            )
+        ids = [p.pin_id for p in self.state.pins]
+        if selected in ids:
+            table.move_cursor(row=ids.index(selected), animate=False)
+
+    @staticmethod
+    def _ttl(pin, now: float) -> Text:
+        left = pin.ttl_left_seconds(now)
+        if left is None:
+            return Text("lease", style="dim")
+        return Text(render.duration(left), style="yellow" if left < 60 else "")
+
+    def _show_ttls(self) -> None:
+        table = self.query_one("#pins", DataTable)
+        now = self.dash.now()
+        for p in self.state.pins:
+            if p.expires_unix_seconds:
+                try:
+                    table.update_cell(p.pin_id, "ttl", self._ttl(p, now))
+                except KeyError:  # the table is being rebuilt
+                    pass
+
+    def _selected(self) -> str | None:
+        table = self.query_one("#pins", DataTable)
+        if not table.row_count:
+            return None
+        return table.coordinate_to_cell_key(table.cursor_coordinate).row_key.value
+
+    def action_new_pin(self) -> None:
+        if self.state.pins_feature.available is False:
+            self.app.notify("Pins are not available on this control plane.", severity="warning")
+            return
+
+        def created(request: dict | None) -> None:
+            if request:
+                self.dash.create_pin(request)
+
+        self.app.push_screen(PinForm(), created)
+
+    def action_unpin(self) -> None:
+        pin_id = self._selected()
+        if not pin_id:
+            return
+        pin = next((p for p in self.state.pins if p.pin_id == pin_id), None)
+        what = f"{pin.namespace}/{pin.pin_id}" if pin else pin_id
+
+        def confirmed(yes: bool | None) -> None:
+            if yes:
+                self.dash.remove_pin(pin_id)
+
+        self.app.push_screen(ConfirmScreen(f"Unpin {what}?", "Its blocks may then be demoted or evicted."), confirmed)
+
+
+class PinForm(ModalScreen[dict | None]):
+    """Pin a prefix (model + token ids) or a whole namespace (no tokens)."""
+
+    BINDINGS = [Binding("escape", "cancel", "Cancel")]
+
+    def compose(self) -> ComposeResult:
+        with Vertical(id="pin-form", classes="dialog"):
+            yield Label("New pin", classes="dialog-title")
+            with Grid(id="pin-grid"):
+                yield Label("namespace")
+                yield Input(placeholder="default", id="pin-namespace", compact=True)
+                yield Label("model")
+                yield Input(placeholder="model id", id="pin-model", compact=True)
+                yield Label("tokens")
+                yield Input(placeholder="1,2,3 … (empty: whole namespace)", id="pin-tokens", compact=True)
+                yield Label("min tier")
+                yield Select(
+                    [("gpu", "gpu"), ("cpu", "cpu"), ("disk", "disk")],
+                    value="cpu",
+                    allow_blank=False,
+                    id="pin-tier",
+                    compact=True,
+                )
+                yield Label("ttl seconds")
+                yield Input("3600", id="pin-ttl", compact=True)
+                yield Label("owner")
+                yield Input("kvctl-dashboard", id="pin-owner", compact=True)
+            yield Label("", id="pin-error", classes="error")
+            with Horizontal(classes="buttons"):
+                yield Button("Pin", variant="primary", id="pin-create")
+                yield Button("Cancel", id="pin-cancel")
+
+    def _value(self, widget_id: str) -> str:
+        return self.query_one(f"#{widget_id}", Input).value.strip()
+
+    def request(self) -> dict:
+        """The form as keyword arguments of ControlPlaneClient.pin; ValueError names the bad field."""
+        tokens_text = self._value("pin-tokens")
+        tokens = None
+        if tokens_text:
+            try:
+                tokens = [int(t) for t in tokens_text.replace(",", " ").split()]
+            except ValueError:
+                raise ValueError("tokens: token ids must be integers separated by commas or spaces") from None
+            if any(t < 0 or t >= 2**32 for t in tokens):
+                raise ValueError("tokens: token ids must be in [0, 2^32)")
+        try:
+            ttl = float(self._value("pin-ttl") or 0)
+        except ValueError:
+            raise ValueError("ttl seconds: must be a number") from None
+        if ttl < 0:
+            raise ValueError("ttl seconds: must not be negative")
+        model = self._value("pin-model")
+        if tokens and not model:
+            raise ValueError("model: a prefix pin needs the model id")
+        return {
+            "namespace": self._value("pin-namespace"),
+            "model_id": model,
+            "token_ids": tokens,
+            "min_tier": str(self.query_one("#pin-tier", Select).value),
+            "ttl_seconds": ttl,
+            "owner": self._value("pin-owner"),
+        }
+
+    @on(Button.Pressed, "#pin-create")
+    @on(Input.Submitted)
+    def _submit(self) -> None:
+        try:
+            request = self.request()
+        except ValueError as exc:
+            self.query_one("#pin-error", Label).update(str(exc))
+            return
+        self.dismiss(request)
+
+    @on(Button.Pressed, "#pin-cancel")
+    def action_cancel(self) -> None:
+        self.dismiss(None)
+
+
+class ConfirmScreen(ModalScreen[bool]):
+    BINDINGS = [
+        Binding("y", "answer(True)", "Yes"),
+        Binding("n,escape", "answer(False)", "No"),
+    ]
+
+    def __init__(self, question: str, detail: str = ""):
+        super().__init__()
+        self.question = question
+        self.detail = detail
+
+    def compose(self) -> ComposeResult:
+        with Vertical(classes="dialog confirm"):
+            yield Label(self.question, classes="dialog-title")
+            if self.detail:
+                yield Label(self.detail)
+            with Horizontal(classes="buttons"):
+                yield Button("Yes (y)", variant="error", id="yes")
+                yield Button("No (n)", id="no")
+
+    def on_mount(self) -> None:
+        self.query_one("#no", Button).focus()
+
+    def action_answer(self, yes: bool) -> None:
+        self.dismiss(yes)
+
+    @on(Button.Pressed)
+    def _pressed(self, event: Button.Pressed) -> None:
+        self.dismiss(event.button.id == "yes")
+
+
+# ---- operations ------------------------------------------------------------------------
+
+
+class OperationsScreen(DashboardScreen):
+    TITLE = "Operations"
+    BINDINGS = [Binding("x", "cancel_op", "Cancel op")]
+
+    def compose(self) -> ComposeResult:
+        yield from self.compose_status()
+        yield Static(id="ops-note", classes="note")
+        yield DataTable(id="ops", cursor_type="row", zebra_stripes=True)
+        yield Static(id="op-detail", classes="detail")
+        yield Footer()
+
+    def on_mount(self) -> None:
+        table = self.query_one("#ops", DataTable)
+        for label, key in (
+            ("OP", "op"),
+            ("KIND", "kind"),
+            ("STATE", "state"),
+            ("PROGRESS", "progress"),
+            ("BLOCKS", "done"),
+            ("MOVED", "moved"),
+        ):
+            table.add_column(label, key=key)
+
+    def show_data(self, topics: frozenset[str]) -> None:
+        if "operations" in topics:
+            self._show_ops()
+        if topics & {"operations", "clock"}:
+            self._show_detail()
+
+    def _note(self) -> str:
+        f = self.state.operations_feature
+        if f.available is False:
+            return (
+                "Operations are not available on this control plane (it answers UNIMPLEMENTED); "
+                "this screen lights up when they are."
+            )
+        if f.error:
+            return f"could not list operations: {f.error}"
+        if f.available is None:
+            return "loading operations…"
+        if not self.state.operations:
+            return "no operations yet (kvctl move / cleanup / compress start them)"
+        return ""
+
+    def _show_ops(self) -> None:
+        note = self._note()
+        self.query_one("#ops-note", Static).update(note)
+        self.query_one("#ops-note", Static).display = bool(note)
+        table = self.query_one("#ops", DataTable)
+        selected = self._selected()
+        table.clear()
+        for op in self.state.operations:
+            progress = render.bar(op.progress, 10, style="cyan") + Text(f" {op.progress:>4.0%}")
+            done = Text(f"{op.done}/{op.total}", style="red" if op.failed else "")
+            table.add_row(
+                render.short_id(op.op_id, 16),
+                op.kind + ("*" if op.dry_run else ""),
+                render.styled(op.state),
+                progress,
+                done,
+                render.bytes_text(op.moved_bytes),
+                key=op.op_id,
+            )
+        ids = [op.op_id for op in self.state.operations]
+        if selected in ids:
+            table.move_cursor(row=ids.index(selected), animate=False)
+
+    def _show_detail(self) -> None:
+        op_id = self._selected()
+        op = next((o for o in self.state.operations if o.op_id == op_id), None)
+        text = Text()
+        if op is not None:
+            text.append(f"{op.op_id}", style="bold")
+            if op.created_unix_seconds:
+                text.append(f"  started {render.duration(self.dash.now() - op.created_unix_seconds)} ago")
+            if op.dry_run:
+                text.append("  dry run")
+            if op.failed:
+                text.append(f"  {op.failed} failed", style="red")
+            if op.skipped_pinned:
+                text.append(f"  {op.skipped_pinned} skipped (pinned)")
+            params = " ".join(f"{k}={v}" for k, v in sorted(op.params.items()))
+            if params:
+                text.append(f"\n{params}", style="dim")
+            if op.error:
+                text.append(f"\n{op.error}", style="red")
+            for a in op.agents[:3]:
+                text.append(f"\n  {a.agent_id}: {a.state} {a.done}/{a.total}")
+                if a.error:
+                    text.append(f" {a.error}", style="red")
+        self.query_one("#op-detail", Static).update(text)
+
+    @on(DataTable.RowHighlighted, "#ops")
+    def _highlighted(self) -> None:
+        self._show_detail()
+
+    def _selected(self) -> str | None:
+        table = self.query_one("#ops", DataTable)
+        if not table.row_count:
+            return None
+        return table.coordinate_to_cell_key(table.cursor_coordinate).row_key.value
+
+    def action_cancel_op(self) -> None:
+        op_id = self._selected()
+        op = next((o for o in self.state.operations if o.op_id == op_id), None)
+        if op is None:
+            return
+        if op.finished:
+            self.app.notify(f"{op.kind} {op.op_id} already {op.state.lower()}", severity="warning")
+            return
+
+        def confirmed(yes: bool | None) -> None:
+            if yes:
+                self.dash.cancel_operation(op.op_id)
+
+        self.app.push_screen(
+            ConfirmScreen(f"Cancel {op.kind} {op.op_id}?", f"{op.done}/{op.total} blocks done so far."), confirmed
+        )
+
+
+# ---- events ----------------------------------------------------------------------------
+
+
+class EventsScreen(DashboardScreen):
+    TITLE = "Events"
+    BINDINGS = [
+        Binding("slash", "focus_filter", "Filter"),
+        Binding("escape", "clear_filter", "Clear filter", show=False),
+    ]
+
+    def compose(self) -> ComposeResult:
+        yield from self.compose_status()
+        yield Input(placeholder="/ filter: words, kind:notice, sev:warning, agent:agent-1", id="filter", compact=True)
+        yield RichLog(id="log", max_lines=2000, wrap=True, auto_scroll=True)
+        yield Footer()
+
+    def on_mount(self) -> None:
+        self.query_one("#log", RichLog).focus()
+
+    def show_data(self, topics: frozenset[str]) -> None:
+        if "events" in topics:
+            self._rebuild()
+
+    def event_added(self, event) -> None:
+        """One new event while on screen (cheaper than rebuilding the log)."""
+        if matches_filter(event, self.query_one("#filter", Input).value):
+            self.query_one("#log", RichLog).write(self._line(event))
+
+    @staticmethod
+    def _line(e) -> Text:
+        text = Text()
+        text.append(f"{render.clock_time(e.unix_seconds)} ", style="dim")
+        text.append(f"{e.kind:<12} ", style=render.SEVERITY_STYLES.get(e.severity, "") or "bold")
+        ids = " ".join(x for x in (e.agent_id, e.op_id, e.pin_id) if x)
+        if ids:
+            text.append(f"{ids} ", style="cyan")
+        text.append(e.message)
+        return text
+
+    def _rebuild(self) -> None:
+        log = self.query_one("#log", RichLog)
+        log.clear()
+        text = self.query_one("#filter", Input).value
+        for e in self.state.events:
+            if matches_filter(e, text):
+                log.write(self._line(e))
+
+    @on(Input.Changed, "#filter")
+    def _filter_changed(self) -> None:
+        self._rebuild()
+
+    @on(Input.Submitted, "#filter")
+    def _filter_done(self) -> None:
+        self.query_one("#log", RichLog).focus()
+
+    def action_focus_filter(self) -> None:
+        self.query_one("#filter", Input).focus()
+
+    def action_clear_filter(self) -> None:
+        self.query_one("#filter", Input).value = ""
+        self.query_one("#log", RichLog).focus()
+
+
+# ---- help ------------------------------------------------------------------------------
+
+HELP_TEXT = """\
+[b]Screens[/b]
+  c  Cluster      agents, tiers, totals, sparklines
+  p  Pins         pins with TTL countdown
+  o  Operations   moves, cleanups, compressions
+  e  Events       the live event log
+  ?  this help    q  quit    r  refresh now
+
+[b]Cluster[/b]   ↑/↓ choose an agent, Enter: its detail; Esc: back
+[b]Pins[/b]      n: new pin (a prefix, or a whole namespace);
+            d: unpin the selected pin (asks first)
+[b]Operations[/b] x: cancel the selected operation (asks first)
+[b]Events[/b]    /: filter (words, kind:notice, sev:warning,
+            agent:ID); Esc clears it
+
+Updates come from the control plane's Watch stream; stats
+refresh every few seconds. When the control plane goes away
+the top line says [b red]reconnecting[/b red] until it is back."""
+
+
+class HelpScreen(ModalScreen[None]):
+    BINDINGS = [Binding("escape,question_mark,q", "app.pop_screen", "Close")]
+
+    def compose(self) -> ComposeResult:
+        with Vertical(classes="dialog help"):
+            yield Label("kvcp dashboard — keys", classes="dialog-title")
+            yield Static(HELP_TEXT)
+            yield Label("Esc or ? closes this", classes="dim")

@@ -1,0 +1,197 @@
+"""Pins, operations and policy against a real etcd and real gRPC: pins hold on agents,
+survive a control-plane restart, are re-applied after an agent restart, expire on time;
+move/compress/cleanup run as operations; cleanups of one scope serialize."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+
+from agent.server import DEMO_MODEL
+from cli.client import ClientError, ControlPlaneClient
+from protos import etcd_keys
+from protos.block_hash import hash_prefix, split_hashes
+from protos.tier import Tier
+from tests.helpers import wait_for
+
+M = DEMO_MODEL
+BS = M.block_size
+
+
+def kv(n: int, seed: int = 0) -> torch.Tensor:
+    return torch.randn((n, *M.block_shape), generator=torch.Generator().manual_seed(seed)).to(torch.float16)
+
+
+def tokens(n_blocks: int, start: int = 0) -> list[int]:
+    return list(range(start, start + n_blocks * BS))
+
+
+def indexed(c: ControlPlaneClient, agent_id: str) -> int:
+    return {a.agent_id: a.num_blocks for a in c.list_agents()}.get(agent_id, -1)
+
+
+@pytest.fixture
+def client(controlplane):
+    with ControlPlaneClient(controlplane.address) as c:
+        yield c
+
+
+def pinned_on(agent, token_ids) -> list[int]:
+    hashes = split_hashes(hash_prefix(M.model_id, token_ids, BS))
+    with agent.pool.lock:
+        return [agent.pool.pin_tier(agent.pool.blocks[h]) if h in agent.pool.blocks else -1 for h in hashes]
+
+
+def test_pin_holds_against_eviction_and_expires(client, make_agent):
+    a = make_agent("p1", cpu_capacity_bytes=8 * M.block_bytes)
+    a.engine.store(M.model_id, tokens(4), kv(4))
+    wait_for(lambda: indexed(client, "p1") == 4, what="indexed")
+    pin = client.pin(model_id=M.model_id, token_ids=tokens(4), min_tier="cpu", ttl_seconds=3, owner="test")
+    assert pin.num_blocks == 4 and pin.pinned_bytes == 4 * M.block_bytes
+    wait_for(lambda: pinned_on(a, tokens(4)) == [int(Tier.CPU)] * 4, what="pin applied on the agent")
+    # fill the tier far beyond capacity: the pinned prefix stays
+    for i in range(6):
+        a.engine.store(M.model_id, tokens(4, start=10_000 * (i + 1)), kv(4, seed=i + 1))
+    assert a.engine.lookup(M.model_id, tokens(4)) == 4 * BS
+    assert [p.pin_id for p in client.list_pins()] == [pin.pin_id]
+    # no pin outlives its TTL: the agent stops honouring it at expiry, the CP drops it
+    wait_for(lambda: pinned_on(a, tokens(4)) == [0] * 4, timeout_seconds=4.5, what="pin expired on the agent")
+    wait_for(lambda: client.list_pins() == [], timeout_seconds=2, what="pin expired on the control plane")
+    assert client.get_policy() is not None
+
+
+def test_pin_errors_change_nothing(client, make_agent):
+    make_agent("p2")
+    wait_for(lambda: indexed(client, "p2") == 0, what="agent")
+    cases = [
+        (dict(model_id=M.model_id, token_ids=[1, 2], ttl_seconds=10), "INVALID_ARGUMENT", "fewer tokens"),
+        (dict(namespace="bad ns!", ttl_seconds=10), "INVALID_ARGUMENT", "namespace"),
+        (dict(model_id=M.model_id, token_ids=tokens(1)), "INVALID_ARGUMENT", "TTL"),
+        (dict(model_id="nope", token_ids=tokens(1), ttl_seconds=10), "NOT_FOUND", "unknown model"),
+        (dict(model_id=M.model_id, token_ids=tokens(1), ttl_seconds=10, min_tier="ssd"), "INVALID_ARGUMENT", "tier"),
+        (dict(namespace="kb", ttl_seconds=10, agent_id="ghost"), "NOT_FOUND", "ghost"),
+    ]
+    for kwargs, code, needle in cases:
+        with pytest.raises(ClientError) as info:
+            client.pin(**kwargs)
+        assert info.value.code == code and needle in str(info.value), (kwargs, str(info.value))
+    with pytest.raises(ClientError) as info:
+        client.unpin("does-not-exist")
+    assert info.value.code == "NOT_FOUND"
+    assert client.list_pins() == []
+
+
+def test_quota_rejects_beyond_it(client, make_agent):
+    make_agent("p3")
+    wait_for(lambda: indexed(client, "p3") == 0, what="agent")
+    client.set_policy({"quota.legal-kb": str(3 * M.block_bytes)})
+    client.pin(model_id=M.model_id, token_ids=tokens(2), namespace="legal-kb", ttl_seconds=60)
+    with pytest.raises(ClientError) as info:
+        client.pin(model_id=M.model_id, token_ids=tokens(2, start=500), namespace="legal-kb", ttl_seconds=60)
+    assert info.value.code == "RESOURCE_EXHAUSTED" and "legal-kb" in str(info.value)
+    assert len(client.list_pins("legal-kb")) == 1
+    with pytest.raises(ClientError) as info:
+        client.set_policy({"quota.legal-kb": "lots"})
+    assert info.value.code == "INVALID_ARGUMENT" and "quota.legal-kb" in str(info.value)
+
+
+def test_pins_survive_controlplane_restart_and_reapply_to_restarted_agent(etcd, make_agent):
+    from controlplane.server import ControlPlane, ControlPlaneConfig
+
+    cp = ControlPlane(ControlPlaneConfig(listen="127.0.0.1:0", etcd=etcd, election_ttl_seconds=2)).start()
+    port = cp.port
+    a = make_agent("p4", lease_ttl_seconds=3)
+    a.engine.store(M.model_id, tokens(3), kv(3))
+    with ControlPlaneClient(cp.address) as c:
+        wait_for(lambda: indexed(c, "p4") == 3, what="indexed")
+        pin = c.pin(model_id=M.model_id, token_ids=tokens(3), min_tier="cpu", ttl_seconds=120)
+        wait_for(lambda: pinned_on(a, tokens(3)) == [int(Tier.CPU)] * 3, what="applied")
+    cp.stop()
+    cp2 = ControlPlane(ControlPlaneConfig(listen=f"127.0.0.1:{port}", etcd=etcd, election_ttl_seconds=2)).start()
+    try:
+        with ControlPlaneClient(cp2.address) as c:
+            wait_for(lambda: [p.pin_id for p in c.list_pins()] == [pin.pin_id], timeout_seconds=10, what="pin reloaded")
+            # a restarted agent (new process, same id) gets the pin again
+            a.stop(deregister=True)
+            b = make_agent("p4", lease_ttl_seconds=3)
+            b.engine.store(M.model_id, tokens(3), kv(3))
+            wait_for(lambda: pinned_on(b, tokens(3)) == [int(Tier.CPU)] * 3, timeout_seconds=10, what="re-applied")
+    finally:
+        cp2.stop()
+
+
+def test_pin_tied_to_owner_lease_goes_with_it(client, make_agent, etcd):
+    make_agent("p5")
+    wait_for(lambda: indexed(client, "p5") == 0, what="agent")
+    owner = etcd_keys.connect(etcd)
+    lease = owner.lease(2)
+    pin = client.pin(namespace="chat", owner="router-1", owner_lease_id=lease.id)
+    assert pin.expires_unix_seconds == 0 and pin.whole_namespace
+    lease.revoke()
+    wait_for(lambda: client.list_pins() == [], timeout_seconds=5, what="pin released with its owner lease")
+    owner.close()
+
+
+def test_move_compress_and_cleanup_operations(client, make_agent, tmp_path):
+    a = make_agent("o1", disk_dir=str(tmp_path / "disk"), disk_capacity_bytes=1 << 24)
+    a.engine.store(M.model_id, tokens(4), kv(4), namespace="legal-kb")
+    a.engine.store(M.model_id, tokens(2, start=7000), kv(2, seed=3), namespace="chat")
+    wait_for(lambda: indexed(client, "o1") == 6, what="indexed")
+
+    op = client.move("disk", model_id=M.model_id, token_ids=tokens(4))
+    op = client.wait_operation(op.op_id, timeout_seconds=20)
+    assert op.state == "SUCCEEDED" and op.done == 4 and op.moved_bytes > 0
+    wait_for(lambda: client.lookup(M.model_id, tokens(4)).agents[0].tiers == ["disk"] * 4, what="index shows disk")
+    assert torch.equal(a.engine.load(M.model_id, tokens(4)).kv, kv(4))
+
+    op = client.wait_operation(client.compress("int8", namespace="chat").op_id, timeout_seconds=20)
+    assert op.state == "SUCCEEDED" and op.done == 2
+    with a.pool.lock:
+        codecs = {m.codec for m in a.pool.blocks.values() if m.namespace == "chat"}
+    assert codecs == {"int8"}
+
+    pin = client.pin(namespace="legal-kb", ttl_seconds=60)
+    wait_for(lambda: all(t == int(Tier.CPU) for t in pinned_on(a, tokens(4))), what="namespace pin applied")
+    dry = client.wait_operation(client.cleanup(0, dry_run=True).op_id, timeout_seconds=20)
+    assert dry.state == "SUCCEEDED" and dry.dry_run and dry.skipped_pinned == 4
+    assert sum(t.num_blocks for t in dry.freed) == 2
+    assert indexed(client, "o1") == 6  # a dry run changes nothing
+    real = client.wait_operation(client.cleanup(0).op_id, timeout_seconds=20)
+    assert real.state == "SUCCEEDED" and sum(t.num_blocks for t in real.freed) == 2
+    wait_for(lambda: indexed(client, "o1") == 4, what="cleanup reached the index")
+    client.unpin(pin.pin_id)
+    ops = client.list_operations()
+    assert [o.kind for o in ops[:5]] == ["cleanup", "cleanup", "compress", "move"][: len(ops[:5])] or len(ops) >= 4
+
+
+def test_operation_errors(client, make_agent):
+    make_agent("o2")
+    wait_for(lambda: indexed(client, "o2") == 0, what="agent")
+    with pytest.raises(ClientError) as info:
+        client.get_operation("nope")
+    assert info.value.code == "NOT_FOUND"
+    with pytest.raises(ClientError) as info:
+        client.move("ssd", namespace="x")
+    assert info.value.code == "INVALID_ARGUMENT" and "to_tier" in str(info.value)
+    with pytest.raises(ClientError) as info:
+        client.compress("lz4", namespace="x")
+    assert info.value.code == "INVALID_ARGUMENT" and "codec" in str(info.value)
+    with pytest.raises(ClientError) as info:
+        client.cleanup(0, agent_id="ghost")
+    assert info.value.code == "NOT_FOUND"
+
+
+def test_concurrent_cleanups_of_one_namespace_serialize(client, make_agent, controlplane, etcd):
+    from controlplane.store.locks import EtcdLock
+
+    make_agent("o3")
+    wait_for(lambda: indexed(client, "o3") == 0, what="agent")
+    holder = EtcdLock(etcd_keys.connect(etcd), "cleanup/kb", "someone-else")
+    assert holder.try_acquire()
+    op = client.cleanup(0, namespace="kb")
+    time.sleep(1.0)
+    assert client.get_operation(op.op_id).state == "PENDING"  # waits for the lock
+    holder.release()
+    assert client.wait_operation(op.op_id, timeout_seconds=10).state == "SUCCEEDED"

@@ -1,0 +1,204 @@
+"""Shared pieces of the tier tests: a small fp16 model, a pool over a real CPU slab and
+a real disk directory, and the pool's invariants checked against both stores."""
+
+from __future__ import annotations
+
+import math
+import os
+from pathlib import Path
+
+import torch
+
+from agent.core import codecs
+from agent.core.block_pool import BlockPool
+from agent.core.engine_api import KVEngineAPI
+from agent.core.model_spec import ModelSpec
+from agent.core.mover import Mover
+from agent.store.disk_tier import DiskHandle, DiskTier
+from agent.store.memory_tier import MemoryTier
+from protos.block_hash import ROOT_PARENT_HASH
+from protos.tier import Tier
+
+SPEC = ModelSpec("tiny", block_size=4, num_layers=2, num_kv_heads=2, head_dim=8, dtype="float16")
+BS = SPEC.block_size
+BLOCK_BYTES = SPEC.block_bytes  # 512
+
+
+def kv(num_blocks: int, seed: int = 0, spec: ModelSpec = SPEC) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn((num_blocks, *spec.block_shape), generator=g).to(spec.torch_dtype)
+
+
+def tokens(num_blocks: int, start: int = 0) -> list[int]:
+    return list(range(start, start + num_blocks * BS))
+
+
+def make_pool(
+    disk_dir: Path | str,
+    cpu_blocks: int = 2,
+    disk_bytes: int = 1 << 20,
+    tier_codecs: dict[Tier, str] | None = None,
+    page_bytes: int = BLOCK_BYTES,
+) -> BlockPool:
+    """A CPU slab of `cpu_blocks` raw blocks over a disk tier in `disk_dir`."""
+    cpu = MemoryTier(Tier.CPU, cpu_blocks * BLOCK_BYTES, page_bytes, device="cpu")
+    return BlockPool([cpu, DiskTier(disk_dir, disk_bytes)], [SPEC], tier_codecs=tier_codecs)
+
+
+def make_engine(pool: BlockPool, with_mover: bool = False) -> KVEngineAPI:
+    return KVEngineAPI(pool, [SPEC], Mover(pool) if with_mover else None)
+
+
+def hashes(engine: KVEngineAPI, token_ids: list[int]) -> list[bytes]:
+    return engine.hashes(SPEC, token_ids)
+
+
+def disk_of(pool: BlockPool) -> DiskTier:
+    return pool.store_of[Tier.DISK]
+
+
+def block_file(pool: BlockPool, block_hash: bytes) -> Path:
+    meta = pool.blocks[block_hash]
+    assert meta.tier is Tier.DISK, f"block is in the {meta.tier.label} tier"
+    return Path(meta.handle.path)
+
+
+def block_files(directory: Path | str) -> list[Path]:
+    return sorted(Path(directory).glob("*/*.kvb"))
+
+
+def flip_byte(path: Path, offset: int) -> None:
+    with open(path, "r+b") as f:
+        f.seek(offset, os.SEEK_SET if offset >= 0 else os.SEEK_END)
+        b = f.read(1)
+        f.seek(-1, os.SEEK_CUR)
+        f.write(bytes([b[0] ^ 0xFF]))
+
+
+def decoded(pool: BlockPool, block_hash: bytes) -> torch.Tensor:
+    """A held block's decoded tensor straight from its tier (no touch, no reference)."""
+    meta = pool.blocks[block_hash]
+    spec = pool.models[meta.model_id]
+    raw = pool.store_of[meta.tier].read(meta.handle, meta.stored_bytes)
+    return codecs.decode(meta.codec, raw, spec.block_shape, spec.torch_dtype)
+
+
+def check_pool(pool: BlockPool) -> None:
+    """The pool's invariants, against what its memory and disk stores really hold."""
+    with pool.lock:
+        blocks = dict(pool.blocks)
+        for h, meta in blocks.items():
+            assert meta.block_hash == h
+            assert meta.parent_hash == ROOT_PARENT_HASH or meta.parent_hash in blocks, "a held block lost its parent"
+            assert meta.num_children == sum(1 for m in blocks.values() if m.parent_hash == h and m.ready)
+            assert meta.ready and meta.ref_count == 0 and not meta.moving and not meta.corrupt
+        usage = {u.tier: u for u in pool.usage()}
+        for store in pool.tiers:
+            metas = [m for m in blocks.values() if m.tier == store.tier]
+            u = usage[store.tier]
+            assert u.num_blocks == len(metas)
+            assert u.uncompressed_bytes == sum(m.num_bytes for m in metas)
+            assert u.stored_bytes == sum(m.stored_bytes for m in metas)
+            assert u.used_bytes <= u.capacity_bytes
+            if isinstance(store, MemoryTier):
+                used: list[int] = []
+                for m in metas:
+                    pages = m.handle.tolist() if torch.is_tensor(m.handle) else list(m.handle)
+                    assert len(pages) == max(1, -(-m.stored_bytes // store.page_bytes))
+                    used += pages
+                free = list(store._free)
+                assert len(set(used)) == len(used), "a page is allocated twice"
+                assert not set(used) & set(free), "a page is both held and free"
+                assert sorted(used + free) == list(range(store.num_pages)), "a page leaked"
+            else:
+                assert all(isinstance(m.handle, DiskHandle) for m in metas)
+                paths = [m.handle.path for m in metas]
+                assert len(set(paths)) == len(paths), "two blocks share a file"
+                assert all(os.path.exists(p) for p in paths), "a held block has no file"
+                assert store.used_bytes == sum(m.handle.footprint_bytes for m in metas)
+    if Tier.DISK in pool.store_of:
+        disk = disk_of(pool)
+        disk.flush()
+        with pool.lock:
+            on_disk = {str(p) for p in block_files(disk.directory)}
+            held = {m.handle.path for m in pool.blocks.values() if m.tier is Tier.DISK}
+        assert on_disk == held, "files on disk differ from the disk blocks held"
+
+
+# ---- what each lossy codec promises --------------------------------------------------
+HALF_ULP = {torch.float16: 2.0**-11, torch.bfloat16: 2.0**-8, torch.float32: 2.0**-24}
+FP16_TINY = 2.0**-25  # half the spacing of fp16 subnormals
+
+
+def fp16_err(v: torch.Tensor) -> torch.Tensor:
+    """How far rounding `v` to fp16 may move it (scales and minimums are stored as fp16;
+    a scale below 2^-14 is subnormal there and keeps only an absolute precision)."""
+    return torch.maximum(v.abs() * 2.0**-11, torch.tensor(FP16_TINY))
+
+
+def out_err(x: torch.Tensor) -> torch.Tensor:
+    """How far rounding the decoded value back to x's dtype may move it."""
+    tiny = FP16_TINY if x.dtype == torch.float16 else 0.0
+    return torch.maximum(x.float().abs() * HALF_ULP[x.dtype], torch.tensor(tiny))
+
+
+def block(shape, dtype, seed: int = 0, magnitude: float = 1.0) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randn(shape, generator=g) * magnitude).to(dtype)
+
+
+def roundtrip(codec: str, x: torch.Tensor) -> torch.Tensor:
+    payload = codecs.encode(codec, x)
+    assert payload.dtype == torch.uint8 and payload.dim() == 1
+    y = codecs.decode(codec, payload, x.shape, x.dtype)
+    assert y.shape == x.shape and y.dtype == x.dtype
+    return y
+
+
+def int8_bound(x: torch.Tensor) -> torch.Tensor:
+    """Per element: half the scale of its (layer, k/v, token, head) row, the scale
+    being amax / 127 (plus its fp16 rounding, times at most 127 steps), plus the output
+    dtype's rounding."""
+    xf = x.float()
+    scale = xf.abs().amax(dim=-1, keepdim=True) / 127.0
+    return scale / 2 + 127 * fp16_err(scale) + out_err(x) + 1e-7
+
+
+def int4_group_len(n: int) -> int:
+    """The codec's grouping: at most 128 per group, split evenly (130 -> 2 x 65)."""
+    g_count = max(1, math.ceil(n / codecs.INT4_GROUP))
+    return math.ceil(n / g_count)
+
+
+def int4_bound(x: torch.Tensor) -> torch.Tensor:
+    """Per element: half its group's scale, (max - min) / 15, plus the fp16 rounding of
+    the stored scale (times 15 steps) and minimum, plus the output dtype's rounding.
+    Keys group along tokens (per channel), values along head_dim (per token)."""
+    xf = x.float()
+    bound = torch.empty_like(xf)
+    for kv, axis in ((0, 1), (1, 3)):  # axis within x[:, kv] = [L, T, H, D]
+        part = xf[:, kv]
+        n = part.shape[axis]
+        g = int4_group_len(n)
+        for start in range(0, n, g):
+            sl = part.narrow(axis, start, min(g, n - start))
+            lo, hi = sl.amin(dim=axis, keepdim=True), sl.amax(dim=axis, keepdim=True)
+            scale = (hi - lo) / 15.0
+            b = scale / 2 + 15 * fp16_err(scale) + fp16_err(lo)
+            bound[:, kv].narrow(axis, start, sl.shape[axis]).copy_(b.expand_as(sl))
+    return bound + out_err(x) + 1e-6
+
+
+def fp8_bound(x: torch.Tensor) -> torch.Tensor:
+    """e4m3 keeps 3 mantissa bits: relative error 2^-4 for normal values; below the
+    smallest normal (2^-6, in units of the row scale amax / 448) the spacing is 2^-9."""
+    xf = x.float()
+    scale = xf.abs().amax(dim=-1, keepdim=True) / 448.0
+    return xf.abs() * 2.0**-4 + 448 * fp16_err(scale) + scale * 2.0**-10 + out_err(x) + 1e-7
+
+
+def error_bound(codec: str, x: torch.Tensor) -> torch.Tensor:
+    """Per element of block x: how far the codec's round trip may move it."""
+    if codec in ("none", "zstd"):
+        return torch.zeros_like(x, dtype=torch.float32)
+    return {"int8": int8_bound, "int4": int4_bound, "fp8": fp8_bound}[codec](x)

@@ -1,0 +1,230 @@
+"""Block codecs: round trips on random blocks of several shapes and dtypes, the error
+bound each lossy codec promises, int4 packing, size ratios on a realistic block, and
+bad payloads. A block is [num_layers, 2, block_size, num_kv_heads, head_dim]."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from agent.core import codecs
+from tests.tiers.support import block, fp8_bound, int4_bound, int4_group_len, int8_bound, roundtrip
+
+DTYPES = [torch.float16, torch.float32, torch.bfloat16]
+SHAPES = [
+    (1, 2, 4, 1, 8),
+    (2, 2, 16, 2, 64),
+    (1, 2, 5, 3, 7),  # odd everywhere: int4 sections of odd length
+    (1, 2, 130, 1, 3),  # block_size past one int4 group of 128 tokens
+    (1, 2, 3, 2, 129),  # head_dim past one int4 group of 128 channels
+]
+LOSSLESS = ["none", "zstd"]
+FP8_MISSING = getattr(torch, "float8_e4m3fn", None) is None
+# ---- round trips ---------------------------------------------------------------------
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("shape", SHAPES, ids=str)
+@pytest.mark.parametrize("codec", LOSSLESS)
+def test_lossless_codecs_are_exact(codec, shape, dtype):
+    x = block(shape, dtype)
+    assert torch.equal(roundtrip(codec, x), x)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("shape", SHAPES, ids=str)
+def test_int8_error_is_at_most_half_a_row_scale(shape, dtype):
+    x = block(shape, dtype, seed=1)
+    err = (roundtrip("int8", x).float() - x.float()).abs()
+    assert torch.all(err <= int8_bound(x)), f"max excess {(err - int8_bound(x)).max().item()}"
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("shape", SHAPES, ids=str)
+def test_int4_error_is_at_most_half_a_group_scale(shape, dtype):
+    x = block(shape, dtype, seed=2)
+    err = (roundtrip("int4", x).float() - x.float()).abs()
+    assert torch.all(err <= int4_bound(x)), f"max excess {(err - int4_bound(x)).max().item()}"
+
+
+@pytest.mark.skipif(FP8_MISSING, reason="this torch build has no float8_e4m3fn")
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("shape", SHAPES, ids=str)
+def test_fp8_relative_error(shape, dtype):
+    x = block(shape, dtype, seed=3)
+    err = (roundtrip("fp8", x).float() - x.float()).abs()
+    assert torch.all(err <= fp8_bound(x)), f"max excess {(err - fp8_bound(x)).max().item()}"
+
+
+def test_fp8_is_skipped_where_torch_lacks_it():
+    if FP8_MISSING:
+        assert "fp8" not in codecs.available_codecs()
+        with pytest.raises(codecs.CodecError, match="unknown codec 'fp8'"):
+            codecs.check_codec("fp8")
+        pytest.skip("this torch build has no float8_e4m3fn")
+    assert "fp8" in codecs.available_codecs()
+
+
+def lossy() -> list[str]:
+    return [c for c in ("int8", "int4", "fp8") if c in codecs.available_codecs()]
+
+
+@pytest.mark.parametrize("codec", ["int8", "int4", "fp8"])
+@pytest.mark.parametrize("kind", ["zeros", "constant", "outlier", "large"])
+def test_lossy_codecs_on_degenerate_blocks(codec, kind):
+    if codec not in codecs.available_codecs():
+        pytest.skip(f"{codec} unavailable in this torch build")
+    shape = (1, 2, 5, 2, 9)
+    if kind == "zeros":
+        x = torch.zeros(shape, dtype=torch.float16)
+    elif kind == "constant":
+        x = torch.full(shape, -3.25, dtype=torch.float16)
+    elif kind == "outlier":
+        x = block(shape, torch.float16, seed=4)
+        x[0, 0, 2, 1, 4] = 300.0
+    else:  # near the fp16 range: scales must not overflow
+        x = block(shape, torch.float16, seed=5, magnitude=20000.0).clamp(-60000, 60000)
+    y = roundtrip(codec, x)
+    assert torch.isfinite(y.float()).all()
+    bound = {"int8": int8_bound, "int4": int4_bound, "fp8": fp8_bound}[codec](x)
+    assert torch.all((y.float() - x.float()).abs() <= bound)
+    if kind in ("zeros", "constant") and codec != "fp8":
+        assert torch.equal(y, x)
+
+
+@settings(max_examples=15, deadline=None)
+@given(
+    dims=st.tuples(st.integers(1, 2), st.integers(1, 9), st.integers(1, 3), st.integers(1, 17)),
+    dtype=st.sampled_from(DTYPES),
+    seed=st.integers(0, 2**16),
+    magnitude=st.sampled_from([1e-3, 1.0, 50.0]),
+)
+def test_random_shapes_keep_every_bound(dims, dtype, seed, magnitude):
+    L, T, H, D = dims
+    x = block((L, 2, T, H, D), dtype, seed=seed, magnitude=magnitude)
+    for codec in LOSSLESS:
+        assert torch.equal(roundtrip(codec, x), x)
+    bounds = {"int8": int8_bound, "int4": int4_bound, "fp8": fp8_bound}
+    for codec in lossy():
+        err = (roundtrip(codec, x).float() - x.float()).abs()
+        assert torch.all(err <= bounds[codec](x)), codec
+
+
+# ---- sizes and packing --------------------------------------------------------------
+def int4_payload_bytes(shape) -> int:
+    """fp16 scale + fp16 minimum per group, then the packed 4-bit values (padded to whole
+    groups), two per byte; keys first, then values."""
+    L, _, T, H, D = shape
+    total = 0
+    for lead, axis in ((L * H * D, T), (L * T * H, D)):
+        g = int4_group_len(axis)
+        n_groups = lead * math.ceil(axis / g)
+        total += n_groups * 2 * 2 + math.ceil(n_groups * g / 2)
+    return total
+
+
+@pytest.mark.parametrize("shape", SHAPES, ids=str)
+def test_payload_sizes(shape):
+    x = block(shape, torch.float16)
+    n = math.prod(shape)
+    assert codecs.encode("none", x).numel() == 2 * n
+    assert codecs.encode("int8", x).numel() == n + 2 * (n // shape[-1])
+    assert codecs.encode("int4", x).numel() == int4_payload_bytes(shape)
+    if "fp8" in codecs.available_codecs():
+        assert codecs.encode("fp8", x).numel() == n + 2 * (n // shape[-1])
+
+
+def test_int4_packs_two_values_per_byte():
+    # one token, one head: the values row 0..15 is one group with minimum 0 and scale 1,
+    # so its 4-bit codes are the values themselves, low nibble first
+    x = torch.zeros((1, 2, 1, 1, 16), dtype=torch.float16)
+    x[0, 1, 0, 0] = torch.arange(16, dtype=torch.float16)
+    payload = codecs.encode("int4", x)
+    packed = payload[-8:].tolist()
+    assert packed == [(2 * i) | ((2 * i + 1) << 4) for i in range(8)]
+    assert torch.equal(codecs.decode("int4", payload, x.shape, x.dtype), x)
+
+
+def test_size_ratios_on_a_realistic_block():
+    shape = (4, 2, 256, 4, 128)
+    x = block(shape, torch.float16, seed=6)
+    raw = x.numel() * 2
+    ratios = {c: raw / codecs.encode(c, x).numel() for c in lossy()}
+    assert ratios["int8"] >= 1.9
+    assert ratios["int4"] >= 3.5
+    if "fp8" in ratios:
+        assert ratios["fp8"] >= 1.9
+    assert codecs.encode("int4", x).numel() == int4_payload_bytes(shape)
+
+
+def test_zstd_shrinks_a_redundant_block():
+    x = torch.zeros((2, 2, 16, 2, 64), dtype=torch.float16)
+    x[..., :4] = 1.0
+    assert codecs.encode("zstd", x).numel() < x.numel() * 2 / 10
+
+
+def test_encode_takes_any_strides_and_leaves_the_input_alone():
+    base = block((1, 2, 4, 3, 8), torch.float32, seed=7)
+    x = base.transpose(-1, -2).contiguous().transpose(-1, -2)
+    assert not x.is_contiguous()
+    before = x.clone()
+    for codec in codecs.available_codecs():
+        y = roundtrip(codec, x)
+        assert torch.equal(x, before)
+        if codec in LOSSLESS:
+            assert torch.equal(y, base)
+
+
+# ---- bad input ----------------------------------------------------------------------
+@pytest.mark.parametrize("cut", [1, 2, "half", "all"])
+@pytest.mark.parametrize("codec", ["none", "int8", "int4", "fp8", "zstd"])
+def test_truncated_payload_is_a_codec_error(codec, cut):
+    if codec not in codecs.available_codecs():
+        pytest.skip(f"{codec} unavailable in this torch build")
+    shape = (1, 2, 5, 3, 7)
+    payload = codecs.encode(codec, block(shape, torch.float16))
+    keep = {"half": payload.numel() // 2, "all": 0}.get(cut, payload.numel() - (cut if isinstance(cut, int) else 0))
+    with pytest.raises(codecs.CodecError):
+        codecs.decode(codec, payload[:keep], shape, torch.float16)
+
+
+def test_payload_of_another_shape_is_a_codec_error():
+    payload = codecs.encode("none", block((1, 2, 4, 1, 8), torch.float16))
+    with pytest.raises(codecs.CodecError, match="wrong size"):
+        codecs.decode("none", payload, (1, 2, 4, 1, 16), torch.float16)
+    z = codecs.encode("zstd", block((1, 2, 4, 1, 8), torch.float16))
+    with pytest.raises(codecs.CodecError, match="wrong size"):
+        codecs.decode("zstd", z, (1, 2, 4, 1, 4), torch.float16)
+
+
+def test_corrupt_zstd_payload_is_a_codec_error():
+    payload = codecs.encode("zstd", block((1, 2, 4, 1, 8), torch.float16)).clone()
+    payload[:4] = 0  # the frame magic
+    with pytest.raises(codecs.CodecError, match="zstd"):
+        codecs.decode("zstd", payload, (1, 2, 4, 1, 8), torch.float16)
+
+
+@pytest.mark.parametrize("call", ["encode", "decode", "check"])
+def test_unknown_codec_names_the_choices(call):
+    x = block((1, 2, 4, 1, 8), torch.float16)
+    with pytest.raises(codecs.CodecError) as info:
+        if call == "encode":
+            codecs.encode("lz4", x)
+        elif call == "decode":
+            codecs.decode("lz4", codecs.encode("none", x), x.shape, x.dtype)
+        else:
+            codecs.check_codec("lz4")
+    msg = str(info.value)
+    assert "'lz4'" in msg
+    for name in codecs.available_codecs():
+        assert name in msg
+
+
+@pytest.mark.parametrize("codec", ["int8", "int4", "fp8"])
+def test_lossy_codecs_refuse_integer_blocks(codec):
+    if codec not in codecs.available_codecs():
+        pytest.skip(f"{codec} unavailable in this torch build")
+    with pytest.raises(codecs.CodecError, match="floating-point"):
+        codecs.encode(codec, torch.zeros((1, 2, 4, 1, 8), dtype=torch.int8))

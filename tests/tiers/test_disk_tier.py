@@ -1,0 +1,385 @@
+"""The disk tier on a real directory: round trips, checksum and truncation on the next
+engine load (a miss, removed, reported, counted), recovery after a restart, unusable
+directories, a full disk and write errors."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+import torch
+from click.testing import CliRunner
+
+from agent.core.block_pool import BlockMeta, BlockPool
+from agent.core.journal import REMOVED
+from agent.server import Agent, AgentConfig
+from agent.store.disk_tier import MAGIC, CorruptBlock, DiskTier
+from agent.store.memory_tier import MemoryTier
+from protos.block_hash import ROOT_PARENT_HASH, split_hashes
+from protos.tier import Tier
+from tests.tiers.support import (
+    BLOCK_BYTES,
+    BS,
+    SPEC,
+    block_file,
+    block_files,
+    check_pool,
+    decoded,
+    disk_of,
+    flip_byte,
+    hashes,
+    kv,
+    make_engine,
+    make_pool,
+    tokens,
+)
+
+
+def removed_hashes(pool: BlockPool) -> list[bytes]:
+    return [
+        h for b in pool.drain_events() if b.kind == REMOVED for g in b.groups for h in split_hashes(bytes(g.block_hashes))
+    ]
+
+
+def spill(tmp_path: Path, n: int = 5, **kwargs):
+    """An engine over CPU (2 blocks) + disk with an n-block chain stored: the first
+    n - 2 blocks end up on disk, the last 2 in CPU memory."""
+    pool = make_pool(tmp_path / "disk", cpu_blocks=2, **kwargs)
+    engine = make_engine(pool)
+    toks, data = tokens(n), kv(n)
+    assert engine.store(SPEC.model_id, toks, data).num_stored_blocks == n
+    hs = hashes(engine, toks)
+    assert [pool.tier_of(h) for h in hs] == [Tier.DISK] * (n - 2) + [Tier.CPU] * 2
+    check_pool(pool)
+    return pool, engine, toks, data, hs
+
+
+# ---- the store itself ---------------------------------------------------------------
+def test_write_read_roundtrip_and_free(tmp_path):
+    disk = DiskTier(tmp_path, 1 << 20)
+    h, parent = b"\x11" * 16, ROOT_PARENT_HASH
+    data = torch.arange(300, dtype=torch.int64).to(torch.uint8)
+    handle = disk.allocate(data.numel(), h)
+    assert handle.footprint_bytes == disk.footprint(300) and disk.used_bytes == handle.footprint_bytes
+    meta = BlockMeta(h, parent, "m", 600, Tier.DISK, handle, "zstd", 300)
+    disk.write(handle, data, meta)
+    path = Path(handle.path)
+    assert path.parent.name == h.hex()[:2] and path.name.startswith(h.hex()) and path.suffix == ".kvb"
+    assert path.read_bytes().startswith(MAGIC)
+    assert torch.equal(disk.read(handle, 300), data)
+    segs = [torch.empty(100, dtype=torch.uint8), torch.empty(200, dtype=torch.uint8)]
+    disk.read_into(handle, segs)  # straight into memory-tier pages
+    assert torch.equal(torch.cat(segs), data)
+    with pytest.raises(CorruptBlock, match="expected 301"):
+        disk.read(handle, 301)
+    # a second copy of the same block (a re-encode) gets its own file
+    other = disk.allocate(10, h)
+    assert other.path != handle.path
+    disk.free(other)
+    disk.free(handle)
+    disk.flush()
+    assert disk.used_bytes == 0 and block_files(tmp_path) == []
+    with pytest.raises(CorruptBlock, match="missing"):
+        disk.read(handle, 300)
+
+
+def test_write_accepts_memory_segments(tmp_path):
+    disk = DiskTier(tmp_path, 1 << 20)
+    h = b"\x22" * 16
+    parts = [torch.full((64,), 7, dtype=torch.uint8), torch.full((36,), 9, dtype=torch.uint8)]
+    handle = disk.allocate(100, h)
+    disk.write(handle, parts, BlockMeta(h, ROOT_PARENT_HASH, "m", 100, Tier.DISK, handle, "none", 100))
+    assert torch.equal(disk.read(handle, 100), torch.cat(parts))
+
+
+def test_allocation_respects_capacity(tmp_path):
+    disk = DiskTier(tmp_path, 3 * DiskTier(tmp_path, 1).footprint(BLOCK_BYTES))
+    handles = [disk.allocate(BLOCK_BYTES, bytes([i]) * 16) for i in range(3)]
+    assert all(handles) and disk.allocate(BLOCK_BYTES, b"\x09" * 16) is None
+    disk.free(handles[0])
+    assert disk.allocate(BLOCK_BYTES, b"\x09" * 16) is not None
+
+
+def test_demoted_blocks_load_back_exactly(tmp_path):
+    pool, engine, toks, data, hs = spill(tmp_path)
+    res = engine.load(SPEC.model_id, toks)
+    assert res.num_cached_tokens == len(toks) and torch.equal(res.kv, data)
+    assert res.tiers == (Tier.DISK,) * 3 + (Tier.CPU,) * 2
+    assert len(block_files(disk_of(pool).directory)) == 3
+
+
+def test_disk_codec_is_lossless_and_reported_in_usage(tmp_path):
+    pool = make_pool(tmp_path / "disk", cpu_blocks=2, tier_codecs={Tier.DISK: "zstd"})
+    engine = make_engine(pool)
+    toks = tokens(4)
+    data = torch.zeros((4, *SPEC.block_shape), dtype=torch.float16)  # compresses well
+    engine.store(SPEC.model_id, toks, data)
+    disk_blocks = [pool.blocks[h] for h in hashes(engine, toks) if pool.tier_of(h) is Tier.DISK]
+    assert len(disk_blocks) == 2 and {m.codec for m in disk_blocks} == {"zstd"}
+    u = {x.tier: x for x in pool.usage()}[Tier.DISK]
+    assert u.uncompressed_bytes == 2 * BLOCK_BYTES and u.stored_bytes < u.uncompressed_bytes / 4
+    assert torch.equal(engine.load(SPEC.model_id, toks).kv, data)
+    check_pool(pool)
+
+
+# ---- corruption: the next load is a miss from that block on --------------------------
+def _header_size(path: Path) -> int:
+    raw = path.read_bytes()
+    model_len = int.from_bytes(raw[len(MAGIC) : len(MAGIC) + 2], "little")
+    return len(MAGIC) + 2 + model_len + 16 + 16 + 8 + 8 + 8 + 8
+
+
+@pytest.mark.parametrize("damage", ["last payload byte", "first payload byte", "magic", "truncated", "deleted"])
+def test_damaged_block_file_is_a_miss_removed_reported_and_counted(tmp_path, damage):
+    pool, engine, toks, data, hs = spill(tmp_path)
+    victim = hs[1]  # on disk, with a parent before it and descendants in both tiers
+    path = block_file(pool, victim)
+    pool.drain_events()
+    pool.drain_notices()
+    if damage == "last payload byte":
+        flip_byte(path, -1)
+    elif damage == "first payload byte":
+        flip_byte(path, _header_size(path))
+    elif damage == "magic":
+        flip_byte(path, 0)
+    elif damage == "truncated":
+        os.truncate(path, path.stat().st_size // 2)
+    else:
+        path.unlink()
+
+    res = engine.load(SPEC.model_id, toks)
+    assert res.num_cached_tokens == BS  # only the block before it
+    assert torch.equal(res.kv, data[:1])
+    assert set(pool.blocks) == {hs[0]}  # the block and its descendants are gone
+    assert sorted(removed_hashes(pool)) == sorted(hs[1:])  # REMOVED events for all of them
+    notices = pool.drain_notices()
+    assert [n.kind for n in notices] == ["corrupt_block"]
+    assert victim.hex()[:12] in notices[0].message and "disk" in notices[0].message
+    assert pool.corrupt_blocks_total == 1
+    assert engine.lookup(SPEC.model_id, toks) == BS
+    check_pool(pool)  # its file is gone and the space is accounted free
+    # storing again repairs the chain
+    assert engine.store(SPEC.model_id, toks, data).num_stored_blocks == len(hs) - 1
+    assert torch.equal(engine.load(SPEC.model_id, toks).kv, data)
+
+
+def test_removed_events_cover_the_whole_subtree(tmp_path):
+    pool, engine, toks, data, hs = spill(tmp_path)
+    flip_byte(block_file(pool, hs[0]), -1)
+    pool.drain_events()
+    assert engine.load(SPEC.model_id, toks).num_cached_tokens == 0
+    assert sorted(removed_hashes(pool)) == sorted(hs)
+    assert pool.blocks == {}
+
+
+def test_corrupt_source_of_a_promotion_is_removed_not_copied(tmp_path):
+    pool, engine, toks, data, hs = spill(tmp_path)
+    flip_byte(block_file(pool, hs[2]), -1)
+    outcome = pool.move_block(hs[2], Tier.CPU)
+    assert not outcome.ok and "unreadable" in outcome.reason
+    assert set(pool.blocks) == set(hs[:2]) and pool.corrupt_blocks_total == 1
+    check_pool(pool)
+
+
+# ---- restart: scan and recover ------------------------------------------------------
+def test_restart_recovers_valid_blocks_and_prunes_corrupt_and_orphans(tmp_path):
+    d = tmp_path / "disk"
+    pool = make_pool(d, cpu_blocks=2)
+    engine = make_engine(pool)
+    a_toks, a = tokens(4), kv(4, seed=1)
+    b_toks, b = tokens(4, start=10_000), kv(4, seed=2)
+    engine.store(SPEC.model_id, a_toks, a)
+    engine.store(SPEC.model_id, b_toks, b)
+    ha, hb = hashes(engine, a_toks), hashes(engine, b_toks)
+    assert [pool.tier_of(h) for h in ha] == [Tier.DISK] * 4  # demoted by b
+    assert [pool.tier_of(h) for h in hb] == [Tier.DISK, Tier.DISK, Tier.CPU, Tier.CPU]
+    assert pool.move_block(hb[3], Tier.DISK).ok  # its parent stays in memory: an orphan after restart
+    flip_byte(block_file(pool, ha[2]), -1)  # corrupt: it and ha[3] cannot come back
+    (d / "ab").mkdir(exist_ok=True)
+    (d / "ab" / "leftover.tmp").write_bytes(b"half a block")  # a write a crash interrupted
+    disk_of(pool).flush()
+    originals = {h: decoded(pool, h) for h in (*ha[:2], *hb[:2])}
+
+    # "restart": a new store and pool over the same directory
+    disk2 = DiskTier(d, 1 << 20)
+    pool2 = BlockPool([MemoryTier(Tier.CPU, 2 * BLOCK_BYTES, BLOCK_BYTES, device="cpu"), disk2], [SPEC])
+    found, corrupt = disk2.scan()
+    assert corrupt == 1
+    assert {f.block_hash for f in found} == {*ha[:2], ha[3], *hb[:2], hb[3]}
+    assert all(f.model_id == SPEC.model_id and f.num_bytes == BLOCK_BYTES for f in found)
+    assert pool2.recover(disk2, found) == 4
+    assert set(pool2.blocks) == {*ha[:2], *hb[:2]}  # ha[3] and hb[3] were orphans
+    assert all(pool2.tier_of(h) is Tier.DISK for h in pool2.blocks)
+    assert pool2.blocks[ha[0]].num_children == 1 and pool2.blocks[ha[1]].num_children == 0
+    assert not list(d.glob("*/*.tmp"))
+    check_pool(pool2)  # orphans' and corrupt files are gone, used bytes match
+    engine2 = make_engine(pool2)
+    res = engine2.load(SPEC.model_id, a_toks)
+    assert res.num_cached_tokens == 2 * BS and torch.equal(res.kv, a[:2])
+    assert torch.equal(engine2.load(SPEC.model_id, b_toks).kv, b[:2])
+    for h, t in originals.items():
+        assert torch.equal(decoded(pool2, h), t)
+    seq, groups = pool2.inventory()
+    assert {(g.tier, len(g.block_hashes) // 16) for g in groups} == {(Tier.DISK, 4)}
+
+
+def test_restart_drops_blocks_of_models_no_longer_served(tmp_path):
+    d = tmp_path / "disk"
+    pool, *_ = spill(tmp_path)
+    disk_of(pool).flush()
+    disk2 = DiskTier(d, 1 << 20)
+    other = SPEC.__class__("other", 4, 2, 2, 8, "float16")
+    pool2 = BlockPool([MemoryTier(Tier.CPU, 2 * BLOCK_BYTES, BLOCK_BYTES, device="cpu"), disk2], [other])
+    found, _ = disk2.scan()
+    assert len(found) == 3
+    assert pool2.recover(disk2, found) == 0
+    disk2.flush()
+    assert block_files(d) == [] and disk2.used_bytes == 0
+
+
+def test_agent_recovers_its_disk_tier_at_start(tmp_path):
+    d = tmp_path / "disk"
+    pool, engine, toks, data, hs = spill(tmp_path)
+    flip_byte(block_file(pool, hs[2]), -1)
+    disk_of(pool).flush()
+    agent = Agent(AgentConfig(agent_id="r", models=[SPEC], cpu_capacity_bytes=4 * BLOCK_BYTES, disk_dir=str(d)))
+    assert set(agent.pool.blocks) == set(hs[:2])
+    assert agent.pool.corrupt_blocks_total == 1
+    res = agent.engine.load(SPEC.model_id, toks)
+    assert res.num_cached_tokens == 2 * BS and torch.equal(res.kv, data[:2])
+
+
+# ---- unusable directories -----------------------------------------------------------
+def test_directory_under_a_regular_file_is_refused(tmp_path):
+    blocker = tmp_path / "not-a-dir"
+    blocker.write_text("x")
+    with pytest.raises(OSError, match=r"disk tier directory .*not-a-dir/kv is not usable"):
+        DiskTier(blocker / "kv", 1 << 20)
+    with pytest.raises(OSError, match="not usable"):
+        Agent(AgentConfig(agent_id="x", disk_dir=str(blocker / "kv")))
+
+
+def test_directory_that_is_a_file_is_refused(tmp_path):
+    f = tmp_path / "file"
+    f.write_text("x")
+    with pytest.raises(OSError, match="not usable"):
+        DiskTier(f, 1 << 20)
+
+
+def test_agent_command_with_an_unusable_disk_says_so_and_exits_non_zero(tmp_path):
+    from agent.main import main
+
+    blocker = tmp_path / "not-a-dir"
+    blocker.write_text("x")
+    result = CliRunner().invoke(
+        main, ["--agent-id", "x", "--disk-dir", str(blocker / "kv"), "--metrics-listen", ""], catch_exceptions=False
+    )
+    assert result.exit_code == 2
+    assert "not usable" in result.output and "Traceback" not in result.output
+
+
+def test_non_positive_capacity_is_refused(tmp_path):
+    with pytest.raises(ValueError, match="capacity"):
+        DiskTier(tmp_path, 0)
+
+
+# ---- a full disk ----------------------------------------------------------------------
+def test_full_disk_drops_the_oldest_disk_leaves(tmp_path):
+    foot = DiskTier(tmp_path / "probe", 1).footprint(BLOCK_BYTES)
+    pool = make_pool(tmp_path / "disk", cpu_blocks=2, disk_bytes=3 * foot)
+    engine = make_engine(pool)
+    chains = []
+    for i in range(4):  # two-block prompts: each pushes the previous one to disk
+        toks, data = tokens(2, start=1000 * i), kv(2, seed=i)
+        engine.store(SPEC.model_id, toks, data)
+        chains.append((toks, data, hashes(engine, toks)))
+        check_pool(pool)
+    assert pool.evictions_total[Tier.DISK] > 0
+    assert disk_of(pool).used_bytes <= 3 * foot
+    assert len(pool.blocks) == 5  # 2 in CPU + 3 on disk
+    # the newest prompt is whole; the oldest lost its leaf first (never a parent alone)
+    assert engine.lookup(SPEC.model_id, chains[3][0]) == 2 * BS
+    assert engine.lookup(SPEC.model_id, chains[1][0]) == BS  # its leaf went, its root stayed
+    assert engine.lookup(SPEC.model_id, chains[0][0]) == 0
+    for toks, data, _ in chains:
+        res = engine.load(SPEC.model_id, toks)
+        assert torch.equal(res.kv, data[: res.num_cached_tokens // BS])
+
+
+def test_a_full_disk_of_pinned_blocks_fails_a_move_and_keeps_the_source(tmp_path):
+    foot = DiskTier(tmp_path / "probe", 1).footprint(BLOCK_BYTES)
+    pool = make_pool(tmp_path / "disk", cpu_blocks=2, disk_bytes=2 * foot)
+    engine = make_engine(pool)
+    engine.store(SPEC.model_id, tokens(4), kv(4))
+    pinned = [h for h in pool.blocks if pool.tier_of(h) is Tier.DISK]
+    assert len(pinned) == 2
+    pool.set_pin(pinned, Tier.DISK)
+    toks, data = tokens(1, start=5000), kv(1, seed=9)
+    engine.store(SPEC.model_id, toks, data)
+    h = hashes(engine, toks)[0]
+    outcome = pool.move_block(h, Tier.DISK)
+    assert not outcome.ok and "PoolFull" in outcome.reason
+    assert pool.tier_of(h) is Tier.CPU and set(pinned) <= set(pool.blocks)
+    assert torch.equal(engine.load(SPEC.model_id, toks).kv, data)
+    check_pool(pool)
+
+
+# ---- write errors -------------------------------------------------------------------
+def block_shard(pool: BlockPool, h: bytes) -> Path:
+    """Make the shard directory a block would be written to a regular file."""
+    shard = disk_of(pool).directory / h.hex()[:2]
+    if shard.is_dir():
+        for f in shard.iterdir():
+            f.unlink()
+        shard.rmdir()
+    shard.write_text("in the way")
+    return shard
+
+
+def test_write_error_on_a_move_is_noticed_and_leaves_the_source(tmp_path):
+    pool = make_pool(tmp_path / "disk", cpu_blocks=4)
+    engine = make_engine(pool)
+    toks, data = tokens(2), kv(2)
+    engine.store(SPEC.model_id, toks, data)
+    h = hashes(engine, toks)[1]
+    block_shard(pool, h)
+    outcome = pool.move_block(h, Tier.DISK)
+    assert not outcome.ok and outcome.reason
+    assert pool.tier_of(h) is Tier.CPU
+    assert torch.equal(engine.load(SPEC.model_id, toks).kv, data)
+    assert "write_error" in [n.kind for n in pool.drain_notices()]
+    assert disk_of(pool).write_errors_total == 1 and pool.move_failures_total == 1
+    check_pool(pool)
+
+
+def test_write_error_on_a_demotion_is_noticed_and_the_store_goes_on(tmp_path):
+    pool = make_pool(tmp_path / "disk", cpu_blocks=1)
+    engine = make_engine(pool)
+    first, first_kv = tokens(1), kv(1)
+    engine.store(SPEC.model_id, first, first_kv)
+    block_shard(pool, hashes(engine, first)[0])
+    second, second_kv = tokens(1, start=777), kv(1, seed=3)
+    assert engine.store(SPEC.model_id, second, second_kv).num_stored_blocks == 1  # no crash
+    assert "write_error" in [n.kind for n in pool.drain_notices()]
+    # the demotion failed, so the safety net dropped the old leaf instead
+    assert engine.lookup(SPEC.model_id, first) == 0
+    assert torch.equal(engine.load(SPEC.model_id, second).kv, second_kv)
+    assert disk_of(pool).used_bytes == 0
+    check_pool(pool)
+
+
+def test_disk_directory_removed_while_running(tmp_path):
+    import shutil
+
+    pool, engine, toks, data, hs = spill(tmp_path)
+    shutil.rmtree(disk_of(pool).directory)
+    res = engine.load(SPEC.model_id, toks)  # every disk block is missing: a miss, not a crash
+    assert res.num_cached_tokens == 0 and pool.blocks == {}
+    assert pool.corrupt_blocks_total == 1
+    more, more_kv = tokens(3, start=900), kv(3, seed=4)
+    assert engine.store(SPEC.model_id, more, more_kv).num_stored_blocks >= 2  # demotions fail, drops instead
+    kinds = {n.kind for n in pool.drain_notices()}
+    assert {"corrupt_block", "write_error"} <= kinds
+    res = engine.load(SPEC.model_id, more)
+    assert torch.equal(res.kv, more_kv[: res.num_cached_tokens // BS])

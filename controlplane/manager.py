@@ -122,6 +122,7 @@ class Manager:
         self._loaded_epoch = 0
         self._next_reload = 0.0
         self.pins_expired_total = 0
+        self.on_finished = None  # callable(kind, state, seconds) when an operation finishes (metrics)
 
     # ---- leadership -----------------------------------------------------------------
     def load(self) -> None:
@@ -336,8 +337,10 @@ class Manager:
         )
         if op.finished:
             ev = self._op_done.get(op.op_id)
-            if ev is not None:
+            if ev is not None and not ev.is_set():
                 ev.set()
+                if self.on_finished is not None:
+                    self.on_finished(op.kind, op.state, op.updated_unix_seconds - op.created_unix_seconds)
 
     def _fan_out(self, op: ops.Operation, commands: dict[str, AgentCommand]) -> None:
         now = self.clock()
@@ -490,6 +493,15 @@ class Manager:
             )
         if changed:
             self._op_changed(op)
+
+    def operation_counts(self) -> dict[tuple[str, str], int]:
+        """(kind, state lowercase) -> number of operations kept (metrics)."""
+        out: dict[tuple[str, str], int] = {}
+        with self._lock:
+            for op in self.ops.values():
+                key = (op.kind, op.state.lower())
+                out[key] = out.get(key, 0) + 1
+        return out
 
     def get_op(self, op_id: str) -> ops.Operation:
         with self._lock:

@@ -20,7 +20,7 @@ from controlplane.api.admin_service import AdminServicer
 from controlplane.api.agent_service import AgentServicer
 from controlplane.core.cluster import Cluster
 from controlplane.manager import Manager, validate_policy
-from controlplane.metrics import ControlPlaneMetrics
+from controlplane.metrics import ControlPlaneMetrics, PinStats
 from controlplane.store.durable import DurableStore
 from controlplane.store.election import LeaderElection
 from controlplane.store.membership import MembershipWatcher
@@ -96,6 +96,9 @@ class ControlPlane:
             op_timeout_seconds=self.config.op_timeout_seconds,
             policy_validator=validate_policy,
         )
+        self.manager.on_finished = self.metrics.observe_operation
+        self.metrics.collector.pins_source = self._pin_stats
+        self.metrics.collector.operations_source = self.manager.operation_counts
         admin = AdminServicer(self.cluster, self.election, self.metrics.lookup_duration)
         admin.manager = self.manager
         admin_pb2_grpc.add_AdminServiceServicer_to_server(admin, self.server)
@@ -119,6 +122,10 @@ class ControlPlane:
         self._spawn("reconcile", self.manager.run_forever)
         log.info("control plane serving on %s (leader=%s)", self.address, self.election.is_leader)
         return self
+
+    def _pin_stats(self) -> PinStats:
+        pins = self.manager.list_pins()
+        return PinStats(len(pins), sum(p.pinned_bytes for p in pins))
 
     def _on_op_update(self, agent_id: str, u) -> None:
         self.manager.on_op_update(

@@ -1,0 +1,451 @@
+"""Trace replay: the project's tier policy against LRU, Belady (MIN) and an infinite
+cache, on a Mooncake-format trace (one JSON object a line: `timestamp` in ms,
+`input_length`, `output_length`, `hash_ids` = ids of the prompt's 512-token prefix
+blocks).
+
+The policy runs as the control plane runs it, in process: every request is a lookup
+against the real `BlockIndex` and is recorded in `AccessStats`; its blocks are then
+stored on the one agent (in the fastest tier: the engine just used them), and whenever a
+tier is above its high watermark `decide` is called and its actions are applied to the
+agent's tiers and the index. Watermarks are 1.0 (a tier of N blocks holds N).
+
+Hit semantics, the same for every cache: a request's hit blocks are its leading
+`hash_ids` cached when it arrives; its hit tokens are `input_length` if all its blocks
+hit, else `min(input_length, 512 * hit_blocks)`; the ratio is hit tokens over input
+tokens. After a request all its blocks are cached (admitted), then the cache is brought
+back to its capacity.
+
+Baselines: LRU touches a request's blocks in order and evicts the least recently used
+block as each is admitted. Belady is MIN on blocks: on admission beyond capacity it
+evicts the block whose next use is farthest (never used again first; ties go to the
+block earliest in its prompt), so it knows the future but not prefix structure; it is
+the standard offline baseline, not an optimum for prefix hits.
+"""
+
+from __future__ import annotations
+
+import heapq
+import json
+import math
+from collections import OrderedDict
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from controlplane.core.access_stats import AccessStats
+from controlplane.core.index import BlockIndex
+from controlplane.core.policy import (
+    AgentView,
+    ClusterView,
+    Demote,
+    Evict,
+    Policy,
+    Promote,
+    TierPolicy,
+    TierView,
+    decide,
+)
+from protos.block_hash import ROOT_PARENT_HASH
+from protos.tier import Tier
+
+BLOCK_TOKENS = 512
+AGENT_ID = "replay-agent"
+
+
+class TraceError(ValueError):
+    """A trace line that is not a Mooncake request; the message names the line."""
+
+
+@dataclass(frozen=True)
+class Request:
+    timestamp_ms: float
+    input_length: int
+    hash_ids: tuple[int, ...]
+
+
+def load_trace(path: str | Path) -> list[Request]:
+    out: list[Request] = []
+    with open(path, encoding="utf-8") as f:
+        for lineno, line in enumerate(f, 1):
+            line = line.strip()
+            if not line:
+                continue
+            try:
+                obj = json.loads(line)
+                ids = obj["hash_ids"]
+                req = Request(float(obj.get("timestamp", 0)), int(obj["input_length"]), tuple(int(x) for x in ids))
+            except (ValueError, KeyError, TypeError) as exc:
+                raise TraceError(
+                    f"{path}:{lineno}: not a Mooncake request (need timestamp, input_length, hash_ids): {exc}"
+                ) from None
+            if req.input_length < 0:
+                raise TraceError(f"{path}:{lineno}: input_length must not be negative")
+            out.append(req)
+    if not out:
+        raise TraceError(f"{path}: no requests")
+    return out
+
+
+def hit_tokens(req: Request, hit_blocks: int) -> int:
+    if hit_blocks >= len(req.hash_ids):
+        return req.input_length
+    return min(req.input_length, BLOCK_TOKENS * hit_blocks)
+
+
+def block_tokens(req: Request, position: int) -> int:
+    """Tokens block `position` contributes to a hit (the last one may be partial)."""
+    if position == len(req.hash_ids) - 1:
+        return max(req.input_length - BLOCK_TOKENS * position, 0)
+    return BLOCK_TOKENS
+
+
+def unique_blocks(trace: Sequence[Request]) -> int:
+    return len({x for r in trace for x in r.hash_ids})
+
+
+def input_tokens(trace: Sequence[Request]) -> int:
+    return sum(r.input_length for r in trace)
+
+
+def _ratio(hit: int, total: int) -> float:
+    return hit / total if total else 0.0
+
+
+def _leading(ids: Sequence[int], cached) -> int:
+    n = 0
+    for x in ids:
+        if x not in cached:
+            break
+        n += 1
+    return n
+
+
+# ---- baselines --------------------------------------------------------------------------
+def infinite_hit_ratio(trace: Sequence[Request]) -> float:
+    seen: set[int] = set()
+    hit = 0
+    for r in trace:
+        hit += hit_tokens(r, _leading(r.hash_ids, seen))
+        seen.update(r.hash_ids)
+    return _ratio(hit, input_tokens(trace))
+
+
+def lru_hit_ratio(trace: Sequence[Request], capacity_blocks: int) -> float:
+    cache: OrderedDict[int, None] = OrderedDict()
+    hit = 0
+    for r in trace:
+        hit += hit_tokens(r, _leading(r.hash_ids, cache))
+        for x in r.hash_ids:
+            if x in cache:
+                cache.move_to_end(x)
+            else:
+                cache[x] = None
+                if len(cache) > capacity_blocks:
+                    cache.popitem(last=False)
+    return _ratio(hit, input_tokens(trace))
+
+
+def next_uses(trace: Sequence[Request]) -> list[list[float]]:
+    """next_uses(trace)[i][p]: index of the next request after i using block p of
+    request i (math.inf: never again)."""
+    nxt: list[list[float]] = [[] for _ in trace]
+    upcoming: dict[int, float] = {}
+    for i in range(len(trace) - 1, -1, -1):
+        ids = trace[i].hash_ids
+        nxt[i] = [upcoming.get(x, math.inf) for x in ids]
+        for x in ids:
+            upcoming[x] = i
+    return nxt
+
+
+def belady_hit_ratio(trace: Sequence[Request], capacity_blocks: int) -> float:
+    nxt = next_uses(trace)
+    cached: dict[int, float] = {}  # block -> its next use
+    heap: list[tuple[float, int, int]] = []  # (-next use, position, block), stale entries skipped
+    hit = 0
+    for i, r in enumerate(trace):
+        hit += hit_tokens(r, _leading(r.hash_ids, cached))
+        for p, x in enumerate(r.hash_ids):
+            nu = nxt[i][p]
+            cached[x] = nu
+            heapq.heappush(heap, (-nu, p, x))
+            while len(cached) > capacity_blocks:
+                neg, _, y = heapq.heappop(heap)
+                if cached.get(y) == -neg:
+                    del cached[y]
+    return _ratio(hit, input_tokens(trace))
+
+
+# ---- the project's policy -----------------------------------------------------------------
+def _key(block_id: int) -> bytes:
+    return block_id.to_bytes(16, "big", signed=True)
+
+
+@dataclass
+class PolicyRun:
+    hit_tokens: int = 0
+    tier_hit_tokens: dict[str, int] = field(default_factory=dict)
+    decide_calls: int = 0
+    actions: int = 0
+    evicted_blocks: int = 0
+    demoted_blocks: int = 0
+    promoted_blocks: int = 0
+
+
+class PolicyReplay:
+    """One agent with `tiers` (fastest first), the control plane's index and stats, and
+    `decide`. `step(request)` serves one request and returns its hit tokens."""
+
+    def __init__(self, tiers: Sequence[tuple[Tier, int]], policy: Policy | None = None) -> None:
+        if not tiers:
+            raise ValueError("at least one tier")
+        self.tiers = sorted(tiers, key=lambda t: int(t[0]))
+        full = TierPolicy(low_watermark=1.0, high_watermark=1.0)
+        self.policy = policy or Policy(gpu=full, cpu=full, disk=full)
+        self.index = BlockIndex()
+        self.stats = AccessStats()
+        self.held: dict[Tier, dict[bytes, bytes]] = {t: {} for t, _ in self.tiers}
+        self.capacity = {t: n for t, n in self.tiers}
+        self.where: dict[bytes, Tier] = {}
+        self.run = PolicyRun(tier_hit_tokens={t.label: 0 for t, _ in self.tiers})
+        self._top = self.tiers[0][0]
+
+    def step(self, req: Request) -> int:
+        now = req.timestamp_ms / 1000.0
+        keys = [_key(x) for x in req.hash_ids]
+        matches = self.index.lookup(keys)
+        hit_blocks = matches[0].num_hit_blocks if matches else 0
+        tokens = hit_tokens(req, hit_blocks)
+        self.run.hit_tokens += tokens
+        if hit_blocks:
+            for p, t in enumerate(matches[0].tiers):
+                self.run.tier_hit_tokens[Tier(t).label] += block_tokens(req, p)
+        self.stats.record_lookup(keys, now)
+        self._store(keys)
+        if any(len(self.held[t]) > self.capacity[t] for t, _ in self.tiers) or self._room_above():
+            self._apply(decide(self._view(), self.policy, now))
+        return tokens
+
+    def _room_above(self) -> bool:
+        return len(self.tiers) > 1 and len(self.held[self._top]) < self.capacity[self._top]
+
+    def _store(self, keys: list[bytes]) -> None:
+        top = self.held[self._top]
+        parent = ROOT_PARENT_HASH
+        for h in keys:
+            t = self.where.get(h)
+            if t is None:
+                top[h] = parent
+            elif t is not self._top:
+                top[h] = self.held[t].pop(h)
+            self.where[h] = self._top
+            parent = h
+        self.index.add(AGENT_ID, keys, self._top)
+
+    def _view(self) -> ClusterView:
+        tiers = tuple(TierView(t, n, self.held[t]) for t, n in self.tiers)
+        return ClusterView(agents=(AgentView(AGENT_ID, tiers),), stats=self.stats)
+
+    def _apply(self, actions: Iterable) -> None:
+        run = self.run
+        run.decide_calls += 1
+        for a in actions:
+            run.actions += 1
+            if isinstance(a, Evict):
+                for h in a.block_hashes:
+                    self.held[self.where.pop(h)].pop(h)
+                self.index.remove(AGENT_ID, a.block_hashes)
+                run.evicted_blocks += len(a.block_hashes)
+            elif isinstance(a, Demote | Promote):
+                to = a.to_tier
+                for h in a.block_hashes:
+                    frm = self.where[h]
+                    if isinstance(a, Demote) and frm is not a.from_tier:
+                        raise AssertionError(f"decide demoted a block from {a.from_tier.label}; it is in {frm.label}")
+                    self.held[to][h] = self.held[frm].pop(h)
+                    self.where[h] = to
+                self.index.add(AGENT_ID, a.block_hashes, to)
+                if isinstance(a, Demote):
+                    run.demoted_blocks += len(a.block_hashes)
+                else:
+                    run.promoted_blocks += len(a.block_hashes)
+        for t, _ in self.tiers:
+            if len(self.held[t]) > self.capacity[t]:
+                raise AssertionError(f"tier {t.label} holds {len(self.held[t])} blocks, capacity {self.capacity[t]}")
+
+
+def policy_run(trace: Sequence[Request], tiers: Sequence[tuple[Tier, int]], policy: Policy | None = None) -> PolicyRun:
+    replay = PolicyReplay(tiers, policy)
+    for r in trace:
+        replay.step(r)
+    return replay.run
+
+
+# ---- the report ---------------------------------------------------------------------------
+@dataclass(frozen=True)
+class ReplayResult:
+    trace: str
+    requests: int
+    input_tokens: int
+    unique_blocks: int
+    capacity_blocks: int
+    tiers: dict[str, int]
+    policy_hit_ratio: float
+    lru_hit_ratio: float
+    belady_hit_ratio: float
+    infinite_hit_ratio: float
+    tier_hit_ratio: dict[str, float]
+    decide_calls: int
+    evicted_blocks: int
+    demoted_blocks: int
+    promoted_blocks: int
+    seconds: dict[str, float]
+
+    @property
+    def policy_vs_lru(self) -> float:
+        return self.policy_hit_ratio / self.lru_hit_ratio if self.lru_hit_ratio else math.inf
+
+    @property
+    def policy_vs_belady(self) -> float:
+        return self.policy_hit_ratio / self.belady_hit_ratio if self.belady_hit_ratio else math.inf
+
+    def to_json(self) -> dict:
+        return {
+            "trace": self.trace,
+            "requests": self.requests,
+            "input_tokens": self.input_tokens,
+            "unique_blocks": self.unique_blocks,
+            "capacity_blocks": self.capacity_blocks,
+            "tiers": self.tiers,
+            "policy_hit_ratio": round(self.policy_hit_ratio, 4),
+            "lru_hit_ratio": round(self.lru_hit_ratio, 4),
+            "belady_hit_ratio": round(self.belady_hit_ratio, 4),
+            "infinite_hit_ratio": round(self.infinite_hit_ratio, 4),
+            "policy_vs_lru": round(self.policy_vs_lru, 3),
+            "policy_vs_belady": round(self.policy_vs_belady, 3),
+            "tier_hit_ratio": {k: round(v, 4) for k, v in self.tier_hit_ratio.items()},
+            "decide_calls": self.decide_calls,
+            "evicted_blocks": self.evicted_blocks,
+            "demoted_blocks": self.demoted_blocks,
+            "promoted_blocks": self.promoted_blocks,
+            "seconds": {k: round(v, 2) for k, v in self.seconds.items()},
+        }
+
+
+def replay(
+    trace_path: str | Path,
+    capacity_blocks: int | None = None,
+    tiers: Sequence[tuple[Tier, int]] | None = None,
+    policy: Policy | None = None,
+    capacity_fraction: float = 1 / 16,
+    trace: Sequence[Request] | None = None,
+) -> ReplayResult:
+    """Replay one trace at one capacity: `tiers` for a tiered agent (the baselines get
+    one pool of their total size), else one tier of `capacity_blocks` (default:
+    `capacity_fraction` of the trace's unique blocks)."""
+    import time
+
+    trace = trace if trace is not None else load_trace(trace_path)
+    uniq = unique_blocks(trace)
+    if tiers:
+        capacity_blocks = sum(n for _, n in tiers)
+    else:
+        if capacity_blocks is None:
+            capacity_blocks = max(1, round(uniq * capacity_fraction))
+        tiers = [(Tier.GPU, capacity_blocks)]
+    if capacity_blocks <= 0:
+        raise ValueError("capacity must be at least one block")
+    seconds: dict[str, float] = {}
+    total = input_tokens(trace)
+
+    def timed(name, fn, *args):
+        t0 = time.perf_counter()
+        out = fn(*args)
+        seconds[name] = time.perf_counter() - t0
+        return out
+
+    run = timed("policy", policy_run, trace, tiers, policy)
+    lru = timed("lru", lru_hit_ratio, trace, capacity_blocks)
+    belady = timed("belady", belady_hit_ratio, trace, capacity_blocks)
+    infinite = timed("infinite", infinite_hit_ratio, trace)
+    return ReplayResult(
+        trace=str(trace_path),
+        requests=len(trace),
+        input_tokens=total,
+        unique_blocks=uniq,
+        capacity_blocks=capacity_blocks,
+        tiers={t.label: n for t, n in sorted(tiers, key=lambda t: int(t[0]))},
+        policy_hit_ratio=_ratio(run.hit_tokens, total),
+        lru_hit_ratio=lru,
+        belady_hit_ratio=belady,
+        infinite_hit_ratio=infinite,
+        tier_hit_ratio={k: _ratio(v, total) for k, v in run.tier_hit_tokens.items()},
+        decide_calls=run.decide_calls,
+        evicted_blocks=run.evicted_blocks,
+        demoted_blocks=run.demoted_blocks,
+        promoted_blocks=run.promoted_blocks,
+        seconds=seconds,
+    )
+
+
+def parse_tiers(text: str) -> list[tuple[Tier, int]]:
+    """`gpu=N1,cpu=N2,disk=N3` -> [(Tier.GPU, N1), ...]; ValueError names what is wrong."""
+    out: dict[Tier, int] = {}
+    for part in text.split(","):
+        part = part.strip()
+        if not part:
+            continue
+        name, sep, num = part.partition("=")
+        if not sep:
+            raise ValueError(f"{part!r} is not tier=blocks (example: gpu=1000,cpu=4000)")
+        tier = Tier.parse(name)
+        if tier is Tier.REMOTE:
+            raise ValueError("the remote tier cannot be replayed; use gpu, cpu or disk")
+        if tier in out:
+            raise ValueError(f"tier {tier.label} given twice")
+        try:
+            n = int(num)
+        except ValueError:
+            raise ValueError(f"{num!r} is not a number of blocks for tier {tier.label}") from None
+        if n < 0:
+            raise ValueError(f"tier {tier.label}: number of blocks must not be negative")
+        out[tier] = n
+    if not out or sum(out.values()) <= 0:
+        raise ValueError("give at least one tier with blocks (example: gpu=1000,cpu=4000)")
+    return sorted(out.items(), key=lambda kv: int(kv[0]))
+
+
+def parse_fraction(text: str) -> float:
+    """`1/16`, `0.0625` or `6.25%` -> 0.0625."""
+    s = text.strip()
+    try:
+        if s.endswith("%"):
+            v = float(s[:-1]) / 100
+        elif "/" in s:
+            a, b = s.split("/", 1)
+            v = float(a) / float(b)
+        else:
+            v = float(s)
+    except (ValueError, ZeroDivisionError):
+        raise ValueError(f"{text!r} is not a fraction (examples: 1/16, 0.0625, 6.25%)") from None
+    if not 0 < v <= 1:
+        raise ValueError(f"{text!r} must be a fraction in (0, 1]")
+    return v
+
+
+def format_table(results: Sequence[ReplayResult]) -> str:
+    r0 = results[0]
+    lines = [
+        f"trace {r0.trace}: {r0.requests} requests, {r0.input_tokens} input tokens, {r0.unique_blocks} unique blocks",
+        "",
+        f"{'CAPACITY':>10}  {'POLICY':>7}  {'LRU':>7}  {'BELADY':>7}  {'INFINITE':>8}  {'VS_LRU':>7}  {'VS_BELADY':>9}  TIERS",
+    ]
+    for r in results:
+        tiers = ", ".join(f"{k}={n}:{r.tier_hit_ratio.get(k, 0.0):.4f}" for k, n in r.tiers.items())
+        lines.append(
+            f"{r.capacity_blocks:>10}  {r.policy_hit_ratio:>7.4f}  {r.lru_hit_ratio:>7.4f}  {r.belady_hit_ratio:>7.4f}"
+            f"  {r.infinite_hit_ratio:>8.4f}  {r.policy_vs_lru:>6.3f}x  {r.policy_vs_belady:>8.3f}x  {tiers}"
+        )
+    lines.append("")
+    lines.append("hit ratio = hit tokens / input tokens; TIERS: blocks per tier and the hit ratio served from each")
+    return "\n".join(lines)

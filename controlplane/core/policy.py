@@ -1,0 +1,525 @@
+"""The tier policy: a pure `decide(view, policy, now) -> list[Action]` that says which
+blocks each agent should demote, drop or promote so every tier stays between its low
+and high watermarks. A level-triggered reconcile loop calls it with what agents hold
+(`ClusterView`) and applies the actions as agent commands; a missed command is simply
+decided again on the next pass. `benchmarks/replay.py` runs the same function on traces.
+
+Rules, in the order they bind:
+
+1. Pins: a pinned block is never dropped, and never demoted slower than its pin's tier;
+   one held slower than its pin is promoted back.
+2. Prefix structure: a block leaves a tier only as a tail. It is demoted only when none
+   of its children on that agent sit in the same or a faster tier, and dropped only when
+   the agent holds none of its children at all; a child is useless without its prefix,
+   so chains shrink from the end and a lookup never meets a hole.
+3. Demote before dropping: a tier above its high watermark sends its lowest-priority
+   tails to the next slower tier (GPU -> CPU -> DISK, with the codec the policy names for
+   the tier they land in) until it is at its low watermark; only the slowest tier drops.
+   A block that would be demoted and then dropped in the same pass is just dropped.
+4. Priority (who goes first), from the lookups the control plane serves
+   (controlplane.core.access_stats):
+
+       priority = last_access_seconds
+                  + reuse_credit_turnovers * turnover_seconds * min(num_reuses, max_reuse_credits)
+                  - (replica_discount_credits credits if another agent holds the block)
+
+   `num_reuses` counts the lookups after a block's first: on real traces a block asked
+   for twice is several times likelier to be asked for again than one asked for once,
+   and most blocks are asked for once. `turnover_seconds` is how long the cluster's
+   capacity takes to fill with never-seen blocks, so a credit is worth the same share
+   of the cache's memory on any trace, at any request rate or capacity. A block never
+   reused is ranked by recency alone (LRU among them, and first to go); each reuse buys
+   it `reuse_credit_turnovers` turnovers of extra stay, up to `max_reuse_credits`, so a
+   once-hot block that stops being asked for still ages out. Admission is never gated:
+   much reuse is a single reuse soon after first use, which frequency-gated admission
+   (TinyLFU) throws away. A copy held elsewhere is cheaper to lose.
+5. Promotion of hot prefixes: a faster tier below its low watermark is topped up to it
+   with the highest-priority blocks of slower tiers that were reused at least
+   `promote_min_reuses` times, before an engine asks for them.
+
+Measured against LRU and Belady (MIN) by `kvcp-bench replay`; see README.md.
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+from collections import Counter
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field, fields, replace
+from typing import Protocol
+
+from protos import errors
+from protos.block_hash import ROOT_PARENT_HASH
+from protos.tier import Tier
+
+CODECS = ("none", "int8", "int4", "fp8", "zstd")
+MANAGED_TIERS = (Tier.GPU, Tier.CPU, Tier.DISK)
+_MAX_CREDITS = 1000
+
+
+# ---- policy -----------------------------------------------------------------------------
+@dataclass(frozen=True)
+class TierPolicy:
+    """Watermarks are fractions of the tier's capacity in blocks: above `high_watermark`
+    a pass brings the tier down to `low_watermark`. `codec` is applied to blocks demoted
+    into this tier ("none": as they are)."""
+
+    low_watermark: float = 0.90
+    high_watermark: float = 0.95
+    codec: str = "none"
+
+
+@dataclass(frozen=True)
+class Policy:
+    """Tunables of `decide`. Build it with `from_mapping` (flat `key=value` strings, as
+    `kvctl policy set` and etcd store them) or directly, then `validate()`."""
+
+    gpu: TierPolicy = field(default_factory=TierPolicy)
+    cpu: TierPolicy = field(default_factory=TierPolicy)
+    disk: TierPolicy = field(default_factory=TierPolicy)
+    reuse_credit_turnovers: float = 2.0
+    max_reuse_credits: int = 3
+    replica_discount_credits: float = 1.0
+    promote_hot: bool = True
+    promote_min_reuses: int = 1
+
+    def tier(self, tier: Tier) -> TierPolicy:
+        if tier is Tier.GPU:
+            return self.gpu
+        if tier is Tier.CPU:
+            return self.cpu
+        if tier is Tier.DISK:
+            return self.disk
+        return TierPolicy()
+
+    # ---- flat keys ----------------------------------------------------------------------
+    @classmethod
+    def keys(cls) -> list[str]:
+        tier_keys = [f"{t.label}.{f.name}" for t in MANAGED_TIERS for f in fields(TierPolicy)]
+        return tier_keys + [f.name for f in fields(cls) if f.name not in {t.label for t in MANAGED_TIERS}]
+
+    def to_mapping(self) -> dict[str, str]:
+        out: dict[str, str] = {}
+        for t in MANAGED_TIERS:
+            tp = self.tier(t)
+            for f in fields(TierPolicy):
+                out[f"{t.label}.{f.name}"] = _format(getattr(tp, f.name))
+        for f in fields(self):
+            if f.name not in {t.label for t in MANAGED_TIERS}:
+                out[f.name] = _format(getattr(self, f.name))
+        return out
+
+    @classmethod
+    def from_mapping(cls, values: Mapping[str, object], field: str = "values", base: Policy | None = None) -> Policy:
+        """Policy from flat keys (`gpu.high_watermark=0.9`, `promote_hot=false`, ...) over
+        `base` (default: the defaults). Raises InvalidArgument naming `field[key]`."""
+        policy = base or cls()
+        tiers = {t.label: policy.tier(t) for t in MANAGED_TIERS}
+        top: dict[str, object] = {}
+        known = set(cls.keys())
+        for key, raw in values.items():
+            name = f"{field}[{key}]"
+            if key not in known:
+                raise errors.InvalidArgument(name, f"unknown policy key (known: {', '.join(sorted(known))})")
+            if "." in key:
+                label, attr = key.split(".", 1)
+                tiers[label] = replace(tiers[label], **{attr: _parse(TierPolicy, attr, raw, name)})
+            else:
+                top[key] = _parse(cls, key, raw, name)
+        policy = replace(policy, **{label: tp for label, tp in tiers.items()}, **top)
+        return policy.validate(field=field, bracket=True)
+
+    def validate(self, field: str = "policy", bracket: bool = False) -> Policy:
+        """Raise InvalidArgument naming the first out-of-range value; return self."""
+
+        def name(key: str) -> str:
+            return f"{field}[{key}]" if bracket else f"{field}.{key}"
+
+        for t in MANAGED_TIERS:
+            tp = self.tier(t)
+            low, high = tp.low_watermark, tp.high_watermark
+            for attr, v in (("low_watermark", low), ("high_watermark", high)):
+                if not (isinstance(v, int | float) and math.isfinite(v) and 0.0 < v <= 1.0):
+                    raise errors.InvalidArgument(name(f"{t.label}.{attr}"), f"must be a fraction in (0, 1], got {v!r}")
+            if low > high:
+                raise errors.InvalidArgument(
+                    name(f"{t.label}.low_watermark"),
+                    f"must not exceed {t.label}.high_watermark ({_format(high)}), got {_format(low)}",
+                )
+            if tp.codec not in CODECS:
+                raise errors.InvalidArgument(
+                    name(f"{t.label}.codec"), f"unknown codec {tp.codec!r} (expected one of {'|'.join(CODECS)})"
+                )
+        for attr, lo, hi in (
+            ("reuse_credit_turnovers", 0.0, float(_MAX_CREDITS)),
+            ("replica_discount_credits", 0.0, float(_MAX_CREDITS)),
+        ):
+            v = getattr(self, attr)
+            if not (isinstance(v, int | float) and math.isfinite(v) and lo <= v <= hi):
+                raise errors.InvalidArgument(name(attr), f"must be a number in [{lo:g}, {hi:g}], got {v!r}")
+        for attr, lo, hi in (("max_reuse_credits", 0, _MAX_CREDITS), ("promote_min_reuses", 0, 1 << 20)):
+            v = getattr(self, attr)
+            if isinstance(v, bool) or not isinstance(v, int) or not lo <= v <= hi:
+                raise errors.InvalidArgument(name(attr), f"must be an integer in [{lo}, {hi}], got {v!r}")
+        if not isinstance(self.promote_hot, bool):
+            raise errors.InvalidArgument(name("promote_hot"), f"must be true or false, got {self.promote_hot!r}")
+        return self
+
+
+def _format(v: object) -> str:
+    if isinstance(v, bool):
+        return "true" if v else "false"
+    if isinstance(v, float):
+        return f"{v:g}"
+    return str(v)
+
+
+def _parse(cls: type, attr: str, raw: object, name: str) -> object:
+    kind = {f.name: f.type for f in fields(cls)}[attr]
+    text = raw.strip() if isinstance(raw, str) else raw
+    try:
+        if kind == "bool":
+            if isinstance(text, bool):
+                return text
+            s = str(text).lower()
+            if s in ("true", "1", "yes", "on"):
+                return True
+            if s in ("false", "0", "no", "off"):
+                return False
+            raise ValueError
+        if kind == "int":
+            if isinstance(text, bool) or (isinstance(text, float) and not text.is_integer()):
+                raise ValueError
+            return int(text)
+        if kind == "float":
+            if isinstance(text, bool):
+                raise ValueError
+            return float(text)
+        return str(text).lower()
+    except (TypeError, ValueError):
+        expected = {"bool": "true or false", "int": "an integer", "float": "a number"}[kind]
+        raise errors.InvalidArgument(name, f"must be {expected}, got {raw!r}") from None
+
+
+# ---- actions ------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Demote:
+    """Move blocks of `agent_id` from `from_tier` to the slower `to_tier` (children before
+    parents), re-encoding them with `codec` ("none": unchanged)."""
+
+    agent_id: str
+    block_hashes: tuple[bytes, ...]
+    from_tier: Tier
+    to_tier: Tier
+    codec: str = "none"
+
+
+@dataclass(frozen=True)
+class Evict:
+    """Drop blocks from `agent_id` entirely, in this order (children before parents)."""
+
+    agent_id: str
+    block_hashes: tuple[bytes, ...]
+
+
+@dataclass(frozen=True)
+class Promote:
+    """Move blocks of `agent_id` up to the faster `to_tier` (parents before children)."""
+
+    agent_id: str
+    block_hashes: tuple[bytes, ...]
+    to_tier: Tier
+
+
+Action = Demote | Evict | Promote
+
+
+# ---- the view -------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class TierView:
+    """One tier of one agent: its capacity and the blocks it holds, each with its parent
+    (ROOT_PARENT_HASH for the first block of a prompt)."""
+
+    tier: Tier
+    capacity_blocks: int
+    blocks: Mapping[bytes, bytes]
+
+    @property
+    def used_blocks(self) -> int:
+        return len(self.blocks)
+
+    @classmethod
+    def from_bytes(cls, tier: Tier, capacity_bytes: int, block_bytes: int, blocks: Mapping[bytes, bytes]) -> TierView:
+        """A tier sized in bytes, for agents that report bytes (fixed-size blocks)."""
+        return cls(tier, capacity_bytes // max(block_bytes, 1), blocks)
+
+
+@dataclass(frozen=True)
+class AgentView:
+    """What one agent holds. Invariant (the agent keeps it): a block is held in at most
+    one tier, and its parent is held on the same agent, in some tier, unless it is the
+    first block of a prompt."""
+
+    agent_id: str
+    tiers: tuple[TierView, ...]
+
+
+@dataclass(frozen=True)
+class Pins:
+    """Active pins, resolved to the slowest tier each block may sit in: per block, and
+    per namespace (with `block_namespaces` saying which namespace a block belongs to).
+    Where both apply the faster tier wins."""
+
+    blocks: Mapping[bytes, Tier] = field(default_factory=dict)
+    namespaces: Mapping[str, Tier] = field(default_factory=dict)
+    block_namespaces: Mapping[bytes, str] = field(default_factory=dict)
+
+    def min_tier(self, block_hash: bytes) -> Tier | None:
+        t = self.blocks.get(block_hash)
+        if self.namespaces:
+            ns = self.block_namespaces.get(block_hash)
+            nt = self.namespaces.get(ns) if ns is not None else None
+            if nt is not None and (t is None or nt < t):
+                t = nt
+        return t
+
+    def __bool__(self) -> bool:
+        return bool(self.blocks) or bool(self.namespaces)
+
+
+class StatsReader(Protocol):
+    """What `decide` reads of controlplane.core.access_stats.AccessStats."""
+
+    def get(self, block_hash: bytes): ...
+    def turnover_seconds(self, capacity_blocks: int) -> float: ...
+
+
+@dataclass(frozen=True)
+class ClusterView:
+    """Everything `decide` looks at. `replicas` (holders per block across agents) is
+    derived from `agents` when not given; `turnover_seconds`, when given, overrides the
+    one derived from the stats and the cluster's total capacity."""
+
+    agents: tuple[AgentView, ...]
+    stats: StatsReader
+    pins: Pins = field(default_factory=Pins)
+    replicas: Mapping[bytes, int] | None = None
+    turnover_seconds: float | None = None
+
+
+# ---- scoring --------------------------------------------------------------------------------
+def block_priority(stats, turnover_seconds: float, policy: Policy, replicated: bool, now: float) -> float:
+    """Higher stays longer. `stats` is the block's BlockStats (None: never looked up,
+    ranked below everything). See the module docstring for the rule."""
+    if stats is None:
+        return -math.inf
+    credits = float(min(stats.num_reuses, policy.max_reuse_credits))
+    if replicated:
+        credits -= policy.replica_discount_credits
+    return min(stats.last_access_seconds, now) + policy.reuse_credit_turnovers * turnover_seconds * credits
+
+
+def total_capacity_blocks(agents: Iterable[AgentView]) -> int:
+    return sum(tv.capacity_blocks for a in agents for tv in a.tiers)
+
+
+def _threshold(fraction: float, capacity_blocks: int) -> int:
+    return int(math.floor(fraction * capacity_blocks + 1e-9))
+
+
+# ---- decide ---------------------------------------------------------------------------------
+def decide(view: ClusterView, policy: Policy, now: float) -> list[Action]:
+    """The actions that bring every agent's tiers within their watermarks (see the module
+    docstring). Reads `view` and never changes it; the same inputs give the same list."""
+    actions: list[Action] = []
+    turnover: float | None = view.turnover_seconds
+    replicas = view.replicas
+    for agent in view.agents:
+        tiers = sorted((tv for tv in agent.tiers if tv.tier in MANAGED_TIERS), key=lambda tv: int(tv.tier))
+        if not tiers:
+            continue
+        over = any(tv.used_blocks > _threshold(policy.tier(tv.tier).high_watermark, tv.capacity_blocks) for tv in tiers)
+        if not over and not _may_promote(tiers, policy, view.pins):
+            continue
+        if turnover is None:
+            turnover = view.stats.turnover_seconds(total_capacity_blocks(view.agents))
+        if replicas is None:
+            replicas = _replica_counts(view.agents) if len(view.agents) > 1 else {}
+        actions.extend(_AgentPass(agent.agent_id, tiers, view, policy, now, turnover, replicas).run())
+    return actions
+
+
+def _may_promote(tiers: list[TierView], policy: Policy, pins: Pins) -> bool:
+    if pins:
+        return True  # a pinned block may sit below its pin's tier
+    if not policy.promote_hot or len(tiers) < 2:
+        return False
+    free = any(tv.used_blocks < _threshold(policy.tier(tv.tier).low_watermark, tv.capacity_blocks) for tv in tiers[:-1])
+    return free and any(tv.used_blocks for tv in tiers[1:])
+
+
+def _replica_counts(agents: Iterable[AgentView]) -> Mapping[bytes, int]:
+    counts: Counter[bytes] = Counter()
+    for a in agents:
+        held: set[bytes] = set()
+        for tv in a.tiers:
+            held.update(tv.blocks)
+        counts.update(held)
+    return counts
+
+
+class _AgentPass:
+    """One agent's pass over its tiers, fastest (level 0) first. `content[i]` is the set
+    of blocks at level i as the pass moves them; `origin` remembers where a moved block
+    started. Bulk work is set and Counter arithmetic, so a pass over a large tier costs
+    little more than scoring its tails."""
+
+    def __init__(self, agent_id, tiers, view, policy, now, turnover, replicas):
+        self.agent_id = agent_id
+        self.tiers = tiers
+        self.policy = policy
+        self.pins = view.pins
+        self.stats = view.stats
+        self.now = now
+        self.turnover = turnover
+        self.replicas = replicas
+        self.parent: dict[bytes, bytes] = {}
+        for tv in tiers:
+            self.parent.update(tv.blocks)
+        self.content: list[set[bytes]] = [set(tv.blocks) for tv in tiers]
+        self.origin: dict[bytes, int] = {}  # level before the pass, of blocks it moves
+        self.dropped: list[bytes] = []
+        self.moved_down: dict[bytes, None] = {}  # insertion-ordered set
+        self.promoted: list[tuple[bytes, int]] = []
+
+    def priority(self, h: bytes) -> float:
+        replicated = self.replicas.get(h, 1) > 1 if self.replicas else False
+        return block_priority(self.stats.get(h), self.turnover, self.policy, replicated, self.now)
+
+    def pin_allows(self, h: bytes, target: int | None) -> bool:
+        """May `h` go to level `target` (None: dropped)?"""
+        if not self.pins:
+            return True
+        pin = self.pins.min_tier(h)
+        if pin is None:
+            return True
+        return target is not None and self.tiers[target].tier <= pin
+
+    def run(self) -> list[Action]:
+        last = len(self.tiers) - 1
+        for i, tv in enumerate(self.tiers):
+            tp = self.policy.tier(tv.tier)
+            if len(self.content[i]) > _threshold(tp.high_watermark, tv.capacity_blocks):
+                self._shrink(i, len(self.content[i]) - _threshold(tp.low_watermark, tv.capacity_blocks), i == last)
+        self._promote()
+        return self._actions()
+
+    def _shrink(self, i: int, need: int, is_last: bool) -> None:
+        """Move `need` tails out of level i: down one level, or out of the agent."""
+        parent, content = self.parent, self.content[i]
+        # children that hold a block in place: any held child when dropping; when
+        # demoting, children at this level or a faster one
+        blockers: Counter[bytes] = Counter()
+        for lv in self.content if is_last else self.content[: i + 1]:
+            blockers.update(map(parent.__getitem__, lv))
+        target = None if is_last else i + 1
+        heap = [(self.priority(h), h) for h in content.difference(blockers) if self.pin_allows(h, target)]
+        heapq.heapify(heap)
+        while need > 0 and heap:
+            _, h = heapq.heappop(heap)
+            content.discard(h)
+            self.origin.setdefault(h, i)
+            if is_last:
+                self.dropped.append(h)
+                self.moved_down.pop(h, None)
+            else:
+                self.content[i + 1].add(h)
+                self.moved_down[h] = None
+            need -= 1
+            p = parent[h]
+            n = blockers.get(p)
+            if n is not None:
+                blockers[p] = n - 1
+                if n == 1 and p in content and self.pin_allows(p, target):
+                    heapq.heappush(heap, (self.priority(p), p))
+
+    def _level(self, h: bytes) -> int | None:
+        for i, lv in enumerate(self.content):
+            if h in lv:
+                return i
+        return None
+
+    def _promote(self) -> None:
+        tiers = self.tiers
+        moved = set(self.moved_down)
+        # pinned blocks held slower than their pin go back up, room or not
+        if self.pins:
+            for j in range(1, len(tiers)):
+                for h in list(self.content[j]):
+                    pin = self.pins.min_tier(h)
+                    if h not in moved and pin is not None and tiers[j].tier > pin:
+                        target = max((k for k, tv in enumerate(tiers) if tv.tier <= pin), default=0)
+                        self._move_up(h, j, target)
+                        moved.add(h)
+        if not self.policy.promote_hot:
+            return
+        for i in range(len(tiers) - 1):
+            room = _threshold(self.policy.tier(tiers[i].tier).low_watermark, tiers[i].capacity_blocks)
+            room -= len(self.content[i])
+            if room <= 0:
+                continue
+            hot = []
+            for j in range(i + 1, len(tiers)):
+                for h in self.content[j]:
+                    if h in moved:
+                        continue
+                    s = self.stats.get(h)
+                    if s is not None and s.num_reuses >= self.policy.promote_min_reuses:
+                        hot.append((self.priority(h), h, j))
+            for _, h, j in heapq.nlargest(room, hot):
+                self._move_up(h, j, i)
+                moved.add(h)
+
+    def _move_up(self, h: bytes, frm: int, to: int) -> None:
+        self.origin.setdefault(h, frm)
+        self.content[frm].discard(h)
+        self.content[to].add(h)
+        self.promoted.append((h, to))
+
+    def _actions(self) -> list[Action]:
+        out: list[Action] = []
+        if self.dropped:
+            out.append(Evict(self.agent_id, tuple(self.dropped)))
+        groups: dict[tuple[int, int], list[bytes]] = {}
+        for h in self.moved_down:
+            to = self._level(h)
+            frm = self.origin[h]
+            if to is not None and to > frm:
+                groups.setdefault((frm, to), []).append(h)
+        # free the slow tiers first: CPU->DISK before GPU->CPU
+        for (frm, to), hs in sorted(groups.items(), key=lambda kv: (-kv[0][1], -kv[0][0])):
+            codec = self.policy.tier(self.tiers[to].tier).codec
+            out.append(Demote(self.agent_id, tuple(hs), self.tiers[frm].tier, self.tiers[to].tier, codec))
+        up: dict[int, list[bytes]] = {}
+        for h, to in self.promoted:
+            if h in self.content[to] and to < self.origin[h]:
+                up.setdefault(to, []).append(h)
+        for to, hs in sorted(up.items()):
+            out.append(Promote(self.agent_id, tuple(_parents_first(hs, self.parent)), self.tiers[to].tier))
+        return out
+
+
+def _parents_first(hashes: list[bytes], parent: Mapping[bytes, bytes]) -> list[bytes]:
+    """Order `hashes` so that a block comes after its parent when both are listed."""
+    chosen = set(hashes)
+    out: list[bytes] = []
+    done: set[bytes] = set()
+    for h in hashes:
+        chain = []
+        while h in chosen and h not in done:
+            chain.append(h)
+            done.add(h)
+            h = parent.get(h, ROOT_PARENT_HASH)
+        out.extend(reversed(chain))
+    return out

@@ -30,7 +30,9 @@ class EngineClient:
     def close(self) -> None:
         self._channel.close()
 
-    def store(self, model_id: str, token_ids, kv: bytes, first_block: int = 0, extra_keys=()) -> tuple[int, int]:
+    def store(
+        self, model_id: str, token_ids, kv: bytes, first_block: int = 0, extra_keys=(), namespace: str = ""
+    ) -> tuple[int, int]:
         r = self._stub.Store(
             agent_pb2.StoreRequest(
                 model_id=model_id,
@@ -38,6 +40,7 @@ class EngineClient:
                 kv=kv,
                 first_block=first_block,
                 extra_keys=list(extra_keys),
+                namespace=namespace,
             ),
             timeout=self.timeout_seconds,
         )

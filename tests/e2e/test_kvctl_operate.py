@@ -1,0 +1,145 @@
+"""End to end: kvctl pin/unpin/pins/move/cleanup/compress/ops/policy as a user runs them,
+against real console-script processes (control plane, agent with a disk tier) and a
+real etcd; bad input gives one line and a non-zero exit and changes nothing."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from agent.client import EngineClient
+from agent.server import DEMO_MODEL
+from tests.e2e.test_console_scripts import Cluster, kvctl
+from tests.helpers import free_port, script, wait_for
+
+M = DEMO_MODEL
+
+
+@pytest.fixture(scope="module")
+def cluster(etcd_server, tmp_path_factory):
+    """One cluster for the module (processes are slow to start on 2 cores)."""
+    from protos.etcd_keys import ROOT, connect
+
+    client = connect(etcd_server.endpoint)
+    client.delete_prefix(ROOT)
+    tmp = tmp_path_factory.mktemp("operate")
+    c = Cluster(etcd_server.endpoint, tmp)
+    c.start_controlplane()
+    port = c.agent_ports.setdefault("agent-d", free_port())
+    c.spawn(
+        "agent-d",
+        [
+            script("kvcp-agent"),
+            "--agent-id",
+            "agent-d",
+            "--listen",
+            f"127.0.0.1:{port}",
+            "--etcd",
+            etcd_server.endpoint,
+            "--cpu-capacity",
+            "8MiB",
+            "--disk-dir",
+            str(tmp / "disk"),
+            "--disk-capacity",
+            "64MiB",
+            "--lease-ttl-seconds",
+            "3",
+        ],
+    )
+    wait_for(lambda: "agent-d" in c.agents(), 30, 0.3, "agent up")
+    yield c
+    c.stop()
+    client.delete_prefix(ROOT)
+    client.close()
+
+
+def j(cluster, *args):
+    return json.loads(kvctl(cluster.endpoint, "-o", "json", *args).stdout)
+
+
+def test_pin_move_cleanup_from_kvctl(cluster, tmp_path):
+    engine = EngineClient(f"127.0.0.1:{cluster.agent_ports['agent-d']}")
+    doc = list(range(900_000, 900_000 + 5 * M.block_size))
+    chat = list(range(800_000, 800_000 + 3 * M.block_size))
+    engine.store(M.model_id, doc, bytes(5 * M.block_bytes), namespace="legal-kb")
+    engine.store(M.model_id, chat, bytes(3 * M.block_bytes), namespace="chat")
+    engine.close()
+    tf = tmp_path / "doc.txt"
+    tf.write_text(" ".join(map(str, doc)))
+    wait_for(lambda: cluster.agents()["agent-d"]["num_blocks"] == 8, 10, 0.2, "indexed")
+
+    pin_id = kvctl(
+        cluster.endpoint,
+        "pin",
+        "--model",
+        M.model_id,
+        "--tokens-file",
+        str(tf),
+        "--tier",
+        "cpu",
+        "--ttl",
+        "10m",
+        "--owner",
+        "e2e",
+    ).stdout.strip()
+    pins = j(cluster, "pins")
+    assert [p["pin_id"] for p in pins] == [pin_id] and pins[0]["num_blocks"] == 5 and pins[0]["min_tier"] == "cpu"
+    table = kvctl(cluster.endpoint, "pins").stdout
+    assert pin_id in table and "5 blocks of demo-model" in table
+
+    # a pinned prefix is not demoted below its pin's tier: the move fails for those blocks
+    out = kvctl(
+        cluster.endpoint, "move", "--model", M.model_id, "--tokens-file", str(tf), "--to", "disk", "--wait", check=False
+    )
+    assert out.returncode == 1 and "pinned at tier cpu" in out.stdout
+    moved = j(cluster, "move", "--namespace", "chat", "--to", "disk", "--wait")
+    assert moved["state"] == "SUCCEEDED" and moved["done"] == 3
+    lookup = j(cluster, "lookup", "--model", M.model_id, "--tokens", ",".join(map(str, chat)))
+    assert lookup["agents"][0]["tiers"] == ["disk"] * 3
+
+    dry = j(cluster, "cleanup", "--dry-run")
+    assert dry["dry_run"] and dry["skipped_pinned"] == 5 and sum(t["num_blocks"] for t in dry["freed"]) == 3
+    assert cluster.agents()["agent-d"]["num_blocks"] == 8
+    text = kvctl(cluster.endpoint, "cleanup", "--older-than", "1h", "--dry-run").stdout
+    assert "would free nothing" in text
+    done = j(cluster, "cleanup", "--namespace", "chat", "--wait")
+    assert done["state"] == "SUCCEEDED" and sum(t["num_blocks"] for t in done["freed"]) == 3
+    wait_for(lambda: cluster.agents()["agent-d"]["num_blocks"] == 5, 10, 0.2, "cleanup indexed")
+
+    comp = j(cluster, "compress", "--codec", "int8", "--namespace", "legal-kb", "--wait")
+    assert comp["state"] == "SUCCEEDED" and comp["done"] == 5
+    ops = j(cluster, "ops")
+    assert {o["kind"] for o in ops} >= {"move", "cleanup", "compress"}
+    assert kvctl(cluster.endpoint, "op", ops[0]["op_id"]).stdout.startswith(ops[0]["kind"])
+    assert kvctl(cluster.endpoint, "unpin", pin_id).stdout.strip() == f"unpinned {pin_id}"
+    assert j(cluster, "pins") == []
+
+    policy = j(cluster, "policy", "set", "quota.legal-kb=1MiB")
+    assert policy["quota.legal-kb"] == "1MiB"
+    assert j(cluster, "policy", "get")["quota.legal-kb"] == "1MiB"
+
+
+@pytest.mark.parametrize(
+    "args, needle",
+    [
+        (["unpin", "no-such-pin"], "no pin 'no-such-pin'"),
+        (["pin", "--namespace", "kb", "--ttl", "soon"], "--ttl: 'soon' is not a duration"),
+        (["pin", "--namespace", "kb", "--ttl", "1h", "--tier", "ssd"], "unknown tier 'ssd'"),
+        (["pin", "--namespace", "kb"], "needs a TTL"),
+        (["move", "--namespace", "kb", "--to", "tape"], "unknown tier 'tape'"),
+        (["cleanup", "--agent", "ghost"], "no agent 'ghost'"),
+        (["cleanup", "--older-than", "yesterday"], "--older-than"),
+        (["compress", "--codec", "lz4", "--namespace", "kb"], "unknown codec 'lz4'"),
+        (["policy", "set", "quota.kb=lots"], "quota.kb"),
+        (["policy", "set", "nonsense"], "is not key=value"),
+        (["op", "nope"], "no operation 'nope'"),
+    ],
+)
+def test_bad_operate_input(cluster, args, needle):
+    before = j(cluster, "pins")
+    proc = kvctl(cluster.endpoint, *args, check=False)
+    assert proc.returncode != 0, proc.stdout
+    assert needle in proc.stderr, proc.stderr
+    assert "Traceback" not in proc.stderr and len(proc.stderr.strip().splitlines()) == 1
+    assert j(cluster, "pins") == before

@@ -55,7 +55,14 @@ def workload(controlplane, rate_per_second, duration_seconds, seed, output_forma
 
 @main.command()
 @click.option("--block-mib", "block_mibs", multiple=True, type=int, default=[1, 4], show_default=True)
-@click.option("--blocks", "num_blocks", default=32, show_default=True, type=int, help="Blocks of 1 MiB per run (fewer when larger).")
+@click.option(
+    "--blocks",
+    "num_blocks",
+    default=32,
+    show_default=True,
+    type=int,
+    help="Blocks of 1 MiB per run (fewer when larger).",
+)
 @click.option("--repeats", default=3, show_default=True, type=int)
 @click.option("--fsync/--no-fsync", default=False, show_default=True, help="Durability of disk writes (baseline too).")
 @click.option("-o", "--output", "output_format", type=click.Choice(["table", "json"]), default="table")
@@ -65,3 +72,67 @@ def tiers(block_mibs, num_blocks, repeats, fsync, output_format):
 
     result = bench.run(tuple(block_mibs), num_blocks, repeats, fsync)
     click.echo(json.dumps(result, indent=2) if output_format == "json" else bench.format_table(result))
+
+
+@main.command()
+@click.argument("trace", type=click.Path(exists=True, dir_okay=False))
+@click.option(
+    "--capacity-blocks",
+    "capacities",
+    multiple=True,
+    type=click.IntRange(min=1),
+    help="Blocks in the agent's one tier (repeat for several runs).",
+)
+@click.option(
+    "--capacity-fraction",
+    "fractions",
+    multiple=True,
+    help="Capacity as a fraction of the trace's unique blocks: 1/16, 0.0625, 6.25% (default 1/16; repeatable).",
+)
+@click.option("--tiers", "tiers_text", default="", help="A tiered agent instead: gpu=N1,cpu=N2,disk=N3 blocks.")
+@click.option(
+    "--set", "settings", multiple=True, metavar="KEY=VALUE", help="Override a policy key (as kvctl policy set)."
+)
+@click.option("-o", "--output", "output_format", type=click.Choice(["table", "json"]), default="table")
+def replay(trace, capacities, fractions, tiers_text, settings, output_format):
+    """Replay a Mooncake-format trace through the tier policy, against LRU, Belady and an infinite cache.
+
+    One JSON object with -o json for one run; a list of them for several."""
+    from benchmarks import replay as bench
+    from controlplane.core.policy import Policy, TierPolicy
+    from protos import errors
+
+    try:
+        tiers = bench.parse_tiers(tiers_text) if tiers_text else None
+        fracs = [bench.parse_fraction(f) for f in fractions]
+        trace_requests = bench.load_trace(trace)
+    except ValueError as exc:  # TraceError is a ValueError
+        raise click.UsageError(str(exc)) from None
+    full = TierPolicy(low_watermark=1.0, high_watermark=1.0)
+    policy = Policy(gpu=full, cpu=full, disk=full)
+    if settings:
+        values = {}
+        for s in settings:
+            key, sep, value = s.partition("=")
+            if not sep:
+                raise click.UsageError(f"--set {s!r}: expected KEY=VALUE")
+            values[key.strip()] = value
+        try:
+            policy = Policy.from_mapping(values, field="--set", base=policy)
+        except errors.InvalidArgument as exc:
+            raise click.UsageError(str(exc)) from None
+    runs: list[dict] = []
+    if tiers:
+        runs.append({"tiers": tiers})
+    runs += [{"capacity_blocks": n} for n in capacities]
+    runs += [{"capacity_fraction": f} for f in fracs]
+    if not runs:
+        runs.append({"capacity_fraction": 1 / 16})
+    results = []
+    for kw in runs:
+        results.append(bench.replay(trace, policy=policy, trace=trace_requests, **kw))
+    if output_format == "json":
+        data = [r.to_json() for r in results]
+        click.echo(json.dumps(data[0] if len(data) == 1 else data, indent=2))
+    else:
+        click.echo(bench.format_table(results))

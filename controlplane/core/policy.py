@@ -390,12 +390,13 @@ class _AgentPass:
         self.content: list[set[bytes]] = [set(tv.blocks) for tv in tiers]
         self.origin: dict[bytes, int] = {}  # level before the pass, of blocks it moves
         self.dropped: list[bytes] = []
-        self.moved_down: dict[bytes, None] = {}  # insertion-ordered set
-        self.promoted: list[tuple[bytes, int]] = []
 
-    def priority(self, h: bytes) -> float:
+    def priority(self, h: bytes) -> tuple[float, int, bytes]:
+        """Heap key, lowest goes first: the priority, then (at equal priority) a copy held
+        elsewhere first, then the hash so that passes are deterministic."""
         replicated = self.replicas.get(h, 1) > 1 if self.replicas else False
-        return block_priority(self.stats.get(h), self.turnover, self.policy, replicated, self.now)
+        p = block_priority(self.stats.get(h), self.turnover, self.policy, replicated, self.now)
+        return (p, 0 if replicated else 1, h)
 
     def pin_allows(self, h: bytes, target: int | None) -> bool:
         """May `h` go to level `target` (None: dropped)?"""
@@ -407,12 +408,17 @@ class _AgentPass:
         return target is not None and self.tiers[target].tier <= pin
 
     def run(self) -> list[Action]:
+        # pins first (a repaired pin may push a tier over, and the shrink makes room),
+        # then hot prefixes into room below low watermarks, then every tier over its
+        # high watermark down to its low one, fastest first so demotions cascade
+        self._repair_pins()
+        if self.policy.promote_hot:
+            self._promote_hot()
         last = len(self.tiers) - 1
         for i, tv in enumerate(self.tiers):
             tp = self.policy.tier(tv.tier)
             if len(self.content[i]) > _threshold(tp.high_watermark, tv.capacity_blocks):
                 self._shrink(i, len(self.content[i]) - _threshold(tp.low_watermark, tv.capacity_blocks), i == last)
-        self._promote()
         return self._actions()
 
     def _shrink(self, i: int, need: int, is_last: bool) -> None:
@@ -424,25 +430,23 @@ class _AgentPass:
         for lv in self.content if is_last else self.content[: i + 1]:
             blockers.update(map(parent.__getitem__, lv))
         target = None if is_last else i + 1
-        heap = [(self.priority(h), h) for h in content.difference(blockers) if self.pin_allows(h, target)]
+        heap = [self.priority(h) for h in content.difference(blockers) if self.pin_allows(h, target)]
         heapq.heapify(heap)
         while need > 0 and heap:
-            _, h = heapq.heappop(heap)
+            h = heapq.heappop(heap)[2]
             content.discard(h)
             self.origin.setdefault(h, i)
             if is_last:
                 self.dropped.append(h)
-                self.moved_down.pop(h, None)
             else:
                 self.content[i + 1].add(h)
-                self.moved_down[h] = None
             need -= 1
             p = parent[h]
             n = blockers.get(p)
             if n is not None:
                 blockers[p] = n - 1
                 if n == 1 and p in content and self.pin_allows(p, target):
-                    heapq.heappush(heap, (self.priority(p), p))
+                    heapq.heappush(heap, self.priority(p))
 
     def _level(self, h: bytes) -> int | None:
         for i, lv in enumerate(self.content):
@@ -450,20 +454,23 @@ class _AgentPass:
                 return i
         return None
 
-    def _promote(self) -> None:
-        tiers = self.tiers
-        moved = set(self.moved_down)
-        # pinned blocks held slower than their pin go back up, room or not
-        if self.pins:
-            for j in range(1, len(tiers)):
-                for h in list(self.content[j]):
-                    pin = self.pins.min_tier(h)
-                    if h not in moved and pin is not None and tiers[j].tier > pin:
-                        target = max((k for k, tv in enumerate(tiers) if tv.tier <= pin), default=0)
-                        self._move_up(h, j, target)
-                        moved.add(h)
-        if not self.policy.promote_hot:
+    def _repair_pins(self) -> None:
+        """Pinned blocks held slower than their pin go back up, room or not."""
+        if not self.pins:
             return
+        tiers = self.tiers
+        for j in range(1, len(tiers)):
+            for h in list(self.content[j]):
+                pin = self.pins.min_tier(h)
+                if pin is not None and tiers[j].tier > pin:
+                    target = max((k for k, tv in enumerate(tiers) if tv.tier <= pin), default=0)
+                    self._move_up(h, j, target)
+
+    def _promote_hot(self) -> None:
+        """Top up each faster tier below its low watermark with the highest-priority
+        blocks of slower tiers that were reused at least `promote_min_reuses` times."""
+        tiers = self.tiers
+        moved = set(self.origin)
         for i in range(len(tiers) - 1):
             room = _threshold(self.policy.tier(tiers[i].tier).low_watermark, tiers[i].capacity_blocks)
             room -= len(self.content[i])
@@ -476,8 +483,8 @@ class _AgentPass:
                         continue
                     s = self.stats.get(h)
                     if s is not None and s.num_reuses >= self.policy.promote_min_reuses:
-                        hot.append((self.priority(h), h, j))
-            for _, h, j in heapq.nlargest(room, hot):
+                        hot.append((self.priority(h), j))
+            for (_, _, h), j in heapq.nlargest(room, hot):
                 self._move_up(h, j, i)
                 moved.add(h)
 
@@ -485,28 +492,34 @@ class _AgentPass:
         self.origin.setdefault(h, frm)
         self.content[frm].discard(h)
         self.content[to].add(h)
-        self.promoted.append((h, to))
 
     def _actions(self) -> list[Action]:
+        """Net moves of the pass, in an order an agent can apply one by one: drops first
+        (children before parents), then demotions into the slowest tier first (so every
+        tier has room when blocks arrive; children before parents, so no block is ever
+        slower than a child of it that is moving too), then promotions (parents first)."""
         out: list[Action] = []
         if self.dropped:
             out.append(Evict(self.agent_id, tuple(self.dropped)))
-        groups: dict[tuple[int, int], list[bytes]] = {}
-        for h in self.moved_down:
-            to = self._level(h)
-            frm = self.origin[h]
-            if to is not None and to > frm:
-                groups.setdefault((frm, to), []).append(h)
-        # free the slow tiers first: CPU->DISK before GPU->CPU
-        for (frm, to), hs in sorted(groups.items(), key=lambda kv: (-kv[0][1], -kv[0][0])):
-            codec = self.policy.tier(self.tiers[to].tier).codec
-            out.append(Demote(self.agent_id, tuple(hs), self.tiers[frm].tier, self.tiers[to].tier, codec))
+        down: dict[int, list[bytes]] = {}
         up: dict[int, list[bytes]] = {}
-        for h, to in self.promoted:
-            if h in self.content[to] and to < self.origin[h]:
-                up.setdefault(to, []).append(h)
-        for to, hs in sorted(up.items()):
-            out.append(Promote(self.agent_id, tuple(_parents_first(hs, self.parent)), self.tiers[to].tier))
+        for h, frm in self.origin.items():
+            to = self._level(h)
+            if to is None or to == frm:
+                continue
+            (down if to > frm else up).setdefault(to, []).append(h)
+        for to in sorted(down, reverse=True):
+            hs = _parents_first(down[to], self.parent)[::-1]
+            codec = self.policy.tier(self.tiers[to].tier).codec
+            run: list[bytes] = []
+            for k, h in enumerate(hs):
+                run.append(h)
+                frm = self.origin[h]
+                if k + 1 == len(hs) or self.origin[hs[k + 1]] != frm:
+                    out.append(Demote(self.agent_id, tuple(run), self.tiers[frm].tier, self.tiers[to].tier, codec))
+                    run = []
+        for to in sorted(up):
+            out.append(Promote(self.agent_id, tuple(_parents_first(up[to], self.parent)), self.tiers[to].tier))
         return out
 
 

@@ -568,7 +568,8 @@ class Manager:
     # ---- loop -----------------------------------------------------------------------
     def run_once(self, now: float | None = None) -> None:
         if not self.election.is_leader:
-            self._loaded_epoch = 0
+            if not getattr(self.election, "serving_from_memory", False):
+                self._loaded_epoch = 0  # reload when we lead again (another epoch)
             return
         now = self.clock() if now is None else now
         if self._loaded_epoch != self.election.epoch:

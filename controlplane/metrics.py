@@ -59,6 +59,7 @@ class ClusterCollector:
         g, c = GaugeMetricFamily, CounterMetricFamily
         specs = [
             (g, "kvcp_controlplane_is_leader", "1 if this replica is the leader now, else 0.", []),
+            (g, "kvcp_controlplane_serving_stale", "1 while a leader cut off from etcd answers from memory.", []),
             (g, "kvcp_controlplane_epoch", "Epoch (leader key create revision) of the leader this replica knows.", []),
             (g, "kvcp_agents", "Registered agents by sync state.", ["state"]),
             (
@@ -99,6 +100,8 @@ class ClusterCollector:
         f = self._families()
         lead = self._leadership
         f["kvcp_controlplane_is_leader"].add_metric([], 1 if lead is not None and lead.is_leader else 0)
+        stale = lead is not None and getattr(lead, "serving_from_memory", False)
+        f["kvcp_controlplane_serving_stale"].add_metric([], 1 if stale else 0)
         f["kvcp_controlplane_epoch"].add_metric([], lead.epoch if lead is not None else 0)
         stats = self._cluster.stats()
         by_state = dict.fromkeys(AGENT_STATES, 0)

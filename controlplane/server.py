@@ -79,6 +79,10 @@ class ControlPlane:
                 ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
                 ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
                 ("grpc.so_reuseport", 0),
+                # agents ping idle Sync streams to notice a paused or vanished leader
+                ("grpc.keepalive_permit_without_calls", 1),
+                ("grpc.http2.min_ping_interval_without_data_ms", 1000),
+                ("grpc.http2.max_ping_strikes", 0),
             ],
         )
         self.port = self.server.add_insecure_port(self.config.listen)

@@ -13,6 +13,7 @@ process connects. Everything durable lives here; the block index never does.
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
 
 ROOT = "/kvcp/v1/"
 AGENTS_PREFIX = ROOT + "agents/"
@@ -43,23 +44,63 @@ def parse_endpoints(text: str) -> list[tuple[str, int]]:
     return out
 
 
-def connect(endpoints: str, timeout_seconds: float = 5.0, wait_seconds: float = 0.0, log=print):
-    """A pyetcd client to the first endpoint that answers. Retries for `wait_seconds`,
-    saying so through `log`; raises ConnectionError with a sentence when none answers."""
-    import pyetcd
+def is_unreachable(exc: BaseException) -> bool:
+    """True when an etcd call failed because no endpoint answered (not a logic error)."""
+    from pyetcd import exceptions as ex
 
+    if isinstance(exc, ex.ConnectionFailedError | ex.ConnectionTimeoutError | ex.NoServerAvailableError):
+        return True
+    return isinstance(exc, ValueError) and "failed node" in str(exc)
+
+
+@dataclass(frozen=True)
+class EtcdAuth:
+    """TLS files and user/password for the etcd connection (all optional)."""
+
+    ca_file: str = ""
+    cert_file: str = ""
+    key_file: str = ""
+    user: str = ""
+    password: str = ""
+
+
+def _client(targets, timeout_seconds: float, auth: EtcdAuth):
+    import grpc
+    from pyetcd.client import Endpoint, MultiEndpointEtcd3Client
+
+    creds = None
+    if auth.ca_file:
+        read = lambda p: open(p, "rb").read() if p else None  # noqa: E731
+        creds = grpc.ssl_channel_credentials(read(auth.ca_file), read(auth.key_file), read(auth.cert_file))
+    # a failed endpoint is retried after 1 s (pyetcd's default waits 5 minutes)
+    eps = [Endpoint(h, p, secure=creds is not None, creds=creds, time_retry=1.0) for h, p in targets]
+    return MultiEndpointEtcd3Client(
+        endpoints=eps,
+        timeout=timeout_seconds,
+        user=auth.user or None,
+        password=auth.password or None,
+        failover=len(eps) > 1,
+    )
+
+
+def connect(
+    endpoints: str, timeout_seconds: float = 5.0, wait_seconds: float = 0.0, log=print, auth: EtcdAuth | None = None
+):
+    """A pyetcd client over every endpoint (failing over between them). Waits up to
+    `wait_seconds` for one to answer, saying so through `log`; raises ConnectionError
+    with a sentence when none answers."""
     targets = parse_endpoints(endpoints)
     deadline = time.monotonic() + wait_seconds
     said = False
     while True:
-        last_error = ""
-        for host, port in targets:
-            client = pyetcd.client(host=host, port=port, timeout=timeout_seconds)
-            try:
-                client.status()
-                return client
-            except Exception as exc:  # noqa: BLE001 - any failure means "try the next"
-                last_error = f"{host}:{port}: {type(exc).__name__}"
+        client = None
+        try:
+            client = _client(targets, timeout_seconds, auth or EtcdAuth())
+            client.status()
+            return client
+        except Exception as exc:  # noqa: BLE001 - any failure means "try again"
+            last_error = f"{type(exc).__name__}"
+            if client is not None:
                 client.close()
         if time.monotonic() >= deadline:
             raise ConnectionError(

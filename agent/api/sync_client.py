@@ -26,6 +26,14 @@ from protos.tier import Tier
 log = logging.getLogger(__name__)
 
 INVENTORY_CHUNK_BLOCKS = 65536
+LEADER_CHECK_SECONDS = 1.0
+# pings on an idle stream so a paused or vanished control plane is noticed in seconds
+KEEPALIVE_OPTIONS = [
+    ("grpc.keepalive_time_ms", 2000),
+    ("grpc.keepalive_timeout_ms", 2000),
+    ("grpc.keepalive_permit_without_calls", 1),
+    ("grpc.http2.max_pings_without_data", 0),
+]
 
 
 def op_update_pb(op: MoveOp) -> agent_pb2.AgentMessage:
@@ -76,6 +84,8 @@ class ControlPlaneLink:
         self._resync = threading.Event()
         self._reconnect = threading.Event()
         self.connected = threading.Event()
+        self._outgoing_finished = threading.Event()
+        self._connected_to = ""
         self.epoch = 0
         self.connections_total = 0
         self.resyncs_total = 0
@@ -216,8 +226,13 @@ class ControlPlaneLink:
         yield from self._inventory_messages()
         yield self._stats_message()
         next_stats = time.monotonic() + self.stats_interval_seconds
+        next_leader_check = time.monotonic() + LEADER_CHECK_SECONDS
         wake = self._pool.journal.wake
         while not (stop.is_set() or done.is_set() or self._reconnect.is_set()):
+            if time.monotonic() >= next_leader_check:
+                next_leader_check = time.monotonic() + LEADER_CHECK_SECONDS
+                if self._leader_moved():
+                    break
             if self._resync.is_set():
                 self._resync.clear()
                 self.resyncs_total += 1
@@ -254,6 +269,19 @@ class ControlPlaneLink:
                 next_stats = now + self.stats_interval_seconds
                 yield self._stats_message()
             wake.wait(min(0.05, max(next_stats - now, 0.001)))
+        self._outgoing_finished.set()
+
+    def _leader_moved(self) -> bool:
+        """True when etcd names another leader than the one we stream to (a failover
+        we would otherwise only notice when the old leader's stream breaks)."""
+        try:
+            now = self._address()
+        except Exception:  # noqa: BLE001 - etcd away: keep the stream we have
+            return False
+        if now and now != self._connected_to:
+            log.info("leader moved from %s to %s; reconnecting", self._connected_to, now)
+            return True
+        return False
 
     # ---- connection loop ------------------------------------------------------------
     def run_once(self, stop: threading.Event) -> None:
@@ -261,7 +289,8 @@ class ControlPlaneLink:
         address = self._address()
         if not address:
             raise ConnectionError("no control-plane leader known yet")
-        with grpc.insecure_channel(address) as channel:
+        with grpc.insecure_channel(address, options=KEEPALIVE_OPTIONS) as channel:
+            self._connected_to = address
             stub = agent_pb2_grpc.AgentServiceStub(channel)
             reply = stub.Register(agent_pb2.RegisterRequest(agent=self._agent_info()), timeout=5)
             self.epoch = reply.epoch
@@ -272,12 +301,18 @@ class ControlPlaneLink:
             self.highest_epoch = reply.epoch
             self._reconnect.clear()
             self._resync.clear()
+            self._outgoing_finished.clear()
             done = threading.Event()
             self.connections_total += 1
             log.info("connected to control plane %s (epoch %d)", address, reply.epoch)
             self.connected.set()
+            call = stub.Sync(self._outgoing(stop, done))
+            # when our side is done (reconnect, leader moved, stop), cancel the call: a
+            # paused or dead leader would otherwise keep the response side open forever
+            watchdog = threading.Thread(target=self._cancel_when_done, args=(call, done, stop), daemon=True)
+            watchdog.start()
             try:
-                for msg in stub.Sync(self._outgoing(stop, done)):
+                for msg in call:
                     body = msg.WhichOneof("body")
                     if body == "resync":
                         log.info("control plane asks for a resync: %s", msg.resync.reason)
@@ -288,6 +323,12 @@ class ControlPlaneLink:
             finally:
                 done.set()
                 self.connected.clear()
+
+    def _cancel_when_done(self, call, done: threading.Event, stop: threading.Event) -> None:
+        while not done.wait(0.1):
+            if stop.is_set() or self._reconnect.is_set() or self._outgoing_finished.is_set():
+                call.cancel()
+                return
 
     def run_forever(self, stop: threading.Event) -> None:
         backoff = 0.2

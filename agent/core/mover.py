@@ -5,6 +5,7 @@ engine API (a load from a lower tier promotes) both submit here."""
 from __future__ import annotations
 
 import itertools
+import logging
 import queue
 import threading
 import time
@@ -14,6 +15,8 @@ from dataclasses import dataclass, field
 
 from agent.core.block_pool import BlockPool
 from protos.tier import Tier
+
+log = logging.getLogger(__name__)
 
 PENDING, RUNNING, SUCCEEDED, FAILED, CANCELLED = "PENDING", "RUNNING", "SUCCEEDED", "FAILED", "CANCELLED"
 TERMINAL = {SUCCEEDED, FAILED, CANCELLED}
@@ -99,6 +102,16 @@ class Mover:
             self.on_update(op)
 
     def run_op(self, op: MoveOp) -> MoveOp:
+        try:
+            return self._run_op(op)
+        except Exception as exc:
+            op.state, op.error = FAILED, f"{type(exc).__name__}: {exc}"
+            op.finished_unix_seconds = time.time()
+            with self._lock:
+                self._promoting.difference_update(op.block_hashes)
+            raise
+
+    def _run_op(self, op: MoveOp) -> MoveOp:
         if op.cancel_requested:
             op.state = CANCELLED
         else:
@@ -142,7 +155,10 @@ class Mover:
 
     def run_forever(self, stop: threading.Event) -> None:
         while not stop.is_set():
-            self.run_once()
+            try:
+                self.run_once()
+            except Exception:  # noqa: BLE001 - one bad operation must not stop every later one
+                log.exception("mover: an operation failed unexpectedly")
 
     def wait(self, op: MoveOp, timeout_seconds: float = 30.0) -> MoveOp:
         deadline = time.monotonic() + timeout_seconds

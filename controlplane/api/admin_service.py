@@ -23,18 +23,32 @@ class AdminServicer(admin_pb2_grpc.AdminServiceServicer):
         # a prometheus Histogram (controlplane.metrics); None in tests that do not measure
         self._lookup_duration = lookup_duration
 
-    def _require_leader(self) -> None:
-        if not self._leadership.is_leader:
-            raise errors.NotLeader(self._leadership.leader_address)
+    def _require_leader(self, read: bool = False) -> None:
+        """Writes need the leader; reads are also answered by a leader cut off from etcd
+        (from memory, flagged possibly stale), since nobody else can lead meanwhile."""
+        if self._leadership.is_leader:
+            return
+        if getattr(self._leadership, "serving_from_memory", False):
+            if read:
+                return
+            raise errors.Unavailable(
+                "etcd is unreachable; durable changes (pin, unpin, policy, operations) are rejected until it "
+                "returns; lookups are still answered from memory"
+            )
+        raise errors.NotLeader(self._leadership.leader_address)
+
+    @property
+    def _stale(self) -> bool:
+        return bool(getattr(self._leadership, "serving_from_memory", False))
 
     def ListAgents(self, request, context):
-        self._require_leader()
+        self._require_leader(read=True)
         return admin_pb2.ListAgentsResponse(
             agents=[convert.agent_status_to_pb(rec, n) for rec, n in self._cluster.agents()]
         )
 
     def Lookup(self, request, context):
-        self._require_leader()
+        self._require_leader(read=True)
         start = time.perf_counter()
         result = self._cluster.lookup(
             request.model_id,
@@ -43,12 +57,13 @@ class AdminServicer(admin_pb2_grpc.AdminServiceServicer):
             extra_keys=tuple(request.extra_keys),
         )
         response = convert.lookup_to_pb(result)
+        response.possibly_stale = self._stale
         if self._lookup_duration is not None:
             self._lookup_duration.observe(time.perf_counter() - start)
         return response
 
     def GetStats(self, request, context):
-        self._require_leader()
+        self._require_leader(read=True)
         resp = convert.stats_to_pb(self._cluster.stats())
         resp.leader_address = self._leadership.leader_address
         resp.epoch = self._leadership.epoch
@@ -76,8 +91,8 @@ class AdminServicer(admin_pb2_grpc.AdminServiceServicer):
             sub.close()
 
     # ---- pins, operations, policy (controlplane.manager) -----------------------------
-    def _manager(self):
-        self._require_leader()
+    def _manager(self, read: bool = False):
+        self._require_leader(read)
         if self.manager is None:
             raise errors.Unavailable("this control plane runs without etcd-backed pins and operations")
         return self.manager
@@ -98,7 +113,7 @@ class AdminServicer(admin_pb2_grpc.AdminServiceServicer):
 
     def ListPins(self, request, context):
         return admin_pb2.ListPinsResponse(
-            pins=[convert.pin_to_pb(p) for p in self._manager().list_pins(request.namespace)]
+            pins=[convert.pin_to_pb(p) for p in self._manager(read=True).list_pins(request.namespace)]
         )
 
     def Move(self, request, context):
@@ -124,11 +139,11 @@ class AdminServicer(admin_pb2_grpc.AdminServiceServicer):
     def GetOperation(self, request, context):
         if not request.op_id:
             raise errors.InvalidArgument("op_id", "must not be empty")
-        return convert.op_to_pb(self._manager().get_op(request.op_id))
+        return convert.op_to_pb(self._manager(read=True).get_op(request.op_id))
 
     def ListOperations(self, request, context):
         return admin_pb2.ListOperationsResponse(
-            operations=[convert.op_to_pb(o) for o in self._manager().list_ops(min(request.limit or 100, 1000))]
+            operations=[convert.op_to_pb(o) for o in self._manager(read=True).list_ops(min(request.limit or 100, 1000))]
         )
 
     def CancelOperation(self, request, context):
@@ -137,7 +152,7 @@ class AdminServicer(admin_pb2_grpc.AdminServiceServicer):
         return convert.op_to_pb(self._manager().cancel_op(request.op_id))
 
     def GetPolicy(self, request, context):
-        values, revision = self._manager().get_policy()
+        values, revision = self._manager(read=True).get_policy()
         return admin_pb2.Policy(values=values, revision=revision)
 
     def SetPolicy(self, request, context):

@@ -131,6 +131,11 @@ class DurableStore:
 
     def _fenced(self, ops) -> None:
         c = self._client
+        if getattr(self._election, "serving_from_memory", False):
+            raise errors.Unavailable(
+                f"etcd is unreachable{(' at ' + self.endpoint) if self.endpoint else ''}; durable changes (pin, unpin, "
+                "policy, operations) are rejected until it returns; lookups are still answered from memory"
+            )
         if not self._election.is_leader:
             raise errors.NotLeader(self._election.leader_address)
         try:

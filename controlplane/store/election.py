@@ -11,7 +11,7 @@ from __future__ import annotations
 import logging
 import threading
 
-from protos.etcd_keys import LEADER_KEY
+from protos.etcd_keys import LEADER_KEY, is_unreachable
 
 log = logging.getLogger(__name__)
 
@@ -25,6 +25,10 @@ class LeaderElection:
         self._lease = None
         self._lock = threading.Lock()
         self.is_leader = False
+        # True while we led and etcd became unreachable: nobody can be elected meanwhile,
+        # so this replica keeps answering reads from memory (flagged possibly stale) and
+        # refuses durable writes until etcd is back.
+        self.serving_from_memory = False
         self.epoch = 0
         self.leader_address = ""
 
@@ -36,11 +40,21 @@ class LeaderElection:
                     self._refresh()
                 else:
                     self._campaign()
-            except Exception as exc:  # noqa: BLE001 - etcd trouble means "not leader"
+                if self.serving_from_memory:
+                    log.info("etcd is reachable again (leader: %s)", self.is_leader)
+                self.serving_from_memory = False
+            except Exception as exc:  # noqa: BLE001 - sorted below: outage or lost leadership
+                if not is_unreachable(exc):
+                    if self.is_leader:
+                        log.warning("lost leadership (epoch %d): %s", self.epoch, exc)
+                    self.is_leader = False
+                    self.serving_from_memory = False
+                    self._lease = None
+                    return False
                 if self.is_leader:
-                    log.warning("lost leadership (epoch %d): %s", self.epoch, exc)
+                    log.warning("etcd unreachable (%s): serving reads from memory until it returns", type(exc).__name__)
+                    self.serving_from_memory = True
                 self.is_leader = False
-                self._lease = None
             return self.is_leader
 
     def _refresh(self) -> None:
@@ -53,9 +67,16 @@ class LeaderElection:
         client = self._client
         value, meta = client.get(self.key)
         if meta is not None:
+            if self._lease is not None and meta.lease_id == self._lease.id and self._lease.refresh()[0].TTL > 0:
+                # etcd came back before our lease ran out: we still lead, same epoch
+                self.is_leader = True
+                self.leader_address = self.address
+                return
+            self._lease = None
             self.leader_address = value.decode()
             self.epoch = meta.create_revision
             return
+        self._lease = None
         lease = client.lease(self.ttl_seconds)
         won, _ = client.transaction(
             compare=[client.transactions.create(self.key) == 0],

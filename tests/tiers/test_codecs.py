@@ -24,6 +24,8 @@ SHAPES = [
 ]
 LOSSLESS = ["none", "zstd"]
 FP8_MISSING = getattr(torch, "float8_e4m3fn", None) is None
+
+
 # ---- round trips ---------------------------------------------------------------------
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("shape", SHAPES, ids=str)

@@ -38,7 +38,11 @@ from tests.tiers.support import (
 
 def removed_hashes(pool: BlockPool) -> list[bytes]:
     return [
-        h for b in pool.drain_events() if b.kind == REMOVED for g in b.groups for h in split_hashes(bytes(g.block_hashes))
+        h
+        for b in pool.drain_events()
+        if b.kind == REMOVED
+        for g in b.groups
+        for h in split_hashes(bytes(g.block_hashes))
     ]
 
 

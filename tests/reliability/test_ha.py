@@ -1,0 +1,250 @@
+"""High availability and failures with real processes: two control-plane replicas
+against one etcd, a leader SIGKILLed or paused (SIGSTOP/SIGCONT), fenced writes, and an
+etcd outage during which lookups are still answered from memory."""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import time
+
+import grpc
+import pytest
+import torch
+
+from agent.client import EngineClient
+from agent.server import DEMO_MODEL
+from cli.client import ClientError, ControlPlaneClient
+from protos import errors, etcd_keys
+from protos.kvcp.v1 import admin_pb2, admin_pb2_grpc
+from tests.e2e.test_console_scripts import kvctl
+from tests.helpers import EtcdServer, free_port, script, wait_for
+
+M = DEMO_MODEL
+TTL = 2
+
+
+class Replicas:
+    def __init__(self, etcd: str, tmp):
+        self.etcd, self.tmp = etcd, tmp
+        self.procs: dict[str, subprocess.Popen] = {}
+        self.ports = {"cp-a": free_port(), "cp-b": free_port()}
+
+    def spawn(self, name, argv):
+        log = open(self.tmp / f"{name}.log", "ab")  # noqa: SIM115
+        self.procs[name] = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT)
+        return self.procs[name]
+
+    def start_cp(self, name):
+        port = self.ports[name]
+        self.spawn(
+            name,
+            [
+                script("kvcp-controlplane"),
+                "--listen",
+                f"127.0.0.1:{port}",
+                "--etcd",
+                self.etcd,
+                "--election-ttl-seconds",
+                str(TTL),
+                "--metrics-listen",
+                "",
+            ],
+        )
+
+    def endpoint(self, name):
+        return f"127.0.0.1:{self.ports[name]}"
+
+    def leader(self) -> str:
+        client = etcd_keys.connect(self.etcd)
+        try:
+            value, _ = client.get(etcd_keys.LEADER_KEY)
+            return value.decode() if value else ""
+        finally:
+            client.close()
+
+    def stop(self):
+        for p in self.procs.values():
+            if p.poll() is None:
+                p.send_signal(signal.SIGCONT)
+                p.terminate()
+        for p in self.procs.values():
+            try:
+                p.wait(10)
+            except subprocess.TimeoutExpired:
+                p.kill()
+
+
+@pytest.fixture
+def replicas(etcd, tmp_path):
+    r = Replicas(etcd, tmp_path)
+    yield r
+    r.stop()
+
+
+def status_code(endpoint: str) -> grpc.StatusCode | None:
+    with grpc.insecure_channel(endpoint) as ch:
+        try:
+            admin_pb2_grpc.AdminServiceStub(ch).GetStats(admin_pb2.GetStatsRequest(), timeout=3)
+            return grpc.StatusCode.OK
+        except grpc.RpcError as exc:
+            return exc.code()
+
+
+def test_failover_fencing_and_survival(replicas):
+    r = replicas
+    r.start_cp("cp-a")
+    wait_for(lambda: r.leader() == r.endpoint("cp-a"), 20, 0.2, "cp-a leads")
+    r.start_cp("cp-b")
+    wait_for(lambda: status_code(r.endpoint("cp-b")) == grpc.StatusCode.FAILED_PRECONDITION, 20, 0.2, "cp-b follows")
+    agent_port = free_port()
+    r.spawn(
+        "agent",
+        [
+            script("kvcp-agent"),
+            "--agent-id",
+            "ha-agent",
+            "--listen",
+            f"127.0.0.1:{agent_port}",
+            "--etcd",
+            r.etcd,
+            "--lease-ttl-seconds",
+            "5",
+            "--metrics-listen",
+            "",
+        ],
+    )
+    # kvctl pointed at the follower is taken to the leader transparently
+    wait_for(
+        lambda: any(
+            a["agent_id"] == "ha-agent" for a in json.loads(kvctl(r.endpoint("cp-b"), "-o", "json", "agents").stdout)
+        ),
+        30,
+        0.3,
+        "agent registered",
+    )
+    engine = EngineClient(f"127.0.0.1:{agent_port}")
+    prompt = list(range(5 * M.block_size))
+    engine.store(M.model_id, prompt, bytes(5 * M.block_bytes))
+    pin_id = kvctl(
+        r.endpoint("cp-b"), "pin", "--model", M.model_id, "--tokens", ",".join(map(str, prompt)), "--ttl", "10m"
+    ).stdout.strip()
+    kvctl(r.endpoint("cp-a"), "policy", "set", "quota.default=64MiB")
+
+    # SIGKILL the leader: cp-b takes over within the election TTL + 2 s
+    t0 = time.monotonic()
+    r.procs["cp-a"].send_signal(signal.SIGKILL)
+    wait_for(lambda: r.leader() == r.endpoint("cp-b"), TTL + 2, 0.05, "cp-b elected")
+    took = time.monotonic() - t0
+    assert took <= TTL + 2
+    with ControlPlaneClient(r.endpoint("cp-b")) as c:
+        # the agent reconnects and resyncs; pins and policy survive
+        wait_for(
+            lambda: {a.agent_id: a.num_blocks for a in c.list_agents()}.get("ha-agent") == 5,
+            15,
+            0.2,
+            "agent resynced to the new leader",
+        )
+        assert [p.pin_id for p in c.list_pins()] == [pin_id]
+        assert c.get_policy()["quota.default"] == "64MiB"
+        assert c.lookup(M.model_id, prompt).best_agent_id == "ha-agent"
+        epoch_b = c.stats().epoch
+
+    # restart cp-a as a follower, then pause cp-b (SIGSTOP): cp-a takes over
+    r.start_cp("cp-a")
+    wait_for(lambda: status_code(r.endpoint("cp-a")) == grpc.StatusCode.FAILED_PRECONDITION, 20, 0.2, "cp-a follows")
+    r.procs["cp-b"].send_signal(signal.SIGSTOP)
+    wait_for(lambda: r.leader() == r.endpoint("cp-a"), TTL + 4, 0.1, "cp-a elected while cp-b is paused")
+    with ControlPlaneClient(r.endpoint("cp-a")) as c:
+        wait_for(
+            lambda: {a.agent_id: a.state for a in c.list_agents()}.get("ha-agent") == "ready",
+            20,
+            0.2,
+            "agent moved to cp-a",
+        )
+        assert c.stats().epoch > epoch_b
+    # resume the old leader: it finds its lease gone and follows; it can write nothing
+    r.procs["cp-b"].send_signal(signal.SIGCONT)
+    wait_for(
+        lambda: status_code(r.endpoint("cp-b")) == grpc.StatusCode.FAILED_PRECONDITION,
+        10,
+        0.1,
+        "resumed old leader is a follower",
+    )
+    with ControlPlaneClient(r.endpoint("cp-a")) as c:
+        assert [p.pin_id for p in c.list_pins()] == [pin_id]
+        assert c.lookup(M.model_id, prompt).best_agent_id == "ha-agent"
+    engine.close()
+
+
+def test_deposed_leader_writes_nothing(etcd):
+    """Fencing without processes: a replica that still believes it leads (it was paused)
+    cannot write, because every durable write compares the leader key's revision."""
+    from controlplane.store.durable import DurableStore
+    from controlplane.store.election import LeaderElection
+
+    ca, cb = etcd_keys.connect(etcd), etcd_keys.connect(etcd)
+    a = LeaderElection(ca, "a:1", ttl_seconds=2)
+    assert a.run_once() and a.is_leader
+    ca.delete(etcd_keys.LEADER_KEY)  # a's lease "expired" while it was paused
+    b = LeaderElection(cb, "b:1", ttl_seconds=2)
+    assert b.run_once() and b.epoch > a.epoch
+    assert a.is_leader  # a has not noticed yet
+    with pytest.raises(errors.NotLeader):
+        DurableStore(ca, a).put(etcd_keys.POLICY_KEY, '{"evil": "1"}')
+    assert ca.get(etcd_keys.POLICY_KEY)[0] is None
+    DurableStore(cb, b).put(etcd_keys.POLICY_KEY, "{}")
+    assert cb.get(etcd_keys.POLICY_KEY)[0] == b"{}"
+    assert not a.run_once()  # and at its next pass it steps down
+    ca.close()
+    cb.close()
+
+
+def test_etcd_outage_reads_from_memory_rejects_writes_and_recovers(make_agent_factory=None):
+    from agent.server import Agent, AgentConfig
+    from controlplane.server import ControlPlane, ControlPlaneConfig
+
+    server = EtcdServer().start()
+    cp = agent = None
+    try:
+        cp = ControlPlane(
+            ControlPlaneConfig(listen="127.0.0.1:0", etcd=server.endpoint, election_ttl_seconds=3, metrics_listen="")
+        ).start()
+        agent = Agent(
+            AgentConfig(
+                "outage-agent",
+                listen="127.0.0.1:0",
+                etcd=server.endpoint,
+                lease_ttl_seconds=10,
+                stats_interval_seconds=0.2,
+                metrics_listen="",
+            )
+        ).start()
+        kv = torch.zeros((3, *M.block_shape), dtype=torch.float16)
+        prompt = list(range(3 * M.block_size))
+        agent.engine.store(M.model_id, prompt, kv)
+        with ControlPlaneClient(cp.address, timeout_seconds=10) as c:
+            wait_for(lambda: c.lookup(M.model_id, prompt).agents, 10, 0.1, "indexed")
+            server.proc.send_signal(signal.SIGSTOP)  # etcd stops answering
+            wait_for(lambda: cp.election.serving_from_memory, 15, 0.1, "control plane notices")
+            res = c.lookup(M.model_id, prompt)
+            assert res.best_agent_id == "outage-agent" and res.possibly_stale
+            with pytest.raises(ClientError) as info:
+                c.pin(model_id=M.model_id, token_ids=prompt, ttl_seconds=60)
+            assert info.value.code == "UNAVAILABLE" and "etcd is unreachable" in str(info.value)
+            # the agent keeps serving its engine throughout
+            assert agent.engine.load(M.model_id, prompt).num_cached_tokens == len(prompt)
+            server.proc.send_signal(signal.SIGCONT)
+            wait_for(lambda: cp.election.is_leader, 20, 0.2, "recovered leadership")
+            pin = wait_for(lambda: c.pin(model_id=M.model_id, token_ids=prompt, ttl_seconds=60), 10, 0.3, "pin works")
+            assert pin.num_blocks == 3
+            assert not c.lookup(M.model_id, prompt).possibly_stale
+    finally:
+        if server.proc.poll() is None:
+            server.proc.send_signal(signal.SIGCONT)
+        if agent:
+            agent.stop()
+        if cp:
+            cp.stop()
+        server.cleanup()

@@ -1,0 +1,244 @@
+"""Control-plane commands as an agent executes them: ControlPlaneLink.handle_command on
+an in-process Agent (real pool, CPU slab, disk directory and Mover; no control plane),
+with the OpUpdates it queues for the control plane read back from its outbox."""
+
+from __future__ import annotations
+
+import queue
+import time
+
+import pytest
+import torch
+
+from agent.core.mover import CANCELLED, FAILED, RUNNING, SUCCEEDED
+from agent.server import Agent, AgentConfig
+from protos.kvcp.v1 import agent_pb2
+from protos.tier import Tier
+from tests.tiers.support import BLOCK_BYTES, SPEC, check_pool, kv, tokens
+
+MOVE, EVICT, COMPRESS = agent_pb2.COMMAND_KIND_MOVE, agent_pb2.COMMAND_KIND_EVICT, agent_pb2.COMMAND_KIND_COMPRESS
+PIN, UNPIN, CANCEL = agent_pb2.COMMAND_KIND_PIN, agent_pb2.COMMAND_KIND_UNPIN, agent_pb2.COMMAND_KIND_CANCEL
+
+
+@pytest.fixture
+def agent(tmp_path) -> Agent:
+    """Built, not started: nothing listens and nothing talks to etcd."""
+    return Agent(
+        AgentConfig(
+            agent_id="cmd",
+            models=[SPEC],
+            cpu_capacity_bytes=8 * BLOCK_BYTES,
+            page_bytes=BLOCK_BYTES,
+            disk_dir=str(tmp_path / "disk"),
+            disk_capacity_bytes=1 << 20,
+        )
+    )
+
+
+def store(agent: Agent, n: int = 3, start: int = 0, seed: int = 0):
+    toks, data = tokens(n, start), kv(n, seed)
+    assert agent.engine.store(SPEC.model_id, toks, data).num_stored_blocks == n
+    return toks, data, agent.engine.hashes(SPEC, toks)
+
+
+def command(kind, op_id: str, hashes=(), **fields) -> agent_pb2.Command:
+    return agent_pb2.Command(op_id=op_id, kind=kind, block_hashes=b"".join(hashes), **fields)
+
+
+def updates(agent: Agent) -> list[agent_pb2.OpUpdate]:
+    """OpUpdates the link queued for the control plane since the last call."""
+    out = []
+    while True:
+        try:
+            msg = agent.link._outbox.get_nowait()
+        except queue.Empty:
+            return out
+        if msg.WhichOneof("body") == "op_update":
+            out.append(msg.op_update)
+
+
+def run_mover(agent: Agent) -> None:
+    while agent.mover.run_once(timeout_seconds=0.01) is not None:
+        pass
+
+
+# ---- MOVE / COMPRESS ----------------------------------------------------------------
+def test_move_runs_as_an_operation_and_reports_progress(agent):
+    toks, data, hs = store(agent)
+    agent.link.handle_command(1, command(MOVE, "op-move", hs, tier=Tier.DISK))
+    assert agent.mover.get("op-move").state == "PENDING"
+    run_mover(agent)
+    assert [agent.pool.tier_of(h) for h in hs] == [Tier.DISK] * 3
+    ups = updates(agent)
+    assert ups[0].op_id == "op-move" and ups[0].state == RUNNING
+    last = ups[-1]
+    assert (last.state, last.done, last.total, last.failed) == (SUCCEEDED, 3, 3, 0)
+    assert last.moved_bytes == 3 * BLOCK_BYTES
+    res = agent.engine.load(SPEC.model_id, toks)
+    assert torch.equal(res.kv, data) and res.tiers == (Tier.DISK,) * 3
+    check_pool(agent.pool)
+
+
+def test_move_with_a_codec_reencodes(agent):
+    toks, data, hs = store(agent)
+    agent.link.handle_command(1, command(MOVE, "op-int8", hs[1:], tier=Tier.DISK, codec="int8"))
+    run_mover(agent)
+    assert [agent.pool.blocks[h].codec for h in hs] == ["none", "int8", "int8"]
+    assert updates(agent)[-1].state == SUCCEEDED
+    assert agent.engine.load(SPEC.model_id, toks).num_cached_tokens == len(toks)
+
+
+def test_move_without_a_tier_fails_at_once(agent):
+    _, _, hs = store(agent, n=1)
+    agent.link.handle_command(1, command(MOVE, "op-notier", hs))
+    (up,) = updates(agent)
+    assert up.op_id == "op-notier" and up.state == FAILED and "tier" in up.error
+    assert agent.mover.get("op-notier") is None
+
+
+def test_move_with_an_unknown_codec_fails_and_the_mover_carries_on(agent):
+    _, _, hs = store(agent, n=2)
+    agent.link.handle_command(1, command(MOVE, "op-bad", hs, tier=Tier.DISK, codec="lz4"))
+    agent.link.handle_command(1, command(MOVE, "op-good", hs, tier=Tier.DISK))
+    run_mover(agent)
+    final = {u.op_id: u for u in updates(agent) if u.state in (SUCCEEDED, FAILED)}
+    assert final["op-bad"].state == FAILED and "lz4" in final["op-bad"].error
+    assert final["op-good"].state == SUCCEEDED
+    assert all(agent.pool.tier_of(h) is Tier.DISK for h in hs)
+
+
+def test_move_of_blocks_not_held_fails(agent):
+    agent.link.handle_command(1, command(MOVE, "op-gone", [b"\x01" * 16], tier=Tier.DISK))
+    run_mover(agent)
+    last = updates(agent)[-1]
+    assert (last.state, last.failed, last.error) == (FAILED, 1, "not held")
+
+
+def test_compress_keeps_the_tier(agent):
+    toks, data, hs = store(agent)
+    agent.link.handle_command(1, command(COMPRESS, "op-z", hs, codec="zstd"))
+    run_mover(agent)
+    assert all(agent.pool.tier_of(h) is Tier.CPU and agent.pool.blocks[h].codec == "zstd" for h in hs)
+    assert updates(agent)[-1].state == SUCCEEDED
+    assert torch.equal(agent.engine.load(SPEC.model_id, toks).kv, data)
+    check_pool(agent.pool)
+
+
+def test_compress_without_hashes_takes_the_blocks_of_one_tier(agent):
+    _, _, hs = store(agent, n=4)
+    assert agent.pool.move_block(hs[3], Tier.DISK).ok
+    agent.link.handle_command(1, command(COMPRESS, "op-cpu", codec="int8", only_tier=Tier.CPU))
+    run_mover(agent)
+    assert [agent.pool.blocks[h].codec for h in hs] == ["int8", "int8", "int8", "none"]
+    assert updates(agent)[-1].done == 3
+
+
+def test_promotions_send_no_op_updates(agent):
+    toks, data, hs = store(agent, n=2)
+    for h in hs:
+        assert agent.pool.move_block(h, Tier.DISK).ok
+    agent.engine.load(SPEC.model_id, toks)  # promotes in the background
+    run_mover(agent)
+    assert [agent.pool.tier_of(h) for h in hs] == [Tier.CPU] * 2
+    assert updates(agent) == []
+
+
+# ---- CANCEL -------------------------------------------------------------------------
+def test_cancel_stops_a_queued_move(agent):
+    _, _, hs = store(agent)
+    agent.link.handle_command(1, command(MOVE, "op-c", hs, tier=Tier.DISK))
+    agent.link.handle_command(1, command(CANCEL, "op-c"))
+    run_mover(agent)
+    assert agent.mover.get("op-c").state == CANCELLED
+    assert updates(agent)[-1].state == CANCELLED
+    assert all(agent.pool.tier_of(h) is Tier.CPU for h in hs)
+
+
+def test_cancel_of_an_unknown_op_changes_nothing(agent):
+    _, _, hs = store(agent, n=1)
+    agent.link.handle_command(1, command(CANCEL, "nope"))
+    assert agent.pool.tier_of(hs[0]) is Tier.CPU and agent.link.rejected_commands_total == 0
+
+
+# ---- EVICT / PIN / UNPIN ------------------------------------------------------------
+def test_evict_drops_blocks_and_their_descendants(agent):
+    toks, data, hs = store(agent)
+    agent.pool.drain_events()
+    agent.link.handle_command(1, command(EVICT, "op-e", hs[1:2]))
+    (up,) = updates(agent)
+    assert (up.state, up.done, up.total, up.failed) == (SUCCEEDED, 1, 1, 0)
+    assert set(agent.pool.blocks) == {hs[0]}
+    assert agent.engine.lookup(SPEC.model_id, toks) == SPEC.block_size
+    check_pool(agent.pool)
+
+
+def test_pin_protects_until_unpinned(agent):
+    toks, data, hs = store(agent)
+    agent.link.handle_command(1, command(PIN, "op-p", hs, tier=Tier.CPU, pin_id="pin-1"))
+    assert updates(agent)[-1].state == SUCCEEDED
+    assert all(agent.pool.pin_tier(agent.pool.blocks[h]) == Tier.CPU for h in hs)
+    # neither evicted nor moved below the pin's tier
+    agent.link.handle_command(1, command(EVICT, "op-e1", hs))
+    up = updates(agent)[-1]
+    assert (up.done, up.failed) == (0, 3) and set(agent.pool.blocks) == set(hs)
+    agent.link.handle_command(1, command(MOVE, "op-m1", hs, tier=Tier.DISK))
+    run_mover(agent)
+    up = updates(agent)[-1]
+    assert up.state == FAILED and "pinned" in up.error
+    assert all(agent.pool.tier_of(h) is Tier.CPU for h in hs)
+    # unpinned: both work
+    agent.link.handle_command(1, command(UNPIN, "op-u", pin_id="pin-1"))
+    assert updates(agent)[-1].state == SUCCEEDED
+    agent.link.handle_command(1, command(EVICT, "op-e2", hs[2:]))
+    assert updates(agent)[-1].done == 1 and hs[2] not in agent.pool.blocks
+
+
+def test_pin_at_disk_allows_demotion_but_not_eviction(agent):
+    _, _, hs = store(agent, n=2)
+    agent.link.handle_command(1, command(PIN, "op-p", hs, tier=Tier.DISK, pin_id="pin-d"))
+    agent.link.handle_command(1, command(MOVE, "op-m", hs, tier=Tier.DISK))
+    run_mover(agent)
+    assert all(agent.pool.tier_of(h) is Tier.DISK for h in hs)
+    agent.link.handle_command(1, command(EVICT, "op-e", hs))
+    assert updates(agent)[-1].done == 0 and set(agent.pool.blocks) == set(hs)
+
+
+def test_an_expired_pin_protects_nothing(agent):
+    _, _, hs = store(agent, n=1)
+    past = time.time() - 1
+    agent.link.handle_command(1, command(PIN, "op-p", hs, tier=Tier.CPU, pin_id="old", expires_unix_seconds=past))
+    assert agent.pool.pin_tier(agent.pool.blocks[hs[0]]) == 0
+    agent.link.handle_command(1, command(EVICT, "op-e", hs))
+    assert updates(agent)[-1].done == 1 and agent.pool.blocks == {}
+
+
+# ---- fencing and bad input ----------------------------------------------------------
+def test_commands_of_an_older_epoch_are_rejected_and_counted(agent):
+    _, _, hs = store(agent)
+    agent.link.handle_command(5, command(EVICT, "op-new", hs[2:]))
+    assert updates(agent)[-1].state == SUCCEEDED and agent.link.highest_epoch == 5
+    agent.link.handle_command(4, command(EVICT, "op-stale", hs[1:2]))  # a deposed leader
+    (up,) = updates(agent)
+    assert up.op_id == "op-stale" and up.state == FAILED and "stale epoch 4 < 5" in up.error
+    assert hs[1] in agent.pool.blocks
+    assert agent.link.rejected_commands_total == 1
+    agent.link.handle_command(4, command(MOVE, "op-stale2", hs[:1], tier=Tier.DISK))
+    assert agent.mover.get("op-stale2") is None and agent.link.rejected_commands_total == 2
+    updates(agent)
+    agent.link.handle_command(5, command(EVICT, "op-same", hs[1:2]))  # the same epoch is fine
+    assert updates(agent)[-1].state == SUCCEEDED and hs[1] not in agent.pool.blocks
+    agent.link.handle_command(7, command(EVICT, "op-newer", hs[:1]))
+    assert agent.link.highest_epoch == 7 and agent.pool.blocks == {}
+    assert agent.link.rejected_commands_total == 2
+
+
+def test_block_hashes_not_a_multiple_of_16_bytes_fail(agent):
+    agent.link.handle_command(1, agent_pb2.Command(op_id="op-x", kind=EVICT, block_hashes=b"\x01" * 17))
+    (up,) = updates(agent)
+    assert up.state == FAILED and up.error
+
+
+def test_unknown_command_kind_fails(agent):
+    agent.link.handle_command(1, agent_pb2.Command(op_id="op-u", kind=agent_pb2.COMMAND_KIND_UNSPECIFIED))
+    (up,) = updates(agent)
+    assert up.state == FAILED and "unknown command kind" in up.error

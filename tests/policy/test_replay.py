@@ -1,0 +1,189 @@
+"""Trace replay: the hit semantics and the baselines on tiny hand-made traces with
+known answers, the calibration figures on the shipped trace (when present), the
+`kvcp-bench replay` command, and the policy beating LRU on a generated trace."""
+
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+
+from benchmarks import replay as rp
+from benchmarks.main import main as bench_main
+from protos.tier import Tier
+from tests.policy.support import synthetic_trace, write_trace
+
+SHIPPED = Path(__file__).resolve().parents[2].parent / "shared" / "traces" / "synthetic_trace.jsonl"
+KEYS = {
+    "policy_hit_ratio",
+    "lru_hit_ratio",
+    "belady_hit_ratio",
+    "infinite_hit_ratio",
+    "capacity_blocks",
+    "unique_blocks",
+    "policy_vs_lru",
+    "policy_vs_belady",
+    "tier_hit_ratio",
+}
+
+
+def req(ids, input_length=None, t=0):
+    return rp.Request(t, input_length if input_length is not None else 512 * len(ids), tuple(ids))
+
+
+# ---- hit semantics and baselines ----------------------------------------------------------
+def test_hit_tokens_count_leading_blocks_and_the_partial_last_one():
+    r = req([1, 2, 3], input_length=1200)
+    assert [rp.hit_tokens(r, n) for n in range(4)] == [0, 512, 1024, 1200]
+    assert rp.hit_tokens(req([1, 2], input_length=700), 2) == 700
+    assert rp.hit_tokens(req([1, 2, 3], input_length=600), 2) == 600  # min(input_length, 512 * hits)
+    assert [rp.block_tokens(r, p) for p in range(3)] == [512, 512, 176]
+
+
+def test_lru_belady_and_infinite_on_a_hand_made_trace():
+    # capacity 2: [1,2] twice, a one-off [3], then [1,2] again
+    trace = [req([1, 2]), req([1, 2]), req([3], input_length=100), req([1, 2])]
+    total = 1024 * 3 + 100
+    # LRU: the one-off evicts block 1 (least recently used): the last request misses
+    assert rp.lru_hit_ratio(trace, 2) == 1024 / total
+    # MIN evicts the block never used again (the one-off itself)
+    assert rp.belady_hit_ratio(trace, 2) == 2048 / total
+    assert rp.infinite_hit_ratio(trace) == 2048 / total
+    assert rp.next_uses(trace) == [[1, 1], [3, 3], [math.inf], [math.inf, math.inf]]
+
+
+def test_prefix_semantics_a_hole_early_kills_later_hits():
+    # LRU with capacity 2 keeps the two most recent blocks [2, 3] of [1, 2, 3]: no prefix
+    trace = [req([1, 2, 3]), req([1, 2, 3])]
+    assert rp.lru_hit_ratio(trace, 2) == 0.0
+    # MIN on blocks: all three are next used by the same request; ties go to the block
+    # earliest in its prompt, so it keeps [2, 3] too (block MIN ignores prefix structure)
+    assert rp.belady_hit_ratio(trace, 2) == 0.0
+    # the policy shrinks chains from the tail: it keeps [1, 2]
+    run = rp.policy_run(trace, [(Tier.GPU, 2)])
+    assert run.hit_tokens == 1024
+
+
+def test_partial_prefix_hit_and_lru_recency():
+    trace = [req([1, 2, 3], 1200), req([1, 2, 4], 1300), req([5]), req([1, 2, 3], 1200)]
+    total = 1200 + 1300 + 512 + 1200
+    # capacity 4, LRU: after [5] the cache is {2, 4, 1, 5}... block 3 was evicted first
+    assert rp.lru_hit_ratio(trace, 4) == (1024 + 1024) / total
+    assert rp.infinite_hit_ratio(trace) == (1024 + 1200) / total
+    assert rp.belady_hit_ratio(trace, 4) == (1024 + 1200) / total
+
+
+@pytest.mark.skipif(not SHIPPED.exists(), reason="the shipped trace is not checked out next to the repo")
+def test_baselines_match_the_calibration_figures_of_the_design():
+    trace = rp.load_trace(SHIPPED)
+    assert rp.unique_blocks(trace) == 43924
+    assert round(rp.infinite_hit_ratio(trace), 4) == 0.6512
+    assert round(rp.lru_hit_ratio(trace, 2745), 4) == 0.1832
+    assert round(rp.belady_hit_ratio(trace, 2745), 4) == 0.4353
+    assert round(rp.lru_hit_ratio(trace, 686), 4) == 0.0629
+    assert round(rp.belady_hit_ratio(trace, 686), 4) == 0.2231
+
+
+# ---- the policy -----------------------------------------------------------------------------
+def test_policy_beats_lru_on_shared_documents_with_one_off_prompts():
+    raw = synthetic_trace(num_requests=700, seed=3)
+    trace = [rp.Request(r["timestamp"], r["input_length"], tuple(r["hash_ids"])) for r in raw]
+    capacity = rp.unique_blocks(trace) // 24
+    result = rp.replay("generated", capacity, trace=trace)
+    assert result.policy_hit_ratio >= 1.2 * result.lru_hit_ratio
+    assert result.lru_hit_ratio > 0
+    assert result.policy_hit_ratio <= result.infinite_hit_ratio
+    # the replay keeps the tier within capacity after every request (checked inside)
+    assert result.evicted_blocks > 0
+
+
+def test_tiered_replay_counts_hits_in_any_tier():
+    raw = synthetic_trace(num_requests=300, seed=5)
+    trace = [rp.Request(r["timestamp"], r["input_length"], tuple(r["hash_ids"])) for r in raw]
+    flat = rp.replay("generated", 300, trace=trace)
+    tiered = rp.replay("generated", tiers=[(Tier.GPU, 50), (Tier.CPU, 100), (Tier.DISK, 150)], trace=trace)
+    assert tiered.capacity_blocks == 300 and tiered.lru_hit_ratio == flat.lru_hit_ratio
+    assert set(tiered.tier_hit_ratio) == {"gpu", "cpu", "disk"}
+    assert math.isclose(sum(tiered.tier_hit_ratio.values()), tiered.policy_hit_ratio)
+    assert tiered.demoted_blocks > 0 and tiered.tier_hit_ratio["cpu"] > 0
+
+
+# ---- the command ----------------------------------------------------------------------------
+@pytest.fixture
+def trace_file(tmp_path):
+    return write_trace(tmp_path / "trace.jsonl", synthetic_trace(num_requests=200, seed=11))
+
+
+def test_replay_command_json(trace_file):
+    out = CliRunner().invoke(bench_main, ["replay", str(trace_file), "--capacity-blocks", "100", "-o", "json"])
+    assert out.exit_code == 0, out.output
+    data = json.loads(out.output)
+    assert KEYS <= set(data)
+    assert data["capacity_blocks"] == 100 and data["unique_blocks"] > 100
+    assert 0 <= data["lru_hit_ratio"] <= data["belady_hit_ratio"] <= data["infinite_hit_ratio"] <= 1
+
+
+def test_replay_command_table_fractions_tiers_and_settings(trace_file):
+    out = CliRunner().invoke(
+        bench_main,
+        [
+            "replay",
+            str(trace_file),
+            "--capacity-fraction",
+            "1/16",
+            "--capacity-fraction",
+            "5%",
+            "--set",
+            "max_reuse_credits=2",
+        ],
+    )
+    assert out.exit_code == 0, out.output
+    assert "POLICY" in out.output and "BELADY" in out.output
+    assert sum(1 for line in out.output.splitlines() if "x  gpu=" in line) == 2  # one row per capacity
+    out = CliRunner().invoke(bench_main, ["replay", str(trace_file), "--tiers", "gpu=20,cpu=40,disk=60", "-o", "json"])
+    assert out.exit_code == 0, out.output
+    data = json.loads(out.output)
+    assert data["tiers"] == {"gpu": 20, "cpu": 40, "disk": 60} and data["capacity_blocks"] == 120
+    assert set(data["tier_hit_ratio"]) == {"gpu", "cpu", "disk"}
+
+
+@pytest.mark.parametrize(
+    "args, words",
+    [
+        (["--tiers", "gpu=10,tpu=5"], "unknown tier 'tpu'"),
+        (["--tiers", "gpu=ten"], "not a number of blocks"),
+        (["--capacity-fraction", "2"], "fraction in (0, 1]"),
+        (["--set", "gpu.high_watermark=2"], "--set[gpu.high_watermark]"),
+        (["--set", "nonsense"], "expected KEY=VALUE"),
+        (["--capacity-blocks", "0"], "0"),
+    ],
+)
+def test_replay_command_rejects_bad_input(trace_file, args, words):
+    out = CliRunner().invoke(bench_main, ["replay", str(trace_file), *args])
+    assert out.exit_code != 0
+    assert words in out.output
+    assert "Traceback" not in out.output
+
+
+def test_replay_command_rejects_a_bad_trace(tmp_path):
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"timestamp": 0, "input_length": 10, "hash_ids": [1]}\n{"timestamp": 1}\n')
+    out = CliRunner().invoke(bench_main, ["replay", str(bad)])
+    assert out.exit_code != 0 and "bad.jsonl:2" in out.output
+
+
+def test_console_script_runs(trace_file):
+    exe = Path(sys.executable).with_name("kvcp-bench")
+    proc = subprocess.run(
+        [str(exe), "replay", str(trace_file), "--capacity-blocks", "64", "-o", "json"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert KEYS <= set(json.loads(proc.stdout))

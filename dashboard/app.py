@@ -100,6 +100,7 @@ class ActionDone(Message):
 class DashboardApp(App):
     CSS_PATH = "app.tcss"
     TITLE = "kvcp dashboard"
+    ENABLE_COMMAND_PALETTE = False  # every action has a key; the footer needs the room at 80 columns
     MODES = {
         "cluster": ClusterScreen,
         "pins": PinsScreen,
@@ -203,8 +204,7 @@ class DashboardApp(App):
     def apply_pins(self, pins: list[PinView] | ClientError) -> None:
         feature = self.state.pins_feature
         if isinstance(pins, ClientError):
-            feature.available = False if pins.code == "UNIMPLEMENTED" else feature.available
-            feature.error = "" if pins.code == "UNIMPLEMENTED" else str(pins)
+            self._feature_failed(feature, pins)
         else:
             feature.available, feature.error = True, ""
             self.state.pins = list(pins)
@@ -213,12 +213,18 @@ class DashboardApp(App):
     def apply_operations(self, operations: list[OperationView] | ClientError) -> None:
         feature = self.state.operations_feature
         if isinstance(operations, ClientError):
-            feature.available = False if operations.code == "UNIMPLEMENTED" else feature.available
-            feature.error = "" if operations.code == "UNIMPLEMENTED" else str(operations)
+            self._feature_failed(feature, operations)
         else:
             feature.available, feature.error = True, ""
             self.state.operations = list(operations)
         self._show(frozenset({"operations"}))
+
+    @staticmethod
+    def _feature_failed(feature, exc: ClientError) -> None:
+        if exc.code == "UNIMPLEMENTED":
+            feature.available, feature.error = False, ""
+        elif exc.code not in UNREACHABLE:  # the top line already says when it is unreachable
+            feature.error = str(exc)
 
     def apply_event(self, event: EventView) -> None:
         if not self.state.add_event(event):

@@ -49,6 +49,7 @@ class StatusLine(Static):
 
 class DashboardScreen(Screen):
     TITLE = ""
+    REFRESH_ON_VIEW: tuple[str, ...] = ()  # fetched afresh whenever the screen comes into view
 
     @property
     def dash(self) -> DashboardApp:
@@ -63,6 +64,8 @@ class DashboardScreen(Screen):
 
     def on_screen_resume(self) -> None:
         self.show(ALL_TOPICS)
+        if self.REFRESH_ON_VIEW:
+            self.dash.request_refresh(*self.REFRESH_ON_VIEW)
 
     def show(self, topics: frozenset[str]) -> None:
         if "connection" in topics:
@@ -117,7 +120,14 @@ class ClusterScreen(DashboardScreen):
         if s is None:
             text.append(self.state.stats_error or "waiting for the control plane…", style="dim")
         else:
-            if s.is_leader:
+            if self.state.connection != CONNECTED and self.state.samples:
+                at = render.clock_time(self.state.samples[-1].at_unix_seconds)
+                text.append(f"last known at {at}; the control plane is not answering", style="bold yellow")
+            elif self.state.stats_error:
+                # answering, but no leader: elections need etcd
+                text.append("no leader", style="bold red")
+                text.append(f": {self.state.stats_error}; etcd may be down", style="yellow")
+            elif s.is_leader:
                 text.append("leader ", style="bold")
                 text.append(f"{s.leader_address} (epoch {s.epoch})  ")
                 text.append("etcd ", style="bold")
@@ -125,8 +135,6 @@ class ClusterScreen(DashboardScreen):
             else:
                 text.append("no leader", style="bold red")
                 text.append(f" (last known {s.leader_address or 'none'}); etcd may be down")
-            if self.state.stats_error:
-                text.append(f"  last refresh failed: {self.state.stats_error}", style="yellow")
             text.append("\n")
             text.append("agents ", style="bold")
             text.append(f"{s.num_agents}  ")
@@ -151,7 +159,7 @@ class ClusterScreen(DashboardScreen):
     def _show_sparks(self) -> None:
         series = {
             "lookups": (self.state.lookup_rate_series(), lambda v: f"lookups/s {v:.1f}"),
-            "hit": (self.state.hit_ratio_series(), lambda v: f"hit ratio {v:.0%}"),
+            "hit": (self.state.hit_ratio_series(), lambda v: f"hit ratio now {v:.0%}"),
             "moved": (self.state.movement_series(), lambda v: f"moved {render.rate_bytes(v)}"),
         }
         for key, (data, label) in series.items():
@@ -288,6 +296,7 @@ class AgentScreen(DashboardScreen):
 
 class PinsScreen(DashboardScreen):
     TITLE = "Pins"
+    REFRESH_ON_VIEW = ("pins",)
     BINDINGS = [
         Binding("n", "new_pin", "New pin"),
         Binding("d,delete", "unpin", "Unpin"),
@@ -337,6 +346,7 @@ class PinsScreen(DashboardScreen):
             if p.owner:
                 text.append(f"  owner {p.owner}", style="dim")
         self.query_one("#pin-detail", Static).update(text)
+        self.query_one("#pin-detail", Static).display = bool(text)
 
     @on(DataTable.RowHighlighted, "#pins")
     def _highlighted(self) -> None:
@@ -359,6 +369,7 @@ class PinsScreen(DashboardScreen):
         self.query_one("#pins-note", Static).update(note)
         self.query_one("#pins-note", Static).display = bool(note)
         table = self.query_one("#pins", DataTable)
+        table.display = self.state.pins_feature.available is not False
         selected = self._selected()
         table.clear()
         now = self.dash.now()
@@ -543,6 +554,7 @@ class ConfirmScreen(ModalScreen[bool]):
 
 class OperationsScreen(DashboardScreen):
     TITLE = "Operations"
+    REFRESH_ON_VIEW = ("operations",)
     BINDINGS = [Binding("x", "cancel_op", "Cancel op")]
 
     def compose(self) -> ComposeResult:
@@ -590,6 +602,7 @@ class OperationsScreen(DashboardScreen):
         self.query_one("#ops-note", Static).update(note)
         self.query_one("#ops-note", Static).display = bool(note)
         table = self.query_one("#ops", DataTable)
+        table.display = self.state.operations_feature.available is not False
         selected = self._selected()
         table.clear()
         for op in self.state.operations:
@@ -632,6 +645,7 @@ class OperationsScreen(DashboardScreen):
                 if a.error:
                     text.append(f" {a.error}", style="red")
         self.query_one("#op-detail", Static).update(text)
+        self.query_one("#op-detail", Static).display = bool(text)
 
     @on(DataTable.RowHighlighted, "#ops")
     def _highlighted(self) -> None:
@@ -674,7 +688,7 @@ class EventsScreen(DashboardScreen):
     def compose(self) -> ComposeResult:
         yield from self.compose_status()
         yield Input(placeholder="/ filter: words, kind:notice, sev:warning, agent:agent-1", id="filter", compact=True)
-        yield RichLog(id="log", max_lines=2000, wrap=True, auto_scroll=True)
+        yield RichLog(id="log", max_lines=2000, wrap=True, min_width=20, auto_scroll=True)
         yield Footer()
 
     def on_mount(self) -> None:
@@ -728,18 +742,19 @@ class EventsScreen(DashboardScreen):
 
 HELP_TEXT = """\
 [b]Screens[/b]
-  c  Cluster      agents, tiers, totals, sparklines
-  p  Pins         pins with TTL countdown
-  o  Operations   moves, cleanups, compressions
-  e  Events       the live event log
-  ?  this help    q  quit    r  refresh now
+  c  Cluster     agents, tiers, totals, sparklines
+  p  Pins        pins with their TTL counting down
+  o  Operations  moves, cleanups, compressions
+  e  Events      the live event log
+  ?  this help   r  refresh now   q  quit
 
-[b]Cluster[/b]   ↑/↓ choose an agent, Enter: its detail; Esc: back
-[b]Pins[/b]      n: new pin (a prefix, or a whole namespace);
-            d: unpin the selected pin (asks first)
-[b]Operations[/b] x: cancel the selected operation (asks first)
-[b]Events[/b]    /: filter (words, kind:notice, sev:warning,
-            agent:ID); Esc clears it
+[b]On a screen[/b]
+  Cluster     ↑/↓ choose an agent, Enter its detail, Esc back
+  Pins        n new pin (a prefix or a namespace), d unpin
+  Operations  x cancel the selected operation
+  Events      / filter: words, kind:notice, sev:warning,
+              agent:ID; Esc clears it
+  Unpin and cancel ask first: y or n.
 
 Updates come from the control plane's Watch stream; stats
 refresh every few seconds. When the control plane goes away

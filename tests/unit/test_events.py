@@ -10,9 +10,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from controlplane.core.cluster import AgentRecord, BlockGroup, Cluster
 from controlplane.core.events import DROPPED_KIND, EventBus
-from protos.tier import Tier
 
 
 def test_publish_numbers_and_stamps_events():
@@ -123,26 +121,3 @@ def test_a_subscriber_sees_an_increasing_subsequence_ending_at_the_newest(kinds,
     assert seqs == sorted(set(seqs))
     wanted = [e.seq for e in published if e.kind in ("a", "b")]
     assert seqs == wanted[-maxsize:] if wanted else seqs == []
-
-
-def test_cluster_publishes_membership_and_sync_state():
-    c = Cluster(clock=lambda: 1000.0)
-    sub = c.events.subscribe()
-    c.register(AgentRecord("a1", "127.0.0.1:1", [], []))
-    c.register(AgentRecord("a1", "127.0.0.1:1", [], []))  # re-register: not a new join
-    c.hello("a1", "s1")
-    c.apply_inventory_chunk("a1", 1, 0, True, [BlockGroup("m", Tier.CPU, b"\x01" * 16)])
-    c.apply_events("a1", 5, True, [])  # gap: resync
-    c.stream_closed("a1", "s1")
-    c.remove_agent("a1")
-    got = [(e.kind, e.severity, e.agent_id) for e in sub.drain()]
-    assert got == [
-        ("agent_joined", "info", "a1"),
-        ("agent_state", "info", "a1"),
-        ("agent_state", "info", "a1"),
-        ("agent_state", "warning", "a1"),
-        ("agent_state", "warning", "a1"),
-        ("agent_left", "info", "a1"),
-    ]
-    assert all(e.unix_seconds == 1000.0 for e in c.events.recent())
-    assert "ready (1 blocks)" in c.events.recent()[2].message

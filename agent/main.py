@@ -13,6 +13,7 @@ from agent.core.codecs import available_codecs
 from agent.core.model_spec import ModelSpec
 from agent.server import DEMO_MODEL, Agent, AgentConfig
 from protos.metrics import parse_listen
+from protos.security import TLSConfig, read_secret
 from protos.tier import Tier
 
 SIZE_UNITS = {
@@ -119,6 +120,10 @@ def _metrics_listen(ctx, param, value: str) -> str:
     callback=_metrics_listen,
     help="Prometheus /metrics address (port 0: any free port; empty: none); a taken port falls back to a free one.",
 )
+@click.option("--token-file", default="", help="Agent token for the control plane (else env KVCP_AGENT_TOKEN).")
+@click.option("--tls-ca", default="", help="CA of the control plane's certificate: TLS to it.")
+@click.option("--tls-cert", default="", help="This agent's certificate: TLS on its listener, mTLS to the CP.")
+@click.option("--tls-key", default="", help="This agent's private key.")
 @click.option("--log-level", default="INFO", show_default=True)
 def main(
     agent_id,
@@ -136,13 +141,25 @@ def main(
     cpu_codec,
     disk_codec,
     lease_ttl_seconds,
+    token_file,
+    tls_ca,
+    tls_cert,
+    tls_key,
     etcd_wait_seconds,
     metrics_listen,
     log_level,
 ):
     """Run a kvcp agent: a tiered KV block store that reports to the control plane."""
     logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        token = read_secret(token_file, "KVCP_AGENT_TOKEN")
+    except ValueError as exc:
+        click.echo(f"kvcp-agent: {exc}", err=True)
+        sys.exit(2)
+    tls = TLSConfig(tls_cert, tls_key, tls_ca) if (tls_ca or tls_cert) else None
     config = AgentConfig(
+        controlplane_token=token,
+        tls=tls,
         agent_id=agent_id,
         listen=listen,
         etcd=etcd,

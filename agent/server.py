@@ -31,6 +31,7 @@ from protos import etcd_keys
 from protos.grpc_errors import ErrorMappingInterceptor
 from protos.kvcp.v1 import agent_pb2, agent_pb2_grpc, types_pb2
 from protos.metrics import InstrumentedEtcd, serve_metrics
+from protos.security import TLSConfig, add_port
 from protos.tier import Tier
 
 log = logging.getLogger(__name__)
@@ -53,6 +54,8 @@ class AgentConfig:
     disk_capacity_bytes: int = 0
     disk_fsync: bool = False
     tier_codecs: dict[Tier, str] = field(default_factory=dict)  # codec applied on entering a tier
+    controlplane_token: str = ""  # presented to the control plane (its --agent-token-file)
+    tls: TLSConfig | None = None  # cert/key: TLS on the engine listener and mTLS to the CP; ca: verify the CP
     page_bytes: int = 0  # memory-tier page; 0: 1/16 of the smallest block, at least 1 KiB
     lease_ttl_seconds: int = 10
     stats_interval_seconds: float = 1.0
@@ -90,6 +93,7 @@ class Agent:
         self.link = ControlPlaneLink(
             self.info, self.pool, self.engine, self._controlplane_address, config.stats_interval_seconds, self.mover
         )
+        self.link.token, self.link.tls = config.controlplane_token, config.tls
         self.registry = registry if registry is not None else CollectorRegistry()
         self.metrics = AgentMetrics(self.registry, config.agent_id, self.pool, self.engine, self.link, self.mover)
         self.metrics_server = None
@@ -147,7 +151,7 @@ class Agent:
                 ("grpc.so_reuseport", 0),
             ],
         )
-        self.port = self.server.add_insecure_port(self.config.listen)
+        self.port = add_port(self.server, self.config.listen, self.config.tls)
         if self.port == 0:
             raise OSError(f"cannot listen on {self.config.listen} (port in use?)")
         agent_pb2_grpc.add_EngineServiceServicer_to_server(EngineServicer(self.engine), self.server)

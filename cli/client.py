@@ -14,6 +14,8 @@ import grpc
 from protos.block_hash import BLOCK_HASH_BYTES
 from protos.grpc_errors import LEADER_METADATA_KEY
 from protos.kvcp.v1 import admin_pb2, admin_pb2_grpc, types_pb2
+from protos.security import TLSConfig, token_metadata
+from protos.security import channel as secure_channel
 from protos.tier import Tier
 
 DEFAULT_ENDPOINT = "127.0.0.1:50051"
@@ -223,14 +225,24 @@ def _tiers(tiers) -> list[TierView]:
 
 
 class ControlPlaneClient:
-    def __init__(self, endpoint: str = DEFAULT_ENDPOINT, timeout_seconds: float = 5.0):
+    def __init__(
+        self,
+        endpoint: str = DEFAULT_ENDPOINT,
+        timeout_seconds: float = 5.0,
+        token: str = "",
+        tls: TLSConfig | None = None,
+    ):
+        """`token`: bearer token for the admin API (viewer or operator); `tls`: the CA
+        that signed the control plane's certificate (and ours, for mTLS)."""
+        self._metadata = token_metadata(token)
+        self._tls = tls
         self.endpoint = endpoint
         self.timeout_seconds = timeout_seconds
         self._connect(endpoint)
 
     def _connect(self, endpoint: str) -> None:
         self.endpoint = endpoint
-        self._channel = grpc.insecure_channel(endpoint)
+        self._channel = secure_channel(endpoint, self._tls)
         self._stub = admin_pb2_grpc.AdminServiceStub(self._channel)
 
     def close(self) -> None:
@@ -244,7 +256,7 @@ class ControlPlaneClient:
 
     def _call(self, method: str, request, follow: bool = True):
         try:
-            return getattr(self._stub, method)(request, timeout=self.timeout_seconds)
+            return getattr(self._stub, method)(request, timeout=self.timeout_seconds, metadata=self._metadata)
         except grpc.RpcError as exc:
             code = exc.code()
             if code == grpc.StatusCode.FAILED_PRECONDITION and follow:
@@ -473,7 +485,8 @@ class ControlPlaneClient:
         """Iterator of EventView from the control plane's Watch stream (no deadline).
         Raises ClientError when the stream breaks; callers reconnect."""
         try:
-            for e in self._stub.Watch(admin_pb2.WatchRequest(kinds=list(kinds), replay_recent=replay_recent)):
+            request = admin_pb2.WatchRequest(kinds=list(kinds), replay_recent=replay_recent)
+            for e in self._stub.Watch(request, metadata=self._metadata):
                 yield EventView(e.seq, e.unix_seconds, e.kind, e.severity, e.agent_id, e.op_id, e.pin_id, e.message)
         except grpc.RpcError as exc:
             raise self._error(exc) from None

@@ -12,6 +12,7 @@ import click
 from cli import output
 from cli.client import DEFAULT_ENDPOINT, ClientError, ControlPlaneClient
 from protos.block_hash import BLOCK_HASH_BYTES
+from protos.security import TLSConfig, read_secret
 
 
 def fail(message: str, code: int = 2):
@@ -20,13 +21,15 @@ def fail(message: str, code: int = 2):
 
 
 class Context:
-    def __init__(self, endpoint: str, output_format: str, timeout_seconds: float):
+    def __init__(self, endpoint: str, output_format: str, timeout_seconds: float, token: str = "", tls=None):
         self.endpoint = endpoint
         self.output = output_format
         self.timeout_seconds = timeout_seconds
+        self.token = token
+        self.tls = tls
 
     def client(self) -> ControlPlaneClient:
-        return ControlPlaneClient(self.endpoint, self.timeout_seconds)
+        return ControlPlaneClient(self.endpoint, self.timeout_seconds, self.token, self.tls)
 
     def call(self, fn):
         try:
@@ -57,10 +60,19 @@ pass_ctx = click.make_pass_decorator(Context)
     help="Tables for people, JSON for scripts.",
 )
 @click.option("--timeout", "timeout_seconds", default=5.0, show_default=True, type=float, help="Seconds per call.")
+@click.option("--token-file", default="", help="Bearer token for the admin API (else env KVCTL_TOKEN).")
+@click.option("--tls-ca", default="", envvar="KVCTL_TLS_CA", help="CA of the control plane's certificate: use TLS.")
+@click.option("--tls-cert", default="", help="Client certificate (mTLS).")
+@click.option("--tls-key", default="", help="Client key (mTLS).")
 @click.pass_context
-def main(ctx, endpoint, output_format, timeout_seconds):
+def main(ctx, endpoint, output_format, timeout_seconds, token_file, tls_ca, tls_cert, tls_key):
     """kvctl: inspect and operate a kvcp KV cache cluster."""
-    ctx.obj = Context(endpoint, output_format, timeout_seconds)
+    try:
+        token = read_secret(token_file, "KVCTL_TOKEN")
+    except ValueError as exc:
+        fail(str(exc))
+    tls = TLSConfig(tls_cert, tls_key, tls_ca) if tls_ca else None
+    ctx.obj = Context(endpoint, output_format, timeout_seconds, token, tls)
 
 
 @main.command()
@@ -182,6 +194,18 @@ def stats(ctx: Context):
     for m in s.models:
         rows.append(["model", f"{m['model_id']} (block_size {m['block_size']})"])
     click.echo(output.table(["FIELD", "VALUE"], rows))
+
+
+@main.command()
+@click.option("--endpoint", "endpoint", default=None, help="Control-plane address (overrides kvctl --endpoint).")
+@pass_ctx
+def dashboard(ctx: Context, endpoint):
+    """Open the terminal dashboard: cluster, agents, pins, operations, live events."""
+    from dashboard.app import DashboardApp  # Textual loads only for this command
+
+    if endpoint:
+        ctx.endpoint = endpoint
+    DashboardApp(ctx.endpoint, ctx.timeout_seconds, connect=ctx.client).run()
 
 
 from cli import operate  # noqa: E402,F401 - registers pin/unpin/pins/move/cleanup/compress/ops/op/cancel/policy

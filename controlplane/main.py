@@ -10,7 +10,9 @@ import threading
 import click
 
 from controlplane.server import ControlPlane, ControlPlaneConfig
+from protos.etcd_keys import EtcdAuth
 from protos.metrics import parse_listen
+from protos.security import TLSConfig, read_secret
 
 
 def _metrics_listen(ctx, param, value: str) -> str:
@@ -39,11 +41,53 @@ def _metrics_listen(ctx, param, value: str) -> str:
     callback=_metrics_listen,
     help="Prometheus /metrics address (env KVCP_METRICS_LISTEN; port 0: any free port; empty: none).",
 )
+@click.option("--admin-tokens-file", default="", help="'viewer|operator TOKEN' lines; empty: admin API open.")
+@click.option("--agent-token-file", default="", help="Agents must present this token (env KVCP_AGENT_TOKEN).")
+@click.option("--tls-cert", default="", help="Server certificate (PEM): TLS on the gRPC listener.")
+@click.option("--tls-key", default="", help="Server private key (PEM).")
+@click.option("--tls-client-ca", default="", help="CA of client certificates: require them (mTLS).")
+@click.option("--etcd-ca", default="", help="CA of etcd's certificate (TLS to etcd).")
+@click.option("--etcd-cert", default="", help="Client certificate for etcd.")
+@click.option("--etcd-key", default="", help="Client key for etcd.")
+@click.option("--etcd-user", default="", help="etcd user (password from --etcd-password-file or KVCP_ETCD_PASSWORD).")
+@click.option("--etcd-password-file", default="")
 @click.option("--log-level", default="INFO", show_default=True)
-def main(listen, etcd, advertise, election_ttl_seconds, etcd_wait_seconds, metrics_listen, log_level):
+def main(
+    listen,
+    etcd,
+    advertise,
+    election_ttl_seconds,
+    etcd_wait_seconds,
+    metrics_listen,
+    admin_tokens_file,
+    agent_token_file,
+    tls_cert,
+    tls_key,
+    tls_client_ca,
+    etcd_ca,
+    etcd_cert,
+    etcd_key,
+    etcd_user,
+    etcd_password_file,
+    log_level,
+):
     """Run a kvcp control-plane replica (global block index, lookup, policy)."""
     logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if bool(tls_cert) != bool(tls_key):
+        click.echo("kvcp-controlplane: --tls-cert and --tls-key go together", err=True)
+        sys.exit(2)
+    try:
+        agent_token = read_secret(agent_token_file, "KVCP_AGENT_TOKEN")
+        etcd_password = read_secret(etcd_password_file, "KVCP_ETCD_PASSWORD")
+    except ValueError as exc:
+        click.echo(f"kvcp-controlplane: {exc}", err=True)
+        sys.exit(2)
     config = ControlPlaneConfig(
+        admin_tokens_file=admin_tokens_file,
+        agent_token=agent_token,
+        tls=TLSConfig(tls_cert, tls_key, tls_client_ca) if tls_cert else None,
+        require_client_cert=bool(tls_client_ca),
+        etcd_auth=EtcdAuth(etcd_ca, etcd_cert, etcd_key, etcd_user, etcd_password),
         listen=listen,
         etcd=etcd,
         advertise=advertise,
@@ -54,7 +98,7 @@ def main(listen, etcd, advertise, election_ttl_seconds, etcd_wait_seconds, metri
     cp = ControlPlane(config, log_fn=lambda m: click.echo(m, err=True))
     try:
         cp.start()
-    except (ConnectionError, OSError) as exc:
+    except (ConnectionError, OSError, ValueError) as exc:
         click.echo(f"kvcp-controlplane: {exc}", err=True)
         sys.exit(2)
     click.echo(

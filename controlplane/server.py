@@ -25,9 +25,11 @@ from controlplane.store.durable import DurableStore
 from controlplane.store.election import LeaderElection
 from controlplane.store.membership import MembershipWatcher
 from protos import etcd_keys
+from protos.etcd_keys import EtcdAuth
 from protos.grpc_errors import ErrorMappingInterceptor
 from protos.kvcp.v1 import admin_pb2, admin_pb2_grpc, agent_pb2, agent_pb2_grpc
 from protos.metrics import InstrumentedEtcd, serve_metrics
+from protos.security import TLSConfig, TokenAuthInterceptor, add_port, load_tokens
 
 log = logging.getLogger(__name__)
 
@@ -44,6 +46,11 @@ class ControlPlaneConfig:
     etcd_wait_seconds: float = 30.0
     max_workers: int = 128
     op_timeout_seconds: float = 60.0
+    admin_tokens_file: str = ""  # "ROLE TOKEN" lines; empty: the admin API is open
+    agent_token: str = ""  # agents must present it; empty: open
+    tls: TLSConfig | None = None  # server cert/key; with ca_file and require_client_cert: mTLS
+    require_client_cert: bool = False
+    etcd_auth: EtcdAuth | None = None
     metrics_listen: str = ""  # /metrics HOST:PORT (port 0: any free one); "" serves none
 
 
@@ -69,12 +76,19 @@ class ControlPlane:
 
     def start(self) -> ControlPlane:
         self.etcd = InstrumentedEtcd(
-            etcd_keys.connect(self.config.etcd, wait_seconds=self.config.etcd_wait_seconds, log=self._log_fn),
+            etcd_keys.connect(
+                self.config.etcd,
+                wait_seconds=self.config.etcd_wait_seconds,
+                log=self._log_fn,
+                auth=self.config.etcd_auth,
+            ),
             self.metrics.etcd,
         )
+        tokens = load_tokens(self.config.admin_tokens_file) if self.config.admin_tokens_file else None
+        self.auth = TokenAuthInterceptor(tokens, self.config.agent_token)
         self.server = grpc.server(
             futures.ThreadPoolExecutor(max_workers=self.config.max_workers, thread_name_prefix="cp-rpc"),
-            interceptors=[ErrorMappingInterceptor(), self.metrics.rpc],
+            interceptors=[self.auth, ErrorMappingInterceptor(), self.metrics.rpc],
             options=[
                 ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
                 ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
@@ -85,7 +99,7 @@ class ControlPlane:
                 ("grpc.http2.max_ping_strikes", 0),
             ],
         )
-        self.port = self.server.add_insecure_port(self.config.listen)
+        self.port = add_port(self.server, self.config.listen, self.config.tls, self.config.require_client_cert)
         if self.port == 0:
             raise OSError(f"cannot listen on {self.config.listen} (port in use?)")
         self.election = LeaderElection(self.etcd, self.address, self.config.election_ttl_seconds)

@@ -21,6 +21,8 @@ from agent.core.mover import FAILED, SUCCEEDED, MoveOp, Mover
 from agent.core.pins import AgentPin
 from protos.block_hash import split_hashes
 from protos.kvcp.v1 import agent_pb2, agent_pb2_grpc, types_pb2
+from protos.security import channel as secure_channel
+from protos.security import token_metadata
 from protos.tier import Tier
 
 log = logging.getLogger(__name__)
@@ -86,6 +88,8 @@ class ControlPlaneLink:
         self.connected = threading.Event()
         self._outgoing_finished = threading.Event()
         self._connected_to = ""
+        self.token = ""  # agent token the control plane asks for (never logged)
+        self.tls = None  # protos.security.TLSConfig for the control-plane channel
         self.epoch = 0
         self.connections_total = 0
         self.resyncs_total = 0
@@ -289,10 +293,11 @@ class ControlPlaneLink:
         address = self._address()
         if not address:
             raise ConnectionError("no control-plane leader known yet")
-        with grpc.insecure_channel(address, options=KEEPALIVE_OPTIONS) as channel:
+        with secure_channel(address, self.tls, options=KEEPALIVE_OPTIONS) as channel:
             self._connected_to = address
             stub = agent_pb2_grpc.AgentServiceStub(channel)
-            reply = stub.Register(agent_pb2.RegisterRequest(agent=self._agent_info()), timeout=5)
+            auth = token_metadata(self.token)
+            reply = stub.Register(agent_pb2.RegisterRequest(agent=self._agent_info()), timeout=5, metadata=auth)
             self.epoch = reply.epoch
             if reply.epoch < self.highest_epoch:
                 raise ConnectionError(
@@ -306,7 +311,7 @@ class ControlPlaneLink:
             self.connections_total += 1
             log.info("connected to control plane %s (epoch %d)", address, reply.epoch)
             self.connected.set()
-            call = stub.Sync(self._outgoing(stop, done))
+            call = stub.Sync(self._outgoing(stop, done), metadata=auth)
             # when our side is done (reconnect, leader moved, stop), cancel the call: a
             # paused or dead leader would otherwise keep the response side open forever
             watchdog = threading.Thread(target=self._cancel_when_done, args=(call, done, stop), daemon=True)

@@ -1,0 +1,185 @@
+"""Authentication and transport security, one place for every kvcp server and client.
+
+- Bearer tokens on the admin API, two roles: `viewer` (read calls) and `operator`
+  (everything). A tokens file has one `ROLE TOKEN` per line (`#` comments). No token:
+  UNAUTHENTICATED; a viewer changing state: PERMISSION_DENIED.
+- Agents authenticate to the control plane with a shared agent token.
+- TLS on listeners (server certificate and key; with a client CA, clients must present a
+  certificate: mTLS) and on channels (the CA that signed the server).
+Tokens are compared in constant time and never logged or exported as metrics.
+"""
+
+from __future__ import annotations
+
+import hmac
+import os
+from dataclasses import dataclass
+
+import grpc
+
+ROLES = ("viewer", "operator")
+ADMIN_SERVICE = "/kvcp.v1.AdminService/"
+AGENT_SERVICE = "/kvcp.v1.AgentService/"
+READ_METHODS = frozenset(
+    ADMIN_SERVICE + m
+    for m in (
+        "ListAgents",
+        "Lookup",
+        "GetStats",
+        "ListPins",
+        "GetOperation",
+        "ListOperations",
+        "GetPolicy",
+        "Watch",
+        "Route",
+    )
+)
+
+
+def read_secret(path: str = "", env: str = "") -> str:
+    """A token from a file (first line) or an environment variable; '' when neither."""
+    if path:
+        try:
+            with open(path) as f:
+                return f.readline().strip()
+        except OSError as exc:
+            raise ValueError(f"cannot read token file {path}: {exc.strerror}") from None
+    return os.environ.get(env, "").strip() if env else ""
+
+
+def load_tokens(path: str) -> dict[str, str]:
+    """`ROLE TOKEN` lines -> {token: role}; ValueError naming the line when malformed."""
+    tokens: dict[str, str] = {}
+    try:
+        with open(path) as f:
+            lines = f.readlines()
+    except OSError as exc:
+        raise ValueError(f"cannot read tokens file {path}: {exc.strerror}") from None
+    for n, line in enumerate(lines, 1):
+        line = line.strip()
+        if not line or line.startswith("#"):
+            continue
+        parts = line.split()
+        if len(parts) != 2 or parts[0] not in ROLES or len(parts[1]) < 16:
+            raise ValueError(f"{path}:{n}: expected 'viewer|operator TOKEN' with a token of 16+ characters")
+        tokens[parts[1]] = parts[0]
+    if not tokens:
+        raise ValueError(f"{path}: no tokens")
+    return tokens
+
+
+def bearer(metadata) -> str:
+    for key, value in metadata or ():
+        if key == "authorization" and value.startswith("Bearer "):
+            return value[len("Bearer ") :].strip()
+    return ""
+
+
+def _deny(handler, code: grpc.StatusCode, message: str):
+    def abort(request, context):
+        context.abort(code, message)
+
+    def abort_stream(request, context):
+        context.abort(code, message)
+        yield  # pragma: no cover - abort raises
+
+    if handler.unary_unary:
+        return grpc.unary_unary_rpc_method_handler(abort, handler.request_deserializer, handler.response_serializer)
+    if handler.unary_stream:
+        return grpc.unary_stream_rpc_method_handler(
+            abort_stream, handler.request_deserializer, handler.response_serializer
+        )
+    if handler.stream_unary:
+        return grpc.stream_unary_rpc_method_handler(abort, handler.request_deserializer, handler.response_serializer)
+    return grpc.stream_stream_rpc_method_handler(
+        abort_stream, handler.request_deserializer, handler.response_serializer
+    )
+
+
+class TokenAuthInterceptor(grpc.ServerInterceptor):
+    """Checks bearer tokens: admin tokens with roles on AdminService, the agent token on
+    AgentService. A `None` table leaves that service open (the demo's default)."""
+
+    def __init__(self, admin_tokens: dict[str, str] | None = None, agent_token: str = ""):
+        self.admin_tokens = admin_tokens
+        self.agent_token = agent_token
+        self.denied_total = 0
+
+    def _check(self, method: str, token: str) -> tuple[grpc.StatusCode, str] | None:
+        if method.startswith(ADMIN_SERVICE) and self.admin_tokens is not None:
+            if not token:
+                return grpc.StatusCode.UNAUTHENTICATED, (
+                    "missing bearer token: pass kvctl --token-file FILE (or KVCTL_TOKEN)"
+                )
+            role = next((r for t, r in self.admin_tokens.items() if hmac.compare_digest(t, token)), None)
+            if role is None:
+                return grpc.StatusCode.UNAUTHENTICATED, "invalid bearer token"
+            if role == "viewer" and method not in READ_METHODS:
+                return grpc.StatusCode.PERMISSION_DENIED, (
+                    f"role viewer may only read; {method.rsplit('/', 1)[-1]} needs an operator token"
+                )
+        elif method.startswith(AGENT_SERVICE) and self.agent_token:
+            if not token or not hmac.compare_digest(token, self.agent_token):
+                return grpc.StatusCode.UNAUTHENTICATED, "agents must present the agent token (kvcp-agent --token-file)"
+        return None
+
+    def intercept_service(self, continuation, handler_call_details):
+        handler = continuation(handler_call_details)
+        if handler is None:
+            return None
+        denial = self._check(handler_call_details.method, bearer(handler_call_details.invocation_metadata))
+        if denial is None:
+            return handler
+        self.denied_total += 1
+        return _deny(handler, *denial)
+
+
+def _read(path: str) -> bytes:
+    try:
+        with open(path, "rb") as f:
+            return f.read()
+    except OSError as exc:
+        raise ValueError(f"cannot read {path}: {exc.strerror}") from None
+
+
+@dataclass(frozen=True)
+class TLSConfig:
+    """Files for one process: its certificate and key (a server, or an mTLS client), and
+    the CA it trusts (to verify servers, or, on a server, to require client certs)."""
+
+    cert_file: str = ""
+    key_file: str = ""
+    ca_file: str = ""
+
+    @property
+    def enabled(self) -> bool:
+        return bool(self.cert_file or self.ca_file)
+
+
+def add_port(server: grpc.Server, address: str, tls: TLSConfig | None, require_client_cert: bool = False) -> int:
+    """Listen plain, or with TLS when a certificate is configured."""
+    if tls is None or not tls.cert_file:
+        return server.add_insecure_port(address)
+    creds = grpc.ssl_server_credentials(
+        [(_read(tls.key_file), _read(tls.cert_file))],
+        root_certificates=_read(tls.ca_file) if tls.ca_file and require_client_cert else None,
+        require_client_auth=bool(tls.ca_file and require_client_cert),
+    )
+    return server.add_secure_port(address, creds)
+
+
+def channel(target: str, tls: TLSConfig | None = None, options=None) -> grpc.Channel:
+    """A channel to a kvcp server: TLS when a CA is configured (with our certificate for
+    mTLS when one is given), plain otherwise."""
+    if tls is None or not tls.ca_file:
+        return grpc.insecure_channel(target, options=options)
+    creds = grpc.ssl_channel_credentials(
+        _read(tls.ca_file),
+        _read(tls.key_file) if tls.key_file else None,
+        _read(tls.cert_file) if tls.cert_file else None,
+    )
+    return grpc.secure_channel(target, creds, options=options)
+
+
+def token_metadata(token: str) -> tuple[tuple[str, str], ...]:
+    return (("authorization", f"Bearer {token}"),) if token else ()

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Callable
 
 from textual.app import App
 from textual.binding import Binding
@@ -126,15 +127,19 @@ class DashboardApp(App):
         live: bool = True,
         refresh_seconds: float = 2.0,
         clock=time.time,
+        connect: Callable[[], ControlPlaneClient] | None = None,
     ):
-        """`live=False` starts no workers and opens no connection: the screens show only
-        what is given to the `apply_*` methods (snapshot tests, screenshots)."""
+        """`connect` makes a client (kvctl passes its own, with its token and TLS); by
+        default a plain one to `endpoint`. `live=False` starts no workers and opens no
+        connection: the screens show only what is given to the `apply_*` methods
+        (snapshot tests, screenshots)."""
         super().__init__()
         self.endpoint = endpoint
         self.timeout_seconds = timeout_seconds
         self.live = live
         self.refresh_seconds = refresh_seconds
         self.clock = clock
+        self._connect = connect or (lambda: ControlPlaneClient(self.endpoint, self.timeout_seconds))
         self.state = DashboardState()
         self._client: ControlPlaneClient | None = None
         self._client_lock = threading.Lock()
@@ -151,7 +156,7 @@ class DashboardApp(App):
     def on_mount(self) -> None:
         self.set_interval(1.0, self._clock_tick)
         if self.live:
-            self._client = ControlPlaneClient(self.endpoint, self.timeout_seconds)
+            self._client = self._connect()
             self._watch_worker()
             self.set_interval(self.refresh_seconds, self._periodic_refresh)
             self.request_refresh(*FETCH_ORDER)
@@ -245,7 +250,7 @@ class DashboardApp(App):
     def _current_client(self) -> ControlPlaneClient:
         with self._client_lock:
             if self._client is None:
-                self._client = ControlPlaneClient(self.endpoint, self.timeout_seconds)
+                self._client = self._connect()
             return self._client
 
     def _drop_client(self, client: ControlPlaneClient) -> None:
@@ -316,7 +321,7 @@ class DashboardApp(App):
         worker = get_current_worker()
         backoff = WATCH_BACKOFF_SECONDS[0]
         while not self._stopping.is_set() and not worker.is_cancelled:
-            client = ControlPlaneClient(self.endpoint, self.timeout_seconds)
+            client = self._connect()
             self._watch_client = client
             unimplemented = False
             try:
@@ -381,7 +386,3 @@ class DashboardApp(App):
     def action_help(self) -> None:
         if not isinstance(self.screen, HelpScreen):
             self.push_screen(HelpScreen())
-
-
-def run(endpoint: str = DEFAULT_ENDPOINT, timeout_seconds: float = 5.0) -> None:
-    DashboardApp(endpoint, timeout_seconds).run()

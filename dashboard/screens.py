@@ -133,8 +133,11 @@ class ClusterScreen(DashboardScreen):
                 text.append("etcd ", style="bold")
                 text.append("ok", style="green")
             else:
-                text.append("no leader", style="bold red")
-                text.append(f" (last known {s.leader_address or 'none'}); etcd may be down")
+                # answered, but not as an elected leader: one cut off from etcd serves from memory
+                text.append("leader ", style="bold")
+                text.append(f"{s.leader_address or 'none'} answers from memory (possibly stale)  ")
+                text.append("etcd ", style="bold")
+                text.append("unreachable", style="bold red")
             text.append("\n")
             text.append("agents ", style="bold")
             text.append(f"{s.num_agents}  ")

@@ -61,6 +61,15 @@ def lost(app) -> None:
     app.apply_connection(RECONNECTING, "cannot reach the kvcp control plane at 127.0.0.1:50051 (unavailable)")
 
 
+def etcd_unreachable(app) -> None:
+    """Back, but as a leader cut off from etcd: it answers reads from memory."""
+    import dataclasses
+
+    app.apply_connection("connected")
+    at, stats = sample.stats_series()[-1]
+    app.apply_stats(dataclasses.replace(stats, is_leader=False), at + 2)
+
+
 # (snapshot name, keys pressed from the previous step, update applied before the keys)
 STEPS = [
     ("cluster", (), None),
@@ -73,6 +82,7 @@ STEPS = [
     ("help", ("question_mark",), None),
     ("reconnecting", ("escape", "c"), lost),
     ("pins-not-available", ("p",), not_available),
+    ("etcd-unreachable", ("c",), etcd_unreachable),
 ]
 
 

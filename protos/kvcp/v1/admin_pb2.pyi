@@ -314,6 +314,84 @@ class CancelOperationRequest(_message.Message):
     op_id: str
     def __init__(self, op_id: _Optional[str] = ...) -> None: ...
 
+class TransferRequest(_message.Message):
+    __slots__ = ("scope", "from_agent_id", "to_agent_id", "deadline_seconds")
+    SCOPE_FIELD_NUMBER: _ClassVar[int]
+    FROM_AGENT_ID_FIELD_NUMBER: _ClassVar[int]
+    TO_AGENT_ID_FIELD_NUMBER: _ClassVar[int]
+    DEADLINE_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    scope: Scope
+    from_agent_id: str
+    to_agent_id: str
+    deadline_seconds: float
+    def __init__(self, scope: _Optional[_Union[Scope, _Mapping]] = ..., from_agent_id: _Optional[str] = ..., to_agent_id: _Optional[str] = ..., deadline_seconds: _Optional[float] = ...) -> None: ...
+
+class RouteRequest(_message.Message):
+    __slots__ = ("model_id", "token_ids", "block_hashes", "extra_keys", "role", "prefill_agent_id")
+    MODEL_ID_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_HASHES_FIELD_NUMBER: _ClassVar[int]
+    EXTRA_KEYS_FIELD_NUMBER: _ClassVar[int]
+    ROLE_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_AGENT_ID_FIELD_NUMBER: _ClassVar[int]
+    model_id: str
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    block_hashes: bytes
+    extra_keys: _containers.RepeatedScalarFieldContainer[str]
+    role: str
+    prefill_agent_id: str
+    def __init__(self, model_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., block_hashes: _Optional[bytes] = ..., extra_keys: _Optional[_Iterable[str]] = ..., role: _Optional[str] = ..., prefill_agent_id: _Optional[str] = ...) -> None: ...
+
+class RouteCandidate(_message.Message):
+    __slots__ = ("agent_id", "score", "num_cached_blocks", "load", "free_bytes", "link_bytes_per_second", "transfer_seconds", "behind", "note")
+    AGENT_ID_FIELD_NUMBER: _ClassVar[int]
+    SCORE_FIELD_NUMBER: _ClassVar[int]
+    NUM_CACHED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    LOAD_FIELD_NUMBER: _ClassVar[int]
+    FREE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    LINK_BYTES_PER_SECOND_FIELD_NUMBER: _ClassVar[int]
+    TRANSFER_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    BEHIND_FIELD_NUMBER: _ClassVar[int]
+    NOTE_FIELD_NUMBER: _ClassVar[int]
+    agent_id: str
+    score: float
+    num_cached_blocks: int
+    load: float
+    free_bytes: int
+    link_bytes_per_second: float
+    transfer_seconds: float
+    behind: bool
+    note: str
+    def __init__(self, agent_id: _Optional[str] = ..., score: _Optional[float] = ..., num_cached_blocks: _Optional[int] = ..., load: _Optional[float] = ..., free_bytes: _Optional[int] = ..., link_bytes_per_second: _Optional[float] = ..., transfer_seconds: _Optional[float] = ..., behind: _Optional[bool] = ..., note: _Optional[str] = ...) -> None: ...
+
+class RouteResponse(_message.Message):
+    __slots__ = ("role", "agent_id", "address", "prefill_agent_id", "decode_agent_id", "disaggregate", "num_cached_tokens", "transfer_seconds", "saved_seconds", "reason", "candidates", "backpressure")
+    ROLE_FIELD_NUMBER: _ClassVar[int]
+    AGENT_ID_FIELD_NUMBER: _ClassVar[int]
+    ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_AGENT_ID_FIELD_NUMBER: _ClassVar[int]
+    DECODE_AGENT_ID_FIELD_NUMBER: _ClassVar[int]
+    DISAGGREGATE_FIELD_NUMBER: _ClassVar[int]
+    NUM_CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    TRANSFER_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    SAVED_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    CANDIDATES_FIELD_NUMBER: _ClassVar[int]
+    BACKPRESSURE_FIELD_NUMBER: _ClassVar[int]
+    role: str
+    agent_id: str
+    address: str
+    prefill_agent_id: str
+    decode_agent_id: str
+    disaggregate: bool
+    num_cached_tokens: int
+    transfer_seconds: float
+    saved_seconds: float
+    reason: str
+    candidates: _containers.RepeatedCompositeFieldContainer[RouteCandidate]
+    backpressure: bool
+    def __init__(self, role: _Optional[str] = ..., agent_id: _Optional[str] = ..., address: _Optional[str] = ..., prefill_agent_id: _Optional[str] = ..., decode_agent_id: _Optional[str] = ..., disaggregate: _Optional[bool] = ..., num_cached_tokens: _Optional[int] = ..., transfer_seconds: _Optional[float] = ..., saved_seconds: _Optional[float] = ..., reason: _Optional[str] = ..., candidates: _Optional[_Iterable[_Union[RouteCandidate, _Mapping]]] = ..., backpressure: _Optional[bool] = ...) -> None: ...
+
 class Policy(_message.Message):
     __slots__ = ("values", "revision")
     class ValuesEntry(_message.Message):

@@ -94,6 +94,16 @@ class AdminServiceStub:
                 request_serializer=protos_dot_kvcp_dot_v1_dot_admin__pb2.CancelOperationRequest.SerializeToString,
                 response_deserializer=protos_dot_kvcp_dot_v1_dot_admin__pb2.Operation.FromString,
                 _registered_method=True)
+        self.Transfer = channel.unary_unary(
+                '/kvcp.v1.AdminService/Transfer',
+                request_serializer=protos_dot_kvcp_dot_v1_dot_admin__pb2.TransferRequest.SerializeToString,
+                response_deserializer=protos_dot_kvcp_dot_v1_dot_admin__pb2.Operation.FromString,
+                _registered_method=True)
+        self.Route = channel.unary_unary(
+                '/kvcp.v1.AdminService/Route',
+                request_serializer=protos_dot_kvcp_dot_v1_dot_admin__pb2.RouteRequest.SerializeToString,
+                response_deserializer=protos_dot_kvcp_dot_v1_dot_admin__pb2.RouteResponse.FromString,
+                _registered_method=True)
         self.GetPolicy = channel.unary_unary(
                 '/kvcp.v1.AdminService/GetPolicy',
                 request_serializer=protos_dot_kvcp_dot_v1_dot_admin__pb2.GetPolicyRequest.SerializeToString,
@@ -188,6 +198,20 @@ class AdminServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Transfer(self, request, context):
+        """Prefill -> decode handoff of a prefix between two agents (operation kind "transfer").
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Route(self, request, context):
+        """For a router: which agent prefills and which decodes a request, and whether to split them.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def GetPolicy(self, request, context):
         """Policy: key=value settings in etcd, validated, applied live.
         """
@@ -270,6 +294,16 @@ def add_AdminServiceServicer_to_server(servicer, server):
                     servicer.CancelOperation,
                     request_deserializer=protos_dot_kvcp_dot_v1_dot_admin__pb2.CancelOperationRequest.FromString,
                     response_serializer=protos_dot_kvcp_dot_v1_dot_admin__pb2.Operation.SerializeToString,
+            ),
+            'Transfer': grpc.unary_unary_rpc_method_handler(
+                    servicer.Transfer,
+                    request_deserializer=protos_dot_kvcp_dot_v1_dot_admin__pb2.TransferRequest.FromString,
+                    response_serializer=protos_dot_kvcp_dot_v1_dot_admin__pb2.Operation.SerializeToString,
+            ),
+            'Route': grpc.unary_unary_rpc_method_handler(
+                    servicer.Route,
+                    request_deserializer=protos_dot_kvcp_dot_v1_dot_admin__pb2.RouteRequest.FromString,
+                    response_serializer=protos_dot_kvcp_dot_v1_dot_admin__pb2.RouteResponse.SerializeToString,
             ),
             'GetPolicy': grpc.unary_unary_rpc_method_handler(
                     servicer.GetPolicy,
@@ -611,6 +645,60 @@ class AdminService:
             '/kvcp.v1.AdminService/CancelOperation',
             protos_dot_kvcp_dot_v1_dot_admin__pb2.CancelOperationRequest.SerializeToString,
             protos_dot_kvcp_dot_v1_dot_admin__pb2.Operation.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Transfer(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvcp.v1.AdminService/Transfer',
+            protos_dot_kvcp_dot_v1_dot_admin__pb2.TransferRequest.SerializeToString,
+            protos_dot_kvcp_dot_v1_dot_admin__pb2.Operation.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Route(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvcp.v1.AdminService/Route',
+            protos_dot_kvcp_dot_v1_dot_admin__pb2.RouteRequest.SerializeToString,
+            protos_dot_kvcp_dot_v1_dot_admin__pb2.RouteResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -24,6 +24,14 @@ class CommandKind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     COMMAND_KIND_UNPIN: _ClassVar[CommandKind]
     COMMAND_KIND_CANCEL: _ClassVar[CommandKind]
     COMMAND_KIND_CLEANUP: _ClassVar[CommandKind]
+    COMMAND_KIND_TRANSFER: _ClassVar[CommandKind]
+
+class HandoffOutcome(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    HANDOFF_OUTCOME_UNSPECIFIED: _ClassVar[HandoffOutcome]
+    HANDOFF_OUTCOME_TRANSFERRED: _ClassVar[HandoffOutcome]
+    HANDOFF_OUTCOME_PRESENT: _ClassVar[HandoffOutcome]
+    HANDOFF_OUTCOME_RECOMPUTE: _ClassVar[HandoffOutcome]
 BLOCK_EVENT_KIND_UNSPECIFIED: BlockEventKind
 BLOCK_EVENT_KIND_STORED: BlockEventKind
 BLOCK_EVENT_KIND_REMOVED: BlockEventKind
@@ -35,6 +43,11 @@ COMMAND_KIND_PIN: CommandKind
 COMMAND_KIND_UNPIN: CommandKind
 COMMAND_KIND_CANCEL: CommandKind
 COMMAND_KIND_CLEANUP: CommandKind
+COMMAND_KIND_TRANSFER: CommandKind
+HANDOFF_OUTCOME_UNSPECIFIED: HandoffOutcome
+HANDOFF_OUTCOME_TRANSFERRED: HandoffOutcome
+HANDOFF_OUTCOME_PRESENT: HandoffOutcome
+HANDOFF_OUTCOME_RECOMPUTE: HandoffOutcome
 
 class RegisterRequest(_message.Message):
     __slots__ = ("agent",)
@@ -95,18 +108,62 @@ class NamespaceUsage(_message.Message):
     def __init__(self, namespace: _Optional[str] = ..., num_blocks: _Optional[int] = ..., uncompressed_bytes: _Optional[int] = ...) -> None: ...
 
 class AgentStats(_message.Message):
-    __slots__ = ("namespaces", "tiers", "lookups_total", "lookup_tokens_total", "lookup_hit_tokens_total")
+    __slots__ = ("namespaces", "tiers", "lookups_total", "lookup_tokens_total", "lookup_hit_tokens_total", "dataplane")
     NAMESPACES_FIELD_NUMBER: _ClassVar[int]
     TIERS_FIELD_NUMBER: _ClassVar[int]
     LOOKUPS_TOTAL_FIELD_NUMBER: _ClassVar[int]
     LOOKUP_TOKENS_TOTAL_FIELD_NUMBER: _ClassVar[int]
     LOOKUP_HIT_TOKENS_TOTAL_FIELD_NUMBER: _ClassVar[int]
+    DATAPLANE_FIELD_NUMBER: _ClassVar[int]
     namespaces: _containers.RepeatedCompositeFieldContainer[NamespaceUsage]
     tiers: _containers.RepeatedCompositeFieldContainer[_types_pb2.TierUsage]
     lookups_total: int
     lookup_tokens_total: int
     lookup_hit_tokens_total: int
-    def __init__(self, namespaces: _Optional[_Iterable[_Union[NamespaceUsage, _Mapping]]] = ..., tiers: _Optional[_Iterable[_Union[_types_pb2.TierUsage, _Mapping]]] = ..., lookups_total: _Optional[int] = ..., lookup_tokens_total: _Optional[int] = ..., lookup_hit_tokens_total: _Optional[int] = ...) -> None: ...
+    dataplane: DataPlaneStats
+    def __init__(self, namespaces: _Optional[_Iterable[_Union[NamespaceUsage, _Mapping]]] = ..., tiers: _Optional[_Iterable[_Union[_types_pb2.TierUsage, _Mapping]]] = ..., lookups_total: _Optional[int] = ..., lookup_tokens_total: _Optional[int] = ..., lookup_hit_tokens_total: _Optional[int] = ..., dataplane: _Optional[_Union[DataPlaneStats, _Mapping]] = ...) -> None: ...
+
+class LinkStats(_message.Message):
+    __slots__ = ("peer_agent_id", "throughput_bytes_per_second", "inflight", "queued", "transfers_total", "failures_total", "bytes_total", "last_path", "last_unix_seconds")
+    PEER_AGENT_ID_FIELD_NUMBER: _ClassVar[int]
+    THROUGHPUT_BYTES_PER_SECOND_FIELD_NUMBER: _ClassVar[int]
+    INFLIGHT_FIELD_NUMBER: _ClassVar[int]
+    QUEUED_FIELD_NUMBER: _ClassVar[int]
+    TRANSFERS_TOTAL_FIELD_NUMBER: _ClassVar[int]
+    FAILURES_TOTAL_FIELD_NUMBER: _ClassVar[int]
+    BYTES_TOTAL_FIELD_NUMBER: _ClassVar[int]
+    LAST_PATH_FIELD_NUMBER: _ClassVar[int]
+    LAST_UNIX_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    peer_agent_id: str
+    throughput_bytes_per_second: float
+    inflight: int
+    queued: int
+    transfers_total: int
+    failures_total: int
+    bytes_total: int
+    last_path: str
+    last_unix_seconds: float
+    def __init__(self, peer_agent_id: _Optional[str] = ..., throughput_bytes_per_second: _Optional[float] = ..., inflight: _Optional[int] = ..., queued: _Optional[int] = ..., transfers_total: _Optional[int] = ..., failures_total: _Optional[int] = ..., bytes_total: _Optional[int] = ..., last_path: _Optional[str] = ..., last_unix_seconds: _Optional[float] = ...) -> None: ...
+
+class DataPlaneStats(_message.Message):
+    __slots__ = ("links", "inbound_reservations", "reserved_bytes", "handoff_free_bytes", "handoff_capacity_bytes", "outbound_inflight", "outbound_queued", "max_inbound")
+    LINKS_FIELD_NUMBER: _ClassVar[int]
+    INBOUND_RESERVATIONS_FIELD_NUMBER: _ClassVar[int]
+    RESERVED_BYTES_FIELD_NUMBER: _ClassVar[int]
+    HANDOFF_FREE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    HANDOFF_CAPACITY_BYTES_FIELD_NUMBER: _ClassVar[int]
+    OUTBOUND_INFLIGHT_FIELD_NUMBER: _ClassVar[int]
+    OUTBOUND_QUEUED_FIELD_NUMBER: _ClassVar[int]
+    MAX_INBOUND_FIELD_NUMBER: _ClassVar[int]
+    links: _containers.RepeatedCompositeFieldContainer[LinkStats]
+    inbound_reservations: int
+    reserved_bytes: int
+    handoff_free_bytes: int
+    handoff_capacity_bytes: int
+    outbound_inflight: int
+    outbound_queued: int
+    max_inbound: int
+    def __init__(self, links: _Optional[_Iterable[_Union[LinkStats, _Mapping]]] = ..., inbound_reservations: _Optional[int] = ..., reserved_bytes: _Optional[int] = ..., handoff_free_bytes: _Optional[int] = ..., handoff_capacity_bytes: _Optional[int] = ..., outbound_inflight: _Optional[int] = ..., outbound_queued: _Optional[int] = ..., max_inbound: _Optional[int] = ...) -> None: ...
 
 class Hello(_message.Message):
     __slots__ = ("agent_id", "session_id")
@@ -171,7 +228,7 @@ class ResyncRequest(_message.Message):
     def __init__(self, reason: _Optional[str] = ...) -> None: ...
 
 class Command(_message.Message):
-    __slots__ = ("op_id", "kind", "block_hashes", "tier", "codec", "namespace", "model_id", "older_than_seconds", "dry_run", "only_tier", "pin_id", "expires_unix_seconds")
+    __slots__ = ("op_id", "kind", "block_hashes", "tier", "codec", "namespace", "model_id", "older_than_seconds", "dry_run", "only_tier", "pin_id", "expires_unix_seconds", "peer_agent_id", "deadline_seconds")
     OP_ID_FIELD_NUMBER: _ClassVar[int]
     KIND_FIELD_NUMBER: _ClassVar[int]
     BLOCK_HASHES_FIELD_NUMBER: _ClassVar[int]
@@ -184,6 +241,8 @@ class Command(_message.Message):
     ONLY_TIER_FIELD_NUMBER: _ClassVar[int]
     PIN_ID_FIELD_NUMBER: _ClassVar[int]
     EXPIRES_UNIX_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    PEER_AGENT_ID_FIELD_NUMBER: _ClassVar[int]
+    DEADLINE_SECONDS_FIELD_NUMBER: _ClassVar[int]
     op_id: str
     kind: CommandKind
     block_hashes: bytes
@@ -196,7 +255,9 @@ class Command(_message.Message):
     only_tier: _types_pb2.Tier
     pin_id: str
     expires_unix_seconds: float
-    def __init__(self, op_id: _Optional[str] = ..., kind: _Optional[_Union[CommandKind, str]] = ..., block_hashes: _Optional[bytes] = ..., tier: _Optional[_Union[_types_pb2.Tier, str]] = ..., codec: _Optional[str] = ..., namespace: _Optional[str] = ..., model_id: _Optional[str] = ..., older_than_seconds: _Optional[float] = ..., dry_run: _Optional[bool] = ..., only_tier: _Optional[_Union[_types_pb2.Tier, str]] = ..., pin_id: _Optional[str] = ..., expires_unix_seconds: _Optional[float] = ...) -> None: ...
+    peer_agent_id: str
+    deadline_seconds: float
+    def __init__(self, op_id: _Optional[str] = ..., kind: _Optional[_Union[CommandKind, str]] = ..., block_hashes: _Optional[bytes] = ..., tier: _Optional[_Union[_types_pb2.Tier, str]] = ..., codec: _Optional[str] = ..., namespace: _Optional[str] = ..., model_id: _Optional[str] = ..., older_than_seconds: _Optional[float] = ..., dry_run: _Optional[bool] = ..., only_tier: _Optional[_Union[_types_pb2.Tier, str]] = ..., pin_id: _Optional[str] = ..., expires_unix_seconds: _Optional[float] = ..., peer_agent_id: _Optional[str] = ..., deadline_seconds: _Optional[float] = ...) -> None: ...
 
 class ControlMessage(_message.Message):
     __slots__ = ("epoch", "resync", "command")
@@ -265,3 +326,139 @@ class LoadResponse(_message.Message):
     num_cached_tokens: int
     kv: bytes
     def __init__(self, num_cached_tokens: _Optional[int] = ..., kv: _Optional[bytes] = ...) -> None: ...
+
+class ReserveRequest(_message.Message):
+    __slots__ = ("model_id", "block_hashes", "stored_bytes", "codecs", "namespace", "ttl_seconds", "source_agent_id", "path")
+    MODEL_ID_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_HASHES_FIELD_NUMBER: _ClassVar[int]
+    STORED_BYTES_FIELD_NUMBER: _ClassVar[int]
+    CODECS_FIELD_NUMBER: _ClassVar[int]
+    NAMESPACE_FIELD_NUMBER: _ClassVar[int]
+    TTL_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    SOURCE_AGENT_ID_FIELD_NUMBER: _ClassVar[int]
+    PATH_FIELD_NUMBER: _ClassVar[int]
+    model_id: str
+    block_hashes: bytes
+    stored_bytes: _containers.RepeatedScalarFieldContainer[int]
+    codecs: _containers.RepeatedScalarFieldContainer[str]
+    namespace: str
+    ttl_seconds: float
+    source_agent_id: str
+    path: str
+    def __init__(self, model_id: _Optional[str] = ..., block_hashes: _Optional[bytes] = ..., stored_bytes: _Optional[_Iterable[int]] = ..., codecs: _Optional[_Iterable[str]] = ..., namespace: _Optional[str] = ..., ttl_seconds: _Optional[float] = ..., source_agent_id: _Optional[str] = ..., path: _Optional[str] = ...) -> None: ...
+
+class BlockSlots(_message.Message):
+    __slots__ = ("addresses", "lengths")
+    ADDRESSES_FIELD_NUMBER: _ClassVar[int]
+    LENGTHS_FIELD_NUMBER: _ClassVar[int]
+    addresses: _containers.RepeatedScalarFieldContainer[int]
+    lengths: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, addresses: _Optional[_Iterable[int]] = ..., lengths: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class ReserveResponse(_message.Message):
+    __slots__ = ("reservation_id", "num_present_blocks", "blocks", "transfer_endpoint", "expires_unix_seconds")
+    RESERVATION_ID_FIELD_NUMBER: _ClassVar[int]
+    NUM_PRESENT_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    TRANSFER_ENDPOINT_FIELD_NUMBER: _ClassVar[int]
+    EXPIRES_UNIX_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    reservation_id: str
+    num_present_blocks: int
+    blocks: _containers.RepeatedCompositeFieldContainer[BlockSlots]
+    transfer_endpoint: str
+    expires_unix_seconds: float
+    def __init__(self, reservation_id: _Optional[str] = ..., num_present_blocks: _Optional[int] = ..., blocks: _Optional[_Iterable[_Union[BlockSlots, _Mapping]]] = ..., transfer_endpoint: _Optional[str] = ..., expires_unix_seconds: _Optional[float] = ...) -> None: ...
+
+class PushChunk(_message.Message):
+    __slots__ = ("reservation_id", "block_index", "offset", "data")
+    RESERVATION_ID_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_INDEX_FIELD_NUMBER: _ClassVar[int]
+    OFFSET_FIELD_NUMBER: _ClassVar[int]
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    reservation_id: str
+    block_index: int
+    offset: int
+    data: bytes
+    def __init__(self, reservation_id: _Optional[str] = ..., block_index: _Optional[int] = ..., offset: _Optional[int] = ..., data: _Optional[bytes] = ...) -> None: ...
+
+class PushResponse(_message.Message):
+    __slots__ = ("received_bytes",)
+    RECEIVED_BYTES_FIELD_NUMBER: _ClassVar[int]
+    received_bytes: int
+    def __init__(self, received_bytes: _Optional[int] = ...) -> None: ...
+
+class CommitRequest(_message.Message):
+    __slots__ = ("reservation_id", "checksums", "first_block", "last")
+    RESERVATION_ID_FIELD_NUMBER: _ClassVar[int]
+    CHECKSUMS_FIELD_NUMBER: _ClassVar[int]
+    FIRST_BLOCK_FIELD_NUMBER: _ClassVar[int]
+    LAST_FIELD_NUMBER: _ClassVar[int]
+    reservation_id: str
+    checksums: _containers.RepeatedScalarFieldContainer[int]
+    first_block: int
+    last: bool
+    def __init__(self, reservation_id: _Optional[str] = ..., checksums: _Optional[_Iterable[int]] = ..., first_block: _Optional[int] = ..., last: _Optional[bool] = ...) -> None: ...
+
+class CommitResponse(_message.Message):
+    __slots__ = ("num_committed_blocks", "num_present_blocks")
+    NUM_COMMITTED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    NUM_PRESENT_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    num_committed_blocks: int
+    num_present_blocks: int
+    def __init__(self, num_committed_blocks: _Optional[int] = ..., num_present_blocks: _Optional[int] = ...) -> None: ...
+
+class AbortRequest(_message.Message):
+    __slots__ = ("reservation_id", "reason", "writes_quiesced")
+    RESERVATION_ID_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    WRITES_QUIESCED_FIELD_NUMBER: _ClassVar[int]
+    reservation_id: str
+    reason: str
+    writes_quiesced: bool
+    def __init__(self, reservation_id: _Optional[str] = ..., reason: _Optional[str] = ..., writes_quiesced: _Optional[bool] = ...) -> None: ...
+
+class AbortResponse(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class HandoffRequest(_message.Message):
+    __slots__ = ("model_id", "token_ids", "block_hashes", "extra_keys", "destination_agent_id", "deadline_seconds", "namespace", "paths")
+    MODEL_ID_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_HASHES_FIELD_NUMBER: _ClassVar[int]
+    EXTRA_KEYS_FIELD_NUMBER: _ClassVar[int]
+    DESTINATION_AGENT_ID_FIELD_NUMBER: _ClassVar[int]
+    DEADLINE_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    NAMESPACE_FIELD_NUMBER: _ClassVar[int]
+    PATHS_FIELD_NUMBER: _ClassVar[int]
+    model_id: str
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    block_hashes: bytes
+    extra_keys: _containers.RepeatedScalarFieldContainer[str]
+    destination_agent_id: str
+    deadline_seconds: float
+    namespace: str
+    paths: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, model_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., block_hashes: _Optional[bytes] = ..., extra_keys: _Optional[_Iterable[str]] = ..., destination_agent_id: _Optional[str] = ..., deadline_seconds: _Optional[float] = ..., namespace: _Optional[str] = ..., paths: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class HandoffResponse(_message.Message):
+    __slots__ = ("outcome", "path", "num_blocks", "num_sent_blocks", "sent_bytes", "seconds", "attempts", "reason", "num_cached_tokens")
+    OUTCOME_FIELD_NUMBER: _ClassVar[int]
+    PATH_FIELD_NUMBER: _ClassVar[int]
+    NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    NUM_SENT_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    SENT_BYTES_FIELD_NUMBER: _ClassVar[int]
+    SECONDS_FIELD_NUMBER: _ClassVar[int]
+    ATTEMPTS_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    NUM_CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    outcome: HandoffOutcome
+    path: str
+    num_blocks: int
+    num_sent_blocks: int
+    sent_bytes: int
+    seconds: float
+    attempts: int
+    reason: str
+    num_cached_tokens: int
+    def __init__(self, outcome: _Optional[_Union[HandoffOutcome, str]] = ..., path: _Optional[str] = ..., num_blocks: _Optional[int] = ..., num_sent_blocks: _Optional[int] = ..., sent_bytes: _Optional[int] = ..., seconds: _Optional[float] = ..., attempts: _Optional[int] = ..., reason: _Optional[str] = ..., num_cached_tokens: _Optional[int] = ...) -> None: ...

@@ -301,3 +301,269 @@ class EngineService:
             timeout,
             metadata,
             _registered_method=True)
+
+
+class DataPlaneStub:
+    """---- data plane: agent <-> agent (prefill -> decode handoff) ------------------------
+
+    The sender asks the receiver to Reserve pages for the blocks it lacks, writes the
+    blocks' stored bytes straight into those pages (Transfer Engine: one-sided write into
+    the receiver's registered buffer; fallback: the Push stream), then Commits with a
+    checksum per block. The receiver verifies every block and makes the whole prefix
+    visible at once; until then, and after an Abort or an expiry, nothing of it is.
+    """
+
+    def __init__(self, channel):
+        """Constructor.
+
+        Args:
+            channel: A grpc.Channel.
+        """
+        self.Reserve = channel.unary_unary(
+                '/kvcp.v1.DataPlane/Reserve',
+                request_serializer=protos_dot_kvcp_dot_v1_dot_agent__pb2.ReserveRequest.SerializeToString,
+                response_deserializer=protos_dot_kvcp_dot_v1_dot_agent__pb2.ReserveResponse.FromString,
+                _registered_method=True)
+        self.Push = channel.stream_unary(
+                '/kvcp.v1.DataPlane/Push',
+                request_serializer=protos_dot_kvcp_dot_v1_dot_agent__pb2.PushChunk.SerializeToString,
+                response_deserializer=protos_dot_kvcp_dot_v1_dot_agent__pb2.PushResponse.FromString,
+                _registered_method=True)
+        self.Commit = channel.unary_unary(
+                '/kvcp.v1.DataPlane/Commit',
+                request_serializer=protos_dot_kvcp_dot_v1_dot_agent__pb2.CommitRequest.SerializeToString,
+                response_deserializer=protos_dot_kvcp_dot_v1_dot_agent__pb2.CommitResponse.FromString,
+                _registered_method=True)
+        self.Abort = channel.unary_unary(
+                '/kvcp.v1.DataPlane/Abort',
+                request_serializer=protos_dot_kvcp_dot_v1_dot_agent__pb2.AbortRequest.SerializeToString,
+                response_deserializer=protos_dot_kvcp_dot_v1_dot_agent__pb2.AbortResponse.FromString,
+                _registered_method=True)
+        self.Handoff = channel.unary_unary(
+                '/kvcp.v1.DataPlane/Handoff',
+                request_serializer=protos_dot_kvcp_dot_v1_dot_agent__pb2.HandoffRequest.SerializeToString,
+                response_deserializer=protos_dot_kvcp_dot_v1_dot_agent__pb2.HandoffResponse.FromString,
+                _registered_method=True)
+
+
+class DataPlaneServicer:
+    """---- data plane: agent <-> agent (prefill -> decode handoff) ------------------------
+
+    The sender asks the receiver to Reserve pages for the blocks it lacks, writes the
+    blocks' stored bytes straight into those pages (Transfer Engine: one-sided write into
+    the receiver's registered buffer; fallback: the Push stream), then Commits with a
+    checksum per block. The receiver verifies every block and makes the whole prefix
+    visible at once; until then, and after an Abort or an expiry, nothing of it is.
+    """
+
+    def Reserve(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Push(self, request_iterator, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Commit(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Abort(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Handoff(self, request, context):
+        """Engine (or control plane) -> the sending agent: hand a prefix to another agent.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+
+def add_DataPlaneServicer_to_server(servicer, server):
+    rpc_method_handlers = {
+            'Reserve': grpc.unary_unary_rpc_method_handler(
+                    servicer.Reserve,
+                    request_deserializer=protos_dot_kvcp_dot_v1_dot_agent__pb2.ReserveRequest.FromString,
+                    response_serializer=protos_dot_kvcp_dot_v1_dot_agent__pb2.ReserveResponse.SerializeToString,
+            ),
+            'Push': grpc.stream_unary_rpc_method_handler(
+                    servicer.Push,
+                    request_deserializer=protos_dot_kvcp_dot_v1_dot_agent__pb2.PushChunk.FromString,
+                    response_serializer=protos_dot_kvcp_dot_v1_dot_agent__pb2.PushResponse.SerializeToString,
+            ),
+            'Commit': grpc.unary_unary_rpc_method_handler(
+                    servicer.Commit,
+                    request_deserializer=protos_dot_kvcp_dot_v1_dot_agent__pb2.CommitRequest.FromString,
+                    response_serializer=protos_dot_kvcp_dot_v1_dot_agent__pb2.CommitResponse.SerializeToString,
+            ),
+            'Abort': grpc.unary_unary_rpc_method_handler(
+                    servicer.Abort,
+                    request_deserializer=protos_dot_kvcp_dot_v1_dot_agent__pb2.AbortRequest.FromString,
+                    response_serializer=protos_dot_kvcp_dot_v1_dot_agent__pb2.AbortResponse.SerializeToString,
+            ),
+            'Handoff': grpc.unary_unary_rpc_method_handler(
+                    servicer.Handoff,
+                    request_deserializer=protos_dot_kvcp_dot_v1_dot_agent__pb2.HandoffRequest.FromString,
+                    response_serializer=protos_dot_kvcp_dot_v1_dot_agent__pb2.HandoffResponse.SerializeToString,
+            ),
+    }
+    generic_handler = grpc.method_handlers_generic_handler(
+            'kvcp.v1.DataPlane', rpc_method_handlers)
+    server.add_generic_rpc_handlers((generic_handler,))
+    server.add_registered_method_handlers('kvcp.v1.DataPlane', rpc_method_handlers)
+
+
+ # This class is part of an EXPERIMENTAL API.
+class DataPlane:
+    """---- data plane: agent <-> agent (prefill -> decode handoff) ------------------------
+
+    The sender asks the receiver to Reserve pages for the blocks it lacks, writes the
+    blocks' stored bytes straight into those pages (Transfer Engine: one-sided write into
+    the receiver's registered buffer; fallback: the Push stream), then Commits with a
+    checksum per block. The receiver verifies every block and makes the whole prefix
+    visible at once; until then, and after an Abort or an expiry, nothing of it is.
+    """
+
+    @staticmethod
+    def Reserve(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvcp.v1.DataPlane/Reserve',
+            protos_dot_kvcp_dot_v1_dot_agent__pb2.ReserveRequest.SerializeToString,
+            protos_dot_kvcp_dot_v1_dot_agent__pb2.ReserveResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Push(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_unary(
+            request_iterator,
+            target,
+            '/kvcp.v1.DataPlane/Push',
+            protos_dot_kvcp_dot_v1_dot_agent__pb2.PushChunk.SerializeToString,
+            protos_dot_kvcp_dot_v1_dot_agent__pb2.PushResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Commit(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvcp.v1.DataPlane/Commit',
+            protos_dot_kvcp_dot_v1_dot_agent__pb2.CommitRequest.SerializeToString,
+            protos_dot_kvcp_dot_v1_dot_agent__pb2.CommitResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Abort(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvcp.v1.DataPlane/Abort',
+            protos_dot_kvcp_dot_v1_dot_agent__pb2.AbortRequest.SerializeToString,
+            protos_dot_kvcp_dot_v1_dot_agent__pb2.AbortResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Handoff(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvcp.v1.DataPlane/Handoff',
+            protos_dot_kvcp_dot_v1_dot_agent__pb2.HandoffRequest.SerializeToString,
+            protos_dot_kvcp_dot_v1_dot_agent__pb2.HandoffResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)

@@ -24,21 +24,21 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1aprotos/kvcp/v1/types.proto\x12\x07kvcp.v1\"|\n\tModelSpec\x12\x10\n\x08model_id\x18\x01 \x01(\t\x12\x12\n\nblock_size\x18\x02 \x01(\r\x12\x12\n\nnum_layers\x18\x03 \x01(\r\x12\x14\n\x0cnum_kv_heads\x18\x04 \x01(\r\x12\x10\n\x08head_dim\x18\x05 \x01(\r\x12\r\n\x05\x64type\x18\x06 \x01(\t\"\x9a\x01\n\tTierUsage\x12\x1b\n\x04tier\x18\x01 \x01(\x0e\x32\r.kvcp.v1.Tier\x12\x16\n\x0e\x63\x61pacity_bytes\x18\x02 \x01(\x04\x12\x12\n\nused_bytes\x18\x03 \x01(\x04\x12\x12\n\nnum_blocks\x18\x04 \x01(\x04\x12\x1a\n\x12uncompressed_bytes\x18\x05 \x01(\x04\x12\x14\n\x0cstored_bytes\x18\x06 \x01(\x04\"\xa0\x01\n\tAgentInfo\x12\x10\n\x08\x61gent_id\x18\x01 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\x12\"\n\x06models\x18\x03 \x03(\x0b\x32\x12.kvcp.v1.ModelSpec\x12!\n\x05tiers\x18\x04 \x03(\x0b\x32\x12.kvcp.v1.TierUsage\x12\x17\n\x0fmetrics_address\x18\x05 \x01(\t\x12\x10\n\x08lease_id\x18\x06 \x01(\x04*X\n\x04Tier\x12\x14\n\x10TIER_UNSPECIFIED\x10\x00\x12\x0c\n\x08TIER_GPU\x10\x01\x12\x0c\n\x08TIER_CPU\x10\x02\x12\r\n\tTIER_DISK\x10\x03\x12\x0f\n\x0bTIER_REMOTE\x10\x04*w\n\nAgentState\x12\x1b\n\x17\x41GENT_STATE_UNSPECIFIED\x10\x00\x12\x15\n\x11\x41GENT_STATE_READY\x10\x01\x12\x17\n\x13\x41GENT_STATE_SYNCING\x10\x02\x12\x1c\n\x18\x41GENT_STATE_DISCONNECTED\x10\x03\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1aprotos/kvcp/v1/types.proto\x12\x07kvcp.v1\"|\n\tModelSpec\x12\x10\n\x08model_id\x18\x01 \x01(\t\x12\x12\n\nblock_size\x18\x02 \x01(\r\x12\x12\n\nnum_layers\x18\x03 \x01(\r\x12\x14\n\x0cnum_kv_heads\x18\x04 \x01(\r\x12\x10\n\x08head_dim\x18\x05 \x01(\r\x12\r\n\x05\x64type\x18\x06 \x01(\t\"\x9a\x01\n\tTierUsage\x12\x1b\n\x04tier\x18\x01 \x01(\x0e\x32\r.kvcp.v1.Tier\x12\x16\n\x0e\x63\x61pacity_bytes\x18\x02 \x01(\x04\x12\x12\n\nused_bytes\x18\x03 \x01(\x04\x12\x12\n\nnum_blocks\x18\x04 \x01(\x04\x12\x1a\n\x12uncompressed_bytes\x18\x05 \x01(\x04\x12\x14\n\x0cstored_bytes\x18\x06 \x01(\x04\"\xdd\x02\n\tAgentInfo\x12\x10\n\x08\x61gent_id\x18\x01 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\x12\"\n\x06models\x18\x03 \x03(\x0b\x32\x12.kvcp.v1.ModelSpec\x12!\n\x05tiers\x18\x04 \x03(\x0b\x32\x12.kvcp.v1.TierUsage\x12\x17\n\x0fmetrics_address\x18\x05 \x01(\t\x12\x10\n\x08lease_id\x18\x06 \x01(\x04\x12\x0c\n\x04role\x18\x07 \x01(\t\x12\x17\n\x0ftransfer_engine\x18\x08 \x01(\t\x12\x19\n\x11transfer_endpoint\x18\t \x01(\t\x12\x19\n\x11transfer_protocol\x18\n \x01(\t\x12\x1f\n\x17transfer_buffer_address\x18\x0b \x01(\x04\x12\x1d\n\x15transfer_buffer_bytes\x18\x0c \x01(\x04\x12\x1e\n\x16transfer_engine_status\x18\r \x01(\t*X\n\x04Tier\x12\x14\n\x10TIER_UNSPECIFIED\x10\x00\x12\x0c\n\x08TIER_GPU\x10\x01\x12\x0c\n\x08TIER_CPU\x10\x02\x12\r\n\tTIER_DISK\x10\x03\x12\x0f\n\x0bTIER_REMOTE\x10\x04*w\n\nAgentState\x12\x1b\n\x17\x41GENT_STATE_UNSPECIFIED\x10\x00\x12\x15\n\x11\x41GENT_STATE_READY\x10\x01\x12\x17\n\x13\x41GENT_STATE_SYNCING\x10\x02\x12\x1c\n\x18\x41GENT_STATE_DISCONNECTED\x10\x03\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'protos.kvcp.v1.types_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_TIER']._serialized_start=485
-  _globals['_TIER']._serialized_end=573
-  _globals['_AGENTSTATE']._serialized_start=575
-  _globals['_AGENTSTATE']._serialized_end=694
+  _globals['_TIER']._serialized_start=674
+  _globals['_TIER']._serialized_end=762
+  _globals['_AGENTSTATE']._serialized_start=764
+  _globals['_AGENTSTATE']._serialized_end=883
   _globals['_MODELSPEC']._serialized_start=39
   _globals['_MODELSPEC']._serialized_end=163
   _globals['_TIERUSAGE']._serialized_start=166
   _globals['_TIERUSAGE']._serialized_end=320
   _globals['_AGENTINFO']._serialized_start=323
-  _globals['_AGENTINFO']._serialized_end=483
+  _globals['_AGENTINFO']._serialized_end=672
 # @@protoc_insertion_point(module_scope)

@@ -70,6 +70,8 @@ class PromptGenerator:
         weights = 1.0 / np.arange(1, cfg.num_documents + 1) ** cfg.zipf_s
         self.doc_cdf = np.cumsum(weights / weights.sum())
         self.sessions: list[list[int]] = []
+        self.session_namespaces: list[str] = []
+        self.last_namespace = "chat"  # namespace of the prompt next_prompt() returned last
         self._np = r
 
     def _turn(self) -> list[int]:
@@ -80,19 +82,26 @@ class PromptGenerator:
         if self.sessions and self.rng.random() < cfg.continue_probability:
             i = self.rng.randrange(len(self.sessions))
             prompt = self.sessions[i] + self._turn()  # previous context + answer + new user turn
+            self.last_namespace = self.session_namespaces[i]
             if len(prompt) > cfg.system_prompt_tokens + cfg.document_tokens[1] + cfg.max_turns * cfg.turn_tokens[1]:
                 self.sessions.pop(i)
+                self.session_namespaces.pop(i)
             else:
                 self.sessions[i] = prompt + self._turn()
             return prompt
         prompt = list(self.rng.choice(self.system_prompts))
-        if self.rng.random() < 0.7:
+        self.last_namespace = "chat"
+        if self.rng.random() < 0.7:  # questions about a document of the knowledge base
             doc = int(np.searchsorted(self.doc_cdf, self.rng.random()))
             prompt += self.documents[min(doc, cfg.num_documents - 1)]
+            self.last_namespace = "legal-kb"
         prompt += self._turn()
         if len(self.sessions) >= cfg.max_active_sessions:
-            self.sessions.pop(self.rng.randrange(len(self.sessions)))
+            j = self.rng.randrange(len(self.sessions))
+            self.sessions.pop(j)
+            self.session_namespaces.pop(j)
         self.sessions.append(prompt + self._turn())
+        self.session_namespaces.append(self.last_namespace)
         return prompt
 
 
@@ -143,7 +152,9 @@ class Workload:
             kv = np.empty((len(new), model["block_elems"]), dtype=dtype)
             for i, h in enumerate(new):
                 kv[i] = block_fill(h)
-            stored, _ = engine.store(model_id, prompt, kv.tobytes(), first_block=n_cached)
+            stored, _ = engine.store(
+                model_id, prompt, kv.tobytes(), first_block=n_cached, namespace=self.prompts.last_namespace
+            )
             self.stats.stored_blocks_total += stored
         self.stats.requests_total += 1
         self.stats.prompt_tokens_total += len(prompt)

@@ -134,6 +134,8 @@ class Demo:
         self.clean_stale()
         self.check_ports()
         shutil.rmtree(self.run_dir / "etcd", ignore_errors=True)  # a fresh cluster each run
+        for d in self.run_dir.glob("disk-agent-*"):  # and fresh disk tiers (they would be recovered otherwise)
+            shutil.rmtree(d, ignore_errors=True)
         peer_port = free_port()
         client_url = f"http://127.0.0.1:{a.etcd_port}"
         peer_url = f"http://127.0.0.1:{peer_port}"
@@ -188,6 +190,10 @@ class Demo:
                     etcd_ep,
                     "--cpu-capacity",
                     a.agent_capacity,
+                    "--disk-dir",
+                    str(self.run_dir / f"disk-{name}"),
+                    "--disk-capacity",
+                    a.agent_disk_capacity,
                     "--metrics-listen",
                     f"127.0.0.1:{a.agent_metrics_ports[i - 1]}",
                 ],
@@ -210,7 +216,7 @@ class Demo:
             f"  etcd           {etcd_ep:<18} data {self.run_dir / 'etcd'}\n"
             f"  control plane  {cp_addr:<18} (leader)\n"
             + "".join(
-                f"  agent-{i}        127.0.0.1:{p:<8} cpu tier {a.agent_capacity}\n"
+                f"  agent-{i}        127.0.0.1:{p:<8} cpu {a.agent_capacity}, disk {a.agent_disk_capacity}\n"
                 for i, p in enumerate(a.agent_ports, 1)
             )
             + f"  workload       {a.rate:g} requests/s (chat sessions + Zipf documents)\n"
@@ -223,6 +229,10 @@ class Demo:
             f"  {kvctl}{ep} stats\n"
             f"  {kvctl}{ep} lookup --model demo-model --tokens $(seq -s, 1 64)\n"
             f"  {kvctl}{ep} -o json agents\n"
+            f"  {kvctl}{ep} pin --namespace legal-kb --tier cpu --ttl 30m\n"
+            f"  {kvctl}{ep} move --namespace chat --to disk --wait\n"
+            f"  {kvctl}{ep} cleanup --older-than 1m --dry-run\n"
+            f"  {kvctl}{ep} dashboard\n"
             "  prometheus --config.file=dashboard/grafana/prometheus.yml --storage.tsdb.path=.run/prometheus\n"
             "  (Grafana: dashboard/grafana/kvcp.json; see README, Metrics and dashboards)\n\n"
             "Ctrl-C stops every process this demo started.\n"
@@ -277,6 +287,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--controlplane-port", type=int, default=50051)
     p.add_argument("--agent-ports", type=int, nargs=2, default=[50061, 50062])
     p.add_argument("--agent-capacity", default="32MiB")
+    p.add_argument("--agent-disk-capacity", default="256MiB")
     p.add_argument("--controlplane-metrics-port", type=int, default=9400)
     p.add_argument("--agent-metrics-ports", type=int, nargs=2, default=[9401, 9402])
     p.add_argument("--rate", type=float, default=10.0, help="workload requests per second (0: no workload)")

@@ -1,0 +1,219 @@
+"""The dashboard driven by Pilot against a real control plane, real agents and a real
+etcd: every screen, a pin created from the form and removed with a confirmation, an
+operation cancelled, and a control-plane restart seen as "reconnecting" then recovered.
+
+Pins and operations are being built on the control plane; where it still answers
+UNIMPLEMENTED those tests skip (checked at run time, against the real server)."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+import torch
+
+from agent.server import DEMO_MODEL
+from cli.client import ClientError, ControlPlaneClient
+from dashboard.app import DashboardApp
+from dashboard.screens import AgentScreen, ClusterScreen, EventsScreen, HelpScreen, OperationsScreen, PinsScreen
+from tests.dashboard.screen import screen_text
+from tests.helpers import free_port, wait_for
+
+M = DEMO_MODEL
+BS = M.block_size
+SIZE = (80, 24)
+
+
+def kv(n: int, seed: int = 0) -> torch.Tensor:
+    return torch.randn((n, *M.block_shape), generator=torch.Generator().manual_seed(seed)).to(torch.float16)
+
+
+def tokens(n_blocks: int, start: int = 0) -> list[int]:
+    return list(range(start, start + n_blocks * BS))
+
+
+async def until(pilot, predicate, what: str, timeout_seconds: float = 10.0) -> None:
+    """Let the app run until `predicate()` holds; fail showing the screen."""
+    deadline = time.monotonic() + timeout_seconds
+    while time.monotonic() < deadline:
+        if predicate():
+            return
+        await pilot.pause(0.05)
+    raise AssertionError(f"timed out after {timeout_seconds}s waiting for {what}; screen:\n{screen_text(pilot.app)}")
+
+
+def on_screen(pilot, *texts: str):
+    return lambda: all(t in screen_text(pilot.app) for t in texts)
+
+
+def skip_if_unimplemented(call) -> None:
+    """Skip when the real server does not serve this call yet (and only then)."""
+    try:
+        call()
+    except ClientError as exc:
+        if exc.code == "UNIMPLEMENTED":
+            pytest.skip(f"the control plane answers UNIMPLEMENTED: {exc}")
+        raise
+
+
+@pytest.fixture
+def cluster(controlplane, make_agent):
+    a1, a2 = make_agent("dash-a1"), make_agent("dash-a2")
+    a1.engine.store(M.model_id, tokens(4), kv(4), namespace="dash-kb")
+    a2.engine.store(M.model_id, tokens(2, start=5000), kv(2, seed=1))
+    with ControlPlaneClient(controlplane.address) as c:
+        wait_for(
+            lambda: {a.agent_id: a.num_blocks for a in c.list_agents()} == {"dash-a1": 4, "dash-a2": 2},
+            what="both agents indexed",
+        )
+        c.lookup(M.model_id, tokens(4))
+    return controlplane
+
+
+def test_every_screen_against_a_live_cluster(cluster):
+    async def scenario():
+        app = DashboardApp(cluster.address, refresh_seconds=0.5)
+        async with app.run_test(size=SIZE) as pilot:
+            await until(pilot, on_screen(pilot, "connected", "dash-a1", "dash-a2", "leader"), "agents on Cluster")
+            assert isinstance(app.screen, ClusterScreen)
+            assert "etcd ok" in screen_text(app)
+            await until(pilot, lambda: len(app.state.samples) >= 2, "two stats samples")
+
+            await pilot.press("enter")  # the first row: dash-a1
+            assert isinstance(app.screen, AgentScreen) and app.screen.agent_id == "dash-a1"
+            await until(pilot, on_screen(pilot, "Tiers", "cpu", "demo-model", "joined from"), "agent detail")
+            await pilot.press("escape")
+            assert isinstance(app.screen, ClusterScreen)
+
+            await pilot.press("p")
+            assert isinstance(app.screen, PinsScreen)
+            await until(pilot, lambda: app.state.pins_feature.available is not None, "pins asked")
+            expected = "no pins" if app.state.pins_feature.available else "not available on this control plane"
+            await until(pilot, on_screen(pilot, expected), "pins screen")
+
+            await pilot.press("o")
+            assert isinstance(app.screen, OperationsScreen)
+            await until(pilot, lambda: app.state.operations_feature.available is not None, "operations asked")
+            expected = "no operations" if app.state.operations_feature.available else "not available"
+            await until(pilot, on_screen(pilot, expected), "operations screen")
+
+            await pilot.press("e")
+            assert isinstance(app.screen, EventsScreen)
+            await until(pilot, on_screen(pilot, "agent_joined", "dash-a1 joined", "dash-a2 joined"), "event log")
+            await pilot.press("slash", *"a2")
+            await until(pilot, lambda: "dash-a1 joined" not in screen_text(app), "filter applied")
+            assert "dash-a2 joined" in screen_text(app)
+            await pilot.press("enter", "escape")  # back to the log, then clear the filter
+            await until(pilot, on_screen(pilot, "dash-a1 joined"), "filter cleared")
+
+            await pilot.press("question_mark")
+            assert isinstance(app.screen, HelpScreen)
+            assert "Screens" in screen_text(app)
+            await pilot.press("escape")
+            await pilot.press("c")
+            assert isinstance(app.screen, ClusterScreen)
+
+    asyncio.run(scenario())
+
+
+def test_pin_from_the_form_then_unpin_with_confirmation(cluster):
+    client = ControlPlaneClient(cluster.address)
+    skip_if_unimplemented(client.list_pins)
+
+    async def scenario():
+        app = DashboardApp(cluster.address, refresh_seconds=0.5)
+        async with app.run_test(size=SIZE) as pilot:
+            await until(pilot, on_screen(pilot, "dash-a1"), "cluster")
+            await pilot.press("p")
+            await until(pilot, on_screen(pilot, "no pins"), "empty pins")
+            await pilot.press("n")
+            await pilot.pause()
+            # namespace (typed), model, tokens (empty: the whole namespace), tier select, ttl
+            await pilot.press(*"dash-kb", "tab")
+            app.screen.query_one("#pin-model").value = M.model_id
+            await pilot.press("tab", "tab", "tab", "ctrl+a", "ctrl+k", *"600", "enter")
+            await until(pilot, lambda: len(app.state.pins) == 1, "the pin listed")
+            await until(pilot, on_screen(pilot, "dash-kb", "namespace", "cpu"), "the pin on screen")
+            (pin,) = client.list_pins()
+            assert pin.namespace == "dash-kb" and pin.whole_namespace and 590 < pin.ttl_left_seconds(time.time()) <= 600
+            assert any(e.kind == "pin_created" for e in app.state.events)
+
+            await pilot.press("d")
+            await until(pilot, on_screen(pilot, "Unpin dash-kb/"), "confirmation")
+            await pilot.press("y")
+            await until(pilot, on_screen(pilot, "no pins"), "pin gone from the screen")
+            assert client.list_pins() == []
+
+    try:
+        asyncio.run(scenario())
+    finally:
+        client.close()
+
+
+def test_cancel_an_operation_with_confirmation(cluster, etcd):
+    from controlplane.store.locks import EtcdLock
+    from protos import etcd_keys
+
+    client = ControlPlaneClient(cluster.address)
+    skip_if_unimplemented(client.list_operations)
+    # another cleanup of the namespace holds its lock: ours waits, PENDING, until cancelled
+    holder = EtcdLock(etcd_keys.connect(etcd), "cleanup/dash-kb", "someone-else")
+    assert holder.try_acquire()
+    op = client.cleanup(0, namespace="dash-kb")
+
+    async def scenario():
+        app = DashboardApp(cluster.address, refresh_seconds=0.5)
+        async with app.run_test(size=SIZE) as pilot:
+            await pilot.press("o")
+            await until(pilot, on_screen(pilot, "cleanup", "PENDING"), "the pending cleanup")
+            await pilot.press("x")
+            await until(pilot, on_screen(pilot, f"Cancel cleanup {op.op_id}?"), "confirmation")
+            await pilot.press("y")
+            await until(pilot, on_screen(pilot, "CANCELLED"), "cancelled on screen")
+            assert client.get_operation(op.op_id).state == "CANCELLED"
+
+    try:
+        asyncio.run(scenario())
+    finally:
+        holder.release()
+        client.close()
+
+
+def test_survives_a_controlplane_restart(etcd, make_agent):
+    from controlplane.server import ControlPlane, ControlPlaneConfig
+
+    port = free_port()
+
+    def start() -> ControlPlane:
+        cfg = ControlPlaneConfig(
+            listen=f"127.0.0.1:{port}", etcd=etcd, election_ttl_seconds=3, membership_resync_seconds=0.5
+        )
+        return ControlPlane(cfg).start()
+
+    cp = start()
+    make_agent("dash-r1")
+    try:
+
+        async def scenario():
+            nonlocal cp
+            app = DashboardApp(cp.address, refresh_seconds=0.5)
+            async with app.run_test(size=SIZE) as pilot:
+                await until(pilot, on_screen(pilot, "connected", "dash-r1", "ready"), "agent on screen")
+                cp.stop(grace_seconds=0.2)
+                await until(pilot, on_screen(pilot, "reconnecting"), "reconnecting", timeout_seconds=5)
+                cp = start()
+                await until(pilot, on_screen(pilot, "● connected"), "connected again", timeout_seconds=15)
+                # the agent finds the new leader and resyncs; the new stream says so
+                await until(
+                    pilot,
+                    lambda: app.state.agent("dash-r1") is not None and app.state.agent("dash-r1").state == "ready",
+                    "agent back",
+                    timeout_seconds=15,
+                )
+                seqs = [e.seq for e in app.state.events]
+                assert seqs.count(1) >= 2  # events of both control planes are in the log
+
+        asyncio.run(scenario())
+    finally:
+        cp.stop()

@@ -99,7 +99,7 @@ def replay(trace, capacities, fractions, tiers_text, settings, output_format):
 
     One JSON object with -o json for one run; a list of them for several."""
     from benchmarks import replay as bench
-    from controlplane.core.policy import Policy, TierPolicy
+    from controlplane.core.policy import Policy
     from protos import errors
 
     try:
@@ -108,8 +108,7 @@ def replay(trace, capacities, fractions, tiers_text, settings, output_format):
         trace_requests = bench.load_trace(trace)
     except ValueError as exc:  # TraceError is a ValueError
         raise click.UsageError(str(exc)) from None
-    full = TierPolicy(low_watermark=1.0, high_watermark=1.0)
-    policy = Policy(gpu=full, cpu=full, disk=full)
+    policy = bench.replay_policy()
     if settings:
         values = {}
         for s in settings:
@@ -136,3 +135,59 @@ def replay(trace, capacities, fractions, tiers_text, settings, output_format):
         click.echo(json.dumps(data[0] if len(data) == 1 else data, indent=2))
     else:
         click.echo(bench.format_table(results))
+
+
+@main.command()
+@click.option("--agents", default=64, show_default=True, type=click.IntRange(1, 4096))
+@click.option("--blocks-per-agent", default=1_000_000, show_default=True, type=click.IntRange(1))
+@click.option(
+    "--lookup-blocks", default=128, show_default=True, type=click.IntRange(1, 65536), help="Blocks per lookup prefix."
+)
+@click.option(
+    "--event-batch-blocks", default=1024, show_default=True, type=click.IntRange(1), help="Blocks per event batch."
+)
+@click.option(
+    "--agent-processes",
+    default=4,
+    show_default=True,
+    type=click.IntRange(1),
+    help="Processes the agents are spread over.",
+)
+@click.option("--lookup-rate", default=200.0, show_default=True, type=float, help="Offered lookups per second.")
+@click.option(
+    "--lookup-seconds", default=10.0, show_default=True, type=float, help="Duration of the lookup phase after ingest."
+)
+@click.option(
+    "--shared-fraction",
+    default=0.1,
+    show_default=True,
+    type=click.FloatRange(0, 1),
+    help="Fraction of each agent's chains that every agent holds.",
+)
+@click.option("--etcd", default="", help="Use this etcd (HOST:PORT) instead of starting one.")
+@click.option(
+    "--peers/--no-peers",
+    default=True,
+    show_default=True,
+    help="Also measure Dynamo's RadixTree, Mooncake's master and the kvcp index in process.",
+)
+@click.option(
+    "--peer-blocks",
+    default=2_000_000,
+    show_default=True,
+    type=click.IntRange(1),
+    help="Block events fed to each in-process peer.",
+)
+@click.option("--mooncake-keys", default=1_000_000, show_default=True, type=click.IntRange(1))
+@click.option("-o", "--output", "output_format", type=click.Choice(["table", "json"]), default="table")
+def controlplane(output_format, **kwargs):
+    """Control-plane ingest, lookup latency, memory and resync under simulated agents (real gRPC, real etcd)."""
+    from benchmarks import controlplane as bench
+
+    cfg = bench.BenchConfig(**kwargs)
+    try:
+        result = bench.run(cfg, report=lambda m: click.echo(m, err=True))
+    except (RuntimeError, ValueError, ConnectionError) as exc:
+        click.echo(f"kvcp-bench controlplane: {exc}", err=True)
+        raise SystemExit(2) from None
+    click.echo(json.dumps(result, indent=2) if output_format == "json" else bench.format_table(result))

@@ -29,7 +29,7 @@ import json
 import math
 from collections import OrderedDict
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from controlplane.core.access_stats import AccessStats
@@ -45,6 +45,7 @@ from controlplane.core.policy import (
     TierView,
     decide,
 )
+from controlplane.core.tuning import CreditTuner
 from protos.block_hash import ROOT_PARENT_HASH
 from protos.tier import Tier
 
@@ -192,6 +193,13 @@ class PolicyRun:
     promoted_blocks: int = 0
 
 
+def replay_policy(**overrides) -> Policy:
+    """The policy the replay runs by default: watermarks at 1.0 (a tier of N blocks
+    holds N after every request), everything else as configured."""
+    full = TierPolicy(low_watermark=1.0, high_watermark=1.0)
+    return replace(Policy(gpu=full, cpu=full, disk=full), **overrides).validate()
+
+
 class PolicyReplay:
     """One agent with `tiers` (fastest first), the control plane's index and stats, and
     `decide`. `step(request)` serves one request and returns its hit tokens."""
@@ -200,10 +208,20 @@ class PolicyReplay:
         if not tiers:
             raise ValueError("at least one tier")
         self.tiers = sorted(tiers, key=lambda t: int(t[0]))
-        full = TierPolicy(low_watermark=1.0, high_watermark=1.0)
-        self.policy = policy or Policy(gpu=full, cpu=full, disk=full)
+        self.policy = policy or replay_policy()
         self.index = BlockIndex()
         self.stats = AccessStats()
+        total = sum(n for _, n in self.tiers)
+        self.tuner = (
+            CreditTuner(
+                max(total, 1),
+                default=self.policy.reuse_credit_turnovers,
+                max_reuse_credits=self.policy.max_reuse_credits,
+            )
+            if self.policy.tune_reuse_credits
+            else None
+        )
+        self.tuned: list[float] = []
         self.held: dict[Tier, dict[bytes, bytes]] = {t: {} for t, _ in self.tiers}
         self.capacity = {t: n for t, n in self.tiers}
         self.where: dict[bytes, Tier] = {}
@@ -221,6 +239,8 @@ class PolicyReplay:
             for p, t in enumerate(matches[0].tiers):
                 self.run.tier_hit_tokens[Tier(t).label] += block_tokens(req, p)
         self.stats.record_lookup(keys, now)
+        if self.tuner is not None:
+            self.tuner.observe(keys, now, self.stats)
         self._store(keys)
         if any(len(self.held[t]) > self.capacity[t] for t, _ in self.tiers) or self._room_above():
             self._apply(decide(self._view(), self.policy, now))
@@ -244,7 +264,10 @@ class PolicyReplay:
 
     def _view(self) -> ClusterView:
         tiers = tuple(TierView(t, n, self.held[t]) for t, n in self.tiers)
-        return ClusterView(agents=(AgentView(AGENT_ID, tiers),), stats=self.stats)
+        credit = self.tuner.best() if self.tuner is not None else None
+        if credit is not None:
+            self.tuned.append(credit)
+        return ClusterView(agents=(AgentView(AGENT_ID, tiers),), stats=self.stats, reuse_credit_turnovers=credit)
 
     def _apply(self, actions: Iterable) -> None:
         run = self.run

@@ -83,6 +83,7 @@ class Policy:
     replica_discount_credits: float = 1.0
     promote_hot: bool = True
     promote_min_reuses: int = 1
+    tune_reuse_credits: bool = True
 
     def tier(self, tier: Tier) -> TierPolicy:
         if tier is Tier.GPU:
@@ -162,8 +163,9 @@ class Policy:
             v = getattr(self, attr)
             if isinstance(v, bool) or not isinstance(v, int) or not lo <= v <= hi:
                 raise errors.InvalidArgument(name(attr), f"must be an integer in [{lo}, {hi}], got {v!r}")
-        if not isinstance(self.promote_hot, bool):
-            raise errors.InvalidArgument(name("promote_hot"), f"must be true or false, got {self.promote_hot!r}")
+        for attr in ("promote_hot", "tune_reuse_credits"):
+            if not isinstance(getattr(self, attr), bool):
+                raise errors.InvalidArgument(name(attr), f"must be true or false, got {getattr(self, attr)!r}")
         return self
 
 
@@ -299,13 +301,16 @@ class StatsReader(Protocol):
 class ClusterView:
     """Everything `decide` looks at. `replicas` (holders per block across agents) is
     derived from `agents` when not given; `turnover_seconds`, when given, overrides the
-    one derived from the stats and the cluster's total capacity."""
+    one derived from the stats and the cluster's total capacity;
+    `reuse_credit_turnovers`, when given (by controlplane.core.tuning.CreditTuner), is
+    used instead of the policy's unless the policy turns tuning off."""
 
     agents: tuple[AgentView, ...]
     stats: StatsReader
     pins: Pins = field(default_factory=Pins)
     replicas: Mapping[bytes, int] | None = None
     turnover_seconds: float | None = None
+    reuse_credit_turnovers: float | None = None
 
 
 # ---- scoring --------------------------------------------------------------------------------
@@ -332,6 +337,8 @@ def _threshold(fraction: float, capacity_blocks: int) -> int:
 def decide(view: ClusterView, policy: Policy, now: float) -> list[Action]:
     """The actions that bring every agent's tiers within their watermarks (see the module
     docstring). Reads `view` and never changes it; the same inputs give the same list."""
+    if view.reuse_credit_turnovers is not None and policy.tune_reuse_credits:
+        policy = replace(policy, reuse_credit_turnovers=view.reuse_credit_turnovers)
     actions: list[Action] = []
     turnover: float | None = view.turnover_seconds
     replicas = view.replicas
@@ -384,9 +391,13 @@ class _AgentPass:
         self.now = now
         self.turnover = turnover
         self.replicas = replicas
-        self.parent: dict[bytes, bytes] = {}
-        for tv in tiers:
-            self.parent.update(tv.blocks)
+        self.parent: Mapping[bytes, bytes]
+        if len(tiers) == 1:
+            self.parent = tiers[0].blocks  # read only: no copy
+        else:
+            self.parent = {}
+            for tv in tiers:
+                self.parent.update(tv.blocks)
         self.content: list[set[bytes]] = [set(tv.blocks) for tv in tiers]
         self.origin: dict[bytes, int] = {}  # level before the pass, of blocks it moves
         self.dropped: list[bytes] = []
@@ -426,9 +437,13 @@ class _AgentPass:
         parent, content = self.parent, self.content[i]
         # children that hold a block in place: any held child when dropping; when
         # demoting, children at this level or a faster one
-        blockers: Counter[bytes] = Counter()
-        for lv in self.content if is_last else self.content[: i + 1]:
-            blockers.update(map(parent.__getitem__, lv))
+        if is_last:
+            # nothing has been dropped yet (only the last tier drops): every held block
+            blockers: Counter[bytes] = Counter(parent.values())
+        else:
+            blockers = Counter()
+            for lv in self.content[: i + 1]:
+                blockers.update(map(parent.__getitem__, lv))
         target = None if is_last else i + 1
         heap = [self.priority(h) for h in content.difference(blockers) if self.pin_allows(h, target)]
         heapq.heapify(heap)

@@ -52,6 +52,7 @@ class FakeAgent:
         self.pins = pins
         self.evicted: list[bytes] = []
         self.demoted: list[tuple[bytes, Tier, Tier]] = []
+        self.shrunk: set[Tier] = set()  # tiers blocks left downwards (demoted or dropped)
 
     def children(self, b: bytes) -> list[bytes]:
         return [c for c, p in self.parent.items() if p == b and c in self.tier_of]
@@ -66,7 +67,7 @@ class FakeAgent:
                 assert b in self.tier_of, "evicts a block the agent does not hold"
                 assert self.pins.min_tier(b) is None, "evicts a pinned block"
                 assert not self.children(b), "evicts a parent before its cached children"
-                del self.tier_of[b]
+                self.shrunk.add(self.tier_of.pop(b))
                 self.evicted.append(b)
         elif isinstance(action, Demote):
             assert action.to_tier > action.from_tier
@@ -78,6 +79,7 @@ class FakeAgent:
                     assert self.tier_of[c] >= action.to_tier, "demotes a parent past a child"
                 self.tier_of[b] = action.to_tier
                 self.demoted.append((b, action.from_tier, action.to_tier))
+                self.shrunk.add(action.from_tier)
         elif isinstance(action, Promote):
             for b in action.block_hashes:
                 assert self.tier_of.get(b, Tier.REMOTE) > action.to_tier
@@ -143,6 +145,41 @@ def synthetic_trace(
             if docs[d] is None:
                 docs[d] = fresh(doc_len[d])
             ids = docs[d] + fresh(1)
+        input_length = 512 * (len(ids) - 1) + rng.randint(1, 512)
+        out.append({"timestamp": t, "input_length": input_length, "output_length": 16, "hash_ids": ids})
+    return out
+
+
+def conversation_trace(num_requests: int = 800, seed: int = 1, new_session_share: float = 0.3) -> list[dict]:
+    """Multi-turn chat: each turn re-sends the whole conversation (all but its partial
+    last block) plus new blocks; recently active sessions are likelier to continue, and
+    a long session's prefix, reused at every turn, dies with it."""
+    rng = random.Random(seed)
+    next_id = 0
+
+    def fresh(n: int) -> list[int]:
+        nonlocal next_id
+        ids = list(range(next_id, next_id + n))
+        next_id += n
+        return ids
+
+    system = [fresh(4) for _ in range(5)]
+    active: list[list[int]] = []
+    out = []
+    t = 0
+    for _ in range(num_requests):
+        t += rng.randint(50, 400)
+        if not active or rng.random() < new_session_share:
+            ids = system[rng.randrange(len(system))] + fresh(rng.randint(3, 10))
+            active.append(ids)
+            if len(active) > 60:
+                active.pop(0)
+        else:
+            k = len(active) - 1 - min(int(rng.expovariate(1 / 8)), len(active) - 1)
+            ids = active[k][:-1] + fresh(rng.randint(4, 11))
+            active[k] = ids
+            if len(ids) > 150:
+                active.pop(k)
         input_length = 512 * (len(ids) - 1) + rng.randint(1, 512)
         out.append({"timestamp": t, "input_length": input_length, "output_length": 16, "hash_ids": ids})
     return out

@@ -1,0 +1,135 @@
+"""Self-tuning of the policy's reuse credit from the lookup stream.
+
+How much a reuse says about the future depends on the workload: on shared documents
+and system prompts a block asked for twice is likely to be asked for again, so reuse
+credits beat LRU; on multi-turn chat a long session's prefix has been reused at every
+turn and still dies with the session, so credits keep dead sessions and recency alone
+(LRU from the tail) is right. No fixed credit is good on both, and the control plane
+can tell which it faces: it sees every lookup, so it replays them through a few shadow
+caches of the cluster's capacity, one per candidate `reuse_credit_turnovers`, with the
+policy's own rules (tails first, the same priority), and uses the candidate whose
+shadow had the most prefix hits recently (exponentially decayed, so a workload that
+changes is followed). Shadows only ever see past lookups: no lookahead.
+
+Pure and single-threaded like AccessStats: the lookup path calls `observe` after
+`AccessStats.record_lookup` for the same lookup; the reconcile loop reads `best()`.
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections import Counter
+from collections.abc import Sequence
+
+from controlplane.core.access_stats import AccessStats
+from protos.block_hash import ROOT_PARENT_HASH
+
+DEFAULT_CANDIDATES = (0.0, 1.0, 2.0, 4.0)
+DEFAULT_HALF_LIFE_LOOKUPS = 2000.0
+
+
+class _Shadow:
+    """A cache of `capacity_blocks` that evicts tails by the policy's priority with one
+    candidate credit. Invariant: `nchild[h]` counts cached blocks whose parent is h; a
+    block is evicted only when it has none. Keys are fixed when a block is used, so a
+    heap with stale entries (skipped on pop) orders the victims."""
+
+    def __init__(self, credit_turnovers: float, capacity_blocks: int) -> None:
+        self.credit_turnovers = credit_turnovers
+        self.capacity_blocks = capacity_blocks
+        self.key: dict[bytes, float] = {}
+        self.parent: dict[bytes, bytes] = {}
+        self.nchild: Counter[bytes] = Counter()
+        self.heap: list[tuple[float, int, bytes]] = []
+        self.score = 0.0
+
+    def hits(self, hashes: Sequence[bytes]) -> int:
+        n = 0
+        for h in hashes:
+            if h not in self.key:
+                break
+            n += 1
+        return n
+
+    def admit(self, hashes: Sequence[bytes], now: float, credit_seconds: list[float]) -> None:
+        key, heap = self.key, self.heap
+        parent = ROOT_PARENT_HASH
+        for pos, (h, c) in enumerate(zip(hashes, credit_seconds, strict=True)):
+            k = now + self.credit_turnovers * c
+            if h not in key:
+                self.parent[h] = parent
+                self.nchild[parent] += 1
+            key[h] = k
+            heapq.heappush(heap, (k, -pos, h))  # equal keys: deepest first, so tails pop first
+            parent = h
+        waiting: dict[bytes, tuple[float, int, bytes]] = {}  # popped while holding children
+        while len(key) > self.capacity_blocks and heap:
+            item = heapq.heappop(heap)
+            k, _, h = item
+            if key.get(h) != k or h in waiting:
+                continue
+            if self.nchild[h]:
+                waiting[h] = item
+                continue
+            del key[h]
+            p = self.parent.pop(h)
+            self.nchild[p] -= 1
+            if not self.nchild[p]:
+                del self.nchild[p]
+                back = waiting.pop(p, None)
+                if back is not None:
+                    heapq.heappush(heap, back)
+        for item in waiting.values():
+            heapq.heappush(heap, item)
+        if len(heap) > 4 * max(len(key), 1024):
+            self.heap = [(k, 0, h) for h, k in key.items()]
+            heapq.heapify(self.heap)
+
+
+class CreditTuner:
+    """Shadow caches, one per candidate credit. `best()` is the candidate with the most
+    recent prefix hits (the default until any shadow has hit)."""
+
+    def __init__(
+        self,
+        capacity_blocks: int,
+        candidates: Sequence[float] = DEFAULT_CANDIDATES,
+        default: float = 2.0,
+        max_reuse_credits: int = 3,
+        half_life_lookups: float = DEFAULT_HALF_LIFE_LOOKUPS,
+    ) -> None:
+        if capacity_blocks <= 0:
+            raise ValueError("capacity_blocks must be positive")
+        if not candidates:
+            raise ValueError("at least one candidate")
+        self.default = default
+        self.max_reuse_credits = max_reuse_credits
+        self.capacity_blocks = capacity_blocks
+        self.shadows = [_Shadow(float(c), capacity_blocks) for c in candidates]
+        self._keep = 0.5 ** (1.0 / half_life_lookups)
+
+    def observe(self, block_hashes: Sequence[bytes], now: float, stats: AccessStats) -> None:
+        """One lookup, after `stats.record_lookup(block_hashes, now)`."""
+        turnover = stats.turnover_seconds(self.capacity_blocks)
+        cap = self.max_reuse_credits
+        credit_seconds = []
+        for h in block_hashes:
+            s = stats.get(h)
+            credit_seconds.append(turnover * min(s.num_reuses, cap) if s is not None else 0.0)
+        keep = self._keep
+        for sh in self.shadows:
+            sh.score = sh.score * keep + sh.hits(block_hashes)
+            sh.admit(block_hashes, now, credit_seconds)
+
+    def scores(self) -> dict[float, float]:
+        return {sh.credit_turnovers: sh.score for sh in self.shadows}
+
+    def best(self) -> float:
+        top = max(self.shadows, key=lambda sh: sh.score)
+        if top.score <= 0:
+            return self.default
+        # keep the default while it is as good as the best
+        for sh in self.shadows:
+            if sh.credit_turnovers == self.default and sh.score >= top.score:
+                return self.default
+        return top.credit_turnovers

@@ -1,0 +1,52 @@
+"""CreditTuner: shadow caches pick the reuse credit that the recent lookups reward:
+credits on shared documents among one-off prompts, none (recency) on multi-turn chat."""
+
+from __future__ import annotations
+
+import pytest
+
+from benchmarks import replay as rp
+from controlplane.core.access_stats import AccessStats
+from controlplane.core.tuning import CreditTuner
+from protos.tier import Tier
+from tests.policy.support import conversation_trace, synthetic_trace
+
+
+def tune(raw: list[dict], fraction: float) -> CreditTuner:
+    trace = [rp.Request(r["timestamp"], r["input_length"], tuple(r["hash_ids"])) for r in raw]
+    stats = AccessStats()
+    tuner = CreditTuner(max(1, int(rp.unique_blocks(trace) * fraction)))
+    for r in trace:
+        keys = [x.to_bytes(16, "big") for x in r.hash_ids]
+        stats.record_lookup(keys, r.timestamp_ms / 1000)
+        tuner.observe(keys, r.timestamp_ms / 1000, stats)
+    return tuner
+
+
+def test_documents_among_one_off_prompts_want_credits():
+    tuner = tune(synthetic_trace(num_requests=700, seed=3), 1 / 24)
+    assert tuner.best() > 0
+    scores = tuner.scores()
+    assert scores[tuner.best()] > scores[0.0]
+
+
+def test_multi_turn_chat_wants_recency():
+    tuner = tune(conversation_trace(num_requests=600, seed=2), 1 / 24)
+    assert tuner.best() == 0.0
+
+
+def test_policy_with_tuning_keeps_up_with_lru_on_chat():
+    raw = conversation_trace(num_requests=600, seed=4)
+    trace = [rp.Request(r["timestamp"], r["input_length"], tuple(r["hash_ids"])) for r in raw]
+    capacity = rp.unique_blocks(trace) // 24
+    tuned = rp.replay("chat", capacity, trace=trace)
+    assert tuned.policy_hit_ratio >= 0.97 * tuned.lru_hit_ratio
+    fixed = rp.policy_run(trace, [(Tier.GPU, capacity)], rp.replay_policy(tune_reuse_credits=False))
+    assert fixed.hit_tokens < tuned.policy_hit_ratio * tuned.input_tokens  # fixed credits lose on chat
+
+
+def test_no_hits_yet_keeps_the_default():
+    tuner = CreditTuner(10, default=2.0)
+    assert tuner.best() == 2.0
+    with pytest.raises(ValueError):
+        CreditTuner(0)

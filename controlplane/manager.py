@@ -11,13 +11,17 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import threading
 import time
 from collections import OrderedDict
 from dataclasses import dataclass
 
 from controlplane.core import operations as ops
+from controlplane.core import policy as tier_policy
+from controlplane.core.access_stats import AccessStats
 from controlplane.core.cluster import AgentCommand, Cluster, ModelInfo
+from controlplane.core.parents import ParentMap
 from controlplane.core.pins import Pin, check_namespace, check_quota, new_pin
 from controlplane.store.durable import DurableStore, op_to_json, pin_key, pin_to_json
 from controlplane.store.locks import EtcdLock
@@ -122,6 +126,17 @@ class Manager:
         self._loaded_epoch = 0
         self._next_reload = 0.0
         self.pins_expired_total = 0
+        # the tier policy: future-reuse evidence from lookups, parent links from agents
+        self.access = AccessStats()
+        self._access_lock = threading.Lock()
+        self.parents = ParentMap()
+        self.policy_interval_seconds = 2.0
+        self._next_policy = 0.0
+        self._next_prune = 0.0
+        self._policy_inflight: dict[str, dict[str, float]] = {}  # agent -> {op_id: deadline}
+        self._policy_ops = 0
+        self.policy_actions_total = 0
+        self.policy_enabled = True
         self.on_finished = None  # callable(kind, state, seconds) when an operation finishes (metrics)
 
     # ---- leadership -----------------------------------------------------------------
@@ -203,7 +218,8 @@ class Manager:
             pinned_bytes = len(packed) // BLOCK_HASH_BYTES * block_bytes(self._model(scope.model_id))
         else:
             pinned_bytes = self.cluster.namespace_bytes(namespace)
-        if owner_lease_id and not self.durable.lease_alive(owner_lease_id):
+        # etcd lease ids are int64: a larger one names no lease (and etcd's client cannot send it)
+        if owner_lease_id and (owner_lease_id >= 1 << 63 or not self.durable.lease_alive(owner_lease_id)):
             raise errors.InvalidArgument("owner_lease_id", f"lease {owner_lease_id:x} does not exist or has expired")
         pin = new_pin(
             namespace,
@@ -411,8 +427,8 @@ class Manager:
         model_id: str = "",
         dry_run: bool = False,
     ) -> ops.Operation:
-        if older_than_seconds < 0:
-            raise errors.InvalidArgument("older_than_seconds", "must not be negative")
+        if not math.isfinite(older_than_seconds) or older_than_seconds < 0:
+            raise errors.InvalidArgument("older_than_seconds", f"must be a finite number >= 0, got {older_than_seconds}")
         ns = check_namespace(namespace, "namespace") if namespace else ""
         if model_id:
             self._model(model_id)
@@ -484,6 +500,9 @@ class Manager:
         skipped_pinned: int = 0,
         freed=None,
     ) -> None:
+        if op_id.startswith("policy-") and state in ops.TERMINAL:
+            self._policy_inflight.get(agent_id, {}).pop(op_id, None)
+            return
         with self._lock:
             op = self.ops.get(op_id)
             if op is None:
@@ -565,6 +584,67 @@ class Manager:
         )
         return dict(merged)
 
+    # ---- tier policy ----------------------------------------------------------------
+    def note_lookup(self, packed: bytes, now: float) -> None:
+        """Cluster.on_lookup: every lookup is evidence of future reuse."""
+        hashes = [packed[i : i + BLOCK_HASH_BYTES] for i in range(0, len(packed), BLOCK_HASH_BYTES)]
+        with self._access_lock:
+            self.access.record_lookup(hashes, now)
+
+    def tier_policy(self) -> tier_policy.Policy:
+        with self._lock:
+            values = {k: v for k, v in self.policy.items() if not k.startswith("quota.")}
+        return tier_policy.Policy.from_mapping(values)
+
+    def policy_pass(self, now: float) -> int:
+        """Run `decide` over what the agents hold and send its actions as commands.
+        Agents still applying the previous pass's commands are left out of this one."""
+        policy = self.tier_policy()
+        views = []
+        for rec in self.cluster.connected_agents():
+            inflight = self._policy_inflight.get(rec.agent_id, {})
+            for op_id in [o for o, deadline in inflight.items() if deadline < now]:
+                del inflight[op_id]  # an agent that never answered gets decided for again
+            if inflight or not rec.models:
+                continue
+            bb = max(block_bytes(m) for m in rec.models)
+            held = self.cluster.index.agent_blocks(rec.agent_id)
+            tiers = []
+            for t in rec.tiers:
+                if t.tier not in tier_policy.MANAGED_TIERS:
+                    continue
+                blocks = {h: self.parents.get(h) for h, tier in held.items() if tier == int(t.tier)}
+                tiers.append(tier_policy.TierView.from_bytes(t.tier, t.capacity_bytes, bb, blocks))
+            views.append(tier_policy.AgentView(rec.agent_id, tuple(tiers)))
+        if not views:
+            return 0
+        with self._lock:
+            pinned = {
+                p.block_hashes[i : i + 16]: p.min_tier
+                for p in self.pins.values()
+                if p.active(now) and p.block_hashes
+                for i in range(0, len(p.block_hashes), 16)
+            }
+        with self._access_lock:
+            actions = tier_policy.decide(
+                tier_policy.ClusterView(tuple(views), self.access, tier_policy.Pins(pinned)), policy, now
+            )
+        for action in actions:
+            self._policy_ops += 1
+            op_id = f"policy-{self._policy_ops}"
+            packed = b"".join(action.block_hashes)
+            if isinstance(action, tier_policy.Evict):
+                cmd = AgentCommand(op_id, "evict", block_hashes=packed)
+            else:
+                codec = getattr(action, "codec", "none")
+                cmd = AgentCommand(
+                    op_id, "move", block_hashes=packed, tier=int(action.to_tier), codec="" if codec == "none" else codec
+                )
+            if self.cluster.send(action.agent_id, cmd):
+                self._policy_inflight.setdefault(action.agent_id, {})[op_id] = now + self.op_timeout_seconds
+                self.policy_actions_total += 1
+        return len(actions)
+
     # ---- loop -----------------------------------------------------------------------
     def run_once(self, now: float | None = None) -> None:
         if not self.election.is_leader:
@@ -580,6 +660,12 @@ class Manager:
         self._expire_pins(now)
         self._apply_pins(now)
         self._expire_ops(now)
+        if self.policy_enabled and now >= self._next_policy:
+            self._next_policy = now + self.policy_interval_seconds
+            self.policy_pass(now)
+        if now >= self._next_prune:
+            self._next_prune = now + 30.0
+            self.parents.prune(lambda h: bool(self.cluster.index.holders(h)))
 
     def run_forever(self, stop: threading.Event, interval_seconds: float = 0.2) -> None:
         while not stop.is_set():

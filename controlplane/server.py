@@ -51,6 +51,7 @@ class ControlPlaneConfig:
     tls: TLSConfig | None = None  # server cert/key; with ca_file and require_client_cert: mTLS
     require_client_cert: bool = False
     etcd_auth: EtcdAuth | None = None
+    policy_enabled: bool = True  # the automatic tier policy (decide) in the reconcile loop
     metrics_listen: str = ""  # /metrics HOST:PORT (port 0: any free one); "" serves none
 
 
@@ -115,13 +116,19 @@ class ControlPlane:
             policy_validator=validate_policy,
         )
         self.manager.on_finished = self.metrics.observe_operation
+        self.manager.policy_enabled = self.config.policy_enabled
+        if self.config.policy_enabled:
+            self.cluster.on_lookup = self.manager.note_lookup
         self.metrics.collector.pins_source = self._pin_stats
         self.metrics.collector.operations_source = self.manager.operation_counts
         admin = AdminServicer(self.cluster, self.election, self.metrics.lookup_duration)
         admin.manager = self.manager
         admin_pb2_grpc.add_AdminServiceServicer_to_server(admin, self.server)
         agent_pb2_grpc.add_AgentServiceServicer_to_server(
-            AgentServicer(self.cluster, self.election, self._agent_key_exists, self._on_op_update), self.server
+            AgentServicer(
+                self.cluster, self.election, self._agent_key_exists, self._on_op_update, self.manager.parents
+            ),
+            self.server,
         )
         self.health = health.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)

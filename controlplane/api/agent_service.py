@@ -15,8 +15,9 @@ log = logging.getLogger(__name__)
 
 
 class AgentServicer(agent_pb2_grpc.AgentServiceServicer):
-    def __init__(self, cluster: Cluster, leadership, agent_key_exists=None, on_op_update=None):
+    def __init__(self, cluster: Cluster, leadership, agent_key_exists=None, on_op_update=None, parents=None):
         self._cluster = cluster
+        self._parents = parents  # controlplane.core.parents.ParentMap for the tier policy
         self._leadership = leadership
         # callable(agent_id, OpUpdate message): operation progress from agents
         self._on_op_update = on_op_update
@@ -49,7 +50,13 @@ class AgentServicer(agent_pb2_grpc.AgentServiceServicer):
         def read() -> None:
             try:
                 for msg in request_iterator:
-                    reply = self._handle(msg, session, epoch)
+                    try:
+                        reply = self._handle(msg, session, epoch)
+                    except errors.KvcpError:
+                        raise
+                    except Exception as exc:  # noqa: BLE001 - our bug, not the peer's: INTERNAL, logged
+                        outbox.put(exc)
+                        return
                     if reply is not None:
                         outbox.put(reply)
             except errors.KvcpError as exc:
@@ -66,7 +73,7 @@ class AgentServicer(agent_pb2_grpc.AgentServiceServicer):
                 item = outbox.get()
                 if item is None:
                     break
-                if isinstance(item, errors.KvcpError):
+                if isinstance(item, Exception):
                     raise item
                 if isinstance(item, AgentCommand):
                     item = convert.command_to_pb(item, self._leadership.epoch)
@@ -87,6 +94,7 @@ class AgentServicer(agent_pb2_grpc.AgentServiceServicer):
             raise errors.FailedPrecondition("Sync stream must start with a Hello message")
         if kind == "inventory":
             inv = msg.inventory
+            self._note_parents(inv.groups)
             reason = self._cluster.apply_inventory_chunk(
                 agent_id, inv.seq, inv.chunk_index, inv.last_chunk, self._groups(inv.groups)
             )
@@ -94,6 +102,8 @@ class AgentServicer(agent_pb2_grpc.AgentServiceServicer):
             ev = msg.events
             if ev.kind not in (agent_pb2.BLOCK_EVENT_KIND_STORED, agent_pb2.BLOCK_EVENT_KIND_REMOVED):
                 raise errors.InvalidArgument("events.kind", f"unknown event kind {ev.kind}")
+            if ev.kind == agent_pb2.BLOCK_EVENT_KIND_STORED:
+                self._note_parents(ev.groups)
             reason = self._cluster.apply_events(
                 agent_id, ev.seq, ev.kind == agent_pb2.BLOCK_EVENT_KIND_STORED, self._groups(ev.groups)
             )
@@ -125,6 +135,11 @@ class AgentServicer(agent_pb2_grpc.AgentServiceServicer):
             log.info("asking %s to resync: %s", agent_id, reason)
             return convert.control_resync(epoch, reason)
         return None
+
+    def _note_parents(self, groups) -> None:
+        if self._parents is not None:
+            for g in groups:
+                self._parents.note(g.block_hashes, g.parent_hashes)
 
     @staticmethod
     def _groups(groups):

@@ -225,6 +225,7 @@ class PolicyReplay:
         self.held: dict[Tier, dict[bytes, bytes]] = {t: {} for t, _ in self.tiers}
         self.capacity = {t: n for t, n in self.tiers}
         self.where: dict[bytes, Tier] = {}
+        self.num_children: dict[bytes, int] = {}  # held blocks with held children
         self.run = PolicyRun(tier_hit_tokens={t.label: 0 for t, _ in self.tiers})
         self._top = self.tiers[0][0]
 
@@ -256,6 +257,8 @@ class PolicyReplay:
             t = self.where.get(h)
             if t is None:
                 top[h] = parent
+                if parent != ROOT_PARENT_HASH:
+                    self.num_children[parent] = self.num_children.get(parent, 0) + 1
             elif t is not self._top:
                 top[h] = self.held[t].pop(h)
             self.where[h] = self._top
@@ -267,7 +270,8 @@ class PolicyReplay:
         credit = self.tuner.best() if self.tuner is not None else None
         if credit is not None:
             self.tuned.append(credit)
-        return ClusterView(agents=(AgentView(AGENT_ID, tiers),), stats=self.stats, reuse_credit_turnovers=credit)
+        agent = AgentView(AGENT_ID, tiers, num_children=self.num_children)
+        return ClusterView(agents=(agent,), stats=self.stats, reuse_credit_turnovers=credit)
 
     def _apply(self, actions: Iterable) -> None:
         run = self.run
@@ -275,8 +279,16 @@ class PolicyReplay:
         for a in actions:
             run.actions += 1
             if isinstance(a, Evict):
+                nch = self.num_children
                 for h in a.block_hashes:
-                    self.held[self.where.pop(h)].pop(h)
+                    if h in nch:
+                        raise AssertionError("decide dropped a block before its children")
+                    p = self.held[self.where.pop(h)].pop(h)
+                    if p != ROOT_PARENT_HASH:
+                        if nch[p] == 1:
+                            del nch[p]
+                        else:
+                            nch[p] -= 1
                 self.index.remove(AGENT_ID, a.block_hashes)
                 run.evicted_blocks += len(a.block_hashes)
             elif isinstance(a, Demote | Promote):

@@ -24,7 +24,7 @@ from collections.abc import Sequence
 from controlplane.core.access_stats import AccessStats
 from protos.block_hash import ROOT_PARENT_HASH
 
-DEFAULT_CANDIDATES = (0.0, 1.0, 2.0, 4.0)
+DEFAULT_CANDIDATES = (0.0, 2.0, 4.0)
 DEFAULT_HALF_LIFE_LOOKUPS = 2000.0
 
 

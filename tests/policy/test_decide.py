@@ -5,6 +5,8 @@ prefix and pin invariants at every step."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -286,3 +288,18 @@ def test_decide_keeps_the_invariants(scenario):
             assert a.codec == policy.tier(a.to_tier).codec
     # the same view gives the same answer
     assert decide(v, policy, now) == actions
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(scenarios())
+def test_child_counts_from_the_agent_give_the_same_answer(scenario):
+    v, policy, now = scenario
+    agents = []
+    for av in v.agents:
+        counts: dict[bytes, int] = {}
+        for tv in av.tiers:
+            for p in tv.blocks.values():
+                if p != ROOT:
+                    counts[p] = counts.get(p, 0) + 1
+        agents.append(replace(av, num_children=counts))
+    assert decide(replace(v, agents=tuple(agents)), policy, now) == decide(v, policy, now)

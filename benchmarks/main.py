@@ -93,8 +93,11 @@ def tiers(block_mibs, num_blocks, repeats, fsync, output_format):
 @click.option(
     "--set", "settings", multiple=True, metavar="KEY=VALUE", help="Override a policy key (as kvctl policy set)."
 )
+@click.option(
+    "--oracles", is_flag=True, help="Also two bounds that see part of the future (dead blocks; total counts)."
+)
 @click.option("-o", "--output", "output_format", type=click.Choice(["table", "json"]), default="table")
-def replay(trace, capacities, fractions, tiers_text, settings, output_format):
+def replay(trace, capacities, fractions, tiers_text, settings, oracles, output_format):
     """Replay a Mooncake-format trace through the tier policy, against LRU, Belady and an infinite cache.
 
     One JSON object with -o json for one run; a list of them for several."""
@@ -129,7 +132,7 @@ def replay(trace, capacities, fractions, tiers_text, settings, output_format):
         runs.append({"capacity_fraction": 1 / 16})
     results = []
     for kw in runs:
-        results.append(bench.replay(trace, policy=policy, trace=trace_requests, **kw))
+        results.append(bench.replay(trace, policy=policy, trace=trace_requests, oracles=oracles, **kw))
     if output_format == "json":
         data = [r.to_json() for r in results]
         click.echo(json.dumps(data[0] if len(data) == 1 else data, indent=2))

@@ -177,6 +177,63 @@ def belady_hit_ratio(trace: Sequence[Request], capacity_blocks: int) -> float:
     return _ratio(hit, input_tokens(trace))
 
 
+# ---- oracle bounds (they see the future; they say how much of Belady's lead is reachable) ---
+def _ranked_cache_hit_ratio(trace: Sequence[Request], capacity_blocks: int, rank) -> float:
+    """A cache that drops tails (never a parent before its children) lowest `rank` first;
+    `rank(i, p, block)` is fixed when request i uses block p."""
+    key: dict[int, tuple] = {}
+    parent: dict[int, int | None] = {}
+    nchild: dict[int | None, int] = {}
+    heap: list[tuple] = []
+    hit = 0
+    for i, r in enumerate(trace):
+        ids = r.hash_ids
+        hit += hit_tokens(r, _leading(ids, key))
+        prev = None
+        for p, x in enumerate(ids):
+            if x not in key:
+                parent[x] = prev
+                nchild[prev] = nchild.get(prev, 0) + 1
+            k = (rank(i, p, x), -p)
+            key[x] = k
+            heapq.heappush(heap, (k, x))
+            prev = x
+        waiting = {}
+        while len(key) > capacity_blocks and heap:
+            k, x = heapq.heappop(heap)
+            if key.get(x) != k or x in waiting:
+                continue
+            if nchild.get(x):
+                waiting[x] = k
+                continue
+            del key[x]
+            q = parent.pop(x)
+            nchild[q] -= 1
+            if not nchild[q] and q in waiting:
+                heapq.heappush(heap, (waiting.pop(q), q))
+        for x, k in waiting.items():
+            heapq.heappush(heap, (k, x))
+    return _ratio(hit, input_tokens(trace))
+
+
+def oracle_bounds(trace: Sequence[Request], capacity_blocks: int) -> dict[str, float]:
+    """Two policies told part of the future, both admitting everything and dropping
+    tails like the project's policy: `dead_block_oracle` is LRU that knows which blocks
+    will never be used again (they go first); `total_count_oracle` ranks blocks by how
+    often the whole trace uses them (recency breaks ties)."""
+    nxt = next_uses(trace)
+    count: dict[int, int] = {}
+    for r in trace:
+        for x in r.hash_ids:
+            count[x] = count.get(x, 0) + 1
+    return {
+        "dead_block_oracle": _ranked_cache_hit_ratio(
+            trace, capacity_blocks, lambda i, p, x: (nxt[i][p] != math.inf, i)
+        ),
+        "total_count_oracle": _ranked_cache_hit_ratio(trace, capacity_blocks, lambda i, p, x: (count[x], i)),
+    }
+
+
 # ---- the project's policy -----------------------------------------------------------------
 def _key(block_id: int) -> bytes:
     return block_id.to_bytes(16, "big", signed=True)
@@ -335,6 +392,7 @@ class ReplayResult:
     demoted_blocks: int
     promoted_blocks: int
     seconds: dict[str, float]
+    oracles: dict[str, float] = field(default_factory=dict)
 
     @property
     def policy_vs_lru(self) -> float:
@@ -364,6 +422,7 @@ class ReplayResult:
             "demoted_blocks": self.demoted_blocks,
             "promoted_blocks": self.promoted_blocks,
             "seconds": {k: round(v, 2) for k, v in self.seconds.items()},
+            **{f"{k}_hit_ratio": round(v, 4) for k, v in self.oracles.items()},
         }
 
 
@@ -374,6 +433,7 @@ def replay(
     policy: Policy | None = None,
     capacity_fraction: float = 1 / 16,
     trace: Sequence[Request] | None = None,
+    oracles: bool = False,
 ) -> ReplayResult:
     """Replay one trace at one capacity: `tiers` for a tiered agent (the baselines get
     one pool of their total size), else one tier of `capacity_blocks` (default:
@@ -403,6 +463,7 @@ def replay(
     lru = timed("lru", lru_hit_ratio, trace, capacity_blocks)
     belady = timed("belady", belady_hit_ratio, trace, capacity_blocks)
     infinite = timed("infinite", infinite_hit_ratio, trace)
+    bounds = timed("oracles", oracle_bounds, trace, capacity_blocks) if oracles else {}
     return ReplayResult(
         trace=str(trace_path),
         requests=len(trace),
@@ -420,6 +481,7 @@ def replay(
         demoted_blocks=run.demoted_blocks,
         promoted_blocks=run.promoted_blocks,
         seconds=seconds,
+        oracles=bounds,
     )
 
 
@@ -481,6 +543,11 @@ def format_table(results: Sequence[ReplayResult]) -> str:
             f"{r.capacity_blocks:>10}  {r.policy_hit_ratio:>7.4f}  {r.lru_hit_ratio:>7.4f}  {r.belady_hit_ratio:>7.4f}"
             f"  {r.infinite_hit_ratio:>8.4f}  {r.policy_vs_lru:>6.3f}x  {r.policy_vs_belady:>8.3f}x  {tiers}"
         )
+    if any(r.oracles for r in results):
+        lines.append("")
+        for r in results:
+            bounds = ", ".join(f"{k} {v:.4f}" for k, v in r.oracles.items())
+            lines.append(f"{r.capacity_blocks:>10}  oracle bounds: {bounds}")
     lines.append("")
     lines.append("hit ratio = hit tokens / input tokens; TIERS: blocks per tier and the hit ratio served from each")
     return "\n".join(lines)

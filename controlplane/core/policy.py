@@ -241,18 +241,21 @@ Action = Demote | Evict | Promote
 @dataclass(frozen=True)
 class TierView:
     """One tier of one agent: its capacity and the blocks it holds, each with its parent
-    (ROOT_PARENT_HASH for the first block of a prompt)."""
+    (ROOT_PARENT_HASH for the first block of a prompt; None where the parent is not
+    known, which the pass treats like a first block)."""
 
     tier: Tier
     capacity_blocks: int
-    blocks: Mapping[bytes, bytes]
+    blocks: Mapping[bytes, bytes | None]
 
     @property
     def used_blocks(self) -> int:
         return len(self.blocks)
 
     @classmethod
-    def from_bytes(cls, tier: Tier, capacity_bytes: int, block_bytes: int, blocks: Mapping[bytes, bytes]) -> TierView:
+    def from_bytes(
+        cls, tier: Tier, capacity_bytes: int, block_bytes: int, blocks: Mapping[bytes, bytes | None]
+    ) -> TierView:
         """A tier sized in bytes, for agents that report bytes (fixed-size blocks)."""
         return cls(tier, capacity_bytes // max(block_bytes, 1), blocks)
 

@@ -55,6 +55,8 @@ def test_lru_belady_and_infinite_on_a_hand_made_trace():
     assert rp.belady_hit_ratio(trace, 2) == 2048 / total
     assert rp.infinite_hit_ratio(trace) == 2048 / total
     assert rp.next_uses(trace) == [[1, 1], [3, 3], [math.inf], [math.inf, math.inf]]
+    # told that the one-off is dead, LRU keeps [1, 2]; told the counts, so does LFU
+    assert rp.oracle_bounds(trace, 2) == {"dead_block_oracle": 2048 / total, "total_count_oracle": 2048 / total}
 
 
 def test_prefix_semantics_a_hole_early_kills_later_hits():
@@ -120,10 +122,12 @@ def trace_file(tmp_path):
 
 
 def test_replay_command_json(trace_file):
-    out = CliRunner().invoke(bench_main, ["replay", str(trace_file), "--capacity-blocks", "100", "-o", "json"])
+    out = CliRunner().invoke(
+        bench_main, ["replay", str(trace_file), "--capacity-blocks", "100", "--oracles", "-o", "json"]
+    )
     assert out.exit_code == 0, out.output
     data = json.loads(out.output)
-    assert KEYS <= set(data)
+    assert KEYS | {"dead_block_oracle_hit_ratio", "total_count_oracle_hit_ratio"} <= set(data)
     assert data["capacity_blocks"] == 100 and data["unique_blocks"] > 100
     assert 0 <= data["lru_hit_ratio"] <= data["belady_hit_ratio"] <= data["infinite_hit_ratio"] <= 1
 

@@ -74,8 +74,9 @@ class AdminServicer(admin_pb2_grpc.AdminServiceServicer):
         """Server stream of cluster events: the buffered recent ones first (when asked),
         then live ones, filtered by kind. The client going away, or the server stopping,
         closes the subscription from gRPC's callback, which wakes this loop at once, so no
-        worker thread stays parked on a stream nobody reads."""
-        self._require_leader()
+        worker thread stays parked on a stream nobody reads. A read: a leader cut off from
+        etcd keeps streaming what it sees."""
+        self._require_leader(read=True)
         sub = self._cluster.events.subscribe(tuple(request.kinds), replay_recent=request.replay_recent)
         context.add_callback(sub.close)
         try:
@@ -86,7 +87,7 @@ class AdminServicer(admin_pb2_grpc.AdminServiceServicer):
                 elif sub.closed:
                     return
                 else:
-                    self._require_leader()
+                    self._require_leader(read=True)
         finally:
             sub.close()
 

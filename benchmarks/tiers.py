@@ -114,9 +114,15 @@ def bench_moves(block_mib: int, num_blocks: int, repeats: int, fsync: bool, work
         host.copy_(dev, non_blocking=True)
         torch.cuda.synchronize()
 
-    baselines = {(Tier.CPU, Tier.DISK): raw_write, (Tier.DISK, Tier.CPU): raw_read, (Tier.CPU, Tier.GPU): h2d, (Tier.GPU, Tier.CPU): d2h}
+    baselines = {
+        (Tier.CPU, Tier.DISK): raw_write,
+        (Tier.DISK, Tier.CPU): raw_read,
+        (Tier.CPU, Tier.GPU): h2d,
+        (Tier.GPU, Tier.CPU): d2h,
+    }
     raw_write()
     for src, dst in paths:
+
         def run(src=src, dst=dst):
             move_all(src)
             t0 = time.perf_counter()
@@ -128,7 +134,9 @@ def bench_moves(block_mib: int, num_blocks: int, repeats: int, fsync: bool, work
         t = min(run() for _ in range(repeats))
         tb = _best(baselines[(src, dst)], repeats)
         gbps, base = total / t / 1e9, total / tb / 1e9
-        results.append(MoveResult(f"{src.label}->{dst.label}", nbytes, round(gbps, 3), round(base, 3), round(gbps / base, 3)))
+        results.append(
+            MoveResult(f"{src.label}->{dst.label}", nbytes, round(gbps, 3), round(base, 3), round(gbps / base, 3))
+        )
     os.unlink(raw_file)
     return results
 
@@ -144,10 +152,16 @@ def bench_codecs(repeats: int) -> list[CodecResult]:
             continue
         payload = codecs.encode(name, block)
         tc = _best(lambda name=name: codecs.encode(name, block), repeats)
-        td = _best(lambda name=name, payload=payload: codecs.decode(name, payload, spec.block_shape, torch.float16), repeats)
+        td = _best(
+            lambda name=name, payload=payload: codecs.decode(name, payload, spec.block_shape, torch.float16), repeats
+        )
         back = codecs.decode(name, payload, spec.block_shape, torch.float16)
         err = (back.float() - block.float()).abs().max().item()
-        out.append(CodecResult(name, round(raw / payload.numel(), 3), round(raw / tc / 1e9, 3), round(raw / td / 1e9, 3), round(err, 5)))
+        out.append(
+            CodecResult(
+                name, round(raw / payload.numel(), 3), round(raw / tc / 1e9, 3), round(raw / td / 1e9, 3), round(err, 5)
+            )
+        )
     return out
 
 
@@ -165,12 +179,21 @@ def run(block_mibs=(1, 4), num_blocks: int = 32, repeats: int = 3, fsync: bool =
 
 
 def format_table(result: dict) -> str:
-    lines = [f"block moves (cuda={result['cuda']}, fsync={result['fsync']})",
-             f"{'path':12s} {'block':>8s} {'GB/s':>8s} {'raw GB/s':>9s} {'ratio':>6s}"]
+    lines = [
+        f"block moves (cuda={result['cuda']}, fsync={result['fsync']})",
+        f"{'path':12s} {'block':>8s} {'GB/s':>8s} {'raw GB/s':>9s} {'ratio':>6s}",
+    ]
     for m in result["moves"]:
-        lines.append(f"{m['path']:12s} {m['block_bytes'] >> 20:>6d}Mi {m['gbps']:>8.2f} {m['baseline_gbps']:>9.2f} {m['ratio']:>6.2f}")
-    lines += ["", "codecs (fp16 block [4,2,256,4,64])",
-              f"{'codec':6s} {'size ratio':>10s} {'enc GB/s':>9s} {'dec GB/s':>9s} {'max |err|':>10s}"]
+        lines.append(
+            f"{m['path']:12s} {m['block_bytes'] >> 20:>6d}Mi {m['gbps']:>8.2f} {m['baseline_gbps']:>9.2f} {m['ratio']:>6.2f}"
+        )
+    lines += [
+        "",
+        "codecs (fp16 block [4,2,256,4,64])",
+        f"{'codec':6s} {'size ratio':>10s} {'enc GB/s':>9s} {'dec GB/s':>9s} {'max |err|':>10s}",
+    ]
     for c in result["codecs"]:
-        lines.append(f"{c['codec']:6s} {c['size_ratio']:>10.2f} {c['compress_gbps']:>9.2f} {c['decompress_gbps']:>9.2f} {c['max_abs_error']:>10.4f}")
+        lines.append(
+            f"{c['codec']:6s} {c['size_ratio']:>10.2f} {c['compress_gbps']:>9.2f} {c['decompress_gbps']:>9.2f} {c['max_abs_error']:>10.4f}"
+        )
     return "\n".join(lines)

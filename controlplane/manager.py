@@ -428,7 +428,9 @@ class Manager:
         dry_run: bool = False,
     ) -> ops.Operation:
         if not math.isfinite(older_than_seconds) or older_than_seconds < 0:
-            raise errors.InvalidArgument("older_than_seconds", f"must be a finite number >= 0, got {older_than_seconds}")
+            raise errors.InvalidArgument(
+                "older_than_seconds", f"must be a finite number >= 0, got {older_than_seconds}"
+            )
         ns = check_namespace(namespace, "namespace") if namespace else ""
         if model_id:
             self._model(model_id)

@@ -30,16 +30,27 @@ BLOCK = 16
 def model():
     torch.manual_seed(0)
     cfg = transformers.LlamaConfig(
-        vocab_size=1000, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-        intermediate_size=128, max_position_embeddings=512,
+        vocab_size=1000,
+        hidden_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        intermediate_size=128,
+        max_position_embeddings=512,
     )
     return transformers.LlamaForCausalLM(cfg).eval()
 
 
 def spec_of(model) -> ModelSpec:
     c = model.config
-    return ModelSpec("tiny-llama", BLOCK, c.num_hidden_layers, c.num_key_value_heads,
-                     c.hidden_size // c.num_attention_heads, "float32")
+    return ModelSpec(
+        "tiny-llama",
+        BLOCK,
+        c.num_hidden_layers,
+        c.num_key_value_heads,
+        c.hidden_size // c.num_attention_heads,
+        "float32",
+    )
 
 
 def cache_kwarg(model) -> str:
@@ -126,7 +137,9 @@ def test_lossy_codecs_are_measured(model, connector, codec, max_rel_error):
         assert pool.move_block(h, Tier.CPU, codec).ok
     n, kv = conn.load(prompt[0].tolist())
     assert n == 6 * BLOCK
-    rel = max(((k - ek[:, :, :n]).norm() / ek[:, :, :n].norm()).item() for (k, _), (ek, _) in zip(kv, exact, strict=True))
+    rel = max(
+        ((k - ek[:, :, :n]).norm() / ek[:, :, :n].norm()).item() for (k, _), (ek, _) in zip(kv, exact, strict=True)
+    )
     assert rel <= max_rel_error, f"{codec}: relative KV error {rel:.4f}"
     # teacher forcing: the same continuation through both caches, argmax compared per position
     full = torch.cat([prompt, torch.tensor([want_tokens])], dim=1)

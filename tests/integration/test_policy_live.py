@@ -17,8 +17,13 @@ BS = M.block_size
 
 
 def test_policy_demotes_to_low_watermark_and_respects_pins(controlplane, make_agent, tmp_path):
-    a = make_agent("pol", cpu_capacity_bytes=20 * M.block_bytes, disk_dir=str(tmp_path / "d"),
-                   disk_capacity_bytes=1 << 24, page_bytes=M.block_bytes)
+    a = make_agent(
+        "pol",
+        cpu_capacity_bytes=20 * M.block_bytes,
+        disk_dir=str(tmp_path / "d"),
+        disk_capacity_bytes=1 << 24,
+        page_bytes=M.block_bytes,
+    )
     kv = torch.zeros((4, *M.block_shape), dtype=torch.float16)
     prompts = [list(range(10_000 * i, 10_000 * i + 4 * BS)) for i in range(4)]  # 16 blocks: 80% of CPU
     with ControlPlaneClient(controlplane.address) as c:
@@ -35,8 +40,12 @@ def test_policy_demotes_to_low_watermark_and_respects_pins(controlplane, make_ag
         wait_for(lambda: cpu_blocks() <= 8, 15, 0.2, "CPU tier down to its low watermark (8 of 20 blocks)")
         pinned = split_hashes(hash_prefix(M.model_id, prompts[0], BS))
         assert all(a.pool.tier_of(h) == Tier.CPU for h in pinned)
-        wait_for(lambda: sum(m.tiers.count("disk") for m in c.lookup(M.model_id, prompts[3]).agents) > 0, 10, 0.2,
-                 "the index shows demoted blocks on disk")
+        wait_for(
+            lambda: sum(m.tiers.count("disk") for m in c.lookup(M.model_id, prompts[3]).agents) > 0,
+            10,
+            0.2,
+            "the index shows demoted blocks on disk",
+        )
         assert a.engine.load(M.model_id, prompts[3]).num_cached_tokens == 4 * BS  # still served, from disk
         assert controlplane.manager.policy_actions_total > 0
         c.unpin(pin.pin_id)

@@ -32,7 +32,10 @@ Rules, in the order they bind:
    it `reuse_credit_turnovers` turnovers of extra stay, up to `max_reuse_credits`, so a
    once-hot block that stops being asked for still ages out. Admission is never gated:
    much reuse is a single reuse soon after first use, which frequency-gated admission
-   (TinyLFU) throws away. A copy held elsewhere is cheaper to lose.
+   (TinyLFU) throws away. A copy held elsewhere is cheaper to lose. How much a reuse
+   is worth depends on the workload (documents: much; multi-turn chat, where a dead
+   session's prefix was reused at every turn: nothing), so the view may carry a credit
+   chosen by controlplane.core.tuning.CreditTuner from shadow caches of the lookups.
 5. Promotion of hot prefixes: a faster tier below its low watermark is topped up to it
    with the highest-priority blocks of slower tiers that were reused at least
    `promote_min_reuses` times, before an engine asks for them.

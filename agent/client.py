@@ -17,6 +17,24 @@ class Loaded:
     kv: bytes
 
 
+@dataclass(frozen=True)
+class Handoff:
+    """The definite answer to a handoff: transferred | present | recompute (reason says why)."""
+
+    outcome: str
+    path: str
+    num_blocks: int
+    num_sent_blocks: int
+    sent_bytes: int
+    seconds: float
+    attempts: int
+    reason: str
+    num_cached_tokens: int
+
+
+_OUTCOMES = {1: "transferred", 2: "present", 3: "recompute"}
+
+
 class EngineClient:
     def __init__(self, address: str, timeout_seconds: float = 10.0):
         self.address = address
@@ -26,6 +44,7 @@ class EngineClient:
             options=[("grpc.max_receive_message_length", 256 << 20), ("grpc.max_send_message_length", 256 << 20)],
         )
         self._stub = agent_pb2_grpc.EngineServiceStub(self._channel)
+        self._dataplane = agent_pb2_grpc.DataPlaneStub(self._channel)
 
     def close(self) -> None:
         self._channel.close()
@@ -59,3 +78,42 @@ class EngineClient:
             timeout=self.timeout_seconds,
         )
         return Loaded(r.num_cached_tokens, r.kv)
+
+    def handoff(
+        self,
+        model_id: str,
+        destination_agent_id: str,
+        token_ids=None,
+        block_hashes: bytes = b"",
+        extra_keys=(),
+        deadline_seconds: float = 0.0,
+        namespace: str = "",
+        paths=(),
+    ) -> Handoff:
+        """Ask this agent to hand a prefix to another agent (prefill -> decode). The answer
+        comes within the deadline (plus one RPC), whatever happens to the peer."""
+        timeout = (deadline_seconds or self.timeout_seconds) + 5.0
+        r = self._dataplane.Handoff(
+            agent_pb2.HandoffRequest(
+                model_id=model_id,
+                token_ids=np.asarray(token_ids).tolist() if token_ids is not None else [],
+                block_hashes=block_hashes,
+                extra_keys=list(extra_keys),
+                destination_agent_id=destination_agent_id,
+                deadline_seconds=deadline_seconds,
+                namespace=namespace,
+                paths=list(paths),
+            ),
+            timeout=timeout,
+        )
+        return Handoff(
+            _OUTCOMES.get(r.outcome, "unknown"),
+            r.path,
+            r.num_blocks,
+            r.num_sent_blocks,
+            r.sent_bytes,
+            r.seconds,
+            r.attempts,
+            r.reason,
+            r.num_cached_tokens,
+        )

@@ -11,6 +11,7 @@ import click
 
 from agent.core.codecs import available_codecs
 from agent.core.model_spec import ModelSpec
+from agent.dataplane import DataPlaneConfig
 from agent.server import DEMO_MODEL, Agent, AgentConfig
 from protos.metrics import parse_listen
 from protos.security import TLSConfig, read_secret
@@ -81,6 +82,33 @@ def _metrics_listen(ctx, param, value: str) -> str:
 @click.option("--controlplane", default="", help="Control-plane address; default: the leader recorded in etcd.")
 @click.option("--advertise", default="", help="Address peers and the control plane reach this agent at.")
 @click.option(
+    "--role",
+    default="both",
+    show_default=True,
+    type=click.Choice(["prefill", "decode", "both"]),
+    help="What a router may send here (Route).",
+)
+@click.option(
+    "--transfer-engine",
+    default="mooncake",
+    show_default=True,
+    type=click.Choice(["mooncake", "none"]),
+    help="Data plane of handoffs; none: the gRPC fallback path only.",
+)
+@click.option("--transfer-protocol", default="tcp", show_default=True, help="The engine's transport: tcp | rdma.")
+@click.option(
+    "--transfer-metadata",
+    default="P2PHANDSHAKE",
+    show_default=True,
+    help="The engine's metadata: P2PHANDSHAKE, or etcd://host:port.",
+)
+@click.option("--handoff-deadline-seconds", default=10.0, show_default=True, type=float)
+@click.option("--link-max-concurrent", default=2, show_default=True, type=click.IntRange(1, 64))
+@click.option(
+    "--link-bandwidth", default="0", show_default=True, type=SizeType(), help="Bytes/s per peer link (0: unlimited)."
+)
+@click.option("--max-inbound-handoffs", default=8, show_default=True, type=click.IntRange(1, 1024))
+@click.option(
     "--model",
     "models",
     multiple=True,
@@ -127,6 +155,14 @@ def _metrics_listen(ctx, param, value: str) -> str:
 @click.option("--log-level", default="INFO", show_default=True)
 def main(
     agent_id,
+    role,
+    transfer_engine,
+    transfer_protocol,
+    transfer_metadata,
+    handoff_deadline_seconds,
+    link_max_concurrent,
+    link_bandwidth,
+    max_inbound_handoffs,
     listen,
     etcd,
     controlplane,
@@ -161,6 +197,16 @@ def main(
         controlplane_token=token,
         tls=tls,
         agent_id=agent_id,
+        role=role,
+        transfer_engine=transfer_engine,
+        transfer_protocol=transfer_protocol,
+        transfer_metadata=transfer_metadata,
+        dataplane=DataPlaneConfig(
+            deadline_seconds=handoff_deadline_seconds,
+            link_max_concurrent=link_max_concurrent,
+            link_bytes_per_second=float(link_bandwidth),
+            max_inbound=max_inbound_handoffs,
+        ),
         listen=listen,
         etcd=etcd,
         controlplane=controlplane,

@@ -17,16 +17,19 @@ from grpc_health.v1 import health, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 from prometheus_client import CollectorRegistry
 
+from agent.api.dataplane_service import DataPlaneServicer
 from agent.api.engine_service import EngineServicer
 from agent.api.sync_client import ControlPlaneLink, tier_usage_pb
 from agent.core.block_pool import BlockPool
 from agent.core.engine_api import KVEngineAPI
 from agent.core.model_spec import ModelSpec
 from agent.core.mover import Mover
+from agent.dataplane import DataPlane, DataPlaneConfig, etcd_peer_info
 from agent.metrics import AgentMetrics
 from agent.store.disk_tier import DiskTier
 from agent.store.memory_tier import MemoryTier, cuda_available
 from agent.store.registry import EtcdRegistration
+from agent.store.transfer_engine import open_engine
 from protos import etcd_keys
 from protos.grpc_errors import ErrorMappingInterceptor
 from protos.kvcp.v1 import agent_pb2, agent_pb2_grpc, types_pb2
@@ -61,6 +64,11 @@ class AgentConfig:
     stats_interval_seconds: float = 1.0
     etcd_wait_seconds: float = 30.0
     metrics_listen: str = ""  # /metrics HOST:PORT (port 0: any free one); "" serves none
+    role: str = ""  # prefill | decode | both ("" = both): what a router may send here
+    transfer_engine: str = "mooncake"  # data plane for handoffs: mooncake | none (gRPC fallback only)
+    transfer_protocol: str = "tcp"  # the engine's transport: tcp | rdma
+    transfer_metadata: str = "P2PHANDSHAKE"  # or etcd://host:port (the engine's own metadata)
+    dataplane: DataPlaneConfig = field(default_factory=DataPlaneConfig)
 
 
 class Agent:
@@ -97,6 +105,15 @@ class Agent:
         self.registry = registry if registry is not None else CollectorRegistry()
         self.metrics = AgentMetrics(self.registry, config.agent_id, self.pool, self.engine, self.link, self.mover)
         self.metrics_server = None
+        host = (config.advertise or config.listen).rpartition(":")[0] or "127.0.0.1"
+        backend = open_engine(config.transfer_engine, host, config.transfer_protocol, config.transfer_metadata)
+        if not backend.available:
+            self._log_fn(f"agent {config.agent_id}: handoffs use the gRPC fallback path only: {backend.status}")
+        self.dataplane = DataPlane(
+            config.agent_id, self.pool, backend, config.dataplane, lambda a: etcd_peer_info(self.etcd)(a), self.metrics
+        )
+        self.dataplane.tls = config.tls
+        self.link.dataplane = self.dataplane
 
     @property
     def agent_id(self) -> str:
@@ -117,7 +134,7 @@ class Agent:
         return f"{host}:{self.metrics_server.port}"
 
     def info(self) -> types_pb2.AgentInfo:
-        return types_pb2.AgentInfo(
+        info = types_pb2.AgentInfo(
             agent_id=self.agent_id,
             address=self.address,
             metrics_address=self.metrics_address,
@@ -134,7 +151,10 @@ class Agent:
             ],
             tiers=tier_usage_pb(self.pool),
             lease_id=self.registration.lease.id if self.registration and self.registration.lease else 0,
+            role=self.config.role or "both",
         )
+        self.dataplane.fill_info(info)
+        return info
 
     def _controlplane_address(self) -> str:
         if self.config.controlplane:
@@ -155,11 +175,13 @@ class Agent:
         if self.port == 0:
             raise OSError(f"cannot listen on {self.config.listen} (port in use?)")
         agent_pb2_grpc.add_EngineServiceServicer_to_server(EngineServicer(self.engine), self.server)
+        agent_pb2_grpc.add_DataPlaneServicer_to_server(DataPlaneServicer(self.dataplane, self.engine), self.server)
         self.health = health.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         reflection.enable_server_reflection(
             (
                 agent_pb2.DESCRIPTOR.services_by_name["EngineService"].full_name,
+                agent_pb2.DESCRIPTOR.services_by_name["DataPlane"].full_name,
                 health.SERVICE_NAME,
                 reflection.SERVICE_NAME,
             ),
@@ -183,6 +205,7 @@ class Agent:
         self._spawn("etcd-keepalive", self.registration.run_forever)
         self._spawn("cp-link", self.link.run_forever)
         self._spawn("mover", self.mover.run_forever)
+        self._spawn("dataplane", self.dataplane.run_forever)
         log.info("agent %s serving on %s", self.agent_id, self.address)
         return self
 
@@ -202,5 +225,6 @@ class Agent:
             self.metrics_server.stop()
         for t in self._threads:
             t.join(timeout=3)
+        self.dataplane.close()
         if self.etcd is not None:
             self.etcd.close()

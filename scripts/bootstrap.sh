@@ -18,6 +18,10 @@ need_apt=()
 command -v etcd >/dev/null 2>&1 || need_apt+=(etcd-server)
 command -v tmux >/dev/null 2>&1 || need_apt+=(tmux)
 command -v prometheus >/dev/null 2>&1 || need_apt+=(prometheus)
+# the Mooncake Transfer Engine (handoff data plane) links these even for TCP
+for lib in libibverbs1 librdmacm1 libnuma1; do
+  dpkg -s "$lib" >/dev/null 2>&1 || need_apt+=("$lib")
+done
 if [ ${#need_apt[@]} -gt 0 ]; then
   if command -v apt-get >/dev/null 2>&1 && [ "$(id -u)" = 0 ]; then
     echo "bootstrap: installing ${need_apt[*]} with apt-get"

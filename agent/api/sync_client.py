@@ -93,6 +93,7 @@ class ControlPlaneLink:
         self.epoch = 0
         self.connections_total = 0
         self.resyncs_total = 0
+        self.dataplane = None  # agent.dataplane.DataPlane: runs TRANSFER commands, reports link stats
 
     def _on_op_update(self, op: MoveOp) -> None:
         if op.kind == "promote":
@@ -174,6 +175,10 @@ class ControlPlaneLink:
                     types_pb2.TierUsage(tier=int(t), num_blocks=n, used_bytes=b) for t, (n, b) in result.freed.items()
                 ],
             )
+        elif kind == agent_pb2.COMMAND_KIND_TRANSFER and self.dataplane is not None:
+            self.dataplane.run_command(
+                cmd.op_id, cmd.model_id, hashes, cmd.peer_agent_id, cmd.deadline_seconds, self._reply
+            )
         else:
             self._reply(cmd.op_id, FAILED, error=f"unknown command kind {kind}")
 
@@ -221,6 +226,7 @@ class ControlPlaneLink:
                 lookups_total=e.lookups_total,
                 lookup_tokens_total=e.lookup_tokens_total,
                 lookup_hit_tokens_total=e.lookup_hit_tokens_total,
+                dataplane=self.dataplane.stats() if self.dataplane is not None else None,
             )
         )
 

@@ -371,6 +371,118 @@ class BlockPool:
                         self._drop_subtree(meta.block_hash)
         return out, tiers
 
+    # ---- handoff between agents (agent.core.handoff drives these) ---------------------
+    def acquire_chain(self, block_hashes: Sequence[bytes]) -> list[BlockMeta]:
+        """Reference the leading visible blocks of a chain (a sender reads their pages
+        while they stay referenced: never freed, and a move waits to switch them)."""
+        with self.lock:
+            out = []
+            for h in block_hashes:
+                meta = self.blocks.get(h)
+                if meta is None or not meta.visible:
+                    break
+                meta.ref_count += 1
+                out.append(meta)
+            return out
+
+    def release_chain(self, metas: Sequence[BlockMeta]) -> None:
+        with self.lock:
+            for meta in metas:
+                meta.ref_count -= 1
+
+    def reserve_chain(
+        self, model_id: str, block_hashes: Sequence[bytes], stored_bytes: Sequence[int], tier: Tier
+    ) -> tuple[int, list[BlockMeta], list]:
+        """Pages in `tier` for the blocks after the leading ones held here, making room
+        as a store does. The held leading blocks are referenced (release_chain them).
+        The pages belong to no block: invisible until commit_reserved. Raises PoolFull
+        (and holds nothing) when they cannot all be found."""
+        store = self.store_of[tier]
+        with self.lock:
+            present = self.acquire_chain(block_hashes)
+            handles: list = []
+            try:
+                for i in range(len(present), len(block_hashes)):
+                    handles.append(self._allocate(store, int(stored_bytes[i]), block_hashes[i]))
+            except PoolFull:
+                for handle in handles:
+                    store.free(handle)
+                self.release_chain(present)
+                raise
+            return len(present), present, handles
+
+    def commit_reserved(
+        self,
+        model_id: str,
+        block_hashes: Sequence[bytes],
+        num_present: int,
+        handles: Sequence,
+        stored_bytes: Sequence[int],
+        block_codecs: Sequence[str],
+        tier: Tier,
+        namespace: str = "",
+    ) -> int:
+        """Make reserved blocks [num_present, N) visible, all at once (one lock hold).
+        A block stored here meanwhile keeps its copy and the reserved pages are freed.
+        Raises ValueError (and changes nothing) when one is being written by another
+        caller right now, or the leading blocks went away. Returns blocks added."""
+        spec = self.models[model_id]
+        store = self.store_of[tier]
+        with self.lock:
+            for h in block_hashes[:num_present]:
+                if h not in self.blocks:
+                    raise ValueError(f"leading block {h.hex()[:12]} is no longer held")
+            for h in block_hashes[num_present:]:
+                meta = self.blocks.get(h)
+                if meta is not None and not meta.visible:
+                    raise ValueError(f"block {h.hex()[:12]} is being written by another caller")
+            parent = block_hashes[num_present - 1] if num_present else ROOT_PARENT_HASH
+            added = 0
+            for i in range(num_present, len(block_hashes)):
+                h, handle = block_hashes[i], handles[i - num_present]
+                if h in self.blocks:
+                    store.free(handle)
+                    parent = h
+                    continue
+                meta = BlockMeta(
+                    h,
+                    parent,
+                    model_id,
+                    spec.block_bytes,
+                    tier,
+                    handle,
+                    block_codecs[i],
+                    int(stored_bytes[i]),
+                    namespace=namespace,
+                )
+                self.blocks[h] = meta
+                self._account(meta, +1)
+                if parent in self.blocks:
+                    self.blocks[parent].num_children += 1
+                self.journal.record(STORED, model_id, tier, h, parent)
+                added += 1
+                parent = h
+            self.touch(block_hashes)
+            return added
+
+    def release_reserved(self, handles: Sequence, tier: Tier) -> None:
+        """Give reserved pages back (an aborted or expired reservation)."""
+        store = self.store_of[tier]
+        with self.lock:
+            for handle in handles:
+                store.free(handle)
+
+    def reclaimable_bytes(self, tier: Tier) -> int:
+        """Bytes of `tier` a new block could get: free pages plus blocks that may be
+        demoted or dropped (not pinned, not in use, not moving). O(blocks)."""
+        store = self.store_of[tier]
+        with self.lock:
+            free = store.capacity_bytes - store.used_bytes
+            for m in self.blocks.values():
+                if m.tier == tier and m.ready and not m.ref_count and not m.moving and not self.pin_tier(m):
+                    free += store.footprint(m.stored_bytes)
+            return free
+
     def set_pin(self, block_hashes: Sequence[bytes], pin_tier: Tier | None) -> int:
         """Pin blocks at `pin_tier` (kept there or faster, never dropped); None unpins."""
         with self.lock:

@@ -1,0 +1,455 @@
+"""Prefill -> decode handoff, the pure part: reservations on the receiving agent, retry
+plans, per-link limits and achieved-throughput measurement on the sending agent.
+
+A handoff moves a prefix's blocks from a sender to a receiver in four steps: the
+receiver *reserves* pages for the blocks it lacks (invisible, not in the block index),
+the sender writes each block's stored payload into those pages (Transfer Engine write,
+or the chunked gRPC fallback), the receiver *verifies* a checksum per block, and at the
+last commit it makes the whole prefix visible at once.
+
+Invariants (checked by tests):
+- a reserved block is invisible (not in `BlockPool.blocks`) until its reservation
+  commits, and a reservation commits all its blocks or none;
+- the leading blocks a reservation relies on (present on the receiver) are referenced
+  while it is open, so they are neither evicted nor moved away under it;
+- pages of an aborted or expired reservation go back to the free list only once no
+  write can still land in them: at once when the sender says its writes are quiesced,
+  else after a quarantine long enough for the engine's own timeout to have fired.
+
+Nothing here imports gRPC or the engine; agent.api and agent.store bring those.
+"""
+
+from __future__ import annotations
+
+import random
+import threading
+import time
+import uuid
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+import xxhash
+
+from agent.core import codecs as codec_names
+from agent.core.block_pool import BlockMeta, BlockPool, PoolFull
+from protos import errors
+from protos.tier import Tier
+
+ENGINE, GRPC = "engine", "grpc"
+PATHS = (ENGINE, GRPC)
+TRANSFERRED, PRESENT, RECOMPUTE = "transferred", "present", "recompute"
+
+
+def checksum(segments) -> int:
+    """xxh3_64 of a block's payload given as one or more contiguous uint8 tensors/buffers."""
+    h = xxhash.xxh3_64()
+    for seg in segments:
+        h.update(memoryview(seg.numpy()) if hasattr(seg, "numpy") else seg)
+    return h.intdigest()
+
+
+# ---- receiver: reservations ----------------------------------------------------------
+
+
+@dataclass
+class Reservation:
+    reservation_id: str
+    model_id: str
+    block_hashes: list[bytes]
+    num_present: int
+    present: list[BlockMeta]  # referenced while open
+    handles: list  # one page list per reserved block, blocks [num_present, N)
+    stored_bytes: list[int]
+    codecs: list[str]
+    namespace: str
+    tier: Tier
+    source_agent_id: str
+    created_monotonic: float
+    expires_monotonic: float
+    verified: set[int] = field(default_factory=set)  # prefix indexes whose checksum matched
+    writers: int = 0  # fallback-path streams writing into its pages right now
+
+    @property
+    def num_blocks(self) -> int:
+        return len(self.block_hashes)
+
+    @property
+    def reserved_bytes(self) -> int:
+        return sum(self.stored_bytes[self.num_present :])
+
+
+class ReservationError(errors.FailedPrecondition):
+    """A reservation cannot be committed (unknown, expired, checksum mismatch)."""
+
+
+class Reservations:
+    """Open reservations of one receiving agent. `run_once(now)` expires the stale ones
+    and returns quarantined pages to the pool; tests drive it with a fake clock."""
+
+    def __init__(
+        self,
+        pool: BlockPool,
+        tier: Tier,
+        max_inbound: int = 8,
+        quarantine_seconds: float = 12.0,
+        clock=time.monotonic,
+    ):
+        self.pool = pool
+        self.tier = tier
+        self.store = pool.store_of[tier]
+        self.max_inbound = max_inbound
+        self.quarantine_seconds = quarantine_seconds
+        self.clock = clock
+        self._lock = threading.Lock()
+        self._open: dict[str, Reservation] = {}
+        self._quarantine: list[tuple[float, list]] = []  # (release at, handles)
+        self.committed_total = 0
+        self.aborted_total = 0
+        self.expired_total = 0
+        self.checksum_failures_total = 0
+
+    # -- queries
+    def open_count(self) -> int:
+        with self._lock:
+            return len(self._open)
+
+    def reserved_bytes(self) -> int:
+        with self._lock:
+            return sum(r.reserved_bytes for r in self._open.values() if r is not None)
+
+    def get(self, reservation_id: str) -> Reservation:
+        with self._lock:
+            r = self._open.get(reservation_id) if reservation_id else None
+        if r is None:
+            raise ReservationError(f"reservation {reservation_id!r} is not open here (expired, aborted or never made)")
+        return r
+
+    # -- steps
+    def reserve(
+        self,
+        model_id: str,
+        block_hashes: Sequence[bytes],
+        stored_bytes: Sequence[int],
+        codecs: Sequence[str],
+        namespace: str = "",
+        ttl_seconds: float = 10.0,
+        source_agent_id: str = "",
+    ) -> Reservation:
+        """Reserve pages for the blocks after the leading ones held here. Raises
+        ResourceExhausted when too many handoffs are arriving (retry later), and
+        FailedPrecondition when the blocks cannot fit (pinned/in-use blocks fill the tier)."""
+        if model_id not in self.pool.models:
+            raise errors.NotFound(f"model_id: this agent serves no model {model_id!r}")
+        if len(stored_bytes) != len(block_hashes) or len(codecs) != len(block_hashes):
+            raise errors.InvalidArgument("stored_bytes", "give one size and one codec per block")
+        for c in set(codecs):
+            try:
+                codec_names.check_codec(c)
+            except ValueError as exc:
+                raise errors.InvalidArgument("codecs", str(exc)) from None
+        with self._lock:
+            if len(self._open) >= self.max_inbound:
+                raise errors.ResourceExhausted(
+                    f"{len(self._open)} handoffs are arriving here already (limit {self.max_inbound}); retry shortly"
+                )
+            rid = uuid.uuid4().hex[:16]
+            self._open[rid] = None  # type: ignore[assignment]  # holds the slot while pages are found
+        try:
+            num_present, present, handles = self.pool.reserve_chain(
+                model_id, list(block_hashes), list(stored_bytes), self.tier
+            )
+        except PoolFull as exc:
+            with self._lock:
+                self._open.pop(rid, None)
+            raise errors.FailedPrecondition(
+                f"no room for the handoff in the {self.tier.label} tier of this agent: {exc}"
+            ) from None
+        except BaseException:
+            with self._lock:
+                self._open.pop(rid, None)
+            raise
+        now = self.clock()
+        r = Reservation(
+            rid,
+            model_id,
+            list(block_hashes),
+            num_present,
+            present,
+            handles,
+            list(stored_bytes),
+            list(codecs),
+            namespace,
+            self.tier,
+            source_agent_id,
+            now,
+            now + max(0.1, ttl_seconds),
+        )
+        with self._lock:
+            self._open[rid] = r
+        return r
+
+    def slots(self, r: Reservation) -> list[list[tuple[int, int]]]:
+        """(address, length) runs of each reserved block in the registered buffer."""
+        out = []
+        for i, handle in enumerate(r.handles):
+            n = r.stored_bytes[r.num_present + i]
+            out.append([(seg.data_ptr(), seg.numel()) for seg in self.store.views(handle, n)])
+        return out
+
+    def views(self, r: Reservation, index: int):
+        """Slab views of block `index` (prefix index) of a reservation."""
+        i = index - r.num_present
+        return self.store.views(r.handles[i], r.stored_bytes[index])
+
+    def write(self, r: Reservation, index: int, offset: int, data) -> None:
+        """Fallback path: copy `data` (bytes) into block `index` at `offset`."""
+        if not r.num_present <= index < r.num_blocks:
+            raise errors.InvalidArgument("block_index", f"{index} is not a reserved block of this reservation")
+        size = r.stored_bytes[index]
+        if offset < 0 or offset + len(data) > size:
+            raise errors.InvalidArgument("offset", f"[{offset}, {offset + len(data)}) is outside the block's {size} B")
+        if not data:
+            return
+        src = np.frombuffer(data, dtype=np.uint8)  # a read-only view of the message bytes: no copy
+        pos = 0
+        for seg in self.views(r, index):
+            n = seg.numel()
+            lo, hi = max(offset, pos), min(offset + len(data), pos + n)
+            if lo < hi:
+                seg.numpy()[lo - pos : hi - pos] = src[lo - offset : hi - offset]
+            pos += n
+
+    def verify(self, reservation_id: str, first_block: int, checksums: Sequence[int]) -> Reservation:
+        """Check blocks [first_block, first_block + len(checksums)); a mismatch aborts
+        the whole reservation (into quarantine: a late write may have caused it)."""
+        r = self.get(reservation_id)
+        if first_block < r.num_present or first_block + len(checksums) > r.num_blocks:
+            raise errors.InvalidArgument(
+                "first_block",
+                f"checksums for blocks [{first_block}, {first_block + len(checksums)}) but blocks "
+                f"[{r.num_present}, {r.num_blocks}) are reserved",
+            )
+        for k, expected in enumerate(checksums):
+            i = first_block + k
+            got = checksum(self.views(r, i))
+            if got != expected:
+                self.checksum_failures_total += 1
+                self.abort(reservation_id, quiesced=False)
+                raise ReservationError(
+                    f"checksum mismatch on block {i} ({r.block_hashes[i].hex()[:12]}): "
+                    f"sent {expected:016x}, received {got:016x}; nothing was made visible"
+                )
+            r.verified.add(i)
+        return r
+
+    def commit(self, reservation_id: str, first_block: int, checksums: Sequence[int]) -> Reservation:
+        """Verify what is left and make every block of the prefix visible at once."""
+        r = self.verify(reservation_id, first_block, checksums)
+        missing = [i for i in range(r.num_present, r.num_blocks) if i not in r.verified]
+        if missing:
+            self.abort(reservation_id, quiesced=True)
+            raise ReservationError(
+                f"blocks {missing[:5]} of the reservation were never verified; nothing was made visible"
+            )
+        with self._lock:
+            if self._open.pop(reservation_id, None) is None:
+                raise ReservationError(f"reservation {reservation_id!r} expired during its commit")
+        try:
+            self.pool.commit_reserved(
+                r.model_id, r.block_hashes, r.num_present, r.handles, r.stored_bytes, r.codecs, r.tier, r.namespace
+            )
+        except ValueError as exc:
+            self.pool.release_reserved(r.handles, r.tier)
+            raise ReservationError(f"cannot commit: {exc}; nothing was made visible") from None
+        finally:
+            self.pool.release_chain(r.present)
+        self.committed_total += 1
+        return r
+
+    def abort(self, reservation_id: str, quiesced: bool = False) -> bool:
+        with self._lock:
+            r = self._open.pop(reservation_id, None)
+        if r is None:
+            return False
+        self._release(r, quiesced)
+        self.aborted_total += 1
+        return True
+
+    def _release(self, r: Reservation, quiesced: bool) -> None:
+        self.pool.release_chain(r.present)
+        if quiesced and not r.writers:
+            self.pool.release_reserved(r.handles, r.tier)
+        else:
+            with self._lock:
+                self._quarantine.append((self.clock() + self.quarantine_seconds, r.handles))
+
+    def run_once(self, now: float | None = None) -> int:
+        """Expire reservations past their TTL (into quarantine) and free quarantined pages
+        whose time is up. Returns the number of reservations expired."""
+        now = self.clock() if now is None else now
+        with self._lock:
+            stale = [r for r in self._open.values() if r is not None and r.expires_monotonic <= now]
+            for r in stale:
+                del self._open[r.reservation_id]
+            due = [h for t, h in self._quarantine if t <= now]
+            self._quarantine = [(t, h) for t, h in self._quarantine if t > now]
+        for r in stale:
+            self._release(r, quiesced=False)
+            self.expired_total += 1
+        for handles in due:
+            self.pool.release_reserved(handles, self.tier)
+        return len(stale)
+
+    def quarantined_pages(self) -> int:
+        with self._lock:
+            return sum(len(p) for _, hs in self._quarantine for p in hs)
+
+
+# ---- sender: retries, link limits, throughput -----------------------------------------
+
+
+@dataclass(frozen=True)
+class RetryPolicy:
+    """How a handoff tries: each path in order, `attempts` times each with exponential
+    backoff (base * 2^k, capped, with jitter), all within the request's deadline."""
+
+    paths: tuple[str, ...] = PATHS
+    attempts_per_path: int = 2
+    backoff_base_seconds: float = 0.05
+    backoff_max_seconds: float = 1.0
+    busy_backoff_seconds: float = 0.05  # a busy receiver (too many handoffs arriving): wait, queue
+
+    def backoff(self, attempt: int, rng: random.Random | None = None) -> float:
+        base = min(self.backoff_max_seconds, self.backoff_base_seconds * (2**attempt))
+        return base * (0.5 + (rng or random).random() / 2)
+
+
+@dataclass(frozen=True)
+class HandoffResult:
+    outcome: str  # transferred | present | recompute
+    path: str = ""
+    num_blocks: int = 0  # leading blocks of the prefix visible on the destination
+    num_sent_blocks: int = 0
+    sent_bytes: int = 0
+    seconds: float = 0.0
+    attempts: int = 0
+    reason: str = ""
+    num_cached_tokens: int = 0
+
+
+class Link:
+    """One outbound link (this agent -> a peer): at most `max_concurrent` transfers at
+    once, at most `bytes_per_second` (0: unlimited) over them, and the achieved
+    throughput as a moving average of recent transfers."""
+
+    def __init__(
+        self, peer_agent_id: str, max_concurrent: int = 2, bytes_per_second: float = 0.0, clock=time.monotonic
+    ):
+        self.peer_agent_id = peer_agent_id
+        self.max_concurrent = max(1, max_concurrent)
+        self.bytes_per_second = bytes_per_second
+        self.clock = clock
+        self._cond = threading.Condition()
+        self.inflight = 0
+        self.queued = 0
+        self._tokens = 0.0
+        self._tokens_at = clock()
+        self.throughput_bytes_per_second = 0.0
+        self.transfers_total = 0
+        self.failures_total = 0
+        self.bytes_total = 0
+        self.last_path = ""
+        self.last_unix_seconds = 0.0
+
+    def acquire(self, deadline_monotonic: float) -> bool:
+        """Wait for a slot on the link (queued meanwhile); False at the deadline."""
+        with self._cond:
+            self.queued += 1
+            try:
+                while self.inflight >= self.max_concurrent:
+                    left = deadline_monotonic - self.clock()
+                    if left <= 0:
+                        return False
+                    self._cond.wait(min(left, 0.05))
+                self.inflight += 1
+                return True
+            finally:
+                self.queued -= 1
+
+    def release(self) -> None:
+        with self._cond:
+            self.inflight -= 1
+            self._cond.notify()
+
+    def pace(self, num_bytes: int, deadline_monotonic: float) -> bool:
+        """Token bucket: wait until `num_bytes` may go (False when that passes the deadline)."""
+        if self.bytes_per_second <= 0:
+            return True
+        while True:
+            with self._cond:
+                now = self.clock()
+                burst = self.bytes_per_second * 0.1
+                self._tokens = min(burst, self._tokens + (now - self._tokens_at) * self.bytes_per_second)
+                self._tokens_at = now
+                if self._tokens >= 0:
+                    self._tokens -= num_bytes  # may go negative: the next ones wait it off
+                    return True
+                wait = -self._tokens / self.bytes_per_second
+            if now + wait > deadline_monotonic:
+                return False
+            time.sleep(min(wait, 0.05))
+
+    def record(self, ok: bool, num_bytes: int, seconds: float, path: str, alpha: float = 0.3) -> None:
+        with self._cond:
+            self.transfers_total += 1
+            self.last_path = path
+            self.last_unix_seconds = time.time()
+            if not ok:
+                self.failures_total += 1
+                return
+            self.bytes_total += num_bytes
+            if num_bytes >= 1 << 16 and seconds > 0:  # tiny transfers measure latency, not bandwidth
+                rate = num_bytes / seconds
+                t = self.throughput_bytes_per_second
+                self.throughput_bytes_per_second = rate if t == 0 else (1 - alpha) * t + alpha * rate
+
+
+class Links:
+    def __init__(self, max_concurrent: int = 2, bytes_per_second: float = 0.0):
+        self.max_concurrent = max_concurrent
+        self.bytes_per_second = bytes_per_second
+        self._lock = threading.Lock()
+        self._links: dict[str, Link] = {}
+
+    def get(self, peer_agent_id: str) -> Link:
+        with self._lock:
+            link = self._links.get(peer_agent_id)
+            if link is None:
+                link = self._links[peer_agent_id] = Link(peer_agent_id, self.max_concurrent, self.bytes_per_second)
+            return link
+
+    def all(self) -> list[Link]:
+        with self._lock:
+            return list(self._links.values())
+
+
+def pair_runs(src: Sequence[tuple[int, int]], dst: Sequence[tuple[int, int]]) -> list[tuple[int, int, int]]:
+    """Map a payload laid out in source runs onto destination runs (same total length):
+    [(src_address, dst_address, length)], each piece contiguous on both sides."""
+    out: list[tuple[int, int, int]] = []
+    si = di = 0
+    s_off = d_off = 0
+    while si < len(src) and di < len(dst):
+        s_addr, s_len = src[si]
+        d_addr, d_len = dst[di]
+        n = min(s_len - s_off, d_len - d_off)
+        if n > 0:
+            out.append((s_addr + s_off, d_addr + d_off, n))
+        s_off += n
+        d_off += n
+        if s_off >= s_len:
+            si, s_off = si + 1, 0
+        if d_off >= d_len:
+            di, d_off = di + 1, 0
+    return out

@@ -1,0 +1,652 @@
+"""The agent's data plane: prefill -> decode handoff of a prefix's KV blocks to a peer.
+
+Receiving, it keeps reservations (agent.core.handoff.Reservations) of pages in its
+CPU slab, which is registered with the Transfer Engine so a peer can write into it.
+Sending, it runs each handoff through its paths, within the caller's deadline:
+
+1. **engine**: Reserve on the peer (gRPC) -> one-sided engine writes of each block's
+   stored payload from this agent's slab straight into the reserved pages (no staging
+   copy; a block outside registered memory, on disk or a GPU without a CUDA engine,
+   goes through one bounce buffer) -> Commit with an xxh3 checksum per block. Chunks
+   are verified by the peer while the next chunk is on the wire; the last Commit
+   makes the whole prefix visible at once.
+2. **grpc**: the same reservation filled by a chunked client stream (Push), for when
+   the engine fails or is not there.
+3. **recompute**: every path failed or the deadline came: the answer says so, with
+   the reasons, and the destination engine recomputes the prefix.
+
+Each path is retried with exponential backoff; a busy receiver (too many handoffs
+arriving) is waited for, which is how handoffs queue instead of overrunning a decode
+agent. Per-link limits (concurrent transfers, bytes per second) apply on the sender,
+and each link's achieved throughput is measured and reported to the control plane
+(AgentStats.dataplane), which routes by it.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import logging
+import random
+import threading
+import time
+from dataclasses import dataclass, field
+
+import grpc
+import torch
+from google.protobuf import json_format
+
+from agent.core.block_pool import BlockMeta, BlockPool
+from agent.core.handoff import (
+    ENGINE,
+    GRPC,
+    PATHS,
+    PRESENT,
+    RECOMPUTE,
+    TRANSFERRED,
+    HandoffResult,
+    Links,
+    Reservations,
+    RetryPolicy,
+    checksum,
+    pair_runs,
+)
+from agent.store.transfer_engine import TransferBackend, TransferFailed
+from protos import errors, etcd_keys, security
+from protos.kvcp.v1 import agent_pb2, agent_pb2_grpc, types_pb2
+from protos.tier import Tier
+
+log = logging.getLogger(__name__)
+
+MAX_MESSAGE_BYTES = 64 * 1024 * 1024
+
+
+@dataclass
+class DataPlaneConfig:
+    deadline_seconds: float = 10.0  # default answer time of a handoff
+    rpc_timeout_seconds: float = 3.0  # one control RPC to a peer (Reserve, Commit, Abort)
+    chunk_bytes: int = 16 << 20  # engine writes go in batches of about this much
+    grpc_chunk_bytes: int = 1 << 20  # fallback stream message size
+    stall_min_bytes_per_second: float = 20e6  # slower than this (plus 2 s) is a stall
+    link_max_concurrent: int = 2
+    link_bytes_per_second: float = 0.0  # 0: unlimited
+    max_inbound: int = 8
+    quarantine_seconds: float = 0.0  # 0: the engine's timeout + 2 s
+    retry: RetryPolicy = field(default_factory=RetryPolicy)
+
+
+@dataclass(frozen=True)
+class Peer:
+    agent_id: str
+    address: str
+    engine: str
+    endpoint: str
+
+
+class _Stalled(Exception):
+    pass
+
+
+class _PathError(Exception):
+    """One attempt failed; `permanent` means no other attempt can help."""
+
+    def __init__(self, message: str, permanent: bool = False, busy: bool = False, path_off: bool = False):
+        super().__init__(message)
+        self.permanent, self.busy, self.path_off = permanent, busy, path_off
+
+
+def _rpc_error(exc: grpc.RpcError, what: str) -> _PathError:
+    code = exc.code()
+    details = exc.details() or code.name
+    if code == grpc.StatusCode.RESOURCE_EXHAUSTED:
+        return _PathError(f"{what}: destination busy ({details})", busy=True)
+    if code == grpc.StatusCode.INVALID_ARGUMENT:
+        return _PathError(f"{what}: {details}", path_off=True)
+    if code in (grpc.StatusCode.NOT_FOUND,) or (code == grpc.StatusCode.FAILED_PRECONDITION and what == "reserve"):
+        return _PathError(f"{what}: {details}", permanent=True)
+    if code == grpc.StatusCode.UNAVAILABLE:
+        return _PathError(f"{what}: destination unreachable ({details})")
+    if code == grpc.StatusCode.DEADLINE_EXCEEDED:
+        return _PathError(f"{what}: no answer in time")
+    return _PathError(f"{what}: {code.name.lower()}: {details}")
+
+
+class DataPlane:
+    def __init__(
+        self,
+        agent_id: str,
+        pool: BlockPool,
+        engine: TransferBackend,
+        config: DataPlaneConfig | None = None,
+        peer_info=None,
+        metrics=None,
+    ):
+        self.agent_id = agent_id
+        self.pool = pool
+        self.engine = engine
+        self.config = config or DataPlaneConfig()
+        self.tier = Tier.CPU if Tier.CPU in pool.store_of else pool.top.tier
+        self.store = pool.store_of[self.tier]
+        quarantine = self.config.quarantine_seconds or (getattr(engine, "timeout_seconds", 5) + 2.0)
+        self.reservations = Reservations(pool, self.tier, self.config.max_inbound, quarantine)
+        self.links = Links(self.config.link_max_concurrent, self.config.link_bytes_per_second)
+        self._peer_info = peer_info  # callable(agent_id) -> AgentInfo | None (etcd)
+        self.metrics = metrics  # agent.metrics.AgentMetrics (record_transfer), optional
+        self._peers: dict[str, tuple[float, Peer]] = {}
+        self._channels: dict[str, grpc.Channel] = {}
+        self._lock = threading.Lock()
+        self._writers = cf.ThreadPoolExecutor(max_workers=4, thread_name_prefix="te-write")
+        self._rng = random.Random()
+        self.tls = None  # protos.security.TLSConfig of this agent: peers' listeners use the same
+        self.registered = False
+        if engine.available:
+            slab = self.store.slab
+            try:
+                engine.register(slab.data_ptr(), slab.numel())
+                self.registered = True
+            except TransferFailed as exc:
+                log.warning("cannot register the %s slab with the transfer engine: %s", self.tier.label, exc)
+
+    # ---- what the agent publishes -------------------------------------------------
+    @property
+    def engine_up(self) -> bool:
+        return self.engine.available and self.registered
+
+    def fill_info(self, info: types_pb2.AgentInfo) -> None:
+        info.transfer_engine = self.engine.name if self.engine_up else ""
+        info.transfer_endpoint = self.engine.endpoint if self.engine_up else ""
+        info.transfer_protocol = self.engine.protocol if self.engine_up else ""
+        info.transfer_buffer_address = self.store.slab.data_ptr() if self.engine_up else 0
+        info.transfer_buffer_bytes = self.store.slab.numel() if self.engine_up else 0
+        info.transfer_engine_status = self.engine.status
+
+    def stats(self) -> agent_pb2.DataPlaneStats:
+        links = self.links.all()
+        return agent_pb2.DataPlaneStats(
+            links=[
+                agent_pb2.LinkStats(
+                    peer_agent_id=link.peer_agent_id,
+                    throughput_bytes_per_second=link.throughput_bytes_per_second,
+                    inflight=link.inflight,
+                    queued=link.queued,
+                    transfers_total=link.transfers_total,
+                    failures_total=link.failures_total,
+                    bytes_total=link.bytes_total,
+                    last_path=link.last_path,
+                    last_unix_seconds=link.last_unix_seconds,
+                )
+                for link in links
+            ],
+            inbound_reservations=self.reservations.open_count(),
+            reserved_bytes=self.reservations.reserved_bytes(),
+            handoff_free_bytes=max(0, self.pool.reclaimable_bytes(self.tier)),
+            handoff_capacity_bytes=self.store.capacity_bytes,
+            outbound_inflight=sum(link.inflight for link in links),
+            outbound_queued=sum(link.queued for link in links),
+            max_inbound=self.reservations.max_inbound,
+        )
+
+    # ---- receiving ----------------------------------------------------------------
+    def reserve(self, request: agent_pb2.ReserveRequest) -> agent_pb2.ReserveResponse:
+        if request.path == ENGINE and not self.engine_up:
+            raise errors.InvalidArgument("path", f"this agent takes no engine writes: {self.engine.status}")
+        hashes = _split(request.block_hashes, "block_hashes")
+        if not hashes:
+            raise errors.InvalidArgument("block_hashes", "give at least one block")
+        r = self.reservations.reserve(
+            request.model_id,
+            hashes,
+            list(request.stored_bytes),
+            list(request.codecs),
+            request.namespace,
+            request.ttl_seconds or self.config.deadline_seconds,
+            request.source_agent_id,
+        )
+        slots = self.reservations.slots(r)
+        return agent_pb2.ReserveResponse(
+            reservation_id=r.reservation_id,
+            num_present_blocks=r.num_present,
+            blocks=[agent_pb2.BlockSlots(addresses=[a for a, _ in s], lengths=[n for _, n in s]) for s in slots],
+            transfer_endpoint=self.engine.endpoint if self.engine_up else "",
+            expires_unix_seconds=time.time() + (r.expires_monotonic - time.monotonic()),
+        )
+
+    def push(self, chunks) -> agent_pb2.PushResponse:
+        """Fallback path: a client stream of chunks written into a reservation's pages."""
+        r = None
+        received = 0
+        try:
+            for chunk in chunks:
+                if r is None:
+                    r = self.reservations.get(chunk.reservation_id)
+                    r.writers += 1
+                if chunk.data:
+                    self.reservations.write(r, chunk.block_index, chunk.offset, chunk.data)
+                    received += len(chunk.data)
+        finally:
+            if r is not None:
+                r.writers -= 1
+        return agent_pb2.PushResponse(received_bytes=received)
+
+    def commit(self, request: agent_pb2.CommitRequest) -> agent_pb2.CommitResponse:
+        checks = list(request.checksums)
+        if request.last:
+            r = self.reservations.commit(request.reservation_id, request.first_block, checks)
+        else:
+            r = self.reservations.verify(request.reservation_id, request.first_block, checks)
+        return agent_pb2.CommitResponse(
+            num_committed_blocks=(r.num_blocks - r.num_present) if request.last else 0,
+            num_present_blocks=r.num_present,
+        )
+
+    def abort(self, request: agent_pb2.AbortRequest) -> None:
+        if self.reservations.abort(request.reservation_id, request.writes_quiesced):
+            log.info("handoff reservation %s aborted: %s", request.reservation_id, request.reason or "no reason")
+
+    def run_forever(self, stop: threading.Event) -> None:
+        while not stop.is_set():
+            try:
+                n = self.reservations.run_once()
+                if n:
+                    log.warning("%d handoff reservation(s) expired before their commit; pages quarantined", n)
+            except Exception:  # noqa: BLE001 - keep sweeping
+                log.exception("reservation sweep failed")
+            stop.wait(0.2)
+
+    def close(self) -> None:
+        self._writers.shutdown(wait=False, cancel_futures=True)
+        with self._lock:
+            channels = list(self._channels.values())
+            self._channels.clear()
+        for ch in channels:
+            ch.close()
+        self.engine.close()
+
+    def run_command(self, op_id: str, model_id: str, hashes: list[bytes], peer_agent_id: str, deadline_seconds, reply):
+        """A control-plane TRANSFER: hand off in the background, reporting the operation's
+        progress through `reply(op_id, state, **OpUpdate fields)`."""
+
+        def run() -> None:
+            reply(op_id, "RUNNING", total=len(hashes))
+            try:
+                r = self.handoff(model_id, hashes, peer_agent_id, deadline_seconds)
+            except errors.KvcpError as exc:
+                reply(op_id, "FAILED", total=len(hashes), failed=len(hashes), error=str(exc))
+                return
+            if r.outcome == RECOMPUTE:
+                reply(op_id, "FAILED", total=len(hashes), failed=len(hashes), error=f"recompute: {r.reason}")
+                return
+            missing = len(hashes) - r.num_blocks
+            reply(
+                op_id,
+                "SUCCEEDED",
+                done=r.num_blocks,
+                total=len(hashes),
+                failed=missing,
+                moved_bytes=r.sent_bytes,
+                error=f"this agent holds only {r.num_blocks} leading blocks of {len(hashes)}" if missing else "",
+            )
+
+        threading.Thread(target=run, name=f"transfer {op_id}", daemon=True).start()
+
+    # ---- peers ----------------------------------------------------------------------
+    def peer(self, agent_id: str, refresh: bool = False) -> Peer:
+        now = time.monotonic()
+        with self._lock:
+            cached = self._peers.get(agent_id)
+        if cached is not None and not refresh and now - cached[0] < 2.0:
+            return cached[1]
+        info = self._peer_info(agent_id) if self._peer_info is not None else None
+        if info is None:
+            raise errors.NotFound(f"destination_agent_id: no agent {agent_id!r} is registered")
+        p = Peer(agent_id, info.address, info.transfer_engine, info.transfer_endpoint)
+        with self._lock:
+            self._peers[agent_id] = (now, p)
+        return p
+
+    def _stub(self, address: str) -> agent_pb2_grpc.DataPlaneStub:
+        with self._lock:
+            ch = self._channels.get(address)
+            if ch is None:
+                ch = self._channels[address] = security.channel(
+                    address,
+                    self.tls,
+                    options=[
+                        ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+                        ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+                    ],
+                )
+        return agent_pb2_grpc.DataPlaneStub(ch)
+
+    def _drop_channel(self, address: str) -> None:
+        with self._lock:
+            ch = self._channels.pop(address, None)
+        if ch is not None:
+            ch.close()
+
+    # ---- sending --------------------------------------------------------------------
+    def handoff(
+        self,
+        model_id: str,
+        block_hashes: list[bytes],
+        destination_agent_id: str,
+        deadline_seconds: float = 0.0,
+        namespace: str = "",
+        paths: tuple[str, ...] = (),
+    ) -> HandoffResult:
+        """Send the leading blocks of `block_hashes` held here to the destination; the
+        answer comes within the deadline: transferred, present, or recompute (with why).
+        Raises InvalidArgument / NotFound for bad input (unknown agent or model, a
+        prefix this agent does not hold)."""
+        start = time.monotonic()
+        deadline = start + (deadline_seconds or self.config.deadline_seconds)
+        if model_id not in self.pool.models:
+            raise errors.NotFound(f"model_id: this agent serves no model {model_id!r}")
+        if destination_agent_id == self.agent_id:
+            raise errors.InvalidArgument("destination_agent_id", "is this agent; a handoff goes to another one")
+        for p in paths:
+            if p not in PATHS:
+                raise errors.InvalidArgument("paths", f"unknown path {p!r}; expected engine or grpc")
+        peer = self.peer(destination_agent_id)
+        metas = self.pool.acquire_chain(block_hashes)
+        if not metas:
+            raise errors.FailedPrecondition(
+                f"this agent ({self.agent_id}) holds no block of the prefix (first block {block_hashes[0].hex()[:12]})"
+                if block_hashes
+                else "the prefix has no full block"
+            )
+        try:
+            link = self.links.get(destination_agent_id)
+            if not link.acquire(deadline):
+                result = HandoffResult(
+                    RECOMPUTE,
+                    seconds=time.monotonic() - start,
+                    reason=f"the link to {destination_agent_id} stayed busy ({link.inflight} transfers) past the deadline",
+                )
+            else:
+                try:
+                    result = self._run(
+                        peer, model_id, metas, namespace, tuple(paths) or self.config.retry.paths, deadline
+                    )
+                finally:
+                    link.release()
+        finally:
+            self.pool.release_chain(metas)
+        result = HandoffResult(**{**result.__dict__, "seconds": time.monotonic() - start})
+        if self.metrics is not None and result.outcome != PRESENT:
+            secondary = result.path == GRPC and "engine:" in result.reason
+            self.metrics.record_transfer(
+                "handoff",
+                result.sent_bytes,
+                result.seconds,
+                ok=result.outcome == TRANSFERRED and not secondary,
+                fallback="recompute" if result.outcome == RECOMPUTE else ("secondary_path" if secondary else ""),
+            )
+        if result.outcome == RECOMPUTE:
+            log.warning("handoff to %s: recompute (%s)", destination_agent_id, result.reason)
+        return result
+
+    def _run(
+        self, peer: Peer, model_id: str, metas: list[BlockMeta], namespace: str, paths: tuple[str, ...], deadline: float
+    ) -> HandoffResult:
+        policy = self.config.retry
+        reasons: list[str] = []
+        attempts = 0
+        block_size = self.pool.models[model_id].block_size
+        for path in paths:
+            if path == ENGINE and not self.engine_up:
+                reasons.append(f"engine path skipped: {self.engine.status}")
+                continue
+            if path == ENGINE and not peer.engine:
+                reasons.append(f"engine path skipped: {peer.agent_id} has no transfer engine")
+                continue
+            tries = 0
+            while tries < policy.attempts_per_path and time.monotonic() < deadline:
+                attempts += 1
+                link = self.links.get(peer.agent_id)
+                t0 = time.monotonic()
+                try:
+                    num_present, sent, sent_bytes = self._attempt(path, peer, model_id, metas, namespace, deadline)
+                except _PathError as exc:
+                    reasons.append(f"{path}: {exc}")
+                    if exc.busy:  # the destination is behind: queue (wait), do not burn an attempt
+                        self._sleep(policy.busy_backoff_seconds * (0.5 + self._rng.random()), deadline)
+                        continue
+                    link.record(False, 0, time.monotonic() - t0, path)
+                    if exc.permanent:
+                        return HandoffResult(RECOMPUTE, attempts=attempts, reason="; ".join(reasons))
+                    if exc.path_off:
+                        break
+                    tries += 1
+                    peer = self._refresh(peer)
+                    self._sleep(policy.backoff(tries - 1, self._rng), deadline)
+                    continue
+                seconds = time.monotonic() - t0
+                link.record(True, sent_bytes, seconds, path)
+                n = len(metas)
+                return HandoffResult(
+                    TRANSFERRED if sent else PRESENT,
+                    path=path if sent else "",
+                    num_blocks=n,
+                    num_sent_blocks=sent,
+                    sent_bytes=sent_bytes,
+                    attempts=attempts,
+                    reason="; ".join(reasons),
+                    num_cached_tokens=n * block_size,
+                )
+        if time.monotonic() >= deadline:
+            reasons.append("deadline passed")
+        return HandoffResult(RECOMPUTE, attempts=attempts, reason="; ".join(reasons) or "no path to try")
+
+    def _refresh(self, peer: Peer) -> Peer:
+        self._drop_channel(peer.address)
+        try:
+            return self.peer(peer.agent_id, refresh=True)
+        except errors.KvcpError:
+            return peer  # gone from etcd too: the next attempt fails fast and says so
+
+    @staticmethod
+    def _sleep(seconds: float, deadline: float) -> None:
+        time.sleep(max(0.0, min(seconds, deadline - time.monotonic())))
+
+    def _attempt(
+        self, path: str, peer: Peer, model_id: str, metas: list[BlockMeta], namespace: str, deadline: float
+    ) -> tuple[int, int, int]:
+        """One try over one path -> (num_present, blocks sent, bytes sent); raises _PathError."""
+        stub = self._stub(peer.address)
+
+        def left(cap: float = self.config.rpc_timeout_seconds) -> float:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise _PathError("deadline passed")
+            return min(remaining, cap)
+
+        try:
+            resp = stub.Reserve(
+                agent_pb2.ReserveRequest(
+                    model_id=model_id,
+                    block_hashes=b"".join(m.block_hash for m in metas),
+                    stored_bytes=[m.stored_bytes for m in metas],
+                    codecs=[m.codec for m in metas],
+                    namespace=namespace,
+                    ttl_seconds=max(0.5, deadline - time.monotonic()) + 1.0,
+                    source_agent_id=self.agent_id,
+                    path=path,
+                ),
+                timeout=left(),
+            )
+        except grpc.RpcError as exc:
+            raise _rpc_error(exc, "reserve") from None
+        p = resp.num_present_blocks
+        if p >= len(metas):
+            return p, 0, 0
+        rid = resp.reservation_id
+        try:
+            if path == ENGINE:
+                sent_bytes = self._send_engine(stub, peer, resp, metas, deadline, left)
+            else:
+                sent_bytes = self._send_grpc(stub, peer, rid, metas, p, deadline, left)
+            return p, len(metas) - p, sent_bytes
+        except _Stalled as exc:
+            self._abort(stub, rid, str(exc), False)  # a late write may still land: quarantine its pages
+            raise _PathError(str(exc)) from None
+        except grpc.RpcError as exc:
+            quiesced = exc.code() != grpc.StatusCode.DEADLINE_EXCEEDED
+            self._abort(stub, rid, f"{exc.code().name}", quiesced)
+            raise _rpc_error(exc, "commit" if path == ENGINE else "push/commit") from None
+        except TransferFailed as exc:
+            self._abort(stub, rid, str(exc), True)
+            raise _PathError(str(exc)) from None
+        except _PathError as exc:
+            self._abort(stub, rid, str(exc), True)
+            raise
+
+    def _abort(self, stub, rid: str, reason: str, quiesced: bool) -> None:
+        try:
+            stub.Abort(
+                agent_pb2.AbortRequest(reservation_id=rid, reason=reason[:200], writes_quiesced=quiesced),
+                timeout=0.5,
+            )
+        except grpc.RpcError:
+            pass  # the peer is gone or slow: its reservation expires by itself
+
+    def _source(self, meta: BlockMeta) -> tuple[list[torch.Tensor], torch.Tensor | None]:
+        """Segments of a block's stored payload in registered memory; a block elsewhere
+        (disk, or a GPU the engine cannot reach) is read into a bounce buffer once."""
+        store = self.pool.store_of[meta.tier]
+        if store is self.store and hasattr(store, "views"):
+            return store.views(meta.handle, meta.stored_bytes), None
+        bounce = store.read(meta.handle, meta.stored_bytes).contiguous()
+        return [bounce], bounce
+
+    def _send_engine(self, stub, peer: Peer, resp, metas: list[BlockMeta], deadline: float, left) -> int:
+        p = resp.num_present_blocks
+        endpoint = resp.transfer_endpoint or peer.endpoint
+        rid = resp.reservation_id
+        link = self.links.get(peer.agent_id)
+        chunks: list[list[int]] = [[]]
+        size = 0
+        for i in range(p, len(metas)):
+            if size >= self.config.chunk_bytes:
+                chunks.append([])
+                size = 0
+            chunks[-1].append(i)
+            size += metas[i].stored_bytes
+        verifies = []
+        total = 0
+        bounces: list[torch.Tensor] = []
+        try:
+            for k, chunk in enumerate(chunks):
+                pieces: list[tuple[int, int, int]] = []
+                segments: dict[int, list[torch.Tensor]] = {}
+                nbytes = 0
+                for i in chunk:
+                    segs, bounce = self._source(metas[i])
+                    if bounce is not None:
+                        self.engine.register(bounce.data_ptr(), bounce.numel())
+                        bounces.append(bounce)
+                    segments[i] = segs
+                    slot = resp.blocks[i - p]
+                    dst = list(zip(slot.addresses, slot.lengths, strict=True))
+                    pieces += pair_runs([(s.data_ptr(), s.numel()) for s in segs], dst)
+                    nbytes += metas[i].stored_bytes
+                if not link.pace(nbytes, deadline):
+                    raise _Stalled(f"the link's bandwidth limit would pass the deadline for {nbytes} B")
+                fut = self._writers.submit(self.engine.write, endpoint, pieces)
+                sums = [checksum(segments[i]) for i in chunk]  # while the engine writes
+                budget = nbytes / self.config.stall_min_bytes_per_second + 2.0
+                try:
+                    fut.result(timeout=max(0.0, min(deadline - time.monotonic(), budget)))
+                except cf.TimeoutError:
+                    # keep the source pages (and bounces) referenced until the engine lets go
+                    held = self.pool.acquire_chain([m.block_hash for m in metas])
+                    keep = list(bounces)
+                    fut.add_done_callback(lambda _f, held=held, keep=keep: self._late_done(held, keep))
+                    bounces = []
+                    raise _Stalled(
+                        f"engine write of {nbytes} B to {peer.agent_id} stalled "
+                        f"(no completion in {min(budget, max(0.0, deadline - time.monotonic())):.1f}s)"
+                    ) from None
+                total += nbytes
+                last = k == len(chunks) - 1
+                request = agent_pb2.CommitRequest(reservation_id=rid, checksums=sums, first_block=chunk[0], last=last)
+                if not last:
+                    verifies.append(stub.Commit.future(request, timeout=left(deadline - time.monotonic())))
+                    continue
+                for v in verifies:
+                    v.result(timeout=left(deadline - time.monotonic()))
+                stub.Commit(request, timeout=left(max(self.config.rpc_timeout_seconds, 0.1 + nbytes / 1e9)))
+        finally:
+            for b in bounces:
+                self.engine.unregister(b.data_ptr())
+        return total
+
+    def _late_done(self, held: list[BlockMeta], bounces: list[torch.Tensor]) -> None:
+        self.pool.release_chain(held)
+        for b in bounces:
+            self.engine.unregister(b.data_ptr())
+
+    def _send_grpc(self, stub, peer: Peer, rid: str, metas: list[BlockMeta], p: int, deadline: float, left) -> int:
+        link = self.links.get(peer.agent_id)
+        step = self.config.grpc_chunk_bytes
+        sums: list[int] = []
+        sent = [0]
+
+        def chunks():
+            yield agent_pb2.PushChunk(reservation_id=rid)
+            for i in range(p, len(metas)):
+                segs, _ = self._source(metas[i])
+                sums.append(checksum(segs))
+                offset = 0
+                for seg in segs:
+                    for start in range(0, seg.numel(), step):
+                        piece = seg[start : start + step]
+                        if not link.pace(piece.numel(), deadline):
+                            return
+                        yield agent_pb2.PushChunk(block_index=i, offset=offset, data=piece.numpy().tobytes())
+                        offset += piece.numel()
+                        sent[0] += piece.numel()
+
+        stub.Push(chunks(), timeout=max(0.01, deadline - time.monotonic()))
+        stub.Commit(
+            agent_pb2.CommitRequest(reservation_id=rid, checksums=sums, first_block=p, last=True),
+            timeout=left(max(self.config.rpc_timeout_seconds, 0.1 + sent[0] / 1e9)),
+        )
+        return sent[0]
+
+
+def _split(packed: bytes, name: str) -> list[bytes]:
+    if len(packed) % 16:
+        raise errors.InvalidArgument(name, f"length {len(packed)} is not a multiple of 16 bytes")
+    return [packed[i : i + 16] for i in range(0, len(packed), 16)]
+
+
+def etcd_peer_info(etcd):
+    """AgentInfo of a peer from its etcd key (None when it is not registered)."""
+
+    def get(agent_id: str) -> types_pb2.AgentInfo | None:
+        value, _ = etcd.get(etcd_keys.agent_key(agent_id))
+        if value is None:
+            return None
+        raw = value.decode() if isinstance(value, bytes) else value
+        return json_format.Parse(raw, types_pb2.AgentInfo(), ignore_unknown_fields=True)
+
+    return get
+
+
+def result_to_pb(r: HandoffResult) -> agent_pb2.HandoffResponse:
+    outcome = {
+        TRANSFERRED: agent_pb2.HANDOFF_OUTCOME_TRANSFERRED,
+        PRESENT: agent_pb2.HANDOFF_OUTCOME_PRESENT,
+        RECOMPUTE: agent_pb2.HANDOFF_OUTCOME_RECOMPUTE,
+    }[r.outcome]
+    return agent_pb2.HandoffResponse(
+        outcome=outcome,
+        path=r.path,
+        num_blocks=r.num_blocks,
+        num_sent_blocks=r.num_sent_blocks,
+        sent_bytes=r.sent_bytes,
+        seconds=r.seconds,
+        attempts=r.attempts,
+        reason=r.reason,
+        num_cached_tokens=r.num_cached_tokens,
+    )

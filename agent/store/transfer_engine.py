@@ -1,0 +1,162 @@
+"""The Transfer Engine adapter: one-sided writes from this agent's registered memory into
+a peer's registered memory, behind a small interface so the rest of the data plane does
+not care which engine (or none) is there.
+
+`MooncakeEngine` wraps the Mooncake Transfer Engine (`mooncake-transfer-engine-non-cuda`
+on CPU machines, RDMA/CUDA builds on GPU clusters). Peers find each other by the
+engine's P2P handshake (`P2PHANDSHAKE`, the default: the agent publishes the engine's
+session id in its own etcd key) or through a metadata server the engine supports
+(`etcd://host:port`). A write names source and destination addresses; both sides must
+have registered the memory (the receiver's CPU slab; the sender's slab, and any bounce
+buffer for blocks outside it).
+
+`NoEngine` stands in when the engine cannot start (library missing, no device): the
+agent then hands off over the gRPC fallback only and says why once, in its log and in
+`AgentInfo.transfer_engine_status`.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+from collections.abc import Sequence
+from typing import Protocol
+
+log = logging.getLogger(__name__)
+
+
+class TransferFailed(Exception):
+    """A write did not complete (peer gone, address rejected, engine timeout)."""
+
+
+class TransferBackend(Protocol):
+    name: str  # "mooncake", or "" for none
+    available: bool
+    status: str  # why not available, or a short description
+    endpoint: str  # the session id peers address writes to
+    protocol: str
+
+    def register(self, address: int, num_bytes: int) -> None: ...
+    def unregister(self, address: int) -> None: ...
+    def write(self, endpoint: str, pieces: Sequence[tuple[int, int, int]]) -> None: ...
+    def close(self) -> None: ...
+
+
+class NoEngine:
+    name = ""
+    available = False
+    endpoint = ""
+    protocol = ""
+
+    def __init__(self, status: str):
+        self.status = status
+
+    def register(self, address: int, num_bytes: int) -> None:
+        pass
+
+    def unregister(self, address: int) -> None:
+        pass
+
+    def write(self, endpoint: str, pieces) -> None:
+        raise TransferFailed(f"no transfer engine here: {self.status}")
+
+    def close(self) -> None:
+        pass
+
+
+class MooncakeEngine:
+    """The Mooncake Transfer Engine of this process (one per agent)."""
+
+    name = "mooncake"
+
+    def __init__(
+        self,
+        hostname: str = "127.0.0.1",
+        protocol: str = "tcp",
+        metadata_server: str = "P2PHANDSHAKE",
+        device_name: str = "",
+        timeout_seconds: int = 5,
+    ):
+        # read by the engine when it is constructed: its own per-write timeout (at least
+        # 5 s, plus 1 s per GiB), and quieter logs
+        os.environ.setdefault("MC_TRANSFER_TIMEOUT", str(max(5, int(timeout_seconds))))
+        os.environ.setdefault("MC_LOG_LEVEL", "ERROR")
+        self.timeout_seconds = int(os.environ["MC_TRANSFER_TIMEOUT"])
+        from mooncake.engine import TransferEngine  # ImportError/OSError: see open_engine
+
+        self._engine = TransferEngine()
+        rc = self._engine.initialize(hostname, metadata_server, protocol, device_name)
+        if rc != 0:
+            raise TransferFailed(
+                f"TransferEngine.initialize({hostname!r}, {metadata_server!r}, {protocol!r}) returned {rc}"
+            )
+        self.protocol = protocol
+        self.endpoint = f"{hostname}:{self._engine.get_rpc_port()}"
+        self.available = True
+        self.status = f"mooncake {protocol} at {self.endpoint}"
+        self._lock = threading.Lock()
+        self._registered: dict[int, int] = {}
+
+    def register(self, address: int, num_bytes: int) -> None:
+        rc = self._engine.register_memory(address, num_bytes)
+        if rc != 0:
+            raise TransferFailed(f"register_memory({address:#x}, {num_bytes}) returned {rc}")
+        with self._lock:
+            self._registered[address] = num_bytes
+
+    def unregister(self, address: int) -> None:
+        with self._lock:
+            if self._registered.pop(address, None) is None:
+                return
+        self._engine.unregister_memory(address)
+
+    def write(self, endpoint: str, pieces: Sequence[tuple[int, int, int]]) -> None:
+        """Blocking write of [(src_address, dst_address, length)] to `endpoint`, in one
+        engine batch. The engine releases the GIL while it works."""
+        if not pieces:
+            return
+        srcs = [p[0] for p in pieces]
+        dsts = [p[1] for p in pieces]
+        lens = [p[2] for p in pieces]
+        if len(pieces) == 1:
+            rc = self._engine.transfer_sync_write(endpoint, srcs[0], dsts[0], lens[0])
+        else:
+            rc = self._engine.batch_transfer_sync_write(endpoint, srcs, dsts, lens)
+        if rc != 0:
+            raise TransferFailed(f"engine write of {sum(lens)} B to {endpoint} failed (rc {rc})")
+
+    def close(self) -> None:
+        with self._lock:
+            addresses = list(self._registered)
+            self._registered.clear()
+        for a in addresses:
+            try:
+                self._engine.unregister_memory(a)
+            except Exception:  # noqa: BLE001 - shutting down
+                pass
+
+
+def open_engine(
+    kind: str = "mooncake",
+    hostname: str = "127.0.0.1",
+    protocol: str = "tcp",
+    metadata_server: str = "P2PHANDSHAKE",
+    device_name: str = "",
+    timeout_seconds: int = 5,
+) -> TransferBackend:
+    """The engine to use, or NoEngine with the reason (never raises)."""
+    if kind in ("", "none", "off"):
+        return NoEngine("disabled by configuration (--transfer-engine none)")
+    if kind != "mooncake":
+        return NoEngine(f"unknown transfer engine {kind!r} (known: mooncake, none)")
+    try:
+        return MooncakeEngine(hostname, protocol, metadata_server, device_name, timeout_seconds)
+    except ImportError as exc:
+        why = (
+            f"the Mooncake Transfer Engine does not import ({exc}); install mooncake-transfer-engine-non-cuda "
+            "and the Debian packages libibverbs1 librdmacm1 libnuma1"
+        )
+    except (OSError, TransferFailed, RuntimeError) as exc:
+        why = f"the Mooncake Transfer Engine did not start: {exc}"
+    return NoEngine(why)

@@ -1,0 +1,106 @@
+"""Handoffs between real agents (gRPC servers on port 0, a real etcd and control plane):
+the Transfer Engine path, the gRPC fallback, and every bad input or refusal answered
+with a clear error or a definite "recompute", never a half-written prefix."""
+
+from __future__ import annotations
+
+import grpc
+import pytest
+import torch
+
+from agent.client import EngineClient
+from agent.dataplane import DataPlaneConfig
+from protos import errors
+from tests.handoff.support import BIG, SMALL, engine_works, prompt
+from tests.helpers import wait_for
+
+NO_ENGINE = engine_works()
+needs_engine = pytest.mark.skipif(bool(NO_ENGINE), reason=f"Mooncake engine unavailable: {NO_ENGINE}")
+
+
+def lookup_blocks(cp, agent_id, hashes) -> int:
+    r = cp.cluster.lookup(BIG.model_id, block_hashes=b"".join(hashes))
+    return next((m.num_hit_blocks for m in r.matches if m.agent_id == agent_id), 0)
+
+
+@needs_engine
+def test_engine_handoff_is_byte_exact_and_indexed(controlplane, make_agent):
+    a = make_agent("pre", models=[BIG], cpu_capacity_bytes=40 << 20)
+    b = make_agent("dec", models=[BIG], cpu_capacity_bytes=40 << 20, role="decode")
+    tokens, kv, hashes = prompt(BIG, 24)
+    a.engine.store(BIG.model_id, tokens, kv)
+    client = EngineClient(a.address)
+    r = client.handoff(BIG.model_id, "dec", token_ids=tokens, deadline_seconds=20)
+    assert (r.outcome, r.path, r.num_sent_blocks, r.sent_bytes) == ("transferred", "engine", 24, 24 << 20), r
+    assert r.num_cached_tokens == len(tokens) and r.attempts == 1
+    got = b.engine.load(BIG.model_id, tokens)
+    assert got.num_cached_tokens == len(tokens) and torch.equal(got.kv, kv)
+    wait_for(lambda: lookup_blocks(controlplane, "dec", hashes) == 24, 10, what="destination indexed")
+    # a second handoff of the same prefix finds it there and sends nothing
+    again = client.handoff(BIG.model_id, "dec", token_ids=tokens)
+    assert (again.outcome, again.sent_bytes) == ("present", 0)
+    info = b.info()
+    assert info.transfer_engine == "mooncake" and info.transfer_endpoint and info.role == "decode"
+    assert info.transfer_buffer_bytes == b.dataplane.store.slab.numel()
+    # the sender measured the link and reports it
+    link = a.dataplane.stats().links[0]
+    assert link.peer_agent_id == "dec" and link.throughput_bytes_per_second > 0 and link.last_path == "engine"
+    client.close()
+
+
+def test_grpc_fallback_when_the_destination_has_no_engine(controlplane, make_agent):
+    a = make_agent("pre", models=[BIG], cpu_capacity_bytes=24 << 20)
+    b = make_agent("dec", models=[BIG], cpu_capacity_bytes=24 << 20, transfer_engine="none")
+    tokens, kv, hashes = prompt(BIG, 8, seed=1)
+    a.engine.store(BIG.model_id, tokens, kv)
+    # the destination already holds the first 3 blocks: only the rest travels
+    b.engine.store(BIG.model_id, tokens[: 3 * BIG.block_size], kv[:3])
+    r = a.dataplane.handoff(BIG.model_id, hashes, "dec", 20)
+    assert (r.outcome, r.path, r.num_sent_blocks, r.num_blocks) == ("transferred", "grpc", 5, 8), r
+    assert "no transfer engine" in r.reason
+    assert torch.equal(b.engine.load(BIG.model_id, tokens).kv, kv)
+    assert b.info().transfer_engine == "" and "disabled" in b.info().transfer_engine_status
+
+
+def test_bad_input_and_refusals(controlplane, make_agent):
+    a = make_agent("pre", models=[SMALL, BIG], cpu_capacity_bytes=8 << 20)
+    make_agent("tiny", models=[SMALL, BIG], cpu_capacity_bytes=4 << 20, transfer_engine="none")
+    tokens, kv, hashes = prompt(BIG, 6, seed=2)
+    a.engine.store(BIG.model_id, tokens, kv)
+    client = EngineClient(a.address)
+    with pytest.raises(grpc.RpcError) as e:
+        client.handoff(BIG.model_id, "nobody", token_ids=tokens)
+    assert e.value.code() == grpc.StatusCode.NOT_FOUND and "nobody" in e.value.details()
+    _, _, other = prompt(BIG, 2, seed=9)
+    with pytest.raises(errors.FailedPrecondition, match="holds no block"):
+        a.dataplane.handoff(BIG.model_id, other, "tiny")
+    with pytest.raises(grpc.RpcError) as e:
+        client.handoff("no-such-model", "tiny", token_ids=tokens)
+    assert e.value.code() == grpc.StatusCode.NOT_FOUND
+    with pytest.raises(grpc.RpcError) as e:
+        client.handoff(BIG.model_id, "pre", token_ids=tokens)
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    # 6 MiB do not fit a 4 MiB destination: recompute, said why, nothing left there
+    r = client.handoff(BIG.model_id, "tiny", token_ids=tokens, deadline_seconds=5)
+    assert r.outcome == "recompute" and "no room" in r.reason and r.attempts == 1, r
+    client.close()
+
+
+def test_a_busy_destination_queues_the_handoff_then_recompute_at_the_deadline(controlplane, make_agent):
+    a = make_agent("pre", models=[BIG], cpu_capacity_bytes=8 << 20)
+    b = make_agent(
+        "dec",
+        models=[BIG],
+        cpu_capacity_bytes=8 << 20,
+        transfer_engine="none",
+        dataplane=DataPlaneConfig(max_inbound=1),
+    )
+    tokens, kv, hashes = prompt(BIG, 2, seed=4)
+    a.engine.store(BIG.model_id, tokens, kv)
+    _, _, held = prompt(BIG, 1, seed=5)
+    r0 = b.dataplane.reservations.reserve(BIG.model_id, held, [BIG.block_bytes], ["none"], ttl_seconds=30)
+    r = a.dataplane.handoff(BIG.model_id, hashes, "dec", deadline_seconds=1.0)
+    assert r.outcome == "recompute" and "busy" in r.reason and r.seconds < 2.0, r
+    b.dataplane.reservations.abort(r0.reservation_id, quiesced=True)
+    r = a.dataplane.handoff(BIG.model_id, hashes, "dec", deadline_seconds=5.0)
+    assert r.outcome == "transferred"

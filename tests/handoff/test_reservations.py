@@ -1,0 +1,184 @@
+"""Receiving side of a handoff, on a real block pool (no servers): reserved blocks stay
+invisible until the whole prefix verified, a failed or expired reservation leaves
+nothing behind, and the pages of one that may still be written are quarantined."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from agent.core.block_pool import BlockPool
+from agent.core.handoff import Link, ReservationError, Reservations, checksum, pair_runs
+from agent.store.memory_tier import MemoryTier
+from protos import errors
+from protos.tier import Tier
+from tests.handoff.support import SMALL, prompt
+
+BLOCK = SMALL.block_bytes  # 64 B
+
+
+class Clock:
+    def __init__(self):
+        self.now = 100.0
+
+    def __call__(self):
+        return self.now
+
+
+def make(capacity_blocks: int = 16, **kw):
+    pool = BlockPool([MemoryTier(Tier.CPU, capacity_blocks * BLOCK, BLOCK)], [SMALL])
+    clock = Clock()
+    return pool, Reservations(pool, Tier.CPU, clock=clock, **kw), clock
+
+
+def fill(res: Reservations, r, kv) -> list[int]:
+    """Write the KV of the reserved blocks as a sender would, return their checksums."""
+    sums = []
+    for i in range(r.num_present, r.num_blocks):
+        raw = kv[i].contiguous().view(-1).view(__import__("torch").uint8)
+        res.write(r, i, 0, raw.numpy().tobytes())
+        sums.append(checksum([raw]))
+    return sums
+
+
+def reserve(res, hashes, n=None):
+    n = len(hashes) if n is None else n
+    return res.reserve(SMALL.model_id, hashes[:n], [BLOCK] * n, ["none"] * n, ttl_seconds=5)
+
+
+def test_reserved_blocks_are_invisible_until_the_last_commit():
+    pool, res, _ = make()
+    _, kv, hashes = prompt(SMALL, 6)
+    r = reserve(res, hashes)
+    assert r.num_present == 0 and len(r.handles) == 6
+    sums = fill(res, r, kv)
+    res.verify(r.reservation_id, 0, sums[:3])  # a staged chunk
+    assert pool.num_leading(hashes) == 0 and pool.inventory()[1] == []
+    res.commit(r.reservation_id, 3, sums[3:])
+    assert pool.num_leading(hashes) == 6
+    blocks, _ = pool.read_chain(hashes)
+    assert all(bool((b == kv[i]).all()) for i, b in enumerate(blocks))
+    assert res.open_count() == 0
+
+
+def test_checksum_mismatch_makes_nothing_visible_and_quarantines_the_pages():
+    pool, res, clock = make(quarantine_seconds=3)
+    _, kv, hashes = prompt(SMALL, 4)
+    r = reserve(res, hashes)
+    sums = fill(res, r, kv)
+    sums[2] ^= 1
+    with pytest.raises(ReservationError, match="checksum mismatch on block 2"):
+        res.commit(r.reservation_id, 0, sums)
+    assert pool.num_leading(hashes) == 0
+    assert res.quarantined_pages() == 4 and pool.top.used_bytes == 4 * BLOCK
+    clock.now += 3
+    res.run_once()
+    assert res.quarantined_pages() == 0 and pool.top.used_bytes == 0
+    with pytest.raises(ReservationError, match="not open"):
+        res.commit(r.reservation_id, 0, [])
+
+
+def test_a_partial_transfer_expires_without_a_trace():
+    pool, res, clock = make(quarantine_seconds=2)
+    _, kv, hashes = prompt(SMALL, 5)
+    r = reserve(res, hashes)
+    fill(res, r, kv)  # all bytes arrived but the sender never committed (it died)
+    clock.now += 4
+    assert res.run_once() == 0
+    clock.now += 1.5
+    assert res.run_once() == 1 and res.expired_total == 1
+    assert pool.num_leading(hashes) == 0 and pool.top.used_bytes == 5 * BLOCK  # quarantined
+    clock.now += 2
+    res.run_once()
+    assert pool.top.used_bytes == 0
+
+
+def test_present_leading_blocks_are_not_sent_and_stay_referenced():
+    pool, res, _ = make(capacity_blocks=8)
+    tokens, kv, hashes = prompt(SMALL, 6)
+    pool.insert_chain(SMALL.model_id, hashes[:2], lambda i: kv[i])
+    r = reserve(res, hashes)
+    assert r.num_present == 2 and len(r.handles) == 4
+    assert all(m.ref_count == 1 for m in r.present)
+    # filling the rest of the tier cannot evict the leading blocks the reservation relies on
+    _, other, other_hashes = prompt(SMALL, 2, seed=7)
+    pool.insert_chain(SMALL.model_id, other_hashes, lambda i: other[i])
+    assert pool.num_leading(hashes[:2]) == 2
+    res.commit(r.reservation_id, 2, fill(res, r, kv))
+    assert pool.num_leading(hashes) == 6 and all(m.ref_count == 0 for m in r.present)
+
+
+def test_too_many_arriving_is_busy_and_no_room_is_a_clear_error():
+    pool, res, _ = make(capacity_blocks=4, max_inbound=1)
+    _, _, hashes = prompt(SMALL, 3)
+    reserve(res, hashes, 1)
+    with pytest.raises(errors.ResourceExhausted, match="retry"):
+        reserve(res, hashes, 1)
+    res.max_inbound = 8
+    pool.set_pin([], None)
+    _, kv, big = prompt(SMALL, 4, seed=3)
+    pool.insert_chain(SMALL.model_id, big[:3], lambda i: kv[i])
+    pool.set_pin(big[:3], Tier.CPU)  # pinned: cannot make room
+    with pytest.raises(errors.FailedPrecondition, match="no room"):
+        reserve(res, hashes)
+    assert pool.top.used_bytes == 4 * BLOCK  # nothing held by the failed reservation
+
+
+def test_commit_reuses_a_block_stored_meanwhile():
+    pool, res, _ = make()
+    _, kv, hashes = prompt(SMALL, 3)
+    r = reserve(res, hashes)
+    sums = fill(res, r, kv)
+    pool.insert_chain(SMALL.model_id, hashes[:1], lambda i: kv[i])  # the engine stored block 0 itself
+    res.commit(r.reservation_id, 0, sums)
+    assert pool.num_leading(hashes) == 3 and pool.top.used_bytes == 3 * BLOCK
+
+
+@given(
+    st.lists(st.integers(1, 50), min_size=1, max_size=8),
+    st.lists(st.integers(1, 50), min_size=1, max_size=8),
+)
+def test_pair_runs_maps_every_byte_once(src_lens, dst_lens):
+    total = min(sum(src_lens), sum(dst_lens))
+    src_lens = _trim(src_lens, total)
+    dst_lens = _trim(dst_lens, total)
+    src, pos = [], 0
+    for n in src_lens:
+        src.append((1000 + pos * 3, n))  # gaps between runs
+        pos += n
+    dst, pos = [], 0
+    for n in dst_lens:
+        dst.append((90000 + pos * 2, n))
+        pos += n
+    pieces = pair_runs(src, dst)
+    assert sum(n for _, _, n in pieces) == total
+
+    def flat(runs):
+        return [a + k for a, n in runs for k in range(n)]
+
+    assert [s + k for s, _, n in pieces for k in range(n)] == flat(src)
+    assert [d + k for _, d, n in pieces for k in range(n)] == flat(dst)
+
+
+def _trim(lens, total):
+    out, left = [], total
+    for n in lens:
+        if left <= 0:
+            break
+        out.append(min(n, left))
+        left -= out[-1]
+    return out
+
+
+def test_link_concurrency_queues_and_bandwidth_paces():
+    t = [0.0]
+    link = Link("peer", max_concurrent=1, bytes_per_second=1000, clock=lambda: t[0])
+    assert link.acquire(deadline_monotonic=1.0)
+    assert not link.acquire(deadline_monotonic=0.0)  # the one slot is taken: queued, then the deadline
+    link.release()
+    assert link.pace(500, 10.0)  # within the burst allowance, then in debt
+    assert not link.pace(500, deadline_monotonic=0.1)  # paying off 400 B of debt takes 0.4 s: past it
+    link.record(True, 1 << 20, 0.5, "engine")
+    link.record(True, 1 << 20, 1.0, "engine")
+    assert 1.3e6 < link.throughput_bytes_per_second < 2.1e6

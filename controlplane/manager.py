@@ -14,7 +14,7 @@ import logging
 import math
 import threading
 import time
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from dataclasses import dataclass
 
 from controlplane.core import operations as ops
@@ -23,6 +23,7 @@ from controlplane.core.access_stats import AccessStats
 from controlplane.core.cluster import AgentCommand, Cluster, ModelInfo
 from controlplane.core.parents import ParentMap
 from controlplane.core.pins import Pin, check_namespace, check_quota, new_pin
+from controlplane.core.tuning import CreditTuner
 from controlplane.store.durable import DurableStore, op_to_json, pin_key, pin_to_json
 from controlplane.store.locks import EtcdLock
 from protos import errors, etcd_keys
@@ -137,6 +138,9 @@ class Manager:
         self._policy_ops = 0
         self.policy_actions_total = 0
         self.policy_enabled = True
+        self.tuner: CreditTuner | None = None
+        self._lookups: deque[tuple[bytes, float]] = deque(maxlen=100_000)
+        self.lookups_dropped_total = 0
         self.on_finished = None  # callable(kind, state, seconds) when an operation finishes (metrics)
 
     # ---- leadership -----------------------------------------------------------------
@@ -588,10 +592,32 @@ class Manager:
 
     # ---- tier policy ----------------------------------------------------------------
     def note_lookup(self, packed: bytes, now: float) -> None:
-        """Cluster.on_lookup: every lookup is evidence of future reuse."""
-        hashes = [packed[i : i + BLOCK_HASH_BYTES] for i in range(0, len(packed), BLOCK_HASH_BYTES)]
+        """Cluster.on_lookup: every lookup is evidence of future reuse. Only queued here
+        (the lookup path stays O(1)); the reconcile loop folds the queue into the access
+        stats and the credit tuner."""
+        if len(self._lookups) == self._lookups.maxlen:
+            self.lookups_dropped_total += 1
+        self._lookups.append((packed, now))
+
+    def _drain_lookups(self) -> None:
         with self._access_lock:
-            self.access.record_lookup(hashes, now)
+            while self._lookups:
+                packed, now = self._lookups.popleft()
+                hashes = [packed[i : i + BLOCK_HASH_BYTES] for i in range(0, len(packed), BLOCK_HASH_BYTES)]
+                self.access.record_lookup(hashes, now)
+                if self.tuner is not None:
+                    self.tuner.observe(hashes, now, self.access)
+
+    def _tune(self, policy: tier_policy.Policy, capacity_blocks: int) -> float | None:
+        """The reuse credit the shadow caches currently favour (None: tuning off)."""
+        if not policy.tune_reuse_credits or capacity_blocks <= 0:
+            self.tuner = None
+            return None
+        if self.tuner is None or abs(self.tuner.capacity_blocks - capacity_blocks) > 0.2 * self.tuner.capacity_blocks:
+            self.tuner = CreditTuner(
+                capacity_blocks, default=policy.reuse_credit_turnovers, max_reuse_credits=policy.max_reuse_credits
+            )
+        return self.tuner.best()
 
     def tier_policy(self) -> tier_policy.Policy:
         with self._lock:
@@ -618,8 +644,10 @@ class Manager:
                 blocks = {h: self.parents.get(h) for h, tier in held.items() if tier == int(t.tier)}
                 tiers.append(tier_policy.TierView.from_bytes(t.tier, t.capacity_bytes, bb, blocks))
             views.append(tier_policy.AgentView(rec.agent_id, tuple(tiers)))
+        self._drain_lookups()
         if not views:
             return 0
+        credit = self._tune(policy, tier_policy.total_capacity_blocks(views))
         with self._lock:
             pinned = {
                 p.block_hashes[i : i + 16]: p.min_tier
@@ -628,9 +656,10 @@ class Manager:
                 for i in range(0, len(p.block_hashes), 16)
             }
         with self._access_lock:
-            actions = tier_policy.decide(
-                tier_policy.ClusterView(tuple(views), self.access, tier_policy.Pins(pinned)), policy, now
+            view = tier_policy.ClusterView(
+                tuple(views), self.access, tier_policy.Pins(pinned), reuse_credit_turnovers=credit
             )
+            actions = tier_policy.decide(view, policy, now)
         for action in actions:
             self._policy_ops += 1
             op_id = f"policy-{self._policy_ops}"

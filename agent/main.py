@@ -16,30 +16,7 @@ from agent.server import DEMO_MODEL, Agent, AgentConfig
 from protos.metrics import parse_listen
 from protos.security import TLSConfig, read_secret
 from protos.tier import Tier
-
-SIZE_UNITS = {
-    "": 1,
-    "b": 1,
-    "k": 1 << 10,
-    "kb": 1 << 10,
-    "kib": 1 << 10,
-    "m": 1 << 20,
-    "mb": 1 << 20,
-    "mib": 1 << 20,
-    "g": 1 << 30,
-    "gb": 1 << 30,
-    "gib": 1 << 30,
-}
-
-
-def parse_bytes(text: str) -> int:
-    """'64MiB' -> 67108864."""
-    s = text.strip().lower()
-    num = s.rstrip("abcdefghijklmnopqrstuvwxyz")
-    unit = s[len(num) :]
-    if unit not in SIZE_UNITS or not num:
-        raise ValueError(f"{text!r} is not a size (examples: 4096, 64MiB, 2GiB)")
-    return int(float(num) * SIZE_UNITS[unit])
+from protos.units import parse_size
 
 
 class SizeType(click.ParamType):
@@ -49,7 +26,7 @@ class SizeType(click.ParamType):
         if isinstance(value, int):
             return value
         try:
-            return parse_bytes(value)
+            return parse_size(value)
         except ValueError as exc:
             self.fail(str(exc), param, ctx)
 
@@ -152,6 +129,14 @@ def _metrics_listen(ctx, param, value: str) -> str:
 @click.option("--tls-ca", default="", help="CA of the control plane's certificate: TLS to it.")
 @click.option("--tls-cert", default="", help="This agent's certificate: TLS on its listener, mTLS to the CP.")
 @click.option("--tls-key", default="", help="This agent's private key.")
+@click.option(
+    "--vllm-kv-events",
+    default="",
+    help="A vLLM engine's KV event publisher (tcp://host:port): index its blocks under vLLM's hashes.",
+)
+@click.option("--vllm-kv-events-replay", default="", help="That engine's replay endpoint (tcp://host:port), for gaps.")
+@click.option("--vllm-kv-events-topic", default="", help="Topic of the engine's KV events (vLLM's default: none).")
+@click.option("--vllm-model-id", default="", help="Model the engine's blocks belong to (default: the first --model).")
 @click.option("--log-level", default="INFO", show_default=True)
 def main(
     agent_id,
@@ -183,6 +168,10 @@ def main(
     tls_key,
     etcd_wait_seconds,
     metrics_listen,
+    vllm_kv_events,
+    vllm_kv_events_replay,
+    vllm_kv_events_topic,
+    vllm_model_id,
     log_level,
 ):
     """Run a kvcp agent: a tiered KV block store that reports to the control plane."""
@@ -221,6 +210,10 @@ def main(
         lease_ttl_seconds=lease_ttl_seconds,
         etcd_wait_seconds=etcd_wait_seconds,
         metrics_listen=metrics_listen,
+        vllm_kv_events=vllm_kv_events,
+        vllm_kv_events_replay=vllm_kv_events_replay,
+        vllm_kv_events_topic=vllm_kv_events_topic,
+        vllm_model_id=vllm_model_id,
     )
     try:
         agent = Agent(config, log_fn=lambda m: click.echo(m, err=True)).start()

@@ -29,6 +29,7 @@ from controlplane.store.locks import EtcdLock
 from protos import errors, etcd_keys
 from protos.block_hash import BLOCK_HASH_BYTES, hash_prefix
 from protos.tier import Tier
+from protos.units import parse_size
 
 log = logging.getLogger(__name__)
 
@@ -51,29 +52,6 @@ class Scope:
     extra_keys: tuple[str, ...] = ()
     namespace: str = ""
     agent_id: str = ""
-
-
-def parse_size(text: str) -> int:
-    units = {
-        "": 1,
-        "b": 1,
-        "kib": 1 << 10,
-        "mib": 1 << 20,
-        "gib": 1 << 30,
-        "tib": 1 << 40,
-        "kb": 1000,
-        "mb": 1000**2,
-        "gb": 1000**3,
-        "k": 1 << 10,
-        "m": 1 << 20,
-        "g": 1 << 30,
-    }
-    s = text.strip().lower()
-    num = s.rstrip("abcdefghijklmnopqrstuvwxyz")
-    unit = s[len(num) :]
-    if not num or unit not in units:
-        raise ValueError(f"{text!r} is not a size (examples: 512MiB, 2GiB, 1000000)")
-    return int(float(num) * units[unit])
 
 
 def validate_policy(values: dict[str, str]) -> dict[str, str]:

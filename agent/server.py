@@ -20,10 +20,12 @@ from prometheus_client import CollectorRegistry
 from agent.api.dataplane_service import DataPlaneServicer
 from agent.api.engine_service import EngineServicer
 from agent.api.sync_client import ControlPlaneLink, tier_usage_pb
+from agent.api.vllm_events import VllmEventSubscriber
 from agent.core.block_pool import BlockPool
 from agent.core.engine_api import KVEngineAPI
 from agent.core.model_spec import ModelSpec
 from agent.core.mover import Mover
+from agent.core.vllm_events import ExternalBlocks
 from agent.dataplane import DataPlane, DataPlaneConfig, etcd_peer_info
 from agent.metrics import AgentMetrics
 from agent.store.disk_tier import DiskTier
@@ -64,6 +66,10 @@ class AgentConfig:
     stats_interval_seconds: float = 1.0
     etcd_wait_seconds: float = 30.0
     metrics_listen: str = ""  # /metrics HOST:PORT (port 0: any free one); "" serves none
+    vllm_kv_events: str = ""  # a vLLM engine's KV event PUB endpoint (tcp://host:port); "" none
+    vllm_kv_events_replay: str = ""  # its replay ROUTER endpoint, for gaps; "" none
+    vllm_kv_events_topic: str = ""
+    vllm_model_id: str = ""  # the model its blocks are indexed under; "" the first model
     role: str = ""  # prefill | decode | both ("" = both): what a router may send here
     transfer_engine: str = "mooncake"  # data plane for handoffs: mooncake | none (gRPC fallback only)
     transfer_protocol: str = "tcp"  # the engine's transport: tcp | rdma
@@ -102,6 +108,15 @@ class Agent:
             self.info, self.pool, self.engine, self._controlplane_address, config.stats_interval_seconds, self.mover
         )
         self.link.token, self.link.tls = config.controlplane_token, config.tls
+        self.vllm_events: VllmEventSubscriber | None = None
+        if config.vllm_kv_events:
+            model_id = config.vllm_model_id or config.models[0].model_id
+            if model_id not in {m.model_id for m in config.models}:
+                raise ValueError(f"--vllm-model-id {model_id!r} is not one of this agent's models (--model)")
+            self.link.external = ExternalBlocks(self.pool, model_id)
+            self.vllm_events = VllmEventSubscriber(
+                config.vllm_kv_events, self.link.external, config.vllm_kv_events_replay, config.vllm_kv_events_topic
+            )
         self.registry = registry if registry is not None else CollectorRegistry()
         self.metrics = AgentMetrics(self.registry, config.agent_id, self.pool, self.engine, self.link, self.mover)
         self.metrics_server = None
@@ -204,6 +219,8 @@ class Agent:
         self.registration.on_reregistered = self.link.request_reconnect
         self._spawn("etcd-keepalive", self.registration.run_forever)
         self._spawn("cp-link", self.link.run_forever)
+        if self.vllm_events is not None:
+            self._spawn("vllm-events", self.vllm_events.run_forever)
         self._spawn("mover", self.mover.run_forever)
         self._spawn("dataplane", self.dataplane.run_forever)
         log.info("agent %s serving on %s", self.agent_id, self.address)

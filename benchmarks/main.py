@@ -182,6 +182,19 @@ def replay(trace, capacities, fractions, tiers_text, settings, oracles, output_f
     help="Block events fed to each in-process peer.",
 )
 @click.option("--mooncake-keys", default=1_000_000, show_default=True, type=click.IntRange(1))
+@click.option(
+    "--churn-fraction",
+    default=0.1,
+    show_default=True,
+    type=click.FloatRange(0, 1),
+    help="Steady-state phase: share of each agent's blocks removed and replaced by new ones.",
+)
+@click.option(
+    "--policy-loop/--no-policy-loop",
+    default=False,
+    show_default=True,
+    help="Run the control plane's tier-policy pass during the benchmark (O(replicas) per pass).",
+)
 @click.option("-o", "--output", "output_format", type=click.Choice(["table", "json"]), default="table")
 def controlplane(output_format, **kwargs):
     """Control-plane ingest, lookup latency, memory and resync under simulated agents (real gRPC, real etcd)."""

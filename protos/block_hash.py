@@ -14,7 +14,17 @@ every agent, control plane and client computes it the same way, on any machine.
 Only full blocks are hashed: a prompt of n tokens has n // block_size blocks. Digests
 travel packed, BLOCK_HASH_BYTES each, back to back, in `bytes` fields. Python's `hash()`
 is never used (it is salted per process). Engines that bring their own hashes (vLLM KV
-events) are indexed under their own hashes, truncated or zero-padded to 16 bytes.
+events) are indexed under their own hashes, truncated or zero-padded to 16 bytes
+(`external_block_hash`):
+
+    int h (vLLM with VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES, or older vLLM's Python ints)
+        -> u64be(h mod 2**64) || 8 zero bytes        (negative ints wrap: -1 -> ff..ff)
+    bytes h (vLLM's sha256 / sha256_cbor digests, 32 bytes)
+        -> h[:16] when longer, h || zero bytes up to 16 when shorter
+
+so a client that knows vLLM's block hashes looks them up by packing these 16-byte forms
+(AdminService Lookup with block_hashes). Such hashes live in the same index as kvcp's
+own digests; the two never collide in practice (different functions over 128 bits).
 """
 
 from __future__ import annotations
@@ -99,3 +109,16 @@ def split_hashes(packed: bytes) -> list[bytes]:
 def parents_of(packed: bytes) -> bytes:
     """Packed parent digests of a packed chain (the first block's parent is the root)."""
     return ROOT_PARENT_HASH + packed[:-BLOCK_HASH_BYTES] if packed else b""
+
+
+def external_block_hash(h: int | bytes | bytearray | memoryview) -> bytes:
+    """An engine's own block hash as a 16-byte digest (see the module docstring);
+    ValueError for any other type."""
+    if isinstance(h, bool):
+        raise ValueError("a block hash must be an int or bytes, not a bool")
+    if isinstance(h, int):
+        return (h & 0xFFFFFFFFFFFFFFFF).to_bytes(8, "big") + bytes(8)
+    if isinstance(h, bytes | bytearray | memoryview):
+        raw = bytes(h)
+        return raw[:BLOCK_HASH_BYTES] if len(raw) >= BLOCK_HASH_BYTES else raw + bytes(BLOCK_HASH_BYTES - len(raw))
+    raise ValueError(f"a block hash must be an int or bytes, not {type(h).__name__}")

@@ -93,6 +93,8 @@ class ControlPlaneLink:
         self.epoch = 0
         self.connections_total = 0
         self.resyncs_total = 0
+        # blocks the engine holds and reports itself (agent.core.vllm_events.ExternalBlocks)
+        self.external = None
         self.dataplane = None  # agent.dataplane.DataPlane: runs TRANSFER commands, reports link stats
 
     def _on_op_update(self, op: MoveOp) -> None:
@@ -188,7 +190,10 @@ class ControlPlaneLink:
 
     # ---- messages -------------------------------------------------------------------
     def _inventory_messages(self):
-        seq, groups = self._pool.inventory()
+        with self._pool.lock:  # the engine's external blocks (vLLM events) share the pool's journal
+            seq, groups = self._pool.inventory()
+            if self.external is not None:
+                groups = list(groups) + self.external.inventory_groups()
         chunk: list[agent_pb2.BlockGroup] = []
         size = 0
         index = 0

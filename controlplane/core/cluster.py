@@ -18,11 +18,14 @@ from enum import IntEnum
 from controlplane.core.events import EventBus
 from controlplane.core.index import AgentMatch, BlockIndex
 from protos import errors
-from protos.block_hash import BLOCK_HASH_BYTES, hash_prefix, split_hashes
+from protos.block_hash import BLOCK_HASH_BYTES, hash_prefix
 from protos.tier import Tier
 
 MAX_LOOKUP_TOKENS = 1 << 20
 MAX_LOOKUP_BLOCKS = 1 << 16
+# blocks one agent may stage in an unfinished inventory (16 bytes each): bounds the memory
+# a misbehaving agent can hold before its last chunk
+MAX_INVENTORY_BLOCKS = 1 << 25
 
 
 class AgentState(IntEnum):
@@ -65,8 +68,8 @@ class AgentRecord:
     lookups_total: int = 0
     lookup_tokens_total: int = 0
     lookup_hit_tokens_total: int = 0
-    # inventory chunks received so far (swapped into the index at the last chunk)
-    staging: dict[bytes, int] = field(default_factory=dict)
+    # inventory chunks received so far, (packed digests, tier); swapped in at the last chunk
+    staging: list[tuple[bytes, int]] = field(default_factory=list)
     next_chunk: int = 0
     namespaces: dict[str, tuple[int, int]] = field(default_factory=dict)  # ns -> (blocks, bytes)
     # commands go down the agent's current Sync stream; pins applied on this stream
@@ -245,7 +248,7 @@ class Cluster:
             rec.state = AgentState.SYNCING
             self.events.publish("agent_state", f"{agent_id} connected; syncing its inventory", agent_id=agent_id)
             rec.awaiting_inventory = True
-            rec.staging = {}
+            rec.staging = []
             rec.next_chunk = 0
             rec.last_seen_unix_seconds = self._clock()
 
@@ -257,19 +260,28 @@ class Cluster:
             rec = self.agent(agent_id)
             if chunk_index != rec.next_chunk:
                 reason = f"inventory chunk {chunk_index} arrived, expected {rec.next_chunk}"
-                rec.staging, rec.next_chunk = {}, 0
+                rec.staging, rec.next_chunk = [], 0
                 rec.awaiting_inventory = True
                 self.resyncs_total += 1
                 self.events.publish("agent_state", f"{agent_id} resyncing: {reason}", "warning", agent_id=agent_id)
                 return reason
+            staged = sum(len(h) for h, _ in rec.staging) // BLOCK_HASH_BYTES
             for g in groups:
-                t = int(g.tier)
-                for h in split_hashes(g.block_hashes):
-                    rec.staging[h] = t
+                if len(g.block_hashes) % BLOCK_HASH_BYTES:
+                    raise errors.InvalidArgument(
+                        "groups.block_hashes", f"length {len(g.block_hashes)} is not a multiple of {BLOCK_HASH_BYTES}"
+                    )
+                staged += len(g.block_hashes) // BLOCK_HASH_BYTES
+                if staged > MAX_INVENTORY_BLOCKS:
+                    rec.staging, rec.next_chunk = [], 0
+                    raise errors.InvalidArgument(
+                        "inventory.groups", f"an inventory of more than {MAX_INVENTORY_BLOCKS} blocks"
+                    )
+                rec.staging.append((g.block_hashes, int(g.tier)))
             rec.next_chunk += 1
             if last_chunk:
-                self.index.replace_agent(agent_id, rec.staging)
-                rec.staging, rec.next_chunk = {}, 0
+                self.index.replace_agent_packed(agent_id, rec.staging)
+                rec.staging, rec.next_chunk = [], 0
                 rec.last_seq = seq
                 rec.awaiting_inventory = False
                 rec.state = AgentState.READY
@@ -292,14 +304,18 @@ class Cluster:
                 reason = f"event batch seq {seq} arrived, expected {rec.last_seq + 1}"
                 self.events.publish("agent_state", f"{agent_id} resyncing: {reason}", "warning", agent_id=agent_id)
                 return reason
+            for g in groups:  # validated before anything is applied: a bad batch changes nothing
+                if len(g.block_hashes) % BLOCK_HASH_BYTES:
+                    raise errors.InvalidArgument(
+                        "groups.block_hashes", f"length {len(g.block_hashes)} is not a multiple of {BLOCK_HASH_BYTES}"
+                    )
             rec.last_seq = seq
-            for g in groups:
-                hashes = split_hashes(g.block_hashes)
-                self.events_total += len(hashes)
+            for g in groups:  # packed digests go into the index as they came off the wire
+                self.events_total += len(g.block_hashes) // BLOCK_HASH_BYTES
                 if stored:
-                    self.index.add(agent_id, hashes, g.tier)
+                    self.index.add(agent_id, g.block_hashes, g.tier)
                 else:
-                    self.index.remove(agent_id, hashes)
+                    self.index.remove(agent_id, g.block_hashes)
             return None
 
     def update_stats(
@@ -403,16 +419,16 @@ class Cluster:
                 )
             packed = block_hashes
             num_tokens = len(packed) // BLOCK_HASH_BYTES * model.block_size
-        hashes = split_hashes(packed)
-        if len(hashes) > MAX_LOOKUP_BLOCKS:
+        num_blocks = len(packed) // BLOCK_HASH_BYTES
+        if num_blocks > MAX_LOOKUP_BLOCKS:
             raise errors.InvalidArgument("block_hashes", f"at most {MAX_LOOKUP_BLOCKS} blocks per lookup")
         with self._lock:
-            matches = self.index.lookup(hashes)
+            matches = self.index.lookup(packed)
             hit_tokens = matches[0].num_hit_blocks * model.block_size if matches else 0
             self.lookups_total += 1
             self.lookup_tokens_total += num_tokens
             self.lookup_hit_tokens_total += hit_tokens
-        return LookupResult(model_id, num_tokens, len(hashes), model.block_size, matches)
+        return LookupResult(model_id, num_tokens, num_blocks, model.block_size, matches)
 
     # ---- stats ----------------------------------------------------------------------
     def stats(self) -> ClusterStats:

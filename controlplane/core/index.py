@@ -4,14 +4,50 @@ It lives in the leader's memory and is rebuilt from agents' inventories; etcd ne
 holds it. Keys are 16-byte chained block digests (protos.block_hash), so a prefix
 lookup is a walk down the request's digests, no tree needed: a digest already names its
 whole prefix.
+
+Layout (numpy, no Python object per block): agents are interned to small ints (slots);
+each distinct block is one *entry* in dense arrays: its 16-byte key (two uint64), a
+bitmask of the agents holding it, and two bit planes giving each holder's tier as a
+2-bit code (tier - 1). A hash table of 8-slot buckets maps a key to its entry; each key
+has two candidate buckets (it goes into the emptier, and a lookup reads both, never
+more, so deleting just empties the slot). A slot holds a 32-bit tag (a second hash of
+the key; 0 is empty) and the entry id; a tag match is verified on all 16 bytes. A batch
+of N events is a few dozen vectorised passes over N: packed hashes from the wire go
+into the index without being split into `bytes` objects.
+
+Memory: 40 bytes per distinct block for the entry, 4 of scratch, and 8 per table slot
+at a load between 0.4 and 0.75 (11-20 bytes per block): ~55-65 bytes per replica when
+every replica is a distinct block, much less when agents share blocks. Past 64 agents
+each mask widens by a 64-bit word per 64 agents. Growing the table rebuilds it (all keys
+placed again), which a caller that knows its size avoids with `expected_blocks`.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
+import numpy as np
+
 from protos.tier import Tier
+
+BLOCK_HASH_BYTES = 16
+_BUCKET = 8
+_EMPTY = 0
+_MAX_LOAD = 0.75  # live / slots before the table is rebuilt larger
+_REBUILD_LOAD = 0.4  # live / slots right after a rebuild
+_MIN_BUCKETS = 16
+_SCALAR_MAX = 8  # keys left after the first vectorised round that are placed one by one
+_C1 = np.uint64(0x9E3779B97F4A7C15)
+_C2 = np.uint64(0xBF58476D1CE4E5B9)
+_U32 = np.uint64(0xFFFFFFFF)
+_C3 = np.uint64(0x94D049BB133111EB)
+_BYTE_SUM = np.uint64(0x0101010101010101)  # x * this >> 56: the sum of x's bytes
+_BYTE_INDEX = np.uint64(0x0001020304050607)  # 2 ** (8 j) * this >> 56 == j
+_TAG_LOW = np.uint32(1)
+_ONE = np.uint64(1)
+_V16 = np.dtype((np.void, 16))
+_TIER_VALUES = tuple(int(t) for t in Tier)
 
 
 @dataclass(frozen=True)
@@ -27,115 +63,555 @@ class AgentMatch:
         return [Tier(t) for t in self.tiers]
 
 
+def as_keys(block_hashes: bytes | bytearray | memoryview | Iterable[bytes]) -> np.ndarray:
+    """Packed 16-byte digests (or an iterable of them) as an (N, 2) uint64 view; ValueError
+    when a digest is not 16 bytes."""
+    if isinstance(block_hashes, np.ndarray):
+        if block_hashes.dtype == np.uint64:
+            return block_hashes.reshape(-1, 2)
+        buf = block_hashes.tobytes()
+    elif isinstance(block_hashes, bytes | bytearray | memoryview):
+        buf = block_hashes
+    else:
+        hs = list(block_hashes)
+        for h in hs:
+            if len(h) != BLOCK_HASH_BYTES:
+                raise ValueError(f"block hash must be {BLOCK_HASH_BYTES} bytes, got {len(h)}")
+        buf = b"".join(hs)
+    if len(buf) % BLOCK_HASH_BYTES:
+        raise ValueError(f"packed block hashes must be a multiple of {BLOCK_HASH_BYTES} bytes, got {len(buf)}")
+    if not len(buf):
+        return np.zeros((0, 2), np.uint64)
+    return np.frombuffer(buf, dtype=np.uint64).reshape(-1, 2)
+
+
+def _mix(keys: np.ndarray) -> np.ndarray:
+    # digests are already uniform, but engine-supplied hashes (vLLM ints, zero-padded) are
+    # not spread over both halves: mix both into the bucket and the tag
+    h = (keys[:, 0] ^ (keys[:, 1] * _C1)) * _C2
+    return h ^ (h >> np.uint64(29))
+
+
+def _first_set_byte(x: np.ndarray) -> np.ndarray:
+    """Index of the lowest non-zero byte of each (non-zero) uint64 of booleans."""
+    low = x & (~x + _ONE)  # the lowest set bit: 2 ** (8 * j) for boolean byte j
+    return ((low * _BYTE_INDEX) >> np.uint64(56)).astype(np.int64)  # byte j of the constant is j
+
+
+def _bit_columns(words: np.ndarray) -> np.ndarray:
+    """(m, W) uint64 -> (m, 64 W) uint8 of its bits, agent slot s at column s."""
+    return np.unpackbits(np.ascontiguousarray(words, dtype="<u8").view(np.uint8), axis=1, bitorder="little")
+
+
+def _tier_code(tier) -> int:
+    t = int(tier)
+    if t not in _TIER_VALUES:
+        raise ValueError(f"unknown tier value {t}")
+    return t - 1
+
+
 class BlockIndex:
     """Replicas of blocks across agents.
 
-    Invariant: `_replicas[h][a] == t` exactly when `_by_agent[a][h] == t`; no empty
-    inner dicts are kept in `_replicas`. Not thread-safe: the owner (Cluster) locks.
+    Invariants: an entry is live exactly when its key is in the table; a live entry's
+    agent mask is non-zero once the call that touched it returns (a block nobody holds is
+    freed); an agent's tier bits are zero where its mask bit is; `_counts[slot]` is the
+    number of mask bits set for that agent. Not thread-safe: the owner (Cluster) locks.
     """
 
-    def __init__(self) -> None:
-        self._replicas: dict[bytes, dict[str, int]] = {}
-        self._by_agent: dict[str, dict[bytes, int]] = {}
+    def __init__(self, expected_blocks: int = 0) -> None:
+        self._slot_of: dict[str, int] = {}  # insertion order = agents()
+        self._names: list[str | None] = []
+        self._free_slots: list[int] = []
+        self._W = 1  # 64-bit words per mask
+        self._counts = np.zeros(64, np.int64)
+        cap = max(1024, int(expected_blocks))
+        self._keys = np.empty((cap, 2), np.uint64)
+        # word-major (W, cap); all-zero bits for every entry not in use (freed ones included)
+        self._mask = np.zeros((1, cap), np.uint64)
+        self._tlo = np.zeros((1, cap), np.uint64)
+        self._thi = np.zeros((1, cap), np.uint64)
+        self._scratch = np.empty(cap, np.int32)
+        self._hw = 0  # entries ever allocated (high water)
+        self._free = np.empty(0, np.int64)
+        self._nfree = 0
+        self._live = 0
+        nb = _MIN_BUCKETS
+        while nb * _BUCKET * _REBUILD_LOAD < expected_blocks:
+            nb *= 2
+        self._new_table(nb)
+
+    # ---- agents ---------------------------------------------------------------------
+    def _intern(self, agent_id: str) -> int:
+        slot = self._slot_of.get(agent_id)
+        if slot is not None:
+            return slot
+        if self._free_slots:
+            self._free_slots.sort()
+            slot = self._free_slots.pop(0)
+            self._names[slot] = agent_id
+        else:
+            slot = len(self._names)
+            if slot >= 64 * self._W:
+                self._widen()
+            self._names.append(agent_id)
+        self._slot_of[agent_id] = slot
+        self._counts[slot] = 0
+        return slot
+
+    def _widen(self) -> None:
+        """One more 64-bit word per mask (agents beyond 64 * W)."""
+        W = self._W + 1
+        cap = len(self._keys)
+        for name in ("_mask", "_tlo", "_thi"):
+            old = getattr(self, name)
+            new = np.zeros((W, cap), np.uint64)
+            new[: W - 1, : self._hw] = old[:, : self._hw]
+            setattr(self, name, new)
+        self._W = W
+        self._counts = np.concatenate([self._counts, np.zeros(64, np.int64)])
+
+    @staticmethod
+    def _word_bit(slot: int) -> tuple[int, np.uint64]:
+        return slot >> 6, np.uint64(1 << (slot & 63))
+
+    # ---- table ----------------------------------------------------------------------
+    def _new_table(self, nb: int) -> None:
+        self._nb = nb
+        self._shift = np.uint64(64 - (nb.bit_length() - 1))
+        self._tags = np.zeros((nb, _BUCKET), np.uint32)
+        self._ents = np.zeros((nb, _BUCKET), np.int32)
+        self._tags_flat = self._tags.reshape(-1)
+        self._ents_flat = self._ents.reshape(-1)
+
+    def _buckets(self, h: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """The two candidate buckets and the tag of each hash."""
+        b1 = (h >> self._shift).astype(np.int64)
+        h2 = h * _C3
+        b2 = ((h2 ^ (h2 << np.uint64(29))) >> self._shift).astype(np.int64)
+        tag = (h & _U32).astype(np.uint32) | _TAG_LOW
+        return b1, b2, tag
+
+    def _match(self, rows: np.ndarray, b: np.ndarray, tag: np.ndarray, keys: np.ndarray, q: np.ndarray):
+        """Entry id and flat slot of key `keys[q[i]]` in bucket `b[i]` (table rows `rows`), -1
+        where it is not there. A tag match is verified on all 16 bytes."""
+        m = len(b)
+        e_out = np.full(m, -1, np.int64)
+        l_out = np.full(m, -1, np.int64)
+        x = (rows == tag[:, None]).view(np.uint64).ravel()  # 8 booleans of a bucket = one word
+        r = np.flatnonzero(x)
+        x = x[r]
+        while r.size:
+            j = _first_set_byte(x)
+            flat = b[r] * _BUCKET + j
+            e = self._ents_flat.take(flat).astype(np.int64)
+            ke = self._keys.take(e, axis=0)
+            kq = keys.take(q[r], axis=0)
+            ok = (ke[:, 0] == kq[:, 0]) & (ke[:, 1] == kq[:, 1])
+            e_out[r[ok]] = e[ok]
+            l_out[r[ok]] = flat[ok]
+            if ok.all():
+                break
+            bad = ~ok  # a tag collision: try the other matching slots of the bucket
+            r, x = r[bad], x[bad] & ~(_ONE << (j[bad].astype(np.uint64) * np.uint64(8)))
+            r, x = r[x != 0], x[x != 0]
+        return e_out, l_out
+
+    def _find(self, keys: np.ndarray, h: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Entry id and flat table slot of each key (-1 where absent): one look at each of
+        its two buckets, never further."""
+        n = len(keys)
+        if n == 0 or self._live == 0:
+            return np.full(n, -1, np.int64), np.full(n, -1, np.int64)
+        b1, b2, tag = self._buckets(h)
+        if n <= 4096:  # one pass over both buckets: fewer numpy calls for a lookup-sized batch
+            b = np.concatenate([b1, b2])
+            idx = np.arange(n)
+            e, slot = self._match(np.take(self._tags, b, axis=0), b, np.concatenate([tag, tag]), keys, np.tile(idx, 2))
+            first = e[:n] >= 0
+            return np.where(first, e[:n], e[n:]), np.where(first, slot[:n], slot[n:])
+        idx = np.arange(n)
+        ent, loc = self._match(np.take(self._tags, b1, axis=0), b1, tag, keys, idx)
+        miss = np.flatnonzero(ent < 0)
+        if miss.size:
+            bm = b2[miss]
+            e, slot = self._match(np.take(self._tags, bm, axis=0), bm, tag[miss], keys, miss)
+            ent[miss] = e
+            loc[miss] = slot
+        return ent, loc
+
+    def _place(self, h: np.ndarray, ids: np.ndarray, keys: np.ndarray | None, ent: np.ndarray | None) -> np.ndarray:
+        """Put keys into the table, each in the emptier of its two buckets. With `keys`: ids
+        are positions into `keys` that were not found; each gets a new entry (duplicates
+        among them share one), written to `ent`. Without: ids are existing entry ids of
+        distinct keys (a rebuild). Returns the positions (into ids) of keys whose two
+        buckets were both full: the caller grows the table and places them again."""
+        b1, b2, tag = self._buckets(h)
+        pending = np.arange(len(ids))
+        failed: list[np.ndarray] = []
+        first = True
+        while pending.size:
+            if not first and pending.size <= _SCALAR_MAX:
+                # the few that lost a claim: one at a time beats another round of numpy calls
+                left = [i for i in pending.tolist() if not self._place_one(i, b1, b2, tag, ids, keys, ent)]
+                if left:
+                    failed.append(np.array(left, np.int64))
+                break
+            p1, p2, tp = b1[pending], b2[pending], tag[pending]
+            r1 = np.take(self._tags, p1, axis=0)
+            r2 = np.take(self._tags, p2, axis=0)
+            if keys is not None and not first:
+                # a duplicate of a key placed by an earlier round of this call
+                q = ids[pending]
+                e, _ = self._match(r1, p1, tp, keys, q)
+                e2, _ = self._match(r2, p2, tp, keys, q)
+                e = np.where(e >= 0, e, e2)
+                hit = e >= 0
+                if hit.any():
+                    ent[q[hit]] = e[hit]
+                    keep = ~hit
+                    pending, p1, p2, tp, r1, r2 = pending[keep], p1[keep], p2[keep], tp[keep], r1[keep], r2[keep]
+                    if not pending.size:
+                        break
+            first = False
+            x1 = (r1 == _EMPTY).view(np.uint64).ravel()
+            x2 = (r2 == _EMPTY).view(np.uint64).ravel()
+            second = (x2 * _BYTE_SUM >> np.uint64(56)) > (x1 * _BYTE_SUM >> np.uint64(56))  # emptier bucket
+            x = np.where(second, x2, x1)
+            b = np.where(second, p2, p1)
+            has = x != 0
+            if not has.all():
+                failed.append(pending[~has])
+                pending, x, b = pending[has], x[has], b[has]
+                if not pending.size:
+                    break
+            flat = b * _BUCKET + _first_set_byte(x)
+            # claim the slot: the last writer wins, the others retry next round
+            self._ents_flat[flat] = pending
+            won = self._ents_flat.take(flat) == pending
+            wc, wf = pending[won], flat[won]
+            self._tags_flat[wf] = tag[wc]
+            if keys is None:
+                self._ents_flat[wf] = ids[wc]
+            else:
+                new = self._alloc(len(wc))
+                self._ents_flat[wf] = new
+                q = ids[wc]
+                # 1-D views: fancy assignment to rows of a 2-D array is numpy's slow path
+                self._keys.view(_V16).reshape(-1)[new] = keys.take(q, axis=0).view(_V16).reshape(-1)
+                ent[q] = new
+                self._live += len(wc)
+            pending = pending[~won]
+        return np.concatenate(failed) if failed else np.zeros(0, np.int64)
+
+    def _place_one(self, i: int, b1, b2, tag, ids, keys, ent) -> bool:
+        """_place for one key, in Python; False when both its buckets are full."""
+        t = int(tag[i])
+        tags, ents = self._tags_flat, self._ents_flat
+        rows = []
+        for b in (int(b1[i]), int(b2[i])):
+            lo = b * _BUCKET
+            row = tags[lo : lo + _BUCKET].tolist()
+            if keys is not None:
+                q = int(ids[i])
+                for j, tj in enumerate(row):
+                    if tj == t:
+                        e = int(ents[lo + j])
+                        if self._keys[e, 0] == keys[q, 0] and self._keys[e, 1] == keys[q, 1]:
+                            ent[q] = e  # placed earlier in this call
+                            return True
+            rows.append((row.count(_EMPTY), lo, row))
+        free, lo, row = max(rows, key=lambda r: r[0])  # the emptier; the first on a tie
+        if not free:
+            return False
+        slot = lo + row.index(_EMPTY)
+        tags[slot] = t
+        if keys is None:
+            ents[slot] = ids[i]
+            return True
+        q = int(ids[i])
+        new = int(self._alloc(1)[0])
+        ents[slot] = new
+        self._keys[new] = keys[q]
+        ent[q] = new
+        self._live += 1
+        return True
+
+    def _alloc(self, n: int) -> np.ndarray:
+        take = min(n, self._nfree)
+        out = np.empty(n, np.int64)
+        if take:
+            out[:take] = self._free[self._nfree - take : self._nfree]
+            self._nfree -= take
+        rest = n - take
+        if rest:
+            self._grow_entries(self._hw + rest)
+            out[take:] = np.arange(self._hw, self._hw + rest)
+            self._hw += rest
+        return out
+
+    def _grow_entries(self, need: int) -> None:
+        cap = len(self._keys)
+        if need <= cap:
+            return
+        new_cap = max(need, cap * 2)
+        hw = self._hw
+        keys = np.empty((new_cap, 2), np.uint64)
+        keys[:hw] = self._keys[:hw]
+        self._keys = keys
+        for name in ("_mask", "_tlo", "_thi"):
+            old = getattr(self, name)
+            new = np.zeros((old.shape[0], new_cap), np.uint64)  # calloc: pages cost nothing until used
+            new[:, :hw] = old[:, :hw]
+            setattr(self, name, new)
+        self._scratch = np.empty(new_cap, np.int32)
+
+    def _rebuild(self, nb: int) -> None:
+        live_ids = self._ents_flat[self._tags_flat != _EMPTY].astype(np.int64)
+        while True:
+            self._new_table(nb)
+            if not live_ids.size or not self._place(_mix(self._keys.take(live_ids, axis=0)), live_ids, None, None).size:
+                return
+            nb *= 2  # two full buckets for some key: rare below the max load; go bigger
+
+    def _reserve(self, n_new: int) -> None:
+        """Make room in the table for `n_new` more keys (rebuilding it larger)."""
+        if self._live + n_new <= _MAX_LOAD * self._nb * _BUCKET:
+            return
+        nb = _MIN_BUCKETS
+        while nb * _BUCKET * _REBUILD_LOAD < self._live + n_new:
+            nb *= 2
+        self._rebuild(nb)
+
+    def _find_or_insert(self, keys: np.ndarray) -> np.ndarray:
+        h = _mix(keys)
+        ent, _ = self._find(keys, h)
+        miss = np.flatnonzero(ent < 0)
+        if miss.size:
+            self._reserve(len(miss))
+            while miss.size:
+                left = self._place(h[miss], miss, keys, ent)
+                miss = miss[left]
+                if miss.size:
+                    self._rebuild(self._nb * 2)
+        return ent
+
+    def _distinct(self, e: np.ndarray) -> np.ndarray:
+        """Mask of the first occurrence of each entry id in `e`."""
+        if len(e) < 2:
+            return np.ones(len(e), bool)
+        pos = np.arange(len(e), dtype=np.int32)
+        s = self._scratch
+        s[e[::-1]] = pos[::-1]  # the last write is the first occurrence
+        return s.take(e) == pos
+
+    def _free_if_empty(self, e: np.ndarray, loc: np.ndarray | None = None) -> int:
+        """Free the entries among `e` that no agent holds any more."""
+        if not e.size:
+            return 0
+        empty = ~(np.take(self._mask, e, axis=1) != 0).any(axis=0) if self._W > 1 else self._mask[0].take(e) == 0
+        if not empty.any():
+            return 0
+        e = e[empty]
+        first = self._distinct(e)
+        e = e[first]
+        if loc is None:
+            k = self._keys.take(e, axis=0)
+            _, loc = self._find(k, _mix(k))
+        else:
+            loc = loc[empty][first]
+        self._tags_flat[loc] = _EMPTY
+        self._live -= len(e)
+        if self._nfree + len(e) > len(self._free):
+            grown = np.empty(max(2 * len(self._free), self._nfree + len(e), 1024), np.int64)
+            grown[: self._nfree] = self._free[: self._nfree]
+            self._free = grown
+        self._free[self._nfree : self._nfree + len(e)] = e
+        self._nfree += len(e)
+        return len(e)
+
+    def _set_bits(self, ent: np.ndarray, slot: int, code: int) -> None:
+        w, bit = self._word_bit(slot)
+        nbit = ~bit
+        m, lo, hi = self._mask[w], self._tlo[w], self._thi[w]
+        m[ent] = m.take(ent) | bit
+        lo[ent] = (lo.take(ent) | bit) if code & 1 else (lo.take(ent) & nbit)
+        hi[ent] = (hi.take(ent) | bit) if code & 2 else (hi.take(ent) & nbit)
+
+    def _clear_bits(self, ent: np.ndarray, slot: int) -> None:
+        w, bit = self._word_bit(slot)
+        nbit = ~bit
+        for col in (self._mask[w], self._tlo[w], self._thi[w]):
+            col[ent] = col.take(ent) & nbit
+
+    def _entries_of(self, slot: int) -> np.ndarray:
+        w, bit = self._word_bit(slot)
+        return np.flatnonzero(self._mask[w, : self._hw] & bit)
+
+    def _tiers_of(self, ent: np.ndarray, slot: int) -> np.ndarray:
+        w, bit = self._word_bit(slot)
+        lo = (self._tlo[w].take(ent) & bit) != 0
+        hi = (self._thi[w].take(ent) & bit) != 0
+        return 1 + lo.astype(np.uint8) + 2 * hi.astype(np.uint8)
 
     # ---- mutation -------------------------------------------------------------------
-    def add(self, agent_id: str, block_hashes: Iterable[bytes], tier: Tier) -> None:
-        """Record that `agent_id` holds these blocks in `tier` (a tier change if already held)."""
-        mine = self._by_agent.setdefault(agent_id, {})
-        t = int(tier)
-        replicas = self._replicas
-        for h in block_hashes:
-            mine[h] = t
-            holders = replicas.get(h)
-            if holders is None:
-                replicas[h] = {agent_id: t}
-            else:
-                holders[agent_id] = t
-
-    def remove(self, agent_id: str, block_hashes: Iterable[bytes]) -> None:
-        mine = self._by_agent.get(agent_id)
-        if not mine:
+    def add(self, agent_id: str, block_hashes, tier: Tier) -> None:
+        """Record that `agent_id` holds these blocks in `tier` (a tier change if already held).
+        `block_hashes`: packed 16-byte digests, or an iterable of 16-byte digests."""
+        keys = as_keys(block_hashes)
+        code = _tier_code(tier)
+        slot = self._intern(agent_id)
+        if not len(keys):
             return
-        for h in block_hashes:
-            if mine.pop(h, None) is None:
-                continue
-            holders = self._replicas[h]
-            del holders[agent_id]
-            if not holders:
-                del self._replicas[h]
+        ent = self._find_or_insert(keys)
+        w, bit = self._word_bit(slot)
+        newly = ent[(self._mask[w].take(ent) & bit) == 0]
+        if newly.size:
+            self._counts[slot] += int(self._distinct(newly).sum())
+        self._set_bits(ent, slot, code)
+
+    def remove(self, agent_id: str, block_hashes) -> None:
+        slot = self._slot_of.get(agent_id)
+        if slot is None or self._live == 0:
+            return
+        keys = as_keys(block_hashes)
+        if not len(keys):
+            return
+        ent, loc = self._find(keys, _mix(keys))
+        w, bit = self._word_bit(slot)
+        sel = ent >= 0
+        ent, loc = ent[sel], loc[sel]
+        held = (self._mask[w].take(ent) & bit) != 0
+        ent, loc = ent[held], loc[held]
+        if not ent.size:
+            return
+        self._counts[slot] -= int(self._distinct(ent).sum())
+        self._clear_bits(ent, slot)
+        self._free_if_empty(ent, loc)
 
     def drop_agent(self, agent_id: str) -> int:
         """Forget everything `agent_id` holds; returns the number of replicas dropped."""
-        mine = self._by_agent.pop(agent_id, None)
-        if not mine:
+        slot = self._slot_of.pop(agent_id, None)
+        if slot is None:
             return 0
-        for h in mine:
-            holders = self._replicas[h]
-            del holders[agent_id]
-            if not holders:
-                del self._replicas[h]
-        return len(mine)
+        n = int(self._counts[slot])
+        if n:
+            ent = self._entries_of(slot)
+            self._clear_bits(ent, slot)
+            self._free_if_empty(ent)
+        self._counts[slot] = 0
+        self._names[slot] = None
+        self._free_slots.append(slot)
+        return n
 
     def replace_agent(self, agent_id: str, blocks: dict[bytes, int]) -> None:
         """Swap in a full inventory: afterwards the agent holds exactly `blocks`."""
-        old = self._by_agent.get(agent_id, {})
-        gone = [h for h in old if h not in blocks]
-        self.remove(agent_id, gone)
-        mine = self._by_agent.setdefault(agent_id, {})
-        replicas = self._replicas
+        by_tier: dict[int, list[bytes]] = {}
         for h, t in blocks.items():
-            if mine.get(h) == t:
-                continue
-            mine[h] = t
-            holders = replicas.get(h)
-            if holders is None:
-                replicas[h] = {agent_id: t}
-            else:
-                holders[agent_id] = t
+            by_tier.setdefault(int(t), []).append(h)
+        self.replace_agent_packed(agent_id, [(b"".join(hs), t) for t, hs in by_tier.items()])
+
+    def replace_agent_packed(self, agent_id: str, groups: Sequence[tuple[bytes | memoryview, int]]) -> None:
+        """Swap in a full inventory given as (packed digests, tier) groups; a digest listed
+        in several groups takes the tier of the last."""
+        slot = self._intern(agent_id)
+        prepared = []
+        for packed, tier in groups:
+            keys = as_keys(packed)
+            code = _tier_code(tier)
+            if len(keys):
+                prepared.append((self._find_or_insert(keys), code))
+        old = self._entries_of(slot) if self._counts[slot] else np.zeros(0, np.int64)
+        if old.size:
+            self._clear_bits(old, slot)
+        for ent, code in prepared:
+            self._set_bits(ent, slot, code)
+        if prepared:
+            allent = np.concatenate([e for e, _ in prepared])
+            self._counts[slot] = int(self._distinct(allent).sum())
+        else:
+            self._counts[slot] = 0
+        self._free_if_empty(old)
 
     # ---- queries --------------------------------------------------------------------
-    def lookup(self, block_hashes: list[bytes]) -> list[AgentMatch]:
+    def lookup(self, block_hashes) -> list[AgentMatch]:
         """Per agent, the number of leading blocks of the prefix it holds; longest first."""
-        tiers: dict[str, bytearray] = {}
-        alive: set[str] = set()
-        replicas = self._replicas
-        for i, h in enumerate(block_hashes):
-            holders = replicas.get(h)
-            if not holders:
-                break
-            if i == 0:
-                for a, t in holders.items():
-                    tiers[a] = bytearray((t,))
-                alive = set(holders)
-                continue
-            for a in list(alive):
-                t = holders.get(a)
-                if t is None:
-                    alive.discard(a)
-                else:
-                    tiers[a].append(t)
-            if not alive:
-                break
-        matches = [AgentMatch(a, len(ts), bytes(ts)) for a, ts in tiers.items()]
-        matches.sort(key=lambda m: (-m.num_hit_blocks, m.agent_id))
-        return matches
+        keys = as_keys(block_hashes)
+        if not len(keys) or self._live == 0:
+            return []
+        ent, _ = self._find(keys, _mix(keys))
+        miss = np.flatnonzero(ent < 0)
+        m = int(miss[0]) if miss.size else len(ent)
+        if m == 0:
+            return []
+        e = ent[:m]
+        # (m, W): agents holding blocks 0..i
+        alive = np.bitwise_and.accumulate(np.take(self._mask, e, axis=1).T, axis=0)
+        if not alive[0].any():
+            return []
+        counts = _bit_columns(alive).sum(axis=0, dtype=np.int64)  # per agent slot
+        slots = np.flatnonzero(counts)
+        lo = _bit_columns(np.take(self._tlo, e, axis=1).T)[:, slots]
+        hi = _bit_columns(np.take(self._thi, e, axis=1).T)[:, slots]
+        tiers = (1 + lo + 2 * hi).T.copy()  # (agents, m) uint8
+        names = self._names
+        out = [
+            AgentMatch(names[s], int(counts[s]), tiers[k, : counts[s]].tobytes()) for k, s in enumerate(slots.tolist())
+        ]
+        out.sort(key=lambda a: (-a.num_hit_blocks, a.agent_id))
+        return out
 
     def holders(self, block_hash: bytes) -> dict[str, Tier]:
-        return {a: Tier(t) for a, t in self._replicas.get(block_hash, {}).items()}
+        keys = as_keys(block_hash)
+        ent, _ = self._find(keys, _mix(keys))
+        if len(ent) != 1 or ent[0] < 0:
+            return {}
+        e = ent[:1]
+        held = _bit_columns(np.take(self._mask, e, axis=1).T)[0]
+        out: dict[str, Tier] = {}
+        for slot in np.flatnonzero(held).tolist():
+            out[self._names[slot]] = Tier(int(self._tiers_of(e, slot)[0]))
+        return out
 
     def agent_blocks(self, agent_id: str) -> dict[bytes, int]:
-        return dict(self._by_agent.get(agent_id, {}))
+        slot = self._slot_of.get(agent_id)
+        if slot is None or not self._counts[slot]:
+            return {}
+        ent = self._entries_of(slot)
+        raw = self._keys[ent].tobytes()
+        tiers = self._tiers_of(ent, slot).tolist()
+        return {raw[16 * i : 16 * i + 16]: t for i, t in enumerate(tiers)}
 
     def num_agent_blocks(self, agent_id: str) -> int:
-        return len(self._by_agent.get(agent_id, ()))
+        slot = self._slot_of.get(agent_id)
+        return 0 if slot is None else int(self._counts[slot])
 
     @property
     def num_blocks(self) -> int:
-        return len(self._replicas)
+        return self._live
 
     @property
     def num_replicas(self) -> int:
-        return sum(len(m) for m in self._by_agent.values())
+        return int(self._counts.sum())
 
     def agents(self) -> list[str]:
-        return list(self._by_agent)
+        return list(self._slot_of)
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the arrays allocated (capacity; resident memory may be less)."""
+        arrays = (self._keys, self._mask, self._tlo, self._thi, self._scratch, self._free, self._tags, self._ents)
+        return sum(a.nbytes for a in arrays)
+
+    # ---- the mapping view of older code and tests (materialised; slow) --------------
+    @property
+    def _by_agent(self) -> dict[str, dict[bytes, int]]:
+        return {a: self.agent_blocks(a) for a in self._slot_of}
+
+    @property
+    def _replicas(self) -> dict[bytes, dict[str, int]]:
+        out: dict[bytes, dict[str, int]] = {}
+        for a, blocks in self._by_agent.items():
+            for h, t in blocks.items():
+                out.setdefault(h, {})[a] = t
+        return out

@@ -1,0 +1,183 @@
+"""Subscriber to a vLLM engine's KV events (`--kv-events-config` with the zmq publisher).
+
+Wire format (vLLM's `ZmqEventPublisher`): multipart messages `[topic, seq, payload]` on a
+PUB socket, seq an 8-byte big-endian counter from 0 per publisher, payload a msgpack
+KVEventBatch (decoded by agent.core.vllm_events). A ROUTER socket (the replay endpoint)
+answers `[b"", start_seq]` from a DEALER with `[b"", seq, payload]` for each batch it
+still buffers from start_seq on, then `[b"", -1 (signed), b""]`.
+
+Gaps: a seq that skips ahead asks the replay endpoint for the missing batches; what comes
+back in order is applied, and if it cannot fill the gap (no replay endpoint, the engine's
+buffer has moved on, a timeout) the agent forgets every block of this engine (nothing
+stale is claimed) and starts over from what follows: the counted equivalent of a resync,
+since vLLM has no snapshot to ask for. When the subscriber starts it asks for the whole
+replay buffer, so an engine that was already running is picked up. A seq that goes back
+to 0 is an engine restart: its cache is empty, and so is ours for it. A malformed
+message or batch is counted and skipped, never applied in part. The SUB socket's bounded
+queue (rcvhwm) is the backpressure: a consumer that falls behind loses messages, sees the
+gap and recovers as above, with memory bounded.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from dataclasses import dataclass
+
+import zmq
+
+from agent.core.vllm_events import ExternalBlocks, MalformedBatch, decode_batch
+
+log = logging.getLogger(__name__)
+
+END_SEQ = -1
+
+
+@dataclass
+class VllmEventStats:
+    batches_total: int = 0
+    blocks_stored_total: int = 0
+    blocks_removed_total: int = 0
+    malformed_total: int = 0
+    gaps_total: int = 0
+    replayed_batches_total: int = 0
+    unrecovered_gaps_total: int = 0  # the blocks of the engine were dropped (a resync)
+    engine_restarts_total: int = 0
+    last_seq: int = -1
+
+
+class VllmEventSubscriber:
+    def __init__(
+        self,
+        endpoint: str,
+        external: ExternalBlocks,
+        replay_endpoint: str = "",
+        topic: str = "",
+        replay_timeout_seconds: float = 2.0,
+        rcvhwm: int = 10_000,
+    ):
+        self.endpoint = endpoint
+        self.replay_endpoint = replay_endpoint
+        self.topic = topic.encode()
+        self.external = external
+        self.replay_timeout_seconds = replay_timeout_seconds
+        self.rcvhwm = rcvhwm
+        self.stats = VllmEventStats()
+        self.connected = threading.Event()
+        self._ctx = zmq.Context.instance()
+        self._dealer: zmq.Socket | None = None
+        self._started = False
+
+    # ---- applying -------------------------------------------------------------------
+    def _apply(self, seq: int, payload: bytes) -> None:
+        st = self.stats
+        st.last_seq = seq
+        try:
+            batch = decode_batch(payload)
+        except MalformedBatch as exc:
+            st.malformed_total += 1
+            log.warning("vLLM KV event batch %d skipped: %s", seq, exc)
+            return
+        stored, removed = self.external.apply(batch)
+        st.batches_total += 1
+        st.blocks_stored_total += stored
+        st.blocks_removed_total += removed
+
+    def handle(self, frames: list[bytes]) -> None:
+        """One multipart message from the PUB socket."""
+        st = self.stats
+        if len(frames) != 3 or len(frames[1]) != 8:
+            st.malformed_total += 1
+            log.warning("vLLM KV event message with %d frames skipped (want [topic, seq, payload])", len(frames))
+            return
+        seq = int.from_bytes(frames[1], "big")
+        if not self._started:
+            self._started = True
+            if seq > 0:
+                self._replay(0, seq, initial=True)  # the engine was running before we subscribed
+        elif seq <= st.last_seq:
+            if seq == 0:
+                st.engine_restarts_total += 1
+                log.info("vLLM engine restarted (seq back to 0); forgetting its blocks")
+                self.external.clear()
+            else:
+                return  # a duplicate
+        elif seq > st.last_seq + 1:
+            st.gaps_total += 1
+            want = st.last_seq + 1
+            self._replay(want, seq)
+            if st.last_seq != seq - 1:
+                st.unrecovered_gaps_total += 1
+                dropped = self.external.clear()
+                log.warning(
+                    "vLLM KV events %d..%d lost and not replayed; forgot %d blocks of the engine",
+                    want,
+                    seq - 1,
+                    dropped,
+                )
+        self._apply(seq, frames[2])
+
+    def _replay(self, start: int, until: int, initial: bool = False) -> None:
+        """Ask for batches [start, until) and apply those that fill in order (`initial`:
+        from wherever the engine's buffer starts)."""
+        if not self.replay_endpoint or self._dealer is None:
+            return
+        st = self.stats
+        self._dealer.send_multipart([b"", start.to_bytes(8, "big")])
+        deadline = time.monotonic() + self.replay_timeout_seconds
+        while True:
+            left = deadline - time.monotonic()
+            if left <= 0 or not self._dealer.poll(int(left * 1000)):
+                log.warning("vLLM replay from %d timed out", start)
+                self._reset_dealer()
+                return
+            frames = self._dealer.recv_multipart()
+            if len(frames) != 3 or len(frames[1]) != 8:
+                st.malformed_total += 1
+                continue
+            seq = int.from_bytes(frames[1], "big", signed=True)
+            if seq == END_SEQ:
+                return
+            if initial and st.last_seq < 0 and 0 <= seq < until:
+                st.last_seq = seq - 1
+            if seq >= until or seq != st.last_seq + 1:
+                continue  # past the gap, or not contiguous with what we applied
+            st.replayed_batches_total += 1
+            self._apply(seq, frames[2])
+
+    def _reset_dealer(self) -> None:
+        # a late answer to an abandoned request must not be read as the next one's
+        if self._dealer is not None:
+            self._dealer.close(linger=0)
+        self._dealer = self._ctx.socket(zmq.DEALER)
+        self._dealer.connect(self.replay_endpoint)
+
+    # ---- loop -----------------------------------------------------------------------
+    def run_forever(self, stop: threading.Event) -> None:
+        sub = self._ctx.socket(zmq.SUB)
+        sub.setsockopt(zmq.RCVHWM, self.rcvhwm)
+        sub.setsockopt(zmq.SUBSCRIBE, self.topic)
+        sub.connect(self.endpoint)
+        if self.replay_endpoint:
+            self._reset_dealer()
+        self.connected.set()
+        log.info("subscribed to vLLM KV events at %s (replay %s)", self.endpoint, self.replay_endpoint or "none")
+        try:
+            while not stop.is_set():
+                if not sub.poll(100):
+                    continue
+                try:
+                    frames = sub.recv_multipart(zmq.NOBLOCK)
+                except zmq.Again:
+                    continue
+                try:
+                    self.handle(frames)
+                except Exception:  # noqa: BLE001 - one bad message never stops the subscriber
+                    self.stats.malformed_total += 1
+                    log.exception("vLLM KV event message could not be applied")
+        finally:
+            sub.close(linger=0)
+            if self._dealer is not None:
+                self._dealer.close(linger=0)
+                self._dealer = None

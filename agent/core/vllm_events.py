@@ -1,0 +1,234 @@
+"""vLLM KV cache events, decoded, and the metadata-only blocks they describe.
+
+vLLM (`vllm/distributed/kv_events.py`) publishes msgpack-encoded `KVEventBatch`es: a
+batch is `[ts, events, data_parallel_rank]` (array-like structs) or the same as a map
+(`{"ts", "events", "data_parallel_rank"}`, newer vLLM); each event is a tagged struct,
+array-like `["BlockStored", block_hashes, parent_block_hash, token_ids, block_size,
+lora_id, medium, ...]` / `["BlockRemoved", block_hashes, medium, ...]` /
+`["AllBlocksCleared"]`, or a map with the tag under "type". Fields vLLM adds later are
+ignored. Block hashes are ints or bytes and become 16-byte digests through
+`protos.block_hash.external_block_hash`.
+
+`decode_batch` validates a whole batch before anything is applied: a malformed one
+raises `MalformedBatch` and changes nothing. `ExternalBlocks` is the agent's inventory
+of blocks the engine holds and this agent does not (it has no bytes for them, so they
+stay out of the BlockPool): their events go into the pool's journal, in the same
+sequence space as the pool's own, and they are part of every inventory the agent sends.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import msgspec
+
+from agent.core.block_pool import InventoryGroup
+from agent.core.journal import REMOVED, STORED
+from protos.block_hash import ROOT_PARENT_HASH, external_block_hash
+from protos.tier import Tier
+
+MEDIUM_TIERS = {"GPU": Tier.GPU, "CPU": Tier.CPU, "DISK": Tier.DISK}
+MAX_BLOCKS_PER_EVENT = 1 << 20
+
+
+class MalformedBatch(ValueError):
+    """A payload that is not a vLLM KVEventBatch."""
+
+
+@dataclass(frozen=True)
+class BlocksStored:
+    block_hashes: list[bytes]  # 16-byte digests
+    parent_hash: bytes  # ROOT_PARENT_HASH when none
+    tier: Tier
+
+
+@dataclass(frozen=True)
+class BlocksRemoved:
+    block_hashes: list[bytes]
+    tier: Tier
+
+
+@dataclass(frozen=True)
+class AllCleared:
+    pass
+
+
+@dataclass(frozen=True)
+class DecodedBatch:
+    ts: float
+    events: list[BlocksStored | BlocksRemoved | AllCleared]
+    data_parallel_rank: int | None
+
+
+_decoder = msgspec.msgpack.Decoder()
+
+
+def _tier(medium) -> Tier:
+    if medium is None:
+        return Tier.GPU  # vLLM before `medium`, and its default
+    if not isinstance(medium, str):
+        raise MalformedBatch(f"medium must be a string, not {type(medium).__name__}")
+    return MEDIUM_TIERS.get(medium.upper(), Tier.REMOTE)  # an unknown medium: held, somewhere slower
+
+
+def _hashes(value) -> list[bytes]:
+    if not isinstance(value, list | tuple):
+        raise MalformedBatch(f"block_hashes must be a list, not {type(value).__name__}")
+    if len(value) > MAX_BLOCKS_PER_EVENT:
+        raise MalformedBatch(f"{len(value)} block hashes in one event (at most {MAX_BLOCKS_PER_EVENT})")
+    try:
+        return [external_block_hash(h) for h in value]
+    except ValueError as exc:
+        raise MalformedBatch(str(exc)) from None
+
+
+def _fields(event, names: tuple[str, ...]) -> tuple[str, list]:
+    """(tag, values of `names` in order; None where absent)."""
+    if isinstance(event, list | tuple):
+        if not event or not isinstance(event[0], str):
+            raise MalformedBatch("an array-like event must start with its tag")
+        rest = list(event[1:])
+        return event[0], rest + [None] * (len(names) - len(rest))
+    if isinstance(event, dict):
+        tag = event.get("type")
+        if not isinstance(tag, str):
+            raise MalformedBatch("a map event needs a string 'type' tag")
+        return tag, [event.get(n) for n in names]
+    raise MalformedBatch(f"an event must be an array or a map, not {type(event).__name__}")
+
+
+_STORED_FIELDS = ("block_hashes", "parent_block_hash", "token_ids", "block_size", "lora_id", "medium")
+_REMOVED_FIELDS = ("block_hashes", "medium")
+
+
+def _event(raw) -> BlocksStored | BlocksRemoved | AllCleared:
+    tag = raw[0] if isinstance(raw, list | tuple) and raw else raw.get("type") if isinstance(raw, dict) else None
+    if tag == "BlockStored":
+        _, (hashes, parent, _tokens, _block_size, _lora, medium) = _fields(raw, _STORED_FIELDS)
+        parent_hash = ROOT_PARENT_HASH
+        if parent is not None:
+            try:
+                parent_hash = external_block_hash(parent)
+            except ValueError as exc:
+                raise MalformedBatch(f"parent_block_hash: {exc}") from None
+        return BlocksStored(_hashes(hashes), parent_hash, _tier(medium))
+    if tag == "BlockRemoved":
+        _, (hashes, medium) = _fields(raw, _REMOVED_FIELDS)
+        return BlocksRemoved(_hashes(hashes), _tier(medium))
+    if tag == "AllBlocksCleared":
+        return AllCleared()
+    _fields(raw, ())  # the shape error, if that is what it is
+    raise MalformedBatch(f"unknown event tag {tag!r}")
+
+
+def decode_batch(payload: bytes) -> DecodedBatch:
+    """One KVEventBatch payload, validated whole; MalformedBatch when it is not one."""
+    try:
+        raw = _decoder.decode(payload)
+    except (msgspec.DecodeError, ValueError, TypeError) as exc:
+        raise MalformedBatch(f"not msgpack: {exc}") from None
+    if isinstance(raw, list | tuple):
+        if len(raw) < 2:
+            raise MalformedBatch("a batch array needs [ts, events, ...]")
+        ts, events = raw[0], raw[1]
+        rank = raw[2] if len(raw) > 2 else None
+    elif isinstance(raw, dict):
+        ts, events, rank = raw.get("ts"), raw.get("events"), raw.get("data_parallel_rank")
+    else:
+        raise MalformedBatch(f"a batch must be an array or a map, not {type(raw).__name__}")
+    if not isinstance(ts, int | float) or isinstance(ts, bool):
+        raise MalformedBatch("batch ts must be a number")
+    if not isinstance(events, list | tuple):
+        raise MalformedBatch("batch events must be a list")
+    if rank is not None and (not isinstance(rank, int) or isinstance(rank, bool)):
+        raise MalformedBatch("data_parallel_rank must be an int")
+    return DecodedBatch(float(ts), [_event(e) for e in events], rank)
+
+
+class ExternalBlocks:
+    """Blocks an engine reported that this agent indexes but does not hold.
+
+    Invariant: `_tiers[h]` is the non-empty set (bitmask of 1 << tier) of media the engine
+    holds h in, and the control plane was last told h is in its fastest one. Every change
+    goes through the pool's journal under the pool's lock, so an inventory taken under
+    that lock (the pool's blocks plus `inventory_groups()`) and the events after it agree.
+    """
+
+    def __init__(self, pool, model_id: str):
+        self._pool = pool
+        self.model_id = model_id
+        self._tiers: dict[bytes, int] = {}
+        self._parents: dict[bytes, bytes] = {}
+
+    @staticmethod
+    def _fastest(mask: int) -> Tier:
+        return Tier((mask & -mask).bit_length() - 1)
+
+    def apply(self, batch: DecodedBatch) -> tuple[int, int]:
+        """Apply a decoded batch; returns (blocks stored, blocks removed)."""
+        stored = removed = 0
+        with self._pool.lock:
+            journal = self._pool.journal
+            for ev in batch.events:
+                if isinstance(ev, BlocksStored):
+                    parent = ev.parent_hash
+                    bit = 1 << int(ev.tier)
+                    for h in ev.block_hashes:
+                        old = self._tiers.get(h, 0)
+                        new = old | bit
+                        self._parents[h] = parent
+                        if new != old:
+                            self._tiers[h] = new
+                            if not old or self._fastest(new) != self._fastest(old):
+                                journal.record(STORED, self.model_id, self._fastest(new), h, parent)
+                            stored += not old
+                        parent = h
+                elif isinstance(ev, BlocksRemoved):
+                    bit = 1 << int(ev.tier)
+                    for h in ev.block_hashes:
+                        old = self._tiers.get(h, 0)
+                        new = old & ~bit
+                        if new == old:
+                            continue
+                        parent = self._parents.get(h, ROOT_PARENT_HASH)
+                        if new:
+                            self._tiers[h] = new
+                            if self._fastest(new) != self._fastest(old):
+                                journal.record(STORED, self.model_id, self._fastest(new), h, parent)
+                        else:
+                            del self._tiers[h]
+                            self._parents.pop(h, None)
+                            journal.record(REMOVED, self.model_id, self._fastest(old), h, parent)
+                            removed += 1
+                else:
+                    removed += self.clear()
+        return stored, removed
+
+    def clear(self) -> int:
+        """Forget every block (AllBlocksCleared, an engine restart, or a gap replay could not
+        fill: what the engine holds is unknown, so nothing is claimed); returns how many."""
+        with self._pool.lock:
+            journal = self._pool.journal
+            for h, mask in self._tiers.items():
+                journal.record(REMOVED, self.model_id, self._fastest(mask), h, self._parents.get(h, ROOT_PARENT_HASH))
+            n = len(self._tiers)
+            self._tiers.clear()
+            self._parents.clear()
+            return n
+
+    def inventory_groups(self) -> list[InventoryGroup]:
+        """Groups for an inventory (call under the pool's lock, with pool.inventory())."""
+        acc: dict[Tier, tuple[bytearray, bytearray]] = {}
+        for h, mask in self._tiers.items():
+            hs, ps = acc.setdefault(self._fastest(mask), (bytearray(), bytearray()))
+            hs += h
+            ps += self._parents.get(h, ROOT_PARENT_HASH)
+        return [InventoryGroup(self.model_id, t, bytes(h), bytes(p)) for t, (h, p) in acc.items()]
+
+    @property
+    def num_blocks(self) -> int:
+        return len(self._tiers)
+
+    def holds(self, block_hash: bytes) -> Tier | None:
+        mask = self._tiers.get(block_hash)
+        return None if mask is None else self._fastest(mask)

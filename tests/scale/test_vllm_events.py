@@ -1,0 +1,207 @@
+"""vLLM KV events: an agent started with vllm_kv_events subscribes to a publisher that
+speaks vLLM's wire format and indexes the engine's blocks under vLLM's own hashes, as
+metadata-only blocks (not in its BlockPool); a lookup at the control plane by those
+hashes finds the agent. Gaps are filled through replay, or the engine's blocks are
+dropped and counted; malformed messages are counted and skipped."""
+
+from __future__ import annotations
+
+import hashlib
+import threading
+import time
+
+import msgspec
+import pytest
+
+from agent.core.journal import REMOVED, STORED, EventJournal
+from agent.core.vllm_events import AllCleared, BlocksRemoved, BlocksStored, ExternalBlocks, MalformedBatch, decode_batch
+from agent.server import DEMO_MODEL
+from cli.client import ControlPlaneClient
+from protos.block_hash import ROOT_PARENT_HASH, external_block_hash
+from protos.tier import Tier
+from tests.helpers import wait_for
+from tests.scale.vllm_publisher import (
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockStored,
+    EventBatch,
+    MapBatch,
+    MapBlockStored,
+    VllmPublisher,
+)
+
+M = DEMO_MODEL
+
+
+def stored(hashes, parent=None, medium="GPU"):
+    return BlockStored(hashes, parent, list(range(16 * len(hashes))), 16, None, medium)
+
+
+def batch(*events):
+    return EventBatch(time.time(), list(events), 0)
+
+
+def packed(hashes) -> bytes:
+    return b"".join(external_block_hash(h) for h in hashes)
+
+
+# ---- decoding and the external inventory (no sockets) --------------------------------
+def test_decode_array_like_and_map_batches():
+    sha = hashlib.sha256(b"x").digest()
+    d = decode_batch(msgspec.msgpack.encode(batch(stored([1, 2], medium="CPU"), BlockRemoved([sha], None))))
+    assert d.data_parallel_rank == 0
+    assert d.events[0] == BlocksStored([external_block_hash(1), external_block_hash(2)], ROOT_PARENT_HASH, Tier.CPU)
+    assert d.events[1] == BlocksRemoved([sha[:16]], Tier.GPU)
+    d = decode_batch(msgspec.msgpack.encode(batch(AllBlocksCleared())))
+    assert d.events == [AllCleared()]
+    m = MapBatch(1.0, [MapBlockStored([7], 6, [1] * 16, 16, None, "GPU", "lora-a")])
+    d = decode_batch(msgspec.msgpack.encode(m))
+    assert d.events == [BlocksStored([external_block_hash(7)], external_block_hash(6), Tier.GPU)]
+    assert d.data_parallel_rank is None
+
+
+@pytest.mark.parametrize(
+    "payload",
+    [
+        b"\xc1garbage",
+        msgspec.msgpack.encode("a string"),
+        msgspec.msgpack.encode([1.0]),
+        msgspec.msgpack.encode([1.0, "not a list"]),
+        msgspec.msgpack.encode([1.0, [["NoSuchEvent", [1]]]]),
+        msgspec.msgpack.encode([1.0, [["BlockStored", [1.5], None, [], 16, None, "GPU"]]]),
+        msgspec.msgpack.encode([1.0, [["BlockStored", "nope", None, [], 16, None, "GPU"]]]),
+        msgspec.msgpack.encode([1.0, [["BlockRemoved", [1], 7]]]),
+        msgspec.msgpack.encode([1.0, [[1, 2]]]),
+        msgspec.msgpack.encode(["ts", []]),
+        msgspec.msgpack.encode({"ts": 1.0, "events": [{"no": "type"}]}),
+    ],
+)
+def test_malformed_batches_raise(payload):
+    with pytest.raises(MalformedBatch):
+        decode_batch(payload)
+
+
+class _Pool:
+    def __init__(self):
+        self.lock = threading.RLock()
+        self.journal = EventJournal()
+
+
+def test_external_blocks_track_media_and_journal():
+    pool = _Pool()
+    ext = ExternalBlocks(pool, "m")
+    h1, h2 = external_block_hash(1), external_block_hash(2)
+    ext.apply(decode_batch(msgspec.msgpack.encode(batch(stored([1, 2], medium="CPU")))))
+    ext.apply(decode_batch(msgspec.msgpack.encode(batch(stored([1], medium="GPU")))))  # also on GPU now
+    assert ext.holds(h1) == Tier.GPU and ext.holds(h2) == Tier.CPU
+    ext.apply(decode_batch(msgspec.msgpack.encode(batch(BlockRemoved([1], "GPU")))))  # back to CPU only
+    assert ext.holds(h1) == Tier.CPU
+    ext.apply(decode_batch(msgspec.msgpack.encode(batch(BlockRemoved([2, 99], "CPU")))))
+    assert ext.holds(h2) is None and ext.num_blocks == 1
+    kinds = [(b.kind, g.tier, bytes(g.block_hashes)) for b in pool.journal.drain() for g in b.groups]
+    assert kinds == [
+        (STORED, Tier.CPU, h1 + h2),
+        (STORED, Tier.GPU, h1),
+        (STORED, Tier.CPU, h1),
+        (REMOVED, Tier.CPU, h2),
+    ]
+    groups = ext.inventory_groups()
+    assert [(g.tier, g.block_hashes) for g in groups] == [(Tier.CPU, h1)]
+    assert groups[0].parent_hashes == ROOT_PARENT_HASH
+    assert ext.clear() == 1 and ext.num_blocks == 0
+
+
+# ---- end to end: publisher -> agent -> control plane ---------------------------------
+@pytest.fixture
+def publisher():
+    p = VllmPublisher()
+    yield p
+    p.close()
+
+
+def lookup_hits(client: ControlPlaneClient, hashes) -> dict[str, int]:
+    res = client.lookup(M.model_id, block_hashes=packed(hashes))
+    return {m.agent_id: m.num_hit_blocks for m in res.agents}
+
+
+def test_vllm_blocks_found_by_vllm_hashes(controlplane, make_agent, publisher):
+    agent = make_agent("vllm-1", vllm_kv_events=publisher.endpoint, vllm_kv_events_replay=publisher.replay_endpoint)
+    sub = agent.vllm_events
+    assert sub is not None and sub.connected.wait(5)
+    time.sleep(0.3)  # PUB/SUB joins late; anything lost before is replayed anyway
+    sha = [hashlib.sha256(bytes([i])).digest() for i in range(3)]
+    publisher.publish(batch(stored([101, 102, 103])))  # int hashes (vLLM's int mode)
+    publisher.publish(batch(stored(sha, medium="CPU")))  # bytes hashes (sha256)
+    with ControlPlaneClient(controlplane.address) as c:
+        wait_for(lambda: lookup_hits(c, [101, 102, 103]) == {"vllm-1": 3}, what="int hashes indexed")
+        res = c.lookup(M.model_id, block_hashes=packed(sha))
+        assert res.best_agent_id == "vllm-1" and res.agents[0].tiers == ["cpu"] * 3
+        assert lookup_hits(c, [101, 102, 999]) == {"vllm-1": 2}
+        # metadata only: nothing went into the block pool
+        assert not agent.pool.blocks
+        publisher.publish(batch(BlockRemoved([103], "GPU")))
+        wait_for(lambda: lookup_hits(c, [101, 102, 103]) == {"vllm-1": 2}, what="removal indexed")
+        # a reconnect's inventory carries the engine's blocks too
+        agent.link.request_reconnect()
+        wait_for(lambda: agent.link.connections_total >= 2, what="reconnected")
+        wait_for(lambda: lookup_hits(c, [101, 102]) == {"vllm-1": 2}, what="inventory with external blocks")
+        publisher.publish(batch(AllBlocksCleared()))
+        wait_for(lambda: lookup_hits(c, [101]) == {}, what="all cleared")
+        assert lookup_hits(c, sha) == {}
+    assert sub.stats.malformed_total == 0 and sub.stats.unrecovered_gaps_total == 0
+
+
+def test_gap_recovered_through_replay_and_unrecoverable_gap_drops(controlplane, make_agent, publisher):
+    agent = make_agent("vllm-2", vllm_kv_events=publisher.endpoint, vllm_kv_events_replay=publisher.replay_endpoint)
+    sub = agent.vllm_events
+    assert sub.connected.wait(5)
+    time.sleep(0.3)
+    publisher.publish(batch(stored([1])))
+    wait_for(lambda: sub.stats.last_seq == 0, what="first batch")
+    publisher.publish(batch(stored([2], parent=1)), send=False)  # lost on PUB, kept for replay
+    publisher.publish(batch(stored([3], parent=2)), send=False)
+    publisher.publish(batch(stored([4], parent=3)))
+    with ControlPlaneClient(controlplane.address) as c:
+        wait_for(lambda: lookup_hits(c, [1, 2, 3, 4]) == {"vllm-2": 4}, what="gap filled by replay")
+        assert sub.stats.gaps_total == 1 and sub.stats.replayed_batches_total == 2
+        assert sub.stats.unrecovered_gaps_total == 0
+        # a batch the engine no longer has: the engine's blocks are forgotten, then rebuilt
+        publisher.publish(batch(stored([5], parent=4)), send=False, keep=False)
+        publisher.publish(batch(stored([11])))
+        wait_for(lambda: sub.stats.unrecovered_gaps_total == 1, what="unrecoverable gap counted")
+        wait_for(lambda: lookup_hits(c, [1]) == {} and lookup_hits(c, [11]) == {"vllm-2": 1}, what="dropped, then new")
+        # the engine restarts: seq back to 0, its cache empty
+        publisher.seq = 0
+        publisher.buffer.clear()
+        publisher.publish(batch(stored([21])))
+        wait_for(lambda: sub.stats.engine_restarts_total == 1, what="restart seen")
+        wait_for(lambda: lookup_hits(c, [11]) == {} and lookup_hits(c, [21]) == {"vllm-2": 1}, what="after restart")
+
+
+def test_malformed_messages_counted_and_skipped(controlplane, make_agent, publisher):
+    agent = make_agent("vllm-3", vllm_kv_events=publisher.endpoint, vllm_kv_events_replay=publisher.replay_endpoint)
+    sub = agent.vllm_events
+    assert sub.connected.wait(5)
+    time.sleep(0.3)
+    publisher.publish(batch(stored([1])))
+    wait_for(lambda: sub.stats.last_seq == 0, what="first batch")
+    publisher.publish(b"\xc1 not msgpack")
+    publisher.publish(msgspec.msgpack.encode([1.0, [["BlockStored", [1.5], None, [], 16, None, "GPU"]]]))
+    publisher.pub.send_multipart([b"", b"short"])  # not [topic, seq, payload]
+    publisher.pub.send_multipart([b"only one frame"])
+    publisher.publish(batch(stored([2], parent=1)))
+    with ControlPlaneClient(controlplane.address) as c:
+        wait_for(lambda: lookup_hits(c, [1, 2]) == {"vllm-3": 2}, what="valid batch after bad ones")
+    wait_for(lambda: sub.stats.malformed_total == 4, what="malformed counted")
+    assert sub.stats.batches_total == 2 and sub.stats.gaps_total == 0
+
+
+def test_subscriber_picks_up_history_when_started_late(controlplane, make_agent, publisher):
+    for i in range(5):
+        publisher.publish(batch(stored([100 + i])))  # nobody listening yet
+    agent = make_agent("vllm-4", vllm_kv_events=publisher.endpoint, vllm_kv_events_replay=publisher.replay_endpoint)
+    assert agent.vllm_events.connected.wait(5)
+    time.sleep(0.3)
+    publisher.publish(batch(stored([200])))
+    with ControlPlaneClient(controlplane.address) as c:
+        wait_for(lambda: all(lookup_hits(c, [h]) == {"vllm-4": 1} for h in [100, 104, 200]), what="history replayed")

@@ -205,3 +205,25 @@ def test_subscriber_picks_up_history_when_started_late(controlplane, make_agent,
     publisher.publish(batch(stored([200])))
     with ControlPlaneClient(controlplane.address) as c:
         wait_for(lambda: all(lookup_hits(c, [h]) == {"vllm-4": 1} for h in [100, 104, 200]), what="history replayed")
+
+
+def test_vllm_own_event_classes_if_vllm_imports():
+    """With the vllm package installed, its own KVEventBatch decodes the same."""
+    kv = pytest.importorskip("vllm.distributed.kv_events")
+    values = {
+        "block_hashes": [5, 6],
+        "parent_block_hash": None,
+        "token_ids": list(range(32)),
+        "block_size": 16,
+        "lora_id": None,
+        "medium": "CPU",
+        "lora_name": None,
+    }
+    fields = kv.BlockStored.__struct_fields__
+    ev = kv.BlockStored(**{k: v for k, v in values.items() if k in fields})
+    payload = msgspec.msgpack.encode(kv.KVEventBatch(ts=1.0, events=[ev, kv.AllBlocksCleared()]))
+    d = decode_batch(payload)
+    assert d.events == [
+        BlocksStored([external_block_hash(5), external_block_hash(6)], ROOT_PARENT_HASH, Tier.CPU),
+        AllCleared(),
+    ]

@@ -207,3 +207,62 @@ def controlplane(output_format, **kwargs):
         click.echo(f"kvcp-bench controlplane: {exc}", err=True)
         raise SystemExit(2) from None
     click.echo(json.dumps(result, indent=2) if output_format == "json" else bench.format_table(result))
+
+
+@main.command()
+@click.option("--sizes", default="1,16,64,256", show_default=True, help="Payloads in MiB, comma separated.")
+@click.option("--block-mib", default=1, show_default=True, type=click.IntRange(1, 64), help="Block size in MiB.")
+@click.option("--repeats", default=3, show_default=True, type=click.IntRange(1, 50))
+@click.option("--chunk-mib", default=16, show_default=True, type=click.IntRange(1, 1024), help="Engine write batch.")
+@click.option("--fault/--no-fault", default=True, show_default=True, help="Also kill a receiver mid-transfer.")
+@click.option("--etcd", default="", help="An etcd to use (default: start one on free ports).")
+@click.option("--simulate", is_flag=True, help="Instead: N prefill / M decode agents under a request stream.")
+@click.option("--prefill", "num_prefill", default=2, show_default=True, type=click.IntRange(1, 64))
+@click.option("--decode", "num_decode", default=2, show_default=True, type=click.IntRange(1, 64))
+@click.option("--rate", "requests_per_second", default=6.0, show_default=True, type=float, help="Simulated requests/s.")
+@click.option("--requests", "num_requests", default=2000, show_default=True, type=click.IntRange(1))
+@click.option("-o", "--output", "output_format", type=click.Choice(["table", "json"]), default="table")
+def handoff(
+    sizes,
+    block_mib,
+    repeats,
+    chunk_mib,
+    fault,
+    etcd,
+    simulate,
+    num_prefill,
+    num_decode,
+    requests_per_second,
+    num_requests,
+    output_format,
+):
+    """Prefill->decode handoff between two agent processes next to the raw Transfer Engine
+    (same bytes, same processes, same run), the gRPC fallback, and a peer killed mid-transfer;
+    with --simulate, decode-queue length and TTFT with and without backpressure."""
+    from benchmarks import handoff as bench
+
+    if simulate:
+        cfg = bench.SimConfig(
+            num_prefill=num_prefill,
+            num_decode=num_decode,
+            requests_per_second=requests_per_second,
+            num_requests=num_requests,
+        )
+        result = bench.simulate_both(cfg)
+        click.echo(json.dumps(result, indent=2) if output_format == "json" else bench.format_sim(result))
+        return
+    try:
+        size_list = tuple(int(x) for x in sizes.split(",") if x.strip())
+    except ValueError:
+        raise click.BadParameter(
+            f"{sizes!r} is not a list of MiB sizes (example: 1,16,256)", param_hint="--sizes"
+        ) from None
+    try:
+        result = bench.run(size_list, block_mib, repeats, etcd, fault, chunk_mib)
+    except RuntimeError as exc:
+        click.echo(f"kvcp-bench handoff: {exc}", err=True)
+        raise SystemExit(2) from None
+    click.echo(json.dumps(result, indent=2) if output_format == "json" else bench.format_table(result))
+
+
+main.add_command(handoff, name="transfer")  # the issue's name for the same benchmark

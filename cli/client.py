@@ -153,6 +153,35 @@ class OperationView:
 
 
 @dataclass(frozen=True)
+class RouteCandidateView:
+    agent_id: str
+    score: float
+    num_cached_blocks: int
+    load: float
+    free_bytes: int
+    link_bytes_per_second: float
+    transfer_seconds: float
+    behind: bool
+    note: str
+
+
+@dataclass(frozen=True)
+class RouteView:
+    role: str
+    agent_id: str
+    address: str
+    prefill_agent_id: str
+    decode_agent_id: str
+    disaggregate: bool
+    num_cached_tokens: int
+    transfer_seconds: float
+    saved_seconds: float
+    reason: str
+    backpressure: bool
+    candidates: list[RouteCandidateView]
+
+
+@dataclass(frozen=True)
 class EventView:
     seq: int
     unix_seconds: float
@@ -448,6 +477,74 @@ class ControlPlaneClient:
             tier=tier_value,
         )
         return _op_view(self._call("Compress", req))
+
+    def transfer(
+        self,
+        model_id: str,
+        from_agent_id: str,
+        to_agent_id: str,
+        token_ids=None,
+        block_hashes: bytes = b"",
+        extra_keys=(),
+        deadline_seconds: float = 0.0,
+    ) -> OperationView:
+        """Hand a prefix from one agent to another (operation kind "transfer")."""
+        req = admin_pb2.TransferRequest(
+            scope=_scope(model_id, token_ids, block_hashes, extra_keys),
+            from_agent_id=from_agent_id,
+            to_agent_id=to_agent_id,
+            deadline_seconds=deadline_seconds,
+        )
+        return _op_view(self._call("Transfer", req))
+
+    def route(
+        self,
+        model_id: str,
+        token_ids=None,
+        block_hashes: bytes = b"",
+        extra_keys=(),
+        role: str = "",
+        prefill_agent_id: str = "",
+    ) -> RouteView:
+        """Where a router sends a request: the prefill agent, the decode agent, split or not."""
+        r = self._call(
+            "Route",
+            admin_pb2.RouteRequest(
+                model_id=model_id,
+                token_ids=token_ids or [],
+                block_hashes=block_hashes,
+                extra_keys=list(extra_keys),
+                role=role,
+                prefill_agent_id=prefill_agent_id,
+            ),
+        )
+        return RouteView(
+            r.role,
+            r.agent_id,
+            r.address,
+            r.prefill_agent_id,
+            r.decode_agent_id,
+            r.disaggregate,
+            r.num_cached_tokens,
+            r.transfer_seconds,
+            r.saved_seconds,
+            r.reason,
+            r.backpressure,
+            [
+                RouteCandidateView(
+                    c.agent_id,
+                    c.score,
+                    c.num_cached_blocks,
+                    c.load,
+                    c.free_bytes,
+                    c.link_bytes_per_second,
+                    c.transfer_seconds,
+                    c.behind,
+                    c.note,
+                )
+                for c in r.candidates
+            ],
+        )
 
     def get_operation(self, op_id: str) -> OperationView:
         return _op_view(self._call("GetOperation", admin_pb2.GetOperationRequest(op_id=op_id)))

@@ -214,6 +214,90 @@ def compress(ctx: Context, model_id, tokens, tokens_file, hashes, extra_keys, na
 
 
 @main.command()
+@click.option("--model", "model_id", required=True, help="Model id of the prefix.")
+@click.option("--tokens", help="Token ids, comma separated.")
+@click.option("--tokens-file", help="File of token ids.")
+@click.option("--hashes", multiple=True, help="Packed block hashes as hex (32 digits each).")
+@click.option("--extra-key", "extra_keys", multiple=True, help="Extra hash key, repeatable.")
+@click.option("--from", "from_agent_id", required=True, help="Agent that holds the prefix (prefill).")
+@click.option("--to", "to_agent_id", required=True, help="Agent that gets it (decode).")
+@click.option("--deadline", default="", help="Answer within this (10s, 1m); default: the agent's.")
+@click.option("--wait", is_flag=True, help="Wait until the transfer finishes.")
+@pass_ctx
+def transfer(
+    ctx: Context, model_id, tokens, tokens_file, hashes, extra_keys, from_agent_id, to_agent_id, deadline, wait
+):
+    """Hand a prefix's KV from one agent to another (prefill -> decode handoff)."""
+    scope = scope_kwargs(model_id, tokens, tokens_file, hashes, extra_keys, "", "")
+    if scope["token_ids"] is None and not scope["block_hashes"]:
+        fail("give the prefix: --tokens, --tokens-file or --hashes")
+    seconds = parse_duration(deadline, "--deadline") if deadline else 0.0
+    op = ctx.call(
+        lambda c: c.transfer(
+            model_id,
+            from_agent_id,
+            to_agent_id,
+            token_ids=scope["token_ids"],
+            block_hashes=scope["block_hashes"],
+            extra_keys=scope["extra_keys"],
+            deadline_seconds=seconds,
+        )
+    )
+    wait_and_print(ctx, op, wait)
+
+
+@main.command()
+@click.option("--model", "model_id", required=True)
+@click.option("--tokens", help="Token ids, comma separated.")
+@click.option("--tokens-file", help="File of token ids.")
+@click.option("--hashes", multiple=True, help="Packed block hashes as hex (32 digits each).")
+@click.option("--extra-key", "extra_keys", multiple=True)
+@click.option("--role", type=click.Choice(["pair", "prefill", "decode"]), default="pair", show_default=True)
+@click.option("--prefill-agent", "prefill_agent_id", default="", help="decode: the agent that prefilled.")
+@pass_ctx
+def route(ctx: Context, model_id, tokens, tokens_file, hashes, extra_keys, role, prefill_agent_id):
+    """Where a router would send a request: prefill agent, decode agent, and whether to split."""
+    scope = scope_kwargs(model_id, tokens, tokens_file, hashes, extra_keys, "", "")
+    if scope["token_ids"] is None and not scope["block_hashes"]:
+        fail("give the request: --tokens, --tokens-file or --hashes")
+    r = ctx.call(
+        lambda c: c.route(
+            model_id,
+            token_ids=scope["token_ids"],
+            block_hashes=scope["block_hashes"],
+            extra_keys=scope["extra_keys"],
+            role=role,
+            prefill_agent_id=prefill_agent_id,
+        )
+    )
+    if ctx.output == "json":
+        click.echo(output.dumps(r))
+        return
+    if not r.agent_id:
+        fail(f"no agent to route to: {r.reason}")
+    if r.role == "pair":
+        how = "split" if r.disaggregate else "not split"
+        click.echo(f"prefill {r.prefill_agent_id}, decode {r.decode_agent_id or '-'} ({how}): {r.reason}")
+    else:
+        click.echo(f"{r.role} {r.agent_id} ({r.address}): {r.reason}")
+    if r.backpressure:
+        click.echo("backpressure: decode agents are behind; queue the request or its handoff")
+    rows = [
+        [
+            c.agent_id,
+            f"{c.score * 1e3:.1f}ms",
+            c.num_cached_blocks,
+            output.human_bytes(c.free_bytes),
+            f"{c.link_bytes_per_second / 1e9:.2f}" if c.link_bytes_per_second else "-",
+            "behind" if c.behind else "",
+            c.note[:60],
+        ]
+        for c in r.candidates
+    ]
+    click.echo(output.table(["AGENT", "SCORE", "CACHED", "FREE", "LINK GB/s", "STATE", "NOTE"], rows))
+
+
+@main.command()
 @click.option("--limit", default=20, show_default=True, type=click.IntRange(1, 1000))
 @pass_ctx
 def ops(ctx: Context, limit):

@@ -377,6 +377,50 @@ class Manager:
         )
         return op
 
+    def transfer(
+        self, scope: Scope, from_agent_id: str, to_agent_id: str, deadline_seconds: float = 0.0
+    ) -> ops.Operation:
+        """Hand a prefix from one agent to another (prefill -> decode); the source runs it
+        (agent.dataplane) and reports the outcome: engine, fallback path, or recompute."""
+        packed, _ = self.resolve(scope)
+        if not packed:
+            raise errors.InvalidArgument("scope", "a transfer needs a prefix of a model (token_ids or block_hashes)")
+        if deadline_seconds < 0:
+            raise errors.InvalidArgument("deadline_seconds", "must not be negative")
+        agents = {r.agent_id: r for r, _ in self.cluster.agents()}
+        for field_name, agent_id in (("from_agent_id", from_agent_id), ("to_agent_id", to_agent_id)):
+            if not agent_id:
+                raise errors.InvalidArgument(field_name, "must not be empty")
+            if agent_id not in agents:
+                raise errors.NotFound(f"{field_name}: no agent {agent_id!r} is registered (kvctl agents lists them)")
+        if from_agent_id == to_agent_id:
+            raise errors.InvalidArgument("to_agent_id", "is the source; a transfer goes to another agent")
+        hits = {m.agent_id: m.num_hit_blocks for m in self.cluster.lookup(scope.model_id, block_hashes=packed).matches}
+        held = hits.get(from_agent_id, 0)
+        if not held:
+            raise errors.FailedPrecondition(
+                f"from_agent_id: agent {from_agent_id} holds no block of this prefix (kvctl lookup shows who does)"
+            )
+        need = (held - min(held, hits.get(to_agent_id, 0))) * block_bytes(self._model(scope.model_id))
+        capacity = sum(t.capacity_bytes for t in agents[to_agent_id].tiers if t.tier == Tier.CPU)
+        if agents[to_agent_id].tiers and need > capacity:
+            raise errors.FailedPrecondition(
+                f"to_agent_id: agent {to_agent_id} has {capacity} B of cpu tier, the prefix needs {need} B"
+            )
+        params = {"model": scope.model_id, "from": from_agent_id, "to": to_agent_id, "blocks": str(held)}
+        op = ops.new_operation("transfer", params, [from_agent_id], now=self.clock())
+        self._register_op(op)
+        command = AgentCommand(
+            op.op_id,
+            "transfer",
+            block_hashes=packed[: held * BLOCK_HASH_BYTES],
+            model_id=scope.model_id,
+            peer_agent_id=to_agent_id,
+            deadline_seconds=deadline_seconds,
+        )
+        self._fan_out(op, {from_agent_id: command})
+        return op
+
     def compress(self, scope: Scope, codec: str, tier: Tier | None = None) -> ops.Operation:
         if codec not in CODECS:
             raise errors.InvalidArgument("codec", f"unknown codec {codec!r}; expected one of {'|'.join(CODECS)}")

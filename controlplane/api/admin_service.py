@@ -5,6 +5,7 @@ from __future__ import annotations
 import time
 
 from controlplane.api import convert
+from controlplane.core import routing
 from controlplane.core.cluster import Cluster
 from protos import errors
 from protos.kvcp.v1 import admin_pb2, admin_pb2_grpc
@@ -136,6 +137,25 @@ class AdminServicer(admin_pb2_grpc.AdminServiceServicer):
             request.older_than_seconds, request.namespace, request.agent_id, request.model_id, request.dry_run
         )
         return convert.op_to_pb(op)
+
+    def Transfer(self, request, context):
+        op = self._manager().transfer(
+            convert.scope_from_pb(request.scope), request.from_agent_id, request.to_agent_id, request.deadline_seconds
+        )
+        return convert.op_to_pb(op)
+
+    def Route(self, request, context):
+        self._require_leader()
+        decision = routing.route_request(
+            self._cluster,
+            request.model_id,
+            token_ids=list(request.token_ids),
+            block_hashes=request.block_hashes,
+            extra_keys=tuple(request.extra_keys),
+            role=request.role,
+            prefill_agent_id=request.prefill_agent_id,
+        )
+        return convert.route_to_pb(decision)
 
     def GetOperation(self, request, context):
         if not request.op_id:

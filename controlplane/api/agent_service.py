@@ -38,6 +38,7 @@ class AgentServicer(agent_pb2_grpc.AgentServiceServicer):
                 f"agent {info.agent_id!r} has no key in etcd; register it under a lease first"
             )
         self._cluster.register(convert.agent_record_from_pb(info))
+        self._cluster.dataplane.register(info.agent_id, info.role, info.transfer_engine)
         log.info("agent %s registered from %s", info.agent_id, info.address)
         return agent_pb2.RegisterResponse(epoch=self._leadership.epoch, leader_address=self._leadership.leader_address)
 
@@ -119,6 +120,8 @@ class AgentServicer(agent_pb2_grpc.AgentServiceServicer):
             self._cluster.update_namespaces(
                 agent_id, {n.namespace: (n.num_blocks, n.uncompressed_bytes) for n in st.namespaces}
             )
+            if st.HasField("dataplane"):
+                self._cluster.dataplane.update(agent_id, convert.dataplane_from_pb(st.dataplane))
             return None
         elif kind == "op_update":
             if self._on_op_update is not None:

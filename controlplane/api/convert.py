@@ -131,6 +131,7 @@ _COMMAND_KINDS = {
     "unpin": agent_pb2.COMMAND_KIND_UNPIN,
     "cancel": agent_pb2.COMMAND_KIND_CANCEL,
     "cleanup": agent_pb2.COMMAND_KIND_CLEANUP,
+    "transfer": agent_pb2.COMMAND_KIND_TRANSFER,
 }
 
 
@@ -150,6 +151,8 @@ def command_to_pb(c: core.AgentCommand, epoch: int) -> agent_pb2.ControlMessage:
             only_tier=c.only_tier,
             pin_id=c.pin_id,
             expires_unix_seconds=c.expires_unix_seconds,
+            peer_agent_id=c.peer_agent_id,
+            deadline_seconds=c.deadline_seconds,
         ),
     )
 
@@ -216,4 +219,53 @@ def op_to_pb(op) -> admin_pb2.Operation:
             for p in op.parts.values()
         ],
         dry_run=op.dry_run,
+    )
+
+
+def dataplane_from_pb(d: agent_pb2.DataPlaneStats):
+    from controlplane.core.routing import DataPlaneView, LinkView
+
+    return DataPlaneView(
+        handoff_free_bytes=d.handoff_free_bytes,
+        handoff_capacity_bytes=d.handoff_capacity_bytes,
+        inbound_reservations=d.inbound_reservations,
+        max_inbound=d.max_inbound or 8,
+        outbound_inflight=d.outbound_inflight,
+        outbound_queued=d.outbound_queued,
+        links={
+            link.peer_agent_id: LinkView(
+                link.peer_agent_id, link.throughput_bytes_per_second, link.inflight, link.queued
+            )
+            for link in d.links
+        },
+    )
+
+
+def route_to_pb(r) -> admin_pb2.RouteResponse:
+    return admin_pb2.RouteResponse(
+        role=r.role,
+        agent_id=r.agent_id,
+        address=getattr(r, "address", ""),
+        prefill_agent_id=r.prefill_agent_id,
+        decode_agent_id=r.decode_agent_id,
+        disaggregate=r.disaggregate,
+        num_cached_tokens=r.num_cached_tokens,
+        transfer_seconds=r.transfer_seconds,
+        saved_seconds=r.saved_seconds,
+        reason=r.reason,
+        candidates=[
+            admin_pb2.RouteCandidate(
+                agent_id=c.agent_id,
+                score=c.score,
+                num_cached_blocks=c.num_cached_blocks,
+                load=c.load,
+                free_bytes=c.free_bytes,
+                link_bytes_per_second=c.link_bytes_per_second,
+                transfer_seconds=c.transfer_seconds,
+                behind=c.behind,
+                note=c.note,
+            )
+            for c in r.candidates
+        ],
+        backpressure=r.backpressure,
     )

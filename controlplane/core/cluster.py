@@ -17,6 +17,7 @@ from enum import IntEnum
 
 from controlplane.core.events import EventBus
 from controlplane.core.index import AgentMatch, BlockIndex
+from controlplane.core.routing import DataPlaneStates
 from protos import errors
 from protos.block_hash import BLOCK_HASH_BYTES, hash_prefix
 from protos.tier import Tier
@@ -82,7 +83,7 @@ class AgentCommand:
     """A command for one agent (the API layer turns it into a ControlMessage)."""
 
     op_id: str
-    kind: str  # move | evict | compress | pin | unpin | cancel | cleanup
+    kind: str  # move | evict | compress | pin | unpin | cancel | cleanup | transfer
     block_hashes: bytes = b""
     tier: int = 0
     codec: str = ""
@@ -93,6 +94,8 @@ class AgentCommand:
     only_tier: int = 0
     pin_id: str = ""
     expires_unix_seconds: float = 0.0
+    peer_agent_id: str = ""  # transfer: the destination
+    deadline_seconds: float = 0.0  # transfer: answer within this (0: the agent's default)
 
 
 @dataclass(frozen=True)
@@ -149,6 +152,8 @@ class Cluster:
         self.events_total = 0
         # what the dashboard watches (AdminService.Watch); published to with no lock of ours needed
         self.events = EventBus(clock=clock)
+        # roles and data-plane reports (free capacity, queues, link throughput) for Route
+        self.dataplane = DataPlaneStates()
 
     # ---- membership -----------------------------------------------------------------
     def register(self, record: AgentRecord) -> None:

@@ -1,0 +1,358 @@
+"""Routing for disaggregated serving: which agent prefills a request, which decodes it,
+and whether to split them at all. Pure functions over what agents report
+(AgentStats.dataplane: free capacity, handoffs in flight and queued, per-link achieved
+throughput) and what the index knows (cached prefix per agent).
+
+The rule (README, "Prefill->decode handoff"):
+
+- prefill agent: least estimated time to first byte of KV, i.e. the tokens it must
+  still compute (prompt minus its cached prefix) at `prefill_tokens_per_second`, plus
+  `queue_penalty_seconds` per handoff it has waiting or on the wire. Agents whose
+  handoffs are queued behind slow decode agents are steered away from this way.
+- decode agent (given the prefill agent P): least estimated handoff time, i.e. the
+  bytes it lacks (prompt blocks minus its cached prefix) over P's measured throughput
+  to it (or `default_link_bytes_per_second` before any transfer measured it), scaled
+  by 1 + the transfers already on that link, plus `queue_penalty_seconds` per handoff
+  arriving there. A decode agent is *behind* when its free capacity for handoffs is
+  under `free_watermark` of its capacity (or under what this request needs), or it
+  has `max_inbound` handoffs arriving; behind agents are only chosen when all are, and
+  then the answer says `backpressure` (a router queues the request).
+- split or not: when P can also decode (role both), the request stays on P when the
+  handoff would cost more than it saves: cost = the decode agent's handoff time,
+  saving = `interference_factor` x P's prefill time (the decode slowdown a prefill
+  causes on an agent doing both). It also stays when no decode agent is usable.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+
+from protos import errors
+
+PREFILL, DECODE, BOTH = "prefill", "decode", "both"
+ROLES = ("prefill", "decode", "pair")
+DTYPE_BYTES = {"float16": 2, "bfloat16": 2, "float32": 4, "float8_e4m3fn": 1, "int8": 1}
+
+
+@dataclass(frozen=True)
+class LinkView:
+    peer_agent_id: str
+    throughput_bytes_per_second: float = 0.0
+    inflight: int = 0
+    queued: int = 0
+
+
+@dataclass(frozen=True)
+class DataPlaneView:
+    """What one agent last reported about its data plane."""
+
+    handoff_free_bytes: int = 0
+    handoff_capacity_bytes: int = 0
+    inbound_reservations: int = 0
+    max_inbound: int = 8
+    outbound_inflight: int = 0
+    outbound_queued: int = 0
+    links: Mapping[str, LinkView] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class Candidate:
+    agent_id: str
+    address: str
+    role: str = BOTH
+    num_cached_blocks: int = 0
+    dataplane: DataPlaneView | None = None
+
+
+@dataclass(frozen=True)
+class RouteParams:
+    prefill_tokens_per_second: float = 20_000.0
+    default_link_bytes_per_second: float = 1e9
+    interference_factor: float = 0.5
+    free_watermark: float = 0.1
+    queue_penalty_seconds: float = 0.05
+
+
+@dataclass(frozen=True)
+class Score:
+    agent_id: str
+    score: float
+    num_cached_blocks: int
+    load: float
+    free_bytes: int
+    link_bytes_per_second: float = 0.0
+    transfer_seconds: float = 0.0
+    behind: bool = False
+    note: str = ""
+
+
+@dataclass(frozen=True)
+class RouteDecision:
+    role: str
+    agent_id: str = ""
+    prefill_agent_id: str = ""
+    decode_agent_id: str = ""
+    disaggregate: bool = False
+    num_cached_tokens: int = 0
+    transfer_seconds: float = 0.0
+    saved_seconds: float = 0.0
+    reason: str = ""
+    candidates: tuple[Score, ...] = ()
+    backpressure: bool = False
+    address: str = ""  # of `agent_id`
+
+
+def _load(dp: DataPlaneView | None) -> float:
+    if dp is None:
+        return 0.0
+    return float(dp.inbound_reservations + dp.outbound_inflight + dp.outbound_queued)
+
+
+def prefill_scores(agents: Sequence[Candidate], num_blocks: int, block_size: int, params: RouteParams) -> list[Score]:
+    out = []
+    for a in agents:
+        if a.role not in (PREFILL, BOTH):
+            continue
+        tokens = (num_blocks - a.num_cached_blocks) * block_size
+        compute = max(0, tokens) / params.prefill_tokens_per_second
+        queued = (a.dataplane.outbound_queued + a.dataplane.outbound_inflight) if a.dataplane else 0
+        out.append(
+            Score(
+                a.agent_id,
+                compute + params.queue_penalty_seconds * queued,
+                a.num_cached_blocks,
+                _load(a.dataplane),
+                a.dataplane.handoff_free_bytes if a.dataplane else 0,
+                note=f"{max(0, tokens)} tokens to compute, {queued} handoffs waiting",
+            )
+        )
+    return sorted(out, key=lambda s: (s.score, -s.num_cached_blocks, s.agent_id))
+
+
+def decode_scores(
+    agents: Sequence[Candidate],
+    num_blocks: int,
+    block_bytes: int,
+    params: RouteParams,
+    prefill_agent_id: str = "",
+    prefill_view: DataPlaneView | None = None,
+) -> list[Score]:
+    out = []
+    for a in agents:
+        if a.role not in (DECODE, BOTH) or a.agent_id == prefill_agent_id:
+            continue
+        dp = a.dataplane or DataPlaneView()
+        need = max(0, num_blocks - a.num_cached_blocks) * block_bytes
+        link = (prefill_view.links.get(a.agent_id) if prefill_view is not None else None) or LinkView(a.agent_id)
+        rate = link.throughput_bytes_per_second or params.default_link_bytes_per_second
+        busy = link.inflight + link.queued
+        transfer = need / rate * (1 + busy)
+        behind_why = ""
+        if dp.handoff_capacity_bytes and dp.handoff_free_bytes < params.free_watermark * dp.handoff_capacity_bytes:
+            behind_why = f"free {dp.handoff_free_bytes} B under the {params.free_watermark:.0%} watermark"
+        elif dp.handoff_capacity_bytes and dp.handoff_free_bytes < need:
+            behind_why = f"free {dp.handoff_free_bytes} B < {need} B needed"
+        elif dp.inbound_reservations >= dp.max_inbound:
+            behind_why = f"{dp.inbound_reservations} handoffs arriving (limit {dp.max_inbound})"
+        score = transfer + params.queue_penalty_seconds * dp.inbound_reservations
+        measured = "measured" if link.throughput_bytes_per_second else "assumed"
+        out.append(
+            Score(
+                a.agent_id,
+                score,
+                a.num_cached_blocks,
+                _load(dp),
+                dp.handoff_free_bytes,
+                rate,
+                transfer,
+                bool(behind_why),
+                behind_why or f"{need} B over a {measured} {rate / 1e9:.2f} GB/s link, {busy} on it",
+            )
+        )
+    return sorted(out, key=lambda s: (s.behind, s.score, -s.free_bytes, s.agent_id))
+
+
+def route(
+    role: str,
+    agents: Sequence[Candidate],
+    num_blocks: int,
+    block_size: int,
+    block_bytes: int,
+    params: RouteParams | None = None,
+    prefill_agent_id: str = "",
+) -> RouteDecision:
+    """role: prefill | decode | pair ('' = pair)."""
+    params = params or RouteParams()
+    role = role or "pair"
+    by_id = {a.agent_id: a for a in agents}
+    if role == PREFILL:
+        scores = prefill_scores(agents, num_blocks, block_size, params)
+        if not scores:
+            return RouteDecision(role, reason="no agent takes prefill (roles prefill or both)")
+        best = scores[0]
+        return RouteDecision(
+            role,
+            best.agent_id,
+            prefill_agent_id=best.agent_id,
+            num_cached_tokens=best.num_cached_blocks * block_size,
+            reason=best.note,
+            candidates=tuple(scores),
+        )
+    if role == DECODE:
+        p = by_id.get(prefill_agent_id)
+        scores = decode_scores(
+            agents, num_blocks, block_bytes, params, prefill_agent_id, p.dataplane if p is not None else None
+        )
+        if not scores:
+            return RouteDecision(role, reason="no agent takes decode (roles decode or both)")
+        best = scores[0]
+        return RouteDecision(
+            role,
+            best.agent_id,
+            prefill_agent_id=prefill_agent_id,
+            decode_agent_id=best.agent_id,
+            disaggregate=True,
+            transfer_seconds=best.transfer_seconds,
+            reason=best.note,
+            candidates=tuple(scores),
+            backpressure=best.behind,
+        )
+    # pair: a prefill agent, then a decode agent for it, then whether to split
+    pre = prefill_scores(agents, num_blocks, block_size, params)
+    if not pre:
+        return RouteDecision(role, reason="no agent takes prefill (roles prefill or both)")
+    p = by_id[pre[0].agent_id]
+    prefill_seconds = max(0, num_blocks - p.num_cached_blocks) * block_size / params.prefill_tokens_per_second
+    saved = params.interference_factor * prefill_seconds
+    dec = decode_scores(agents, num_blocks, block_bytes, params, p.agent_id, p.dataplane)
+    cached = p.num_cached_blocks * block_size
+    can_colocate = p.role == BOTH
+    usable = [d for d in dec if not d.behind]
+    if not usable:
+        if can_colocate:
+            why = "every decode agent is behind" if dec else "no other decode agent"
+            return RouteDecision(
+                role,
+                p.agent_id,
+                prefill_agent_id=p.agent_id,
+                decode_agent_id=p.agent_id,
+                num_cached_tokens=cached,
+                saved_seconds=saved,
+                reason=f"{why}: prefill and decode on {p.agent_id}",
+                candidates=tuple(pre) + tuple(dec),
+                backpressure=bool(dec),
+            )
+        best = dec[0] if dec else None
+        return RouteDecision(
+            role,
+            p.agent_id,
+            prefill_agent_id=p.agent_id,
+            decode_agent_id=best.agent_id if best else "",
+            disaggregate=best is not None,
+            num_cached_tokens=cached,
+            transfer_seconds=best.transfer_seconds if best else 0.0,
+            saved_seconds=saved,
+            reason=f"every decode agent is behind ({best.note}); queue the handoff"
+            if best
+            else "no agent takes decode",
+            candidates=tuple(pre) + tuple(dec),
+            backpressure=True,
+        )
+    d = usable[0]
+    if can_colocate and d.transfer_seconds > saved:
+        return RouteDecision(
+            role,
+            p.agent_id,
+            prefill_agent_id=p.agent_id,
+            decode_agent_id=p.agent_id,
+            num_cached_tokens=cached,
+            transfer_seconds=d.transfer_seconds,
+            saved_seconds=saved,
+            reason=f"not split: the handoff to {d.agent_id} ({d.transfer_seconds * 1e3:.1f} ms) costs more than "
+            f"the {saved * 1e3:.1f} ms of interference it saves",
+            candidates=tuple(pre) + tuple(dec),
+        )
+    return RouteDecision(
+        role,
+        p.agent_id,
+        prefill_agent_id=p.agent_id,
+        decode_agent_id=d.agent_id,
+        disaggregate=True,
+        num_cached_tokens=cached,
+        transfer_seconds=d.transfer_seconds,
+        saved_seconds=saved,
+        reason=f"split: prefill on {p.agent_id}, decode on {d.agent_id} ({d.note})",
+        candidates=tuple(pre) + tuple(dec),
+    )
+
+
+def route_request(
+    cluster,
+    model_id: str,
+    token_ids=None,
+    block_hashes: bytes = b"",
+    extra_keys: tuple[str, ...] = (),
+    role: str = "",
+    prefill_agent_id: str = "",
+    params: RouteParams | None = None,
+) -> RouteDecision:
+    """Route one request against the cluster's state (controlplane.core.cluster.Cluster):
+    its index lookup gives each agent's cached prefix; its data-plane states the rest."""
+    if role and role not in ROLES:
+        raise errors.InvalidArgument("role", f"unknown role {role!r}; expected prefill, decode or pair")
+    result = cluster.lookup(model_id, token_ids=token_ids, block_hashes=block_hashes, extra_keys=extra_keys)
+    model = cluster.model(model_id)
+    block_bytes = (
+        model.num_layers * 2 * model.block_size * model.num_kv_heads * model.head_dim * DTYPE_BYTES.get(model.dtype, 2)
+    )
+    hits = {m.agent_id: m.num_hit_blocks for m in result.matches}
+    states = cluster.dataplane
+    candidates = [
+        Candidate(
+            rec.agent_id, rec.address, states.role(rec.agent_id), hits.get(rec.agent_id, 0), states.view(rec.agent_id)
+        )
+        for rec, _ in cluster.agents()
+        if rec.state.name != "DISCONNECTED" and any(m.model_id == model_id for m in rec.models)
+    ]
+    if prefill_agent_id and prefill_agent_id not in {c.agent_id for c in candidates}:
+        raise errors.NotFound(f"prefill_agent_id: no connected agent {prefill_agent_id!r} serves {model_id!r}")
+    decision = route(role, candidates, result.num_blocks, result.block_size, block_bytes, params, prefill_agent_id)
+    address = next((c.address for c in candidates if c.agent_id == decision.agent_id), "")
+    return dataclasses.replace(decision, address=address)
+
+
+class DataPlaneStates:
+    """Roles and the last data-plane report of each agent (thread-safe; the leader's memory)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._roles: dict[str, tuple[str, str]] = {}  # agent_id -> (role, transfer_engine)
+        self._views: dict[str, DataPlaneView] = {}
+
+    def register(self, agent_id: str, role: str, transfer_engine: str = "") -> None:
+        with self._lock:
+            self._roles[agent_id] = (role or BOTH, transfer_engine)
+
+    def update(self, agent_id: str, view: DataPlaneView) -> None:
+        with self._lock:
+            self._views[agent_id] = view
+
+    def role(self, agent_id: str) -> str:
+        with self._lock:
+            return self._roles.get(agent_id, (BOTH, ""))[0]
+
+    def transfer_engine(self, agent_id: str) -> str:
+        with self._lock:
+            return self._roles.get(agent_id, (BOTH, ""))[1]
+
+    def view(self, agent_id: str) -> DataPlaneView | None:
+        with self._lock:
+            return self._views.get(agent_id)
+
+    def forget(self, agent_id: str) -> None:
+        with self._lock:
+            self._roles.pop(agent_id, None)
+            self._views.pop(agent_id, None)

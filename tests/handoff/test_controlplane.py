@@ -1,0 +1,94 @@
+"""The control plane's side: `transfer` operations fanned out to the source agent,
+Route over live agents' reports, and `kvctl transfer` / `kvctl route` as a user runs them."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+
+import pytest
+import torch
+
+from cli.client import ClientError, ControlPlaneClient
+from tests.handoff.support import BIG, prompt
+from tests.helpers import script, wait_for
+
+
+def test_transfer_operation_and_route(controlplane, make_agent, tmp_path):
+    a = make_agent("pre", models=[BIG], cpu_capacity_bytes=24 << 20, role="prefill", transfer_engine="none")
+    b = make_agent("dec", models=[BIG], cpu_capacity_bytes=24 << 20, role="decode", transfer_engine="none")
+    make_agent("small", models=[BIG], cpu_capacity_bytes=2 << 20, role="decode", transfer_engine="none")
+    tokens, kv, hashes = prompt(BIG, 6, seed=21)
+    a.engine.store(BIG.model_id, tokens, kv)
+    c = ControlPlaneClient(controlplane.address)
+    wait_for(lambda: c.lookup(BIG.model_id, tokens).best_agent_id == "pre", 10, what="prefill agent indexed")
+
+    op = c.transfer(BIG.model_id, "pre", "dec", token_ids=tokens, deadline_seconds=10)
+    assert op.kind == "transfer" and op.params["to"] == "dec"
+    op = c.wait_operation(op.op_id, timeout_seconds=20)
+    assert (op.state, op.done, op.total, op.moved_bytes) == ("SUCCEEDED", 6, 6, 6 * BIG.block_bytes), op
+    assert torch.equal(b.engine.load(BIG.model_id, tokens).kv, kv)
+    wait_for(
+        lambda: any(m.agent_id == "dec" and m.num_hit_blocks == 6 for m in c.lookup(BIG.model_id, tokens).agents), 10
+    )
+
+    # bad input: a clear error, no operation
+    with pytest.raises(ClientError) as e:
+        c.transfer(BIG.model_id, "pre", "nobody", token_ids=tokens)
+    assert e.value.code == "NOT_FOUND" and "nobody" in str(e.value)
+    _, _, other = prompt(BIG, 2, seed=22)
+    with pytest.raises(ClientError) as e:
+        c.transfer(BIG.model_id, "pre", "dec", block_hashes=b"".join(other))
+    assert e.value.code == "FAILED_PRECONDITION" and "holds no block" in str(e.value)
+    with pytest.raises(ClientError) as e:
+        c.transfer(BIG.model_id, "pre", "small", token_ids=tokens)
+    assert e.value.code == "FAILED_PRECONDITION" and "needs" in str(e.value)
+
+    # Route: prefill on the agent with the prefix; decode on one with room (its link now measured)
+    wait_for(lambda: controlplane.cluster.dataplane.view("pre") is not None, 5)
+    r = c.route(BIG.model_id, tokens, role="pair")
+    assert r.prefill_agent_id == "pre" and r.disaggregate and r.decode_agent_id == "dec", r
+    assert {x.agent_id for x in r.candidates} >= {"pre", "dec", "small"}
+    small = next(x for x in r.candidates if x.agent_id == "small")
+    assert small.behind
+
+    # the same from the console script
+    f = tmp_path / "prompt.txt"
+    f.write_text(",".join(map(str, tokens)))
+    kvctl = [script("kvctl"), "--endpoint", controlplane.address]
+    p = subprocess.run(
+        [*kvctl, "-o", "json", "route", "--model", BIG.model_id, "--tokens-file", str(f)],
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
+    assert p.returncode == 0, p.stderr
+    assert json.loads(p.stdout)["decode_agent_id"] == "dec"
+    b.pool.cleanup(0)
+    p = subprocess.run(
+        [
+            *kvctl,
+            "transfer",
+            "--model",
+            BIG.model_id,
+            "--tokens-file",
+            str(f),
+            "--from",
+            "pre",
+            "--to",
+            "dec",
+            "--wait",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert p.returncode == 0 and "SUCCEEDED" in p.stdout and "6/6 blocks" in p.stdout, (p.stdout, p.stderr)
+    p = subprocess.run(
+        [*kvctl, "transfer", "--model", BIG.model_id, "--tokens-file", str(f), "--from", "pre", "--to", "x"],
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
+    assert p.returncode != 0 and "no agent 'x'" in p.stderr and "Traceback" not in p.stderr
+    c.close()

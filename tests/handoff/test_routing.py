@@ -1,0 +1,86 @@
+"""Route (pure): prefill by cached prefix and queue, decode by link speed, idleness and
+free capacity, and the rule for not splitting prefill and decode."""
+
+from __future__ import annotations
+
+from controlplane.core.routing import Candidate, DataPlaneView, LinkView, RouteParams, route
+
+MIB = 1 << 20
+P = RouteParams(prefill_tokens_per_second=10_000, default_link_bytes_per_second=1e9, interference_factor=0.5)
+
+
+def dp(free=512 * MIB, cap=1024 * MIB, inbound=0, queued=0, links=()):
+    return DataPlaneView(free, cap, inbound, 4, 0, queued, {lk.peer_agent_id: lk for lk in links})
+
+
+def test_prefill_prefers_the_cached_prefix_and_is_steered_away_from_queued_handoffs():
+    agents = [
+        Candidate("p1", "a:1", "prefill", num_cached_blocks=10, dataplane=dp()),
+        Candidate("p2", "a:2", "prefill", num_cached_blocks=0, dataplane=dp()),
+        Candidate("d1", "a:3", "decode", dataplane=dp()),
+    ]
+    r = route("prefill", agents, num_blocks=12, block_size=16, block_bytes=MIB, params=P)
+    assert r.agent_id == "p1" and r.num_cached_tokens == 160
+    # p1's handoffs queue behind slow decode agents: new prompts go to p2
+    agents[0] = Candidate("p1", "a:1", "prefill", num_cached_blocks=10, dataplane=dp(queued=8))
+    assert route("prefill", agents, 12, 16, MIB, P).agent_id == "p2"
+
+
+def test_decode_prefers_a_fast_idle_link_and_skips_agents_behind():
+    pre = dp(links=[LinkView("d1", 0.2e9), LinkView("d2", 2e9), LinkView("d3", 2e9, inflight=3)])
+    agents = [
+        Candidate("p", "a:0", "prefill", dataplane=pre),
+        Candidate("d1", "a:1", "decode", dataplane=dp()),
+        Candidate("d2", "a:2", "decode", dataplane=dp()),
+        Candidate("d3", "a:3", "decode", dataplane=dp()),
+        Candidate("d4", "a:4", "decode", dataplane=dp(free=50 * MIB)),  # under the 10% watermark
+    ]
+    r = route("decode", agents, 64, 16, MIB, P, prefill_agent_id="p")
+    assert r.agent_id == "d2" and not r.backpressure
+    scores = {c.agent_id: c for c in r.candidates}
+    assert scores["d4"].behind and "watermark" in scores["d4"].note
+    assert scores["d1"].transfer_seconds > scores["d3"].transfer_seconds > scores["d2"].transfer_seconds
+    # a decode agent that holds most of the prefix needs fewer bytes: preferred over a faster empty one
+    agents[1] = Candidate("d1", "a:1", "decode", num_cached_blocks=60, dataplane=dp())
+    assert route("decode", agents, 64, 16, MIB, P, prefill_agent_id="p").agent_id == "d1"
+
+
+def test_every_decode_agent_behind_is_backpressure():
+    agents = [
+        Candidate("p", "a:0", "prefill", dataplane=dp()),
+        Candidate("d1", "a:1", "decode", dataplane=dp(inbound=4)),
+        Candidate("d2", "a:2", "decode", dataplane=dp(free=0)),
+    ]
+    r = route("pair", agents, 8, 16, MIB, P)
+    assert r.backpressure and r.disaggregate and "queue" in r.reason
+    # an agent that can also decode keeps the request instead
+    agents[0] = Candidate("p", "a:0", "both", dataplane=dp())
+    r = route("pair", agents, 8, 16, MIB, P)
+    assert r.backpressure and not r.disaggregate and r.decode_agent_id == "p"
+
+
+def test_split_only_when_the_handoff_costs_less_than_it_saves():
+    def agents(link_rate):
+        pre = dp(links=[LinkView("d", link_rate)])
+        return [Candidate("p", "a:0", "both", dataplane=pre), Candidate("d", "a:1", "decode", dataplane=dp())]
+
+    # 64 blocks x 16 tokens = 1024 tokens: 0.1024 s of prefill, 0.0512 s saved by splitting;
+    # 64 MiB over 2 GB/s is 0.034 s: split. Over 0.5 GB/s it is 0.134 s: not worth it.
+    fast = route("pair", agents(2e9), 64, 16, MIB, P)
+    assert fast.disaggregate and fast.decode_agent_id == "d" and fast.transfer_seconds < fast.saved_seconds
+    slow = route("pair", agents(0.5e9), 64, 16, MIB, P)
+    assert not slow.disaggregate and slow.decode_agent_id == "p" and "costs more" in slow.reason
+    # a prefill-only agent always splits
+    only = [Candidate("p", "a:0", "prefill", dataplane=dp(links=[LinkView("d", 0.5e9)])), agents(0.5e9)[1]]
+    assert route("pair", only, 64, 16, MIB, P).disaggregate
+
+
+def test_backpressure_keeps_decode_within_capacity():
+    from benchmarks.handoff import SimConfig, simulate
+
+    cfg = SimConfig(num_requests=600, requests_per_second=7.0, seed=3)
+    on, off = simulate(cfg, True), simulate(cfg, False)
+    assert on["requests"] == off["requests"] == 600
+    assert not on["over_capacity"] and on["decode_peak_blocks"] <= cfg.decode_capacity_blocks and on["overruns"] == 0
+    assert on["decode_queue_max"] > 0  # it held handoffs back instead
+    assert off["over_capacity"] and off["overruns"] > 0

@@ -154,6 +154,8 @@ class Cluster:
         self.events = EventBus(clock=clock)
         # roles and data-plane reports (free capacity, queues, link throughput) for Route
         self.dataplane = DataPlaneStates()
+        # callable(packed block hashes, now) told of every lookup (the policy's access stats)
+        self.on_lookup = None
 
     # ---- membership -----------------------------------------------------------------
     def register(self, record: AgentRecord) -> None:
@@ -433,6 +435,8 @@ class Cluster:
             self.lookups_total += 1
             self.lookup_tokens_total += num_tokens
             self.lookup_hit_tokens_total += hit_tokens
+        if self.on_lookup is not None:  # future-reuse evidence for the tier policy
+            self.on_lookup(packed, self._clock())
         return LookupResult(model_id, num_tokens, num_blocks, model.block_size, matches)
 
     # ---- stats ----------------------------------------------------------------------

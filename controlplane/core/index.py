@@ -18,8 +18,9 @@ into the index without being split into `bytes` objects.
 Memory: 40 bytes per distinct block for the entry, 4 of scratch, and 8 per table slot
 at a load between 0.4 and 0.75 (11-20 bytes per block): ~55-65 bytes per replica when
 every replica is a distinct block, much less when agents share blocks. Past 64 agents
-each mask widens by a 64-bit word per 64 agents. Growing the table rebuilds it (all keys
-placed again), which a caller that knows its size avoids with `expected_blocks`.
+each mask widens by a 64-bit word per 64 agents. Growing the table moves every key in one
+scatter (a doubling splits each bucket in two and a key keeps its slot), which a caller
+that knows its size avoids with `expected_blocks`. The table never shrinks.
 """
 
 from __future__ import annotations
@@ -366,6 +367,25 @@ class BlockIndex:
             setattr(self, name, new)
         self._scratch = np.empty(new_cap, np.int32)
 
+    def _grow(self, nb: int) -> None:
+        """Grow the table to `nb` buckets (a power-of-two multiple) without placing keys again:
+        a bucket is the top bits of a hash word, so bucket b splits into b << k .. (b << k) + 2**k - 1
+        by the next k bits, and a key keeps its slot j there. Keys of one old bucket sit at
+        distinct slots, so nothing collides: one scatter, no claim rounds."""
+        old_shift = self._shift
+        occ = np.flatnonzero(self._tags_flat != _EMPTY)
+        tags = self._tags_flat[occ]
+        ents = self._ents_flat[occ]
+        h = _mix(self._keys.take(ents.astype(np.int64), axis=0))
+        h2 = h * _C3
+        x2 = h2 ^ (h2 << np.uint64(29))  # the word _buckets takes the second bucket from
+        home = (h >> old_shift).astype(np.int64) == (occ >> 3)
+        self._new_table(nb)
+        word = np.where(home, h, x2)
+        slot = (word >> self._shift).astype(np.int64) * _BUCKET + (occ & (_BUCKET - 1))
+        self._tags_flat[slot] = tags
+        self._ents_flat[slot] = ents
+
     def _rebuild(self, nb: int) -> None:
         live_ids = self._ents_flat[self._tags_flat != _EMPTY].astype(np.int64)
         while True:
@@ -378,10 +398,10 @@ class BlockIndex:
         """Make room in the table for `n_new` more keys (rebuilding it larger)."""
         if self._live + n_new <= _MAX_LOAD * self._nb * _BUCKET:
             return
-        nb = _MIN_BUCKETS
+        nb = self._nb * 2
         while nb * _BUCKET * _REBUILD_LOAD < self._live + n_new:
             nb *= 2
-        self._rebuild(nb)
+        self._grow(nb)
 
     def _find_or_insert(self, keys: np.ndarray) -> np.ndarray:
         h = _mix(keys)
@@ -393,7 +413,7 @@ class BlockIndex:
                 left = self._place(h[miss], miss, keys, ent)
                 miss = miss[left]
                 if miss.size:
-                    self._rebuild(self._nb * 2)
+                    self._grow(self._nb * 2)
         return ent
 
     def _distinct(self, e: np.ndarray) -> np.ndarray:

@@ -126,7 +126,7 @@ def prefill_scores(agents: Sequence[Candidate], num_blocks: int, block_size: int
                 a.num_cached_blocks,
                 _load(a.dataplane),
                 a.dataplane.handoff_free_bytes if a.dataplane else 0,
-                note=f"{max(0, tokens)} tokens to compute, {queued} handoffs waiting",
+                note=f"prefill: {max(0, tokens)} tokens to compute, {queued} handoffs waiting",
             )
         )
     return sorted(out, key=lambda s: (s.score, -s.num_cached_blocks, s.agent_id))
@@ -169,7 +169,7 @@ def decode_scores(
                 rate,
                 transfer,
                 bool(behind_why),
-                behind_why or f"{need} B over a {measured} {rate / 1e9:.2f} GB/s link, {busy} on it",
+                "decode: " + (behind_why or f"{need} B over a {rate / 1e9:.2f} GB/s link ({measured}), {busy} on it"),
             )
         )
     return sorted(out, key=lambda s: (s.behind, s.score, -s.free_bytes, s.agent_id))

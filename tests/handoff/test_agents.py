@@ -104,3 +104,30 @@ def test_a_busy_destination_queues_the_handoff_then_recompute_at_the_deadline(co
     b.dataplane.reservations.abort(r0.reservation_id, quiesced=True)
     r = a.dataplane.handoff(BIG.model_id, hashes, "dec", deadline_seconds=5.0)
     assert r.outcome == "transferred"
+
+
+@needs_engine
+def test_blocks_on_disk_go_through_one_bounce_buffer(controlplane, make_agent, tmp_path):
+    from protos.tier import Tier
+
+    a = make_agent(
+        "pre", models=[BIG], cpu_capacity_bytes=16 << 20, disk_dir=str(tmp_path / "d"), disk_capacity_bytes=64 << 20
+    )
+    b = make_agent("dec", models=[BIG], cpu_capacity_bytes=16 << 20)
+    tokens, kv, hashes = prompt(BIG, 4, seed=6)
+    a.engine.store(BIG.model_id, tokens, kv)
+    for h in hashes[2:]:
+        assert a.pool.move_block(h, Tier.DISK).ok
+    r = a.dataplane.handoff(BIG.model_id, hashes, "dec", 20)
+    assert (r.outcome, r.path, r.num_sent_blocks) == ("transferred", "engine", 4), r
+    assert torch.equal(b.engine.load(BIG.model_id, tokens).kv, kv)
+
+
+def test_an_engine_that_does_not_import_leaves_the_grpc_path(monkeypatch):
+    import sys
+
+    from agent.store.transfer_engine import open_engine
+
+    monkeypatch.setitem(sys.modules, "mooncake.engine", None)  # import fails as with missing libraries
+    e = open_engine()
+    assert not e.available and "does not import" in e.status and "libibverbs1" in e.status

@@ -407,7 +407,7 @@ class DataPlane:
                 try:
                     num_present, sent, sent_bytes = self._attempt(path, peer, model_id, metas, namespace, deadline)
                 except _PathError as exc:
-                    reasons.append(f"{path}: {exc}")
+                    _note(reasons, f"{path}: {exc}")
                     if exc.busy:  # the destination is behind: queue (wait), do not burn an attempt
                         self._sleep(policy.busy_backoff_seconds * (0.5 + self._rng.random()), deadline)
                         continue
@@ -612,6 +612,15 @@ class DataPlane:
             timeout=left(max(self.config.rpc_timeout_seconds, 0.1 + sent[0] / 1e9)),
         )
         return sent[0]
+
+
+def _note(reasons: list[str], text: str) -> None:
+    """Add a reason; the same one again (a busy peer polled) is counted, not repeated."""
+    if reasons and (reasons[-1] == text or reasons[-1].startswith(text + " (x")):
+        n = int(reasons[-1].rpartition(" (x")[2].rstrip(")")) + 1 if reasons[-1] != text else 2
+        reasons[-1] = f"{text} (x{n})"
+    else:
+        reasons.append(text)
 
 
 def _split(packed: bytes, name: str) -> list[bytes]:

@@ -14,9 +14,62 @@ from protos.kvcp.v1 import agent_pb2, agent_pb2_grpc
 log = logging.getLogger(__name__)
 
 
+class _Applier:
+    """One thread applies every stream's hello, inventory chunks and event batches, in the
+    order each stream's reader hands them over (one FIFO). Readers do not wait for their
+    message: they go on decoding the next while this thread applies, and only block when
+    the bounded queue is full, which stops them reading and so pushes back through gRPC's
+    flow control. A reply (resync) or an error goes to the stream's outbox; after an error
+    the stream's later messages are dropped, as a reader that applied them itself would
+    have stopped. With 64 streams the cluster lock has two contenders, this thread and the
+    lookups, instead of 65, and a lookup waits for at most one batch."""
+
+    def __init__(self, max_pending: int = 64) -> None:
+        self._queue: queue.Queue = queue.Queue(max_pending)
+        self._start = threading.Lock()
+        self._thread: threading.Thread | None = None
+
+    def submit(self, session: dict, fn, *args) -> None:
+        if self._thread is None:
+            with self._start:
+                if self._thread is None:
+                    self._thread = threading.Thread(target=self._loop, name="sync-applier", daemon=True)
+                    self._thread.start()
+        self._queue.put((session, fn, args))
+
+    def wait_idle(self, session: dict) -> None:
+        """Block until everything this stream submitted has been applied."""
+        done = threading.Event()
+        self.submit(session, None, done)
+        done.wait()
+
+    def _loop(self) -> None:
+        while True:
+            session, fn, args = self._queue.get()
+            if fn is None:  # a wait_idle marker
+                args[0].set()
+                continue
+            if session.get("failed"):
+                continue
+            try:
+                reply = fn(*args)
+            except errors.KvcpError as exc:
+                session["failed"] = True
+                session["outbox"].put(exc)
+                continue
+            except Exception as exc:  # noqa: BLE001 - our bug, not the peer's: INTERNAL, logged
+                log.exception("applying a sync message failed")
+                session["failed"] = True
+                session["outbox"].put(exc)
+                continue
+            if reply is not None:
+                session["outbox"].put(reply)
+
+
 class AgentServicer(agent_pb2_grpc.AgentServiceServicer):
     def __init__(self, cluster: Cluster, leadership, agent_key_exists=None, on_op_update=None, parents=None):
         self._cluster = cluster
+        self._applier = _Applier()  # index updates of every stream, applied by one thread
         self._parents = parents  # controlplane.core.parents.ParentMap for the tier policy
         self._leadership = leadership
         # callable(agent_id, OpUpdate message): operation progress from agents
@@ -51,6 +104,14 @@ class AgentServicer(agent_pb2_grpc.AgentServiceServicer):
         def read() -> None:
             try:
                 for msg in request_iterator:
+                    if session.get("failed"):
+                        return
+                    kind = msg.WhichOneof("body")
+                    if kind in ("hello", "events", "inventory"):
+                        self._applier.submit(session, self._handle, msg, session, epoch)
+                        if kind == "hello":
+                            self._applier.wait_idle(session)  # what follows needs the session
+                        continue
                     try:
                         reply = self._handle(msg, session, epoch)
                     except errors.KvcpError:
@@ -65,6 +126,7 @@ class AgentServicer(agent_pb2_grpc.AgentServiceServicer):
             except Exception as exc:  # noqa: BLE001 - stream broken by the peer
                 log.debug("sync stream of %s ended: %s", session["agent_id"], exc)
             finally:
+                self._applier.wait_idle(session)  # its replies and errors reach the outbox first
                 outbox.put(None)
 
         reader = threading.Thread(target=read, name="sync-reader", daemon=True)

@@ -33,7 +33,7 @@ def tokens(n_blocks: int, start: int = 0) -> list[int]:
     return list(range(start, start + n_blocks * BS))
 
 
-async def until(pilot, predicate, what: str, timeout_seconds: float = 10.0) -> None:
+async def until(pilot, predicate, what: str, timeout_seconds: float = 30.0) -> None:
     """Let the app run until `predicate()` holds; fail showing the screen."""
     deadline = time.monotonic() + timeout_seconds
     while time.monotonic() < deadline:
@@ -65,6 +65,7 @@ def cluster(controlplane, make_agent):
     with ControlPlaneClient(controlplane.address) as c:
         wait_for(
             lambda: {a.agent_id: a.num_blocks for a in c.list_agents()} == {"dash-a1": 4, "dash-a2": 2},
+            30,
             what="both agents indexed",
         )
         c.lookup(M.model_id, tokens(4))
@@ -201,15 +202,15 @@ def test_survives_a_controlplane_restart(etcd, make_agent):
             async with app.run_test(size=SIZE) as pilot:
                 await until(pilot, on_screen(pilot, "connected", "dash-r1", "ready"), "agent on screen")
                 cp.stop(grace_seconds=0.2)
-                await until(pilot, on_screen(pilot, "reconnecting"), "reconnecting", timeout_seconds=5)
+                await until(pilot, on_screen(pilot, "reconnecting"), "reconnecting", timeout_seconds=20)
                 cp = start()
-                await until(pilot, on_screen(pilot, "● connected"), "connected again", timeout_seconds=15)
+                await until(pilot, on_screen(pilot, "● connected"), "connected again", timeout_seconds=40)
                 # the agent finds the new leader and resyncs; the new stream says so
                 await until(
                     pilot,
                     lambda: app.state.agent("dash-r1") is not None and app.state.agent("dash-r1").state == "ready",
                     "agent back",
-                    timeout_seconds=15,
+                    timeout_seconds=40,
                 )
                 seqs = [e.seq for e in app.state.events]
                 assert seqs.count(1) >= 2  # events of both control planes are in the log

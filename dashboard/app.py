@@ -188,6 +188,8 @@ class DashboardApp(App):
 
     # ---- showing ----------------------------------------------------------------------
     def _show(self, topics: frozenset[str]) -> None:
+        if not self.screen_stack:  # results arriving while the app shuts down: nothing to show
+            return
         screen = self.screen
         if isinstance(screen, DashboardScreen) and screen.is_mounted:
             screen.show(topics)

@@ -52,7 +52,7 @@ def test_watch_filters_by_kind_and_sees_notices(controlplane, make_agent):
     _collect(client, got, kinds=("agent_joined", "notice"), replay_recent=False)
     wait_for(lambda: controlplane.cluster.events.num_subscribers == 1, what="subscribed")
     agent = make_agent("agent-n1")
-    wait_for(lambda: any(getattr(e, "kind", "") == "agent_joined" for e in got), what="join")
+    wait_for(lambda: any(getattr(e, "kind", "") == "agent_joined" for e in got), 30, what="join")
     agent.pool._notice("corrupt_block", "block abc in the cpu tier is unreadable (test); removed")
     wait_for(lambda: any(getattr(e, "kind", "") == "notice" for e in got), what="notice", timeout_seconds=10)
     notice = next(e for e in got if e.kind == "notice")

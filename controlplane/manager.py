@@ -385,8 +385,8 @@ class Manager:
         packed, _ = self.resolve(scope)
         if not packed:
             raise errors.InvalidArgument("scope", "a transfer needs a prefix of a model (token_ids or block_hashes)")
-        if deadline_seconds < 0:
-            raise errors.InvalidArgument("deadline_seconds", "must not be negative")
+        if not math.isfinite(deadline_seconds) or deadline_seconds < 0:
+            raise errors.InvalidArgument("deadline_seconds", f"must be a finite number >= 0, got {deadline_seconds}")
         agents = {r.agent_id: r for r, _ in self.cluster.agents()}
         for field_name, agent_id in (("from_agent_id", from_agent_id), ("to_agent_id", to_agent_id)):
             if not agent_id:
@@ -664,7 +664,10 @@ class Manager:
                 if t.tier not in tier_policy.MANAGED_TIERS:
                     continue
                 blocks = {h: self.parents.get(h) for h, tier in held.items() if tier == int(t.tier)}
-                tiers.append(tier_policy.TierView.from_bytes(t.tier, t.capacity_bytes, bb, blocks))
+                # models' blocks differ in size: count capacity in blocks of what the tier holds
+                # (the largest model's size would make a tier of small blocks look overfull)
+                size = t.used_bytes // t.num_blocks if t.num_blocks else bb
+                tiers.append(tier_policy.TierView.from_bytes(t.tier, t.capacity_bytes, size, blocks))
             views.append(tier_policy.AgentView(rec.agent_id, tuple(tiers)))
         self._drain_lookups()
         if not views:

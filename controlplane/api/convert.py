@@ -9,12 +9,24 @@ from protos.tier import Tier
 
 
 def tier_usage_from_pb(t: types_pb2.TierUsage) -> core.TierUsage:
+    if t.tier not in (v.value for v in Tier):
+        from protos.errors import InvalidArgument
+
+        raise InvalidArgument("tiers.tier", f"unknown tier value {t.tier}")
     return core.TierUsage(Tier(t.tier), t.capacity_bytes, t.used_bytes, t.num_blocks)
 
 
+_UINT64_MAX = (1 << 64) - 1
+
+
 def tier_usage_to_pb(t: core.TierUsage) -> types_pb2.TierUsage:
+    # sums over agents of what agents report can exceed uint64 (a buggy or hostile agent):
+    # saturate rather than fail every GetStats
     return types_pb2.TierUsage(
-        tier=int(t.tier), capacity_bytes=t.capacity_bytes, used_bytes=t.used_bytes, num_blocks=t.num_blocks
+        tier=int(t.tier),
+        capacity_bytes=min(t.capacity_bytes, _UINT64_MAX),
+        used_bytes=min(t.used_bytes, _UINT64_MAX),
+        num_blocks=min(t.num_blocks, _UINT64_MAX),
     )
 
 

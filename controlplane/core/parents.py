@@ -18,9 +18,9 @@ class ParentMap:
 
     def note(self, packed_hashes: bytes, packed_parents: bytes) -> None:
         """Record parents from a STORED event or inventory group (parents may be absent)."""
-        if len(packed_parents) != len(packed_hashes):
-            return
         n = BLOCK_HASH_BYTES
+        if len(packed_parents) != len(packed_hashes) or len(packed_hashes) % n:
+            return  # malformed (the cluster rejects the batch): a short key would break prune()
         with self._lock:
             for i in range(0, len(packed_hashes), n):
                 self._parent[packed_hashes[i : i + n]] = packed_parents[i : i + n]

@@ -6,6 +6,7 @@ Pure values and rules; etcd and commands live in controlplane.store / reconciler
 
 from __future__ import annotations
 
+import math
 import re
 import time
 import uuid
@@ -74,7 +75,7 @@ def new_pin(
 ) -> Pin:
     now = time.time() if now is None else now
     ns = check_namespace(namespace)
-    if ttl_seconds < 0 or ttl_seconds > MAX_TTL_SECONDS:
+    if not math.isfinite(ttl_seconds) or ttl_seconds < 0 or ttl_seconds > MAX_TTL_SECONDS:
         raise errors.InvalidArgument("ttl_seconds", f"must be in (0, {MAX_TTL_SECONDS:.0f}] seconds")
     if not ttl_seconds and not owner_lease_id:
         raise errors.InvalidArgument("ttl_seconds", "a pin needs a TTL, or an owner lease that bounds its life")

@@ -266,3 +266,27 @@ def handoff(
 
 
 main.add_command(handoff, name="transfer")  # the issue's name for the same benchmark
+
+
+@main.command()
+@click.option("--seconds", default=120.0, show_default=True, type=click.FloatRange(min=10), help="Length of the run.")
+@click.option("--rate", "rate_per_second", default=8.0, show_default=True, type=click.FloatRange(min=0.1))
+@click.option("--seed", default=0, show_default=True, type=int)
+@click.option("--log-dir", default="", help="Where the processes' logs go (default: a new temporary directory).")
+@click.option("-o", "--output", "output_format", type=click.Choice(["table", "json"]), default="table")
+def chaos(seconds, rate_per_second, seed, log_dir, output_format):
+    """A loopback cluster (etcd, 2 control planes, 3 agents) under load while agents, the leader,
+    etcd and a handoff are killed or paused: wrong KV served and pins lost (both must be 0)."""
+    from benchmarks import chaos as bench
+
+    cfg = bench.ChaosConfig(seconds=seconds, rate_per_second=rate_per_second, seed=seed, log_dir=log_dir)
+    try:
+        result = bench.run(cfg, report=lambda m: click.echo(m, err=True))
+    except (RuntimeError, ValueError, ConnectionError) as exc:
+        click.echo(f"kvcp-bench chaos: {exc}", err=True)
+        raise SystemExit(2) from None
+    except KeyboardInterrupt:
+        click.echo("kvcp-bench chaos: interrupted; every process it started is stopped", err=True)
+        raise SystemExit(130) from None
+    click.echo(json.dumps(result.to_json(), indent=2) if output_format == "json" else bench.format_table(result))
+    click.echo(f"logs: {result.log_dir}", err=True)

@@ -1,0 +1,839 @@
+"""`kvcp-bench chaos`: a small real cluster under load while its parts are killed, paused
+and cut off, checking that nothing wrong is ever served and no pin is lost.
+
+Everything runs on loopback, started here: one etcd, two `kvcp-controlplane` replicas
+(election TTL 2 s) and three `kvcp-agent` processes. Worker threads play the workload of
+benchmarks/workload.py the way a KV-aware router does: Lookup through the control
+plane (the client facade, moved to the other replica when one stops answering), Load of
+the cached prefix from the best agent, a check of every loaded block (each element of a
+block equals block_fill(its hash)), and Store of the blocks it "computed". When the
+control plane cannot answer, a request is still routed, to the least loaded agent.
+
+At set times, one after another, it: SIGKILLs an agent (and restarts it); SIGKILLs the
+leader (and restarts it); SIGSTOPs the new leader, then SIGCONTs it; pauses etcd for
+10 s (SIGSTOP/SIGCONT); and, when this build has handoff, SIGKILLs the destination of
+a handoff in flight (and restarts it). A fault's `recovery_seconds` is the time until a
+lookup and a pin both succeed again through the facade, counted from the fault (from
+etcd's return for the etcd pause); `back_seconds` is the time until the faulted part is
+in service again. A few pins with TTLs longer than the run are checked at the end
+(`pins_lost`), and the blocks they protect on an agent that is never killed too.
+
+Every process started here is stopped on the way out, on an error or Ctrl-C too (and
+the kernel kills them should this process die first, where util-linux setpriv exists)."""
+
+from __future__ import annotations
+
+import contextlib
+import random
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import grpc
+import numpy as np
+
+from agent.client import EngineClient
+from benchmarks.etcd import EtcdServer, free_port
+from benchmarks.workload import DTYPES, PromptGenerator, WorkloadConfig, block_fill
+from cli.client import ClientError, ControlPlaneClient
+from protos.block_hash import hash_prefix, split_hashes
+
+WORKLOAD_MODEL = "demo-model:block_size=16,num_layers=2,num_kv_heads=2,head_dim=32,dtype=float16"
+HANDOFF_MODEL = "chaos-big:block_size=32,num_layers=8,num_kv_heads=8,head_dim=128,dtype=float16"  # 1 MiB blocks
+RETRYABLE = {"UNAVAILABLE", "DEADLINE_EXCEEDED", "FAILED_PRECONDITION", "CANCELLED", "UNKNOWN", "RESOURCE_EXHAUSTED"}
+AGENTS = ("agent-1", "agent-2", "agent-3")
+REPLICAS = ("cp-a", "cp-b")
+HANDOFF_SOURCE, VICTIM, KEEPER = "agent-1", "agent-2", "agent-3"  # KEEPER is never killed: it holds the pins
+
+
+@dataclass(frozen=True)
+class ChaosConfig:
+    seconds: float = 120.0
+    rate_per_second: float = 8.0  # offered requests per second, over all workers
+    workers: int = 2
+    seed: int = 0
+    log_dir: str = ""  # empty: a new temporary directory (kept; its path is printed)
+    recovery_timeout_seconds: float = 60.0  # generous: the machine is small and shared
+    election_ttl_seconds: int = 2
+    agent_lease_ttl_seconds: int = 4
+    etcd_pause_seconds: float = 10.0
+    leader_pause_seconds: float = 8.0
+    agent_cpu_capacity: str = "32MiB"  # small: the workload keeps the tiers full, so pins matter
+    # the handoff: 20 blocks of 1 MiB of a second model, over a source link paced to 4 MiB/s:
+    # the engine writes 16 MiB at once, then waits the pace off, so the prefix is in flight for seconds
+    handoff_blocks: int = 20
+    handoff_link_bandwidth: str = "4MiB"
+    num_pins: int = 3
+
+
+@dataclass
+class FaultResult:
+    fault: str
+    recovered: bool
+    recovery_seconds: float | None
+    at_seconds: float = 0.0
+    back_seconds: float | None = None
+    detail: str = ""
+
+
+@dataclass
+class ChaosResult:
+    seconds: float
+    requests: int
+    served: int
+    wrong_kv_served: int  # loaded blocks whose content was not the block's (must be 0)
+    pins_lost: int  # pins made at the start that the control plane no longer has (must be 0)
+    pinned_blocks_evicted: int  # blocks of those pins gone from the agent that holds them
+    faults: list[FaultResult]
+    lookups_failed: int
+    requests_failed: int
+    hit_tokens: int
+    prompt_tokens: int
+    log_dir: str
+    stats: dict = field(default_factory=dict)
+
+    def to_json(self) -> dict:
+        return asdict(self)
+
+
+# ---- processes ----------------------------------------------------------------------
+
+
+def die_with_parent() -> tuple[str, ...]:
+    """A command prefix that has the kernel SIGKILL the child when this process dies
+    (util-linux setpriv); empty where it is missing. Not a preexec_fn: forking a process
+    whose gRPC threads are busy can crash the child before it execs."""
+    setpriv = shutil.which("setpriv")
+    if setpriv is None:
+        return ()
+    try:
+        out = subprocess.run([setpriv, "--help"], capture_output=True, text=True, timeout=5).stdout
+    except (OSError, subprocess.SubprocessError):
+        return ()
+    return (setpriv, "--pdeathsig", "KILL", "--") if "--pdeathsig" in out else ()
+
+
+def console_script(name: str) -> str:
+    path = Path(sys.executable).parent / name
+    found = str(path) if path.exists() else shutil.which(name)
+    if not found:
+        raise RuntimeError(f"console script {name} not found next to {sys.executable} nor on PATH (pip install -e .)")
+    return found
+
+
+class Processes:
+    """The cluster's processes by name, each logging to <log_dir>/<name>.log; restarts
+    keep the same command line (and so the same ports). Started from the main thread
+    only: the kernel's parent-death signal follows the thread that forked."""
+
+    def __init__(self, log_dir: Path, prefix: tuple[str, ...] = ()):
+        self.log_dir = log_dir
+        self.prefix = prefix
+        self.argv: dict[str, list[str]] = {}
+        self.procs: dict[str, subprocess.Popen] = {}
+        self._logs: list = []
+
+    def start(self, name: str, argv: list[str]) -> subprocess.Popen:
+        self.argv[name] = argv
+        log = open(self.log_dir / f"{name}.log", "ab")  # noqa: SIM115 - closed in stop_all()
+        self._logs.append(log)
+        log.write(f"==== {time.strftime('%H:%M:%S')} start: {' '.join(argv)}\n".encode())
+        log.flush()
+        self.procs[name] = subprocess.Popen(
+            [*self.prefix, *argv], stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL
+        )
+        return self.procs[name]
+
+    def restart(self, name: str) -> None:
+        self.start(name, self.argv[name])
+
+    def signal(self, name: str, sig: int) -> None:
+        p = self.procs[name]
+        if p.poll() is None:
+            p.send_signal(sig)
+        if sig == signal.SIGKILL:
+            p.wait(10)
+
+    def stop_all(self) -> None:
+        live = [p for p in self.procs.values() if p.poll() is None]
+        for p in live:
+            with contextlib.suppress(ProcessLookupError):
+                p.send_signal(signal.SIGCONT)  # a stopped process would not act on SIGTERM
+                p.terminate()
+        deadline = time.monotonic() + 10
+        for p in live:
+            try:
+                p.wait(max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait()
+        for log in self._logs:
+            log.close()
+        self._logs.clear()
+
+
+# ---- the control plane as a client sees it ----------------------------------------
+
+
+class Facade:
+    """The client facade (ControlPlaneClient) on one replica, moved to the next when that
+    one does not answer or has no leader, with backoff, until a deadline. One per thread."""
+
+    def __init__(self, endpoints: list[str], timeout_seconds: float = 3.0):
+        self.endpoints = endpoints
+        self.timeout_seconds = timeout_seconds
+        self._i = 0
+        self._client: ControlPlaneClient | None = None
+
+    def _get(self) -> ControlPlaneClient:
+        if self._client is None:
+            self._client = ControlPlaneClient(self.endpoints[self._i], self.timeout_seconds)
+        return self._client
+
+    def _rotate(self) -> None:
+        if self._client is not None:
+            self._client.close()
+        self._client = None
+        self._i = (self._i + 1) % len(self.endpoints)
+
+    def call(self, fn: Callable[[ControlPlaneClient], object], deadline_seconds: float = 10.0):
+        deadline = time.monotonic() + deadline_seconds
+        delay = 0.1
+        while True:
+            try:
+                return fn(self._get())
+            except ClientError as exc:
+                if exc.code not in RETRYABLE:
+                    raise
+                last = exc
+                self._rotate()
+            if time.monotonic() + delay > deadline:
+                raise last
+            time.sleep(delay)
+            delay = min(delay * 2, 1.0)
+
+    def close(self) -> None:
+        if self._client is not None:
+            self._client.close()
+            self._client = None
+
+
+def replica_role(endpoint: str) -> str:
+    """leader | follower | down, from the replica's gRPC health (AdminService is SERVING
+    on the leader only)."""
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    with grpc.insecure_channel(endpoint) as ch:
+        try:
+            r = health_pb2_grpc.HealthStub(ch).Check(
+                health_pb2.HealthCheckRequest(service="kvcp.v1.AdminService"), timeout=2
+            )
+        except grpc.RpcError:
+            return "down"
+    return "leader" if r.status == health_pb2.HealthCheckResponse.SERVING else "follower"
+
+
+# ---- the load ------------------------------------------------------------------------
+
+
+@dataclass
+class LoadStats:
+    requests: int = 0
+    served: int = 0
+    wrong_kv_served: int = 0
+    lookups_failed: int = 0
+    requests_failed: int = 0
+    engine_errors: int = 0
+    hit_tokens: int = 0
+    prompt_tokens: int = 0
+    stored_blocks: int = 0
+
+
+class Model:
+    """The KV layout of the cluster's model, as the control plane reports it."""
+
+    def __init__(self, spec: dict):
+        self.model_id = spec["model_id"]
+        self.block_size = spec["block_size"]
+        self.dtype = DTYPES[spec["dtype"]]
+        self.block_elems = spec["num_layers"] * 2 * spec["block_size"] * spec["num_kv_heads"] * spec["head_dim"]
+
+    def hashes(self, tokens: list[int]) -> list[bytes]:
+        return split_hashes(hash_prefix(self.model_id, tokens, self.block_size))
+
+    def kv(self, hashes: list[bytes]) -> bytes:
+        arr = np.empty((len(hashes), self.block_elems), dtype=self.dtype)
+        for i, h in enumerate(hashes):
+            arr[i] = block_fill(h)
+        return arr.tobytes()
+
+    def wrong_blocks(self, kv: bytes, hashes: list[bytes], num_blocks: int) -> int:
+        """Blocks of a load whose content is not theirs (a short or long payload: all)."""
+        if num_blocks > len(hashes) or len(kv) != num_blocks * self.block_elems * np.dtype(self.dtype).itemsize:
+            return max(num_blocks, 1)
+        if not num_blocks:
+            return 0
+        arr = np.frombuffer(kv, dtype=self.dtype).reshape(num_blocks, -1)
+        return sum(1 for i in range(num_blocks) if not np.all(arr[i] == block_fill(hashes[i])))
+
+
+class Load:
+    """Worker threads playing the workload against the cluster."""
+
+    def __init__(self, cfg: ChaosConfig, endpoints: list[str], model: Model, agent_addresses: dict[str, str]):
+        self.cfg = cfg
+        self.endpoints = endpoints
+        self.model = model
+        self.addresses = dict(agent_addresses)  # agent_id -> engine address (fixed ports)
+        self.stats = LoadStats()
+        self._lock = threading.Lock()
+        self.stop = threading.Event()
+        self._threads: list[threading.Thread] = []
+
+    def start(self, fill_agent: str = "") -> None:
+        targets = [(self._run, (i,), f"chaos-load-{i}") for i in range(self.cfg.workers)]
+        if fill_agent:
+            targets.append((self._fill, (fill_agent,), "chaos-fill"))
+        for target, args, name in targets:
+            t = threading.Thread(target=target, args=args, name=name, daemon=True)
+            t.start()
+            self._threads.append(t)
+
+    def _fill(self, agent_id: str) -> None:
+        """Keep one agent's tier full with prefixes nobody asks for again: the routed load
+        follows shared system prompts and may leave an agent idle, and pins must be tested
+        against eviction pressure."""
+        m = self.model
+        r = np.random.default_rng(self.cfg.seed + 7)
+        engine = EngineClient(self.addresses[agent_id], timeout_seconds=5.0)
+        try:
+            while not self.stop.wait(0.1):
+                tokens = r.integers(0, 32000, 16 * m.block_size).tolist()
+                with contextlib.suppress(grpc.RpcError):  # the agent may be down for a fault
+                    engine.store(m.model_id, tokens, m.kv(m.hashes(tokens)), namespace="filler")
+        finally:
+            engine.close()
+
+    def join(self) -> None:
+        self.stop.set()
+        for t in self._threads:
+            t.join(30)
+
+    def _count(self, **deltas: int) -> None:
+        with self._lock:
+            for k, v in deltas.items():
+                setattr(self.stats, k, getattr(self.stats, k) + v)
+
+    def _run(self, worker: int) -> None:
+        gen = PromptGenerator(WorkloadConfig(seed=self.cfg.seed + worker, num_documents=100))
+        facade = Facade(self.endpoints)
+        engines: dict[str, EngineClient] = {}
+        per_agent: dict[str, int] = dict.fromkeys(self.addresses, 0)
+        rng = random.Random(self.cfg.seed + 100 + worker)
+        interval = self.cfg.workers / self.cfg.rate_per_second if self.cfg.rate_per_second > 0 else 0.0
+        try:
+            while not self.stop.is_set():
+                t0 = time.monotonic()
+                try:
+                    self._request(gen, facade, engines, per_agent, rng)
+                except Exception:  # noqa: BLE001 - a bug here must not stop the run silently
+                    self._count(requests_failed=1)
+                    import traceback
+
+                    traceback.print_exc()
+                self.stop.wait(max(0.0, interval - (time.monotonic() - t0)))
+        finally:
+            facade.close()
+            for e in engines.values():
+                e.close()
+
+    def _request(self, gen, facade: Facade, engines, per_agent, rng) -> None:
+        m = self.model
+        prompt = gen.next_prompt()
+        namespace = gen.last_namespace
+        hashes = m.hashes(prompt)
+        self._count(requests=1, prompt_tokens=len(prompt))
+        best: list[str] = []
+        try:
+            view = facade.call(lambda c: c.lookup(m.model_id, prompt), deadline_seconds=4.0)
+            best = [a.agent_id for a in view.agents if a.agent_id in self.addresses and a.num_hit_blocks > 0][:1]
+        except ClientError:
+            self._count(lookups_failed=1)  # routed without the control plane
+        rest = sorted((a for a in self.addresses if a not in best), key=lambda a: (per_agent[a], rng.random()))
+        for agent_id in [*best, *rest][:2]:
+            engine = engines.get(agent_id)
+            if engine is None:
+                engine = engines[agent_id] = EngineClient(self.addresses[agent_id], timeout_seconds=5.0)
+            try:
+                loaded = engine.load(m.model_id, prompt)
+                n = loaded.num_cached_tokens // m.block_size
+                wrong = m.wrong_blocks(loaded.kv, hashes, n)
+                stored = 0
+                if n < len(hashes) and not wrong:
+                    stored, _ = engine.store(m.model_id, prompt, m.kv(hashes[n:]), first_block=n, namespace=namespace)
+            except grpc.RpcError:
+                self._count(engine_errors=1)
+                engines.pop(agent_id).close()
+                continue
+            per_agent[agent_id] += 1
+            self._count(served=1, wrong_kv_served=wrong, hit_tokens=n * m.block_size, stored_blocks=stored)
+            return
+        self._count(requests_failed=1)
+
+
+# ---- the run --------------------------------------------------------------------------
+
+
+class Chaos:
+    def __init__(self, cfg: ChaosConfig, report: Callable[[str], None]):
+        self.cfg = cfg
+        self.report = report
+        self.log_dir = Path(cfg.log_dir or tempfile.mkdtemp(prefix="kvcp-chaos-")).resolve()
+        self.log_dir.mkdir(parents=True, exist_ok=True)
+        self.prefix = die_with_parent()
+        self.procs = Processes(self.log_dir, self.prefix)
+        self.etcd: EtcdServer | None = None
+        self.cp_ports = {name: free_port() for name in REPLICAS}
+        self.agent_ports = {name: free_port() for name in AGENTS}
+        self.endpoints = [f"127.0.0.1:{p}" for p in self.cp_ports.values()]
+        self.replica_of = {f"127.0.0.1:{p}": name for name, p in self.cp_ports.items()}
+        self.facade = Facade(self.endpoints)
+        self.model: Model | None = None
+        self.t_start = 0.0
+        self._probe_tokens: list[int] = []
+
+    # ---- cluster --------------------------------------------------------------------
+    def _start_cluster(self) -> None:
+        etcd_dir = self.log_dir / "etcd"
+        self.etcd = EtcdServer(str(etcd_dir)).start(command_prefix=self.prefix)
+        self.report(f"chaos: etcd at {self.etcd.endpoint}; logs in {self.log_dir}")
+        for name, port in self.cp_ports.items():
+            self.procs.start(
+                name,
+                [
+                    console_script("kvcp-controlplane"),
+                    "--listen",
+                    f"127.0.0.1:{port}",
+                    "--etcd",
+                    self.etcd.endpoint,
+                    "--election-ttl-seconds",
+                    str(self.cfg.election_ttl_seconds),
+                    "--metrics-listen",
+                    "",
+                ],
+            )
+        for name, port in self.agent_ports.items():
+            argv = [
+                console_script("kvcp-agent"),
+                "--agent-id",
+                name,
+                "--listen",
+                f"127.0.0.1:{port}",
+                "--etcd",
+                self.etcd.endpoint,
+                "--lease-ttl-seconds",
+                str(self.cfg.agent_lease_ttl_seconds),
+                "--cpu-capacity",
+                self.cfg.agent_cpu_capacity,
+                "--metrics-listen",
+                "",
+                "--model",
+                WORKLOAD_MODEL,
+                "--model",
+                HANDOFF_MODEL,
+            ]
+            if name == HANDOFF_SOURCE and handoff_available():
+                argv += ["--link-bandwidth", self.cfg.handoff_link_bandwidth]
+            self.procs.start(name, argv)
+        self._wait(lambda: self._ready_agents() == set(AGENTS), 90, "3 agents ready behind a leader")
+        models = {m["model_id"]: m for m in self.facade.call(lambda c: c.stats(), 20).models}
+        self.model = Model(models[WORKLOAD_MODEL.partition(":")[0]])
+        self.big = Model(models[HANDOFF_MODEL.partition(":")[0]])
+        self.report(f"chaos: 2 control-plane replicas, 3 agents up; model {self.model.model_id}")
+
+    def _ready_agents(self) -> set[str]:
+        try:
+            agents = self.facade.call(lambda c: c.list_agents(), 5)
+        except ClientError:
+            return set()
+        return {a.agent_id for a in agents if a.state == "ready"}
+
+    def _wait(self, predicate: Callable[[], bool], timeout_seconds: float, what: str) -> None:
+        deadline = time.monotonic() + timeout_seconds
+        while time.monotonic() < deadline:
+            if predicate():
+                return
+            time.sleep(0.3)
+        raise RuntimeError(f"timed out after {timeout_seconds:.0f}s waiting for {what} (logs: {self.log_dir})")
+
+    def _until(self, predicate: Callable[[], bool], since: float, timeout_seconds: float) -> float | None:
+        """Seconds from `since` until predicate() holds; None past the timeout."""
+        deadline = since + timeout_seconds
+        while time.monotonic() < deadline:
+            with contextlib.suppress(ClientError, grpc.RpcError):
+                if predicate():
+                    return time.monotonic() - since
+            time.sleep(0.25)
+        return None
+
+    def _engine(self, agent_id: str) -> EngineClient:
+        return EngineClient(f"127.0.0.1:{self.agent_ports[agent_id]}", timeout_seconds=10.0)
+
+    def _store(self, agent_id: str, tokens: list[int], namespace: str = "", model: Model | None = None) -> None:
+        model = model or self.model
+        engine = self._engine(agent_id)
+        try:
+            engine.store(model.model_id, tokens, model.kv(model.hashes(tokens)), namespace=namespace)
+        finally:
+            engine.close()
+
+    def _tokens(self, n_blocks: int, salt: int, model: Model | None = None) -> list[int]:
+        r = np.random.default_rng(10_000 + salt)
+        return r.integers(0, 32000, n_blocks * (model or self.model).block_size).tolist()
+
+    # ---- pins and the recovery probe --------------------------------------------------
+    def _make_pins(self, ttl_seconds: float) -> list[tuple[str, list[int]]]:
+        pins = []
+        for i in range(self.cfg.num_pins):
+            tokens = self._tokens(8, salt=i)
+            self._store(KEEPER, tokens, namespace="pinned")
+            pin = self.facade.call(
+                lambda c, t=tokens: c.pin(
+                    model_id=self.model.model_id, token_ids=t, ttl_seconds=ttl_seconds, owner="kvcp-bench-chaos"
+                ),
+                30,
+            )
+            pins.append((pin.pin_id, tokens))
+        return pins
+
+    def _probe(self) -> bool:
+        """A lookup and a pin (then its unpin) through the facade, each in a few seconds."""
+        m = self.model
+        try:
+            self.facade.call(lambda c: c.lookup(m.model_id, self._probe_tokens), 3)
+            pin = self.facade.call(
+                lambda c: c.pin(model_id=m.model_id, token_ids=self._probe_tokens, ttl_seconds=30, owner="probe"), 3
+            )
+        except ClientError:
+            return False
+        with contextlib.suppress(ClientError):
+            self.facade.call(lambda c: c.unpin(pin.pin_id), 3)
+        return True
+
+    def _leader(self) -> str:
+        """The replica that leads now (by name), after an election if one is under way."""
+        found = {}
+
+        def known() -> bool:
+            roles = {name: replica_role(ep) for ep, name in self.replica_of.items()}
+            leaders = [n for n, r in roles.items() if r == "leader"]
+            found["leader"] = leaders[0] if len(leaders) == 1 else ""
+            return bool(found["leader"])
+
+        self._wait(known, self.cfg.recovery_timeout_seconds, "one leader")
+        return found["leader"]
+
+    def _endpoint(self, replica: str) -> str:
+        return f"127.0.0.1:{self.cp_ports[replica]}"
+
+    # ---- faults ---------------------------------------------------------------------
+    def _recovery(self, since: float) -> float | None:
+        return self._until(self._probe, since, self.cfg.recovery_timeout_seconds)
+
+    def fault_agent_kill(self) -> FaultResult:
+        t0 = time.monotonic()
+        self.procs.signal(VICTIM, signal.SIGKILL)
+        recovery = self._recovery(t0)
+        time.sleep(1.0)
+        self.procs.restart(VICTIM)
+        back = self._until(lambda: VICTIM in self._ready_agents(), t0, self.cfg.recovery_timeout_seconds)
+        return FaultResult(
+            "agent_sigkill",
+            recovery is not None and back is not None,
+            recovery,
+            back_seconds=back,
+            detail=f"{VICTIM} killed, restarted 1 s later; back = ready again in the index",
+        )
+
+    def fault_leader_kill(self) -> FaultResult:
+        leader = self._leader()
+        t0 = time.monotonic()
+        self.procs.signal(leader, signal.SIGKILL)
+        recovery = self._recovery(t0)
+        new = self._leader() if recovery is not None else ""
+        self.procs.restart(leader)
+        endpoint = self._endpoint(leader)
+        back = self._until(lambda: replica_role(endpoint) == "follower", t0, self.cfg.recovery_timeout_seconds)
+        return FaultResult(
+            "leader_sigkill",
+            recovery is not None and back is not None,
+            recovery,
+            back_seconds=back,
+            detail=f"{leader} killed, {new or 'nobody'} took over; back = {leader} restarted and following",
+        )
+
+    def fault_leader_pause(self) -> FaultResult:
+        leader = self._leader()
+        t0 = time.monotonic()
+        self.procs.signal(leader, signal.SIGSTOP)
+        try:
+            recovery = self._recovery(t0)
+            time.sleep(max(0.0, t0 + self.cfg.leader_pause_seconds - time.monotonic()))
+        finally:
+            self.procs.signal(leader, signal.SIGCONT)
+        endpoint = self._endpoint(leader)
+        back = self._until(lambda: replica_role(endpoint) == "follower", t0, self.cfg.recovery_timeout_seconds)
+        return FaultResult(
+            "leader_sigstop",
+            recovery is not None and back is not None,
+            recovery,
+            back_seconds=back,
+            detail=f"{leader} stopped for {self.cfg.leader_pause_seconds:.0f}s, then continued; "
+            f"back = it follows (fenced) after SIGCONT",
+        )
+
+    def fault_etcd_pause(self) -> FaultResult:
+        lookups = stale = tries = 0
+        pins: dict[str, int] = {}  # outcome of each pin tried during the outage
+        t0 = time.monotonic()
+        self.etcd.pause()
+        try:
+            while time.monotonic() < t0 + self.cfg.etcd_pause_seconds:
+                tries += 1
+                try:
+                    view = self.facade.call(lambda c: c.lookup(self.model.model_id, self._probe_tokens), 2)
+                    lookups += 1
+                    stale += view.possibly_stale
+                except ClientError:
+                    pass
+                if time.monotonic() > t0 + self.cfg.etcd_pause_seconds - 4.0:
+                    time.sleep(0.5)
+                    continue  # a pin asked now could be answered after etcd is back
+                try:
+                    pin = self.facade.call(
+                        lambda c: c.pin(model_id=self.model.model_id, token_ids=self._probe_tokens, ttl_seconds=5), 1
+                    )
+                    outcome = "accepted"
+                    with contextlib.suppress(ClientError):
+                        self.facade.call(lambda c, p=pin: c.unpin(p.pin_id), 1)
+                except ClientError as exc:
+                    outcome = exc.code
+                pins[outcome] = pins.get(outcome, 0) + 1
+                time.sleep(0.5)
+        finally:
+            self.etcd.resume()
+        t1 = time.monotonic()
+        recovery = self._recovery(t1)
+        back = self._until(lambda: self._ready_agents() == set(AGENTS), t1, self.cfg.recovery_timeout_seconds)
+        pin_text = ", ".join(f"{n} {code}" for code, n in sorted(pins.items()))
+        return FaultResult(
+            "etcd_sigstop_10s",
+            recovery is not None and back is not None and not pins.get("accepted"),
+            recovery,
+            back_seconds=back,
+            detail=f"during the outage {lookups}/{tries} lookups answered ({stale} flagged possibly_stale); "
+            f"pins tried: {pin_text}; timed from etcd's return; back = all agents ready",
+        )
+
+    def fault_handoff_kill(self) -> FaultResult:
+        if not handoff_available():
+            return FaultResult("handoff_kill", False, None, detail="not available: no handoff in this build")
+        m = self.big
+        tokens = self._tokens(self.cfg.handoff_blocks, salt=99, model=m)
+        hashes = m.hashes(tokens)
+        self._store(HANDOFF_SOURCE, tokens, model=m)
+        self._wait(
+            lambda: any(
+                a.agent_id == HANDOFF_SOURCE and a.num_hit_blocks == len(hashes)
+                for a in self.facade.call(lambda c: c.lookup(m.model_id, tokens), 5).agents
+            ),
+            30,
+            "the handoff prefix indexed",
+        )
+        op = self.facade.call(
+            lambda c: c.transfer(m.model_id, HANDOFF_SOURCE, VICTIM, token_ids=tokens, deadline_seconds=10), 10
+        )
+        time.sleep(1.5)  # reserved, the first 16 MiB written, the rest waiting for the link
+        t0 = time.monotonic()
+        self.procs.signal(VICTIM, signal.SIGKILL)
+        recovery = self._recovery(t0)
+        time.sleep(1.0)
+        self.procs.restart(VICTIM)
+        final = {}
+
+        def finished() -> bool:
+            final["op"] = self.facade.call(lambda c: c.get_operation(op.op_id), 5)
+            return final["op"].finished and VICTIM in self._ready_agents()
+
+        back = self._until(finished, t0, self.cfg.recovery_timeout_seconds)
+        # whatever the victim holds of the prefix now is what it loads, and it must be right
+        engine = self._engine(VICTIM)
+        try:
+            loaded = engine.load(m.model_id, tokens)
+            n = loaded.num_cached_tokens // m.block_size
+            wrong = m.wrong_blocks(loaded.kv, hashes, n)
+        finally:
+            engine.close()
+        src = self._engine(HANDOFF_SOURCE)
+        try:
+            loaded = src.load(m.model_id, tokens)
+            wrong += m.wrong_blocks(loaded.kv, hashes, loaded.num_cached_tokens // m.block_size)
+        finally:
+            src.close()
+        self.handoff_wrong = wrong
+        state = final["op"].state if "op" in final else "unknown"
+        error = final["op"].error if "op" in final else ""
+        error = f" ({error[:150]}{'...' if len(error) > 150 else ''})" if error else ""
+        return FaultResult(
+            "handoff_kill",
+            recovery is not None and back is not None and not wrong,
+            recovery,
+            back_seconds=back,
+            detail=f"{VICTIM} (destination of {len(hashes)} blocks from {HANDOFF_SOURCE}) killed mid-handoff; "
+            f"operation {state}{error}; {wrong} wrong blocks on either side afterwards; "
+            f"back = operation finished and {VICTIM} ready",
+        )
+
+    # ---- the whole run --------------------------------------------------------------
+    def run(self) -> ChaosResult:
+        cfg = self.cfg
+        self.handoff_wrong = 0
+        load: Load | None = None
+        try:
+            self._start_cluster()
+            self._probe_tokens = self._tokens(2, salt=7)
+            faults = [
+                self.fault_agent_kill,
+                self.fault_leader_kill,
+                self.fault_leader_pause,
+                self.fault_etcd_pause,
+                self.fault_handoff_kill,
+            ]
+            pin_ttl = cfg.seconds + len(faults) * cfg.recovery_timeout_seconds * 2 + 600
+            pins = self._make_pins(pin_ttl)
+            load = Load(cfg, self.endpoints, self.model, {a: f"127.0.0.1:{p}" for a, p in self.agent_ports.items()})
+            self.t_start = time.monotonic()
+            load.start(fill_agent=KEEPER)
+            self.report(f"chaos: load started ({cfg.rate_per_second:g} requests/s); {len(pins)} pins held")
+            results: list[FaultResult] = []
+            for i, fault in enumerate(faults):
+                at = self.t_start + cfg.seconds * (i + 1) / (len(faults) + 1.5)
+                time.sleep(max(0.0, at - time.monotonic()))
+                started = time.monotonic() - self.t_start
+                try:
+                    r = fault()
+                except (ClientError, grpc.RpcError, RuntimeError, subprocess.SubprocessError, OSError) as exc:
+                    name = fault.__name__.removeprefix("fault_")
+                    r = FaultResult(name, False, None, detail=f"the fault itself failed: {exc}")
+                r.at_seconds = round(started, 1)
+                results.append(r)
+                took = "" if r.recovery_seconds is None else f" in {r.recovery_seconds:.1f}s"
+                self.report(
+                    f"chaos: t={started:5.1f}s {r.fault}: {'recovered' if r.recovered else 'NOT recovered'}{took}"
+                )
+            time.sleep(max(0.0, self.t_start + cfg.seconds - time.monotonic()))
+            load.join()
+            elapsed = time.monotonic() - self.t_start
+            held = {p.pin_id for p in self.facade.call(lambda c: c.list_pins(), 60)}
+            pins_lost = sum(1 for pin_id, _ in pins if pin_id not in held)
+            evicted = 0
+            engine = self._engine(KEEPER)
+            try:
+                for _, tokens in pins:
+                    evicted += len(self.model.hashes(tokens)) - engine.lookup(self.model.model_id, tokens) // (
+                        self.model.block_size
+                    )
+            finally:
+                engine.close()
+            # the pins were under pressure only if the tier that holds them was full
+            keeper = next(a for a in self.facade.call(lambda c: c.list_agents(), 30) if a.agent_id == KEEPER)
+            cpu = next((t for t in keeper.tiers if t.tier == "cpu"), None)
+            s = load.stats
+            return ChaosResult(
+                seconds=round(elapsed, 1),
+                requests=s.requests,
+                served=s.served,
+                wrong_kv_served=s.wrong_kv_served + self.handoff_wrong,
+                pins_lost=pins_lost,
+                pinned_blocks_evicted=evicted,
+                faults=results,
+                lookups_failed=s.lookups_failed,
+                requests_failed=s.requests_failed,
+                hit_tokens=s.hit_tokens,
+                prompt_tokens=s.prompt_tokens,
+                log_dir=str(self.log_dir),
+                stats={
+                    "engine_errors": s.engine_errors,
+                    "stored_blocks": s.stored_blocks,
+                    "pin_holder_cpu_used_fraction": round(cpu.used_bytes / cpu.capacity_bytes, 3) if cpu else None,
+                },
+            )
+        finally:
+            if load is not None:
+                load.stop.set()
+            self.facade.close()
+            self.procs.stop_all()
+            if self.etcd is not None:
+                self.etcd.stop()
+                shutil.rmtree(self.log_dir / "etcd" / "data", ignore_errors=True)
+            if load is not None:
+                load.join()
+
+
+def handoff_available() -> bool:
+    """The handoff feature: a Transfer RPC in the contract and `transfer` on the facade."""
+    from protos.kvcp.v1 import admin_pb2
+
+    return "Transfer" in admin_pb2.DESCRIPTOR.services_by_name["AdminService"].methods_by_name and hasattr(
+        ControlPlaneClient, "transfer"
+    )
+
+
+def run(cfg: ChaosConfig, report: Callable[[str], None] = print) -> ChaosResult:
+    """Run it; SIGTERM stops it like Ctrl-C (KeyboardInterrupt), cleaning up first."""
+    if cfg.seconds <= 0 or cfg.workers < 1:
+        raise ValueError("--seconds and --workers must be positive")
+
+    def on_term(signum, frame):
+        raise KeyboardInterrupt
+
+    previous = signal.signal(signal.SIGTERM, on_term) if threading.current_thread() is threading.main_thread() else None
+    try:
+        return Chaos(cfg, report).run()
+    finally:
+        if previous is not None:
+            signal.signal(signal.SIGTERM, previous)
+
+
+def format_table(r: ChaosResult) -> str:
+    def secs(v):
+        return "-" if v is None else f"{v:.1f}"
+
+    hit = r.hit_tokens / r.prompt_tokens if r.prompt_tokens else 0.0
+    lines = [
+        f"{'FIELD':22s} VALUE",
+        f"{'seconds':22s} {r.seconds}",
+        f"{'requests':22s} {r.requests}",
+        f"{'served':22s} {r.served} ({r.requests_failed} failed; {r.lookups_failed} routed without a lookup)",
+        f"{'wrong_kv_served':22s} {r.wrong_kv_served}",
+        f"{'pins_lost':22s} {r.pins_lost}",
+        f"{'pinned_blocks_evicted':22s} {r.pinned_blocks_evicted} (their agent's cpu tier "
+        f"{(r.stats.get('pin_holder_cpu_used_fraction') or 0):.0%} full)",
+        f"{'hit ratio':22s} {hit:.1%}",
+        "",
+        f"{'FAULT':18s} {'AT':>6s} {'RECOVERED':9s} {'RECOVERY_S':>10s} {'BACK_S':>7s}  DETAIL",
+    ]
+    for f in r.faults:
+        lines.append(
+            f"{f.fault:18s} {f.at_seconds:6.1f} {'yes' if f.recovered else 'NO':9s} "
+            f"{secs(f.recovery_seconds):>10s} {secs(f.back_seconds):>7s}  {f.detail}"
+        )
+    lines += ["", f"logs: {r.log_dir}"]
+    return "\n".join(lines)

@@ -1,0 +1,77 @@
+"""`kvcp-bench chaos` as a user runs it: a short run serves no wrong KV and loses no pin,
+and Ctrl-C in the middle leaves none of the processes it started behind."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.helpers import script, wait_for
+
+
+def processes_using(endpoint: str) -> list[int]:
+    """Pids whose command line names this etcd endpoint (etcd itself, control planes, agents)."""
+    pids = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                cmdline = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+            except OSError:
+                continue
+            if endpoint in cmdline:
+                pids.append(int(entry.name))
+    return pids
+
+
+@pytest.mark.slow  # about a minute of load and faults, plus startup
+@pytest.mark.timeout(600)
+def test_a_short_chaos_run_serves_no_wrong_kv_and_loses_no_pin(tmp_path):
+    run = subprocess.run(
+        [script("kvcp-bench"), "chaos", "--seconds", "40", "-o", "json", "--log-dir", str(tmp_path / "logs")],
+        capture_output=True,
+        text=True,
+        timeout=580,
+    )
+    assert run.returncode == 0, run.stderr[-3000:]
+    result = json.loads(run.stdout)
+    assert result["wrong_kv_served"] == 0
+    assert result["pins_lost"] == 0
+    assert result["requests"] > 0 and result["served"] > 0
+    faults = {f["fault"]: f for f in result["faults"]}
+    assert {"agent_sigkill", "leader_sigkill", "leader_sigstop", "etcd_sigstop_10s", "handoff_kill"} <= set(faults)
+    endpoint = re.search(r"etcd at (\S+);", run.stderr).group(1)
+    assert processes_using(endpoint) == []
+
+
+@pytest.mark.timeout(300)
+def test_ctrl_c_stops_every_process_it_started(tmp_path):
+    proc = subprocess.Popen(
+        [script("kvcp-bench"), "chaos", "--seconds", "120", "--log-dir", str(tmp_path / "logs")],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    lines: list[str] = []
+    try:
+        deadline = time.monotonic() + 180
+        while time.monotonic() < deadline:
+            line = proc.stderr.readline()
+            lines.append(line)
+            if "load started" in line or not line:
+                break
+        endpoint = re.search(r"etcd at (\S+);", "".join(lines)).group(1)
+        assert len(processes_using(endpoint)) == 6, "".join(lines)  # etcd, 2 control planes, 3 agents
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(60) == 130
+        wait_for(lambda: processes_using(endpoint) == [], 10, 0.2, "no process of the run left")
+    finally:
+        if proc.poll() is None:
+            os.kill(proc.pid, signal.SIGKILL)
+            proc.wait()

@@ -21,7 +21,8 @@ import threading
 import time
 from collections.abc import Callable
 
-from textual.app import App
+from textual.app import App, ScreenStackError
+from textual.css.query import NoMatches
 from textual.binding import Binding
 from textual.message import Message
 from textual.worker import get_current_worker
@@ -187,12 +188,26 @@ class DashboardApp(App):
         self._show(frozenset({"clock"}))
 
     # ---- showing ----------------------------------------------------------------------
-    def _show(self, topics: frozenset[str]) -> None:
-        if not self.screen_stack:  # results arriving while the app shuts down: nothing to show
-            return
+    def _current_screen(self) -> DashboardScreen | None:
+        """The dashboard screen in view, or None while the app starts, switches mode or
+        shuts down: a result that arrives then has nowhere to go (the screen shows the
+        state afresh when it resumes)."""
+        if self._stopping.is_set() or not self.screen_stack:
+            return None
         screen = self.screen
-        if isinstance(screen, DashboardScreen) and screen.is_mounted:
+        if isinstance(screen, DashboardScreen) and screen.is_mounted and screen.is_attached:
+            return screen
+        return None
+
+    def _show(self, topics: frozenset[str]) -> None:
+        screen = self._current_screen()
+        if screen is None:
+            return
+        try:
             screen.show(topics)
+        except (NoMatches, ScreenStackError):  # torn down between the check and the query
+            if not self._stopping.is_set() and screen.is_mounted:
+                raise
 
     # ---- the update methods (live results and tests come through here) ---------------
     def apply_connection(self, connection: str, detail: str = "") -> None:
@@ -236,9 +251,14 @@ class DashboardApp(App):
     def apply_event(self, event: EventView) -> None:
         if not self.state.add_event(event):
             return
-        screen = self.screen
-        if isinstance(screen, DashboardScreen) and screen.is_mounted:
+        screen = self._current_screen()
+        if screen is None:
+            return
+        try:
             screen.event_added(event)
+        except (NoMatches, ScreenStackError):
+            if not self._stopping.is_set() and screen.is_mounted:
+                raise
 
     # ---- fetching ---------------------------------------------------------------------
     def request_refresh(self, *topics: str) -> None:

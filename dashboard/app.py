@@ -22,8 +22,8 @@ import time
 from collections.abc import Callable
 
 from textual.app import App, ScreenStackError
-from textual.css.query import NoMatches
 from textual.binding import Binding
+from textual.css.query import NoMatches
 from textual.message import Message
 from textual.worker import get_current_worker
 

@@ -171,12 +171,15 @@ class DashboardApp(App):
                 client.close()
 
     def _periodic_refresh(self) -> None:
+        if self._stopping.is_set() or not self.screen_stack:  # a timer firing during shutdown
+            return
+        screen = self.screen
         self._ticks += 1
         topics = {"stats", "agents"}
         slow = self._ticks % SLOW_REFRESH_EVERY == 0
-        if slow or isinstance(self.screen, PinsScreen):
+        if slow or isinstance(screen, PinsScreen):
             topics.add("pins")
-        if slow or isinstance(self.screen, OperationsScreen) or self.state.running_operations():
+        if slow or isinstance(screen, OperationsScreen) or self.state.running_operations():
             topics.add("operations")
         if self.state.pins_feature.available is False and not slow:
             topics.discard("pins")

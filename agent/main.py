@@ -96,7 +96,9 @@ def _metrics_listen(ctx, param, value: str) -> str:
 @click.option(
     "--gpu-capacity", default="0", show_default=True, type=SizeType(), help="GPU tier size (used when CUDA is present)."
 )
-@click.option("--disk-dir", default="", help="Directory of the disk tier (one file per block); empty: no disk tier.")
+@click.option(
+    "--disk-dir", default="", help="Directory of the disk tier (one slab file, blocks.kvslab); empty: no disk tier."
+)
 @click.option("--disk-capacity", default="1GiB", show_default=True, type=SizeType(), help="Disk tier size.")
 @click.option(
     "--disk-fsync/--no-disk-fsync", default=False, show_default=True, help="fsync every block written to disk."

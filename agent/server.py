@@ -243,5 +243,7 @@ class Agent:
         for t in self._threads:
             t.join(timeout=3)
         self.dataplane.close()
+        if self.disk is not None:
+            self.disk.close()
         if self.etcd is not None:
             self.etcd.close()

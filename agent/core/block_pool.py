@@ -19,7 +19,7 @@ free), and only the last tier drops blocks.
 
 from __future__ import annotations
 
-import dataclasses
+import copy
 import heapq
 import logging
 import threading
@@ -30,6 +30,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 import torch
+import xxhash
 
 from agent.core import codecs
 from agent.core.journal import REMOVED, STORED, EventBatch, EventJournal
@@ -79,6 +80,7 @@ class BlockMeta:
     ready: bool = True  # False while its bytes are first written: invisible to readers
     moving: bool = False
     corrupt: bool = False
+    checksum: int = 0  # xxh3-64 of the stored payload, taken when it was made; 0: not known
 
     @property
     def visible(self) -> bool:
@@ -124,6 +126,27 @@ class CleanupResult:
     freed: dict[Tier, tuple[int, int]]  # tier -> (blocks, bytes)
     skipped_pinned: int
     num_blocks: int
+
+
+def payload_checksum(payload) -> int:
+    """xxh3-64 of a block's stored bytes (a flat uint8 tensor or a list of them): taken
+    once when the payload is made and carried with the block, so a move writes it to
+    disk without hashing again and every disk read verifies the bytes end to end."""
+    parts = payload if isinstance(payload, list) else [payload]
+    if len(parts) == 1:
+        return xxhash.xxh3_64_intdigest(parts[0].reshape(-1).numpy())
+    h = xxhash.xxh3_64()
+    for part in parts:
+        h.update(part.reshape(-1).numpy())
+    return h.intdigest()
+
+
+def _stored_as(meta: BlockMeta, codec: str, checksum: int) -> BlockMeta:
+    """A copy of meta describing the block as a tier is about to store it (what a disk
+    header records)."""
+    out = copy.copy(meta)
+    out.codec, out.checksum = codec, checksum
+    return out
 
 
 class PoolFull(Exception):
@@ -285,6 +308,7 @@ class BlockPool:
                 if data is None:
                     break
                 payload = codecs.encode(codec, data)
+                digest = payload_checksum(payload)
                 with self.lock:
                     if h in self.blocks:
                         break
@@ -304,6 +328,7 @@ class BlockPool:
                         ref_count=1,
                         ready=False,
                         namespace=namespace,
+                        checksum=digest,
                     )
                     self.blocks[h] = pending
                     self._account(pending, +1)
@@ -552,12 +577,12 @@ class BlockPool:
                     target,
                     codecs.decode(src_codec, src.read(src_handle, src_stored), spec.block_shape, spec.torch_dtype),
                 )
-                nbytes = data.numel()
+                nbytes, digest = data.numel(), payload_checksum(data)
             else:
-                data, nbytes = None, src_stored
+                data, nbytes, digest = None, src_stored, meta.checksum
             with self.lock:
                 new_handle = self._allocate(dst, nbytes, block_hash)
-            header = dataclasses.replace(meta, codec=target)
+            header = _stored_as(meta, target, digest)
             try:
                 if data is not None:
                     dst.write(new_handle, data, header)
@@ -574,7 +599,9 @@ class BlockPool:
             while True:
                 with self.lock:
                     if meta.ref_count == 0:
-                        self._switch(meta, dst.tier, new_handle, target, payload)
+                        self._switch(
+                            meta, dst.tier, new_handle, target, payload, getattr(new_handle, "checksum", 0) or digest
+                        )
                         src.free(src_handle)
                         new_handle = None
                         key = (src_tier, dst.tier)
@@ -696,6 +723,7 @@ class BlockPool:
                     b.codec,
                     b.stored_bytes,
                     namespace=getattr(b, "namespace", ""),
+                    checksum=getattr(b.handle, "checksum", 0),
                 )
                 self.blocks[b.block_hash] = meta
                 self._account(meta, +1)
@@ -767,9 +795,10 @@ class BlockPool:
         self._logical[meta.tier] += sign * meta.num_bytes
         self._stored[meta.tier] += sign * meta.stored_bytes
 
-    def _switch(self, meta: BlockMeta, tier: Tier, handle, codec: str, stored_bytes: int) -> None:
+    def _switch(self, meta: BlockMeta, tier: Tier, handle, codec: str, stored_bytes: int, checksum: int) -> None:
         self._account(meta, -1)
         meta.tier, meta.handle, meta.codec, meta.stored_bytes = tier, handle, codec, stored_bytes
+        meta.checksum = checksum
         self._account(meta, +1)
         heapq.heappush(self._lru[tier], (meta.last_access, meta.block_hash))
         self.journal.record(STORED, meta.model_id, tier, meta.block_hash, meta.parent_hash)
@@ -838,32 +867,42 @@ class BlockPool:
 
     def _demote_locked(self, meta: BlockMeta, src: TierStore, dst: TierStore) -> bool:
         """Synchronous demotion for the local safety net (lock held)."""
+        codec = self.tier_codecs[dst.tier] if meta.codec == "none" else meta.codec
+        handle = None
         try:
-            payload = src.read(meta.handle, meta.stored_bytes)
+            payload, digest = None, meta.checksum
+            if codec != meta.codec:
+                spec = self.models[meta.model_id]
+                raw = src.read(meta.handle, meta.stored_bytes)
+                payload = codecs.encode(codec, codecs.decode(meta.codec, raw, spec.block_shape, spec.torch_dtype))
+                digest = payload_checksum(payload)
+            nbytes = meta.stored_bytes if payload is None else payload.numel()
+            try:
+                handle = self._allocate(dst, nbytes, meta.block_hash)
+            except PoolFull:
+                return False
+            header = _stored_as(meta, codec, digest)
+            try:
+                if payload is None:
+                    _copy_unchanged(src, meta.handle, dst, handle, nbytes, header)
+                else:
+                    dst.write(handle, payload, header)
+            except OSError as exc:
+                dst.free(handle)
+                self._notice("write_error", f"demoting to the {dst.tier.label} tier failed: {exc}")
+                return False
         except BlockUnreadable as exc:
+            if handle is not None:
+                dst.free(handle)
             self._mark_corrupt(meta, str(exc))
             self._drop_subtree(meta.block_hash)
             return True  # its space is free now
-        codec = self.tier_codecs[dst.tier] if meta.codec == "none" else meta.codec
-        if codec != meta.codec:
-            spec = self.models[meta.model_id]
-            payload = codecs.encode(codec, codecs.decode(meta.codec, payload, spec.block_shape, spec.torch_dtype))
-        try:
-            handle = self._allocate(dst, payload.numel(), meta.block_hash)
-        except PoolFull:
-            return False
-        try:
-            dst.write(handle, payload, dataclasses.replace(meta, codec=codec))
-        except OSError as exc:
-            dst.free(handle)
-            self._notice("write_error", f"demoting to the {dst.tier.label} tier failed: {exc}")
-            return False
         old_handle, old_tier = meta.handle, meta.tier
-        self._switch(meta, dst.tier, handle, codec, payload.numel())
+        self._switch(meta, dst.tier, handle, codec, nbytes, getattr(handle, "checksum", 0) or digest)
         src.free(old_handle)
         self.demotions_total[old_tier] += 1
         key = (old_tier, dst.tier)
-        self.moved_bytes_total[key] = self.moved_bytes_total.get(key, 0) + payload.numel()
+        self.moved_bytes_total[key] = self.moved_bytes_total.get(key, 0) + nbytes
         return True
 
     def _drop_subtree(self, block_hash: bytes) -> bool:

@@ -53,7 +53,8 @@ class EventJournal:
             self.overflowed = True
             self.last_seq += 1
         self._pending.append((kind, model_id, tier, block_hash, parent_hash))
-        self.wake.set()
+        if not self.wake.is_set():  # set() takes a lock and notifies: once per drain is enough
+            self.wake.set()
 
     def reset(self) -> int:
         """Drop pending events (an inventory is being taken); returns its seq."""

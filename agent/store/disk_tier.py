@@ -1,27 +1,41 @@
-"""The disk tier: one file per block under a directory, each with a header that names
-the block and a checksum of its payload, verified on every read.
+"""The disk tier: one slab file of 512-byte granules, each block one
+contiguous extent of it that starts with a header naming the block and a checksum of its
+payload, verified on every read.
 
-    <dir>/<first two hex digits>/<block hash hex>-<write number>.kvb
-    header: b"KVCPBLK1", u16 model_id length, model_id, u16 namespace length, namespace,
-            16-byte block hash, 16-byte parent
-            hash, 8-byte codec name, u64 uncompressed bytes, u64 payload bytes,
-            u64 xxh3-64 of the payload
-    payload
+    <dir>/blocks.kvslab
+    extent: 512-byte header slot | payload | padding to the next granule
+            (blocks of 64 KiB and more: padding to 4 KiB, and the payload starts on a
+            4 KiB boundary of the file, where the kernel copies it fastest)
+    header: b"KVCPSLB1", u16 header bytes, u64 write sequence, 16-byte block hash,
+            16-byte parent hash, 8-byte codec name, u64 uncompressed bytes,
+            u64 payload bytes, u64 xxh3-64 of the payload, u16 + model_id,
+            u16 + namespace, u64 xxh3-64 of the header before it
 
-Files are written to a temporary name and renamed, so a crash never leaves a
-half-written block under a real name; `fsync=True` also makes it durable. A block that
-fails its checksum or is truncated raises CorruptBlock: the pool treats it as a miss and
-removes it. `scan()` rebuilds the inventory after a restart, verifying every checksum.
+A block is written with one `pwritev` (header and payload straight from the memory
+tier's pages) into space nobody else uses, and read with one `preadv` straight into
+the destination pages, then verified there. The payload checksum is the one the block
+carries from when it was made (`BlockMeta.checksum`), so a demotion does not hash the
+bytes again and a read checks them end to end: no file is created, renamed or unlinked
+per block, so a move costs what the copy costs. Freeing an extent zeroes its magic, so
+a restart never brings a freed block back. A block that fails its checksum or is
+truncated raises CorruptBlock: the pool treats it as a miss and removes it. `scan()`
+rebuilds the inventory after a restart by reading the slab once, verifying every
+checksum; of two copies of a block (a crash between writing a new copy and freeing the
+old) the later write wins. The slab is sparse (space is taken as blocks are written: a
+full file system is a write error, reported, never a crash) and locked (flock) so that
+two agents cannot share a directory.
 """
 
 from __future__ import annotations
 
+import bisect
+import errno
+import fcntl
 import itertools
 import logging
 import os
-import queue
 import struct
-import threading
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -34,18 +48,32 @@ from protos.tier import Tier
 
 log = logging.getLogger(__name__)
 
-MAGIC = b"KVCPBLK1"
-_FIXED = struct.Struct("<16s16s8sQQQ")
+MAGIC = b"KVCPSLB1"
+GRANULE_BYTES = 512
+SLAB_NAME = "blocks.kvslab"
+_FIXED = struct.Struct("<8sHQ16s16s8sQQQ")  # magic .. payload checksum
+_CHECK = struct.Struct("<Q")
+HEADER_SLOT_BYTES = 512  # model id + namespace up to 418 bytes together
+ALIGNED_FROM_BYTES = 64 << 10  # extents at least this big keep their payload 4 KiB-aligned
+_ALIGN_GRANULES = 4096 // GRANULE_BYTES
+_SCAN_CHUNK_BYTES = 8 << 20
+_MAGIC_U64 = np.frombuffer(MAGIC, dtype=np.uint64)[0]
 
 
 class CorruptBlock(BlockUnreadable):
     pass
 
 
-@dataclass(frozen=True)
+@dataclass
 class DiskHandle:
-    path: str
+    """A block's extent in the slab: where it starts, how many bytes it takes (a whole
+    number of granules), and, once written, which write put it there and the payload's
+    checksum (a read checks both)."""
+
+    offset: int
     footprint_bytes: int
+    seq: int = 0
+    checksum: int = 0  # xxh3-64 of the payload written
 
 
 @dataclass(frozen=True)
@@ -60,203 +88,437 @@ class RecoveredBlock:
     handle: DiskHandle
 
 
+@dataclass(frozen=True)
+class Header:
+    seq: int
+    block_hash: bytes
+    parent_hash: bytes
+    codec: str
+    num_bytes: int
+    payload_bytes: int
+    checksum: int
+    model_id: str
+    namespace: str
+
+
 def checksum(buf) -> int:
     return xxhash.xxh3_64_intdigest(buf)
+
+
+def _granules(num_bytes: int) -> int:
+    return max(1, -(-num_bytes // GRANULE_BYTES))
+
+
+def header_size(meta) -> int:
+    return _FIXED.size + 2 + len(meta.model_id.encode()) + 2 + len(meta.namespace.encode()) + _CHECK.size
+
+
+def encode_header(seq: int, meta, payload_bytes: int, digest: int) -> bytes:
+    model, ns = meta.model_id.encode(), meta.namespace.encode()
+    size = header_size(meta)
+    if size > HEADER_SLOT_BYTES:
+        raise OSError(
+            errno.EINVAL, f"model id and namespace too long for a block header ({size} > {HEADER_SLOT_BYTES} B)"
+        )
+    body = b"".join(
+        [
+            _FIXED.pack(
+                MAGIC,
+                size,
+                seq,
+                meta.block_hash,
+                meta.parent_hash,
+                meta.codec.encode().ljust(8, b"\0"),
+                meta.num_bytes,
+                payload_bytes,
+                digest,
+            ),
+            struct.pack("<H", len(model)),
+            model,
+            struct.pack("<H", len(ns)),
+            ns,
+        ]
+    )
+    return body + _CHECK.pack(checksum(body))
+
+
+def decode_header(raw: bytes | memoryview) -> Header:
+    """Parse and verify a header (raw may run past it); raises CorruptBlock."""
+    raw = bytes(raw[:HEADER_SLOT_BYTES])
+    if len(raw) < _FIXED.size or raw[:8] != MAGIC:
+        raise CorruptBlock("bad header")
+    _, size, seq, block_hash, parent, codec, num_bytes, payload_bytes, digest = _FIXED.unpack_from(raw)
+    if size > len(raw) or size < _FIXED.size + 2 + 2 + _CHECK.size:
+        raise CorruptBlock("truncated header")
+    (got,) = _CHECK.unpack_from(raw, size - _CHECK.size)
+    if got != checksum(raw[: size - _CHECK.size]):
+        raise CorruptBlock("header checksum mismatch")
+    pos = _FIXED.size
+    (model_len,) = struct.unpack_from("<H", raw, pos)
+    model = raw[pos + 2 : pos + 2 + model_len]
+    pos += 2 + model_len
+    (ns_len,) = struct.unpack_from("<H", raw, pos)
+    namespace = raw[pos + 2 : pos + 2 + ns_len]
+    try:
+        return Header(
+            seq,
+            block_hash,
+            parent,
+            codec.rstrip(b"\0").decode(),
+            num_bytes,
+            payload_bytes,
+            digest,
+            model.decode(),
+            namespace.decode(),
+        )
+    except UnicodeDecodeError:
+        raise CorruptBlock("undecodable header") from None
+
+
+class ExtentAllocator:
+    """Free space of the slab as sorted, merged runs of granules; first fit."""
+
+    def __init__(self, num_granules: int):
+        self.num_granules = num_granules
+        self._starts: list[int] = [0] if num_granules else []
+        self._lengths: dict[int, int] = {0: num_granules} if num_granules else {}
+        self.free_granules = num_granules
+
+    def allocate(self, n: int, phase: int | None = None) -> int | None:
+        """First fit of n granules; with `phase`, at a start g with g % 8 == phase (the
+        granules skipped before it stay free)."""
+        for start in self._starts:
+            length = self._lengths[start]
+            s = start if phase is None else start + (phase - start) % _ALIGN_GRANULES
+            if s + n <= start + length:
+                if s == start:
+                    self._take(start, n)
+                else:
+                    self.claim(s, n)
+                return s
+        return None
+
+    def claim(self, start: int, n: int) -> bool:
+        """Mark [start, start+n) used if it is free (recovery); False if not."""
+        i = bisect.bisect_right(self._starts, start) - 1
+        if i < 0:
+            return False
+        run = self._starts[i]
+        if run + self._lengths[run] < start + n:
+            return False
+        length = self._lengths.pop(run)
+        del self._starts[i]
+        if start > run:
+            self._insert(run, start - run)
+        if run + length > start + n:
+            self._insert(start + n, run + length - start - n)
+        self.free_granules -= n
+        return True
+
+    def free(self, start: int, n: int) -> None:
+        self.free_granules += n
+        i = bisect.bisect_left(self._starts, start)
+        # merge with the run after, then the run before
+        if i < len(self._starts) and self._starts[i] == start + n:
+            n += self._lengths.pop(self._starts.pop(i))
+        if i > 0 and self._starts[i - 1] + self._lengths[self._starts[i - 1]] == start:
+            self._lengths[self._starts[i - 1]] += n
+        else:
+            self._starts.insert(i, start)
+            self._lengths[start] = n
+
+    def _take(self, start: int, n: int) -> None:
+        length = self._lengths.pop(start)
+        self._starts.remove(start)
+        if length > n:
+            self._insert(start + n, length - n)
+        self.free_granules -= n
+
+    def _insert(self, start: int, length: int) -> None:
+        bisect.insort(self._starts, start)
+        self._lengths[start] = length
+
+    def runs(self) -> list[tuple[int, int]]:
+        return [(s, self._lengths[s]) for s in self._starts]
 
 
 class DiskTier:
     tier = Tier.DISK
 
     def __init__(self, directory: str | os.PathLike, capacity_bytes: int, fsync: bool = False):
-        self.directory = Path(directory)
-        try:
-            self.directory.mkdir(parents=True, exist_ok=True)
-            probe = self.directory / ".kvcp-write-probe"
-            probe.write_bytes(b"ok")
-            probe.unlink()
-        except OSError as exc:
-            raise OSError(f"disk tier directory {self.directory} is not usable: {exc.strerror or exc}") from None
         if capacity_bytes <= 0:
             raise ValueError("disk capacity must be positive")
-        self.capacity_bytes = capacity_bytes
+        self.directory = Path(directory)
+        self.path = self.directory / SLAB_NAME
+        self.fd = -1
+        try:
+            self.directory.mkdir(parents=True, exist_ok=True)
+            self.fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        except OSError as exc:
+            raise OSError(f"disk tier directory {self.directory} is not usable: {exc.strerror or exc}") from None
+        try:
+            fcntl.flock(self.fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError as exc:
+            os.close(self.fd)
+            self.fd = -1
+            if exc.errno in (errno.EWOULDBLOCK, errno.EAGAIN):
+                raise OSError(
+                    f"disk tier directory {self.directory} is not usable: its slab is in use by another agent"
+                ) from None
+            raise OSError(f"disk tier directory {self.directory} is not usable: {exc.strerror or exc}") from None
+        self.num_granules = capacity_bytes // GRANULE_BYTES
+        if self.num_granules == 0:
+            self.close()
+            raise ValueError(f"disk capacity {capacity_bytes} B is smaller than one {GRANULE_BYTES} B granule")
+        self.capacity_bytes = self.num_granules * GRANULE_BYTES
         self.fsync = fsync
-        self.used_bytes = 0
         self.write_errors_total = 0
-        # every write gets a fresh name, so freeing an old copy (unlinked in the
-        # background: an unlink costs as much as reading a MiB) never hits a new one
-        self._writes = itertools.count(int.from_bytes(os.urandom(4), "little"))
-        self._unlink_queue: queue.Queue[str] = queue.Queue()
-        self._unlinker = threading.Thread(target=self._unlink_loop, name="disk-unlink", daemon=True)
-        self._unlinker.start()
+        self._extents = ExtentAllocator(self.num_granules)
+        self._used = 0
+        self._seq = itertools.count(1)
+        self._checked_at = -1.0
+        self._lost = False
 
-    def _unlink_loop(self) -> None:
-        while True:
-            path = self._unlink_queue.get()
-            try:
-                os.unlink(path)
-            except FileNotFoundError:
-                pass
-            except OSError as exc:
-                log.warning("could not remove %s: %s", path, exc)
-            finally:
-                self._unlink_queue.task_done()
-
-    def flush(self) -> None:
-        """Wait until freed files are gone from the directory."""
-        self._unlink_queue.join()
-
-    def _path(self, block_hash: bytes) -> Path:
-        hx = block_hash.hex()
-        return self.directory / hx[:2] / f"{hx}-{next(self._writes):x}.kvb"
-
-    @staticmethod
-    def _header(meta) -> bytes:
-        model = meta.model_id.encode()
-        ns = meta.namespace.encode()
-        return b"".join([MAGIC, struct.pack("<H", len(model)), model, struct.pack("<H", len(ns)), ns])
+    # ---- space --------------------------------------------------------------------------
+    @property
+    def used_bytes(self) -> int:
+        return self._used
 
     def footprint(self, num_bytes: int) -> int:
-        return num_bytes + 128
+        """Bytes a block of `num_bytes` takes: its header slot and payload, rounded up to
+        whole granules (to 4 KiB for big blocks, which keeps the next one aligned too)."""
+        n = num_bytes + HEADER_SLOT_BYTES
+        if n >= ALIGNED_FROM_BYTES:
+            return -(-n // 4096) * 4096
+        return _granules(n) * GRANULE_BYTES
 
     def allocate(self, num_bytes: int, block_hash: bytes = b""):
         size = self.footprint(num_bytes)
-        if self.used_bytes + size > self.capacity_bytes:
+        n = size // GRANULE_BYTES
+        # a big block's header slot ends where a 4 KiB page of the file begins
+        phase = _ALIGN_GRANULES - HEADER_SLOT_BYTES // GRANULE_BYTES if size >= ALIGNED_FROM_BYTES else None
+        start = self._extents.allocate(n, phase)
+        if start is None:
             return None
-        self.used_bytes += size
-        return DiskHandle(str(self._path(block_hash)) if block_hash else "", size)
+        self._used += n * GRANULE_BYTES
+        return DiskHandle(start * GRANULE_BYTES, n * GRANULE_BYTES)
 
     def free(self, handle: DiskHandle) -> None:
-        self.used_bytes -= handle.footprint_bytes
-        if handle.path:
-            self._unlink_queue.put(handle.path)
+        """Give the extent back; its magic is zeroed so that a restart does not bring the
+        block back."""
+        self._used -= handle.footprint_bytes
+        self._extents.free(handle.offset // GRANULE_BYTES, handle.footprint_bytes // GRANULE_BYTES)
+        try:
+            os.pwrite(self.fd, b"\0" * 8, handle.offset)
+        except OSError as exc:
+            log.warning("disk tier: could not clear a freed block at offset %d: %s", handle.offset, exc)
 
+    def flush(self) -> None:
+        """Make what was written durable (fdatasync); with fsync=True every write already is."""
+        os.fdatasync(self.fd)
+
+    def close(self) -> None:
+        if self.fd >= 0:
+            os.close(self.fd)  # releases the flock
+            self.fd = -1
+
+    def location(self, handle: DiskHandle) -> tuple[Path, int, int]:
+        """(slab path, offset of the payload, payload bytes upper bound) for tools and tests."""
+        return self.path, handle.offset + HEADER_SLOT_BYTES, handle.footprint_bytes - HEADER_SLOT_BYTES
+
+    def _check_file(self) -> None:
+        """Raise FileNotFoundError once the slab was removed under the agent (checked at
+        most every 50 ms: an fstat per block would cost as much as the rest of a move)."""
+        if self._lost:
+            raise FileNotFoundError(errno.ENOENT, f"the slab file {self.path} was removed")
+        now = time.monotonic()
+        if now - self._checked_at < 0.05:
+            return
+        self._checked_at = now
+        try:
+            if os.fstat(self.fd).st_nlink == 0:
+                self._lost = True  # for good: what is written now would vanish with the agent
+                log.error("disk tier: the slab file %s was removed; the disk tier is lost until a restart", self.path)
+                raise FileNotFoundError(errno.ENOENT, f"the slab file {self.path} was removed")
+        except OSError as exc:
+            if isinstance(exc, FileNotFoundError):
+                raise
+            raise OSError(exc.errno, f"the slab file {self.path} is not usable: {exc.strerror}") from None
+
+    # ---- data ---------------------------------------------------------------------------
     def write(self, handle: DiskHandle, data, meta) -> None:
-        """Write header + payload to a temp file and rename it into place. `data` is a
-        flat uint8 tensor or a list of them (segments of a memory tier, written without
-        a staging copy)."""
+        """Write header + payload into the handle's extent with one pwritev. `data` is a
+        flat uint8 tensor or a list of them (segments of a memory tier, written without a
+        staging copy). The handle learns its header size and write sequence."""
         segments = [d.reshape(-1).numpy() for d in (data if isinstance(data, list) else [data])]
+        digest = getattr(meta, "checksum", 0)
+        if not digest:  # a block that carries none: hash it here
+            h = xxhash.xxh3_64()
+            for seg in segments:
+                h.update(seg)
+            digest = h.intdigest()
+        nbytes = sum(seg.nbytes for seg in segments)
+        seq = next(self._seq)
+        try:
+            head = encode_header(seq, meta, nbytes, digest).ljust(HEADER_SLOT_BYTES, b"\0")
+            if HEADER_SLOT_BYTES + nbytes > handle.footprint_bytes:
+                raise OSError(errno.EINVAL, f"a {nbytes} B block does not fit its {handle.footprint_bytes} B extent")
+            self._check_file()
+            _pwritev_all(self.fd, [memoryview(head), *(memoryview(s).cast("B") for s in segments)], handle.offset)
+            if self.fsync:
+                os.fdatasync(self.fd)
+        except OSError:
+            self.write_errors_total += 1
+            raise
+        handle.seq, handle.checksum = seq, digest
+
+    def _read(self, handle: DiskHandle, segments: list[np.ndarray], expect_hash: bytes | None) -> Header:
+        """Read header and payload with one preadv, the payload straight into `segments`,
+        and verify both there."""
+        hb = HEADER_SLOT_BYTES
+        where = f"{self.path} at {handle.offset}"
+        if not handle.seq:
+            raise CorruptBlock(f"{where}: never written")
+        head = bytearray(hb)
+        want = sum(s.nbytes for s in segments)
+        try:
+            self._check_file()
+            got = os.preadv(self.fd, [memoryview(head), *(memoryview(s).cast("B") for s in segments)], handle.offset)
+        except FileNotFoundError:
+            raise CorruptBlock(f"{self.path}: missing") from None
+        except OSError as exc:
+            raise CorruptBlock(f"{where}: read failed: {exc.strerror or exc}") from None
+        if got < hb:
+            raise CorruptBlock(f"{where}: truncated header")
+        try:
+            header = decode_header(head)
+        except CorruptBlock as exc:
+            raise CorruptBlock(f"{where}: {exc}") from None
+        if expect_hash is not None and header.block_hash != expect_hash:
+            raise CorruptBlock(f"{where}: holds another block")
+        if header.seq != handle.seq or header.checksum != handle.checksum:
+            raise CorruptBlock(f"{where}: overwritten")
+        if header.payload_bytes != want:
+            raise CorruptBlock(f"{where}: payload is {header.payload_bytes} B, expected {want} B")
+        if got < hb + want:
+            raise CorruptBlock(f"{where}: truncated payload")
         h = xxhash.xxh3_64()
         for seg in segments:
             h.update(seg)
-        nbytes = sum(seg.nbytes for seg in segments)
-        head = self._header(meta) + _FIXED.pack(
-            meta.block_hash,
-            meta.parent_hash,
-            meta.codec.encode().ljust(8, b"\0"),
-            meta.num_bytes,
-            nbytes,
-            h.intdigest(),
-        )
-        path = Path(handle.path)
-        tmp = path.with_suffix(".tmp")
-        try:
-            path.parent.mkdir(exist_ok=True)
-            with open(tmp, "wb", buffering=0) as f:
-                written = f.write(head)
-                for seg in segments:
-                    written += f.write(memoryview(seg))
-                if self.fsync:
-                    os.fsync(f.fileno())
-            if written != len(head) + nbytes:  # verify before the switch
-                raise OSError("short write")
-            os.replace(tmp, path)
-        except OSError:
-            self.write_errors_total += 1
-            tmp.unlink(missing_ok=True)
-            raise
-
-    def _read_file(
-        self, path: str, into: list | None = None
-    ) -> tuple[bytes, bytes, str, int, np.ndarray, bytes, bytes]:
-        """Read and verify one block file; with `into` (uint8 tensors), the payload is
-        read straight into those segments instead of a new array."""
-        with open(path, "rb", buffering=0) as f:
-            head = f.read(len(MAGIC) + 2)
-            if len(head) < len(MAGIC) + 2 or head[: len(MAGIC)] != MAGIC:
-                raise CorruptBlock(f"{path}: bad header")
-            (model_len,) = struct.unpack("<H", head[len(MAGIC) :])
-            model = f.read(model_len)
-            ns_len_raw = f.read(2)
-            if len(model) != model_len or len(ns_len_raw) != 2:
-                raise CorruptBlock(f"{path}: truncated header")
-            (ns_len,) = struct.unpack("<H", ns_len_raw)
-            namespace = f.read(ns_len)
-            fixed = f.read(_FIXED.size)
-            if len(namespace) != ns_len or len(fixed) != _FIXED.size:
-                raise CorruptBlock(f"{path}: truncated header")
-            block_hash, parent, codec, num_bytes, payload_bytes, digest = _FIXED.unpack(fixed)
-            if into is None:
-                payload = np.empty(payload_bytes, dtype=np.uint8)
-                segments = [payload]
-            else:
-                segments = [t.numpy() for t in into]
-                payload = segments[0]
-                if sum(s.nbytes for s in segments) != payload_bytes:
-                    raise CorruptBlock(
-                        f"{path}: payload is {payload_bytes} B, expected {sum(s.nbytes for s in segments)} B"
-                    )
-            h = xxhash.xxh3_64()
-            for seg in segments:
-                got = f.readinto(memoryview(seg))
-                if got != seg.nbytes:
-                    raise CorruptBlock(f"{path}: truncated payload")
-                h.update(seg)
-            if f.read(1):
-                raise CorruptBlock(f"{path}: oversized payload")
-        if h.intdigest() != digest:
-            raise CorruptBlock(f"{path}: checksum mismatch")
-        return block_hash, parent, codec.rstrip(b"\0").decode(), num_bytes, payload, model, namespace
+        if h.intdigest() != header.checksum:
+            raise CorruptBlock(f"{where}: checksum mismatch")
+        return header
 
     def read(self, handle: DiskHandle, num_bytes: int) -> torch.Tensor:
-        try:
-            payload = self._read_file(handle.path)[4]
-        except FileNotFoundError:
-            raise CorruptBlock(f"{handle.path}: missing") from None
-        if payload.nbytes != num_bytes:
-            raise CorruptBlock(f"{handle.path}: payload is {payload.nbytes} B, expected {num_bytes} B")
+        payload = np.empty(num_bytes, dtype=np.uint8)
+        self._read(handle, [payload], None)
         return torch.from_numpy(payload)
 
     def read_into(self, handle: DiskHandle, segments: list) -> None:
         """Read a block's payload straight into `segments` (e.g. a memory tier's pages)
         and verify it there; raises CorruptBlock."""
-        try:
-            self._read_file(handle.path, into=segments)
-        except FileNotFoundError:
-            raise CorruptBlock(f"{handle.path}: missing") from None
+        self._read(handle, [t.numpy() for t in segments], None)
+
+    # ---- restart ------------------------------------------------------------------------
+    def headers(self) -> list[tuple[int, Header | None]]:
+        """Every granule of the slab that starts with the magic, with its header (None when
+        the header does not verify), skipping over extents of valid headers. Reads the
+        slab once, sequentially; changes nothing."""
+        size = min(os.fstat(self.fd).st_size, self.capacity_bytes)
+        out: list[tuple[int, Header | None]] = []
+        pos = 0
+        while pos < size:
+            chunk = os.pread(self.fd, min(_SCAN_CHUNK_BYTES, size - pos), pos)
+            usable = len(chunk) // GRANULE_BYTES * GRANULE_BYTES
+            if usable == 0:
+                break
+            heads = np.frombuffer(chunk, dtype=np.uint64, count=usable // 8)[:: GRANULE_BYTES // 8]
+            skip_to = pos
+            for g in np.flatnonzero(heads == _MAGIC_U64):
+                offset = pos + int(g) * GRANULE_BYTES
+                if offset < skip_to:
+                    continue
+                at = int(g) * GRANULE_BYTES
+                if at + HEADER_SLOT_BYTES <= len(chunk):
+                    raw = memoryview(chunk)[at : at + HEADER_SLOT_BYTES]
+                else:
+                    raw = os.pread(self.fd, HEADER_SLOT_BYTES, offset)
+                try:
+                    header = decode_header(raw)
+                except CorruptBlock:
+                    out.append((offset, None))
+                    continue
+                out.append((offset, header))
+                skip_to = offset + self.footprint(header.payload_bytes)
+            pos = max(pos + usable, skip_to)
+        return out
 
     def scan(self) -> tuple[list[RecoveredBlock], int]:
-        """Blocks found on disk with valid checksums; corrupt files are removed.
-        Returns (blocks, number of corrupt files removed)."""
-        found, corrupt = [], 0
-        seen: set[bytes] = set()
-        for path in sorted(self.directory.glob("*/*.kvb")):
-            try:
-                block_hash, parent, codec, num_bytes, payload, model, namespace = self._read_file(str(path))
-                if path.stem.split("-")[0] != block_hash.hex():
-                    raise CorruptBlock(f"{path}: name does not match its block hash")
-                if block_hash in seen:  # an older copy whose removal a crash interrupted
-                    path.unlink(missing_ok=True)
-                    continue
-                seen.add(block_hash)
-            except (CorruptBlock, OSError, UnicodeDecodeError) as exc:
-                log.warning("disk tier: removing %s (%s)", path, exc)
-                path.unlink(missing_ok=True)
+        """Blocks found in the slab whose checksums verify; corrupt ones are cleared.
+        Returns (blocks, number of corrupt blocks removed)."""
+        found: dict[bytes, RecoveredBlock] = {}
+        corrupt = 0
+        seq_max = 0
+        for offset, header in self.headers():
+            if header is None:
+                self._clear(offset)
                 corrupt += 1
                 continue
-            size = self.footprint(payload.nbytes)
-            self.used_bytes += size
-            found.append(
-                RecoveredBlock(
-                    model.decode(),
-                    block_hash,
-                    parent,
-                    codec,
-                    namespace.decode(),
-                    num_bytes,
-                    payload.nbytes,
-                    DiskHandle(str(path), size),
-                )
+            n = self.footprint(header.payload_bytes) // GRANULE_BYTES
+            handle = DiskHandle(offset, n * GRANULE_BYTES, header.seq, header.checksum)
+            if offset + handle.footprint_bytes > self.capacity_bytes:
+                log.warning("disk tier: a block at %d lies beyond the capacity; dropped", offset)
+                self._clear(offset)
+                continue
+            try:
+                self._read(handle, [np.empty(header.payload_bytes, dtype=np.uint8)], header.block_hash)
+            except CorruptBlock as exc:
+                log.warning("disk tier: removing a block (%s)", exc)
+                self._clear(offset)
+                corrupt += 1
+                continue
+            if not self._extents.claim(offset // GRANULE_BYTES, n):
+                self._clear(offset)  # overlaps a block already taken: cannot be whole
+                corrupt += 1
+                continue
+            self._used += handle.footprint_bytes
+            seq_max = max(seq_max, header.seq)
+            block = RecoveredBlock(
+                header.model_id,
+                header.block_hash,
+                header.parent_hash,
+                header.codec,
+                header.namespace,
+                header.num_bytes,
+                header.payload_bytes,
+                handle,
             )
-        for tmp in self.directory.glob("*/*.tmp"):
-            tmp.unlink(missing_ok=True)
-        return found, corrupt
+            older = found.get(header.block_hash)
+            if older is not None:  # a copy whose removal a crash interrupted: the later write wins
+                stale = older if older.handle.seq < header.seq else block
+                found[header.block_hash] = block if stale is older else older
+                self.free(stale.handle)
+            else:
+                found[header.block_hash] = block
+        self._seq = itertools.count(seq_max + 1)
+        return list(found.values()), corrupt
+
+    def _clear(self, offset: int) -> None:
+        try:
+            os.pwrite(self.fd, b"\0" * 8, offset)
+        except OSError as exc:
+            log.warning("disk tier: could not clear offset %d: %s", offset, exc)
+
+
+def _pwritev_all(fd: int, bufs: list[memoryview], offset: int) -> None:
+    """pwritev until every byte is written (a short write goes on where it stopped)."""
+    while bufs:
+        n = os.pwritev(fd, bufs, offset)
+        if n <= 0:
+            raise OSError(errno.EIO, "short write")
+        offset += n
+        while bufs and n >= len(bufs[0]):
+            n -= len(bufs[0])
+            bufs = bufs[1:]
+        if bufs and n:
+            bufs[0] = bufs[0][n:]

@@ -65,7 +65,12 @@ class MemoryTier:
 
     def views(self, handle, num_bytes: int) -> list[torch.Tensor]:
         """The slab segments holding the first `num_bytes` of a block, in order (no copy)."""
-        out, left, pb = [], num_bytes, self.page_bytes
+        pb = self.page_bytes
+        first = handle[0]
+        if handle[-1] - first == len(handle) - 1 and (len(handle) < 3 or handle[1] == first + 1):
+            # one contiguous run (the common case): no run splitting
+            return [self.slab[first * pb : first * pb + min(num_bytes, len(handle) * pb)]]
+        out, left = [], num_bytes
         for start, end in runs(handle):
             if left <= 0:
                 break

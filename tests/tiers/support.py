@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 import os
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -14,7 +15,7 @@ from agent.core.block_pool import BlockPool
 from agent.core.engine_api import KVEngineAPI
 from agent.core.model_spec import ModelSpec
 from agent.core.mover import Mover
-from agent.store.disk_tier import DiskHandle, DiskTier
+from agent.store.disk_tier import GRANULE_BYTES, DiskHandle, DiskTier
 from agent.store.memory_tier import MemoryTier
 from protos.block_hash import ROOT_PARENT_HASH
 from protos.tier import Tier
@@ -57,14 +58,31 @@ def disk_of(pool: BlockPool) -> DiskTier:
     return pool.store_of[Tier.DISK]
 
 
-def block_file(pool: BlockPool, block_hash: bytes) -> Path:
+@dataclass(frozen=True)
+class BlockOnDisk:
+    """Where a disk block's bytes are in the slab file."""
+
+    path: Path
+    offset: int  # its header (the magic)
+    payload_offset: int
+    payload_bytes: int
+
+    @property
+    def last_payload_byte(self) -> int:
+        return self.payload_offset + self.payload_bytes - 1
+
+
+def block_on_disk(pool: BlockPool, block_hash: bytes) -> BlockOnDisk:
     meta = pool.blocks[block_hash]
     assert meta.tier is Tier.DISK, f"block is in the {meta.tier.label} tier"
-    return Path(meta.handle.path)
+    path, payload_offset, _ = disk_of(pool).location(meta.handle)
+    return BlockOnDisk(path, meta.handle.offset, payload_offset, meta.stored_bytes)
 
 
-def block_files(directory: Path | str) -> list[Path]:
-    return sorted(Path(directory).glob("*/*.kvb"))
+def blocks_on_disk(disk: DiskTier) -> list[int]:
+    """Offsets of the blocks whose headers verify in the slab (what a restart would find
+    before checking payloads)."""
+    return [offset for offset, header in disk.headers() if header is not None]
 
 
 def flip_byte(path: Path, offset: int) -> None:
@@ -112,17 +130,20 @@ def check_pool(pool: BlockPool) -> None:
                 assert sorted(used + free) == list(range(store.num_pages)), "a page leaked"
             else:
                 assert all(isinstance(m.handle, DiskHandle) for m in metas)
-                paths = [m.handle.path for m in metas]
-                assert len(set(paths)) == len(paths), "two blocks share a file"
-                assert all(os.path.exists(p) for p in paths), "a held block has no file"
+                extents = sorted((m.handle.offset, m.handle.offset + m.handle.footprint_bytes) for m in metas)
+                assert all(a[1] <= b[0] for a, b in zip(extents, extents[1:], strict=False)), (
+                    "two blocks share an extent"
+                )
+                assert all(end <= store.capacity_bytes for _, end in extents)
                 assert store.used_bytes == sum(m.handle.footprint_bytes for m in metas)
+                free = store._extents.free_granules * GRANULE_BYTES
+                assert free + store.used_bytes == store.capacity_bytes, "slab space leaked"
     if Tier.DISK in pool.store_of:
         disk = disk_of(pool)
-        disk.flush()
         with pool.lock:
-            on_disk = {str(p) for p in block_files(disk.directory)}
-            held = {m.handle.path for m in pool.blocks.values() if m.tier is Tier.DISK}
-        assert on_disk == held, "files on disk differ from the disk blocks held"
+            on_disk = set(blocks_on_disk(disk))
+            held = {m.handle.offset for m in pool.blocks.values() if m.tier is Tier.DISK}
+        assert on_disk == held, "blocks in the slab differ from the disk blocks held"
 
 
 # ---- what each lossy codec promises --------------------------------------------------

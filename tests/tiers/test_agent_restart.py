@@ -98,15 +98,17 @@ def test_restart_with_a_corrupt_block_recovers_the_prefix_before_it(controlplane
         first.engine.store(M.model_id, tokens(2, start=70_000), kv(2, seed=3))
         hashes = first.engine.hashes(M, prompt)
         assert [first.pool.tier_of(h) for h in hashes] == [Tier.DISK] * 4
-        path = first.pool.blocks[hashes[2]].handle.path
+        meta = first.pool.blocks[hashes[2]]
+        path, payload_at, _ = first.disk.location(meta.handle)
+        last = payload_at + meta.stored_bytes - 1
         first.disk.flush()
     finally:
         first.stop(deregister=False)
     with open(path, "r+b") as f:  # a bit rots while the agent is down
-        f.seek(-1, 2)
-        last = f.read(1)
-        f.seek(-1, 2)
-        f.write(bytes([last[0] ^ 0x01]))
+        f.seek(last)
+        byte = f.read(1)
+        f.seek(last)
+        f.write(bytes([byte[0] ^ 0x01]))
 
     second = start_agent(etcd, disk_dir, "scarred")
     try:

@@ -1,10 +1,11 @@
-"""The disk tier on a real directory: round trips, checksum and truncation on the next
-engine load (a miss, removed, reported, counted), recovery after a restart, unusable
-directories, a full disk and write errors."""
+"""The disk tier on a real slab file: round trips, extents and their alignment, checksum
+and truncation on the next engine load (a miss, removed, reported, counted), recovery
+after a restart, unusable and shared directories, a full disk and write errors."""
 
 from __future__ import annotations
 
 import os
+import time
 from pathlib import Path
 
 import pytest
@@ -14,7 +15,7 @@ from click.testing import CliRunner
 from agent.core.block_pool import BlockMeta, BlockPool
 from agent.core.journal import REMOVED
 from agent.server import Agent, AgentConfig
-from agent.store.disk_tier import MAGIC, CorruptBlock, DiskTier
+from agent.store.disk_tier import MAGIC, CorruptBlock, DiskTier, ExtentAllocator
 from agent.store.memory_tier import MemoryTier
 from protos.block_hash import ROOT_PARENT_HASH, split_hashes
 from protos.tier import Tier
@@ -22,8 +23,8 @@ from tests.tiers.support import (
     BLOCK_BYTES,
     BS,
     SPEC,
-    block_file,
-    block_files,
+    block_on_disk,
+    blocks_on_disk,
     check_pool,
     decoded,
     disk_of,
@@ -68,24 +69,65 @@ def test_write_read_roundtrip_and_free(tmp_path):
     assert handle.footprint_bytes == disk.footprint(300) and disk.used_bytes == handle.footprint_bytes
     meta = BlockMeta(h, parent, "m", 600, Tier.DISK, handle, "zstd", 300)
     disk.write(handle, data, meta)
-    path = Path(handle.path)
-    assert path.parent.name == h.hex()[:2] and path.name.startswith(h.hex()) and path.suffix == ".kvb"
-    assert path.read_bytes().startswith(MAGIC)
+    raw = disk.path.read_bytes()
+    path, payload_at, room = disk.location(handle)
+    assert path == tmp_path / "blocks.kvslab" and room >= 300
+    assert raw[handle.offset : handle.offset + len(MAGIC)] == MAGIC
+    assert raw[payload_at : payload_at + 300] == bytes(data.numpy())
     assert torch.equal(disk.read(handle, 300), data)
     segs = [torch.empty(100, dtype=torch.uint8), torch.empty(200, dtype=torch.uint8)]
     disk.read_into(handle, segs)  # straight into memory-tier pages
     assert torch.equal(torch.cat(segs), data)
     with pytest.raises(CorruptBlock, match="expected 301"):
         disk.read(handle, 301)
-    # a second copy of the same block (a re-encode) gets its own file
+    # a second copy of the same block (a re-encode) gets its own extent
     other = disk.allocate(10, h)
-    assert other.path != handle.path
+    assert other.offset >= handle.offset + handle.footprint_bytes
     disk.free(other)
     disk.free(handle)
-    disk.flush()
-    assert disk.used_bytes == 0 and block_files(tmp_path) == []
-    with pytest.raises(CorruptBlock, match="missing"):
+    assert disk.used_bytes == 0 and blocks_on_disk(disk) == []  # a freed block's magic is gone
+    with pytest.raises(CorruptBlock, match="bad header"):
         disk.read(handle, 300)
+
+
+def test_big_blocks_keep_their_payload_page_aligned_and_small_ones_pack(tmp_path):
+    disk = DiskTier(tmp_path, 64 << 20)
+    small = [disk.allocate(3000) for _ in range(3)]
+    assert [h.footprint_bytes for h in small] == [3584] * 3  # 3000 + the header slot, in 512 B granules
+    assert small[1].offset == small[0].offset + 3584
+    big = [disk.allocate(1 << 20) for _ in range(3)]
+    for h in big:
+        assert disk.location(h)[1] % 4096 == 0 and h.footprint_bytes == (1 << 20) + 4096
+    assert big[1].offset == big[0].offset + big[0].footprint_bytes  # no gap between big ones
+    odd = disk.allocate(400)  # a small one fills the gap the first big one skipped
+    assert odd.offset < big[0].offset
+    used = disk.used_bytes
+    for h in small + big + [odd]:
+        disk.free(h)
+    assert used > 0 and disk.used_bytes == 0 and disk._extents.runs() == [(0, disk.num_granules)]
+
+
+def test_extent_allocator_merges_neighbours_and_fits_first():
+    a = ExtentAllocator(100)
+    x, y, z = a.allocate(10), a.allocate(10), a.allocate(10)
+    assert (x, y, z) == (0, 10, 20) and a.free_granules == 70
+    a.free(x, 10)
+    a.free(z, 10)  # merges with the free tail
+    assert a.runs() == [(0, 10), (20, 80)]
+    assert a.allocate(15) == 20  # does not fit before y
+    a.free(y, 10)
+    assert a.runs() == [(0, 20), (35, 65)]
+    assert a.allocate(12, phase=7) == 7 and a.runs() == [(0, 7), (19, 1), (35, 65)]
+    assert a.allocate(200) is None
+    assert a.free_granules == 100 - 15 - 12
+
+
+def test_a_directory_in_use_by_another_agent_is_refused(tmp_path):
+    first = DiskTier(tmp_path, 1 << 20)
+    with pytest.raises(OSError, match="in use by another agent"):
+        DiskTier(tmp_path, 1 << 20)
+    first.close()
+    DiskTier(tmp_path, 1 << 20).close()
 
 
 def test_write_accepts_memory_segments(tmp_path):
@@ -98,7 +140,7 @@ def test_write_accepts_memory_segments(tmp_path):
 
 
 def test_allocation_respects_capacity(tmp_path):
-    disk = DiskTier(tmp_path, 3 * DiskTier(tmp_path, 1).footprint(BLOCK_BYTES))
+    disk = DiskTier(tmp_path, 3 * DiskTier(tmp_path / "probe", 1 << 20).footprint(BLOCK_BYTES))
     handles = [disk.allocate(BLOCK_BYTES, bytes([i]) * 16) for i in range(3)]
     assert all(handles) and disk.allocate(BLOCK_BYTES, b"\x09" * 16) is None
     disk.free(handles[0])
@@ -110,7 +152,7 @@ def test_demoted_blocks_load_back_exactly(tmp_path):
     res = engine.load(SPEC.model_id, toks)
     assert res.num_cached_tokens == len(toks) and torch.equal(res.kv, data)
     assert res.tiers == (Tier.DISK,) * 3 + (Tier.CPU,) * 2
-    assert len(block_files(disk_of(pool).directory)) == 3
+    assert len(blocks_on_disk(disk_of(pool))) == 3
 
 
 def test_disk_codec_is_lossless_and_reported_in_usage(tmp_path):
@@ -128,29 +170,30 @@ def test_disk_codec_is_lossless_and_reported_in_usage(tmp_path):
 
 
 # ---- corruption: the next load is a miss from that block on --------------------------
-def _header_size(path: Path) -> int:
-    raw = path.read_bytes()
-    model_len = int.from_bytes(raw[len(MAGIC) : len(MAGIC) + 2], "little")
-    return len(MAGIC) + 2 + model_len + 16 + 16 + 8 + 8 + 8 + 8
-
-
-@pytest.mark.parametrize("damage", ["last payload byte", "first payload byte", "magic", "truncated", "deleted"])
-def test_damaged_block_file_is_a_miss_removed_reported_and_counted(tmp_path, damage):
+@pytest.mark.parametrize(
+    "damage", ["last payload byte", "first payload byte", "magic", "header", "truncated", "zeroed"]
+)
+def test_damaged_block_is_a_miss_removed_reported_and_counted(tmp_path, damage):
     pool, engine, toks, data, hs = spill(tmp_path)
     victim = hs[1]  # on disk, with a parent before it and descendants in both tiers
-    path = block_file(pool, victim)
+    at = block_on_disk(pool, victim)
+    assert block_on_disk(pool, hs[0]).offset < at.offset  # the parent's bytes come first in the file
     pool.drain_events()
     pool.drain_notices()
     if damage == "last payload byte":
-        flip_byte(path, -1)
+        flip_byte(at.path, at.last_payload_byte)
     elif damage == "first payload byte":
-        flip_byte(path, _header_size(path))
+        flip_byte(at.path, at.payload_offset)
     elif damage == "magic":
-        flip_byte(path, 0)
+        flip_byte(at.path, at.offset)
+    elif damage == "header":
+        flip_byte(at.path, at.offset + len(MAGIC) + 12)  # inside the block hash
     elif damage == "truncated":
-        os.truncate(path, path.stat().st_size // 2)
-    else:
-        path.unlink()
+        os.truncate(at.path, at.payload_offset + at.payload_bytes // 2)
+    else:  # a hole punched over the whole extent
+        with open(at.path, "r+b") as f:
+            f.seek(at.offset)
+            f.write(b"\0" * (at.payload_offset - at.offset + at.payload_bytes))
 
     res = engine.load(SPEC.model_id, toks)
     assert res.num_cached_tokens == BS  # only the block before it
@@ -162,7 +205,7 @@ def test_damaged_block_file_is_a_miss_removed_reported_and_counted(tmp_path, dam
     assert victim.hex()[:12] in notices[0].message and "disk" in notices[0].message
     assert pool.corrupt_blocks_total == 1
     assert engine.lookup(SPEC.model_id, toks) == BS
-    check_pool(pool)  # its file is gone and the space is accounted free
+    check_pool(pool)  # its extent is free again and accounted so
     # storing again repairs the chain
     assert engine.store(SPEC.model_id, toks, data).num_stored_blocks == len(hs) - 1
     assert torch.equal(engine.load(SPEC.model_id, toks).kv, data)
@@ -170,7 +213,8 @@ def test_damaged_block_file_is_a_miss_removed_reported_and_counted(tmp_path, dam
 
 def test_removed_events_cover_the_whole_subtree(tmp_path):
     pool, engine, toks, data, hs = spill(tmp_path)
-    flip_byte(block_file(pool, hs[0]), -1)
+    at = block_on_disk(pool, hs[0])
+    flip_byte(at.path, at.last_payload_byte)
     pool.drain_events()
     assert engine.load(SPEC.model_id, toks).num_cached_tokens == 0
     assert sorted(removed_hashes(pool)) == sorted(hs)
@@ -179,7 +223,8 @@ def test_removed_events_cover_the_whole_subtree(tmp_path):
 
 def test_corrupt_source_of_a_promotion_is_removed_not_copied(tmp_path):
     pool, engine, toks, data, hs = spill(tmp_path)
-    flip_byte(block_file(pool, hs[2]), -1)
+    at = block_on_disk(pool, hs[2])
+    flip_byte(at.path, at.last_payload_byte)
     outcome = pool.move_block(hs[2], Tier.CPU)
     assert not outcome.ok and "unreadable" in outcome.reason
     assert set(pool.blocks) == set(hs[:2]) and pool.corrupt_blocks_total == 1
@@ -199,11 +244,10 @@ def test_restart_recovers_valid_blocks_and_prunes_corrupt_and_orphans(tmp_path):
     assert [pool.tier_of(h) for h in ha] == [Tier.DISK] * 4  # demoted by b
     assert [pool.tier_of(h) for h in hb] == [Tier.DISK, Tier.DISK, Tier.CPU, Tier.CPU]
     assert pool.move_block(hb[3], Tier.DISK).ok  # its parent stays in memory: an orphan after restart
-    flip_byte(block_file(pool, ha[2]), -1)  # corrupt: it and ha[3] cannot come back
-    (d / "ab").mkdir(exist_ok=True)
-    (d / "ab" / "leftover.tmp").write_bytes(b"half a block")  # a write a crash interrupted
-    disk_of(pool).flush()
+    at = block_on_disk(pool, ha[2])
+    flip_byte(at.path, at.last_payload_byte)  # corrupt: it and ha[3] cannot come back
     originals = {h: decoded(pool, h) for h in (*ha[:2], *hb[:2])}
+    disk_of(pool).close()  # the agent stops
 
     # "restart": a new store and pool over the same directory
     disk2 = DiskTier(d, 1 << 20)
@@ -216,8 +260,7 @@ def test_restart_recovers_valid_blocks_and_prunes_corrupt_and_orphans(tmp_path):
     assert set(pool2.blocks) == {*ha[:2], *hb[:2]}  # ha[3] and hb[3] were orphans
     assert all(pool2.tier_of(h) is Tier.DISK for h in pool2.blocks)
     assert pool2.blocks[ha[0]].num_children == 1 and pool2.blocks[ha[1]].num_children == 0
-    assert not list(d.glob("*/*.tmp"))
-    check_pool(pool2)  # orphans' and corrupt files are gone, used bytes match
+    check_pool(pool2)  # orphans' and corrupt blocks are gone from the slab, used bytes match
     engine2 = make_engine(pool2)
     res = engine2.load(SPEC.model_id, a_toks)
     assert res.num_cached_tokens == 2 * BS and torch.equal(res.kv, a[:2])
@@ -231,22 +274,22 @@ def test_restart_recovers_valid_blocks_and_prunes_corrupt_and_orphans(tmp_path):
 def test_restart_drops_blocks_of_models_no_longer_served(tmp_path):
     d = tmp_path / "disk"
     pool, *_ = spill(tmp_path)
-    disk_of(pool).flush()
+    disk_of(pool).close()
     disk2 = DiskTier(d, 1 << 20)
     other = SPEC.__class__("other", 4, 2, 2, 8, "float16")
     pool2 = BlockPool([MemoryTier(Tier.CPU, 2 * BLOCK_BYTES, BLOCK_BYTES, device="cpu"), disk2], [other])
     found, _ = disk2.scan()
     assert len(found) == 3
     assert pool2.recover(disk2, found) == 0
-    disk2.flush()
-    assert block_files(d) == [] and disk2.used_bytes == 0
+    assert blocks_on_disk(disk2) == [] and disk2.used_bytes == 0
 
 
 def test_agent_recovers_its_disk_tier_at_start(tmp_path):
     d = tmp_path / "disk"
     pool, engine, toks, data, hs = spill(tmp_path)
-    flip_byte(block_file(pool, hs[2]), -1)
-    disk_of(pool).flush()
+    at = block_on_disk(pool, hs[2])
+    flip_byte(at.path, at.last_payload_byte)
+    disk_of(pool).close()
     agent = Agent(AgentConfig(agent_id="r", models=[SPEC], cpu_capacity_bytes=4 * BLOCK_BYTES, disk_dir=str(d)))
     assert set(agent.pool.blocks) == set(hs[:2])
     assert agent.pool.corrupt_blocks_total == 1
@@ -290,7 +333,7 @@ def test_non_positive_capacity_is_refused(tmp_path):
 
 # ---- a full disk ----------------------------------------------------------------------
 def test_full_disk_drops_the_oldest_disk_leaves(tmp_path):
-    foot = DiskTier(tmp_path / "probe", 1).footprint(BLOCK_BYTES)
+    foot = DiskTier(tmp_path / "probe", 1 << 20).footprint(BLOCK_BYTES)
     pool = make_pool(tmp_path / "disk", cpu_blocks=2, disk_bytes=3 * foot)
     engine = make_engine(pool)
     chains = []
@@ -312,7 +355,7 @@ def test_full_disk_drops_the_oldest_disk_leaves(tmp_path):
 
 
 def test_a_full_disk_of_pinned_blocks_fails_a_move_and_keeps_the_source(tmp_path):
-    foot = DiskTier(tmp_path / "probe", 1).footprint(BLOCK_BYTES)
+    foot = DiskTier(tmp_path / "probe", 1 << 20).footprint(BLOCK_BYTES)
     pool = make_pool(tmp_path / "disk", cpu_blocks=2, disk_bytes=2 * foot)
     engine = make_engine(pool)
     engine.store(SPEC.model_id, tokens(4), kv(4))
@@ -330,15 +373,11 @@ def test_a_full_disk_of_pinned_blocks_fails_a_move_and_keeps_the_source(tmp_path
 
 
 # ---- write errors -------------------------------------------------------------------
-def block_shard(pool: BlockPool, h: bytes) -> Path:
-    """Make the shard directory a block would be written to a regular file."""
-    shard = disk_of(pool).directory / h.hex()[:2]
-    if shard.is_dir():
-        for f in shard.iterdir():
-            f.unlink()
-        shard.rmdir()
-    shard.write_text("in the way")
-    return shard
+def remove_slab(pool: BlockPool) -> None:
+    """Take the slab file away under the running tier: every later write fails."""
+    disk = disk_of(pool)
+    disk.path.unlink()
+    time.sleep(0.06)  # the tier looks at its file at most every 50 ms
 
 
 def test_write_error_on_a_move_is_noticed_and_leaves_the_source(tmp_path):
@@ -347,7 +386,7 @@ def test_write_error_on_a_move_is_noticed_and_leaves_the_source(tmp_path):
     toks, data = tokens(2), kv(2)
     engine.store(SPEC.model_id, toks, data)
     h = hashes(engine, toks)[1]
-    block_shard(pool, h)
+    remove_slab(pool)
     outcome = pool.move_block(h, Tier.DISK)
     assert not outcome.ok and outcome.reason
     assert pool.tier_of(h) is Tier.CPU
@@ -362,7 +401,7 @@ def test_write_error_on_a_demotion_is_noticed_and_the_store_goes_on(tmp_path):
     engine = make_engine(pool)
     first, first_kv = tokens(1), kv(1)
     engine.store(SPEC.model_id, first, first_kv)
-    block_shard(pool, hashes(engine, first)[0])
+    remove_slab(pool)
     second, second_kv = tokens(1, start=777), kv(1, seed=3)
     assert engine.store(SPEC.model_id, second, second_kv).num_stored_blocks == 1  # no crash
     assert "write_error" in [n.kind for n in pool.drain_notices()]
@@ -378,6 +417,7 @@ def test_disk_directory_removed_while_running(tmp_path):
 
     pool, engine, toks, data, hs = spill(tmp_path)
     shutil.rmtree(disk_of(pool).directory)
+    time.sleep(0.06)  # the tier looks at its file at most every 50 ms
     res = engine.load(SPEC.model_id, toks)  # every disk block is missing: a miss, not a crash
     assert res.num_cached_tokens == 0 and pool.blocks == {}
     assert pool.corrupt_blocks_total == 1

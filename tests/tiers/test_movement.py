@@ -17,9 +17,11 @@ from tests.tiers.support import (
     BLOCK_BYTES,
     BS,
     SPEC,
-    block_file,
+    block_on_disk,
+    blocks_on_disk,
     check_pool,
     decoded,
+    disk_of,
     error_bound,
     hashes,
     kv,
@@ -46,7 +48,7 @@ def test_cpu_disk_cpu_keeps_the_bytes_exactly(tmp_path, codec):
         out = pool.move_block(h, Tier.DISK, codec)
         assert out.ok and out.moved_bytes == pool.blocks[h].stored_bytes
         assert pool.tier_of(h) is Tier.DISK and pool.blocks[h].codec == codec
-        assert block_file(pool, h).exists()
+        assert block_on_disk(pool, h).offset in blocks_on_disk(disk_of(pool))
     check_pool(pool)
     res = engine.load(SPEC.model_id, toks)
     assert torch.equal(res.kv, data) and res.tiers == (Tier.DISK,) * 3

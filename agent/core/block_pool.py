@@ -582,7 +582,8 @@ class BlockPool:
                 data, nbytes, digest = None, src_stored, meta.checksum
             with self.lock:
                 new_handle = self._allocate(dst, nbytes, block_hash)
-            header = _stored_as(meta, target, digest)
+            # what a disk header records; memory tiers take no header
+            header = _stored_as(meta, target, digest) if dst.tier is Tier.DISK else meta
             try:
                 if data is not None:
                     dst.write(new_handle, data, header)

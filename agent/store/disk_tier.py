@@ -142,17 +142,26 @@ def encode_header(seq: int, meta, payload_bytes: int, digest: int) -> bytes:
     return body + _CHECK.pack(checksum(body))
 
 
-def decode_header(raw: bytes | memoryview) -> Header:
-    """Parse and verify a header (raw may run past it); raises CorruptBlock."""
-    raw = bytes(raw[:HEADER_SLOT_BYTES])
+def check_header(raw: bytes | bytearray | memoryview) -> tuple:
+    """Verify a header's magic, size and checksum (raw may run past it) and return its
+    fixed fields (magic, size, seq, hash, parent, codec, num_bytes, payload_bytes,
+    payload checksum); raises CorruptBlock."""
     if len(raw) < _FIXED.size or raw[:8] != MAGIC:
         raise CorruptBlock("bad header")
-    _, size, seq, block_hash, parent, codec, num_bytes, payload_bytes, digest = _FIXED.unpack_from(raw)
-    if size > len(raw) or size < _FIXED.size + 2 + 2 + _CHECK.size:
+    fixed = _FIXED.unpack_from(raw)
+    size = fixed[1]
+    if size > min(len(raw), HEADER_SLOT_BYTES) or size < _FIXED.size + 2 + 2 + _CHECK.size:
         raise CorruptBlock("truncated header")
     (got,) = _CHECK.unpack_from(raw, size - _CHECK.size)
-    if got != checksum(raw[: size - _CHECK.size]):
+    if got != checksum(memoryview(raw)[: size - _CHECK.size]):
         raise CorruptBlock("header checksum mismatch")
+    return fixed
+
+
+def decode_header(raw: bytes | memoryview) -> Header:
+    """Parse and verify a whole header (raw may run past it); raises CorruptBlock."""
+    raw = bytes(raw[:HEADER_SLOT_BYTES])
+    _, size, seq, block_hash, parent, codec, num_bytes, payload_bytes, digest = check_header(raw)
     pos = _FIXED.size
     (model_len,) = struct.unpack_from("<H", raw, pos)
     model = raw[pos + 2 : pos + 2 + model_len]
@@ -372,7 +381,7 @@ class DiskTier:
             raise
         handle.seq, handle.checksum = seq, digest
 
-    def _read(self, handle: DiskHandle, segments: list[np.ndarray], expect_hash: bytes | None) -> Header:
+    def _read(self, handle: DiskHandle, segments: list[np.ndarray], expect_hash: bytes | None) -> None:
         """Read header and payload with one preadv, the payload straight into `segments`,
         and verify both there."""
         hb = HEADER_SLOT_BYTES
@@ -391,23 +400,26 @@ class DiskTier:
         if got < hb:
             raise CorruptBlock(f"{where}: truncated header")
         try:
-            header = decode_header(head)
+            _, _, seq, block_hash, _, _, _, payload_bytes, digest = check_header(head)
         except CorruptBlock as exc:
             raise CorruptBlock(f"{where}: {exc}") from None
-        if expect_hash is not None and header.block_hash != expect_hash:
+        if expect_hash is not None and block_hash != expect_hash:
             raise CorruptBlock(f"{where}: holds another block")
-        if header.seq != handle.seq or header.checksum != handle.checksum:
+        if seq != handle.seq or digest != handle.checksum:
             raise CorruptBlock(f"{where}: overwritten")
-        if header.payload_bytes != want:
-            raise CorruptBlock(f"{where}: payload is {header.payload_bytes} B, expected {want} B")
+        if payload_bytes != want:
+            raise CorruptBlock(f"{where}: payload is {payload_bytes} B, expected {want} B")
         if got < hb + want:
             raise CorruptBlock(f"{where}: truncated payload")
-        h = xxhash.xxh3_64()
-        for seg in segments:
-            h.update(seg)
-        if h.intdigest() != header.checksum:
+        if len(segments) == 1:
+            ok = xxhash.xxh3_64_intdigest(segments[0]) == digest
+        else:
+            h = xxhash.xxh3_64()
+            for seg in segments:
+                h.update(seg)
+            ok = h.intdigest() == digest
+        if not ok:
             raise CorruptBlock(f"{where}: checksum mismatch")
-        return header
 
     def read(self, handle: DiskHandle, num_bytes: int) -> torch.Tensor:
         payload = np.empty(num_bytes, dtype=np.uint8)

@@ -64,7 +64,8 @@ MAX_MESSAGE_BYTES = 64 * 1024 * 1024
 class DataPlaneConfig:
     deadline_seconds: float = 10.0  # default answer time of a handoff
     rpc_timeout_seconds: float = 3.0  # one control RPC to a peer (Reserve, Commit, Abort)
-    chunk_bytes: int = 16 << 20  # engine writes go in batches of about this much
+    chunk_bytes: int = 64 << 20  # engine writes go in batches of about this much (each engine call costs a few ms)
+    write_window: int = 1  # engine batches on the wire at once (2+ share the link; measured no faster here)
     grpc_chunk_bytes: int = 1 << 20  # fallback stream message size
     stall_min_bytes_per_second: float = 20e6  # slower than this (plus 2 s) is a stall
     link_max_concurrent: int = 2
@@ -519,14 +520,21 @@ class DataPlane:
         return [bounce], bounce
 
     def _send_engine(self, stub, peer: Peer, resp, metas: list[BlockMeta], deadline: float, left) -> int:
+        """Engine writes of the blocks in chunks of about `chunk_bytes`, `write_window`
+        chunks on the wire at once (the engine never waits for Python between chunks);
+        each finished chunk is verified by the peer (Commit) while later ones travel, and
+        the last Commit makes the prefix visible."""
         p = resp.num_present_blocks
         endpoint = resp.transfer_endpoint or peer.endpoint
         rid = resp.reservation_id
         link = self.links.get(peer.agent_id)
+        chunk_bytes = self.config.chunk_bytes
+        if link.bytes_per_second > 0:  # a limited link is paced chunk by chunk: keep them small
+            chunk_bytes = min(chunk_bytes, int(link.bytes_per_second * 0.1))
         chunks: list[list[int]] = [[]]
         size = 0
         for i in range(p, len(metas)):
-            if size >= self.config.chunk_bytes:
+            if size >= chunk_bytes:
                 chunks.append([])
                 size = 0
             chunks[-1].append(i)
@@ -534,9 +542,33 @@ class DataPlane:
         verifies = []
         total = 0
         bounces: list[torch.Tensor] = []
+        inflight: list[tuple[int, list[int], cf.Future, int, list[int]]] = []
+        stalled = False
+
+        def finish(k: int, chunk: list[int], fut: cf.Future, nbytes: int, sums: list[int]) -> None:
+            nonlocal total
+            budget = nbytes / self.config.stall_min_bytes_per_second + 2.0
+            try:
+                fut.result(timeout=max(0.0, min(deadline - time.monotonic(), budget)))
+            except cf.TimeoutError:
+                raise _Stalled(
+                    f"engine write of {nbytes} B to {peer.agent_id} stalled "
+                    f"(no completion in {min(budget, max(0.0, deadline - time.monotonic())):.1f}s)"
+                ) from None
+            total += nbytes
+            last = k == len(chunks) - 1
+            request = agent_pb2.CommitRequest(reservation_id=rid, checksums=sums, first_block=chunk[0], last=last)
+            if not last:
+                verifies.append(stub.Commit.future(request, timeout=left(deadline - time.monotonic())))
+                return
+            for v in verifies:
+                v.result(timeout=left(deadline - time.monotonic()))
+            stub.Commit(request, timeout=left(max(self.config.rpc_timeout_seconds, 0.1 + nbytes / 1e9)))
+
         try:
             for k, chunk in enumerate(chunks):
-                pieces: list[tuple[int, int, int]] = []
+                src_runs: list[tuple[int, int]] = []
+                dst_runs: list[tuple[int, int]] = []
                 segments: dict[int, list[torch.Tensor]] = {}
                 nbytes = 0
                 for i in chunk:
@@ -546,39 +578,61 @@ class DataPlane:
                         bounces.append(bounce)
                     segments[i] = segs
                     slot = resp.blocks[i - p]
-                    dst = list(zip(slot.addresses, slot.lengths, strict=True))
-                    pieces += pair_runs([(s.data_ptr(), s.numel()) for s in segs], dst)
+                    if sum(slot.lengths) != metas[i].stored_bytes:
+                        raise _PathError(
+                            f"the peer reserved {sum(slot.lengths)} B for a {metas[i].stored_bytes} B block"
+                        )
+                    dst_runs += zip(slot.addresses, slot.lengths, strict=True)
+                    src_runs += [(s.data_ptr(), s.numel()) for s in segs]
                     nbytes += metas[i].stored_bytes
+                # one piece per stretch contiguous on both sides: blocks laid out in order
+                # on both slabs go as a few large writes, not one per block
+                pieces = pair_runs(src_runs, dst_runs)
                 if not link.pace(nbytes, deadline):
                     raise _Stalled(f"the link's bandwidth limit would pass the deadline for {nbytes} B")
                 fut = self._writers.submit(self.engine.write, endpoint, pieces)
-                sums = [checksum(segments[i]) for i in chunk]  # while the engine writes
-                budget = nbytes / self.config.stall_min_bytes_per_second + 2.0
-                try:
-                    fut.result(timeout=max(0.0, min(deadline - time.monotonic(), budget)))
-                except cf.TimeoutError:
-                    # keep the source pages (and bounces) referenced until the engine lets go
-                    held = self.pool.acquire_chain([m.block_hash for m in metas])
-                    keep = list(bounces)
-                    fut.add_done_callback(lambda _f, held=held, keep=keep: self._late_done(held, keep))
-                    bounces = []
-                    raise _Stalled(
-                        f"engine write of {nbytes} B to {peer.agent_id} stalled "
-                        f"(no completion in {min(budget, max(0.0, deadline - time.monotonic())):.1f}s)"
-                    ) from None
-                total += nbytes
-                last = k == len(chunks) - 1
-                request = agent_pb2.CommitRequest(reservation_id=rid, checksums=sums, first_block=chunk[0], last=last)
-                if not last:
-                    verifies.append(stub.Commit.future(request, timeout=left(deadline - time.monotonic())))
-                    continue
-                for v in verifies:
-                    v.result(timeout=left(deadline - time.monotonic()))
-                stub.Commit(request, timeout=left(max(self.config.rpc_timeout_seconds, 0.1 + nbytes / 1e9)))
+                # the checksum each block carries from when it was made; hashed here only
+                # for a block that has none (while the engine writes)
+                sums = [metas[i].checksum or checksum(segments[i]) for i in chunk]
+                inflight.append((k, chunk, fut, nbytes, sums))
+                if len(inflight) >= self.config.write_window:
+                    finish(*inflight.pop(0))
+            while inflight:
+                finish(*inflight.pop(0))
+        except _Stalled:
+            stalled = True
+            raise
         finally:
+            pending = [f for _, _, f, _, _ in inflight if not f.done()]
+            if pending and not stalled:
+                # an error with writes still on the wire: let them end before the caller
+                # calls the reservation quiesced; one that does not end is a stall
+                _, still = cf.wait(pending, timeout=max(0.0, min(deadline - time.monotonic(), 5.0)))
+                pending = list(still)
+            if pending:
+                # keep the source pages (and bounces) referenced until the engine lets go
+                held = self.pool.acquire_chain([m.block_hash for m in metas])
+                self._hold_until_done(pending, held, list(bounces))
+                bounces = []
             for b in bounces:
                 self.engine.unregister(b.data_ptr())
+            if pending and not stalled:
+                raise _Stalled(f"engine writes to {peer.agent_id} did not end after an error") from None
         return total
+
+    def _hold_until_done(self, futures: list[cf.Future], held: list[BlockMeta], bounces: list[torch.Tensor]) -> None:
+        left = [len(futures)]
+        lock = threading.Lock()
+
+        def done(_f) -> None:
+            with lock:
+                left[0] -= 1
+                last = left[0] == 0
+            if last:
+                self._late_done(held, bounces)
+
+        for f in futures:
+            f.add_done_callback(done)
 
     def _late_done(self, held: list[BlockMeta], bounces: list[torch.Tensor]) -> None:
         self.pool.release_chain(held)
@@ -595,7 +649,7 @@ class DataPlane:
             yield agent_pb2.PushChunk(reservation_id=rid)
             for i in range(p, len(metas)):
                 segs, _ = self._source(metas[i])
-                sums.append(checksum(segs))
+                sums.append(metas[i].checksum or checksum(segs))
                 offset = 0
                 for seg in segs:
                     for start in range(0, seg.numel(), step):

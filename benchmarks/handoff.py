@@ -162,7 +162,7 @@ class Worker:
                 str(block_mib),
                 str(capacity_bytes),
                 engine,
-                str(chunk_bytes or 16 * MIB),
+                str(chunk_bytes or 64 * MIB),
             ],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
@@ -245,7 +245,7 @@ class _Etcd:
 
 
 def run(
-    sizes_mib: tuple[int, ...], block_mib: int, repeats: int, etcd: str = "", fault: bool = True, chunk_mib: int = 16
+    sizes_mib: tuple[int, ...], block_mib: int, repeats: int, etcd: str = "", fault: bool = True, chunk_mib: int = 64
 ) -> dict:
     own = None if etcd else _Etcd()
     endpoint = etcd or own.endpoint

@@ -446,6 +446,7 @@ class BlockPool:
         block_codecs: Sequence[str],
         tier: Tier,
         namespace: str = "",
+        checksums: Sequence[int] | None = None,
     ) -> int:
         """Make reserved blocks [num_present, N) visible, all at once (one lock hold).
         A block stored here meanwhile keeps its copy and the reserved pages are freed.
@@ -479,6 +480,7 @@ class BlockPool:
                     block_codecs[i],
                     int(stored_bytes[i]),
                     namespace=namespace,
+                    checksum=checksums[i - num_present] if checksums else 0,
                 )
                 self.blocks[h] = meta
                 self._account(meta, +1)

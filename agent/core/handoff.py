@@ -67,7 +67,7 @@ class Reservation:
     source_agent_id: str
     created_monotonic: float
     expires_monotonic: float
-    verified: set[int] = field(default_factory=set)  # prefix indexes whose checksum matched
+    verified: dict[int, int] = field(default_factory=dict)  # prefix index -> its checksum, once it matched
     writers: int = 0  # fallback-path streams writing into its pages right now
 
     @property
@@ -240,7 +240,7 @@ class Reservations:
                     f"checksum mismatch on block {i} ({r.block_hashes[i].hex()[:12]}): "
                     f"sent {expected:016x}, received {got:016x}; nothing was made visible"
                 )
-            r.verified.add(i)
+            r.verified[i] = got
         return r
 
     def commit(self, reservation_id: str, first_block: int, checksums: Sequence[int]) -> Reservation:
@@ -257,7 +257,15 @@ class Reservations:
                 raise ReservationError(f"reservation {reservation_id!r} expired during its commit")
         try:
             self.pool.commit_reserved(
-                r.model_id, r.block_hashes, r.num_present, r.handles, r.stored_bytes, r.codecs, r.tier, r.namespace
+                r.model_id,
+                r.block_hashes,
+                r.num_present,
+                r.handles,
+                r.stored_bytes,
+                r.codecs,
+                r.tier,
+                r.namespace,
+                checksums=[r.verified[i] for i in range(r.num_present, r.num_blocks)],
             )
         except ValueError as exc:
             self.pool.release_reserved(r.handles, r.tier)
@@ -445,7 +453,11 @@ def pair_runs(src: Sequence[tuple[int, int]], dst: Sequence[tuple[int, int]]) ->
         d_addr, d_len = dst[di]
         n = min(s_len - s_off, d_len - d_off)
         if n > 0:
-            out.append((s_addr + s_off, d_addr + d_off, n))
+            s_at, d_at = s_addr + s_off, d_addr + d_off
+            if out and out[-1][0] + out[-1][2] == s_at and out[-1][1] + out[-1][2] == d_at:
+                out[-1] = (out[-1][0], out[-1][1], out[-1][2] + n)  # contiguous on both sides: one piece
+            else:
+                out.append((s_at, d_at, n))
         s_off += n
         d_off += n
         if s_off >= s_len:

@@ -172,6 +172,13 @@ def _copy_unchanged(src, src_handle, dst, dst_handle, num_bytes: int, header) ->
         dst.write(dst_handle, src.read(src_handle, num_bytes), header)
 
 
+def _batchable(src, dst) -> bool:
+    """Moves whose I/O a batch does in one call: a CPU memory slab to or from the disk."""
+    if hasattr(src, "views") and getattr(src, "device", "") == "cpu" and hasattr(dst, "write_many"):
+        return True
+    return hasattr(src, "read_many") and hasattr(dst, "views") and getattr(dst, "device", "") == "cpu"
+
+
 class BlockPool:
     def __init__(
         self,
@@ -629,6 +636,108 @@ class BlockPool:
                 meta.moving = False
                 if new_handle is not None:
                     dst.free(new_handle)
+
+    def move_blocks(self, block_hashes: Sequence[bytes], to_tier: Tier, codec: str | None = None) -> list[MoveOutcome]:
+        """Move many blocks with move_block's guarantees (copy, verify, switch, free; a
+        failure leaves a block where it was), batching the I/O: blocks going between the
+        CPU slab and the disk as they are (no re-encode) are read or written with one
+        vectored call per run of adjacent disk extents. Other blocks go one by one."""
+        dst = self.store_of.get(to_tier)
+        if dst is None or codec is not None:
+            return [self.move_block(h, to_tier, codec) for h in block_hashes]
+        out: dict[int, MoveOutcome] = {}
+        jobs: list[tuple[int, BlockMeta, TierStore, object, object]] = []  # k, meta, src, src handle, new handle
+        singles: list[int] = []
+        with self.lock:
+            for k, h in enumerate(block_hashes):
+                meta = self.blocks.get(h)
+                if meta is None or not meta.visible:
+                    out[k] = MoveOutcome(False, reason="not held")
+                    continue
+                if meta.moving:
+                    out[k] = MoveOutcome(False, reason="already moving")
+                    continue
+                if meta.tier == to_tier:
+                    out[k] = MoveOutcome(True)
+                    continue
+                src = self.store_of[meta.tier]
+                target = self.tier_codecs[to_tier] if meta.codec == "none" else meta.codec
+                if target != meta.codec or not _batchable(src, dst):
+                    singles.append(k)
+                    continue
+                pinned = self.pin_tier(meta)
+                if pinned and int(to_tier) > pinned:
+                    out[k] = MoveOutcome(False, reason=f"pinned at tier {Tier(pinned).label}")
+                    continue
+                meta.moving = True
+                try:
+                    new_handle = self._allocate(dst, meta.stored_bytes, h)
+                except PoolFull as exc:
+                    meta.moving = False
+                    out[k] = self._move_failed(f"PoolFull: {exc}")
+                    continue
+                jobs.append((k, meta, src, meta.handle, new_handle))
+        if jobs:
+            if dst.tier is Tier.DISK:
+                errs = dst.write_many(
+                    [
+                        (new, src.views(old, m.stored_bytes), _stored_as(m, m.codec, m.checksum))
+                        for _, m, src, old, new in jobs
+                    ]
+                )
+            else:
+                errs = jobs[0][2].read_many([(old, dst.views(new, m.stored_bytes)) for _, m, _, old, new in jobs])
+            waiting = []
+            with self.lock:
+                for (k, meta, src, old, new), err in zip(jobs, errs, strict=True):
+                    if err is None and meta.ref_count == 0:
+                        self._finish_move(meta, src, old, dst, new)
+                        out[k] = MoveOutcome(True, meta.stored_bytes)
+                    elif err is None:
+                        waiting.append((k, meta, src, old, new))
+                    else:
+                        meta.moving = False
+                        dst.free(new)
+                        if isinstance(err, BlockUnreadable):
+                            self._mark_corrupt(meta, str(err))
+                            if meta.ref_count == 0:
+                                self._drop_subtree(meta.block_hash)
+                            out[k] = self._move_failed(f"source unreadable: {err}")
+                        else:
+                            self._notice(
+                                "write_error",
+                                f"moving a block from the {meta.tier.label} to the {to_tier.label} tier failed: {err}",
+                            )
+                            out[k] = self._move_failed(f"{type(err).__name__}: {err}")
+            for k, meta, src, old, new in waiting:  # readers hold it: switch once they let go
+                out[k] = self._switch_when_unread(meta, src, old, dst, new)
+        for k in singles:
+            out[k] = self.move_block(block_hashes[k], to_tier)
+        return [out[k] for k in range(len(block_hashes))]
+
+    def _finish_move(self, meta: BlockMeta, src: TierStore, old, dst: TierStore, new) -> None:
+        """Switch a copied block to its new place and free the old one (lock held)."""
+        src_tier = meta.tier
+        self._switch(meta, dst.tier, new, meta.codec, meta.stored_bytes, getattr(new, "checksum", 0) or meta.checksum)
+        src.free(old)
+        meta.moving = False
+        key = (src_tier, dst.tier)
+        self.moved_bytes_total[key] = self.moved_bytes_total.get(key, 0) + meta.stored_bytes
+        if int(dst.tier) < int(src_tier):
+            self.promotions_total += 1
+
+    def _switch_when_unread(self, meta, src, old, dst, new, wait_seconds: float = 5.0) -> MoveOutcome:
+        deadline = time.monotonic() + wait_seconds
+        while True:
+            with self.lock:
+                if meta.ref_count == 0:
+                    self._finish_move(meta, src, old, dst, new)
+                    return MoveOutcome(True, meta.stored_bytes)
+                if time.monotonic() > deadline:
+                    meta.moving = False
+                    dst.free(new)
+                    return self._move_failed("TimeoutError: readers held the block too long")
+            time.sleep(0.001)
 
     def blocks_matching(
         self, namespace: str | None = None, model_id: str = "", tier: Tier | None = None

@@ -1,6 +1,8 @@
 """Asynchronous, batched block movement between tiers: operations with an id, state
 and progress, run one at a time by a background thread. Control-plane commands and the
-engine API (a load from a lower tier promotes) both submit here."""
+engine API (a load from a lower tier promotes) both submit here. Blocks move in
+batches: between the CPU slab and the disk, one vectored call per run of adjacent disk
+extents moves many blocks at once."""
 
 from __future__ import annotations
 
@@ -20,6 +22,7 @@ log = logging.getLogger(__name__)
 
 PENDING, RUNNING, SUCCEEDED, FAILED, CANCELLED = "PENDING", "RUNNING", "SUCCEEDED", "FAILED", "CANCELLED"
 TERMINAL = {SUCCEEDED, FAILED, CANCELLED}
+BATCH_BLOCKS = 32  # blocks a batch moves at once (cancellation and progress go by batch)
 
 
 @dataclass
@@ -118,12 +121,7 @@ class Mover:
             op.state = RUNNING
             self._update(op)
             last = time.monotonic()
-            for h in op.block_hashes:
-                if op.cancel_requested:
-                    op.state = CANCELLED
-                    break
-                to_tier = op.to_tier if op.to_tier is not None else self.pool.tier_of(h)
-                outcome = self.pool.move_block(h, to_tier, op.codec) if to_tier is not None else None
+            for outcome in self._outcomes(op):
                 if outcome is None:
                     op.failed += 1
                     op.error = "not held"
@@ -137,6 +135,8 @@ class Mover:
                 if time.monotonic() - last > 0.2:
                     last = time.monotonic()
                     self._update(op)
+            if op.cancel_requested and op.done + op.failed < op.total:
+                op.state = CANCELLED
             else:
                 op.state = SUCCEEDED if op.failed == 0 else (FAILED if op.done == 0 else SUCCEEDED)
         if op.kind == "promote":
@@ -145,6 +145,22 @@ class Mover:
         op.finished_unix_seconds = time.time()
         self._update(op)
         return op
+
+    def _outcomes(self, op: MoveOp):
+        """Each block's outcome, in order. A move to a tier goes in batches of
+        BATCH_BLOCKS (BlockPool.move_blocks: one vectored disk call per run of adjacent
+        extents); a compress in place block by block. Stops once cancelled."""
+        if op.to_tier is None:
+            for h in op.block_hashes:
+                if op.cancel_requested:
+                    return
+                to_tier = self.pool.tier_of(h)
+                yield self.pool.move_block(h, to_tier, op.codec) if to_tier is not None else None
+            return
+        for start in range(0, op.total, BATCH_BLOCKS):
+            if op.cancel_requested:
+                return
+            yield from self.pool.move_blocks(op.block_hashes[start : start + BATCH_BLOCKS], op.to_tier, op.codec)
 
     def run_once(self, timeout_seconds: float = 0.1) -> MoveOp | None:
         try:

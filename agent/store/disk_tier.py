@@ -421,6 +421,146 @@ class DiskTier:
         if not ok:
             raise CorruptBlock(f"{where}: checksum mismatch")
 
+    # ---- batches (the mover's path): one syscall per run of adjacent extents -------------
+    def write_many(self, items: list[tuple[DiskHandle, list, object]]) -> list[OSError | None]:
+        """Write several blocks, [(handle, payload segments, meta)], with one pwritev per
+        run of adjacent extents (header slot, payload and padding of each, in file order).
+        Returns per item None or the error that kept it from being written; each written
+        handle learns its sequence number and checksum as with write()."""
+        out: list[OSError | None] = [None] * len(items)
+        prepared = []
+        for k, (handle, data, meta) in enumerate(items):
+            segments = [d.reshape(-1).numpy() for d in (data if isinstance(data, list) else [data])]
+            nbytes = sum(seg.nbytes for seg in segments)
+            digest = getattr(meta, "checksum", 0)
+            if not digest:
+                h = xxhash.xxh3_64()
+                for seg in segments:
+                    h.update(seg)
+                digest = h.intdigest()
+            seq = next(self._seq)
+            try:
+                if HEADER_SLOT_BYTES + nbytes > handle.footprint_bytes:
+                    raise OSError(
+                        errno.EINVAL, f"a {nbytes} B block does not fit its {handle.footprint_bytes} B extent"
+                    )
+                head = encode_header(seq, meta, nbytes, digest).ljust(HEADER_SLOT_BYTES, b"\0")
+            except OSError as exc:
+                out[k] = exc
+                continue
+            bufs = [memoryview(head), *(memoryview(s).cast("B") for s in segments)]
+            prepared.append((handle.offset, handle.footprint_bytes, HEADER_SLOT_BYTES + nbytes, bufs, k, seq, digest))
+        for run in _runs(prepared):
+            bufs = []
+            for _, footprint, used, item_bufs, *_ in run:
+                bufs += item_bufs
+                if footprint > used:
+                    bufs.append(_ZEROS[: footprint - used])
+            try:
+                self._check_file()
+                _pwritev_all(self.fd, bufs, run[0][0])
+                if self.fsync:
+                    os.fdatasync(self.fd)
+            except OSError as exc:
+                self.write_errors_total += len(run)
+                for item in run:
+                    out[item[4]] = exc
+                continue
+            for _, _, _, _, k, seq, digest in run:
+                items[k][0].seq, items[k][0].checksum = seq, digest
+        return out
+
+    def read_many(self, items: list[tuple[DiskHandle, list]]) -> list[CorruptBlock | None]:
+        """Read several blocks straight into their destination segments, [(handle,
+        segments)], with one preadv per run of adjacent extents, and verify each. Returns
+        per item None or why it is unreadable (CorruptBlock)."""
+        out: list[CorruptBlock | None] = [None] * len(items)
+        prepared = []
+        for k, (handle, segments) in enumerate(items):
+            arrays = [t.numpy() for t in segments]
+            head = bytearray(HEADER_SLOT_BYTES)
+            used = HEADER_SLOT_BYTES + sum(a.nbytes for a in arrays)
+            bufs = [memoryview(head), *(memoryview(a).cast("B") for a in arrays)]
+            prepared.append((handle.offset, handle.footprint_bytes, used, bufs, k, head, arrays))
+        scratch = bytearray(max([f - u for _, f, u, *_ in prepared if f > u] or [0]))
+        # runs of at most READ_RUN_BYTES: each block is verified while its bytes are still
+        # in the CPU cache from the read
+        for run in _runs(prepared, READ_RUN_BYTES):
+            if len(run) == 1 and run[0][2] > READ_RUN_BYTES:  # a big block: read and hash it piece by piece
+                offset, _, _, _, k, head, arrays = run[0]
+                out[k] = self._read_streaming(items[k][0], head, arrays)
+                continue
+            bufs = []
+            for _, footprint, used, item_bufs, *_ in run:
+                bufs += item_bufs
+                if footprint > used:
+                    bufs.append(memoryview(scratch)[: footprint - used])
+            try:
+                self._check_file()
+                got = _preadv_all(self.fd, bufs, run[0][0])
+            except FileNotFoundError:
+                for item in run:
+                    out[item[4]] = CorruptBlock(f"{self.path}: missing")
+                continue
+            except OSError as exc:
+                for item in run:
+                    out[item[4]] = CorruptBlock(f"{self.path} at {item[0]}: read failed: {exc.strerror or exc}")
+                continue
+            start = run[0][0]
+            for offset, _, used, _, k, head, arrays in run:
+                out[k] = self._verify(items[k][0], head, arrays, got - (offset - start) >= used)
+        return out
+
+    def _read_streaming(self, handle: DiskHandle, head: bytearray, arrays: list[np.ndarray]) -> CorruptBlock | None:
+        """Read one big block in pieces of READ_RUN_BYTES, hashing each while it is in cache."""
+        where = f"{self.path} at {handle.offset}"
+        h = xxhash.xxh3_64()
+        try:
+            self._check_file()
+            whole = os.preadv(self.fd, [memoryview(head)], handle.offset) == len(head)
+            offset = handle.offset + HEADER_SLOT_BYTES
+            for a in arrays:
+                view = memoryview(a).cast("B")
+                for start in range(0, len(view), READ_RUN_BYTES):
+                    piece = view[start : start + READ_RUN_BYTES]
+                    if whole and os.preadv(self.fd, [piece], offset) < len(piece):
+                        whole = False
+                    h.update(piece)
+                    offset += len(piece)
+        except FileNotFoundError:
+            return CorruptBlock(f"{self.path}: missing")
+        except OSError as exc:
+            return CorruptBlock(f"{where}: read failed: {exc.strerror or exc}")
+        return self._verify(handle, head, arrays, whole, h.intdigest())
+
+    def _verify(
+        self, handle: DiskHandle, head, arrays: list[np.ndarray], whole: bool, digest_read: int | None = None
+    ) -> CorruptBlock | None:
+        where = f"{self.path} at {handle.offset}"
+        if not handle.seq:
+            return CorruptBlock(f"{where}: never written")
+        try:
+            _, _, seq, _, _, _, _, payload_bytes, digest = check_header(head)
+        except CorruptBlock as exc:
+            return CorruptBlock(f"{where}: {exc}")
+        if seq != handle.seq or digest != handle.checksum:
+            return CorruptBlock(f"{where}: overwritten")
+        want = sum(a.nbytes for a in arrays)
+        if payload_bytes != want:
+            return CorruptBlock(f"{where}: payload is {payload_bytes} B, expected {want} B")
+        if not whole:
+            return CorruptBlock(f"{where}: truncated payload")
+        if digest_read is not None:
+            ok = digest_read == digest
+        elif len(arrays) == 1:
+            ok = xxhash.xxh3_64_intdigest(arrays[0]) == digest
+        else:
+            h = xxhash.xxh3_64()
+            for a in arrays:
+                h.update(a)
+            ok = h.intdigest() == digest
+        return None if ok else CorruptBlock(f"{where}: checksum mismatch")
+
     def read(self, handle: DiskHandle, num_bytes: int) -> torch.Tensor:
         payload = np.empty(num_bytes, dtype=np.uint8)
         self._read(handle, [payload], None)
@@ -520,6 +660,50 @@ class DiskTier:
             os.pwrite(self.fd, b"\0" * 8, offset)
         except OSError as exc:
             log.warning("disk tier: could not clear offset %d: %s", offset, exc)
+
+
+_ZEROS = memoryview(bytes(4096))  # padding up to the next extent (at most 4 KiB)
+_IOV_MAX = 1024  # iovecs one pwritev/preadv takes (Linux)
+READ_RUN_BYTES = 256 << 10
+
+
+def _runs(prepared: list, max_bytes: int = 1 << 62) -> list[list]:
+    """Items (offset, footprint, ...) grouped into runs of adjacent extents in file order,
+    each short enough for one vectored call (and at most `max_bytes`, past its first)."""
+    runs: list[list] = []
+    iovs = size = 0
+    for item in sorted(prepared, key=lambda it: it[0]):
+        n = len(item[3]) + 1
+        if (
+            runs
+            and runs[-1][-1][0] + runs[-1][-1][1] == item[0]
+            and iovs + n <= _IOV_MAX
+            and size + item[1] <= max_bytes
+        ):
+            runs[-1].append(item)
+            iovs += n
+            size += item[1]
+        else:
+            runs.append([item])
+            iovs, size = n, item[1]
+    return runs
+
+
+def _preadv_all(fd: int, bufs: list[memoryview], offset: int) -> int:
+    """preadv until every buffer is full or the file ends; returns the bytes read."""
+    total = 0
+    while bufs:
+        n = os.preadv(fd, bufs, offset)
+        if n <= 0:
+            break
+        total += n
+        offset += n
+        while bufs and n >= len(bufs[0]):
+            n -= len(bufs[0])
+            bufs = bufs[1:]
+        if bufs and n:
+            bufs[0] = bufs[0][n:]
+    return total
 
 
 def _pwritev_all(fd: int, bufs: list[memoryview], offset: int) -> None:

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from agent.core import codecs
+from agent.core import mover as mover_module
 from agent.core.mover import CANCELLED, FAILED, PENDING, RUNNING, SUCCEEDED, Mover
 from protos.tier import Tier
 from tests.tiers.support import (
@@ -246,13 +247,14 @@ def test_mover_op_runs_to_succeeded_with_progress(tmp_path):
 
 def test_mover_reports_progress_of_a_long_op(tmp_path, monkeypatch):
     pool, engine, toks, data, hs = stored(tmp_path, n=4)
-    real = pool.move_block
+    real = pool.move_blocks
 
     def slow(*args, **kwargs):
         time.sleep(0.11)
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(pool, "move_block", slow)
+    monkeypatch.setattr(mover_module, "BATCH_BLOCKS", 1)  # a batch a block: progress between them
+    monkeypatch.setattr(pool, "move_blocks", slow)
     mover = Mover(pool)
     seen = recorder(mover)
     op = mover.run_op(mover.submit(hs, Tier.DISK))
@@ -272,7 +274,7 @@ def test_mover_cancel_before_and_during_an_op(tmp_path, monkeypatch):
     assert mover.cancel(op.op_id) is False  # finished
     assert mover.cancel("no-such-op") is False
 
-    real = pool.move_block
+    real = pool.move_blocks
     op2 = mover.submit(hs, Tier.DISK)
 
     def cancel_after_first(*args, **kwargs):
@@ -280,7 +282,8 @@ def test_mover_cancel_before_and_during_an_op(tmp_path, monkeypatch):
         mover.cancel(op2.op_id)
         return out
 
-    monkeypatch.setattr(pool, "move_block", cancel_after_first)
+    monkeypatch.setattr(mover_module, "BATCH_BLOCKS", 1)  # cancellation goes by batch
+    monkeypatch.setattr(pool, "move_blocks", cancel_after_first)
     mover.run_once()
     assert op2.state == CANCELLED and op2.done == 1
     assert [pool.tier_of(h) for h in hs] == [Tier.DISK, Tier.CPU, Tier.CPU]

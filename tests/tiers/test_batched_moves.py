@@ -1,0 +1,121 @@
+"""Batched moves between the CPU slab and the disk slab (BlockPool.move_blocks, the
+Mover's path): the bytes survive both ways, adjacent extents go in one vectored call, a
+corrupt block in a batch is removed alone, a failed write leaves every source intact,
+and a block being read is switched only once its reader lets go."""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+
+import torch
+
+from agent.core.block_pool import BlockPool
+from agent.core.mover import SUCCEEDED, Mover
+from agent.store.disk_tier import DiskTier
+from agent.store.memory_tier import MemoryTier
+from protos.tier import Tier
+from tests.tiers.support import SPEC, block_on_disk, blocks_on_disk, check_pool, decoded, disk_of, flip_byte, kv
+
+N = 12
+
+
+def independent_blocks(tmp_path, n: int = N) -> tuple[BlockPool, list[bytes], torch.Tensor]:
+    """n one-block chains in a CPU slab that holds them all, over a disk tier."""
+    cpu = MemoryTier(Tier.CPU, n * SPEC.block_bytes, SPEC.block_bytes, device="cpu")
+    pool = BlockPool([cpu, DiskTier(tmp_path / "disk", 1 << 20)], [SPEC])
+    data = kv(n, seed=5)
+    hashes = [os.urandom(16) for _ in range(n)]
+    for i, h in enumerate(hashes):
+        assert pool.insert_chain(SPEC.model_id, [h], lambda _i, i=i: data[i]) == (1, 0)
+    return pool, hashes, data
+
+
+def test_a_batch_goes_to_disk_and_back_with_its_bytes(tmp_path, monkeypatch):
+    pool, hashes, data = independent_blocks(tmp_path)
+    calls, real = [0], os.pwritev
+
+    def counted(*args):  # the real call, counted
+        calls[0] += 1
+        return real(*args)
+
+    monkeypatch.setattr(os, "pwritev", counted)
+    outcomes = pool.move_blocks(hashes, Tier.DISK)
+    monkeypatch.undo()
+    assert all(o.ok and o.moved_bytes == SPEC.block_bytes for o in outcomes)
+    assert calls[0] == 1  # twelve adjacent extents, one vectored write
+    assert all(pool.tier_of(h) is Tier.DISK for h in hashes)
+    assert len(blocks_on_disk(disk_of(pool))) == N
+    check_pool(pool)
+    for i, h in enumerate(hashes):
+        assert torch.equal(decoded(pool, h), data[i])
+    outcomes = pool.move_blocks(hashes, Tier.CPU)
+    assert all(o.ok for o in outcomes) and all(pool.tier_of(h) is Tier.CPU for h in hashes)
+    assert blocks_on_disk(disk_of(pool)) == []
+    check_pool(pool)
+    for i, h in enumerate(hashes):
+        assert torch.equal(decoded(pool, h), data[i])
+    assert pool.moved_bytes_total[(Tier.CPU, Tier.DISK)] == N * SPEC.block_bytes
+
+
+def test_a_corrupt_block_in_a_batch_is_removed_and_the_rest_move(tmp_path):
+    pool, hashes, data = independent_blocks(tmp_path)
+    assert all(o.ok for o in pool.move_blocks(hashes, Tier.DISK))
+    at = block_on_disk(pool, hashes[4])
+    flip_byte(at.path, at.last_payload_byte)
+    pool.drain_notices()
+    outcomes = pool.move_blocks(hashes, Tier.CPU)
+    assert [o.ok for o in outcomes] == [i != 4 for i in range(N)]
+    assert "unreadable" in outcomes[4].reason and "checksum" in outcomes[4].reason
+    assert hashes[4] not in pool.blocks and pool.corrupt_blocks_total == 1
+    assert [n.kind for n in pool.drain_notices()] == ["corrupt_block"]
+    check_pool(pool)
+    for i, h in enumerate(hashes):
+        if i != 4:
+            assert torch.equal(decoded(pool, h), data[i])
+
+
+def test_a_failed_batch_write_leaves_every_source_in_place(tmp_path):
+    pool, hashes, data = independent_blocks(tmp_path)
+    disk_of(pool).path.unlink()  # the slab goes away under the agent
+    time.sleep(0.06)
+    outcomes = pool.move_blocks(hashes, Tier.DISK)
+    assert not any(o.ok for o in outcomes)
+    assert all(pool.tier_of(h) is Tier.CPU for h in hashes)
+    assert "write_error" in {n.kind for n in pool.drain_notices()}
+    assert disk_of(pool).used_bytes == 0 and pool.move_failures_total == N
+    for i, h in enumerate(hashes):
+        assert torch.equal(decoded(pool, h), data[i])
+
+
+def test_a_block_being_read_switches_when_its_reader_lets_go(tmp_path):
+    pool, hashes, data = independent_blocks(tmp_path)
+    held = pool.acquire_chain([hashes[3]])
+    assert len(held) == 1
+    released = []
+
+    def reader():
+        time.sleep(0.1)
+        released.append(time.monotonic())
+        pool.release_chain(held)
+
+    t = threading.Thread(target=reader)
+    t.start()
+    outcomes = pool.move_blocks(hashes, Tier.DISK)
+    done = time.monotonic()
+    t.join()
+    assert all(o.ok for o in outcomes)
+    assert released and done >= released[0]  # not switched under the reader
+    check_pool(pool)
+    assert torch.equal(decoded(pool, hashes[3]), data[3])
+
+
+def test_mover_operations_move_in_batches(tmp_path):
+    pool, hashes, data = independent_blocks(tmp_path)
+    mover = Mover(pool)
+    op = mover.run_op(mover.submit(hashes, Tier.DISK))
+    assert (op.state, op.done, op.failed, op.moved_bytes) == (SUCCEEDED, N, 0, N * SPEC.block_bytes)
+    op = mover.run_op(mover.submit(hashes + [b"\x00" * 16], Tier.CPU))
+    assert (op.state, op.done, op.failed, op.error) == (SUCCEEDED, N, 1, "not held")
+    check_pool(pool)

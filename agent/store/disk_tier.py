@@ -35,7 +35,9 @@ import itertools
 import logging
 import os
 import struct
+import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -254,7 +256,8 @@ class ExtentAllocator:
 class DiskTier:
     tier = Tier.DISK
 
-    def __init__(self, directory: str | os.PathLike, capacity_bytes: int, fsync: bool = False):
+    def __init__(self, directory: str | os.PathLike, capacity_bytes: int, fsync: bool = False, io_threads: int = 2):
+        self._io: ThreadPoolExecutor | None = None
         if capacity_bytes <= 0:
             raise ValueError("disk capacity must be positive")
         self.directory = Path(directory)
@@ -287,6 +290,18 @@ class DiskTier:
         self._seq = itertools.count(1)
         self._checked_at = -1.0
         self._lost = False
+        self.io_threads = max(1, io_threads)
+        self._io = (
+            ThreadPoolExecutor(self.io_threads - 1, thread_name_prefix="disk-io") if self.io_threads > 1 else None
+        )
+        # freed extents: their magic is cleared by a background thread (a small write to
+        # the file costs as much as reading a block), and only then can they be reused
+        self._lock = threading.Lock()  # the extents, the used bytes and the list below
+        self._drain_lock = threading.Lock()
+        self._to_clear: list[tuple[int, int]] = []  # (offset, footprint bytes)
+        self._clear_wake = threading.Event()
+        self._clearer = threading.Thread(target=self._clear_loop, name="disk-clear", daemon=True)
+        self._clearer.start()
 
     # ---- space --------------------------------------------------------------------------
     @property
@@ -306,30 +321,65 @@ class DiskTier:
         n = size // GRANULE_BYTES
         # a big block's header slot ends where a 4 KiB page of the file begins
         phase = _ALIGN_GRANULES - HEADER_SLOT_BYTES // GRANULE_BYTES if size >= ALIGNED_FROM_BYTES else None
-        start = self._extents.allocate(n, phase)
+        with self._lock:
+            start = self._extents.allocate(n, phase)
+        if start is None and self._to_clear:  # freed space still being cleared: clear it now
+            self.drain()
+            with self._lock:
+                start = self._extents.allocate(n, phase)
         if start is None:
             return None
-        self._used += n * GRANULE_BYTES
+        with self._lock:
+            self._used += n * GRANULE_BYTES
         return DiskHandle(start * GRANULE_BYTES, n * GRANULE_BYTES)
 
     def free(self, handle: DiskHandle) -> None:
-        """Give the extent back; its magic is zeroed so that a restart does not bring the
-        block back."""
-        self._used -= handle.footprint_bytes
-        self._extents.free(handle.offset // GRANULE_BYTES, handle.footprint_bytes // GRANULE_BYTES)
-        try:
-            os.pwrite(self.fd, b"\0" * 8, handle.offset)
-        except OSError as exc:
-            log.warning("disk tier: could not clear a freed block at offset %d: %s", handle.offset, exc)
+        """Give the extent back: its magic is cleared (so that a restart does not bring the
+        block back) in the background, and then it can be allocated again."""
+        with self._lock:
+            self._used -= handle.footprint_bytes
+            self._to_clear.append((handle.offset, handle.footprint_bytes))
+        self._clear_wake.set()
+
+    def drain(self) -> None:
+        """Clear the magic of every freed extent and give them to the allocator."""
+        with self._drain_lock:
+            with self._lock:
+                batch, self._to_clear = self._to_clear, []
+            for offset, _ in batch:
+                self._clear(offset)
+            with self._lock:
+                for offset, footprint in batch:
+                    self._extents.free(offset // GRANULE_BYTES, footprint // GRANULE_BYTES)
+
+    def _clear_loop(self) -> None:
+        while True:
+            self._clear_wake.wait()
+            self._clear_wake.clear()
+            if self.fd < 0:
+                return
+            try:
+                self.drain()
+            except Exception:  # noqa: BLE001 - keep clearing what comes next
+                log.exception("disk tier: clearing freed extents failed")
 
     def flush(self) -> None:
-        """Make what was written durable (fdatasync); with fsync=True every write already is."""
+        """Clear freed extents and make what was written durable (fdatasync); with
+        fsync=True every write already is."""
+        self.drain()
         os.fdatasync(self.fd)
 
     def close(self) -> None:
         if self.fd >= 0:
-            os.close(self.fd)  # releases the flock
-            self.fd = -1
+            self.drain()
+        if self._io is not None:
+            self._io.shutdown(wait=True)
+            self._io = None
+        if self.fd >= 0:
+            fd, self.fd = self.fd, -1
+            os.close(fd)  # releases the flock
+            if hasattr(self, "_clear_wake"):
+                self._clear_wake.set()  # the clearing thread ends
 
     def location(self, handle: DiskHandle) -> tuple[Path, int, int]:
         """(slab path, offset of the payload, payload bytes upper bound) for tools and tests."""
@@ -482,11 +532,24 @@ class DiskTier:
             used = HEADER_SLOT_BYTES + sum(a.nbytes for a in arrays)
             bufs = [memoryview(head), *(memoryview(a).cast("B") for a in arrays)]
             prepared.append((handle.offset, handle.footprint_bytes, used, bufs, k, head, arrays))
-        scratch = bytearray(max([f - u for _, f, u, *_ in prepared if f > u] or [0]))
+        pad = max([f - u for _, f, u, *_ in prepared if f > u] or [0])
         # runs of at most READ_RUN_BYTES: each block is verified while its bytes are still
         # in the CPU cache from the read
-        for run in _runs(prepared, READ_RUN_BYTES):
-            if len(run) == 1 and run[0][2] > READ_RUN_BYTES:  # a big block: read and hash it piece by piece
+        runs = _runs(prepared, READ_RUN_BYTES)
+        # the runs split between io_threads threads: a read and a checksum both let go of
+        # the GIL, so one thread's read overlaps another's checksum (and uses a second core)
+        groups = [runs[i :: self.io_threads] for i in range(min(self.io_threads, len(runs)))]
+        futures = [self._io.submit(self._read_runs, g, items, out, pad) for g in groups[1:]] if self._io else []
+        if groups:
+            self._read_runs(groups[0], items, out, pad)
+        for f in futures:
+            f.result()
+        return out
+
+    def _read_runs(self, runs: list[list], items: list, out: list, pad: int) -> None:
+        scratch = bytearray(pad)
+        for run in runs:
+            if len(run) == 1 and run[0][2] > STREAM_FROM_BYTES:  # a big block: read and hash it piece by piece
                 offset, _, _, _, k, head, arrays = run[0]
                 out[k] = self._read_streaming(items[k][0], head, arrays)
                 continue
@@ -509,7 +572,6 @@ class DiskTier:
             start = run[0][0]
             for offset, _, used, _, k, head, arrays in run:
                 out[k] = self._verify(items[k][0], head, arrays, got - (offset - start) >= used)
-        return out
 
     def _read_streaming(self, handle: DiskHandle, head: bytearray, arrays: list[np.ndarray]) -> CorruptBlock | None:
         """Read one big block in pieces of READ_RUN_BYTES, hashing each while it is in cache."""
@@ -575,7 +637,8 @@ class DiskTier:
     def headers(self) -> list[tuple[int, Header | None]]:
         """Every granule of the slab that starts with the magic, with its header (None when
         the header does not verify), skipping over extents of valid headers. Reads the
-        slab once, sequentially; changes nothing."""
+        slab once, sequentially; changes nothing but clearing freed extents first."""
+        self.drain()
         size = min(os.fstat(self.fd).st_size, self.capacity_bytes)
         out: list[tuple[int, Header | None]] = []
         pos = 0
@@ -657,14 +720,15 @@ class DiskTier:
 
     def _clear(self, offset: int) -> None:
         try:
-            os.pwrite(self.fd, b"\0" * 8, offset)
+            os.pwrite(self.fd, b"\0" * len(MAGIC), offset)
         except OSError as exc:
             log.warning("disk tier: could not clear offset %d: %s", offset, exc)
 
 
 _ZEROS = memoryview(bytes(4096))  # padding up to the next extent (at most 4 KiB)
 _IOV_MAX = 1024  # iovecs one pwritev/preadv takes (Linux)
-READ_RUN_BYTES = 256 << 10
+READ_RUN_BYTES = 256 << 10  # small blocks: adjacent ones read together up to this much
+STREAM_FROM_BYTES = 2 << 20  # blocks bigger than this are read and hashed in READ_RUN_BYTES pieces
 
 
 def _runs(prepared: list, max_bytes: int = 1 << 62) -> list[list]:

@@ -103,6 +103,8 @@ def decoded(pool: BlockPool, block_hash: bytes) -> torch.Tensor:
 
 def check_pool(pool: BlockPool) -> None:
     """The pool's invariants, against what its memory and disk stores really hold."""
+    if Tier.DISK in pool.store_of:
+        disk_of(pool).drain()  # freed extents cleared and back in the allocator
     with pool.lock:
         blocks = dict(pool.blocks)
         for h, meta in blocks.items():

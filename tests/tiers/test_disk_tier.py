@@ -104,6 +104,7 @@ def test_big_blocks_keep_their_payload_page_aligned_and_small_ones_pack(tmp_path
     used = disk.used_bytes
     for h in small + big + [odd]:
         disk.free(h)
+    disk.drain()
     assert used > 0 and disk.used_bytes == 0 and disk._extents.runs() == [(0, disk.num_granules)]
 
 

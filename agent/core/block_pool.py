@@ -681,7 +681,7 @@ class BlockPool:
             if dst.tier is Tier.DISK:
                 errs = dst.write_many(
                     [
-                        (new, src.views(old, m.stored_bytes), _stored_as(m, m.codec, m.checksum))
+                        (new, src.views(old, m.stored_bytes), m)  # stored as it is: m is its header
                         for _, m, src, old, new in jobs
                     ]
                 )

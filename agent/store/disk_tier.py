@@ -500,7 +500,7 @@ class DiskTier:
                 continue
             bufs = [memoryview(head), *(memoryview(s).cast("B") for s in segments)]
             prepared.append((handle.offset, handle.footprint_bytes, HEADER_SLOT_BYTES + nbytes, bufs, k, seq, digest))
-        for run in _runs(prepared):
+        for run in _runs(prepared, WRITE_RUN_BYTES):
             bufs = []
             for _, footprint, used, item_bufs, *_ in run:
                 bufs += item_bufs
@@ -728,7 +728,8 @@ class DiskTier:
 _ZEROS = memoryview(bytes(4096))  # padding up to the next extent (at most 4 KiB)
 _IOV_MAX = 1024  # iovecs one pwritev/preadv takes (Linux)
 READ_RUN_BYTES = 256 << 10  # small blocks: adjacent ones read together up to this much
-STREAM_FROM_BYTES = 2 << 20  # blocks bigger than this are read and hashed in READ_RUN_BYTES pieces
+WRITE_RUN_BYTES = 4 << 20  # adjacent blocks written together up to this much
+STREAM_FROM_BYTES = 4 << 20  # blocks bigger than this are read and hashed in READ_RUN_BYTES pieces
 
 
 def _runs(prepared: list, max_bytes: int = 1 << 62) -> list[list]:

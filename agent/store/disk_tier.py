@@ -16,8 +16,12 @@ tier's pages) into space nobody else uses, and read with one `preadv` straight i
 the destination pages, then verified there. The payload checksum is the one the block
 carries from when it was made (`BlockMeta.checksum`), so a demotion does not hash the
 bytes again and a read checks them end to end: no file is created, renamed or unlinked
-per block, so a move costs what the copy costs. Freeing an extent zeroes its magic, so
-a restart never brings a freed block back. A block that fails its checksum or is
+per block, so a move costs what the copy costs. Every write covers its whole extent
+(padding included), so no older header survives inside a newer block. A freed extent is
+appended to the dead log (`<dir>/blocks.kvslab.dead`: u64 offset, u64 write sequence) by
+a background thread, many in one write, before it can be allocated again; a restart
+ignores (and clears) the dead headers it lists, so a freed block never comes back. The
+log is compacted to the headers still in the slab when it grows. A block that fails its checksum or is
 truncated raises CorruptBlock: the pool treats it as a miss and removes it. `scan()`
 rebuilds the inventory after a restart by reading the slab once, verifying every
 checksum; of two copies of a block (a crash between writing a new copy and freeing the
@@ -53,6 +57,12 @@ log = logging.getLogger(__name__)
 MAGIC = b"KVCPSLB1"
 GRANULE_BYTES = 512
 SLAB_NAME = "blocks.kvslab"
+DEAD_LOG_NAME = "blocks.kvslab.dead"  # (offset, write seq) of freed blocks, appended
+DEAD_LOG_COMPACT_RECORDS = 1 << 16
+_DEAD = struct.Struct("<QQ")
+_SEQ = struct.Struct("<Q")
+_FIXED_SEQ_AT = 10  # magic (8) + header size (2)
+_FIXED_SEQ_END = _FIXED_SEQ_AT + 8
 _FIXED = struct.Struct("<8sHQ16s16s8sQQQ")  # magic .. payload checksum
 _CHECK = struct.Struct("<Q")
 HEADER_SLOT_BYTES = 512  # model id + namespace up to 418 bytes together
@@ -294,11 +304,19 @@ class DiskTier:
         self._io = (
             ThreadPoolExecutor(self.io_threads - 1, thread_name_prefix="disk-io") if self.io_threads > 1 else None
         )
-        # freed extents: their magic is cleared by a background thread (a small write to
-        # the file costs as much as reading a block), and only then can they be reused
+        # freed extents: a background thread records them in the dead log (one append for
+        # many; clearing each header would cost a small write into the slab, as much as
+        # reading a block) and only then can they be reused
+        self.dead_path = self.directory / DEAD_LOG_NAME
+        try:
+            self._dead_fd = os.open(self.dead_path, os.O_RDWR | os.O_CREAT | os.O_APPEND | os.O_CLOEXEC, 0o600)
+        except OSError as exc:
+            self.close()
+            raise OSError(f"disk tier directory {self.directory} is not usable: {exc.strerror or exc}") from None
+        self._dead_records = os.fstat(self._dead_fd).st_size // _DEAD.size
         self._lock = threading.Lock()  # the extents, the used bytes and the list below
         self._drain_lock = threading.Lock()
-        self._to_clear: list[tuple[int, int]] = []  # (offset, footprint bytes)
+        self._to_clear: list[tuple[int, int, int]] = []  # (offset, footprint bytes, write seq)
         self._clear_wake = threading.Event()
         self._clearer = threading.Thread(target=self._clear_loop, name="disk-clear", daemon=True)
         self._clearer.start()
@@ -338,19 +356,62 @@ class DiskTier:
         block back) in the background, and then it can be allocated again."""
         with self._lock:
             self._used -= handle.footprint_bytes
-            self._to_clear.append((handle.offset, handle.footprint_bytes))
+            self._to_clear.append((handle.offset, handle.footprint_bytes, handle.seq))
         self._clear_wake.set()
 
     def drain(self) -> None:
-        """Clear the magic of every freed extent and give them to the allocator."""
+        """Record every freed extent in the dead log (one append) and give them to the
+        allocator. A block never fully written has its magic cleared instead."""
         with self._drain_lock:
             with self._lock:
                 batch, self._to_clear = self._to_clear, []
-            for offset, _ in batch:
-                self._clear(offset)
+            if not batch:
+                return
+            records = b"".join(_DEAD.pack(offset, seq) for offset, _, seq in batch if seq)
+            for offset, _, seq in batch:
+                if not seq:
+                    self._clear(offset)
+            if records:
+                try:
+                    _write_all(self._dead_fd, records)
+                    if self.fsync:
+                        os.fdatasync(self._dead_fd)
+                    self._dead_records += len(records) // _DEAD.size
+                except OSError as exc:  # no log: clear the headers themselves
+                    log.warning("disk tier: could not append to %s (%s); clearing headers", self.dead_path, exc)
+                    for offset, _, _ in batch:
+                        self._clear(offset)
             with self._lock:
-                for offset, footprint in batch:
+                for offset, footprint, _ in batch:
                     self._extents.free(offset // GRANULE_BYTES, footprint // GRANULE_BYTES)
+            if self._dead_records > max(DEAD_LOG_COMPACT_RECORDS, self.num_granules // 4):
+                self._compact_dead_log()
+
+    def _dead(self) -> set[tuple[int, int]]:
+        """(offset, seq) of the blocks the dead log says are gone."""
+        raw = os.pread(self._dead_fd, os.fstat(self._dead_fd).st_size, 0)
+        usable = len(raw) // _DEAD.size * _DEAD.size
+        return set(_DEAD.iter_unpack(raw[:usable]))
+
+    def _compact_dead_log(self) -> None:
+        """Keep only the records whose dead header is still in the slab (one overwritten by
+        a later block is gone for good), in a new log renamed over the old (drain lock held)."""
+        kept = []
+        for offset, seq in self._dead():
+            head = os.pread(self.fd, _FIXED_SEQ_END, offset)
+            if head[:8] == MAGIC and _SEQ.unpack_from(head, _FIXED_SEQ_AT)[0] == seq:
+                kept.append(_DEAD.pack(offset, seq))
+        tmp = self.dead_path.with_suffix(".tmp")
+        fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_APPEND | os.O_CLOEXEC, 0o600)
+        try:
+            _write_all(fd, b"".join(kept))
+            os.fdatasync(fd)
+            os.replace(tmp, self.dead_path)
+        except OSError:
+            os.close(fd)
+            raise
+        os.close(self._dead_fd)
+        self._dead_fd, self._dead_records = fd, len(kept)
 
     def _clear_loop(self) -> None:
         while True:
@@ -375,6 +436,9 @@ class DiskTier:
         if self._io is not None:
             self._io.shutdown(wait=True)
             self._io = None
+        if getattr(self, "_dead_fd", -1) >= 0:
+            os.close(self._dead_fd)
+            self._dead_fd = -1
         if self.fd >= 0:
             fd, self.fd = self.fd, -1
             os.close(fd)  # releases the flock
@@ -423,7 +487,11 @@ class DiskTier:
             if HEADER_SLOT_BYTES + nbytes > handle.footprint_bytes:
                 raise OSError(errno.EINVAL, f"a {nbytes} B block does not fit its {handle.footprint_bytes} B extent")
             self._check_file()
-            _pwritev_all(self.fd, [memoryview(head), *(memoryview(s).cast("B") for s in segments)], handle.offset)
+            bufs = [memoryview(head), *(memoryview(s).cast("B") for s in segments)]
+            pad = handle.footprint_bytes - HEADER_SLOT_BYTES - nbytes
+            if pad:  # the whole extent: no older header survives inside it
+                bufs.append(_ZEROS[:pad])
+            _pwritev_all(self.fd, bufs, handle.offset)
             if self.fsync:
                 os.fdatasync(self.fd)
         except OSError:
@@ -635,12 +703,18 @@ class DiskTier:
 
     # ---- restart ------------------------------------------------------------------------
     def headers(self) -> list[tuple[int, Header | None]]:
-        """Every granule of the slab that starts with the magic, with its header (None when
-        the header does not verify), skipping over extents of valid headers. Reads the
-        slab once, sequentially; changes nothing but clearing freed extents first."""
+        """Every granule of the slab that starts with the magic of a block that is not dead,
+        with its header (None when the header does not verify), skipping over extents of
+        valid headers. Reads the slab once, sequentially; changes nothing."""
+        return [(offset, header) for offset, header, dead in self._walk() if not dead]
+
+    def _walk(self) -> list[tuple[int, Header | None, bool]]:
+        """headers(), and the dead ones too (flagged; the walk goes on inside their extent,
+        which later blocks may have reused)."""
         self.drain()
+        dead = self._dead()
         size = min(os.fstat(self.fd).st_size, self.capacity_bytes)
-        out: list[tuple[int, Header | None]] = []
+        out: list[tuple[int, Header | None, bool]] = []
         pos = 0
         while pos < size:
             chunk = os.pread(self.fd, min(_SCAN_CHUNK_BYTES, size - pos), pos)
@@ -661,9 +735,12 @@ class DiskTier:
                 try:
                     header = decode_header(raw)
                 except CorruptBlock:
-                    out.append((offset, None))
+                    out.append((offset, None, False))
                     continue
-                out.append((offset, header))
+                if (offset, header.seq) in dead:
+                    out.append((offset, header, True))
+                    continue
+                out.append((offset, header, False))
                 skip_to = offset + self.footprint(header.payload_bytes)
             pos = max(pos + usable, skip_to)
         return out
@@ -673,8 +750,12 @@ class DiskTier:
         Returns (blocks, number of corrupt blocks removed)."""
         found: dict[bytes, RecoveredBlock] = {}
         corrupt = 0
-        seq_max = 0
-        for offset, header in self.headers():
+        seq_max = max((seq for _, seq in self._dead()), default=0)
+        for offset, header, dead in self._walk():
+            if dead:  # freed before the restart: its header goes now, its log record below
+                seq_max = max(seq_max, header.seq)
+                self._clear(offset)
+                continue
             if header is None:
                 self._clear(offset)
                 corrupt += 1
@@ -712,10 +793,14 @@ class DiskTier:
             if older is not None:  # a copy whose removal a crash interrupted: the later write wins
                 stale = older if older.handle.seq < header.seq else block
                 found[header.block_hash] = block if stale is older else older
-                self.free(stale.handle)
+                self._clear(stale.handle.offset)
+                self._extents.free(stale.handle.offset // GRANULE_BYTES, stale.handle.footprint_bytes // GRANULE_BYTES)
+                self._used -= stale.handle.footprint_bytes
             else:
                 found[header.block_hash] = block
         self._seq = itertools.count(seq_max + 1)
+        os.ftruncate(self._dead_fd, 0)  # every dead header is cleared: the log starts empty
+        self._dead_records = 0
         return list(found.values()), corrupt
 
     def _clear(self, offset: int) -> None:
@@ -752,6 +837,15 @@ def _runs(prepared: list, max_bytes: int = 1 << 62) -> list[list]:
             runs.append([item])
             iovs, size = n, item[1]
     return runs
+
+
+def _write_all(fd: int, data: bytes) -> None:
+    view = memoryview(data)
+    while len(view):
+        n = os.write(fd, view)
+        if n <= 0:
+            raise OSError(errno.EIO, "short write")
+        view = view[n:]
 
 
 def _preadv_all(fd: int, bufs: list[memoryview], offset: int) -> int:

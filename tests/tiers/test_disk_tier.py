@@ -85,9 +85,11 @@ def test_write_read_roundtrip_and_free(tmp_path):
     assert other.offset >= handle.offset + handle.footprint_bytes
     disk.free(other)
     disk.free(handle)
-    assert disk.used_bytes == 0 and blocks_on_disk(disk) == []  # a freed block's magic is gone
-    with pytest.raises(CorruptBlock, match="bad header"):
-        disk.read(handle, 300)
+    assert disk.used_bytes == 0 and blocks_on_disk(disk) == []  # freed: in the dead log
+    assert disk.dead_path.stat().st_size == 16  # (offset, seq) of the one that was written
+    disk.close()
+    again = DiskTier(tmp_path, 1 << 20)  # a restart does not bring it back
+    assert again.scan() == ([], 0) and again.dead_path.stat().st_size == 0
 
 
 def test_big_blocks_keep_their_payload_page_aligned_and_small_ones_pack(tmp_path):
@@ -428,3 +430,56 @@ def test_disk_directory_removed_while_running(tmp_path):
     assert {"corrupt_block", "write_error"} <= kinds
     res = engine.load(SPEC.model_id, more)
     assert torch.equal(res.kv, more_kv[: res.num_cached_tokens // BS])
+
+
+# ---- the dead log: freed blocks stay gone across a restart ------------------------------
+def _raw_block(disk: DiskTier, h: bytes, nbytes: int, fill: int):
+    handle = disk.allocate(nbytes, h)
+    data = torch.full((nbytes,), fill, dtype=torch.uint8)
+    disk.write(handle, data, BlockMeta(h, ROOT_PARENT_HASH, "m", nbytes, Tier.DISK, handle, "none", nbytes))
+    return handle, data
+
+
+def test_freed_blocks_do_not_come_back_after_a_restart(tmp_path):
+    disk = DiskTier(tmp_path, 1 << 20)
+    kept, kept_data = _raw_block(disk, b"\x01" * 16, 3000, 1)
+    gone, _ = _raw_block(disk, b"\x02" * 16, 3000, 2)
+    disk.free(gone)  # e.g. promoted to memory, then the agent stops
+    disk.close()
+    again = DiskTier(tmp_path, 1 << 20)
+    found, corrupt = again.scan()
+    assert [b.block_hash for b in found] == [b"\x01" * 16] and corrupt == 0
+    assert torch.equal(again.read(found[0].handle, 3000), kept_data)
+    assert again.used_bytes == again.footprint(3000)
+
+
+def test_a_dead_extent_reused_at_another_offset_recovers_only_the_new_block(tmp_path):
+    disk = DiskTier(tmp_path, 1 << 20)
+    big, _ = _raw_block(disk, b"\x03" * 16, 8000, 3)  # 17 granules at offset 0
+    disk.free(big)
+    disk.drain()
+    small, _ = _raw_block(disk, b"\x04" * 16, 500, 4)  # 2 granules at offset 0
+    later, later_data = _raw_block(disk, b"\x05" * 16, 500, 5)  # inside the dead extent
+    assert small.offset == 0 and 0 < later.offset < big.footprint_bytes
+    disk.close()
+    again = DiskTier(tmp_path, 1 << 20)
+    found, corrupt = again.scan()
+    assert sorted(b.block_hash for b in found) == [b"\x04" * 16, b"\x05" * 16] and corrupt == 0
+    by_hash = {b.block_hash: b for b in found}
+    assert torch.equal(again.read(by_hash[b"\x05" * 16].handle, 500), later_data)
+
+
+def test_the_dead_log_is_compacted_to_headers_still_in_the_slab(tmp_path, monkeypatch):
+    from agent.store import disk_tier
+
+    monkeypatch.setattr(disk_tier, "DEAD_LOG_COMPACT_RECORDS", 8)
+    disk = DiskTier(tmp_path, 64 * 1024)  # 128 granules: compaction past max(8, 32) records
+    for i in range(40):  # the same extent over and over: each write buries the last one's header
+        handle, _ = _raw_block(disk, bytes([i]) * 16, 1000, i)
+        disk.free(handle)
+        disk.drain()
+    assert disk.dead_path.stat().st_size <= 33 * 16  # compacted at least once
+    assert blocks_on_disk(disk) == []
+    disk.close()
+    again = DiskTier(tmp_path, 64 * 1024)
+    assert again.scan() == ([], 0)

@@ -73,6 +73,7 @@ class BenchConfig:
     mooncake_keys: int = 1_000_000
     policy_loop: bool = False  # the control plane's tier-policy pass (manager.policy_pass)
     churn_fraction: float = 0.1  # steady-state phase: each agent replaces this share of its blocks
+    expected_blocks: int = 0  # the control plane's index sized for this many blocks at start
     seed: int = 0
 
 
@@ -166,11 +167,14 @@ class LocalEtcd:
         shutil.rmtree(self.dir, ignore_errors=True)
 
 
-def _controlplane_main(etcd: str, policy_loop: bool, conn) -> None:
+def _controlplane_main(etcd: str, policy_loop: bool, conn, expected_blocks: int = 0) -> None:
     _quiet()
     from controlplane.server import ControlPlane, ControlPlaneConfig
 
-    cp = ControlPlane(ControlPlaneConfig(listen="127.0.0.1:0", etcd=etcd, max_workers=256), log_fn=lambda m: None)
+    cp = ControlPlane(
+        ControlPlaneConfig(listen="127.0.0.1:0", etcd=etcd, max_workers=256, expected_blocks=expected_blocks),
+        log_fn=lambda m: None,
+    )
     cp.start()
     if not policy_loop:
         # the tier-policy pass reads every agent's blocks into Python dicts every 2 s:
@@ -581,7 +585,9 @@ def run(cfg: BenchConfig, report=lambda msg: None) -> dict:
             )
 
         cp_conn, child = ctx.Pipe()
-        cp = ctx.Process(target=_controlplane_main, args=(endpoint, cfg.policy_loop, child), daemon=True)
+        cp = ctx.Process(
+            target=_controlplane_main, args=(endpoint, cfg.policy_loop, child, cfg.expected_blocks), daemon=True
+        )
         cp.start()
         if not cp_conn.poll(60):
             raise RuntimeError("the control plane did not start within 60 s")
@@ -767,6 +773,7 @@ def run(cfg: BenchConfig, report=lambda msg: None) -> dict:
             etcd.stop()
     result["event_batch_blocks"] = cfg.event_batch_blocks
     result["policy_loop"] = cfg.policy_loop
+    result["expected_blocks"] = cfg.expected_blocks
     result["agent_processes"] = nproc
     result["cores"] = os.cpu_count()
     if cfg.peers:

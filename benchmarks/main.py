@@ -195,6 +195,14 @@ def replay(trace, capacities, fractions, tiers_text, settings, oracles, output_f
     show_default=True,
     help="Run the control plane's tier-policy pass during the benchmark (O(replicas) per pass).",
 )
+@click.option(
+    "--expected-blocks",
+    default=0,
+    show_default=True,
+    type=click.IntRange(0, 1 << 34),
+    help="Size the control plane's index for this many distinct blocks at start, as "
+    "`kvcp-controlplane --expected-blocks` does (0: it grows from empty).",
+)
 @click.option("-o", "--output", "output_format", type=click.Choice(["table", "json"]), default="table")
 def controlplane(output_format, **kwargs):
     """Control-plane ingest, lookup latency, memory and resync under simulated agents (real gRPC, real etcd)."""

@@ -51,6 +51,14 @@ def _metrics_listen(ctx, param, value: str) -> str:
 @click.option("--etcd-key", default="", help="Client key for etcd.")
 @click.option("--etcd-user", default="", help="etcd user (password from --etcd-password-file or KVCP_ETCD_PASSWORD).")
 @click.option("--etcd-password-file", default="")
+@click.option(
+    "--expected-blocks",
+    default=0,
+    show_default=True,
+    type=click.IntRange(0, 1 << 34),
+    envvar="KVCP_EXPECTED_BLOCKS",
+    help="Distinct blocks to size the index for at start (0: it grows as blocks come, doubling).",
+)
 @click.option("--log-level", default="INFO", show_default=True)
 def main(
     listen,
@@ -69,6 +77,7 @@ def main(
     etcd_key,
     etcd_user,
     etcd_password_file,
+    expected_blocks,
     log_level,
 ):
     """Run a kvcp control-plane replica (global block index, lookup, policy)."""
@@ -94,6 +103,7 @@ def main(
         election_ttl_seconds=election_ttl_seconds,
         etcd_wait_seconds=etcd_wait_seconds,
         metrics_listen=metrics_listen,
+        expected_blocks=expected_blocks,
     )
     cp = ControlPlane(config, log_fn=lambda m: click.echo(m, err=True))
     try:

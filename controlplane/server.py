@@ -53,13 +53,14 @@ class ControlPlaneConfig:
     etcd_auth: EtcdAuth | None = None
     policy_enabled: bool = True  # the automatic tier policy (decide) in the reconcile loop
     metrics_listen: str = ""  # /metrics HOST:PORT (port 0: any free one); "" serves none
+    expected_blocks: int = 0  # distinct blocks to size the index for up front (0: grow as they come)
 
 
 class ControlPlane:
     def __init__(self, config: ControlPlaneConfig, log_fn=None, registry: CollectorRegistry | None = None):
         self.config = config
         self._log_fn = log_fn or (lambda msg: log.warning(msg))
-        self.cluster = Cluster()
+        self.cluster = Cluster(expected_blocks=config.expected_blocks)
         self.registry = registry if registry is not None else CollectorRegistry()
         self.metrics = ControlPlaneMetrics(self.registry, self.cluster)
         self.metrics_server = None

@@ -139,12 +139,12 @@ class Cluster:
     """Agents and the global index. Invariant: the index holds blocks only of agents in
     `_agents` (an agent that leaves takes its blocks with it)."""
 
-    def __init__(self, clock=time.time) -> None:
+    def __init__(self, clock=time.time, expected_blocks: int = 0) -> None:
         self._lock = threading.RLock()
         self._clock = clock
         self._agents: dict[str, AgentRecord] = {}
         self._models: dict[str, ModelInfo] = {}
-        self.index = BlockIndex()
+        self.index = BlockIndex(expected_blocks)
         self.lookups_total = 0
         self.lookup_tokens_total = 0
         self.lookup_hit_tokens_total = 0

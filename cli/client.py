@@ -298,8 +298,13 @@ class ControlPlaneClient:
 
     def _error(self, exc: grpc.RpcError) -> ClientError:
         code = exc.code()
-        if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED) and (
-            "connect" in (exc.details() or "").lower() or code == grpc.StatusCode.DEADLINE_EXCEEDED
+        details = exc.details() or ""
+        # the control plane's own UNAVAILABLE ("etcd is unreachable ...", "this control plane
+        # runs without ...") is its answer; gRPC's own (no connection) is ours to explain
+        answered = details.startswith(("etcd is unreachable", "this control plane"))
+        if not answered and (
+            code == grpc.StatusCode.DEADLINE_EXCEEDED
+            or (code == grpc.StatusCode.UNAVAILABLE and "connect" in details.lower())
         ):
             return ClientError(
                 code.name,

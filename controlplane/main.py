@@ -52,6 +52,14 @@ def _metrics_listen(ctx, param, value: str) -> str:
 @click.option("--etcd-user", default="", help="etcd user (password from --etcd-password-file or KVCP_ETCD_PASSWORD).")
 @click.option("--etcd-password-file", default="")
 @click.option(
+    "--etcd-timeout-seconds",
+    default=2.0,
+    show_default=True,
+    type=click.FloatRange(0.1, 60),
+    help="Timeout of each etcd call (keep it under clients' deadlines: a durable change to an etcd that "
+    "does not answer is then refused UNAVAILABLE).",
+)
+@click.option(
     "--expected-blocks",
     default=0,
     show_default=True,
@@ -77,6 +85,7 @@ def main(
     etcd_key,
     etcd_user,
     etcd_password_file,
+    etcd_timeout_seconds,
     expected_blocks,
     log_level,
 ):
@@ -102,6 +111,7 @@ def main(
         advertise=advertise,
         election_ttl_seconds=election_ttl_seconds,
         etcd_wait_seconds=etcd_wait_seconds,
+        etcd_timeout_seconds=etcd_timeout_seconds,
         metrics_listen=metrics_listen,
         expected_blocks=expected_blocks,
     )

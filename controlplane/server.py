@@ -44,6 +44,9 @@ class ControlPlaneConfig:
     election_ttl_seconds: int = 5
     membership_resync_seconds: float = 2.0
     etcd_wait_seconds: float = 30.0
+    # each etcd call: under a client's deadline (kvctl: 5 s), so a write to an etcd that
+    # does not answer is refused UNAVAILABLE ("etcd is unreachable") rather than timing out
+    etcd_timeout_seconds: float = 2.0
     max_workers: int = 128
     op_timeout_seconds: float = 60.0
     admin_tokens_file: str = ""  # "ROLE TOKEN" lines; empty: the admin API is open
@@ -80,6 +83,7 @@ class ControlPlane:
         self.etcd = InstrumentedEtcd(
             etcd_keys.connect(
                 self.config.etcd,
+                timeout_seconds=self.config.etcd_timeout_seconds,
                 wait_seconds=self.config.etcd_wait_seconds,
                 log=self._log_fn,
                 auth=self.config.etcd_auth,

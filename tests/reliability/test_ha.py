@@ -227,6 +227,13 @@ def test_etcd_outage_reads_from_memory_rejects_writes_and_recovers(make_agent_fa
         with ControlPlaneClient(cp.address, timeout_seconds=10) as c:
             wait_for(lambda: c.lookup(M.model_id, prompt).agents, 10, 0.1, "indexed")
             server.proc.send_signal(signal.SIGSTOP)  # etcd stops answering
+            # before the leader notices, a durable change waits on etcd for at most its call
+            # timeout (2 s): kvctl's 5 s deadline sees UNAVAILABLE with the reason, not a timeout
+            t0 = time.monotonic()
+            with ControlPlaneClient(cp.address) as fresh, pytest.raises(ClientError) as early:
+                fresh.pin(model_id=M.model_id, token_ids=prompt, ttl_seconds=60)
+            assert early.value.code == "UNAVAILABLE" and "etcd is unreachable" in str(early.value), early.value
+            assert time.monotonic() - t0 < 5.0
             wait_for(lambda: cp.election.serving_from_memory, 15, 0.1, "control plane notices")
             res = c.lookup(M.model_id, prompt)
             assert res.best_agent_id == "outage-agent" and res.possibly_stale

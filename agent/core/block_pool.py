@@ -168,6 +168,8 @@ def _copy_unchanged(src, src_handle, dst, dst_handle, num_bytes: int, header) ->
         for seg in dst.views(dst_handle, num_bytes):
             seg.copy_(data[offset : offset + seg.numel()], non_blocking=True)
             offset += seg.numel()
+        if "cuda" in (getattr(src, "device", "cpu"), getattr(dst, "device", "cpu")):
+            torch.cuda.synchronize()  # copied before the switch, and before the source pages are freed
     else:
         dst.write(dst_handle, src.read(src_handle, num_bytes), header)
 
@@ -669,24 +671,31 @@ class BlockPool:
                 if pinned and int(to_tier) > pinned:
                     out[k] = MoveOutcome(False, reason=f"pinned at tier {Tier(pinned).label}")
                     continue
-                meta.moving = True
                 try:
                     new_handle = self._allocate(dst, meta.stored_bytes, h)
                 except PoolFull as exc:
-                    meta.moving = False
                     out[k] = self._move_failed(f"PoolFull: {exc}")
                     continue
+                except Exception:
+                    self._abandon(jobs, dst)
+                    raise
+                meta.moving = True
                 jobs.append((k, meta, src, meta.handle, new_handle))
         if jobs:
-            if dst.tier is Tier.DISK:
-                errs = dst.write_many(
-                    [
-                        (new, src.views(old, m.stored_bytes), m)  # stored as it is: m is its header
-                        for _, m, src, old, new in jobs
-                    ]
-                )
-            else:
-                errs = jobs[0][2].read_many([(old, dst.views(new, m.stored_bytes)) for _, m, _, old, new in jobs])
+            try:
+                if dst.tier is Tier.DISK:
+                    errs = dst.write_many(
+                        [
+                            (new, src.views(old, m.stored_bytes), m)  # stored as it is: m is its header
+                            for _, m, src, old, new in jobs
+                        ]
+                    )
+                else:
+                    errs = jobs[0][2].read_many([(old, dst.views(new, m.stored_bytes)) for _, m, _, old, new in jobs])
+            except Exception:  # nothing switched: every block stays where it was
+                with self.lock:
+                    self._abandon(jobs, dst)
+                raise
             waiting = []
             with self.lock:
                 for (k, meta, src, old, new), err in zip(jobs, errs, strict=True):
@@ -714,6 +723,14 @@ class BlockPool:
         for k in singles:
             out[k] = self.move_block(block_hashes[k], to_tier)
         return [out[k] for k in range(len(block_hashes))]
+
+    def _abandon(self, jobs: list, dst: TierStore) -> None:
+        """Undo the moves of a batch that failed as a whole (lock held): the blocks stay
+        where they are, movable again, and their new space is given back."""
+        for _, meta, _, _, new in jobs:
+            meta.moving = False
+            dst.free(new)
+        jobs.clear()
 
     def _finish_move(self, meta: BlockMeta, src: TierStore, old, dst: TierStore, new) -> None:
         """Switch a copied block to its new place and free the old one (lock held)."""

@@ -69,6 +69,7 @@ HEADER_SLOT_BYTES = 512  # model id + namespace up to 418 bytes together
 ALIGNED_FROM_BYTES = 64 << 10  # extents at least this big keep their payload 4 KiB-aligned
 _ALIGN_GRANULES = 4096 // GRANULE_BYTES
 _SCAN_CHUNK_BYTES = 8 << 20
+_OK, _DEAD_BLOCK, _CORRUPT = "ok", "dead", "corrupt"  # states of a header the restart walk finds
 _MAGIC_U64 = np.frombuffer(MAGIC, dtype=np.uint64)[0]
 
 
@@ -268,6 +269,12 @@ class DiskTier:
 
     def __init__(self, directory: str | os.PathLike, capacity_bytes: int, fsync: bool = False, io_threads: int = 2):
         self._io: ThreadPoolExecutor | None = None
+        self._dead_fd = -1
+        self._lock = threading.Lock()  # the extents, the used bytes and the freed list
+        self._drain_lock = threading.Lock()
+        self._to_clear: list[tuple[int, int, int]] = []  # (offset, footprint bytes, write seq)
+        self._clear_wake = threading.Event()
+        self._compact_at = 0  # dead-log size past which to compact (raised after a failure)
         if capacity_bytes <= 0:
             raise ValueError("disk capacity must be positive")
         self.directory = Path(directory)
@@ -290,7 +297,8 @@ class DiskTier:
             raise OSError(f"disk tier directory {self.directory} is not usable: {exc.strerror or exc}") from None
         self.num_granules = capacity_bytes // GRANULE_BYTES
         if self.num_granules == 0:
-            self.close()
+            os.close(self.fd)  # releases the flock
+            self.fd = -1
             raise ValueError(f"disk capacity {capacity_bytes} B is smaller than one {GRANULE_BYTES} B granule")
         self.capacity_bytes = self.num_granules * GRANULE_BYTES
         self.fsync = fsync
@@ -311,13 +319,12 @@ class DiskTier:
         try:
             self._dead_fd = os.open(self.dead_path, os.O_RDWR | os.O_CREAT | os.O_APPEND | os.O_CLOEXEC, 0o600)
         except OSError as exc:
-            self.close()
+            os.close(self.fd)
+            self.fd = -1
             raise OSError(f"disk tier directory {self.directory} is not usable: {exc.strerror or exc}") from None
         self._dead_records = os.fstat(self._dead_fd).st_size // _DEAD.size
-        self._lock = threading.Lock()  # the extents, the used bytes and the list below
-        self._drain_lock = threading.Lock()
-        self._to_clear: list[tuple[int, int, int]] = []  # (offset, footprint bytes, write seq)
-        self._clear_wake = threading.Event()
+        os.ftruncate(self._dead_fd, self._dead_records * _DEAD.size)  # a torn last record goes
+        self._compact_at = max(DEAD_LOG_COMPACT_RECORDS, self.num_granules // 4)
         self._clearer = threading.Thread(target=self._clear_loop, name="disk-clear", daemon=True)
         self._clearer.start()
 
@@ -341,7 +348,7 @@ class DiskTier:
         phase = _ALIGN_GRANULES - HEADER_SLOT_BYTES // GRANULE_BYTES if size >= ALIGNED_FROM_BYTES else None
         with self._lock:
             start = self._extents.allocate(n, phase)
-        if start is None and self._to_clear:  # freed space still being cleared: clear it now
+        if start is None:  # freed space may still be on its way to the allocator: bring it now
             self.drain()
             with self._lock:
                 start = self._extents.allocate(n, phase)
@@ -379,13 +386,22 @@ class DiskTier:
                     self._dead_records += len(records) // _DEAD.size
                 except OSError as exc:  # no log: clear the headers themselves
                     log.warning("disk tier: could not append to %s (%s); clearing headers", self.dead_path, exc)
+                    try:  # a partly written batch would shift every later record
+                        os.ftruncate(self._dead_fd, self._dead_records * _DEAD.size)
+                    except OSError:
+                        pass
                     for offset, _, _ in batch:
                         self._clear(offset)
             with self._lock:
                 for offset, footprint, _ in batch:
                     self._extents.free(offset // GRANULE_BYTES, footprint // GRANULE_BYTES)
-            if self._dead_records > max(DEAD_LOG_COMPACT_RECORDS, self.num_granules // 4):
-                self._compact_dead_log()
+            if self._dead_records > self._compact_at:
+                try:
+                    self._compact_dead_log()
+                    self._compact_at = max(DEAD_LOG_COMPACT_RECORDS, self.num_granules // 4, 2 * self._dead_records)
+                except OSError as exc:  # the log stays as it is (still correct), retried later
+                    log.warning("disk tier: compacting %s failed: %s", self.dead_path, exc)
+                    self._compact_at = 2 * self._dead_records
 
     def _dead(self) -> set[tuple[int, int]]:
         """(offset, seq) of the blocks the dead log says are gone."""
@@ -396,6 +412,7 @@ class DiskTier:
     def _compact_dead_log(self) -> None:
         """Keep only the records whose dead header is still in the slab (one overwritten by
         a later block is gone for good), in a new log renamed over the old (drain lock held)."""
+        os.fdatasync(self.fd)  # the writes that buried dropped records are on disk first
         kept = []
         for offset, seq in self._dead():
             head = os.pread(self.fd, _FIXED_SEQ_END, offset)
@@ -431,18 +448,19 @@ class DiskTier:
         os.fdatasync(self.fd)
 
     def close(self) -> None:
-        if self.fd >= 0:
-            self.drain()
-        if self._io is not None:
-            self._io.shutdown(wait=True)
-            self._io = None
-        if getattr(self, "_dead_fd", -1) >= 0:
-            os.close(self._dead_fd)
-            self._dead_fd = -1
-        if self.fd >= 0:
-            fd, self.fd = self.fd, -1
-            os.close(fd)  # releases the flock
-            if hasattr(self, "_clear_wake"):
+        try:
+            if self.fd >= 0:
+                self.drain()
+        finally:
+            io, self._io = self._io, None
+            if io is not None:
+                io.shutdown(wait=True)
+            if self._dead_fd >= 0:
+                os.close(self._dead_fd)
+                self._dead_fd = -1
+            if self.fd >= 0:
+                fd, self.fd = self.fd, -1
+                os.close(fd)  # releases the flock
                 self._clear_wake.set()  # the clearing thread ends
 
     def location(self, handle: DiskHandle) -> tuple[Path, int, int]:
@@ -510,7 +528,7 @@ class DiskTier:
         want = sum(s.nbytes for s in segments)
         try:
             self._check_file()
-            got = os.preadv(self.fd, [memoryview(head), *(memoryview(s).cast("B") for s in segments)], handle.offset)
+            got = _preadv_all(self.fd, [memoryview(head), *(memoryview(s).cast("B") for s in segments)], handle.offset)
         except FileNotFoundError:
             raise CorruptBlock(f"{self.path}: missing") from None
         except OSError as exc:
@@ -606,10 +624,16 @@ class DiskTier:
         runs = _runs(prepared, READ_RUN_BYTES)
         # the runs split between io_threads threads: a read and a checksum both let go of
         # the GIL, so one thread's read overlaps another's checksum (and uses a second core)
-        groups = [runs[i :: self.io_threads] for i in range(min(self.io_threads, len(runs)))]
-        futures = [self._io.submit(self._read_runs, g, items, out, pad) for g in groups[1:]] if self._io else []
-        if groups:
-            self._read_runs(groups[0], items, out, pad)
+        io = self._io
+        groups = [runs[i :: self.io_threads] for i in range(min(self.io_threads, len(runs)))] if io else [runs]
+        futures, inline = [], groups[:1]
+        for g in groups[1:]:
+            try:
+                futures.append(io.submit(self._read_runs, g, items, out, pad))
+            except RuntimeError:  # the pool is shutting down: read it here
+                inline.append(g)
+        for g in inline:
+            self._read_runs(g, items, out, pad)
         for f in futures:
             f.result()
         return out
@@ -706,15 +730,17 @@ class DiskTier:
         """Every granule of the slab that starts with the magic of a block that is not dead,
         with its header (None when the header does not verify), skipping over extents of
         valid headers. Reads the slab once, sequentially; changes nothing."""
-        return [(offset, header) for offset, header, dead in self._walk() if not dead]
+        return [(offset, header) for offset, header, state in self._walk() if state != _DEAD_BLOCK]
 
-    def _walk(self) -> list[tuple[int, Header | None, bool]]:
-        """headers(), and the dead ones too (flagged; the walk goes on inside their extent,
-        which later blocks may have reused)."""
+    def _walk(self) -> list[tuple[int, Header | None, str]]:
+        """Every header found, with its state: OK (header and payload verify; the walk
+        skips the rest of its extent), DEAD (listed in the dead log) or CORRUPT (header or
+        payload does not verify). The walk goes on inside the extent of a block that is not
+        OK: later blocks may have reused it."""
         self.drain()
         dead = self._dead()
         size = min(os.fstat(self.fd).st_size, self.capacity_bytes)
-        out: list[tuple[int, Header | None, bool]] = []
+        out: list[tuple[int, Header | None, str]] = []
         pos = 0
         while pos < size:
             chunk = os.pread(self.fd, min(_SCAN_CHUNK_BYTES, size - pos), pos)
@@ -735,13 +761,23 @@ class DiskTier:
                 try:
                     header = decode_header(raw)
                 except CorruptBlock:
-                    out.append((offset, None, False))
+                    out.append((offset, None, _CORRUPT))
                     continue
                 if (offset, header.seq) in dead:
-                    out.append((offset, header, True))
+                    out.append((offset, header, _DEAD_BLOCK))
                     continue
-                out.append((offset, header, False))
-                skip_to = offset + self.footprint(header.payload_bytes)
+                footprint = self.footprint(header.payload_bytes)
+                handle = DiskHandle(offset, footprint, header.seq, header.checksum)
+                try:
+                    if offset + footprint > self.capacity_bytes:
+                        raise CorruptBlock(f"{self.path} at {offset}: lies beyond the capacity")
+                    self._read(handle, [np.empty(header.payload_bytes, dtype=np.uint8)], header.block_hash)
+                except CorruptBlock as exc:
+                    log.warning("disk tier: %s", exc)
+                    out.append((offset, header, _CORRUPT))
+                    continue
+                out.append((offset, header, _OK))
+                skip_to = offset + footprint
             pos = max(pos + usable, skip_to)
         return out
 
@@ -751,28 +787,18 @@ class DiskTier:
         found: dict[bytes, RecoveredBlock] = {}
         corrupt = 0
         seq_max = max((seq for _, seq in self._dead()), default=0)
-        for offset, header, dead in self._walk():
-            if dead:  # freed before the restart: its header goes now, its log record below
+        for offset, header, state in self._walk():
+            if header is not None:
                 seq_max = max(seq_max, header.seq)
+            if state == _DEAD_BLOCK:  # freed before the restart: its header goes now, its record below
                 self._clear(offset)
                 continue
-            if header is None:
+            if state == _CORRUPT:
                 self._clear(offset)
                 corrupt += 1
                 continue
             n = self.footprint(header.payload_bytes) // GRANULE_BYTES
             handle = DiskHandle(offset, n * GRANULE_BYTES, header.seq, header.checksum)
-            if offset + handle.footprint_bytes > self.capacity_bytes:
-                log.warning("disk tier: a block at %d lies beyond the capacity; dropped", offset)
-                self._clear(offset)
-                continue
-            try:
-                self._read(handle, [np.empty(header.payload_bytes, dtype=np.uint8)], header.block_hash)
-            except CorruptBlock as exc:
-                log.warning("disk tier: removing a block (%s)", exc)
-                self._clear(offset)
-                corrupt += 1
-                continue
             if not self._extents.claim(offset // GRANULE_BYTES, n):
                 self._clear(offset)  # overlaps a block already taken: cannot be whole
                 corrupt += 1
@@ -799,6 +825,7 @@ class DiskTier:
             else:
                 found[header.block_hash] = block
         self._seq = itertools.count(seq_max + 1)
+        os.fdatasync(self.fd)  # the clears are on disk before the records that stood for them go
         os.ftruncate(self._dead_fd, 0)  # every dead header is cleared: the log starts empty
         self._dead_records = 0
         return list(found.values()), corrupt
@@ -852,7 +879,7 @@ def _preadv_all(fd: int, bufs: list[memoryview], offset: int) -> int:
     """preadv until every buffer is full or the file ends; returns the bytes read."""
     total = 0
     while bufs:
-        n = os.preadv(fd, bufs, offset)
+        n = os.preadv(fd, bufs[:_IOV_MAX], offset)
         if n <= 0:
             break
         total += n
@@ -868,7 +895,7 @@ def _preadv_all(fd: int, bufs: list[memoryview], offset: int) -> int:
 def _pwritev_all(fd: int, bufs: list[memoryview], offset: int) -> None:
     """pwritev until every byte is written (a short write goes on where it stopped)."""
     while bufs:
-        n = os.pwritev(fd, bufs, offset)
+        n = os.pwritev(fd, bufs[:_IOV_MAX], offset)
         if n <= 0:
             raise OSError(errno.EIO, "short write")
         offset += n

@@ -86,6 +86,8 @@ class MemoryTier:
         for seg in self.views(handle, data.numel()):
             seg.copy_(data[offset : offset + seg.numel()], non_blocking=True)
             offset += seg.numel()
+        if self.device != "cpu" or data.device.type != "cpu":
+            torch.cuda.synchronize()  # the block is readable (and its source reusable) once written
 
     def read(self, handle, num_bytes: int) -> torch.Tensor:
         """A CPU copy of the first `num_bytes` stored under `handle`."""

@@ -9,6 +9,7 @@ import os
 import threading
 import time
 
+import pytest
 import torch
 
 from agent.core.block_pool import BlockPool
@@ -118,4 +119,22 @@ def test_mover_operations_move_in_batches(tmp_path):
     assert (op.state, op.done, op.failed, op.moved_bytes) == (SUCCEEDED, N, 0, N * SPEC.block_bytes)
     op = mover.run_op(mover.submit(hashes + [b"\x00" * 16], Tier.CPU))
     assert (op.state, op.done, op.failed, op.error) == (SUCCEEDED, N, 1, "not held")
+    check_pool(pool)
+
+
+def test_a_batch_that_fails_as_a_whole_leaves_every_block_movable(tmp_path, monkeypatch):
+    pool, hashes, data = independent_blocks(tmp_path)
+    disk = disk_of(pool)
+
+    def broken(items):
+        raise RuntimeError("the I/O pool is shutting down")
+
+    monkeypatch.setattr(disk, "write_many", broken)
+    with pytest.raises(RuntimeError):
+        pool.move_blocks(hashes, Tier.DISK)
+    monkeypatch.undo()
+    assert not any(pool.blocks[h].moving for h in hashes)
+    disk.drain()
+    assert disk.used_bytes == 0 and all(pool.tier_of(h) is Tier.CPU for h in hashes)
+    assert all(o.ok for o in pool.move_blocks(hashes, Tier.DISK))  # and they move later
     check_pool(pool)

@@ -15,7 +15,7 @@ from click.testing import CliRunner
 from agent.core.block_pool import BlockMeta, BlockPool
 from agent.core.journal import REMOVED
 from agent.server import Agent, AgentConfig
-from agent.store.disk_tier import MAGIC, CorruptBlock, DiskTier, ExtentAllocator
+from agent.store.disk_tier import GRANULE_BYTES, MAGIC, CorruptBlock, DiskTier, ExtentAllocator
 from agent.store.memory_tier import MemoryTier
 from protos.block_hash import ROOT_PARENT_HASH, split_hashes
 from protos.tier import Tier
@@ -483,3 +483,73 @@ def test_the_dead_log_is_compacted_to_headers_still_in_the_slab(tmp_path, monkey
     disk.close()
     again = DiskTier(tmp_path, 64 * 1024)
     assert again.scan() == ([], 0)
+
+
+# ---- found in review: failures in the middle of things ---------------------------------
+def test_a_torn_dead_log_append_loses_no_live_block(tmp_path, monkeypatch):
+    from agent.store import disk_tier
+
+    disk = DiskTier(tmp_path, 1 << 20)
+    z, z_data = _raw_block(disk, b"\x0a" * 16, 400, 9)
+    x, _ = _raw_block(disk, b"\x0b" * 16, 100, 8)
+    b, _ = _raw_block(disk, b"\x0c" * 16, 3000, 2)
+    real, calls = os.write, [0]
+
+    def torn(fd, data):  # the disk fills up halfway through the first append
+        if fd == disk._dead_fd:
+            calls[0] += 1
+            if calls[0] == 1:
+                real(fd, bytes(data)[:8])
+                raise OSError(28, "No space left on device")
+        return real(fd, data)
+
+    monkeypatch.setattr(disk_tier.os, "write", torn)
+    disk.free(x)
+    disk.drain()
+    monkeypatch.undo()
+    assert disk.dead_path.stat().st_size == 0  # the torn record is gone, x's header cleared instead
+    disk.free(b)
+    disk.drain()
+    c, c_data = _raw_block(disk, b"\x0d" * 16, 100_000, 3)  # reuses b's space and more
+    disk.close()
+    again = DiskTier(tmp_path, 1 << 20)
+    found, corrupt = again.scan()
+    by_hash = {f.block_hash: f for f in found}
+    assert sorted(by_hash) == [b"\x0a" * 16, b"\x0d" * 16] and corrupt == 0
+    assert torch.equal(again.read(by_hash[b"\x0d" * 16].handle, 100_000), c_data)
+    assert torch.equal(again.read(by_hash[b"\x0a" * 16].handle, 400), z_data)
+
+
+def test_a_stale_header_does_not_hide_the_blocks_written_inside_its_extent(tmp_path):
+    disk = DiskTier(tmp_path, 1 << 20)
+    old, _ = _raw_block(disk, b"\x0e" * 16, 8000, 1)
+    # freed without a dead-log record and without clearing (as after a crash): its header stays
+    with disk._lock:
+        disk._used -= old.footprint_bytes
+        disk._extents.free(old.offset // GRANULE_BYTES, old.footprint_bytes // GRANULE_BYTES)
+    disk.allocate(5000)  # a block that never gets written: the stale header at offset 0 survives
+    inner, inner_data = _raw_block(disk, b"\x0f" * 16, 500, 7)  # lands inside the old extent
+    assert old.offset < inner.offset < old.offset + old.footprint_bytes
+    disk.close()
+    again = DiskTier(tmp_path, 1 << 20)
+    found, _ = again.scan()
+    by_hash = {f.block_hash: f for f in found}
+    assert b"\x0f" * 16 in by_hash  # found although the stale header before it claimed the space
+    assert torch.equal(again.read(by_hash[b"\x0f" * 16].handle, 500), inner_data)
+
+
+def test_read_many_reads_every_block_when_the_helper_pool_is_gone(tmp_path):
+    disk = DiskTier(tmp_path, 1 << 20, io_threads=2)
+    handles = [_raw_block(disk, bytes([0x20 + i]) * 16, 100_000, i)[0] for i in range(4)]
+    disk._io.shutdown(wait=True)  # as while the tier closes
+    outs = [torch.full((100_000,), 0xEE, dtype=torch.uint8) for _ in handles]
+    assert disk.read_many([(h, [o]) for h, o in zip(handles, outs, strict=True)]) == [None] * 4
+    assert [int(o[0]) for o in outs] == [0, 1, 2, 3]
+    disk._io = None
+    disk.close()
+
+
+def test_a_tier_that_fails_to_open_releases_its_slab(tmp_path):
+    with pytest.raises(ValueError, match="granule"):
+        DiskTier(tmp_path, 100)
+    DiskTier(tmp_path, 1 << 20).close()  # not "in use by another agent"

@@ -562,15 +562,9 @@ class BlockPool:
                 return MoveOutcome(False, reason=str(exc))
         with self.lock:
             meta = self.blocks.get(block_hash)
-            if meta is None or not meta.visible:
-                return MoveOutcome(False, reason="not held")
-            if meta.moving:
-                return MoveOutcome(False, reason="already moving")
-            if meta.tier == to_tier and (codec is None or codec == meta.codec):
-                return MoveOutcome(True)
-            pinned = self.pin_tier(meta)
-            if pinned and int(to_tier) > pinned:
-                return MoveOutcome(False, reason=f"pinned at tier {Tier(pinned).label}")
+            refused = self._move_refused(meta, to_tier, codec)
+            if refused is not None:
+                return refused
             meta.moving = True
             src, src_tier, src_handle, src_codec, src_stored = (
                 self.store_of[meta.tier],
@@ -653,23 +647,14 @@ class BlockPool:
         with self.lock:
             for k, h in enumerate(block_hashes):
                 meta = self.blocks.get(h)
-                if meta is None or not meta.visible:
-                    out[k] = MoveOutcome(False, reason="not held")
-                    continue
-                if meta.moving:
-                    out[k] = MoveOutcome(False, reason="already moving")
-                    continue
-                if meta.tier == to_tier:
-                    out[k] = MoveOutcome(True)
+                refused = self._move_refused(meta, to_tier, None)
+                if refused is not None:
+                    out[k] = refused
                     continue
                 src = self.store_of[meta.tier]
                 target = self.tier_codecs[to_tier] if meta.codec == "none" else meta.codec
                 if target != meta.codec or not _batchable(src, dst):
                     singles.append(k)
-                    continue
-                pinned = self.pin_tier(meta)
-                if pinned and int(to_tier) > pinned:
-                    out[k] = MoveOutcome(False, reason=f"pinned at tier {Tier(pinned).label}")
                     continue
                 try:
                     new_handle = self._allocate(dst, meta.stored_bytes, h)
@@ -723,6 +708,19 @@ class BlockPool:
         for k in singles:
             out[k] = self.move_block(block_hashes[k], to_tier)
         return [out[k] for k in range(len(block_hashes))]
+
+    def _move_refused(self, meta: BlockMeta | None, to_tier: Tier, codec: str | None) -> MoveOutcome | None:
+        """The outcome of a move that need not or may not start (lock held), else None."""
+        if meta is None or not meta.visible:
+            return MoveOutcome(False, reason="not held")
+        if meta.moving:
+            return MoveOutcome(False, reason="already moving")
+        if meta.tier == to_tier and (codec is None or codec == meta.codec):
+            return MoveOutcome(True)
+        pinned = self.pin_tier(meta)
+        if pinned and int(to_tier) > pinned:
+            return MoveOutcome(False, reason=f"pinned at tier {Tier(pinned).label}")
+        return None
 
     def _abandon(self, jobs: list, dst: TierStore) -> None:
         """Undo the moves of a batch that failed as a whole (lock held): the blocks stay

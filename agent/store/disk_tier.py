@@ -275,6 +275,7 @@ class DiskTier:
         self._to_clear: list[tuple[int, int, int]] = []  # (offset, footprint bytes, write seq)
         self._clear_wake = threading.Event()
         self._compact_at = 0  # dead-log size past which to compact (raised after a failure)
+        self._dead_log_ok = True  # False once an append could not be undone: headers are cleared instead
         if capacity_bytes <= 0:
             raise ValueError("disk capacity must be positive")
         self.directory = Path(directory)
@@ -378,7 +379,10 @@ class DiskTier:
             for offset, _, seq in batch:
                 if not seq:
                     self._clear(offset)
-            if records:
+            if records and not self._dead_log_ok:
+                for offset, _, _ in batch:
+                    self._clear(offset)
+            elif records:
                 try:
                     _write_all(self._dead_fd, records)
                     if self.fsync:
@@ -388,8 +392,11 @@ class DiskTier:
                     log.warning("disk tier: could not append to %s (%s); clearing headers", self.dead_path, exc)
                     try:  # a partly written batch would shift every later record
                         os.ftruncate(self._dead_fd, self._dead_records * _DEAD.size)
-                    except OSError:
-                        pass
+                    except OSError as cut:
+                        log.error(
+                            "disk tier: cannot cut %s back (%s); clearing headers from now on", self.dead_path, cut
+                        )
+                        self._dead_log_ok = False
                     for offset, _, _ in batch:
                         self._clear(offset)
             with self._lock:
@@ -488,34 +495,13 @@ class DiskTier:
 
     # ---- data ---------------------------------------------------------------------------
     def write(self, handle: DiskHandle, data, meta) -> None:
-        """Write header + payload into the handle's extent with one pwritev. `data` is a
-        flat uint8 tensor or a list of them (segments of a memory tier, written without a
-        staging copy). The handle learns its header size and write sequence."""
-        segments = [d.reshape(-1).numpy() for d in (data if isinstance(data, list) else [data])]
-        digest = getattr(meta, "checksum", 0)
-        if not digest:  # a block that carries none: hash it here
-            h = xxhash.xxh3_64()
-            for seg in segments:
-                h.update(seg)
-            digest = h.intdigest()
-        nbytes = sum(seg.nbytes for seg in segments)
-        seq = next(self._seq)
-        try:
-            head = encode_header(seq, meta, nbytes, digest).ljust(HEADER_SLOT_BYTES, b"\0")
-            if HEADER_SLOT_BYTES + nbytes > handle.footprint_bytes:
-                raise OSError(errno.EINVAL, f"a {nbytes} B block does not fit its {handle.footprint_bytes} B extent")
-            self._check_file()
-            bufs = [memoryview(head), *(memoryview(s).cast("B") for s in segments)]
-            pad = handle.footprint_bytes - HEADER_SLOT_BYTES - nbytes
-            if pad:  # the whole extent: no older header survives inside it
-                bufs.append(_ZEROS[:pad])
-            _pwritev_all(self.fd, bufs, handle.offset)
-            if self.fsync:
-                os.fdatasync(self.fd)
-        except OSError:
-            self.write_errors_total += 1
-            raise
-        handle.seq, handle.checksum = seq, digest
+        """Write header + payload into the handle's extent with one pwritev (write_many of
+        one block). `data` is a flat uint8 tensor or a list of them (segments of a memory
+        tier, written without a staging copy). The handle learns its write sequence and
+        checksum; raises OSError."""
+        err = self.write_many([(handle, data, meta)])[0]
+        if err is not None:
+            raise err
 
     def _read(self, handle: DiskHandle, segments: list[np.ndarray], expect_hash: bytes | None) -> None:
         """Read header and payload with one preadv, the payload straight into `segments`,
@@ -533,34 +519,15 @@ class DiskTier:
             raise CorruptBlock(f"{self.path}: missing") from None
         except OSError as exc:
             raise CorruptBlock(f"{where}: read failed: {exc.strerror or exc}") from None
-        if got < hb:
-            raise CorruptBlock(f"{where}: truncated header")
-        try:
-            _, _, seq, block_hash, _, _, _, payload_bytes, digest = check_header(head)
-        except CorruptBlock as exc:
-            raise CorruptBlock(f"{where}: {exc}") from None
-        if expect_hash is not None and block_hash != expect_hash:
-            raise CorruptBlock(f"{where}: holds another block")
-        if seq != handle.seq or digest != handle.checksum:
-            raise CorruptBlock(f"{where}: overwritten")
-        if payload_bytes != want:
-            raise CorruptBlock(f"{where}: payload is {payload_bytes} B, expected {want} B")
-        if got < hb + want:
-            raise CorruptBlock(f"{where}: truncated payload")
-        if len(segments) == 1:
-            ok = xxhash.xxh3_64_intdigest(segments[0]) == digest
-        else:
-            h = xxhash.xxh3_64()
-            for seg in segments:
-                h.update(seg)
-            ok = h.intdigest() == digest
-        if not ok:
-            raise CorruptBlock(f"{where}: checksum mismatch")
+        err = self._verify(handle, head, segments, got >= hb + want, expect_hash=expect_hash)
+        if err is not None:
+            raise err
 
     # ---- batches (the mover's path): one syscall per run of adjacent extents -------------
     def write_many(self, items: list[tuple[DiskHandle, list, object]]) -> list[OSError | None]:
         """Write several blocks, [(handle, payload segments, meta)], with one pwritev per
-        run of adjacent extents (header slot, payload and padding of each, in file order).
+        run of adjacent extents (header slot, payload and padding of each, in file order:
+        the whole extent, so no older header survives inside it).
         Returns per item None or the error that kept it from being written; each written
         handle learns its sequence number and checksum as with write()."""
         out: list[OSError | None] = [None] * len(items)
@@ -568,12 +535,7 @@ class DiskTier:
         for k, (handle, data, meta) in enumerate(items):
             segments = [d.reshape(-1).numpy() for d in (data if isinstance(data, list) else [data])]
             nbytes = sum(seg.nbytes for seg in segments)
-            digest = getattr(meta, "checksum", 0)
-            if not digest:
-                h = xxhash.xxh3_64()
-                for seg in segments:
-                    h.update(seg)
-                digest = h.intdigest()
+            digest = getattr(meta, "checksum", 0) or _xxh3(segments)  # hashed here if it carries none
             seq = next(self._seq)
             try:
                 if HEADER_SLOT_BYTES + nbytes > handle.footprint_bytes:
@@ -582,6 +544,7 @@ class DiskTier:
                     )
                 head = encode_header(seq, meta, nbytes, digest).ljust(HEADER_SLOT_BYTES, b"\0")
             except OSError as exc:
+                self.write_errors_total += 1
                 out[k] = exc
                 continue
             bufs = [memoryview(head), *(memoryview(s).cast("B") for s in segments)]
@@ -688,15 +651,25 @@ class DiskTier:
         return self._verify(handle, head, arrays, whole, h.intdigest())
 
     def _verify(
-        self, handle: DiskHandle, head, arrays: list[np.ndarray], whole: bool, digest_read: int | None = None
+        self,
+        handle: DiskHandle,
+        head,
+        arrays: list[np.ndarray],
+        whole: bool,
+        digest_read: int | None = None,
+        expect_hash: bytes | None = None,
     ) -> CorruptBlock | None:
+        """Why a block read into `head` and `arrays` is unreadable, or None: its header, that
+        it is the write the handle names (and the block expected), its size, its checksum."""
         where = f"{self.path} at {handle.offset}"
         if not handle.seq:
             return CorruptBlock(f"{where}: never written")
         try:
-            _, _, seq, _, _, _, _, payload_bytes, digest = check_header(head)
+            _, _, seq, block_hash, _, _, _, payload_bytes, digest = check_header(head)
         except CorruptBlock as exc:
             return CorruptBlock(f"{where}: {exc}")
+        if expect_hash is not None and block_hash != expect_hash:
+            return CorruptBlock(f"{where}: holds another block")
         if seq != handle.seq or digest != handle.checksum:
             return CorruptBlock(f"{where}: overwritten")
         want = sum(a.nbytes for a in arrays)
@@ -704,16 +677,9 @@ class DiskTier:
             return CorruptBlock(f"{where}: payload is {payload_bytes} B, expected {want} B")
         if not whole:
             return CorruptBlock(f"{where}: truncated payload")
-        if digest_read is not None:
-            ok = digest_read == digest
-        elif len(arrays) == 1:
-            ok = xxhash.xxh3_64_intdigest(arrays[0]) == digest
-        else:
-            h = xxhash.xxh3_64()
-            for a in arrays:
-                h.update(a)
-            ok = h.intdigest() == digest
-        return None if ok else CorruptBlock(f"{where}: checksum mismatch")
+        if (digest_read if digest_read is not None else _xxh3(arrays)) != digest:
+            return CorruptBlock(f"{where}: checksum mismatch")
+        return None
 
     def read(self, handle: DiskHandle, num_bytes: int) -> torch.Tensor:
         payload = np.empty(num_bytes, dtype=np.uint8)
@@ -866,6 +832,16 @@ def _runs(prepared: list, max_bytes: int = 1 << 62) -> list[list]:
     return runs
 
 
+def _xxh3(arrays: list[np.ndarray]) -> int:
+    """xxh3-64 of a payload given as one or more byte arrays (as if concatenated)."""
+    if len(arrays) == 1:
+        return xxhash.xxh3_64_intdigest(arrays[0])
+    h = xxhash.xxh3_64()
+    for a in arrays:
+        h.update(a)
+    return h.intdigest()
+
+
 def _write_all(fd: int, data: bytes) -> None:
     view = memoryview(data)
     while len(view):
@@ -875,32 +851,31 @@ def _write_all(fd: int, data: bytes) -> None:
         view = view[n:]
 
 
-def _preadv_all(fd: int, bufs: list[memoryview], offset: int) -> int:
-    """preadv until every buffer is full or the file ends; returns the bytes read."""
-    total = 0
-    while bufs:
-        n = os.preadv(fd, bufs[:_IOV_MAX], offset)
+def _vectored(call, fd: int, bufs: list[memoryview], offset: int) -> int:
+    """os.preadv / os.pwritev over every buffer, IOV_MAX at a time, going on where a short
+    transfer stopped; returns the bytes moved (fewer only at the end of the file)."""
+    bufs = list(bufs)
+    total = i = 0
+    while i < len(bufs):
+        n = call(fd, bufs[i : i + _IOV_MAX], offset)
         if n <= 0:
             break
         total += n
         offset += n
-        while bufs and n >= len(bufs[0]):
-            n -= len(bufs[0])
-            bufs = bufs[1:]
-        if bufs and n:
-            bufs[0] = bufs[0][n:]
+        while i < len(bufs) and n >= len(bufs[i]):
+            n -= len(bufs[i])
+            i += 1
+        if i < len(bufs) and n:
+            bufs[i] = bufs[i][n:]
     return total
+
+
+def _preadv_all(fd: int, bufs: list[memoryview], offset: int) -> int:
+    """preadv until every buffer is full or the file ends; returns the bytes read."""
+    return _vectored(os.preadv, fd, bufs, offset)
 
 
 def _pwritev_all(fd: int, bufs: list[memoryview], offset: int) -> None:
     """pwritev until every byte is written (a short write goes on where it stopped)."""
-    while bufs:
-        n = os.pwritev(fd, bufs[:_IOV_MAX], offset)
-        if n <= 0:
-            raise OSError(errno.EIO, "short write")
-        offset += n
-        while bufs and n >= len(bufs[0]):
-            n -= len(bufs[0])
-            bufs = bufs[1:]
-        if bufs and n:
-            bufs[0] = bufs[0][n:]
+    if _vectored(os.pwritev, fd, bufs, offset) < sum(len(b) for b in bufs):
+        raise OSError(errno.EIO, "short write")

@@ -106,6 +106,21 @@ def block_keys(cfg: BenchConfig, agent: int, start: int, n: int) -> np.ndarray:
     return out
 
 
+def block_parents(cfg: BenchConfig, agent: int, start: int, n: int) -> np.ndarray:
+    """(n, 2) uint64 parent keys of the blocks block_keys() gives: the previous position's
+    key, zero (ROOT_PARENT_HASH) at the start of each chain of `lookup_blocks` blocks, as an
+    engine's STORED events carry them."""
+    out = np.zeros((n, 2), np.uint64)
+    if n:
+        prev = block_keys(cfg, agent, start - 1, n + 1)[:-1] if start else block_keys(cfg, agent, 0, n)
+        if not start:
+            prev = np.concatenate([np.zeros((1, 2), np.uint64), prev[:-1]])
+        out[:] = prev
+        first = (np.arange(start, start + n) % cfg.lookup_blocks) == 0
+        out[first] = 0
+    return out
+
+
 def lookup_queries(cfg: BenchConfig, n: int, salt: int) -> list[tuple[int, bytes]]:
     """n prefixes: (agent, packed hashes of one of its chains)."""
     rng = np.random.default_rng([cfg.seed, salt])
@@ -242,12 +257,11 @@ def _agents_main(cfg_dict: dict, agent_indices: list[int], address: str, ready, 
         def batch(kind: int, start: int, count: int):
             seq[0] += 1
             part = block_keys(cfg, agent, start, count).tobytes()
+            stored = kind == agent_pb2.BLOCK_EVENT_KIND_STORED
+            parents = block_parents(cfg, agent, start, count).tobytes() if stored else b""
             sent[0] += count
-            return agent_pb2.AgentMessage(
-                events=agent_pb2.BlockEventBatch(
-                    seq=seq[0], kind=kind, groups=[agent_pb2.BlockGroup(model_id=MODEL_ID, tier=2, block_hashes=part)]
-                )
-            )
+            group = agent_pb2.BlockGroup(model_id=MODEL_ID, tier=2, block_hashes=part, parent_hashes=parents)
+            return agent_pb2.AgentMessage(events=agent_pb2.BlockEventBatch(seq=seq[0], kind=kind, groups=[group]))
 
         for base in range(0, n, step):
             yield batch(agent_pb2.BLOCK_EVENT_KIND_STORED, base, min(step, n - base))
@@ -369,15 +383,18 @@ def _kvcp_index_main(cfg_dict: dict, out) -> None:
     cfg = BenchConfig(**cfg_dict)
     agents, per_agent = _peer_plan(cfg)
     sub = BenchConfig(**{**asdict(cfg), "blocks_per_agent": per_agent})
-    data = [block_keys(sub, a, 0, per_agent).tobytes() for a in range(agents)]
+    data = [
+        (block_keys(sub, a, 0, per_agent).tobytes(), block_parents(sub, a, 0, per_agent).tobytes())
+        for a in range(agents)
+    ]
     idx = BlockIndex()
     rss0 = _rss(os.getpid())
     step = cfg.peer_batch_blocks * 16
     t0 = time.perf_counter()
     for a in range(agents):
-        raw, name = data[a], f"agent-{a}"
+        (raw, praw), name = data[a], f"agent-{a}"
         for off in range(0, len(raw), step):
-            idx.add(name, raw[off : off + step], 2)
+            idx.add(name, raw[off : off + step], 2, praw[off : off + step])
     ingest = time.perf_counter() - t0
     rss1 = _rss(os.getpid())
     lat = []
@@ -391,9 +408,9 @@ def _kvcp_index_main(cfg_dict: dict, out) -> None:
     wide, step = BlockIndex(), cfg.event_batch_blocks * 16
     t0 = time.perf_counter()
     for a in range(agents):
-        raw, name = data[a], f"agent-{a}"
+        (raw, praw), name = data[a], f"agent-{a}"
         for off in range(0, len(raw), step):
-            wide.add(name, raw[off : off + step], 2)
+            wide.add(name, raw[off : off + step], 2, praw[off : off + step])
     wide_seconds = time.perf_counter() - t0
     out.put(
         {
@@ -712,16 +729,18 @@ def run(cfg: BenchConfig, report=lambda msg: None) -> dict:
         # the index shows the inventory (one block fewer than it held, so the change is visible)
         n = cfg.blocks_per_agent - 1
         raw = block_keys(cfg, 0, churn, n).tobytes()
-        chunks = [raw[i : i + INVENTORY_CHUNK_BLOCKS * 16] for i in range(0, len(raw), INVENTORY_CHUNK_BLOCKS * 16)]
+        praw = block_parents(cfg, 0, churn, n).tobytes()
+        step = INVENTORY_CHUNK_BLOCKS * 16
+        chunks = [(raw[i : i + step], praw[i : i + step]) for i in range(0, len(raw), step)]
         msgs = [agent_pb2.AgentMessage(hello=agent_pb2.Hello(agent_id="agent-0", session_id="bench-resync"))]
-        for i, c in enumerate(chunks):
+        for i, (c, p) in enumerate(chunks):
             msgs.append(
                 agent_pb2.AgentMessage(
                     inventory=agent_pb2.Inventory(
                         seq=0,
                         chunk_index=i,
                         last_chunk=i == len(chunks) - 1,
-                        groups=[agent_pb2.BlockGroup(model_id=MODEL_ID, tier=3, block_hashes=c)],
+                        groups=[agent_pb2.BlockGroup(model_id=MODEL_ID, tier=3, block_hashes=c, parent_hashes=p)],
                     )
                 )
             )

@@ -17,11 +17,12 @@ import time
 from collections import OrderedDict, deque
 from dataclasses import dataclass
 
+import numpy as np
+
 from controlplane.core import operations as ops
 from controlplane.core import policy as tier_policy
 from controlplane.core.access_stats import AccessStats
 from controlplane.core.cluster import AgentCommand, Cluster, ModelInfo
-from controlplane.core.parents import ParentMap
 from controlplane.core.pins import Pin, check_namespace, check_quota, new_pin
 from controlplane.core.tuning import CreditTuner
 from controlplane.store.durable import DurableStore, op_to_json, pin_key, pin_to_json
@@ -105,13 +106,15 @@ class Manager:
         self._loaded_epoch = 0
         self._next_reload = 0.0
         self.pins_expired_total = 0
-        # the tier policy: future-reuse evidence from lookups, parent links from agents
+        # the tier policy: future-reuse evidence from lookups
         self.access = AccessStats()
         self._access_lock = threading.Lock()
-        self.parents = ParentMap()
         self.policy_interval_seconds = 2.0
+        # blocks copied out of the index for `decide` in one pass (agents beyond wait)
+        self.policy_max_blocks_per_pass = 2_000_000
         self._next_policy = 0.0
-        self._next_prune = 0.0
+        self._policy_last: dict[str, float] = {}  # agent -> when a pass last decided for it
+        self._slow_hit_agents: set[str] = set()
         self._policy_inflight: dict[str, dict[str, float]] = {}  # agent -> {op_id: deadline}
         self._policy_ops = 0
         self.policy_actions_total = 0
@@ -647,32 +650,18 @@ class Manager:
         return tier_policy.Policy.from_mapping(values)
 
     def policy_pass(self, now: float) -> int:
-        """Run `decide` over what the agents hold and send its actions as commands.
-        Agents still applying the previous pass's commands are left out of this one."""
+        """Run `decide` for the agents that may need it and send its actions as commands.
+
+        Deciding for an agent copies what it holds out of the index, so the pass first
+        picks the agents that can have anything to do, from counts alone: a managed tier
+        over its high watermark (the agent's reported usage), a pinned block held slower
+        than its pin (the index, for the pinned digests only), or, with `promote_hot`, room
+        under a faster tier's low watermark while lookups hit the agent in a slower tier
+        since it was last decided for. Of those it takes the longest-waiting first, up to
+        `policy_max_blocks_per_pass` blocks copied; the others wait for the next pass (the
+        loop is level-triggered: waiting loses nothing). Agents still applying the
+        previous pass's commands are left out."""
         policy = self.tier_policy()
-        views = []
-        for rec in self.cluster.connected_agents():
-            inflight = self._policy_inflight.get(rec.agent_id, {})
-            for op_id in [o for o, deadline in inflight.items() if deadline < now]:
-                del inflight[op_id]  # an agent that never answered gets decided for again
-            if inflight or not rec.models:
-                continue
-            bb = max(block_bytes(m) for m in rec.models)
-            held = self.cluster.index.agent_blocks(rec.agent_id)
-            tiers = []
-            for t in rec.tiers:
-                if t.tier not in tier_policy.MANAGED_TIERS:
-                    continue
-                blocks = {h: self.parents.get(h) for h, tier in held.items() if tier == int(t.tier)}
-                # models' blocks differ in size: count capacity in blocks of what the tier holds
-                # (the largest model's size would make a tier of small blocks look overfull)
-                size = t.used_bytes // t.num_blocks if t.num_blocks else bb
-                tiers.append(tier_policy.TierView.from_bytes(t.tier, t.capacity_bytes, size, blocks))
-            views.append(tier_policy.AgentView(rec.agent_id, tuple(tiers)))
-        self._drain_lookups()
-        if not views:
-            return 0
-        credit = self._tune(policy, tier_policy.total_capacity_blocks(views))
         with self._lock:
             pinned = {
                 p.block_hashes[i : i + 16]: p.min_tier
@@ -680,9 +669,40 @@ class Manager:
                 if p.active(now) and p.block_hashes
                 for i in range(0, len(p.block_hashes), 16)
             }
+        self._slow_hit_agents |= self.cluster.take_slow_hits()
+        due = []
+        for rec in self.cluster.connected_agents():
+            inflight = self._policy_inflight.get(rec.agent_id, {})
+            for op_id in [o for o, deadline in inflight.items() if deadline < now]:
+                del inflight[op_id]  # an agent that never answered gets decided for again
+            if inflight or not rec.models:
+                continue
+            if self._policy_due(rec, policy, pinned):
+                due.append((self._policy_last.get(rec.agent_id, 0.0), rec.agent_id, rec))
+        views = []
+        replicas: dict[bytes, int] = {}  # blocks another agent holds too (cheaper to lose)
+        budget = self.policy_max_blocks_per_pass
+        for _, agent_id, rec in sorted(due, key=lambda d: d[:2]):
+            n = self.cluster.index.num_agent_blocks(agent_id)
+            if views and n > budget:
+                break
+            budget -= n
+            self._policy_last[agent_id] = now
+            self._slow_hit_agents.discard(agent_id)
+            views.append(self._agent_view(rec, replicas))
+        self._drain_lookups()
+        if not views:
+            return 0
+        capacity = sum(self._capacity_blocks(rec) for rec in self.cluster.connected_agents() if rec.models)
+        credit = self._tune(policy, capacity)
         with self._access_lock:
             view = tier_policy.ClusterView(
-                tuple(views), self.access, tier_policy.Pins(pinned), reuse_credit_turnovers=credit
+                tuple(views),
+                self.access,
+                tier_policy.Pins(pinned),
+                replicas=replicas,
+                turnover_seconds=self.access.turnover_seconds(capacity),
+                reuse_credit_turnovers=credit,
             )
             actions = tier_policy.decide(view, policy, now)
         for action in actions:
@@ -700,6 +720,50 @@ class Manager:
                 self._policy_inflight.setdefault(action.agent_id, {})[op_id] = now + self.op_timeout_seconds
                 self.policy_actions_total += 1
         return len(actions)
+
+    @staticmethod
+    def _tier_capacity_blocks(rec, t) -> int:
+        """A tier's capacity in blocks of the size it holds (models' blocks differ in size:
+        the largest model's would make a tier of small blocks look overfull)."""
+        size = t.used_bytes // t.num_blocks if t.num_blocks else max(block_bytes(m) for m in rec.models)
+        return t.capacity_bytes // max(size, 1)
+
+    def _capacity_blocks(self, rec) -> int:
+        return sum(self._tier_capacity_blocks(rec, t) for t in rec.tiers if t.tier in tier_policy.MANAGED_TIERS)
+
+    def _policy_due(self, rec, policy: tier_policy.Policy, pinned: dict[bytes, Tier]) -> bool:
+        """Can `decide` have anything to do for this agent? (counts only; see policy_pass)"""
+        usage = sorted((t for t in rec.tiers if t.tier in tier_policy.MANAGED_TIERS), key=lambda t: int(t.tier))
+        if not usage:
+            return False
+        room = False
+        for t in usage:
+            tp = policy.tier(t.tier)
+            capacity = self._tier_capacity_blocks(rec, t)
+            if t.num_blocks > math.floor(tp.high_watermark * capacity + 1e-9):
+                return True
+            room = room or (t is not usage[-1] and t.num_blocks < math.floor(tp.low_watermark * capacity + 1e-9))
+        if pinned:
+            held = self.cluster.tiers_held(rec.agent_id, b"".join(pinned))
+            if any(0 < int(t) and Tier(int(t)) > pin for t, pin in zip(held.tolist(), pinned.values(), strict=True)):
+                return True
+        return policy.promote_hot and room and rec.agent_id in self._slow_hit_agents
+
+    def _agent_view(self, rec, replicas: dict[bytes, int]) -> tier_policy.AgentView:
+        """What the agent holds per managed tier, with parents, copied out of the index;
+        its blocks held elsewhere too are added to `replicas`."""
+        keys, tiers, parents, replicated = self.cluster.agent_chains(rec.agent_id)
+        n = BLOCK_HASH_BYTES
+        for i in np.flatnonzero(replicated).tolist():
+            replicas[keys[i * n : i * n + n]] = 2
+        out = []
+        for t in rec.tiers:
+            if t.tier not in tier_policy.MANAGED_TIERS:
+                continue
+            rows = np.flatnonzero(tiers == int(t.tier)).tolist()
+            blocks = {keys[i * n : i * n + n]: parents[i * n : i * n + n] for i in rows}
+            out.append(tier_policy.TierView(t.tier, self._tier_capacity_blocks(rec, t), blocks))
+        return tier_policy.AgentView(rec.agent_id, tuple(out))
 
     # ---- loop -----------------------------------------------------------------------
     def run_once(self, now: float | None = None) -> None:
@@ -719,9 +783,6 @@ class Manager:
         if self.policy_enabled and now >= self._next_policy:
             self._next_policy = now + self.policy_interval_seconds
             self.policy_pass(now)
-        if now >= self._next_prune:
-            self._next_prune = now + 30.0
-            self.parents.prune(lambda h: bool(self.cluster.index.holders(h)))
 
     def run_forever(self, stop: threading.Event, interval_seconds: float = 0.2) -> None:
         while not stop.is_set():

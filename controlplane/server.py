@@ -130,9 +130,7 @@ class ControlPlane:
         admin.manager = self.manager
         admin_pb2_grpc.add_AdminServiceServicer_to_server(admin, self.server)
         agent_pb2_grpc.add_AgentServiceServicer_to_server(
-            AgentServicer(
-                self.cluster, self.election, self._agent_key_exists, self._on_op_update, self.manager.parents
-            ),
+            AgentServicer(self.cluster, self.election, self._agent_key_exists, self._on_op_update),
             self.server,
         )
         self.health = health.HealthServicer()

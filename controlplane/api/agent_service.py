@@ -67,10 +67,9 @@ class _Applier:
 
 
 class AgentServicer(agent_pb2_grpc.AgentServiceServicer):
-    def __init__(self, cluster: Cluster, leadership, agent_key_exists=None, on_op_update=None, parents=None):
+    def __init__(self, cluster: Cluster, leadership, agent_key_exists=None, on_op_update=None):
         self._cluster = cluster
         self._applier = _Applier()  # index updates of every stream, applied by one thread
-        self._parents = parents  # controlplane.core.parents.ParentMap for the tier policy
         self._leadership = leadership
         # callable(agent_id, OpUpdate message): operation progress from agents
         self._on_op_update = on_op_update
@@ -157,7 +156,6 @@ class AgentServicer(agent_pb2_grpc.AgentServiceServicer):
             raise errors.FailedPrecondition("Sync stream must start with a Hello message")
         if kind == "inventory":
             inv = msg.inventory
-            self._note_parents(inv.groups)
             reason = self._cluster.apply_inventory_chunk(
                 agent_id, inv.seq, inv.chunk_index, inv.last_chunk, self._groups(inv.groups)
             )
@@ -165,8 +163,6 @@ class AgentServicer(agent_pb2_grpc.AgentServiceServicer):
             ev = msg.events
             if ev.kind not in (agent_pb2.BLOCK_EVENT_KIND_STORED, agent_pb2.BLOCK_EVENT_KIND_REMOVED):
                 raise errors.InvalidArgument("events.kind", f"unknown event kind {ev.kind}")
-            if ev.kind == agent_pb2.BLOCK_EVENT_KIND_STORED:
-                self._note_parents(ev.groups)
             reason = self._cluster.apply_events(
                 agent_id, ev.seq, ev.kind == agent_pb2.BLOCK_EVENT_KIND_STORED, self._groups(ev.groups)
             )
@@ -200,11 +196,6 @@ class AgentServicer(agent_pb2_grpc.AgentServiceServicer):
             log.info("asking %s to resync: %s", agent_id, reason)
             return convert.control_resync(epoch, reason)
         return None
-
-    def _note_parents(self, groups) -> None:
-        if self._parents is not None:
-            for g in groups:
-                self._parents.note(g.block_hashes, g.parent_hashes)
 
     @staticmethod
     def _groups(groups):

@@ -62,7 +62,7 @@ def groups_from_pb(groups) -> list[core.BlockGroup]:
             from protos.errors import InvalidArgument
 
             raise InvalidArgument("groups.tier", f"unknown tier value {g.tier}")
-        out.append(core.BlockGroup(g.model_id, Tier(g.tier), g.block_hashes))
+        out.append(core.BlockGroup(g.model_id, Tier(g.tier), g.block_hashes, g.parent_hashes))
     return out
 
 

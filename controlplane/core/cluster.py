@@ -70,7 +70,7 @@ class AgentRecord:
     lookup_tokens_total: int = 0
     lookup_hit_tokens_total: int = 0
     # inventory chunks received so far, (packed digests, tier); swapped in at the last chunk
-    staging: list[tuple[bytes, int]] = field(default_factory=list)
+    staging: list[tuple[bytes, int, bytes]] = field(default_factory=list)
     next_chunk: int = 0
     namespaces: dict[str, tuple[int, int]] = field(default_factory=dict)  # ns -> (blocks, bytes)
     # commands go down the agent's current Sync stream; pins applied on this stream
@@ -100,11 +100,27 @@ class AgentCommand:
 
 @dataclass(frozen=True)
 class BlockGroup:
-    """Blocks of one model in one tier, as packed 16-byte digests."""
+    """Blocks of one model in one tier, as packed 16-byte digests, with their parents'
+    digests in the same order (empty: not told)."""
 
     model_id: str
     tier: Tier
     block_hashes: bytes
+    parent_hashes: bytes = b""
+
+    def validate(self) -> None:
+        """InvalidArgument naming the field when the digests are not whole or the parents
+        do not pair with the blocks."""
+        if len(self.block_hashes) % BLOCK_HASH_BYTES:
+            raise errors.InvalidArgument(
+                "groups.block_hashes", f"length {len(self.block_hashes)} is not a multiple of {BLOCK_HASH_BYTES}"
+            )
+        if self.parent_hashes and len(self.parent_hashes) != len(self.block_hashes):
+            raise errors.InvalidArgument(
+                "groups.parent_hashes",
+                f"{len(self.parent_hashes)} bytes for {len(self.block_hashes) // BLOCK_HASH_BYTES} blocks "
+                f"(expected one {BLOCK_HASH_BYTES}-byte parent per block, or none)",
+            )
 
 
 @dataclass(frozen=True)
@@ -156,6 +172,9 @@ class Cluster:
         self.dataplane = DataPlaneStates()
         # callable(packed block hashes, now) told of every lookup (the policy's access stats)
         self.on_lookup = None
+        # agents a lookup found holding part of a prefix below their fastest tier since the
+        # tier policy last looked (its cue that promoting may pay)
+        self._slow_hits: set[str] = set()
 
     # ---- membership -----------------------------------------------------------------
     def register(self, record: AgentRecord) -> None:
@@ -272,19 +291,16 @@ class Cluster:
                 self.resyncs_total += 1
                 self.events.publish("agent_state", f"{agent_id} resyncing: {reason}", "warning", agent_id=agent_id)
                 return reason
-            staged = sum(len(h) for h, _ in rec.staging) // BLOCK_HASH_BYTES
+            staged = sum(len(g[0]) for g in rec.staging) // BLOCK_HASH_BYTES
             for g in groups:
-                if len(g.block_hashes) % BLOCK_HASH_BYTES:
-                    raise errors.InvalidArgument(
-                        "groups.block_hashes", f"length {len(g.block_hashes)} is not a multiple of {BLOCK_HASH_BYTES}"
-                    )
+                g.validate()
                 staged += len(g.block_hashes) // BLOCK_HASH_BYTES
                 if staged > MAX_INVENTORY_BLOCKS:
                     rec.staging, rec.next_chunk = [], 0
                     raise errors.InvalidArgument(
                         "inventory.groups", f"an inventory of more than {MAX_INVENTORY_BLOCKS} blocks"
                     )
-                rec.staging.append((g.block_hashes, int(g.tier)))
+                rec.staging.append((g.block_hashes, int(g.tier), g.parent_hashes))
             rec.next_chunk += 1
             if last_chunk:
                 self.index.replace_agent_packed(agent_id, rec.staging)
@@ -312,15 +328,12 @@ class Cluster:
                 self.events.publish("agent_state", f"{agent_id} resyncing: {reason}", "warning", agent_id=agent_id)
                 return reason
             for g in groups:  # validated before anything is applied: a bad batch changes nothing
-                if len(g.block_hashes) % BLOCK_HASH_BYTES:
-                    raise errors.InvalidArgument(
-                        "groups.block_hashes", f"length {len(g.block_hashes)} is not a multiple of {BLOCK_HASH_BYTES}"
-                    )
+                g.validate()
             rec.last_seq = seq
             for g in groups:  # packed digests go into the index as they came off the wire
                 self.events_total += len(g.block_hashes) // BLOCK_HASH_BYTES
                 if stored:
-                    self.index.add(agent_id, g.block_hashes, g.tier)
+                    self.index.add(agent_id, g.block_hashes, g.tier, g.parent_hashes)
                 else:
                     self.index.remove(agent_id, g.block_hashes)
             return None
@@ -356,6 +369,26 @@ class Cluster:
     def connected_agents(self) -> list[AgentRecord]:
         with self._lock:
             return [r for r in self._agents.values() if r.outbox is not None and r.state != AgentState.DISCONNECTED]
+
+    def _below_fastest(self, m: AgentMatch) -> bool:
+        rec = self._agents.get(m.agent_id)
+        fastest = min((int(t.tier) for t in rec.tiers), default=0) if rec is not None else 0
+        return max(m.tiers) > fastest
+
+    def take_slow_hits(self) -> set[str]:
+        """Agents a lookup hit below their fastest tier since the last call (and forget them)."""
+        with self._lock:
+            out, self._slow_hits = self._slow_hits, set()
+            return out
+
+    def agent_chains(self, agent_id: str):
+        """BlockIndex.agent_chains under the lock."""
+        with self._lock:
+            return self.index.agent_chains(agent_id)
+
+    def tiers_held(self, agent_id: str, block_hashes: bytes):
+        with self._lock:
+            return self.index.tiers_held(agent_id, block_hashes)
 
     def holders_of(self, block_hashes: list[bytes]) -> dict[str, list[bytes]]:
         """agent_id -> the given blocks it holds (order kept)."""
@@ -431,6 +464,9 @@ class Cluster:
             raise errors.InvalidArgument("block_hashes", f"at most {MAX_LOOKUP_BLOCKS} blocks per lookup")
         with self._lock:
             matches = self.index.lookup(packed)
+            for m in matches:
+                if m.agent_id not in self._slow_hits and self._below_fastest(m):
+                    self._slow_hits.add(m.agent_id)
             hit_tokens = matches[0].num_hit_blocks * model.block_size if matches else 0
             self.lookups_total += 1
             self.lookup_tokens_total += num_tokens

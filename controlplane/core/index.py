@@ -6,17 +6,19 @@ lookup is a walk down the request's digests, no tree needed: a digest already na
 whole prefix.
 
 Layout (numpy, no Python object per block): agents are interned to small ints (slots);
-each distinct block is one *entry* in dense arrays: its 16-byte key (two uint64), a
-bitmask of the agents holding it, and two bit planes giving each holder's tier as a
-2-bit code (tier - 1). A hash table of 8-slot buckets maps a key to its entry; each key
+each distinct block is one *entry* in dense arrays: its 16-byte key (two uint64), its
+parent's key (all zero: a first block, or not told), a bitmask of the agents holding it,
+and two bit planes giving each holder's tier as a 2-bit code (tier - 1). A chained digest
+has the same parent wherever it is held, so one parent column serves every agent: the
+tier policy shrinks chains from their tails with it. A hash table of 8-slot buckets maps a key to its entry; each key
 has two candidate buckets (it goes into the emptier, and a lookup reads both, never
 more, so deleting just empties the slot). A slot holds a 32-bit tag (a second hash of
 the key; 0 is empty) and the entry id; a tag match is verified on all 16 bytes. A batch
 of N events is a few dozen vectorised passes over N: packed hashes from the wire go
 into the index without being split into `bytes` objects.
 
-Memory: 40 bytes per distinct block for the entry, 4 of scratch, and 8 per table slot
-at a load between 0.4 and 0.75 (11-20 bytes per block): ~55-65 bytes per replica when
+Memory: 56 bytes per distinct block for the entry, 4 of scratch, and 8 per table slot
+at a load between 0.4 and 0.75 (11-20 bytes per block): ~70-80 bytes per replica when
 every replica is a distinct block, much less when agents share blocks. Past 64 agents
 each mask widens by a 64-bit word per 64 agents. Growing the table moves every key in one
 scatter (a doubling splits each bucket in two and a key keeps its slot), which a caller
@@ -48,6 +50,7 @@ _BYTE_INDEX = np.uint64(0x0001020304050607)  # 2 ** (8 j) * this >> 56 == j
 _TAG_LOW = np.uint32(1)
 _ONE = np.uint64(1)
 _V16 = np.dtype((np.void, 16))
+_ZERO16 = np.zeros(1, _V16)[0]
 _TIER_VALUES = tuple(int(t) for t in Tier)
 
 
@@ -84,6 +87,17 @@ def as_keys(block_hashes: bytes | bytearray | memoryview | Iterable[bytes]) -> n
     if not len(buf):
         return np.zeros((0, 2), np.uint64)
     return np.frombuffer(buf, dtype=np.uint64).reshape(-1, 2)
+
+
+def _parent_keys(parent_hashes, n: int) -> np.ndarray | None:
+    """Parents given with n blocks, as keys (None: not given); ValueError when their number
+    does not match."""
+    if parent_hashes is None or (not isinstance(parent_hashes, np.ndarray) and not len(parent_hashes)):
+        return None
+    parents = as_keys(parent_hashes)
+    if len(parents) != n:
+        raise ValueError(f"{len(parents)} parent hashes for {n} block hashes")
+    return parents
 
 
 def _mix(keys: np.ndarray) -> np.ndarray:
@@ -128,6 +142,7 @@ class BlockIndex:
         self._counts = np.zeros(64, np.int64)
         cap = max(1024, int(expected_blocks))
         self._keys = np.empty((cap, 2), np.uint64)
+        self._parents = np.zeros((cap, 2), np.uint64)  # zero: no parent known (ROOT_PARENT_HASH)
         # word-major (W, cap); all-zero bits for every entry not in use (freed ones included)
         self._mask = np.zeros((1, cap), np.uint64)
         self._tlo = np.zeros((1, cap), np.uint64)
@@ -360,6 +375,9 @@ class BlockIndex:
         keys = np.empty((new_cap, 2), np.uint64)
         keys[:hw] = self._keys[:hw]
         self._keys = keys
+        parents = np.zeros((new_cap, 2), np.uint64)
+        parents[:hw] = self._parents[:hw]
+        self._parents = parents
         for name in ("_mask", "_tlo", "_thi"):
             old = getattr(self, name)
             new = np.zeros((old.shape[0], new_cap), np.uint64)  # calloc: pages cost nothing until used
@@ -441,6 +459,7 @@ class BlockIndex:
         else:
             loc = loc[empty][first]
         self._tags_flat[loc] = _EMPTY
+        self._parents.view(_V16).reshape(-1)[e] = _ZERO16  # a reused entry starts without a parent
         self._live -= len(e)
         if self._nfree + len(e) > len(self._free):
             grown = np.empty(max(2 * len(self._free), self._nfree + len(e), 1024), np.int64)
@@ -475,15 +494,19 @@ class BlockIndex:
         return 1 + lo.astype(np.uint8) + 2 * hi.astype(np.uint8)
 
     # ---- mutation -------------------------------------------------------------------
-    def add(self, agent_id: str, block_hashes, tier: Tier) -> None:
+    def add(self, agent_id: str, block_hashes, tier: Tier, parent_hashes=b"") -> None:
         """Record that `agent_id` holds these blocks in `tier` (a tier change if already held).
-        `block_hashes`: packed 16-byte digests, or an iterable of 16-byte digests."""
+        `block_hashes`: packed 16-byte digests, or an iterable of 16-byte digests;
+        `parent_hashes`: their parents, the same way (empty: not told, kept as known)."""
         keys = as_keys(block_hashes)
+        parents = _parent_keys(parent_hashes, len(keys))
         code = _tier_code(tier)
         slot = self._intern(agent_id)
         if not len(keys):
             return
         ent = self._find_or_insert(keys)
+        if parents is not None:
+            self._parents.view(_V16).reshape(-1)[ent] = parents.view(_V16).reshape(-1)
         w, bit = self._word_bit(slot)
         newly = ent[(self._mask[w].take(ent) & bit) == 0]
         if newly.size:
@@ -531,16 +554,21 @@ class BlockIndex:
             by_tier.setdefault(int(t), []).append(h)
         self.replace_agent_packed(agent_id, [(b"".join(hs), t) for t, hs in by_tier.items()])
 
-    def replace_agent_packed(self, agent_id: str, groups: Sequence[tuple[bytes | memoryview, int]]) -> None:
-        """Swap in a full inventory given as (packed digests, tier) groups; a digest listed
-        in several groups takes the tier of the last."""
+    def replace_agent_packed(self, agent_id: str, groups: Sequence[tuple]) -> None:
+        """Swap in a full inventory given as (packed digests, tier[, packed parents]) groups;
+        a digest listed in several groups takes the tier of the last."""
+        parsed = []  # every group checked before anything changes
+        for packed, tier, *rest in groups:
+            keys = as_keys(packed)
+            parsed.append((keys, _parent_keys(rest[0] if rest else b"", len(keys)), _tier_code(tier)))
         slot = self._intern(agent_id)
         prepared = []
-        for packed, tier in groups:
-            keys = as_keys(packed)
-            code = _tier_code(tier)
+        for keys, parents, code in parsed:
             if len(keys):
-                prepared.append((self._find_or_insert(keys), code))
+                ent = self._find_or_insert(keys)
+                if parents is not None:
+                    self._parents.view(_V16).reshape(-1)[ent] = parents.view(_V16).reshape(-1)
+                prepared.append((ent, code))
         old = self._entries_of(slot) if self._counts[slot] else np.zeros(0, np.int64)
         if old.size:
             self._clear_bits(old, slot)
@@ -602,6 +630,44 @@ class BlockIndex:
         tiers = self._tiers_of(ent, slot).tolist()
         return {raw[16 * i : 16 * i + 16]: t for i, t in enumerate(tiers)}
 
+    def agent_chains(self, agent_id: str) -> tuple[bytes, np.ndarray, bytes, np.ndarray]:
+        """What `agent_id` holds, copied out (safe to use once the lock is let go): packed
+        digests, their tier values (uint8), packed parent digests (ROOT_PARENT_HASH where
+        none is known), and whether another agent holds each too (bool)."""
+        slot = self._slot_of.get(agent_id)
+        if slot is None or not self._counts[slot]:
+            return b"", np.zeros(0, np.uint8), b"", np.zeros(0, bool)
+        ent = self._entries_of(slot)
+        w, bit = self._word_bit(slot)
+        others = np.take(self._mask, ent, axis=1)
+        others[w] &= ~bit
+        replicated = (others != 0).any(axis=0)
+        return self._keys[ent].tobytes(), self._tiers_of(ent, slot), self._parents[ent].tobytes(), replicated
+
+    def tiers_held(self, agent_id: str, block_hashes) -> np.ndarray:
+        """Tier value of each digest on `agent_id` (uint8; 0 where it does not hold it)."""
+        keys = as_keys(block_hashes)
+        out = np.zeros(len(keys), np.uint8)
+        slot = self._slot_of.get(agent_id)
+        if slot is None or not len(keys) or self._live == 0:
+            return out
+        ent, _ = self._find(keys, _mix(keys))
+        w, bit = self._word_bit(slot)
+        found = np.flatnonzero(ent >= 0)
+        e = ent[found]
+        held = (self._mask[w].take(e) & bit) != 0
+        out[found[held]] = self._tiers_of(e[held], slot)
+        return out
+
+    def parent_of(self, block_hash: bytes) -> bytes | None:
+        """The parent digest of an indexed block (ROOT_PARENT_HASH: none known); None when
+        the block is not indexed."""
+        keys = as_keys(block_hash)
+        ent, _ = self._find(keys, _mix(keys))
+        if len(ent) != 1 or ent[0] < 0:
+            return None
+        return self._parents[int(ent[0])].tobytes()
+
     def num_agent_blocks(self, agent_id: str) -> int:
         slot = self._slot_of.get(agent_id)
         return 0 if slot is None else int(self._counts[slot])
@@ -620,7 +686,17 @@ class BlockIndex:
     @property
     def nbytes(self) -> int:
         """Bytes of the arrays allocated (capacity; resident memory may be less)."""
-        arrays = (self._keys, self._mask, self._tlo, self._thi, self._scratch, self._free, self._tags, self._ents)
+        arrays = (
+            self._keys,
+            self._parents,
+            self._mask,
+            self._tlo,
+            self._thi,
+            self._scratch,
+            self._free,
+            self._tags,
+            self._ents,
+        )
         return sum(a.nbytes for a in arrays)
 
     # ---- the mapping view of older code and tests (materialised; slow) --------------

@@ -1,0 +1,146 @@
+"""The control plane's policy pass at scale: parents live in the index (one column, set
+from STORED events and inventories), and a pass copies out only the agents that can have
+anything to do, within a budget of blocks per pass, longest-waiting first."""
+
+from __future__ import annotations
+
+import queue
+
+import numpy as np
+import pytest
+
+from controlplane.core.cluster import AgentCommand, AgentRecord, BlockGroup, Cluster, ModelInfo, TierUsage
+from controlplane.core.index import BlockIndex
+from controlplane.manager import Manager
+from protos import errors
+from protos.block_hash import ROOT_PARENT_HASH
+from protos.tier import Tier
+
+MODEL = ModelInfo("m", 16)  # 16 tokens a block; block_bytes() of it is what capacities count in
+
+
+def chain(agent: int, n: int, start: int = 0) -> list[bytes]:
+    rng = np.random.default_rng([agent, start])
+    return [rng.bytes(16) for _ in range(n)]
+
+
+def parents_of(c: list[bytes]) -> bytes:
+    return ROOT_PARENT_HASH + b"".join(c[:-1])
+
+
+def test_index_keeps_parents_per_block_and_forgets_them_with_the_block():
+    idx = BlockIndex()
+    c = chain(0, 5)
+    idx.add("a", b"".join(c), Tier.CPU, parents_of(c))
+    idx.add("b", b"".join(c[:2]), Tier.GPU)  # no parents told: the known ones stay
+    keys, tiers, parents, replicated = idx.agent_chains("a")
+    got = {keys[i : i + 16]: parents[i : i + 16] for i in range(0, len(keys), 16)}
+    assert got == dict(zip(c, [ROOT_PARENT_HASH, *c[:-1]], strict=True))
+    assert set(tiers.tolist()) == {int(Tier.CPU)}
+    assert {keys[16 * i : 16 * i + 16] for i in np.flatnonzero(replicated)} == set(c[:2])
+    assert idx.parent_of(c[3]) == c[2] and idx.parent_of(bytes(range(16))) is None
+    # a freed entry is reused by another block without its parent
+    idx.remove("a", b"".join(c[2:]))
+    idx.add("a", b"".join(chain(1, 3)), Tier.CPU)
+    assert all(idx.parent_of(h) == ROOT_PARENT_HASH for h in chain(1, 3))
+    # parents that do not pair with the blocks change nothing
+    with pytest.raises(ValueError, match="parent hashes for"):
+        idx.add("a", b"".join(c[2:]), Tier.DISK, parents_of(c))
+    with pytest.raises(ValueError):
+        idx.replace_agent_packed("a", [(b"".join(c), 2, parents_of(c)[:-16])])
+    assert idx.num_agent_blocks("a") == 5 and idx.tiers_held("a", b"".join(c)).tolist() == [2, 2, 0, 0, 0]
+
+
+def test_cluster_rejects_parents_that_do_not_pair_naming_the_field():
+    cl = Cluster(clock=lambda: 0.0)
+    cl.register(AgentRecord("a", "a:1", [MODEL], []))
+    cl.hello("a", "s")
+    assert cl.apply_inventory_chunk("a", 0, 0, True, []) is None
+    c = chain(0, 4)
+    with pytest.raises(errors.InvalidArgument, match="parent_hashes"):
+        cl.apply_events("a", 1, True, [BlockGroup("m", Tier.CPU, b"".join(c), parents_of(c)[16:])])
+    assert cl.index.num_replicas == 0
+    assert cl.apply_events("a", 1, True, [BlockGroup("m", Tier.CPU, b"".join(c), parents_of(c))]) is None
+    assert cl.index.parent_of(c[1]) == c[0]
+
+
+class Fleet:
+    """A Cluster with agents on open (queue) streams and a Manager deciding for them."""
+
+    def __init__(self) -> None:
+        self.cluster = Cluster(clock=lambda: 100.0)
+        self.manager = Manager(self.cluster, durable=None, election=None, clock=lambda: 100.0)
+        self.cluster.on_lookup = self.manager.note_lookup  # as the server wires it
+        self.outboxes: dict[str, queue.Queue] = {}
+        self.bb = 2 * 16 * 1024  # stand-in block size: capacities below are counted in it
+
+    def agent(self, agent_id: str, tiers: dict[Tier, tuple[int, list[list[bytes]]]]) -> None:
+        """tiers: tier -> (capacity in blocks, chains held there)."""
+        usage = [
+            TierUsage(t, cap * self.bb, sum(map(len, ch)) * self.bb, sum(map(len, ch)))
+            for t, (cap, ch) in tiers.items()
+        ]
+        self.cluster.register(AgentRecord(agent_id, f"{agent_id}:1", [MODEL], usage))
+        self.cluster.hello(agent_id, "s")
+        groups = [(b"".join(c), int(t), parents_of(c)) for t, (_, chs) in tiers.items() for c in chs]
+        assert (
+            self.cluster.apply_inventory_chunk(
+                agent_id, 0, 0, True, [BlockGroup("m", Tier(t), h, p) for h, t, p in groups]
+            )
+            is None
+        )
+        self.outboxes[agent_id] = queue.Queue()
+        self.cluster.attach_outbox(agent_id, "s", self.outboxes[agent_id])
+
+    def commands(self, agent_id: str) -> list[AgentCommand]:
+        out = []
+        while not self.outboxes[agent_id].empty():
+            out.append(self.outboxes[agent_id].get())
+        return out
+
+
+def test_pass_decides_only_for_agents_that_can_have_something_to_do(monkeypatch):
+    f = Fleet()
+    copied = []
+    real = f.cluster.agent_chains
+    monkeypatch.setattr(f.cluster, "agent_chains", lambda a: copied.append(a) or real(a))
+    full = [chain(1, 8), chain(2, 8)]  # 16 blocks in a tier of 16: over the 0.95 high watermark
+    f.agent("over", {Tier.CPU: (16, full)})
+    f.agent("calm", {Tier.CPU: (100, [chain(3, 8)])})
+    cold = [chain(4, 6)]
+    f.agent("room", {Tier.CPU: (100, []), Tier.DISK: (100, cold)})
+    f.manager.policy_pass(100.0)
+    assert copied == ["over"]
+    (cmd,) = f.commands("over")
+    assert cmd.kind == "evict"
+    dropped = [cmd.block_hashes[i : i + 16] for i in range(0, len(cmd.block_hashes), 16)]
+    # down to the 0.90 low watermark (14 of 16) by tails: the last blocks of chains
+    assert len(dropped) == 2 and all(h in (full[0][-2:] + full[1][-2:]) for h in dropped)
+    for h in dropped:  # a child before its parent
+        for c in full:
+            if h in c and c[c.index(h) - 1] in dropped:
+                assert dropped.index(h) < dropped.index(c[c.index(h) - 1])
+    assert f.commands("room") == []
+    # a lookup that finds 'room' holding the prefix on disk (below its fastest tier): the
+    # next pass decides for it, promoting what was reused
+    for _ in range(2):
+        f.cluster.lookup("m", block_hashes=b"".join(cold[0]))
+    copied.clear()
+    f.manager._policy_inflight.clear()
+    f.manager.policy_pass(101.0)
+    assert "room" in copied and "calm" not in copied
+    (cmd,) = f.commands("room")
+    assert cmd.kind == "move" and cmd.tier == int(Tier.CPU)
+
+
+def test_pass_budget_takes_the_longest_waiting_agents_first():
+    f = Fleet()
+    for name in ("a", "b", "c"):
+        f.agent(name, {Tier.CPU: (16, [chain(hash(name) % 1000, 16)])})
+    f.manager.policy_max_blocks_per_pass = 20  # one agent's 16 blocks a pass
+    decided = []
+    for step in range(3):
+        f.manager._policy_inflight.clear()
+        f.manager.policy_pass(100.0 + step)
+        decided.append(sorted(a for a in "abc" if f.commands(a)))
+    assert decided == [["a"], ["b"], ["c"]]

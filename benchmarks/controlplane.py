@@ -192,9 +192,7 @@ def _controlplane_main(etcd: str, policy_loop: bool, conn, expected_blocks: int 
     )
     cp.start()
     if not policy_loop:
-        # the tier-policy pass reads every agent's blocks into Python dicts every 2 s:
-        # O(replicas) per pass, it dominates a 64M-replica index (see README)
-        cp.manager.policy_interval_seconds = float("inf")
+        cp.manager.policy_interval_seconds = float("inf")  # the tier-policy pass off
     # server-side lookup time (Cluster.lookup: hashing, the lock, the index), timed here
     durations: collections.deque[float] = collections.deque(maxlen=1_000_000)
     lookup = cp.cluster.lookup
@@ -213,6 +211,16 @@ def _controlplane_main(etcd: str, policy_loop: bool, conn, expected_blocks: int 
         if msg == "lookups":  # the durations so far, and start again
             conn.send(list(durations))
             durations.clear()
+        elif msg == "policy":
+            m = cp.manager
+            conn.send(
+                {
+                    "passes": m.policy_passes_total,
+                    "agents_decided": m.policy_agents_decided_total,
+                    "pass_seconds_max": round(m.policy_pass_seconds_max, 3),
+                    "actions": m.policy_actions_total,
+                }
+            )
         else:
             break
     cp.stop(0.2)
@@ -239,7 +247,7 @@ def _agents_main(cfg_dict: dict, agent_indices: list[int], address: str, ready, 
     _quiet()
     import grpc
 
-    from protos.kvcp.v1 import agent_pb2, agent_pb2_grpc
+    from protos.kvcp.v1 import agent_pb2, agent_pb2_grpc, types_pb2
 
     cfg = BenchConfig(**cfg_dict)
     opts = [("grpc.max_send_message_length", MAX_MESSAGE_BYTES), ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES)]
@@ -265,6 +273,11 @@ def _agents_main(cfg_dict: dict, agent_indices: list[int], address: str, ready, 
 
         for base in range(0, n, step):
             yield batch(agent_pb2.BLOCK_EVENT_KIND_STORED, base, min(step, n - base))
+        if cfg.policy_loop:
+            # usage as a real agent reports it: a CPU tier of n blocks, full (over the 0.95
+            # high watermark), so every agent gives the policy pass something to decide
+            usage = types_pb2.TierUsage(tier=2, capacity_bytes=n << 20, used_bytes=n << 20, num_blocks=n)
+            yield agent_pb2.AgentMessage(stats=agent_pb2.AgentStats(tiers=[usage]))
         # steady state: as many blocks removed (the oldest) as stored (new ones); the index
         # keeps its size
         churn_go.wait()
@@ -778,6 +791,10 @@ def run(cfg: BenchConfig, report=lambda msg: None) -> dict:
             except queue.Empty:
                 pass
         result["resync_requests_to_agents"] = resyncs
+        if cfg.policy_loop:
+            cp_conn.send("policy")
+            result["policy_pass"] = cp_conn.recv()
+            report(f"policy pass: {result['policy_pass']}")
         channel.close()
         cp_conn.send("stop")
         cp.join(15)

@@ -193,7 +193,7 @@ def replay(trace, capacities, fractions, tiers_text, settings, oracles, output_f
     "--policy-loop/--no-policy-loop",
     default=False,
     show_default=True,
-    help="Run the control plane's tier-policy pass during the benchmark (O(replicas) per pass).",
+    help="Run the control plane's tier-policy pass; agents report full tiers so every one has blocks to shed.",
 )
 @click.option(
     "--expected-blocks",

@@ -111,9 +111,12 @@ class Manager:
         self._access_lock = threading.Lock()
         self.policy_interval_seconds = 2.0
         # blocks copied out of the index for `decide` in one pass (agents beyond wait)
-        self.policy_max_blocks_per_pass = 2_000_000
+        self.policy_max_blocks_per_pass = 1_000_000
         self._next_policy = 0.0
         self._policy_last: dict[str, float] = {}  # agent -> when a pass last decided for it
+        self.policy_passes_total = 0
+        self.policy_agents_decided_total = 0
+        self.policy_pass_seconds_max = 0.0  # the longest pass (copying out, decide, sending)
         self._slow_hit_agents: set[str] = set()
         self._policy_inflight: dict[str, dict[str, float]] = {}  # agent -> {op_id: deadline}
         self._policy_ops = 0
@@ -661,6 +664,14 @@ class Manager:
         `policy_max_blocks_per_pass` blocks copied; the others wait for the next pass (the
         loop is level-triggered: waiting loses nothing). Agents still applying the
         previous pass's commands are left out."""
+        started = time.perf_counter()
+        try:
+            return self._policy_pass(now)
+        finally:
+            self.policy_passes_total += 1
+            self.policy_pass_seconds_max = max(self.policy_pass_seconds_max, time.perf_counter() - started)
+
+    def _policy_pass(self, now: float) -> int:
         policy = self.tier_policy()
         with self._lock:
             pinned = {
@@ -690,6 +701,7 @@ class Manager:
             self._policy_last[agent_id] = now
             self._slow_hit_agents.discard(agent_id)
             views.append(self._agent_view(rec, replicas))
+        self.policy_agents_decided_total += len(views)
         self._drain_lookups()
         if not views:
             return 0
@@ -781,8 +793,11 @@ class Manager:
         self._apply_pins(now)
         self._expire_ops(now)
         if self.policy_enabled and now >= self._next_policy:
-            self._next_policy = now + self.policy_interval_seconds
+            started = time.perf_counter()
             self.policy_pass(now)
+            # a long pass (large agents to decide for) spaces the next one out, so the pass
+            # takes at most a third of a core from ingest and lookups
+            self._next_policy = now + max(self.policy_interval_seconds, 2 * (time.perf_counter() - started))
 
     def run_forever(self, stop: threading.Event, interval_seconds: float = 0.2) -> None:
         while not stop.is_set():

@@ -27,11 +27,13 @@ that knows its size avoids with `expected_blocks`. The table never shrinks.
 
 from __future__ import annotations
 
+import ctypes
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
 
+from controlplane.core import index_kernel
 from protos.tier import Tier
 
 BLOCK_HASH_BYTES = 16
@@ -134,7 +136,9 @@ class BlockIndex:
     number of mask bits set for that agent. Not thread-safe: the owner (Cluster) locks.
     """
 
-    def __init__(self, expected_blocks: int = 0) -> None:
+    def __init__(self, expected_blocks: int = 0, use_kernel: bool = True) -> None:
+        # the C loops for per-event work where they build (index_kernel); else numpy's
+        self._lib = index_kernel.load() if use_kernel else None
         self._slot_of: dict[str, int] = {}  # insertion order = agents()
         self._names: list[str | None] = []
         self._free_slots: list[int] = []
@@ -233,12 +237,61 @@ class BlockIndex:
             r, x = r[x != 0], x[x != 0]
         return e_out, l_out
 
-    def _find(self, keys: np.ndarray, h: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    # ---- the C loops (index_kernel.c) ------------------------------------------------
+    def _kernel(self) -> index_kernel.KvIndex:
+        """The C view of the arrays as they are now (they move when they grow)."""
+        x = index_kernel.KvIndex()
+        x.keys, x.parents = self._keys.ctypes.data, self._parents.ctypes.data
+        x.mask, x.tlo, x.thi = self._mask.ctypes.data, self._tlo.ctypes.data, self._thi.ctypes.data
+        x.tags, x.ents = self._tags.ctypes.data, self._ents.ctypes.data
+        x.free_ids, x.counts = self._free.ctypes.data, self._counts.ctypes.data
+        x.cap, x.W, x.shift = len(self._keys), self._W, int(self._shift)
+        x.nfree, x.hw, x.live = self._nfree, self._hw, self._live
+        return x
+
+    def _kernel_done(self, x: index_kernel.KvIndex) -> None:
+        self._nfree, self._hw, self._live = x.nfree, x.hw, x.live
+
+    def _kernel_add(self, keys: np.ndarray, parents: np.ndarray | None, slot: int, code: int) -> None:
+        n = len(keys)
+        self._reserve(n)
+        self._grow_entries(self._hw + n)
+        keys = np.ascontiguousarray(keys)
+        pp = np.ascontiguousarray(parents).ctypes.data if parents is not None else None
+        start = 0
+        while True:
+            x = self._kernel()
+            start = self._lib.kv_add(ctypes.byref(x), keys.ctypes.data, pp, start, n, slot, code)
+            self._kernel_done(x)
+            if start == n:
+                return
+            self._grow(self._nb * 2)  # both buckets of a key full: rare below the max load
+
+    def _kernel_remove(self, keys: np.ndarray, slot: int) -> None:
+        n = len(keys)
+        if self._nfree + n > len(self._free):
+            grown = np.empty(max(2 * len(self._free), self._nfree + n, 1024), np.int64)
+            grown[: self._nfree] = self._free[: self._nfree]
+            self._free = grown
+        keys = np.ascontiguousarray(keys)
+        x = self._kernel()
+        self._lib.kv_remove(ctypes.byref(x), keys.ctypes.data, n, slot)
+        self._kernel_done(x)
+
+    def _find(self, keys: np.ndarray, h: np.ndarray | None) -> tuple[np.ndarray, np.ndarray]:
         """Entry id and flat table slot of each key (-1 where absent): one look at each of
-        its two buckets, never further."""
+        its two buckets, never further. `h`: the keys' _mix (the numpy path's)."""
         n = len(keys)
         if n == 0 or self._live == 0:
             return np.full(n, -1, np.int64), np.full(n, -1, np.int64)
+        if self._lib is not None:
+            keys = np.ascontiguousarray(keys)
+            ent, loc = np.empty(n, np.int64), np.empty(n, np.int64)
+            x = self._kernel()
+            self._lib.kv_find(ctypes.byref(x), keys.ctypes.data, n, ent.ctypes.data, loc.ctypes.data)
+            return ent, loc
+        if h is None:
+            h = _mix(keys)
         b1, b2, tag = self._buckets(h)
         if n <= 4096:  # one pass over both buckets: fewer numpy calls for a lookup-sized batch
             b = np.concatenate([b1, b2])
@@ -504,6 +557,9 @@ class BlockIndex:
         slot = self._intern(agent_id)
         if not len(keys):
             return
+        if self._lib is not None:
+            self._kernel_add(keys, parents, slot, code)
+            return
         ent = self._find_or_insert(keys)
         if parents is not None:
             self._parents.view(_V16).reshape(-1)[ent] = parents.view(_V16).reshape(-1)
@@ -519,6 +575,9 @@ class BlockIndex:
             return
         keys = as_keys(block_hashes)
         if not len(keys):
+            return
+        if self._lib is not None:
+            self._kernel_remove(keys, slot)
             return
         ent, loc = self._find(keys, _mix(keys))
         w, bit = self._word_bit(slot)
@@ -587,9 +646,15 @@ class BlockIndex:
         keys = as_keys(block_hashes)
         if not len(keys) or self._live == 0:
             return []
-        ent, _ = self._find(keys, _mix(keys))
-        miss = np.flatnonzero(ent < 0)
-        m = int(miss[0]) if miss.size else len(ent)
+        if self._lib is not None:
+            keys = np.ascontiguousarray(keys)
+            ent = np.empty(len(keys), np.int64)
+            x = self._kernel()
+            m = self._lib.kv_prefix(ctypes.byref(x), keys.ctypes.data, len(keys), ent.ctypes.data)
+        else:
+            ent, _ = self._find(keys, _mix(keys))
+            miss = np.flatnonzero(ent < 0)
+            m = int(miss[0]) if miss.size else len(ent)
         if m == 0:
             return []
         e = ent[:m]

@@ -7,6 +7,7 @@ corrupted index."""
 from __future__ import annotations
 
 import random
+import shutil
 import threading
 import time
 import uuid
@@ -46,25 +47,33 @@ def reference_lookup(ref: dict[str, dict[bytes, int]], chain: list[bytes]) -> li
     return out
 
 
-def test_index_matches_a_dict_reference_through_rebuilds_and_many_agents():
+@pytest.mark.parametrize("use_kernel", [True, False], ids=["c-loops", "numpy"])
+def test_index_matches_a_dict_reference_through_rebuilds_and_many_agents(use_kernel):
     rng = random.Random(7)
     pool = split(keys(6000, 1))
     # engine hashes (vLLM ints, zero-padded) share half their bits: the table must still spread them
     pool += [i.to_bytes(8, "big") + bytes(8) for i in range(2000)]
+    parent = {h: rng.choice(pool) for h in pool}  # a block's parent is the same wherever it is held
     agents = [f"a{i:03d}" for i in range(130)]  # three mask words
-    idx, ref = BlockIndex(), {}
+    idx, ref = BlockIndex(use_kernel=use_kernel), {}
+    if use_kernel and shutil.which("cc"):
+        assert idx._lib is not None, "the C loops did not build (see the log)"
     for a in agents:
         hs = rng.sample(pool, 20)
         idx.add(a, b"".join(hs), Tier.CPU)
         ref[a] = {h: int(Tier.CPU) for h in hs}
+    told: set[bytes] = set()  # blocks whose parent the index was told (and still holds)
     for step in range(600):
         a = rng.choice(agents)
         r = rng.random()
         hs = [rng.choice(pool) for _ in range(rng.randint(0, 400))]  # duplicates included
         if r < 0.45:
             t = rng.choice(list(Tier))
-            idx.add(a, b"".join(hs), t)
+            with_parents = rng.random() < 0.5
+            idx.add(a, b"".join(hs), t, b"".join(parent[h] for h in hs) if with_parents else b"")
             ref.setdefault(a, {}).update({h: int(t) for h in hs})
+            if with_parents:
+                told.update(hs)
         elif r < 0.8:
             idx.remove(a, memoryview(b"".join(hs)))
             for h in hs:
@@ -75,7 +84,11 @@ def test_index_matches_a_dict_reference_through_rebuilds_and_many_agents():
             blocks = {rng.choice(pool): int(rng.choice(list(Tier))) for _ in range(rng.randint(0, 600))}
             idx.replace_agent(a, blocks)
             ref[a] = blocks
+        held_anywhere = {h for b in ref.values() for h in b}
+        told &= held_anywhere  # a block nobody holds is forgotten, parent and all
         if step % 50 == 0:
+            for h in rng.sample(sorted(held_anywhere), min(50, len(held_anywhere))):
+                assert idx.parent_of(h) == (parent[h] if h in told else bytes(16))
             assert idx.num_replicas == sum(len(b) for b in ref.values())
             assert idx.num_blocks == len({h for b in ref.values() for h in b})
             for a2 in rng.sample(agents, 10):

@@ -1,0 +1,172 @@
+/* The per-event loops of controlplane/core/index.py's BlockIndex, in C.
+
+   The arrays are the index's own numpy arrays (the layout is described there); Python
+   owns them, sizes them before each call and passes their addresses. Each function
+   does, one key at a time, what the vectorised numpy path does for a whole batch, with
+   the same hash, buckets, tags and placement rule, so either path can read what the
+   other wrote. Built and loaded by controlplane/core/index_kernel.py (ctypes). */
+
+#include <stdint.h>
+#include <string.h>
+
+#define BUCKET 8
+#define EMPTY 0u
+
+static const uint64_t C1 = 0x9E3779B97F4A7C15ull;
+static const uint64_t C2 = 0xBF58476D1CE4E5B9ull;
+static const uint64_t C3 = 0x94D049BB133111EBull;
+
+typedef struct {
+    uint64_t *keys;    /* (cap, 2) */
+    uint64_t *parents; /* (cap, 2) */
+    uint64_t *mask;    /* (W, cap) word-major */
+    uint64_t *tlo;
+    uint64_t *thi;
+    uint32_t *tags;    /* (nb, 8) */
+    int32_t *ents;     /* (nb, 8) */
+    int64_t *free_ids; /* free entry ids, a stack */
+    int64_t *counts;   /* replicas per agent slot */
+    int64_t cap;       /* entries allocated (columns of mask) */
+    int64_t W;         /* 64-bit words per mask */
+    uint64_t shift;    /* 64 - log2(buckets) */
+    int64_t nfree;     /* in/out */
+    int64_t hw;        /* in/out: entries ever allocated */
+    int64_t live;      /* in/out: keys in the table */
+} kv_index;
+
+static inline uint64_t mix(const uint64_t *k) {
+    uint64_t h = (k[0] ^ (k[1] * C1)) * C2;
+    return h ^ (h >> 29);
+}
+
+static inline void buckets(const kv_index *x, uint64_t h, int64_t *b1, int64_t *b2, uint32_t *tag) {
+    uint64_t h2 = h * C3;
+    *b1 = (int64_t)(h >> x->shift);
+    *b2 = (int64_t)((h2 ^ (h2 << 29)) >> x->shift);
+    *tag = (uint32_t)(h & 0xFFFFFFFFull) | 1u;
+}
+
+/* entry id of key k (-1: absent); *loc gets its flat table slot */
+static inline int64_t find_one(const kv_index *x, const uint64_t *k, int64_t *loc) {
+    int64_t b[2];
+    uint32_t tag;
+    buckets(x, mix(k), &b[0], &b[1], &tag);
+    for (int i = 0; i < 2; i++) {
+        const uint32_t *row = x->tags + b[i] * BUCKET;
+        for (int j = 0; j < BUCKET; j++) {
+            if (row[j] == tag) {
+                int64_t e = x->ents[b[i] * BUCKET + j];
+                const uint64_t *ke = x->keys + 2 * e;
+                if (ke[0] == k[0] && ke[1] == k[1]) {
+                    if (loc) *loc = b[i] * BUCKET + j;
+                    return e;
+                }
+            }
+        }
+    }
+    return -1;
+}
+
+static inline int empties(const uint32_t *row) {
+    int n = 0;
+    for (int j = 0; j < BUCKET; j++) n += row[j] == EMPTY;
+    return n;
+}
+
+/* put key k into the emptier of its buckets as a new entry; -1 when both are full */
+static inline int64_t insert_one(kv_index *x, const uint64_t *k) {
+    int64_t b1, b2;
+    uint32_t tag;
+    buckets(x, mix(k), &b1, &b2, &tag);
+    uint32_t *r1 = x->tags + b1 * BUCKET, *r2 = x->tags + b2 * BUCKET;
+    int64_t b = empties(r2) > empties(r1) ? b2 : b1;
+    uint32_t *row = x->tags + b * BUCKET;
+    int j = 0;
+    while (j < BUCKET && row[j] != EMPTY) j++;
+    if (j == BUCKET) return -1;
+    int64_t e = x->nfree > 0 ? x->free_ids[--x->nfree] : x->hw++;
+    row[j] = tag;
+    x->ents[b * BUCKET + j] = (int32_t)e;
+    x->keys[2 * e] = k[0];
+    x->keys[2 * e + 1] = k[1];
+    x->parents[2 * e] = 0;
+    x->parents[2 * e + 1] = 0;
+    x->live++;
+    return e;
+}
+
+/* entry ids of n keys (-1 where absent) and their table slots (loc may be NULL) */
+void kv_find(const kv_index *x, const uint64_t *keys, int64_t n, int64_t *ent, int64_t *loc) {
+    for (int64_t i = 0; i < n; i++) {
+        ent[i] = x->live ? find_one(x, keys + 2 * i, loc ? loc + i : NULL) : -1;
+        if (loc && ent[i] < 0) loc[i] = -1;
+    }
+}
+
+/* leading keys present, stopping at the first absent one: their entry ids; returns how many */
+int64_t kv_prefix(const kv_index *x, const uint64_t *keys, int64_t n, int64_t *ent) {
+    if (!x->live) return 0;
+    for (int64_t i = 0; i < n; i++) {
+        ent[i] = find_one(x, keys + 2 * i, NULL);
+        if (ent[i] < 0) return i;
+    }
+    return n;
+}
+
+/* Agent `slot` holds keys[start:n) in tier code `code` (0-3); parents may be NULL.
+   Returns the index of the first key that found both its buckets full (the caller grows
+   the table and calls again from there), or n. The caller has made room for n - start
+   new entries (cap, free stack) beforehand. */
+int64_t kv_add(kv_index *x, const uint64_t *keys, const uint64_t *parents, int64_t start, int64_t n, int64_t slot,
+               int64_t code) {
+    int64_t w = slot >> 6;
+    uint64_t bit = 1ull << (slot & 63);
+    uint64_t *m = x->mask + w * x->cap, *lo = x->tlo + w * x->cap, *hi = x->thi + w * x->cap;
+    for (int64_t i = start; i < n; i++) {
+        const uint64_t *k = keys + 2 * i;
+        int64_t e = x->live ? find_one(x, k, NULL) : -1;
+        if (e < 0) {
+            e = insert_one(x, k);
+            if (e < 0) return i;
+        }
+        if (parents) {
+            x->parents[2 * e] = parents[2 * i];
+            x->parents[2 * e + 1] = parents[2 * i + 1];
+        }
+        if (!(m[e] & bit)) {
+            m[e] |= bit;
+            x->counts[slot]++;
+        }
+        lo[e] = (code & 1) ? (lo[e] | bit) : (lo[e] & ~bit);
+        hi[e] = (code & 2) ? (hi[e] | bit) : (hi[e] & ~bit);
+    }
+    return n;
+}
+
+/* Agent `slot` no longer holds these keys; an entry nobody holds is freed. The caller
+   has made room on the free stack for n more ids. Returns the replicas removed. */
+int64_t kv_remove(kv_index *x, const uint64_t *keys, int64_t n, int64_t slot) {
+    int64_t w = slot >> 6, removed = 0;
+    uint64_t bit = 1ull << (slot & 63);
+    uint64_t *m = x->mask + w * x->cap, *lo = x->tlo + w * x->cap, *hi = x->thi + w * x->cap;
+    for (int64_t i = 0; i < n && x->live; i++) {
+        int64_t loc;
+        int64_t e = find_one(x, keys + 2 * i, &loc);
+        if (e < 0 || !(m[e] & bit)) continue;
+        m[e] &= ~bit;
+        lo[e] &= ~bit;
+        hi[e] &= ~bit;
+        x->counts[slot]--;
+        removed++;
+        int held = 0;
+        for (int64_t v = 0; v < x->W && !held; v++) held = x->mask[v * x->cap + e] != 0;
+        if (!held) {
+            x->tags[loc] = EMPTY;
+            x->parents[2 * e] = 0;
+            x->parents[2 * e + 1] = 0;
+            x->free_ids[x->nfree++] = e;
+            x->live--;
+        }
+    }
+    return removed;
+}

@@ -254,37 +254,47 @@ def _agents_main(cfg_dict: dict, agent_indices: list[int], address: str, ready, 
     resyncs = [0]
     sent = [0]
 
-    def messages(agent: int, agent_id: str, started: threading.Event):
-        yield agent_pb2.AgentMessage(hello=agent_pb2.Hello(agent_id=agent_id, session_id=f"bench-{agent_id}"))
-        yield agent_pb2.AgentMessage(inventory=agent_pb2.Inventory(seq=0, chunk_index=0, last_chunk=True))
-        started.set()
-        go.wait()
-        seq = [0]
+    def prepared(agent: int, agent_id: str) -> tuple[list[bytes], list[bytes]]:
+        """The agent's whole stream, serialised before the clock starts (a real agent's
+        CPU is on its own machine, not on the control plane's two cores): the fill, then
+        the steady-state churn (as many blocks removed, the oldest, as stored)."""
         n, step = cfg.blocks_per_agent, cfg.event_batch_blocks
+        seq = [0]
 
-        def batch(kind: int, start: int, count: int):
+        def batch(kind: int, start: int, count: int) -> bytes:
             seq[0] += 1
             part = block_keys(cfg, agent, start, count).tobytes()
             stored = kind == agent_pb2.BLOCK_EVENT_KIND_STORED
             parents = block_parents(cfg, agent, start, count).tobytes() if stored else b""
-            sent[0] += count
             group = agent_pb2.BlockGroup(model_id=MODEL_ID, tier=2, block_hashes=part, parent_hashes=parents)
-            return agent_pb2.AgentMessage(events=agent_pb2.BlockEventBatch(seq=seq[0], kind=kind, groups=[group]))
+            msg = agent_pb2.AgentMessage(events=agent_pb2.BlockEventBatch(seq=seq[0], kind=kind, groups=[group]))
+            return msg.SerializeToString()
 
-        for base in range(0, n, step):
-            yield batch(agent_pb2.BLOCK_EVENT_KIND_STORED, base, min(step, n - base))
+        fill = [batch(agent_pb2.BLOCK_EVENT_KIND_STORED, b, min(step, n - b)) for b in range(0, n, step)]
         if cfg.policy_loop:
             # usage as a real agent reports it: a CPU tier of n blocks, full (over the 0.95
             # high watermark), so every agent gives the policy pass something to decide
             usage = types_pb2.TierUsage(tier=2, capacity_bytes=n << 20, used_bytes=n << 20, num_blocks=n)
-            yield agent_pb2.AgentMessage(stats=agent_pb2.AgentStats(tiers=[usage]))
-        # steady state: as many blocks removed (the oldest) as stored (new ones); the index
-        # keeps its size
+            fill.append(agent_pb2.AgentMessage(stats=agent_pb2.AgentStats(tiers=[usage])).SerializeToString())
+        churn = []
+        total = churn_blocks(cfg)
+        for b in range(0, total, step):
+            count = min(step, total - b)
+            churn.append(batch(agent_pb2.BLOCK_EVENT_KIND_REMOVED, b, count))
+            churn.append(batch(agent_pb2.BLOCK_EVENT_KIND_STORED, n + b, count))
+        return fill, churn
+
+    def messages(agent: int, agent_id: str, started: threading.Event):
+        fill, churn = prepared(agent, agent_id)
+        yield agent_pb2.AgentMessage(hello=agent_pb2.Hello(agent_id=agent_id, session_id=f"bench-{agent_id}"))
+        yield agent_pb2.AgentMessage(inventory=agent_pb2.Inventory(seq=0, chunk_index=0, last_chunk=True))
+        started.set()
+        go.wait()
+        sent[0] += cfg.blocks_per_agent
+        yield from fill
         churn_go.wait()
-        for base in range(0, churn_blocks(cfg), step):
-            count = min(step, churn_blocks(cfg) - base)
-            yield batch(agent_pb2.BLOCK_EVENT_KIND_REMOVED, base, count)
-            yield batch(agent_pb2.BLOCK_EVENT_KIND_STORED, n + base, count)
+        sent[0] += 2 * churn_blocks(cfg)
+        yield from churn
         stop.wait()
 
     def drive(agent: int, started: threading.Event) -> None:
@@ -292,8 +302,14 @@ def _agents_main(cfg_dict: dict, agent_indices: list[int], address: str, ready, 
         with grpc.insecure_channel(address, options=opts) as ch:
             stub = agent_pb2_grpc.AgentServiceStub(ch)
             stub.Register(agent_pb2.RegisterRequest(agent=_agent_info(agent_id)), timeout=30)
+            # the Sync method taking messages as they are or already serialised
+            sync = ch.stream_stream(
+                "/kvcp.v1.AgentService/Sync",
+                request_serializer=lambda m: m if isinstance(m, bytes) else m.SerializeToString(),
+                response_deserializer=agent_pb2.ControlMessage.FromString,
+            )
             try:
-                for msg in stub.Sync(messages(agent, agent_id, started)):
+                for msg in sync(messages(agent, agent_id, started)):
                     if msg.WhichOneof("body") == "resync":
                         resyncs[0] += 1
             except grpc.RpcError:

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Makes a fresh Debian machine ready for kvcp: Debian packages (etcd-server, tmux, prometheus),
+# Makes a fresh Debian machine ready for kvcp: Debian packages (etcd-server, tmux, prometheus, gcc),
 # a virtualenv in .venv with the project installed editable, and the dev tools.
 # Idempotent and quick when nothing changed. Prints what it cannot do and exits non-zero.
 set -euo pipefail
@@ -18,6 +18,8 @@ need_apt=()
 command -v etcd >/dev/null 2>&1 || need_apt+=(etcd-server)
 command -v tmux >/dev/null 2>&1 || need_apt+=(tmux)
 command -v prometheus >/dev/null 2>&1 || need_apt+=(prometheus)
+# a C compiler builds the block index's per-event loops (controlplane/core/index_kernel.c)
+command -v cc >/dev/null 2>&1 || need_apt+=(gcc)
 # the Mooncake Transfer Engine (handoff data plane) links these even for TCP
 for lib in libibverbs1 librdmacm1 libnuma1; do
   dpkg -s "$lib" >/dev/null 2>&1 || need_apt+=("$lib")

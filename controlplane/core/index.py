@@ -139,6 +139,8 @@ class BlockIndex:
     def __init__(self, expected_blocks: int = 0, use_kernel: bool = True) -> None:
         # the C loops for per-event work where they build (index_kernel); else numpy's
         self._lib = index_kernel.load() if use_kernel else None
+        self._kview: index_kernel.KvIndex | None = None  # the C view, kept while the arrays stay
+        self._kview_arrays: tuple = ()
         self._slot_of: dict[str, int] = {}  # insertion order = agents()
         self._names: list[str | None] = []
         self._free_slots: list[int] = []
@@ -239,13 +241,24 @@ class BlockIndex:
 
     # ---- the C loops (index_kernel.c) ------------------------------------------------
     def _kernel(self) -> index_kernel.KvIndex:
-        """The C view of the arrays as they are now (they move when they grow)."""
-        x = index_kernel.KvIndex()
-        x.keys, x.parents = self._keys.ctypes.data, self._parents.ctypes.data
-        x.mask, x.tlo, x.thi = self._mask.ctypes.data, self._tlo.ctypes.data, self._thi.ctypes.data
-        x.tags, x.ents = self._tags.ctypes.data, self._ents.ctypes.data
-        x.free_ids, x.counts = self._free.ctypes.data, self._counts.ctypes.data
-        x.cap, x.W, x.shift = len(self._keys), self._W, int(self._shift)
+        """The C view of the arrays as they are now (rebuilt when one of them was replaced
+        by a larger one; the counters every time)."""
+        arrays = (
+            self._keys,
+            self._parents,
+            self._mask,
+            self._tlo,
+            self._thi,
+            self._tags,
+            self._ents,
+            self._free,
+            self._counts,
+        )
+        x = self._kview
+        if x is None or any(a is not b for a, b in zip(arrays, self._kview_arrays, strict=True)):
+            x = index_kernel.KvIndex(*(a.ctypes.data for a in arrays))
+            x.cap, x.W, x.shift = len(self._keys), self._W, int(self._shift)
+            self._kview, self._kview_arrays = x, arrays
         x.nfree, x.hw, x.live = self._nfree, self._hw, self._live
         return x
 

@@ -65,12 +65,15 @@ def workload(controlplane, rate_per_second, duration_seconds, seed, output_forma
 )
 @click.option("--repeats", default=3, show_default=True, type=int)
 @click.option("--fsync/--no-fsync", default=False, show_default=True, help="Durability of disk writes (baseline too).")
+@click.option(
+    "--torch-threads", default=1, show_default=True, type=click.IntRange(1, 256), help="As kvcp-agent --torch-threads."
+)
 @click.option("-o", "--output", "output_format", type=click.Choice(["table", "json"]), default="table")
-def tiers(block_mibs, num_blocks, repeats, fsync, output_format):
+def tiers(block_mibs, num_blocks, repeats, fsync, torch_threads, output_format):
     """Tier moves (CPU<->DISK, CPU<->GPU with CUDA) and codecs, against raw baselines."""
     from benchmarks import tiers as bench
 
-    result = bench.run(tuple(block_mibs), num_blocks, repeats, fsync)
+    result = bench.run(tuple(block_mibs), num_blocks, repeats, fsync, torch_threads)
     click.echo(json.dumps(result, indent=2) if output_format == "json" else bench.format_table(result))
 
 

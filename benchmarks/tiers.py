@@ -44,6 +44,10 @@ class CodecResult:
     compress_gbps: float
     decompress_gbps: float
     max_abs_error: float
+    # compressing on demotion pays when encoding costs less than writing the bytes it
+    # saves: on disks slower than this (compress GB/s x the share of bytes saved)
+    breakeven_disk_gbps: float = 0.0
+    pays_vs_raw_write: bool = False  # ... against this run's raw disk write baseline
 
 
 def _spec(block_mib: int) -> ModelSpec:
@@ -152,7 +156,7 @@ def bench_moves(block_mib: int, num_blocks: int, repeats: int, fsync: bool, work
     return results
 
 
-def bench_codecs(repeats: int) -> list[CodecResult]:
+def bench_codecs(repeats: int, disk_write_gbps: float = 0.0) -> list[CodecResult]:
     spec = _spec(1)
     gen = torch.Generator().manual_seed(1)
     block = torch.randn(spec.block_shape, generator=gen).to(torch.float16)
@@ -168,24 +172,36 @@ def bench_codecs(repeats: int) -> list[CodecResult]:
         )
         back = codecs.decode(name, payload, spec.block_shape, torch.float16)
         err = (back.float() - block.float()).abs().max().item()
+        size_ratio, compress_gbps = raw / payload.numel(), raw / tc / 1e9
+        breakeven = compress_gbps * max(0.0, 1.0 - 1.0 / size_ratio)
         out.append(
             CodecResult(
-                name, round(raw / payload.numel(), 3), round(raw / tc / 1e9, 3), round(raw / td / 1e9, 3), round(err, 5)
+                name,
+                round(size_ratio, 3),
+                round(compress_gbps, 3),
+                round(raw / td / 1e9, 3),
+                round(err, 5),
+                round(breakeven, 3),
+                bool(disk_write_gbps) and breakeven > disk_write_gbps,
             )
         )
     return out
 
 
-def run(block_mibs=(1, 4), num_blocks: int = 32, repeats: int = 3, fsync: bool = False) -> dict:
+def run(block_mibs=(1, 4), num_blocks: int = 32, repeats: int = 3, fsync: bool = False, torch_threads: int = 1) -> dict:
+    torch.set_num_threads(torch_threads)  # as the agent runs (kvcp-agent --torch-threads)
     with tempfile.TemporaryDirectory(prefix="kvcp-bench-tiers-") as workdir:
         moves = []
         for mib in block_mibs:
             moves += bench_moves(mib, max(4, num_blocks // mib), repeats, fsync, workdir)
+    writes = [m.baseline_gbps for m in moves if m.path == "cpu->disk"]
     return {
         "cuda": cuda_available(),
         "fsync": fsync,
+        "torch_threads": torch_threads,
         "moves": [asdict(m) for m in moves],
-        "codecs": [asdict(c) for c in bench_codecs(repeats)],
+        "disk_write_gbps": max(writes, default=0.0),
+        "codecs": [asdict(c) for c in bench_codecs(repeats, max(writes, default=0.0))],
     }
 
 
@@ -200,11 +216,13 @@ def format_table(result: dict) -> str:
         )
     lines += [
         "",
-        "codecs (fp16 block [4,2,256,4,64])",
-        f"{'codec':6s} {'size ratio':>10s} {'enc GB/s':>9s} {'dec GB/s':>9s} {'max |err|':>10s}",
+        f"codecs (fp16 block [4,2,256,4,64], torch threads {result.get('torch_threads', '-')}); compressing on"
+        f" demotion pays on a disk slower than BREAKEVEN (this run's raw write: {result.get('disk_write_gbps', 0):.2f} GB/s)",
+        f"{'codec':6s} {'size ratio':>10s} {'enc GB/s':>9s} {'dec GB/s':>9s} {'max |err|':>10s} {'BREAKEVEN':>10s} {'PAYS':>5s}",
     ]
     for c in result["codecs"]:
         lines.append(
-            f"{c['codec']:6s} {c['size_ratio']:>10.2f} {c['compress_gbps']:>9.2f} {c['decompress_gbps']:>9.2f} {c['max_abs_error']:>10.4f}"
+            f"{c['codec']:6s} {c['size_ratio']:>10.2f} {c['compress_gbps']:>9.2f} {c['decompress_gbps']:>9.2f}"
+            f" {c['max_abs_error']:>10.4f} {c['breakeven_disk_gbps']:>10.2f} {'yes' if c['pays_vs_raw_write'] else 'no':>5s}"
         )
     return "\n".join(lines)

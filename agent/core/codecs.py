@@ -17,9 +17,13 @@ codec name kept in the block's metadata.
 
 from __future__ import annotations
 
+import ctypes
 import math
+from pathlib import Path
 
 import torch
+
+from protos import native
 
 FP8 = getattr(torch, "float8_e4m3fn", None)
 FP8_MAX = 448.0
@@ -46,7 +50,34 @@ def _take(buf: torch.Tensor, offset: int, n: int, dtype: torch.dtype, shape) -> 
 
 
 # ---- int8 ---------------------------------------------------------------------------
+_NATIVE_SOURCE = Path(__file__).with_name("codec_kernel.c")
+
+
+def _native():
+    """The C int8 loops (codec_kernel.c), or None: torch then does the same arithmetic."""
+    lib = native.load(_NATIVE_SOURCE, "KVCP_CODEC_KERNEL")
+    if lib is not None and not hasattr(lib, "_kvcp_ready"):
+        p, i = ctypes.c_void_p, ctypes.c_int64
+        lib.int8_encode.argtypes = [p, i, i, p, p]
+        lib.int8_decode.argtypes = [p, p, i, i, p]
+        lib.int8_encode.restype = lib.int8_decode.restype = None
+        lib._kvcp_ready = True
+    return lib
+
+
+def _native_ok(x: torch.Tensor) -> bool:
+    return x.dtype == torch.float16 and x.device.type == "cpu" and x.dim() >= 1 and x.shape[-1] > 0
+
+
 def _int8_encode(x: torch.Tensor) -> torch.Tensor:
+    lib = _native() if _native_ok(x) else None
+    if lib is not None:
+        x = x.contiguous()
+        d = x.shape[-1]
+        rows = x.numel() // d
+        out = torch.empty(2 * rows + x.numel(), dtype=torch.uint8)
+        lib.int8_encode(x.data_ptr(), rows, d, out.data_ptr(), out.data_ptr() + 2 * rows)
+        return out
     xf = x.float()
     scale = xf.abs().amax(dim=-1, keepdim=True).clamp_min(1e-8) / 127.0
     q = torch.round(xf / scale).clamp_(-127, 127).to(torch.int8)
@@ -57,6 +88,12 @@ def _int8_decode(buf: torch.Tensor, shape, dtype) -> torch.Tensor:
     n_scale = math.prod(shape[:-1])
     scale, off = _take(buf, 0, n_scale, torch.float16, (*shape[:-1], 1))
     q, _ = _take(buf, off, math.prod(shape), torch.int8, shape)
+    lib = _native() if dtype == torch.float16 and shape and shape[-1] > 0 else None
+    if lib is not None:
+        scale, q = scale.contiguous(), q.contiguous()
+        out = torch.empty(shape, dtype=torch.float16)
+        lib.int8_decode(q.data_ptr(), scale.data_ptr(), n_scale, shape[-1], out.data_ptr())
+        return out
     return (q.float() * scale.float()).to(dtype)
 
 

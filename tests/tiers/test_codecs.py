@@ -230,3 +230,41 @@ def test_lossy_codecs_refuse_integer_blocks(codec):
         pytest.skip(f"{codec} unavailable in this torch build")
     with pytest.raises(codecs.CodecError, match="floating-point"):
         codecs.encode(codec, torch.zeros((1, 2, 4, 1, 8), dtype=torch.int8))
+
+
+# ---- the C int8 loops (agent/core/codec_kernel.c) ------------------------------------
+def _torch_int8(monkeypatch, fn):
+    """Run fn with the C loops off (torch computes the same arithmetic)."""
+    monkeypatch.setattr(codecs, "_native", lambda: None)
+    return fn()
+
+
+@pytest.mark.parametrize("shape", [*SHAPES, (2, 2, 16, 4, 128), (1, 2, 3, 1, 17)], ids=str)
+@pytest.mark.parametrize("kind", ["normal", "zeros", "huge", "mixed"])
+def test_int8_c_loops_match_torch_bit_for_bit(shape, kind, monkeypatch):
+    if codecs._native() is None:
+        pytest.skip("no C compiler here: the torch path is the only one")
+    x = block(shape, torch.float16)
+    if kind == "zeros":
+        x = torch.zeros(shape, dtype=torch.float16)
+    elif kind == "huge":
+        x = (x.float() * (6e4 / x.float().abs().max().clamp_min(1e-3))).half()  # near fp16's max, finite
+    elif kind == "mixed":
+        x[..., ::3] = 0
+        x[..., 1::5] *= 1000
+    x = x.transpose(2, 3).contiguous().transpose(2, 3)  # strided input: encoded as a copy
+    native_payload = codecs.encode("int8", x)
+    torch_payload = _torch_int8(monkeypatch, lambda: codecs.encode("int8", x))
+    assert torch.equal(native_payload, torch_payload)
+    monkeypatch.undo()
+    native_back = codecs.decode("int8", native_payload, shape, torch.float16)
+    torch_back = _torch_int8(monkeypatch, lambda: codecs.decode("int8", native_payload, shape, torch.float16))
+    assert torch.equal(native_back, torch_back)
+
+
+def test_int8_c_loops_build_where_a_compiler_is(monkeypatch):
+    import shutil
+
+    if shutil.which("cc") is None:
+        pytest.skip("no C compiler")
+    assert codecs._native() is not None, "agent/core/codec_kernel.c did not build (see the log)"

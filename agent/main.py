@@ -114,10 +114,10 @@ def _metrics_listen(ctx, param, value: str) -> str:
 )
 @click.option(
     "--disk-codec",
-    default="zstd",
+    default="none",
     show_default=True,
     type=click.Choice(available_codecs()),
-    help="Codec applied to raw blocks demoted to disk.",
+    help="Codec applied to raw blocks demoted to disk (int8: half the bytes, lossy; zstd: lossless, slow).",
 )
 @click.option("--lease-ttl-seconds", default=10, show_default=True, type=click.IntRange(2, 3600))
 @click.option("--etcd-wait-seconds", default=30.0, show_default=True, type=float)

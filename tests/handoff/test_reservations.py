@@ -9,7 +9,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from agent.core.block_pool import BlockPool
-from agent.core.handoff import Link, ReservationError, Reservations, checksum, pair_runs
+from agent.core.handoff import Link, ReservationError, Reservations, batches_of, checksum, pair_runs
 from agent.store.memory_tier import MemoryTier
 from protos import errors
 from protos.tier import Tier
@@ -159,6 +159,18 @@ def test_pair_runs_maps_every_byte_once(src_lens, dst_lens):
 
     assert [s + k for s, _, n in pieces for k in range(n)] == flat(src)
     assert [d + k for _, d, n in pieces for k in range(n)] == flat(dst)
+
+
+@given(st.lists(st.integers(1, 40), max_size=30), st.integers(1, 100), st.integers(1, 60))
+def test_engine_batches_cover_every_block_once_in_order_with_a_small_last_one(sizes, batch, tail):
+    batches = batches_of(sizes, batch, tail)
+    assert [i for b in batches for i in b] == list(range(len(sizes)))
+    assert all(b for b in batches)
+    if batches:
+        last = [sizes[i] for i in batches[-1]]
+        assert sum(last) <= tail or len(last) == 1
+        # each earlier batch closes once it reaches the batch size, not before
+        assert all(sum(sizes[i] for i in b[:-1]) < batch for b in batches[:-1])
 
 
 def _trim(lens, total):

@@ -48,6 +48,7 @@ from agent.core.handoff import (
     Links,
     Reservations,
     RetryPolicy,
+    RunCursor,
     batches_of,
     checksum,
     pair_runs,
@@ -209,7 +210,7 @@ class DataPlane:
         return agent_pb2.ReserveResponse(
             reservation_id=r.reservation_id,
             num_present_blocks=r.num_present,
-            blocks=[agent_pb2.BlockSlots(addresses=[a for a, _ in s], lengths=[n for _, n in s]) for s in slots],
+            slots=agent_pb2.BlockSlots(addresses=[a for a, _ in slots], lengths=[n for _, n in slots]),
             transfer_endpoint=self.engine.endpoint if self.engine_up else "",
             expires_unix_seconds=time.time() + (r.expires_monotonic - time.monotonic()),
         )
@@ -522,6 +523,14 @@ class DataPlane:
         bounce = store.read(meta.handle, meta.stored_bytes).contiguous()
         return [bounce], bounce
 
+    def _source_runs(self, meta: BlockMeta) -> tuple[list[tuple[int, int]], torch.Tensor | None]:
+        """As _source, as (address, length) runs; no tensors for a block in the slab."""
+        store = self.pool.store_of[meta.tier]
+        if store is self.store and hasattr(store, "byte_runs"):
+            return store.byte_runs(meta.handle, meta.stored_bytes), None
+        segs, bounce = self._source(meta)
+        return [(seg.data_ptr(), seg.numel()) for seg in segs], bounce
+
     def _write_chain(self, endpoint: str, batches: queue.SimpleQueue, stop: threading.Event) -> None:
         """The engine writes of one handoff, back to back in this one thread, so the engine
         never waits for Python between batches; each batch's future says when it landed.
@@ -586,29 +595,28 @@ class DataPlane:
                 v.result(timeout=left(deadline - time.monotonic()))
             stub.Commit(request, timeout=left(max(self.config.rpc_timeout_seconds, 0.1 + nbytes / 1e9)))
 
+        slots = list(zip(resp.slots.addresses, resp.slots.lengths, strict=True))
+        reserved = sum(n for _, n in slots)
+        wanted = sum(m.stored_bytes for m in metas[p:])
+        if reserved != wanted:
+            raise _PathError(f"the peer reserved {reserved} B for {wanted} B of blocks", path_off=True)
+        dst = RunCursor(slots)
+        bounced: dict[int, torch.Tensor] = {}
         try:
             for k, chunk in enumerate(chunks):
                 src_runs: list[tuple[int, int]] = []
-                dst_runs: list[tuple[int, int]] = []
-                segments: dict[int, list[torch.Tensor]] = {}
                 nbytes = 0
                 for i in chunk:
-                    segs, bounce = self._source(metas[i])
+                    runs, bounce = self._source_runs(metas[i])
                     if bounce is not None:
                         self.engine.register(bounce.data_ptr(), bounce.numel())
                         bounces.append(bounce)
-                    segments[i] = segs
-                    slot = resp.blocks[i - p]
-                    if sum(slot.lengths) != metas[i].stored_bytes:
-                        raise _PathError(
-                            f"the peer reserved {sum(slot.lengths)} B for a {metas[i].stored_bytes} B block"
-                        )
-                    dst_runs += zip(slot.addresses, slot.lengths, strict=True)
-                    src_runs += [(s.data_ptr(), s.numel()) for s in segs]
+                        bounced[i] = bounce
+                    src_runs += runs
                     nbytes += metas[i].stored_bytes
                 # one piece per stretch contiguous on both sides: blocks laid out in order
                 # on both slabs go as a few large writes, not one per block
-                pieces = pair_runs(src_runs, dst_runs)
+                pieces = pair_runs(src_runs, dst.take(nbytes))
                 if not link.pace(nbytes, deadline):
                     raise _Stalled(f"the link's bandwidth limit would pass the deadline for {nbytes} B")
                 fut: cf.Future = cf.Future()
@@ -617,7 +625,10 @@ class DataPlane:
                 batches.put((pieces, fut))
                 # the checksum each block carries from when it was made; hashed here only
                 # for a block that has none (while the engine writes)
-                sums = [metas[i].checksum or checksum(segments[i]) for i in chunk]
+                sums = [
+                    metas[i].checksum or checksum([bounced[i]] if i in bounced else self._source(metas[i])[0])
+                    for i in chunk
+                ]
                 inflight.append((k, chunk, fut, nbytes, sums))
                 while len(inflight) > 1 and inflight[0][2].done():  # verify what landed meanwhile
                     finish(*inflight.pop(0))

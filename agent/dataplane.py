@@ -68,7 +68,6 @@ class DataPlaneConfig:
     deadline_seconds: float = 10.0  # default answer time of a handoff
     rpc_timeout_seconds: float = 3.0  # one control RPC to a peer (Reserve, Commit, Abort)
     chunk_bytes: int = 64 << 20  # engine writes go in batches of about this much (each engine call costs a few ms)
-    tail_chunk_bytes: int = 8 << 20  # the last batch: what the last Commit verifies with nothing to overlap
     grpc_chunk_bytes: int = 1 << 20  # fallback stream message size
     stall_min_bytes_per_second: float = 20e6  # slower than this (plus 2 s) is a stall
     link_max_concurrent: int = 2
@@ -555,7 +554,7 @@ class DataPlane:
         """Engine writes of the blocks in batches of about `chunk_bytes`, back to back from
         one writer thread (the engine never waits for Python between batches); each batch
         that has landed is verified by the peer (Commit) while later ones travel, and the
-        last Commit, on a small last batch, makes the prefix visible."""
+        last Commit makes the prefix visible."""
         p = resp.num_present_blocks
         endpoint = resp.transfer_endpoint or peer.endpoint
         rid = resp.reservation_id
@@ -563,8 +562,7 @@ class DataPlane:
         chunk_bytes = self.config.chunk_bytes
         if link.bytes_per_second > 0:  # a limited link is paced chunk by chunk: keep them small
             chunk_bytes = min(chunk_bytes, int(link.bytes_per_second * 0.1))
-        tail_bytes = min(chunk_bytes, self.config.tail_chunk_bytes)
-        chunks = [[p + j for j in b] for b in batches_of([m.stored_bytes for m in metas[p:]], chunk_bytes, tail_bytes)]
+        chunks = [[p + j for j in b] for b in batches_of([m.stored_bytes for m in metas[p:]], chunk_bytes)]
         verifies = []
         total = 0
         bounces: list[torch.Tensor] = []

@@ -455,27 +455,18 @@ class Links:
             return list(self._links.values())
 
 
-def batches_of(sizes: Sequence[int], batch_bytes: int, tail_bytes: int) -> list[list[int]]:
-    """Indices of `sizes` (bytes per block, in order) in consecutive batches of about
-    `batch_bytes`, the last batch at most `tail_bytes` (and at least one block): the
-    receiver verifies each batch while the next is written, and the last one with
-    nothing left to overlap, so it is kept small."""
-    tail: list[int] = []
-    size = 0
-    i = len(sizes)
-    while i > 0 and (not tail or size + sizes[i - 1] <= tail_bytes):
-        i -= 1
-        tail.insert(0, i)
-        size += sizes[i]
+def batches_of(sizes: Sequence[int], batch_bytes: int) -> list[list[int]]:
+    """Indices of `sizes` (bytes per block, in order) in consecutive batches, each closed
+    once it holds `batch_bytes` or more (a block is never split)."""
     out: list[list[int]] = []
     size = batch_bytes
-    for j in range(i):
+    for j, n in enumerate(sizes):
         if size >= batch_bytes:
             out.append([])
             size = 0
         out[-1].append(j)
-        size += sizes[j]
-    return [*out, tail] if tail else out
+        size += n
+    return out
 
 
 class RunCursor:

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import concurrent.futures as cf
 import logging
+import queue
 import random
 import threading
 import time
@@ -47,6 +48,8 @@ from agent.core.handoff import (
     Links,
     Reservations,
     RetryPolicy,
+    RunCursor,
+    batches_of,
     checksum,
     pair_runs,
 )
@@ -65,7 +68,6 @@ class DataPlaneConfig:
     deadline_seconds: float = 10.0  # default answer time of a handoff
     rpc_timeout_seconds: float = 3.0  # one control RPC to a peer (Reserve, Commit, Abort)
     chunk_bytes: int = 64 << 20  # engine writes go in batches of about this much (each engine call costs a few ms)
-    write_window: int = 1  # engine batches on the wire at once (2+ share the link; measured no faster here)
     grpc_chunk_bytes: int = 1 << 20  # fallback stream message size
     stall_min_bytes_per_second: float = 20e6  # slower than this (plus 2 s) is a stall
     link_max_concurrent: int = 2
@@ -135,7 +137,8 @@ class DataPlane:
         self._peers: dict[str, tuple[float, Peer]] = {}
         self._channels: dict[str, grpc.Channel] = {}
         self._lock = threading.Lock()
-        self._writers = cf.ThreadPoolExecutor(max_workers=4, thread_name_prefix="te-write")
+        # one writer thread per handoff on the engine path (it holds it while the handoff runs)
+        self._writers = cf.ThreadPoolExecutor(max_workers=16, thread_name_prefix="te-write")
         self._rng = random.Random()
         self.tls = None  # protos.security.TLSConfig of this agent: peers' listeners use the same
         self.registered = False
@@ -206,7 +209,7 @@ class DataPlane:
         return agent_pb2.ReserveResponse(
             reservation_id=r.reservation_id,
             num_present_blocks=r.num_present,
-            blocks=[agent_pb2.BlockSlots(addresses=[a for a, _ in s], lengths=[n for _, n in s]) for s in slots],
+            slots=agent_pb2.BlockSlots(addresses=[a for a, _ in slots], lengths=[n for _, n in slots]),
             transfer_endpoint=self.engine.endpoint if self.engine_up else "",
             expires_unix_seconds=time.time() + (r.expires_monotonic - time.monotonic()),
         )
@@ -519,11 +522,39 @@ class DataPlane:
         bounce = store.read(meta.handle, meta.stored_bytes).contiguous()
         return [bounce], bounce
 
+    def _source_runs(self, meta: BlockMeta) -> tuple[list[tuple[int, int]], torch.Tensor | None]:
+        """As _source, as (address, length) runs; no tensors for a block in the slab."""
+        store = self.pool.store_of[meta.tier]
+        if store is self.store and hasattr(store, "byte_runs"):
+            return store.byte_runs(meta.handle, meta.stored_bytes), None
+        segs, bounce = self._source(meta)
+        return [(seg.data_ptr(), seg.numel()) for seg in segs], bounce
+
+    def _write_chain(self, endpoint: str, batches: queue.SimpleQueue, stop: threading.Event) -> None:
+        """The engine writes of one handoff, back to back in this one thread, so the engine
+        never waits for Python between batches; each batch's future says when it landed.
+        After a failure or `stop` the batches left are not written (their futures fail)."""
+        failed: BaseException | None = None
+        while (item := batches.get()) is not None:
+            pieces, fut = item
+            if failed is None and stop.is_set():
+                failed = TransferFailed("the handoff stopped before this batch was written")
+            if failed is not None:
+                fut.set_exception(failed)
+                continue
+            try:
+                self.engine.write(endpoint, pieces)
+            except BaseException as exc:  # noqa: BLE001 - handed to the waiting sender
+                failed = exc
+                fut.set_exception(exc)
+            else:
+                fut.set_result(None)
+
     def _send_engine(self, stub, peer: Peer, resp, metas: list[BlockMeta], deadline: float, left) -> int:
-        """Engine writes of the blocks in chunks of about `chunk_bytes`, `write_window`
-        chunks on the wire at once (the engine never waits for Python between chunks);
-        each finished chunk is verified by the peer (Commit) while later ones travel, and
-        the last Commit makes the prefix visible."""
+        """Engine writes of the blocks in batches of about `chunk_bytes`, back to back from
+        one writer thread (the engine never waits for Python between batches); each batch
+        that has landed is verified by the peer (Commit) while later ones travel, and the
+        last Commit makes the prefix visible."""
         p = resp.num_present_blocks
         endpoint = resp.transfer_endpoint or peer.endpoint
         rid = resp.reservation_id
@@ -531,18 +562,15 @@ class DataPlane:
         chunk_bytes = self.config.chunk_bytes
         if link.bytes_per_second > 0:  # a limited link is paced chunk by chunk: keep them small
             chunk_bytes = min(chunk_bytes, int(link.bytes_per_second * 0.1))
-        chunks: list[list[int]] = [[]]
-        size = 0
-        for i in range(p, len(metas)):
-            if size >= chunk_bytes:
-                chunks.append([])
-                size = 0
-            chunks[-1].append(i)
-            size += metas[i].stored_bytes
+        chunks = [[p + j for j in b] for b in batches_of([m.stored_bytes for m in metas[p:]], chunk_bytes)]
         verifies = []
         total = 0
         bounces: list[torch.Tensor] = []
         inflight: list[tuple[int, list[int], cf.Future, int, list[int]]] = []
+        futures: list[cf.Future] = []
+        batches: queue.SimpleQueue = queue.SimpleQueue()
+        stop = threading.Event()
+        self._writers.submit(self._write_chain, endpoint, batches, stop)
         stalled = False
 
         def finish(k: int, chunk: list[int], fut: cf.Future, nbytes: int, sums: list[int]) -> None:
@@ -565,45 +593,53 @@ class DataPlane:
                 v.result(timeout=left(deadline - time.monotonic()))
             stub.Commit(request, timeout=left(max(self.config.rpc_timeout_seconds, 0.1 + nbytes / 1e9)))
 
+        slots = list(zip(resp.slots.addresses, resp.slots.lengths, strict=True))
+        reserved = sum(n for _, n in slots)
+        wanted = sum(m.stored_bytes for m in metas[p:])
+        if reserved != wanted:
+            raise _PathError(f"the peer reserved {reserved} B for {wanted} B of blocks", path_off=True)
+        dst = RunCursor(slots)
+        bounced: dict[int, torch.Tensor] = {}
         try:
             for k, chunk in enumerate(chunks):
                 src_runs: list[tuple[int, int]] = []
-                dst_runs: list[tuple[int, int]] = []
-                segments: dict[int, list[torch.Tensor]] = {}
                 nbytes = 0
                 for i in chunk:
-                    segs, bounce = self._source(metas[i])
+                    runs, bounce = self._source_runs(metas[i])
                     if bounce is not None:
                         self.engine.register(bounce.data_ptr(), bounce.numel())
                         bounces.append(bounce)
-                    segments[i] = segs
-                    slot = resp.blocks[i - p]
-                    if sum(slot.lengths) != metas[i].stored_bytes:
-                        raise _PathError(
-                            f"the peer reserved {sum(slot.lengths)} B for a {metas[i].stored_bytes} B block"
-                        )
-                    dst_runs += zip(slot.addresses, slot.lengths, strict=True)
-                    src_runs += [(s.data_ptr(), s.numel()) for s in segs]
+                        bounced[i] = bounce
+                    src_runs += runs
                     nbytes += metas[i].stored_bytes
                 # one piece per stretch contiguous on both sides: blocks laid out in order
                 # on both slabs go as a few large writes, not one per block
-                pieces = pair_runs(src_runs, dst_runs)
+                pieces = pair_runs(src_runs, dst.take(nbytes))
                 if not link.pace(nbytes, deadline):
                     raise _Stalled(f"the link's bandwidth limit would pass the deadline for {nbytes} B")
-                fut = self._writers.submit(self.engine.write, endpoint, pieces)
+                fut: cf.Future = cf.Future()
+                fut.set_running_or_notify_cancel()
+                futures.append(fut)
+                batches.put((pieces, fut))
                 # the checksum each block carries from when it was made; hashed here only
                 # for a block that has none (while the engine writes)
-                sums = [metas[i].checksum or checksum(segments[i]) for i in chunk]
+                sums = [
+                    metas[i].checksum or checksum([bounced[i]] if i in bounced else self._source(metas[i])[0])
+                    for i in chunk
+                ]
                 inflight.append((k, chunk, fut, nbytes, sums))
-                if len(inflight) >= self.config.write_window:
+                while len(inflight) > 1 and inflight[0][2].done():  # verify what landed meanwhile
                     finish(*inflight.pop(0))
+            batches.put(None)
             while inflight:
                 finish(*inflight.pop(0))
         except _Stalled:
             stalled = True
             raise
         finally:
-            pending = [f for _, _, f, _, _ in inflight if not f.done()]
+            stop.set()
+            batches.put(None)  # the writer ends after the batches given to it (failing those not begun)
+            pending = [f for f in futures if not f.done()]
             if pending and not stalled:
                 # an error with writes still on the wire: let them end before the caller
                 # calls the reservation quiesced; one that does not end is a stall

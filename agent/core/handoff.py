@@ -189,12 +189,18 @@ class Reservations:
             self._open[rid] = r
         return r
 
-    def slots(self, r: Reservation) -> list[list[tuple[int, int]]]:
-        """(address, length) runs of each reserved block in the registered buffer."""
-        out = []
+    def slots(self, r: Reservation) -> list[tuple[int, int]]:
+        """(address, length) runs of the registered buffer where the reserved blocks go,
+        one after another in prefix order (block i takes the next stored_bytes[i] bytes);
+        runs that touch are merged."""
+        out: list[tuple[int, int]] = []
         for i, handle in enumerate(r.handles):
             n = r.stored_bytes[r.num_present + i]
-            out.append([(seg.data_ptr(), seg.numel()) for seg in self.store.views(handle, n)])
+            for addr, length in _runs_of(self.store, handle, n):
+                if out and out[-1][0] + out[-1][1] == addr:
+                    out[-1] = (out[-1][0], out[-1][1] + length)
+                else:
+                    out.append((addr, length))
         return out
 
     def views(self, r: Reservation, index: int):
@@ -312,6 +318,13 @@ class Reservations:
     def quarantined_pages(self) -> int:
         with self._lock:
             return sum(len(p) for _, hs in self._quarantine for p in hs)
+
+
+def _runs_of(store, handle, num_bytes: int) -> list[tuple[int, int]]:
+    """(address, length) runs of a block's first `num_bytes` in a store's memory."""
+    if hasattr(store, "byte_runs"):
+        return store.byte_runs(handle, num_bytes)
+    return [(seg.data_ptr(), seg.numel()) for seg in store.views(handle, num_bytes)]
 
 
 # ---- sender: retries, link limits, throughput -----------------------------------------
@@ -440,6 +453,44 @@ class Links:
     def all(self) -> list[Link]:
         with self._lock:
             return list(self._links.values())
+
+
+def batches_of(sizes: Sequence[int], batch_bytes: int) -> list[list[int]]:
+    """Indices of `sizes` (bytes per block, in order) in consecutive batches, each closed
+    once it holds `batch_bytes` or more (a block is never split)."""
+    out: list[list[int]] = []
+    size = batch_bytes
+    for j, n in enumerate(sizes):
+        if size >= batch_bytes:
+            out.append([])
+            size = 0
+        out[-1].append(j)
+        size += n
+    return out
+
+
+class RunCursor:
+    """Consecutive stretches of a list of (address, length) runs: `take(n)` gives the
+    runs of the next n bytes (a batch of blocks in the receiver's slots)."""
+
+    def __init__(self, runs: Sequence[tuple[int, int]]):
+        self._runs = runs
+        self._i = 0
+        self._off = 0
+
+    def take(self, n: int) -> list[tuple[int, int]]:
+        out: list[tuple[int, int]] = []
+        while n > 0:
+            if self._i >= len(self._runs):
+                raise ValueError(f"the runs end {n} B short")
+            addr, length = self._runs[self._i]
+            k = min(n, length - self._off)
+            out.append((addr + self._off, k))
+            self._off += k
+            n -= k
+            if self._off >= length:
+                self._i, self._off = self._i + 1, 0
+        return out
 
 
 def pair_runs(src: Sequence[tuple[int, int]], dst: Sequence[tuple[int, int]]) -> list[tuple[int, int, int]]:

@@ -45,6 +45,7 @@ class MemoryTier:
         self.device = device
         pin = device == "cpu" and cuda_available()
         self.slab = torch.empty(self.num_pages * page_bytes, dtype=torch.uint8, device=device, pin_memory=pin)
+        self._base = self.slab.data_ptr()
         self._free = list(range(self.num_pages - 1, -1, -1))  # a stack: pops ascend
 
     @property
@@ -76,6 +77,22 @@ class MemoryTier:
                 break
             n = min(left, (end - start) * pb)
             out.append(self.slab[start * pb : start * pb + n])
+            left -= n
+        return out
+
+    def byte_runs(self, handle, num_bytes: int) -> list[tuple[int, int]]:
+        """(address, length) of the slab runs holding the first `num_bytes` of a block, in
+        order: what `views` covers, by arithmetic (no tensors; a handoff asks per block)."""
+        pb, base = self.page_bytes, self._base
+        first = handle[0]
+        if handle[-1] - first == len(handle) - 1 and (len(handle) < 3 or handle[1] == first + 1):
+            return [(base + first * pb, min(num_bytes, len(handle) * pb))]
+        out, left = [], num_bytes
+        for start, end in runs(handle):
+            if left <= 0:
+                break
+            n = min(left, (end - start) * pb)
+            out.append((base + start * pb, n))
             left -= n
         return out
 

@@ -9,7 +9,15 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from agent.core.block_pool import BlockPool
-from agent.core.handoff import Link, ReservationError, Reservations, checksum, pair_runs
+from agent.core.handoff import (
+    Link,
+    ReservationError,
+    Reservations,
+    RunCursor,
+    batches_of,
+    checksum,
+    pair_runs,
+)
 from agent.store.memory_tier import MemoryTier
 from protos import errors
 from protos.tier import Tier
@@ -60,6 +68,25 @@ def test_reserved_blocks_are_invisible_until_the_last_commit():
     blocks, _ = pool.read_chain(hashes)
     assert all(bool((b == kv[i]).all()) for i, b in enumerate(blocks))
     assert res.open_count() == 0
+
+
+def test_slots_cover_the_reserved_pages_in_order_merged_where_they_touch():
+    pool, res, _ = make()
+    _, _, hashes = prompt(SMALL, 6)
+    held = pool.top.allocate(BLOCK)  # a page taken in between: the reservation has two runs
+    res.reserve(SMALL.model_id, hashes[:1], [BLOCK], ["none"], ttl_seconds=5)
+    pool.top.free(held)
+    r = reserve(res, hashes)
+    slots = res.slots(r)
+    flat = [a + k for a, n in slots for k in range(n)]
+    views = [v for i in range(r.num_present, r.num_blocks) for v in res.views(r, i)]
+    assert flat == [v.data_ptr() + k for v in views for k in range(v.numel())]
+    assert len(slots) == 2  # one run per stretch of touching pages, not one per block
+    cursor = RunCursor(slots)
+    taken = cursor.take(BLOCK // 2) + cursor.take(5 * BLOCK + BLOCK // 2)
+    assert [a + k for a, n in taken for k in range(n)] == flat
+    with pytest.raises(ValueError):
+        cursor.take(1)
 
 
 def test_checksum_mismatch_makes_nothing_visible_and_quarantines_the_pages():
@@ -159,6 +186,15 @@ def test_pair_runs_maps_every_byte_once(src_lens, dst_lens):
 
     assert [s + k for s, _, n in pieces for k in range(n)] == flat(src)
     assert [d + k for _, d, n in pieces for k in range(n)] == flat(dst)
+
+
+@given(st.lists(st.integers(1, 40), max_size=30), st.integers(1, 100))
+def test_engine_batches_cover_every_block_once_in_order(sizes, batch):
+    batches = batches_of(sizes, batch)
+    assert [i for b in batches for i in b] == list(range(len(sizes)))
+    assert all(b for b in batches)
+    # each batch but the last closes once it reaches the batch size, not before
+    assert all(sum(sizes[i] for i in b[:-1]) < batch <= sum(sizes[i] for i in b) for b in batches[:-1])
 
 
 def _trim(lens, total):

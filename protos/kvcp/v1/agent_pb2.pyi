@@ -356,18 +356,18 @@ class BlockSlots(_message.Message):
     def __init__(self, addresses: _Optional[_Iterable[int]] = ..., lengths: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class ReserveResponse(_message.Message):
-    __slots__ = ("reservation_id", "num_present_blocks", "blocks", "transfer_endpoint", "expires_unix_seconds")
+    __slots__ = ("reservation_id", "num_present_blocks", "transfer_endpoint", "expires_unix_seconds", "slots")
     RESERVATION_ID_FIELD_NUMBER: _ClassVar[int]
     NUM_PRESENT_BLOCKS_FIELD_NUMBER: _ClassVar[int]
-    BLOCKS_FIELD_NUMBER: _ClassVar[int]
     TRANSFER_ENDPOINT_FIELD_NUMBER: _ClassVar[int]
     EXPIRES_UNIX_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    SLOTS_FIELD_NUMBER: _ClassVar[int]
     reservation_id: str
     num_present_blocks: int
-    blocks: _containers.RepeatedCompositeFieldContainer[BlockSlots]
     transfer_endpoint: str
     expires_unix_seconds: float
-    def __init__(self, reservation_id: _Optional[str] = ..., num_present_blocks: _Optional[int] = ..., blocks: _Optional[_Iterable[_Union[BlockSlots, _Mapping]]] = ..., transfer_endpoint: _Optional[str] = ..., expires_unix_seconds: _Optional[float] = ...) -> None: ...
+    slots: BlockSlots
+    def __init__(self, reservation_id: _Optional[str] = ..., num_present_blocks: _Optional[int] = ..., transfer_endpoint: _Optional[str] = ..., expires_unix_seconds: _Optional[float] = ..., slots: _Optional[_Union[BlockSlots, _Mapping]] = ...) -> None: ...
 
 class PushChunk(_message.Message):
     __slots__ = ("reservation_id", "block_index", "offset", "data")

@@ -17,8 +17,6 @@ import time
 from collections import OrderedDict, deque
 from dataclasses import dataclass
 
-import numpy as np
-
 from controlplane.core import operations as ops
 from controlplane.core import policy as tier_policy
 from controlplane.core.access_stats import AccessStats
@@ -765,15 +763,13 @@ class Manager:
         """What the agent holds per managed tier, with parents, copied out of the index;
         its blocks held elsewhere too are added to `replicas`."""
         keys, tiers, parents, replicated = self.cluster.agent_chains(rec.agent_id)
-        n = BLOCK_HASH_BYTES
-        for i in np.flatnonzero(replicated).tolist():
-            replicas[keys[i * n : i * n + n]] = 2
+        replicas.update(dict.fromkeys(keys[replicated].tolist(), 2))
         out = []
         for t in rec.tiers:
             if t.tier not in tier_policy.MANAGED_TIERS:
                 continue
-            rows = np.flatnonzero(tiers == int(t.tier)).tolist()
-            blocks = {keys[i * n : i * n + n]: parents[i * n : i * n + n] for i in rows}
+            here = tiers == int(t.tier)
+            blocks = dict(zip(keys[here].tolist(), parents[here].tolist(), strict=True))
             out.append(tier_policy.TierView(t.tier, self._tier_capacity_blocks(rec, t), blocks))
         return tier_policy.AgentView(rec.agent_id, tuple(out))
 

@@ -708,19 +708,22 @@ class BlockIndex:
         tiers = self._tiers_of(ent, slot).tolist()
         return {raw[16 * i : 16 * i + 16]: t for i, t in enumerate(tiers)}
 
-    def agent_chains(self, agent_id: str) -> tuple[bytes, np.ndarray, bytes, np.ndarray]:
-        """What `agent_id` holds, copied out (safe to use once the lock is let go): packed
-        digests, their tier values (uint8), packed parent digests (ROOT_PARENT_HASH where
-        none is known), and whether another agent holds each too (bool)."""
+    def agent_chains(self, agent_id: str) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        """What `agent_id` holds, copied out (safe to use once the lock is let go): its
+        digests and their parents' (ROOT_PARENT_HASH where none is known) as 16-byte
+        void arrays (`.tolist()` gives `bytes`), tier values (uint8), and whether another
+        agent holds each too (bool)."""
         slot = self._slot_of.get(agent_id)
         if slot is None or not self._counts[slot]:
-            return b"", np.zeros(0, np.uint8), b"", np.zeros(0, bool)
+            return np.zeros(0, _V16), np.zeros(0, np.uint8), np.zeros(0, _V16), np.zeros(0, bool)
         ent = self._entries_of(slot)
         w, bit = self._word_bit(slot)
         others = np.take(self._mask, ent, axis=1)
         others[w] &= ~bit
         replicated = (others != 0).any(axis=0)
-        return self._keys[ent].tobytes(), self._tiers_of(ent, slot), self._parents[ent].tobytes(), replicated
+        keys = self._keys[ent].view(_V16).reshape(-1)
+        parents = self._parents[ent].view(_V16).reshape(-1)
+        return keys, self._tiers_of(ent, slot), parents, replicated
 
     def tiers_held(self, agent_id: str, block_hashes) -> np.ndarray:
         """Tier value of each digest on `agent_id` (uint8; 0 where it does not hold it)."""

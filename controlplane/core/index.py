@@ -457,12 +457,6 @@ class BlockIndex:
         by the next k bits, and a key keeps its slot j there. Keys of one old bucket sit at
         distinct slots, so nothing collides: one scatter, no claim rounds."""
         old_shift = self._shift
-        if self._lib is not None:
-            old_tags, old_ents, old_nb = self._tags, self._ents, self._nb
-            self._new_table(nb)
-            x = self._kernel()
-            self._lib.kv_regrow(ctypes.byref(x), old_tags.ctypes.data, old_ents.ctypes.data, old_nb, int(old_shift))
-            return
         occ = np.flatnonzero(self._tags_flat != _EMPTY)
         tags = self._tags_flat[occ]
         ents = self._ents_flat[occ]

@@ -170,20 +170,3 @@ int64_t kv_remove(kv_index *x, const uint64_t *keys, int64_t n, int64_t slot) {
     }
     return removed;
 }
-
-/* Grow the table (BlockIndex._grow): every occupied slot of the old table (old_nb
-   buckets, old_shift) moves to the new one (x's tags/ents/shift, zeroed by the caller),
-   keeping its slot within the bucket. */
-void kv_regrow(kv_index *x, const uint32_t *old_tags, const int32_t *old_ents, int64_t old_nb, uint64_t old_shift) {
-    for (int64_t i = 0; i < old_nb * BUCKET; i++) {
-        if (old_tags[i] == EMPTY) continue;
-        int32_t e = old_ents[i];
-        uint64_t h = mix(x->keys + 2 * (int64_t)e);
-        uint64_t h2 = h * C3;
-        int home = (int64_t)(h >> old_shift) == (i >> 3);
-        uint64_t word = home ? h : (h2 ^ (h2 << 29));
-        int64_t slot = (int64_t)(word >> x->shift) * BUCKET + (i & (BUCKET - 1));
-        x->tags[slot] = old_tags[i];
-        x->ents[slot] = e;
-    }
-}

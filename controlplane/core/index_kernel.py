@@ -57,7 +57,5 @@ def load() -> ctypes.CDLL | None:
     lib.kv_add.restype = _I
     lib.kv_remove.argtypes = [p, _P, _I, _I]
     lib.kv_remove.restype = _I
-    lib.kv_regrow.argtypes = [p, _P, _P, _I, ctypes.c_uint64]
-    lib.kv_regrow.restype = None
     lib._kvcp_ready = True
     return lib

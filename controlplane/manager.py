@@ -23,6 +23,7 @@ from controlplane.core.access_stats import AccessStats
 from controlplane.core.cluster import AgentCommand, Cluster, ModelInfo
 from controlplane.core.pins import Pin, check_namespace, check_quota, new_pin
 from controlplane.core.tuning import CreditTuner
+from controlplane.metrics import PolicyStats
 from controlplane.store.durable import DurableStore, op_to_json, pin_key, pin_to_json
 from controlplane.store.locks import EtcdLock
 from protos import errors, etcd_keys
@@ -115,6 +116,7 @@ class Manager:
         self.policy_passes_total = 0
         self.policy_agents_decided_total = 0
         self.policy_pass_seconds_max = 0.0  # the longest pass (copying out, decide, sending)
+        self.policy_pass_seconds_last = 0.0
         self._slow_hit_agents: set[str] = set()
         self._policy_inflight: dict[str, dict[str, float]] = {}  # agent -> {op_id: deadline}
         self._policy_ops = 0
@@ -667,7 +669,8 @@ class Manager:
             return self._policy_pass(now)
         finally:
             self.policy_passes_total += 1
-            self.policy_pass_seconds_max = max(self.policy_pass_seconds_max, time.perf_counter() - started)
+            self.policy_pass_seconds_last = time.perf_counter() - started
+            self.policy_pass_seconds_max = max(self.policy_pass_seconds_max, self.policy_pass_seconds_last)
 
     def _policy_pass(self, now: float) -> int:
         policy = self.tier_policy()
@@ -740,6 +743,15 @@ class Manager:
 
     def _capacity_blocks(self, rec) -> int:
         return sum(self._tier_capacity_blocks(rec, t) for t in rec.tiers if t.tier in tier_policy.MANAGED_TIERS)
+
+    def policy_stats(self) -> PolicyStats:
+        """For the metrics (kvcp_policy_*)."""
+        return PolicyStats(
+            self.policy_passes_total,
+            self.policy_agents_decided_total,
+            self.policy_actions_total,
+            self.policy_pass_seconds_last,
+        )
 
     def _policy_due(self, rec, policy: tier_policy.Policy, pinned: dict[bytes, Tier]) -> bool:
         """Can `decide` have anything to do for this agent? (counts only; see policy_pass)"""

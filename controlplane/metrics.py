@@ -39,6 +39,16 @@ class PinStats:
     pinned_bytes: int = 0
 
 
+@dataclass(frozen=True)
+class PolicyStats:
+    """The tier-policy pass (Manager.policy_pass)."""
+
+    passes_total: int = 0
+    agents_decided_total: int = 0
+    actions_total: int = 0
+    last_pass_seconds: float = 0.0
+
+
 class ClusterCollector:
     """Cluster state at scrape time. `leadership` has is_leader, epoch (LeaderElection)."""
 
@@ -48,11 +58,13 @@ class ClusterCollector:
         leadership=None,
         pins_source: Callable[[], PinStats] | None = None,
         operations_source: Callable[[], Mapping[tuple[str, str], int]] | None = None,
+        policy_source: Callable[[], PolicyStats] | None = None,
     ):
         self._cluster = cluster
         self._leadership = leadership
         self.pins_source = pins_source
         self.operations_source = operations_source
+        self.policy_source = policy_source
 
     @staticmethod
     def _families() -> dict[str, GaugeMetricFamily | CounterMetricFamily]:
@@ -90,6 +102,10 @@ class ClusterCollector:
             (g, "kvcp_pins", "Pins in force.", []),
             (g, "kvcp_pinned_bytes", "Bytes of KV cache held by pins.", []),
             (g, "kvcp_operations", "Operations known to the control plane by kind and state.", ["kind", "state"]),
+            (c, "kvcp_policy_passes_total", "Tier-policy passes run by this replica.", []),
+            (c, "kvcp_policy_agents_decided_total", "Agents the tier-policy passes decided for.", []),
+            (c, "kvcp_policy_actions_total", "Commands the tier-policy passes sent to agents.", []),
+            (g, "kvcp_policy_pass_seconds", "Duration of the latest tier-policy pass.", []),
         ]
         return {name: kind(name, doc, labels=labels) for kind, name, doc, labels in specs}
 
@@ -130,6 +146,11 @@ class ClusterCollector:
                 f["kvcp_operations"].add_metric([kind, state], ops.pop((kind, state), 0))
         for (kind, state), n in sorted(ops.items()):  # a kind added later still shows
             f["kvcp_operations"].add_metric([kind, state], n)
+        policy = self.policy_source() if self.policy_source else PolicyStats()
+        f["kvcp_policy_passes_total"].add_metric([], policy.passes_total)
+        f["kvcp_policy_agents_decided_total"].add_metric([], policy.agents_decided_total)
+        f["kvcp_policy_actions_total"].add_metric([], policy.actions_total)
+        f["kvcp_policy_pass_seconds"].add_metric([], policy.last_pass_seconds)
         return list(f.values())
 
 

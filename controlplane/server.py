@@ -133,6 +133,7 @@ class ControlPlane:
             self.cluster.on_lookup = self.manager.note_lookup
         self.metrics.collector.pins_source = self._pin_stats
         self.metrics.collector.operations_source = self.manager.operation_counts
+        self.metrics.collector.policy_source = self.manager.policy_stats
         admin = AdminServicer(self.cluster, self.election, self.metrics.lookup_duration)
         admin.manager = self.manager
         admin_pb2_grpc.add_AdminServiceServicer_to_server(admin, self.server)

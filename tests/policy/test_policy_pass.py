@@ -144,3 +144,22 @@ def test_pass_budget_takes_the_longest_waiting_agents_first():
         f.manager.policy_pass(100.0 + step)
         decided.append(sorted(a for a in "abc" if f.commands(a)))
     assert decided == [["a"], ["b"], ["c"]]
+
+
+def test_pass_statistics_reach_the_metrics():
+    from prometheus_client import CollectorRegistry
+
+    from controlplane.metrics import ControlPlaneMetrics
+
+    f = Fleet()
+    f.agent("over", {Tier.CPU: (16, [chain(1, 8), chain(2, 8)])})
+    f.agent("calm", {Tier.CPU: (100, [chain(3, 8)])})
+    registry = CollectorRegistry()
+    metrics = ControlPlaneMetrics(registry, f.cluster, process=False)
+    metrics.collector.policy_source = f.manager.policy_stats
+    f.manager.policy_pass(100.0)
+    v = registry.get_sample_value
+    assert v("kvcp_policy_passes_total") == 1
+    assert v("kvcp_policy_agents_decided_total") == 1  # 'calm' was not copied out
+    assert v("kvcp_policy_actions_total") == 1
+    assert v("kvcp_policy_pass_seconds") > 0

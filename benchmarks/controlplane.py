@@ -43,6 +43,7 @@ import shutil
 import signal
 import socket
 import subprocess
+import sys
 import tempfile
 import threading
 import time
@@ -185,6 +186,8 @@ class LocalEtcd:
 def _controlplane_main(etcd: str, policy_loop: bool, conn, expected_blocks: int = 0) -> None:
     _quiet()
     from controlplane.server import ControlPlane, ControlPlaneConfig
+
+    sys.setswitchinterval(0.0005)  # as kvcp-controlplane runs (--gil-switch-interval-ms 0.5)
 
     cp = ControlPlane(
         ControlPlaneConfig(listen="127.0.0.1:0", etcd=etcd, max_workers=256, expected_blocks=expected_blocks),

@@ -67,6 +67,14 @@ def _metrics_listen(ctx, param, value: str) -> str:
     envvar="KVCP_EXPECTED_BLOCKS",
     help="Distinct blocks to size the index for at start (0: it grows as blocks come, doubling).",
 )
+@click.option(
+    "--gil-switch-interval-ms",
+    default=0.5,
+    show_default=True,
+    type=click.FloatRange(0.05, 100.0),
+    help="How long a Python thread keeps the GIL while another waits (Python's default: 5): the "
+    "event applier and the policy pass are CPU-bound, and a lookup waits up to this behind them.",
+)
 @click.option("--log-level", default="INFO", show_default=True)
 def main(
     listen,
@@ -87,10 +95,12 @@ def main(
     etcd_password_file,
     etcd_timeout_seconds,
     expected_blocks,
+    gil_switch_interval_ms,
     log_level,
 ):
     """Run a kvcp control-plane replica (global block index, lookup, policy)."""
     logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    sys.setswitchinterval(gil_switch_interval_ms / 1000.0)  # the whole process: set here, not by the library
     if bool(tls_cert) != bool(tls_key):
         click.echo("kvcp-controlplane: --tls-cert and --tls-key go together", err=True)
         sys.exit(2)

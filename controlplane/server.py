@@ -7,7 +7,6 @@ Tests build `ControlPlane(ControlPlaneConfig(...))` in process with port 0; the
 from __future__ import annotations
 
 import logging
-import sys
 import threading
 from concurrent import futures
 from dataclasses import dataclass
@@ -58,10 +57,6 @@ class ControlPlaneConfig:
     policy_enabled: bool = True  # the automatic tier policy (decide) in the reconcile loop
     metrics_listen: str = ""  # /metrics HOST:PORT (port 0: any free one); "" serves none
     expected_blocks: int = 0  # distinct blocks to size the index for up front (0: grow as they come)
-    # how long a Python thread keeps the GIL while another waits: the event applier and
-    # the policy pass are CPU-bound, and a lookup waits up to this behind them (Python's
-    # default 5 ms; 0: leave the process's setting)
-    gil_switch_interval_seconds: float = 0.0005
 
 
 class ControlPlane:
@@ -85,8 +80,6 @@ class ControlPlane:
         return self.config.advertise or f"{host}:{self.port}"
 
     def start(self) -> ControlPlane:
-        if self.config.gil_switch_interval_seconds > 0:
-            sys.setswitchinterval(self.config.gil_switch_interval_seconds)
         self.etcd = InstrumentedEtcd(
             etcd_keys.connect(
                 self.config.etcd,

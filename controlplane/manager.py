@@ -681,12 +681,16 @@ class Manager:
                 if p.active(now) and p.block_hashes
                 for i in range(0, len(p.block_hashes), 16)
             }
+        connected = self.cluster.connected_agents()
         self._slow_hit_agents |= self.cluster.take_slow_hits()
+        self._slow_hit_agents &= {rec.agent_id for rec in connected}
         due = []
-        for rec in self.cluster.connected_agents():
+        for rec in connected:
             inflight = self._policy_inflight.get(rec.agent_id, {})
-            for op_id in [o for o, deadline in inflight.items() if deadline < now]:
-                del inflight[op_id]  # an agent that never answered gets decided for again
+            # agents' answers pop from it on gRPC threads: iterate a copy, pop what is still there
+            for op_id, deadline in list(inflight.items()):
+                if deadline < now:
+                    inflight.pop(op_id, None)  # an agent that never answered gets decided for again
             if inflight or not rec.models:
                 continue
             if self._policy_due(rec, policy, pinned):
@@ -737,12 +741,20 @@ class Manager:
     @staticmethod
     def _tier_capacity_blocks(rec, t) -> int:
         """A tier's capacity in blocks of the size it holds (models' blocks differ in size:
-        the largest model's would make a tier of small blocks look overfull)."""
-        size = t.used_bytes // t.num_blocks if t.num_blocks else max(block_bytes(m) for m in rec.models)
-        return t.capacity_bytes // max(size, 1)
+        the largest model's would make a tier of small blocks look overfull); 0 when it
+        cannot be told (no capacity reported, or no block size known): such a tier is left
+        to the agent's own safety net."""
+        size = t.used_bytes // t.num_blocks if t.num_blocks and t.used_bytes else 0
+        if size <= 0:
+            size = max(block_bytes(m) for m in rec.models)
+        return t.capacity_bytes // size if size > 0 and t.capacity_bytes > 0 else 0
+
+    def _managed_tiers(self, rec) -> list:
+        """The agent's tiers the pass manages: GPU, CPU, DISK with a capacity it can tell."""
+        return [t for t in rec.tiers if t.tier in tier_policy.MANAGED_TIERS and self._tier_capacity_blocks(rec, t) > 0]
 
     def _capacity_blocks(self, rec) -> int:
-        return sum(self._tier_capacity_blocks(rec, t) for t in rec.tiers if t.tier in tier_policy.MANAGED_TIERS)
+        return sum(self._tier_capacity_blocks(rec, t) for t in self._managed_tiers(rec))
 
     def policy_stats(self) -> PolicyStats:
         """For the metrics (kvcp_policy_*)."""
@@ -755,7 +767,7 @@ class Manager:
 
     def _policy_due(self, rec, policy: tier_policy.Policy, pinned: dict[bytes, Tier]) -> bool:
         """Can `decide` have anything to do for this agent? (counts only; see policy_pass)"""
-        usage = sorted((t for t in rec.tiers if t.tier in tier_policy.MANAGED_TIERS), key=lambda t: int(t.tier))
+        usage = sorted(self._managed_tiers(rec), key=lambda t: int(t.tier))
         if not usage:
             return False
         room = False
@@ -767,7 +779,8 @@ class Manager:
             room = room or (t is not usage[-1] and t.num_blocks < math.floor(tp.low_watermark * capacity + 1e-9))
         if pinned:
             held = self.cluster.tiers_held(rec.agent_id, b"".join(pinned))
-            if any(0 < int(t) and Tier(int(t)) > pin for t, pin in zip(held.tolist(), pinned.values(), strict=True)):
+            managed = {int(t.tier) for t in usage}  # a block elsewhere (REMOTE) is not the pass's to move
+            if any(t in managed and Tier(t) > pin for t, pin in zip(held.tolist(), pinned.values(), strict=True)):
                 return True
         return policy.promote_hot and room and rec.agent_id in self._slow_hit_agents
 
@@ -777,9 +790,7 @@ class Manager:
         keys, tiers, parents, replicated = self.cluster.agent_chains(rec.agent_id)
         replicas.update(dict.fromkeys(keys[replicated].tolist(), 2))
         out = []
-        for t in rec.tiers:
-            if t.tier not in tier_policy.MANAGED_TIERS:
-                continue
+        for t in self._managed_tiers(rec):
             here = tiers == int(t.tier)
             blocks = dict(zip(keys[here].tolist(), parents[here].tolist(), strict=True))
             out.append(tier_policy.TierView(t.tier, self._tier_capacity_blocks(rec, t), blocks))

@@ -6,7 +6,7 @@ $XDG_CACHE_HOME/kvcp (or ~/.cache/kvcp), named by the source's digest and the fl
 edited source is rebuilt and processes share one copy; it returns None, after one warning,
 when that cannot be done (no compiler, a read-only cache) or when KVCP_NATIVE=off, and the
 caller runs its pure-Python path, which gives the same results. `-march=native` is safe
-because the cache is per machine.
+because the host's CPU is part of the cache name.
 """
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ import ctypes
 import hashlib
 import logging
 import os
+import platform
 import shutil
 import subprocess
 import tempfile
@@ -57,6 +58,21 @@ def _build(source: Path, target: Path) -> None:
             os.unlink(tmp)
 
 
+def _cpu() -> bytes:
+    """What -march=native compiles for: the CPU's model and flags (and the architecture)."""
+    out = platform.machine().encode()
+    try:
+        with open("/proc/cpuinfo", "rb") as f:
+            for line in f:
+                if line.startswith((b"model name", b"flags", b"Features", b"CPU part")):
+                    out += line
+                if line.strip() == b"":  # the first processor's block is enough
+                    break
+    except OSError:
+        out += platform.processor().encode()
+    return out
+
+
 def load(source: Path, switch: str = "") -> ctypes.CDLL | None:
     """The compiled `source` (built on first use), or None: see the module docstring."""
     key = (str(source), switch)
@@ -64,9 +80,11 @@ def load(source: Path, switch: str = "") -> ctypes.CDLL | None:
         return _loaded[key]
     lib = None
     if enabled(switch):
-        digest = hashlib.sha256(source.read_bytes() + " ".join(FLAGS).encode()).hexdigest()[:16]
-        target = cache_dir() / f"{source.stem}-{digest}.so"
         try:
+            # -march=native: the host's CPU is part of the name, so a cache shared between
+            # machines (an NFS home, a baked image) never hands one CPU another's build
+            digest = hashlib.sha256(source.read_bytes() + " ".join(FLAGS).encode() + _cpu()).hexdigest()[:16]
+            target = cache_dir() / f"{source.stem}-{digest}.so"
             if not target.exists():
                 _build(source, target)
             lib = ctypes.CDLL(str(target))

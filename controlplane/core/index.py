@@ -269,8 +269,9 @@ class BlockIndex:
         n = len(keys)
         self._reserve(n)
         self._grow_entries(self._hw + n)
-        keys = np.ascontiguousarray(keys)
-        pp = np.ascontiguousarray(parents).ctypes.data if parents is not None else None
+        keys = np.ascontiguousarray(keys)  # bound to names: C reads them after this line
+        parents = np.ascontiguousarray(parents) if parents is not None else None
+        pp = parents.ctypes.data if parents is not None else None
         start = 0
         while True:
             x = self._kernel()

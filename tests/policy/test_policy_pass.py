@@ -16,7 +16,7 @@ from protos import errors
 from protos.block_hash import ROOT_PARENT_HASH
 from protos.tier import Tier
 
-MODEL = ModelInfo("m", 16)  # 16 tokens a block; block_bytes() of it is what capacities count in
+MODEL = ModelInfo("m", 16, num_layers=2, num_kv_heads=2, head_dim=128, dtype="float16")  # 32 KiB blocks
 
 
 def chain(agent: int, n: int, start: int = 0) -> list[bytes]:
@@ -72,7 +72,7 @@ class Fleet:
         self.manager = Manager(self.cluster, durable=None, election=None, clock=lambda: 100.0)
         self.cluster.on_lookup = self.manager.note_lookup  # as the server wires it
         self.outboxes: dict[str, queue.Queue] = {}
-        self.bb = 2 * 16 * 1024  # stand-in block size: capacities below are counted in it
+        self.bb = 2 * 2 * 16 * 2 * 128 * 2  # MODEL's block bytes: capacities below are counted in it
 
     def agent(self, agent_id: str, tiers: dict[Tier, tuple[int, list[list[bytes]]]]) -> None:
         """tiers: tier -> (capacity in blocks, chains held there)."""
@@ -163,3 +163,32 @@ def test_pass_statistics_reach_the_metrics():
     assert v("kvcp_policy_agents_decided_total") == 1  # 'calm' was not copied out
     assert v("kvcp_policy_actions_total") == 1
     assert v("kvcp_policy_pass_seconds") > 0
+
+
+@pytest.mark.parametrize("use_kernel", [True, False], ids=["c-loops", "numpy"])
+def test_strided_parent_arrays_are_read_as_given(use_kernel):
+    # a strided view is copied before the C loops read it: the copy must outlive the call
+    idx = BlockIndex(use_kernel=use_kernel)
+    rng = np.random.default_rng(5)
+    keys = rng.integers(1, 2**63, size=(50_000, 2), dtype=np.uint64)
+    wide = rng.integers(1, 2**63, size=(100_000, 2), dtype=np.uint64)
+    idx.add("a", keys, Tier.CPU, wide[::2])
+    got, _, parents, _ = idx.agent_chains("a")
+    by_key = dict(zip(got.tolist(), parents.tolist(), strict=True))
+    for i in range(0, 50_000, 997):
+        assert by_key[keys[i].tobytes()] == wide[2 * i].tobytes()
+
+
+def test_pass_leaves_alone_tiers_whose_capacity_it_cannot_tell_and_remote_pins():
+    f = Fleet()
+    # blocks but no bytes reported, and a model without a shape: no block size to count in
+    f.cluster.register(AgentRecord("odd", "odd:1", [ModelInfo("m", 16)], [TierUsage(Tier.CPU, 10 << 20, 0, 10)]))
+    f.cluster.hello("odd", "s")
+    f.cluster.apply_inventory_chunk("odd", 0, 0, True, [BlockGroup("m", Tier.CPU, b"".join(chain(7, 10)))])
+    f.outboxes["odd"] = queue.Queue()
+    f.cluster.attach_outbox("odd", "s", f.outboxes["odd"])
+    # a zero capacity reported (unknown), with blocks held
+    f.agent("zero", {Tier.CPU: (0, [chain(8, 4)])})
+    f.manager.policy_pass(100.0)
+    assert f.commands("odd") == [] and f.commands("zero") == []
+    assert f.manager.policy_agents_decided_total == 0

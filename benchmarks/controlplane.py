@@ -257,7 +257,7 @@ def _agents_main(cfg_dict: dict, agent_indices: list[int], address: str, ready, 
     resyncs = [0]
     sent = [0]
 
-    def prepared(agent: int, agent_id: str) -> tuple[list[bytes], list[bytes]]:
+    def prepared(agent: int) -> tuple[list[bytes], list[bytes]]:
         """The agent's whole stream, serialised before the clock starts (a real agent's
         CPU is on its own machine, not on the control plane's two cores): the fill, then
         the steady-state churn (as many blocks removed, the oldest, as stored)."""
@@ -288,7 +288,7 @@ def _agents_main(cfg_dict: dict, agent_indices: list[int], address: str, ready, 
         return fill, churn
 
     def messages(agent: int, agent_id: str, started: threading.Event):
-        fill, churn = prepared(agent, agent_id)
+        fill, churn = prepared(agent)
         yield agent_pb2.AgentMessage(hello=agent_pb2.Hello(agent_id=agent_id, session_id=f"bench-{agent_id}"))
         yield agent_pb2.AgentMessage(inventory=agent_pb2.Inventory(seq=0, chunk_index=0, last_chunk=True))
         started.set()

@@ -117,7 +117,6 @@ class Manager:
         self.policy_agents_decided_total = 0
         self.policy_pass_seconds_max = 0.0  # the longest pass (copying out, decide, sending)
         self.policy_pass_seconds_last = 0.0
-        self._slow_hit_agents: set[str] = set()
         self._policy_inflight: dict[str, dict[str, float]] = {}  # agent -> {op_id: deadline}
         self._policy_ops = 0
         self.policy_actions_total = 0
@@ -682,8 +681,6 @@ class Manager:
                 for i in range(0, len(p.block_hashes), 16)
             }
         connected = self.cluster.connected_agents()
-        self._slow_hit_agents |= self.cluster.take_slow_hits()
-        self._slow_hit_agents &= {rec.agent_id for rec in connected}
         due = []
         for rec in connected:
             inflight = self._policy_inflight.get(rec.agent_id, {})
@@ -704,13 +701,13 @@ class Manager:
                 break
             budget -= n
             self._policy_last[agent_id] = now
-            self._slow_hit_agents.discard(agent_id)
+            self.cluster.forget_slow_hit(agent_id)
             views.append(self._agent_view(rec, replicas))
         self.policy_agents_decided_total += len(views)
         self._drain_lookups()
         if not views:
             return 0
-        capacity = sum(self._capacity_blocks(rec) for rec in self.cluster.connected_agents() if rec.models)
+        capacity = sum(self._capacity_blocks(rec) for rec in connected if rec.models)
         credit = self._tune(policy, capacity)
         with self._access_lock:
             view = tier_policy.ClusterView(
@@ -782,7 +779,7 @@ class Manager:
             managed = {int(t.tier) for t in usage}  # a block elsewhere (REMOTE) is not the pass's to move
             if any(t in managed and Tier(t) > pin for t, pin in zip(held.tolist(), pinned.values(), strict=True)):
                 return True
-        return policy.promote_hot and room and rec.agent_id in self._slow_hit_agents
+        return policy.promote_hot and room and self.cluster.slow_hit(rec.agent_id)
 
     def _agent_view(self, rec, replicas: dict[bytes, int]) -> tier_policy.AgentView:
         """What the agent holds per managed tier, with parents, copied out of the index;

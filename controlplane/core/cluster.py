@@ -173,7 +173,7 @@ class Cluster:
         # callable(packed block hashes, now) told of every lookup (the policy's access stats)
         self.on_lookup = None
         # agents a lookup found holding part of a prefix below their fastest tier since the
-        # tier policy last looked (its cue that promoting may pay)
+        # tier policy last decided for them (its cue that promoting may pay)
         self._slow_hits: set[str] = set()
 
     # ---- membership -----------------------------------------------------------------
@@ -231,6 +231,7 @@ class Cluster:
         """The agent's lease is gone: forget it and its blocks. Returns replicas dropped."""
         with self._lock:
             known = self._agents.pop(agent_id, None) is not None
+            self._slow_hits.discard(agent_id)
             if known:
                 self._refresh_models()
             dropped = self.index.drop_agent(agent_id)
@@ -375,11 +376,14 @@ class Cluster:
         fastest = min((int(t.tier) for t in rec.tiers), default=0) if rec is not None else 0
         return max(m.tiers) > fastest
 
-    def take_slow_hits(self) -> set[str]:
-        """Agents a lookup hit below their fastest tier since the last call (and forget them)."""
+    def slow_hit(self, agent_id: str) -> bool:
+        """Did a lookup hit this agent below its fastest tier since forget_slow_hit(agent_id)?"""
         with self._lock:
-            out, self._slow_hits = self._slow_hits, set()
-            return out
+            return agent_id in self._slow_hits
+
+    def forget_slow_hit(self, agent_id: str) -> None:
+        with self._lock:
+            self._slow_hits.discard(agent_id)
 
     def agent_chains(self, agent_id: str):
         """BlockIndex.agent_chains under the lock."""

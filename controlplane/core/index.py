@@ -10,10 +10,11 @@ each distinct block is one *entry* in dense arrays: its 16-byte key (two uint64)
 parent's key (all zero: a first block, or not told), a bitmask of the agents holding it,
 and two bit planes giving each holder's tier as a 2-bit code (tier - 1). A chained digest
 has the same parent wherever it is held, so one parent column serves every agent: the
-tier policy shrinks chains from their tails with it. A hash table of 8-slot buckets maps a key to its entry; each key
-has two candidate buckets (it goes into the emptier, and a lookup reads both, never
-more, so deleting just empties the slot). A slot holds a 32-bit tag (a second hash of
-the key; 0 is empty) and the entry id; a tag match is verified on all 16 bytes. A batch
+tier policy shrinks chains from their tails with it. A hash table of 8-slot buckets maps
+a key to its entry; each key has two candidate buckets (it goes into the emptier, and a
+lookup reads both, never more, so deleting just empties the slot). A slot holds a 32-bit
+tag (a second hash of the key; 0 is empty) and the entry id; a tag match is verified on
+all 16 bytes. The per-event loops run in C where they build (index_kernel). A batch
 of N events is a few dozen vectorised passes over N: packed hashes from the wire go
 into the index without being split into `bytes` objects.
 
@@ -283,10 +284,7 @@ class BlockIndex:
 
     def _kernel_remove(self, keys: np.ndarray, slot: int) -> None:
         n = len(keys)
-        if self._nfree + n > len(self._free):
-            grown = np.empty(max(2 * len(self._free), self._nfree + n, 1024), np.int64)
-            grown[: self._nfree] = self._free[: self._nfree]
-            self._free = grown
+        self._free_room(n)
         keys = np.ascontiguousarray(keys)
         x = self._kernel()
         self._lib.kv_remove(ctypes.byref(x), keys.ctypes.data, n, slot)
@@ -528,13 +526,21 @@ class BlockIndex:
         self._tags_flat[loc] = _EMPTY
         self._parents.view(_V16).reshape(-1)[e] = _ZERO16  # a reused entry starts without a parent
         self._live -= len(e)
-        if self._nfree + len(e) > len(self._free):
-            grown = np.empty(max(2 * len(self._free), self._nfree + len(e), 1024), np.int64)
-            grown[: self._nfree] = self._free[: self._nfree]
-            self._free = grown
+        self._free_room(len(e))
         self._free[self._nfree : self._nfree + len(e)] = e
         self._nfree += len(e)
         return len(e)
+
+    def _free_room(self, n: int) -> None:
+        """Room on the free-entry stack for n more ids."""
+        if self._nfree + n > len(self._free):
+            grown = np.empty(max(2 * len(self._free), self._nfree + n, 1024), np.int64)
+            grown[: self._nfree] = self._free[: self._nfree]
+            self._free = grown
+
+    def _set_parents(self, ent: np.ndarray, parents: np.ndarray | None) -> None:
+        if parents is not None:
+            self._parents.view(_V16).reshape(-1)[ent] = parents.view(_V16).reshape(-1)
 
     def _set_bits(self, ent: np.ndarray, slot: int, code: int) -> None:
         w, bit = self._word_bit(slot)
@@ -575,8 +581,7 @@ class BlockIndex:
             self._kernel_add(keys, parents, slot, code)
             return
         ent = self._find_or_insert(keys)
-        if parents is not None:
-            self._parents.view(_V16).reshape(-1)[ent] = parents.view(_V16).reshape(-1)
+        self._set_parents(ent, parents)
         w, bit = self._word_bit(slot)
         newly = ent[(self._mask[w].take(ent) & bit) == 0]
         if newly.size:
@@ -639,8 +644,7 @@ class BlockIndex:
         for keys, parents, code in parsed:
             if len(keys):
                 ent = self._find_or_insert(keys)
-                if parents is not None:
-                    self._parents.view(_V16).reshape(-1)[ent] = parents.view(_V16).reshape(-1)
+                self._set_parents(ent, parents)
                 prepared.append((ent, code))
         old = self._entries_of(slot) if self._counts[slot] else np.zeros(0, np.int64)
         if old.size:

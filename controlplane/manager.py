@@ -54,6 +54,12 @@ class Scope:
     agent_id: str = ""
 
 
+def _exact(seconds: float) -> str:
+    """A number as short as it reads back exactly (shown to users, parsed on resume)."""
+    short = f"{seconds:g}"
+    return short if float(short) == seconds else repr(seconds)
+
+
 def validate_policy(values: dict[str, str]) -> dict[str, str]:
     """Effective policy from stored/changed values: quota.<namespace> sizes here, the
     tier policy's keys by its own validator (controlplane.core.policy)."""
@@ -128,9 +134,10 @@ class Manager:
 
     # ---- leadership -----------------------------------------------------------------
     def load(self) -> None:
-        """On winning an election: read pins, operations and policy from etcd. Operations
-        a previous leader left unfinished are marked failed (their agents' commands may
-        or may not have run; a new operation can be started)."""
+        """On winning an election: read pins, operations and policy from etcd. A cleanup
+        still queued behind its scope lock (no command sent) is queued again; other
+        operations a previous leader left unfinished are marked failed (their agents'
+        commands may or may not have run; a new operation can be started)."""
         pins = self.durable.load_pins()
         loaded_ops = self.durable.load_ops()
         values, revision = self.durable.load_policy()
@@ -141,10 +148,16 @@ class Manager:
             self.policy_revision = revision
             self._loaded_epoch = self.election.epoch
         for op in loaded_ops:
-            if not op.finished:
-                op.state, op.error = ops.FAILED, "the control plane that ran it went away; start it again"
-                op.updated_unix_seconds = self.clock()
-                self._persist_op(op)
+            if op.finished:
+                continue
+            if op.kind == "cleanup" and op.waiting_for_lock and not op.cancel_requested:
+                with self._lock:
+                    self._op_done[op.op_id] = threading.Event()
+                self._start_locked(op)
+                continue
+            op.state, op.error = ops.FAILED, "the control plane that ran it went away; start it again"
+            op.updated_unix_seconds = self.clock()
+            self._persist_op(op)
 
     # ---- scope ----------------------------------------------------------------------
     def _model(self, model_id: str) -> ModelInfo:
@@ -471,38 +484,54 @@ class Manager:
                 raise errors.NotFound(f"agent_id: no agent {agent_id!r} is registered")
             agents = [agent_id]
         params = {
-            "older_than_seconds": f"{older_than_seconds:g}",
+            "older_than_seconds": _exact(older_than_seconds),
             "namespace": ns,
             "agent": agent_id,
             "model": model_id,
         }
         op = ops.new_operation("cleanup", params, agents, dry_run=dry_run, now=self.clock())
-        self._register_op(op)
-        command = AgentCommand(
-            op.op_id, "cleanup", namespace=ns, model_id=model_id, older_than_seconds=older_than_seconds, dry_run=dry_run
-        )
-        if dry_run or op.finished:
-            self._fan_out(op, dict.fromkeys(agents, command))
-            return op
         # a real cleanup of a scope takes that scope's lock: two cleanups never race
-        t = threading.Thread(
-            target=self._run_locked,
-            args=(op, f"cleanup/{ns or '_all'}", dict.fromkeys(agents, command)),
-            name=f"op {op.op_id}",
-            daemon=True,
-        )
-        t.start()
+        op.waiting_for_lock = not (dry_run or op.finished)
+        self._register_op(op)
+        if op.waiting_for_lock:
+            self._start_locked(op)
+        else:
+            self._fan_out(op, self._cleanup_commands(op))
         return op
 
-    def _run_locked(self, op: ops.Operation, lock_name: str, commands: dict[str, AgentCommand]) -> None:
+    @staticmethod
+    def _cleanup_commands(op: ops.Operation) -> dict[str, AgentCommand]:
+        p = op.params
+        command = AgentCommand(
+            op.op_id,
+            "cleanup",
+            namespace=p["namespace"],
+            model_id=p["model"],
+            older_than_seconds=float(p["older_than_seconds"]),
+            dry_run=op.dry_run,
+        )
+        return dict.fromkeys(op.parts, command)
+
+    def _owns(self, op: ops.Operation) -> bool:
+        """Whether this leader still runs `op`: a lost election, or a reload after one,
+        hands it on (to another leader, or to the reloaded copy here)."""
+        return self.election.is_leader and self.ops.get(op.op_id) is op
+
+    def _start_locked(self, op: ops.Operation) -> None:
+        lock_name = f"cleanup/{op.params['namespace'] or '_all'}"
+        threading.Thread(target=self._run_locked, args=(op, lock_name), name=f"op {op.op_id}", daemon=True).start()
+
+    def _run_locked(self, op: ops.Operation, lock_name: str) -> None:
         lock = EtcdLock(self._etcd, lock_name, op.op_id)
         try:
-            got = lock.acquire(self.op_timeout_seconds, cancelled=lambda: op.cancel_requested)
+            got = lock.acquire(self.op_timeout_seconds, cancelled=lambda: op.cancel_requested or not self._owns(op))
         except Exception as exc:  # noqa: BLE001 - etcd trouble fails the operation, visibly
             got, why = False, f"etcd: {exc}"
         else:
             why = f"lock {lock_name} stayed taken for {self.op_timeout_seconds:.0f}s"
         if not got:
+            if not self._owns(op):
+                return  # the leader that owns it now queues it again
             with self._lock:
                 if not op.finished:
                     for part in op.parts.values():
@@ -511,9 +540,14 @@ class Manager:
             return
         try:
             with self._lock:
-                if op.finished:
+                if op.finished or not self._owns(op):
                     return
-            self._fan_out(op, commands)
+                op.waiting_for_lock = False
+            try:
+                self._persist_op(op)  # a leader that takes over now must not send it again
+            except errors.KvcpError as exc:
+                log.warning("could not persist operation %s: %s", op.op_id, exc)
+            self._fan_out(op, self._cleanup_commands(op))
             done = self._op_done.get(op.op_id)
             if done is not None:
                 done.wait(self.op_timeout_seconds * 2)
@@ -582,9 +616,7 @@ class Manager:
         live = {r.agent_id for r, _ in self.cluster.agents()}
         with self._lock:
             # a cleanup still waiting for its lock has its own timeout (_run_locked)
-            running = [
-                o for o in self.ops.values() if not o.finished and not (o.kind == "cleanup" and o.state == ops.PENDING)
-            ]
+            running = [o for o in self.ops.values() if not o.finished and not o.waiting_for_lock]
         for op in running:
             changed = False
             with self._lock:

@@ -45,6 +45,7 @@ class Operation:
     created_unix_seconds: float = field(default_factory=time.time)
     updated_unix_seconds: float = field(default_factory=time.time)
     cancel_requested: bool = False
+    waiting_for_lock: bool = False  # queued behind a scope lock: no command has gone out yet
 
     @property
     def finished(self) -> bool:

@@ -67,6 +67,7 @@ def op_to_json(op: Operation) -> str:
             "state": op.state,
             "error": op.error,
             "dry_run": op.dry_run,
+            "waiting_for_lock": op.waiting_for_lock,
             "created_unix_seconds": op.created_unix_seconds,
             "updated_unix_seconds": op.updated_unix_seconds,
             "parts": [
@@ -98,6 +99,7 @@ def op_from_json(raw: bytes) -> Operation:
         d["dry_run"],
         created_unix_seconds=d["created_unix_seconds"],
         updated_unix_seconds=d["updated_unix_seconds"],
+        waiting_for_lock=d.get("waiting_for_lock", False),
     )
     for p in d["parts"]:
         op.parts[p["agent_id"]] = AgentPart(

@@ -195,3 +195,40 @@ def test_concurrent_cleanups_of_one_namespace_serialize(client, make_agent, cont
     assert client.get_operation(op.op_id).state == "PENDING"  # waits for the lock
     holder.release()
     assert client.wait_operation(op.op_id, timeout_seconds=10).state == "SUCCEEDED"
+
+
+def test_queued_cleanup_survives_a_controlplane_restart(etcd, make_agent):
+    """A cleanup still waiting for its scope lock has sent nothing: the next leader queues
+    it again under the same op id instead of failing it."""
+    from controlplane.server import ControlPlane, ControlPlaneConfig
+    from controlplane.store.locks import EtcdLock
+
+    def start(port: int = 0) -> ControlPlane:
+        cfg = ControlPlaneConfig(listen=f"127.0.0.1:{port}", etcd=etcd, election_ttl_seconds=2)
+        return ControlPlane(cfg).start()
+
+    cp = start()
+    port = cp.port
+    make_agent("o4", lease_ttl_seconds=3)
+    holder = EtcdLock(etcd_keys.connect(etcd), "cleanup/kq", "someone-else")
+    assert holder.try_acquire()
+    try:
+        with ControlPlaneClient(cp.address) as c:
+            wait_for(lambda: indexed(c, "o4") == 0, what="agent")
+            op = c.cleanup(3600.25, namespace="kq")
+            time.sleep(0.5)
+            assert c.get_operation(op.op_id).state == "PENDING"
+        cp.stop()
+        cp = start(port)
+        with ControlPlaneClient(cp.address) as c:
+            wait_for(lambda: c.get_operation(op.op_id).state == "PENDING", timeout_seconds=10, what="reloaded")
+            time.sleep(1.0)
+            again = c.get_operation(op.op_id)
+            assert again.state == "PENDING" and not again.error  # still queued, not failed
+            holder.release()
+            done = c.wait_operation(op.op_id, timeout_seconds=15)
+            assert done.state == "SUCCEEDED", done.error
+            assert done.params["older_than_seconds"] == "3600.25"
+    finally:
+        holder.release()
+        cp.stop()

@@ -17,6 +17,9 @@ prefixes at a fixed offered rate. Measured:
   ingest; `lookup_server_*`: the same lookups timed inside the control plane
   (Cluster.lookup); `rpc_floor_*`: a health check at the same rate, the round trip with
   nothing behind it; the same during ingest under `lookup_during_ingest_*`;
+- `lookup_socket_*`: the same lookups, same rate, over the lookup socket
+  (`--lookup-listen`: length-prefixed protobuf on TCP, no gRPC) — client side, and
+  `lookup_socket_server_*` inside the control plane;
 - `bytes_per_replica`: the control-plane process's RSS growth over the ingest / replicas;
 - `resync_seconds`: one agent's full inventory (`blocks_per_agent` blocks, 64 Ki-block
   chunks) from its Hello to the index showing it.
@@ -190,7 +193,13 @@ def _controlplane_main(etcd: str, policy_loop: bool, conn, expected_blocks: int 
     sys.setswitchinterval(0.0005)  # as kvcp-controlplane runs (--gil-switch-interval-ms 0.5)
 
     cp = ControlPlane(
-        ControlPlaneConfig(listen="127.0.0.1:0", etcd=etcd, max_workers=256, expected_blocks=expected_blocks),
+        ControlPlaneConfig(
+            listen="127.0.0.1:0",
+            etcd=etcd,
+            max_workers=256,
+            expected_blocks=expected_blocks,
+            lookup_listen="127.0.0.1:0",
+        ),
         log_fn=lambda m: None,
     )
     cp.start()
@@ -208,7 +217,7 @@ def _controlplane_main(etcd: str, policy_loop: bool, conn, expected_blocks: int 
             durations.append(time.perf_counter() - t)
 
     cp.cluster.lookup = timed_lookup
-    conn.send(cp.address)
+    conn.send((cp.address, cp.lookup_socket.address))
     while True:
         msg = conn.recv()
         if msg == "lookups":  # the durations so far, and start again
@@ -334,15 +343,25 @@ def _agents_main(cfg_dict: dict, agent_indices: list[int], address: str, ready, 
 
 
 def _lookup_main(
-    cfg_dict: dict, address: str, rate: float, seconds: float, salt: int, until, out, floor_seconds: float = 0.0
+    cfg_dict: dict,
+    address: str,
+    rate: float,
+    seconds: float,
+    salt: int,
+    until,
+    out,
+    floor_seconds: float = 0.0,
+    socket_address: str = "",
 ) -> None:
     """Lookups at an offered rate (paced; a slow answer delays the next) for `seconds`,
-    or until `until` is set. First, for `floor_seconds`, health checks at the same rate:
-    the gRPC round trip with nothing behind it."""
+    or until `until` is set: over gRPC, or over the lookup socket when `socket_address`
+    is given (the client facade's LookupSocket). First, for `floor_seconds`, health checks
+    at the same rate: the gRPC round trip with nothing behind it."""
     _quiet()
     import grpc
     from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+    from cli.client import ClientError, LookupSocket
     from protos.kvcp.v1 import admin_pb2, admin_pb2_grpc
 
     cfg = BenchConfig(**cfg_dict)
@@ -351,6 +370,23 @@ def _lookup_main(
     with grpc.insecure_channel(address, options=[("grpc.max_receive_message_length", MAX_MESSAGE_BYTES)]) as ch:
         stub = admin_pb2_grpc.AdminServiceStub(ch)
         stub.GetStats(admin_pb2.GetStatsRequest(), timeout=10)
+        if socket_address:
+            fast = LookupSocket(socket_address, timeout_seconds=60)
+            fast.call(admin_pb2.LookupRequest(model_id=MODEL_ID, block_hashes=queries[0][1]))  # connected
+
+            def lookup(request):
+                try:
+                    return fast.call(request)
+                except ClientError as exc:
+                    raise _LookupFailed(exc.code) from None
+        else:
+
+            def lookup(request):
+                try:
+                    return stub.Lookup(request, timeout=60)
+                except grpc.RpcError as exc:
+                    raise _LookupFailed(exc.code().name) from None
+
         health = health_pb2_grpc.HealthStub(ch)
         start = time.perf_counter()
         while time.perf_counter() - start < floor_seconds:
@@ -370,9 +406,9 @@ def _lookup_main(
             _, packed = queries[i % len(queries)]
             t0 = time.perf_counter()
             try:
-                resp = stub.Lookup(admin_pb2.LookupRequest(model_id=MODEL_ID, block_hashes=packed), timeout=60)
-            except grpc.RpcError as exc:  # counted (at its full wait), the run goes on
-                errors.append(exc.code().name)
+                resp = lookup(admin_pb2.LookupRequest(model_id=MODEL_ID, block_hashes=packed))
+            except _LookupFailed as exc:  # counted (at its full wait), the run goes on
+                errors.append(exc.code)
                 resp = None
             lat.append(time.perf_counter() - t0)
             if resp is not None and resp.agents and resp.agents[0].num_hit_blocks == cfg.lookup_blocks:
@@ -380,6 +416,12 @@ def _lookup_main(
             i += 1
         elapsed = time.perf_counter() - start
     out.put({"latencies": lat, "elapsed": elapsed, "full_hits": full_hits, "floor": floor, "errors": errors})
+
+
+class _LookupFailed(Exception):
+    def __init__(self, code: str):
+        super().__init__(code)
+        self.code = code
 
 
 def _percentiles_ms(lat: list[float]) -> tuple[float, float]:
@@ -640,7 +682,7 @@ def run(cfg: BenchConfig, report=lambda msg: None) -> dict:
         cp.start()
         if not cp_conn.poll(60):
             raise RuntimeError("the control plane did not start within 60 s")
-        address = cp_conn.recv()
+        address, lookup_address = cp_conn.recv()
         report(f"control plane on {address} (pid {cp.pid}); starting {cfg.agents} agents")
         channel = grpc.insecure_channel(address, options=[("grpc.max_receive_message_length", MAX_MESSAGE_BYTES)])
         admin = admin_pb2_grpc.AdminServiceStub(channel)
@@ -739,6 +781,21 @@ def run(cfg: BenchConfig, report=lambda msg: None) -> dict:
         result["lookup_qps"] = round(len(d["latencies"]) / max(d["elapsed"], 1e-9), 1)
         result["lookup_rate_offered"] = cfg.lookup_rate
         result["lookup_full_hits"] = round(d["full_hits"] / max(1, len(d["latencies"])), 4)
+
+        # the same lookups over the lookup socket (kvcp-controlplane --lookup-listen)
+        fast = ctx.Process(
+            target=_lookup_main,
+            args=(asdict(cfg), address, cfg.lookup_rate, cfg.lookup_seconds, 2, None, lq, 0.0, lookup_address),
+            daemon=True,
+        )
+        fast.start()
+        d = lq.get(timeout=2 * cfg.lookup_seconds + 120)
+        fast.join(10)
+        result["lookup_socket_p50_ms"], result["lookup_socket_p99_ms"] = _percentiles_ms(d["latencies"])
+        cp_conn.send("lookups")
+        result["lookup_socket_server_p50_ms"], result["lookup_socket_server_p99_ms"] = _percentiles_ms(cp_conn.recv())
+        result["lookup_socket_qps"] = round(len(d["latencies"]) / max(d["elapsed"], 1e-9), 1)
+        result["lookup_socket_errors"] = len(d["errors"])
 
         # steady state: every agent removes its oldest blocks and stores as many new ones
         churn = churn_blocks(cfg)

@@ -7,6 +7,8 @@ metadata; the facade follows it once, transparently."""
 
 from __future__ import annotations
 
+import socket
+import threading
 from dataclasses import dataclass, field
 
 import grpc
@@ -14,6 +16,7 @@ import grpc
 from protos.block_hash import BLOCK_HASH_BYTES
 from protos.grpc_errors import LEADER_METADATA_KEY
 from protos.kvcp.v1 import admin_pb2, admin_pb2_grpc, types_pb2
+from protos.lookup_wire import HEADER_BYTES, MAX_FRAME_BYTES, frame, split_address
 from protos.security import TLSConfig, token_metadata
 from protos.security import channel as secure_channel
 from protos.tier import Tier
@@ -33,6 +36,82 @@ class ClientError(Exception):
     def __init__(self, code: str, message: str):
         super().__init__(message)
         self.code = code
+
+
+class LookupSocket:
+    """The client end of the lookup socket (controlplane.api.lookup_socket): one
+    connection, frames in order, reconnected once when it broke (a lookup is a read)."""
+
+    def __init__(self, endpoint: str, token: str = "", timeout_seconds: float = 5.0):
+        self.endpoint = endpoint
+        self._family, self._where = split_address(endpoint)
+        self._token = token
+        self._timeout_seconds = timeout_seconds
+        self._sock: socket.socket | None = None
+        self._next_id = 0
+        self._lock = threading.Lock()
+
+    def _connect(self) -> socket.socket:
+        sock = socket.socket(self._family, socket.SOCK_STREAM)
+        sock.settimeout(self._timeout_seconds)
+        try:
+            sock.connect(self._where)
+        except OSError as exc:
+            sock.close()
+            raise ClientError(
+                "UNAVAILABLE",
+                f"cannot reach the lookup socket at {self.endpoint} ({exc.strerror or exc}); "
+                "is kvcp-controlplane running with --lookup-listen?",
+            ) from None
+        if self._family != socket.AF_UNIX:
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        return sock
+
+    def close(self) -> None:
+        if self._sock is not None:
+            self._sock.close()
+            self._sock = None
+
+    def call(self, request: admin_pb2.LookupRequest) -> admin_pb2.LookupResponse:
+        with self._lock:
+            self._next_id += 1
+            request_id = self._next_id
+            out = frame(
+                admin_pb2.LookupFrame(request=request, token=self._token, request_id=request_id).SerializeToString()
+            )
+            for attempt in (0, 1):
+                fresh = self._sock is None
+                if fresh:
+                    self._sock = self._connect()
+                try:
+                    self._sock.sendall(out)
+                    reply = admin_pb2.LookupFrameReply.FromString(self._read_frame())
+                    break
+                except (OSError, EOFError) as exc:
+                    self.close()
+                    if fresh or attempt:  # a new connection failing is not a stale one
+                        raise ClientError("UNAVAILABLE", f"lookup socket {self.endpoint}: {exc or 'closed'}") from None
+        if reply.code:
+            raise ClientError(reply.code, reply.message)
+        if reply.request_id != request_id:
+            raise ClientError("INTERNAL", f"lookup socket {self.endpoint}: reply out of order")
+        return reply.response
+
+    def _read_frame(self) -> bytes:
+        size = int.from_bytes(self._read(HEADER_BYTES), "little")
+        if size > MAX_FRAME_BYTES:
+            raise EOFError(f"a reply frame of {size} bytes (not a kvcp lookup socket?)")
+        return self._read(size)
+
+    def _read(self, n: int) -> bytes:
+        buf = bytearray(n)
+        view, got = memoryview(buf), 0
+        while got < n:
+            k = self._sock.recv_into(view[got:])
+            if not k:
+                raise EOFError("the control plane closed the connection")
+            got += k
+        return bytes(buf)
 
 
 @dataclass(frozen=True)
@@ -94,6 +173,7 @@ class StatsView:
     is_leader: bool
     tiers: list[TierView] = field(default_factory=list)
     models: list[dict] = field(default_factory=list)
+    lookup_address: str = ""  # the replica's lookup socket, "" when it has none
 
     @property
     def hit_ratio(self) -> float:
@@ -260,13 +340,17 @@ class ControlPlaneClient:
         timeout_seconds: float = 5.0,
         token: str = "",
         tls: TLSConfig | None = None,
+        lookup_endpoint: str = "",
     ):
         """`token`: bearer token for the admin API (viewer or operator); `tls`: the CA
-        that signed the control plane's certificate (and ours, for mTLS)."""
+        that signed the control plane's certificate (and ours, for mTLS);
+        `lookup_endpoint`: the leader's lookup socket (HOST:PORT or unix:PATH), which
+        lookup() then uses instead of gRPC."""
         self._metadata = token_metadata(token)
         self._tls = tls
         self.endpoint = endpoint
         self.timeout_seconds = timeout_seconds
+        self._lookups = LookupSocket(lookup_endpoint, token, timeout_seconds) if lookup_endpoint else None
         self._connect(endpoint)
 
     def _connect(self, endpoint: str) -> None:
@@ -276,6 +360,8 @@ class ControlPlaneClient:
 
     def close(self) -> None:
         self._channel.close()
+        if self._lookups is not None:
+            self._lookups.close()
 
     def __enter__(self) -> ControlPlaneClient:
         return self
@@ -344,12 +430,10 @@ class ControlPlaneClient:
                 "INVALID_ARGUMENT",
                 f"block hashes must be {BLOCK_HASH_BYTES} bytes each ({2 * BLOCK_HASH_BYTES} hex digits)",
             )
-        resp = self._call(
-            "Lookup",
-            admin_pb2.LookupRequest(
-                model_id=model_id, token_ids=token_ids or [], block_hashes=block_hashes, extra_keys=list(extra_keys)
-            ),
+        request = admin_pb2.LookupRequest(
+            model_id=model_id, token_ids=token_ids or [], block_hashes=block_hashes, extra_keys=list(extra_keys)
         )
+        resp = self._lookups.call(request) if self._lookups is not None else self._call("Lookup", request)
         return LookupView(
             model_id=resp.model_id,
             num_tokens=resp.num_tokens,
@@ -376,6 +460,7 @@ class ControlPlaneClient:
             leader_address=s.leader_address,
             epoch=s.epoch,
             is_leader=s.is_leader,
+            lookup_address=s.lookup_address,
             tiers=_tiers(s.tiers),
             models=[
                 {

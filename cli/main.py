@@ -12,6 +12,7 @@ import click
 from cli import output
 from cli.client import DEFAULT_ENDPOINT, ClientError, ControlPlaneClient
 from protos.block_hash import BLOCK_HASH_BYTES
+from protos.lookup_wire import split_address
 from protos.security import TLSConfig, read_secret
 
 
@@ -21,15 +22,24 @@ def fail(message: str, code: int = 2):
 
 
 class Context:
-    def __init__(self, endpoint: str, output_format: str, timeout_seconds: float, token: str = "", tls=None):
+    def __init__(
+        self,
+        endpoint: str,
+        output_format: str,
+        timeout_seconds: float,
+        token: str = "",
+        tls=None,
+        lookup_endpoint: str = "",
+    ):
         self.endpoint = endpoint
         self.output = output_format
         self.timeout_seconds = timeout_seconds
         self.token = token
         self.tls = tls
+        self.lookup_endpoint = lookup_endpoint
 
     def client(self) -> ControlPlaneClient:
-        return ControlPlaneClient(self.endpoint, self.timeout_seconds, self.token, self.tls)
+        return ControlPlaneClient(self.endpoint, self.timeout_seconds, self.token, self.tls, self.lookup_endpoint)
 
     def call(self, fn):
         try:
@@ -64,15 +74,24 @@ pass_ctx = click.make_pass_decorator(Context)
 @click.option("--tls-ca", default="", envvar="KVCTL_TLS_CA", help="CA of the control plane's certificate: use TLS.")
 @click.option("--tls-cert", default="", help="Client certificate (mTLS).")
 @click.option("--tls-key", default="", help="Client key (mTLS).")
+@click.option(
+    "--lookup-endpoint",
+    default="",
+    envvar="KVCTL_LOOKUP_ENDPOINT",
+    help="The leader's lookup socket (HOST:PORT or unix:PATH, kvcp-controlplane --lookup-listen): "
+    "`kvctl lookup` goes there instead of gRPC (env KVCTL_LOOKUP_ENDPOINT).",
+)
 @click.pass_context
-def main(ctx, endpoint, output_format, timeout_seconds, token_file, tls_ca, tls_cert, tls_key):
+def main(ctx, endpoint, output_format, timeout_seconds, token_file, tls_ca, tls_cert, tls_key, lookup_endpoint):
     """kvctl: inspect and operate a kvcp KV cache cluster."""
     try:
         token = read_secret(token_file, "KVCTL_TOKEN")
+        if lookup_endpoint:
+            split_address(lookup_endpoint)
     except ValueError as exc:
         fail(str(exc))
     tls = TLSConfig(tls_cert, tls_key, tls_ca) if tls_ca else None
-    ctx.obj = Context(endpoint, output_format, timeout_seconds, token, tls)
+    ctx.obj = Context(endpoint, output_format, timeout_seconds, token, tls, lookup_endpoint)
 
 
 @main.command()
@@ -180,6 +199,7 @@ def stats(ctx: Context):
         return
     rows = [
         ["leader", f"{s.leader_address} (epoch {s.epoch})"],
+        *([["lookup socket", s.lookup_address]] if s.lookup_address else []),
         ["agents", s.num_agents],
         ["blocks (distinct)", s.num_blocks],
         ["block replicas", s.num_block_replicas],

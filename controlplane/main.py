@@ -75,6 +75,13 @@ def _metrics_listen(ctx, param, value: str) -> str:
     help="How long a Python thread keeps the GIL while another waits (Python's default: 5): the "
     "event applier and the policy pass are CPU-bound, and a lookup waits up to this behind them.",
 )
+@click.option(
+    "--lookup-listen",
+    default="",
+    envvar="KVCP_LOOKUP_LISTEN",
+    help="Also answer Lookup on a plain socket, HOST:PORT or unix:PATH (length-prefixed protobuf, "
+    "kvcp.v1.LookupFrame): a router's lookup without gRPC's round trip. No TLS; same admin tokens.",
+)
 @click.option("--log-level", default="INFO", show_default=True)
 def main(
     listen,
@@ -96,6 +103,7 @@ def main(
     etcd_timeout_seconds,
     expected_blocks,
     gil_switch_interval_ms,
+    lookup_listen,
     log_level,
 ):
     """Run a kvcp control-plane replica (global block index, lookup, policy)."""
@@ -124,6 +132,7 @@ def main(
         etcd_timeout_seconds=etcd_timeout_seconds,
         metrics_listen=metrics_listen,
         expected_blocks=expected_blocks,
+        lookup_listen=lookup_listen,
     )
     cp = ControlPlane(config, log_fn=lambda m: click.echo(m, err=True))
     try:
@@ -133,7 +142,8 @@ def main(
         sys.exit(2)
     click.echo(
         f"kvcp-controlplane serving on {cp.address} (leader: {cp.election.is_leader}, epoch {cp.election.epoch})"
-        + (f", metrics on http://{cp.metrics_address}/metrics" if cp.metrics_address else ""),
+        + (f", metrics on http://{cp.metrics_address}/metrics" if cp.metrics_address else "")
+        + (f", lookups on {cp.lookup_socket.address}" if cp.lookup_socket is not None else ""),
         err=True,
     )
     done = threading.Event()

@@ -18,6 +18,7 @@ from prometheus_client import CollectorRegistry
 
 from controlplane.api.admin_service import AdminServicer
 from controlplane.api.agent_service import AgentServicer
+from controlplane.api.lookup_socket import LookupSocketServer
 from controlplane.core.cluster import Cluster
 from controlplane.manager import Manager, validate_policy
 from controlplane.metrics import ControlPlaneMetrics, PinStats
@@ -28,8 +29,9 @@ from protos import etcd_keys
 from protos.etcd_keys import EtcdAuth
 from protos.grpc_errors import ErrorMappingInterceptor
 from protos.kvcp.v1 import admin_pb2, admin_pb2_grpc, agent_pb2, agent_pb2_grpc
+from protos.lookup_wire import is_local
 from protos.metrics import InstrumentedEtcd, serve_metrics
-from protos.security import TLSConfig, TokenAuthInterceptor, add_port, load_tokens
+from protos.security import ADMIN_SERVICE, TLSConfig, TokenAuthInterceptor, add_port, load_tokens
 
 log = logging.getLogger(__name__)
 
@@ -57,6 +59,7 @@ class ControlPlaneConfig:
     policy_enabled: bool = True  # the automatic tier policy (decide) in the reconcile loop
     metrics_listen: str = ""  # /metrics HOST:PORT (port 0: any free one); "" serves none
     expected_blocks: int = 0  # distinct blocks to size the index for up front (0: grow as they come)
+    lookup_listen: str = ""  # the lookup socket, HOST:PORT or unix:PATH; "" serves none
 
 
 class ControlPlane:
@@ -72,6 +75,7 @@ class ControlPlane:
         self.etcd = None
         self.election: LeaderElection | None = None
         self.server: grpc.Server | None = None
+        self.lookup_socket: LookupSocketServer | None = None
         self.port = 0
 
     @property
@@ -80,6 +84,7 @@ class ControlPlane:
         return self.config.advertise or f"{host}:{self.port}"
 
     def start(self) -> ControlPlane:
+        self._check_lookup_listen()  # bad flags fail before anything starts
         self.etcd = InstrumentedEtcd(
             etcd_keys.connect(
                 self.config.etcd,
@@ -130,6 +135,9 @@ class ControlPlane:
         admin = AdminServicer(self.cluster, self.election, self.metrics.lookup_duration)
         admin.manager = self.manager
         admin_pb2_grpc.add_AdminServiceServicer_to_server(admin, self.server)
+        if self.config.lookup_listen:
+            self.lookup_socket = self._lookup_socket(admin)
+            admin.lookup_address = self.lookup_socket.address
         agent_pb2_grpc.add_AgentServiceServicer_to_server(
             AgentServicer(self.cluster, self.election, self._agent_key_exists, self._on_op_update),
             self.server,
@@ -151,6 +159,23 @@ class ControlPlane:
         self._spawn("reconcile", self.manager.run_forever)
         log.info("control plane serving on %s (leader=%s)", self.address, self.election.is_leader)
         return self
+
+    def _check_lookup_listen(self) -> None:
+        address = self.config.lookup_listen
+        if address and self.config.tls is not None and self.config.tls.enabled and not is_local(address):
+            raise ValueError(
+                f"--lookup-listen {address}: the lookup socket has no TLS; with TLS on the gRPC listener, "
+                "bind it to 127.0.0.1 or a unix: path"
+            )
+
+    def _lookup_socket(self, admin: AdminServicer) -> LookupSocketServer:
+        lookup_method = ADMIN_SERVICE + "Lookup"
+
+        def check_token(token: str):
+            denial = self.auth.check(lookup_method, token)
+            return None if denial is None else (denial[0].name, denial[1])
+
+        return LookupSocketServer(self.config.lookup_listen, admin.answer_lookup, check_token).start()
 
     def _pin_stats(self) -> PinStats:
         pins = self.manager.list_pins()
@@ -196,6 +221,8 @@ class ControlPlane:
 
     def stop(self, grace_seconds: float = 1.0) -> None:
         self._stop.set()
+        if self.lookup_socket is not None:
+            self.lookup_socket.stop()
         if self.server is not None:
             self.server.stop(grace_seconds).wait()
         if self.election is not None:

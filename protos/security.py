@@ -105,7 +105,7 @@ class TokenAuthInterceptor(grpc.ServerInterceptor):
         self.agent_token = agent_token
         self.denied_total = 0
 
-    def _check(self, method: str, token: str) -> tuple[grpc.StatusCode, str] | None:
+    def check(self, method: str, token: str) -> tuple[grpc.StatusCode, str] | None:
         if method.startswith(ADMIN_SERVICE) and self.admin_tokens is not None:
             if not token:
                 return grpc.StatusCode.UNAUTHENTICATED, (
@@ -127,7 +127,7 @@ class TokenAuthInterceptor(grpc.ServerInterceptor):
         handler = continuation(handler_call_details)
         if handler is None:
             return None
-        denial = self._check(handler_call_details.method, bearer(handler_call_details.invocation_metadata))
+        denial = self.check(handler_call_details.method, bearer(handler_call_details.invocation_metadata))
         if denial is None:
             return handler
         self.denied_total += 1

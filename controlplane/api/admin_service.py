@@ -17,6 +17,7 @@ WATCH_IDLE_CHECK_SECONDS = 1.0
 
 class AdminServicer(admin_pb2_grpc.AdminServiceServicer):
     manager = None  # controlplane.manager.Manager, set by the server (pins, operations, policy)
+    lookup_address = ""  # this replica's lookup socket (controlplane.api.lookup_socket), if any
 
     def __init__(self, cluster: Cluster, leadership, lookup_duration=None):
         self._cluster = cluster
@@ -49,6 +50,10 @@ class AdminServicer(admin_pb2_grpc.AdminServiceServicer):
         )
 
     def Lookup(self, request, context):
+        return self.answer_lookup(request)
+
+    def answer_lookup(self, request: admin_pb2.LookupRequest) -> admin_pb2.LookupResponse:
+        """Lookup's answer, for gRPC and for the lookup socket alike (KvcpError on bad input)."""
         self._require_leader(read=True)
         start = time.perf_counter()
         result = self._cluster.lookup(
@@ -69,6 +74,7 @@ class AdminServicer(admin_pb2_grpc.AdminServiceServicer):
         resp.leader_address = self._leadership.leader_address
         resp.epoch = self._leadership.epoch
         resp.is_leader = self._leadership.is_leader
+        resp.lookup_address = self.lookup_address
         return resp
 
     def Watch(self, request, context):

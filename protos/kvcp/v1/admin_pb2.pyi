@@ -91,12 +91,36 @@ class LookupResponse(_message.Message):
     possibly_stale: bool
     def __init__(self, model_id: _Optional[str] = ..., num_tokens: _Optional[int] = ..., num_blocks: _Optional[int] = ..., best_agent_id: _Optional[str] = ..., agents: _Optional[_Iterable[_Union[AgentMatch, _Mapping]]] = ..., possibly_stale: _Optional[bool] = ...) -> None: ...
 
+class LookupFrame(_message.Message):
+    __slots__ = ("request", "token", "request_id")
+    REQUEST_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_FIELD_NUMBER: _ClassVar[int]
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    request: LookupRequest
+    token: str
+    request_id: int
+    def __init__(self, request: _Optional[_Union[LookupRequest, _Mapping]] = ..., token: _Optional[str] = ..., request_id: _Optional[int] = ...) -> None: ...
+
+class LookupFrameReply(_message.Message):
+    __slots__ = ("response", "code", "message", "request_id", "leader_address")
+    RESPONSE_FIELD_NUMBER: _ClassVar[int]
+    CODE_FIELD_NUMBER: _ClassVar[int]
+    MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    LEADER_ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    response: LookupResponse
+    code: str
+    message: str
+    request_id: int
+    leader_address: str
+    def __init__(self, response: _Optional[_Union[LookupResponse, _Mapping]] = ..., code: _Optional[str] = ..., message: _Optional[str] = ..., request_id: _Optional[int] = ..., leader_address: _Optional[str] = ...) -> None: ...
+
 class GetStatsRequest(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
 
 class GetStatsResponse(_message.Message):
-    __slots__ = ("num_agents", "num_blocks", "num_block_replicas", "lookups_total", "lookup_tokens_total", "lookup_hit_tokens_total", "tiers", "leader_address", "epoch", "is_leader", "models", "resyncs_total", "events_total")
+    __slots__ = ("num_agents", "num_blocks", "num_block_replicas", "lookups_total", "lookup_tokens_total", "lookup_hit_tokens_total", "tiers", "leader_address", "epoch", "is_leader", "models", "resyncs_total", "events_total", "lookup_address")
     NUM_AGENTS_FIELD_NUMBER: _ClassVar[int]
     NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     NUM_BLOCK_REPLICAS_FIELD_NUMBER: _ClassVar[int]
@@ -110,6 +134,7 @@ class GetStatsResponse(_message.Message):
     MODELS_FIELD_NUMBER: _ClassVar[int]
     RESYNCS_TOTAL_FIELD_NUMBER: _ClassVar[int]
     EVENTS_TOTAL_FIELD_NUMBER: _ClassVar[int]
+    LOOKUP_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     num_agents: int
     num_blocks: int
     num_block_replicas: int
@@ -123,7 +148,8 @@ class GetStatsResponse(_message.Message):
     models: _containers.RepeatedCompositeFieldContainer[_types_pb2.ModelSpec]
     resyncs_total: int
     events_total: int
-    def __init__(self, num_agents: _Optional[int] = ..., num_blocks: _Optional[int] = ..., num_block_replicas: _Optional[int] = ..., lookups_total: _Optional[int] = ..., lookup_tokens_total: _Optional[int] = ..., lookup_hit_tokens_total: _Optional[int] = ..., tiers: _Optional[_Iterable[_Union[_types_pb2.TierUsage, _Mapping]]] = ..., leader_address: _Optional[str] = ..., epoch: _Optional[int] = ..., is_leader: _Optional[bool] = ..., models: _Optional[_Iterable[_Union[_types_pb2.ModelSpec, _Mapping]]] = ..., resyncs_total: _Optional[int] = ..., events_total: _Optional[int] = ...) -> None: ...
+    lookup_address: str
+    def __init__(self, num_agents: _Optional[int] = ..., num_blocks: _Optional[int] = ..., num_block_replicas: _Optional[int] = ..., lookups_total: _Optional[int] = ..., lookup_tokens_total: _Optional[int] = ..., lookup_hit_tokens_total: _Optional[int] = ..., tiers: _Optional[_Iterable[_Union[_types_pb2.TierUsage, _Mapping]]] = ..., leader_address: _Optional[str] = ..., epoch: _Optional[int] = ..., is_leader: _Optional[bool] = ..., models: _Optional[_Iterable[_Union[_types_pb2.ModelSpec, _Mapping]]] = ..., resyncs_total: _Optional[int] = ..., events_total: _Optional[int] = ..., lookup_address: _Optional[str] = ...) -> None: ...
 
 class Scope(_message.Message):
     __slots__ = ("model_id", "token_ids", "block_hashes", "extra_keys", "namespace", "agent_id")

@@ -1,0 +1,185 @@
+"""The lookup socket: AdminService.Lookup for routers, without gRPC's round trip.
+
+A router asks for every request's cached prefix. On these hosts a Python gRPC round trip
+alone costs ~1.2 ms p50 / ~2 ms p99, several times the lookup behind it; this listener
+answers the same `LookupRequest` (wrapped in `LookupFrame`, answered with
+`LookupFrameReply`: the protos stay the one contract), framed as a 4-byte little-endian
+length and the message, over TCP (no Nagle) or a Unix socket. One thread per connection
+(routers keep a few long-lived ones), replies in request order.
+
+It calls the gRPC method's own answer function (leadership, validation, metrics), and
+checks the admin tokens the same way (any role: a lookup is a read). It has no TLS: the
+control plane refuses to bind it beyond loopback when its gRPC listener uses TLS.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import threading
+
+from google.protobuf.message import DecodeError
+
+from protos import errors
+from protos.grpc_errors import status_code_of
+from protos.kvcp.v1 import admin_pb2
+from protos.lookup_wire import HEADER_BYTES, MAX_FRAME_BYTES, frame, split_address
+
+log = logging.getLogger(__name__)
+
+MAX_CONNECTIONS = 256
+
+
+class LookupSocketServer:
+    """`answer(LookupRequest) -> LookupResponse` raises KvcpError for bad input or a
+    replica that does not lead; `check_token(token) -> (code name, message) | None`."""
+
+    def __init__(self, address: str, answer, check_token=None, max_connections: int = MAX_CONNECTIONS):
+        self._family, self._where = split_address(address)
+        self._answer = answer
+        self._check_token = check_token
+        self._max_connections = max_connections
+        self._sock: socket.socket | None = None
+        self._conns: set[socket.socket] = set()
+        self._lock = threading.Lock()
+        self._stopped = threading.Event()
+        self.address = address
+        self.frames_total = 0
+        self.errors_total = 0
+
+    def start(self) -> LookupSocketServer:
+        sock = socket.socket(self._family, socket.SOCK_STREAM)
+        try:
+            if self._family == socket.AF_UNIX:
+                if os.path.exists(self._where) and not _listening(self._where):
+                    os.unlink(self._where)  # left by a process that died
+                sock.bind(self._where)
+            else:
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+                sock.bind(self._where)
+                host, port = sock.getsockname()[:2]
+                self.address = f"[{host}]:{port}" if self._family == socket.AF_INET6 else f"{host}:{port}"
+            sock.listen(128)
+        except OSError as exc:
+            sock.close()
+            raise OSError(f"cannot listen for lookups on {self.address}: {exc.strerror or exc}") from None
+        self._sock = sock
+        threading.Thread(target=self._accept_loop, name="lookup-accept", daemon=True).start()
+        log.info("lookup socket on %s", self.address)
+        return self
+
+    def stop(self) -> None:
+        self._stopped.set()
+        if self._sock is not None:
+            try:
+                self._sock.shutdown(socket.SHUT_RDWR)  # wakes accept()
+            except OSError:
+                pass
+            self._sock.close()
+            if self._family == socket.AF_UNIX:
+                try:
+                    os.unlink(self._where)
+                except OSError:
+                    pass
+        with self._lock:
+            conns, self._conns = list(self._conns), set()
+        for conn in conns:
+            try:
+                conn.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+
+    def _accept_loop(self) -> None:
+        while not self._stopped.is_set():
+            try:
+                conn, _ = self._sock.accept()
+            except OSError:
+                return
+            if self._family != socket.AF_UNIX:
+                conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            with self._lock:
+                full = len(self._conns) >= self._max_connections
+                if not full:
+                    self._conns.add(conn)
+            if full:
+                self._refuse(conn)
+                continue
+            threading.Thread(target=self._serve, args=(conn,), name="lookup-conn", daemon=True).start()
+
+    def _refuse(self, conn: socket.socket) -> None:
+        reply = admin_pb2.LookupFrameReply(
+            code="RESOURCE_EXHAUSTED", message=f"the lookup socket serves at most {self._max_connections} connections"
+        )
+        try:
+            conn.sendall(frame(reply.SerializeToString()))
+        except OSError:
+            pass
+        conn.close()
+
+    def _serve(self, conn: socket.socket) -> None:
+        rfile = conn.makefile("rb", buffering=1 << 16)
+        try:
+            while True:
+                head = rfile.read(HEADER_BYTES)
+                if len(head) < HEADER_BYTES:
+                    return  # the client went away (between frames, or mid-header)
+                size = int.from_bytes(head, "little")
+                if size > MAX_FRAME_BYTES:
+                    self.errors_total += 1
+                    bad = admin_pb2.LookupFrameReply(
+                        code="INVALID_ARGUMENT", message=f"frame: {size} bytes, at most {MAX_FRAME_BYTES}"
+                    )
+                    conn.sendall(frame(bad.SerializeToString()))
+                    return  # the stream cannot be re-synchronised after a bad length
+                body = rfile.read(size)
+                if len(body) < size:
+                    return
+                conn.sendall(frame(self.handle(body)))
+        except OSError:
+            return
+        finally:
+            with self._lock:
+                self._conns.discard(conn)
+            rfile.close()
+            conn.close()
+
+    def handle(self, body: bytes) -> bytes:
+        """One frame's bytes -> the reply's bytes."""
+        self.frames_total += 1
+        reply = admin_pb2.LookupFrameReply()
+        try:
+            request = admin_pb2.LookupFrame.FromString(body)
+        except DecodeError:
+            self.errors_total += 1
+            reply.code, reply.message = "INVALID_ARGUMENT", "frame: not a kvcp.v1.LookupFrame message"
+            return reply.SerializeToString()
+        reply.request_id = request.request_id
+        denial = self._check_token(request.token) if self._check_token is not None else None
+        if denial is not None:
+            self.errors_total += 1
+            reply.code, reply.message = denial
+            return reply.SerializeToString()
+        try:
+            reply.response.CopyFrom(self._answer(request.request))
+        except errors.KvcpError as exc:
+            self.errors_total += 1
+            reply.code, reply.message = status_code_of(exc).name, str(exc)
+            if isinstance(exc, errors.NotLeader):
+                reply.leader_address = exc.leader_address
+        except Exception as exc:  # noqa: BLE001 - one bad request never takes the listener down
+            self.errors_total += 1
+            log.exception("internal error answering a lookup frame")
+            reply.code, reply.message = "INTERNAL", f"internal error: {type(exc).__name__}"
+        return reply.SerializeToString()
+
+
+def _listening(path: str) -> bool:
+    probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        probe.connect(path)
+        return True
+    except OSError:
+        return False
+    finally:
+        probe.close()

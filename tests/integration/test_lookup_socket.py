@@ -1,0 +1,208 @@
+"""The lookup socket (kvcp-controlplane --lookup-listen) against a real control plane,
+real etcd and a real agent: the same answers as gRPC Lookup, over TCP and a Unix socket;
+bad frames, tokens, a replica that does not lead, a full listener; nothing breaks it."""
+
+from __future__ import annotations
+
+import socket
+
+import pytest
+import torch
+
+from agent.server import DEMO_MODEL
+from cli.client import ClientError, ControlPlaneClient
+from protos.block_hash import hash_prefix
+from protos.kvcp.v1 import admin_pb2
+from protos.lookup_wire import frame, split_address
+from tests.helpers import wait_for
+
+M = DEMO_MODEL
+BS = M.block_size
+
+
+def kv(n: int, seed: int = 0) -> torch.Tensor:
+    return torch.randn((n, *M.block_shape), generator=torch.Generator().manual_seed(seed)).to(torch.float16)
+
+
+def tokens(n_blocks: int, start: int = 0) -> list[int]:
+    return list(range(start, start + n_blocks * BS))
+
+
+def start_cp(etcd, **kwargs):
+    from controlplane.server import ControlPlane, ControlPlaneConfig
+
+    cfg = ControlPlaneConfig(
+        listen="127.0.0.1:0", etcd=etcd, election_ttl_seconds=3, membership_resync_seconds=0.5, **kwargs
+    )
+    return ControlPlane(cfg).start()
+
+
+def raw_exchange(address: str, payload: bytes) -> admin_pb2.LookupFrameReply:
+    family, where = split_address(address)
+    with socket.socket(family, socket.SOCK_STREAM) as s:
+        s.settimeout(5)
+        s.connect(where)
+        s.sendall(payload)
+        head = s.recv(4, socket.MSG_WAITALL)
+        body = s.recv(int.from_bytes(head, "little"), socket.MSG_WAITALL)
+    return admin_pb2.LookupFrameReply.FromString(body)
+
+
+@pytest.mark.parametrize("kind", ["tcp", "unix"])
+def test_same_answers_as_grpc(etcd, make_agent, tmp_path, kind):
+    listen = "127.0.0.1:0" if kind == "tcp" else f"unix:{tmp_path}/lookup.sock"
+    cp = start_cp(etcd, lookup_listen=listen)
+    try:
+        a = make_agent("ls1")
+        b = make_agent("ls2")
+        a.engine.store(M.model_id, tokens(4), kv(4))
+        b.engine.store(M.model_id, tokens(2), kv(2))
+        with (
+            ControlPlaneClient(cp.address) as grpc_client,
+            ControlPlaneClient(cp.address, lookup_endpoint=cp.lookup_socket.address) as fast,
+        ):
+            assert grpc_client.stats().lookup_address == cp.lookup_socket.address
+            wait_for(lambda: grpc_client.lookup(M.model_id, tokens(4)).best_agent_id == "ls1", what="indexed")
+            wait_for(lambda: len(grpc_client.lookup(M.model_id, tokens(4)).agents) == 2, what="both indexed")
+            for query in (tokens(4), tokens(3), tokens(4) + [7] * (BS + 3), tokens(1, start=10_000)):
+                assert fast.lookup(M.model_id, query) == grpc_client.lookup(M.model_id, query)
+            packed = hash_prefix(M.model_id, tokens(4), BS)
+            view = fast.lookup(M.model_id, block_hashes=packed)
+            assert [(m.agent_id, m.num_hit_blocks) for m in view.agents] == [("ls1", 4), ("ls2", 2)]
+            # errors carry the gRPC method's codes and sentences
+            for call, code in (
+                (lambda c: c.lookup("no-such-model", tokens(1)), "NOT_FOUND"),
+                (lambda c: c.lookup(M.model_id, []), "INVALID_ARGUMENT"),
+                (lambda c: c.lookup(M.model_id, tokens(1), block_hashes=packed), "INVALID_ARGUMENT"),
+            ):
+                with pytest.raises(ClientError) as via_socket:
+                    call(fast)
+                with pytest.raises(ClientError) as via_grpc:
+                    call(grpc_client)
+                assert via_socket.value.code == via_grpc.value.code == code
+                assert str(via_socket.value) == str(via_grpc.value)
+            before = grpc_client.stats().lookups_total
+            fast.lookup(M.model_id, tokens(4))
+            assert grpc_client.stats().lookups_total == before + 1  # counted like any lookup
+    finally:
+        cp.stop()
+
+
+def test_bad_frames_are_answered_and_the_listener_survives(etcd, make_agent):
+    cp = start_cp(etcd, lookup_listen="127.0.0.1:0")
+    address = cp.lookup_socket.address
+    try:
+        make_agent("ls3").engine.store(M.model_id, tokens(2), kv(2))
+        reply = raw_exchange(address, frame(b"\xff\xff\xff garbage"))
+        assert reply.code == "INVALID_ARGUMENT" and "LookupFrame" in reply.message
+        reply = raw_exchange(address, (64 << 20).to_bytes(4, "little"))
+        assert reply.code == "INVALID_ARGUMENT" and "at most" in reply.message
+        # a frame cut short, then the client goes away: nothing to answer, nothing breaks
+        family, where = split_address(address)
+        with socket.socket(family, socket.SOCK_STREAM) as s:
+            s.connect(where)
+            s.sendall((1000).to_bytes(4, "little") + b"abc")
+        request = admin_pb2.LookupRequest(model_id=M.model_id, token_ids=tokens(2))
+        reply = raw_exchange(address, frame(admin_pb2.LookupFrame(request=request, request_id=42).SerializeToString()))
+        assert reply.code == "" and reply.request_id == 42
+        # several frames on one connection are answered in order
+        payload = b"".join(
+            frame(admin_pb2.LookupFrame(request=request, request_id=i).SerializeToString()) for i in (1, 2, 3)
+        )
+        family, where = split_address(address)
+        with socket.socket(family, socket.SOCK_STREAM) as s:
+            s.settimeout(5)
+            s.connect(where)
+            s.sendall(payload)
+            ids = []
+            for _ in range(3):
+                size = int.from_bytes(s.recv(4, socket.MSG_WAITALL), "little")
+                ids.append(admin_pb2.LookupFrameReply.FromString(s.recv(size, socket.MSG_WAITALL)).request_id)
+        assert ids == [1, 2, 3]
+        with ControlPlaneClient(cp.address, lookup_endpoint=address) as c:
+            wait_for(lambda: c.lookup(M.model_id, tokens(2)).best_agent_id == "ls3", what="served after bad frames")
+    finally:
+        cp.stop()
+
+
+def test_client_reconnects_after_a_restart_and_says_when_nobody_listens(etcd, make_agent):
+    cp = start_cp(etcd, lookup_listen="127.0.0.1:0")
+    address = cp.lookup_socket.address
+    port = int(address.rpartition(":")[2])
+    make_agent("ls4").engine.store(M.model_id, tokens(2), kv(2))
+    client = ControlPlaneClient(cp.address, lookup_endpoint=address)
+    try:
+        wait_for(lambda: client.lookup(M.model_id, tokens(2)).best_agent_id == "ls4", what="indexed")
+        cp.stop()
+        with pytest.raises(ClientError) as info:
+            client.lookup(M.model_id, tokens(2))
+        assert info.value.code == "UNAVAILABLE" and address in str(info.value)
+        cp = start_cp(etcd, lookup_listen=f"127.0.0.1:{port}")
+        # the agent finds the new leader and resyncs; the same client object reconnects
+        wait_for(lambda: client.lookup(M.model_id, tokens(2)).best_agent_id == "ls4", 30, what="after restart")
+    finally:
+        client.close()
+        cp.stop()
+
+
+def test_a_replica_that_does_not_lead_names_the_leader(etcd):
+    leader = start_cp(etcd, lookup_listen="127.0.0.1:0")
+    follower = start_cp(etcd, lookup_listen="127.0.0.1:0")
+    try:
+        assert leader.election.is_leader and not follower.election.is_leader
+        with ControlPlaneClient(follower.address, lookup_endpoint=follower.lookup_socket.address) as c:
+            with pytest.raises(ClientError) as info:
+                c.lookup(M.model_id, tokens(1))
+        assert info.value.code == "FAILED_PRECONDITION" and leader.address in str(info.value)
+        request = admin_pb2.LookupRequest(model_id=M.model_id, token_ids=tokens(1))
+        reply = raw_exchange(
+            follower.lookup_socket.address, frame(admin_pb2.LookupFrame(request=request).SerializeToString())
+        )
+        assert reply.leader_address == leader.address
+    finally:
+        follower.stop()
+        leader.stop()
+
+
+def test_tokens_and_tls_rules(etcd, tmp_path):
+    tokens_file = tmp_path / "tokens"
+    tokens_file.write_text("viewer v-token-0123456789abcdef\noperator o-token-0123456789abcdef\n")
+    cp = start_cp(etcd, lookup_listen="127.0.0.1:0", admin_tokens_file=str(tokens_file))
+    try:
+        address = cp.lookup_socket.address
+        for token, code in (
+            ("", "UNAUTHENTICATED"),
+            ("wrong", "UNAUTHENTICATED"),
+            ("v-token-0123456789abcdef", "NOT_FOUND"),
+        ):
+            with ControlPlaneClient(cp.address, token=token, lookup_endpoint=address) as c:
+                with pytest.raises(ClientError) as info:
+                    c.lookup("no-such-model", tokens(1))  # past the token check: NOT_FOUND
+                assert info.value.code == code
+    finally:
+        cp.stop()
+    from controlplane.server import ControlPlane, ControlPlaneConfig
+    from protos.security import TLSConfig
+
+    cfg = ControlPlaneConfig(
+        listen="127.0.0.1:0", etcd=etcd, lookup_listen="0.0.0.0:0", tls=TLSConfig("c.pem", "k.pem", "")
+    )
+    with pytest.raises(ValueError, match="no TLS"):
+        ControlPlane(cfg).start()
+    with pytest.raises(ValueError, match="HOST:PORT or unix:PATH"):
+        split_address("nonsense")
+
+
+def test_full_listener_refuses_with_a_reason(etcd):
+    from controlplane.api.lookup_socket import LookupSocketServer
+
+    server = LookupSocketServer("127.0.0.1:0", answer=lambda r: admin_pb2.LookupResponse(), max_connections=1).start()
+    try:
+        family, where = split_address(server.address)
+        with socket.socket(family, socket.SOCK_STREAM) as first:
+            first.connect(where)
+            wait_for(lambda: len(server._conns) == 1, what="first connection held")
+            reply = raw_exchange(server.address, b"")
+            assert reply.code == "RESOURCE_EXHAUSTED"
+    finally:
+        server.stop()

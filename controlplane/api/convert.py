@@ -85,22 +85,17 @@ def agent_status_to_pb(rec: core.AgentRecord, num_blocks: int) -> admin_pb2.Agen
 
 
 def lookup_to_pb(r: core.LookupResult) -> admin_pb2.LookupResponse:
-    return admin_pb2.LookupResponse(
+    resp = admin_pb2.LookupResponse(
         model_id=r.model_id,
         num_tokens=r.num_tokens,
         num_blocks=r.num_blocks,
         best_agent_id=r.best_agent_id,
-        agents=[
-            admin_pb2.AgentMatch(
-                agent_id=m.agent_id,
-                num_hit_blocks=m.num_hit_blocks,
-                num_hit_tokens=m.num_hit_blocks * r.block_size,
-                tiers=m.tiers,
-            )
-            for m in r.matches
-        ],
         possibly_stale=r.possibly_stale,
     )
+    add, bs = resp.agents.add, r.block_size  # in place: a lookup can match every agent
+    for m in r.matches:
+        add(agent_id=m.agent_id, num_hit_blocks=m.num_hit_blocks, num_hit_tokens=m.num_hit_blocks * bs, tiers=m.tiers)
+    return resp
 
 
 def stats_to_pb(s: core.ClusterStats) -> admin_pb2.GetStatsResponse:

@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import ctypes
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
+from typing import NamedTuple
 
 import numpy as np
 
@@ -57,10 +57,10 @@ _ZERO16 = np.zeros(1, _V16)[0]
 _TIER_VALUES = tuple(int(t) for t in Tier)
 
 
-@dataclass(frozen=True)
-class AgentMatch:
+class AgentMatch(NamedTuple):
     """How much of a prefix one agent holds: its leading `num_hit_blocks` blocks,
-    `tiers[i]` being the tier of block i on that agent."""
+    `tiers[i]` being the tier of block i on that agent. (A tuple: a lookup makes one
+    per agent holding the prefix, up to every agent of the fleet.)"""
 
     agent_id: str
     num_hit_blocks: int
@@ -68,6 +68,10 @@ class AgentMatch:
 
     def tier_list(self) -> list[Tier]:
         return [Tier(t) for t in self.tiers]
+
+
+def _longest_first(m: AgentMatch) -> tuple[int, str]:
+    return -m.num_hit_blocks, m.agent_id
 
 
 def as_keys(block_hashes: bytes | bytearray | memoryview | Iterable[bytes]) -> np.ndarray:
@@ -676,20 +680,30 @@ class BlockIndex:
         if m == 0:
             return []
         e = ent[:m]
-        # (m, W): agents holding blocks 0..i
-        alive = np.bitwise_and.accumulate(np.take(self._mask, e, axis=1).T, axis=0)
-        if not alive[0].any():
-            return []
-        counts = _bit_columns(alive).sum(axis=0, dtype=np.int64)  # per agent slot
-        slots = np.flatnonzero(counts)
-        lo = _bit_columns(np.take(self._tlo, e, axis=1).T)[:, slots]
-        hi = _bit_columns(np.take(self._thi, e, axis=1).T)[:, slots]
-        tiers = (1 + lo + 2 * hi).T.copy()  # (agents, m) uint8
         names = self._names
-        out = [
-            AgentMatch(names[s], int(counts[s]), tiers[k, : counts[s]].tobytes()) for k, s in enumerate(slots.tolist())
-        ]
-        out.sort(key=lambda a: (-a.num_hit_blocks, a.agent_id))
+        if self._lib is not None:
+            counts = np.zeros(64 * self._W, np.int64)
+            rows = np.empty((64 * self._W, m), np.uint8)  # tiers, one row per agent slot
+            if not self._lib.kv_matches(ctypes.byref(x), e.ctypes.data, m, counts.ctypes.data, rows.ctypes.data):
+                return []
+            slots = np.flatnonzero(counts)
+            held, raw = counts.tolist(), rows[slots].tobytes()  # the holders' rows only
+            out = [AgentMatch(names[s], held[s], raw[k * m : k * m + held[s]]) for k, s in enumerate(slots.tolist())]
+        else:
+            # (m, W): agents holding blocks 0..i
+            alive = np.bitwise_and.accumulate(np.take(self._mask, e, axis=1).T, axis=0)
+            if not alive[0].any():
+                return []
+            counts = _bit_columns(alive).sum(axis=0, dtype=np.int64)  # per agent slot
+            slots = np.flatnonzero(counts)
+            lo = _bit_columns(np.take(self._tlo, e, axis=1).T)[:, slots]
+            hi = _bit_columns(np.take(self._thi, e, axis=1).T)[:, slots]
+            tiers = (1 + lo + 2 * hi).T.copy()  # (agents, m) uint8
+            out = [
+                AgentMatch(names[s], int(counts[s]), tiers[k, : counts[s]].tobytes())
+                for k, s in enumerate(slots.tolist())
+            ]
+        out.sort(key=_longest_first)
         return out
 
     def holders(self, block_hash: bytes) -> dict[str, Tier]:

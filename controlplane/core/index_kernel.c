@@ -113,6 +113,37 @@ int64_t kv_prefix(const kv_index *x, const uint64_t *keys, int64_t n, int64_t *e
     return n;
 }
 
+/* Who holds how much of a prefix whose leading entries are ent[0:m) (kv_prefix): for
+   every agent slot holding entries 0..i, counts[slot] = i + 1 and tiers[slot * m + i] =
+   1 + its tier code (the Tier value). counts has 64 W zeroed slots; rows of tiers past a
+   slot's count are left as they were. Returns how many slots hold entry 0. */
+int64_t kv_matches(const kv_index *x, const int64_t *ent, int64_t m, int64_t *counts, uint8_t *tiers) {
+    const int64_t W = x->W, cap = x->cap;
+    uint64_t alive[W];
+    int64_t first = 0;
+    for (int64_t w = 0; w < W; w++) alive[w] = ~0ull;
+    for (int64_t i = 0; i < m; i++) {
+        const int64_t e = ent[i];
+        uint64_t any = 0;
+        for (int64_t w = 0; w < W; w++) {
+            uint64_t a = alive[w] & x->mask[w * cap + e];
+            alive[w] = a;
+            any |= a;
+            const uint64_t lo = x->tlo[w * cap + e], hi = x->thi[w * cap + e];
+            while (a) {
+                const int b = __builtin_ctzll(a);
+                const int64_t slot = 64 * w + b;
+                counts[slot] = i + 1;
+                tiers[slot * m + i] = (uint8_t)(1 + ((lo >> b) & 1) + 2 * ((hi >> b) & 1));
+                a &= a - 1;
+                first += (i == 0);
+            }
+        }
+        if (!any) break;
+    }
+    return first;
+}
+
 /* Agent `slot` holds keys[start:n) in tier code `code` (0-3); parents may be NULL.
    Returns the index of the first key that found both its buckets full (the caller grows
    the table and calls again from there), or n. The caller has made room for n - start

@@ -53,6 +53,8 @@ def load() -> ctypes.CDLL | None:
     lib.kv_find.restype = None
     lib.kv_prefix.argtypes = [p, _P, _I, _P]
     lib.kv_prefix.restype = _I
+    lib.kv_matches.argtypes = [p, _P, _I, _P, _P]
+    lib.kv_matches.restype = _I
     lib.kv_add.argtypes = [p, _P, _P, _I, _I, _I, _I]
     lib.kv_add.restype = _I
     lib.kv_remove.argtypes = [p, _P, _I, _I]

@@ -225,6 +225,9 @@ def test_queued_cleanup_survives_a_controlplane_restart(etcd, make_agent):
             time.sleep(1.0)
             again = c.get_operation(op.op_id)
             assert again.state == "PENDING" and not again.error  # still queued, not failed
+            # the agent finds the new leader (a part sent while it is away fails, as for any op)
+            ready = lambda: any(a.agent_id == "o4" and a.state == "ready" for a in c.list_agents())  # noqa: E731
+            wait_for(ready, timeout_seconds=20, what="agent on the new leader")
             holder.release()
             done = c.wait_operation(op.op_id, timeout_seconds=15)
             assert done.state == "SUCCEEDED", done.error

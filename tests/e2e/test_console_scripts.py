@@ -34,6 +34,7 @@ class Cluster:
         self.cp_port = free_port()
         self.endpoint = f"127.0.0.1:{self.cp_port}"
         self.agent_ports: dict[str, int] = {}
+        self.lookup_endpoint = f"unix:{tmp_path}/lookup.sock"
 
     def spawn(self, name: str, argv: list[str]) -> subprocess.Popen:
         log = open(self.tmp / f"{name}.log", "ab")  # noqa: SIM115
@@ -52,6 +53,8 @@ class Cluster:
                 self.etcd,
                 "--election-ttl-seconds",
                 "3",
+                "--lookup-listen",
+                self.lookup_endpoint,
             ],
         )
         wait_for(lambda: kvctl(self.endpoint, "stats", check=False).returncode == 0, 20, 0.2, "control plane up")
@@ -160,6 +163,14 @@ def test_cluster_from_console_scripts(cluster, tmp_path):
     }
     table = kvctl(cluster.endpoint, "lookup", "--model", M.model_id, "--tokens-file", str(tf)).stdout
     assert "best agent: agent-b" in table and "cpu×6" in table
+    # the same answer through the lookup socket (kvcp-controlplane --lookup-listen)
+    lookup_args = ("-o", "json", "lookup", "--model", M.model_id, "--tokens-file", str(tf))
+    via_socket = kvctl(cluster.endpoint, "--lookup-endpoint", cluster.lookup_endpoint, *lookup_args)
+    assert json.loads(via_socket.stdout) == out
+    nobody = kvctl(cluster.endpoint, "--lookup-endpoint", f"unix:{tmp_path}/none.sock", *lookup_args, check=False)
+    assert nobody.returncode == 1 and "cannot reach the lookup socket" in nobody.stderr
+    bad = kvctl(cluster.endpoint, "--lookup-endpoint", "nonsense", *lookup_args, check=False)
+    assert bad.returncode == 2 and "HOST:PORT or unix:PATH" in bad.stderr
 
     # SIGKILL an agent: it leaves ListAgents and the index within TTL (3 s) + 2 s
     cluster.procs["agent-b"].send_signal(signal.SIGKILL)

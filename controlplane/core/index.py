@@ -672,7 +672,7 @@ class BlockIndex:
             keys = np.ascontiguousarray(keys)
             ent = np.empty(len(keys), np.int64)
             x = self._kernel()
-            m = self._lib.kv_prefix(ctypes.byref(x), keys.ctypes.data, len(keys), ent.ctypes.data)
+            m = self._lib.kv_prefix_gil(ctypes.byref(x), keys.ctypes.data, len(keys), ent.ctypes.data)
         else:
             ent, _ = self._find(keys, _mix(keys))
             miss = np.flatnonzero(ent < 0)
@@ -684,7 +684,7 @@ class BlockIndex:
         if self._lib is not None:
             counts = np.zeros(64 * self._W, np.int64)
             rows = np.empty((64 * self._W, m), np.uint8)  # tiers, one row per agent slot
-            if not self._lib.kv_matches(ctypes.byref(x), e.ctypes.data, m, counts.ctypes.data, rows.ctypes.data):
+            if not self._lib.kv_matches_gil(ctypes.byref(x), e.ctypes.data, m, counts.ctypes.data, rows.ctypes.data):
                 return []
             slots = np.flatnonzero(counts)
             held, raw = counts.tolist(), rows[slots].tobytes()  # the holders' rows only

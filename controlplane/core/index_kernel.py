@@ -55,6 +55,13 @@ def load() -> ctypes.CDLL | None:
     lib.kv_prefix.restype = _I
     lib.kv_matches.argtypes = [p, _P, _I, _P, _P]
     lib.kv_matches.restype = _I
+    # a lookup's two calls take microseconds: they keep the GIL (the same library loaded as
+    # a PyDLL), since letting it go hands it to whichever thread waits, and taking it back
+    # can then cost the lookup a whole switch interval; batches of events let it go
+    held = ctypes.PyDLL(lib._name)
+    held.kv_prefix.argtypes, held.kv_prefix.restype = lib.kv_prefix.argtypes, _I
+    held.kv_matches.argtypes, held.kv_matches.restype = lib.kv_matches.argtypes, _I
+    lib.kv_prefix_gil, lib.kv_matches_gil = held.kv_prefix, held.kv_matches
     lib.kv_add.argtypes = [p, _P, _P, _I, _I, _I, _I]
     lib.kv_add.restype = _I
     lib.kv_remove.argtypes = [p, _P, _I, _I]

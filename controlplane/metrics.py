@@ -16,7 +16,7 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
-from prometheus_client import CollectorRegistry, Histogram, ProcessCollector
+from prometheus_client import CollectorRegistry, Counter, Histogram, ProcessCollector
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from controlplane.core.cluster import AgentState, Cluster
@@ -171,6 +171,12 @@ class ControlPlaneMetrics:
             "Time to answer a prefix lookup in the AdminService (answered lookups).",
             registry=registry,
             buckets=LATENCY_BUCKETS_SECONDS,
+        )
+        self.lookup_socket_frames = Counter(
+            "kvcp_lookup_socket_frames_total",
+            "Frames answered on the lookup socket (--lookup-listen), by status code (OK when answered).",
+            ("code",),
+            registry=registry,
         )
         self.operation_duration = Histogram(
             "kvcp_operation_duration_seconds",

@@ -175,7 +175,13 @@ class ControlPlane:
             denial = self.auth.check(lookup_method, token)
             return None if denial is None else (denial[0].name, denial[1])
 
-        return LookupSocketServer(self.config.lookup_listen, admin.answer_lookup, check_token).start()
+        frames = self.metrics.lookup_socket_frames
+        return LookupSocketServer(
+            self.config.lookup_listen,
+            admin.answer_lookup,
+            check_token,
+            on_frame=lambda code: frames.labels(code=code).inc(),
+        ).start()
 
     def _pin_stats(self) -> PinStats:
         pins = self.manager.list_pins()

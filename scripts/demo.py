@@ -163,6 +163,7 @@ class Demo:
         etcd_ep = f"127.0.0.1:{a.etcd_port}"
         connect(etcd_ep, wait_seconds=20, log=self.say).close()
         cp_addr = f"127.0.0.1:{a.controlplane_port}"
+        lookup_ep = f"unix:{self.run_dir / 'lookup.sock'}"  # the lookup socket, for routers
         cp = self.spawn(
             "controlplane",
             [
@@ -173,6 +174,8 @@ class Demo:
                 etcd_ep,
                 "--metrics-listen",
                 f"127.0.0.1:{a.controlplane_metrics_port}",
+                "--lookup-listen",
+                lookup_ep,
             ],
         )
         self.wait_port("controlplane", cp, a.controlplane_port)
@@ -214,7 +217,7 @@ class Demo:
         self.say(
             "\nkvcp demo cluster is up:\n"
             f"  etcd           {etcd_ep:<18} data {self.run_dir / 'etcd'}\n"
-            f"  control plane  {cp_addr:<18} (leader)\n"
+            f"  control plane  {cp_addr:<18} (leader), lookups also on {lookup_ep}\n"
             + "".join(
                 f"  agent-{i}        127.0.0.1:{p:<8} cpu {a.agent_capacity}, disk {a.agent_disk_capacity}\n"
                 for i, p in enumerate(a.agent_ports, 1)
@@ -228,6 +231,7 @@ class Demo:
             f"  {kvctl}{ep} agents\n"
             f"  {kvctl}{ep} stats\n"
             f"  {kvctl}{ep} lookup --model demo-model --tokens $(seq -s, 1 64)\n"
+            f"  {kvctl}{ep} --lookup-endpoint {lookup_ep} lookup --model demo-model --tokens $(seq -s, 1 64)\n"
             f"  {kvctl}{ep} -o json agents\n"
             f"  {kvctl}{ep} pin --namespace legal-kb --tier cpu --ttl 30m\n"
             f"  {kvctl}{ep} move --namespace chat --to disk --wait\n"

@@ -35,7 +35,7 @@ class LookupSocketServer:
     """`answer(LookupRequest) -> LookupResponse` raises KvcpError for bad input or a
     replica that does not lead; `check_token(token) -> (code name, message) | None`."""
 
-    def __init__(self, address: str, answer, check_token=None, max_connections: int = MAX_CONNECTIONS):
+    def __init__(self, address: str, answer, check_token=None, max_connections: int = MAX_CONNECTIONS, on_frame=None):
         self._family, self._where = split_address(address)
         self._answer = answer
         self._check_token = check_token
@@ -45,8 +45,7 @@ class LookupSocketServer:
         self._lock = threading.Lock()
         self._stopped = threading.Event()
         self.address = address
-        self.frames_total = 0
-        self.errors_total = 0
+        self._on_frame = on_frame  # callable(code name, "OK" when answered): metrics
 
     def start(self) -> LookupSocketServer:
         sock = socket.socket(self._family, socket.SOCK_STREAM)
@@ -108,6 +107,7 @@ class LookupSocketServer:
             threading.Thread(target=self._serve, args=(conn,), name="lookup-conn", daemon=True).start()
 
     def _refuse(self, conn: socket.socket) -> None:
+        self._counted("RESOURCE_EXHAUSTED")
         reply = admin_pb2.LookupFrameReply(
             code="RESOURCE_EXHAUSTED", message=f"the lookup socket serves at most {self._max_connections} connections"
         )
@@ -126,7 +126,7 @@ class LookupSocketServer:
                     return  # the client went away (between frames, or mid-header)
                 size = int.from_bytes(head, "little")
                 if size > MAX_FRAME_BYTES:
-                    self.errors_total += 1
+                    self._counted("INVALID_ARGUMENT")
                     bad = admin_pb2.LookupFrameReply(
                         code="INVALID_ARGUMENT", message=f"frame: {size} bytes, at most {MAX_FRAME_BYTES}"
                     )
@@ -144,34 +144,38 @@ class LookupSocketServer:
             rfile.close()
             conn.close()
 
+    def _counted(self, code: str) -> None:
+        if self._on_frame is not None:
+            self._on_frame(code)
+
     def handle(self, body: bytes) -> bytes:
         """One frame's bytes -> the reply's bytes."""
-        self.frames_total += 1
+        reply = self._reply(body)
+        self._counted(reply.code or "OK")
+        return reply.SerializeToString()
+
+    def _reply(self, body: bytes) -> admin_pb2.LookupFrameReply:
         reply = admin_pb2.LookupFrameReply()
         try:
             request = admin_pb2.LookupFrame.FromString(body)
         except DecodeError:
-            self.errors_total += 1
             reply.code, reply.message = "INVALID_ARGUMENT", "frame: not a kvcp.v1.LookupFrame message"
-            return reply.SerializeToString()
+            return reply
         reply.request_id = request.request_id
         denial = self._check_token(request.token) if self._check_token is not None else None
         if denial is not None:
-            self.errors_total += 1
             reply.code, reply.message = denial
-            return reply.SerializeToString()
+            return reply
         try:
             reply.response.CopyFrom(self._answer(request.request))
         except errors.KvcpError as exc:
-            self.errors_total += 1
             reply.code, reply.message = status_code_of(exc).name, str(exc)
             if isinstance(exc, errors.NotLeader):
                 reply.leader_address = exc.leader_address
         except Exception as exc:  # noqa: BLE001 - one bad request never takes the listener down
-            self.errors_total += 1
             log.exception("internal error answering a lookup frame")
             reply.code, reply.message = "INTERNAL", f"internal error: {type(exc).__name__}"
-        return reply.SerializeToString()
+        return reply
 
 
 def _listening(path: str) -> bool:

@@ -93,6 +93,8 @@ def test_bad_frames_are_answered_and_the_listener_survives(etcd, make_agent):
     address = cp.lookup_socket.address
     try:
         make_agent("ls3").engine.store(M.model_id, tokens(2), kv(2))
+        with ControlPlaneClient(cp.address, lookup_endpoint=address) as c:
+            wait_for(lambda: c.lookup(M.model_id, tokens(2)).best_agent_id == "ls3", what="indexed")
         reply = raw_exchange(address, frame(b"\xff\xff\xff garbage"))
         assert reply.code == "INVALID_ARGUMENT" and "LookupFrame" in reply.message
         reply = raw_exchange(address, (64 << 20).to_bytes(4, "little"))
@@ -121,6 +123,9 @@ def test_bad_frames_are_answered_and_the_listener_survives(etcd, make_agent):
         assert ids == [1, 2, 3]
         with ControlPlaneClient(cp.address, lookup_endpoint=address) as c:
             wait_for(lambda: c.lookup(M.model_id, tokens(2)).best_agent_id == "ls3", what="served after bad frames")
+        counted = cp.registry.get_sample_value
+        assert counted("kvcp_lookup_socket_frames_total", {"code": "INVALID_ARGUMENT"}) == 2
+        assert counted("kvcp_lookup_socket_frames_total", {"code": "OK"}) >= 6
     finally:
         cp.stop()
 

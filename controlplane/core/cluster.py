@@ -10,13 +10,14 @@ agent is asked to resync and its batches are ignored until the next full invento
 
 from __future__ import annotations
 
+import functools
 import threading
 import time
 from dataclasses import dataclass, field
 from enum import IntEnum
 
 from controlplane.core.events import EventBus
-from controlplane.core.index import AgentMatch, BlockIndex
+from controlplane.core.index import AgentMatch, BlockIndex, PrefixHolders
 from controlplane.core.routing import DataPlaneStates
 from protos import errors
 from protos.block_hash import BLOCK_HASH_BYTES, hash_prefix
@@ -129,12 +130,16 @@ class LookupResult:
     num_tokens: int
     num_blocks: int
     block_size: int
-    matches: list[AgentMatch]
+    holders: PrefixHolders
     possibly_stale: bool = False
+
+    @functools.cached_property
+    def matches(self) -> list[AgentMatch]:
+        return self.holders.matches()
 
     @property
     def best_agent_id(self) -> str:
-        return self.matches[0].agent_id if self.matches else ""
+        return self.holders.agent_ids[0] if len(self.holders) else ""
 
 
 @dataclass(frozen=True)
@@ -371,10 +376,10 @@ class Cluster:
         with self._lock:
             return [r for r in self._agents.values() if r.outbox is not None and r.state != AgentState.DISCONNECTED]
 
-    def _below_fastest(self, m: AgentMatch) -> bool:
-        rec = self._agents.get(m.agent_id)
+    def _below_fastest(self, agent_id: str, tiers: bytes) -> bool:
+        rec = self._agents.get(agent_id)
         fastest = min((int(t.tier) for t in rec.tiers), default=0) if rec is not None else 0
-        return max(m.tiers) > fastest
+        return max(tiers) > fastest
 
     def slow_hit(self, agent_id: str) -> bool:
         """Did a lookup hit this agent below its fastest tier since forget_slow_hit(agent_id)?"""
@@ -467,17 +472,17 @@ class Cluster:
         if num_blocks > MAX_LOOKUP_BLOCKS:
             raise errors.InvalidArgument("block_hashes", f"at most {MAX_LOOKUP_BLOCKS} blocks per lookup")
         with self._lock:
-            matches = self.index.lookup(packed)
-            for m in matches:
-                if m.agent_id not in self._slow_hits and self._below_fastest(m):
-                    self._slow_hits.add(m.agent_id)
-            hit_tokens = matches[0].num_hit_blocks * model.block_size if matches else 0
+            holders = self.index.prefix_holders(packed)
+            for agent_id, _, tiers in holders.rows():
+                if agent_id not in self._slow_hits and self._below_fastest(agent_id, tiers):
+                    self._slow_hits.add(agent_id)
+            hit_tokens = holders.counts[0] * model.block_size if len(holders) else 0
             self.lookups_total += 1
             self.lookup_tokens_total += num_tokens
             self.lookup_hit_tokens_total += hit_tokens
         if self.on_lookup is not None:  # future-reuse evidence for the tier policy
             self.on_lookup(packed, self._clock())
-        return LookupResult(model_id, num_tokens, num_blocks, model.block_size, matches)
+        return LookupResult(model_id, num_tokens, num_blocks, model.block_size, holders)
 
     # ---- stats ----------------------------------------------------------------------
     def stats(self) -> ClusterStats:

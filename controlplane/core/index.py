@@ -29,7 +29,7 @@ that knows its size avoids with `expected_blocks`. The table never shrinks.
 from __future__ import annotations
 
 import ctypes
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from typing import NamedTuple
 
 import numpy as np
@@ -70,8 +70,30 @@ class AgentMatch(NamedTuple):
         return [Tier(t) for t in self.tiers]
 
 
-def _longest_first(m: AgentMatch) -> tuple[int, str]:
-    return -m.num_hit_blocks, m.agent_id
+class PrefixHolders:
+    """Who holds a prefix, with no Python object per agent: agent ids longest first (then
+    by id), how many leading blocks each holds, and one row of tier values each (row k is
+    `tiers[k * width : k * width + counts[k]]`). A lookup can match every agent."""
+
+    __slots__ = ("agent_ids", "counts", "tiers", "width")
+
+    def __init__(self, agent_ids: list[str], counts: list[int], tiers: bytes, width: int):
+        self.agent_ids, self.counts, self.tiers, self.width = agent_ids, counts, tiers, width
+
+    def __len__(self) -> int:
+        return len(self.agent_ids)
+
+    def rows(self) -> Iterator[tuple[str, int, bytes]]:
+        """(agent_id, num_hit_blocks, tiers) per holder, longest first."""
+        w, t = self.width, self.tiers
+        for k, (agent_id, n) in enumerate(zip(self.agent_ids, self.counts, strict=True)):
+            yield agent_id, n, t[k * w : k * w + n]
+
+    def matches(self) -> list[AgentMatch]:
+        return [AgentMatch(*row) for row in self.rows()]
+
+
+NO_HOLDERS = PrefixHolders([], [], b"", 0)
 
 
 def as_keys(block_hashes: bytes | bytearray | memoryview | Iterable[bytes]) -> np.ndarray:
@@ -148,6 +170,7 @@ class BlockIndex:
         self._kview_arrays: tuple = ()
         self._slot_of: dict[str, int] = {}  # insertion order = agents()
         self._names: list[str | None] = []
+        self._rank: np.ndarray | None = None  # slot -> rank of its agent id (_name_ranks)
         self._free_slots: list[int] = []
         self._W = 1  # 64-bit words per mask
         self._counts = np.zeros(64, np.int64)
@@ -184,6 +207,7 @@ class BlockIndex:
             self._names.append(agent_id)
         self._slot_of[agent_id] = slot
         self._counts[slot] = 0
+        self._rank = None
         return slot
 
     def _widen(self) -> None:
@@ -626,6 +650,7 @@ class BlockIndex:
             self._free_if_empty(ent)
         self._counts[slot] = 0
         self._names[slot] = None
+        self._rank = None
         self._free_slots.append(slot)
         return n
 
@@ -665,9 +690,23 @@ class BlockIndex:
     # ---- queries --------------------------------------------------------------------
     def lookup(self, block_hashes) -> list[AgentMatch]:
         """Per agent, the number of leading blocks of the prefix it holds; longest first."""
+        return self.prefix_holders(block_hashes).matches()
+
+    def _name_ranks(self) -> np.ndarray:
+        """Per agent slot, the rank of its agent id (ties of a lookup sort by id)."""
+        if self._rank is None or len(self._rank) != 64 * self._W:
+            names = self._names
+            order = sorted(range(len(names)), key=lambda s: names[s] or "")
+            rank = np.zeros(64 * self._W, np.int64)
+            rank[order] = np.arange(len(order))
+            self._rank = rank
+        return self._rank
+
+    def prefix_holders(self, block_hashes) -> PrefixHolders:
+        """lookup() as arrays: what a Lookup answer is built from."""
         keys = as_keys(block_hashes)
         if not len(keys) or self._live == 0:
-            return []
+            return NO_HOLDERS
         if self._lib is not None:
             keys = np.ascontiguousarray(keys)
             ent = np.empty(len(keys), np.int64)
@@ -678,33 +717,29 @@ class BlockIndex:
             miss = np.flatnonzero(ent < 0)
             m = int(miss[0]) if miss.size else len(ent)
         if m == 0:
-            return []
+            return NO_HOLDERS
         e = ent[:m]
-        names = self._names
         if self._lib is not None:
             counts = np.zeros(64 * self._W, np.int64)
             rows = np.empty((64 * self._W, m), np.uint8)  # tiers, one row per agent slot
             if not self._lib.kv_matches_gil(ctypes.byref(x), e.ctypes.data, m, counts.ctypes.data, rows.ctypes.data):
-                return []
+                return NO_HOLDERS
             slots = np.flatnonzero(counts)
-            held, raw = counts.tolist(), rows[slots].tobytes()  # the holders' rows only
-            out = [AgentMatch(names[s], held[s], raw[k * m : k * m + held[s]]) for k, s in enumerate(slots.tolist())]
         else:
             # (m, W): agents holding blocks 0..i
             alive = np.bitwise_and.accumulate(np.take(self._mask, e, axis=1).T, axis=0)
             if not alive[0].any():
-                return []
+                return NO_HOLDERS
             counts = _bit_columns(alive).sum(axis=0, dtype=np.int64)  # per agent slot
             slots = np.flatnonzero(counts)
             lo = _bit_columns(np.take(self._tlo, e, axis=1).T)[:, slots]
             hi = _bit_columns(np.take(self._thi, e, axis=1).T)[:, slots]
-            tiers = (1 + lo + 2 * hi).T.copy()  # (agents, m) uint8
-            out = [
-                AgentMatch(names[s], int(counts[s]), tiers[k, : counts[s]].tobytes())
-                for k, s in enumerate(slots.tolist())
-            ]
-        out.sort(key=_longest_first)
-        return out
+            rows = np.zeros((64 * self._W, m), np.uint8)
+            rows[slots] = (1 + lo + 2 * hi).T
+        held = counts[slots]
+        slots = slots[np.lexsort((self._name_ranks()[slots], -held))]  # longest first, then by id
+        names = self._names
+        return PrefixHolders([names[s] for s in slots.tolist()], counts[slots].tolist(), rows[slots].tobytes(), m)
 
     def holders(self, block_hash: bytes) -> dict[str, Tier]:
         keys = as_keys(block_hash)

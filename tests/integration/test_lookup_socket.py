@@ -7,25 +7,13 @@ from __future__ import annotations
 import socket
 
 import pytest
-import torch
 
-from agent.server import DEMO_MODEL
 from cli.client import ClientError, ControlPlaneClient
 from protos.block_hash import hash_prefix
 from protos.kvcp.v1 import admin_pb2
 from protos.lookup_wire import frame, split_address
 from tests.helpers import wait_for
-
-M = DEMO_MODEL
-BS = M.block_size
-
-
-def kv(n: int, seed: int = 0) -> torch.Tensor:
-    return torch.randn((n, *M.block_shape), generator=torch.Generator().manual_seed(seed)).to(torch.float16)
-
-
-def tokens(n_blocks: int, start: int = 0) -> list[int]:
-    return list(range(start, start + n_blocks * BS))
+from tests.integration.test_pins_ops import BS, M, kv, tokens
 
 
 def start_cp(etcd, **kwargs):

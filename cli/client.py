@@ -8,6 +8,7 @@ metadata; the facade follows it once, transparently."""
 from __future__ import annotations
 
 import socket
+import ssl
 import threading
 from dataclasses import dataclass, field
 
@@ -17,7 +18,7 @@ from protos.block_hash import BLOCK_HASH_BYTES
 from protos.grpc_errors import LEADER_METADATA_KEY
 from protos.kvcp.v1 import admin_pb2, admin_pb2_grpc, types_pb2
 from protos.lookup_wire import HEADER_BYTES, MAX_FRAME_BYTES, frame, split_address
-from protos.security import TLSConfig, token_metadata
+from protos.security import TLSConfig, client_ssl_context, token_metadata
 from protos.security import channel as secure_channel
 from protos.tier import Tier
 
@@ -42,9 +43,11 @@ class LookupSocket:
     """The client end of the lookup socket (controlplane.api.lookup_socket): one
     connection, frames in order, reconnected once when it broke (a lookup is a read)."""
 
-    def __init__(self, endpoint: str, token: str = "", timeout_seconds: float = 5.0):
+    def __init__(self, endpoint: str, token: str = "", timeout_seconds: float = 5.0, tls: TLSConfig | None = None):
+        """`tls`: the CA of the control plane's certificate (TCP only; ours for mTLS)."""
         self.endpoint = endpoint
         self._family, self._where = split_address(endpoint)
+        self._ssl = client_ssl_context(tls) if self._family != socket.AF_UNIX else None
         self._token = token
         self._timeout_seconds = timeout_seconds
         self._sock: socket.socket | None = None
@@ -65,6 +68,12 @@ class LookupSocket:
             ) from None
         if self._family != socket.AF_UNIX:
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        if self._ssl is not None:
+            try:
+                sock = self._ssl.wrap_socket(sock, server_hostname=self._where[0])
+            except (OSError, ssl.SSLError) as exc:
+                sock.close()
+                raise ClientError("UNAVAILABLE", f"lookup socket {self.endpoint}: TLS: {exc}") from None
         return sock
 
     def close(self) -> None:
@@ -350,7 +359,7 @@ class ControlPlaneClient:
         self._tls = tls
         self.endpoint = endpoint
         self.timeout_seconds = timeout_seconds
-        self._lookups = LookupSocket(lookup_endpoint, token, timeout_seconds) if lookup_endpoint else None
+        self._lookups = LookupSocket(lookup_endpoint, token, timeout_seconds, tls) if lookup_endpoint else None
         self._connect(endpoint)
 
     def _connect(self, endpoint: str) -> None:

@@ -29,9 +29,9 @@ from protos import etcd_keys
 from protos.etcd_keys import EtcdAuth
 from protos.grpc_errors import ErrorMappingInterceptor
 from protos.kvcp.v1 import admin_pb2, admin_pb2_grpc, agent_pb2, agent_pb2_grpc
-from protos.lookup_wire import is_local
+from protos.lookup_wire import split_address
 from protos.metrics import InstrumentedEtcd, serve_metrics
-from protos.security import ADMIN_SERVICE, TLSConfig, TokenAuthInterceptor, add_port, load_tokens
+from protos.security import ADMIN_SERVICE, TLSConfig, TokenAuthInterceptor, add_port, load_tokens, server_ssl_context
 
 log = logging.getLogger(__name__)
 
@@ -161,12 +161,8 @@ class ControlPlane:
         return self
 
     def _check_lookup_listen(self) -> None:
-        address = self.config.lookup_listen
-        if address and self.config.tls is not None and self.config.tls.enabled and not is_local(address):
-            raise ValueError(
-                f"--lookup-listen {address}: the lookup socket has no TLS; with TLS on the gRPC listener, "
-                "bind it to 127.0.0.1 or a unix: path"
-            )
+        if self.config.lookup_listen:
+            split_address(self.config.lookup_listen)  # ValueError naming the address
 
     def _lookup_socket(self, admin: AdminServicer) -> LookupSocketServer:
         lookup_method = ADMIN_SERVICE + "Lookup"
@@ -181,6 +177,7 @@ class ControlPlane:
             admin.answer_lookup,
             check_token,
             on_frame=lambda code: frames.labels(code=code).inc(),
+            ssl_context=server_ssl_context(self.config.tls, self.config.require_client_cert),
         ).start()
 
     def _pin_stats(self) -> PinStats:

@@ -26,11 +26,5 @@ def split_address(address: str) -> tuple[int, object]:
     return family, (host, int(port))
 
 
-def is_local(address: str) -> bool:
-    """A Unix socket or a loopback TCP address."""
-    family, where = split_address(address)
-    return family == socket.AF_UNIX or where[0] in ("127.0.0.1", "::1", "localhost")
-
-
 def frame(message: bytes) -> bytes:
     return len(message).to_bytes(HEADER_BYTES, "little") + message

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import hmac
 import os
+import ssl
 from dataclasses import dataclass
 
 import grpc
@@ -179,6 +180,31 @@ def channel(target: str, tls: TLSConfig | None = None, options=None) -> grpc.Cha
         _read(tls.cert_file) if tls.cert_file else None,
     )
     return grpc.secure_channel(target, creds, options=options)
+
+
+def server_ssl_context(tls: TLSConfig | None, require_client_cert: bool = False) -> ssl.SSLContext | None:
+    """For a plain-socket listener (the lookup socket): the gRPC listener's certificate and
+    client-certificate rule; None without a certificate."""
+    if tls is None or not tls.cert_file:
+        return None
+    ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    ctx.minimum_version = ssl.TLSVersion.TLSv1_2
+    ctx.load_cert_chain(tls.cert_file, tls.key_file)
+    if tls.ca_file and require_client_cert:
+        ctx.load_verify_locations(tls.ca_file)
+        ctx.verify_mode = ssl.CERT_REQUIRED
+    return ctx
+
+
+def client_ssl_context(tls: TLSConfig | None) -> ssl.SSLContext | None:
+    """For a plain-socket client: verify the server against the CA (and present our
+    certificate for mTLS); None without a CA."""
+    if tls is None or not tls.ca_file:
+        return None
+    ctx = ssl.create_default_context(cafile=tls.ca_file)
+    if tls.cert_file:
+        ctx.load_cert_chain(tls.cert_file, tls.key_file)
+    return ctx
 
 
 def token_metadata(token: str) -> tuple[tuple[str, str], ...]:

@@ -8,8 +8,9 @@ length and the message, over TCP (no Nagle) or a Unix socket. One thread per con
 (routers keep a few long-lived ones), replies in request order.
 
 It calls the gRPC method's own answer function (leadership, validation, metrics), and
-checks the admin tokens the same way (any role: a lookup is a read). It has no TLS: the
-control plane refuses to bind it beyond loopback when its gRPC listener uses TLS.
+checks the admin tokens the same way (any role: a lookup is a read). Over TCP it speaks
+TLS when the gRPC listener does (same certificate, same client-certificate rule); a Unix
+socket is guarded by its file permissions.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from __future__ import annotations
 import logging
 import os
 import socket
+import ssl
 import threading
 
 from google.protobuf.message import DecodeError
@@ -29,14 +31,24 @@ from protos.lookup_wire import HEADER_BYTES, MAX_FRAME_BYTES, frame, split_addre
 log = logging.getLogger(__name__)
 
 MAX_CONNECTIONS = 256
+HANDSHAKE_SECONDS = 10.0
 
 
 class LookupSocketServer:
     """`answer(LookupRequest) -> LookupResponse` raises KvcpError for bad input or a
     replica that does not lead; `check_token(token) -> (code name, message) | None`."""
 
-    def __init__(self, address: str, answer, check_token=None, max_connections: int = MAX_CONNECTIONS, on_frame=None):
+    def __init__(
+        self,
+        address: str,
+        answer,
+        check_token=None,
+        max_connections: int = MAX_CONNECTIONS,
+        on_frame=None,
+        ssl_context: ssl.SSLContext | None = None,
+    ):
         self._family, self._where = split_address(address)
+        self._ssl = ssl_context if self._family != socket.AF_UNIX else None
         self._answer = answer
         self._check_token = check_token
         self._max_connections = max_connections
@@ -118,6 +130,21 @@ class LookupSocketServer:
         conn.close()
 
     def _serve(self, conn: socket.socket) -> None:
+        if self._ssl is not None:
+            try:
+                conn.settimeout(HANDSHAKE_SECONDS)
+                tls_conn = self._ssl.wrap_socket(conn, server_side=True)
+                tls_conn.settimeout(None)
+            except (OSError, ssl.SSLError) as exc:
+                log.info("lookup socket: TLS handshake failed: %s", exc)
+                with self._lock:
+                    self._conns.discard(conn)
+                conn.close()
+                return
+            with self._lock:
+                self._conns.discard(conn)
+                self._conns.add(tls_conn)
+            conn = tls_conn
         rfile = conn.makefile("rb", buffering=1 << 16)
         try:
             while True:

@@ -157,7 +157,7 @@ def test_a_replica_that_does_not_lead_names_the_leader(etcd):
         leader.stop()
 
 
-def test_tokens_and_tls_rules(etcd, tmp_path):
+def test_tokens_and_addresses(etcd, tmp_path):
     tokens_file = tmp_path / "tokens"
     tokens_file.write_text("viewer v-token-0123456789abcdef\noperator o-token-0123456789abcdef\n")
     cp = start_cp(etcd, lookup_listen="127.0.0.1:0", admin_tokens_file=str(tokens_file))
@@ -174,16 +174,38 @@ def test_tokens_and_tls_rules(etcd, tmp_path):
                 assert info.value.code == code
     finally:
         cp.stop()
-    from controlplane.server import ControlPlane, ControlPlaneConfig
-    from protos.security import TLSConfig
-
-    cfg = ControlPlaneConfig(
-        listen="127.0.0.1:0", etcd=etcd, lookup_listen="0.0.0.0:0", tls=TLSConfig("c.pem", "k.pem", "")
-    )
-    with pytest.raises(ValueError, match="no TLS"):
-        ControlPlane(cfg).start()
     with pytest.raises(ValueError, match="HOST:PORT or unix:PATH"):
         split_address("nonsense")
+
+
+def test_tls_like_the_grpc_listener(etcd, tmp_path):
+    """With TLS on the gRPC listener the lookup socket's TCP listener speaks TLS with the
+    same certificate; a client without the CA cannot talk to it in plain text."""
+    from protos.security import TLSConfig
+    from tests.reliability.test_security import make_certs
+
+    ca, cert, key = make_certs(tmp_path)
+    cp = start_cp(etcd, lookup_listen="127.0.0.1:0", tls=TLSConfig(str(cert), str(key), str(ca)))
+    try:
+        address = cp.lookup_socket.address
+        trusted = TLSConfig(ca_file=str(ca))
+        with ControlPlaneClient(cp.address, tls=trusted, lookup_endpoint=address) as c:
+            with pytest.raises(ClientError) as info:
+                c.lookup("no-such-model", tokens(1))
+            assert info.value.code == "NOT_FOUND"  # answered, over TLS
+        with ControlPlaneClient(cp.address, tls=trusted, lookup_endpoint=address) as c:
+            c._lookups._ssl = None  # the same client speaking plain text to a TLS listener
+            with pytest.raises(ClientError) as info:
+                c.lookup("no-such-model", tokens(1))
+            assert info.value.code == "UNAVAILABLE"
+        (tmp_path / "other").mkdir()
+        other_ca, _, _ = make_certs(tmp_path / "other")
+        with ControlPlaneClient(cp.address, tls=TLSConfig(ca_file=str(other_ca)), lookup_endpoint=address) as c:
+            with pytest.raises(ClientError) as info:
+                c.lookup("no-such-model", tokens(1))
+            assert info.value.code == "UNAVAILABLE" and "TLS" in str(info.value)
+    finally:
+        cp.stop()
 
 
 def test_full_listener_refuses_with_a_reason(etcd):

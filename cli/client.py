@@ -13,6 +13,7 @@ import threading
 from dataclasses import dataclass, field
 
 import grpc
+from google.protobuf.message import DecodeError
 
 from protos.block_hash import BLOCK_HASH_BYTES
 from protos.grpc_errors import LEADER_METADATA_KEY
@@ -96,7 +97,7 @@ class LookupSocket:
                     self._sock.sendall(out)
                     reply = admin_pb2.LookupFrameReply.FromString(self._read_frame())
                     break
-                except (OSError, EOFError) as exc:
+                except (OSError, EOFError, DecodeError) as exc:
                     self.close()
                     if fresh or attempt:  # a new connection failing is not a stale one
                         raise ClientError("UNAVAILABLE", f"lookup socket {self.endpoint}: {exc or 'closed'}") from None

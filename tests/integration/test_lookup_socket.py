@@ -221,3 +221,29 @@ def test_full_listener_refuses_with_a_reason(etcd):
             assert reply.code == "RESOURCE_EXHAUSTED"
     finally:
         server.stop()
+
+
+def test_client_says_so_when_the_other_end_is_not_a_lookup_socket():
+    import threading
+
+    from cli.client import LookupSocket
+
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen()
+
+    def garbage():
+        conn, _ = listener.accept()
+        conn.recv(1 << 16)
+        conn.sendall(frame(b"\xff\xff\xff\xff not protobuf"))
+        conn.close()
+
+    threading.Thread(target=garbage, daemon=True).start()
+    client = LookupSocket(f"127.0.0.1:{listener.getsockname()[1]}", timeout_seconds=5)
+    try:
+        with pytest.raises(ClientError) as info:
+            client.call(admin_pb2.LookupRequest(model_id=M.model_id, token_ids=tokens(1)))
+        assert info.value.code == "UNAVAILABLE"
+    finally:
+        client.close()
+        listener.close()

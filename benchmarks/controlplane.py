@@ -19,7 +19,8 @@ prefixes at a fixed offered rate. Measured:
   nothing behind it; the same during ingest under `lookup_during_ingest_*`;
 - `lookup_socket_*`: the same lookups, same rate, over the lookup socket
   (`--lookup-listen`: length-prefixed protobuf on TCP, no gRPC) — client side, and
-  `lookup_socket_server_*` inside the control plane;
+  `lookup_socket_server_*` inside the control plane; `lookup_index_*`: the index's part
+  (BlockIndex.prefix_holders) of the lookups after ingest;
 - `bytes_per_replica`: the control-plane process's RSS growth over the ingest / replicas;
 - `resync_seconds`: one agent's full inventory (`blocks_per_agent` blocks, 64 Ki-block
   chunks) from its Hello to the index showing it.
@@ -217,12 +218,27 @@ def _controlplane_main(etcd: str, policy_loop: bool, conn, expected_blocks: int 
             durations.append(time.perf_counter() - t)
 
     cp.cluster.lookup = timed_lookup
+    # and the index's part of it (the table probe and the holders' arrays)
+    index_durations: collections.deque[float] = collections.deque(maxlen=1_000_000)
+    holders = cp.cluster.index.prefix_holders
+
+    def timed_holders(*args, **kwargs):
+        t = time.perf_counter()
+        try:
+            return holders(*args, **kwargs)
+        finally:
+            index_durations.append(time.perf_counter() - t)
+
+    cp.cluster.index.prefix_holders = timed_holders
     conn.send((cp.address, cp.lookup_socket.address))
     while True:
         msg = conn.recv()
         if msg == "lookups":  # the durations so far, and start again
             conn.send(list(durations))
             durations.clear()
+        elif msg == "index":
+            conn.send(list(index_durations))
+            index_durations.clear()
         elif msg == "policy":
             m = cp.manager
             conn.send(
@@ -760,6 +776,8 @@ def run(cfg: BenchConfig, report=lambda msg: None) -> dict:
         result["lookup_during_ingest_qps"] = round(len(d["latencies"]) / max(d["elapsed"], 1e-9), 1)
         cp_conn.send("lookups")
         server = cp_conn.recv()
+        cp_conn.send("index")  # the index's part is reported after ingest only
+        cp_conn.recv()
         result["lookup_during_ingest_server_p50_ms"], result["lookup_during_ingest_server_p99_ms"] = _percentiles_ms(
             server
         )
@@ -794,6 +812,8 @@ def run(cfg: BenchConfig, report=lambda msg: None) -> dict:
         result["lookup_socket_p50_ms"], result["lookup_socket_p99_ms"] = _percentiles_ms(d["latencies"])
         cp_conn.send("lookups")
         result["lookup_socket_server_p50_ms"], result["lookup_socket_server_p99_ms"] = _percentiles_ms(cp_conn.recv())
+        cp_conn.send("index")  # the index's part, over the gRPC and socket lookups after ingest
+        result["lookup_index_p50_ms"], result["lookup_index_p99_ms"] = _percentiles_ms(cp_conn.recv())
         result["lookup_socket_qps"] = round(len(d["latencies"]) / max(d["elapsed"], 1e-9), 1)
         result["lookup_socket_errors"] = len(d["errors"])
 

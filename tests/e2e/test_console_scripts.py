@@ -152,7 +152,7 @@ def test_cluster_from_console_scripts(cluster, tmp_path):
         )
         return out if out["best_agent_id"] == "agent-b" else None
 
-    out = wait_for(best, 10, 0.2, "lookup to find agent-b")
+    out = wait_for(best, 30, 0.2, "lookup to find agent-b")
     assert out["num_tokens"] == len(tokens) + 2 and out["model_id"] == M.model_id
     match = out["agents"][0]
     assert match == {

@@ -30,6 +30,8 @@ def test_policy_demotes_to_low_watermark_and_respects_pins(controlplane, make_ag
         c.set_policy({"cpu.high_watermark": "0.6", "cpu.low_watermark": "0.4"})
         for p in prompts:
             a.engine.store(M.model_id, p, kv)
+        # the control plane knows the model once it has seen the agent (a pin before is NOT_FOUND)
+        wait_for(lambda: any(m["model_id"] == M.model_id for m in c.stats().models), 20, what="model known")
         pin = c.pin(model_id=M.model_id, token_ids=prompts[0], min_tier="cpu", ttl_seconds=120)
         for p in prompts[:2]:
             c.lookup(M.model_id, p)  # evidence: these two are reused

@@ -18,7 +18,7 @@ from google.protobuf.message import DecodeError
 from protos.block_hash import BLOCK_HASH_BYTES
 from protos.grpc_errors import LEADER_METADATA_KEY
 from protos.kvcp.v1 import admin_pb2, admin_pb2_grpc, types_pb2
-from protos.lookup_wire import HEADER_BYTES, MAX_FRAME_BYTES, frame, split_address
+from protos.lookup_wire import HEADER_BYTES, MAX_REPLY_BYTES, frame, split_address
 from protos.security import TLSConfig, client_ssl_context, token_metadata
 from protos.security import channel as secure_channel
 from protos.tier import Tier
@@ -78,6 +78,10 @@ class LookupSocket:
         return sock
 
     def close(self) -> None:
+        with self._lock:
+            self._drop()
+
+    def _drop(self) -> None:
         if self._sock is not None:
             self._sock.close()
             self._sock = None
@@ -97,8 +101,13 @@ class LookupSocket:
                     self._sock.sendall(out)
                     reply = admin_pb2.LookupFrameReply.FromString(self._read_frame())
                     break
+                except TimeoutError:
+                    self._drop()  # a late reply would answer the next call: start afresh
+                    raise ClientError(
+                        "DEADLINE_EXCEEDED", f"lookup socket {self.endpoint}: no answer in {self._timeout_seconds:g}s"
+                    ) from None
                 except (OSError, EOFError, DecodeError) as exc:
-                    self.close()
+                    self._drop()
                     if fresh or attempt:  # a new connection failing is not a stale one
                         raise ClientError("UNAVAILABLE", f"lookup socket {self.endpoint}: {exc or 'closed'}") from None
         if reply.code:
@@ -109,7 +118,7 @@ class LookupSocket:
 
     def _read_frame(self) -> bytes:
         size = int.from_bytes(self._read(HEADER_BYTES), "little")
-        if size > MAX_FRAME_BYTES:
+        if size > MAX_REPLY_BYTES:
             raise EOFError(f"a reply frame of {size} bytes (not a kvcp lookup socket?)")
         return self._read(size)
 

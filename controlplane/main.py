@@ -80,7 +80,8 @@ def _metrics_listen(ctx, param, value: str) -> str:
     default="",
     envvar="KVCP_LOOKUP_LISTEN",
     help="Also answer Lookup on a plain socket, HOST:PORT or unix:PATH (length-prefixed protobuf, "
-    "kvcp.v1.LookupFrame): a router's lookup without gRPC's round trip. No TLS; same admin tokens.",
+    "kvcp.v1.LookupFrame): a router's lookup without gRPC's round trip. Same admin tokens; TLS over TCP "
+    "when --tls-cert is given.",
 )
 @click.option("--log-level", default="INFO", show_default=True)
 def main(

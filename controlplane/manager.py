@@ -514,8 +514,10 @@ class Manager:
 
     def _owns(self, op: ops.Operation) -> bool:
         """Whether this leader still runs `op`: a lost election, or a reload after one,
-        hands it on (to another leader, or to the reloaded copy here)."""
-        return self.election.is_leader and self.ops.get(op.op_id) is op
+        hands it on (to another leader, or to the reloaded copy here). A leader cut off
+        from etcd (serving from memory, same epoch) still owns it."""
+        leading = self.election.is_leader or getattr(self.election, "serving_from_memory", False)
+        return leading and self.ops.get(op.op_id) is op
 
     def _start_locked(self, op: ops.Operation) -> None:
         lock_name = f"cleanup/{op.params['namespace'] or '_all'}"
@@ -546,11 +548,19 @@ class Manager:
             try:
                 self._persist_op(op)  # a leader that takes over now must not send it again
             except errors.KvcpError as exc:
-                log.warning("could not persist operation %s: %s", op.op_id, exc)
+                # unrecorded, a next leader would queue it again: send nothing
+                if self._owns(op):
+                    with self._lock:
+                        for part in op.parts.values():
+                            ops.fail_part(op, part.agent_id, f"could not record its start in etcd: {exc}")
+                    self._op_changed(op)
+                return
             self._fan_out(op, self._cleanup_commands(op))
             done = self._op_done.get(op.op_id)
-            if done is not None:
-                done.wait(self.op_timeout_seconds * 2)
+            deadline = time.monotonic() + self.op_timeout_seconds * 2
+            # hold the scope lock until it finishes, or until this replica no longer leads
+            while done is not None and not done.wait(0.5) and time.monotonic() < deadline and self._owns(op):
+                pass
         finally:
             lock.release()
 

@@ -9,6 +9,8 @@ import socket
 HEADER_BYTES = 4
 # a LookupRequest at the control plane's limits (2^20 token ids as varints) fits in 8 MiB
 MAX_FRAME_BYTES = 8 << 20
+# a reply names every holder with a tier byte per block: as large as gRPC allows
+MAX_REPLY_BYTES = 64 << 20
 
 
 def split_address(address: str) -> tuple[int, object]:

@@ -19,6 +19,7 @@ import logging
 import os
 import socket
 import ssl
+import stat
 import threading
 
 from google.protobuf.message import DecodeError
@@ -32,6 +33,10 @@ log = logging.getLogger(__name__)
 
 MAX_CONNECTIONS = 256
 HANDSHAKE_SECONDS = 10.0
+# a connection silent this long is closed (clients reconnect once, transparently), so idle
+# or half-sent connections cannot hold the listener's slots
+IDLE_SECONDS = 120.0
+READ_CHUNK_BYTES = 1 << 16
 
 
 class LookupSocketServer:
@@ -64,6 +69,8 @@ class LookupSocketServer:
         try:
             if self._family == socket.AF_UNIX:
                 if os.path.exists(self._where) and not _listening(self._where):
+                    if not stat.S_ISSOCK(os.stat(self._where).st_mode):
+                        raise OSError(f"{self._where} exists and is not a socket")
                     os.unlink(self._where)  # left by a process that died
                 sock.bind(self._where)
             else:
@@ -120,6 +127,9 @@ class LookupSocketServer:
 
     def _refuse(self, conn: socket.socket) -> None:
         self._counted("RESOURCE_EXHAUSTED")
+        if self._ssl is not None:  # a plain-text answer would read as a TLS error: just close
+            conn.close()
+            return
         reply = admin_pb2.LookupFrameReply(
             code="RESOURCE_EXHAUSTED", message=f"the lookup socket serves at most {self._max_connections} connections"
         )
@@ -134,7 +144,6 @@ class LookupSocketServer:
             try:
                 conn.settimeout(HANDSHAKE_SECONDS)
                 tls_conn = self._ssl.wrap_socket(conn, server_side=True)
-                tls_conn.settimeout(None)
             except (OSError, ssl.SSLError) as exc:
                 log.info("lookup socket: TLS handshake failed: %s", exc)
                 with self._lock:
@@ -143,9 +152,13 @@ class LookupSocketServer:
                 return
             with self._lock:
                 self._conns.discard(conn)
+                if self._stopped.is_set():
+                    tls_conn.close()
+                    return
                 self._conns.add(tls_conn)
             conn = tls_conn
-        rfile = conn.makefile("rb", buffering=1 << 16)
+        conn.settimeout(IDLE_SECONDS)
+        rfile = conn.makefile("rb", buffering=READ_CHUNK_BYTES)
         try:
             while True:
                 head = rfile.read(HEADER_BYTES)
@@ -159,8 +172,8 @@ class LookupSocketServer:
                     )
                     conn.sendall(frame(bad.SerializeToString()))
                     return  # the stream cannot be re-synchronised after a bad length
-                body = rfile.read(size)
-                if len(body) < size:
+                body = _read_body(rfile, size)
+                if body is None:
                     return
                 conn.sendall(frame(self.handle(body)))
         except OSError:
@@ -203,6 +216,19 @@ class LookupSocketServer:
             log.exception("internal error answering a lookup frame")
             reply.code, reply.message = "INTERNAL", f"internal error: {type(exc).__name__}"
         return reply
+
+
+def _read_body(rfile, size: int) -> bytes | None:
+    """`size` bytes, read as they come (a header claiming megabytes costs nothing until
+    they arrive); None when the client goes away first."""
+    parts, got = [], 0
+    while got < size:
+        part = rfile.read(min(READ_CHUNK_BYTES, size - got))
+        if not part:
+            return None
+        parts.append(part)
+        got += len(part)
+    return b"".join(parts)
 
 
 def _listening(path: str) -> bool:

@@ -5,6 +5,7 @@ bad frames, tokens, a replica that does not lead, a full listener; nothing break
 from __future__ import annotations
 
 import socket
+import time
 
 import pytest
 
@@ -244,6 +245,48 @@ def test_client_says_so_when_the_other_end_is_not_a_lookup_socket():
         with pytest.raises(ClientError) as info:
             client.call(admin_pb2.LookupRequest(model_id=M.model_id, token_ids=tokens(1)))
         assert info.value.code == "UNAVAILABLE"
+    finally:
+        client.close()
+        listener.close()
+
+
+def test_idle_connections_are_closed_and_clients_reconnect(etcd, make_agent, monkeypatch):
+    from controlplane.api import lookup_socket
+
+    monkeypatch.setattr(lookup_socket, "IDLE_SECONDS", 0.5)
+    cp = start_cp(etcd, lookup_listen="127.0.0.1:0")
+    try:
+        make_agent("ls5").engine.store(M.model_id, tokens(2), kv(2))
+        address = cp.lookup_socket.address
+        with ControlPlaneClient(cp.address, lookup_endpoint=address) as c:
+            wait_for(lambda: c.lookup(M.model_id, tokens(2)).best_agent_id == "ls5", what="indexed")
+            family, where = split_address(address)
+            with socket.socket(family, socket.SOCK_STREAM) as idle:
+                idle.settimeout(5)
+                idle.connect(where)
+                idle.sendall((1000).to_bytes(4, "little") + b"half a frame")
+                assert idle.recv(1) == b""  # closed by the server after 0.5 s of silence
+            time.sleep(1.0)  # the client's own connection was closed too
+            assert c.lookup(M.model_id, tokens(2)).best_agent_id == "ls5"  # reconnected, once
+    finally:
+        cp.stop()
+
+
+def test_a_lookup_that_gets_no_answer_is_deadline_exceeded():
+    import threading
+
+    from cli.client import LookupSocket
+
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen()
+    accepted = []
+    threading.Thread(target=lambda: accepted.append(listener.accept()), daemon=True).start()
+    client = LookupSocket(f"127.0.0.1:{listener.getsockname()[1]}", timeout_seconds=0.5)
+    try:
+        with pytest.raises(ClientError) as info:
+            client.call(admin_pb2.LookupRequest(model_id=M.model_id, token_ids=tokens(1)))
+        assert info.value.code == "DEADLINE_EXCEEDED"
     finally:
         client.close()
         listener.close()

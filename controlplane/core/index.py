@@ -585,6 +585,11 @@ class BlockIndex:
             col[ent] = col.take(ent) & nbit
 
     def _entries_of(self, slot: int) -> np.ndarray:
+        if self._lib is not None:  # one pass over the slot's mask column, no temporary
+            out = np.empty(int(self._counts[slot]), np.int64)
+            n = self._lib.kv_entries_of(ctypes.byref(self._kernel()), slot, out.ctypes.data, len(out))
+            if n == len(out):
+                return out
         w, bit = self._word_bit(slot)
         return np.flatnonzero(self._mask[w, : self._hw] & bit)
 

@@ -144,6 +144,21 @@ int64_t kv_matches(const kv_index *x, const int64_t *ent, int64_t m, int64_t *co
     return first;
 }
 
+/* The entries agent `slot` holds, ascending, into out (room for `room`, the slot's
+   replica count); returns how many there are, which may exceed room (then only the first
+   `room` were written). */
+int64_t kv_entries_of(const kv_index *x, int64_t slot, int64_t *out, int64_t room) {
+    const uint64_t *m = x->mask + (slot >> 6) * x->cap, bit = 1ull << (slot & 63);
+    int64_t k = 0;
+    for (int64_t e = 0; e < x->hw; e++) {
+        if (m[e] & bit) {
+            if (k < room) out[k] = e;
+            k++;
+        }
+    }
+    return k;
+}
+
 /* Agent `slot` holds keys[start:n) in tier code `code` (0-3); parents may be NULL.
    Returns the index of the first key that found both its buckets full (the caller grows
    the table and calls again from there), or n. The caller has made room for n - start

@@ -62,6 +62,8 @@ def load() -> ctypes.CDLL | None:
     held.kv_prefix.argtypes, held.kv_prefix.restype = lib.kv_prefix.argtypes, _I
     held.kv_matches.argtypes, held.kv_matches.restype = lib.kv_matches.argtypes, _I
     lib.kv_prefix_gil, lib.kv_matches_gil = held.kv_prefix, held.kv_matches
+    lib.kv_entries_of.argtypes = [p, _I, _P, _I]
+    lib.kv_entries_of.restype = _I
     lib.kv_add.argtypes = [p, _P, _P, _I, _I, _I, _I]
     lib.kv_add.restype = _I
     lib.kv_remove.argtypes = [p, _P, _I, _I]

@@ -138,13 +138,18 @@ def test_cluster_from_console_scripts(cluster, tmp_path):
     assert stats["lookups_total"] >= result["requests"]
     assert stats["lookup_hit_tokens_total"] > 0
 
-    # a prompt stored on agent-b only: lookup names agent-b as best, with all its blocks
+    # a prompt stored on agent-b only: lookup names agent-b as best, with all its blocks.
+    # As a router does, it is looked up (a miss) before it is stored: the tier policy ranks
+    # blocks no lookup ever named below everything, and agent-b's tier is full after the
+    # workload, so a pass landing between store and lookup would take an unnamed prompt first
     tokens = list(range(5_000_000, 5_000_000 + 6 * M.block_size))
+    tf = tmp_path / "prompt.txt"
+    tf.write_text(",".join(map(str, tokens + [1, 2])))
+    miss = kvctl(cluster.endpoint, "-o", "json", "lookup", "--model", M.model_id, "--tokens-file", str(tf))
+    assert json.loads(miss.stdout)["best_agent_id"] == ""
     engine = EngineClient(f"127.0.0.1:{cluster.agent_ports['agent-b']}")
     engine.store(M.model_id, tokens, bytes(6 * M.block_bytes))
     engine.close()
-    tf = tmp_path / "prompt.txt"
-    tf.write_text(",".join(map(str, tokens + [1, 2])))
 
     def best():
         out = json.loads(

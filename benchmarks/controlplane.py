@@ -206,30 +206,12 @@ def _controlplane_main(etcd: str, policy_loop: bool, conn, expected_blocks: int 
     cp.start()
     if not policy_loop:
         cp.manager.policy_interval_seconds = float("inf")  # the tier-policy pass off
-    # server-side lookup time (Cluster.lookup: hashing, the lock, the index), timed here
-    durations: collections.deque[float] = collections.deque(maxlen=1_000_000)
-    lookup = cp.cluster.lookup
-
-    def timed_lookup(*args, **kwargs):
-        t = time.perf_counter()
-        try:
-            return lookup(*args, **kwargs)
-        finally:
-            durations.append(time.perf_counter() - t)
-
-    cp.cluster.lookup = timed_lookup
+    # server-side lookup time (Cluster.lookup: hashing, the lock, the index), timed here,
     # and the index's part of it (the table probe and the holders' arrays)
+    durations: collections.deque[float] = collections.deque(maxlen=1_000_000)
     index_durations: collections.deque[float] = collections.deque(maxlen=1_000_000)
-    holders = cp.cluster.index.prefix_holders
-
-    def timed_holders(*args, **kwargs):
-        t = time.perf_counter()
-        try:
-            return holders(*args, **kwargs)
-        finally:
-            index_durations.append(time.perf_counter() - t)
-
-    cp.cluster.index.prefix_holders = timed_holders
+    cp.cluster.lookup = _timed(cp.cluster.lookup, durations)
+    cp.cluster.index.prefix_holders = _timed(cp.cluster.index.prefix_holders, index_durations)
     conn.send((cp.address, cp.lookup_socket.address))
     while True:
         msg = conn.recv()
@@ -252,6 +234,19 @@ def _controlplane_main(etcd: str, policy_loop: bool, conn, expected_blocks: int 
         else:
             break
     cp.stop(0.2)
+
+
+def _timed(fn, durations: collections.deque):
+    """`fn`, appending each call's wall time to `durations`."""
+
+    def timed(*args, **kwargs):
+        t = time.perf_counter()
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            durations.append(time.perf_counter() - t)
+
+    return timed
 
 
 def _agent_info(agent_id: str):

@@ -224,7 +224,8 @@ def test_full_listener_refuses_with_a_reason(etcd):
         server.stop()
 
 
-def test_client_says_so_when_the_other_end_is_not_a_lookup_socket():
+def fake_peer_call(serve, timeout_seconds: float = 5.0) -> ClientError:
+    """A LookupSocket call against a TCP listener that `serve(conn)` runs: its ClientError."""
     import threading
 
     from cli.client import LookupSocket
@@ -232,22 +233,24 @@ def test_client_says_so_when_the_other_end_is_not_a_lookup_socket():
     listener = socket.socket()
     listener.bind(("127.0.0.1", 0))
     listener.listen()
+    threading.Thread(target=lambda: serve(listener.accept()[0]), daemon=True).start()
+    client = LookupSocket(f"127.0.0.1:{listener.getsockname()[1]}", timeout_seconds=timeout_seconds)
+    try:
+        with pytest.raises(ClientError) as info:
+            client.call(admin_pb2.LookupRequest(model_id=M.model_id, token_ids=tokens(1)))
+        return info.value
+    finally:
+        client.close()
+        listener.close()
 
-    def garbage():
-        conn, _ = listener.accept()
+
+def test_client_says_so_when_the_other_end_is_not_a_lookup_socket():
+    def garbage(conn):
         conn.recv(1 << 16)
         conn.sendall(frame(b"\xff\xff\xff\xff not protobuf"))
         conn.close()
 
-    threading.Thread(target=garbage, daemon=True).start()
-    client = LookupSocket(f"127.0.0.1:{listener.getsockname()[1]}", timeout_seconds=5)
-    try:
-        with pytest.raises(ClientError) as info:
-            client.call(admin_pb2.LookupRequest(model_id=M.model_id, token_ids=tokens(1)))
-        assert info.value.code == "UNAVAILABLE"
-    finally:
-        client.close()
-        listener.close()
+    assert fake_peer_call(garbage).code == "UNAVAILABLE"
 
 
 def test_idle_connections_are_closed_and_clients_reconnect(etcd, make_agent, monkeypatch):
@@ -273,20 +276,5 @@ def test_idle_connections_are_closed_and_clients_reconnect(etcd, make_agent, mon
 
 
 def test_a_lookup_that_gets_no_answer_is_deadline_exceeded():
-    import threading
-
-    from cli.client import LookupSocket
-
-    listener = socket.socket()
-    listener.bind(("127.0.0.1", 0))
-    listener.listen()
-    accepted = []
-    threading.Thread(target=lambda: accepted.append(listener.accept()), daemon=True).start()
-    client = LookupSocket(f"127.0.0.1:{listener.getsockname()[1]}", timeout_seconds=0.5)
-    try:
-        with pytest.raises(ClientError) as info:
-            client.call(admin_pb2.LookupRequest(model_id=M.model_id, token_ids=tokens(1)))
-        assert info.value.code == "DEADLINE_EXCEEDED"
-    finally:
-        client.close()
-        listener.close()
+    held = []  # the connection stays open, unanswered
+    assert fake_peer_call(held.append, timeout_seconds=0.5).code == "DEADLINE_EXCEEDED"

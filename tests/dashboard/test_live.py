@@ -212,8 +212,14 @@ def test_survives_a_controlplane_restart(etcd, make_agent):
                     "agent back",
                     timeout_seconds=40,
                 )
-                seqs = [e.seq for e in app.state.events]
-                assert seqs.count(1) >= 2  # events of both control planes are in the log
+                # events of both control planes reach the log (each numbers its own from 1);
+                # the new stream's may come after the agent shows ready
+                await until(
+                    pilot,
+                    lambda: [e.seq for e in app.state.events].count(1) >= 2,
+                    "events of both control planes",
+                    timeout_seconds=20,
+                )
 
         asyncio.run(scenario())
     finally:

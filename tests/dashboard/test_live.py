@@ -138,7 +138,8 @@ def test_pin_from_the_form_then_unpin_with_confirmation(cluster):
             await until(pilot, on_screen(pilot, "dash-kb", "namespace", "cpu"), "the pin on screen")
             (pin,) = client.list_pins()
             assert pin.namespace == "dash-kb" and pin.whole_namespace and 590 < pin.ttl_left_seconds(time.time()) <= 600
-            assert any(e.kind == "pin_created" for e in app.state.events)
+            # the Watch stream's event may trail the listing
+            await until(pilot, lambda: any(e.kind == "pin_created" for e in app.state.events), "pin_created event")
 
             await pilot.press("d")
             await until(pilot, on_screen(pilot, "Unpin dash-kb/"), "confirmation")

@@ -559,8 +559,9 @@ class Manager:
             done = self._op_done.get(op.op_id)
             deadline = time.monotonic() + self.op_timeout_seconds * 2
             # hold the scope lock until it finishes, or until this replica no longer leads
-            while done is not None and not done.wait(0.5) and time.monotonic() < deadline and self._owns(op):
-                pass
+            while done is not None and time.monotonic() < deadline and self._owns(op):
+                if done.wait(0.5):
+                    break
         finally:
             lock.release()
 

@@ -93,10 +93,8 @@ def lookup_to_pb(r: core.LookupResult) -> admin_pb2.LookupResponse:
         possibly_stale=r.possibly_stale,
     )
     add, bs = resp.agents.add, r.block_size  # in place: a lookup can match every agent
-    h = r.holders
-    w, rows = h.width, h.tiers
-    for k, (agent_id, n) in enumerate(zip(h.agent_ids, h.counts, strict=True)):
-        add(agent_id=agent_id, num_hit_blocks=n, num_hit_tokens=n * bs, tiers=rows[k * w : k * w + n])
+    for agent_id, n, tiers in r.holders.rows():
+        add(agent_id=agent_id, num_hit_blocks=n, num_hit_tokens=n * bs, tiers=tiers)
     return resp
 
 

@@ -15,6 +15,7 @@ socket is guarded by its file permissions.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import socket
@@ -89,24 +90,19 @@ class LookupSocketServer:
 
     def stop(self) -> None:
         self._stopped.set()
+        # best effort: each of these may already be closed or gone
         if self._sock is not None:
-            try:
+            with contextlib.suppress(OSError):
                 self._sock.shutdown(socket.SHUT_RDWR)  # wakes accept()
-            except OSError:
-                pass
             self._sock.close()
             if self._family == socket.AF_UNIX:
-                try:
+                with contextlib.suppress(OSError):
                     os.unlink(self._where)
-                except OSError:
-                    pass
         with self._lock:
             conns, self._conns = list(self._conns), set()
         for conn in conns:
-            try:
+            with contextlib.suppress(OSError):
                 conn.shutdown(socket.SHUT_RDWR)
-            except OSError:
-                pass
 
     def _accept_loop(self) -> None:
         while not self._stopped.is_set():
@@ -133,10 +129,8 @@ class LookupSocketServer:
         reply = admin_pb2.LookupFrameReply(
             code="RESOURCE_EXHAUSTED", message=f"the lookup socket serves at most {self._max_connections} connections"
         )
-        try:
+        with contextlib.suppress(OSError):  # the client may be gone already
             conn.sendall(frame(reply.SerializeToString()))
-        except OSError:
-            pass
         conn.close()
 
     def _serve(self, conn: socket.socket) -> None:

@@ -58,8 +58,22 @@ def skip_if_unimplemented(call) -> None:
 
 
 @pytest.fixture
+def controlplane(etcd):
+    """As the shared fixture, with leases long enough that a loaded CI machine stalling the
+    test process for a few seconds does not hand leadership over mid-scenario (these tests
+    are about the screens; failover has its own tests)."""
+    from controlplane.server import ControlPlane, ControlPlaneConfig
+
+    cfg = ControlPlaneConfig(listen="127.0.0.1:0", etcd=etcd, election_ttl_seconds=10, membership_resync_seconds=0.5)
+    cp = ControlPlane(cfg).start()
+    yield cp
+    cp.stop()
+
+
+@pytest.fixture
 def cluster(controlplane, make_agent):
-    a1, a2 = make_agent("dash-a1"), make_agent("dash-a2")
+    a1 = make_agent("dash-a1", lease_ttl_seconds=10)
+    a2 = make_agent("dash-a2", lease_ttl_seconds=10)
     a1.engine.store(M.model_id, tokens(4), kv(4), namespace="dash-kb")
     a2.engine.store(M.model_id, tokens(2, start=5000), kv(2, seed=1))
     with ControlPlaneClient(controlplane.address) as c:

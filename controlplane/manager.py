@@ -17,6 +17,8 @@ import time
 from collections import OrderedDict, deque
 from dataclasses import dataclass
 
+import numpy as np
+
 from controlplane.core import operations as ops
 from controlplane.core import policy as tier_policy
 from controlplane.core.access_stats import AccessStats
@@ -827,14 +829,16 @@ class Manager:
     def _agent_view(self, rec, replicas: dict[bytes, int]) -> tier_policy.AgentView:
         """What the agent holds per managed tier, with parents, copied out of the index;
         its blocks held elsewhere too are added to `replicas`."""
-        keys, tiers, parents, replicated = self.cluster.agent_chains(rec.agent_id)
+        keys, tiers, parents, replicated, stored = self.cluster.agent_chains(rec.agent_id)
         replicas.update(dict.fromkeys(keys[replicated].tolist(), 2))
+        known = ~np.isnan(stored)
+        stored_seconds = dict(zip(keys[known].tolist(), stored[known].tolist(), strict=True))
         out = []
         for t in self._managed_tiers(rec):
             here = tiers == int(t.tier)
             blocks = dict(zip(keys[here].tolist(), parents[here].tolist(), strict=True))
             out.append(tier_policy.TierView(t.tier, self._tier_capacity_blocks(rec, t), blocks))
-        return tier_policy.AgentView(rec.agent_id, tuple(out))
+        return tier_policy.AgentView(rec.agent_id, tuple(out), stored_seconds=stored_seconds)
 
     # ---- loop -----------------------------------------------------------------------
     def run_once(self, now: float | None = None) -> None:

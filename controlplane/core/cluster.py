@@ -309,6 +309,7 @@ class Cluster:
                 rec.staging.append((g.block_hashes, int(g.tier), g.parent_hashes))
             rec.next_chunk += 1
             if last_chunk:
+                self.index.set_clock(self._clock())
                 self.index.replace_agent_packed(agent_id, rec.staging)
                 rec.staging, rec.next_chunk = [], 0
                 rec.last_seq = seq
@@ -336,6 +337,7 @@ class Cluster:
             for g in groups:  # validated before anything is applied: a bad batch changes nothing
                 g.validate()
             rec.last_seq = seq
+            self.index.set_clock(rec.last_seen_unix_seconds)  # stamps blocks newly stored
             for g in groups:  # packed digests go into the index as they came off the wire
                 self.events_total += len(g.block_hashes) // BLOCK_HASH_BYTES
                 if stored:

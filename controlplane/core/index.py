@@ -8,7 +8,10 @@ whole prefix.
 Layout (numpy, no Python object per block): agents are interned to small ints (slots);
 each distinct block is one *entry* in dense arrays: its 16-byte key (two uint64), its
 parent's key (all zero: a first block, or not told), a bitmask of the agents holding it,
-and two bit planes giving each holder's tier as a 2-bit code (tier - 1). A chained digest
+two bit planes giving each holder's tier as a 2-bit code (tier - 1), and when an agent
+last newly took the block (a 32-bit tick of `STORED_TICK_SECONDS` on the owner's clock,
+`set_clock`: the store-time evidence the tier policy falls back on for blocks no lookup
+named). A chained digest
 has the same parent wherever it is held, so one parent column serves every agent: the
 tier policy shrinks chains from their tails with it. A hash table of 8-slot buckets maps
 a key to its entry; each key has two candidate buckets (it goes into the emptier, and a
@@ -18,7 +21,7 @@ all 16 bytes. The per-event loops run in C where they build (index_kernel). A ba
 of N events is a few dozen vectorised passes over N: packed hashes from the wire go
 into the index without being split into `bytes` objects.
 
-Memory: 56 bytes per distinct block for the entry, 4 of scratch, and 8 per table slot
+Memory: 60 bytes per distinct block for the entry, 4 of scratch, and 8 per table slot
 at a load between 0.4 and 0.75 (11-20 bytes per block): ~70-80 bytes per replica when
 every replica is a distinct block, much less when agents share blocks. Past 64 agents
 each mask widens by a 64-bit word per 64 agents. Growing the table moves every key in one
@@ -55,6 +58,17 @@ _ONE = np.uint64(1)
 _V16 = np.dtype((np.void, 16))
 _ZERO16 = np.zeros(1, _V16)[0]
 _TIER_VALUES = tuple(int(t) for t in Tier)
+STORED_TICK_SECONDS = 0.1  # resolution of the store stamps (2**32 ticks: 13 years)
+
+
+class AgentChains(NamedTuple):
+    """BlockIndex.agent_chains: one agent's blocks as parallel arrays."""
+
+    keys: np.ndarray
+    tiers: np.ndarray
+    parents: np.ndarray
+    replicated: np.ndarray
+    stored_seconds: np.ndarray
 
 
 class AgentMatch(NamedTuple):
@@ -182,6 +196,9 @@ class BlockIndex:
         self._tlo = np.zeros((1, cap), np.uint64)
         self._thi = np.zeros((1, cap), np.uint64)
         self._scratch = np.empty(cap, np.int32)
+        self._stored = np.zeros(cap, np.uint32)  # tick of the latest new holder (0: not known)
+        self._epoch_seconds: float | None = None  # clock value of tick 0
+        self._now_tick = 0
         self._hw = 0  # entries ever allocated (high water)
         self._free = np.empty(0, np.int64)
         self._nfree = 0
@@ -282,13 +299,14 @@ class BlockIndex:
             self._ents,
             self._free,
             self._counts,
+            self._stored,
         )
         x = self._kview
         if x is None or any(a is not b for a, b in zip(arrays, self._kview_arrays, strict=True)):
             x = index_kernel.KvIndex(*(a.ctypes.data for a in arrays))
             x.cap, x.W, x.shift = len(self._keys), self._W, int(self._shift)
             self._kview, self._kview_arrays = x, arrays
-        x.nfree, x.hw, x.live = self._nfree, self._hw, self._live
+        x.nfree, x.hw, x.live, x.now = self._nfree, self._hw, self._live, self._now_tick
         return x
 
     def _kernel_done(self, x: index_kernel.KvIndex) -> None:
@@ -477,6 +495,9 @@ class BlockIndex:
             new[:, :hw] = old[:, :hw]
             setattr(self, name, new)
         self._scratch = np.empty(new_cap, np.int32)
+        stored = np.zeros(new_cap, np.uint32)
+        stored[:hw] = self._stored[:hw]
+        self._stored = stored
 
     def _grow(self, nb: int) -> None:
         """Grow the table to `nb` buckets (a power-of-two multiple) without placing keys again:
@@ -600,6 +621,23 @@ class BlockIndex:
         return 1 + lo.astype(np.uint8) + 2 * hi.astype(np.uint8)
 
     # ---- mutation -------------------------------------------------------------------
+    def set_clock(self, now_seconds: float) -> None:
+        """The time the next adds happen at (the owner's clock, seconds): a block an
+        agent newly holds is stamped with it. The first call fixes the stamps' epoch."""
+        if self._epoch_seconds is None:
+            self._epoch_seconds = now_seconds - STORED_TICK_SECONDS  # tick 0 stays "not known"
+        tick = int((now_seconds - self._epoch_seconds) / STORED_TICK_SECONDS)
+        self._now_tick = min(max(tick, 1), 0xFFFFFFFF)
+
+    def _stored_seconds(self, ent: np.ndarray) -> np.ndarray:
+        """When each entry was last newly held, on the owner's clock (NaN: not known)."""
+        ticks = self._stored.take(ent)
+        if self._epoch_seconds is None:
+            return np.full(len(ent), np.nan)
+        out = self._epoch_seconds + ticks * STORED_TICK_SECONDS
+        out[ticks == 0] = np.nan
+        return out
+
     def add(self, agent_id: str, block_hashes, tier: Tier, parent_hashes=b"") -> None:
         """Record that `agent_id` holds these blocks in `tier` (a tier change if already held).
         `block_hashes`: packed 16-byte digests, or an iterable of 16-byte digests;
@@ -619,6 +657,7 @@ class BlockIndex:
         newly = ent[(self._mask[w].take(ent) & bit) == 0]
         if newly.size:
             self._counts[slot] += int(self._distinct(newly).sum())
+            self._stored[newly] = self._now_tick
         self._set_bits(ent, slot, code)
 
     def remove(self, agent_id: str, block_hashes) -> None:
@@ -681,6 +720,9 @@ class BlockIndex:
                 self._set_parents(ent, parents)
                 prepared.append((ent, code))
         old = self._entries_of(slot) if self._counts[slot] else np.zeros(0, np.int64)
+        w, bit = self._word_bit(slot)
+        for ent, _ in prepared:  # blocks the agent did not hold before are stored now
+            self._stored[ent[(self._mask[w].take(ent) & bit) == 0]] = self._now_tick
         if old.size:
             self._clear_bits(old, slot)
         for ent, code in prepared:
@@ -767,14 +809,16 @@ class BlockIndex:
         tiers = self._tiers_of(ent, slot).tolist()
         return {raw[16 * i : 16 * i + 16]: t for i, t in enumerate(tiers)}
 
-    def agent_chains(self, agent_id: str) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    def agent_chains(self, agent_id: str) -> AgentChains:
         """What `agent_id` holds, copied out (safe to use once the lock is let go): its
         digests and their parents' (ROOT_PARENT_HASH where none is known) as 16-byte
-        void arrays (`.tolist()` gives `bytes`), tier values (uint8), and whether another
-        agent holds each too (bool)."""
+        void arrays (`.tolist()` gives `bytes`), tier values (uint8), whether another
+        agent holds each too (bool), and when each was last newly held by an agent
+        (seconds on the `set_clock` clock, float64; NaN where not known)."""
         slot = self._slot_of.get(agent_id)
         if slot is None or not self._counts[slot]:
-            return np.zeros(0, _V16), np.zeros(0, np.uint8), np.zeros(0, _V16), np.zeros(0, bool)
+            empty = np.zeros(0, _V16)
+            return AgentChains(empty, np.zeros(0, np.uint8), empty, np.zeros(0, bool), np.zeros(0))
         ent = self._entries_of(slot)
         w, bit = self._word_bit(slot)
         others = np.take(self._mask, ent, axis=1)
@@ -782,7 +826,7 @@ class BlockIndex:
         replicated = (others != 0).any(axis=0)
         keys = self._keys[ent].view(_V16).reshape(-1)
         parents = self._parents[ent].view(_V16).reshape(-1)
-        return keys, self._tiers_of(ent, slot), parents, replicated
+        return AgentChains(keys, self._tiers_of(ent, slot), parents, replicated, self._stored_seconds(ent))
 
     def tiers_held(self, agent_id: str, block_hashes) -> np.ndarray:
         """Tier value of each digest on `agent_id` (uint8; 0 where it does not hold it)."""
@@ -833,6 +877,7 @@ class BlockIndex:
             self._tlo,
             self._thi,
             self._scratch,
+            self._stored,
             self._free,
             self._tags,
             self._ents,

@@ -26,12 +26,14 @@ typedef struct {
     int32_t *ents;     /* (nb, 8) */
     int64_t *free_ids; /* free entry ids, a stack */
     int64_t *counts;   /* replicas per agent slot */
+    uint32_t *stored;  /* per entry: clock tick when an agent last newly held it */
     int64_t cap;       /* entries allocated (columns of mask) */
     int64_t W;         /* 64-bit words per mask */
     uint64_t shift;    /* 64 - log2(buckets) */
     int64_t nfree;     /* in/out */
     int64_t hw;        /* in/out: entries ever allocated */
     int64_t live;      /* in/out: keys in the table */
+    int64_t now;       /* the clock tick kv_add stamps */
 } kv_index;
 
 static inline uint64_t mix(const uint64_t *k) {
@@ -182,6 +184,7 @@ int64_t kv_add(kv_index *x, const uint64_t *keys, const uint64_t *parents, int64
         if (!(m[e] & bit)) {
             m[e] |= bit;
             x->counts[slot]++;
+            x->stored[e] = (uint32_t)x->now;
         }
         lo[e] = (code & 1) ? (lo[e] | bit) : (lo[e] & ~bit);
         hi[e] = (code & 2) ? (hi[e] | bit) : (hi[e] & ~bit);

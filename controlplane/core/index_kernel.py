@@ -34,12 +34,14 @@ class KvIndex(ctypes.Structure):
         ("ents", _P),
         ("free_ids", _P),
         ("counts", _P),
+        ("stored", _P),
         ("cap", _I),
         ("W", _I),
         ("shift", ctypes.c_uint64),
         ("nfree", _I),
         ("hw", _I),
         ("live", _I),
+        ("now", _I),
     ]
 
 

@@ -36,6 +36,10 @@ Rules, in the order they bind:
    is worth depends on the workload (documents: much; multi-turn chat, where a dead
    session's prefix was reused at every turn: nothing), so the view may carry a credit
    chosen by controlplane.core.tuning.CreditTuner from shadow caches of the lookups.
+   `last_access_seconds` is the later of the last lookup naming the block and the last
+   time an agent newly stored it (the index stamps each block when an agent newly holds
+   it): a fleet whose engines store without asking kvcp first (vLLM KV events alone)
+   is ranked by store time, oldest first. Only a block with neither ranks below all.
 5. Promotion of hot prefixes: a faster tier below its low watermark is topped up to it
    with the highest-priority blocks of slower tiers that were reused at least
    `promote_min_reuses` times, before an engine asks for them.
@@ -269,11 +273,14 @@ class AgentView:
     one tier, and its parent is held on the same agent, in some tier, unless it is the
     first block of a prompt. `num_children`, when given, maps each held block that has
     held children to their number (blocks without children are absent), as the agent's
-    block pool keeps it; it spares the pass a count over every block."""
+    block pool keeps it; it spares the pass a count over every block. `stored_seconds`,
+    when given, says when an agent last newly stored each block (the index's stamp): the
+    evidence the pass ranks a block by when no lookup named it."""
 
     agent_id: str
     tiers: tuple[TierView, ...]
     num_children: Mapping[bytes, int] | None = None
+    stored_seconds: Mapping[bytes, float] | None = None
 
 
 @dataclass(frozen=True)
@@ -323,15 +330,25 @@ class ClusterView:
 
 
 # ---- scoring --------------------------------------------------------------------------------
-def block_priority(stats, turnover_seconds: float, policy: Policy, replicated: bool, now: float) -> float:
-    """Higher stays longer. `stats` is the block's BlockStats (None: never looked up,
-    ranked below everything). See the module docstring for the rule."""
+def block_priority(
+    stats, turnover_seconds: float, policy: Policy, replicated: bool, now: float, stored_seconds: float | None = None
+) -> float:
+    """Higher stays longer. `stats` is the block's BlockStats (None: never looked up);
+    `stored_seconds` when an agent last newly stored it (None: not known). A store is a
+    use (an engine computed or received the block), so it counts as an access; a block
+    with neither ranks below everything. See the module docstring for the rule."""
     if stats is None:
-        return -math.inf
-    credits = float(min(stats.num_reuses, policy.max_reuse_credits))
+        if stored_seconds is None:
+            return -math.inf
+        last, credits = stored_seconds, 0.0
+    else:
+        last = stats.last_access_seconds
+        if stored_seconds is not None and stored_seconds > last:
+            last = stored_seconds
+        credits = float(min(stats.num_reuses, policy.max_reuse_credits))
     if replicated:
         credits -= policy.replica_discount_credits
-    return min(stats.last_access_seconds, now) + policy.reuse_credit_turnovers * turnover_seconds * credits
+    return min(last, now) + policy.reuse_credit_turnovers * turnover_seconds * credits
 
 
 def total_capacity_blocks(agents: Iterable[AgentView]) -> int:
@@ -394,6 +411,7 @@ class _AgentPass:
     def __init__(self, agent, tiers, view, policy, now, turnover, replicas):
         self.agent_id = agent.agent_id
         self.num_children = agent.num_children
+        self.stored = agent.stored_seconds or {}
         self.tiers = tiers
         self.policy = policy
         self.pins = view.pins
@@ -416,7 +434,7 @@ class _AgentPass:
         """Heap key, lowest goes first: the priority, then (at equal priority) a copy held
         elsewhere first, then the hash so that passes are deterministic."""
         replicated = self.replicas.get(h, 1) > 1 if self.replicas else False
-        p = block_priority(self.stats.get(h), self.turnover, self.policy, replicated, self.now)
+        p = block_priority(self.stats.get(h), self.turnover, self.policy, replicated, self.now, self.stored.get(h))
         return (p, 0 if replicated else 1, h)
 
     def pin_allows(self, h: bytes, target: int | None) -> bool:

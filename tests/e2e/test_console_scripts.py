@@ -139,9 +139,9 @@ def test_cluster_from_console_scripts(cluster, tmp_path):
     assert stats["lookup_hit_tokens_total"] > 0
 
     # a prompt stored on agent-b only: lookup names agent-b as best, with all its blocks.
-    # As a router does, it is looked up (a miss) before it is stored: the tier policy ranks
-    # blocks no lookup ever named below everything, and agent-b's tier is full after the
-    # workload, so a pass landing between store and lookup would take an unnamed prompt first
+    # As a router does, it is looked up (a miss) before it is stored: agent-b's tier is full
+    # after the workload, and the lookup's reuse evidence keeps the prompt ahead of the
+    # workload's blocks that were stored as recently but never asked for again
     tokens = list(range(5_000_000, 5_000_000 + 6 * M.block_size))
     tf = tmp_path / "prompt.txt"
     tf.write_text(",".join(map(str, tokens + [1, 2])))

@@ -33,7 +33,7 @@ def test_index_keeps_parents_per_block_and_forgets_them_with_the_block():
     c = chain(0, 5)
     idx.add("a", b"".join(c), Tier.CPU, parents_of(c))
     idx.add("b", b"".join(c[:2]), Tier.GPU)  # no parents told: the known ones stay
-    keys, tiers, parents, replicated = idx.agent_chains("a")
+    keys, tiers, parents, replicated, _ = idx.agent_chains("a")
     got = dict(zip(keys.tolist(), parents.tolist(), strict=True))
     assert got == dict(zip(c, [ROOT_PARENT_HASH, *c[:-1]], strict=True))
     assert set(tiers.tolist()) == {int(Tier.CPU)}
@@ -173,7 +173,7 @@ def test_strided_parent_arrays_are_read_as_given(use_kernel):
     keys = rng.integers(1, 2**63, size=(50_000, 2), dtype=np.uint64)
     wide = rng.integers(1, 2**63, size=(100_000, 2), dtype=np.uint64)
     idx.add("a", keys, Tier.CPU, wide[::2])
-    got, _, parents, _ = idx.agent_chains("a")
+    got, _, parents, _, _ = idx.agent_chains("a")
     by_key = dict(zip(got.tolist(), parents.tolist(), strict=True))
     for i in range(0, 50_000, 997):
         assert by_key[keys[i].tobytes()] == wide[2 * i].tobytes()
@@ -192,3 +192,58 @@ def test_pass_leaves_alone_tiers_whose_capacity_it_cannot_tell_and_remote_pins()
     f.manager.policy_pass(100.0)
     assert f.commands("odd") == [] and f.commands("zero") == []
     assert f.manager.policy_agents_decided_total == 0
+
+
+@pytest.mark.parametrize("use_kernel", [True, False], ids=["c-loops", "numpy"])
+def test_index_stamps_a_block_when_an_agent_newly_holds_it(use_kernel):
+    idx = BlockIndex(use_kernel=use_kernel)
+    old, new = chain(0, 3), chain(1, 2)
+    idx.add("a", b"".join(old), Tier.CPU)  # before any clock: not known
+    assert np.isnan(idx.agent_chains("a").stored_seconds).all()
+
+    def stamps(agent: str) -> dict[bytes, float]:
+        got = idx.agent_chains(agent)
+        return dict(zip(got.keys.tolist(), np.round(got.stored_seconds, 3).tolist(), strict=True))
+
+    idx.remove("a", b"".join(old))
+    idx.set_clock(1000.0)
+    idx.add("a", b"".join(old), Tier.CPU)
+    idx.set_clock(1005.0)
+    idx.add("a", b"".join(new), Tier.CPU)
+    idx.add("a", b"".join(old), Tier.DISK)  # a tier change is not a store
+    assert stamps("a") == dict.fromkeys(old, 1000.0) | dict.fromkeys(new, 1005.0)
+    idx.set_clock(1010.0)
+    idx.add("b", old[0], Tier.GPU)  # another agent newly holds it: a use of the block
+    assert stamps("a")[old[0]] == 1010.0 and stamps("b") == {old[0]: 1010.0}
+    # an inventory keeps the stamps of what the agent held and stamps the rest
+    idx.set_clock(1020.0)
+    extra = chain(2, 1)
+    idx.replace_agent_packed("a", [(b"".join(old[1:] + extra), int(Tier.CPU))])
+    assert stamps("a") == dict.fromkeys(old[1:], 1000.0) | {extra[0]: 1020.0}
+    # a freed entry reused by another block carries the new block's stamp
+    idx.remove("a", b"".join(old[1:]))
+    idx.set_clock(1030.0)
+    idx.add("a", b"".join(chain(3, 2)), Tier.CPU)
+    assert set(stamps("a").values()) == {1020.0, 1030.0}
+
+
+def test_blocks_no_lookup_named_go_oldest_store_first():
+    """A fleet whose engines store without asking kvcp (vLLM KV events only): the pass
+    ranks those blocks by when they were stored, not all below everything by hash."""
+    now = [100.0]
+    f = Fleet()
+    f.cluster._clock = lambda: now[0]
+    chains = [chain(10 + i, 4) for i in range(4)]
+    f.agent("a", {Tier.CPU: (16, [])})
+    for seq, c in enumerate(chains, start=1):  # one chain stored every 10 s, none looked up
+        now[0] = 100.0 + 10 * seq
+        assert f.cluster.apply_events("a", seq, True, [BlockGroup("m", Tier.CPU, b"".join(c), parents_of(c))]) is None
+    # the oldest chain is asked for now: it is the most recently used of them all
+    now[0] = 160.0
+    f.cluster.lookup("m", block_hashes=b"".join(chains[0]))
+    f.cluster.agent("a").tiers = [TierUsage(Tier.CPU, 16 * f.bb, 16 * f.bb, 16)]
+    f.manager.policy_pass(160.0)
+    (cmd,) = f.commands("a")
+    dropped = {cmd.block_hashes[i : i + 16] for i in range(0, len(cmd.block_hashes), 16)}
+    # 16 -> 14 blocks: the two last blocks of the chain stored longest ago and not asked for since
+    assert dropped == set(chains[1][-2:])

@@ -1,13 +1,18 @@
-/* The int8 codec of agent/core/codecs.py for fp16 blocks, in C (AVX2 + F16C where the
+/* The int8 and int4 codecs of agent/core/codecs.py for fp16 blocks, in C (AVX2 + F16C where the
    compiler targets them, plain C otherwise). Bit for bit what the torch path computes on
    finite blocks (a NaN or infinity, which no engine's KV holds, encodes differently):
    per row of head_dim values, scale = max(absmax, 1e-8) / 127 in fp32, q = round half to
    even of x / scale (a true division, as torch does), clamped to [-127, 127]; the scale
-   is stored as fp16. Decode: q * fp16 scale in fp32, rounded to fp16. Built and loaded by
-   protos.native. */
+   is stored as fp16. Decode: q * fp16 scale in fp32, rounded to fp16. int4 (KIVI): see
+   int4_encode. Built and loaded by protos.native. */
 
 #include <stdint.h>
+#include <string.h>
 #include <math.h>
+#if defined(__GNUC__) && !defined(__clang__)
+/* decode's q * scale + min is two fp32 roundings in torch: never one fused multiply-add */
+#pragma GCC optimize("fp-contract=off")
+#endif
 #if defined(__AVX2__) && defined(__F16C__)
 #include <immintrin.h>
 #define VEC 1
@@ -80,4 +85,235 @@ void int8_decode(const int8_t *q, const _Float16 *scales, int64_t rows, int64_t 
 #endif
         for (; j < d; j++) o[j] = (_Float16)((float)iq[j] * s);
     }
+}
+
+/* ---- int4, KIVI style --------------------------------------------------------------
+   A block x[L][2][T][H][D]. Keys are quantized per channel: for each (l, h, d), groups of
+   gk tokens (gk * Gk >= T; past T the last token repeats); values per token: for each
+   (l, t, h), groups of gv channels (past D the last channel repeats). Per group, in fp32:
+   lo = min, s = max((max - lo) / 15, 1e-8), q = round half to even of (x - lo) / s,
+   clamped to [0, 15]; s and lo are stored as fp16. The q of a part are numbered in the
+   order [l][h][d][group][gk] (keys) and [l][t][h][group][gv] (values); q number f goes
+   into byte f / 2, the low nibble when f is even. Exactly what codecs.py's torch path
+   computes and lays out. */
+
+/* fp16 <-> fp32 rows (F16C where compiled for; the loops below then vectorise on floats) */
+static inline void load_row(const _Float16 *src, float *dst, int64_t n) {
+    int64_t j = 0;
+#ifdef VEC
+    for (; j + 8 <= n; j += 8) _mm256_storeu_ps(dst + j, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(src + j))));
+#endif
+    for (; j < n; j++) dst[j] = (float)src[j];
+}
+
+static inline void store_row(const float *src, _Float16 *dst, int64_t n) {
+    int64_t j = 0;
+#ifdef VEC
+    for (; j + 8 <= n; j += 8)
+        _mm_storeu_si128((__m128i *)(dst + j),
+                         _mm256_cvtps_ph(_mm256_loadu_ps(src + j), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+#endif
+    for (; j < n; j++) dst[j] = (_Float16)src[j];
+}
+
+/* q[j] = clamp(round half even((v[j] - lo[j]) / s[j]), 0, 15) */
+static inline void quant4(const float *restrict v, const float *restrict lo, const float *restrict s, uint8_t *restrict q,
+                          int64_t n) {
+    for (int64_t j = 0; j < n; j++) {
+        float y = nearbyintf((v[j] - lo[j]) / s[j]);
+        y = y < 0.f ? 0.f : y;
+        y = y > 15.f ? 15.f : y;
+        q[j] = (uint8_t)(int32_t)y;
+    }
+}
+
+/* the same with one lo and s for the whole row */
+static inline void quant4_row(const float *restrict v, float lo, float s, uint8_t *restrict q, int64_t n) {
+    for (int64_t j = 0; j < n; j++) {
+        float y = nearbyintf((v[j] - lo) / s);
+        y = y < 0.f ? 0.f : y;
+        y = y > 15.f ? 15.f : y;
+        q[j] = (uint8_t)(int32_t)y;
+    }
+}
+
+/* min and max of v[0:n), n >= 1 */
+static inline void minmax(const float *v, int64_t n, float *lo_out, float *hi_out) {
+    float lo = v[0], hi = v[0];
+    int64_t j = 0;
+#ifdef VEC
+    if (n >= 8) {
+        __m256 a = _mm256_loadu_ps(v), b = a;
+        for (j = 8; j + 8 <= n; j += 8) {
+            __m256 c = _mm256_loadu_ps(v + j);
+            a = _mm256_min_ps(a, c);
+            b = _mm256_max_ps(b, c);
+        }
+        float la[8], hb[8];
+        _mm256_storeu_ps(la, a);
+        _mm256_storeu_ps(hb, b);
+        lo = la[0], hi = hb[0];
+        for (int k = 1; k < 8; k++) {
+            lo = la[k] < lo ? la[k] : lo;
+            hi = hb[k] > hi ? hb[k] : hi;
+        }
+    }
+#endif
+    for (; j < n; j++) {
+        lo = v[j] < lo ? v[j] : lo;
+        hi = v[j] > hi ? v[j] : hi;
+    }
+    *lo_out = lo;
+    *hi_out = hi;
+}
+
+static inline void put4(uint8_t *packed, int64_t f, uint8_t q) { packed[f >> 1] |= (uint8_t)(q << ((f & 1) << 2)); }
+
+static inline uint8_t get4(const uint8_t *packed, int64_t f) { return (packed[f >> 1] >> ((f & 1) << 2)) & 15; }
+
+#define MAXW 1024 /* widest head_dim the stack buffers take (groups are at most 128) */
+
+/* Returns 0, or -1 when D or a group is wider than MAXW (the caller uses torch). */
+int int4_encode(const _Float16 *x, int64_t L, int64_t T, int64_t H, int64_t D, int64_t gk, int64_t Gk, int64_t gv,
+                int64_t Gv, _Float16 *k_scale, _Float16 *k_lo, uint8_t *k_packed, _Float16 *v_scale, _Float16 *v_lo,
+                uint8_t *v_packed) {
+    if (D > MAXW || gv > MAXW) return -1;
+    float mn[MAXW], mx[MAXW], sc[MAXW], r0[MAXW], r1[MAXW];
+    uint8_t qa[MAXW], qb[MAXW];
+    memset(k_packed, 0, (size_t)((L * H * D * Gk * gk + 1) / 2));
+    memset(v_packed, 0, (size_t)((L * T * H * Gv * gv + 1) / 2));
+    for (int64_t l = 0; l < L; l++) {
+        const _Float16 *keys = x + (l * 2) * T * H * D, *vals = x + (l * 2 + 1) * T * H * D;
+        for (int64_t h = 0; h < H; h++) {
+            for (int64_t gi = 0; gi < Gk; gi++) {
+                for (int64_t d = 0; d < D; d++) { mn[d] = INFINITY; mx[d] = -INFINITY; }
+                for (int64_t tt = 0; tt < gk; tt++) {
+                    int64_t t = gi * gk + tt < T ? gi * gk + tt : T - 1;
+                    load_row(keys + (t * H + h) * D, r0, D);
+                    for (int64_t d = 0; d < D; d++) {
+                        mn[d] = r0[d] < mn[d] ? r0[d] : mn[d];
+                        mx[d] = r0[d] > mx[d] ? r0[d] : mx[d];
+                    }
+                }
+                for (int64_t d = 0; d < D; d++) {
+                    float s = (mx[d] - mn[d]) / 15.0f;
+                    sc[d] = s < 1e-8f ? 1e-8f : s;
+                }
+                for (int64_t d = 0; d < D; d++) {
+                    int64_t g = ((l * H + h) * D + d) * Gk + gi;
+                    k_scale[g] = (_Float16)sc[d];
+                    k_lo[g] = (_Float16)mn[d];
+                }
+                int64_t stride = Gk * gk;                            /* between channels */
+                int64_t base = ((l * H + h) * D) * Gk * gk + gi * gk; /* channel 0, token 0 */
+                for (int64_t tt = 0; tt < gk; tt += 2) {
+                    int64_t t0 = gi * gk + tt < T ? gi * gk + tt : T - 1;
+                    load_row(keys + (t0 * H + h) * D, r0, D);
+                    quant4(r0, mn, sc, qa, D);
+                    if (tt + 1 < gk) {
+                        int64_t t1 = gi * gk + tt + 1 < T ? gi * gk + tt + 1 : T - 1;
+                        load_row(keys + (t1 * H + h) * D, r1, D);
+                        quant4(r1, mn, sc, qb, D);
+                    }
+                    if (gk % 2 == 0) { /* the pair shares a byte */
+                        uint8_t *o = k_packed + ((base + tt) >> 1);
+                        int64_t bstride = stride >> 1;
+                        for (int64_t d = 0; d < D; d++) o[d * bstride] = (uint8_t)(qa[d] | (qb[d] << 4));
+                    } else {
+                        for (int64_t d = 0; d < D; d++) {
+                            put4(k_packed, base + d * stride + tt, qa[d]);
+                            if (tt + 1 < gk) put4(k_packed, base + d * stride + tt + 1, qb[d]);
+                        }
+                    }
+                }
+            }
+        }
+        for (int64_t t = 0; t < T; t++) {
+            for (int64_t h = 0; h < H; h++) {
+                int64_t r = (l * T + t) * H + h;
+                load_row(vals + (t * H + h) * D, r0, D);
+                for (int64_t gi = 0; gi < Gv; gi++) {
+                    const float *v = r0 + gi * gv;
+                    int64_t n = gi * gv + gv <= D ? gv : D - gi * gv; /* past D the last channel repeats */
+                    float lo, hi;
+                    minmax(v, n, &lo, &hi);
+                    float s = (hi - lo) / 15.0f;
+                    s = s < 1e-8f ? 1e-8f : s;
+                    v_scale[r * Gv + gi] = (_Float16)s;
+                    v_lo[r * Gv + gi] = (_Float16)lo;
+                    quant4_row(v, lo, s, qa, n);
+                    for (int64_t j = n; j < gv; j++) qa[j] = qa[n - 1];
+                    int64_t f = (r * Gv + gi) * gv;
+                    if (f % 2 == 0 && gv % 2 == 0) {
+                        uint8_t *o = v_packed + (f >> 1);
+                        for (int64_t j = 0; j < gv / 2; j++) o[j] = (uint8_t)(qa[2 * j] | (qa[2 * j + 1] << 4));
+                    } else {
+                        for (int64_t j = 0; j < gv; j++) put4(v_packed, f + j, qa[j]);
+                    }
+                }
+            }
+        }
+    }
+    return 0;
+}
+
+int int4_decode(const _Float16 *k_scale, const _Float16 *k_lo, const uint8_t *k_packed, const _Float16 *v_scale,
+                const _Float16 *v_lo, const uint8_t *v_packed, int64_t L, int64_t T, int64_t H, int64_t D, int64_t gk,
+                int64_t Gk, int64_t gv, int64_t Gv, _Float16 *x) {
+    if (D > MAXW || gv > MAXW) return -1;
+    float sc[MAXW], lo[MAXW], row[MAXW];
+    uint8_t qa[MAXW];
+    for (int64_t l = 0; l < L; l++) {
+        _Float16 *keys = x + (l * 2) * T * H * D, *vals = x + (l * 2 + 1) * T * H * D;
+        for (int64_t h = 0; h < H; h++) {
+            for (int64_t gi = 0; gi < Gk; gi++) {
+                for (int64_t d = 0; d < D; d++) {
+                    int64_t g = ((l * H + h) * D + d) * Gk + gi;
+                    sc[d] = (float)k_scale[g];
+                    lo[d] = (float)k_lo[g];
+                }
+                int64_t stride = Gk * gk, base = ((l * H + h) * D) * Gk * gk + gi * gk;
+                for (int64_t tt = 0; tt < gk && gi * gk + tt < T; tt++) {
+                    int64_t f = base + tt;
+                    const uint8_t *b = k_packed + (f >> 1);
+                    if (stride % 2 == 0) { /* the same nibble of every channel */
+                        int shift = (int)((f & 1) << 2);
+                        int64_t bstride = stride >> 1;
+                        for (int64_t d = 0; d < D; d++) qa[d] = (b[d * bstride] >> shift) & 15;
+                    } else {
+                        for (int64_t d = 0; d < D; d++) qa[d] = get4(k_packed, f + d * stride);
+                    }
+                    for (int64_t d = 0; d < D; d++) {
+                        float y = (float)qa[d] * sc[d];
+                        row[d] = y + lo[d];
+                    }
+                    store_row(row, keys + ((gi * gk + tt) * H + h) * D, D);
+                }
+            }
+        }
+        for (int64_t t = 0; t < T; t++) {
+            for (int64_t h = 0; h < H; h++) {
+                int64_t r = (l * T + t) * H + h;
+                for (int64_t gi = 0; gi < Gv; gi++) {
+                    int64_t g = r * Gv + gi, f = g * gv, n = gi * gv + gv <= D ? gv : D - gi * gv;
+                    if (f % 2 == 0) {
+                        const uint8_t *b = v_packed + (f >> 1);
+                        for (int64_t j = 0; j < (n + 1) / 2; j++) {
+                            qa[2 * j] = b[j] & 15;
+                            qa[2 * j + 1] = b[j] >> 4;
+                        }
+                    } else {
+                        for (int64_t j = 0; j < n; j++) qa[j] = get4(v_packed, f + j);
+                    }
+                    float s = (float)v_scale[g], m = (float)v_lo[g];
+                    for (int64_t j = 0; j < n; j++) {
+                        float y = (float)qa[j] * s;
+                        row[gi * gv + j] = y + m;
+                    }
+                }
+                store_row(row, vals + (t * H + h) * D, D);
+            }
+        }
+    }
+    return 0;
 }

@@ -54,13 +54,17 @@ _NATIVE_SOURCE = Path(__file__).with_name("codec_kernel.c")
 
 
 def _native():
-    """The C int8 loops (codec_kernel.c), or None: torch then does the same arithmetic."""
+    """The C int8 and int4 loops (codec_kernel.c), or None: torch then does the same
+    arithmetic."""
     lib = native.load(_NATIVE_SOURCE, "KVCP_CODEC_KERNEL")
     if lib is not None and not hasattr(lib, "_kvcp_ready"):
         p, i = ctypes.c_void_p, ctypes.c_int64
         lib.int8_encode.argtypes = [p, i, i, p, p]
         lib.int8_decode.argtypes = [p, p, i, i, p]
+        lib.int4_encode.argtypes = [p, i, i, i, i, i, i, i, i, p, p, p, p, p, p]
+        lib.int4_decode.argtypes = [p, p, p, p, p, p, i, i, i, i, i, i, i, i, p]
         lib.int8_encode.restype = lib.int8_decode.restype = None
+        lib.int4_encode.restype = lib.int4_decode.restype = ctypes.c_int  # -1: head_dim too wide
         lib._kvcp_ready = True
     return lib
 
@@ -151,7 +155,35 @@ def _pad_groups(x: torch.Tensor, axis_len: int) -> tuple[torch.Tensor, int]:
     return x.reshape(*x.shape[:-1], g_count, g), g_count * g
 
 
+def _int4_layout(shape) -> tuple[int, int, int, int, list[int]]:
+    """(gk, Gk, gv, Gv, section sizes in bytes): keys' group length and count along the
+    tokens, values' along head_dim, and the payload's six sections (key scales, key
+    minimums, key nibbles, then the same for values)."""
+    L, _, T, H, D = shape
+    Gk, Gv = _groups(T), _groups(D)
+    gk, gv = math.ceil(T / Gk), math.ceil(D / Gv)
+    nk, nv = L * H * D * Gk, L * T * H * Gv
+    return gk, Gk, gv, Gv, [2 * nk, 2 * nk, (nk * gk + 1) // 2, 2 * nv, 2 * nv, (nv * gv + 1) // 2]
+
+
+def _int4_native(shape, dtype) -> ctypes.CDLL | None:
+    ok = dtype == torch.float16 and len(shape) == 5 and shape[1] == 2 and all(n > 0 for n in shape)
+    return _native() if ok else None
+
+
 def _int4_encode(x: torch.Tensor) -> torch.Tensor:
+    lib = _int4_native(tuple(x.shape), x.dtype) if x.device.type == "cpu" else None
+    if lib is not None:
+        x = x.contiguous()
+        L, _, T, H, D = x.shape
+        gk, Gk, gv, Gv, sizes = _int4_layout(x.shape)
+        out = torch.empty(sum(sizes), dtype=torch.uint8)
+        base, ptrs = out.data_ptr(), []
+        for n in sizes:
+            ptrs.append(base)
+            base += n
+        if lib.int4_encode(x.data_ptr(), L, T, H, D, gk, Gk, gv, Gv, *ptrs) == 0:
+            return out
     xf = x.float()
     keys = xf[:, 0]  # [L, T, H, D]: per channel -> groups along tokens
     vals = xf[:, 1]  # per token -> groups along D
@@ -166,6 +198,19 @@ def _int4_encode(x: torch.Tensor) -> torch.Tensor:
 
 
 def _int4_decode(buf: torch.Tensor, shape, dtype) -> torch.Tensor:
+    lib = _int4_native(shape, dtype)
+    if lib is not None:
+        gk, Gk, gv, Gv, sizes = _int4_layout(shape)
+        if buf.numel() < sum(sizes):
+            raise CodecError("payload is truncated")
+        buf = buf.contiguous()
+        base, ptrs = buf.data_ptr(), []
+        for n in sizes:
+            ptrs.append(base)
+            base += n
+        out = torch.empty(shape, dtype=torch.float16)
+        if lib.int4_decode(*ptrs, *shape[:1], *shape[2:], gk, Gk, gv, Gv, out.data_ptr()) == 0:
+            return out
     L, _, T, H, D = shape
     out = torch.empty(shape, dtype=torch.float32)
     off = 0

@@ -232,8 +232,8 @@ def test_lossy_codecs_refuse_integer_blocks(codec):
         codecs.encode(codec, torch.zeros((1, 2, 4, 1, 8), dtype=torch.int8))
 
 
-# ---- the C int8 loops (agent/core/codec_kernel.c) ------------------------------------
-def _torch_int8(monkeypatch, fn):
+# ---- the C loops (agent/core/codec_kernel.c) ---------------------------------------
+def _torch_only(monkeypatch, fn):
     """Run fn with the C loops off (torch computes the same arithmetic)."""
     monkeypatch.setattr(codecs, "_native", lambda: None)
     return fn()
@@ -254,12 +254,43 @@ def test_int8_c_loops_match_torch_bit_for_bit(shape, kind, monkeypatch):
         x[..., 1::5] *= 1000
     x = x.transpose(2, 3).contiguous().transpose(2, 3)  # strided input: encoded as a copy
     native_payload = codecs.encode("int8", x)
-    torch_payload = _torch_int8(monkeypatch, lambda: codecs.encode("int8", x))
+    torch_payload = _torch_only(monkeypatch, lambda: codecs.encode("int8", x))
     assert torch.equal(native_payload, torch_payload)
     monkeypatch.undo()
     native_back = codecs.decode("int8", native_payload, shape, torch.float16)
-    torch_back = _torch_int8(monkeypatch, lambda: codecs.decode("int8", native_payload, shape, torch.float16))
+    torch_back = _torch_only(monkeypatch, lambda: codecs.decode("int8", native_payload, shape, torch.float16))
     assert torch.equal(native_back, torch_back)
+
+
+@pytest.mark.parametrize(
+    "shape",
+    [*SHAPES, (2, 2, 16, 4, 128), (1, 2, 3, 1, 17), (1, 2, 300, 2, 5), (3, 2, 129, 2, 257), (1, 2, 16, 1, 1)],
+    ids=str,
+)
+@pytest.mark.parametrize("kind", ["normal", "zeros", "huge", "mixed"])
+def test_int4_c_loops_match_torch_bit_for_bit(shape, kind, monkeypatch):
+    """Odd token counts and head_dims (nibbles straddling groups), several key groups with
+    the last token repeated, value groups with the last channel repeated."""
+    if codecs._native() is None:
+        pytest.skip("no C compiler here: the torch path is the only one")
+    x = block(shape, torch.float16)
+    if kind == "zeros":
+        x = torch.zeros(shape, dtype=torch.float16)
+    elif kind == "huge":
+        x = (x.float() * (3e4 / x.float().abs().max().clamp_min(1e-3))).half()
+    elif kind == "mixed":
+        x[..., ::3] = 0
+        x[..., 1::5] *= 1000
+    native_payload = codecs.encode("int4", x)
+    torch_payload = _torch_only(monkeypatch, lambda: codecs.encode("int4", x))
+    assert torch.equal(native_payload, torch_payload)
+    monkeypatch.undo()
+    native_back = codecs.decode("int4", native_payload, shape, torch.float16)
+    torch_back = _torch_only(monkeypatch, lambda: codecs.decode("int4", native_payload, shape, torch.float16))
+    assert torch.equal(native_back, torch_back)
+    monkeypatch.undo()
+    with pytest.raises(codecs.CodecError, match="truncated"):
+        codecs.decode("int4", native_payload[:-1], shape, torch.float16)
 
 
 def test_int8_c_loops_build_where_a_compiler_is(monkeypatch):

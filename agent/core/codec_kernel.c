@@ -1,4 +1,4 @@
-/* The int8 and int4 codecs of agent/core/codecs.py for fp16 blocks, in C (AVX2 + F16C where the
+/* The int8, int4 and fp8 codecs of agent/core/codecs.py for fp16 blocks, in C (AVX2 + F16C where the
    compiler targets them, plain C otherwise). Bit for bit what the torch path computes on
    finite blocks (a NaN or infinity, which no engine's KV holds, encodes differently):
    per row of head_dim values, scale = max(absmax, 1e-8) / 127 in fp32, q = round half to
@@ -316,4 +316,114 @@ int int4_decode(const _Float16 *k_scale, const _Float16 *k_lo, const uint8_t *k_
         }
     }
     return 0;
+}
+
+/* ---- fp8 (float8_e4m3fn) ------------------------------------------------------------
+   Per row of d values, as codecs.py's torch path: scale = max(absmax, 1e-8) / 448 in
+   fp32 (stored as fp16), q = fp8(x / scale) with torch's own conversion (c10's
+   fp8e4m3fn_from_fp32_value: round to nearest even, 0x7F (NaN) from 464 up). Decode:
+   the e4m3 value (a 256-entry table) * the fp16 scale in fp32, rounded to fp16. */
+
+static inline uint32_t f32_bits(float f) {
+    uint32_t u;
+    memcpy(&u, &f, 4);
+    return u;
+}
+
+static inline float f32_from(uint32_t u) {
+    float f;
+    memcpy(&f, &u, 4);
+    return f;
+}
+
+static inline uint8_t to_e4m3(float f) {
+    uint32_t bits = f32_bits(f), sign = bits & 0x80000000u;
+    bits ^= sign;
+    uint8_t r;
+    if (bits >= (1087u << 20)) {
+        r = 0x7F;
+    } else if (bits < (121u << 23)) { /* below 2^-6: a subnormal, rounded by the FPU */
+        const uint32_t denorm = 141u << 23;
+        r = (uint8_t)(f32_bits(f32_from(bits) + f32_from(denorm)) - denorm);
+    } else {
+        uint32_t odd = (bits >> 20) & 1;
+        bits += ((uint32_t)(7 - 127) << 23) + 0x7FFFF;
+        bits += odd;
+        r = (uint8_t)(bits >> 20);
+    }
+    return r | (uint8_t)(sign >> 24);
+}
+
+#ifdef VEC
+/* to_e4m3 of 8 floats (both roundings computed, the right one kept), as 8 bytes */
+static inline uint64_t to_e4m3_x8(__m256 f) {
+    __m256i b = _mm256_castps_si256(f);
+    __m256i sign = _mm256_and_si256(b, _mm256_set1_epi32((int)0x80000000u));
+    __m256i a = _mm256_xor_si256(b, sign);
+    __m256i odd = _mm256_and_si256(_mm256_srli_epi32(a, 20), _mm256_set1_epi32(1));
+    __m256i rn = _mm256_add_epi32(_mm256_add_epi32(a, _mm256_set1_epi32((int)(((uint32_t)(7 - 127) << 23) + 0x7FFFF))), odd);
+    rn = _mm256_srli_epi32(rn, 20);
+    __m256 fs = _mm256_add_ps(_mm256_castsi256_ps(a), _mm256_castsi256_ps(_mm256_set1_epi32(141 << 23)));
+    __m256i rs = _mm256_sub_epi32(_mm256_castps_si256(fs), _mm256_set1_epi32(141 << 23));
+    __m256i sub = _mm256_cmpgt_epi32(_mm256_set1_epi32(121 << 23), a);
+    __m256i nan = _mm256_cmpgt_epi32(a, _mm256_set1_epi32((int)((1087u << 20) - 1)));
+    __m256i r = _mm256_blendv_epi8(rn, rs, sub);
+    r = _mm256_blendv_epi8(r, _mm256_set1_epi32(0x7F), nan);
+    r = _mm256_or_si256(_mm256_and_si256(r, _mm256_set1_epi32(0xFF)), _mm256_srli_epi32(sign, 24));
+    __m128i p16 = _mm_packus_epi32(_mm256_castsi256_si128(r), _mm256_extracti128_si256(r, 1));
+    return (uint64_t)_mm_cvtsi128_si64(_mm_packus_epi16(p16, p16));
+}
+#endif
+
+static float e4m3_table[256];
+static int e4m3_ready;
+
+static void e4m3_init(void) {
+    for (int b = 0; b < 256; b++) {
+        int sign = b & 0x80, e = (b >> 3) & 15, m = b & 7;
+        float v;
+        if (e == 15 && m == 7) v = NAN;
+        else if (e == 0) v = ldexpf((float)m, -9); /* subnormal: m / 8 * 2^-6 */
+        else v = ldexpf(1.0f + (float)m / 8.0f, e - 7);
+        e4m3_table[b] = sign ? -v : v;
+    }
+    e4m3_ready = 1;
+}
+
+void fp8_encode(const _Float16 *x, int64_t rows, int64_t d, _Float16 *scales, uint8_t *q) {
+    float v[MAXW];
+    for (int64_t r = 0; r < rows; r++) {
+        const _Float16 *src = x + r * d;
+        float m = row_absmax(src, d);
+        float s = (m > 1e-8f ? m : 1e-8f) / 448.0f;
+        scales[r] = (_Float16)s;
+        uint8_t *o = q + r * d;
+        for (int64_t j0 = 0; j0 < d; j0 += MAXW) {
+            int64_t n = d - j0 < MAXW ? d - j0 : MAXW;
+            load_row(src + j0, v, n);
+            int64_t j = 0;
+#ifdef VEC
+            const __m256 vs = _mm256_set1_ps(s);
+            for (; j + 8 <= n; j += 8) {
+                uint64_t q8 = to_e4m3_x8(_mm256_div_ps(_mm256_loadu_ps(v + j), vs));
+                memcpy(o + j0 + j, &q8, 8);
+            }
+#endif
+            for (; j < n; j++) o[j0 + j] = to_e4m3(v[j] / s);
+        }
+    }
+}
+
+void fp8_decode(const uint8_t *q, const _Float16 *scales, int64_t rows, int64_t d, _Float16 *x) {
+    if (!e4m3_ready) e4m3_init();
+    float v[MAXW];
+    for (int64_t r = 0; r < rows; r++) {
+        float s = (float)scales[r];
+        const uint8_t *iq = q + r * d;
+        for (int64_t j0 = 0; j0 < d; j0 += MAXW) {
+            int64_t n = d - j0 < MAXW ? d - j0 : MAXW;
+            for (int64_t j = 0; j < n; j++) v[j] = e4m3_table[iq[j0 + j]] * s;
+            store_row(v, x + r * d + j0, n);
+        }
+    }
 }

@@ -54,7 +54,7 @@ _NATIVE_SOURCE = Path(__file__).with_name("codec_kernel.c")
 
 
 def _native():
-    """The C int8 and int4 loops (codec_kernel.c), or None: torch then does the same
+    """The C int8, int4 and fp8 loops (codec_kernel.c), or None: torch then does the same
     arithmetic."""
     lib = native.load(_NATIVE_SOURCE, "KVCP_CODEC_KERNEL")
     if lib is not None and not hasattr(lib, "_kvcp_ready"):
@@ -63,7 +63,10 @@ def _native():
         lib.int8_decode.argtypes = [p, p, i, i, p]
         lib.int4_encode.argtypes = [p, i, i, i, i, i, i, i, i, p, p, p, p, p, p]
         lib.int4_decode.argtypes = [p, p, p, p, p, p, i, i, i, i, i, i, i, i, p]
-        lib.int8_encode.restype = lib.int8_decode.restype = None
+        lib.fp8_encode.argtypes = [p, i, i, p, p]
+        lib.fp8_decode.argtypes = [p, p, i, i, p]
+        for f in (lib.int8_encode, lib.int8_decode, lib.fp8_encode, lib.fp8_decode):
+            f.restype = None
         lib.int4_encode.restype = lib.int4_decode.restype = ctypes.c_int  # -1: head_dim too wide
         lib._kvcp_ready = True
     return lib
@@ -105,6 +108,14 @@ def _int8_decode(buf: torch.Tensor, shape, dtype) -> torch.Tensor:
 def _fp8_encode(x: torch.Tensor) -> torch.Tensor:
     if FP8 is None:
         raise CodecError("this torch build has no float8_e4m3fn")
+    lib = _native() if _native_ok(x) else None
+    if lib is not None:
+        x = x.contiguous()
+        d = x.shape[-1]
+        rows = x.numel() // d
+        out = torch.empty(2 * rows + x.numel(), dtype=torch.uint8)
+        lib.fp8_encode(x.data_ptr(), rows, d, out.data_ptr(), out.data_ptr() + 2 * rows)
+        return out
     xf = x.float()
     scale = xf.abs().amax(dim=-1, keepdim=True).clamp_min(1e-8) / FP8_MAX
     q = (xf / scale).to(FP8)
@@ -117,6 +128,12 @@ def _fp8_decode(buf: torch.Tensor, shape, dtype) -> torch.Tensor:
     n_scale = math.prod(shape[:-1])
     scale, off = _take(buf, 0, n_scale, torch.float16, (*shape[:-1], 1))
     q, _ = _take(buf, off, math.prod(shape), FP8, shape)
+    lib = _native() if dtype == torch.float16 and shape and shape[-1] > 0 else None
+    if lib is not None:
+        scale, q = scale.contiguous(), q.contiguous()
+        out = torch.empty(shape, dtype=torch.float16)
+        lib.fp8_decode(q.data_ptr(), scale.data_ptr(), n_scale, shape[-1], out.data_ptr())
+        return out
     return (q.float() * scale.float()).to(dtype)
 
 

@@ -293,6 +293,45 @@ def test_int4_c_loops_match_torch_bit_for_bit(shape, kind, monkeypatch):
         codecs.decode("int4", native_payload[:-1], shape, torch.float16)
 
 
+@pytest.mark.parametrize("shape", [*SHAPES, (2, 2, 16, 4, 128), (1, 2, 3, 1, 17)], ids=str)
+@pytest.mark.parametrize("kind", ["normal", "zeros", "huge", "mixed", "tiny"])
+def test_fp8_c_loops_match_torch_bit_for_bit(shape, kind, monkeypatch):
+    if codecs._native() is None or codecs.FP8 is None:
+        pytest.skip("no C compiler or no float8 in this torch: the torch path is the only one")
+    x = block(shape, torch.float16)
+    if kind == "zeros":
+        x = torch.zeros(shape, dtype=torch.float16)
+    elif kind == "huge":
+        x = (x.float() * (6e4 / x.float().abs().max().clamp_min(1e-3))).half()
+    elif kind == "mixed":
+        x[..., ::3] = 0
+        x[..., 1::5] *= 1000
+    elif kind == "tiny":  # most values land in e4m3's subnormals
+        x = (x.float() * 1e-3).half()
+        x[..., 0] = 1.0
+    native_payload = codecs.encode("fp8", x)
+    torch_payload = _torch_only(monkeypatch, lambda: codecs.encode("fp8", x))
+    assert torch.equal(native_payload, torch_payload)
+    monkeypatch.undo()
+    native_back = codecs.decode("fp8", native_payload, shape, torch.float16)
+    torch_back = _torch_only(monkeypatch, lambda: codecs.decode("fp8", native_payload, shape, torch.float16))
+    assert torch.equal(native_back, torch_back)
+
+
+def test_fp8_c_conversion_of_every_fp16_value_matches_torch(monkeypatch):
+    """Rows of 15 values and 448: the scale is exactly 1, so each payload byte is the e4m3
+    of the value itself (8 at a time, then one by one): every finite fp16 in e4m3's range,
+    ties and subnormals included."""
+    if codecs._native() is None or codecs.FP8 is None:
+        pytest.skip("no C compiler or no float8 in this torch")
+    every = torch.arange(-(1 << 15), 1 << 15, dtype=torch.int32).to(torch.int16).view(torch.float16)
+    every = every[torch.isfinite(every) & (every.float().abs() <= 448)]
+    every = torch.cat([every, every[: (-len(every)) % 30]]).reshape(-1, 15)
+    x = torch.cat([every, torch.full((len(every), 1), 448.0, dtype=torch.float16)], dim=1).reshape(-1, 2, 1, 1, 16)
+    native_payload = codecs.encode("fp8", x)
+    assert torch.equal(native_payload, _torch_only(monkeypatch, lambda: codecs.encode("fp8", x)))
+
+
 def test_int8_c_loops_build_where_a_compiler_is(monkeypatch):
     import shutil
 

@@ -1,10 +1,10 @@
-/* The int8, int4 and fp8 codecs of agent/core/codecs.py for fp16 blocks, in C (AVX2 + F16C where the
-   compiler targets them, plain C otherwise). Bit for bit what the torch path computes on
-   finite blocks (a NaN or infinity, which no engine's KV holds, encodes differently):
-   per row of head_dim values, scale = max(absmax, 1e-8) / 127 in fp32, q = round half to
+/* The int8, int4 and fp8 codecs of agent/core/codecs.py for fp16 blocks, in C (AVX2 +
+   F16C where the compiler targets them, plain C otherwise). Bit for bit what the torch
+   path computes on finite blocks (a NaN or infinity, which no engine's KV holds, encodes
+   differently). int8: per row of head_dim values, scale = max(absmax, 1e-8) / 127 in fp32, q = round half to
    even of x / scale (a true division, as torch does), clamped to [-127, 127]; the scale
-   is stored as fp16. Decode: q * fp16 scale in fp32, rounded to fp16. int4 (KIVI): see
-   int4_encode. Built and loaded by protos.native. */
+   is stored as fp16. Decode: q * fp16 scale in fp32, rounded to fp16. int4 (KIVI) and
+   fp8: see their sections. Built and loaded by protos.native. */
 
 #include <stdint.h>
 #include <string.h>

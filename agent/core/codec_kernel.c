@@ -172,13 +172,14 @@ static inline void put4(uint8_t *packed, int64_t f, uint8_t q) { packed[f >> 1] 
 static inline uint8_t get4(const uint8_t *packed, int64_t f) { return (packed[f >> 1] >> ((f & 1) << 2)) & 15; }
 
 #define MAXW 1024 /* widest head_dim the stack buffers take (groups are at most 128) */
+#define CACHE 8192 /* floats of one key group kept converted (16 tokens x 512 channels) */
 
 /* Returns 0, or -1 when D or a group is wider than MAXW (the caller uses torch). */
 int int4_encode(const _Float16 *x, int64_t L, int64_t T, int64_t H, int64_t D, int64_t gk, int64_t Gk, int64_t gv,
                 int64_t Gv, _Float16 *k_scale, _Float16 *k_lo, uint8_t *k_packed, _Float16 *v_scale, _Float16 *v_lo,
                 uint8_t *v_packed) {
     if (D > MAXW || gv > MAXW) return -1;
-    float mn[MAXW], mx[MAXW], sc[MAXW], r0[MAXW], r1[MAXW];
+    float mn[MAXW], mx[MAXW], sc[MAXW], r0[MAXW], r1[MAXW], group[CACHE];
     uint8_t qa[MAXW], qb[MAXW];
     memset(k_packed, 0, (size_t)((L * H * D * Gk * gk + 1) / 2));
     memset(v_packed, 0, (size_t)((L * T * H * Gv * gv + 1) / 2));
@@ -187,12 +188,14 @@ int int4_encode(const _Float16 *x, int64_t L, int64_t T, int64_t H, int64_t D, i
         for (int64_t h = 0; h < H; h++) {
             for (int64_t gi = 0; gi < Gk; gi++) {
                 for (int64_t d = 0; d < D; d++) { mn[d] = INFINITY; mx[d] = -INFINITY; }
+                int cached = gk * D <= CACHE; /* the group's rows converted once, kept for quantizing */
                 for (int64_t tt = 0; tt < gk; tt++) {
                     int64_t t = gi * gk + tt < T ? gi * gk + tt : T - 1;
-                    load_row(keys + (t * H + h) * D, r0, D);
+                    float *row = cached ? group + tt * D : r0;
+                    load_row(keys + (t * H + h) * D, row, D);
                     for (int64_t d = 0; d < D; d++) {
-                        mn[d] = r0[d] < mn[d] ? r0[d] : mn[d];
-                        mx[d] = r0[d] > mx[d] ? r0[d] : mx[d];
+                        mn[d] = row[d] < mn[d] ? row[d] : mn[d];
+                        mx[d] = row[d] > mx[d] ? row[d] : mx[d];
                     }
                 }
                 for (int64_t d = 0; d < D; d++) {
@@ -207,14 +210,16 @@ int int4_encode(const _Float16 *x, int64_t L, int64_t T, int64_t H, int64_t D, i
                 int64_t stride = Gk * gk;                            /* between channels */
                 int64_t base = ((l * H + h) * D) * Gk * gk + gi * gk; /* channel 0, token 0 */
                 for (int64_t tt = 0; tt < gk; tt += 2) {
-                    int64_t t0 = gi * gk + tt < T ? gi * gk + tt : T - 1;
-                    load_row(keys + (t0 * H + h) * D, r0, D);
-                    quant4(r0, mn, sc, qa, D);
-                    if (tt + 1 < gk) {
+                    const float *k0 = group + tt * D, *k1 = group + (tt + 1) * D;
+                    if (!cached) {
+                        int64_t t0 = gi * gk + tt < T ? gi * gk + tt : T - 1;
                         int64_t t1 = gi * gk + tt + 1 < T ? gi * gk + tt + 1 : T - 1;
-                        load_row(keys + (t1 * H + h) * D, r1, D);
-                        quant4(r1, mn, sc, qb, D);
+                        load_row(keys + (t0 * H + h) * D, r0, D);
+                        if (tt + 1 < gk) load_row(keys + (t1 * H + h) * D, r1, D);
+                        k0 = r0, k1 = r1;
                     }
+                    quant4(k0, mn, sc, qa, D);
+                    if (tt + 1 < gk) quant4(k1, mn, sc, qb, D);
                     if (gk % 2 == 0) { /* the pair shares a byte */
                         uint8_t *o = k_packed + ((base + tt) >> 1);
                         int64_t bstride = stride >> 1;

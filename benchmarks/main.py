@@ -99,8 +99,16 @@ def tiers(block_mibs, num_blocks, repeats, fsync, torch_threads, output_format):
 @click.option(
     "--oracles", is_flag=True, help="Also two bounds that see part of the future (dead blocks; total counts)."
 )
+@click.option(
+    "--evidence",
+    type=click.Choice(["lookups", "events", "none"]),
+    default="lookups",
+    show_default=True,
+    help="What the policy learns of each request: a router's lookup before the store; only the engine's "
+    "store events (a vLLM fleet's KV events: the blocks' store times); nothing.",
+)
 @click.option("-o", "--output", "output_format", type=click.Choice(["table", "json"]), default="table")
-def replay(trace, capacities, fractions, tiers_text, settings, oracles, output_format):
+def replay(trace, capacities, fractions, tiers_text, settings, oracles, evidence, output_format):
     """Replay a Mooncake-format trace through the tier policy, against LRU, Belady and an infinite cache.
 
     One JSON object with -o json for one run; a list of them for several."""
@@ -135,7 +143,9 @@ def replay(trace, capacities, fractions, tiers_text, settings, oracles, output_f
         runs.append({"capacity_fraction": 1 / 16})
     results = []
     for kw in runs:
-        results.append(bench.replay(trace, policy=policy, trace=trace_requests, oracles=oracles, **kw))
+        results.append(
+            bench.replay(trace, policy=policy, trace=trace_requests, oracles=oracles, evidence=evidence, **kw)
+        )
     if output_format == "json":
         data = [r.to_json() for r in results]
         click.echo(json.dumps(data[0] if len(data) == 1 else data, indent=2))

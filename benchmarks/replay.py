@@ -257,13 +257,29 @@ def replay_policy(**overrides) -> Policy:
     return replace(Policy(gpu=full, cpu=full, disk=full), **overrides).validate()
 
 
+EVIDENCE = ("lookups", "events", "none")
+
+
 class PolicyReplay:
     """One agent with `tiers` (fastest first), the control plane's index and stats, and
-    `decide`. `step(request)` serves one request and returns its hit tokens."""
+    `decide`. `step(request)` serves one request and returns its hit tokens.
 
-    def __init__(self, tiers: Sequence[tuple[Tier, int]], policy: Policy | None = None) -> None:
+    `evidence` is what the control plane learns of each request: `lookups` (a router asks
+    kvcp for the prefix before the engine runs, then the engine stores: the access stats
+    see every request), `events` (engines only publish what they store, as a vLLM fleet's
+    KV events: the policy sees no lookup, only when each block was newly stored, a hit
+    refreshing nothing), `none` (neither: how the policy ranked unnamed blocks before the
+    index kept store stamps)."""
+
+    def __init__(
+        self, tiers: Sequence[tuple[Tier, int]], policy: Policy | None = None, evidence: str = "lookups"
+    ) -> None:
         if not tiers:
             raise ValueError("at least one tier")
+        if evidence not in EVIDENCE:
+            raise ValueError(f"evidence must be one of {', '.join(EVIDENCE)}, not {evidence!r}")
+        self.evidence = evidence
+        self.stored: dict[bytes, float] = {}  # evidence "events": when each held block was stored
         self.tiers = sorted(tiers, key=lambda t: int(t[0]))
         self.policy = policy or replay_policy()
         self.index = BlockIndex()
@@ -275,7 +291,7 @@ class PolicyReplay:
                 default=self.policy.reuse_credit_turnovers,
                 max_reuse_credits=self.policy.max_reuse_credits,
             )
-            if self.policy.tune_reuse_credits
+            if self.policy.tune_reuse_credits and evidence == "lookups"
             else None
         )
         self.tuned: list[float] = []
@@ -296,10 +312,11 @@ class PolicyReplay:
         if hit_blocks:
             for p, t in enumerate(matches[0].tiers):
                 self.run.tier_hit_tokens[Tier(t).label] += block_tokens(req, p)
-        self.stats.record_lookup(keys, now)
+        if self.evidence == "lookups":
+            self.stats.record_lookup(keys, now)
         if self.tuner is not None:
             self.tuner.observe(keys, now, self.stats)
-        self._store(keys)
+        self._store(keys, now)
         if any(len(self.held[t]) > self.capacity[t] for t, _ in self.tiers) or self._room_above():
             self._apply(decide(self._view(), self.policy, now))
         return tokens
@@ -307,13 +324,16 @@ class PolicyReplay:
     def _room_above(self) -> bool:
         return len(self.tiers) > 1 and len(self.held[self._top]) < self.capacity[self._top]
 
-    def _store(self, keys: list[bytes]) -> None:
+    def _store(self, keys: list[bytes], now: float) -> None:
         top = self.held[self._top]
         parent = ROOT_PARENT_HASH
+        stamp = self.evidence == "events"
         for h in keys:
             t = self.where.get(h)
             if t is None:
                 top[h] = parent
+                if stamp:
+                    self.stored[h] = now
                 if parent != ROOT_PARENT_HASH:
                     self.num_children[parent] = self.num_children.get(parent, 0) + 1
             elif t is not self._top:
@@ -327,7 +347,8 @@ class PolicyReplay:
         credit = self.tuner.best() if self.tuner is not None else None
         if credit is not None:
             self.tuned.append(credit)
-        agent = AgentView(AGENT_ID, tiers, num_children=self.num_children)
+        stored = self.stored if self.evidence == "events" else None
+        agent = AgentView(AGENT_ID, tiers, num_children=self.num_children, stored_seconds=stored)
         return ClusterView(agents=(agent,), stats=self.stats, reuse_credit_turnovers=credit)
 
     def _apply(self, actions: Iterable) -> None:
@@ -341,6 +362,7 @@ class PolicyReplay:
                     if h in nch:
                         raise AssertionError("decide dropped a block before its children")
                     p = self.held[self.where.pop(h)].pop(h)
+                    self.stored.pop(h, None)
                     if p != ROOT_PARENT_HASH:
                         if nch[p] == 1:
                             del nch[p]
@@ -366,8 +388,10 @@ class PolicyReplay:
                 raise AssertionError(f"tier {t.label} holds {len(self.held[t])} blocks, capacity {self.capacity[t]}")
 
 
-def policy_run(trace: Sequence[Request], tiers: Sequence[tuple[Tier, int]], policy: Policy | None = None) -> PolicyRun:
-    replay = PolicyReplay(tiers, policy)
+def policy_run(
+    trace: Sequence[Request], tiers: Sequence[tuple[Tier, int]], policy: Policy | None = None, evidence: str = "lookups"
+) -> PolicyRun:
+    replay = PolicyReplay(tiers, policy, evidence)
     for r in trace:
         replay.step(r)
     return replay.run
@@ -393,6 +417,7 @@ class ReplayResult:
     promoted_blocks: int
     seconds: dict[str, float]
     oracles: dict[str, float] = field(default_factory=dict)
+    evidence: str = "lookups"
 
     @property
     def policy_vs_lru(self) -> float:
@@ -410,6 +435,7 @@ class ReplayResult:
             "unique_blocks": self.unique_blocks,
             "capacity_blocks": self.capacity_blocks,
             "tiers": self.tiers,
+            "evidence": self.evidence,
             "policy_hit_ratio": round(self.policy_hit_ratio, 4),
             "lru_hit_ratio": round(self.lru_hit_ratio, 4),
             "belady_hit_ratio": round(self.belady_hit_ratio, 4),
@@ -434,6 +460,7 @@ def replay(
     capacity_fraction: float = 1 / 16,
     trace: Sequence[Request] | None = None,
     oracles: bool = False,
+    evidence: str = "lookups",
 ) -> ReplayResult:
     """Replay one trace at one capacity: `tiers` for a tiered agent (the baselines get
     one pool of their total size), else one tier of `capacity_blocks` (default:
@@ -459,7 +486,7 @@ def replay(
         seconds[name] = time.perf_counter() - t0
         return out
 
-    run = timed("policy", policy_run, trace, tiers, policy)
+    run = timed("policy", policy_run, trace, tiers, policy, evidence)
     lru = timed("lru", lru_hit_ratio, trace, capacity_blocks)
     belady = timed("belady", belady_hit_ratio, trace, capacity_blocks)
     infinite = timed("infinite", infinite_hit_ratio, trace)
@@ -482,6 +509,7 @@ def replay(
         promoted_blocks=run.promoted_blocks,
         seconds=seconds,
         oracles=bounds,
+        evidence=evidence,
     )
 
 
@@ -533,7 +561,10 @@ def parse_fraction(text: str) -> float:
 def format_table(results: Sequence[ReplayResult]) -> str:
     r0 = results[0]
     lines = [
-        f"trace {r0.trace}: {r0.requests} requests, {r0.input_tokens} input tokens, {r0.unique_blocks} unique blocks",
+        f"trace {r0.trace}: {r0.requests} requests, {r0.input_tokens} input tokens, {r0.unique_blocks} unique blocks"
+        + {"lookups": "", "events": "; the policy sees store events only", "none": "; the policy sees nothing"}[
+            r0.evidence
+        ],
         "",
         f"{'CAPACITY':>10}  {'POLICY':>7}  {'LRU':>7}  {'BELADY':>7}  {'INFINITE':>8}  {'VS_LRU':>7}  {'VS_BELADY':>9}  TIERS",
     ]

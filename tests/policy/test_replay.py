@@ -115,6 +115,24 @@ def test_tiered_replay_counts_hits_in_any_tier():
     assert tiered.demoted_blocks > 0 and tiered.tier_hit_ratio["cpu"] > 0
 
 
+def test_store_events_alone_rank_blocks_by_store_time():
+    """Evidence "events" (a vLLM fleet known by its KV events): no lookups reach the
+    policy, only when blocks were stored. Capacity 4: A (2 blocks) stored at t=0, B (2) at
+    t=1, then A hit at t=2 (a hit is no event), C (2) at t=3 evicts the oldest store, A;
+    with no evidence at all the victims are whatever sorts first by hash."""
+    trace = [req([1, 2], t=0), req([3, 4], t=1000), req([1, 2], t=2000), req([5, 6], t=3000), req([1, 2], t=4000)]
+    events = rp.PolicyReplay([(Tier.GPU, 4)], evidence="events")
+    hits = [events.step(r) for r in trace]
+    assert hits == [0, 0, 1024, 0, 0]
+    # A came back at t=4 (a miss) and was stored again: B, now the oldest store, went
+    assert set(events.held[Tier.GPU]) == {rp._key(x) for x in (1, 2, 5, 6)}
+    assert set(events.stored) == set(events.held[Tier.GPU])  # stamps leave with their blocks
+    lookups = rp.PolicyReplay([(Tier.GPU, 4)])
+    assert [lookups.step(r) for r in trace] == [0, 0, 1024, 0, 1024]  # A was asked for again: B goes
+    with pytest.raises(ValueError, match="evidence"):
+        rp.PolicyReplay([(Tier.GPU, 4)], evidence="rumours")
+
+
 # ---- the command ----------------------------------------------------------------------------
 @pytest.fixture
 def trace_file(tmp_path):

@@ -76,14 +76,34 @@ def _native_ok(x: torch.Tensor) -> bool:
     return x.dtype == torch.float16 and x.device.type == "cpu" and x.dim() >= 1 and x.shape[-1] > 0
 
 
-def _int8_encode(x: torch.Tensor) -> torch.Tensor:
+def _rows_encode_native(name: str, x: torch.Tensor) -> torch.Tensor | None:
+    """int8 / fp8 of an fp16 block in C (`name`: its encode function): an fp16 scale per
+    row of head_dim values, then a byte per value. None: not available here."""
     lib = _native() if _native_ok(x) else None
-    if lib is not None:
-        x = x.contiguous()
-        d = x.shape[-1]
-        rows = x.numel() // d
-        out = torch.empty(2 * rows + x.numel(), dtype=torch.uint8)
-        lib.int8_encode(x.data_ptr(), rows, d, out.data_ptr(), out.data_ptr() + 2 * rows)
+    if lib is None:
+        return None
+    x = x.contiguous()
+    d = x.shape[-1]
+    rows = x.numel() // d
+    out = torch.empty(2 * rows + x.numel(), dtype=torch.uint8)
+    getattr(lib, name)(x.data_ptr(), rows, d, out.data_ptr(), out.data_ptr() + 2 * rows)
+    return out
+
+
+def _rows_decode_native(name: str, scale: torch.Tensor, q: torch.Tensor, shape, dtype) -> torch.Tensor | None:
+    """The inverse of _rows_encode_native, to fp16; None: not available here."""
+    lib = _native() if dtype == torch.float16 and shape and shape[-1] > 0 else None
+    if lib is None:
+        return None
+    scale, q = scale.contiguous(), q.contiguous()
+    out = torch.empty(shape, dtype=torch.float16)
+    getattr(lib, name)(q.data_ptr(), scale.data_ptr(), scale.numel(), shape[-1], out.data_ptr())
+    return out
+
+
+def _int8_encode(x: torch.Tensor) -> torch.Tensor:
+    out = _rows_encode_native("int8_encode", x)
+    if out is not None:
         return out
     xf = x.float()
     scale = xf.abs().amax(dim=-1, keepdim=True).clamp_min(1e-8) / 127.0
@@ -95,11 +115,8 @@ def _int8_decode(buf: torch.Tensor, shape, dtype) -> torch.Tensor:
     n_scale = math.prod(shape[:-1])
     scale, off = _take(buf, 0, n_scale, torch.float16, (*shape[:-1], 1))
     q, _ = _take(buf, off, math.prod(shape), torch.int8, shape)
-    lib = _native() if dtype == torch.float16 and shape and shape[-1] > 0 else None
-    if lib is not None:
-        scale, q = scale.contiguous(), q.contiguous()
-        out = torch.empty(shape, dtype=torch.float16)
-        lib.int8_decode(q.data_ptr(), scale.data_ptr(), n_scale, shape[-1], out.data_ptr())
+    out = _rows_decode_native("int8_decode", scale, q, shape, dtype)
+    if out is not None:
         return out
     return (q.float() * scale.float()).to(dtype)
 
@@ -108,13 +125,8 @@ def _int8_decode(buf: torch.Tensor, shape, dtype) -> torch.Tensor:
 def _fp8_encode(x: torch.Tensor) -> torch.Tensor:
     if FP8 is None:
         raise CodecError("this torch build has no float8_e4m3fn")
-    lib = _native() if _native_ok(x) else None
-    if lib is not None:
-        x = x.contiguous()
-        d = x.shape[-1]
-        rows = x.numel() // d
-        out = torch.empty(2 * rows + x.numel(), dtype=torch.uint8)
-        lib.fp8_encode(x.data_ptr(), rows, d, out.data_ptr(), out.data_ptr() + 2 * rows)
+    out = _rows_encode_native("fp8_encode", x)
+    if out is not None:
         return out
     xf = x.float()
     scale = xf.abs().amax(dim=-1, keepdim=True).clamp_min(1e-8) / FP8_MAX
@@ -128,11 +140,8 @@ def _fp8_decode(buf: torch.Tensor, shape, dtype) -> torch.Tensor:
     n_scale = math.prod(shape[:-1])
     scale, off = _take(buf, 0, n_scale, torch.float16, (*shape[:-1], 1))
     q, _ = _take(buf, off, math.prod(shape), FP8, shape)
-    lib = _native() if dtype == torch.float16 and shape and shape[-1] > 0 else None
-    if lib is not None:
-        scale, q = scale.contiguous(), q.contiguous()
-        out = torch.empty(shape, dtype=torch.float16)
-        lib.fp8_decode(q.data_ptr(), scale.data_ptr(), n_scale, shape[-1], out.data_ptr())
+    out = _rows_decode_native("fp8_decode", scale, q, shape, dtype)
+    if out is not None:
         return out
     return (q.float() * scale.float()).to(dtype)
 

@@ -239,83 +239,43 @@ def _torch_only(monkeypatch, fn):
     return fn()
 
 
-@pytest.mark.parametrize("shape", [*SHAPES, (2, 2, 16, 4, 128), (1, 2, 3, 1, 17)], ids=str)
-@pytest.mark.parametrize("kind", ["normal", "zeros", "huge", "mixed"])
-def test_int8_c_loops_match_torch_bit_for_bit(shape, kind, monkeypatch):
+C_SHAPES = [*SHAPES, (2, 2, 16, 4, 128), (1, 2, 3, 1, 17), (1, 2, 300, 2, 5), (3, 2, 129, 2, 257), (1, 2, 16, 1, 1)]
+
+
+@pytest.mark.parametrize("shape", C_SHAPES, ids=str)
+@pytest.mark.parametrize("kind", ["normal", "zeros", "huge", "mixed", "tiny"])
+@pytest.mark.parametrize("codec", ["int8", "int4", "fp8"])
+def test_c_loops_match_torch_bit_for_bit(codec, shape, kind, monkeypatch):
+    """Odd token counts and head_dims (int4 nibbles straddling groups), several int4 key
+    groups with the last token repeated and value groups with the last channel repeated,
+    values near fp16's largest and in e4m3's subnormals; a strided block."""
     if codecs._native() is None:
         pytest.skip("no C compiler here: the torch path is the only one")
+    if codec not in codecs.available_codecs():
+        pytest.skip(f"{codec} unavailable in this torch build")
     x = block(shape, torch.float16)
     if kind == "zeros":
         x = torch.zeros(shape, dtype=torch.float16)
-    elif kind == "huge":
-        x = (x.float() * (6e4 / x.float().abs().max().clamp_min(1e-3))).half()  # near fp16's max, finite
+    elif kind == "huge":  # int4 decodes q * scale + min: keep that finite
+        top = 3e4 if codec == "int4" else 6e4
+        x = (x.float() * (top / x.float().abs().max().clamp_min(1e-3))).half()
     elif kind == "mixed":
         x[..., ::3] = 0
         x[..., 1::5] *= 1000
+    elif kind == "tiny":
+        x = (x.float() * 1e-3).half()
+        x[..., 0] = 1.0
     x = x.transpose(2, 3).contiguous().transpose(2, 3)  # strided input: encoded as a copy
-    native_payload = codecs.encode("int8", x)
-    torch_payload = _torch_only(monkeypatch, lambda: codecs.encode("int8", x))
+    native_payload = codecs.encode(codec, x)
+    torch_payload = _torch_only(monkeypatch, lambda: codecs.encode(codec, x))
     assert torch.equal(native_payload, torch_payload)
     monkeypatch.undo()
-    native_back = codecs.decode("int8", native_payload, shape, torch.float16)
-    torch_back = _torch_only(monkeypatch, lambda: codecs.decode("int8", native_payload, shape, torch.float16))
-    assert torch.equal(native_back, torch_back)
-
-
-@pytest.mark.parametrize(
-    "shape",
-    [*SHAPES, (2, 2, 16, 4, 128), (1, 2, 3, 1, 17), (1, 2, 300, 2, 5), (3, 2, 129, 2, 257), (1, 2, 16, 1, 1)],
-    ids=str,
-)
-@pytest.mark.parametrize("kind", ["normal", "zeros", "huge", "mixed"])
-def test_int4_c_loops_match_torch_bit_for_bit(shape, kind, monkeypatch):
-    """Odd token counts and head_dims (nibbles straddling groups), several key groups with
-    the last token repeated, value groups with the last channel repeated."""
-    if codecs._native() is None:
-        pytest.skip("no C compiler here: the torch path is the only one")
-    x = block(shape, torch.float16)
-    if kind == "zeros":
-        x = torch.zeros(shape, dtype=torch.float16)
-    elif kind == "huge":
-        x = (x.float() * (3e4 / x.float().abs().max().clamp_min(1e-3))).half()
-    elif kind == "mixed":
-        x[..., ::3] = 0
-        x[..., 1::5] *= 1000
-    native_payload = codecs.encode("int4", x)
-    torch_payload = _torch_only(monkeypatch, lambda: codecs.encode("int4", x))
-    assert torch.equal(native_payload, torch_payload)
-    monkeypatch.undo()
-    native_back = codecs.decode("int4", native_payload, shape, torch.float16)
-    torch_back = _torch_only(monkeypatch, lambda: codecs.decode("int4", native_payload, shape, torch.float16))
+    native_back = codecs.decode(codec, native_payload, shape, torch.float16)
+    torch_back = _torch_only(monkeypatch, lambda: codecs.decode(codec, native_payload, shape, torch.float16))
     assert torch.equal(native_back, torch_back)
     monkeypatch.undo()
     with pytest.raises(codecs.CodecError, match="truncated"):
-        codecs.decode("int4", native_payload[:-1], shape, torch.float16)
-
-
-@pytest.mark.parametrize("shape", [*SHAPES, (2, 2, 16, 4, 128), (1, 2, 3, 1, 17)], ids=str)
-@pytest.mark.parametrize("kind", ["normal", "zeros", "huge", "mixed", "tiny"])
-def test_fp8_c_loops_match_torch_bit_for_bit(shape, kind, monkeypatch):
-    if codecs._native() is None or codecs.FP8 is None:
-        pytest.skip("no C compiler or no float8 in this torch: the torch path is the only one")
-    x = block(shape, torch.float16)
-    if kind == "zeros":
-        x = torch.zeros(shape, dtype=torch.float16)
-    elif kind == "huge":
-        x = (x.float() * (6e4 / x.float().abs().max().clamp_min(1e-3))).half()
-    elif kind == "mixed":
-        x[..., ::3] = 0
-        x[..., 1::5] *= 1000
-    elif kind == "tiny":  # most values land in e4m3's subnormals
-        x = (x.float() * 1e-3).half()
-        x[..., 0] = 1.0
-    native_payload = codecs.encode("fp8", x)
-    torch_payload = _torch_only(monkeypatch, lambda: codecs.encode("fp8", x))
-    assert torch.equal(native_payload, torch_payload)
-    monkeypatch.undo()
-    native_back = codecs.decode("fp8", native_payload, shape, torch.float16)
-    torch_back = _torch_only(monkeypatch, lambda: codecs.decode("fp8", native_payload, shape, torch.float16))
-    assert torch.equal(native_back, torch_back)
+        codecs.decode(codec, native_payload[:-1], shape, torch.float16)
 
 
 def test_fp8_c_conversion_of_every_fp16_value_matches_torch(monkeypatch):

@@ -91,7 +91,7 @@ void int8_decode(const int8_t *q, const _Float16 *scales, int64_t rows, int64_t 
    A block x[L][2][T][H][D]. Keys are quantized per channel: for each (l, h, d), groups of
    gk tokens (gk * Gk >= T; past T the last token repeats); values per token: for each
    (l, t, h), groups of gv channels (past D the last channel repeats). Per group, in fp32:
-   lo = min, s = max((max - lo) / 15, 1e-8), q = round half to even of (x - lo) / s,
+   lo = min (+0 for either zero), s = max((max - lo) / 15, 1e-8), q = round half to even of (x - lo) / s,
    clamped to [0, 15]; s and lo are stored as fp16. The q of a part are numbered in the
    order [l][h][d][group][gk] (keys) and [l][t][h][group][gv] (values); q number f goes
    into byte f / 2, the low nibble when f is even. Exactly what codecs.py's torch path
@@ -167,6 +167,18 @@ static inline void minmax(const float *v, int64_t n, float *lo_out, float *hi_ou
     *hi_out = hi;
 }
 
+/* fp16 number i of a payload section that may start at an odd address */
+static inline float ld16(const uint8_t *p, int64_t i) {
+    _Float16 h;
+    memcpy(&h, p + 2 * i, 2);
+    return (float)h;
+}
+
+static inline void st16(uint8_t *p, int64_t i, float v) {
+    _Float16 h = (_Float16)v;
+    memcpy(p + 2 * i, &h, 2);
+}
+
 static inline void put4(uint8_t *packed, int64_t f, uint8_t q) { packed[f >> 1] |= (uint8_t)(q << ((f & 1) << 2)); }
 
 static inline uint8_t get4(const uint8_t *packed, int64_t f) { return (packed[f >> 1] >> ((f & 1) << 2)) & 15; }
@@ -176,7 +188,7 @@ static inline uint8_t get4(const uint8_t *packed, int64_t f) { return (packed[f 
 
 /* Returns 0, or -1 when D or a group is wider than MAXW (the caller uses torch). */
 int int4_encode(const _Float16 *x, int64_t L, int64_t T, int64_t H, int64_t D, int64_t gk, int64_t Gk, int64_t gv,
-                int64_t Gv, _Float16 *k_scale, _Float16 *k_lo, uint8_t *k_packed, _Float16 *v_scale, _Float16 *v_lo,
+                int64_t Gv, uint8_t *k_scale, uint8_t *k_lo, uint8_t *k_packed, uint8_t *v_scale, uint8_t *v_lo,
                 uint8_t *v_packed) {
     if (D > MAXW || gv > MAXW) return -1;
     float mn[MAXW], mx[MAXW], sc[MAXW], r0[MAXW], r1[MAXW], group[CACHE];
@@ -199,13 +211,14 @@ int int4_encode(const _Float16 *x, int64_t L, int64_t T, int64_t H, int64_t D, i
                     }
                 }
                 for (int64_t d = 0; d < D; d++) {
+                    mn[d] = mn[d] + 0.0f; /* -0 -> +0: which zero a min keeps depends on the order */
                     float s = (mx[d] - mn[d]) / 15.0f;
                     sc[d] = s < 1e-8f ? 1e-8f : s;
                 }
                 for (int64_t d = 0; d < D; d++) {
                     int64_t g = ((l * H + h) * D + d) * Gk + gi;
-                    k_scale[g] = (_Float16)sc[d];
-                    k_lo[g] = (_Float16)mn[d];
+                    st16(k_scale, g, sc[d]);
+                    st16(k_lo, g, mn[d]);
                 }
                 int64_t stride = Gk * gk;                            /* between channels */
                 int64_t base = ((l * H + h) * D) * Gk * gk + gi * gk; /* channel 0, token 0 */
@@ -242,10 +255,11 @@ int int4_encode(const _Float16 *x, int64_t L, int64_t T, int64_t H, int64_t D, i
                     int64_t n = gi * gv + gv <= D ? gv : D - gi * gv; /* past D the last channel repeats */
                     float lo, hi;
                     minmax(v, n, &lo, &hi);
+                    lo = lo + 0.0f;
                     float s = (hi - lo) / 15.0f;
                     s = s < 1e-8f ? 1e-8f : s;
-                    v_scale[r * Gv + gi] = (_Float16)s;
-                    v_lo[r * Gv + gi] = (_Float16)lo;
+                    st16(v_scale, r * Gv + gi, s);
+                    st16(v_lo, r * Gv + gi, lo);
                     quant4_row(v, lo, s, qa, n);
                     for (int64_t j = n; j < gv; j++) qa[j] = qa[n - 1];
                     int64_t f = (r * Gv + gi) * gv;
@@ -262,8 +276,8 @@ int int4_encode(const _Float16 *x, int64_t L, int64_t T, int64_t H, int64_t D, i
     return 0;
 }
 
-int int4_decode(const _Float16 *k_scale, const _Float16 *k_lo, const uint8_t *k_packed, const _Float16 *v_scale,
-                const _Float16 *v_lo, const uint8_t *v_packed, int64_t L, int64_t T, int64_t H, int64_t D, int64_t gk,
+int int4_decode(const uint8_t *k_scale, const uint8_t *k_lo, const uint8_t *k_packed, const uint8_t *v_scale,
+                const uint8_t *v_lo, const uint8_t *v_packed, int64_t L, int64_t T, int64_t H, int64_t D, int64_t gk,
                 int64_t Gk, int64_t gv, int64_t Gv, _Float16 *x) {
     if (D > MAXW || gv > MAXW) return -1;
     float sc[MAXW], lo[MAXW], row[MAXW];
@@ -274,8 +288,8 @@ int int4_decode(const _Float16 *k_scale, const _Float16 *k_lo, const uint8_t *k_
             for (int64_t gi = 0; gi < Gk; gi++) {
                 for (int64_t d = 0; d < D; d++) {
                     int64_t g = ((l * H + h) * D + d) * Gk + gi;
-                    sc[d] = (float)k_scale[g];
-                    lo[d] = (float)k_lo[g];
+                    sc[d] = ld16(k_scale, g);
+                    lo[d] = ld16(k_lo, g);
                 }
                 int64_t stride = Gk * gk, base = ((l * H + h) * D) * Gk * gk + gi * gk;
                 for (int64_t tt = 0; tt < gk && gi * gk + tt < T; tt++) {
@@ -310,7 +324,7 @@ int int4_decode(const _Float16 *k_scale, const _Float16 *k_lo, const uint8_t *k_
                     } else {
                         for (int64_t j = 0; j < n; j++) qa[j] = get4(v_packed, f + j);
                     }
-                    float s = (float)v_scale[g], m = (float)v_lo[g];
+                    float s = ld16(v_scale, g), m = ld16(v_lo, g);
                     for (int64_t j = 0; j < n; j++) {
                         float y = (float)qa[j] * s;
                         row[gi * gv + j] = y + m;
@@ -326,7 +340,7 @@ int int4_decode(const _Float16 *k_scale, const _Float16 *k_lo, const uint8_t *k_
 /* ---- fp8 (float8_e4m3fn) ------------------------------------------------------------
    Per row of d values, as codecs.py's torch path: scale = max(absmax, 1e-8) / 448 in
    fp32 (stored as fp16), q = fp8(x / scale) with torch's own conversion (c10's
-   fp8e4m3fn_from_fp32_value: round to nearest even, 0x7F (NaN) from 464 up). Decode:
+   fp8e4m3fn_from_fp32_value: round to nearest even, saturating at 448, NaN to NaN). Decode:
    the e4m3 value (a 256-entry table) * the fp16 scale in fp32, rounded to fp16. */
 
 static inline uint32_t f32_bits(float f) {
@@ -346,7 +360,7 @@ static inline uint8_t to_e4m3(float f) {
     bits ^= sign;
     uint8_t r;
     if (bits >= (1087u << 20)) {
-        r = 0x7F;
+        r = bits > 0x7F800000u ? 0x7F : 0x7E; /* NaN stays NaN; past 464 and infinity saturate */
     } else if (bits < (121u << 23)) { /* below 2^-6: a subnormal, rounded by the FPU */
         const uint32_t denorm = 141u << 23;
         r = (uint8_t)(f32_bits(f32_from(bits) + f32_from(denorm)) - denorm);
@@ -355,6 +369,7 @@ static inline uint8_t to_e4m3(float f) {
         bits += ((uint32_t)(7 - 127) << 23) + 0x7FFFF;
         bits += odd;
         r = (uint8_t)(bits >> 20);
+        r = r == 0x7F ? 0x7E : r; /* rounding up into the NaN pattern saturates */
     }
     return r | (uint8_t)(sign >> 24);
 }
@@ -368,11 +383,14 @@ static inline uint64_t to_e4m3_x8(__m256 f) {
     __m256i odd = _mm256_and_si256(_mm256_srli_epi32(a, 20), _mm256_set1_epi32(1));
     __m256i rn = _mm256_add_epi32(_mm256_add_epi32(a, _mm256_set1_epi32((int)(((uint32_t)(7 - 127) << 23) + 0x7FFFF))), odd);
     rn = _mm256_srli_epi32(rn, 20);
+    rn = _mm256_sub_epi32(rn, _mm256_and_si256(_mm256_cmpeq_epi32(rn, _mm256_set1_epi32(0x7F)), _mm256_set1_epi32(1)));
     __m256 fs = _mm256_add_ps(_mm256_castsi256_ps(a), _mm256_castsi256_ps(_mm256_set1_epi32(141 << 23)));
     __m256i rs = _mm256_sub_epi32(_mm256_castps_si256(fs), _mm256_set1_epi32(141 << 23));
     __m256i sub = _mm256_cmpgt_epi32(_mm256_set1_epi32(121 << 23), a);
-    __m256i nan = _mm256_cmpgt_epi32(a, _mm256_set1_epi32((int)((1087u << 20) - 1)));
+    __m256i over = _mm256_cmpgt_epi32(a, _mm256_set1_epi32((int)((1087u << 20) - 1)));
+    __m256i nan = _mm256_cmpgt_epi32(a, _mm256_set1_epi32(0x7F800000));
     __m256i r = _mm256_blendv_epi8(rn, rs, sub);
+    r = _mm256_blendv_epi8(r, _mm256_set1_epi32(0x7E), over);
     r = _mm256_blendv_epi8(r, _mm256_set1_epi32(0x7F), nan);
     r = _mm256_or_si256(_mm256_and_si256(r, _mm256_set1_epi32(0xFF)), _mm256_srli_epi32(sign, 24));
     __m128i p16 = _mm_packus_epi32(_mm256_castsi256_si128(r), _mm256_extracti128_si256(r, 1));
@@ -381,9 +399,8 @@ static inline uint64_t to_e4m3_x8(__m256 f) {
 #endif
 
 static float e4m3_table[256];
-static int e4m3_ready;
-
-static void e4m3_init(void) {
+/* filled when the library loads, before any thread can decode */
+__attribute__((constructor)) static void e4m3_init(void) {
     for (int b = 0; b < 256; b++) {
         int sign = b & 0x80, e = (b >> 3) & 15, m = b & 7;
         float v;
@@ -392,7 +409,6 @@ static void e4m3_init(void) {
         else v = ldexpf(1.0f + (float)m / 8.0f, e - 7);
         e4m3_table[b] = sign ? -v : v;
     }
-    e4m3_ready = 1;
 }
 
 void fp8_encode(const _Float16 *x, int64_t rows, int64_t d, _Float16 *scales, uint8_t *q) {
@@ -420,7 +436,6 @@ void fp8_encode(const _Float16 *x, int64_t rows, int64_t d, _Float16 *scales, ui
 }
 
 void fp8_decode(const uint8_t *q, const _Float16 *scales, int64_t rows, int64_t d, _Float16 *x) {
-    if (!e4m3_ready) e4m3_init();
     float v[MAXW];
     for (int64_t r = 0; r < rows; r++) {
         float s = (float)scales[r];

@@ -153,7 +153,7 @@ def _groups(n: int) -> int:
 
 def _quant4(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """x: [..., G, g] grouped on the last axis -> (packed uint8, scale fp16, min fp16)."""
-    lo = x.amin(dim=-1, keepdim=True)
+    lo = x.amin(dim=-1, keepdim=True) + 0.0  # -0 -> +0: which zero amin returns depends on its order
     hi = x.amax(dim=-1, keepdim=True)
     scale = ((hi - lo) / 15.0).clamp_min(1e-8)
     q = torch.round((x - lo) / scale).clamp_(0, 15).to(torch.uint8).reshape(-1)

@@ -337,6 +337,8 @@ def block_priority(
     `stored_seconds` when an agent last newly stored it (None: not known). A store is a
     use (an engine computed or received the block), so it counts as an access; a block
     with neither ranks below everything. See the module docstring for the rule."""
+    if stored_seconds is not None and math.isnan(stored_seconds):
+        stored_seconds = None
     if stats is None:
         if stored_seconds is None:
             return -math.inf

@@ -247,3 +247,8 @@ def test_blocks_no_lookup_named_go_oldest_store_first():
     dropped = {cmd.block_hashes[i : i + 16] for i in range(0, len(cmd.block_hashes), 16)}
     # 16 -> 14 blocks: the two last blocks of the chain stored longest ago and not asked for since
     assert dropped == set(chains[1][-2:])
+    # a stamp the index does not know (NaN) is no evidence
+    from controlplane.core.policy import Policy, block_priority
+
+    assert block_priority(None, 0.0, Policy(), False, 10.0, float("nan")) == float("-inf")
+    assert block_priority(None, 0.0, Policy(), False, 10.0, 5.0) == 5.0

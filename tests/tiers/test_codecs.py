@@ -243,7 +243,7 @@ C_SHAPES = [*SHAPES, (2, 2, 16, 4, 128), (1, 2, 3, 1, 17), (1, 2, 300, 2, 5), (3
 
 
 @pytest.mark.parametrize("shape", C_SHAPES, ids=str)
-@pytest.mark.parametrize("kind", ["normal", "zeros", "huge", "mixed", "tiny"])
+@pytest.mark.parametrize("kind", ["normal", "zeros", "signed_zeros", "huge", "mixed", "tiny"])
 @pytest.mark.parametrize("codec", ["int8", "int4", "fp8"])
 def test_c_loops_match_torch_bit_for_bit(codec, shape, kind, monkeypatch):
     """Odd token counts and head_dims (int4 nibbles straddling groups), several int4 key
@@ -265,6 +265,12 @@ def test_c_loops_match_torch_bit_for_bit(codec, shape, kind, monkeypatch):
     elif kind == "tiny":
         x = (x.float() * 1e-3).half()
         x[..., 0] = 1.0
+    elif kind == "signed_zeros":  # groups whose minimum is +0 in some places and -0 in others
+        x = x.abs()
+        x[..., 0::3] = 0.0
+        x[..., 1::3] = -0.0
+        odd = x[:, :, 1::2]
+        x[:, :, 1::2] = torch.where(odd == 0, -odd, odd)
     x = x.transpose(2, 3).contiguous().transpose(2, 3)  # strided input: encoded as a copy
     native_payload = codecs.encode(codec, x)
     torch_payload = _torch_only(monkeypatch, lambda: codecs.encode(codec, x))

@@ -4,6 +4,9 @@ Receiving, it keeps reservations (agent.core.handoff.Reservations) of pages in i
 CPU slab, which is registered with the Transfer Engine so a peer can write into it.
 Sending, it runs each handoff through its paths, within the caller's deadline:
 
+0. **shm** (a peer on this host whose CPU slab is a memfd, agent.store.shm): Reserve ->
+   the blocks copied straight into the reserved pages of the peer's slab, mapped here
+   (one memcpy per run: no socket, no engine) -> Commit, which verifies every block.
 1. **engine**: Reserve on the peer (gRPC) -> one-sided engine writes of each block's
    stored payload from this agent's slab straight into the reserved pages (no staging
    copy; a block outside registered memory, on disk or a GPU without a CUDA engine,
@@ -43,6 +46,7 @@ from agent.core.handoff import (
     PATHS,
     PRESENT,
     RECOMPUTE,
+    SHM,
     TRANSFERRED,
     HandoffResult,
     Links,
@@ -52,7 +56,9 @@ from agent.core.handoff import (
     batches_of,
     checksum,
     pair_runs,
+    slices,
 )
+from agent.store.shm import PeerSlab, host_id
 from agent.store.transfer_engine import TransferBackend, TransferFailed
 from protos import errors, etcd_keys, security
 from protos.kvcp.v1 import agent_pb2, agent_pb2_grpc, types_pb2
@@ -77,12 +83,25 @@ class DataPlaneConfig:
     retry: RetryPolicy = field(default_factory=RetryPolicy)
 
 
+PEER_SLAB_IDLE_SECONDS = 60.0  # a peer's mapped slab unused this long is let go (it may be gone)
+
+
 @dataclass(frozen=True)
 class Peer:
     agent_id: str
     address: str
     engine: str
     endpoint: str
+    shm_path: str = ""
+    shm_host_id: str = ""
+    shm_inode: int = 0
+    buffer_address: int = 0
+    buffer_bytes: int = 0
+
+    @property
+    def same_host_shm(self) -> bool:
+        """Does the peer offer its slab to agents on this host, and is this its host?"""
+        return bool(self.shm_path and self.shm_host_id and self.shm_host_id == host_id() and self.buffer_bytes)
 
 
 class _Stalled(Exception):
@@ -141,6 +160,8 @@ class DataPlane:
         self._writers = cf.ThreadPoolExecutor(max_workers=16, thread_name_prefix="te-write")
         self._rng = random.Random()
         self.tls = None  # protos.security.TLSConfig of this agent: peers' listeners use the same
+        self.shared = getattr(self.store, "shared_slab", None)  # agent.store.shm.SharedSlab, or None
+        self._peer_slabs: dict[str, tuple[PeerSlab, float]] = {}  # agent id -> (mapped slab, last used)
         self.registered = False
         if engine.available:
             slab = self.store.slab
@@ -155,13 +176,20 @@ class DataPlane:
     def engine_up(self) -> bool:
         return self.engine.available and self.registered
 
+    @property
+    def shm_up(self) -> bool:
+        return self.shared is not None
+
     def fill_info(self, info: types_pb2.AgentInfo) -> None:
         info.transfer_engine = self.engine.name if self.engine_up else ""
         info.transfer_endpoint = self.engine.endpoint if self.engine_up else ""
         info.transfer_protocol = self.engine.protocol if self.engine_up else ""
-        info.transfer_buffer_address = self.store.slab.data_ptr() if self.engine_up else 0
-        info.transfer_buffer_bytes = self.store.slab.numel() if self.engine_up else 0
+        reachable = self.engine_up or self.shm_up
+        info.transfer_buffer_address = self.store.slab.data_ptr() if reachable else 0
+        info.transfer_buffer_bytes = self.store.slab.numel() if reachable else 0
         info.transfer_engine_status = self.engine.status
+        if self.shared is not None:
+            info.shm_path, info.shm_inode, info.shm_host_id = self.shared.path, self.shared.inode, host_id()
 
     def stats(self) -> agent_pb2.DataPlaneStats:
         links = self.links.all()
@@ -193,6 +221,8 @@ class DataPlane:
     def reserve(self, request: agent_pb2.ReserveRequest) -> agent_pb2.ReserveResponse:
         if request.path == ENGINE and not self.engine_up:
             raise errors.InvalidArgument("path", f"this agent takes no engine writes: {self.engine.status}")
+        if request.path == SHM and not self.shm_up:
+            raise errors.InvalidArgument("path", "this agent's slab is not in shared memory (--no-shm-handoff or CUDA)")
         hashes = _split(request.block_hashes, "block_hashes")
         if not hashes:
             raise errors.InvalidArgument("block_hashes", "give at least one block")
@@ -252,15 +282,26 @@ class DataPlane:
                 n = self.reservations.run_once()
                 if n:
                     log.warning("%d handoff reservation(s) expired before their commit; pages quarantined", n)
+                self._forget_idle_peer_slabs()
             except Exception:  # noqa: BLE001 - keep sweeping
                 log.exception("reservation sweep failed")
             stop.wait(0.2)
+
+    def _forget_idle_peer_slabs(self, now: float | None = None) -> None:
+        """A mapped peer slab keeps the peer's memory alive even after it exits: let go of
+        one unused for a while (a handoff still copying holds its own reference)."""
+        now = time.monotonic() if now is None else now
+        with self._lock:
+            for agent_id, (_, used) in list(self._peer_slabs.items()):
+                if now - used > PEER_SLAB_IDLE_SECONDS:
+                    del self._peer_slabs[agent_id]
 
     def close(self) -> None:
         self._writers.shutdown(wait=False, cancel_futures=True)
         with self._lock:
             channels = list(self._channels.values())
             self._channels.clear()
+            self._peer_slabs.clear()
         for ch in channels:
             ch.close()
         self.engine.close()
@@ -302,7 +343,17 @@ class DataPlane:
         info = self._peer_info(agent_id) if self._peer_info is not None else None
         if info is None:
             raise errors.NotFound(f"destination_agent_id: no agent {agent_id!r} is registered")
-        p = Peer(agent_id, info.address, info.transfer_engine, info.transfer_endpoint)
+        p = Peer(
+            agent_id,
+            info.address,
+            info.transfer_engine,
+            info.transfer_endpoint,
+            info.shm_path,
+            info.shm_host_id,
+            info.shm_inode,
+            info.transfer_buffer_address,
+            info.transfer_buffer_bytes,
+        )
         with self._lock:
             self._peers[agent_id] = (now, p)
         return p
@@ -349,7 +400,7 @@ class DataPlane:
             raise errors.InvalidArgument("destination_agent_id", "is this agent; a handoff goes to another one")
         for p in paths:
             if p not in PATHS:
-                raise errors.InvalidArgument("paths", f"unknown path {p!r}; expected engine or grpc")
+                raise errors.InvalidArgument("paths", f"unknown path {p!r}; expected {', '.join(PATHS)}")
         peer = self.peer(destination_agent_id)
         metas = self.pool.acquire_chain(block_hashes)
         if not metas:
@@ -377,7 +428,7 @@ class DataPlane:
             self.pool.release_chain(metas)
         result = HandoffResult(**{**result.__dict__, "seconds": time.monotonic() - start})
         if self.metrics is not None and result.outcome != PRESENT:
-            secondary = result.path == GRPC and "engine:" in result.reason
+            secondary = result.path != PATHS[0] and any(f"{p}:" in result.reason for p in PATHS)
             self.metrics.record_transfer(
                 "handoff",
                 result.sent_bytes,
@@ -396,7 +447,12 @@ class DataPlane:
         reasons: list[str] = []
         attempts = 0
         block_size = self.pool.models[model_id].block_size
+        skipped: list[str] = []  # said only if nothing else works either
         for path in paths:
+            if path == SHM and not peer.same_host_shm:
+                where = "offers no shared slab" if not peer.shm_path else "is on another host"
+                skipped.append(f"shm path skipped: {peer.agent_id} {where}")
+                continue
             if path == ENGINE and not self.engine_up:
                 reasons.append(f"engine path skipped: {self.engine.status}")
                 continue
@@ -439,7 +495,7 @@ class DataPlane:
                 )
         if time.monotonic() >= deadline:
             reasons.append("deadline passed")
-        return HandoffResult(RECOMPUTE, attempts=attempts, reason="; ".join(reasons) or "no path to try")
+        return HandoffResult(RECOMPUTE, attempts=attempts, reason="; ".join(reasons + skipped) or "no path to try")
 
     def _refresh(self, peer: Peer) -> Peer:
         self._drop_channel(peer.address)
@@ -487,6 +543,8 @@ class DataPlane:
         try:
             if path == ENGINE:
                 sent_bytes = self._send_engine(stub, peer, resp, metas, deadline, left)
+            elif path == SHM:
+                sent_bytes = self._send_shm(stub, peer, resp, metas, deadline, left)
             else:
                 sent_bytes = self._send_grpc(stub, peer, rid, metas, p, deadline, left)
             return p, len(metas) - p, sent_bytes
@@ -496,13 +554,65 @@ class DataPlane:
         except grpc.RpcError as exc:
             quiesced = exc.code() != grpc.StatusCode.DEADLINE_EXCEEDED
             self._abort(stub, rid, f"{exc.code().name}", quiesced)
-            raise _rpc_error(exc, "commit" if path == ENGINE else "push/commit") from None
+            raise _rpc_error(exc, "push/commit" if path == GRPC else "commit") from None
         except TransferFailed as exc:
             self._abort(stub, rid, str(exc), True)
             raise _PathError(str(exc)) from None
         except _PathError as exc:
             self._abort(stub, rid, str(exc), True)
             raise
+
+    def _peer_slab(self, peer: Peer) -> PeerSlab:
+        """The peer's slab mapped here (cached while the peer publishes the same one)."""
+        key = (peer.shm_path, peer.shm_inode, peer.buffer_address, peer.buffer_bytes)
+        now = time.monotonic()
+        with self._lock:
+            cached = self._peer_slabs.get(peer.agent_id)
+            if cached is not None and cached[0].key == key:
+                self._peer_slabs[peer.agent_id] = (cached[0], now)
+                return cached[0]
+        try:
+            slab = PeerSlab(*key)
+        except (OSError, ValueError) as exc:
+            raise _PathError(f"cannot map {peer.agent_id}'s slab ({exc})", path_off=True) from None
+        with self._lock:
+            self._peer_slabs[peer.agent_id] = (slab, now)  # a replaced one goes with its last user
+        return slab
+
+    def _send_shm(self, stub, peer: Peer, resp, metas: list[BlockMeta], deadline: float, left) -> int:
+        """The blocks copied straight into the reserved pages of the peer's slab (mapped
+        here); one Commit verifies them all and makes the prefix visible. A link with a
+        bandwidth limit is paced as on the engine path, in slices of 0.1 s of it."""
+        p = resp.num_present_blocks
+        slots = list(zip(resp.slots.addresses, resp.slots.lengths, strict=True))
+        wanted = sum(m.stored_bytes for m in metas[p:])
+        if sum(n for _, n in slots) != wanted:
+            raise _PathError(f"the peer reserved {sum(n for _, n in slots)} B for {wanted} B of blocks", path_off=True)
+        target = self._peer_slab(peer)
+        src_runs: list[tuple[int, int]] = []
+        bounces = []  # blocks outside the CPU slab (disk), read once; alive until copied
+        for m in metas[p:]:
+            runs, bounce = self._source_runs(m)
+            if bounce is not None:
+                bounces.append(bounce)
+            src_runs += runs
+        pieces = pair_runs(src_runs, slots)
+        link = self.links.get(peer.agent_id)
+        sent = 0
+        try:
+            target.check(pieces)
+            slice_bytes = int(link.bytes_per_second * 0.1) if link.bytes_per_second > 0 else wanted
+            for part in slices(pieces, max(slice_bytes, 1)):
+                nbytes = sum(n for _, _, n in part)
+                if not link.pace(nbytes, deadline):
+                    raise _Stalled(f"the link's bandwidth limit would pass the deadline for {nbytes} B")
+                sent += target.write(part)
+        except ValueError as exc:
+            raise _PathError(str(exc), path_off=True) from None
+        sums = [m.checksum or checksum(self._source(m)[0]) for m in metas[p:]]
+        request = agent_pb2.CommitRequest(reservation_id=resp.reservation_id, checksums=sums, first_block=p, last=True)
+        stub.Commit(request, timeout=left(max(self.config.rpc_timeout_seconds, 0.1 + wanted / 1e9)))
+        return sent
 
     def _abort(self, stub, rid: str, reason: str, quiesced: bool) -> None:
         try:

@@ -80,6 +80,12 @@ def _metrics_listen(ctx, param, value: str) -> str:
     show_default=True,
     help="The engine's metadata: P2PHANDSHAKE, or etcd://host:port.",
 )
+@click.option(
+    "--shm-handoff/--no-shm-handoff",
+    default=True,
+    show_default=True,
+    help="Keep the CPU slab in shared memory (a memfd) so agents on this host hand off by memcpy (not with CUDA).",
+)
 @click.option("--handoff-deadline-seconds", default=10.0, show_default=True, type=float)
 @click.option("--link-max-concurrent", default=2, show_default=True, type=click.IntRange(1, 64))
 @click.option(
@@ -154,6 +160,7 @@ def main(
     transfer_engine,
     transfer_protocol,
     transfer_metadata,
+    shm_handoff,
     handoff_deadline_seconds,
     link_max_concurrent,
     link_bandwidth,
@@ -205,6 +212,7 @@ def main(
         transfer_engine=transfer_engine,
         transfer_protocol=transfer_protocol,
         transfer_metadata=transfer_metadata,
+        shm_handoff=shm_handoff,
         dataplane=DataPlaneConfig(
             deadline_seconds=handoff_deadline_seconds,
             link_max_concurrent=link_max_concurrent,

@@ -74,6 +74,7 @@ class AgentConfig:
     transfer_engine: str = "mooncake"  # data plane for handoffs: mooncake | none (gRPC fallback only)
     transfer_protocol: str = "tcp"  # the engine's transport: tcp | rdma
     transfer_metadata: str = "P2PHANDSHAKE"  # or etcd://host:port (the engine's own metadata)
+    shm_handoff: bool = True  # the CPU slab in shared memory for same-host handoff (not with CUDA)
     dataplane: DataPlaneConfig = field(default_factory=DataPlaneConfig)
 
 
@@ -85,7 +86,7 @@ class Agent:
         tiers = []
         if config.gpu_capacity_bytes and cuda_available():
             tiers.append(MemoryTier(Tier.GPU, config.gpu_capacity_bytes, page))
-        tiers.append(MemoryTier(Tier.CPU, config.cpu_capacity_bytes, page))
+        tiers.append(MemoryTier(Tier.CPU, config.cpu_capacity_bytes, page, shared=config.shm_handoff))
         self.disk = None
         if config.disk_dir:
             self.disk = DiskTier(config.disk_dir, config.disk_capacity_bytes or 1 << 30, fsync=config.disk_fsync)

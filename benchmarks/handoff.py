@@ -11,7 +11,12 @@ driver asks, in turn:
 - `engine`: a kvcp handoff of a prefix of the same bytes (blocks of `--block-mib`),
   Reserve, engine writes of every block into the reserved pages, per-block xxh3 verify,
   commit: the blocks are loadable on the receiver afterwards (checked);
-- `grpc`: the same handoff over the fallback path (chunked gRPC stream).
+- `grpc`: the same handoff over the fallback path (chunked gRPC stream);
+- `shm`: the same handoff over the same-host path (the receiver's slab is a memfd the
+  sender maps; one memcpy per run, then Commit verifies), next to `raw_memcpy`: the
+  sender copying the same bytes into the receiver's mapped slab with one memcpy (what
+  the machine's memory does alone). `ratio` stays against the raw engine;
+  `memcpy_ratio` is against raw_memcpy.
 
 Figures are the best of `--repeats` (the receiver drops the blocks between runs). A
 last scenario kills a third receiver process with SIGKILL while a handoff to it is on
@@ -50,6 +55,8 @@ class PathResult:
     median_gbps: float = 0.0
     median_raw_engine_gbps: float = 0.0
     median_ratio: float = 0.0
+    raw_memcpy_gbps: float = 0.0  # shm rows: the same bytes with one memcpy into the mapped slab
+    memcpy_ratio: float = 0.0
 
 
 def _spec(block_mib: int):
@@ -99,12 +106,17 @@ def worker(agent_id: str, etcd: str, block_mib: int, capacity_bytes: int, engine
         tokens = [seed * 1_000_003 + i for i in range(n * spec.block_size)]
         return tokens, split_hashes(hash_prefix(spec.model_id, tokens, spec.block_size))
 
+    info = agent.info()
     reply(
         address=agent.address,
         endpoint=dp.engine.endpoint if dp.engine_up else "",
         slab_address=dp.store.slab.data_ptr(),
+        slab_bytes=dp.store.slab.numel(),
         engine=dp.engine.status,
+        shm_path=info.shm_path,
+        shm_inode=info.shm_inode,
     )
+    mapped = {}
     for line in sys.stdin:
         cmd = json.loads(line)
         op = cmd["cmd"]
@@ -122,6 +134,14 @@ def worker(agent_id: str, etcd: str, block_mib: int, capacity_bytes: int, engine
                 dp.engine.write(cmd["endpoint"], [(src, cmd["dst"], cmd["bytes"])])
                 best = min(best, time.perf_counter() - t0)
             reply(seconds=best)
+        elif op == "raw_memcpy":
+            from agent.store.shm import PeerSlab
+
+            key = (cmd["path"], cmd["inode"], cmd["dst"], cmd["slab_bytes"])
+            peer = mapped.get(key) or mapped.setdefault(key, PeerSlab(*key))
+            t0 = time.perf_counter()
+            peer.write([(dp.store.slab.data_ptr(), cmd["dst"], cmd["bytes"])])
+            reply(seconds=time.perf_counter() - t0)
         elif op == "handoff":
             _, hashes = prompt(cmd["blocks"], cmd["seed"])
             t0 = time.perf_counter()
@@ -260,15 +280,30 @@ def run(
         engine_up = bool(sender.hello["endpoint"] and receiver.hello["endpoint"])
         if not engine_up:
             notes.append(f"transfer engine unavailable: {sender.hello['engine']}; only the gRPC path is measured")
-        paths = ("engine", "grpc") if engine_up else ("grpc",)
+        shm_up = bool(receiver.hello.get("shm_path"))
+        if not shm_up:
+            notes.append("the receiver's slab is not in shared memory: the shm path is not measured")
+        paths = (("shm",) if shm_up else ()) + (("engine", "grpc") if engine_up else ("grpc",))
         for k, size in enumerate(sizes_mib):
             n = max(1, size // block_mib)
             nbytes = n * block_mib * MIB
             seed = 100 + k
             sender.call(cmd="store", blocks=n, seed=seed)
             # interleaved (raw, engine, grpc) x repeats: each figure sees the same machine load
-            times: dict[str, list[float]] = {p: [] for p in ("raw", *paths)}
+            times: dict[str, list[float]] = {p: [] for p in ("raw", "raw_memcpy", *paths)}
             for _ in range(repeats):
+                if shm_up:
+                    receiver.call(cmd="drop")
+                    times["raw_memcpy"].append(
+                        sender.call(
+                            cmd="raw_memcpy",
+                            path=receiver.hello["shm_path"],
+                            inode=receiver.hello["shm_inode"],
+                            dst=receiver.hello["slab_address"],
+                            slab_bytes=receiver.hello["slab_bytes"],
+                            bytes=nbytes,
+                        )["seconds"]
+                    )
                 if engine_up:
                     receiver.call(cmd="drop")
                     t = sender.call(
@@ -289,9 +324,11 @@ def run(
                     times[path].append(last["seconds"])
             raw = nbytes / min(times["raw"]) / 1e9 if engine_up else 0.0
             raw_med = nbytes / statistics.median(times["raw"]) / 1e9 if engine_up else 0.0
+            memcpy = nbytes / min(times["raw_memcpy"]) / 1e9 if shm_up else 0.0
             for path in paths:
                 gbps = nbytes / min(times[path]) / 1e9
                 med = nbytes / statistics.median(times[path]) / 1e9
+                is_shm = path == "shm"
                 results.append(
                     PathResult(
                         nbytes,
@@ -304,6 +341,8 @@ def run(
                         round(med, 3),
                         round(raw_med, 3),
                         round(med / raw_med, 3) if raw_med else 0.0,
+                        round(memcpy, 3) if is_shm else 0.0,
+                        round(gbps / memcpy, 3) if is_shm and memcpy else 0.0,
                     )
                 )
             receiver.call(cmd="drop")
@@ -361,9 +400,15 @@ def format_table(result: dict) -> str:
         f"{'median GB/s':>11s} {'raw':>6s} {'ratio':>6s}",
     ]
     for r in result["results"]:
+        memcpy = (
+            f"   raw memcpy {r['raw_memcpy_gbps']:.3f} GB/s, ratio {r['memcpy_ratio']:.2f}"
+            if r.get("raw_memcpy_gbps")
+            else ""
+        )
         lines.append(
             f"{r['payload_bytes'] >> 20:>5d}MiB {r['path']:6s} {r['gbps']:>7.3f} {r['raw_engine_gbps']:>16.3f} "
             f"{r['ratio']:>6.2f}   {r['median_gbps']:>11.3f} {r['median_raw_engine_gbps']:>6.3f} {r['median_ratio']:>6.2f}"
+            + memcpy
         )
     f = result.get("fault") or {}
     if f:

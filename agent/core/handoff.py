@@ -36,8 +36,8 @@ from agent.core.block_pool import BlockMeta, BlockPool, PoolFull
 from protos import errors
 from protos.tier import Tier
 
-ENGINE, GRPC = "engine", "grpc"
-PATHS = (ENGINE, GRPC)
+SHM, ENGINE, GRPC = "shm", "engine", "grpc"
+PATHS = (SHM, ENGINE, GRPC)  # the order a handoff tries them in (shm only to a peer on this host)
 TRANSFERRED, PRESENT, RECOMPUTE = "transferred", "present", "recompute"
 
 
@@ -491,6 +491,22 @@ class RunCursor:
             if self._off >= length:
                 self._i, self._off = self._i + 1, 0
         return out
+
+
+def slices(pieces: Sequence[tuple[int, int, int]], max_bytes: int) -> list[list[tuple[int, int, int]]]:
+    """(src, dst, length) pieces cut into consecutive groups of at most `max_bytes`
+    (a piece longer than that is split)."""
+    out: list[list[tuple[int, int, int]]] = [[]]
+    room = max_bytes
+    for src, dst, n in pieces:
+        while n > 0:
+            if room == 0:
+                out.append([])
+                room = max_bytes
+            k = min(n, room)
+            out[-1].append((src, dst, k))
+            src, dst, n, room = src + k, dst + k, n - k, room - k
+    return [g for g in out if g]
 
 
 def pair_runs(src: Sequence[tuple[int, int]], dst: Sequence[tuple[int, int]]) -> list[tuple[int, int, int]]:

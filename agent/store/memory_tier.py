@@ -6,13 +6,22 @@ pages than a raw one; the slab is allocated once, never a tensor per block. A ha
 the block's list of page indices. Freed pages go back so that the next allocation gets
 them in ascending order again: most blocks sit in one contiguous run of pages, and
 copies are a few large memcpys instead of a gather.
+
+With `shared`, a CPU slab without CUDA lives in a memfd (agent.store.shm) that a peer
+agent on the same host can map for same-host handoff; where that fails, or with CUDA (the
+slab is then pinned memory), the slab is private and `shared_slab` is None.
 """
 
 from __future__ import annotations
 
+import logging
+
 import torch
 
+from agent.store.shm import SharedSlab
 from protos.tier import Tier
+
+log = logging.getLogger(__name__)
 
 
 def cuda_available() -> bool:
@@ -31,7 +40,9 @@ def runs(pages: list[int]) -> list[tuple[int, int]]:
 
 
 class MemoryTier:
-    def __init__(self, tier: Tier, capacity_bytes: int, page_bytes: int, device: str | None = None):
+    def __init__(
+        self, tier: Tier, capacity_bytes: int, page_bytes: int, device: str | None = None, shared: bool = False
+    ):
         if page_bytes <= 0:
             raise ValueError("page_bytes must be positive")
         if capacity_bytes < page_bytes:
@@ -44,7 +55,16 @@ class MemoryTier:
             device = "cuda" if tier == Tier.GPU else "cpu"
         self.device = device
         pin = device == "cpu" and cuda_available()
-        self.slab = torch.empty(self.num_pages * page_bytes, dtype=torch.uint8, device=device, pin_memory=pin)
+        self.shared_slab: SharedSlab | None = None
+        if shared and device == "cpu" and not pin:
+            try:
+                self.shared_slab = SharedSlab(self.num_pages * page_bytes, f"kvcp-{tier.label}-slab")
+            except OSError as exc:
+                log.warning("the %s slab is private (no same-host shared memory): %s", tier.label, exc)
+        if self.shared_slab is not None:
+            self.slab = self.shared_slab.tensor
+        else:
+            self.slab = torch.empty(self.num_pages * page_bytes, dtype=torch.uint8, device=device, pin_memory=pin)
         self._base = self.slab.data_ptr()
         self._free = list(range(self.num_pages - 1, -1, -1))  # a stack: pops ascend
 

@@ -1,6 +1,7 @@
 """Handoffs between real agents (gRPC servers on port 0, a real etcd and control plane):
-the Transfer Engine path, the gRPC fallback, and every bad input or refusal answered
-with a clear error or a definite "recompute", never a half-written prefix."""
+the same-host shared-memory path, the Transfer Engine path, the gRPC fallback, and every
+bad input or refusal answered with a clear error or a definite "recompute", never a
+half-written prefix."""
 
 from __future__ import annotations
 
@@ -26,7 +27,8 @@ def lookup_blocks(cp, agent_id, hashes) -> int:
 @needs_engine
 def test_engine_handoff_is_byte_exact_and_indexed(controlplane, make_agent):
     a = make_agent("pre", models=[BIG], cpu_capacity_bytes=40 << 20)
-    b = make_agent("dec", models=[BIG], cpu_capacity_bytes=40 << 20, role="decode")
+    # the destination keeps its slab private: the shm path is skipped, the engine carries it
+    b = make_agent("dec", models=[BIG], cpu_capacity_bytes=40 << 20, role="decode", shm_handoff=False)
     tokens, kv, hashes = prompt(BIG, 24)
     a.engine.store(BIG.model_id, tokens, kv)
     client = EngineClient(a.address)
@@ -50,7 +52,7 @@ def test_engine_handoff_is_byte_exact_and_indexed(controlplane, make_agent):
 
 def test_grpc_fallback_when_the_destination_has_no_engine(controlplane, make_agent):
     a = make_agent("pre", models=[BIG], cpu_capacity_bytes=24 << 20)
-    b = make_agent("dec", models=[BIG], cpu_capacity_bytes=24 << 20, transfer_engine="none")
+    b = make_agent("dec", models=[BIG], cpu_capacity_bytes=24 << 20, transfer_engine="none", shm_handoff=False)
     tokens, kv, hashes = prompt(BIG, 8, seed=1)
     a.engine.store(BIG.model_id, tokens, kv)
     # the destination already holds the first 3 blocks: only the rest travels
@@ -60,6 +62,58 @@ def test_grpc_fallback_when_the_destination_has_no_engine(controlplane, make_age
     assert "no transfer engine" in r.reason
     assert torch.equal(b.engine.load(BIG.model_id, tokens).kv, kv)
     assert b.info().transfer_engine == "" and "disabled" in b.info().transfer_engine_status
+
+
+def test_shm_handoff_on_one_host_is_byte_exact_and_indexed(controlplane, make_agent, tmp_path):
+    from agent.store.shm import host_id
+    from protos.tier import Tier
+
+    a = make_agent(
+        "pre", models=[BIG], cpu_capacity_bytes=24 << 20, disk_dir=str(tmp_path / "d"), disk_capacity_bytes=64 << 20
+    )
+    b = make_agent("dec", models=[BIG], cpu_capacity_bytes=24 << 20, role="decode")
+    info = b.info()
+    assert info.shm_path.startswith("/proc/") and info.shm_host_id == host_id() and info.shm_inode > 0
+    assert info.transfer_buffer_bytes == b.dataplane.store.slab.numel()
+    tokens, kv, hashes = prompt(BIG, 12, seed=21)
+    a.engine.store(BIG.model_id, tokens, kv)
+    b.engine.store(BIG.model_id, tokens[: 2 * BIG.block_size], kv[:2])  # held already: not sent
+    for h in hashes[-3:]:  # blocks on the sender's disk are read once and copied from there
+        assert a.pool.move_block(h, Tier.DISK).ok
+    r = a.dataplane.handoff(BIG.model_id, hashes, "dec", 20)
+    assert (r.outcome, r.path, r.num_sent_blocks, r.sent_bytes, r.reason) == ("transferred", "shm", 10, 10 << 20, "")
+    assert torch.equal(b.engine.load(BIG.model_id, tokens).kv, kv)
+    wait_for(lambda: lookup_blocks(controlplane, "dec", hashes) == 12, 10, what="destination indexed")
+    assert a.dataplane.stats().links[0].last_path == "shm"
+    # another path, asked for by name, still works between the same two
+    b.pool.cleanup(0.0)
+    r = a.dataplane.handoff(BIG.model_id, hashes, "dec", 20, paths=("grpc",))
+    assert (r.outcome, r.path) == ("transferred", "grpc") and torch.equal(b.engine.load(BIG.model_id, tokens).kv, kv)
+
+
+def test_shm_path_that_cannot_map_falls_back_and_says_why(controlplane, make_agent, monkeypatch):
+    import agent.dataplane as dataplane
+
+    a = make_agent("pre", models=[BIG], cpu_capacity_bytes=16 << 20)
+    b = make_agent("dec", models=[BIG], cpu_capacity_bytes=16 << 20, transfer_engine="none")
+    tokens, kv, hashes = prompt(BIG, 4, seed=22)
+    a.engine.store(BIG.model_id, tokens, kv)
+
+    def gone(*args):
+        raise OSError("/proc/1/fd/3 is another file now")
+
+    monkeypatch.setattr(dataplane, "PeerSlab", gone)
+    r = a.dataplane.handoff(BIG.model_id, hashes, "dec", 20)
+    assert (r.outcome, r.path) == ("transferred", "grpc"), r
+    assert "shm: cannot map dec's slab" in r.reason and "another file" in r.reason
+    assert r.attempts == 2  # a path that cannot map is not tried twice
+    assert torch.equal(b.engine.load(BIG.model_id, tokens).kv, kv)
+    assert b.dataplane.reservations.open_count() == 0  # the shm attempt's reservation was aborted
+    # only shm asked for, to an agent that does not offer it: recompute, said why
+    c = make_agent("far", models=[BIG], cpu_capacity_bytes=16 << 20, transfer_engine="none", shm_handoff=False)
+    assert c.info().shm_path == ""
+    r = a.dataplane.handoff(BIG.model_id, hashes, "far", 5, paths=("shm",))
+    assert r.outcome == "recompute" and "far offers no shared slab" in r.reason, r
 
 
 def test_bad_input_and_refusals(controlplane, make_agent):
@@ -113,7 +167,7 @@ def test_blocks_on_disk_go_through_one_bounce_buffer(controlplane, make_agent, t
     a = make_agent(
         "pre", models=[BIG], cpu_capacity_bytes=16 << 20, disk_dir=str(tmp_path / "d"), disk_capacity_bytes=64 << 20
     )
-    b = make_agent("dec", models=[BIG], cpu_capacity_bytes=16 << 20)
+    b = make_agent("dec", models=[BIG], cpu_capacity_bytes=16 << 20, shm_handoff=False)
     tokens, kv, hashes = prompt(BIG, 4, seed=6)
     a.engine.store(BIG.model_id, tokens, kv)
     for h in hashes[2:]:

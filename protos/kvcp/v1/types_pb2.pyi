@@ -64,7 +64,7 @@ class TierUsage(_message.Message):
     def __init__(self, tier: _Optional[_Union[Tier, str]] = ..., capacity_bytes: _Optional[int] = ..., used_bytes: _Optional[int] = ..., num_blocks: _Optional[int] = ..., uncompressed_bytes: _Optional[int] = ..., stored_bytes: _Optional[int] = ...) -> None: ...
 
 class AgentInfo(_message.Message):
-    __slots__ = ("agent_id", "address", "models", "tiers", "metrics_address", "lease_id", "role", "transfer_engine", "transfer_endpoint", "transfer_protocol", "transfer_buffer_address", "transfer_buffer_bytes", "transfer_engine_status")
+    __slots__ = ("agent_id", "address", "models", "tiers", "metrics_address", "lease_id", "role", "transfer_engine", "transfer_endpoint", "transfer_protocol", "transfer_buffer_address", "transfer_buffer_bytes", "transfer_engine_status", "shm_path", "shm_host_id", "shm_inode")
     AGENT_ID_FIELD_NUMBER: _ClassVar[int]
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
     MODELS_FIELD_NUMBER: _ClassVar[int]
@@ -78,6 +78,9 @@ class AgentInfo(_message.Message):
     TRANSFER_BUFFER_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     TRANSFER_BUFFER_BYTES_FIELD_NUMBER: _ClassVar[int]
     TRANSFER_ENGINE_STATUS_FIELD_NUMBER: _ClassVar[int]
+    SHM_PATH_FIELD_NUMBER: _ClassVar[int]
+    SHM_HOST_ID_FIELD_NUMBER: _ClassVar[int]
+    SHM_INODE_FIELD_NUMBER: _ClassVar[int]
     agent_id: str
     address: str
     models: _containers.RepeatedCompositeFieldContainer[ModelSpec]
@@ -91,4 +94,7 @@ class AgentInfo(_message.Message):
     transfer_buffer_address: int
     transfer_buffer_bytes: int
     transfer_engine_status: str
-    def __init__(self, agent_id: _Optional[str] = ..., address: _Optional[str] = ..., models: _Optional[_Iterable[_Union[ModelSpec, _Mapping]]] = ..., tiers: _Optional[_Iterable[_Union[TierUsage, _Mapping]]] = ..., metrics_address: _Optional[str] = ..., lease_id: _Optional[int] = ..., role: _Optional[str] = ..., transfer_engine: _Optional[str] = ..., transfer_endpoint: _Optional[str] = ..., transfer_protocol: _Optional[str] = ..., transfer_buffer_address: _Optional[int] = ..., transfer_buffer_bytes: _Optional[int] = ..., transfer_engine_status: _Optional[str] = ...) -> None: ...
+    shm_path: str
+    shm_host_id: str
+    shm_inode: int
+    def __init__(self, agent_id: _Optional[str] = ..., address: _Optional[str] = ..., models: _Optional[_Iterable[_Union[ModelSpec, _Mapping]]] = ..., tiers: _Optional[_Iterable[_Union[TierUsage, _Mapping]]] = ..., metrics_address: _Optional[str] = ..., lease_id: _Optional[int] = ..., role: _Optional[str] = ..., transfer_engine: _Optional[str] = ..., transfer_endpoint: _Optional[str] = ..., transfer_protocol: _Optional[str] = ..., transfer_buffer_address: _Optional[int] = ..., transfer_buffer_bytes: _Optional[int] = ..., transfer_engine_status: _Optional[str] = ..., shm_path: _Optional[str] = ..., shm_host_id: _Optional[str] = ..., shm_inode: _Optional[int] = ...) -> None: ...

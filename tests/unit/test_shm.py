@@ -1,0 +1,61 @@
+"""Same-host shared slabs (agent.store.shm): a memfd slab another mapping writes into,
+the inode check against a reused /proc path, bounds, and slicing for a paced link."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from agent.core.handoff import pair_runs, slices
+from agent.store.memory_tier import MemoryTier
+from agent.store.shm import PeerSlab, SharedSlab, host_id
+from protos.tier import Tier
+
+
+def test_a_peer_mapping_writes_into_the_shared_slab():
+    tier = MemoryTier(Tier.CPU, 1 << 20, 4096, shared=True)
+    slab = tier.shared_slab
+    assert slab is not None and tier.slab.data_ptr() == slab.tensor.data_ptr()
+    assert slab.path == f"/proc/{os.getpid()}/fd/{slab.fd}" and host_id()
+    src = torch.arange(256, dtype=torch.uint8).repeat(64)  # 16 KiB
+    peer = PeerSlab(slab.path, slab.inode, tier.slab.data_ptr(), tier.slab.numel())
+    base = tier.slab.data_ptr()
+    # two destination runs, split across a source run boundary
+    pieces = pair_runs([(src.data_ptr(), 16384)], [(base + 4096, 8192), (base + 65536, 8192)])
+    assert peer.write(pieces) == 16384
+    assert torch.equal(tier.slab[4096:12288], src[:8192]) and torch.equal(tier.slab[65536:73728], src[8192:])
+
+
+def test_a_mapping_refuses_another_file_and_runs_outside_the_slab():
+    slab = SharedSlab(1 << 16, "test")
+    with pytest.raises(OSError, match="another file"):
+        PeerSlab(slab.path, slab.inode + 1, 0x1000, 1 << 16)
+    with pytest.raises(OSError, match="published"):
+        PeerSlab(slab.path, slab.inode, 0x1000, 1 << 20)
+    with pytest.raises(FileNotFoundError):
+        PeerSlab("/proc/self/fd/99999", slab.inode, 0x1000, 1 << 16)
+    peer = PeerSlab(slab.path, slab.inode, 0x1000, 1 << 16)
+    src = torch.ones(64, dtype=torch.uint8)
+    for dst in (0x0FFF, 0x1000 + (1 << 16) - 63):  # one byte before; one byte past the end
+        with pytest.raises(ValueError, match="outside"):
+            peer.write([(src.data_ptr(), 0x1000, 64), (src.data_ptr(), dst, 64)])
+    assert int(slab.tensor.sum()) == 0  # nothing was copied by a refused batch
+
+
+def test_private_slab_without_shared_memory(monkeypatch):
+    assert MemoryTier(Tier.CPU, 1 << 16, 4096).shared_slab is None  # not asked for
+    monkeypatch.delattr(os, "memfd_create")
+    tier = MemoryTier(Tier.CPU, 1 << 16, 4096, shared=True)
+    assert tier.shared_slab is None and tier.slab.numel() == 1 << 16
+
+
+def test_slices_cut_pieces_to_a_byte_budget():
+    assert slices([(0, 100, 10), (50, 200, 3)], 4) == [
+        [(0, 100, 4)],
+        [(4, 104, 4)],
+        [(8, 108, 2), (50, 200, 2)],
+        [(52, 202, 1)],
+    ]
+    assert slices([(0, 100, 10)], 100) == [[(0, 100, 10)]] and slices([], 5) == []

@@ -244,6 +244,9 @@ class Agent:
         for t in self._threads:
             t.join(timeout=3)
         self.dataplane.close()
+        for store in self.pool.store_of.values():
+            if isinstance(store, MemoryTier):
+                store.close()
         if self.disk is not None:
             self.disk.close()
         if self.etcd is not None:

@@ -68,6 +68,10 @@ class MemoryTier:
         self._base = self.slab.data_ptr()
         self._free = list(range(self.num_pages - 1, -1, -1))  # a stack: pops ascend
 
+    def close(self) -> None:
+        if self.shared_slab is not None:
+            self.shared_slab.close()
+
     @property
     def used_bytes(self) -> int:
         return (self.num_pages - len(self._free)) * self.page_bytes

@@ -14,6 +14,7 @@ from __future__ import annotations
 import ctypes
 import mmap
 import os
+import weakref
 from collections.abc import Sequence
 from functools import cache
 
@@ -47,6 +48,12 @@ class SharedSlab:
         self.tensor = torch.frombuffer(self._map, dtype=torch.uint8)
         self.path = f"/proc/{os.getpid()}/fd/{self.fd}"
         self.inode = os.fstat(self.fd).st_ino
+        # the memory goes when the mapping and this descriptor are both gone
+        self._closer = weakref.finalize(self, os.close, self.fd)
+
+    def close(self) -> None:
+        """No new peer can open the slab (the tensor stays valid while it is referenced)."""
+        self._closer()
 
 
 class PeerSlab:

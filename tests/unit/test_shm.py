@@ -59,3 +59,13 @@ def test_slices_cut_pieces_to_a_byte_budget():
         [(52, 202, 1)],
     ]
     assert slices([(0, 100, 10)], 100) == [[(0, 100, 10)]] and slices([], 5) == []
+
+
+def test_closing_the_slab_stops_new_peers_and_keeps_the_tensor():
+    tier = MemoryTier(Tier.CPU, 1 << 16, 4096, shared=True)
+    slab = tier.shared_slab
+    tier.slab[:4] = torch.tensor([1, 2, 3, 4], dtype=torch.uint8)
+    tier.close()
+    tier.close()  # twice is fine
+    assert not slab._closer.alive  # its descriptor is closed (the number may be reused at once)
+    assert tier.slab[:4].tolist() == [1, 2, 3, 4]

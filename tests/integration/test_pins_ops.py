@@ -194,7 +194,8 @@ def test_concurrent_cleanups_of_one_namespace_serialize(client, make_agent, cont
     time.sleep(1.0)
     assert client.get_operation(op.op_id).state == "PENDING"  # waits for the lock
     holder.release()
-    assert client.wait_operation(op.op_id, timeout_seconds=10).state == "SUCCEEDED"
+    done = client.wait_operation(op.op_id, timeout_seconds=10)
+    assert done.state == "SUCCEEDED", done.error
 
 
 def test_queued_cleanup_survives_a_controlplane_restart(etcd, make_agent):

@@ -19,6 +19,22 @@ def etcd_server():
     server.cleanup()
 
 
+@pytest.fixture(autouse=True)
+def _no_control_plane_outlives_its_test():
+    """Stop any in-process control plane a test left running (one whose test failed before
+    its own stop): it would keep leading the shared etcd in the tests after it."""
+    import threading
+    import warnings
+
+    yield
+    for t in threading.enumerate():
+        target = getattr(t, "_target", None)
+        cp = getattr(target, "__self__", None)
+        if t.name == "election" and t.is_alive() and type(cp).__name__ == "ControlPlane":
+            warnings.warn(f"a control plane at {cp.address} outlived its test; stopping it", stacklevel=1)
+            cp.stop(grace_seconds=0.2)
+
+
 @pytest.fixture
 def etcd(etcd_server):
     """The session etcd with an empty /kvcp/ key space (tests share one server)."""

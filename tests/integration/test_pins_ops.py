@@ -102,13 +102,15 @@ def test_pins_survive_controlplane_restart_and_reapply_to_restarted_agent(etcd, 
 
     cp = ControlPlane(ControlPlaneConfig(listen="127.0.0.1:0", etcd=etcd, election_ttl_seconds=2)).start()
     port = cp.port
-    a = make_agent("p4", lease_ttl_seconds=3)
-    a.engine.store(M.model_id, tokens(3), kv(3))
-    with ControlPlaneClient(cp.address) as c:
-        wait_for(lambda: indexed(c, "p4") == 3, what="indexed")
-        pin = c.pin(model_id=M.model_id, token_ids=tokens(3), min_tier="cpu", ttl_seconds=120)
-        wait_for(lambda: pinned_on(a, tokens(3)) == [int(Tier.CPU)] * 3, what="applied")
-    cp.stop()
+    try:  # stopped whatever happens: a control plane left running would lead in later tests
+        a = make_agent("p4", lease_ttl_seconds=3)
+        a.engine.store(M.model_id, tokens(3), kv(3))
+        with ControlPlaneClient(cp.address) as c:
+            wait_for(lambda: indexed(c, "p4") == 3, what="indexed")
+            pin = c.pin(model_id=M.model_id, token_ids=tokens(3), min_tier="cpu", ttl_seconds=120)
+            wait_for(lambda: pinned_on(a, tokens(3)) == [int(Tier.CPU)] * 3, what="applied")
+    finally:
+        cp.stop()
     cp2 = ControlPlane(ControlPlaneConfig(listen=f"127.0.0.1:{port}", etcd=etcd, election_ttl_seconds=2)).start()
     try:
         with ControlPlaneClient(cp2.address) as c:

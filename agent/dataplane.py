@@ -84,6 +84,9 @@ class DataPlaneConfig:
 
 
 PEER_SLAB_IDLE_SECONDS = 60.0  # a peer's mapped slab unused this long is let go (it may be gone)
+SHM_REFUSED_SECONDS = 60.0  # a peer slab that could not be mapped is not tried again for this long
+SHM_SLICE_BYTES = 16 << 20  # copies between checks that the reservation is still open
+SHM_EXPIRY_MARGIN_SECONDS = 0.5  # no copy this close to the reservation's expiry
 
 
 @dataclass(frozen=True)
@@ -162,6 +165,7 @@ class DataPlane:
         self.tls = None  # protos.security.TLSConfig of this agent: peers' listeners use the same
         self.shared = getattr(self.store, "shared_slab", None)  # agent.store.shm.SharedSlab, or None
         self._peer_slabs: dict[str, tuple[PeerSlab, float]] = {}  # agent id -> (mapped slab, last used)
+        self._shm_refused: dict[tuple, float] = {}  # slab key -> monotonic time to try it again
         self.registered = False
         if engine.available:
             slab = self.store.slab
@@ -428,7 +432,7 @@ class DataPlane:
             self.pool.release_chain(metas)
         result = HandoffResult(**{**result.__dict__, "seconds": time.monotonic() - start})
         if self.metrics is not None and result.outcome != PRESENT:
-            secondary = result.path != PATHS[0] and any(f"{p}:" in result.reason for p in PATHS)
+            secondary = result.outcome == TRANSFERRED and result.path != result.first_path
             self.metrics.record_transfer(
                 "handoff",
                 result.sent_bytes,
@@ -448,9 +452,10 @@ class DataPlane:
         attempts = 0
         block_size = self.pool.models[model_id].block_size
         skipped: list[str] = []  # said only if nothing else works either
+        first_path = ""
         for path in paths:
-            if path == SHM and not peer.same_host_shm:
-                where = "offers no shared slab" if not peer.shm_path else "is on another host"
+            if path == SHM and not self._shm_usable(peer):
+                where = "offers no shared slab" if not peer.shm_path else "is on another host or cannot be mapped"
                 skipped.append(f"shm path skipped: {peer.agent_id} {where}")
                 continue
             if path == ENGINE and not self.engine_up:
@@ -460,6 +465,7 @@ class DataPlane:
                 reasons.append(f"engine path skipped: {peer.agent_id} has no transfer engine")
                 continue
             tries = 0
+            first_path = first_path or path
             while tries < policy.attempts_per_path and time.monotonic() < deadline:
                 attempts += 1
                 link = self.links.get(peer.agent_id)
@@ -492,6 +498,7 @@ class DataPlane:
                     attempts=attempts,
                     reason="; ".join(reasons),
                     num_cached_tokens=n * block_size,
+                    first_path=first_path,
                 )
         if time.monotonic() >= deadline:
             reasons.append("deadline passed")
@@ -513,6 +520,7 @@ class DataPlane:
     ) -> tuple[int, int, int]:
         """One try over one path -> (num_present, blocks sent, bytes sent); raises _PathError."""
         stub = self._stub(peer.address)
+        target = self._peer_slab(peer) if path == SHM else None  # mapped before anything is reserved
 
         def left(cap: float = self.config.rpc_timeout_seconds) -> float:
             remaining = deadline - time.monotonic()
@@ -535,18 +543,22 @@ class DataPlane:
                 timeout=left(),
             )
         except grpc.RpcError as exc:
+            if path == SHM:
+                self._drop_peer_slab(peer.agent_id)
             raise _rpc_error(exc, "reserve") from None
         p = resp.num_present_blocks
         if p >= len(metas):
             return p, 0, 0
         rid = resp.reservation_id
+        done = False
         try:
             if path == ENGINE:
                 sent_bytes = self._send_engine(stub, peer, resp, metas, deadline, left)
             elif path == SHM:
-                sent_bytes = self._send_shm(stub, peer, resp, metas, deadline, left)
+                sent_bytes = self._send_shm(stub, target, peer, resp, metas, deadline, left)
             else:
                 sent_bytes = self._send_grpc(stub, peer, rid, metas, p, deadline, left)
+            done = True
             return p, len(metas) - p, sent_bytes
         except _Stalled as exc:
             self._abort(stub, rid, str(exc), False)  # a late write may still land: quarantine its pages
@@ -561,10 +573,32 @@ class DataPlane:
         except _PathError as exc:
             self._abort(stub, rid, str(exc), True)
             raise
+        except OSError as exc:  # reading a source block (disk): nothing of this attempt is in flight
+            self._abort(stub, rid, f"source read failed: {exc}", True)
+            raise _PathError(f"reading the prefix here failed ({exc})") from None
+        finally:
+            if path == SHM and not done:
+                self._drop_peer_slab(peer.agent_id)
+
+    def _drop_peer_slab(self, agent_id: str) -> None:
+        """A peer that failed may be gone: do not keep its memory mapped (a handoff still
+        copying holds its own reference)."""
+        with self._lock:
+            self._peer_slabs.pop(agent_id, None)
+
+    def _shm_key(self, peer: Peer) -> tuple:
+        return (peer.shm_path, peer.shm_inode, peer.buffer_address, peer.buffer_bytes)
+
+    def _shm_usable(self, peer: Peer) -> bool:
+        """Same host, a slab offered, and not refused lately."""
+        if not peer.same_host_shm:
+            return False
+        until = self._shm_refused.get(self._shm_key(peer))
+        return until is None or time.monotonic() >= until
 
     def _peer_slab(self, peer: Peer) -> PeerSlab:
         """The peer's slab mapped here (cached while the peer publishes the same one)."""
-        key = (peer.shm_path, peer.shm_inode, peer.buffer_address, peer.buffer_bytes)
+        key = self._shm_key(peer)
         now = time.monotonic()
         with self._lock:
             cached = self._peer_slabs.get(peer.agent_id)
@@ -574,21 +608,25 @@ class DataPlane:
         try:
             slab = PeerSlab(*key)
         except (OSError, ValueError) as exc:
+            with self._lock:  # another container's /proc, a vanished peer: not every handoff again
+                self._shm_refused[key] = now + SHM_REFUSED_SECONDS
             raise _PathError(f"cannot map {peer.agent_id}'s slab ({exc})", path_off=True) from None
         with self._lock:
             self._peer_slabs[peer.agent_id] = (slab, now)  # a replaced one goes with its last user
         return slab
 
-    def _send_shm(self, stub, peer: Peer, resp, metas: list[BlockMeta], deadline: float, left) -> int:
+    def _send_shm(self, stub, target: PeerSlab, peer: Peer, resp, metas: list[BlockMeta], deadline: float, left) -> int:
         """The blocks copied straight into the reserved pages of the peer's slab (mapped
-        here); one Commit verifies them all and makes the prefix visible. A link with a
-        bandwidth limit is paced as on the engine path, in slices of 0.1 s of it."""
+        here); one Commit verifies them all and makes the prefix visible. Copies go in
+        slices, each only while the reservation is open and the deadline ahead (a copy
+        after the reservation expired could land on pages given to another block, once
+        their quarantine is over); a link with a bandwidth limit is paced as on the
+        engine path, in slices of 0.1 s of it."""
         p = resp.num_present_blocks
         slots = list(zip(resp.slots.addresses, resp.slots.lengths, strict=True))
         wanted = sum(m.stored_bytes for m in metas[p:])
         if sum(n for _, n in slots) != wanted:
             raise _PathError(f"the peer reserved {sum(n for _, n in slots)} B for {wanted} B of blocks", path_off=True)
-        target = self._peer_slab(peer)
         src_runs: list[tuple[int, int]] = []
         bounces = []  # blocks outside the CPU slab (disk), read once; alive until copied
         for m in metas[p:]:
@@ -599,13 +637,19 @@ class DataPlane:
         pieces = pair_runs(src_runs, slots)
         link = self.links.get(peer.agent_id)
         sent = 0
+        # the reservation's expiry on this clock (the peer said when, in wall-clock time)
+        expires = time.monotonic() + (resp.expires_unix_seconds - time.time()) - SHM_EXPIRY_MARGIN_SECONDS
         try:
             target.check(pieces)
-            slice_bytes = int(link.bytes_per_second * 0.1) if link.bytes_per_second > 0 else wanted
-            for part in slices(pieces, max(slice_bytes, 1)):
+            slice_bytes = SHM_SLICE_BYTES
+            if link.bytes_per_second > 0:
+                slice_bytes = min(slice_bytes, max(int(link.bytes_per_second * 0.1), 64 << 10))
+            for part in slices(pieces, slice_bytes):
                 nbytes = sum(n for _, _, n in part)
                 if not link.pace(nbytes, deadline):
-                    raise _Stalled(f"the link's bandwidth limit would pass the deadline for {nbytes} B")
+                    raise _PathError(f"the link's bandwidth limit would pass the deadline for {nbytes} B")
+                if time.monotonic() >= min(deadline, expires):
+                    raise _PathError("the reservation expires or the deadline passes before the copy ends")
                 sent += target.write(part)
         except ValueError as exc:
             raise _PathError(str(exc), path_off=True) from None

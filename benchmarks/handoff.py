@@ -289,7 +289,8 @@ def run(
             nbytes = n * block_mib * MIB
             seed = 100 + k
             sender.call(cmd="store", blocks=n, seed=seed)
-            # interleaved (raw, engine, grpc) x repeats: each figure sees the same machine load
+            # interleaved (raw engine, raw memcpy, then each path) x repeats: each figure sees the same
+            # machine load; best of repeats (the first copy through a fresh mapping pays its page-table faults)
             times: dict[str, list[float]] = {p: [] for p in ("raw", "raw_memcpy", *paths)}
             for _ in range(repeats):
                 if shm_up:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import socket
 import ssl
+import struct
 import threading
 from dataclasses import dataclass, field
 
@@ -54,6 +55,7 @@ class LookupSocket:
         self._sock: socket.socket | None = None
         self._next_id = 0
         self._lock = threading.Lock()
+        self._buf = bytearray(1 << 16)  # replies are read into this, header and body at once
 
     def _connect(self) -> socket.socket:
         sock = socket.socket(self._family, socket.SOCK_STREAM)
@@ -75,6 +77,17 @@ class LookupSocket:
             except (OSError, ssl.SSLError) as exc:
                 sock.close()
                 raise ClientError("UNAVAILABLE", f"lookup socket {self.endpoint}: TLS: {exc}") from None
+        # connected: blocking calls with the kernel's own timeouts, so that a send and a
+        # receive are one system call each, not a poll() and then the call (~20-50 us a
+        # lookup here); where the kernel does not take them, Python's timeout stays
+        try:
+            whole, frac = divmod(self._timeout_seconds, 1.0)
+            tv = struct.pack("ll", int(whole), int(frac * 1e6))
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, tv)
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, tv)
+            sock.settimeout(None)
+        except (OSError, struct.error):
+            sock.settimeout(self._timeout_seconds)
         return sock
 
     def close(self) -> None:
@@ -101,7 +114,7 @@ class LookupSocket:
                     self._sock.sendall(out)
                     reply = admin_pb2.LookupFrameReply.FromString(self._read_frame())
                     break
-                except TimeoutError:
+                except (TimeoutError, BlockingIOError, ssl.SSLWantReadError, ssl.SSLWantWriteError):
                     self._drop()  # a late reply would answer the next call: start afresh
                     raise ClientError(
                         "DEADLINE_EXCEEDED", f"lookup socket {self.endpoint}: no answer in {self._timeout_seconds:g}s"
@@ -117,20 +130,31 @@ class LookupSocket:
         return reply.response
 
     def _read_frame(self) -> bytes:
-        size = int.from_bytes(self._read(HEADER_BYTES), "little")
+        """One reply frame's body: usually a single receive brings header and body."""
+        buf = self._buf
+        got = self._receive(buf, 0, HEADER_BYTES)
+        size = int.from_bytes(buf[:HEADER_BYTES], "little")
         if size > MAX_REPLY_BYTES:
             raise EOFError(f"a reply frame of {size} bytes (not a kvcp lookup socket?)")
-        return self._read(size)
+        end = HEADER_BYTES + size
+        if end > len(buf):
+            grown = bytearray(end)
+            grown[:got] = buf[:got]
+            buf = grown
+        if got > end:  # one request in flight: nothing may follow its reply
+            raise EOFError("bytes after the reply frame (not a kvcp lookup socket?)")
+        self._receive(buf, got, end)
+        return bytes(buf[HEADER_BYTES:end])
 
-    def _read(self, n: int) -> bytes:
-        buf = bytearray(n)
-        view, got = memoryview(buf), 0
-        while got < n:
+    def _receive(self, buf: bytearray, got: int, at_least: int) -> int:
+        """Receive into buf[got:] until it holds `at_least` bytes; returns how many it holds."""
+        view = memoryview(buf)
+        while got < at_least:
             k = self._sock.recv_into(view[got:])
             if not k:
                 raise EOFError("the control plane closed the connection")
             got += k
-        return bytes(buf)
+        return got
 
 
 @dataclass(frozen=True)

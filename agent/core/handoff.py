@@ -25,7 +25,7 @@ import random
 import threading
 import time
 import uuid
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -357,6 +357,7 @@ class HandoffResult:
     attempts: int = 0
     reason: str = ""
     num_cached_tokens: int = 0
+    first_path: str = ""  # the first path tried: `path` differs from it after a fallback
 
 
 class Link:
@@ -493,20 +494,21 @@ class RunCursor:
         return out
 
 
-def slices(pieces: Sequence[tuple[int, int, int]], max_bytes: int) -> list[list[tuple[int, int, int]]]:
+def slices(pieces: Sequence[tuple[int, int, int]], max_bytes: int) -> Iterator[list[tuple[int, int, int]]]:
     """(src, dst, length) pieces cut into consecutive groups of at most `max_bytes`
-    (a piece longer than that is split)."""
-    out: list[list[tuple[int, int, int]]] = [[]]
+    (a piece longer than that is split), one group at a time."""
+    group: list[tuple[int, int, int]] = []
     room = max_bytes
     for src, dst, n in pieces:
         while n > 0:
             if room == 0:
-                out.append([])
-                room = max_bytes
+                yield group
+                group, room = [], max_bytes
             k = min(n, room)
-            out[-1].append((src, dst, k))
+            group.append((src, dst, k))
             src, dst, n, room = src + k, dst + k, n - k, room - k
-    return [g for g in out if g]
+    if group:
+        yield group
 
 
 def pair_runs(src: Sequence[tuple[int, int]], dst: Sequence[tuple[int, int]]) -> list[tuple[int, int, int]]:

@@ -58,7 +58,7 @@ class MemoryTier:
         self.shared_slab: SharedSlab | None = None
         if shared and device == "cpu" and not pin:
             try:
-                self.shared_slab = SharedSlab(self.num_pages * page_bytes, f"kvcp-{tier.label}-slab")
+                self.shared_slab = SharedSlab(self.num_pages * page_bytes, f"{tier.label}-slab")
             except OSError as exc:
                 log.warning("the %s slab is private (no same-host shared memory): %s", tier.label, exc)
         if self.shared_slab is not None:

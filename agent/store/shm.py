@@ -12,6 +12,7 @@ checksum before anything is visible, so a mapping gone wrong can only fail a han
 from __future__ import annotations
 
 import ctypes
+import fcntl
 import mmap
 import os
 import weakref
@@ -19,6 +20,8 @@ from collections.abc import Sequence
 from functools import cache
 
 import torch
+
+NAME_PREFIX = "kvcp-"  # memfd names: /proc/<pid>/fd/<fd> links to "/memfd:kvcp-..."
 
 
 @cache
@@ -33,14 +36,16 @@ def host_id() -> str:
 
 
 class SharedSlab:
-    """A zeroed slab of `num_bytes` in a memfd, as a uint8 tensor (`tensor`)."""
+    """A zeroed slab of `num_bytes` in a memfd, as a uint8 tensor (`tensor`). Its size is
+    sealed: a process that opens it cannot shrink it under a mapping (SIGBUS)."""
 
     def __init__(self, num_bytes: int, name: str) -> None:
         if not hasattr(os, "memfd_create"):
             raise OSError("memfd_create is not available on this platform")
-        self.fd = os.memfd_create(name, os.MFD_CLOEXEC)
+        self.fd = os.memfd_create(NAME_PREFIX + name, os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
         try:
             os.ftruncate(self.fd, num_bytes)
+            fcntl.fcntl(self.fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL)
             self._map = mmap.mmap(self.fd, num_bytes)
         except OSError:
             os.close(self.fd)
@@ -62,8 +67,13 @@ class PeerSlab:
     peer's own (its `transfer_buffer_address` is the slab's start)."""
 
     def __init__(self, path: str, inode: int, peer_base: int, num_bytes: int) -> None:
+        target = os.readlink(path)  # a pid reused since: the link names some other file
+        if not target.startswith("/memfd:" + NAME_PREFIX):
+            raise OSError(f"{path} is not a kvcp slab (it is {target})")
         fd = os.open(path, os.O_RDWR | os.O_CLOEXEC)
         try:
+            if not fcntl.fcntl(fd, fcntl.F_GET_SEALS) & fcntl.F_SEAL_SHRINK:
+                raise OSError(f"{path} is not sealed against shrinking")
             st = os.fstat(fd)
             if st.st_ino != inode:
                 raise OSError(f"{path} is another file now (inode {st.st_ino}, expected {inode})")

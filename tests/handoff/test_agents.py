@@ -185,3 +185,89 @@ def test_an_engine_that_does_not_import_leaves_the_grpc_path(monkeypatch):
     monkeypatch.setitem(sys.modules, "mooncake.engine", None)  # import fails as with missing libraries
     e = open_engine()
     assert not e.available and "does not import" in e.status and "libibverbs1" in e.status
+
+
+def test_a_stalled_shm_sender_never_writes_after_its_reservation_expired(controlplane, make_agent, tmp_path):
+    """The sender stalls between Reserve and the copy (a slow disk read here) past its
+    reservation's expiry and quarantine; the receiver has given those pages to another,
+    visible block meanwhile. The late copy must not happen: that block stays intact."""
+    import threading
+    import time
+
+    from protos.tier import Tier
+
+    a = make_agent(
+        "pre", models=[BIG], cpu_capacity_bytes=24 << 20, disk_dir=str(tmp_path / "d"), disk_capacity_bytes=64 << 20
+    )
+    b = make_agent("dec", models=[BIG], cpu_capacity_bytes=24 << 20, dataplane=DataPlaneConfig(quarantine_seconds=0.3))
+    tokens, kv, hashes = prompt(BIG, 4, seed=31)
+    a.engine.store(BIG.model_id, tokens, kv)
+    for h in hashes:
+        assert a.pool.move_block(h, Tier.DISK).ok
+    disk = a.pool.store_of[Tier.DISK]
+    real_read, stalled = disk.read, []
+
+    def slow_read(handle, n):
+        if not stalled:
+            stalled.append(1)
+            time.sleep(3.5)
+        return real_read(handle, n)
+
+    disk.read = slow_read
+    out = {}
+    t = threading.Thread(
+        target=lambda: out.setdefault("r", a.dataplane.handoff(BIG.model_id, hashes, "dec", 1.0, paths=("shm",)))
+    )
+    t.start()
+    wait_for(lambda: b.dataplane.reservations.open_count() == 0 and stalled, 5, what="reservation expired")
+    wait_for(lambda: b.dataplane.reservations.quarantined_pages() == 0, 5, what="quarantine over")
+    tokens2, kv2, _ = prompt(BIG, 4, seed=32)
+    b.engine.store(BIG.model_id, tokens2, kv2)  # takes the freed pages
+    t.join(10)
+    assert out["r"].outcome == "recompute" and "reservation expires" in out["r"].reason, out["r"]
+    assert torch.equal(b.engine.load(BIG.model_id, tokens2).kv, kv2)
+
+
+def test_a_source_read_error_is_an_answer_not_an_exception(controlplane, make_agent, tmp_path):
+    from protos.tier import Tier
+
+    a = make_agent(
+        "pre", models=[BIG], cpu_capacity_bytes=24 << 20, disk_dir=str(tmp_path / "d"), disk_capacity_bytes=64 << 20
+    )
+    b = make_agent("dec", models=[BIG], cpu_capacity_bytes=24 << 20)
+    tokens, kv, hashes = prompt(BIG, 4, seed=41)
+    a.engine.store(BIG.model_id, tokens, kv)
+    assert a.pool.move_block(hashes[-1], Tier.DISK).ok
+
+    def bad_read(handle, n):
+        raise OSError(5, "Input/output error")
+
+    a.pool.store_of[Tier.DISK].read = bad_read
+    r = a.dataplane.handoff(BIG.model_id, hashes, "dec", 5.0)
+    assert r.outcome == "recompute" and "shm: reading the prefix here failed" in r.reason, r
+    assert b.dataplane.reservations.open_count() == 0 and b.dataplane.reservations.reserved_bytes() == 0
+
+
+@needs_engine
+def test_a_retry_on_the_first_path_is_not_counted_as_a_fallback(controlplane, make_agent):
+    from agent.store.transfer_engine import TransferFailed
+
+    a = make_agent("pre", models=[BIG], cpu_capacity_bytes=16 << 20)
+    make_agent("dec", models=[BIG], cpu_capacity_bytes=16 << 20, shm_handoff=False)  # as a peer on another host
+    tokens, kv, hashes = prompt(BIG, 4, seed=61)
+    a.engine.store(BIG.model_id, tokens, kv)
+    real, failed = a.dataplane.engine.write, []
+
+    def flaky(*args, **kw):
+        if not failed:
+            failed.append(1)
+            raise TransferFailed("transient")
+        return real(*args, **kw)
+
+    a.dataplane.engine.write = flaky
+    seen = []
+    record = a.dataplane.metrics.record_transfer
+    a.dataplane.metrics.record_transfer = lambda *x, **k: (seen.append(k), record(*x, **k))
+    r = a.dataplane.handoff(BIG.model_id, hashes, "dec", 10)
+    assert (r.outcome, r.path, r.first_path) == ("transferred", "engine", "engine"), r
+    assert seen == [{"ok": True, "fallback": ""}]

@@ -21,7 +21,8 @@ NUM_BLOCKS = 48  # 48 MiB
 
 
 @needs_engine
-def test_destination_killed_mid_transfer(etcd, controlplane, make_agent):
+@pytest.mark.parametrize("path", ["engine", "shm"])
+def test_destination_killed_mid_transfer(etcd, controlplane, make_agent, path):
     # the link is paced to 40 MB/s so the 48 MiB stay on the wire for about a second
     src = make_agent(
         "pre",
@@ -29,7 +30,7 @@ def test_destination_killed_mid_transfer(etcd, controlplane, make_agent):
         cpu_capacity_bytes=64 << 20,
         dataplane=DataPlaneConfig(link_bytes_per_second=40e6, chunk_bytes=4 << 20),
     )
-    dst = AgentProcess("dec", etcd)
+    dst = AgentProcess("dec", etcd, *(["--no-shm-handoff"] if path == "engine" else []))
     client = connect(etcd)
     try:
         dst.wait_registered(client)
@@ -52,6 +53,7 @@ def test_destination_killed_mid_transfer(etcd, controlplane, make_agent):
         print(f"answer after {elapsed:.2f}s: {r.reason}")
         assert elapsed < 6.0 + 1.0, f"no answer within the deadline: {elapsed:.1f}s"
         assert "unreachable" in r.reason or "failed" in r.reason, r.reason
+        assert r.reason.startswith(f"{path}:"), r.reason
         # the source's blocks are intact and loadable
         assert torch.equal(src.engine.load(BIG.model_id, tokens).kv, kv)
         assert src.pool.corrupt_blocks_total == 0
@@ -64,9 +66,14 @@ def test_destination_killed_mid_transfer(etcd, controlplane, make_agent):
 
 
 @needs_engine
-def test_sender_killed_mid_transfer_leaves_nothing_visible(etcd, controlplane, make_agent):
+@pytest.mark.parametrize("path", ["engine", "shm"])
+def test_sender_killed_mid_transfer_leaves_nothing_visible(etcd, controlplane, make_agent, path):
     dst = make_agent(
-        "dec", models=[BIG], cpu_capacity_bytes=64 << 20, dataplane=DataPlaneConfig(quarantine_seconds=1.0)
+        "dec",
+        models=[BIG],
+        cpu_capacity_bytes=64 << 20,
+        dataplane=DataPlaneConfig(quarantine_seconds=1.0),
+        shm_handoff=path == "shm",
     )
     src = AgentProcess("pre", etcd, "--link-bandwidth", "40MB", "--handoff-deadline-seconds", "4", cpu="64MiB")
     client = connect(etcd)

@@ -44,6 +44,19 @@ def test_a_mapping_refuses_another_file_and_runs_outside_the_slab():
     assert int(slab.tensor.sum()) == 0  # nothing was copied by a refused batch
 
 
+def test_a_mapping_refuses_files_that_are_not_kvcp_slabs_and_the_slab_cannot_shrink(tmp_path):
+    other = tmp_path / "victim.db"
+    other.write_bytes(b"A" * 65536)
+    with open(other, "rb") as f:  # any open file: /proc/self/fd/N links to it
+        path = f"/proc/self/fd/{f.fileno()}"
+        with pytest.raises(OSError, match="not a kvcp slab"):
+            PeerSlab(path, os.fstat(f.fileno()).st_ino, 0x1000, 65536)
+    assert other.read_bytes() == b"A" * 65536
+    slab = SharedSlab(1 << 16, "test")
+    with pytest.raises(PermissionError):
+        os.ftruncate(slab.fd, 0)  # sealed: a mapping can never lose its pages (SIGBUS)
+
+
 def test_private_slab_without_shared_memory(monkeypatch):
     assert MemoryTier(Tier.CPU, 1 << 16, 4096).shared_slab is None  # not asked for
     monkeypatch.delattr(os, "memfd_create")
@@ -52,13 +65,13 @@ def test_private_slab_without_shared_memory(monkeypatch):
 
 
 def test_slices_cut_pieces_to_a_byte_budget():
-    assert slices([(0, 100, 10), (50, 200, 3)], 4) == [
+    assert list(slices([(0, 100, 10), (50, 200, 3)], 4)) == [
         [(0, 100, 4)],
         [(4, 104, 4)],
         [(8, 108, 2), (50, 200, 2)],
         [(52, 202, 1)],
     ]
-    assert slices([(0, 100, 10)], 100) == [[(0, 100, 10)]] and slices([], 5) == []
+    assert list(slices([(0, 100, 10)], 100)) == [[(0, 100, 10)]] and list(slices([], 5)) == []
 
 
 def test_closing_the_slab_stops_new_peers_and_keeps_the_tensor():

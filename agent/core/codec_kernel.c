@@ -37,12 +37,18 @@ static inline float row_absmax(const _Float16 *v, int64_t d) {
     return m;
 }
 
+/* a row's scale, max(absmax, 1e-8) / qmax in fp32, stored as fp16 */
+static inline float row_scale(const _Float16 *v, int64_t d, float qmax, _Float16 *stored) {
+    float m = row_absmax(v, d);
+    float s = (m > 1e-8f ? m : 1e-8f) / qmax;
+    *stored = (_Float16)s;
+    return s;
+}
+
 void int8_encode(const _Float16 *x, int64_t rows, int64_t d, _Float16 *scales, int8_t *q) {
     for (int64_t r = 0; r < rows; r++) {
         const _Float16 *v = x + r * d;
-        float m = row_absmax(v, d);
-        float s = (m > 1e-8f ? m : 1e-8f) / 127.0f;
-        scales[r] = (_Float16)s;
+        float s = row_scale(v, d, 127.0f, scales + r);
         int8_t *o = q + r * d;
         int64_t j = 0;
 #ifdef VEC
@@ -415,9 +421,7 @@ void fp8_encode(const _Float16 *x, int64_t rows, int64_t d, _Float16 *scales, ui
     float v[MAXW];
     for (int64_t r = 0; r < rows; r++) {
         const _Float16 *src = x + r * d;
-        float m = row_absmax(src, d);
-        float s = (m > 1e-8f ? m : 1e-8f) / 448.0f;
-        scales[r] = (_Float16)s;
+        float s = row_scale(src, d, 448.0f, scales + r);
         uint8_t *o = q + r * d;
         for (int64_t j0 = 0; j0 < d; j0 += MAXW) {
             int64_t n = d - j0 < MAXW ? d - j0 : MAXW;

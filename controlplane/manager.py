@@ -428,12 +428,14 @@ class Manager:
                 f"to_agent_id: agent {to_agent_id} has {capacity} B of cpu tier, the prefix needs {need} B"
             )
         params = {"model": scope.model_id, "from": from_agent_id, "to": to_agent_id, "blocks": str(held)}
+        # the whole prefix goes to the source: the index may lag behind what it holds (its
+        # latest events in flight), and the source hands off the leading blocks it has
         op = ops.new_operation("transfer", params, [from_agent_id], now=self.clock())
         self._register_op(op)
         command = AgentCommand(
             op.op_id,
             "transfer",
-            block_hashes=packed[: held * BLOCK_HASH_BYTES],
+            block_hashes=packed,
             model_id=scope.model_id,
             peer_agent_id=to_agent_id,
             deadline_seconds=deadline_seconds,

@@ -22,6 +22,7 @@ def test_transfer_operation_and_route(controlplane, make_agent, tmp_path):
     a.engine.store(BIG.model_id, tokens, kv)
     c = ControlPlaneClient(controlplane.address)
     wait_for(lambda: c.lookup(BIG.model_id, tokens).best_agent_id == "pre", 10, what="prefill agent indexed")
+    # the control plane sends the whole prefix even while the index still lags (not all 6 yet)
 
     op = c.transfer(BIG.model_id, "pre", "dec", token_ids=tokens, deadline_seconds=10)
     assert op.kind == "transfer" and op.params["to"] == "dec"

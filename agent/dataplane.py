@@ -299,6 +299,9 @@ class DataPlane:
             for agent_id, (_, used) in list(self._peer_slabs.items()):
                 if now - used > PEER_SLAB_IDLE_SECONDS:
                     del self._peer_slabs[agent_id]
+            for key, until in list(self._shm_refused.items()):
+                if now >= until:
+                    del self._shm_refused[key]
 
     def close(self) -> None:
         self._writers.shutdown(wait=False, cancel_futures=True)

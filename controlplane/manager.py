@@ -17,8 +17,6 @@ import time
 from collections import OrderedDict, deque
 from dataclasses import dataclass
 
-import numpy as np
-
 from controlplane.core import operations as ops
 from controlplane.core import policy as tier_policy
 from controlplane.core.access_stats import AccessStats
@@ -833,8 +831,8 @@ class Manager:
         its blocks held elsewhere too are added to `replicas`."""
         keys, tiers, parents, replicated, stored = self.cluster.agent_chains(rec.agent_id)
         replicas.update(dict.fromkeys(keys[replicated].tolist(), 2))
-        known = ~np.isnan(stored)
-        stored_seconds = dict(zip(keys[known].tolist(), stored[known].tolist(), strict=True))
+        # NaN where the index has no stamp: block_priority takes that as no evidence
+        stored_seconds = dict(zip(keys.tolist(), stored.tolist(), strict=True))
         out = []
         for t in self._managed_tiers(rec):
             here = tiers == int(t.tier)

@@ -192,6 +192,15 @@ def _int4_layout(shape) -> tuple[int, int, int, int, list[int]]:
     return gk, Gk, gv, Gv, [2 * nk, 2 * nk, (nk * gk + 1) // 2, 2 * nv, 2 * nv, (nv * gv + 1) // 2]
 
 
+def _section_ptrs(base: int, sizes: list[int]) -> list[int]:
+    """Start addresses of consecutive payload sections of `sizes` bytes from `base`."""
+    out = []
+    for n in sizes:
+        out.append(base)
+        base += n
+    return out
+
+
 def _int4_native(shape, dtype) -> ctypes.CDLL | None:
     ok = dtype == torch.float16 and len(shape) == 5 and shape[1] == 2 and all(n > 0 for n in shape)
     return _native() if ok else None
@@ -204,11 +213,7 @@ def _int4_encode(x: torch.Tensor) -> torch.Tensor:
         L, _, T, H, D = x.shape
         gk, Gk, gv, Gv, sizes = _int4_layout(x.shape)
         out = torch.empty(sum(sizes), dtype=torch.uint8)
-        base, ptrs = out.data_ptr(), []
-        for n in sizes:
-            ptrs.append(base)
-            base += n
-        if lib.int4_encode(x.data_ptr(), L, T, H, D, gk, Gk, gv, Gv, *ptrs) == 0:
+        if lib.int4_encode(x.data_ptr(), L, T, H, D, gk, Gk, gv, Gv, *_section_ptrs(out.data_ptr(), sizes)) == 0:
             return out
     xf = x.float()
     keys = xf[:, 0]  # [L, T, H, D]: per channel -> groups along tokens
@@ -230,11 +235,8 @@ def _int4_decode(buf: torch.Tensor, shape, dtype) -> torch.Tensor:
         if buf.numel() < sum(sizes):
             raise CodecError("payload is truncated")
         buf = buf.contiguous()
-        base, ptrs = buf.data_ptr(), []
-        for n in sizes:
-            ptrs.append(base)
-            base += n
         out = torch.empty(shape, dtype=torch.float16)
+        ptrs = _section_ptrs(buf.data_ptr(), sizes)
         if lib.int4_decode(*ptrs, *shape[:1], *shape[2:], gk, Gk, gv, Gv, out.data_ptr()) == 0:
             return out
     L, _, T, H, D = shape

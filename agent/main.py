@@ -153,6 +153,13 @@ def _metrics_listen(ctx, param, value: str) -> str:
     type=click.IntRange(1, 256),
     help="torch's intra-op threads for codecs and copies (more than the agent's share of cores stalls them).",
 )
+@click.option(
+    "--codec-threads",
+    default=2,
+    show_default=True,
+    type=click.IntRange(1, 64),
+    help="Threads that encode blocks moving to a compressed tier while the blocks before them are written.",
+)
 @click.option("--log-level", default="INFO", show_default=True)
 def main(
     agent_id,
@@ -190,6 +197,7 @@ def main(
     vllm_kv_events_topic,
     vllm_model_id,
     torch_threads,
+    codec_threads,
     log_level,
 ):
     """Run a kvcp agent: a tiered KV block store that reports to the control plane."""
@@ -213,6 +221,7 @@ def main(
         transfer_protocol=transfer_protocol,
         transfer_metadata=transfer_metadata,
         shm_handoff=shm_handoff,
+        codec_threads=codec_threads,
         dataplane=DataPlaneConfig(
             deadline_seconds=handoff_deadline_seconds,
             link_max_concurrent=link_max_concurrent,

@@ -75,6 +75,7 @@ class AgentConfig:
     transfer_protocol: str = "tcp"  # the engine's transport: tcp | rdma
     transfer_metadata: str = "P2PHANDSHAKE"  # or etcd://host:port (the engine's own metadata)
     shm_handoff: bool = True  # the CPU slab in shared memory for same-host handoff (not with CUDA)
+    codec_threads: int = 2  # threads that encode blocks while a move writes the ones before
     dataplane: DataPlaneConfig = field(default_factory=DataPlaneConfig)
 
 
@@ -91,7 +92,7 @@ class Agent:
         if config.disk_dir:
             self.disk = DiskTier(config.disk_dir, config.disk_capacity_bytes or 1 << 30, fsync=config.disk_fsync)
             tiers.append(self.disk)
-        self.pool = BlockPool(tiers, config.models, tier_codecs=config.tier_codecs)
+        self.pool = BlockPool(tiers, config.models, tier_codecs=config.tier_codecs, codec_threads=config.codec_threads)
         if self.disk is not None:
             found, corrupt = self.disk.scan()
             adopted = self.pool.recover(self.disk, found)

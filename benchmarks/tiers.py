@@ -38,6 +38,17 @@ class MoveResult:
 
 
 @dataclass
+class DemotionResult:
+    """CPU->DISK moves that encode on the way, against the same blocks moved as they are."""
+
+    codec: str
+    block_bytes: int
+    gbps: float  # uncompressed bytes a second
+    raw_move_gbps: float
+    ratio: float  # > 1: compressing on demotion costs less than the write it saves
+
+
+@dataclass
 class CodecResult:
     codec: str
     size_ratio: float
@@ -64,16 +75,17 @@ def _best(fn, repeats: int) -> float:
     return best
 
 
-def bench_moves(block_mib: int, num_blocks: int, repeats: int, fsync: bool, workdir: str) -> list[MoveResult]:
+def _filled_pool(block_mib: int, num_blocks: int, fsync: bool, workdir: str, name: str, gpu: bool):
+    """An agent's block pool (GPU when asked and present, CPU, disk) holding num_blocks
+    independent fp16 blocks of block_mib MiB, and a function that moves them all."""
     spec = _spec(block_mib)
     nbytes = spec.block_bytes
     total = nbytes * num_blocks
     tiers = []
-    if cuda_available():
+    if gpu and cuda_available():
         tiers.append(MemoryTier(Tier.GPU, total + nbytes, nbytes // 16))
-    cpu = MemoryTier(Tier.CPU, total + nbytes, nbytes // 16)
-    disk = DiskTier(os.path.join(workdir, f"disk-{block_mib}"), 4 * total, fsync=fsync)
-    tiers += [cpu, disk]
+    tiers.append(MemoryTier(Tier.CPU, total + nbytes, nbytes // 16))
+    tiers.append(DiskTier(os.path.join(workdir, f"{name}-{block_mib}"), 4 * total, fsync=fsync))
     pool = BlockPool(tiers, [spec])
     gen = torch.Generator().manual_seed(0)
     data = torch.randn((num_blocks, *spec.block_shape), generator=gen).to(torch.float16)
@@ -81,14 +93,21 @@ def bench_moves(block_mib: int, num_blocks: int, repeats: int, fsync: bool, work
     # independent roots: each block is its own chain
     for i, h in enumerate(hashes):
         pool.insert_chain(spec.model_id, [h], lambda _i, i=i: data[i])
-    top = pool.top.tier
-
     mover = Mover(pool)
 
-    def move_all(tier: Tier):
-        op = mover.run_op(mover.submit(hashes, tier))
+    def move_all(tier: Tier, codec: str | None = None):
+        op = mover.run_op(mover.submit(hashes, tier, codec))
         if op.state != SUCCEEDED or op.failed:
             raise RuntimeError(f"move to {tier.label} failed: {op.error}")
+
+    return pool, data, move_all
+
+
+def bench_moves(block_mib: int, num_blocks: int, repeats: int, fsync: bool, workdir: str) -> list[MoveResult]:
+    pool, data, move_all = _filled_pool(block_mib, num_blocks, fsync, workdir, "disk", gpu=True)
+    nbytes = _spec(block_mib).block_bytes
+    total = nbytes * num_blocks
+    top = pool.top.tier
 
     results = []
     paths = [(Tier.CPU, Tier.DISK), (Tier.DISK, Tier.CPU)]
@@ -156,6 +175,33 @@ def bench_moves(block_mib: int, num_blocks: int, repeats: int, fsync: bool, work
     return results
 
 
+def bench_demotions(block_mib: int, num_blocks: int, repeats: int, fsync: bool, workdir: str) -> list[DemotionResult]:
+    """The agent's CPU->DISK move of the same blocks as they are and encoded with each
+    codec (as a tier codec or `kvctl move --codec` does: codec threads encode while the
+    blocks before are written), interleaved, best of each; GB/s of uncompressed KV."""
+    pool, _, move_all = _filled_pool(block_mib, num_blocks, fsync, workdir, "demote", gpu=False)
+    total = _spec(block_mib).block_bytes * num_blocks
+    names = [None] + [c for c in codecs.available_codecs() if c != "none"]
+    best = {name: float("inf") for name in names}
+    for _ in range(repeats):
+        for name in names:
+            move_all(Tier.CPU, "none")  # back to raw fp16 in the slab
+            t0 = time.perf_counter()
+            move_all(Tier.DISK, name)
+            best[name] = min(best[name], time.perf_counter() - t0)
+    raw = total / best[None] / 1e9
+    return [
+        DemotionResult(
+            name,
+            total // num_blocks,
+            round(total / best[name] / 1e9, 3),
+            round(raw, 3),
+            round(best[None] / best[name], 3),
+        )
+        for name in names[1:]
+    ]
+
+
 def bench_codecs(repeats: int, disk_write_gbps: float = 0.0) -> list[CodecResult]:
     spec = _spec(1)
     gen = torch.Generator().manual_seed(1)
@@ -194,6 +240,7 @@ def run(block_mibs=(1, 4), num_blocks: int = 32, repeats: int = 3, fsync: bool =
         moves = []
         for mib in block_mibs:
             moves += bench_moves(mib, max(4, num_blocks // mib), repeats, fsync, workdir)
+        demotions = bench_demotions(block_mibs[0], max(4, num_blocks // block_mibs[0]), repeats, fsync, workdir)
     writes = [m.baseline_gbps for m in moves if m.path == "cpu->disk"]
     return {
         "cuda": cuda_available(),
@@ -202,6 +249,7 @@ def run(block_mibs=(1, 4), num_blocks: int = 32, repeats: int = 3, fsync: bool =
         "moves": [asdict(m) for m in moves],
         "disk_write_gbps": max(writes, default=0.0),
         "codecs": [asdict(c) for c in bench_codecs(repeats, max(writes, default=0.0))],
+        "demotions": [asdict(d) for d in demotions],
     }
 
 
@@ -225,4 +273,16 @@ def format_table(result: dict) -> str:
             f"{c['codec']:6s} {c['size_ratio']:>10.2f} {c['compress_gbps']:>9.2f} {c['decompress_gbps']:>9.2f}"
             f" {c['max_abs_error']:>10.4f} {c['breakeven_disk_gbps']:>10.2f} {'yes' if c['pays_vs_raw_write'] else 'no':>5s}"
         )
+    if result.get("demotions"):
+        lines += [
+            "",
+            "demotion with a codec (CPU->DISK through the agent's move, GB/s of uncompressed KV; RATIO > 1: the"
+            " encode costs less than the write it saves)",
+            f"{'codec':6s} {'block':>8s} {'GB/s':>8s} {'raw move':>9s} {'ratio':>6s}",
+        ]
+        for d in result["demotions"]:
+            lines.append(
+                f"{d['codec']:6s} {d['block_bytes'] >> 20:>6d}Mi {d['gbps']:>8.2f} {d['raw_move_gbps']:>9.2f}"
+                f" {d['ratio']:>6.2f}"
+            )
     return "\n".join(lines)

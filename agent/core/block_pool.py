@@ -26,6 +26,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -181,6 +182,22 @@ def _batchable(src, dst) -> bool:
     return hasattr(src, "read_many") and hasattr(dst, "views") and getattr(dst, "device", "") == "cpu"
 
 
+RECODE_WRITE_BYTES = 4 << 20  # re-encoded payload written per write_many
+
+
+@dataclass
+class _Recode:
+    """A block moving to a new codec: where it is and what it becomes."""
+
+    k: int  # its place in the caller's list
+    meta: BlockMeta
+    src: TierStore
+    handle: object
+    codec: str
+    stored_bytes: int
+    target: str
+
+
 class BlockPool:
     def __init__(
         self,
@@ -188,6 +205,7 @@ class BlockPool:
         models: Sequence[ModelSpec],
         journal: EventJournal | None = None,
         tier_codecs: dict[Tier, str] | None = None,
+        codec_threads: int = 2,
     ):
         if not tiers:
             raise ValueError("a block pool needs at least one tier")
@@ -213,6 +231,10 @@ class BlockPool:
         self.corrupt_blocks_total = 0
         self.move_failures_total = 0
         self.moved_bytes_total: dict[tuple[Tier, Tier], int] = {}
+        # moves that re-encode a block run their codecs here (the C loops and reads let go
+        # of the GIL), while the caller writes the blocks encoded before them
+        self.codec_threads = max(1, codec_threads)
+        self._codec_pool: ThreadPoolExecutor | None = None
 
     @property
     def top(self) -> TierStore:
@@ -639,21 +661,33 @@ class BlockPool:
         CPU slab and the disk as they are (no re-encode) are read or written with one
         vectored call per run of adjacent disk extents. Other blocks go one by one."""
         dst = self.store_of.get(to_tier)
-        if dst is None or codec is not None:
+        if dst is None:
             return [self.move_block(h, to_tier, codec) for h in block_hashes]
+        if codec is not None:
+            try:
+                codecs.check_codec(codec)
+            except codecs.CodecError as exc:  # a command's bad input: failed moves, not a crash
+                return [self._move_failed(str(exc)) for _ in block_hashes]
         out: dict[int, MoveOutcome] = {}
         jobs: list[tuple[int, BlockMeta, TierStore, object, object]] = []  # k, meta, src, src handle, new handle
+        recode: list[_Recode] = []
         singles: list[int] = []
         with self.lock:
             for k, h in enumerate(block_hashes):
                 meta = self.blocks.get(h)
-                refused = self._move_refused(meta, to_tier, None)
+                refused = self._move_refused(meta, to_tier, codec)
                 if refused is not None:
                     out[k] = refused
                     continue
                 src = self.store_of[meta.tier]
-                target = self.tier_codecs[to_tier] if meta.codec == "none" else meta.codec
-                if target != meta.codec or not _batchable(src, dst):
+                target = (
+                    codec if codec is not None else (self.tier_codecs[to_tier] if meta.codec == "none" else meta.codec)
+                )
+                if target != meta.codec:
+                    meta.moving = True
+                    recode.append(_Recode(k, meta, src, meta.handle, meta.codec, meta.stored_bytes, target))
+                    continue
+                if not _batchable(src, dst):
                     singles.append(k)
                     continue
                 try:
@@ -705,9 +739,162 @@ class BlockPool:
                             out[k] = self._move_failed(f"{type(err).__name__}: {err}")
             for k, meta, src, old, new in waiting:  # readers hold it: switch once they let go
                 out[k] = self._switch_when_unread(meta, src, old, dst, new)
+        if recode:
+            out.update(self._move_recoded(recode, dst))
         for k in singles:
-            out[k] = self.move_block(block_hashes[k], to_tier)
+            out[k] = self.move_block(block_hashes[k], to_tier, codec)
         return [out[k] for k in range(len(block_hashes))]
+
+    def _move_recoded(self, jobs: list[_Recode], dst: TierStore) -> dict[int, MoveOutcome]:
+        """Move blocks that change codec on the way (all marked moving), with move_block's
+        guarantees, as a pipeline: codec_threads threads read, decode, encode and hash the
+        blocks in order while this thread allocates and writes the ones encoded before
+        them, RECODE_WRITE_BYTES at a time (one write_many on the disk: one vectored call
+        and one fdatasync per run of extents, instead of one per block)."""
+        out: dict[int, MoveOutcome] = {}
+        pending: deque[tuple[_Recode, Future]] = deque()
+        batch: list[tuple[_Recode, torch.Tensor, int]] = []
+        batch_bytes = 0
+        queued = iter(jobs)
+        try:
+            while True:
+                # encode ahead of the writes: while one batch is written (an fdatasync
+                # on a durable disk), the codec threads make the next ones
+                ahead = sum(job.stored_bytes for job, _ in pending)
+                while ahead < 3 * RECODE_WRITE_BYTES or len(pending) < 2 * self.codec_threads:
+                    job = next(queued, None)
+                    if job is None:
+                        break
+                    pending.append((job, self._codecs().submit(self._recode, job)))
+                    ahead += job.stored_bytes
+                if not pending:
+                    break
+                job, fut = pending.popleft()
+                try:
+                    data, digest = fut.result()
+                except BlockUnreadable as exc:
+                    out[job.k] = self._recode_unreadable(job.meta, exc)
+                    continue
+                except (OSError, codecs.CodecError) as exc:
+                    out[job.k] = self._recode_failed(job.meta, f"{type(exc).__name__}: {exc}")
+                    continue
+                except BaseException:
+                    self._recode_failed(job.meta, "unexpected error")
+                    raise
+                batch.append((job, data, digest))
+                batch_bytes += data.numel()
+                if batch_bytes >= RECODE_WRITE_BYTES:
+                    out.update(self._write_recoded(batch, dst))
+                    batch, batch_bytes = [], 0
+            out.update(self._write_recoded(batch, dst))
+            batch = []
+        finally:  # an unexpected error: nothing switched, every block stays where it was
+            left = [job for job, _ in pending] + [job for job, *_ in batch] + list(queued)
+            for _, fut in pending:
+                fut.cancel()
+            with self.lock:
+                for job in left:
+                    job.meta.moving = False
+        return out
+
+    def _codecs(self) -> ThreadPoolExecutor:
+        with self.lock:
+            if self._codec_pool is None:
+                self._codec_pool = ThreadPoolExecutor(self.codec_threads, thread_name_prefix="codec")
+            return self._codec_pool
+
+    def _recode(self, job: _Recode) -> tuple[torch.Tensor, int]:
+        """A block's payload in its new codec and the payload's checksum (a codec thread):
+        a CPU slab block is decoded from its pages as they are, others from a read."""
+        spec = self.models[job.meta.model_id]
+        src = job.src
+        if getattr(src, "device", "") == "cpu" and hasattr(src, "views"):
+            segs = src.views(job.handle, job.stored_bytes)
+            raw = segs[0] if len(segs) == 1 else torch.cat(segs)
+        else:
+            raw = src.read(job.handle, job.stored_bytes)
+        data = codecs.encode(job.target, codecs.decode(job.codec, raw, spec.block_shape, spec.torch_dtype))
+        return data, payload_checksum(data)
+
+    def _recode_unreadable(self, meta: BlockMeta, exc: BlockUnreadable) -> MoveOutcome:
+        self._mark_corrupt(meta, str(exc))
+        with self.lock:
+            meta.moving = False  # else _drop_subtree refuses it and the corrupt block stays
+            if meta.ref_count == 0:
+                self._drop_subtree(meta.block_hash)
+        return self._move_failed(f"source unreadable: {exc}")
+
+    def _recode_failed(self, meta: BlockMeta, reason: str, dst: TierStore | None = None, new=None) -> MoveOutcome:
+        with self.lock:
+            meta.moving = False
+            if new is not None:
+                dst.free(new)
+        return self._move_failed(reason)
+
+    def _write_recoded(self, batch: list[tuple[_Recode, torch.Tensor, int]], dst: TierStore) -> dict[int, MoveOutcome]:
+        """Allocate, write and switch re-encoded blocks (each job leaves moving). When the
+        tier has no room for the next block, the ones placed so far are written and
+        switched first: their sources' space comes back (a compress in a full tier)."""
+        out: dict[int, MoveOutcome] = {}
+        i = 0
+        while i < len(batch):
+            placed: list[tuple[_Recode, torch.Tensor, int, object]] = []
+            with self.lock:
+                while i < len(batch):
+                    job, data, digest = batch[i]
+                    try:
+                        new = self._allocate(dst, data.numel(), job.meta.block_hash)
+                    except PoolFull as exc:
+                        if placed:
+                            break
+                        job.meta.moving = False
+                        out[job.k] = self._move_failed(f"PoolFull: {exc}")
+                        i += 1
+                        continue
+                    placed.append((job, data, digest, new))
+                    i += 1
+            out.update(self._write_placed(placed, dst))
+        return out
+
+    def _write_placed(
+        self, placed: list[tuple[_Recode, torch.Tensor, int, object]], dst: TierStore
+    ) -> dict[int, MoveOutcome]:
+        out: dict[int, MoveOutcome] = {}
+        if not placed:
+            return out
+        # what a disk header records; memory tiers take no header
+        headers = [
+            _stored_as(job.meta, job.target, digest) if dst.tier is Tier.DISK else job.meta
+            for job, _, digest, _ in placed
+        ]
+        if hasattr(dst, "write_many"):
+            try:
+                errs = dst.write_many([(new, data, h) for (_, data, _, new), h in zip(placed, headers, strict=True)])
+            except Exception:
+                with self.lock:
+                    for job, _, _, new in placed:
+                        job.meta.moving = False
+                        dst.free(new)
+                raise
+        else:
+            errs = []
+            for (_, data, _, new), h in zip(placed, headers, strict=True):
+                try:
+                    dst.write(new, data, h)
+                    errs.append(None)
+                except OSError as exc:
+                    errs.append(exc)
+        for (job, data, digest, new), err in zip(placed, errs, strict=True):
+            if err is not None:
+                kind = "write_error" if dst.tier is Tier.DISK else "read_error"
+                self._notice(
+                    kind, f"moving a block from the {job.meta.tier.label} to the {dst.tier.label} tier failed: {err}"
+                )
+                out[job.k] = self._recode_failed(job.meta, f"{type(err).__name__}: {err}", dst, new)
+                continue
+            stored = (job.target, data.numel(), getattr(new, "checksum", 0) or digest)
+            out[job.k] = self._switch_when_unread(job.meta, job.src, job.handle, dst, new, stored=stored)
+        return out
 
     def _move_refused(self, meta: BlockMeta | None, to_tier: Tier, codec: str | None) -> MoveOutcome | None:
         """The outcome of a move that need not or may not start (lock held), else None."""
@@ -730,10 +917,14 @@ class BlockPool:
             dst.free(new)
         jobs.clear()
 
-    def _finish_move(self, meta: BlockMeta, src: TierStore, old, dst: TierStore, new) -> None:
-        """Switch a copied block to its new place and free the old one (lock held)."""
+    def _finish_move(
+        self, meta: BlockMeta, src: TierStore, old, dst: TierStore, new, stored: tuple[str, int, int] | None = None
+    ) -> None:
+        """Switch a copied block to its new place and free the old one (lock held).
+        `stored`: (codec, stored bytes, checksum) of a block re-encoded on the way."""
         src_tier = meta.tier
-        self._switch(meta, dst.tier, new, meta.codec, meta.stored_bytes, getattr(new, "checksum", 0) or meta.checksum)
+        codec, nbytes, digest = stored or (meta.codec, meta.stored_bytes, getattr(new, "checksum", 0) or meta.checksum)
+        self._switch(meta, dst.tier, new, codec, nbytes, digest)
         src.free(old)
         meta.moving = False
         key = (src_tier, dst.tier)
@@ -741,12 +932,12 @@ class BlockPool:
         if int(dst.tier) < int(src_tier):
             self.promotions_total += 1
 
-    def _switch_when_unread(self, meta, src, old, dst, new, wait_seconds: float = 5.0) -> MoveOutcome:
+    def _switch_when_unread(self, meta, src, old, dst, new, wait_seconds: float = 5.0, stored=None) -> MoveOutcome:
         deadline = time.monotonic() + wait_seconds
         while True:
             with self.lock:
                 if meta.ref_count == 0:
-                    self._finish_move(meta, src, old, dst, new)
+                    self._finish_move(meta, src, old, dst, new, stored)
                     return MoveOutcome(True, meta.stored_bytes)
                 if time.monotonic() > deadline:
                     meta.moving = False

@@ -138,3 +138,163 @@ def test_a_batch_that_fails_as_a_whole_leaves_every_block_movable(tmp_path, monk
     assert disk.used_bytes == 0 and all(pool.tier_of(h) is Tier.CPU for h in hashes)
     assert all(o.ok for o in pool.move_blocks(hashes, Tier.DISK))  # and they move later
     check_pool(pool)
+
+
+# ---- batches that change codec on the way (BlockPool._move_recoded) --------------------
+def roundtrip_int8(x: torch.Tensor) -> torch.Tensor:
+    from agent.core import codecs
+
+    return codecs.decode("int8", codecs.encode("int8", x), SPEC.block_shape, x.dtype)
+
+
+def test_a_recoded_batch_is_written_in_few_calls_and_loads_as_its_codec(tmp_path, monkeypatch):
+    pool, hashes, data = independent_blocks(tmp_path)
+    calls, real = [0], os.pwritev
+
+    def counted(*args):
+        calls[0] += 1
+        return real(*args)
+
+    monkeypatch.setattr(os, "pwritev", counted)
+    outcomes = pool.move_blocks(hashes, Tier.DISK, codec="int8")
+    monkeypatch.undo()
+    assert all(o.ok for o in outcomes)
+    assert calls[0] == 1  # twelve encoded blocks in adjacent extents, one vectored write
+    from agent.core import codecs
+
+    assert [o.moved_bytes for o in outcomes] == [codecs.encode("int8", data[i]).numel() for i in range(N)]
+    assert outcomes[0].moved_bytes < SPEC.block_bytes
+    assert all(pool.blocks[h].codec == "int8" and pool.tier_of(h) is Tier.DISK for h in hashes)
+    check_pool(pool)
+    for i, h in enumerate(hashes):  # what load returns is the int8 round trip, bit for bit
+        assert torch.equal(decoded(pool, h), roundtrip_int8(data[i]))
+    # back to the CPU as raw fp16: decoded on the way, from verified disk reads
+    assert all(o.ok for o in pool.move_blocks(hashes, Tier.CPU, codec="none"))
+    assert all(pool.blocks[h].codec == "none" and pool.tier_of(h) is Tier.CPU for h in hashes)
+    assert disk_of(pool).used_bytes == 0
+    check_pool(pool)
+    for i, h in enumerate(hashes):
+        assert torch.equal(decoded(pool, h), roundtrip_int8(data[i]))
+
+
+def test_a_tier_codec_recodes_a_batch_too(tmp_path):
+    cpu = MemoryTier(Tier.CPU, N * SPEC.block_bytes, SPEC.block_bytes, device="cpu")
+    pool = BlockPool([cpu, DiskTier(tmp_path / "disk", 1 << 20)], [SPEC], tier_codecs={Tier.DISK: "zstd"})
+    data = kv(N, seed=5)
+    hashes = [os.urandom(16) for _ in range(N)]
+    for i, h in enumerate(hashes):
+        pool.insert_chain(SPEC.model_id, [h], lambda _i, i=i: data[i])
+    assert all(o.ok for o in pool.move_blocks(hashes, Tier.DISK))
+    assert {pool.blocks[h].codec for h in hashes} == {"zstd"}
+    check_pool(pool)
+    for i, h in enumerate(hashes):
+        assert torch.equal(decoded(pool, h), data[i])
+
+
+def test_a_corrupt_block_in_a_recoded_batch_is_removed_and_the_rest_move(tmp_path):
+    pool, hashes, data = independent_blocks(tmp_path)
+    assert all(o.ok for o in pool.move_blocks(hashes, Tier.DISK))
+    at = block_on_disk(pool, hashes[7])
+    flip_byte(at.path, at.last_payload_byte)
+    pool.drain_notices()
+    outcomes = pool.move_blocks(hashes, Tier.CPU, codec="int8")
+    assert [o.ok for o in outcomes] == [i != 7 for i in range(N)]
+    assert "unreadable" in outcomes[7].reason
+    assert hashes[7] not in pool.blocks and pool.corrupt_blocks_total == 1
+    assert [n.kind for n in pool.drain_notices()] == ["corrupt_block"]
+    check_pool(pool)
+    for i, h in enumerate(hashes):
+        if i != 7:
+            assert pool.blocks[h].codec == "int8"
+            assert torch.equal(decoded(pool, h), roundtrip_int8(data[i]))
+
+
+def test_a_codec_that_fails_on_one_block_fails_that_move_alone(tmp_path, monkeypatch):
+    from agent.core import codecs
+
+    pool, hashes, data = independent_blocks(tmp_path)
+    real, bad = codecs.encode, data[5]
+
+    def picky(name, block):
+        if name == "int8" and torch.equal(block, bad):
+            raise codecs.CodecError("this block does not encode")
+        return real(name, block)
+
+    monkeypatch.setattr(codecs, "encode", picky)
+    outcomes = pool.move_blocks(hashes, Tier.DISK, codec="int8")
+    assert [o.ok for o in outcomes] == [i != 5 for i in range(N)]
+    assert "does not encode" in outcomes[5].reason
+    assert pool.tier_of(hashes[5]) is Tier.CPU and not pool.blocks[hashes[5]].moving
+    check_pool(pool)
+    assert torch.equal(decoded(pool, hashes[5]), data[5])
+
+
+def test_an_unexpected_codec_error_leaves_every_block_movable(tmp_path, monkeypatch):
+    from agent.core import codecs
+
+    pool, hashes, data = independent_blocks(tmp_path)
+    real, seen = codecs.encode, []
+
+    def breaks(name, block):
+        seen.append(1)
+        if len(seen) == 3:
+            raise RuntimeError("out of something")
+        return real(name, block)
+
+    monkeypatch.setattr(codecs, "encode", breaks)
+    with pytest.raises(RuntimeError):
+        pool.move_blocks(hashes, Tier.DISK, codec="int8")
+    monkeypatch.undo()
+    assert not any(pool.blocks[h].moving for h in hashes)
+    assert all(pool.tier_of(h) is Tier.CPU for h in hashes)
+    disk_of(pool).drain()
+    assert disk_of(pool).used_bytes == 0
+    assert all(o.ok for o in pool.move_blocks(hashes, Tier.DISK, codec="int8"))
+    check_pool(pool)
+
+
+def test_a_failed_recoded_write_leaves_every_source_in_place(tmp_path):
+    pool, hashes, data = independent_blocks(tmp_path)
+    disk_of(pool).path.unlink()
+    time.sleep(0.06)
+    outcomes = pool.move_blocks(hashes, Tier.DISK, codec="int4")
+    assert not any(o.ok for o in outcomes)
+    assert all(pool.tier_of(h) is Tier.CPU and pool.blocks[h].codec == "none" for h in hashes)
+    assert "write_error" in {n.kind for n in pool.drain_notices()}
+    assert disk_of(pool).used_bytes == 0 and pool.move_failures_total == N
+    for i, h in enumerate(hashes):
+        assert torch.equal(decoded(pool, h), data[i])
+
+
+def test_a_recoded_block_being_read_switches_when_its_reader_lets_go(tmp_path):
+    pool, hashes, data = independent_blocks(tmp_path)
+    held = pool.acquire_chain([hashes[2]])
+    released = []
+
+    def reader():
+        time.sleep(0.1)
+        released.append(time.monotonic())
+        pool.release_chain(held)
+
+    t = threading.Thread(target=reader)
+    t.start()
+    outcomes = pool.move_blocks(hashes, Tier.DISK, codec="fp8")
+    done = time.monotonic()
+    t.join()
+    assert all(o.ok for o in outcomes)
+    assert released and done >= released[0]
+    check_pool(pool)
+    assert pool.blocks[hashes[2]].codec == "fp8"
+
+
+def test_compress_in_place_goes_in_batches(tmp_path):
+    pool, hashes, data = independent_blocks(tmp_path)
+    assert all(o.ok for o in pool.move_blocks(hashes[:6], Tier.DISK))
+    mover = Mover(pool)
+    op = mover.run_op(mover.submit(hashes, None, codec="int8", kind="compress"))
+    assert (op.state, op.done, op.failed) == (SUCCEEDED, N, 0)
+    assert [pool.tier_of(h) for h in hashes] == [Tier.DISK] * 6 + [Tier.CPU] * 6
+    assert {pool.blocks[h].codec for h in hashes} == {"int8"}
+    check_pool(pool)
+    for i, h in enumerate(hashes):
+        assert torch.equal(decoded(pool, h), roundtrip_int8(data[i]))

@@ -1,0 +1,37 @@
+"""`kvcp-bench tiers` as a user runs it (the console script, tiny sizes): every move path,
+codec and demotion row is there, measured, and its ratio is the ratio of its figures."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+from agent.core import codecs
+
+
+def test_tiers_benchmark_json_has_moves_codecs_and_demotions():
+    exe = Path(sys.executable).with_name("kvcp-bench")
+    run = subprocess.run(
+        [str(exe), "tiers", "--block-mib", "1", "--blocks", "4", "--repeats", "1", "-o", "json"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert run.returncode == 0, run.stderr
+    data = json.loads(run.stdout)
+    assert {m["path"] for m in data["moves"]} >= {"cpu->disk", "disk->cpu"}
+    lossy = [c for c in codecs.available_codecs() if c != "none"]
+    assert [c["codec"] for c in data["codecs"]] == lossy
+    assert [d["codec"] for d in data["demotions"]] == lossy
+    for d in data["demotions"]:
+        assert d["block_bytes"] == 1 << 20 and d["gbps"] > 0 and d["raw_move_gbps"] > 0
+        assert abs(d["ratio"] - d["gbps"] / d["raw_move_gbps"]) < 0.01
+    table = subprocess.run(
+        [str(exe), "tiers", "--block-mib", "1", "--blocks", "4", "--repeats", "1"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert table.returncode == 0 and "demotion with a codec" in table.stdout

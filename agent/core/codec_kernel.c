@@ -45,12 +45,43 @@ static inline float row_scale(const _Float16 *v, int64_t d, float qmax, _Float16
     return s;
 }
 
-void int8_encode(const _Float16 *x, int64_t rows, int64_t d, _Float16 *scales, int8_t *q) {
-    for (int64_t r = 0; r < rows; r++) {
-        const _Float16 *v = x + r * d;
-        float s = row_scale(v, d, 127.0f, scales + r);
-        int8_t *o = q + r * d;
-        int64_t j = 0;
+#ifdef VEC
+/* max over each 128-bit half's adjacent pairs of x and y: [x0|x1, x2|x3, y0|y1, y2|y3] per half (hadd's order) */
+static inline __m256 hmax2(__m256 x, __m256 y) {
+    return _mm256_max_ps(_mm256_shuffle_ps(x, y, 0x88), _mm256_shuffle_ps(x, y, 0xDD));
+}
+
+/* the absmax of 8 rows of d values (d a multiple of 8), one row per lane: the rows'
+   maxima are reduced together instead of one horizontal reduction per row */
+static inline __m256 rows8_absmax(const _Float16 *v, int64_t d) {
+    const __m256 nosign = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF));
+    __m256 acc[8];
+    for (int i = 0; i < 8; i++) {
+        const _Float16 *row = v + i * d;
+        __m256 a = _mm256_setzero_ps();
+        for (int64_t j = 0; j < d; j += 8)
+            a = _mm256_max_ps(a, _mm256_and_ps(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(row + j))), nosign));
+        acc[i] = a;
+    }
+    __m256 m0123 = hmax2(hmax2(acc[0], acc[1]), hmax2(acc[2], acc[3]));
+    __m256 m4567 = hmax2(hmax2(acc[4], acc[5]), hmax2(acc[6], acc[7]));
+    return _mm256_max_ps(_mm256_permute2f128_ps(m0123, m4567, 0x20), _mm256_permute2f128_ps(m0123, m4567, 0x31));
+}
+#endif
+
+#ifdef VEC
+/* the fp32 scales max(absmax, 1e-8) / qmax of 8 rows (d a multiple of 8), stored as fp16
+   too: row_scale's arithmetic, one division and one conversion for the 8 */
+static inline __m256 rows8_scale(const _Float16 *v, int64_t d, float qmax, _Float16 *stored) {
+    __m256 sv = _mm256_div_ps(_mm256_max_ps(rows8_absmax(v, d), _mm256_set1_ps(1e-8f)), _mm256_set1_ps(qmax));
+    _mm_storeu_si128((__m128i *)stored, _mm256_cvtps_ph(sv, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+    return sv;
+}
+#endif
+
+/* q of one row with its fp32 scale s */
+static inline void int8_row(const _Float16 *v, int64_t d, float s, int8_t *o) {
+    int64_t j = 0;
 #ifdef VEC
         const __m256 vs = _mm256_set1_ps(s), hi = _mm256_set1_ps(127.f), lo = _mm256_set1_ps(-127.f);
         for (; j + 16 <= d; j += 16) {
@@ -72,6 +103,22 @@ void int8_encode(const _Float16 *x, int64_t rows, int64_t d, _Float16 *scales, i
             y = y > 127.f ? 127.f : (y < -127.f ? -127.f : y);
             o[j] = (int8_t)y;
         }
+}
+
+void int8_encode(const _Float16 *x, int64_t rows, int64_t d, _Float16 *scales, int8_t *q) {
+    int64_t r = 0;
+#ifdef VEC
+    if (d % 8 == 0) /* 8 rows at a time: their scales in one division and one fp16 store */
+        for (; r + 8 <= rows; r += 8) {
+            const _Float16 *v = x + r * d;
+            float s8[8];
+            _mm256_storeu_ps(s8, rows8_scale(v, d, 127.f, scales + r));
+            for (int i = 0; i < 8; i++) int8_row(v + i * d, d, s8[i], q + (r + i) * d);
+        }
+#endif
+    for (; r < rows; r++) {
+        const _Float16 *v = x + r * d;
+        int8_row(v, d, row_scale(v, d, 127.0f, scales + r), q + r * d);
     }
 }
 
@@ -410,43 +457,74 @@ __attribute__((constructor)) static void e4m3_init(void) {
     for (int b = 0; b < 256; b++) {
         int sign = b & 0x80, e = (b >> 3) & 15, m = b & 7;
         float v;
-        if (e == 15 && m == 7) v = NAN;
+        if (e == 15 && m == 7) v = f32_from(0x7FF00000u); /* the NaN c10 makes of it */
         else if (e == 0) v = ldexpf((float)m, -9); /* subnormal: m / 8 * 2^-6 */
         else v = ldexpf(1.0f + (float)m / 8.0f, e - 7);
         e4m3_table[b] = sign ? -v : v;
     }
 }
 
-void fp8_encode(const _Float16 *x, int64_t rows, int64_t d, _Float16 *scales, uint8_t *q) {
-    float v[MAXW];
-    for (int64_t r = 0; r < rows; r++) {
-        const _Float16 *src = x + r * d;
-        float s = row_scale(src, d, 448.0f, scales + r);
-        uint8_t *o = q + r * d;
-        for (int64_t j0 = 0; j0 < d; j0 += MAXW) {
-            int64_t n = d - j0 < MAXW ? d - j0 : MAXW;
-            load_row(src + j0, v, n);
-            int64_t j = 0;
+/* e4m3 bytes of one row of fp16 values divided by its fp32 scale s */
+static inline void fp8_row(const _Float16 *v, int64_t d, float s, uint8_t *o) {
+    int64_t j = 0;
 #ifdef VEC
-            const __m256 vs = _mm256_set1_ps(s);
-            for (; j + 8 <= n; j += 8) {
-                uint64_t q8 = to_e4m3_x8(_mm256_div_ps(_mm256_loadu_ps(v + j), vs));
-                memcpy(o + j0 + j, &q8, 8);
-            }
-#endif
-            for (; j < n; j++) o[j0 + j] = to_e4m3(v[j] / s);
-        }
+    const __m256 vs = _mm256_set1_ps(s);
+    for (; j + 8 <= d; j += 8) {
+        uint64_t q8 = to_e4m3_x8(_mm256_div_ps(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(v + j))), vs));
+        memcpy(o + j, &q8, 8);
     }
+#endif
+    for (; j < d; j++) o[j] = to_e4m3((float)v[j] / s);
 }
+
+void fp8_encode(const _Float16 *x, int64_t rows, int64_t d, _Float16 *scales, uint8_t *q) {
+    int64_t r = 0;
+#ifdef VEC
+    if (d % 8 == 0)
+        for (; r + 8 <= rows; r += 8) {
+            float s8[8];
+            _mm256_storeu_ps(s8, rows8_scale(x + r * d, d, 448.f, scales + r));
+            for (int i = 0; i < 8; i++) fp8_row(x + (r + i) * d, d, s8[i], q + (r + i) * d);
+        }
+#endif
+    for (; r < rows; r++) fp8_row(x + r * d, d, row_scale(x + r * d, d, 448.0f, scales + r), q + r * d);
+}
+
+#ifdef VEC
+/* e4m3_table of 8 bytes (one per 32-bit lane), from their bits: a normal's exponent
+   rebiased, a subnormal m * 2^-9 (exact in fp32), 0x7F / 0xFF the NaN c10 makes */
+static inline __m256 e4m3_x8(__m256i b) {
+    __m256i sign = _mm256_slli_epi32(_mm256_and_si256(b, _mm256_set1_epi32(0x80)), 24);
+    __m256i e = _mm256_and_si256(_mm256_srli_epi32(b, 3), _mm256_set1_epi32(15));
+    __m256i m = _mm256_and_si256(b, _mm256_set1_epi32(7));
+    __m256i normal = _mm256_or_si256(_mm256_slli_epi32(_mm256_add_epi32(e, _mm256_set1_epi32(120)), 23),
+                                     _mm256_slli_epi32(m, 20));
+    __m256i sub = _mm256_castps_si256(_mm256_mul_ps(_mm256_cvtepi32_ps(m), _mm256_set1_ps(1.f / 512.f)));
+    __m256i v = _mm256_blendv_epi8(normal, sub, _mm256_cmpeq_epi32(e, _mm256_setzero_si256()));
+    __m256i nan = _mm256_cmpeq_epi32(_mm256_and_si256(b, _mm256_set1_epi32(0x7F)), _mm256_set1_epi32(0x7F));
+    v = _mm256_blendv_epi8(v, _mm256_set1_epi32(0x7FF00000), nan);
+    return _mm256_castsi256_ps(_mm256_or_si256(v, sign));
+}
+#endif
 
 void fp8_decode(const uint8_t *q, const _Float16 *scales, int64_t rows, int64_t d, _Float16 *x) {
     float v[MAXW];
     for (int64_t r = 0; r < rows; r++) {
         float s = (float)scales[r];
         const uint8_t *iq = q + r * d;
-        for (int64_t j0 = 0; j0 < d; j0 += MAXW) {
+        int64_t j = 0;
+#ifdef VEC
+        const __m256 vs = _mm256_set1_ps(s);
+        for (; j + 8 <= d; j += 8) {
+            uint64_t q8;
+            memcpy(&q8, iq + j, 8);
+            __m256 f = _mm256_mul_ps(e4m3_x8(_mm256_cvtepu8_epi32(_mm_cvtsi64_si128((long long)q8))), vs);
+            _mm_storeu_si128((__m128i *)(x + r * d + j), _mm256_cvtps_ph(f, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+        }
+#endif
+        for (int64_t j0 = j; j0 < d; j0 += MAXW) {
             int64_t n = d - j0 < MAXW ? d - j0 : MAXW;
-            for (int64_t j = 0; j < n; j++) v[j] = e4m3_table[iq[j0 + j]] * s;
+            for (int64_t k = 0; k < n; k++) v[k] = e4m3_table[iq[j0 + k]] * s;
             store_row(v, x + r * d + j0, n);
         }
     }

@@ -298,6 +298,25 @@ def test_fp8_c_conversion_of_every_fp16_value_matches_torch(monkeypatch):
     assert torch.equal(native_payload, _torch_only(monkeypatch, lambda: codecs.encode("fp8", x)))
 
 
+@pytest.mark.parametrize("scale", [1.0, 0.3333, 65504.0, 6e-8])
+def test_fp8_c_decode_of_every_byte_matches_torch(scale, monkeypatch):
+    """Every e4m3 byte (normals, subnormals, both zeros, both NaNs) times a scale that is
+    exact, inexact, huge (overflows to infinity in fp16) and tiny: the same fp16 bits as
+    torch, 8 at a time (rows of 16) and one by one (rows of 3)."""
+    if codecs._native() is None or codecs.FP8 is None:
+        pytest.skip("no C compiler or no float8 in this torch")
+    every = torch.arange(256, dtype=torch.int32).to(torch.uint8)
+    for d in (16, 3):
+        q = torch.cat([every, every[: (-len(every)) % d]])
+        shape = (len(q) // d, 1, 1, 1, d)
+        scales = torch.full((len(q) // d,), scale, dtype=torch.float16)
+        payload = torch.cat([scales.view(torch.uint8), q])
+        native = codecs.decode("fp8", payload, shape, torch.float16)
+        reference = _torch_only(monkeypatch, lambda: codecs.decode("fp8", payload, shape, torch.float16))
+        monkeypatch.undo()
+        assert torch.equal(native.view(torch.int16), reference.view(torch.int16))
+
+
 def test_int8_c_loops_build_where_a_compiler_is(monkeypatch):
     import shutil
 

@@ -312,7 +312,9 @@ def test_fp8_c_decode_of_every_byte_matches_torch(scale, monkeypatch):
         scales = torch.full((len(q) // d,), scale, dtype=torch.float16)
         payload = torch.cat([scales.view(torch.uint8), q])
         native = codecs.decode("fp8", payload, shape, torch.float16)
-        reference = _torch_only(monkeypatch, lambda: codecs.decode("fp8", payload, shape, torch.float16))
+        reference = _torch_only(
+            monkeypatch, lambda payload=payload, shape=shape: codecs.decode("fp8", payload, shape, torch.float16)
+        )
         monkeypatch.undo()
         assert torch.equal(native.view(torch.int16), reference.view(torch.int16))
 

@@ -26,7 +26,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -790,8 +790,8 @@ class BlockPool:
             batch = []
         finally:  # an unexpected error: nothing switched, every block stays where it was
             left = [job for job, _ in pending] + [job for job, *_ in batch] + list(queued)
-            for _, fut in pending:
-                fut.cancel()
+            running = [fut for _, fut in pending if not fut.cancel()]
+            wait(running)  # no codec thread still reads a block that is free to move again
             with self.lock:
                 for job in left:
                     job.meta.moving = False

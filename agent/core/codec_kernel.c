@@ -236,6 +236,53 @@ static inline void put4(uint8_t *packed, int64_t f, uint8_t q) { packed[f >> 1] 
 
 static inline uint8_t get4(const uint8_t *packed, int64_t f) { return (packed[f >> 1] >> ((f & 1) << 2)) & 15; }
 
+#ifdef VEC
+/* a 16 x 16 byte matrix in 16 registers, transposed in place: four rounds of interleaving
+   (bytes, then 2, 4 and 8 byte units), each pairing neighbouring rows */
+static inline void transpose16x16(__m128i *x) {
+    __m128i a[8][2], b[4][4], c[2][8];
+    for (int p = 0; p < 8; p++) { /* a[p][h]: columns 8h..8h+7, rows 2p, 2p+1 */
+        a[p][0] = _mm_unpacklo_epi8(x[2 * p], x[2 * p + 1]);
+        a[p][1] = _mm_unpackhi_epi8(x[2 * p], x[2 * p + 1]);
+    }
+    for (int q = 0; q < 4; q++) /* b[q][g]: columns 4g..4g+3, rows 4q..4q+3 */
+        for (int h = 0; h < 2; h++) {
+            b[q][2 * h] = _mm_unpacklo_epi16(a[2 * q][h], a[2 * q + 1][h]);
+            b[q][2 * h + 1] = _mm_unpackhi_epi16(a[2 * q][h], a[2 * q + 1][h]);
+        }
+    for (int s = 0; s < 2; s++) /* c[s][m]: columns 2m, 2m+1, rows 8s..8s+7 */
+        for (int g = 0; g < 4; g++) {
+            c[s][2 * g] = _mm_unpacklo_epi32(b[2 * s][g], b[2 * s + 1][g]);
+            c[s][2 * g + 1] = _mm_unpackhi_epi32(b[2 * s][g], b[2 * s + 1][g]);
+        }
+    for (int m = 0; m < 8; m++) { /* column 2m and 2m + 1, all 16 rows */
+        x[2 * m] = _mm_unpacklo_epi64(c[0][m], c[1][m]);
+        x[2 * m + 1] = _mm_unpackhi_epi64(c[0][m], c[1][m]);
+    }
+}
+#endif
+
+/* dst[c * dst_stride + r] = src[r * src_stride + c] for r < rows, c < cols */
+static void transpose_bytes(const uint8_t *src, int64_t src_stride, int64_t rows, int64_t cols, uint8_t *dst,
+                            int64_t dst_stride) {
+    int64_t r0 = 0;
+#ifdef VEC
+    for (; r0 + 16 <= rows; r0 += 16) {
+        int64_t c0 = 0;
+        for (; c0 + 16 <= cols; c0 += 16) {
+            __m128i x[16];
+            for (int i = 0; i < 16; i++) x[i] = _mm_loadu_si128((const __m128i *)(src + (r0 + i) * src_stride + c0));
+            transpose16x16(x);
+            for (int i = 0; i < 16; i++) _mm_storeu_si128((__m128i *)(dst + (c0 + i) * dst_stride + r0), x[i]);
+        }
+        for (; c0 < cols; c0++)
+            for (int64_t i = 0; i < 16; i++) dst[c0 * dst_stride + r0 + i] = src[(r0 + i) * src_stride + c0];
+    }
+#endif
+    for (; r0 < rows; r0++)
+        for (int64_t c = 0; c < cols; c++) dst[c * dst_stride + r0] = src[r0 * src_stride + c];
+}
+
 #define MAXW 1024 /* widest head_dim the stack buffers take (groups are at most 128) */
 #define CACHE 8192 /* floats of one key group kept converted (16 tokens x 512 channels) */
 
@@ -245,6 +292,7 @@ int int4_encode(const _Float16 *x, int64_t L, int64_t T, int64_t H, int64_t D, i
                 uint8_t *v_packed) {
     if (D > MAXW || gv > MAXW) return -1;
     float mn[MAXW], mx[MAXW], sc[MAXW], r0[MAXW], r1[MAXW], group[CACHE];
+    uint8_t pairs[CACHE / 2]; /* [token pair][channel] bytes of a cached key group */
     uint8_t qa[MAXW], qb[MAXW];
     memset(k_packed, 0, (size_t)((L * H * D * Gk * gk + 1) / 2));
     memset(v_packed, 0, (size_t)((L * T * H * Gv * gv + 1) / 2));
@@ -286,7 +334,10 @@ int int4_encode(const _Float16 *x, int64_t L, int64_t T, int64_t H, int64_t D, i
                     }
                     quant4(k0, mn, sc, qa, D);
                     if (tt + 1 < gk) quant4(k1, mn, sc, qb, D);
-                    if (gk % 2 == 0) { /* the pair shares a byte */
+                    if (gk % 2 == 0 && cached) { /* the pair shares a byte: a row of the pair matrix */
+                        uint8_t *row = pairs + (tt >> 1) * D;
+                        for (int64_t d = 0; d < D; d++) row[d] = (uint8_t)(qa[d] | (qb[d] << 4));
+                    } else if (gk % 2 == 0) {
                         uint8_t *o = k_packed + ((base + tt) >> 1);
                         int64_t bstride = stride >> 1;
                         for (int64_t d = 0; d < D; d++) o[d * bstride] = (uint8_t)(qa[d] | (qb[d] << 4));
@@ -297,6 +348,8 @@ int int4_encode(const _Float16 *x, int64_t L, int64_t T, int64_t H, int64_t D, i
                         }
                     }
                 }
+                /* channel d's bytes are contiguous in the payload: the pair matrix transposed */
+                if (gk % 2 == 0 && cached) transpose_bytes(pairs, D, gk >> 1, D, k_packed + (base >> 1), stride >> 1);
             }
         }
         for (int64_t t = 0; t < T; t++) {

@@ -239,7 +239,16 @@ def _torch_only(monkeypatch, fn):
     return fn()
 
 
-C_SHAPES = [*SHAPES, (2, 2, 16, 4, 128), (1, 2, 3, 1, 17), (1, 2, 300, 2, 5), (3, 2, 129, 2, 257), (1, 2, 16, 1, 1)]
+C_SHAPES = [
+    *SHAPES,
+    (2, 2, 16, 4, 128),
+    (1, 2, 3, 1, 17),
+    (1, 2, 300, 2, 5),
+    (3, 2, 129, 2, 257),
+    (1, 2, 16, 1, 1),
+    (1, 2, 100, 2, 40),  # int4 key pairs transposed 16 x 16 at a time, with row and column tails
+    (2, 2, 256, 4, 64),  # the benchmark's layout: two key groups, all in 16 x 16 tiles
+]
 
 
 @pytest.mark.parametrize("shape", C_SHAPES, ids=str)

@@ -196,6 +196,7 @@ class _Recode:
     codec: str
     stored_bytes: int
     target: str
+    done: bool = False  # switched or failed: no longer this move's to undo
 
 
 class BlockPool:
@@ -655,13 +656,19 @@ class BlockPool:
                 if new_handle is not None:
                     dst.free(new_handle)
 
-    def move_blocks(self, block_hashes: Sequence[bytes], to_tier: Tier, codec: str | None = None) -> list[MoveOutcome]:
+    def move_blocks(
+        self, block_hashes: Sequence[bytes], to_tier: Tier | None, codec: str | None = None
+    ) -> list[MoveOutcome]:
         """Move many blocks with move_block's guarantees (copy, verify, switch, free; a
         failure leaves a block where it was), batching the I/O: blocks going between the
         CPU slab and the disk as they are (no re-encode) are read or written with one
-        vectored call per run of adjacent disk extents. Other blocks go one by one."""
-        dst = self.store_of.get(to_tier)
-        if dst is None:
+        vectored call per run of adjacent disk extents; blocks changing codec go through
+        the codec pipeline (_move_recoded). `to_tier` None: each block stays in the tier
+        it is in when the move starts (a compress in place, `codec` given)."""
+        if to_tier is None and codec is None:
+            raise ValueError("a move in place needs a codec")
+        dst = self.store_of.get(to_tier) if to_tier is not None else None
+        if to_tier is not None and dst is None:
             return [self.move_block(h, to_tier, codec) for h in block_hashes]
         if codec is not None:
             try:
@@ -670,22 +677,30 @@ class BlockPool:
                 return [self._move_failed(str(exc)) for _ in block_hashes]
         out: dict[int, MoveOutcome] = {}
         jobs: list[tuple[int, BlockMeta, TierStore, object, object]] = []  # k, meta, src, src handle, new handle
-        recode: list[_Recode] = []
+        recode: dict[Tier, list[_Recode]] = {}
         singles: list[int] = []
+        first: dict[bytes, int] = {}
+        repeats: dict[int, int] = {}  # a hash listed again: its first listing's outcome
         with self.lock:
             for k, h in enumerate(block_hashes):
+                if h in first:
+                    repeats[k] = first[h]
+                    continue
+                first[h] = k
                 meta = self.blocks.get(h)
-                refused = self._move_refused(meta, to_tier, codec)
+                tier = to_tier if to_tier is not None or meta is None else meta.tier
+                refused = self._move_refused(meta, tier, codec)
                 if refused is not None:
                     out[k] = refused
                     continue
                 src = self.store_of[meta.tier]
                 target = (
-                    codec if codec is not None else (self.tier_codecs[to_tier] if meta.codec == "none" else meta.codec)
+                    codec if codec is not None else (self.tier_codecs[tier] if meta.codec == "none" else meta.codec)
                 )
                 if target != meta.codec:
                     meta.moving = True
-                    recode.append(_Recode(k, meta, src, meta.handle, meta.codec, meta.stored_bytes, target))
+                    job = _Recode(k, meta, src, meta.handle, meta.codec, meta.stored_bytes, target)
+                    recode.setdefault(tier, []).append(job)
                     continue
                 if not _batchable(src, dst):
                     singles.append(k)
@@ -739,10 +754,17 @@ class BlockPool:
                             out[k] = self._move_failed(f"{type(err).__name__}: {err}")
             for k, meta, src, old, new in waiting:  # readers hold it: switch once they let go
                 out[k] = self._switch_when_unread(meta, src, old, dst, new)
-        if recode:
-            out.update(self._move_recoded(recode, dst))
+        for tier, tier_jobs in recode.items():
+            out.update(self._move_recoded(tier_jobs, self.store_of[tier]))
         for k in singles:
             out[k] = self.move_block(block_hashes[k], to_tier, codec)
+        with self.lock:  # corrupt sources whose drop a block of this batch (moving then) refused
+            for k in out:
+                meta = self.blocks.get(block_hashes[k])
+                if meta is not None and meta.corrupt and not meta.ref_count and not meta.moving:
+                    self._drop_subtree(meta.block_hash)
+        for k, j in repeats.items():
+            out[k] = out[j]
         return [out[k] for k in range(len(block_hashes))]
 
     def _move_recoded(self, jobs: list[_Recode], dst: TierStore) -> dict[int, MoveOutcome]:
@@ -755,6 +777,7 @@ class BlockPool:
         pending: deque[tuple[_Recode, Future]] = deque()
         batch: list[tuple[_Recode, torch.Tensor, int]] = []
         batch_bytes = 0
+        deferred: list[_Recode] = []  # no room even after making room: tried again at the end
         queued = iter(jobs)
         try:
             while True:
@@ -765,7 +788,11 @@ class BlockPool:
                     job = next(queued, None)
                     if job is None:
                         break
-                    pending.append((job, self._codecs().submit(self._recode, job)))
+                    try:
+                        pending.append((job, self._codecs().submit(self._recode, job)))
+                    except BaseException:  # no codec thread to take it (shutting down)
+                        self._recode_failed(job.meta, "the codec threads are gone")
+                        raise
                     ahead += job.stored_bytes
                 if not pending:
                     break
@@ -784,12 +811,18 @@ class BlockPool:
                 batch.append((job, data, digest))
                 batch_bytes += data.numel()
                 if batch_bytes >= RECODE_WRITE_BYTES:
-                    out.update(self._write_recoded(batch, dst))
+                    out.update(self._write_recoded(batch, dst, deferred))
                     batch, batch_bytes = [], 0
-            out.update(self._write_recoded(batch, dst))
+            out.update(self._write_recoded(batch, dst, deferred))
             batch = []
-        finally:  # an unexpected error: nothing switched, every block stays where it was
-            left = [job for job, _ in pending] + [job for job, *_ in batch] + list(queued)
+            with self.lock:  # the others gave their space back: these go one by one, as move_block
+                for job in deferred:
+                    job.meta.moving = False
+            retry, deferred = deferred, []
+            for job in retry:
+                out[job.k] = self.move_block(job.meta.block_hash, dst.tier, job.target)
+        finally:  # an unexpected error: the blocks not finished stay where they were
+            left = [job for job, _ in pending] + [job for job, *_ in batch if not job.done] + list(queued) + deferred
             running = [fut for _, fut in pending if not fut.cancel()]
             wait(running)  # no codec thread still reads a block that is free to move again
             with self.lock:
@@ -831,7 +864,9 @@ class BlockPool:
                 dst.free(new)
         return self._move_failed(reason)
 
-    def _write_recoded(self, batch: list[tuple[_Recode, torch.Tensor, int]], dst: TierStore) -> dict[int, MoveOutcome]:
+    def _write_recoded(
+        self, batch: list[tuple[_Recode, torch.Tensor, int]], dst: TierStore, deferred: list[_Recode]
+    ) -> dict[int, MoveOutcome]:
         """Allocate, write and switch re-encoded blocks (each job leaves moving). When the
         tier has no room for the next block, the ones placed so far are written and
         switched first: their sources' space comes back (a compress in a full tier)."""
@@ -840,19 +875,26 @@ class BlockPool:
         while i < len(batch):
             placed: list[tuple[_Recode, torch.Tensor, int, object]] = []
             with self.lock:
-                while i < len(batch):
-                    job, data, digest = batch[i]
-                    try:
-                        new = self._allocate(dst, data.numel(), job.meta.block_hash)
-                    except PoolFull as exc:
-                        if placed:
-                            break
-                        job.meta.moving = False
-                        out[job.k] = self._move_failed(f"PoolFull: {exc}")
+                try:
+                    while i < len(batch):
+                        job, data, digest = batch[i]
+                        if placed:  # no room made for it while placed blocks hold space to give back
+                            new = dst.allocate(data.numel(), job.meta.block_hash)
+                            if new is None:
+                                break
+                        else:
+                            try:
+                                new = self._allocate(dst, data.numel(), job.meta.block_hash)
+                            except PoolFull:  # full of this move's blocks: once they are smaller
+                                deferred.append(job)
+                                i += 1
+                                continue
+                        placed.append((job, data, digest, new))
                         i += 1
-                        continue
-                    placed.append((job, data, digest, new))
-                    i += 1
+                except BaseException:
+                    for _, _, _, new in placed:
+                        dst.free(new)
+                    raise
             out.update(self._write_placed(placed, dst))
         return out
 
@@ -878,12 +920,19 @@ class BlockPool:
                 raise
         else:
             errs = []
-            for (_, data, _, new), h in zip(placed, headers, strict=True):
-                try:
-                    dst.write(new, data, h)
-                    errs.append(None)
-                except OSError as exc:
-                    errs.append(exc)
+            try:
+                for (_, data, _, new), h in zip(placed, headers, strict=True):
+                    try:
+                        dst.write(new, data, h)
+                        errs.append(None)
+                    except OSError as exc:
+                        errs.append(exc)
+            except BaseException:
+                with self.lock:
+                    for job, _, _, new in placed:
+                        job.meta.moving = False
+                        dst.free(new)
+                raise
         for (job, data, digest, new), err in zip(placed, errs, strict=True):
             if err is not None:
                 kind = "write_error" if dst.tier is Tier.DISK else "read_error"
@@ -891,9 +940,11 @@ class BlockPool:
                     kind, f"moving a block from the {job.meta.tier.label} to the {dst.tier.label} tier failed: {err}"
                 )
                 out[job.k] = self._recode_failed(job.meta, f"{type(err).__name__}: {err}", dst, new)
+                job.done = True
                 continue
             stored = (job.target, data.numel(), getattr(new, "checksum", 0) or digest)
             out[job.k] = self._switch_when_unread(job.meta, job.src, job.handle, dst, new, stored=stored)
+            job.done = True
         return out
 
     def _move_refused(self, meta: BlockMeta | None, to_tier: Tier, codec: str | None) -> MoveOutcome | None:

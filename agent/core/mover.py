@@ -15,7 +15,7 @@ from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
-from agent.core.block_pool import BlockPool, MoveOutcome
+from agent.core.block_pool import BlockPool
 from protos.tier import Tier
 
 log = logging.getLogger(__name__)
@@ -149,25 +149,12 @@ class Mover:
     def _outcomes(self, op: MoveOp):
         """Each block's outcome, in order, in batches of BATCH_BLOCKS
         (BlockPool.move_blocks: one vectored disk call per run of adjacent extents, codecs
-        on codec threads); a compress in place batches the blocks of each tier. Stops once
-        cancelled."""
+        on codec threads). Stops once cancelled."""
         for start in range(0, op.total, BATCH_BLOCKS):
             if op.cancel_requested:
                 return
-            batch = op.block_hashes[start : start + BATCH_BLOCKS]
-            if op.to_tier is not None:
-                yield from self.pool.move_blocks(batch, op.to_tier, op.codec)
-                continue
-            by_tier: dict[Tier, list[int]] = {}
-            for k, h in enumerate(batch):
-                tier = self.pool.tier_of(h)
-                if tier is not None:
-                    by_tier.setdefault(tier, []).append(k)
-            out: list[MoveOutcome | None] = [None] * len(batch)  # None: not held
-            for tier, ks in by_tier.items():
-                for k, outcome in zip(ks, self.pool.move_blocks([batch[k] for k in ks], tier, op.codec), strict=True):
-                    out[k] = outcome
-            yield from out
+            # to_tier None (a compress): each block where it is when its batch starts
+            yield from self.pool.move_blocks(op.block_hashes[start : start + BATCH_BLOCKS], op.to_tier, op.codec)
 
     def run_once(self, timeout_seconds: float = 0.1) -> MoveOp | None:
         try:

@@ -298,3 +298,48 @@ def test_compress_in_place_goes_in_batches(tmp_path):
     check_pool(pool)
     for i, h in enumerate(hashes):
         assert torch.equal(decoded(pool, h), roundtrip_int8(data[i]))
+
+
+def test_a_corrupt_parent_in_a_recoded_batch_goes_with_its_children(tmp_path):
+    cpu = MemoryTier(Tier.CPU, 8 * SPEC.block_bytes, SPEC.block_bytes, device="cpu")
+    pool = BlockPool([cpu, DiskTier(tmp_path / "disk", 1 << 20)], [SPEC])
+    data = kv(4, seed=1)
+    chain = [os.urandom(16) for _ in range(4)]
+    assert pool.insert_chain(SPEC.model_id, chain, lambda i: data[i]) == (4, 0)
+    assert all(o.ok for o in pool.move_blocks(chain, Tier.DISK, codec="int8"))
+    at = block_on_disk(pool, chain[1])
+    flip_byte(at.path, at.last_payload_byte)
+    outcomes = pool.move_blocks(chain, Tier.CPU, codec="none")
+    assert outcomes[0].ok and not outcomes[1].ok and "unreadable" in outcomes[1].reason
+    # the children moved with the batch, then left with their corrupt parent: no block is
+    # held behind a hole
+    assert chain[0] in pool.blocks and all(h not in pool.blocks for h in chain[1:])
+    assert pool.corrupt_blocks_total == 1
+    check_pool(pool)
+    assert torch.equal(decoded(pool, chain[0]), roundtrip_int8(data[0]))
+
+
+def test_a_compress_in_a_full_tier_makes_room_one_block_at_a_time(tmp_path):
+    """A tier full of the blocks being compressed: the first one needs room (one block
+    goes), every later one fits in the space the ones before gave back."""
+    cpu = MemoryTier(Tier.CPU, N * SPEC.block_bytes, SPEC.block_bytes // 4, device="cpu")
+    pool = BlockPool([cpu], [SPEC])
+    data = kv(N, seed=2)
+    hashes = [os.urandom(16) for _ in range(N)]
+    for i, h in enumerate(hashes):
+        pool.insert_chain(SPEC.model_id, [h], lambda _i, i=i: data[i])
+    outcomes = pool.move_blocks(hashes, Tier.CPU, codec="int8")
+    kept = [h for h in hashes if h in pool.blocks]
+    assert len(kept) >= N - 1 and sum(o.ok for o in outcomes) >= N - 1
+    assert all(pool.blocks[h].codec == "int8" and pool.tier_of(h) is Tier.CPU for h in kept)
+    check_pool(pool)
+
+
+def test_a_hash_listed_twice_moves_once_and_both_listings_say_so(tmp_path):
+    pool, hashes, data = independent_blocks(tmp_path)
+    outcomes = pool.move_blocks([hashes[0], hashes[1], hashes[0]], Tier.DISK, codec="int8")
+    assert [o.ok for o in outcomes] == [True, True, True] and outcomes[2] == outcomes[0]
+    mover = Mover(pool)
+    op = mover.run_op(mover.submit([hashes[2], hashes[2]], None, codec="int8", kind="compress"))
+    assert (op.state, op.done, op.failed) == (SUCCEEDED, 2, 0)
+    check_pool(pool)

@@ -504,6 +504,28 @@ static inline uint64_t to_e4m3_x8(__m256 f) {
 }
 #endif
 
+#if defined(VEC) && defined(__AVX512F__) && defined(__AVX512BW__)
+#define VEC512 1
+/* to_e4m3_x8's arithmetic on 16 floats, the roundings chosen by masks */
+static inline __m128i to_e4m3_x16(__m512 f) {
+    __m512i b = _mm512_castps_si512(f);
+    __m512i sign = _mm512_and_si512(b, _mm512_set1_epi32((int)0x80000000u));
+    __m512i a = _mm512_xor_si512(b, sign);
+    __m512i odd = _mm512_and_si512(_mm512_srli_epi32(a, 20), _mm512_set1_epi32(1));
+    __m512i rn = _mm512_add_epi32(_mm512_add_epi32(a, _mm512_set1_epi32((int)(((uint32_t)(7 - 127) << 23) + 0x7FFFF))), odd);
+    rn = _mm512_srli_epi32(rn, 20);
+    rn = _mm512_mask_sub_epi32(rn, _mm512_cmpeq_epi32_mask(rn, _mm512_set1_epi32(0x7F)), rn, _mm512_set1_epi32(1));
+    __m512 fs = _mm512_add_ps(_mm512_castsi512_ps(a), _mm512_castsi512_ps(_mm512_set1_epi32(141 << 23)));
+    __m512i rs = _mm512_sub_epi32(_mm512_castps_si512(fs), _mm512_set1_epi32(141 << 23));
+    __m512i r = _mm512_mask_mov_epi32(rn, _mm512_cmplt_epi32_mask(a, _mm512_set1_epi32(121 << 23)), rs);
+    r = _mm512_mask_mov_epi32(r, _mm512_cmpgt_epi32_mask(a, _mm512_set1_epi32((int)((1087u << 20) - 1))),
+                              _mm512_set1_epi32(0x7E));
+    r = _mm512_mask_mov_epi32(r, _mm512_cmpgt_epi32_mask(a, _mm512_set1_epi32(0x7F800000)), _mm512_set1_epi32(0x7F));
+    r = _mm512_or_si512(_mm512_and_si512(r, _mm512_set1_epi32(0xFF)), _mm512_srli_epi32(sign, 24));
+    return _mm512_cvtepi32_epi8(r);
+}
+#endif
+
 static float e4m3_table[256];
 /* filled when the library loads, before any thread can decode */
 __attribute__((constructor)) static void e4m3_init(void) {
@@ -520,6 +542,12 @@ __attribute__((constructor)) static void e4m3_init(void) {
 /* e4m3 bytes of one row of fp16 values divided by its fp32 scale s */
 static inline void fp8_row(const _Float16 *v, int64_t d, float s, uint8_t *o) {
     int64_t j = 0;
+#ifdef VEC512
+    const __m512 vs16 = _mm512_set1_ps(s);
+    for (; j + 16 <= d; j += 16)
+        _mm_storeu_si128((__m128i *)(o + j),
+                         to_e4m3_x16(_mm512_div_ps(_mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(v + j))), vs16)));
+#endif
 #ifdef VEC
     const __m256 vs = _mm256_set1_ps(s);
     for (; j + 8 <= d; j += 8) {

@@ -175,6 +175,15 @@ def _copy_unchanged(src, src_handle, dst, dst_handle, num_bytes: int, header) ->
         dst.write(dst_handle, src.read(src_handle, num_bytes), header)
 
 
+def _write_one(dst, handle, data, header) -> OSError | None:
+    """dst.write of one block; the OSError that kept it from being written, or None."""
+    try:
+        dst.write(handle, data, header)
+    except OSError as exc:
+        return exc
+    return None
+
+
 def _batchable(src, dst) -> bool:
     """Moves whose I/O a batch does in one call: a CPU memory slab to or from the disk."""
     if hasattr(src, "views") and getattr(src, "device", "") == "cpu" and hasattr(dst, "write_many"):
@@ -909,30 +918,15 @@ class BlockPool:
             _stored_as(job.meta, job.target, digest) if dst.tier is Tier.DISK else job.meta
             for job, _, digest, _ in placed
         ]
-        if hasattr(dst, "write_many"):
-            try:
-                errs = dst.write_many([(new, data, h) for (_, data, _, new), h in zip(placed, headers, strict=True)])
-            except Exception:
-                with self.lock:
-                    for job, _, _, new in placed:
-                        job.meta.moving = False
-                        dst.free(new)
-                raise
-        else:
-            errs = []
-            try:
-                for (_, data, _, new), h in zip(placed, headers, strict=True):
-                    try:
-                        dst.write(new, data, h)
-                        errs.append(None)
-                    except OSError as exc:
-                        errs.append(exc)
-            except BaseException:
-                with self.lock:
-                    for job, _, _, new in placed:
-                        job.meta.moving = False
-                        dst.free(new)
-                raise
+        items = [(new, data, h) for (_, data, _, new), h in zip(placed, headers, strict=True)]
+        try:
+            errs = dst.write_many(items) if hasattr(dst, "write_many") else [_write_one(dst, *it) for it in items]
+        except BaseException:  # nothing switched: the blocks stay, their new space goes back
+            with self.lock:
+                for job, _, _, new in placed:
+                    job.meta.moving = False
+                    dst.free(new)
+            raise
         for (job, data, digest, new), err in zip(placed, errs, strict=True):
             if err is not None:
                 kind = "write_error" if dst.tier is Tier.DISK else "read_error"

@@ -77,20 +77,22 @@ def test_a_corrupt_block_in_a_batch_is_removed_and_the_rest_move(tmp_path):
             assert torch.equal(decoded(pool, h), data[i])
 
 
-def test_a_failed_batch_write_leaves_every_source_in_place(tmp_path):
+@pytest.mark.parametrize("codec", [None, "int4"], ids=["as_is", "recoded"])
+def test_a_failed_batch_write_leaves_every_source_in_place(tmp_path, codec):
     pool, hashes, data = independent_blocks(tmp_path)
     disk_of(pool).path.unlink()  # the slab goes away under the agent
     time.sleep(0.06)
-    outcomes = pool.move_blocks(hashes, Tier.DISK)
+    outcomes = pool.move_blocks(hashes, Tier.DISK, codec=codec)
     assert not any(o.ok for o in outcomes)
-    assert all(pool.tier_of(h) is Tier.CPU for h in hashes)
+    assert all(pool.tier_of(h) is Tier.CPU and pool.blocks[h].codec == "none" for h in hashes)
     assert "write_error" in {n.kind for n in pool.drain_notices()}
     assert disk_of(pool).used_bytes == 0 and pool.move_failures_total == N
     for i, h in enumerate(hashes):
         assert torch.equal(decoded(pool, h), data[i])
 
 
-def test_a_block_being_read_switches_when_its_reader_lets_go(tmp_path):
+@pytest.mark.parametrize("codec", [None, "fp8"], ids=["as_is", "recoded"])
+def test_a_block_being_read_switches_when_its_reader_lets_go(tmp_path, codec):
     pool, hashes, data = independent_blocks(tmp_path)
     held = pool.acquire_chain([hashes[3]])
     assert len(held) == 1
@@ -103,13 +105,16 @@ def test_a_block_being_read_switches_when_its_reader_lets_go(tmp_path):
 
     t = threading.Thread(target=reader)
     t.start()
-    outcomes = pool.move_blocks(hashes, Tier.DISK)
+    outcomes = pool.move_blocks(hashes, Tier.DISK, codec=codec)
     done = time.monotonic()
     t.join()
     assert all(o.ok for o in outcomes)
     assert released and done >= released[0]  # not switched under the reader
     check_pool(pool)
-    assert torch.equal(decoded(pool, hashes[3]), data[3])
+    if codec is None:
+        assert torch.equal(decoded(pool, hashes[3]), data[3])
+    else:
+        assert pool.blocks[hashes[3]].codec == codec and pool.tier_of(hashes[3]) is Tier.DISK
 
 
 def test_mover_operations_move_in_batches(tmp_path):
@@ -251,40 +256,6 @@ def test_an_unexpected_codec_error_leaves_every_block_movable(tmp_path, monkeypa
     assert disk_of(pool).used_bytes == 0
     assert all(o.ok for o in pool.move_blocks(hashes, Tier.DISK, codec="int8"))
     check_pool(pool)
-
-
-def test_a_failed_recoded_write_leaves_every_source_in_place(tmp_path):
-    pool, hashes, data = independent_blocks(tmp_path)
-    disk_of(pool).path.unlink()
-    time.sleep(0.06)
-    outcomes = pool.move_blocks(hashes, Tier.DISK, codec="int4")
-    assert not any(o.ok for o in outcomes)
-    assert all(pool.tier_of(h) is Tier.CPU and pool.blocks[h].codec == "none" for h in hashes)
-    assert "write_error" in {n.kind for n in pool.drain_notices()}
-    assert disk_of(pool).used_bytes == 0 and pool.move_failures_total == N
-    for i, h in enumerate(hashes):
-        assert torch.equal(decoded(pool, h), data[i])
-
-
-def test_a_recoded_block_being_read_switches_when_its_reader_lets_go(tmp_path):
-    pool, hashes, data = independent_blocks(tmp_path)
-    held = pool.acquire_chain([hashes[2]])
-    released = []
-
-    def reader():
-        time.sleep(0.1)
-        released.append(time.monotonic())
-        pool.release_chain(held)
-
-    t = threading.Thread(target=reader)
-    t.start()
-    outcomes = pool.move_blocks(hashes, Tier.DISK, codec="fp8")
-    done = time.monotonic()
-    t.join()
-    assert all(o.ok for o in outcomes)
-    assert released and done >= released[0]
-    check_pool(pool)
-    assert pool.blocks[hashes[2]].codec == "fp8"
 
 
 def test_compress_in_place_goes_in_batches(tmp_path):

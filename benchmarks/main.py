@@ -97,7 +97,9 @@ def tiers(block_mibs, num_blocks, repeats, fsync, torch_threads, output_format):
     "--set", "settings", multiple=True, metavar="KEY=VALUE", help="Override a policy key (as kvctl policy set)."
 )
 @click.option(
-    "--oracles", is_flag=True, help="Also two bounds that see part of the future (dead blocks; total counts)."
+    "--oracles",
+    is_flag=True,
+    help="Also three bounds that see part of the future (dead blocks; total counts; class statistics in hindsight).",
 )
 @click.option(
     "--evidence",

@@ -24,9 +24,11 @@ the standard offline baseline, not an optimum for prefix hits.
 
 from __future__ import annotations
 
+import bisect
 import heapq
 import json
 import math
+import random
 from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field, replace
@@ -216,11 +218,120 @@ def _ranked_cache_hit_ratio(trace: Sequence[Request], capacity_blocks: int, rank
     return _ratio(hit, input_tokens(trace))
 
 
+# the classes of the hindsight bound: a block's uses so far (1..6+), the prompt length of
+# the request that last used it (short, long, very long) and its age (log-spaced buckets)
+_CLASS_MAX_USES = 6
+_CLASS_LENGTHS = (8_000, 32_000)
+_CLASS_AGES = (0, *sorted({int(1.3**i) for i in range(1, 48)}))
+_CLASS_SAMPLE = 64  # leaves looked at per eviction
+
+
+def _length_class(req: Request) -> int:
+    return sum(req.input_length >= n for n in _CLASS_LENGTHS)
+
+
+def _class_densities(trace: Sequence[Request]) -> dict[tuple[int, int], list[float]]:
+    """For each class (uses, length) and age bucket a: the chance that a block of the class
+    idle for a requests is used again, over the requests that would still take on
+    average (hit density per request of cache time), from the whole trace's reuse gaps."""
+    gaps: dict[tuple[int, int], list[int]] = {}
+    never: dict[tuple[int, int], int] = {}
+    uses: dict[int, int] = {}
+    nxt = next_uses(trace)
+    for i, r in enumerate(trace):
+        cls_len = _length_class(r)
+        for p, x in enumerate(r.hash_ids):
+            uses[x] = uses.get(x, 0) + 1
+            c = (min(uses[x], _CLASS_MAX_USES), cls_len)
+            if nxt[i][p] == math.inf:
+                never[c] = never.get(c, 0) + 1
+            else:
+                gaps.setdefault(c, []).append(int(nxt[i][p]) - i)
+    out: dict[tuple[int, int], list[float]] = {}
+    for c in set(gaps) | set(never):
+        g = sorted(gaps.get(c, []))
+        tail = [0.0] * (len(g) + 1)
+        for j in range(len(g) - 1, -1, -1):
+            tail[j] = tail[j + 1] + g[j]
+        row = []
+        for age in _CLASS_AGES:
+            j = bisect.bisect_right(g, age)
+            later = len(g) - j
+            if not later:
+                row.append(0.0)
+                continue
+            wait = (tail[j] - age * later) / later
+            row.append(later / (later + never.get(c, 0)) / max(wait, 1.0))
+        out[c] = row
+    return out
+
+
+def hindsight_class_hit_ratio(trace: Sequence[Request], capacity_blocks: int, seed: int = 0) -> float:
+    """The best any ranking by (uses so far, prompt length, idle time) could do, roughly:
+    it evicts, among a sample of leaves, the one whose class has the lowest hit density,
+    with the classes' reuse statistics fitted on the whole trace in hindsight (an online
+    policy would have to learn them as it goes)."""
+    dens = _class_densities(trace)
+    rng = random.Random(seed)
+    cached: set[int] = set()
+    leaves: list[int] = []
+    where: dict[int, int] = {}
+    nchild: dict[int, int] = {}
+    parent: dict[int, int | None] = {}
+    uses: dict[int, int] = {}
+    last: dict[int, int] = {}
+    length: dict[int, int] = {}
+
+    def leaf(x: int, on: bool) -> None:
+        if on and x not in where:
+            where[x] = len(leaves)
+            leaves.append(x)
+        elif not on and x in where:
+            j, tail = where.pop(x), leaves.pop()
+            if tail != x:
+                leaves[j], where[tail] = tail, j
+
+    hit = 0
+    for i, r in enumerate(trace):
+        ids = r.hash_ids
+        hit += hit_tokens(r, _leading(ids, cached))
+        prev = None
+        for x in ids:
+            uses[x] = uses.get(x, 0) + 1
+            last[x], length[x] = i, _length_class(r)
+            if x not in cached:
+                cached.add(x)
+                parent[x] = prev
+                leaf(x, True)
+                if prev is not None:
+                    nchild[prev] = nchild.get(prev, 0) + 1
+                    leaf(prev, False)
+            prev = x
+        while len(cached) > capacity_blocks:
+            victim, lowest = leaves[0], math.inf
+            for _ in range(_CLASS_SAMPLE):
+                x = leaves[rng.randrange(len(leaves))]
+                row = dens.get((min(uses[x], _CLASS_MAX_USES), length[x]))
+                d = row[bisect.bisect_right(_CLASS_AGES, i - last[x]) - 1] if row else 0.0
+                if d < lowest:
+                    victim, lowest = x, d
+            cached.discard(victim)
+            leaf(victim, False)
+            q = parent.pop(victim)
+            if q is not None and q in cached:
+                nchild[q] -= 1
+                if not nchild[q]:
+                    leaf(q, True)
+    return _ratio(hit, input_tokens(trace))
+
+
 def oracle_bounds(trace: Sequence[Request], capacity_blocks: int) -> dict[str, float]:
-    """Two policies told part of the future, both admitting everything and dropping
-    tails like the project's policy: `dead_block_oracle` is LRU that knows which blocks
-    will never be used again (they go first); `total_count_oracle` ranks blocks by how
-    often the whole trace uses them (recency breaks ties)."""
+    """Policies told part of the future, all admitting everything and dropping tails
+    like the project's policy: `dead_block_oracle` is LRU that knows which blocks will
+    never be used again (they go first); `total_count_oracle` ranks blocks by how often
+    the whole trace uses them (recency breaks ties); `hindsight_class_oracle` ranks by
+    the reuse statistics of a block's class, fitted on the whole trace
+    (hindsight_class_hit_ratio)."""
     nxt = next_uses(trace)
     count: dict[int, int] = {}
     for r in trace:
@@ -231,6 +342,7 @@ def oracle_bounds(trace: Sequence[Request], capacity_blocks: int) -> dict[str, f
             trace, capacity_blocks, lambda i, p, x: (nxt[i][p] != math.inf, i)
         ),
         "total_count_oracle": _ranked_cache_hit_ratio(trace, capacity_blocks, lambda i, p, x: (count[x], i)),
+        "hindsight_class_oracle": hindsight_class_hit_ratio(trace, capacity_blocks),
     }
 
 

@@ -56,7 +56,13 @@ def test_lru_belady_and_infinite_on_a_hand_made_trace():
     assert rp.infinite_hit_ratio(trace) == 2048 / total
     assert rp.next_uses(trace) == [[1, 1], [3, 3], [math.inf], [math.inf, math.inf]]
     # told that the one-off is dead, LRU keeps [1, 2]; told the counts, so does LFU
-    assert rp.oracle_bounds(trace, 2) == {"dead_block_oracle": 2048 / total, "total_count_oracle": 2048 / total}
+    # told each class's reuse statistics (fitted on this trace), the one-off's class is
+    # likelier to stay unused than the pair's: it goes
+    assert rp.oracle_bounds(trace, 2) == {
+        "dead_block_oracle": 2048 / total,
+        "total_count_oracle": 2048 / total,
+        "hindsight_class_oracle": 2048 / total,
+    }
 
 
 def test_prefix_semantics_a_hole_early_kills_later_hits():
@@ -145,7 +151,8 @@ def test_replay_command_json(trace_file):
     )
     assert out.exit_code == 0, out.output
     data = json.loads(out.output)
-    assert KEYS | {"dead_block_oracle_hit_ratio", "total_count_oracle_hit_ratio"} <= set(data)
+    assert KEYS | {f"{k}_oracle_hit_ratio" for k in ("dead_block", "total_count", "hindsight_class")} <= set(data)
+    assert 0 <= data["hindsight_class_oracle_hit_ratio"] <= data["infinite_hit_ratio"]
     assert data["capacity_blocks"] == 100 and data["unique_blocks"] > 100
     assert 0 <= data["lru_hit_ratio"] <= data["belady_hit_ratio"] <= data["infinite_hit_ratio"] <= 1
 
@@ -209,3 +216,14 @@ def test_console_script_runs(trace_file):
     )
     assert proc.returncode == 0, proc.stderr
     assert KEYS <= set(json.loads(proc.stdout))
+
+
+def test_hindsight_class_bound_learns_which_class_comes_back():
+    """Long prompts come back, short one-offs never: a ranking by class keeps the long
+    ones where LRU, flooded by the one-offs between their uses, loses them."""
+    trace = []
+    for i in range(60):
+        trace.append(req([1000 + (i % 3) * 10 + j for j in range(4)], input_length=40_000))  # 3 long ones, reused
+        trace.append(req([50_000 + i * 10 + j for j in range(4)], input_length=2_000))  # one-offs
+    assert rp.lru_hit_ratio(trace, 12) == 0.0
+    assert rp.hindsight_class_hit_ratio(trace, 12) == rp.belady_hit_ratio(trace, 12) == rp.infinite_hit_ratio(trace)

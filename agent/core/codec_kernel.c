@@ -387,7 +387,7 @@ int int4_decode(const uint8_t *k_scale, const uint8_t *k_lo, const uint8_t *k_pa
                 int64_t Gk, int64_t gv, int64_t Gv, _Float16 *x) {
     if (D > MAXW || gv > MAXW) return -1;
     float sc[MAXW], lo[MAXW], row[MAXW];
-    uint8_t qa[MAXW];
+    uint8_t qa[MAXW], pairs[CACHE / 2];
     for (int64_t l = 0; l < L; l++) {
         _Float16 *keys = x + (l * 2) * T * H * D, *vals = x + (l * 2 + 1) * T * H * D;
         for (int64_t h = 0; h < H; h++) {
@@ -398,10 +398,17 @@ int int4_decode(const uint8_t *k_scale, const uint8_t *k_lo, const uint8_t *k_pa
                     lo[d] = ld16(k_lo, g);
                 }
                 int64_t stride = Gk * gk, base = ((l * H + h) * D) * Gk * gk + gi * gk;
+                /* gk even: the group's pair bytes, [channel][pair] in the payload, as [pair][channel] */
+                int tiled = gk % 2 == 0 && gk * D <= CACHE;
+                if (tiled) transpose_bytes(k_packed + (base >> 1), stride >> 1, D, gk >> 1, pairs, D);
                 for (int64_t tt = 0; tt < gk && gi * gk + tt < T; tt++) {
                     int64_t f = base + tt;
                     const uint8_t *b = k_packed + (f >> 1);
-                    if (stride % 2 == 0) { /* the same nibble of every channel */
+                    if (tiled) {
+                        const uint8_t *p = pairs + (tt >> 1) * D;
+                        int shift = (int)((tt & 1) << 2);
+                        for (int64_t d = 0; d < D; d++) qa[d] = (p[d] >> shift) & 15;
+                    } else if (stride % 2 == 0) { /* the same nibble of every channel */
                         int shift = (int)((f & 1) << 2);
                         int64_t bstride = stride >> 1;
                         for (int64_t d = 0; d < D; d++) qa[d] = (b[d * bstride] >> shift) & 15;

@@ -245,6 +245,7 @@ class Agent:
         for t in self._threads:
             t.join(timeout=3)
         self.dataplane.close()
+        self.pool.close()
         for store in self.pool.store_of.values():
             if isinstance(store, MemoryTier):
                 store.close()

@@ -845,6 +845,14 @@ class BlockPool:
                 self._codec_pool = ThreadPoolExecutor(self.codec_threads, thread_name_prefix="codec")
             return self._codec_pool
 
+    def close(self) -> None:
+        """Let the codec threads go (after the moves running on them); a later move that
+        changes a codec starts new ones."""
+        with self.lock:
+            pool, self._codec_pool = self._codec_pool, None
+        if pool is not None:
+            pool.shutdown(wait=True)
+
     def _recode(self, job: _Recode) -> tuple[torch.Tensor, int]:
         """A block's payload in its new codec and the payload's checksum (a codec thread):
         a CPU slab block is decoded from its pages as they are, others from a read."""

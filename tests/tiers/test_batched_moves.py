@@ -314,3 +314,14 @@ def test_a_hash_listed_twice_moves_once_and_both_listings_say_so(tmp_path):
     op = mover.run_op(mover.submit([hashes[2], hashes[2]], None, codec="int8", kind="compress"))
     assert (op.state, op.done, op.failed) == (SUCCEEDED, 2, 0)
     check_pool(pool)
+
+
+def test_close_lets_the_codec_threads_go_and_moves_still_work(tmp_path):
+    pool, hashes, data = independent_blocks(tmp_path)
+    assert all(o.ok for o in pool.move_blocks(hashes[:4], Tier.DISK, codec="int8"))
+    assert any(t.name.startswith("codec") for t in threading.enumerate())
+    pool.close()
+    assert pool._codec_pool is None
+    assert all(o.ok for o in pool.move_blocks(hashes[4:], Tier.DISK, codec="int8"))  # new threads
+    pool.close()
+    check_pool(pool)

@@ -39,6 +39,14 @@ def runs(pages: list[int]) -> list[tuple[int, int]]:
     return out
 
 
+def _one_run(pages: list[int]) -> bool:
+    """Whether the pages are one ascending run. A free list hands out pages in the order
+    blocks gave them back, so first and last a run apart say nothing of those between
+    ([0, 1, 5, 2, 4] is not 0..4)."""
+    first, last = pages[0], pages[-1]
+    return last - first == len(pages) - 1 and pages == list(range(first, last + 1))
+
+
 class MemoryTier:
     def __init__(
         self, tier: Tier, capacity_bytes: int, page_bytes: int, device: str | None = None, shared: bool = False
@@ -92,8 +100,7 @@ class MemoryTier:
         """The slab segments holding the first `num_bytes` of a block, in order (no copy)."""
         pb = self.page_bytes
         first = handle[0]
-        if handle[-1] - first == len(handle) - 1 and (len(handle) < 3 or handle[1] == first + 1):
-            # one contiguous run (the common case): no run splitting
+        if _one_run(handle):  # the common case: no run splitting
             return [self.slab[first * pb : first * pb + min(num_bytes, len(handle) * pb)]]
         out, left = [], num_bytes
         for start, end in runs(handle):
@@ -109,7 +116,7 @@ class MemoryTier:
         order: what `views` covers, by arithmetic (no tensors; a handoff asks per block)."""
         pb, base = self.page_bytes, self._base
         first = handle[0]
-        if handle[-1] - first == len(handle) - 1 and (len(handle) < 3 or handle[1] == first + 1):
+        if _one_run(handle):
             return [(base + first * pb, min(num_bytes, len(handle) * pb))]
         out, left = [], num_bytes
         for start, end in runs(handle):

@@ -48,3 +48,27 @@ def test_parse_rejects_unknown_with_the_choices(text):
     assert repr(text) in msg
     for name in ("gpu", "cpu", "disk"):
         assert name in msg
+
+
+def test_a_handle_whose_pages_came_back_out_of_order_covers_only_its_own_pages():
+    """Pages freed one by one come back from the free list in any order: a handle
+    [0, 1, 5, 2, 4] spans 0..5 with the right count but is not the run 0..4 (page 3 is
+    another block's)."""
+    import torch
+
+    from agent.store.memory_tier import MemoryTier
+    from protos.tier import Tier
+
+    pb = 16
+    tier = MemoryTier(Tier.CPU, 16 * pb, pb)
+    singles = [tier.allocate(pb) for _ in range(6)]  # pages 0..5
+    for p in (4, 2, 5, 1, 0):
+        tier.free([p])
+    handle = tier.allocate(5 * pb)
+    assert sorted(handle) == [0, 1, 2, 4, 5] and singles[3] == [3]
+    tier.slab[3 * pb : 4 * pb] = 7  # the other block's bytes
+    tier.write(handle, torch.arange(5 * pb, dtype=torch.int64).to(torch.uint8))
+    assert tier.slab[3 * pb : 4 * pb].tolist() == [7] * pb
+    assert torch.equal(torch.cat(tier.views(handle, 5 * pb)), torch.arange(5 * pb, dtype=torch.int64).to(torch.uint8))
+    runs = tier.byte_runs(handle, 5 * pb)
+    assert [(a - tier.slab.data_ptr()) // pb + k for a, n in runs for k in range(n // pb)] == handle

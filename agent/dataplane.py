@@ -255,14 +255,13 @@ class DataPlane:
         try:
             for chunk in chunks:
                 if r is None:
-                    r = self.reservations.get(chunk.reservation_id)
-                    r.writers += 1
+                    r = self.reservations.attach_writer(chunk.reservation_id)
                 if chunk.data:
                     self.reservations.write(r, chunk.block_index, chunk.offset, chunk.data)
                     received += len(chunk.data)
         finally:
             if r is not None:
-                r.writers -= 1
+                self.reservations.detach_writer(r)
         return agent_pb2.PushResponse(received_bytes=received)
 
     def commit(self, request: agent_pb2.CommitRequest) -> agent_pb2.CommitResponse:
@@ -564,20 +563,20 @@ class DataPlane:
             done = True
             return p, len(metas) - p, sent_bytes
         except _Stalled as exc:
-            self._abort(stub, rid, str(exc), False)  # a late write may still land: quarantine its pages
+            self._abort(stub, rid, str(exc), False, deadline)  # a late write may still land: quarantine its pages
             raise _PathError(str(exc)) from None
         except grpc.RpcError as exc:
             quiesced = exc.code() != grpc.StatusCode.DEADLINE_EXCEEDED
-            self._abort(stub, rid, f"{exc.code().name}", quiesced)
+            self._abort(stub, rid, f"{exc.code().name}", quiesced, deadline)
             raise _rpc_error(exc, "push/commit" if path == GRPC else "commit") from None
         except TransferFailed as exc:
-            self._abort(stub, rid, str(exc), True)
+            self._abort(stub, rid, str(exc), True, deadline)
             raise _PathError(str(exc)) from None
         except _PathError as exc:
-            self._abort(stub, rid, str(exc), True)
+            self._abort(stub, rid, str(exc), True, deadline)
             raise
         except OSError as exc:  # reading a source block (disk): nothing of this attempt is in flight
-            self._abort(stub, rid, f"source read failed: {exc}", True)
+            self._abort(stub, rid, f"source read failed: {exc}", True, deadline)
             raise _PathError(f"reading the prefix here failed ({exc})") from None
         finally:
             if path == SHM and not done:
@@ -661,13 +660,16 @@ class DataPlane:
         stub.Commit(request, timeout=left(max(self.config.rpc_timeout_seconds, 0.1 + wanted / 1e9)))
         return sent
 
-    def _abort(self, stub, rid: str, reason: str, quiesced: bool) -> None:
+    def _abort(self, stub, rid: str, reason: str, quiesced: bool, deadline: float) -> None:
+        """Tell the peer to let the reservation go, waiting for it at most 0.5 s and never
+        past the handoff's deadline (an abort that is not answered expires there)."""
         try:
-            stub.Abort(
+            call = stub.Abort.future(
                 agent_pb2.AbortRequest(reservation_id=rid, reason=reason[:200], writes_quiesced=quiesced),
                 timeout=0.5,
             )
-        except grpc.RpcError:
+            call.result(timeout=max(0.0, min(0.5, deadline - time.monotonic())))
+        except (grpc.RpcError, grpc.FutureTimeoutError):
             pass  # the peer is gone or slow: its reservation expires by itself
 
     def _source(self, meta: BlockMeta) -> tuple[list[torch.Tensor], torch.Tensor | None]:
@@ -837,6 +839,7 @@ class DataPlane:
         step = self.config.grpc_chunk_bytes
         sums: list[int] = []
         sent = [0]
+        paced_out = [False]
 
         def chunks():
             yield agent_pb2.PushChunk(reservation_id=rid)
@@ -848,12 +851,15 @@ class DataPlane:
                     for start in range(0, seg.numel(), step):
                         piece = seg[start : start + step]
                         if not link.pace(piece.numel(), deadline):
+                            paced_out[0] = True
                             return
                         yield agent_pb2.PushChunk(block_index=i, offset=offset, data=piece.numpy().tobytes())
                         offset += piece.numel()
                         sent[0] += piece.numel()
 
         stub.Push(chunks(), timeout=max(0.01, deadline - time.monotonic()))
+        if paced_out[0]:
+            raise _PathError("the link's bandwidth limit would pass the deadline")
         stub.Commit(
             agent_pb2.CommitRequest(reservation_id=rid, checksums=sums, first_block=p, last=True),
             timeout=left(max(self.config.rpc_timeout_seconds, 0.1 + sent[0] / 1e9)),

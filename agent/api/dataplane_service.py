@@ -31,8 +31,8 @@ class DataPlaneServicer(agent_pb2_grpc.DataPlaneServicer):
     def Handoff(self, request, context):
         if not request.destination_agent_id:
             raise errors.InvalidArgument("destination_agent_id", "must not be empty")
-        if request.deadline_seconds < 0:
-            raise errors.InvalidArgument("deadline_seconds", "must not be negative")
+        if not 0 <= request.deadline_seconds < float("inf"):  # also NaN
+            raise errors.InvalidArgument("deadline_seconds", "must be finite and not negative")
         model = self._engine.model(request.model_id)
         if request.token_ids and request.block_hashes:
             raise errors.InvalidArgument("token_ids", "give token_ids or block_hashes, not both")

@@ -466,6 +466,10 @@ class BlockPool:
         store = self.store_of[tier]
         with self.lock:
             present = self.acquire_chain(block_hashes)
+            need = sum(store.footprint(int(n)) for n in stored_bytes[len(present) :])
+            if need > self.reclaimable_bytes(tier):
+                self.release_chain(present)
+                raise PoolFull(f"{need} B do not fit: the {store.tier.label} tier can free less than that")
             handles: list = []
             try:
                 for i in range(len(present), len(block_hashes)):

@@ -21,6 +21,7 @@ Nothing here imports gRPC or the engine; agent.api and agent.store bring those.
 
 from __future__ import annotations
 
+import math
 import random
 import threading
 import time
@@ -39,6 +40,7 @@ from protos.tier import Tier
 SHM, ENGINE, GRPC = "shm", "engine", "grpc"
 PATHS = (SHM, ENGINE, GRPC)  # the order a handoff tries them in (shm only to a peer on this host)
 TRANSFERRED, PRESENT, RECOMPUTE = "transferred", "present", "recompute"
+MAX_TTL_SECONDS = 600.0  # a reservation outlives no sender longer than this
 
 
 def checksum(segments) -> int:
@@ -143,6 +145,9 @@ class Reservations:
             raise errors.NotFound(f"model_id: this agent serves no model {model_id!r}")
         if len(stored_bytes) != len(block_hashes) or len(codecs) != len(block_hashes):
             raise errors.InvalidArgument("stored_bytes", "give one size and one codec per block")
+        if not math.isfinite(ttl_seconds):
+            raise errors.InvalidArgument("ttl_seconds", f"must be finite, got {ttl_seconds}")
+        ttl_seconds = min(ttl_seconds, MAX_TTL_SECONDS)
         for c in set(codecs):
             try:
                 codec_names.check_codec(c)
@@ -169,6 +174,10 @@ class Reservations:
             with self._lock:
                 self._open.pop(rid, None)
             raise
+        if not handles:  # all present: nothing to write or commit, so nothing is kept open
+            self.pool.release_chain(present)
+            with self._lock:
+                self._open.pop(rid, None)
         now = self.clock()
         r = Reservation(
             rid,
@@ -185,8 +194,9 @@ class Reservations:
             now,
             now + max(0.1, ttl_seconds),
         )
-        with self._lock:
-            self._open[rid] = r
+        if handles:
+            with self._lock:
+                self._open[rid] = r
         return r
 
     def slots(self, r: Reservation) -> list[tuple[int, int]]:
@@ -284,15 +294,34 @@ class Reservations:
     def abort(self, reservation_id: str, quiesced: bool = False) -> bool:
         with self._lock:
             r = self._open.pop(reservation_id, None)
+            # read with the pop: a writer attaches only to an open reservation (attach_writer)
+            quiesced = quiesced and r is not None and not r.writers
         if r is None:
             return False
         self._release(r, quiesced)
         self.aborted_total += 1
         return True
 
+    def attach_writer(self, reservation_id: str) -> Reservation:
+        """The open reservation, with one more writer on it: an abort from now on sends its
+        pages to quarantine instead of freeing them under the write."""
+        with self._lock:
+            r = self._open.get(reservation_id) if reservation_id else None
+            if r is not None:
+                r.writers += 1
+        if r is None:
+            raise ReservationError(f"reservation {reservation_id!r} is not open here (expired, aborted or never made)")
+        return r
+
+    def detach_writer(self, r: Reservation) -> None:
+        with self._lock:
+            r.writers -= 1
+
     def _release(self, r: Reservation, quiesced: bool) -> None:
+        """Give back what a reservation held: its pages now when no write can still land in
+        them (`quiesced`), else after the quarantine."""
         self.pool.release_chain(r.present)
-        if quiesced and not r.writers:
+        if quiesced:
             self.pool.release_reserved(r.handles, r.tier)
         else:
             with self._lock:

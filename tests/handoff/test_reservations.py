@@ -152,6 +152,49 @@ def test_too_many_arriving_is_busy_and_no_room_is_a_clear_error():
     assert pool.top.used_bytes == 4 * BLOCK  # nothing held by the failed reservation
 
 
+def test_a_prefix_held_whole_opens_no_reservation():
+    pool, res, _ = make()
+    _, kv, hashes = prompt(SMALL, 4)
+    pool.insert_chain(SMALL.model_id, hashes, lambda i: kv[i])
+    r = reserve(res, hashes)
+    assert r.num_present == 4 and not r.handles
+    assert res.open_count() == 0 and all(pool.blocks[h].ref_count == 0 for h in hashes)
+
+
+def test_a_prefix_that_can_never_fit_evicts_nothing():
+    pool, res, _ = make(capacity_blocks=8)
+    _, kv, cached = prompt(SMALL, 6, seed=1)
+    pool.insert_chain(SMALL.model_id, cached, lambda i: kv[i])
+    _, _, hashes = prompt(SMALL, 12, seed=2)
+    with pytest.raises(errors.FailedPrecondition):
+        reserve(res, hashes)
+    assert pool.num_leading(cached) == 6  # refused before making room, not after
+
+
+@pytest.mark.parametrize("ttl", [float("inf"), float("nan")])
+def test_a_reservation_ttl_is_finite_and_capped(ttl):
+    pool, res, clock = make()
+    _, _, hashes = prompt(SMALL, 2)
+    with pytest.raises(errors.InvalidArgument, match="ttl_seconds"):
+        res.reserve(SMALL.model_id, hashes, [BLOCK] * 2, ["none"] * 2, ttl_seconds=ttl)
+    r = res.reserve(SMALL.model_id, hashes, [BLOCK] * 2, ["none"] * 2, ttl_seconds=1e9)
+    assert r.expires_monotonic - clock.now <= 600
+
+
+def test_an_abort_never_frees_pages_a_writer_is_attached_to():
+    pool, res, _ = make()
+    _, kv, hashes = prompt(SMALL, 3)
+    r = reserve(res, hashes)
+    writer = res.attach_writer(r.reservation_id)
+    assert res.abort(r.reservation_id, quiesced=True)  # the sender says no write is in flight...
+    assert res.quarantined_pages() == 3  # ...but a push stream is still writing: quarantine
+    res.detach_writer(writer)
+    with pytest.raises(ReservationError, match="not open"):
+        res.attach_writer(r.reservation_id)  # a stream arriving after the abort writes nothing
+    r2 = reserve(res, hashes)
+    assert res.abort(r2.reservation_id, quiesced=True) and res.quarantined_pages() == 3  # freed at once
+
+
 def test_commit_reuses_a_block_stored_meanwhile():
     pool, res, _ = make()
     _, kv, hashes = prompt(SMALL, 3)

@@ -310,9 +310,11 @@ class Manager:
 
     def _reload_pins(self) -> None:
         """Level-triggered: etcd is the truth (a pin tied to an owner lease vanishes with it)."""
+        with self._lock:
+            before = set(self.pins)  # a pin created after the read below is not 'gone'
         stored = {p.pin_id: p for p in self.durable.load_pins()}
         with self._lock:
-            gone = [pid for pid in self.pins if pid not in stored]
+            gone = [pid for pid in before if pid in self.pins and pid not in stored]
             for pid in gone:
                 del self.pins[pid]
             for pid, p in stored.items():
@@ -719,12 +721,20 @@ class Manager:
     def _policy_pass(self, now: float) -> int:
         policy = self.tier_policy()
         with self._lock:
-            pinned = {
-                p.block_hashes[i : i + 16]: p.min_tier
-                for p in self.pins.values()
-                if p.active(now) and p.block_hashes
-                for i in range(0, len(p.block_hashes), 16)
-            }
+            active = [p for p in self.pins.values() if p.active(now) and p.block_hashes]
+
+        def pinned_for(agent_id: str) -> dict[bytes, Tier]:
+            # the pins this agent honours; several on one block: the fastest tier binds
+            out: dict[bytes, Tier] = {}
+            for p in active:
+                if p.applies_to(agent_id):
+                    for i in range(0, len(p.block_hashes), 16):
+                        h = p.block_hashes[i : i + 16]
+                        t = out.get(h)
+                        if t is None or p.min_tier < t:
+                            out[h] = p.min_tier
+            return out
+
         connected = self.cluster.connected_agents()
         due = []
         for rec in connected:
@@ -735,7 +745,7 @@ class Manager:
                     inflight.pop(op_id, None)  # an agent that never answered gets decided for again
             if inflight or not rec.models:
                 continue
-            if self._policy_due(rec, policy, pinned):
+            if self._policy_due(rec, policy, pinned_for(rec.agent_id)):
                 due.append((self._policy_last.get(rec.agent_id, 0.0), rec.agent_id, rec))
         views = []
         replicas: dict[bytes, int] = {}  # blocks another agent holds too (cheaper to lose)
@@ -754,16 +764,19 @@ class Manager:
             return 0
         capacity = sum(self._capacity_blocks(rec) for rec in connected if rec.models)
         credit = self._tune(policy, capacity)
+        actions = []
         with self._access_lock:
-            view = tier_policy.ClusterView(
-                tuple(views),
-                self.access,
-                tier_policy.Pins(pinned),
-                replicas=replicas,
-                turnover_seconds=self.access.turnover_seconds(capacity),
-                reuse_credit_turnovers=credit,
-            )
-            actions = tier_policy.decide(view, policy, now)
+            turnover = self.access.turnover_seconds(capacity)
+            for agent_view in views:  # one agent at a time: pins may be scoped to an agent
+                view = tier_policy.ClusterView(
+                    (agent_view,),
+                    self.access,
+                    tier_policy.Pins(pinned_for(agent_view.agent_id)),
+                    replicas=replicas,
+                    turnover_seconds=turnover,
+                    reuse_credit_turnovers=credit,
+                )
+                actions.extend(tier_policy.decide(view, policy, now))
         for action in actions:
             self._policy_ops += 1
             op_id = f"policy-{self._policy_ops}"

@@ -99,10 +99,12 @@ def new_pin(
 
 
 def check_quota(pins: list[Pin], new: Pin, quota_bytes: int | None) -> None:
-    """Reject a pin that would take its namespace beyond its quota (nothing changes)."""
+    """Reject a pin that would take its namespace beyond its quota (nothing changes).
+    Pins past their TTL count for nothing, even before the sweep deletes them."""
     if quota_bytes is None:
         return
-    used = sum(p.pinned_bytes for p in pins if p.namespace == new.namespace)
+    now = new.created_unix_seconds
+    used = sum(p.pinned_bytes for p in pins if p.namespace == new.namespace and p.active(now))
     if used + new.pinned_bytes > quota_bytes:
         raise errors.ResourceExhausted(
             f"pin quota of namespace {new.namespace!r} exceeded: {used} B pinned + {new.pinned_bytes} B asked "

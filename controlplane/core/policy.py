@@ -350,7 +350,10 @@ def block_priority(
         credits = float(min(stats.num_reuses, policy.max_reuse_credits))
     if replicated:
         credits -= policy.replica_discount_credits
-    return min(last, now) + policy.reuse_credit_turnovers * turnover_seconds * credits
+    bonus = policy.reuse_credit_turnovers * turnover_seconds * credits if credits else 0.0
+    if not math.isfinite(bonus):  # an unbounded turnover (no new blocks for weeks): never NaN
+        bonus = 0.0 if math.isnan(bonus) else math.copysign(1e300, bonus)
+    return min(last, now) + bonus
 
 
 def total_capacity_blocks(agents: Iterable[AgentView]) -> int:

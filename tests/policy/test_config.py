@@ -68,3 +68,14 @@ def test_validate_names_dataclass_fields():
     with pytest.raises(errors.InvalidArgument) as exc:
         Policy.from_mapping({"gpu.codec": "x"}, field="--set")
     assert exc.value.field == "--set[gpu.codec]"
+
+
+def test_a_pin_past_its_ttl_counts_for_nothing_against_the_quota():
+    from controlplane.core.pins import Pin, check_quota
+
+    old = Pin("old", "kb", "m", b"\x01" * 16, Tier.CPU, 0.0, 50.0, pinned_bytes=900)  # expired at 50
+    live = Pin("live", "kb", "m", b"\x02" * 16, Tier.CPU, 0.0, 1e12, pinned_bytes=50)
+    new = Pin("new", "kb", "m", b"\x03" * 16, Tier.CPU, 100.0, 1e12, pinned_bytes=100)
+    check_quota([old, live], new, quota_bytes=200)  # 50 + 100 <= 200: the expired 900 B are gone
+    with pytest.raises(errors.ResourceExhausted, match="quota"):
+        check_quota([old, live], new, quota_bytes=120)

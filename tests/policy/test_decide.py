@@ -303,3 +303,31 @@ def test_child_counts_from_the_agent_give_the_same_answer(scenario):
                     counts[p] = counts.get(p, 0) + 1
         agents.append(replace(av, num_children=counts))
     assert decide(replace(v, agents=tuple(agents)), policy, now) == decide(v, policy, now)
+
+
+def test_an_unbounded_turnover_never_makes_a_priority_nan():
+    """Weeks of lookups that name only known blocks drive the new-block rate to zero and
+    the turnover to infinity; priorities stay numbers, and decide stays LRU-like and
+    deterministic instead of ordering NaNs by chance."""
+    import math
+
+    from controlplane.core.access_stats import AccessStats
+    from controlplane.core.policy import AgentView, ClusterView, Policy, TierView, block_priority, decide
+    from protos.block_hash import ROOT_PARENT_HASH
+
+    def h(i: int) -> bytes:
+        return (i + 1).to_bytes(16, "big")
+
+    stats = AccessStats()
+    for i in range(10):
+        stats.record_lookup([h(i)], float(i))
+    for credits in (0.0, 2.0):
+        p = block_priority(stats.get(h(1)), math.inf, Policy(reuse_credit_turnovers=credits), False, 20.0)
+        assert not math.isnan(p)
+    view = ClusterView(
+        (AgentView("a", (TierView(Tier.GPU, 10, {h(i): ROOT_PARENT_HASH for i in range(10)}),)),),
+        stats,
+        turnover_seconds=math.inf,
+    )
+    evicted = [b for a in decide(view, Policy(), 20.0) for b in a.block_hashes]
+    assert evicted and evicted[0] == h(0)  # the least recently looked up goes first

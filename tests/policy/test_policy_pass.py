@@ -252,3 +252,71 @@ def test_blocks_no_lookup_named_go_oldest_store_first():
 
     assert block_priority(None, 0.0, Policy(), False, 10.0, float("nan")) == float("-inf")
     assert block_priority(None, 0.0, Policy(), False, 10.0, 5.0) == 5.0
+
+
+# ---- pins as the pass reads them -------------------------------------------------------
+def _pin(pin_id: str, c: list[bytes], tier: Tier, created: float, agent_id: str = ""):
+    from controlplane.core.pins import Pin
+
+    return Pin(pin_id, "default", "m", b"".join(c), tier, created, 1e12, agent_id=agent_id)
+
+
+def _moves(f: Fleet, agent_id: str) -> list[tuple[str, int, int]]:
+    return [(c.kind, c.tier, len(c.block_hashes) // 16) for c in f.commands(agent_id)]
+
+
+def test_two_pins_on_one_block_bind_at_the_faster_tier():
+    f = Fleet()
+    c = chain(1, 4)
+    f.agent("a", {Tier.GPU: (4, [c]), Tier.CPU: (100, [])})  # GPU full: over its high watermark
+    f.manager.pins["gpu"] = _pin("gpu", c, Tier.GPU, 0)
+    f.manager.pins["disk"] = _pin("disk", c, Tier.DISK, 1)  # newer, slower: must not loosen the first
+    f.manager._apply_pins = lambda now: None
+    f.manager.policy_pass(100.0)
+    assert _moves(f, "a") == []  # nothing of the GPU-pinned prefix leaves the GPU
+
+
+def test_a_pin_scoped_to_one_agent_binds_that_agent_only():
+    f = Fleet()
+    c = chain(2, 4)
+    f.agent("a", {Tier.GPU: (100, [c]), Tier.CPU: (100, [])})
+    f.agent("b", {Tier.GPU: (100, []), Tier.CPU: (100, [c])})
+    f.manager.pins["a-only"] = _pin("a-only", c, Tier.GPU, 0, agent_id="a")
+    f.manager._apply_pins = lambda now: None
+    f.manager.policy_pass(100.0)
+    assert _moves(f, "b") == []  # b's copy is not promoted for a pin that is not b's
+
+
+def test_a_pin_made_while_pins_reload_is_kept():
+    from controlplane.manager import Scope
+    from controlplane.store.durable import pin_from_json
+
+    f = Fleet()
+    m = f.manager
+    c = chain(3, 4)
+    f.agent("a", {Tier.GPU: (100, [c])})
+    created = []
+
+    class Durable:  # etcd's range read, with a Pin RPC landing on another thread meanwhile
+        def __init__(self):
+            self.kv = {}
+
+        def put(self, key, value, lease=0):
+            self.kv[key] = value
+
+        def delete(self, key):
+            self.kv.pop(key, None)
+
+        def lease_alive(self, lease):
+            return True
+
+        def load_pins(self):
+            snapshot = [pin_from_json(v) for v in self.kv.values()]
+            created.append(m.pin(Scope(model_id="m", block_hashes=b"".join(c)), Tier.GPU, 3600))
+            return snapshot
+
+    m.durable = Durable()
+    m._reload_pins()
+    assert created[0].pin_id in m.pins
+    m._apply_pins(100.0)
+    assert [cmd.kind for cmd in f.commands("a")] == ["pin"]

@@ -237,7 +237,11 @@ class ControlPlaneLink:
 
     def _outgoing(self, stop: threading.Event, done: threading.Event):
         agent_id = self._agent_info().agent_id
-        yield agent_pb2.AgentMessage(hello=agent_pb2.Hello(agent_id=agent_id, session_id=self.session_id))
+        with self._pool.lock:
+            pin_ids = sorted(self._pool.pins.pins)
+        yield agent_pb2.AgentMessage(
+            hello=agent_pb2.Hello(agent_id=agent_id, session_id=self.session_id, pin_ids=pin_ids)
+        )
         yield from self._inventory_messages()
         yield self._stats_message()
         next_stats = time.monotonic() + self.stats_interval_seconds

@@ -77,6 +77,7 @@ class AgentRecord:
     # commands go down the agent's current Sync stream; pins applied on this stream
     outbox: object = None
     applied_pins: set[str] = field(default_factory=set)
+    reported_pins: set[str] = field(default_factory=set)  # pins the agent's Hello said it holds
 
 
 @dataclass(frozen=True)
@@ -272,11 +273,13 @@ class Cluster:
             ]
 
     # ---- sync -----------------------------------------------------------------------
-    def hello(self, agent_id: str, session_id: str) -> None:
-        """A Sync stream opened: the agent sends a full inventory next."""
+    def hello(self, agent_id: str, session_id: str, pin_ids=()) -> None:
+        """A Sync stream opened: the agent sends a full inventory next. `pin_ids`: the
+        control plane's pins it holds (the new stream starts from them)."""
         with self._lock:
             rec = self.agent(agent_id)
             rec.session_id = session_id
+            rec.reported_pins = set(pin_ids)
             rec.state = AgentState.SYNCING
             self.events.publish("agent_state", f"{agent_id} connected; syncing its inventory", agent_id=agent_id)
             rec.awaiting_inventory = True
@@ -362,7 +365,9 @@ class Cluster:
             rec = self.agent(agent_id)
             if rec.session_id == session_id:
                 rec.outbox = outbox
-                rec.applied_pins = set()  # a new stream: pins are sent again
+                # a new stream starts from the pins the agent said it holds: those the
+                # control plane no longer has are unpinned, the ones it lacks sent
+                rec.applied_pins = set(rec.reported_pins)
 
     def send(self, agent_id: str, command: AgentCommand) -> bool:
         """Queue a command for an agent; False when it has no open stream."""

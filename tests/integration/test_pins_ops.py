@@ -124,6 +124,36 @@ def test_pins_survive_controlplane_restart_and_reapply_to_restarted_agent(etcd, 
         cp2.stop()
 
 
+def test_a_pin_gone_while_the_controlplane_was_down_is_lifted_on_the_agent(etcd, make_agent):
+    """The pin's owner dies while no control plane runs: etcd drops the pin with the
+    owner's lease, the agent still enforces it. The next control plane learns from the
+    agent's Hello which pins it holds and lifts the one it no longer has."""
+    from controlplane.server import ControlPlane, ControlPlaneConfig
+
+    cp = ControlPlane(ControlPlaneConfig(listen="127.0.0.1:0", etcd=etcd, election_ttl_seconds=2)).start()
+    port = cp.port
+    owner = etcd_keys.connect(etcd)
+    try:
+        a = make_agent("p6", lease_ttl_seconds=3)
+        a.engine.store(M.model_id, tokens(3, start=9000), kv(3))
+        with ControlPlaneClient(cp.address) as c:
+            wait_for(lambda: indexed(c, "p6") == 3, what="indexed")
+            lease = owner.lease(30)
+            c.pin(model_id=M.model_id, token_ids=tokens(3, start=9000), min_tier="cpu", owner_lease_id=lease.id)
+            wait_for(lambda: pinned_on(a, tokens(3, start=9000)) == [int(Tier.CPU)] * 3, what="applied")
+    finally:
+        cp.stop()
+    lease.revoke()  # the owner goes while no control plane watches
+    cp2 = ControlPlane(ControlPlaneConfig(listen=f"127.0.0.1:{port}", etcd=etcd, election_ttl_seconds=2)).start()
+    try:
+        with ControlPlaneClient(cp2.address) as c:
+            assert c.list_pins() == []
+            wait_for(lambda: pinned_on(a, tokens(3, start=9000)) == [0] * 3, timeout_seconds=15, what="pin lifted")
+    finally:
+        cp2.stop()
+        owner.close()
+
+
 def test_pin_tied_to_owner_lease_goes_with_it(client, make_agent, etcd):
     make_agent("p5")
     wait_for(lambda: indexed(client, "p5") == 0, what="agent")

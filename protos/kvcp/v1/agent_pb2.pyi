@@ -166,12 +166,14 @@ class DataPlaneStats(_message.Message):
     def __init__(self, links: _Optional[_Iterable[_Union[LinkStats, _Mapping]]] = ..., inbound_reservations: _Optional[int] = ..., reserved_bytes: _Optional[int] = ..., handoff_free_bytes: _Optional[int] = ..., handoff_capacity_bytes: _Optional[int] = ..., outbound_inflight: _Optional[int] = ..., outbound_queued: _Optional[int] = ..., max_inbound: _Optional[int] = ...) -> None: ...
 
 class Hello(_message.Message):
-    __slots__ = ("agent_id", "session_id")
+    __slots__ = ("agent_id", "session_id", "pin_ids")
     AGENT_ID_FIELD_NUMBER: _ClassVar[int]
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    PIN_IDS_FIELD_NUMBER: _ClassVar[int]
     agent_id: str
     session_id: str
-    def __init__(self, agent_id: _Optional[str] = ..., session_id: _Optional[str] = ...) -> None: ...
+    pin_ids: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, agent_id: _Optional[str] = ..., session_id: _Optional[str] = ..., pin_ids: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class Notice(_message.Message):
     __slots__ = ("kind", "message", "unix_seconds")

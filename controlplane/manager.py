@@ -36,6 +36,7 @@ log = logging.getLogger(__name__)
 DTYPE_BYTES = {"float16": 2, "bfloat16": 2, "float32": 4, "float8_e4m3fn": 1, "int8": 1}
 CODECS = ("none", "int8", "int4", "fp8", "zstd")
 MAX_OPS_KEPT = 500
+PIN_REFUSAL_SECONDS = 60.0  # how long the policy leaves alone a block an agent's pin held
 
 
 def block_bytes(m: ModelInfo) -> int:
@@ -124,6 +125,10 @@ class Manager:
         self.policy_pass_seconds_max = 0.0  # the longest pass (copying out, decide, sending)
         self.policy_pass_seconds_last = 0.0
         self._policy_inflight: dict[str, dict[str, float]] = {}  # agent -> {op_id: deadline}
+        # blocks an agent left alone because its pins hold them (namespace pins: the index
+        # does not know a block's namespace): agent -> {block: (pin tier, until)}; forgotten
+        # when any pin goes, or after PIN_REFUSAL_SECONDS
+        self._pin_refusals: dict[str, dict[bytes, tuple[Tier, float]]] = {}
         self._policy_ops = 0
         self.policy_actions_total = 0
         self.policy_enabled = True
@@ -258,6 +263,7 @@ class Manager:
                 raise errors.NotFound(f"pin_id: no pin {pin_id!r} (kvctl pins lists them)")
             self.durable.delete(pin_key(pin))
             del self.pins[pin_id]
+            self._pin_refusals.clear()  # a lifted pin may free what an agent refused
         self.cluster.events.publish("pin_removed", f"pin {pin_id} removed", pin_id=pin_id)
         self._apply_pins(self.clock())
         return pin
@@ -305,6 +311,7 @@ class Manager:
                 continue  # agents stop honouring it at its expiry anyway; retried next pass
             with self._lock:
                 self.pins.pop(p.pin_id, None)
+                self._pin_refusals.clear()  # a lifted pin may free what an agent refused
             self.pins_expired_total += 1
             self.cluster.events.publish("pin_expired", f"pin {p.pin_id} expired (TTL)", pin_id=p.pin_id)
 
@@ -317,6 +324,7 @@ class Manager:
             gone = [pid for pid in before if pid in self.pins and pid not in stored]
             for pid in gone:
                 del self.pins[pid]
+                self._pin_refusals.clear()  # a lifted pin may free what an agent refused
             for pid, p in stored.items():
                 self.pins.setdefault(pid, p)
         for pid in gone:
@@ -581,9 +589,16 @@ class Manager:
         error: str,
         skipped_pinned: int = 0,
         freed=None,
+        pinned: list[tuple[bytes, int]] | None = None,
     ) -> None:
         if op_id.startswith("policy-") and state in ops.TERMINAL:
             self._policy_inflight.get(agent_id, {}).pop(op_id, None)
+            if pinned:  # the next passes leave these where the agent's pins hold them
+                until = self.clock() + PIN_REFUSAL_SECONDS
+                with self._lock:
+                    held = self._pin_refusals.setdefault(agent_id, {})
+                    for h, tier in pinned:
+                        held[h] = (Tier(tier), until)
             return
         with self._lock:
             op = self.ops.get(op_id)
@@ -723,9 +738,17 @@ class Manager:
         with self._lock:
             active = [p for p in self.pins.values() if p.active(now) and p.block_hashes]
 
+        with self._lock:
+            refusals = {
+                agent_id: {h: tier for h, (tier, until) in held.items() if until > now}
+                for agent_id, held in self._pin_refusals.items()
+            }
+            self._pin_refusals = {a: held for a, held in self._pin_refusals.items() if refusals[a]}
+
         def pinned_for(agent_id: str) -> dict[bytes, Tier]:
-            # the pins this agent honours; several on one block: the fastest tier binds
-            out: dict[bytes, Tier] = {}
+            # the pins this agent honours, and the blocks it said its own pins hold;
+            # several on one block: the fastest tier binds
+            out: dict[bytes, Tier] = dict(refusals.get(agent_id, {}))
             for p in active:
                 if p.applies_to(agent_id):
                     for i in range(0, len(p.block_hashes), 16):

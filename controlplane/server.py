@@ -26,16 +26,27 @@ from controlplane.store.durable import DurableStore
 from controlplane.store.election import LeaderElection
 from controlplane.store.membership import MembershipWatcher
 from protos import etcd_keys
+from protos.block_hash import BLOCK_HASH_BYTES
 from protos.etcd_keys import EtcdAuth
 from protos.grpc_errors import ErrorMappingInterceptor
 from protos.kvcp.v1 import admin_pb2, admin_pb2_grpc, agent_pb2, agent_pb2_grpc
 from protos.lookup_wire import split_address
 from protos.metrics import InstrumentedEtcd, serve_metrics
 from protos.security import ADMIN_SERVICE, TLSConfig, TokenAuthInterceptor, add_port, load_tokens, server_ssl_context
+from protos.tier import Tier
 
 log = logging.getLogger(__name__)
 
 MAX_MESSAGE_BYTES = 64 * 1024 * 1024
+
+
+def _pinned_blocks(u) -> list[tuple[bytes, int]]:
+    """(block, pin tier) pairs an OpUpdate reports; none when the two lists disagree."""
+    raw, tiers = u.pinned_block_hashes, list(u.pinned_tiers)
+    if len(raw) != BLOCK_HASH_BYTES * len(tiers):
+        return []
+    valid = {int(t) for t in Tier}
+    return [(raw[i * BLOCK_HASH_BYTES : (i + 1) * BLOCK_HASH_BYTES], t) for i, t in enumerate(tiers) if t in valid]
 
 
 @dataclass
@@ -196,6 +207,7 @@ class ControlPlane:
             u.error,
             u.skipped_pinned,
             {t.tier: (t.num_blocks, t.used_bytes) for t in u.freed},
+            _pinned_blocks(u),
         )
 
     def _agent_key_exists(self, agent_id: str) -> bool:

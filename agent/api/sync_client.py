@@ -48,6 +48,8 @@ def op_update_pb(op: MoveOp) -> agent_pb2.AgentMessage:
             failed=op.failed,
             moved_bytes=op.moved_bytes,
             error=op.error,
+            pinned_block_hashes=b"".join(h for h, _ in op.pinned),
+            pinned_tiers=[t for _, t in op.pinned],
         )
     )
 
@@ -151,8 +153,21 @@ class ControlPlaneLink:
             if self._mover is not None:
                 self._mover.cancel(cmd.op_id)
         elif kind == agent_pb2.COMMAND_KIND_EVICT:
-            done = sum(1 for h in reversed(hashes) if pool.drop(h))  # leaves first
-            self._reply(cmd.op_id, SUCCEEDED, done=done, total=len(hashes), failed=len(hashes) - done)
+            done, pinned = 0, []
+            for h in reversed(hashes):  # leaves first
+                if pool.drop(h):
+                    done += 1
+                elif tier := pool.pin_tier_of(h):
+                    pinned.append((h, tier))
+            self._reply(
+                cmd.op_id,
+                SUCCEEDED,
+                done=done,
+                total=len(hashes),
+                failed=len(hashes) - done,
+                pinned_block_hashes=b"".join(h for h, _ in pinned),
+                pinned_tiers=[t for _, t in pinned],
+            )
         elif kind == agent_pb2.COMMAND_KIND_PIN:
             with pool.lock:
                 pool.pins.add(

@@ -120,6 +120,7 @@ class MoveOutcome:
     ok: bool
     moved_bytes: int = 0
     reason: str = ""
+    pinned_tier: int = 0  # refused because a pin keeps the block at this tier or faster
 
 
 @dataclass(frozen=True)
@@ -295,6 +296,12 @@ class BlockPool:
         if meta.pin_tier and remote:
             return min(meta.pin_tier, remote)
         return meta.pin_tier or remote
+
+    def pin_tier_of(self, block_hash: bytes) -> int:
+        """pin_tier of a held block; 0 when unpinned or not held."""
+        with self.lock:
+            meta = self.blocks.get(block_hash)
+            return self.pin_tier(meta) if meta is not None else 0
 
     def tier_of(self, block_hash: bytes) -> Tier | None:
         with self.lock:
@@ -963,7 +970,7 @@ class BlockPool:
             return MoveOutcome(True)
         pinned = self.pin_tier(meta)
         if pinned and int(to_tier) > pinned:
-            return MoveOutcome(False, reason=f"pinned at tier {Tier(pinned).label}")
+            return MoveOutcome(False, reason=f"pinned at tier {Tier(pinned).label}", pinned_tier=pinned)
         return None
 
     def _abandon(self, jobs: list, dst: TierStore) -> None:

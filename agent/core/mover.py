@@ -40,6 +40,7 @@ class MoveOp:
     created_unix_seconds: float = field(default_factory=time.time)
     finished_unix_seconds: float = 0.0
     cancel_requested: bool = False
+    pinned: list[tuple[bytes, int]] = field(default_factory=list)  # (block, pin tier) left where a pin holds it
 
     @property
     def total(self) -> int:
@@ -121,7 +122,7 @@ class Mover:
             op.state = RUNNING
             self._update(op)
             last = time.monotonic()
-            for outcome in self._outcomes(op):
+            for k, outcome in enumerate(self._outcomes(op)):
                 if outcome is None:
                     op.failed += 1
                     op.error = "not held"
@@ -132,6 +133,8 @@ class Mover:
                 else:
                     op.failed += 1
                     op.error = outcome.reason
+                    if outcome.pinned_tier:
+                        op.pinned.append((op.block_hashes[k], outcome.pinned_tier))
                 if time.monotonic() - last > 0.2:
                     last = time.monotonic()
                     self._update(op)

@@ -320,3 +320,45 @@ def test_a_pin_made_while_pins_reload_is_kept():
     assert created[0].pin_id in m.pins
     m._apply_pins(100.0)
     assert [cmd.kind for cmd in f.commands("a")] == ["pin"]
+
+
+def test_blocks_an_agent_says_its_pins_hold_are_left_alone_until_a_pin_goes():
+    """A namespace pin the control plane cannot map to blocks: the agent refuses the
+    evictions and names the blocks; the next pass evicts others instead of asking again."""
+    f = Fleet()
+    chains = [chain(100 + i, 1) for i in range(100)]
+    f.agent("a", {Tier.GPU: (100, chains)})  # 100 of 100: over the high watermark
+    m = f.manager
+    m.policy_pass(100.0)
+    (first,) = f.commands("a")
+    refused = [first.block_hashes[i : i + 16] for i in range(0, len(first.block_hashes), 16)]
+    assert first.kind == "evict" and refused
+    m.on_op_update(
+        "a",
+        first.op_id,
+        "SUCCEEDED",
+        0,
+        len(refused),
+        len(refused),
+        0,
+        "",
+        pinned=[(h, int(Tier.GPU)) for h in refused],
+    )
+    m.policy_pass(101.0)
+    (second,) = f.commands("a")
+    again = {second.block_hashes[i : i + 16] for i in range(0, len(second.block_hashes), 16)}
+    assert second.kind == "evict" and again and not again & set(refused)
+    # any pin going away: what the agent refused may be free now, and is asked for again
+    m.on_op_update("a", second.op_id, "SUCCEEDED", 0, len(again), len(again), 0, "")
+    m.pins["p"] = _pin("p", chain(999, 1), Tier.GPU, 0)
+
+    class Durable:  # etcd's delete of the pin's key
+        def delete(self, key):
+            pass
+
+    m.durable = Durable()
+    m.unpin("p")
+    f.commands("a")  # the unpin sent
+    m.policy_pass(102.0)
+    (third,) = f.commands("a")
+    assert {third.block_hashes[i : i + 16] for i in range(0, len(third.block_hashes), 16)} & set(refused)

@@ -193,6 +193,27 @@ def test_pin_protects_until_unpinned(agent):
     assert updates(agent)[-1].done == 1 and hs[2] not in agent.pool.blocks
 
 
+def test_blocks_a_namespace_pin_holds_are_named_in_the_reply(agent):
+    """The control plane cannot map a namespace pin to blocks: the agent says which
+    blocks of an evict or a move its pins held, and at which tier."""
+    toks, data = tokens(3), kv(3)
+    agent.engine.store(SPEC.model_id, toks, data, namespace="docs")
+    hs = agent.engine.hashes(SPEC, toks)
+    _, _, other = store(agent, n=1, start=500, seed=2)
+    agent.link.handle_command(1, command(PIN, "op-p", tier=Tier.CPU, pin_id="ns", namespace="docs"))
+    updates(agent)
+    agent.link.handle_command(1, command(EVICT, "op-e", [*hs, *other]))
+    up = updates(agent)[-1]
+    assert (up.done, up.failed) == (1, 3) and other[0] not in agent.pool.blocks
+    held = [up.pinned_block_hashes[i : i + 16] for i in range(0, len(up.pinned_block_hashes), 16)]
+    assert sorted(held) == sorted(hs) and list(up.pinned_tiers) == [int(Tier.CPU)] * 3
+    agent.link.handle_command(1, command(MOVE, "op-m", hs, tier=Tier.DISK))
+    run_mover(agent)
+    up = updates(agent)[-1]
+    assert up.state == FAILED and up.pinned_block_hashes == b"".join(hs)
+    assert list(up.pinned_tiers) == [int(Tier.CPU)] * 3
+
+
 def test_pin_at_disk_allows_demotion_but_not_eviction(agent):
     _, _, hs = store(agent, n=2)
     agent.link.handle_command(1, command(PIN, "op-p", hs, tier=Tier.DISK, pin_id="pin-d"))

@@ -649,7 +649,10 @@ class DataPlane:
             for part in slices(pieces, slice_bytes):
                 nbytes = sum(n for _, _, n in part)
                 if not link.pace(nbytes, deadline):
-                    raise _PathError(f"the link's bandwidth limit would pass the deadline for {nbytes} B")
+                    # no retry on this path: a second try has even less time
+                    raise _PathError(
+                        f"the link's bandwidth limit would pass the deadline for {nbytes} B", path_off=True
+                    )
                 if time.monotonic() >= min(deadline, expires):
                     raise _PathError("the reservation expires or the deadline passes before the copy ends")
                 sent += target.write(part)
@@ -859,7 +862,7 @@ class DataPlane:
 
         stub.Push(chunks(), timeout=max(0.01, deadline - time.monotonic()))
         if paced_out[0]:
-            raise _PathError("the link's bandwidth limit would pass the deadline")
+            raise _PathError("the link's bandwidth limit would pass the deadline", path_off=True)
         stub.Commit(
             agent_pb2.CommitRequest(reservation_id=rid, checksums=sums, first_block=p, last=True),
             timeout=left(max(self.config.rpc_timeout_seconds, 0.1 + sent[0] / 1e9)),

@@ -93,6 +93,7 @@ def test_a_paced_link_that_runs_out_of_time_says_so(tmp_path):
         hashes = store(p.send.pool, 4)
         r = p.send.handoff(SMALL.model_id, hashes, "dec", 0.6, paths=("grpc",))
         assert r.outcome == RECOMPUTE and "bandwidth limit" in r.reason
+        assert r.attempts == 1  # not tried again: a second try would have even less time
         assert "checksum" not in r.reason and p.recv.reservations.checksum_failures_total == 0
     finally:
         p.close()

@@ -170,11 +170,10 @@ class ControlPlaneLink:
             )
         elif kind == agent_pb2.COMMAND_KIND_PIN:
             with pool.lock:
-                pool.pins.add(
-                    AgentPin(
-                        cmd.pin_id, int(tier or Tier.CPU), cmd.expires_unix_seconds, cmd.namespace, frozenset(hashes)
-                    )
-                )
+                # counted on this agent's clock from the time left when sent (a control
+                # plane of an older version sends only its absolute expiry)
+                expires = pool.pins.clock() + cmd.ttl_seconds if cmd.ttl_seconds > 0 else cmd.expires_unix_seconds
+                pool.pins.add(AgentPin(cmd.pin_id, int(tier or Tier.CPU), expires, cmd.namespace, frozenset(hashes)))
             self._reply(cmd.op_id, SUCCEEDED, done=len(hashes), total=len(hashes))
         elif kind == agent_pb2.COMMAND_KIND_UNPIN:
             with pool.lock:

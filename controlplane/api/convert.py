@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+
 from controlplane.core import cluster as core
 from controlplane.core import events
 from protos.kvcp.v1 import admin_pb2, agent_pb2, types_pb2
@@ -142,7 +144,10 @@ _COMMAND_KINDS = {
 }
 
 
-def command_to_pb(c: core.AgentCommand, epoch: int) -> agent_pb2.ControlMessage:
+def command_to_pb(c: core.AgentCommand, epoch: int, now: float | None = None) -> agent_pb2.ControlMessage:
+    """`now`: the sender's clock when the message leaves (a pin's time left is taken then)."""
+    now = time.time() if now is None else now
+    ttl = max(c.expires_unix_seconds - now, 1e-6) if c.expires_unix_seconds else 0.0
     return agent_pb2.ControlMessage(
         epoch=epoch,
         command=agent_pb2.Command(
@@ -160,6 +165,7 @@ def command_to_pb(c: core.AgentCommand, epoch: int) -> agent_pb2.ControlMessage:
             expires_unix_seconds=c.expires_unix_seconds,
             peer_agent_id=c.peer_agent_id,
             deadline_seconds=c.deadline_seconds,
+            ttl_seconds=ttl if c.kind == "pin" else 0.0,
         ),
     )
 

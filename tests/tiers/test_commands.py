@@ -233,6 +233,35 @@ def test_an_expired_pin_protects_nothing(agent):
     assert updates(agent)[-1].done == 1 and agent.pool.blocks == {}
 
 
+def test_a_pin_lasts_its_time_left_on_the_agent_clock_whatever_the_senders_clock(agent):
+    """A control plane whose clock runs ahead (or behind) sends an expiry in its own time;
+    the time left it sends is what the agent counts."""
+    _, _, hs = store(agent, n=1)
+    ahead = time.time() + 3600  # the sender's clock an hour ahead: its expiry is far away here
+    agent.link.handle_command(
+        1, command(PIN, "op-p", hs, tier=Tier.CPU, pin_id="short", expires_unix_seconds=ahead, ttl_seconds=0.3)
+    )
+    assert agent.pool.pin_tier(agent.pool.blocks[hs[0]]) == Tier.CPU
+    time.sleep(0.4)
+    assert agent.pool.pin_tier(agent.pool.blocks[hs[0]]) == 0  # expired after its 0.3 s, not an hour
+    behind = time.time() - 3600  # the sender's clock an hour behind: its expiry is already past here
+    agent.link.handle_command(
+        1, command(PIN, "op-q", hs, tier=Tier.CPU, pin_id="long", expires_unix_seconds=behind, ttl_seconds=60)
+    )
+    assert agent.pool.pin_tier(agent.pool.blocks[hs[0]]) == Tier.CPU
+
+
+def test_the_time_left_of_a_pin_is_taken_when_the_command_leaves():
+    from controlplane.api.convert import command_to_pb
+    from controlplane.core.cluster import AgentCommand
+
+    pin = AgentCommand("pin-p", "pin", pin_id="p", expires_unix_seconds=1000.0)
+    assert command_to_pb(pin, 1, now=970.0).command.ttl_seconds == 30.0
+    assert 0 < command_to_pb(pin, 1, now=2000.0).command.ttl_seconds < 1e-3  # already over: expires at once
+    forever = AgentCommand("pin-f", "pin", pin_id="f")
+    assert command_to_pb(forever, 1, now=970.0).command.ttl_seconds == 0.0
+
+
 # ---- fencing and bad input ----------------------------------------------------------
 def test_commands_of_an_older_epoch_are_rejected_and_counted(agent):
     _, _, hs = store(agent)

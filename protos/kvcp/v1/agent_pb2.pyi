@@ -234,7 +234,7 @@ class ResyncRequest(_message.Message):
     def __init__(self, reason: _Optional[str] = ...) -> None: ...
 
 class Command(_message.Message):
-    __slots__ = ("op_id", "kind", "block_hashes", "tier", "codec", "namespace", "model_id", "older_than_seconds", "dry_run", "only_tier", "pin_id", "expires_unix_seconds", "peer_agent_id", "deadline_seconds")
+    __slots__ = ("op_id", "kind", "block_hashes", "tier", "codec", "namespace", "model_id", "older_than_seconds", "dry_run", "only_tier", "pin_id", "expires_unix_seconds", "peer_agent_id", "deadline_seconds", "ttl_seconds")
     OP_ID_FIELD_NUMBER: _ClassVar[int]
     KIND_FIELD_NUMBER: _ClassVar[int]
     BLOCK_HASHES_FIELD_NUMBER: _ClassVar[int]
@@ -249,6 +249,7 @@ class Command(_message.Message):
     EXPIRES_UNIX_SECONDS_FIELD_NUMBER: _ClassVar[int]
     PEER_AGENT_ID_FIELD_NUMBER: _ClassVar[int]
     DEADLINE_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    TTL_SECONDS_FIELD_NUMBER: _ClassVar[int]
     op_id: str
     kind: CommandKind
     block_hashes: bytes
@@ -263,7 +264,8 @@ class Command(_message.Message):
     expires_unix_seconds: float
     peer_agent_id: str
     deadline_seconds: float
-    def __init__(self, op_id: _Optional[str] = ..., kind: _Optional[_Union[CommandKind, str]] = ..., block_hashes: _Optional[bytes] = ..., tier: _Optional[_Union[_types_pb2.Tier, str]] = ..., codec: _Optional[str] = ..., namespace: _Optional[str] = ..., model_id: _Optional[str] = ..., older_than_seconds: _Optional[float] = ..., dry_run: _Optional[bool] = ..., only_tier: _Optional[_Union[_types_pb2.Tier, str]] = ..., pin_id: _Optional[str] = ..., expires_unix_seconds: _Optional[float] = ..., peer_agent_id: _Optional[str] = ..., deadline_seconds: _Optional[float] = ...) -> None: ...
+    ttl_seconds: float
+    def __init__(self, op_id: _Optional[str] = ..., kind: _Optional[_Union[CommandKind, str]] = ..., block_hashes: _Optional[bytes] = ..., tier: _Optional[_Union[_types_pb2.Tier, str]] = ..., codec: _Optional[str] = ..., namespace: _Optional[str] = ..., model_id: _Optional[str] = ..., older_than_seconds: _Optional[float] = ..., dry_run: _Optional[bool] = ..., only_tier: _Optional[_Union[_types_pb2.Tier, str]] = ..., pin_id: _Optional[str] = ..., expires_unix_seconds: _Optional[float] = ..., peer_agent_id: _Optional[str] = ..., deadline_seconds: _Optional[float] = ..., ttl_seconds: _Optional[float] = ...) -> None: ...
 
 class ControlMessage(_message.Message):
     __slots__ = ("epoch", "resync", "command")

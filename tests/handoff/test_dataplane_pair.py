@@ -99,32 +99,28 @@ def test_a_paced_link_that_runs_out_of_time_says_so(tmp_path):
         p.close()
 
 
+def reserve_request(hashes: list[bytes], ttl: float) -> agent_pb2.ReserveRequest:
+    return agent_pb2.ReserveRequest(
+        model_id=SMALL.model_id,
+        block_hashes=b"".join(hashes),
+        stored_bytes=[SMALL.block_bytes] * len(hashes),
+        codecs=["none"] * len(hashes),
+        ttl_seconds=ttl,
+    )
+
+
 @pytest.mark.parametrize("ttl", [math.inf, math.nan])
 def test_a_reservation_ttl_must_be_finite(pair, ttl):
     hashes = store(pair.send.pool, 2)
-    request = agent_pb2.ReserveRequest(
-        model_id=SMALL.model_id,
-        block_hashes=b"".join(hashes),
-        stored_bytes=[SMALL.block_bytes] * 2,
-        codecs=["none"] * 2,
-        ttl_seconds=ttl,
-    )
     with pytest.raises(grpc.RpcError) as err:
-        pair.stub.Reserve(request, timeout=5)
+        pair.stub.Reserve(reserve_request(hashes, ttl), timeout=5)
     assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "ttl_seconds" in err.value.details()
     assert pair.recv.reservations.open_count() == 0
 
 
 def test_a_long_reservation_ttl_is_capped(pair):
     hashes = store(pair.send.pool, 2)
-    request = agent_pb2.ReserveRequest(
-        model_id=SMALL.model_id,
-        block_hashes=b"".join(hashes),
-        stored_bytes=[SMALL.block_bytes] * 2,
-        codecs=["none"] * 2,
-        ttl_seconds=1e9,
-    )
-    resp = pair.stub.Reserve(request, timeout=5)
+    resp = pair.stub.Reserve(reserve_request(hashes, 1e9), timeout=5)
     assert resp.expires_unix_seconds < time.time() + 601
     assert pair.recv.reservations.run_once(time.monotonic() + 601) == 1  # expired by the sweep
     assert pair.recv.reservations.open_count() == 0

@@ -336,6 +336,9 @@ class ControlPlaneLink:
             self._reconnect.clear()
             self._resync.clear()
             self._outgoing_finished.clear()
+            # every stream is its own session: the control plane tells a late teardown or
+            # a late message of the previous stream from this one by it
+            self.session_id = uuid.uuid4().hex
             done = threading.Event()
             self.connections_total += 1
             log.info("connected to control plane %s (epoch %d)", address, reply.epoch)

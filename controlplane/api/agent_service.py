@@ -157,14 +157,18 @@ class AgentServicer(agent_pb2_grpc.AgentServiceServicer):
         if kind == "inventory":
             inv = msg.inventory
             reason = self._cluster.apply_inventory_chunk(
-                agent_id, inv.seq, inv.chunk_index, inv.last_chunk, self._groups(inv.groups)
+                agent_id, inv.seq, inv.chunk_index, inv.last_chunk, self._groups(inv.groups), session["session_id"]
             )
         elif kind == "events":
             ev = msg.events
             if ev.kind not in (agent_pb2.BLOCK_EVENT_KIND_STORED, agent_pb2.BLOCK_EVENT_KIND_REMOVED):
                 raise errors.InvalidArgument("events.kind", f"unknown event kind {ev.kind}")
             reason = self._cluster.apply_events(
-                agent_id, ev.seq, ev.kind == agent_pb2.BLOCK_EVENT_KIND_STORED, self._groups(ev.groups)
+                agent_id,
+                ev.seq,
+                ev.kind == agent_pb2.BLOCK_EVENT_KIND_STORED,
+                self._groups(ev.groups),
+                session["session_id"],
             )
         elif kind == "stats":
             st = msg.stats

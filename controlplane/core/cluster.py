@@ -287,12 +287,28 @@ class Cluster:
             rec.next_chunk = 0
             rec.last_seen_unix_seconds = self._clock()
 
+    def _current(self, agent_id: str, session_id: str | None) -> AgentRecord:
+        """The agent's record; FailedPrecondition when `session_id` (None: not checked) is
+        not its current session (a stream a newer Hello superseded)."""
+        rec = self.agent(agent_id)
+        if session_id is not None and rec.session_id != session_id:
+            raise errors.FailedPrecondition(
+                f"Sync stream of {agent_id!r} was superseded by a newer session; this stream is closed"
+            )
+        return rec
+
     def apply_inventory_chunk(
-        self, agent_id: str, seq: int, chunk_index: int, last_chunk: bool, groups: list[BlockGroup]
+        self,
+        agent_id: str,
+        seq: int,
+        chunk_index: int,
+        last_chunk: bool,
+        groups: list[BlockGroup],
+        session_id: str | None = None,
     ) -> str | None:
         """Stage one chunk; at the last one swap it in. Returns a resync reason on error."""
         with self._lock:
-            rec = self.agent(agent_id)
+            rec = self._current(agent_id, session_id)
             if chunk_index != rec.next_chunk:
                 reason = f"inventory chunk {chunk_index} arrived, expected {rec.next_chunk}"
                 rec.staging, rec.next_chunk = [], 0
@@ -323,10 +339,12 @@ class Cluster:
             rec.last_seen_unix_seconds = self._clock()
             return None
 
-    def apply_events(self, agent_id: str, seq: int, stored: bool, groups: list[BlockGroup]) -> str | None:
+    def apply_events(
+        self, agent_id: str, seq: int, stored: bool, groups: list[BlockGroup], session_id: str | None = None
+    ) -> str | None:
         """Apply one event batch. Returns a resync reason when a gap is seen."""
         with self._lock:
-            rec = self.agent(agent_id)
+            rec = self._current(agent_id, session_id)
             rec.last_seen_unix_seconds = self._clock()
             if rec.awaiting_inventory:
                 return None  # a resync is already under way; the inventory supersedes this
@@ -462,6 +480,11 @@ class Cluster:
         if token_ids:
             if len(token_ids) > MAX_LOOKUP_TOKENS:
                 raise errors.InvalidArgument("token_ids", f"at most {MAX_LOOKUP_TOKENS} tokens per lookup")
+            if len(token_ids) // model.block_size > MAX_LOOKUP_BLOCKS:
+                raise errors.InvalidArgument(
+                    "token_ids",
+                    f"at most {MAX_LOOKUP_BLOCKS} blocks ({MAX_LOOKUP_BLOCKS * model.block_size} tokens) per lookup",
+                )
             try:
                 packed = hash_prefix(model_id, token_ids, model.block_size, extra_keys)
             except ValueError as exc:

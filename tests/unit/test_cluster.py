@@ -338,3 +338,21 @@ def test_stats(cluster):
     assert (s.num_agents, s.num_blocks, s.num_block_replicas) == (2, 2, 3)
     assert s.tiers == [TierUsage(Tier.GPU, 200, 60, 3), TierUsage(Tier.CPU, 1000, 0, 0)]
     assert [m.model_id for m in s.models] == ["m"]
+
+
+def test_a_superseded_stream_cannot_touch_the_new_session(cluster):
+    p = packed(2)
+    ready_agent(cluster, "a", [BlockGroup("m", Tier.CPU, p)], seq=5, session="old")
+    cluster.hello("a", "new")
+    assert cluster.apply_inventory_chunk("a", 9, 0, True, [BlockGroup("m", Tier.CPU, p)], session_id="new") is None
+    with pytest.raises(errors.FailedPrecondition):
+        cluster.apply_events("a", 6, True, [], session_id="old")
+    assert cluster.apply_events("a", 10, False, [BlockGroup("m", Tier.CPU, p)], session_id="new") is None
+    assert cluster.lookup("m", block_hashes=p).matches == []
+
+
+def test_token_lookup_over_the_block_cap_names_token_ids(clock):
+    c = Cluster(clock=clock)
+    c.register(record("a", ModelInfo("tiny", 1)))
+    with pytest.raises(errors.InvalidArgument, match="token_ids"):
+        c.lookup("tiny", token_ids=list(range(70_000)))

@@ -28,6 +28,7 @@ and each link's achieved throughput is measured and reported to the control plan
 from __future__ import annotations
 
 import concurrent.futures as cf
+import errno
 import logging
 import queue
 import random
@@ -39,7 +40,7 @@ import grpc
 import torch
 from google.protobuf import json_format
 
-from agent.core.block_pool import BlockMeta, BlockPool
+from agent.core.block_pool import BlockMeta, BlockPool, BlockUnreadable
 from agent.core.handoff import (
     ENGINE,
     GRPC,
@@ -681,7 +682,11 @@ class DataPlane:
         store = self.pool.store_of[meta.tier]
         if store is self.store and hasattr(store, "views"):
             return store.views(meta.handle, meta.stored_bytes), None
-        bounce = store.read(meta.handle, meta.stored_bytes).contiguous()
+        try:
+            bounce = store.read(meta.handle, meta.stored_bytes).contiguous()
+        except BlockUnreadable as exc:  # a miss: removed once released, reported, counted
+            self.pool._mark_corrupt(meta, str(exc))
+            raise OSError(errno.EIO, str(exc)) from None
         return [bounce], bounce
 
     def _source_runs(self, meta: BlockMeta) -> tuple[list[tuple[int, int]], torch.Tensor | None]:

@@ -462,6 +462,9 @@ class BlockPool:
         with self.lock:
             for meta in metas:
                 meta.ref_count -= 1
+            for meta in metas:  # found unreadable while held: removed now that no one reads it
+                if meta.corrupt and meta.ref_count == 0 and not meta.moving:
+                    self._drop_subtree(meta.block_hash)
 
     def reserve_chain(
         self, model_id: str, block_hashes: Sequence[bytes], stored_bytes: Sequence[int], tier: Tier
@@ -725,15 +728,17 @@ class BlockPool:
                 if not _batchable(src, dst):
                     singles.append(k)
                     continue
+                meta.moving = True  # before making room: that must not drop or demote this block
                 try:
                     new_handle = self._allocate(dst, meta.stored_bytes, h)
                 except PoolFull as exc:
+                    meta.moving = False
                     out[k] = self._move_failed(f"PoolFull: {exc}")
                     continue
                 except Exception:
+                    meta.moving = False
                     self._abandon(jobs, dst)
                     raise
-                meta.moving = True
                 jobs.append((k, meta, src, meta.handle, new_handle))
         if jobs:
             try:

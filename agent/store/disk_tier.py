@@ -419,18 +419,21 @@ class DiskTier:
     def _compact_dead_log(self) -> None:
         """Keep only the records whose dead header is still in the slab (one overwritten by
         a later block is gone for good), in a new log renamed over the old (drain lock held)."""
-        os.fdatasync(self.fd)  # the writes that buried dropped records are on disk first
         kept = []
         for offset, seq in self._dead():
             head = os.pread(self.fd, _FIXED_SEQ_END, offset)
             if head[:8] == MAGIC and _SEQ.unpack_from(head, _FIXED_SEQ_AT)[0] == seq:
                 kept.append(_DEAD.pack(offset, seq))
+        # only now: every write seen burying a dropped record (a mover's may still be in
+        # flight, its extent freed above) is on disk before the log that drops it
+        os.fdatasync(self.fd)
         tmp = self.dead_path.with_suffix(".tmp")
         fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_APPEND | os.O_CLOEXEC, 0o600)
         try:
             _write_all(fd, b"".join(kept))
             os.fdatasync(fd)
             os.replace(tmp, self.dead_path)
+            _fsync_dir(self.dead_path.parent)  # the rename survives a crash with the records after it
         except OSError:
             os.close(fd)
             raise
@@ -840,6 +843,15 @@ def _xxh3(arrays: list[np.ndarray]) -> int:
     for a in arrays:
         h.update(a)
     return h.intdigest()
+
+
+def _fsync_dir(path) -> None:
+    """Make a rename or a new file in `path` durable (fsync of the directory)."""
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 def _write_all(fd: int, data: bytes) -> None:

@@ -271,3 +271,25 @@ def test_a_retry_on_the_first_path_is_not_counted_as_a_fallback(controlplane, ma
     r = a.dataplane.handoff(BIG.model_id, hashes, "dec", 10)
     assert (r.outcome, r.path, r.first_path) == ("transferred", "engine", "engine"), r
     assert seen == [{"ok": True, "fallback": ""}]
+
+
+def test_a_corrupt_disk_block_in_a_handoff_is_an_answer_and_removed(controlplane, make_agent, tmp_path):
+    from protos.tier import Tier
+
+    a = make_agent(
+        "pre", models=[BIG], cpu_capacity_bytes=24 << 20, disk_dir=str(tmp_path / "d"), disk_capacity_bytes=64 << 20
+    )
+    make_agent("dec", models=[BIG], cpu_capacity_bytes=24 << 20)
+    tokens, kv, hashes = prompt(BIG, 4, seed=41)
+    a.engine.store(BIG.model_id, tokens, kv)
+    assert a.pool.move_block(hashes[-1], Tier.DISK).ok
+    disk = a.pool.store_of[Tier.DISK]
+    path, payload_at, _ = disk.location(a.pool.blocks[hashes[-1]].handle)
+    with open(path, "r+b") as f:  # a real bit flip: DiskTier.read raises CorruptBlock, not OSError
+        f.seek(payload_at + 100)
+        byte = f.read(1)
+        f.seek(payload_at + 100)
+        f.write(bytes([byte[0] ^ 0xFF]))
+    r = a.dataplane.handoff(BIG.model_id, hashes, "dec", 5.0)
+    assert r.outcome == "recompute", r
+    assert a.pool.corrupt_blocks_total == 1 and hashes[-1] not in a.pool.blocks

@@ -325,3 +325,29 @@ def test_close_lets_the_codec_threads_go_and_moves_still_work(tmp_path):
     assert all(o.ok for o in pool.move_blocks(hashes[4:], Tier.DISK, codec="int8"))  # new threads
     pool.close()
     check_pool(pool)
+
+
+def test_making_room_for_a_promotion_never_drops_the_block_being_promoted(tmp_path):
+    from agent.core.model_spec import ModelSpec
+
+    big = ModelSpec("big", block_size=4, num_layers=2, num_kv_heads=8, head_dim=8, dtype="float16")  # 2048 B
+    cpu = MemoryTier(Tier.CPU, 8 * SPEC.block_bytes, SPEC.block_bytes, device="cpu")
+    disk = DiskTier(tmp_path / "disk", 2 * 1024 + 2560)  # a0 | c0 | b0, full
+    pool = BlockPool([cpu, disk], [SPEC, big])
+
+    def put(spec, tag):
+        h = bytes([tag]) * 16
+        block = torch.full(spec.block_shape, float(tag), dtype=spec.torch_dtype)
+        assert pool.insert_chain(spec.model_id, [h], lambda _i: block) == (1, 0)
+        return h
+
+    a0, c0, b0, d0, e0 = put(SPEC, 1), put(SPEC, 2), put(big, 3), put(big, 4), put(big, 5)
+    assert [pool.tier_of(h) for h in (a0, c0, b0, d0, e0)] == [Tier.DISK] * 3 + [Tier.CPU] * 2
+    pool.touch([c0])  # disk LRU: a0, b0, c0
+    # room in the CPU for a0: d0 is demoted, and room on the disk for d0 drops LRU leaves
+    [outcome] = pool.move_blocks([a0], Tier.CPU)
+    assert outcome.ok and pool.tier_of(a0) is Tier.CPU
+    assert torch.equal(decoded(pool, a0), torch.full(SPEC.block_shape, 1.0, dtype=SPEC.torch_dtype))
+    check_pool(pool)
+    starts = [s for s, _ in disk._extents.runs()]
+    assert len(starts) == len(set(starts)), "an extent freed twice"

@@ -553,3 +553,39 @@ def test_a_tier_that_fails_to_open_releases_its_slab(tmp_path):
     with pytest.raises(ValueError, match="granule"):
         DiskTier(tmp_path, 100)
     DiskTier(tmp_path, 1 << 20).close()  # not "in use by another agent"
+
+
+def test_compaction_keeps_a_record_whose_burying_write_is_not_on_disk_yet(tmp_path, monkeypatch):
+    """Durable state = the slab at its last fdatasync; a write racing the compaction (a
+    mover got the extent just freed) may be lost in a crash, so the freed block's record
+    may go only once that write is on disk."""
+    from agent.store import disk_tier
+
+    disk = DiskTier(tmp_path, 1 << 20)
+    gone, _ = _raw_block(disk, b"\xaa" * 16, 3000, 1)
+    _raw_block(disk, b"\xbb" * 16, 3000, 2)
+    durable, raced = {}, []
+    real_sync, real_pread = os.fdatasync, os.pread
+
+    def sync(fd):
+        real_sync(fd)
+        if fd == disk.fd:
+            durable["slab"] = disk.path.read_bytes()
+
+    def pread(fd, n, offset):
+        if fd == disk.fd and n == disk_tier._FIXED_SEQ_END and not raced:  # compaction reads a header
+            raced.append(_raw_block(disk, b"\xcc" * 16, 3000, 3)[0])  # another thread's write
+        return real_pread(fd, n, offset)
+
+    sync(disk.fd)
+    disk._compact_at = 0
+    monkeypatch.setattr(disk_tier.os, "fdatasync", sync)
+    monkeypatch.setattr(disk_tier.os, "pread", pread)
+    disk.free(gone)
+    disk.drain()
+    monkeypatch.undo()
+    assert raced and raced[0].offset == gone.offset
+    disk.close()
+    disk.path.write_bytes(durable["slab"])  # the crash: what was not synced is lost
+    found, _ = DiskTier(tmp_path, 1 << 20).scan()
+    assert b"\xaa" * 16 not in {b.block_hash for b in found}, "a freed block came back"

@@ -236,8 +236,14 @@ class Cluster:
     def remove_agent(self, agent_id: str) -> int:
         """The agent's lease is gone: forget it and its blocks. Returns replicas dropped."""
         with self._lock:
-            known = self._agents.pop(agent_id, None) is not None
+            rec = self._agents.pop(agent_id, None)
+            known = rec is not None
             self._slow_hits.discard(agent_id)
+            self.dataplane.forget(agent_id)
+            if rec is not None and rec.outbox is not None:
+                # end its stream: a live agent registers again, a dead host's half-open
+                # stream stops holding a server thread until keepalive notices (hours)
+                rec.outbox.put(errors.NotFound(f"agent {agent_id!r} left (its lease is gone); register again"))
             if known:
                 self._refresh_models()
             dropped = self.index.drop_agent(agent_id)

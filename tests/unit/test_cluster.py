@@ -356,3 +356,16 @@ def test_token_lookup_over_the_block_cap_names_token_ids(clock):
     c.register(record("a", ModelInfo("tiny", 1)))
     with pytest.raises(errors.InvalidArgument, match="token_ids"):
         c.lookup("tiny", token_ids=list(range(70_000)))
+
+
+def test_an_agent_that_leaves_has_its_stream_ended_and_its_data_plane_state_forgotten(cluster):
+    import queue
+
+    ready_agent(cluster, "a", [BlockGroup("m", Tier.CPU, packed(1))], seq=1, session="s")
+    outbox: queue.Queue = queue.Queue()
+    cluster.attach_outbox("a", "s", outbox)
+    cluster.dataplane.register("a", "decode")
+    cluster.remove_agent("a")
+    ended = outbox.get_nowait()
+    assert isinstance(ended, errors.NotFound) and "register again" in str(ended)
+    assert cluster.dataplane.role("a") != "decode"

@@ -745,10 +745,14 @@ class Manager:
             }
             self._pin_refusals = {a: held for a, held in self._pin_refusals.items() if refusals[a]}
 
+        per_agent: dict[str, dict[bytes, Tier]] = {}
+
         def pinned_for(agent_id: str) -> dict[bytes, Tier]:
             # the pins this agent honours, and the blocks it said its own pins hold;
-            # several on one block: the fastest tier binds
-            out: dict[bytes, Tier] = dict(refusals.get(agent_id, {}))
+            # several on one block: the fastest tier binds (built once per agent and pass)
+            if agent_id in per_agent:
+                return per_agent[agent_id]
+            out = per_agent[agent_id] = dict(refusals.get(agent_id, {}))
             for p in active:
                 if p.applies_to(agent_id):
                     for i in range(0, len(p.block_hashes), 16):

@@ -623,12 +623,8 @@ class BlockPool:
         try:
             target = codec if codec is not None else (self.tier_codecs[to_tier] if src_codec == "none" else src_codec)
             if target != src_codec:
-                spec = self.models[meta.model_id]
-                data = codecs.encode(
-                    target,
-                    codecs.decode(src_codec, src.read(src_handle, src_stored), spec.block_shape, spec.torch_dtype),
-                )
-                nbytes, digest = data.numel(), payload_checksum(data)
+                data, digest = self._reencode(meta.model_id, src, src_handle, src_stored, src_codec, target)
+                nbytes = data.numel()
             else:
                 data, nbytes, digest = None, src_stored, meta.checksum
             with self.lock:
@@ -665,12 +661,7 @@ class BlockPool:
                     raise TimeoutError("readers held the block too long")
                 time.sleep(0.001)
         except BlockUnreadable as exc:
-            self._mark_corrupt(meta, str(exc))
-            with self.lock:
-                meta.moving = False  # else _drop_subtree refuses it and the corrupt block stays
-                if meta.ref_count == 0:
-                    self._drop_subtree(block_hash)
-            return self._move_failed(f"source unreadable: {exc}")
+            return self._unreadable_source(meta, exc)
         except (PoolFull, OSError, TimeoutError, codecs.CodecError) as exc:
             return self._move_failed(f"{type(exc).__name__}: {exc}")
         finally:
@@ -825,7 +816,7 @@ class BlockPool:
                 try:
                     data, digest = fut.result()
                 except BlockUnreadable as exc:
-                    out[job.k] = self._recode_unreadable(job.meta, exc)
+                    out[job.k] = self._unreadable_source(job.meta, exc)
                     continue
                 except (OSError, codecs.CodecError) as exc:
                     out[job.k] = self._recode_failed(job.meta, f"{type(exc).__name__}: {exc}")
@@ -870,19 +861,27 @@ class BlockPool:
             pool.shutdown(wait=True)
 
     def _recode(self, job: _Recode) -> tuple[torch.Tensor, int]:
-        """A block's payload in its new codec and the payload's checksum (a codec thread):
-        a CPU slab block is decoded from its pages as they are, others from a read."""
-        spec = self.models[job.meta.model_id]
-        src = job.src
+        """_reencode for the pipeline (a codec thread)."""
+        return self._reencode(job.meta.model_id, job.src, job.handle, job.stored_bytes, job.codec, job.target)
+
+    def _reencode(
+        self, model_id: str, src: TierStore, handle, stored_bytes: int, codec: str, target: str
+    ) -> tuple[torch.Tensor, int]:
+        """A block's payload in codec `target` and the payload's checksum: a CPU slab block
+        is decoded from its pages as they are (it is moving or the lock is held: they stay
+        its own), others from a verified read (raises BlockUnreadable)."""
+        spec = self.models[model_id]
         if getattr(src, "device", "") == "cpu" and hasattr(src, "views"):
-            segs = src.views(job.handle, job.stored_bytes)
+            segs = src.views(handle, stored_bytes)
             raw = segs[0] if len(segs) == 1 else torch.cat(segs)
         else:
-            raw = src.read(job.handle, job.stored_bytes)
-        data = codecs.encode(job.target, codecs.decode(job.codec, raw, spec.block_shape, spec.torch_dtype))
+            raw = src.read(handle, stored_bytes)
+        data = codecs.encode(target, codecs.decode(codec, raw, spec.block_shape, spec.torch_dtype))
         return data, payload_checksum(data)
 
-    def _recode_unreadable(self, meta: BlockMeta, exc: BlockUnreadable) -> MoveOutcome:
+    def _unreadable_source(self, meta: BlockMeta, exc: BlockUnreadable) -> MoveOutcome:
+        """A move's source failed its read: the block is marked, removed unless read now,
+        and the move failed."""
         self._mark_corrupt(meta, str(exc))
         with self.lock:
             meta.moving = False  # else _drop_subtree refuses it and the corrupt block stays
@@ -1259,10 +1258,7 @@ class BlockPool:
         try:
             payload, digest = None, meta.checksum
             if codec != meta.codec:
-                spec = self.models[meta.model_id]
-                raw = src.read(meta.handle, meta.stored_bytes)
-                payload = codecs.encode(codec, codecs.decode(meta.codec, raw, spec.block_shape, spec.torch_dtype))
-                digest = payload_checksum(payload)
+                payload, digest = self._reencode(meta.model_id, src, meta.handle, meta.stored_bytes, meta.codec, codec)
             nbytes = meta.stored_bytes if payload is None else payload.numel()
             try:
                 handle = self._allocate(dst, nbytes, meta.block_hash)

@@ -304,7 +304,10 @@ class DiskTier:
         self.capacity_bytes = self.num_granules * GRANULE_BYTES
         self.fsync = fsync
         self.write_errors_total = 0
-        self._extents = ExtentAllocator(self.num_granules)
+        # big blocks' extents start 7 granules into a 4 KiB page (their header slot just
+        # before it): the slab has those granules spare, so N big blocks fit in N footprints
+        self.slab_bytes = (self.num_granules + _ALIGN_GRANULES - 1) * GRANULE_BYTES
+        self._extents = ExtentAllocator(self.slab_bytes // GRANULE_BYTES)
         self._used = 0
         self._seq = itertools.count(1)
         self._checked_at = -1.0
@@ -347,17 +350,22 @@ class DiskTier:
         n = size // GRANULE_BYTES
         # a big block's header slot ends where a 4 KiB page of the file begins
         phase = _ALIGN_GRANULES - HEADER_SLOT_BYTES // GRANULE_BYTES if size >= ALIGNED_FROM_BYTES else None
-        with self._lock:
-            start = self._extents.allocate(n, phase)
+        start = self._take_extent(n, phase)
         if start is None:  # freed space may still be on its way to the allocator: bring it now
             self.drain()
-            with self._lock:
-                start = self._extents.allocate(n, phase)
+            start = self._take_extent(n, phase)
         if start is None:
             return None
-        with self._lock:
-            self._used += n * GRANULE_BYTES
         return DiskHandle(start * GRANULE_BYTES, n * GRANULE_BYTES)
+
+    def _take_extent(self, n: int, phase: int | None) -> int | None:
+        with self._lock:
+            if self._used + n * GRANULE_BYTES > self.capacity_bytes:
+                return None
+            start = self._extents.allocate(n, phase)
+            if start is not None:
+                self._used += n * GRANULE_BYTES
+            return start
 
     def free(self, handle: DiskHandle) -> None:
         """Give the extent back: its magic is cleared (so that a restart does not bring the
@@ -708,7 +716,7 @@ class DiskTier:
         OK: later blocks may have reused it."""
         self.drain()
         dead = self._dead()
-        size = min(os.fstat(self.fd).st_size, self.capacity_bytes)
+        size = min(os.fstat(self.fd).st_size, self.slab_bytes)
         out: list[tuple[int, Header | None, str]] = []
         pos = 0
         while pos < size:
@@ -738,7 +746,7 @@ class DiskTier:
                 footprint = self.footprint(header.payload_bytes)
                 handle = DiskHandle(offset, footprint, header.seq, header.checksum)
                 try:
-                    if offset + footprint > self.capacity_bytes:
+                    if offset + footprint > self.slab_bytes:
                         raise CorruptBlock(f"{self.path} at {offset}: lies beyond the capacity")
                     self._read(handle, [np.empty(header.payload_bytes, dtype=np.uint8)], header.block_hash)
                 except CorruptBlock as exc:

@@ -136,10 +136,10 @@ def check_pool(pool: BlockPool) -> None:
                 assert all(a[1] <= b[0] for a, b in zip(extents, extents[1:], strict=False)), (
                     "two blocks share an extent"
                 )
-                assert all(end <= store.capacity_bytes for _, end in extents)
+                assert all(end <= store.slab_bytes for _, end in extents)
                 assert store.used_bytes == sum(m.handle.footprint_bytes for m in metas)
                 free = store._extents.free_granules * GRANULE_BYTES
-                assert free + store.used_bytes == store.capacity_bytes, "slab space leaked"
+                assert free + store.used_bytes == store.slab_bytes, "slab space leaked"
     if Tier.DISK in pool.store_of:
         disk = disk_of(pool)
         with pool.lock:

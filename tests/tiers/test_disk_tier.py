@@ -107,7 +107,7 @@ def test_big_blocks_keep_their_payload_page_aligned_and_small_ones_pack(tmp_path
     for h in small + big + [odd]:
         disk.free(h)
     disk.drain()
-    assert used > 0 and disk.used_bytes == 0 and disk._extents.runs() == [(0, disk.num_granules)]
+    assert used > 0 and disk.used_bytes == 0 and disk._extents.runs() == [(0, disk.slab_bytes // GRANULE_BYTES)]
 
 
 def test_extent_allocator_merges_neighbours_and_fits_first():
@@ -148,6 +148,17 @@ def test_allocation_respects_capacity(tmp_path):
     assert all(handles) and disk.allocate(BLOCK_BYTES, b"\x09" * 16) is None
     disk.free(handles[0])
     assert disk.allocate(BLOCK_BYTES, b"\x09" * 16) is not None
+
+
+def test_a_tier_sized_to_n_big_footprints_holds_n_and_small_blocks_stay_within_it(tmp_path):
+    footprint = DiskTier(tmp_path / "probe", 1 << 20).footprint(1 << 20)
+    disk = DiskTier(tmp_path / "big", 4 * footprint)
+    big = [disk.allocate(1 << 20, bytes([i]) * 16) for i in range(4)]
+    assert all(big) and disk.used_bytes == disk.capacity_bytes  # the aligned start costs no block
+    assert disk.allocate(1 << 20, b"\x09" * 16) is None and disk.allocate(100) is None
+    small = DiskTier(tmp_path / "small", 8 * GRANULE_BYTES)
+    handles = [small.allocate(100) for _ in range(5)]  # 2 granules each; the spare ones are not capacity
+    assert all(handles[:4]) and handles[4] is None and small.used_bytes == small.capacity_bytes
 
 
 def test_demoted_blocks_load_back_exactly(tmp_path):

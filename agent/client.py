@@ -8,13 +8,15 @@ from dataclasses import dataclass
 import grpc
 import numpy as np
 
-from protos.kvcp.v1 import agent_pb2, agent_pb2_grpc
+from agent.core.engine_api import ENGINE_MESSAGE_BYTES
+from protos.kvcp.v1 import agent_pb2, agent_pb2_grpc, types_pb2
 
 
 @dataclass(frozen=True)
 class Loaded:
     num_cached_tokens: int
     kv: bytes
+    truncated: bool = False  # more cached blocks follow: load again from the next block
 
 
 @dataclass(frozen=True)
@@ -41,7 +43,10 @@ class EngineClient:
         self.timeout_seconds = timeout_seconds
         self._channel = grpc.insecure_channel(
             address,
-            options=[("grpc.max_receive_message_length", 256 << 20), ("grpc.max_send_message_length", 256 << 20)],
+            options=[
+                ("grpc.max_receive_message_length", ENGINE_MESSAGE_BYTES),
+                ("grpc.max_send_message_length", ENGINE_MESSAGE_BYTES),
+            ],
         )
         self._stub = agent_pb2_grpc.EngineServiceStub(self._channel)
         self._dataplane = agent_pb2_grpc.DataPlaneStub(self._channel)
@@ -50,8 +55,17 @@ class EngineClient:
         self._channel.close()
 
     def store(
-        self, model_id: str, token_ids, kv: bytes, first_block: int = 0, extra_keys=(), namespace: str = ""
+        self,
+        model_id: str,
+        token_ids,
+        kv: bytes,
+        first_block: int = 0,
+        extra_keys=(),
+        namespace: str = "",
+        spec: types_pb2.ModelSpec | None = None,
     ) -> tuple[int, int]:
+        """Store blocks [first_block, ...) of `token_ids`; `spec`, when given, is checked
+        against the agent's layout of the model."""
         r = self._stub.Store(
             agent_pb2.StoreRequest(
                 model_id=model_id,
@@ -60,6 +74,7 @@ class EngineClient:
                 first_block=first_block,
                 extra_keys=list(extra_keys),
                 namespace=namespace,
+                spec=spec,
             ),
             timeout=self.timeout_seconds,
         )
@@ -72,12 +87,29 @@ class EngineClient:
         )
         return r.num_cached_tokens
 
-    def load(self, model_id: str, token_ids, extra_keys=()) -> Loaded:
+    def load(
+        self,
+        model_id: str,
+        token_ids,
+        extra_keys=(),
+        first_block: int = 0,
+        max_blocks: int = 0,
+        spec: types_pb2.ModelSpec | None = None,
+    ) -> Loaded:
+        """Blocks [first_block, ...) of the cached prefix, as many as one message holds
+        (or `max_blocks`); `truncated` says more follow."""
         r = self._stub.Load(
-            agent_pb2.LoadRequest(model_id=model_id, token_ids=list(token_ids), extra_keys=list(extra_keys)),
+            agent_pb2.LoadRequest(
+                model_id=model_id,
+                token_ids=list(token_ids),
+                extra_keys=list(extra_keys),
+                first_block=first_block,
+                max_blocks=max_blocks,
+                spec=spec,
+            ),
             timeout=self.timeout_seconds,
         )
-        return Loaded(r.num_cached_tokens, r.kv)
+        return Loaded(r.num_cached_tokens, r.kv, r.truncated)
 
     def handoff(
         self,

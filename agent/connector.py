@@ -16,6 +16,7 @@ from collections.abc import Sequence
 
 import torch
 
+from agent.core.engine_api import blocks_per_message
 from agent.core.model_spec import ModelSpec
 
 LayerKV = tuple[torch.Tensor, torch.Tensor]
@@ -23,12 +24,23 @@ LayerKV = tuple[torch.Tensor, torch.Tensor]
 
 def layers_to_blocks(kv: Sequence[LayerKV], spec: ModelSpec, first_block: int, num_blocks: int) -> torch.Tensor:
     """Per-layer [1, H, T, D] pairs -> blocks [n, L, 2, block_size, H, D] for blocks
-    [first_block, first_block + num_blocks)."""
+    [first_block, first_block + num_blocks). A pair in another layout is refused
+    (ValueError naming it): its bytes would be cached in the wrong shape."""
     bs = spec.block_size
     start, end = first_block * bs, (first_block + num_blocks) * bs
+    if len(kv) != spec.num_layers:
+        raise ValueError(f"kv has {len(kv)} layers, model {spec.model_id} has {spec.num_layers}")
+    want = f"[1, {spec.num_kv_heads}, >= {end}, {spec.head_dim}]"
     out = torch.empty((num_blocks, *spec.block_shape), dtype=spec.torch_dtype)
     for layer, (k, v) in enumerate(kv):
         for which, t in ((0, k), (1, v)):
+            shape = tuple(t.shape)
+            if len(shape) != 4 or shape[0] != 1 or shape[1] != spec.num_kv_heads or shape[3] != spec.head_dim:
+                raise ValueError(
+                    f"kv layer {layer} {'kv'[which]}: shape {list(shape)}, model {spec.model_id} wants {want}"
+                )
+            if shape[2] < end:
+                raise ValueError(f"kv layer {layer} {'kv'[which]}: {shape[2]} tokens, {end} needed for the full blocks")
             seg = t[0, :, start:end, :].to("cpu", spec.torch_dtype)  # [H, n*bs, D]
             out[:, layer, which] = seg.reshape(spec.num_kv_heads, num_blocks, bs, spec.head_dim).permute(1, 2, 0, 3)
     return out
@@ -54,6 +66,23 @@ class KVConnector:
         self.engine = engine
         self.extra_keys = tuple(extra_keys)
         self._remote = not hasattr(engine, "pool")
+        if self._remote:  # told to the agent with every call: a different layout is refused
+            from protos.kvcp.v1 import types_pb2
+
+            self._spec_pb = types_pb2.ModelSpec(
+                model_id=spec.model_id,
+                block_size=spec.block_size,
+                num_layers=spec.num_layers,
+                num_kv_heads=spec.num_kv_heads,
+                head_dim=spec.head_dim,
+                dtype=spec.dtype,
+            )
+            self._blocks_per_message = blocks_per_message(spec.block_bytes)
+        else:
+            theirs = engine.model(spec.model_id)
+            diff = theirs.differences(spec)
+            if diff:
+                raise ValueError(f"model {spec.model_id}: the agent's KV layout differs ({'; '.join(diff)})")
 
     def lookup(self, token_ids: Sequence[int]) -> int:
         return self.engine.lookup(self.spec.model_id, list(token_ids), self.extra_keys)
@@ -61,11 +90,8 @@ class KVConnector:
     def load(self, token_ids: Sequence[int], device="cpu", dtype=None) -> tuple[int, list[LayerKV]]:
         tokens = list(token_ids)
         if self._remote:
-            loaded = self.engine.load(self.spec.model_id, tokens, self.extra_keys)
-            n = loaded.num_cached_tokens // self.spec.block_size
-            raw = torch.frombuffer(bytearray(loaded.kv), dtype=torch.uint8) if n else torch.empty(0, dtype=torch.uint8)
-            blocks = raw.view(self.spec.torch_dtype).reshape(n, *self.spec.block_shape)
-            num_tokens = loaded.num_cached_tokens
+            blocks = self._load_remote(tokens)
+            num_tokens = blocks.shape[0] * self.spec.block_size
         else:
             result = self.engine.load(self.spec.model_id, tokens, self.extra_keys)
             blocks, num_tokens = result.kv, result.num_cached_tokens
@@ -73,18 +99,49 @@ class KVConnector:
             return 0, []
         return num_tokens, blocks_to_layers(blocks, self.spec, device, dtype)
 
+    def _load_remote(self, tokens: list[int]) -> torch.Tensor:
+        """The cached prefix's blocks, one message at a time; a prefix that shrinks
+        between messages (evicted meanwhile) ends where it was still whole."""
+        parts: list[torch.Tensor] = []
+        first = 0
+        while True:
+            loaded = self.engine.load(
+                self.spec.model_id, tokens, self.extra_keys, first_block=first, spec=self._spec_pb
+            )
+            n = loaded.num_cached_tokens // self.spec.block_size - first
+            if n <= 0:
+                break
+            raw = torch.frombuffer(bytearray(loaded.kv), dtype=torch.uint8)
+            parts.append(raw.view(self.spec.torch_dtype).reshape(n, *self.spec.block_shape))
+            first += n
+            if not loaded.truncated:
+                break
+        if not parts:
+            return torch.empty((0, *self.spec.block_shape), dtype=self.spec.torch_dtype)
+        return parts[0] if len(parts) == 1 else torch.cat(parts)
+
     def store(self, token_ids: Sequence[int], kv: Sequence[LayerKV], first_block: int = 0) -> int:
         """Store the full blocks of `token_ids` from per-layer KV covering at least them;
         blocks before `first_block` are assumed cached already (not sent)."""
         tokens = list(token_ids)
-        if len(kv) != self.spec.num_layers:
-            raise ValueError(f"kv has {len(kv)} layers, model {self.spec.model_id} has {self.spec.num_layers}")
+        if first_block < 0:
+            raise ValueError(f"first_block must be >= 0, got {first_block}")
         n = len(tokens) // self.spec.block_size - first_block
         if n <= 0:
+            if len(kv) != self.spec.num_layers:
+                raise ValueError(f"kv has {len(kv)} layers, model {self.spec.model_id} has {self.spec.num_layers}")
             return 0
-        blocks = layers_to_blocks(kv, self.spec, first_block, n)
-        if self._remote:
-            raw = blocks.contiguous().view(torch.uint8).numpy().tobytes()
-            stored, _ = self.engine.store(self.spec.model_id, tokens, raw, first_block, self.extra_keys)
-            return stored
-        return self.engine.store(self.spec.model_id, tokens, blocks, first_block, self.extra_keys).num_stored_blocks
+        if not self._remote:
+            blocks = layers_to_blocks(kv, self.spec, first_block, n)
+            return self.engine.store(self.spec.model_id, tokens, blocks, first_block, self.extra_keys).num_stored_blocks
+        stored = 0
+        end = first_block + n
+        for first in range(first_block, end, self._blocks_per_message):  # one message at a time
+            count = min(self._blocks_per_message, end - first)
+            raw = layers_to_blocks(kv, self.spec, first, count).view(torch.uint8).numpy().tobytes()
+            upto = tokens[: (first + count) * self.spec.block_size]
+            new, present = self.engine.store(self.spec.model_id, upto, raw, first, self.extra_keys, spec=self._spec_pb)
+            if new + present < first + count:  # stopped short (prefix gone, no room): so do we
+                break
+            stored += new
+        return stored

@@ -22,7 +22,7 @@ from agent.api.engine_service import EngineServicer
 from agent.api.sync_client import ControlPlaneLink, tier_usage_pb
 from agent.api.vllm_events import VllmEventSubscriber
 from agent.core.block_pool import BlockPool
-from agent.core.engine_api import KVEngineAPI
+from agent.core.engine_api import ENGINE_MESSAGE_BYTES, KVEngineAPI
 from agent.core.model_spec import ModelSpec
 from agent.core.mover import Mover
 from agent.core.vllm_events import ExternalBlocks
@@ -42,7 +42,7 @@ from protos.tier import Tier
 log = logging.getLogger(__name__)
 
 DEMO_MODEL = ModelSpec("demo-model", block_size=16, num_layers=2, num_kv_heads=2, head_dim=32, dtype="float16")
-MAX_MESSAGE_BYTES = 256 * 1024 * 1024
+MAX_MESSAGE_BYTES = ENGINE_MESSAGE_BYTES
 
 
 @dataclass

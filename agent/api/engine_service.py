@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import torch
 
-from agent.core.engine_api import KVEngineAPI
-from agent.core.model_spec import TORCH_DTYPES
+from agent.core.engine_api import KVEngineAPI, blocks_per_message
+from agent.core.model_spec import TORCH_DTYPES, ModelSpec
 from protos import errors
 from protos.kvcp.v1 import agent_pb2, agent_pb2_grpc
 
@@ -21,9 +21,26 @@ class EngineServicer(agent_pb2_grpc.EngineServiceServicer):
             raise errors.InvalidArgument("token_ids", "give at least one token id")
         return list(request.token_ids)
 
+    def _model(self, request):
+        """The agent's spec of the request's model; a caller that says its layout and says
+        another one is refused (its bytes would be read in the wrong shape)."""
+        model = self._engine.model(request.model_id)
+        if request.HasField("spec"):
+            s = request.spec
+            try:
+                theirs = ModelSpec(model.model_id, s.block_size, s.num_layers, s.num_kv_heads, s.head_dim, s.dtype)
+            except ValueError as exc:
+                raise errors.InvalidArgument("spec", str(exc)) from None
+            diff = model.differences(theirs)
+            if diff:
+                raise errors.FailedPrecondition(
+                    f"spec: the caller's KV layout of {model.model_id} is not this agent's ({'; '.join(diff)})"
+                )
+        return model
+
     def Store(self, request, context):
         tokens = self._tokens(request)
-        model = self._engine.model(request.model_id)
+        model = self._model(request)
         first = request.first_block
         n_blocks = len(tokens) // model.block_size - first
         if n_blocks < 0:
@@ -57,6 +74,11 @@ class EngineServicer(agent_pb2_grpc.EngineServiceServicer):
 
     def Load(self, request, context):
         tokens = self._tokens(request)
-        result = self._engine.load(request.model_id, tokens, tuple(request.extra_keys))
+        model = self._model(request)
+        fit = blocks_per_message(model.block_bytes)
+        max_blocks = min(request.max_blocks, fit) if request.max_blocks else fit
+        result = self._engine.load(
+            request.model_id, tokens, tuple(request.extra_keys), first_block=request.first_block, max_blocks=max_blocks
+        )
         raw = result.kv.contiguous().view(torch.uint8).numpy().tobytes() if result.kv.numel() else b""
-        return agent_pb2.LoadResponse(num_cached_tokens=result.num_cached_tokens, kv=raw)
+        return agent_pb2.LoadResponse(num_cached_tokens=result.num_cached_tokens, kv=raw, truncated=result.truncated)

@@ -97,12 +97,16 @@ class VllmEventSubscriber:
             if seq > 0:
                 self._replay(0, seq, initial=True)  # the engine was running before we subscribed
         elif seq <= st.last_seq:
-            if seq == 0:
-                st.engine_restarts_total += 1
-                log.info("vLLM engine restarted (seq back to 0); forgetting its blocks")
-                self.external.clear()
-            else:
-                return  # a duplicate
+            if seq == st.last_seq:
+                return  # the same batch again
+            # PUB/SUB never delivers an older batch: the sequence went back, so the engine
+            # restarted (its first batches may have been missed while we reconnected)
+            st.engine_restarts_total += 1
+            log.info("vLLM engine restarted (seq %d after %d); forgetting its blocks", seq, st.last_seq)
+            self.external.clear()
+            st.last_seq = -1
+            if seq > 0:
+                self._replay(0, seq, initial=True)
         elif seq > st.last_seq + 1:
             st.gaps_total += 1
             want = st.last_seq + 1

@@ -223,6 +223,9 @@ class BlockPool:
         self.tiers = sorted(tiers, key=lambda t: int(t.tier))  # fastest first
         self.store_of = {t.tier: t for t in self.tiers}
         self.models = {m.model_id: m for m in models}
+        for t in self.tiers:  # a tier that keeps blocks across restarts records their layout
+            if isinstance(getattr(t, "layouts", None), dict):
+                t.layouts.update({m.model_id: m.layout for m in models})
         self.tier_codecs = {t.tier: "none" for t in self.tiers} | dict(tier_codecs or {})
         for c in self.tier_codecs.values():
             codecs.check_codec(c)
@@ -327,7 +330,7 @@ class BlockPool:
         error): the held set stays a forest of prefixes. Returns (num_stored, num_present)."""
         spec = self.models[model_id]
         top = self.top
-        codec = self.tier_codecs[top.tier]
+        codec = self._tier_codec(top.tier, model_id)
         stored = present = 0
         chain: list[bytes] = []
         # Only the current parent is referenced while its child is written: the rest of
@@ -621,7 +624,7 @@ class BlockPool:
             )
         new_handle = None
         try:
-            target = codec if codec is not None else (self.tier_codecs[to_tier] if src_codec == "none" else src_codec)
+            target = codec if codec is not None else self._entry_codec(to_tier, meta.model_id, src_codec)
             if target != src_codec:
                 data, digest = self._reencode(meta.model_id, src, src_handle, src_stored, src_codec, target)
                 nbytes = data.numel()
@@ -708,9 +711,7 @@ class BlockPool:
                     out[k] = refused
                     continue
                 src = self.store_of[meta.tier]
-                target = (
-                    codec if codec is not None else (self.tier_codecs[tier] if meta.codec == "none" else meta.codec)
-                )
+                target = codec if codec is not None else self._entry_codec(tier, meta.model_id, meta.codec)
                 if target != meta.codec:
                     meta.moving = True
                     job = _Recode(k, meta, src, meta.handle, meta.codec, meta.stored_bytes, target)
@@ -1080,12 +1081,13 @@ class BlockPool:
     # ---- recovery and inventory -----------------------------------------------------
     def recover(self, store, found: list) -> int:
         """Adopt blocks a tier found after a restart (verified by their checksums).
-        Blocks of unknown models and orphans (parent not held) are removed; returns the
-        number adopted."""
+        Blocks of unknown models, of a model whose KV layout changed since they were
+        written (their bytes would be read in the wrong shape), and orphans (parent not
+        held) are removed; returns the number adopted."""
         with self.lock:
-            candidates = {b.block_hash: b for b in found if b.model_id in self.models}
+            candidates = {b.block_hash: b for b in found if self._adoptable(b)}
             for b in found:
-                if b.model_id not in self.models:
+                if b.block_hash not in candidates or candidates[b.block_hash] is not b:
                     store.free(b.handle)
             changed = True
             while changed:  # prune orphans until every parent is present
@@ -1120,6 +1122,13 @@ class BlockPool:
             for b in candidates.values():
                 self._touch(self.blocks[b.block_hash])
             return len(candidates)
+
+    def _adoptable(self, found) -> bool:
+        spec = self.models.get(found.model_id)
+        if spec is None or found.num_bytes != spec.block_bytes:
+            return False
+        layout = getattr(found, "layout", "")
+        return not layout or layout == spec.layout  # older slabs did not record it
 
     def namespace_usage(self) -> dict[str, tuple[int, int]]:
         """namespace -> (blocks, uncompressed bytes)."""
@@ -1251,9 +1260,21 @@ class BlockPool:
         self._drop_subtree(meta.block_hash)
         self.evictions_total[store.tier] += 1
 
+    def _tier_codec(self, tier: Tier, model_id: str) -> str:
+        """The codec a block of `model_id` takes on entering `tier`: the tier's, unless it
+        is lossy and the model's KV is not floating point (an int8 KV cache): then none."""
+        codec = self.tier_codecs[tier]
+        if codec in codecs.LOSSY and not self.models[model_id].torch_dtype.is_floating_point:
+            return "none"
+        return codec
+
+    def _entry_codec(self, tier: Tier, model_id: str, current: str) -> str:
+        """A block keeps its codec when it has one, else takes its new tier's."""
+        return self._tier_codec(tier, model_id) if current == "none" else current
+
     def _demote_locked(self, meta: BlockMeta, src: TierStore, dst: TierStore) -> bool:
         """Synchronous demotion for the local safety net (lock held)."""
-        codec = self.tier_codecs[dst.tier] if meta.codec == "none" else meta.codec
+        codec = self._entry_codec(dst.tier, meta.model_id, meta.codec)
         handle = None
         try:
             payload, digest = None, meta.checksum
@@ -1280,6 +1301,9 @@ class BlockPool:
             self._mark_corrupt(meta, str(exc))
             self._drop_subtree(meta.block_hash)
             return True  # its space is free now
+        except codecs.CodecError as exc:  # not this block's codec: it is dropped instead
+            log.warning("demoting %s: %s", meta.block_hash.hex(), exc)
+            return False
         old_handle, old_tier = meta.handle, meta.tier
         self._switch(meta, dst.tier, handle, codec, nbytes, getattr(handle, "checksum", 0) or digest)
         src.free(old_handle)

@@ -30,11 +30,23 @@ class StoreResult:
     num_present_blocks: int
 
 
+# One engine RPC carries at most this much (both sides' gRPC limit); KV bigger than one
+# message goes in several Stores and Loads (first_block / max_blocks).
+ENGINE_MESSAGE_BYTES = 256 << 20
+_MESSAGE_HEADROOM_BYTES = 4 << 20  # token ids and framing
+
+
+def blocks_per_message(block_bytes: int) -> int:
+    """How many blocks of `block_bytes` one engine message carries (at least one)."""
+    return max(1, (ENGINE_MESSAGE_BYTES - _MESSAGE_HEADROOM_BYTES) // block_bytes)
+
+
 @dataclass(frozen=True)
 class LoadResult:
-    num_cached_tokens: int
-    kv: torch.Tensor
+    num_cached_tokens: int  # through the last block in kv, counting blocks before first_block
+    kv: torch.Tensor  # blocks [first_block, first_block + len(kv))
     tiers: tuple[Tier, ...] = ()
+    truncated: bool = False  # more cached blocks follow beyond max_blocks
 
 
 class KVEngineAPI:
@@ -95,20 +107,39 @@ class KVEngineAPI:
         self._count(len(token_ids), n * model.block_size)
         return n * model.block_size
 
-    def load(self, model_id: str, token_ids, extra_keys: Sequence[str] = ()) -> LoadResult:
+    def load(
+        self,
+        model_id: str,
+        token_ids,
+        extra_keys: Sequence[str] = (),
+        first_block: int = 0,
+        max_blocks: int | None = None,
+    ) -> LoadResult:
+        """The cached prefix's blocks from `first_block` on (at most `max_blocks`); blocks
+        before `first_block` must be cached here, else nothing is loaded."""
         model = self.model(model_id)
         hashes = self.hashes(model, token_ids, extra_keys)
-        blocks, tiers = self.pool.read_chain(hashes)
-        if blocks:
-            kv = torch.stack(blocks)
-        else:
-            kv = torch.empty((0, *model.block_shape), dtype=TORCH_DTYPES[model.dtype])
+        if first_block < 0 or first_block > len(hashes):
+            raise errors.InvalidArgument("first_block", f"must be in [0, {len(hashes)}]")
+        if max_blocks is not None and max_blocks < 1:
+            raise errors.InvalidArgument("max_blocks", "must be at least 1")
+        empty = torch.empty((0, *model.block_shape), dtype=TORCH_DTYPES[model.dtype])
+        if first_block and self.pool.num_leading(hashes[:first_block]) < first_block:
+            return LoadResult(0, empty)  # the prefix before first_block is gone
+        end = len(hashes) if max_blocks is None else min(len(hashes), first_block + max_blocks)
+        blocks, tiers = self.pool.read_chain(hashes[first_block:end])
+        kv = torch.stack(blocks) if blocks else empty
         top = self.pool.top.tier
-        lower = [h for h, t in zip(hashes, tiers, strict=False) if t != top]
+        lower = [h for h, t in zip(hashes[first_block:], tiers, strict=False) if t != top]
         if lower and self.mover is not None:
             self.mover.promote(lower)
-        self._count(len(token_ids), len(blocks) * model.block_size)
-        return LoadResult(len(blocks) * model.block_size, kv, tuple(tiers))
+        loaded_to = first_block + len(blocks)
+        truncated = loaded_to == end < len(hashes) and self.pool.num_leading(hashes[end : end + 1]) == 1
+        if first_block == 0:  # one engine load = one lookup, however many messages it takes
+            hit_blocks = self.pool.num_leading(hashes) if truncated else len(blocks)
+            self._count(len(token_ids), hit_blocks * model.block_size)
+        num_cached = loaded_to * model.block_size if blocks else 0
+        return LoadResult(num_cached, kv, tuple(tiers), truncated)
 
     def _count(self, num_tokens: int, hit_tokens: int) -> None:
         with self._lock:

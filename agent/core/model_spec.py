@@ -54,6 +54,19 @@ class ModelSpec:
         n = self.num_layers * 2 * self.block_size * self.num_kv_heads * self.head_dim
         return n * DTYPE_BYTES[self.dtype]
 
+    @property
+    def layout(self) -> str:
+        """The block layout as a short string (written beside blocks kept on disk)."""
+        return f"{self.num_layers}x2x{self.block_size}x{self.num_kv_heads}x{self.head_dim}:{self.dtype}"
+
+    def differences(self, other: ModelSpec) -> list[str]:
+        """'field: other != self' for each layout field that differs (model_id aside)."""
+        out = []
+        for name in ("block_size", "num_layers", "num_kv_heads", "head_dim", "dtype"):
+            if getattr(other, name) != getattr(self, name):
+                out.append(f"{name} {getattr(other, name)} != {getattr(self, name)}")
+        return out
+
     @classmethod
     def parse(cls, text: str) -> ModelSpec:
         """'MODEL:block_size=16,num_layers=2,num_kv_heads=2,head_dim=64,dtype=float16'."""

@@ -9,7 +9,8 @@ payload, verified on every read.
     header: b"KVCPSLB1", u16 header bytes, u64 write sequence, 16-byte block hash,
             16-byte parent hash, 8-byte codec name, u64 uncompressed bytes,
             u64 payload bytes, u64 xxh3-64 of the payload, u16 + model_id,
-            u16 + namespace, u64 xxh3-64 of the header before it
+            u16 + namespace, u16 + KV layout (ModelSpec.layout; absent in older
+            headers), u64 xxh3-64 of the header before it
 
 A block is written with one `pwritev` (header and payload straight from the memory
 tier's pages) into space nobody else uses, and read with one `preadv` straight into
@@ -99,6 +100,7 @@ class RecoveredBlock:
     num_bytes: int
     stored_bytes: int
     handle: DiskHandle
+    layout: str = ""  # the model's KV layout when written ("" in older slabs)
 
 
 @dataclass(frozen=True)
@@ -112,6 +114,7 @@ class Header:
     checksum: int
     model_id: str
     namespace: str
+    layout: str = ""
 
 
 def checksum(buf) -> int:
@@ -122,13 +125,14 @@ def _granules(num_bytes: int) -> int:
     return max(1, -(-num_bytes // GRANULE_BYTES))
 
 
-def header_size(meta) -> int:
-    return _FIXED.size + 2 + len(meta.model_id.encode()) + 2 + len(meta.namespace.encode()) + _CHECK.size
+def header_size(meta, layout: str = "") -> int:
+    strings = len(meta.model_id.encode()) + len(meta.namespace.encode()) + len(layout.encode())
+    return _FIXED.size + 2 + 2 + 2 + strings + _CHECK.size
 
 
-def encode_header(seq: int, meta, payload_bytes: int, digest: int) -> bytes:
-    model, ns = meta.model_id.encode(), meta.namespace.encode()
-    size = header_size(meta)
+def encode_header(seq: int, meta, payload_bytes: int, digest: int, layout: str = "") -> bytes:
+    model, ns, lay = meta.model_id.encode(), meta.namespace.encode(), layout.encode()
+    size = header_size(meta, layout)
     if size > HEADER_SLOT_BYTES:
         raise OSError(
             errno.EINVAL, f"model id and namespace too long for a block header ({size} > {HEADER_SLOT_BYTES} B)"
@@ -150,6 +154,8 @@ def encode_header(seq: int, meta, payload_bytes: int, digest: int) -> bytes:
             model,
             struct.pack("<H", len(ns)),
             ns,
+            struct.pack("<H", len(lay)),
+            lay,
         ]
     )
     return body + _CHECK.pack(checksum(body))
@@ -181,6 +187,11 @@ def decode_header(raw: bytes | memoryview) -> Header:
     pos += 2 + model_len
     (ns_len,) = struct.unpack_from("<H", raw, pos)
     namespace = raw[pos + 2 : pos + 2 + ns_len]
+    pos += 2 + ns_len
+    layout = b""
+    if pos + 2 <= size - _CHECK.size:  # older headers end at the namespace
+        (layout_len,) = struct.unpack_from("<H", raw, pos)
+        layout = raw[pos + 2 : pos + 2 + layout_len]
     try:
         return Header(
             seq,
@@ -192,6 +203,7 @@ def decode_header(raw: bytes | memoryview) -> Header:
             digest,
             model.decode(),
             namespace.decode(),
+            layout.decode(),
         )
     except UnicodeDecodeError:
         raise CorruptBlock("undecodable header") from None
@@ -303,6 +315,9 @@ class DiskTier:
             raise ValueError(f"disk capacity {capacity_bytes} B is smaller than one {GRANULE_BYTES} B granule")
         self.capacity_bytes = self.num_granules * GRANULE_BYTES
         self.fsync = fsync
+        # model_id -> its KV layout (ModelSpec.layout), written into each block's header
+        # so that a restart under another layout does not adopt bytes of the old one
+        self.layouts: dict[str, str] = {}
         self.write_errors_total = 0
         # big blocks' extents start 7 granules into a 4 KiB page (their header slot just
         # before it): the slab has those granules spare, so N big blocks fit in N footprints
@@ -553,7 +568,9 @@ class DiskTier:
                     raise OSError(
                         errno.EINVAL, f"a {nbytes} B block does not fit its {handle.footprint_bytes} B extent"
                     )
-                head = encode_header(seq, meta, nbytes, digest).ljust(HEADER_SLOT_BYTES, b"\0")
+                head = encode_header(seq, meta, nbytes, digest, self.layouts.get(meta.model_id, "")).ljust(
+                    HEADER_SLOT_BYTES, b"\0"
+                )
             except OSError as exc:
                 self.write_errors_total += 1
                 out[k] = exc
@@ -791,6 +808,7 @@ class DiskTier:
                 header.num_bytes,
                 header.payload_bytes,
                 handle,
+                header.layout,
             )
             older = found.get(header.block_hash)
             if older is not None:  # a copy whose removal a crash interrupted: the later write wins

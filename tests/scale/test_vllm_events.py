@@ -178,6 +178,26 @@ def test_gap_recovered_through_replay_and_unrecoverable_gap_drops(controlplane, 
         wait_for(lambda: lookup_hits(c, [11]) == {} and lookup_hits(c, [21]) == {"vllm-2": 1}, what="after restart")
 
 
+def test_a_restart_whose_first_batches_were_missed_is_seen_and_replayed(controlplane, make_agent, publisher):
+    agent = make_agent("vllm-4", vllm_kv_events=publisher.endpoint, vllm_kv_events_replay=publisher.replay_endpoint)
+    sub = agent.vllm_events
+    assert sub.connected.wait(5)
+    time.sleep(0.3)
+    for k in range(6):  # the old engine gets to seq 5
+        publisher.publish(batch(stored([100 + k], parent=100 + k - 1 if k else None)))
+    wait_for(lambda: sub.stats.last_seq == 5, what="old engine's batches")
+    # the engine restarts; its first batches (seq 0, 1) go out while we are not listening
+    publisher.seq = 0
+    publisher.buffer.clear()
+    publisher.publish(batch(stored([200])), send=False)
+    publisher.publish(batch(stored([201], parent=200)), send=False)
+    publisher.publish(batch(stored([202], parent=201)))  # seq 2: back, not a duplicate
+    with ControlPlaneClient(controlplane.address) as c:
+        wait_for(lambda: lookup_hits(c, [200, 201, 202]) == {"vllm-4": 3}, what="new engine's blocks, replayed")
+        assert lookup_hits(c, [100]) == {}  # the old engine's blocks are gone with it
+    assert sub.stats.engine_restarts_total == 1 and sub.stats.last_seq == 2
+
+
 def test_malformed_messages_counted_and_skipped(controlplane, make_agent, publisher):
     agent = make_agent("vllm-3", vllm_kv_events=publisher.endpoint, vllm_kv_events_replay=publisher.replay_endpoint)
     sub = agent.vllm_events

@@ -13,11 +13,23 @@ import pytest
 import torch
 
 from agent.core.block_pool import BlockPool
+from agent.core.engine_api import KVEngineAPI
 from agent.core.mover import SUCCEEDED, Mover
 from agent.store.disk_tier import DiskTier
 from agent.store.memory_tier import MemoryTier
 from protos.tier import Tier
-from tests.tiers.support import SPEC, block_on_disk, blocks_on_disk, check_pool, decoded, disk_of, flip_byte, kv
+from tests.tiers.support import (
+    BLOCK_BYTES,
+    SPEC,
+    block_on_disk,
+    blocks_on_disk,
+    check_pool,
+    decoded,
+    disk_of,
+    flip_byte,
+    kv,
+    tokens,
+)
 
 N = 12
 
@@ -351,3 +363,25 @@ def test_making_room_for_a_promotion_never_drops_the_block_being_promoted(tmp_pa
     check_pool(pool)
     starts = [s for s, _ in disk._extents.runs()]
     assert len(starts) == len(set(starts)), "an extent freed twice"
+
+
+def test_a_lossy_tier_codec_leaves_an_int8_kv_model_uncompressed(tmp_path):
+    """--disk-codec int8 on an agent that also serves a model whose KV is int8: its blocks
+    enter the disk tier as they are (a lossy codec needs floating-point KV), and stores of
+    every model go on once the CPU tier is full."""
+    from agent.core.model_spec import ModelSpec
+
+    f16 = SPEC
+    i8 = ModelSpec("i8", block_size=4, num_layers=2, num_kv_heads=2, head_dim=16, dtype="int8")
+    cpu = MemoryTier(Tier.CPU, 4 * BLOCK_BYTES, BLOCK_BYTES, device="cpu")
+    pool = BlockPool([cpu, DiskTier(tmp_path, 1 << 20)], [f16, i8], tier_codecs={Tier.DISK: "int8"})
+    engine = KVEngineAPI(pool, [f16, i8], Mover(pool))
+    i8_kv = torch.arange(4 * BLOCK_BYTES, dtype=torch.int64).remainder(251).to(torch.int8).view(4, *i8.block_shape)
+    assert engine.store("i8", tokens(4), i8_kv).num_stored_blocks == 4
+    for n in range(3):  # each store demotes the oldest CPU blocks to the int8 disk tier
+        assert engine.store(f16.model_id, tokens(2, start=1000 * (n + 1)), kv(2, seed=n)).num_stored_blocks == 2
+    on_disk = {m.model_id: m.codec for m in pool.blocks.values() if m.tier == Tier.DISK}
+    assert on_disk == {"i8": "none", f16.model_id: "int8"}
+    got = engine.load("i8", tokens(4))
+    assert got.num_cached_tokens == 16 and torch.equal(got.kv, i8_kv)
+    check_pool(pool)

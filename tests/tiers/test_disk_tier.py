@@ -298,6 +298,32 @@ def test_restart_drops_blocks_of_models_no_longer_served(tmp_path):
     assert blocks_on_disk(disk2) == [] and disk2.used_bytes == 0
 
 
+@pytest.mark.parametrize(
+    "layout",
+    [
+        dict(num_kv_heads=4, head_dim=4),  # the same bytes in another shape
+        dict(dtype="bfloat16"),  # the same bytes as another dtype
+        dict(head_dim=16),  # another size
+    ],
+)
+def test_restart_under_another_kv_layout_of_the_model_drops_its_blocks(tmp_path, layout):
+    import dataclasses
+
+    d = tmp_path / "disk"
+    pool, *_ = spill(tmp_path)
+    disk_of(pool).close()
+    disk2 = DiskTier(d, 1 << 20)
+    changed = dataclasses.replace(SPEC, **layout)
+    pool2 = BlockPool([MemoryTier(Tier.CPU, 4 * BLOCK_BYTES, BLOCK_BYTES, device="cpu"), disk2], [changed])
+    found, _ = disk2.scan()
+    assert len(found) == 3 and {b.layout for b in found} == {SPEC.layout}
+    assert pool2.recover(disk2, found) == 0
+    assert blocks_on_disk(disk2) == [] and disk2.used_bytes == 0
+    disk2.close()
+    disk3 = DiskTier(d, 1 << 20)  # the freed blocks stay gone; the same layout again finds none
+    assert disk3.scan()[0] == []
+
+
 def test_agent_recovers_its_disk_tier_at_start(tmp_path):
     d = tmp_path / "disk"
     pool, engine, toks, data, hs = spill(tmp_path)

@@ -278,20 +278,22 @@ class ControlMessage(_message.Message):
     def __init__(self, epoch: _Optional[int] = ..., resync: _Optional[_Union[ResyncRequest, _Mapping]] = ..., command: _Optional[_Union[Command, _Mapping]] = ...) -> None: ...
 
 class StoreRequest(_message.Message):
-    __slots__ = ("model_id", "token_ids", "kv", "extra_keys", "first_block", "namespace")
+    __slots__ = ("model_id", "token_ids", "kv", "extra_keys", "first_block", "namespace", "spec")
     MODEL_ID_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     KV_FIELD_NUMBER: _ClassVar[int]
     EXTRA_KEYS_FIELD_NUMBER: _ClassVar[int]
     FIRST_BLOCK_FIELD_NUMBER: _ClassVar[int]
     NAMESPACE_FIELD_NUMBER: _ClassVar[int]
+    SPEC_FIELD_NUMBER: _ClassVar[int]
     model_id: str
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     kv: bytes
     extra_keys: _containers.RepeatedScalarFieldContainer[str]
     first_block: int
     namespace: str
-    def __init__(self, model_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., kv: _Optional[bytes] = ..., extra_keys: _Optional[_Iterable[str]] = ..., first_block: _Optional[int] = ..., namespace: _Optional[str] = ...) -> None: ...
+    spec: _types_pb2.ModelSpec
+    def __init__(self, model_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., kv: _Optional[bytes] = ..., extra_keys: _Optional[_Iterable[str]] = ..., first_block: _Optional[int] = ..., namespace: _Optional[str] = ..., spec: _Optional[_Union[_types_pb2.ModelSpec, _Mapping]] = ...) -> None: ...
 
 class StoreResponse(_message.Message):
     __slots__ = ("num_stored_blocks", "num_present_blocks")
@@ -318,22 +320,30 @@ class EngineLookupResponse(_message.Message):
     def __init__(self, num_cached_tokens: _Optional[int] = ...) -> None: ...
 
 class LoadRequest(_message.Message):
-    __slots__ = ("model_id", "token_ids", "extra_keys")
+    __slots__ = ("model_id", "token_ids", "extra_keys", "first_block", "max_blocks", "spec")
     MODEL_ID_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     EXTRA_KEYS_FIELD_NUMBER: _ClassVar[int]
+    FIRST_BLOCK_FIELD_NUMBER: _ClassVar[int]
+    MAX_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    SPEC_FIELD_NUMBER: _ClassVar[int]
     model_id: str
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     extra_keys: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, model_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., extra_keys: _Optional[_Iterable[str]] = ...) -> None: ...
+    first_block: int
+    max_blocks: int
+    spec: _types_pb2.ModelSpec
+    def __init__(self, model_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., extra_keys: _Optional[_Iterable[str]] = ..., first_block: _Optional[int] = ..., max_blocks: _Optional[int] = ..., spec: _Optional[_Union[_types_pb2.ModelSpec, _Mapping]] = ...) -> None: ...
 
 class LoadResponse(_message.Message):
-    __slots__ = ("num_cached_tokens", "kv")
+    __slots__ = ("num_cached_tokens", "kv", "truncated")
     NUM_CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     KV_FIELD_NUMBER: _ClassVar[int]
+    TRUNCATED_FIELD_NUMBER: _ClassVar[int]
     num_cached_tokens: int
     kv: bytes
-    def __init__(self, num_cached_tokens: _Optional[int] = ..., kv: _Optional[bytes] = ...) -> None: ...
+    truncated: bool
+    def __init__(self, num_cached_tokens: _Optional[int] = ..., kv: _Optional[bytes] = ..., truncated: _Optional[bool] = ...) -> None: ...
 
 class ReserveRequest(_message.Message):
     __slots__ = ("model_id", "block_hashes", "stored_bytes", "codecs", "namespace", "ttl_seconds", "source_agent_id", "path")

@@ -1,0 +1,104 @@
+"""The engine connector against a real agent (gRPC on port 0, a real etcd): KV in a
+layout other than the agent's is refused, never cached in the wrong shape, and a prefix
+bigger than one gRPC message is stored and loaded in several."""
+
+from __future__ import annotations
+
+import grpc
+import pytest
+import torch
+
+from agent.client import EngineClient
+from agent.connector import KVConnector, layers_to_blocks
+from agent.core.model_spec import ModelSpec
+
+M = ModelSpec("conn-m", block_size=4, num_layers=2, num_kv_heads=2, head_dim=8, dtype="float16")
+
+
+def layer_kv(spec: ModelSpec, num_tokens: int, heads: int | None = None, dim: int | None = None, seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    shape = (1, heads or spec.num_kv_heads, num_tokens, dim or spec.head_dim)
+    return [
+        (torch.randn(shape, generator=g).half(), torch.randn(shape, generator=g).half()) for _ in range(spec.num_layers)
+    ]
+
+
+@pytest.mark.parametrize(
+    "heads, dim, tokens, error",
+    [
+        (4, 4, 16, "shape \\[1, 4, 16, 4\\], model conn-m wants \\[1, 2, >= 16, 8\\]"),
+        (2, 8, 12, "12 tokens, 16 needed"),
+    ],
+)
+def test_kv_in_another_layout_is_refused_by_name(heads, dim, tokens, error):
+    with pytest.raises(ValueError, match=error):
+        layers_to_blocks(layer_kv(M, tokens, heads, dim), M, 0, 4)
+
+
+def test_a_batch_of_two_is_refused():
+    kv = [(torch.zeros(2, 2, 8, 8, dtype=torch.float16),) * 2 for _ in range(2)]
+    with pytest.raises(ValueError, match="shape \\[2, 2, 8, 8\\]"):
+        layers_to_blocks(kv, M, 0, 2)
+
+
+def test_in_process_connector_with_another_layout_is_refused(make_agent):
+    agent = make_agent(models=[M])
+    other = ModelSpec(M.model_id, block_size=4, num_layers=2, num_kv_heads=4, head_dim=4, dtype="float16")
+    with pytest.raises(ValueError, match="num_kv_heads 4 != 2; head_dim 4 != 8"):
+        KVConnector(other, agent.engine)
+
+
+def test_remote_connector_with_another_layout_is_refused_and_caches_nothing(make_agent):
+    agent = make_agent(models=[M])
+    other = ModelSpec(M.model_id, block_size=4, num_layers=2, num_kv_heads=4, head_dim=4, dtype="float16")
+    client = EngineClient(agent.address)
+    try:
+        tokens = list(range(16))
+        with pytest.raises(grpc.RpcError) as e:
+            KVConnector(other, client).store(tokens, layer_kv(other, 16))
+        assert e.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+        assert "num_kv_heads 4 != 2" in e.value.details()
+        assert agent.engine.lookup(M.model_id, tokens) == 0
+        with pytest.raises(grpc.RpcError) as e:
+            KVConnector(other, client).load(tokens)
+        assert e.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+    finally:
+        client.close()
+
+
+def test_a_prefix_bigger_than_one_message_goes_in_several(make_agent, monkeypatch):
+    import agent.api.engine_service as engine_service
+
+    monkeypatch.setattr(engine_service, "blocks_per_message", lambda block_bytes: 3)  # a message holds 3 blocks
+    agent = make_agent(models=[M], cpu_capacity_bytes=64 * M.block_bytes)
+    client = EngineClient(agent.address)
+    try:
+        connector = KVConnector(M, client)
+        connector._blocks_per_message = 3
+        tokens = list(range(10 * M.block_size + 2))
+        kv = layer_kv(M, len(tokens), seed=3)
+        assert connector.store(tokens, kv) == 10  # in 4 Stores of 3, 3, 3, 1 blocks
+        one = client.load(M.model_id, tokens)
+        assert one.truncated and one.num_cached_tokens == 3 * M.block_size
+        n, layers = connector.load(tokens)
+        assert n == 10 * M.block_size
+        for (k, v), (k0, v0) in zip(layers, kv, strict=True):
+            assert torch.equal(k, k0[:, :, :n]) and torch.equal(v, v0[:, :, :n])
+        last = client.load(M.model_id, tokens, first_block=9)
+        assert not last.truncated and last.num_cached_tokens == 10 * M.block_size and len(last.kv) == M.block_bytes
+        # a Load from a block whose prefix is not cached loads nothing
+        other = list(range(1000, 1000 + 8 * M.block_size))
+        assert client.load(M.model_id, other, first_block=2).num_cached_tokens == 0
+    finally:
+        client.close()
+
+
+def test_load_of_a_bad_first_block_is_an_invalid_argument(make_agent):
+    agent = make_agent(models=[M])
+    client = EngineClient(agent.address)
+    try:
+        with pytest.raises(grpc.RpcError) as e:
+            client.load(M.model_id, list(range(8)), first_block=5)
+        assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "first_block" in e.value.details()
+    finally:
+        client.close()

@@ -32,6 +32,7 @@ that knows its size avoids with `expected_blocks`. The table never shrinks.
 from __future__ import annotations
 
 import ctypes
+import os
 from collections.abc import Iterable, Iterator, Sequence
 from typing import NamedTuple
 
@@ -45,12 +46,15 @@ _BUCKET = 8
 _EMPTY = 0
 _MAX_LOAD = 0.75  # live / slots before the table is rebuilt larger
 _REBUILD_LOAD = 0.4  # live / slots right after a rebuild
+_OVERSIZED_SLOTS_PER_KEY = 16  # a table this much bigger than its keys stops growing for one
 _MIN_BUCKETS = 16
 _SCALAR_MAX = 8  # keys left after the first vectorised round that are placed one by one
 _C1 = np.uint64(0x9E3779B97F4A7C15)
-_C2 = np.uint64(0xBF58476D1CE4E5B9)
 _U32 = np.uint64(0xFFFFFFFF)
 _C3 = np.uint64(0x94D049BB133111EB)
+_F1 = np.uint64(0xFF51AFD7ED558CCD)  # murmur3's fmix64
+_F2 = np.uint64(0xC4CEB9FE1A85EC53)
+_S33 = np.uint64(33)
 _BYTE_SUM = np.uint64(0x0101010101010101)  # x * this >> 56: the sum of x's bytes
 _BYTE_INDEX = np.uint64(0x0001020304050607)  # 2 ** (8 j) * this >> 56 == j
 _TAG_LOW = np.uint32(1)
@@ -143,11 +147,21 @@ def _parent_keys(parent_hashes, n: int) -> np.ndarray | None:
     return parents
 
 
-def _mix(keys: np.ndarray) -> np.ndarray:
-    # digests are already uniform, but engine-supplied hashes (vLLM ints, zero-padded) are
-    # not spread over both halves: mix both into the bucket and the tag
-    h = (keys[:, 0] ^ (keys[:, 1] * _C1)) * _C2
-    return h ^ (h >> np.uint64(29))
+def _fmix(h: np.ndarray) -> np.ndarray:
+    h = h ^ (h >> _S33)
+    h = h * _F1
+    h = h ^ (h >> _S33)
+    h = h * _F2
+    return h ^ (h >> _S33)
+
+
+def _mix(keys: np.ndarray, seed: np.ndarray) -> np.ndarray:
+    """The hash word of each key: both halves mixed on their own with a per-index secret
+    seed, then combined. Digests are uniform, but engine-supplied hashes (vLLM ints,
+    zero-padded) are not, and hashes are chosen by agents and engines: without the seed
+    and the per-half mixing, keys built to share a word would fill their two buckets and
+    the table would double without end (index_kernel.c's mix() is the same function)."""
+    return _fmix(keys[:, 0] ^ seed[0]) ^ (_fmix(keys[:, 1] ^ seed[1]) * _C1)
 
 
 def _first_set_byte(x: np.ndarray) -> np.ndarray:
@@ -180,6 +194,8 @@ class BlockIndex:
     def __init__(self, expected_blocks: int = 0, use_kernel: bool = True) -> None:
         # the C loops for per-event work where they build (index_kernel); else numpy's
         self._lib = index_kernel.load() if use_kernel else None
+        self._seed = np.frombuffer(os.urandom(16), np.uint64).copy()  # secret: see _mix
+        self.unplaced_total = 0  # keys left out of a table that would not stop growing
         self._kview: index_kernel.KvIndex | None = None  # the C view, kept while the arrays stay
         self._kview_arrays: tuple = ()
         self._slot_of: dict[str, int] = {}  # insertion order = agents()
@@ -305,6 +321,7 @@ class BlockIndex:
         if x is None or any(a is not b for a, b in zip(arrays, self._kview_arrays, strict=True)):
             x = index_kernel.KvIndex(*(a.ctypes.data for a in arrays))
             x.cap, x.W, x.shift = len(self._keys), self._W, int(self._shift)
+            x.s0, x.s1 = int(self._seed[0]), int(self._seed[1])
             self._kview, self._kview_arrays = x, arrays
         x.nfree, x.hw, x.live, x.now = self._nfree, self._hw, self._live, self._now_tick
         return x
@@ -326,6 +343,10 @@ class BlockIndex:
             self._kernel_done(x)
             if start == n:
                 return
+            if self._oversized(n - start):  # keys built to collide: this one stays out
+                self.unplaced_total += 1
+                start += 1
+                continue
             self._grow(self._nb * 2)  # both buckets of a key full: rare below the max load
 
     def _kernel_remove(self, keys: np.ndarray, slot: int) -> None:
@@ -349,7 +370,7 @@ class BlockIndex:
             self._lib.kv_find(ctypes.byref(x), keys.ctypes.data, n, ent.ctypes.data, loc.ctypes.data)
             return ent, loc
         if h is None:
-            h = _mix(keys)
+            h = _mix(keys, self._seed)
         b1, b2, tag = self._buckets(h)
         if n <= 4096:  # one pass over both buckets: fewer numpy calls for a lookup-sized batch
             b = np.concatenate([b1, b2])
@@ -508,7 +529,7 @@ class BlockIndex:
         occ = np.flatnonzero(self._tags_flat != _EMPTY)
         tags = self._tags_flat[occ]
         ents = self._ents_flat[occ]
-        h = _mix(self._keys.take(ents.astype(np.int64), axis=0))
+        h = _mix(self._keys.take(ents.astype(np.int64), axis=0), self._seed)
         h2 = h * _C3
         x2 = h2 ^ (h2 << np.uint64(29))  # the word _buckets takes the second bucket from
         home = (h >> old_shift).astype(np.int64) == (occ >> 3)
@@ -522,7 +543,10 @@ class BlockIndex:
         live_ids = self._ents_flat[self._tags_flat != _EMPTY].astype(np.int64)
         while True:
             self._new_table(nb)
-            if not live_ids.size or not self._place(_mix(self._keys.take(live_ids, axis=0)), live_ids, None, None).size:
+            if (
+                not live_ids.size
+                or not self._place(_mix(self._keys.take(live_ids, axis=0), self._seed), live_ids, None, None).size
+            ):
                 return
             nb *= 2  # two full buckets for some key: rare below the max load; go bigger
 
@@ -536,7 +560,7 @@ class BlockIndex:
         self._grow(nb)
 
     def _find_or_insert(self, keys: np.ndarray) -> np.ndarray:
-        h = _mix(keys)
+        h = _mix(keys, self._seed)
         ent, _ = self._find(keys, h)
         miss = np.flatnonzero(ent < 0)
         if miss.size:
@@ -545,8 +569,24 @@ class BlockIndex:
                 left = self._place(h[miss], miss, keys, ent)
                 miss = miss[left]
                 if miss.size:
+                    if self._oversized(len(miss)):  # keys built to collide: they stay out (-1)
+                        self.unplaced_total += len(miss)
+                        break
                     self._grow(self._nb * 2)
         return ent
+
+    def _oversized(self, pending: int) -> bool:
+        """Whether the table is already far bigger than its keys need: a key that still
+        finds both its buckets full then is one of many built to share them, and growing
+        again would double memory without end (see _mix)."""
+        return self._nb * _BUCKET >= _OVERSIZED_SLOTS_PER_KEY * max(self._live + pending, 1024)
+
+    def _placed(self, ent: np.ndarray, parents: np.ndarray | None) -> tuple[np.ndarray, np.ndarray | None]:
+        """The entries _find_or_insert placed, with their parents."""
+        if ent.size and ent.min() < 0:
+            keep = ent >= 0
+            return ent[keep], parents[keep] if parents is not None else None
+        return ent, parents
 
     def _distinct(self, e: np.ndarray) -> np.ndarray:
         """Mask of the first occurrence of each entry id in `e`."""
@@ -569,7 +609,7 @@ class BlockIndex:
         e = e[first]
         if loc is None:
             k = self._keys.take(e, axis=0)
-            _, loc = self._find(k, _mix(k))
+            _, loc = self._find(k, _mix(k, self._seed))
         else:
             loc = loc[empty][first]
         self._tags_flat[loc] = _EMPTY
@@ -651,7 +691,7 @@ class BlockIndex:
         if self._lib is not None:
             self._kernel_add(keys, parents, slot, code)
             return
-        ent = self._find_or_insert(keys)
+        ent, parents = self._placed(self._find_or_insert(keys), parents)
         self._set_parents(ent, parents)
         w, bit = self._word_bit(slot)
         newly = ent[(self._mask[w].take(ent) & bit) == 0]
@@ -670,7 +710,7 @@ class BlockIndex:
         if self._lib is not None:
             self._kernel_remove(keys, slot)
             return
-        ent, loc = self._find(keys, _mix(keys))
+        ent, loc = self._find(keys, _mix(keys, self._seed))
         w, bit = self._word_bit(slot)
         sel = ent >= 0
         ent, loc = ent[sel], loc[sel]
@@ -716,7 +756,7 @@ class BlockIndex:
         prepared = []
         for keys, parents, code in parsed:
             if len(keys):
-                ent = self._find_or_insert(keys)
+                ent, parents = self._placed(self._find_or_insert(keys), parents)
                 self._set_parents(ent, parents)
                 prepared.append((ent, code))
         old = self._entries_of(slot) if self._counts[slot] else np.zeros(0, np.int64)
@@ -760,7 +800,7 @@ class BlockIndex:
             x = self._kernel()
             m = self._lib.kv_prefix_gil(ctypes.byref(x), keys.ctypes.data, len(keys), ent.ctypes.data)
         else:
-            ent, _ = self._find(keys, _mix(keys))
+            ent, _ = self._find(keys, _mix(keys, self._seed))
             miss = np.flatnonzero(ent < 0)
             m = int(miss[0]) if miss.size else len(ent)
         if m == 0:
@@ -790,7 +830,7 @@ class BlockIndex:
 
     def holders(self, block_hash: bytes) -> dict[str, Tier]:
         keys = as_keys(block_hash)
-        ent, _ = self._find(keys, _mix(keys))
+        ent, _ = self._find(keys, _mix(keys, self._seed))
         if len(ent) != 1 or ent[0] < 0:
             return {}
         e = ent[:1]
@@ -835,7 +875,7 @@ class BlockIndex:
         slot = self._slot_of.get(agent_id)
         if slot is None or not len(keys) or self._live == 0:
             return out
-        ent, _ = self._find(keys, _mix(keys))
+        ent, _ = self._find(keys, _mix(keys, self._seed))
         w, bit = self._word_bit(slot)
         found = np.flatnonzero(ent >= 0)
         e = ent[found]
@@ -847,7 +887,7 @@ class BlockIndex:
         """The parent digest of an indexed block (ROOT_PARENT_HASH: none known); None when
         the block is not indexed."""
         keys = as_keys(block_hash)
-        ent, _ = self._find(keys, _mix(keys))
+        ent, _ = self._find(keys, _mix(keys, self._seed))
         if len(ent) != 1 or ent[0] < 0:
             return None
         return self._parents[int(ent[0])].tobytes()

@@ -13,7 +13,6 @@
 #define EMPTY 0u
 
 static const uint64_t C1 = 0x9E3779B97F4A7C15ull;
-static const uint64_t C2 = 0xBF58476D1CE4E5B9ull;
 static const uint64_t C3 = 0x94D049BB133111EBull;
 
 typedef struct {
@@ -34,11 +33,20 @@ typedef struct {
     int64_t hw;        /* in/out: entries ever allocated */
     int64_t live;      /* in/out: keys in the table */
     int64_t now;       /* the clock tick kv_add stamps */
+    uint64_t s0, s1;   /* the index's secret hash seed */
 } kv_index;
 
-static inline uint64_t mix(const uint64_t *k) {
-    uint64_t h = (k[0] ^ (k[1] * C1)) * C2;
-    return h ^ (h >> 29);
+static inline uint64_t fmix(uint64_t h) {
+    h ^= h >> 33;
+    h *= 0xFF51AFD7ED558CCDull;
+    h ^= h >> 33;
+    h *= 0xC4CEB9FE1A85EC53ull;
+    return h ^ (h >> 33);
+}
+
+/* index.py's _mix: each half mixed on its own with the seed, then combined */
+static inline uint64_t mix(const kv_index *x, const uint64_t *k) {
+    return fmix(k[0] ^ x->s0) ^ (fmix(k[1] ^ x->s1) * C1);
 }
 
 static inline void buckets(const kv_index *x, uint64_t h, int64_t *b1, int64_t *b2, uint32_t *tag) {
@@ -52,7 +60,7 @@ static inline void buckets(const kv_index *x, uint64_t h, int64_t *b1, int64_t *
 static inline int64_t find_one(const kv_index *x, const uint64_t *k, int64_t *loc) {
     int64_t b[2];
     uint32_t tag;
-    buckets(x, mix(k), &b[0], &b[1], &tag);
+    buckets(x, mix(x, k), &b[0], &b[1], &tag);
     for (int i = 0; i < 2; i++) {
         const uint32_t *row = x->tags + b[i] * BUCKET;
         for (int j = 0; j < BUCKET; j++) {
@@ -79,7 +87,7 @@ static inline int empties(const uint32_t *row) {
 static inline int64_t insert_one(kv_index *x, const uint64_t *k) {
     int64_t b1, b2;
     uint32_t tag;
-    buckets(x, mix(k), &b1, &b2, &tag);
+    buckets(x, mix(x, k), &b1, &b2, &tag);
     uint32_t *r1 = x->tags + b1 * BUCKET, *r2 = x->tags + b2 * BUCKET;
     int64_t b = empties(r2) > empties(r1) ? b2 : b1;
     uint32_t *row = x->tags + b * BUCKET;

@@ -42,6 +42,8 @@ class KvIndex(ctypes.Structure):
         ("hw", _I),
         ("live", _I),
         ("now", _I),
+        ("s0", ctypes.c_uint64),
+        ("s1", ctypes.c_uint64),
     ]
 
 

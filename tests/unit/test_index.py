@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hypothesis.strategies as st
+import pytest
 from hypothesis import settings
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 
@@ -203,3 +204,72 @@ class IndexMachine(RuleBasedStateMachine):
 
 IndexMachine.TestCase.settings = settings(max_examples=60, stateful_step_count=25, deadline=None)
 TestIndexMachine = IndexMachine.TestCase
+
+
+# ---- hashes built to collide (agents and engines choose the digests they report) ------
+_M64 = (1 << 64) - 1
+_F1, _F2, _C1 = 0xFF51AFD7ED558CCD, 0xC4CEB9FE1A85EC53, 0x9E3779B97F4A7C15
+
+
+def _fmix(h: int) -> int:
+    h ^= h >> 33
+    h = h * _F1 & _M64
+    h ^= h >> 33
+    h = h * _F2 & _M64
+    return h ^ (h >> 33)
+
+
+def _unfmix(h: int) -> int:  # x ^ (x >> 33) undoes itself on 64 bits
+    h ^= h >> 33
+    h = h * pow(_F2, -1, 1 << 64) & _M64
+    h ^= h >> 33
+    h = h * pow(_F1, -1, 1 << 64) & _M64
+    return h ^ (h >> 33)
+
+
+def _old_mix_collisions(n: int) -> list[bytes]:
+    """Keys the unseeded mix, (k0 ^ k1 * C1) * C2, sent to one word: each took the same
+    two buckets at every table size."""
+    out = []
+    for k1 in range(1, n + 1):
+        k0 = 0x1234 ^ (k1 * _C1 & _M64)
+        out.append(k0.to_bytes(8, "little") + k1.to_bytes(8, "little"))
+    return out
+
+
+def _collisions(idx: BlockIndex, n: int) -> list[bytes]:
+    """Keys that share one hash word under this index's seed (which an attacker lacks)."""
+    s0, s1 = (int(v) for v in idx._seed)
+    out = []
+    for k1 in range(1, n + 1):
+        k0 = s0 ^ _unfmix(0x5EED ^ (_fmix(k1 ^ s1) * _C1 & _M64))
+        out.append(k0.to_bytes(8, "little") + k1.to_bytes(8, "little"))
+    return out
+
+
+@pytest.mark.parametrize("use_kernel", [True, False])
+def test_keys_built_for_the_unseeded_mix_no_longer_collide(use_kernel):
+    idx = BlockIndex(use_kernel=use_kernel)
+    keys = _old_mix_collisions(64)
+    idx.add("a", keys, Tier.CPU)
+    assert idx.num_agent_blocks("a") == 64 and idx.unplaced_total == 0
+    assert all(idx.holders(k) == {"a": Tier.CPU} for k in keys)
+    assert idx._nb * 8 < 64 * 1024  # the table did not grow for them
+
+
+@pytest.mark.parametrize("use_kernel", [True, False])
+@pytest.mark.parametrize("how", ["add", "replace"])
+def test_a_collision_flood_stops_growing_and_leaves_the_rest_served(use_kernel, how):
+    idx = BlockIndex(use_kernel=use_kernel)
+    good = chain(50)
+    idx.add("b", good, Tier.GPU)
+    flood = _collisions(idx, 40)  # 16 fit in their two buckets; the rest cannot, at any size
+    if how == "add":
+        idx.add("a", flood, Tier.CPU)
+    else:
+        idx.replace_agent_packed("a", [(b"".join(flood), Tier.CPU)])
+    placed = idx.num_agent_blocks("a")  # their two buckets' 16 slots, less any good key's there
+    assert 8 <= placed <= 16 and idx.unplaced_total == 40 - placed
+    assert idx._nb * 8 <= 16 * 1024 * 2  # bounded, not doubled until memory runs out
+    assert idx.lookup(good)[0].num_hit_blocks == 50  # everyone else is served as before
+    assert sum(bool(idx.holders(k)) for k in flood) == placed

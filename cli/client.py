@@ -163,6 +163,8 @@ class TierView:
     capacity_bytes: int
     used_bytes: int
     num_blocks: int
+    uncompressed_bytes: int = 0  # what the tier's blocks would take raw
+    stored_bytes: int = 0  # what they take as stored (less when compressed)
 
 
 @dataclass(frozen=True)
@@ -373,7 +375,10 @@ def _tier_name(value: int) -> str:
 
 
 def _tiers(tiers) -> list[TierView]:
-    return [TierView(_tier_name(t.tier), t.capacity_bytes, t.used_bytes, t.num_blocks) for t in tiers]
+    return [
+        TierView(_tier_name(t.tier), t.capacity_bytes, t.used_bytes, t.num_blocks, t.uncompressed_bytes, t.stored_bytes)
+        for t in tiers
+    ]
 
 
 class ControlPlaneClient:
@@ -401,6 +406,20 @@ class ControlPlaneClient:
         self._channel = secure_channel(endpoint, self._tls)
         self._stub = admin_pb2_grpc.AdminServiceStub(self._channel)
 
+    def use_endpoint(self, endpoint: str) -> None:
+        """Talk to `endpoint` from now on (e.g. the leader another client already found),
+        with the same token and TLS."""
+        if endpoint and endpoint != self.endpoint:
+            self._channel.close()
+            self._connect(endpoint)
+
+    def _leader_of(self, exc: grpc.RpcError) -> str:
+        """The leader a follower named in its FAILED_PRECONDITION answer, if not us."""
+        if exc.code() != grpc.StatusCode.FAILED_PRECONDITION:
+            return ""
+        leader = dict(exc.trailing_metadata() or ()).get(LEADER_METADATA_KEY, "")
+        return leader if leader != self.endpoint else ""
+
     def close(self) -> None:
         self._channel.close()
         if self._lookups is not None:
@@ -416,13 +435,11 @@ class ControlPlaneClient:
         try:
             return getattr(self._stub, method)(request, timeout=self.timeout_seconds, metadata=self._metadata)
         except grpc.RpcError as exc:
-            code = exc.code()
-            if code == grpc.StatusCode.FAILED_PRECONDITION and follow:
-                leader = dict(exc.trailing_metadata() or ()).get(LEADER_METADATA_KEY, "")
-                if leader and leader != self.endpoint:
-                    self.close()
-                    self._connect(leader)
-                    return self._call(method, request, follow=False)
+            leader = self._leader_of(exc) if follow else ""
+            if leader:
+                self.close()
+                self._connect(leader)
+                return self._call(method, request, follow=False)
             raise self._error(exc) from None
 
     def _error(self, exc: grpc.RpcError) -> ClientError:
@@ -690,8 +707,9 @@ class ControlPlaneClient:
         return _op_view(self._call("CancelOperation", admin_pb2.CancelOperationRequest(op_id=op_id)))
 
     def wait_operation(self, op_id: str, timeout_seconds: float = 300.0, on_progress=None) -> OperationView:
-        """Poll an operation until it finishes (or the timeout passes); `on_progress(op)` is
-        called on every poll."""
+        """Poll an operation until it finishes or `timeout_seconds` pass; `on_progress(op)`
+        is called on every poll. The last view comes back either way: a caller tells the
+        two apart by `op.finished`."""
         import time
 
         deadline = time.monotonic() + timeout_seconds
@@ -699,9 +717,10 @@ class ControlPlaneClient:
             op = self.get_operation(op_id)
             if on_progress:
                 on_progress(op)
-            if op.finished or time.monotonic() > deadline:
+            left = deadline - time.monotonic()
+            if op.finished or left <= 0:
                 return op
-            time.sleep(0.2)
+            time.sleep(min(0.2, left))
 
     # ---- policy ---------------------------------------------------------------------
     def get_policy(self) -> dict[str, str]:
@@ -713,10 +732,18 @@ class ControlPlaneClient:
     # ---- watch ----------------------------------------------------------------------
     def watch(self, kinds: tuple[str, ...] = (), replay_recent: bool = True):
         """Iterator of EventView from the control plane's Watch stream (no deadline).
-        Raises ClientError when the stream breaks; callers reconnect."""
-        try:
-            request = admin_pb2.WatchRequest(kinds=list(kinds), replay_recent=replay_recent)
-            for e in self._stub.Watch(request, metadata=self._metadata):
-                yield EventView(e.seq, e.unix_seconds, e.kind, e.severity, e.agent_id, e.op_id, e.pin_id, e.message)
-        except grpc.RpcError as exc:
-            raise self._error(exc) from None
+        A follower's FAILED_PRECONDITION is followed to the leader it names, once, as for
+        unary calls. Raises ClientError when the stream breaks; callers reconnect."""
+        request = admin_pb2.WatchRequest(kinds=list(kinds), replay_recent=replay_recent)
+        follow = True
+        while True:
+            try:
+                for e in self._stub.Watch(request, metadata=self._metadata):
+                    yield EventView(e.seq, e.unix_seconds, e.kind, e.severity, e.agent_id, e.op_id, e.pin_id, e.message)
+                return
+            except grpc.RpcError as exc:
+                leader = self._leader_of(exc) if follow else ""
+                if not leader:
+                    raise self._error(exc) from None
+                follow = False
+                self.use_endpoint(leader)

@@ -4,6 +4,8 @@ ControlPlaneClient; `-o json` prints the stable shape scripts rely on."""
 from __future__ import annotations
 
 import json
+import math
+import ssl
 import sys
 from pathlib import Path
 
@@ -43,7 +45,11 @@ class Context:
 
     def call(self, fn):
         try:
-            with self.client() as c:
+            client = self.client()
+        except ValueError as exc:  # a TLS file that went away since main() checked it
+            fail(str(exc))
+        try:
+            with client as c:
                 return fn(c)
         except ClientError as exc:
             fail(str(exc), 1)
@@ -84,14 +90,42 @@ pass_ctx = click.make_pass_decorator(Context)
 @click.pass_context
 def main(ctx, endpoint, output_format, timeout_seconds, token_file, tls_ca, tls_cert, tls_key, lookup_endpoint):
     """kvctl: inspect and operate a kvcp KV cache cluster."""
+    if not (math.isfinite(timeout_seconds) and timeout_seconds > 0):
+        fail(f"--timeout: {timeout_seconds:g} is not a positive number of seconds (e.g. --timeout 5)")
     try:
         token = read_secret(token_file, "KVCTL_TOKEN")
-        if lookup_endpoint:
-            split_address(lookup_endpoint)
     except ValueError as exc:
-        fail(str(exc))
-    tls = TLSConfig(tls_cert, tls_key, tls_ca) if tls_ca else None
+        fail(f"--token-file: {exc}")
+    if lookup_endpoint:
+        try:
+            split_address(lookup_endpoint)
+        except ValueError as exc:
+            fail(f"--lookup-endpoint: {exc}")
+    tls = tls_config(tls_ca, tls_cert, tls_key)
     ctx.obj = Context(endpoint, output_format, timeout_seconds, token, tls, lookup_endpoint)
+
+
+def tls_config(ca_file: str, cert_file: str, key_file: str) -> TLSConfig | None:
+    """The TLS files, checked now: a file that cannot be read or is not PEM gets one line
+    naming its option here, not a traceback when the first channel (or the dashboard) opens."""
+    if not ca_file:
+        return None
+    try:
+        context = ssl.create_default_context(cafile=ca_file)
+    except (OSError, ssl.SSLError) as exc:
+        fail(f"--tls-ca: cannot use {ca_file} as a CA certificate (PEM): {_reason(exc)}")
+    if cert_file or key_file:
+        if not (cert_file and key_file):
+            fail("--tls-cert and --tls-key go together (mTLS): give both or neither")
+        try:
+            context.load_cert_chain(cert_file, key_file)
+        except (OSError, ssl.SSLError) as exc:
+            fail(f"--tls-cert/--tls-key: cannot load {cert_file} with key {key_file}: {_reason(exc)}")
+    return TLSConfig(cert_file, key_file, ca_file)
+
+
+def _reason(exc: Exception) -> str:
+    return getattr(exc, "strerror", None) or getattr(exc, "reason", None) or str(exc)
 
 
 @main.command()
@@ -107,7 +141,7 @@ def agents(ctx: Context):
         return
     rows = []
     for a in views:
-        tiers = " ".join(f"{t.tier}:{output.usage_cell(t.used_bytes, t.capacity_bytes)}" for t in a.tiers)
+        tiers = " ".join(f"{t.tier}:{output.tier_cell(t)}" for t in a.tiers)
         rows.append([a.agent_id, a.address, a.state, a.num_blocks, f"{a.hit_ratio:.1%}", tiers])
     click.echo(output.table(["AGENT", "ADDRESS", "STATE", "BLOCKS", "HIT", "TIERS (used/capacity)"], rows))
 
@@ -116,14 +150,22 @@ def parse_tokens(text: str, source: str) -> list[int]:
     text = text.strip()
     if not text:
         fail(f"{source}: no tokens given")
-    try:
-        if text.startswith("["):
+    usage = f"{source}: token ids must be integers, separated by commas or spaces (or a JSON list)"
+    if text.startswith("["):
+        try:
             values = json.loads(text)
-        else:
-            values = [p for p in text.replace(",", " ").split()]
-        tokens = [int(v) for v in values]
-    except (ValueError, TypeError, json.JSONDecodeError):
-        fail(f"{source}: token ids must be integers, separated by commas or spaces (or a JSON list)")
+        except (ValueError, RecursionError):
+            fail(usage)
+        # a JSON list holds integers only: 1.9 or true is a mistake, never a token id
+        bad = [v for v in values if type(v) is not int] if isinstance(values, list) else [values]
+        if bad:
+            fail(f"{usage}; got {json.dumps(bad[0])[:40]}")
+        tokens = values
+    else:
+        try:
+            tokens = [int(p) for p in text.replace(",", " ").split()]
+        except ValueError:
+            fail(usage)
     bad = [t for t in tokens if t < 0 or t >= 2**32]
     if bad:
         fail(f"{source}: token id {bad[0]} is out of range [0, 2^32)")
@@ -137,7 +179,13 @@ def read_tokens(tokens: str | None, tokens_file: str | None) -> list[int] | None
         path = Path(tokens_file)
         if not path.is_file():
             fail(f"--tokens-file: {tokens_file} does not exist or is not a file")
-        return parse_tokens(path.read_text(), f"--tokens-file {tokens_file}")
+        try:
+            text = path.read_text(encoding="utf-8")
+        except UnicodeDecodeError:
+            fail(f"--tokens-file: {tokens_file} is not UTF-8 text (token ids as digits, e.g. 1,2,3)")
+        except OSError as exc:
+            fail(f"--tokens-file: cannot read {tokens_file}: {exc.strerror}")
+        return parse_tokens(text, f"--tokens-file {tokens_file}")
     if tokens is not None:
         return parse_tokens(tokens, "--tokens")
     return None

@@ -111,7 +111,28 @@ def print_op(ctx: Context, op: OperationView) -> None:
         click.echo("  nothing matched" if not op.dry_run else "  would free nothing")
 
 
-def wait_and_print(ctx: Context, op: OperationView, wait: bool) -> None:
+DEFAULT_WAIT_TIMEOUT = "300"
+
+
+def wait_timeout_option(fn):
+    """--wait-timeout, the same on every command with --wait."""
+    return click.option(
+        "--wait-timeout",
+        default=DEFAULT_WAIT_TIMEOUT,
+        show_default=True,
+        help="With --wait: give up after this long (seconds, or 90s, 10m, 1h); exit 1 if still running.",
+    )(fn)
+
+
+def wait_timeout_seconds(text: str) -> float:
+    seconds = parse_duration(text, "--wait-timeout")
+    if seconds <= 0:
+        fail(f"--wait-timeout: {text!r} must be positive")
+    return seconds
+
+
+def wait_and_print(ctx: Context, op: OperationView, wait: bool, wait_timeout: str = DEFAULT_WAIT_TIMEOUT) -> None:
+    timeout_seconds = wait_timeout_seconds(wait_timeout)
     if wait and not op.finished:
         tty = sys.stderr.isatty() and ctx.output != "json"
 
@@ -123,10 +144,16 @@ def wait_and_print(ctx: Context, op: OperationView, wait: bool) -> None:
                     f"\r[{'#' * filled}{'.' * (width - filled)}] {o.progress:4.0%} {o.state:<9}", nl=False, err=True
                 )
 
-        op = ctx.call(lambda c: c.wait_operation(op.op_id, on_progress=progress))
+        op = ctx.call(lambda c: c.wait_operation(op.op_id, timeout_seconds, on_progress=progress))
         if tty:
             click.echo("", err=True)
     print_op(ctx, op)
+    if wait and not op.finished:
+        fail(
+            f"--wait-timeout: {op.kind} {op.op_id} is still {op.state} after {timeout_seconds:g}s; "
+            f"it goes on: `kvctl op {op.op_id} --wait` waits again, `kvctl cancel {op.op_id}` stops it",
+            1,
+        )
     if op.finished and op.state != "SUCCEEDED":
         sys.exit(1)
 
@@ -179,11 +206,26 @@ def pins(ctx: Context, namespace):
 @click.option("--to", "to_tier", required=True, help="Destination tier: gpu|cpu|disk.")
 @click.option("--codec", default="", help="Re-encode on the way: none|int8|int4|fp8|zstd.")
 @click.option("--wait", is_flag=True, help="Wait until the move finishes.")
+@wait_timeout_option
 @pass_ctx
-def move(ctx: Context, model_id, tokens, tokens_file, hashes, extra_keys, namespace, agent_id, to_tier, codec, wait):
+def move(
+    ctx: Context,
+    model_id,
+    tokens,
+    tokens_file,
+    hashes,
+    extra_keys,
+    namespace,
+    agent_id,
+    to_tier,
+    codec,
+    wait,
+    wait_timeout,
+):
     """Move a prefix or a namespace to a tier, on every agent that holds it (or --agent)."""
     scope = scope_kwargs(model_id, tokens, tokens_file, hashes, extra_keys, namespace, agent_id)
-    wait_and_print(ctx, ctx.call(lambda c: c.move(to_tier, codec=codec, **scope)), wait)
+    wait_timeout_seconds(wait_timeout)  # bad input is told before anything starts
+    wait_and_print(ctx, ctx.call(lambda c: c.move(to_tier, codec=codec, **scope)), wait, wait_timeout)
 
 
 @main.command()
@@ -193,12 +235,14 @@ def move(ctx: Context, model_id, tokens, tokens_file, hashes, extra_keys, namesp
 @click.option("--model", "model_id", default="")
 @click.option("--dry-run", is_flag=True, help="Report what would be freed; change nothing.")
 @click.option("--wait", is_flag=True)
+@wait_timeout_option
 @pass_ctx
-def cleanup(ctx: Context, older_than, namespace, agent_id, model_id, dry_run, wait):
+def cleanup(ctx: Context, older_than, namespace, agent_id, model_id, dry_run, wait, wait_timeout):
     """Drop unpinned blocks idle for --older-than (leaves first); pinned ones are skipped and counted."""
     seconds = parse_duration(older_than, "--older-than") if older_than else 0.0
+    wait_timeout_seconds(wait_timeout)
     op = ctx.call(lambda c: c.cleanup(seconds, namespace, agent_id, model_id, dry_run))
-    wait_and_print(ctx, op, wait or dry_run)
+    wait_and_print(ctx, op, wait or dry_run, wait_timeout)
 
 
 @main.command()
@@ -206,11 +250,26 @@ def cleanup(ctx: Context, older_than, namespace, agent_id, model_id, dry_run, wa
 @click.option("--codec", required=True, help="int8|int4|fp8|zstd|none")
 @click.option("--tier", default="", help="Only blocks in this tier.")
 @click.option("--wait", is_flag=True)
+@wait_timeout_option
 @pass_ctx
-def compress(ctx: Context, model_id, tokens, tokens_file, hashes, extra_keys, namespace, agent_id, codec, tier, wait):
+def compress(
+    ctx: Context,
+    model_id,
+    tokens,
+    tokens_file,
+    hashes,
+    extra_keys,
+    namespace,
+    agent_id,
+    codec,
+    tier,
+    wait,
+    wait_timeout,
+):
     """Re-encode blocks in place with a codec (transparent on load)."""
     scope = scope_kwargs(model_id, tokens, tokens_file, hashes, extra_keys, namespace, agent_id)
-    wait_and_print(ctx, ctx.call(lambda c: c.compress(codec, tier=tier, **scope)), wait)
+    wait_timeout_seconds(wait_timeout)
+    wait_and_print(ctx, ctx.call(lambda c: c.compress(codec, tier=tier, **scope)), wait, wait_timeout)
 
 
 @main.command()
@@ -223,15 +282,27 @@ def compress(ctx: Context, model_id, tokens, tokens_file, hashes, extra_keys, na
 @click.option("--to", "to_agent_id", required=True, help="Agent that gets it (decode).")
 @click.option("--deadline", default="", help="Answer within this (10s, 1m); default: the agent's.")
 @click.option("--wait", is_flag=True, help="Wait until the transfer finishes.")
+@wait_timeout_option
 @pass_ctx
 def transfer(
-    ctx: Context, model_id, tokens, tokens_file, hashes, extra_keys, from_agent_id, to_agent_id, deadline, wait
+    ctx: Context,
+    model_id,
+    tokens,
+    tokens_file,
+    hashes,
+    extra_keys,
+    from_agent_id,
+    to_agent_id,
+    deadline,
+    wait,
+    wait_timeout,
 ):
     """Hand a prefix's KV from one agent to another (prefill -> decode handoff)."""
     scope = scope_kwargs(model_id, tokens, tokens_file, hashes, extra_keys, "", "")
     if scope["token_ids"] is None and not scope["block_hashes"]:
         fail("give the prefix: --tokens, --tokens-file or --hashes")
     seconds = parse_duration(deadline, "--deadline") if deadline else 0.0
+    wait_timeout_seconds(wait_timeout)
     op = ctx.call(
         lambda c: c.transfer(
             model_id,
@@ -243,7 +314,7 @@ def transfer(
             deadline_seconds=seconds,
         )
     )
-    wait_and_print(ctx, op, wait)
+    wait_and_print(ctx, op, wait, wait_timeout)
 
 
 @main.command()
@@ -272,9 +343,10 @@ def route(ctx: Context, model_id, tokens, tokens_file, hashes, extra_keys, role,
     )
     if ctx.output == "json":
         click.echo(output.dumps(r))
-        return
-    if not r.agent_id:
+    if not r.agent_id:  # the same exit status for scripts as for people
         fail(f"no agent to route to: {r.reason}")
+    if ctx.output == "json":
+        return
     if r.role == "pair":
         how = "split" if r.disaggregate else "not split"
         click.echo(f"prefill {r.prefill_agent_id}, decode {r.decode_agent_id or '-'} ({how}): {r.reason}")
@@ -328,10 +400,12 @@ def ops(ctx: Context, limit):
 @main.command()
 @click.argument("op_id")
 @click.option("--wait", is_flag=True)
+@wait_timeout_option
 @pass_ctx
-def op(ctx: Context, op_id, wait):
+def op(ctx: Context, op_id, wait, wait_timeout):
     """One operation (with --wait: until it finishes)."""
-    wait_and_print(ctx, ctx.call(lambda c: c.get_operation(op_id)), wait)
+    wait_timeout_seconds(wait_timeout)
+    wait_and_print(ctx, ctx.call(lambda c: c.get_operation(op_id)), wait, wait_timeout)
 
 
 @main.command()

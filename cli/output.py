@@ -46,6 +46,14 @@ def usage_cell(used: int, capacity: int) -> str:
     return f"{human_bytes(used)}/{human_bytes(capacity)} ({pct:.0f}%)"
 
 
+def tier_cell(t) -> str:
+    """A TierView as used/capacity, plus what compression saves where it saves any."""
+    cell = usage_cell(t.used_bytes, t.capacity_bytes)
+    if 0 < t.stored_bytes < t.uncompressed_bytes:
+        cell += f" [stored {human_bytes(t.stored_bytes)} of {human_bytes(t.uncompressed_bytes)}]"
+    return cell
+
+
 def tier_runs(tiers: list[str]) -> str:
     """['cpu','cpu','disk'] -> 'cpu×2 disk×1'."""
     runs: list[list] = []

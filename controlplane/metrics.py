@@ -121,9 +121,14 @@ class ClusterCollector:
         f["kvcp_controlplane_epoch"].add_metric([], lead.epoch if lead is not None else 0)
         stats = self._cluster.stats()
         by_state = dict.fromkeys(AGENT_STATES, 0)
+        # per-agent series come from the leader only: a deposed replica keeps its records
+        # (disconnected) until the agents' leases go, and alerts would fire on them
+        leading = lead is not None and lead.is_leader
         for rec, num_blocks in self._cluster.agents():
             state = rec.state.name.lower()
             by_state[state] += 1
+            if not leading:
+                continue
             for s in AGENT_STATES:
                 f["kvcp_agent_state"].add_metric([rec.agent_id, s], 1 if s == state else 0)
             f["kvcp_agent_indexed_blocks"].add_metric([rec.agent_id], num_blocks)

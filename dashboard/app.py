@@ -68,12 +68,14 @@ EVENT_TOPICS = {
 
 
 class Fetched(Message):
-    """A batch of unary results: topic -> view(s) or the ClientError it raised."""
+    """A batch of unary results: topic -> view(s) or the ClientError it raised; `error`
+    says why the batch stopped on anything else (a bad setting, a bug), '' when it did not."""
 
-    def __init__(self, results: dict, at_unix_seconds: float):
+    def __init__(self, results: dict, at_unix_seconds: float, error: str = ""):
         super().__init__()
         self.results = results
         self.at_unix_seconds = at_unix_seconds
+        self.error = error
 
 
 class EventReceived(Message):
@@ -157,7 +159,8 @@ class DashboardApp(App):
     def on_mount(self) -> None:
         self.set_interval(1.0, self._clock_tick)
         if self.live:
-            self._client = self._connect()
+            # the fetch worker makes the client: making it may fail (an unreadable CA
+            # file), and that must show on the top line and be retried, not end the app
             self._watch_worker()
             self.set_interval(self.refresh_seconds, self._periodic_refresh)
             self.request_refresh(*FETCH_ORDER)
@@ -290,29 +293,40 @@ class DashboardApp(App):
         self.run_worker(lambda: self._fetch_batch(topics), thread=True, group="fetch", exit_on_error=False)
 
     def _fetch_batch(self, topics: frozenset[str]) -> None:
-        client = self._current_client()
-        calls = {
-            "operations": lambda: client.list_operations(limit=50),
-            "pins": client.list_pins,
-            "agents": client.list_agents,
-            "stats": client.stats,
-        }
         results: dict = {}
-        for topic in FETCH_ORDER:
-            if topic not in topics or self._stopping.is_set():
-                continue
-            try:
-                results[topic] = calls[topic]()
-            except ClientError as exc:
-                results[topic] = exc
-                if exc.code in UNREACHABLE:
-                    self._drop_client(client)
-                    break  # the rest would fail the same way
-        if not self._stopping.is_set():
-            self.post_message(Fetched(results, self.now()))
+        error = ""
+        client = None
+        try:
+            client = self._current_client()
+            calls = {
+                "operations": lambda: client.list_operations(limit=50),
+                "pins": client.list_pins,
+                "agents": client.list_agents,
+                "stats": client.stats,
+            }
+            for topic in FETCH_ORDER:
+                if topic not in topics or self._stopping.is_set():
+                    continue
+                try:
+                    results[topic] = calls[topic]()
+                except ClientError as exc:
+                    results[topic] = exc
+                    if exc.code in UNREACHABLE:
+                        self._drop_client(client)
+                        break  # the rest would fail the same way
+        except Exception as exc:  # noqa: BLE001 - whatever it was, the next refresh must still run
+            error = f"refresh failed: {type(exc).__name__}: {exc}"
+            if client is not None:
+                self._drop_client(client)
+        finally:
+            # always: on_fetched is what lets the next batch start
+            if not self._stopping.is_set():
+                self.post_message(Fetched(results, self.now(), error))
 
     def on_fetched(self, message: Fetched) -> None:
         self._fetching = False
+        if message.error:
+            self.apply_connection(RECONNECTING, message.error)
         results = message.results
         unreachable = next((r for r in results.values() if isinstance(r, ClientError) and r.code in UNREACHABLE), None)
         if unreachable is not None:
@@ -346,10 +360,13 @@ class DashboardApp(App):
         worker = get_current_worker()
         backoff = WATCH_BACKOFF_SECONDS[0]
         while not self._stopping.is_set() and not worker.is_cancelled:
-            client = self._connect()
-            self._watch_client = client
+            client = None
             unimplemented = False
             try:
+                client = self._connect()
+                self._watch_client = client
+                # start where the fetch client is: it has followed a follower to the leader
+                client.use_endpoint(self._fetch_endpoint())
                 for event in client.watch(replay_recent=True):
                     backoff = WATCH_BACKOFF_SECONDS[0]
                     self.post_message(EventReceived(event))
@@ -357,14 +374,22 @@ class DashboardApp(App):
             except ClientError as exc:
                 reason = str(exc)
                 unimplemented = exc.code == "UNIMPLEMENTED"
+            except Exception as exc:  # noqa: BLE001 - say it and retry; the worker must not end
+                reason = f"event stream failed: {type(exc).__name__}: {exc}"
             finally:
-                client.close()
+                if client is not None:
+                    client.close()
             if self._stopping.is_set():
                 return
             self.post_message(WatchBroken(reason, unimplemented))
             # a control plane without Watch: the periodic refresh carries on alone
             self._stopping.wait(30.0 if unimplemented else backoff)
             backoff = min(backoff * 2, WATCH_BACKOFF_SECONDS[1])
+
+    def _fetch_endpoint(self) -> str:
+        """The endpoint the fetch client talks to now ('' when it has none)."""
+        with self._client_lock:
+            return self._client.endpoint if self._client is not None else ""
 
     def on_event_received(self, message: EventReceived) -> None:
         self.state.watch_available = True
@@ -388,6 +413,8 @@ class DashboardApp(App):
                 error = ""
             except ClientError as exc:
                 error = str(exc)
+            except Exception as exc:  # noqa: BLE001 - e.g. no client could be made: say so
+                error = f"{type(exc).__name__}: {exc}"
             self.post_message(ActionDone(what, error, refresh))
 
         self.run_worker(run, thread=True, group="actions", exit_on_error=False)

@@ -166,7 +166,8 @@ class ClusterScreen(DashboardScreen):
             "moved": (self.state.movement_series(), lambda v: f"moved {render.rate_bytes(v)}"),
         }
         for key, (data, label) in series.items():
-            self.query_one(f"#spark-{key}", Sparkline).data = data or [0.0]
+            # under two points there is no line to draw; one value alone fills the widget
+            self.query_one(f"#spark-{key}", Sparkline).data = data if len(data) >= 2 else []
             self.query_one(f"#spark-{key}-label", Label).update(label(data[-1] if data else 0.0))
 
     def _show_agents(self) -> None:
@@ -405,11 +406,10 @@ class PinsScreen(DashboardScreen):
         table = self.query_one("#pins", DataTable)
         now = self.dash.now()
         for p in self.state.pins:
-            if p.expires_unix_seconds:
-                try:
-                    table.update_cell(p.pin_id, "ttl", self._ttl(p, now))
-                except KeyError:  # the table is being rebuilt
-                    pass
+            # a pin the table does not show yet (the pins changed while another screen was
+            # in view, and the rebuild on resume has not run): the rebuild will show it
+            if p.expires_unix_seconds and p.pin_id in table.rows:
+                table.update_cell(p.pin_id, "ttl", self._ttl(p, now))
 
     def _selected(self) -> str | None:
         table = self.query_one("#pins", DataTable)

@@ -201,9 +201,12 @@ def client_ssl_context(tls: TLSConfig | None) -> ssl.SSLContext | None:
     certificate for mTLS); None without a CA."""
     if tls is None or not tls.ca_file:
         return None
-    ctx = ssl.create_default_context(cafile=tls.ca_file)
-    if tls.cert_file:
-        ctx.load_cert_chain(tls.cert_file, tls.key_file)
+    try:
+        ctx = ssl.create_default_context(cafile=tls.ca_file)
+        if tls.cert_file:
+            ctx.load_cert_chain(tls.cert_file, tls.key_file or None)
+    except (OSError, ssl.SSLError) as exc:  # ValueError, as _read() raises for gRPC channels
+        raise ValueError(f"cannot use {tls.ca_file} / {tls.cert_file or '-'}: {exc}") from None
     return ctx
 
 

@@ -57,7 +57,12 @@ def op_update_pb(op: MoveOp) -> agent_pb2.AgentMessage:
 def tier_usage_pb(pool: BlockPool) -> list[types_pb2.TierUsage]:
     return [
         types_pb2.TierUsage(
-            tier=int(u.tier), capacity_bytes=u.capacity_bytes, used_bytes=u.used_bytes, num_blocks=u.num_blocks
+            tier=int(u.tier),
+            capacity_bytes=u.capacity_bytes,
+            used_bytes=u.used_bytes,
+            num_blocks=u.num_blocks,
+            uncompressed_bytes=u.uncompressed_bytes,
+            stored_bytes=u.stored_bytes,
         )
         for u in pool.usage()
     ]

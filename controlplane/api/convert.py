@@ -15,7 +15,9 @@ def tier_usage_from_pb(t: types_pb2.TierUsage) -> core.TierUsage:
         from protos.errors import InvalidArgument
 
         raise InvalidArgument("tiers.tier", f"unknown tier value {t.tier}")
-    return core.TierUsage(Tier(t.tier), t.capacity_bytes, t.used_bytes, t.num_blocks)
+    return core.TierUsage(
+        Tier(t.tier), t.capacity_bytes, t.used_bytes, t.num_blocks, t.uncompressed_bytes, t.stored_bytes
+    )
 
 
 _UINT64_MAX = (1 << 64) - 1
@@ -29,6 +31,8 @@ def tier_usage_to_pb(t: core.TierUsage) -> types_pb2.TierUsage:
         capacity_bytes=min(t.capacity_bytes, _UINT64_MAX),
         used_bytes=min(t.used_bytes, _UINT64_MAX),
         num_blocks=min(t.num_blocks, _UINT64_MAX),
+        uncompressed_bytes=min(t.uncompressed_bytes, _UINT64_MAX),
+        stored_bytes=min(t.stored_bytes, _UINT64_MAX),
     )
 
 

@@ -48,10 +48,15 @@ class ModelInfo:
 
 @dataclass(frozen=True)
 class TierUsage:
+    """One tier of an agent (or the cluster's sum): `uncompressed_bytes` is what its blocks
+    would take raw, `stored_bytes` what they take as stored (after any codec)."""
+
     tier: Tier
     capacity_bytes: int
     used_bytes: int
     num_blocks: int
+    uncompressed_bytes: int = 0
+    stored_bytes: int = 0
 
 
 @dataclass
@@ -526,10 +531,12 @@ class Cluster:
             totals: dict[Tier, list[int]] = {}
             for rec in self._agents.values():
                 for t in rec.tiers:
-                    acc = totals.setdefault(t.tier, [0, 0, 0])
+                    acc = totals.setdefault(t.tier, [0, 0, 0, 0, 0])
                     acc[0] += t.capacity_bytes
                     acc[1] += t.used_bytes
                     acc[2] += t.num_blocks
+                    acc[3] += t.uncompressed_bytes
+                    acc[4] += t.stored_bytes
             return ClusterStats(
                 num_agents=len(self._agents),
                 num_blocks=self.index.num_blocks,

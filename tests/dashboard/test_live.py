@@ -239,3 +239,64 @@ def test_survives_a_controlplane_restart(etcd, make_agent):
         asyncio.run(scenario())
     finally:
         cp.stop()
+
+
+def test_live_events_through_a_follower_endpoint(cluster, etcd):
+    """Given a follower's address, the unary calls follow it to the leader; the event
+    stream must too (a follower answers Watch with FAILED_PRECONDITION and the leader)."""
+    import threading
+
+    from controlplane.server import ControlPlane, ControlPlaneConfig
+
+    cfg = ControlPlaneConfig(listen="127.0.0.1:0", etcd=etcd, election_ttl_seconds=10)
+    follower = ControlPlane(cfg).start()
+    try:
+        assert not follower.election.is_leader and follower.election.leader_address == cluster.address
+        # the facade alone: the first replayed event arrives through the leader
+        got: list = []
+        client = ControlPlaneClient(follower.address)
+        reader = threading.Thread(target=lambda: got.append(next(iter(client.watch()))), daemon=True)
+        reader.start()
+        reader.join(20)
+        client.close()
+        assert got and got[0].kind and client.endpoint == cluster.address
+
+        async def scenario():
+            app = DashboardApp(follower.address, refresh_seconds=0.5)
+            async with app.run_test(size=SIZE) as pilot:
+                await until(pilot, on_screen(pilot, "connected", "dash-a1"), "agents through the follower")
+                await until(
+                    pilot,
+                    lambda: any(e.kind == "agent_joined" for e in app.state.events) and app.state.watch_available,
+                    "live events through the follower",
+                )
+
+        asyncio.run(scenario())
+    finally:
+        follower.stop()
+
+
+def test_refresh_and_watch_go_on_after_a_client_cannot_be_made(cluster):
+    """Making a client can fail with something other than ClientError (kvctl's factory
+    reads the TLS files); the top line says why, and once it works again the refresh and
+    the event stream both resume (neither worker may stop for good)."""
+    import threading
+
+    failing = threading.Event()
+    failing.set()
+
+    def connect() -> ControlPlaneClient:
+        if failing.is_set():
+            raise ValueError("cannot read /etc/kvcp/ca.pem: No such file or directory")
+        return ControlPlaneClient(cluster.address)
+
+    async def scenario():
+        app = DashboardApp(cluster.address, refresh_seconds=0.5, connect=connect)
+        async with app.run_test(size=SIZE) as pilot:
+            await until(pilot, lambda: "ca.pem" in app.state.connection_detail, "the error on the top line")
+            await pilot.pause(1.0)  # a few more failed refreshes and watch attempts
+            failing.clear()
+            await until(pilot, on_screen(pilot, "● connected", "dash-a1", "dash-a2"), "refreshed again")
+            await until(pilot, lambda: any(e.kind == "agent_joined" for e in app.state.events), "live events again")
+
+    asyncio.run(scenario())

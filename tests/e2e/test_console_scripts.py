@@ -217,6 +217,28 @@ def test_restart_before_lease_expiry_replaces_stale_blocks(cluster):
         (["lookup", "--model", "demo-model", "--hashes", "abcd"], "16 bytes"),
         (["lookup", "--model", "demo-model", "--hashes", "zz"], "hexadecimal"),
         (["lookup", "--model", "demo-model", "--tokens", "-1"], "out of range"),
+        (["lookup", "--model", "demo-model", "--tokens", "[Infinity]"], "--tokens: token ids must be integers"),
+        (["lookup", "--model", "demo-model", "--tokens", "[1.9, true, 3.5]"], "--tokens: token ids must be integers"),
+        (["lookup", "--model", "demo-model", "--tokens", "[1, true]"], "--tokens: token ids must be integers"),
+        (["lookup", "--model", "demo-model", "--tokens", "[[[[[[1]]]]]]"], "--tokens: token ids must be integers"),
+        (["--tls-ca", "/nonexistent/ca.pem", "agents"], "--tls-ca"),
+        (
+            [
+                "--tls-ca",
+                "/nonexistent/ca.pem",
+                "--lookup-endpoint",
+                "127.0.0.1:1",
+                "lookup",
+                "--model",
+                "m",
+                "--tokens",
+                "1",
+            ],
+            "--tls-ca",
+        ),
+        (["--tls-ca", "/nonexistent/ca.pem", "dashboard"], "--tls-ca"),
+        (["--timeout", "0", "agents"], "--timeout"),
+        (["--timeout", "-1", "agents"], "--timeout"),
     ],
 )
 def test_kvctl_bad_input_one_line_nonzero(args, needle):
@@ -224,6 +246,22 @@ def test_kvctl_bad_input_one_line_nonzero(args, needle):
     assert proc.returncode != 0
     assert needle in proc.stderr
     assert "Traceback" not in proc.stderr and len(proc.stderr.strip().splitlines()) == 1
+
+
+def test_kvctl_bad_files_one_line_nonzero(tmp_path):
+    """A tokens file that is not UTF-8, a CA file that is not PEM: one line naming the option."""
+    tokens = tmp_path / "prompt.bin"
+    tokens.write_bytes(b"\xff\xfe1,2,3")
+    ca = tmp_path / "ca.pem"
+    ca.write_text("not a certificate\n")
+    for args, needle in [
+        (["lookup", "--model", "demo-model", "--tokens-file", str(tokens)], "--tokens-file"),
+        (["--tls-ca", str(ca), "agents"], "--tls-ca"),
+    ]:
+        proc = kvctl("127.0.0.1:1", *args, check=False)
+        assert proc.returncode != 0, args
+        assert needle in proc.stderr, proc.stderr
+        assert "Traceback" not in proc.stderr and len(proc.stderr.strip().splitlines()) == 1, proc.stderr
 
 
 def test_kvctl_unknown_model_is_not_found(cluster):

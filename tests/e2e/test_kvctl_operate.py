@@ -109,6 +109,15 @@ def test_pin_move_cleanup_from_kvctl(cluster, tmp_path):
 
     comp = j(cluster, "compress", "--codec", "int8", "--namespace", "legal-kb", "--wait")
     assert comp["state"] == "SUCCEEDED" and comp["done"] == 5
+
+    # kvctl -o json agents: stored vs uncompressed bytes per tier, as the agent reports them
+    def cpu_tier() -> dict:
+        agent = next(a for a in j(cluster, "agents") if a["agent_id"] == "agent-d")
+        return next(t for t in agent["tiers"] if t["tier"] == "cpu")
+
+    wait_for(lambda: 0 < cpu_tier()["stored_bytes"] < cpu_tier()["uncompressed_bytes"], 10, 0.3, "compressed bytes")
+    assert cpu_tier()["uncompressed_bytes"] == 5 * M.block_bytes
+    assert "[stored " in kvctl(cluster.endpoint, "agents").stdout
     ops = j(cluster, "ops")
     assert {o["kind"] for o in ops} >= {"move", "cleanup", "compress"}
     assert kvctl(cluster.endpoint, "op", ops[0]["op_id"]).stdout.startswith(ops[0]["kind"])
@@ -134,6 +143,8 @@ def test_pin_move_cleanup_from_kvctl(cluster, tmp_path):
         (["policy", "set", "quota.kb=lots"], "quota.kb"),
         (["policy", "set", "nonsense"], "is not key=value"),
         (["op", "nope"], "no operation 'nope'"),
+        (["op", "nope", "--wait", "--wait-timeout", "0"], "--wait-timeout"),
+        (["cleanup", "--wait", "--wait-timeout", "soon"], "--wait-timeout: 'soon' is not a duration"),
     ],
 )
 def test_bad_operate_input(cluster, args, needle):
@@ -143,3 +154,43 @@ def test_bad_operate_input(cluster, args, needle):
     assert needle in proc.stderr, proc.stderr
     assert "Traceback" not in proc.stderr and len(proc.stderr.strip().splitlines()) == 1
     assert j(cluster, "pins") == before
+
+
+def test_wait_gives_up_after_wait_timeout(cluster, etcd_server):
+    """--wait on an operation that does not finish in --wait-timeout: the operation as it
+    stands, then one line on stderr and exit 1 (not 0 with a RUNNING operation)."""
+    from controlplane.store.locks import EtcdLock
+    from protos import etcd_keys
+
+    # another cleanup of the namespace holds its lock: ours waits, PENDING
+    etcd = etcd_keys.connect(etcd_server.endpoint)
+    holder = EtcdLock(etcd, "cleanup/wait-kb", "someone-else")
+    assert holder.try_acquire()
+    op_id = ""
+    try:
+        args = ("cleanup", "--namespace", "wait-kb", "--wait", "--wait-timeout", "1")
+        proc = kvctl(cluster.endpoint, "-o", "json", *args, check=False)
+        op = json.loads(proc.stdout)
+        op_id = op["op_id"]
+        assert proc.returncode == 1 and op["state"] in ("PENDING", "RUNNING"), (proc.returncode, op)
+        assert "--wait-timeout" in proc.stderr and f"kvctl op {op_id} --wait" in proc.stderr, proc.stderr
+        assert "Traceback" not in proc.stderr and len(proc.stderr.strip().splitlines()) == 1
+
+        table = kvctl(cluster.endpoint, "op", op_id, "--wait", "--wait-timeout", "0.5s", check=False)
+        assert table.returncode == 1 and "still" in table.stderr and op_id in table.stdout
+    finally:
+        if op_id:
+            kvctl(cluster.endpoint, "cancel", op_id, check=False)
+        holder.release()
+        etcd.close()
+
+
+def test_route_without_an_agent_fails_in_both_formats(cluster):
+    """No agent to route to: non-zero for scripts (-o json, the decision still printed)
+    as for people."""
+    args = ("route", "--model", M.model_id, "--tokens", "1,2,3", "--role", "decode", "--prefill-agent", "agent-d")
+    table = kvctl(cluster.endpoint, *args, check=False)
+    assert table.returncode != 0 and "no agent to route to" in table.stderr, table
+    js = kvctl(cluster.endpoint, "-o", "json", *args, check=False)
+    assert js.returncode == table.returncode, js
+    assert json.loads(js.stdout)["agent_id"] == "" and "no agent to route to" in js.stderr

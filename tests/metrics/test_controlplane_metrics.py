@@ -99,6 +99,28 @@ def test_leadership_and_build_info(setup):
     assert len(samples) == 1 and samples[0].labels["component"] == "controlplane" and samples[0].value == 1
 
 
+def test_per_agent_series_only_while_leader(setup):
+    """A deposed leader keeps its agent records (disconnected) until the agents' leases go;
+    it must not export them, or KvcpAgentNotSynced fires after every failover."""
+    registry, cluster, metrics = setup
+    v = registry.get_sample_value
+    cluster.register(record("a1"))
+    cluster.hello("a1", "s1")
+    cluster.apply_inventory_chunk("a1", 0, 0, True, [BlockGroup("m", Tier.CPU, packed(2))])
+    assert v("kvcp_agent_state", {"agent_id": "a1", "state": "ready"}) == 1
+    assert v("kvcp_agent_indexed_blocks", {"agent_id": "a1"}) == 2
+
+    metrics.leadership = Leadership(is_leader=False)
+    cluster.stream_closed("a1", "s1")  # the agent went over to the new leader
+    per_agent = ("kvcp_agent_state", "kvcp_agent_indexed_blocks", "kvcp_agent_last_seen_timestamp_seconds")
+    samples = [s for m in registry.collect() if m.name in per_agent for s in m.samples]
+    assert samples == []
+    assert v("kvcp_controlplane_is_leader") == 0
+
+    metrics.leadership = Leadership(is_leader=True)  # leading again: the series are back
+    assert v("kvcp_agent_state", {"agent_id": "a1", "state": "disconnected"}) == 1
+
+
 def test_lookup_latency_histogram_counts_answered_lookups(setup):
     registry, cluster, metrics = setup
     cluster.register(record("a1"))

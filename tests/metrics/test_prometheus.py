@@ -192,7 +192,8 @@ def test_shipped_rules_and_config_pass_promtool():
 def test_alert_rules_fire_on_their_conditions():
     """promtool's rule unit tests: agent down, no leader (also with no replica scraped at
     all), transfer failures, a hit-ratio drop, a full tier and etcd errors fire, not before
-    their `for:` and with the labels and sentences an operator reads."""
+    their `for:` and with the labels and sentences an operator reads; an agent out of sync
+    fires on the leader's series only, never on a deposed replica's."""
     result = prom.promtool("test", "rules", str(Path(__file__).with_name("alerts_test.yml")))
     assert result.returncode == 0, result.stdout + result.stderr
 

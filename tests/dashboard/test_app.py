@@ -1,0 +1,63 @@
+"""The dashboard app on fixed views (`live=False`, as the snapshots): timing corners that
+a snapshot does not show, driven through the app's own update methods and Pilot."""
+
+from __future__ import annotations
+
+import asyncio
+
+from textual.widgets import DataTable, Sparkline
+
+from cli.client import PinView
+from dashboard.app import DashboardApp
+from dashboard.screens import PinsScreen
+from tests.dashboard import sample
+
+SIZE = (80, 24)
+
+
+def pin(pin_id: str) -> PinView:
+    return PinView(pin_id, "ns", "", "cpu", 0, 0, True, "", "", sample.NOW - 10, sample.NOW + 600)
+
+
+def test_clock_tick_before_the_pins_rebuild_skips_pins_not_in_the_table():
+    """Pins change while another screen is in view; back on Pins, the 1 s clock may tick
+    before the resume rebuild: the TTL update must skip the new pin, not crash the app."""
+
+    async def scenario():
+        app = DashboardApp(live=False, clock=lambda: sample.NOW)
+        async with app.run_test(size=SIZE) as pilot:
+            app.apply_pins([pin("pin-a")])
+            await pilot.press("p")
+            await pilot.pause()
+            await pilot.press("c")
+            await pilot.pause()
+            app.apply_pins([pin("pin-b")])  # a refresh while the Cluster screen is in view
+            await app.switch_mode("pins")
+            app._clock_tick()  # before ScreenResume is handled
+            await pilot.pause()
+            assert isinstance(app.screen, PinsScreen)
+            table = app.screen.query_one("#pins", DataTable)
+            assert "pin-b" in table.rows and "pin-a" not in table.rows
+        assert app.return_code is None
+
+    asyncio.run(scenario())
+
+
+def test_sparklines_never_get_a_single_point():
+    """One value alone fills a Sparkline from top to bottom: with under two samples' worth
+    of rates the Cluster screen shows an empty line, not a full block."""
+
+    async def scenario():
+        app = DashboardApp(live=False, clock=lambda: sample.NOW)
+        async with app.run_test(size=SIZE) as pilot:
+            series = sample.stats_series()
+            for n in (1, 2, 3):
+                at, stats = series[n - 1]
+                app.apply_stats(stats, at)
+                await pilot.pause()
+                for key in ("lookups", "hit", "moved"):
+                    data = list(app.screen.query_one(f"#spark-{key}", Sparkline).data or [])
+                    assert len(data) != 1, (n, key, data)
+            assert len(app.screen.query_one("#spark-lookups", Sparkline).data) == 2  # three samples: two rates
+
+    asyncio.run(scenario())

@@ -17,7 +17,7 @@ import grpc
 from agent.core.block_pool import BlockPool
 from agent.core.engine_api import KVEngineAPI
 from agent.core.journal import STORED
-from agent.core.mover import FAILED, SUCCEEDED, MoveOp, Mover
+from agent.core.mover import FAILED, PENDING, SUCCEEDED, MoveOp, Mover
 from agent.core.pins import AgentPin
 from protos.block_hash import split_hashes
 from protos.kvcp.v1 import agent_pb2, agent_pb2_grpc, types_pb2
@@ -35,7 +35,14 @@ KEEPALIVE_OPTIONS = [
     ("grpc.keepalive_timeout_ms", 2000),
     ("grpc.keepalive_permit_without_calls", 1),
     ("grpc.http2.max_pings_without_data", 0),
+    # a command may carry hundreds of thousands of hashes (a policy pass over a big tier):
+    # take what the control plane may send (its MAX_MESSAGE_BYTES), not gRPC's 4 MiB
+    ("grpc.max_receive_message_length", 64 << 20),
+    ("grpc.max_send_message_length", 64 << 20),
 ]
+# an operation queued behind another says so this often: the control plane fails an
+# operation it has heard nothing of for a minute
+QUEUED_OP_PING_SECONDS = 10.0
 
 
 def op_update_pb(op: MoveOp) -> agent_pb2.AgentMessage:
@@ -136,12 +143,12 @@ class ControlPlaneLink:
         tier = Tier(cmd.tier) if cmd.tier in (t.value for t in Tier) else None
         only_tier = Tier(cmd.only_tier) if cmd.only_tier in (t.value for t in Tier) else None
         pool = self._pool
-        if not hashes and kind in (
-            agent_pb2.COMMAND_KIND_MOVE,
-            agent_pb2.COMMAND_KIND_COMPRESS,
-            agent_pb2.COMMAND_KIND_EVICT,
-        ):
-            hashes = pool.blocks_matching(cmd.namespace, cmd.model_id, only_tier)  # a namespace scope
+        scoped = kind in (agent_pb2.COMMAND_KIND_MOVE, agent_pb2.COMMAND_KIND_COMPRESS, agent_pb2.COMMAND_KIND_EVICT)
+        by_namespace = scoped and not hashes
+        if by_namespace:  # parents before children
+            hashes = pool.blocks_matching(cmd.namespace, cmd.model_id, only_tier)
+        elif scoped and only_tier is not None:  # a prefix scope: only its blocks in that tier
+            hashes = [h for h in hashes if pool.tier_of(h) == only_tier]
         if kind in (agent_pb2.COMMAND_KIND_MOVE, agent_pb2.COMMAND_KIND_COMPRESS):
             if self._mover is None or (kind == agent_pb2.COMMAND_KIND_MOVE and tier is None):
                 self._reply(cmd.op_id, FAILED, error="move needs a tier this agent has")
@@ -159,7 +166,8 @@ class ControlPlaneLink:
                 self._mover.cancel(cmd.op_id)
         elif kind == agent_pb2.COMMAND_KIND_EVICT:
             done, pinned = 0, []
-            for h in reversed(hashes):  # leaves first
+            # leaves first: a policy's evictions come children first; a namespace's parents first
+            for h in reversed(hashes) if by_namespace else hashes:
                 if pool.drop(h):
                     done += 1
                 elif tier := pool.pin_tier_of(h):
@@ -264,6 +272,7 @@ class ControlPlaneLink:
         yield from self._inventory_messages()
         yield self._stats_message()
         next_stats = time.monotonic() + self.stats_interval_seconds
+        next_queued_ping = time.monotonic() + QUEUED_OP_PING_SECONDS
         next_leader_check = time.monotonic() + LEADER_CHECK_SECONDS
         wake = self._pool.journal.wake
         while not (stop.is_set() or done.is_set() or self._reconnect.is_set()):
@@ -306,8 +315,20 @@ class ControlPlaneLink:
             if now >= next_stats:
                 next_stats = now + self.stats_interval_seconds
                 yield self._stats_message()
+            if now >= next_queued_ping:
+                next_queued_ping = now + QUEUED_OP_PING_SECONDS
+                yield from self._queued_op_pings()
             wake.wait(min(0.05, max(next_stats - now, 0.001)))
         self._outgoing_finished.set()
+
+    def _queued_op_pings(self):
+        """A PENDING update for each control-plane operation still queued behind another:
+        the control plane would otherwise fail it for silence, then see it run anyway."""
+        if self._mover is None:
+            return
+        for op in self._mover.ops():
+            if op.state == PENDING and op.kind != "promote":
+                yield op_update_pb(op)
 
     def _leader_moved(self) -> bool:
         """True when etcd names another leader than the one we stream to (a failover

@@ -113,6 +113,7 @@ class Mover:
             op.finished_unix_seconds = time.time()
             with self._lock:
                 self._promoting.difference_update(op.block_hashes)
+            self._update(op)  # the control plane hears the failure and why, not a silence
             raise
 
     def _run_op(self, op: MoveOp) -> MoveOp:

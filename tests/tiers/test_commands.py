@@ -172,6 +172,60 @@ def test_evict_drops_blocks_and_their_descendants(agent):
     check_pool(agent.pool)
 
 
+def test_evict_in_the_policys_order_children_first_drops_each_block_once(agent):
+    _, _, hs = store(agent, n=4)
+    agent.link.handle_command(1, command(EVICT, "op-e", list(reversed(hs))))  # as policy.Evict lists them
+    (up,) = updates(agent)
+    assert (up.state, up.done, up.total, up.failed) == (SUCCEEDED, 4, 4, 0)
+    assert agent.pool.blocks == {}
+
+
+def test_evict_of_a_namespace_goes_leaves_first(agent):
+    store(agent, n=4)
+    agent.link.handle_command(1, command(EVICT, "op-ns", namespace=""))
+    (up,) = updates(agent)
+    assert (up.done, up.total, up.failed) == (4, 4, 0) and agent.pool.blocks == {}
+
+
+def test_a_prefix_scope_with_a_tier_touches_only_that_tier(agent):
+    toks, data, hs = store(agent)
+    assert agent.pool.move_block(hs[2], Tier.DISK).ok
+    agent.link.handle_command(1, command(COMPRESS, "op-t", hs, codec="int4", only_tier=Tier.DISK))
+    run_mover(agent)
+    assert [agent.pool.blocks[h].codec for h in hs] == ["none", "none", "int4"]
+    assert updates(agent)[-1].done == 1
+
+
+def test_an_operation_that_raises_tells_the_control_plane_why(agent, monkeypatch):
+    _, _, hs = store(agent)
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("the disk controller caught fire")
+
+    monkeypatch.setattr(agent.pool, "move_blocks", broken)
+    agent.link.handle_command(1, command(MOVE, "op-x", hs, tier=Tier.DISK))
+    with pytest.raises(RuntimeError):
+        agent.mover.run_op(agent.mover.get("op-x"))
+    last = updates(agent)[-1]
+    assert last.state == FAILED and "caught fire" in last.error
+
+
+def test_an_operation_queued_behind_another_says_it_is_pending(agent):
+    _, _, hs = store(agent)
+    agent.link.handle_command(1, command(MOVE, "op-q", hs, tier=Tier.DISK))
+    pings = list(agent.link._queued_op_pings())
+    assert [(m.op_update.op_id, m.op_update.state) for m in pings] == [("op-q", "PENDING")]
+    run_mover(agent)
+    assert list(agent.link._queued_op_pings()) == []
+
+
+def test_the_link_takes_commands_as_big_as_the_control_plane_sends():
+    from agent.api.sync_client import KEEPALIVE_OPTIONS
+    from controlplane.server import MAX_MESSAGE_BYTES
+
+    assert dict(KEEPALIVE_OPTIONS)["grpc.max_receive_message_length"] >= MAX_MESSAGE_BYTES
+
+
 def test_pin_protects_until_unpinned(agent):
     toks, data, hs = store(agent)
     agent.link.handle_command(1, command(PIN, "op-p", hs, tier=Tier.CPU, pin_id="pin-1"))

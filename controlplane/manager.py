@@ -9,6 +9,8 @@ from etcd what other writers changed (a pin released with its owner's lease).
 
 from __future__ import annotations
 
+import contextlib
+import copy
 import json
 import logging
 import math
@@ -109,7 +111,12 @@ class Manager:
         self._op_done: dict[str, threading.Event] = {}
         self.policy: dict[str, str] = {}
         self.policy_revision = 0
-        self._loaded_epoch = 0
+        self._loaded_epoch = 0  # the epoch whose state load() read from etcd; 0: none yet
+        self._load_lock = threading.Lock()
+        # op ids whose latest change etcd has not taken (an outage): retried every pass, and
+        # load() keeps the in-memory op over the older stored one
+        self._dirty: set[str] = set()
+        self._lock_threads: set[str] = set()  # cleanups with a thread waiting for or holding their lock
         self._next_reload = 0.0
         self.pins_expired_total = 0
         # the tier policy: future-reuse evidence from lookups
@@ -138,31 +145,86 @@ class Manager:
         self.on_finished = None  # callable(kind, state, seconds) when an operation finishes (metrics)
 
     # ---- leadership -----------------------------------------------------------------
+    @property
+    def ready(self) -> bool:
+        """Whether this leader has loaded its state from etcd for its current epoch."""
+        e = self.election
+        return e is not None and self._loaded_epoch != 0 and self._loaded_epoch == e.epoch
+
+    def ensure_loaded(self) -> None:
+        """Load the state of a newly won epoch before anything is answered or changed from
+        memory: an operation created before load() would be failed by it, and a policy
+        change would overwrite the stored policy with a follower's empty one. The first
+        caller after winning loads (the reconcile loop, or a request that comes sooner);
+        etcd unreachable meanwhile: Unavailable. A follower's callers are left to the
+        leadership checks (its durable writes refuse: NotLeader)."""
+        e = self.election
+        if e is None or self.ready:
+            return
+        if not e.is_leader:
+            if getattr(e, "serving_from_memory", False):
+                raise errors.Unavailable(
+                    "the leader is loading its state from etcd, which is unreachable; try again when it returns"
+                )
+            return
+        with self._load_lock:
+            if not self.ready and e.is_leader:
+                self.load()
+
     def load(self) -> None:
         """On winning an election: read pins, operations and policy from etcd. A cleanup
         still queued behind its scope lock (no command sent) is queued again; other
         operations a previous leader left unfinished are marked failed (their agents'
-        commands may or may not have run; a new operation can be started)."""
+        commands may or may not have run; a new operation can be started).
+
+        Operations this replica already holds (it led before, e.g. its lease lapsed and it
+        won again) are kept over the stored copy while that is unfinished, and always when
+        their latest change is not stored yet: its own commands may be out, and a cancel or
+        result it answered must not be undone. The epoch counts as loaded only at the end,
+        so a load cut short is done again."""
+        epoch = self.election.epoch
         pins = self.durable.load_pins()
         loaded_ops = self.durable.load_ops()
         values, revision = self.durable.load_policy()
+        requeue, to_fail = [], []
         with self._lock:
             self.pins = {p.pin_id: p for p in pins}
-            self.ops = OrderedDict((o.op_id, o) for o in sorted(loaded_ops, key=lambda o: o.created_unix_seconds))
+            merged: dict[str, ops.Operation] = {}
+            kept: set[str] = set()  # held here: not failed as "went away"
+            for stored in loaded_ops:
+                held = self.ops.get(stored.op_id)
+                # stored finished, or started by another leader since: the stored copy is newer
+                mine = held is not None and (
+                    stored.op_id in self._dirty
+                    or not (stored.finished or (held.waiting_for_lock and not stored.waiting_for_lock))
+                )
+                merged[stored.op_id] = held if mine else stored
+                if mine:
+                    kept.add(stored.op_id)
+            for op_id, held in self.ops.items():
+                if op_id not in merged and (not held.finished or op_id in self._dirty):
+                    merged[op_id] = held  # registered meanwhile, or not stored yet
+                    kept.add(op_id)
+            self.ops = OrderedDict(sorted(merged.items(), key=lambda kv: kv[1].created_unix_seconds))
+            for op_id, op in self.ops.items():
+                if op.finished:
+                    continue
+                if op.kind == "cleanup" and op.waiting_for_lock and not op.cancel_requested:
+                    if op_id not in self._lock_threads:
+                        self._op_done.setdefault(op_id, threading.Event())
+                        requeue.append(op)
+                elif op_id not in kept:
+                    to_fail.append(op)
             self.policy = self.policy_validator(values) if values else self.policy_validator({})
             self.policy_revision = revision
-            self._loaded_epoch = self.election.epoch
-        for op in loaded_ops:
-            if op.finished:
-                continue
-            if op.kind == "cleanup" and op.waiting_for_lock and not op.cancel_requested:
-                with self._lock:
-                    self._op_done[op.op_id] = threading.Event()
-                self._start_locked(op)
-                continue
-            op.state, op.error = ops.FAILED, "the control plane that ran it went away; start it again"
-            op.updated_unix_seconds = self.clock()
-            self._persist_op(op)
+        for op in requeue:
+            self._start_locked(op)
+        for op in to_fail:
+            with self._lock:
+                op.state, op.error = ops.FAILED, "the control plane that ran it went away; start it again"
+                op.updated_unix_seconds = self.clock()
+            self._op_changed(op)
+        self._loaded_epoch = epoch
 
     # ---- scope ----------------------------------------------------------------------
     def _model(self, model_id: str) -> ModelInfo:
@@ -216,6 +278,7 @@ class Manager:
         return parse_size(raw) if raw else None
 
     def pin(self, scope: Scope, min_tier: Tier, ttl_seconds: float, owner: str = "", owner_lease_id: int = 0) -> Pin:
+        self.ensure_loaded()
         packed, namespace = self.resolve(scope)
         if scope.agent_id and scope.agent_id not in {r.agent_id for r, _ in self.cluster.agents()}:
             raise errors.NotFound(f"scope.agent_id: no agent {scope.agent_id!r} is registered")
@@ -257,6 +320,7 @@ class Manager:
         return f"pin {pin.pin_id}: {what} at >= {pin.min_tier.label}{ttl}"
 
     def unpin(self, pin_id: str) -> Pin:
+        self.ensure_loaded()
         with self._lock:
             pin = self.pins.get(pin_id)
             if pin is None:
@@ -354,7 +418,14 @@ class Manager:
         try:
             self._persist_op(op)
         except errors.KvcpError as exc:
-            log.warning("could not persist operation %s: %s", op.op_id, exc)
+            # kept to be written by the next passes (_flush_dirty), and never undone by a
+            # reload meanwhile: a state this leader answered stays the state
+            with self._lock:
+                self._dirty.add(op.op_id)
+            log.warning("could not persist operation %s yet (retried): %s", op.op_id, exc)
+        else:
+            with self._lock:
+                self._dirty.discard(op.op_id)
         self.cluster.events.publish(
             "op_state",
             f"{op.kind} {op.op_id}: {op.state}" + (f" ({op.error})" if op.error else ""),
@@ -368,17 +439,36 @@ class Manager:
                 if self.on_finished is not None:
                     self.on_finished(op.kind, op.state, op.updated_unix_seconds - op.created_unix_seconds)
 
+    def _flush_dirty(self) -> None:
+        """Write the operations whose latest change etcd did not take (level-triggered)."""
+        with self._lock:
+            pending = [self.ops[i] for i in self._dirty if i in self.ops]
+            self._dirty.intersection_update(self.ops)
+        for op in pending:
+            try:
+                self._persist_op(op)
+            except errors.KvcpError:
+                return  # etcd still away: the next pass tries again
+            with self._lock:
+                self._dirty.discard(op.op_id)
+
     def _fan_out(self, op: ops.Operation, commands: dict[str, AgentCommand]) -> None:
-        now = self.clock()
-        for part in op.parts.values():
-            part.updated_unix_seconds = now  # silence is counted from when commands go out
-        for agent_id, cmd in commands.items():
-            if not self.cluster.send(agent_id, cmd):
-                ops.fail_part(op, agent_id, "agent has no open stream to the control plane")
+        # under the lock: a cancel that came meanwhile (since the op was registered, or while
+        # its start was being recorded) is seen, and none can slip in between check and send
+        with self._lock:
+            if op.finished or op.cancel_requested:
+                return
+            now = self.clock()
+            for part in op.parts.values():
+                part.updated_unix_seconds = now  # silence is counted from when commands go out
+            for agent_id, cmd in commands.items():
+                if not self.cluster.send(agent_id, cmd):
+                    ops.fail_part(op, agent_id, "agent has no open stream to the control plane")
         if op.finished or op.state == ops.RUNNING:
             self._op_changed(op)
 
     def move(self, scope: Scope, to_tier: Tier, codec: str = "") -> ops.Operation:
+        self.ensure_loaded()
         if to_tier not in (Tier.GPU, Tier.CPU, Tier.DISK):
             raise errors.InvalidArgument("to_tier", "must be gpu, cpu or disk")
         if codec and codec not in CODECS:
@@ -410,6 +500,7 @@ class Manager:
     ) -> ops.Operation:
         """Hand a prefix from one agent to another (prefill -> decode); the source runs it
         (agent.dataplane) and reports the outcome: engine, fallback path, or recompute."""
+        self.ensure_loaded()
         packed, _ = self.resolve(scope)
         if not packed:
             raise errors.InvalidArgument("scope", "a transfer needs a prefix of a model (token_ids or block_hashes)")
@@ -452,6 +543,7 @@ class Manager:
         return op
 
     def compress(self, scope: Scope, codec: str, tier: Tier | None = None) -> ops.Operation:
+        self.ensure_loaded()
         if codec not in CODECS:
             raise errors.InvalidArgument("codec", f"unknown codec {codec!r}; expected one of {'|'.join(CODECS)}")
         packed, namespace = self.resolve(scope)
@@ -483,6 +575,7 @@ class Manager:
         model_id: str = "",
         dry_run: bool = False,
     ) -> ops.Operation:
+        self.ensure_loaded()
         if not math.isfinite(older_than_seconds) or older_than_seconds < 0:
             raise errors.InvalidArgument(
                 "older_than_seconds", f"must be a finite number >= 0, got {older_than_seconds}"
@@ -532,11 +625,33 @@ class Manager:
         return leading and self.ops.get(op.op_id) is op
 
     def _start_locked(self, op: ops.Operation) -> None:
-        lock_name = f"cleanup/{op.params['namespace'] or '_all'}"
-        threading.Thread(target=self._run_locked, args=(op, lock_name), name=f"op {op.op_id}", daemon=True).start()
+        with self._lock:
+            if op.op_id in self._lock_threads:
+                return
+            self._lock_threads.add(op.op_id)
+        threading.Thread(target=self._run_locked_once, args=(op,), name=f"op {op.op_id}", daemon=True).start()
 
-    def _run_locked(self, op: ops.Operation, lock_name: str) -> None:
-        lock = EtcdLock(self._etcd, lock_name, op.op_id)
+    def _run_locked_once(self, op: ops.Operation) -> None:
+        try:
+            self._run_locked(op)
+        finally:
+            with self._lock:
+                self._lock_threads.discard(op.op_id)
+
+    def _run_locked(self, op: ops.Operation) -> None:
+        # a namespace cleanup and an all-namespace one exclude each other: the namespace one
+        # takes its lock only while the _all lock is free; the _all one, once it holds its
+        # lock (so no namespace one starts), waits for those already running
+        namespace = op.params["namespace"]
+        lock_name = f"cleanup/{namespace or '_all'}"
+        all_key = etcd_keys.LOCKS_PREFIX + "cleanup/_all"
+        lock = EtcdLock(
+            self._etcd,
+            lock_name,
+            op.op_id,
+            also_absent=(all_key,) if namespace else (),
+            drain_prefix="" if namespace else etcd_keys.LOCKS_PREFIX + "cleanup/",
+        )
         try:
             got = lock.acquire(self.op_timeout_seconds, cancelled=lambda: op.cancel_requested or not self._owns(op))
         except Exception as exc:  # noqa: BLE001 - etcd trouble fails the operation, visibly
@@ -600,6 +715,13 @@ class Manager:
                     for h, tier in pinned:
                         held[h] = (Tier(tier), until)
             return
+        if state not in ops.STATES:
+            log.warning("ignoring an update of %s from %s with unknown state %r", op_id, agent_id, state)
+            return
+        if freed:
+            valid = {int(t) for t in Tier}
+            freed = {t: v for t, v in freed.items() if t in valid}  # an unknown tier would break listings
+        self.ensure_loaded()  # an update folded into a follower's copy would be lost to load()
         with self._lock:
             op = self.ops.get(op_id)
             if op is None:
@@ -620,6 +742,7 @@ class Manager:
         return out
 
     def get_op(self, op_id: str) -> ops.Operation:
+        self.ensure_loaded()
         with self._lock:
             op = self.ops.get(op_id)
         if op is None:
@@ -627,19 +750,52 @@ class Manager:
         return op
 
     def list_ops(self, limit: int = 100) -> list[ops.Operation]:
+        self.ensure_loaded()
         with self._lock:
             return list(reversed(self.ops.values()))[: limit or 100]
 
     def cancel_op(self, op_id: str) -> ops.Operation:
+        """Cancel an operation: recorded in etcd first, so a cancel answered is one a next
+        leader sees (etcd refusing it: Unavailable, nothing changed). Kinds agents run to
+        the end once they have them are refused (FailedPrecondition) rather than reported
+        cancelled."""
         op = self.get_op(op_id)
+        now = self.clock()
         with self._lock:
-            if op.finished:
-                raise errors.FailedPrecondition(f"operation {op_id} already {op.state.lower()}")
-            running = [p.agent_id for p in op.parts.values() if p.state not in ops.TERMINAL]
-            ops.cancel(op, self.clock())
+            self._check_cancellable(op)
+            trial = copy.deepcopy(op)
+            ops.cancel(trial, now)
+        try:
+            self._persist_op(trial)
+        except errors.OutcomeUnknown:
+            # it may be stored: memory follows, and the next passes write memory's state
+            with self._lock:
+                self._dirty.add(op.op_id)
+            with contextlib.suppress(errors.FailedPrecondition):
+                self._cancel_now(op, now, persist=False)
+            raise
+        return self._cancel_now(op, now, persist=True)
+
+    def _check_cancellable(self, op: ops.Operation) -> None:
+        if op.finished:
+            raise errors.FailedPrecondition(f"operation {op.op_id} already {op.state.lower()}")
+        why = ops.not_cancellable(op)
+        if why:
+            raise errors.FailedPrecondition(f"operation {op.op_id} cannot be cancelled: {why}")
+
+    def _cancel_now(self, op: ops.Operation, now: float, persist: bool) -> ops.Operation:
+        with self._lock:
+            # it may have finished or started meanwhile: then etcd gets its real state back
+            refused = op.finished or bool(ops.not_cancellable(op))
+            running = [] if refused else [p.agent_id for p in op.parts.values() if p.state not in ops.TERMINAL]
+            if not refused:
+                ops.cancel(op, now)
         for agent_id in running:
             self.cluster.send(agent_id, AgentCommand(op.op_id, "cancel"))
-        self._op_changed(op)
+        if persist or not refused:
+            self._op_changed(op)
+        if refused:
+            self._check_cancellable(op)
         return op
 
     def _expire_ops(self, now: float) -> None:
@@ -647,6 +803,25 @@ class Manager:
         with self._lock:
             # a cleanup still waiting for its lock has its own timeout (_run_locked)
             running = [o for o in self.ops.values() if not o.finished and not o.waiting_for_lock]
+            # ... while its thread lives: one left without (a load cut short, a thread that
+            # gave up as leadership flickered) is queued again, or failed once past its time
+            orphans = [
+                o
+                for o in self.ops.values()
+                if not o.finished and o.waiting_for_lock and o.op_id not in self._lock_threads
+            ]
+        for op in orphans:
+            if not self._owns(op):
+                continue
+            if now - op.created_unix_seconds > 2 * self.op_timeout_seconds:
+                with self._lock:
+                    for part in op.parts.values():
+                        ops.fail_part(op, part.agent_id, "its scope lock was never taken", now)
+                self._op_changed(op)
+            else:
+                with self._lock:
+                    self._op_done.setdefault(op.op_id, threading.Event())
+                self._start_locked(op)
         for op in running:
             changed = False
             with self._lock:
@@ -659,10 +834,12 @@ class Manager:
 
     # ---- policy ---------------------------------------------------------------------
     def get_policy(self) -> tuple[dict[str, str], int]:
+        self.ensure_loaded()
         with self._lock:
             return dict(self.policy), self.policy_revision
 
     def set_policy(self, changes: dict[str, str]) -> dict[str, str]:
+        self.ensure_loaded()
         for key, value in changes.items():
             if key.startswith("quota."):
                 check_namespace(key.removeprefix("quota."), f"values[{key}]")
@@ -674,6 +851,10 @@ class Manager:
             merged = self.policy_validator({**self.policy, **changes})
             self.durable.put(etcd_keys.POLICY_KEY, json.dumps(merged, sort_keys=True))
             self.policy = merged
+            try:
+                _, self.policy_revision = self.durable.load_policy()
+            except errors.KvcpError:
+                pass  # the next reload or GetPolicy shows it
         self.cluster.events.publish(
             "policy", "policy set: " + ", ".join(f"{k}={v}" for k, v in sorted(changes.items()))
         )
@@ -887,8 +1068,8 @@ class Manager:
                 self._loaded_epoch = 0  # reload when we lead again (another epoch)
             return
         now = self.clock() if now is None else now
-        if self._loaded_epoch != self.election.epoch:
-            self.load()
+        self.ensure_loaded()
+        self._flush_dirty()
         if now >= self._next_reload:
             self._next_reload = now + self.resync_seconds
             self._reload_pins()

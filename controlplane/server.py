@@ -84,6 +84,7 @@ class ControlPlane:
         self._stop = threading.Event()
         self._threads: list[threading.Thread] = []
         self.etcd = None
+        self.election_etcd = None
         self.election: LeaderElection | None = None
         self.server: grpc.Server | None = None
         self.lookup_socket: LookupSocketServer | None = None
@@ -124,7 +125,20 @@ class ControlPlane:
         self.port = add_port(self.server, self.config.listen, self.config.tls, self.config.require_client_cert)
         if self.port == 0:
             raise OSError(f"cannot listen on {self.config.listen} (port in use?)")
-        self.election = LeaderElection(self.etcd, self.address, self.config.election_ttl_seconds)
+        # the election has its own etcd client: pyetcd marks a client's endpoint failed for
+        # a second after any one call fails, and another thread's failed call must not
+        # make the leader's lease refresh fail with it (a healthy leader gone read-only)
+        self.election_etcd = InstrumentedEtcd(
+            etcd_keys.connect(
+                self.config.etcd,
+                timeout_seconds=self.config.etcd_timeout_seconds,
+                wait_seconds=self.config.etcd_wait_seconds,
+                log=self._log_fn,
+                auth=self.config.etcd_auth,
+            ),
+            self.metrics.etcd,
+        )
+        self.election = LeaderElection(self.election_etcd, self.address, self.config.election_ttl_seconds)
         self.metrics.leadership = self.election
         self.election.run_once()
         self.durable = DurableStore(self.etcd, self.election, self.config.etcd)
@@ -246,5 +260,6 @@ class ControlPlane:
             self.metrics_server.stop()
         for t in self._threads:
             t.join(timeout=2)
-        if self.etcd is not None:
-            self.etcd.close()
+        for client in (self.etcd, self.election_etcd):
+            if client is not None:
+                client.close()

@@ -43,7 +43,15 @@ class NotLeader(FailedPrecondition):
 
 
 class Unavailable(KvcpError):
+    """Refused, nothing changed (etcd unreachable, state still loading): try again later."""
+
     retryable = True
+
+
+class OutcomeUnknown(KvcpError):
+    """A durable change was sent but no answer came back in time (etcd paused or slow):
+    it may or may not have been applied. Not retryable blindly: a retry could apply it
+    twice; the caller checks by listing first."""
 
 
 class ResourceExhausted(KvcpError):

@@ -29,6 +29,8 @@ _CODES: list[tuple[type[errors.KvcpError], grpc.StatusCode]] = [
     (errors.FailedPrecondition, grpc.StatusCode.FAILED_PRECONDITION),
     (errors.Unavailable, grpc.StatusCode.UNAVAILABLE),
     (errors.ResourceExhausted, grpc.StatusCode.RESOURCE_EXHAUSTED),
+    # neither a refusal nor a success: the write may have been applied (kvctl prints the sentence)
+    (errors.OutcomeUnknown, grpc.StatusCode.UNKNOWN),
 ]
 
 

@@ -103,6 +103,9 @@ class AdminServicer(admin_pb2_grpc.AdminServiceServicer):
         self._require_leader(read)
         if self.manager is None:
             raise errors.Unavailable("this control plane runs without etcd-backed pins and operations")
+        # a new leader answers from its state only once it has read it from etcd (it loads
+        # it now if the reconcile loop has not yet; etcd unreachable: UNAVAILABLE)
+        self.manager.ensure_loaded()
         return self.manager
 
     def Pin(self, request, context):
@@ -185,5 +188,6 @@ class AdminServicer(admin_pb2_grpc.AdminServiceServicer):
     def SetPolicy(self, request, context):
         if not request.values:
             raise errors.InvalidArgument("values", "give at least one key=value")
-        values = self._manager().set_policy(dict(request.values))
-        return admin_pb2.Policy(values=values, revision=self._manager().policy_revision)
+        manager = self._manager()
+        values = manager.set_policy(dict(request.values))
+        return admin_pb2.Policy(values=values, revision=manager.policy_revision)

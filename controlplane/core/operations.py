@@ -16,7 +16,12 @@ from protos.tier import Tier
 
 PENDING, RUNNING, SUCCEEDED, FAILED, CANCELLED = "PENDING", "RUNNING", "SUCCEEDED", "FAILED", "CANCELLED"
 TERMINAL = frozenset({SUCCEEDED, FAILED, CANCELLED})
+STATES = frozenset({PENDING, RUNNING}) | TERMINAL
 KINDS = frozenset({"move", "cleanup", "compress", "transfer"})
+# kinds an agent runs to the end once it has the command (its mover cancels moves and
+# compressions only): a cancel could not stop them, so one is refused rather than reported
+UNCANCELLABLE_ONCE_SENT = frozenset({"cleanup", "transfer"})
+_TIERS = frozenset(int(t) for t in Tier)
 
 
 @dataclass
@@ -85,6 +90,8 @@ class Operation:
         out: dict[Tier, list[int]] = {}
         for p in self.parts.values():
             for t, (n, b) in p.freed.items():
+                if t not in _TIERS:  # stored before agents' reports were checked
+                    continue
                 acc = out.setdefault(Tier(t), [0, 0])
                 acc[0] += n
                 acc[1] += b
@@ -123,15 +130,17 @@ def apply_update(
     freed: dict[int, tuple[int, int]] | None = None,
     now: float | None = None,
 ) -> bool:
-    """Fold one agent's OpUpdate in; returns True when the operation's state changed."""
+    """Fold one agent's OpUpdate in; returns True when the operation's state changed. An
+    update with a state this module does not know is ignored, and freed counts of tiers
+    it does not know are dropped (one bad report must not break every listing)."""
     now = time.time() if now is None else now
     part = op.parts.get(agent_id)
-    if part is None or op.finished:
+    if part is None or op.finished or state not in STATES:
         return False
     part.state, part.done, part.total, part.failed = state, done, max(total, part.total), failed
     part.moved_bytes, part.error, part.skipped_pinned = moved_bytes, error, skipped_pinned
     if freed is not None:
-        part.freed = dict(freed)
+        part.freed = {int(t): v for t, v in freed.items() if t in _TIERS}
     part.updated_unix_seconds = now
     op.updated_unix_seconds = now
     return _settle(op)
@@ -169,6 +178,16 @@ def expire_silent_parts(op: Operation, now: float, timeout_seconds: float) -> bo
         if part.state not in TERMINAL and now - part.updated_unix_seconds > timeout_seconds:
             changed |= fail_part(op, part.agent_id, f"no progress for {timeout_seconds:.0f}s", now)
     return changed
+
+
+def not_cancellable(op: Operation) -> str:
+    """Why a cancel cannot stop `op` (a sentence), or "" when it can."""
+    if op.kind in UNCANCELLABLE_ONCE_SENT and not op.waiting_for_lock:
+        return (
+            f"a {op.kind} cannot be stopped once its agents have it (they run it to the end); "
+            "its result will show what it did"
+        )
+    return ""
 
 
 def cancel(op: Operation, now: float | None = None) -> bool:

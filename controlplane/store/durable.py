@@ -117,6 +117,13 @@ def op_from_json(raw: bytes) -> Operation:
     return op
 
 
+def _timed_out(exc: Exception) -> bool:
+    """A call that got no answer in time (sent, maybe applied), not one that never left."""
+    from pyetcd import exceptions as ex
+
+    return isinstance(exc, ex.ConnectionTimeoutError)
+
+
 class DurableStore:
     def __init__(self, client, election, endpoint: str = ""):
         self._client = client
@@ -146,7 +153,16 @@ class DurableStore:
                 success=ops,
                 failure=[],
             )
-        except Exception as exc:  # noqa: BLE001 - any etcd failure is "unavailable"
+        except Exception as exc:  # noqa: BLE001 - any other etcd failure is "unavailable"
+            if _timed_out(exc):
+                # the transaction may be on the wire: etcd can still apply it when it answers
+                # again, so this is no refusal (a caller told "rejected" would hold a ghost)
+                self.errors_total += 1
+                raise errors.OutcomeUnknown(
+                    f"etcd did not answer in time{(' at ' + self.endpoint) if self.endpoint else ''}; "
+                    "the change may or may not have been applied: list (kvctl pins, kvctl ops, kvctl policy get) "
+                    "before trying again"
+                ) from None
             raise self._unavailable(exc) from None
         if not ok:
             raise errors.NotLeader(self._election.leader_address)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 
 from protos.etcd_keys import LEADER_KEY, is_unreachable
 
@@ -31,6 +32,7 @@ class LeaderElection:
         self.serving_from_memory = False
         self.epoch = 0
         self.leader_address = ""
+        self._last_ok = 0.0  # monotonic time of the last step etcd answered
 
     def run_once(self) -> bool:
         """One step: refresh our lease if leading, else try to win. Returns is_leader."""
@@ -43,6 +45,7 @@ class LeaderElection:
                 if self.serving_from_memory:
                     log.info("etcd is reachable again (leader: %s)", self.is_leader)
                 self.serving_from_memory = False
+                self._last_ok = time.monotonic()
             except Exception as exc:  # noqa: BLE001 - sorted below: outage or lost leadership
                 if not is_unreachable(exc):
                     if self.is_leader:
@@ -51,6 +54,12 @@ class LeaderElection:
                     self.serving_from_memory = False
                     self._lease = None
                     return False
+                if self.is_leader and time.monotonic() - self._last_ok < self.ttl_seconds / 2:
+                    # one failed call (a timeout, the client's endpoint marked failed for a
+                    # second) is no outage yet: the lease still has most of its TTL, and the
+                    # next step, a third of a TTL on, tells
+                    log.info("etcd call failed (%s); still leading, lease not at risk yet", type(exc).__name__)
+                    return True
                 if self.is_leader:
                     log.warning("etcd unreachable (%s): serving reads from memory until it returns", type(exc).__name__)
                     self.serving_from_memory = True
@@ -88,9 +97,10 @@ class LeaderElection:
             return
         value, meta = client.get(self.key)
         self._lease = lease
-        self.is_leader = True
+        # the epoch before is_leader: whoever sees us lead sees this epoch (Manager.ready)
         self.epoch = meta.create_revision
         self.leader_address = self.address
+        self.is_leader = True
         log.info("became leader at %s, epoch %d", self.address, self.epoch)
 
     def resign(self) -> None:

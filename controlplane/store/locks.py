@@ -11,8 +11,22 @@ from protos import etcd_keys
 
 
 class EtcdLock:
-    def __init__(self, client, name: str, holder: str, ttl_seconds: int = 10):
+    def __init__(
+        self,
+        client,
+        name: str,
+        holder: str,
+        ttl_seconds: int = 10,
+        also_absent: tuple[str, ...] = (),
+        drain_prefix: str = "",
+    ):
+        """`also_absent`: keys that must not exist either when the lock is taken (in the
+        same transaction). `drain_prefix`: once taken, the lock counts as held only when no
+        other key under that prefix remains (holders that `also_absent` our key stop new
+        ones; this waits for those already in). Together: a scope lock over sub-scopes."""
         self._client = client
+        self.also_absent = also_absent
+        self.drain_prefix = drain_prefix
         self.key = etcd_keys.LOCKS_PREFIX + name
         self.holder = holder
         self.ttl_seconds = ttl_seconds
@@ -24,7 +38,7 @@ class EtcdLock:
         c = self._client
         lease = c.lease(self.ttl_seconds)
         won, _ = c.transaction(
-            compare=[c.transactions.create(self.key) == 0],
+            compare=[c.transactions.create(k) == 0 for k in (self.key, *self.also_absent)],
             success=[c.transactions.put(self.key, self.holder, lease)],
             failure=[],
         )
@@ -40,10 +54,17 @@ class EtcdLock:
     def acquire(self, timeout_seconds: float, cancelled=lambda: False) -> bool:
         deadline = time.monotonic() + timeout_seconds
         while time.monotonic() < deadline and not cancelled():
-            if self.try_acquire():
-                return True
+            if self._lease is not None or self.try_acquire():
+                if self._drained():
+                    return True
             time.sleep(0.1)
+        self.release()  # taken but not drained in time: let the others go on
         return False
+
+    def _drained(self) -> bool:
+        if not self.drain_prefix:
+            return True
+        return all(meta.key.decode() == self.key for _, meta in self._client.get_prefix(self.drain_prefix))
 
     def holder_now(self) -> str:
         value, _ = self._client.get(self.key)

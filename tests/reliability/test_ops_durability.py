@@ -1,0 +1,339 @@
+"""Operations, pins and policy across a new leader's first moments, etcd failures and
+cancels: real etcd, real in-process control planes, and stand-in agents whose commands
+land in a queue (so an operation stays where the test leaves it until it answers)."""
+
+from __future__ import annotations
+
+import json
+import queue
+import threading
+import time
+
+import pytest
+
+from cli.client import ClientError, ControlPlaneClient
+from controlplane.core.cluster import AgentRecord, ModelInfo, TierUsage
+from controlplane.manager import Manager, Scope
+from controlplane.server import ControlPlane, ControlPlaneConfig
+from protos import errors, etcd_keys
+from protos.tier import Tier
+from tests.helpers import EtcdServer, wait_for
+
+
+def start_cp(endpoint: str, **overrides) -> ControlPlane:
+    config = {
+        "listen": "127.0.0.1:0",
+        "etcd": endpoint,
+        "election_ttl_seconds": 3,
+        "metrics_listen": "",
+        "policy_enabled": False,
+        "etcd_wait_seconds": 5,
+    }
+    cp = ControlPlane(ControlPlaneConfig(**{**config, **overrides})).start()
+    wait_for(lambda: cp.election.is_leader, 15, 0.02, "leadership")
+    return cp
+
+
+class StandInAgent:
+    """Registered straight into the cluster; commands are kept, answers sent by the test."""
+
+    def __init__(self, cp: ControlPlane, agent_id: str = "a1"):
+        self.cp, self.agent_id = cp, agent_id
+        # its key in etcd (membership drops agents without one), under a lease that outlives the test
+        client = etcd_keys.connect(cp.config.etcd)
+        client.put(etcd_keys.agent_key(agent_id), b"{}", client.lease(60))
+        client.close()
+        self.outbox: queue.Queue = queue.Queue()
+        record = AgentRecord(
+            agent_id=agent_id,
+            address="127.0.0.1:1",
+            models=[ModelInfo("m", 16, 2, 2, 8, "float16")],
+            tiers=[TierUsage(Tier.CPU, 1 << 20, 0, 0)],
+        )
+        cp.cluster.register(record)
+        cp.cluster.hello(agent_id, "s1")
+        cp.cluster.attach_outbox(agent_id, "s1", self.outbox)
+        self.received: list = []
+
+    def commands(self, kind: str = "", op_id: str = "") -> list:
+        while True:
+            try:
+                self.received.append(self.outbox.get_nowait())
+            except queue.Empty:
+                break
+        # the outbox also carries what the stream would send besides commands (errors)
+        cmds = [c for c in self.received if hasattr(c, "kind")]
+        return [c for c in cmds if (not kind or c.kind == kind) and (not op_id or c.op_id == op_id)]
+
+    def report(self, op_id: str, state: str, done: int = 0, total: int = 0, freed=None) -> None:
+        self.cp.manager.on_op_update(self.agent_id, op_id, state, done, total, 0, 0, "", 0, freed)
+
+
+def stored_op(etcd_endpoint: str, op_id: str) -> dict:
+    client = etcd_keys.connect(etcd_endpoint)
+    try:
+        raw, _ = client.get(etcd_keys.OPS_PREFIX + op_id)
+        return json.loads(raw) if raw else {}
+    finally:
+        client.close()
+
+
+@pytest.fixture
+def late_reconcile(monkeypatch):
+    """The reconcile loop's first pass comes late (a busy process): what a new leader
+    answers before it must not depend on that pass having loaded its state."""
+    real = Manager.run_forever
+
+    def late(self, stop, interval_seconds=0.2):
+        if not stop.wait(4.0):
+            real(self, stop, interval_seconds)
+
+    monkeypatch.setattr(Manager, "run_forever", late)
+
+
+@pytest.fixture
+def own_etcd():
+    """An etcd of this test alone (it is stopped, paused or killed)."""
+    server = EtcdServer().start()
+    yield server
+    if server.proc is not None and server.proc.poll() is None:
+        server.resume()
+    server.cleanup()
+
+
+# ---- a new leader loads its state before it answers -------------------------------------
+
+
+def test_op_started_before_the_first_reconcile_pass_is_not_failed_by_load(etcd, late_reconcile):
+    cp = start_cp(etcd)
+    try:
+        agent = StandInAgent(cp)
+        op = cp.manager.move(Scope(namespace="ns1"), Tier.DISK)
+        assert [c.op_id for c in agent.commands("move")] == [op.op_id]
+        time.sleep(4.5)  # the late first pass has run
+        agent.report(op.op_id, "SUCCEEDED", 5, 5)
+        got = cp.manager.get_op(op.op_id)
+        assert (got.state, got.error) == ("SUCCEEDED", "")
+        wait_for(lambda: stored_op(etcd, op.op_id).get("state") == "SUCCEEDED", 5, 0.05, "stored SUCCEEDED")
+    finally:
+        cp.stop()
+
+
+def test_set_policy_on_a_new_leader_keeps_the_stored_policy(etcd, late_reconcile):
+    a = start_cp(etcd)
+    b = None
+    try:
+        a.manager.set_policy({"quota.legal-kb": "1GiB"})
+        b = ControlPlane(
+            ControlPlaneConfig(listen="127.0.0.1:0", etcd=etcd, election_ttl_seconds=3, policy_enabled=False)
+        ).start()
+        a.stop()
+        a = None
+        wait_for(lambda: b.election.is_leader, 10, 0.01, "B leads")
+        with ControlPlaneClient(b.address) as client:
+            assert client.get_policy().get("quota.legal-kb") == "1GiB"
+            values = client.set_policy({"quota.chat": "2GiB"})
+        assert values["quota.legal-kb"] == "1GiB" and values["quota.chat"] == "2GiB"
+        stored, revision = b.durable.load_policy()
+        assert stored["quota.legal-kb"] == "1GiB" and stored["quota.chat"] == "2GiB"
+        assert b.manager.get_policy()[1] == revision  # SetPolicy answers the new revision
+    finally:
+        for cp in (a, b):
+            if cp is not None:
+                cp.stop()
+
+
+def test_leader_that_wins_again_keeps_the_operations_it_runs(etcd):
+    cp = start_cp(etcd)
+    try:
+        agent = StandInAgent(cp)
+        wait_for(lambda: cp.manager._loaded_epoch == cp.election.epoch, 5, 0.02, "loaded")
+        op = cp.manager.move(Scope(namespace="ns1"), Tier.DISK)
+        agent.report(op.op_id, "RUNNING", 1, 5)
+        epoch = cp.election.epoch
+        # its lease lapses (a long pause) and it wins again: a new epoch, the same replica
+        client = etcd_keys.connect(etcd)
+        _, meta = client.get(etcd_keys.LEADER_KEY)
+        client.revoke_lease(meta.lease_id)
+        client.close()
+        wait_for(lambda: cp.election.is_leader and cp.election.epoch != epoch, 10, 0.01, "won again")
+        wait_for(lambda: cp.manager._loaded_epoch == cp.election.epoch, 5, 0.02, "reloaded")
+        agent.report(op.op_id, "SUCCEEDED", 5, 5)
+        assert cp.manager.get_op(op.op_id).state == "SUCCEEDED"
+    finally:
+        cp.stop()
+
+
+# ---- cancels ------------------------------------------------------------------------------
+
+
+def test_cancel_in_the_window_before_fan_out_sends_nothing(etcd):
+    cp = start_cp(etcd)
+    try:
+        agent = StandInAgent(cp)
+        m = cp.manager
+        real = m._register_op
+
+        def register_then_cancel(op):
+            real(op)
+            m.cancel_op(op.op_id)  # a CancelOperation that arrives between the two steps
+
+        m._register_op = register_then_cancel
+        op = m.move(Scope(namespace="ns1"), Tier.DISK)
+        assert op.state == "CANCELLED"
+        assert agent.commands("move") == []
+    finally:
+        cp.stop()
+
+
+def test_running_cleanup_is_not_cancellable_and_reports_what_it_did(etcd):
+    cp = start_cp(etcd)
+    try:
+        agent = StandInAgent(cp)
+        op = cp.manager.cleanup(0, namespace="ns1")
+        wait_for(lambda: agent.commands("cleanup", op.op_id), 5, 0.02, "cleanup sent")
+        agent.report(op.op_id, "RUNNING", 0, 5)
+        with ControlPlaneClient(cp.address) as client, pytest.raises(ClientError) as refused:
+            client.cancel_operation(op.op_id)
+        assert refused.value.code == "FAILED_PRECONDITION" and "cannot be cancelled" in str(refused.value)
+        agent.report(op.op_id, "SUCCEEDED", 5, 5, {int(Tier.CPU): (5, 5 << 20)})
+        got = cp.manager.get_op(op.op_id)
+        assert got.state == "SUCCEEDED" and got.freed() == {Tier.CPU: (5, 5 << 20)}
+    finally:
+        cp.stop()
+
+
+def test_queued_cleanup_cancelled_never_runs(etcd):
+    cp = start_cp(etcd, op_timeout_seconds=10)
+    try:
+        agent = StandInAgent(cp)
+        first = cp.manager.cleanup(0, namespace="ns1")
+        wait_for(lambda: agent.commands("cleanup", first.op_id), 5, 0.02, "first sent")
+        second = cp.manager.cleanup(0, namespace="ns1")
+        assert cp.manager.cancel_op(second.op_id).state == "CANCELLED"
+        assert stored_op(etcd, second.op_id)["state"] == "CANCELLED"
+        agent.report(first.op_id, "SUCCEEDED", 1, 1)
+        time.sleep(0.5)
+        assert agent.commands("cleanup", second.op_id) == []
+    finally:
+        cp.stop()
+
+
+# ---- etcd failing under a leader ----------------------------------------------------------
+
+
+def test_cancel_etcd_refuses_changes_nothing(own_etcd):
+    cp = start_cp(own_etcd.endpoint, op_timeout_seconds=30)
+    try:
+        agent = StandInAgent(cp)
+        op = cp.manager.move(Scope(namespace="ns1"), Tier.DISK)
+        agent.report(op.op_id, "RUNNING", 1, 5)
+        own_etcd.proc.kill()
+        own_etcd.proc.wait()
+        # answered CANCELLED but never stored, a next leader would not know of it
+        with pytest.raises(errors.Unavailable):
+            cp.manager.cancel_op(op.op_id)
+        got = cp.manager.get_op(op.op_id)
+        assert got.state == "RUNNING" and not got.cancel_requested
+        assert agent.commands("cancel") == []
+    finally:
+        cp.stop(grace_seconds=0.2)
+
+
+def test_result_that_etcd_missed_is_written_when_it_returns(own_etcd):
+    cp = start_cp(own_etcd.endpoint, op_timeout_seconds=30)
+    try:
+        agent = StandInAgent(cp)
+        op = cp.manager.move(Scope(namespace="ns1"), Tier.DISK)
+        agent.report(op.op_id, "RUNNING", 0, 5)
+        own_etcd.proc.kill()
+        own_etcd.proc.wait()
+        agent.report(op.op_id, "SUCCEEDED", 5, 5)  # etcd cannot take it now
+        assert cp.manager.get_op(op.op_id).state == "SUCCEEDED"
+        own_etcd.start()
+        wait_for(lambda: stored_op(own_etcd.endpoint, op.op_id).get("state") == "SUCCEEDED", 15, 0.1, "written")
+        assert cp.manager.get_op(op.op_id).state == "SUCCEEDED"
+    finally:
+        cp.stop(grace_seconds=0.2)
+
+
+def test_write_that_timed_out_is_reported_as_maybe_applied(own_etcd):
+    cp = start_cp(own_etcd.endpoint)
+    try:
+        StandInAgent(cp)
+        wait_for(lambda: cp.manager._loaded_epoch == cp.election.epoch, 5, 0.02, "loaded")
+        own_etcd.pause()
+        with ControlPlaneClient(cp.address) as client, pytest.raises(ClientError) as unknown:
+            client.pin(namespace="ns1", ttl_seconds=60)
+        assert unknown.value.code == "UNKNOWN", unknown.value
+        assert "may or may not have been applied" in str(unknown.value)
+    finally:
+        own_etcd.resume()
+        cp.stop(grace_seconds=0.2)
+
+
+def test_one_failed_etcd_call_elsewhere_does_not_make_the_leader_read_only(etcd):
+    cp = start_cp(etcd)
+    try:
+        flips = []
+        stop = threading.Event()
+
+        def watch():
+            while not stop.is_set():
+                if cp.election.serving_from_memory or not cp.election.is_leader:
+                    flips.append(time.monotonic())
+                time.sleep(0.005)
+
+        watcher = threading.Thread(target=watch, daemon=True)
+        watcher.start()
+        endpoint = next(iter(cp.etcd.raw.endpoints.values()))
+        for _ in range(3):  # what pyetcd does after one call on another thread timed out
+            endpoint.fail()
+            cp.etcd.raw._clear_old_stubs()
+            time.sleep(0.8)
+        stop.set()
+        watcher.join()
+        assert flips == []
+    finally:
+        cp.stop()
+
+
+# ---- agents' reports --------------------------------------------------------------------
+
+
+def test_bad_op_update_does_not_break_listing(etcd):
+    cp = start_cp(etcd)
+    try:
+        agent = StandInAgent(cp)
+        op = cp.manager.move(Scope(namespace="ns2"), Tier.DISK)
+        agent.report(op.op_id, "EXPLODED", 1, 1)  # an unknown state: ignored
+        assert cp.manager.get_op(op.op_id).state == "PENDING"
+        agent.report(op.op_id, "SUCCEEDED", 1, 1, {99: (1, 1), int(Tier.DISK): (1, 2)})
+        with ControlPlaneClient(cp.address) as client:
+            assert [o.op_id for o in client.list_operations()] == [op.op_id]
+            assert client.get_operation(op.op_id).state == "SUCCEEDED"
+    finally:
+        cp.stop()
+
+
+# ---- cleanup scopes ----------------------------------------------------------------------
+
+
+def test_cleanup_of_all_namespaces_waits_for_a_namespace_cleanup(etcd):
+    cp = start_cp(etcd, op_timeout_seconds=10)
+    try:
+        agent = StandInAgent(cp)
+        ns = cp.manager.cleanup(0, namespace="ns1")
+        wait_for(lambda: agent.commands("cleanup", ns.op_id), 5, 0.02, "namespace cleanup sent")
+        everything = cp.manager.cleanup(0)
+        time.sleep(0.6)
+        assert agent.commands("cleanup", everything.op_id) == [] and everything.waiting_for_lock
+        agent.report(ns.op_id, "SUCCEEDED", 1, 1)
+        wait_for(lambda: agent.commands("cleanup", everything.op_id), 5, 0.02, "all-namespace cleanup sent")
+        later = cp.manager.cleanup(0, namespace="ns2")
+        time.sleep(0.6)
+        assert agent.commands("cleanup", later.op_id) == [] and later.waiting_for_lock
+        agent.report(everything.op_id, "SUCCEEDED", 1, 1)
+        wait_for(lambda: agent.commands("cleanup", later.op_id), 5, 0.02, "namespace cleanup sent after")
+    finally:
+        cp.stop()

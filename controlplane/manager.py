@@ -514,7 +514,10 @@ class Manager:
                 raise errors.NotFound(f"{field_name}: no agent {agent_id!r} is registered (kvctl agents lists them)")
         if from_agent_id == to_agent_id:
             raise errors.InvalidArgument("to_agent_id", "is the source; a transfer goes to another agent")
-        hits = {m.agent_id: m.num_hit_blocks for m in self.cluster.lookup(scope.model_id, block_hashes=packed).matches}
+        hits = {
+            m.agent_id: m.num_hit_blocks
+            for m in self.cluster.lookup(scope.model_id, block_hashes=packed, record=False).matches
+        }
         held = hits.get(from_agent_id, 0)
         if not held:
             raise errors.FailedPrecondition(

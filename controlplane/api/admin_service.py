@@ -154,7 +154,7 @@ class AdminServicer(admin_pb2_grpc.AdminServiceServicer):
         return convert.op_to_pb(op)
 
     def Route(self, request, context):
-        self._require_leader()
+        self._require_leader(read=True)  # from memory, as lookups are, while etcd is away
         decision = routing.route_request(
             self._cluster,
             request.model_id,

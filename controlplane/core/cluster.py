@@ -480,7 +480,11 @@ class Cluster:
         token_ids: list[int] | None = None,
         block_hashes: bytes = b"",
         extra_keys: tuple[str, ...] = (),
+        record: bool = True,
     ) -> LookupResult:
+        """Who holds the longest cached prefix. `record`: count it as a router's lookup and
+        as reuse evidence for the tier policy (False for the control plane's own lookups:
+        a transfer's, the second Route of one request)."""
         if not model_id:
             raise errors.InvalidArgument("model_id", "must not be empty")
         if token_ids and block_hashes:
@@ -518,10 +522,11 @@ class Cluster:
                 if agent_id not in self._slow_hits and self._below_fastest(agent_id, tiers):
                     self._slow_hits.add(agent_id)
             hit_tokens = holders.counts[0] * model.block_size if len(holders) else 0
-            self.lookups_total += 1
-            self.lookup_tokens_total += num_tokens
-            self.lookup_hit_tokens_total += hit_tokens
-        if self.on_lookup is not None:  # future-reuse evidence for the tier policy
+            if record:
+                self.lookups_total += 1
+                self.lookup_tokens_total += num_tokens
+                self.lookup_hit_tokens_total += hit_tokens
+        if record and self.on_lookup is not None:  # future-reuse evidence for the tier policy
             self.on_lookup(packed, self._clock())
         return LookupResult(model_id, num_tokens, num_blocks, model.block_size, holders)
 

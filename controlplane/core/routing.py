@@ -303,7 +303,10 @@ def route_request(
     its index lookup gives each agent's cached prefix; its data-plane states the rest."""
     if role and role not in ROLES:
         raise errors.InvalidArgument("role", f"unknown role {role!r}; expected prefill, decode or pair")
-    result = cluster.lookup(model_id, token_ids=token_ids, block_hashes=block_hashes, extra_keys=extra_keys)
+    # a request's decode Route follows its prefill Route: one request, one lookup counted
+    result = cluster.lookup(
+        model_id, token_ids=token_ids, block_hashes=block_hashes, extra_keys=extra_keys, record=role != "decode"
+    )
     model = cluster.model(model_id)
     block_bytes = (
         model.num_layers * 2 * model.block_size * model.num_kv_heads * model.head_dim * DTYPE_BYTES.get(model.dtype, 2)

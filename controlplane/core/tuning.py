@@ -11,12 +11,19 @@ policy's own rules (tails first, the same priority), and uses the candidate whos
 shadow had the most prefix hits recently (exponentially decayed, so a workload that
 changes is followed). Shadows only ever see past lookups: no lookahead.
 
+Bounded: shadows of a cluster bigger than `max_shadow_blocks` simulate a sample of its
+prefixes (those whose first block falls in a hash-chosen fraction; a prefix's blocks all
+go together, so prefix hits stay prefix hits) in a cache scaled by the same fraction,
+as SHARDS samples reuse distances: memory stays at a few hundred thousand blocks per
+shadow whatever the disk tiers hold.
+
 Pure and single-threaded like AccessStats: the lookup path calls `observe` after
 `AccessStats.record_lookup` for the same lookup; the reconcile loop reads `best()`.
 """
 
 from __future__ import annotations
 
+import hashlib
 import heapq
 from collections import Counter
 from collections.abc import Sequence
@@ -26,6 +33,8 @@ from protos.block_hash import ROOT_PARENT_HASH
 
 DEFAULT_CANDIDATES = (0.0, 2.0, 4.0)
 DEFAULT_HALF_LIFE_LOOKUPS = 2000.0
+DEFAULT_MAX_SHADOW_BLOCKS = 1 << 18  # ~200 MiB for the three shadows at most
+_SAMPLE_SPACE = 1 << 32
 
 
 class _Shadow:
@@ -97,19 +106,36 @@ class CreditTuner:
         default: float = 2.0,
         max_reuse_credits: int = 3,
         half_life_lookups: float = DEFAULT_HALF_LIFE_LOOKUPS,
+        max_shadow_blocks: int = DEFAULT_MAX_SHADOW_BLOCKS,
     ) -> None:
         if capacity_blocks <= 0:
             raise ValueError("capacity_blocks must be positive")
         if not candidates:
             raise ValueError("at least one candidate")
+        if max_shadow_blocks <= 0:
+            raise ValueError("max_shadow_blocks must be positive")
         self.default = default
         self.max_reuse_credits = max_reuse_credits
         self.capacity_blocks = capacity_blocks
-        self.shadows = [_Shadow(float(c), capacity_blocks) for c in candidates]
+        self.sample_rate = min(1.0, max_shadow_blocks / capacity_blocks)
+        self._sample_below = int(self.sample_rate * _SAMPLE_SPACE)
+        shadow_blocks = max(1, round(capacity_blocks * self.sample_rate))
+        self.shadows = [_Shadow(float(c), shadow_blocks) for c in candidates]
         self._keep = 0.5 ** (1.0 / half_life_lookups)
+
+    def sampled(self, block_hashes: Sequence[bytes]) -> bool:
+        """Whether this lookup's prefix is in the shadows' sample (by its first block)."""
+        if self.sample_rate >= 1.0:
+            return True
+        if not block_hashes:
+            return False
+        word = int.from_bytes(hashlib.blake2b(block_hashes[0], digest_size=4).digest(), "little")
+        return word < self._sample_below
 
     def observe(self, block_hashes: Sequence[bytes], now: float, stats: AccessStats) -> None:
         """One lookup, after `stats.record_lookup(block_hashes, now)`."""
+        if not self.sampled(block_hashes):
+            return
         turnover = stats.turnover_seconds(self.capacity_blocks)
         cap = self.max_reuse_credits
         credit_seconds = []

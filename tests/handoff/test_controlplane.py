@@ -24,9 +24,11 @@ def test_transfer_operation_and_route(controlplane, make_agent, tmp_path):
     wait_for(lambda: c.lookup(BIG.model_id, tokens).best_agent_id == "pre", 10, what="prefill agent indexed")
     # the control plane sends the whole prefix even while the index still lags (not all 6 yet)
 
+    looked_up = controlplane.cluster.lookups_total
     op = c.transfer(BIG.model_id, "pre", "dec", token_ids=tokens, deadline_seconds=10)
     assert op.kind == "transfer" and op.params["to"] == "dec"
     op = c.wait_operation(op.op_id, timeout_seconds=20)
+    assert controlplane.cluster.lookups_total == looked_up  # its own lookup is no router's
     assert (op.state, op.done, op.total, op.moved_bytes) == ("SUCCEEDED", 6, 6, 6 * BIG.block_bytes), op
     assert torch.equal(b.engine.load(BIG.model_id, tokens).kv, kv)
     wait_for(
@@ -52,6 +54,9 @@ def test_transfer_operation_and_route(controlplane, make_agent, tmp_path):
     assert {x.agent_id for x in r.candidates} >= {"pre", "dec", "small"}
     small = next(x for x in r.candidates if x.agent_id == "small")
     assert small.behind
+    looked_up = controlplane.cluster.lookups_total  # a request's decode Route: not a second lookup
+    assert c.route(BIG.model_id, tokens, role="decode", prefill_agent_id="pre").decode_agent_id == "dec"
+    assert controlplane.cluster.lookups_total == looked_up
 
     # the same from the console script
     f = tmp_path / "prompt.txt"

@@ -12,10 +12,11 @@ from protos.tier import Tier
 from tests.policy.support import conversation_trace, synthetic_trace
 
 
-def tune(raw: list[dict], fraction: float) -> CreditTuner:
+def tune(raw: list[dict], fraction: float, sample: float = 1.0) -> CreditTuner:
     trace = [rp.Request(r["timestamp"], r["input_length"], tuple(r["hash_ids"])) for r in raw]
     stats = AccessStats()
-    tuner = CreditTuner(max(1, int(rp.unique_blocks(trace) * fraction)))
+    capacity = max(1, int(rp.unique_blocks(trace) * fraction))
+    tuner = CreditTuner(capacity, max_shadow_blocks=max(1, int(capacity * sample)))
     for r in trace:
         keys = [x.to_bytes(16, "big") for x in r.hash_ids]
         stats.record_lookup(keys, r.timestamp_ms / 1000)
@@ -33,6 +34,16 @@ def test_documents_among_one_off_prompts_want_credits():
 def test_multi_turn_chat_wants_recency():
     tuner = tune(conversation_trace(num_requests=600, seed=2), 1 / 24)
     assert tuner.best() == 0.0
+
+
+@pytest.mark.parametrize("sample", [0.5, 0.25])
+def test_shadows_of_a_big_cluster_sample_prefixes_and_still_choose(sample):
+    docs = tune(synthetic_trace(num_requests=700, seed=3), 1 / 24, sample)
+    chat = tune(conversation_trace(num_requests=600, seed=2), 1 / 24, sample)
+    for tuner in (docs, chat):
+        assert tuner.sample_rate == pytest.approx(sample, rel=0.05)
+        assert all(len(sh.key) <= sh.capacity_blocks <= tuner.capacity_blocks * sample + 1 for sh in tuner.shadows)
+    assert docs.best() > 0 and chat.best() == 0.0
 
 
 def test_policy_with_tuning_keeps_up_with_lru_on_chat():

@@ -240,6 +240,7 @@ def test_etcd_outage_reads_from_memory_rejects_writes_and_recovers(make_agent_fa
             wait_for(lambda: cp.election.serving_from_memory, 15, 0.1, "control plane notices")
             res = c.lookup(M.model_id, prompt)
             assert res.best_agent_id == "outage-agent" and res.possibly_stale
+            assert c.route(M.model_id, prompt, role="prefill").prefill_agent_id == "outage-agent"  # read, as lookup
             with pytest.raises(ClientError) as info:
                 c.pin(model_id=M.model_id, token_ids=prompt, ttl_seconds=60)
             assert info.value.code == "UNAVAILABLE" and "etcd is unreachable" in str(info.value)

@@ -52,11 +52,17 @@ class EtcdLock:
         return True
 
     def acquire(self, timeout_seconds: float, cancelled=lambda: False) -> bool:
+        """Wait for the lock until the deadline or `cancelled()`; etcd unreachable meanwhile
+        is waited out like a taken lock (other etcd errors raise)."""
         deadline = time.monotonic() + timeout_seconds
         while time.monotonic() < deadline and not cancelled():
-            if self._lease is not None or self.try_acquire():
-                if self._drained():
+            try:
+                if (self._lease is not None or self.try_acquire()) and self._drained():
                     return True
+            except Exception as exc:
+                if not etcd_keys.is_unreachable(exc):
+                    raise
+                # etcd away for a moment: a waiter keeps its place until the deadline
             time.sleep(0.1)
         self.release()  # taken but not drained in time: let the others go on
         return False

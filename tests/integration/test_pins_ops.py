@@ -230,6 +230,43 @@ def test_concurrent_cleanups_of_one_namespace_serialize(client, make_agent, cont
     assert done.state == "SUCCEEDED", done.error
 
 
+def test_a_lock_waiter_waits_out_an_etcd_that_does_not_answer(etcd):
+    from pyetcd import exceptions as ex
+
+    from controlplane.store.locks import EtcdLock
+
+    class Flaky:  # the first calls find no etcd, as during a short outage
+        def __init__(self, client, failures: int):
+            self._client, self.failures = client, failures
+
+        def __getattr__(self, name):
+            attr = getattr(self._client, name)
+            if name not in ("transaction", "lease") or not callable(attr):
+                return attr
+
+            def call(*args, **kwargs):
+                if self.failures > 0:
+                    self.failures -= 1
+                    raise ex.ConnectionFailedError("no endpoint answered")
+                return attr(*args, **kwargs)
+
+            return call
+
+    flaky = Flaky(etcd_keys.connect(etcd), failures=3)
+    lock = EtcdLock(flaky, "cleanup/flaky", "me")
+    assert lock.acquire(5.0) and flaky.failures == 0
+    lock.release()
+
+    class Broken(Flaky):  # anything but "unreachable" still raises
+        def __getattr__(self, name):
+            if name == "lease":
+                raise RuntimeError("permission denied")
+            return super().__getattr__(name)
+
+    with pytest.raises(RuntimeError):
+        EtcdLock(Broken(etcd_keys.connect(etcd), 0), "cleanup/broken", "me").acquire(1.0)
+
+
 def test_queued_cleanup_survives_a_controlplane_restart(etcd, make_agent):
     """A cleanup still waiting for its scope lock has sent nothing: the next leader queues
     it again under the same op id instead of failing it."""

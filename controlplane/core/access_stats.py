@@ -31,6 +31,9 @@ class BlockStats:
     first_seen_seconds: float
     last_access_seconds: float
     num_lookups: int = 1
+    # AccessStats.lookups_total at the last lookup naming the block: the order of
+    # lookups, for blocks whose clock times tie (traces with coarse or no timestamps)
+    last_lookup: int = 0
 
     @property
     def num_reuses(self) -> int:
@@ -76,10 +79,11 @@ class AccessStats:
         for h in block_hashes:
             s = blocks.get(h)
             if s is None:
-                blocks[h] = BlockStats(now, now)
+                blocks[h] = BlockStats(now, now, last_lookup=self.lookups_total)
                 new += 1
             else:
                 s.num_lookups += 1
+                s.last_lookup = self.lookups_total
                 s.last_access_seconds = max(s.last_access_seconds, now)
                 blocks.move_to_end(h)
         if new:

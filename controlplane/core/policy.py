@@ -435,12 +435,15 @@ class _AgentPass:
         self.origin: dict[bytes, int] = {}  # level before the pass, of blocks it moves
         self.dropped: list[bytes] = []
 
-    def priority(self, h: bytes) -> tuple[float, int, bytes]:
+    def priority(self, h: bytes) -> tuple[float, int, int, bytes]:
         """Heap key, lowest goes first: the priority, then (at equal priority) a copy held
-        elsewhere first, then the hash so that passes are deterministic."""
+        elsewhere first, then the block whose last lookup came first (clock times tie on
+        traces with coarse or no timestamps), then the hash so that passes are
+        deterministic."""
         replicated = self.replicas.get(h, 1) > 1 if self.replicas else False
-        p = block_priority(self.stats.get(h), self.turnover, self.policy, replicated, self.now, self.stored.get(h))
-        return (p, 0 if replicated else 1, h)
+        s = self.stats.get(h)
+        p = block_priority(s, self.turnover, self.policy, replicated, self.now, self.stored.get(h))
+        return (p, 0 if replicated else 1, getattr(s, "last_lookup", -1), h)
 
     def pin_allows(self, h: bytes, target: int | None) -> bool:
         """May `h` go to level `target` (None: dropped)?"""
@@ -485,7 +488,7 @@ class _AgentPass:
         heap = [self.priority(h) for h in content.difference(blockers) if self.pin_allows(h, target)]
         heapq.heapify(heap)
         while need > 0 and heap:
-            h = heapq.heappop(heap)[2]
+            h = heapq.heappop(heap)[-1]
             content.discard(h)
             self.origin.setdefault(h, i)
             if is_last:
@@ -536,7 +539,7 @@ class _AgentPass:
                     s = self.stats.get(h)
                     if s is not None and s.num_reuses >= self.policy.promote_min_reuses:
                         hot.append((self.priority(h), j))
-            for (_, _, h), j in heapq.nlargest(room, hot):
+            for (*_, h), j in heapq.nlargest(room, hot):
                 self._move_up(h, j, i)
                 moved.add(h)
 

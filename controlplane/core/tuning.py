@@ -11,11 +11,11 @@ policy's own rules (tails first, the same priority), and uses the candidate whos
 shadow had the most prefix hits recently (exponentially decayed, so a workload that
 changes is followed). Shadows only ever see past lookups: no lookahead.
 
-Bounded: shadows of a cluster bigger than `max_shadow_blocks` simulate a sample of its
-prefixes (those whose first block falls in a hash-chosen fraction; a prefix's blocks all
-go together, so prefix hits stay prefix hits) in a cache scaled by the same fraction,
-as SHARDS samples reuse distances: memory stays at a few hundred thousand blocks per
-shadow whatever the disk tiers hold.
+Bounded: shadows of a cluster bigger than `max_shadow_blocks` are caches of that size,
+each its own consistent model (credits in turnovers of the shadow's own capacity), so
+memory stays at a few hundred thousand blocks per shadow whatever the disk tiers hold.
+(Sampling prefixes by their first block, SHARDS-style, was not kept: where every request
+starts with the same system prompt the sample is all requests or none.)
 
 Pure and single-threaded like AccessStats: the lookup path calls `observe` after
 `AccessStats.record_lookup` for the same lookup; the reconcile loop reads `best()`.
@@ -23,7 +23,6 @@ Pure and single-threaded like AccessStats: the lookup path calls `observe` after
 
 from __future__ import annotations
 
-import hashlib
 import heapq
 from collections import Counter
 from collections.abc import Sequence
@@ -31,10 +30,9 @@ from collections.abc import Sequence
 from controlplane.core.access_stats import AccessStats
 from protos.block_hash import ROOT_PARENT_HASH
 
-DEFAULT_CANDIDATES = (0.0, 2.0, 4.0)
+DEFAULT_CANDIDATES = (0.0, 1.0, 2.0, 4.0)
 DEFAULT_HALF_LIFE_LOOKUPS = 2000.0
 DEFAULT_MAX_SHADOW_BLOCKS = 1 << 18  # ~200 MiB for the three shadows at most
-_SAMPLE_SPACE = 1 << 32
 
 
 class _Shadow:
@@ -46,11 +44,12 @@ class _Shadow:
     def __init__(self, credit_turnovers: float, capacity_blocks: int) -> None:
         self.credit_turnovers = credit_turnovers
         self.capacity_blocks = capacity_blocks
-        self.key: dict[bytes, float] = {}
+        self.key: dict[bytes, tuple[float, int]] = {}  # priority, then admission order
         self.parent: dict[bytes, bytes] = {}
         self.nchild: Counter[bytes] = Counter()
-        self.heap: list[tuple[float, int, bytes]] = []
+        self.heap: list[tuple[float, int, int, bytes]] = []
         self.score = 0.0
+        self.ticks = 0  # admissions so far: at equal priority the older admission goes first
 
     def hits(self, hashes: Sequence[bytes]) -> int:
         n = 0
@@ -62,20 +61,22 @@ class _Shadow:
 
     def admit(self, hashes: Sequence[bytes], now: float, credit_seconds: list[float]) -> None:
         key, heap = self.key, self.heap
+        self.ticks += 1
+        tick = self.ticks
         parent = ROOT_PARENT_HASH
         for pos, (h, c) in enumerate(zip(hashes, credit_seconds, strict=True)):
             k = now + self.credit_turnovers * c
             if h not in key:
                 self.parent[h] = parent
                 self.nchild[parent] += 1
-            key[h] = k
-            heapq.heappush(heap, (k, -pos, h))  # equal keys: deepest first, so tails pop first
+            key[h] = (k, tick)
+            heapq.heappush(heap, (k, tick, -pos, h))  # equal keys: oldest, then deepest first
             parent = h
-        waiting: dict[bytes, tuple[float, int, bytes]] = {}  # popped while holding children
+        waiting: dict[bytes, tuple[float, int, int, bytes]] = {}  # popped while holding children
         while len(key) > self.capacity_blocks and heap:
             item = heapq.heappop(heap)
-            k, _, h = item
-            if key.get(h) != k or h in waiting:
+            k, t, _, h = item
+            if key.get(h) != (k, t) or h in waiting:
                 continue
             if self.nchild[h]:
                 waiting[h] = item
@@ -91,7 +92,7 @@ class _Shadow:
         for item in waiting.values():
             heapq.heappush(heap, item)
         if len(heap) > 4 * max(len(key), 1024):
-            self.heap = [(k, 0, h) for h, k in key.items()]
+            self.heap = [(k, t, 0, h) for h, (k, t) in key.items()]
             heapq.heapify(self.heap)
 
 
@@ -117,26 +118,13 @@ class CreditTuner:
         self.default = default
         self.max_reuse_credits = max_reuse_credits
         self.capacity_blocks = capacity_blocks
-        self.sample_rate = min(1.0, max_shadow_blocks / capacity_blocks)
-        self._sample_below = int(self.sample_rate * _SAMPLE_SPACE)
-        shadow_blocks = max(1, round(capacity_blocks * self.sample_rate))
-        self.shadows = [_Shadow(float(c), shadow_blocks) for c in candidates]
+        self.shadow_blocks = min(capacity_blocks, max_shadow_blocks)
+        self.shadows = [_Shadow(float(c), self.shadow_blocks) for c in candidates]
         self._keep = 0.5 ** (1.0 / half_life_lookups)
-
-    def sampled(self, block_hashes: Sequence[bytes]) -> bool:
-        """Whether this lookup's prefix is in the shadows' sample (by its first block)."""
-        if self.sample_rate >= 1.0:
-            return True
-        if not block_hashes:
-            return False
-        word = int.from_bytes(hashlib.blake2b(block_hashes[0], digest_size=4).digest(), "little")
-        return word < self._sample_below
 
     def observe(self, block_hashes: Sequence[bytes], now: float, stats: AccessStats) -> None:
         """One lookup, after `stats.record_lookup(block_hashes, now)`."""
-        if not self.sampled(block_hashes):
-            return
-        turnover = stats.turnover_seconds(self.capacity_blocks)
+        turnover = stats.turnover_seconds(self.shadow_blocks)
         cap = self.max_reuse_credits
         credit_seconds = []
         for h in block_hashes:

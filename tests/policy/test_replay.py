@@ -110,6 +110,18 @@ def test_policy_beats_lru_on_shared_documents_with_one_off_prompts():
     assert result.evicted_blocks > 0
 
 
+@pytest.mark.parametrize("make", ["documents", "chat"])
+def test_timestamps_that_tie_do_not_collapse_the_policy(make):
+    """Traces with coarse or no timestamps (many requests at one time): blocks whose clock
+    times tie are ordered by their last lookup, not by hash (which evicted by block id)."""
+    from tests.policy.support import conversation_trace
+
+    raw = synthetic_trace(num_requests=500, seed=3) if make == "documents" else conversation_trace(500, seed=2)
+    trace = [rp.Request(0, r["input_length"], tuple(r["hash_ids"])) for r in raw]
+    result = rp.replay("no-timestamps", rp.unique_blocks(trace) // 16, trace=trace)
+    assert result.policy_hit_ratio >= 0.95 * result.lru_hit_ratio > 0
+
+
 def test_tiered_replay_counts_hits_in_any_tier():
     raw = synthetic_trace(num_requests=300, seed=5)
     trace = [rp.Request(r["timestamp"], r["input_length"], tuple(r["hash_ids"])) for r in raw]

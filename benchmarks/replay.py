@@ -68,7 +68,7 @@ class Request:
 
 def load_trace(path: str | Path) -> list[Request]:
     out: list[Request] = []
-    with open(path, encoding="utf-8") as f:
+    with open(path, encoding="utf-8-sig") as f:  # a byte-order mark is tolerated
         for lineno, line in enumerate(f, 1):
             line = line.strip()
             if not line:
@@ -81,8 +81,14 @@ def load_trace(path: str | Path) -> list[Request]:
                 raise TraceError(
                     f"{path}:{lineno}: not a Mooncake request (need timestamp, input_length, hash_ids): {exc}"
                 ) from None
+            except UnicodeDecodeError as exc:
+                raise TraceError(f"{path}:{lineno}: not UTF-8 text: {exc}") from None
             if req.input_length < 0:
                 raise TraceError(f"{path}:{lineno}: input_length must not be negative")
+            if not math.isfinite(req.timestamp_ms):
+                raise TraceError(f"{path}:{lineno}: timestamp must be a finite number, got {req.timestamp_ms}")
+            if any(not -_ID_LIMIT <= x < _ID_LIMIT for x in req.hash_ids):
+                raise TraceError(f"{path}:{lineno}: hash_ids must be integers of at most 128 bits")
             out.append(req)
     if not out:
         raise TraceError(f"{path}: no requests")
@@ -347,6 +353,9 @@ def oracle_bounds(trace: Sequence[Request], capacity_blocks: int) -> dict[str, f
 
 
 # ---- the project's policy -----------------------------------------------------------------
+_ID_LIMIT = 1 << 127  # block ids become 16-byte keys (two's complement)
+
+
 def _key(block_id: int) -> bytes:
     return block_id.to_bytes(16, "big", signed=True)
 

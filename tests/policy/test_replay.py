@@ -218,6 +218,30 @@ def test_replay_command_rejects_a_bad_trace(tmp_path):
     assert out.exit_code != 0 and "bad.jsonl:2" in out.output
 
 
+GOOD = '{"timestamp": 0, "input_length": 10, "hash_ids": [1]}\n'
+
+
+@pytest.mark.parametrize(
+    "second, words",
+    [
+        ('{"timestamp": NaN, "input_length": 10, "hash_ids": [2]}', "timestamp must be a finite number"),
+        ('{"timestamp": 1, "input_length": 10, "hash_ids": [' + str(1 << 130) + "]}", "at most 128 bits"),
+        ('{"timestamp": 1, "input_length": 10, "hash_ids": [3', "bad.jsonl:2"),  # a truncated last line
+    ],
+)
+def test_replay_command_names_the_bad_line(tmp_path, second, words):
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text(GOOD + second + "\n")
+    out = CliRunner().invoke(bench_main, ["replay", str(bad)])
+    assert out.exit_code != 0 and words in out.output and "Traceback" not in out.output
+
+
+def test_a_trace_with_a_byte_order_mark_is_read(tmp_path):
+    trace = tmp_path / "bom.jsonl"
+    trace.write_bytes("\ufeff".encode() + (GOOD * 3).encode())
+    assert len(rp.load_trace(trace)) == 3
+
+
 def test_console_script_runs(trace_file):
     exe = Path(sys.executable).with_name("kvcp-bench")
     proc = subprocess.run(

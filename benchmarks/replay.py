@@ -25,6 +25,7 @@ the standard offline baseline, not an optimum for prefix hits.
 from __future__ import annotations
 
 import bisect
+import gzip
 import heapq
 import json
 import math
@@ -68,7 +69,8 @@ class Request:
 
 def load_trace(path: str | Path) -> list[Request]:
     out: list[Request] = []
-    with open(path, encoding="utf-8-sig") as f:  # a byte-order mark is tolerated
+    opener = gzip.open if str(path).endswith(".gz") else open
+    with opener(path, "rt", encoding="utf-8-sig") as f:  # a byte-order mark is tolerated
         for lineno, line in enumerate(f, 1):
             line = line.strip()
             if not line:

@@ -236,6 +236,19 @@ def test_replay_command_names_the_bad_line(tmp_path, second, words):
     assert out.exit_code != 0 and words in out.output and "Traceback" not in out.output
 
 
+def test_a_gzipped_trace_is_read(tmp_path):
+    import gzip
+
+    trace = tmp_path / "t.jsonl.gz"
+    trace.write_bytes(gzip.compress((GOOD * 2).encode()))
+    assert len(rp.load_trace(trace)) == 2
+
+
+def test_the_shipped_conversation_trace_loads():
+    trace = rp.load_trace(Path(__file__).parents[2] / "benchmarks" / "traces" / "mooncake_conversation_trace.jsonl.gz")
+    assert len(trace) == 12031 and rp.unique_blocks(trace) == 182790
+
+
 def test_a_trace_with_a_byte_order_mark_is_read(tmp_path):
     trace = tmp_path / "bom.jsonl"
     trace.write_bytes("\ufeff".encode() + (GOOD * 3).encode())

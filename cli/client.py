@@ -11,6 +11,8 @@ import socket
 import ssl
 import struct
 import threading
+import time
+import uuid
 from dataclasses import dataclass, field
 
 import grpc
@@ -39,6 +41,16 @@ class ClientError(Exception):
     def __init__(self, code: str, message: str):
         super().__init__(message)
         self.code = code
+
+
+PIN_RETRIES = 3
+
+
+def _outcome_lost(exc: ClientError) -> bool:
+    """Did the call end without a definite answer (it may have been applied)?"""
+    return exc.code in ("UNKNOWN", "DEADLINE_EXCEEDED") or (
+        exc.code == "UNAVAILABLE" and str(exc).startswith("cannot reach")
+    )
 
 
 class LookupSocket:
@@ -548,7 +560,14 @@ class ControlPlaneClient:
         ttl_seconds: float = 0.0,
         owner: str = "",
         owner_lease_id: int = 0,
+        pin_id: str = "",
+        retries: int = PIN_RETRIES,
     ) -> PinView:
+        """Pin under `pin_id` (empty: an id chosen here), so that a call whose answer was
+        lost (UNKNOWN, DEADLINE_EXCEEDED, the connection dropped) is retried, up to
+        `retries` times (through a control plane that says etcd is away meanwhile), without
+        making a second pin: the control plane answers a retry with the pin the first try
+        made."""
         try:
             tier = int(Tier.parse(min_tier))
         except ValueError as exc:
@@ -559,8 +578,25 @@ class ControlPlaneClient:
             ttl_seconds=ttl_seconds,
             owner=owner,
             owner_lease_id=owner_lease_id,
+            pin_id=pin_id or uuid.uuid4().hex[:12],
         )
-        return _pin_view(self._call("Pin", req))
+        lost = False  # a try may have made the pin: until an answer says, keep asking
+        for attempt in range(retries + 1):
+            try:
+                return _pin_view(self._call("Pin", req))
+            except ClientError as exc:
+                lost = lost or _outcome_lost(exc)
+                if lost and attempt < retries and (_outcome_lost(exc) or exc.code == "UNAVAILABLE"):
+                    time.sleep(0.25 * 2**attempt)
+                    continue
+                if lost:
+                    raise ClientError(
+                        exc.code,
+                        f"{exc}; pin {req.pin_id!r} may have been made: run the same pin with "
+                        f"--pin-id {req.pin_id} to retry it safely",
+                    ) from None
+                raise
+        raise AssertionError("unreachable")
 
     def unpin(self, pin_id: str) -> PinView:
         return _pin_view(self._call("Unpin", admin_pb2.UnpinRequest(pin_id=pin_id)))

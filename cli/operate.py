@@ -164,9 +164,27 @@ def wait_and_print(ctx: Context, op: OperationView, wait: bool, wait_timeout: st
 @click.option("--ttl", default="", help="How long the pin holds (90s, 30m, 2h, 1d).")
 @click.option("--owner", default="", help="Who asked (shown in kvctl pins).")
 @click.option("--owner-lease", default=0, type=int, help="etcd lease id: the pin goes when this lease goes.")
+@click.option(
+    "--pin-id",
+    default="",
+    help="Choose the pin's id (letters, digits, . _ -): running the same pin again is then a no-op "
+    "that prints the same pin, so a script may retry after a lost answer. Default: a fresh id.",
+)
 @pass_ctx
 def pin(
-    ctx: Context, model_id, tokens, tokens_file, hashes, extra_keys, namespace, agent_id, tier, ttl, owner, owner_lease
+    ctx: Context,
+    model_id,
+    tokens,
+    tokens_file,
+    hashes,
+    extra_keys,
+    namespace,
+    agent_id,
+    tier,
+    ttl,
+    owner,
+    owner_lease,
+    pin_id,
 ):
     """Pin a prefix or a namespace: never evicted, never demoted below --tier."""
     scope = scope_kwargs(model_id, tokens, tokens_file, hashes, extra_keys, namespace, agent_id)
@@ -176,7 +194,9 @@ def pin(
     if ttl and ttl_seconds <= 0:
         fail("--ttl: must be positive")
     p = ctx.call(
-        lambda c: c.pin(min_tier=tier, ttl_seconds=ttl_seconds, owner=owner, owner_lease_id=owner_lease, **scope)
+        lambda c: c.pin(
+            min_tier=tier, ttl_seconds=ttl_seconds, owner=owner, owner_lease_id=owner_lease, pin_id=pin_id, **scope
+        )
     )
     if ctx.output == "json":
         click.echo(output.dumps(p))

@@ -23,10 +23,10 @@ from controlplane.core import operations as ops
 from controlplane.core import policy as tier_policy
 from controlplane.core.access_stats import AccessStats
 from controlplane.core.cluster import AgentCommand, Cluster, ModelInfo
-from controlplane.core.pins import Pin, check_namespace, check_quota, new_pin
+from controlplane.core.pins import Pin, check_namespace, check_quota, new_pin, same_request
 from controlplane.core.tuning import CreditTuner
 from controlplane.metrics import PolicyStats
-from controlplane.store.durable import DurableStore, op_to_json, pin_key, pin_to_json
+from controlplane.store.durable import DurableStore, op_to_json, pin_from_json, pin_key, pin_to_json
 from controlplane.store.locks import EtcdLock
 from protos import errors, etcd_keys
 from protos.block_hash import BLOCK_HASH_BYTES, hash_prefix
@@ -277,7 +277,19 @@ class Manager:
         raw = self.policy.get(f"quota.{namespace}")
         return parse_size(raw) if raw else None
 
-    def pin(self, scope: Scope, min_tier: Tier, ttl_seconds: float, owner: str = "", owner_lease_id: int = 0) -> Pin:
+    def pin(
+        self,
+        scope: Scope,
+        min_tier: Tier,
+        ttl_seconds: float,
+        owner: str = "",
+        owner_lease_id: int = 0,
+        pin_id: str = "",
+    ) -> Pin:
+        """A new pin; with a `pin_id` chosen by the caller, a retry of the same request
+        returns the pin the first try made (found in memory, or in etcd where the first
+        try's answer was lost after etcd took it) and another request under that id is
+        ALREADY_EXISTS."""
         self.ensure_loaded()
         packed, namespace = self.resolve(scope)
         if scope.agent_id and scope.agent_id not in {r.agent_id for r, _ in self.cluster.agents()}:
@@ -300,14 +312,50 @@ class Manager:
             scope.agent_id,
             pinned_bytes,
             self.clock(),
+            pin_id,
         )
         with self._lock:
-            check_quota(list(self.pins.values()), pin, self.quota_of(namespace))
-            self.durable.put(pin_key(pin), pin_to_json(pin), owner_lease_id)
-            self.pins[pin.pin_id] = pin
+            earlier = self._store_pin(pin, namespace)
+        if earlier is not None:  # a retry: the pin exists (sent to its agents again, harmlessly)
+            self._apply_pins(self.clock())
+            return earlier
         self.cluster.events.publish("pin_created", self._describe(pin), pin_id=pin.pin_id)
         self._apply_pins(self.clock())
         return pin
+
+    def _store_pin(self, pin: Pin, namespace: str) -> Pin | None:
+        """Store a new pin (None), or return the live pin its caller-chosen id already
+        names for the same request: one this leader holds, or one etcd took although the
+        answer to the first try was lost (adopted). Under _lock."""
+        now = self.clock()
+        earlier = self.pins.get(pin.pin_id) if pin.pin_id else None
+        if earlier is not None and earlier.active(now):
+            return self._same_pin(earlier, pin)
+        check_quota(list(self.pins.values()), pin, self.quota_of(namespace))
+        key, value = pin_key(pin), pin_to_json(pin)
+        lease_id = pin.owner_lease_id
+        held = self.durable.create(key, value, lease_id) if earlier is None else b""
+        if held:
+            try:
+                stored = pin_from_json(held)
+            except (ValueError, KeyError):
+                stored = None
+            if stored is not None and stored.active(now):
+                self.pins[stored.pin_id] = stored
+                return self._same_pin(stored, pin)
+        if held is not None:  # a pin past its TTL under this id, or none that parses: replaced
+            self.durable.put(key, value, lease_id)
+        self.pins[pin.pin_id] = pin
+        return None
+
+    @staticmethod
+    def _same_pin(earlier: Pin, pin: Pin) -> Pin:
+        if not same_request(earlier, pin):
+            raise errors.AlreadyExists(
+                f"pin_id: pin {pin.pin_id!r} exists with another scope, tier, TTL or owner "
+                "(kvctl pins lists it; choose another id)"
+            )
+        return earlier
 
     @staticmethod
     def _describe(pin: Pin) -> str:

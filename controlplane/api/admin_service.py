@@ -113,7 +113,12 @@ class AdminServicer(admin_pb2_grpc.AdminServiceServicer):
         if tier not in (int(Tier.GPU), int(Tier.CPU), int(Tier.DISK)):
             raise errors.InvalidArgument("min_tier", "must be gpu, cpu or disk")
         pin = self._manager().pin(
-            convert.scope_from_pb(request.scope), Tier(tier), request.ttl_seconds, request.owner, request.owner_lease_id
+            convert.scope_from_pb(request.scope),
+            Tier(tier),
+            request.ttl_seconds,
+            request.owner,
+            request.owner_lease_id,
+            request.pin_id,
         )
         return convert.pin_to_pb(pin)
 

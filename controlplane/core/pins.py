@@ -17,6 +17,7 @@ from protos.tier import Tier
 
 DEFAULT_NAMESPACE = "default"
 _NAMESPACE_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,62}$")
+_PIN_ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
 MAX_PIN_BLOCKS = 1 << 16
 MAX_TTL_SECONDS = 365 * 24 * 3600.0
 
@@ -72,9 +73,13 @@ def new_pin(
     agent_id: str,
     pinned_bytes: int,
     now: float | None = None,
+    pin_id: str = "",
 ) -> Pin:
+    """`pin_id` empty: a fresh random id."""
     now = time.time() if now is None else now
     ns = check_namespace(namespace)
+    if pin_id and not _PIN_ID_RE.match(pin_id):
+        raise errors.InvalidArgument("pin_id", f"{pin_id!r} is not a pin id (letters, digits, . _ -; at most 64)")
     if not math.isfinite(ttl_seconds) or ttl_seconds < 0 or ttl_seconds > MAX_TTL_SECONDS:
         raise errors.InvalidArgument("ttl_seconds", f"must be in (0, {MAX_TTL_SECONDS:.0f}] seconds")
     if not ttl_seconds and not owner_lease_id:
@@ -84,7 +89,7 @@ def new_pin(
     if len(block_hashes) // 16 > MAX_PIN_BLOCKS:
         raise errors.InvalidArgument("scope.block_hashes", f"at most {MAX_PIN_BLOCKS} blocks per pin")
     return Pin(
-        pin_id=uuid.uuid4().hex[:12],
+        pin_id=pin_id or uuid.uuid4().hex[:12],
         namespace=ns,
         model_id=model_id,
         block_hashes=block_hashes,
@@ -96,6 +101,21 @@ def new_pin(
         agent_id=agent_id,
         pinned_bytes=pinned_bytes,
     )
+
+
+def same_request(a: Pin, b: Pin) -> bool:
+    """Do two pins say the same thing (a retried Pin call), whenever each was made?"""
+    ttl_a = a.expires_unix_seconds - a.created_unix_seconds if a.expires_unix_seconds else 0.0
+    ttl_b = b.expires_unix_seconds - b.created_unix_seconds if b.expires_unix_seconds else 0.0
+    return (a.namespace, a.model_id, a.block_hashes, a.min_tier, a.owner, a.owner_lease_id, a.agent_id) == (
+        b.namespace,
+        b.model_id,
+        b.block_hashes,
+        b.min_tier,
+        b.owner,
+        b.owner_lease_id,
+        b.agent_id,
+    ) and abs(ttl_a - ttl_b) <= 1e-6 * max(ttl_a, ttl_b, 1.0)
 
 
 def check_quota(pins: list[Pin], new: Pin, quota_bytes: int | None) -> None:

@@ -138,7 +138,10 @@ class DurableStore:
             "durable changes (pin, unpin, policy, operations) are rejected until it returns"
         )
 
-    def _fenced(self, ops) -> None:
+    def _fenced(self, ops, compare=(), failure=()) -> tuple[bool, list]:
+        """Run `ops` if this replica still leads and `compare` holds (else `failure`):
+        (True, []) when they ran, (False, responses of `failure`) when a `compare` did
+        not hold. NotLeader when the leadership compare failed."""
         c = self._client
         if getattr(self._election, "serving_from_memory", False):
             raise errors.Unavailable(
@@ -147,11 +150,12 @@ class DurableStore:
             )
         if not self._election.is_leader:
             raise errors.NotLeader(self._election.leader_address)
+        leader = c.transactions.create(etcd_keys.LEADER_KEY) == self._election.epoch
         try:
-            ok, _ = c.transaction(
-                compare=[c.transactions.create(etcd_keys.LEADER_KEY) == self._election.epoch],
+            ok, responses = c.transaction(
+                compare=[leader, *compare],
                 success=ops,
-                failure=[],
+                failure=[c.transactions.get(etcd_keys.LEADER_KEY), *failure] if compare else [],
             )
         except Exception as exc:  # noqa: BLE001 - any other etcd failure is "unavailable"
             if _timed_out(exc):
@@ -165,11 +169,29 @@ class DurableStore:
                 ) from None
             raise self._unavailable(exc) from None
         if not ok:
-            raise errors.NotLeader(self._election.leader_address)
+            held = responses[0] if compare else []
+            if not held or held[0][1].create_revision != self._election.epoch:
+                raise errors.NotLeader(self._election.leader_address)
+            return False, responses[1:]
+        return True, []
 
     def put(self, key: str, value: str, lease_id: int = 0) -> None:
         c = self._client
         self._fenced([c.transactions.put(key, value, lease_id or None)])
+
+    def create(self, key: str, value: str, lease_id: int = 0) -> bytes | None:
+        """Put `key` only if it does not exist: None when written, else the value etcd
+        holds (in one transaction, so a write whose answer was lost is found, not doubled)."""
+        c = self._client
+        ok, responses = self._fenced(
+            [c.transactions.put(key, value, lease_id or None)],
+            compare=[c.transactions.version(key) == 0],
+            failure=[c.transactions.get(key)],
+        )
+        if ok:
+            return None
+        held = responses[0]
+        return held[0][0] if held else b""
 
     def delete(self, key: str) -> None:
         self._fenced([self._client.transactions.delete(key)])

@@ -87,6 +87,18 @@ def test_pin_move_cleanup_from_kvctl(cluster, tmp_path):
     assert [p["pin_id"] for p in pins] == [pin_id] and pins[0]["num_blocks"] == 5 and pins[0]["min_tier"] == "cpu"
     table = kvctl(cluster.endpoint, "pins").stdout
     assert pin_id in table and "5 blocks of demo-model" in table
+    # a pin with an id chosen by the caller can be run again (a script retrying after a lost
+    # answer): the same pin comes back, no second one; another request under it is refused
+    chosen = ["pin", "--namespace", "chat", "--ttl", "10m", "--pin-id", "chat-hold-1"]
+    assert kvctl(cluster.endpoint, *chosen).stdout.strip() == "chat-hold-1"
+    assert kvctl(cluster.endpoint, *chosen).stdout.strip() == "chat-hold-1"
+    assert sorted(p["pin_id"] for p in j(cluster, "pins")) == sorted([pin_id, "chat-hold-1"])
+    clash = kvctl(cluster.endpoint, "pin", "--namespace", "chat", "--ttl", "5m", "--pin-id", "chat-hold-1", check=False)
+    assert clash.returncode != 0 and "chat-hold-1" in clash.stderr and "exists with another" in clash.stderr
+    bad = kvctl(cluster.endpoint, "pin", "--namespace", "chat", "--ttl", "5m", "--pin-id", "no spaces", check=False)
+    assert bad.returncode != 0 and "pin_id" in bad.stderr
+    assert len(j(cluster, "pins")) == 2
+    kvctl(cluster.endpoint, "unpin", "chat-hold-1")
 
     # a pinned prefix is not demoted below its pin's tier: the move fails for those blocks
     out = kvctl(

@@ -83,6 +83,27 @@ def test_pin_errors_change_nothing(client, make_agent):
     assert client.list_pins() == []
 
 
+def test_a_pin_retried_under_its_id_is_made_once(client, make_agent):
+    make_agent("p5")
+    wait_for(lambda: indexed(client, "p5") == 0, what="agent")
+    first = client.pin(namespace="kb", ttl_seconds=60, owner="retry", pin_id="kb-1")
+    again = client.pin(namespace="kb", ttl_seconds=60, owner="retry", pin_id="kb-1")
+    assert first.pin_id == again.pin_id == "kb-1"
+    assert first.expires_unix_seconds == again.expires_unix_seconds  # the first try's pin, not a new one
+    for other in (dict(ttl_seconds=120, owner="retry"), dict(ttl_seconds=60, owner="other"), dict(min_tier="gpu")):
+        kwargs = dict(namespace="kb", ttl_seconds=60, owner="retry", pin_id="kb-1") | other
+        with pytest.raises(ClientError) as info:
+            client.pin(**kwargs)
+        assert info.value.code == "ALREADY_EXISTS" and "'kb-1'" in str(info.value), other
+    with pytest.raises(ClientError) as info:
+        client.pin(namespace="kb", ttl_seconds=60, pin_id="-bad")
+    assert info.value.code == "INVALID_ARGUMENT" and "pin_id" in str(info.value)
+    assert [p.pin_id for p in client.list_pins()] == ["kb-1"]
+    # without an id, each call is its own pin
+    a, b = client.pin(namespace="kb", ttl_seconds=60), client.pin(namespace="kb", ttl_seconds=60)
+    assert a.pin_id != b.pin_id and len(client.list_pins()) == 3
+
+
 def test_quota_rejects_beyond_it(client, make_agent):
     make_agent("p3")
     wait_for(lambda: indexed(client, "p3") == 0, what="agent")

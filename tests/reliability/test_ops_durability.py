@@ -13,8 +13,10 @@ import pytest
 
 from cli.client import ClientError, ControlPlaneClient
 from controlplane.core.cluster import AgentRecord, ModelInfo, TierUsage
+from controlplane.core.pins import new_pin
 from controlplane.manager import Manager, Scope
 from controlplane.server import ControlPlane, ControlPlaneConfig
+from controlplane.store.durable import pin_key, pin_to_json
 from protos import errors, etcd_keys
 from protos.tier import Tier
 from tests.helpers import EtcdServer, wait_for
@@ -264,9 +266,47 @@ def test_write_that_timed_out_is_reported_as_maybe_applied(own_etcd):
         wait_for(lambda: cp.manager._loaded_epoch == cp.election.epoch, 5, 0.02, "loaded")
         own_etcd.pause()
         with ControlPlaneClient(cp.address) as client, pytest.raises(ClientError) as unknown:
-            client.pin(namespace="ns1", ttl_seconds=60)
+            client.pin(namespace="ns1", ttl_seconds=60, retries=0)
         assert unknown.value.code == "UNKNOWN", unknown.value
         assert "may or may not have been applied" in str(unknown.value)
+    finally:
+        own_etcd.resume()
+        cp.stop(grace_seconds=0.2)
+
+
+def test_a_pin_whose_answer_was_lost_is_retried_without_a_second_pin(own_etcd):
+    cp = start_cp(own_etcd.endpoint)
+    try:
+        StandInAgent(cp)
+        wait_for(lambda: cp.manager._loaded_epoch == cp.election.epoch, 5, 0.02, "loaded")
+        own_etcd.pause()
+        with ControlPlaneClient(cp.address) as client:
+            # the client retries a pin whose answer was lost, through the control plane's
+            # refusals while etcd is away, and then says the pin may exist under its id
+            with pytest.raises(ClientError) as lost:
+                client.pin(namespace="ns1", ttl_seconds=60, pin_id="ns1-keep", retries=2)
+            assert lost.value.code in ("UNKNOWN", "UNAVAILABLE"), lost.value
+            assert "--pin-id ns1-keep to retry it safely" in str(lost.value)
+            own_etcd.resume()
+            again = wait_for(lambda: client.pin(namespace="ns1", ttl_seconds=60, pin_id="ns1-keep"), 15, 0.2, "pin")
+            assert again.pin_id == "ns1-keep"
+            assert [p.pin_id for p in client.list_pins()] == ["ns1-keep"]
+
+            # a write etcd took while its answer was lost (the leader never learnt of it) is
+            # found by the retry and adopted, not doubled or overwritten
+            landed = new_pin("ns2", "", b"", Tier.DISK, 60.0, "", 0, "", 0, time.time() - 5, "ns2-keep")
+            etcd = etcd_keys.connect(own_etcd.endpoint)
+            try:
+                etcd.put(pin_key(landed), pin_to_json(landed))
+            finally:
+                etcd.close()
+            assert "ns2-keep" not in cp.manager.pins
+            retried = client.pin(namespace="ns2", min_tier="disk", ttl_seconds=60, pin_id="ns2-keep")
+            assert retried.expires_unix_seconds == pytest.approx(landed.expires_unix_seconds)
+            assert sorted(p.pin_id for p in client.list_pins()) == ["ns1-keep", "ns2-keep"]
+            with pytest.raises(ClientError) as clash:
+                client.pin(namespace="ns2", min_tier="cpu", ttl_seconds=60, pin_id="ns2-keep")
+            assert clash.value.code == "ALREADY_EXISTS" and "'ns2-keep'" in str(clash.value)
     finally:
         own_etcd.resume()
         cp.stop(grace_seconds=0.2)

@@ -192,18 +192,20 @@ class PinInfo(_message.Message):
     def __init__(self, pin_id: _Optional[str] = ..., namespace: _Optional[str] = ..., scope: _Optional[_Union[Scope, _Mapping]] = ..., min_tier: _Optional[_Union[_types_pb2.Tier, str]] = ..., created_unix_seconds: _Optional[float] = ..., expires_unix_seconds: _Optional[float] = ..., owner: _Optional[str] = ..., owner_lease_id: _Optional[int] = ..., num_blocks: _Optional[int] = ..., pinned_bytes: _Optional[int] = ...) -> None: ...
 
 class PinRequest(_message.Message):
-    __slots__ = ("scope", "min_tier", "ttl_seconds", "owner", "owner_lease_id")
+    __slots__ = ("scope", "min_tier", "ttl_seconds", "owner", "owner_lease_id", "pin_id")
     SCOPE_FIELD_NUMBER: _ClassVar[int]
     MIN_TIER_FIELD_NUMBER: _ClassVar[int]
     TTL_SECONDS_FIELD_NUMBER: _ClassVar[int]
     OWNER_FIELD_NUMBER: _ClassVar[int]
     OWNER_LEASE_ID_FIELD_NUMBER: _ClassVar[int]
+    PIN_ID_FIELD_NUMBER: _ClassVar[int]
     scope: Scope
     min_tier: _types_pb2.Tier
     ttl_seconds: float
     owner: str
     owner_lease_id: int
-    def __init__(self, scope: _Optional[_Union[Scope, _Mapping]] = ..., min_tier: _Optional[_Union[_types_pb2.Tier, str]] = ..., ttl_seconds: _Optional[float] = ..., owner: _Optional[str] = ..., owner_lease_id: _Optional[int] = ...) -> None: ...
+    pin_id: str
+    def __init__(self, scope: _Optional[_Union[Scope, _Mapping]] = ..., min_tier: _Optional[_Union[_types_pb2.Tier, str]] = ..., ttl_seconds: _Optional[float] = ..., owner: _Optional[str] = ..., owner_lease_id: _Optional[int] = ..., pin_id: _Optional[str] = ...) -> None: ...
 
 class UnpinRequest(_message.Message):
     __slots__ = ("pin_id",)

@@ -16,6 +16,7 @@ import logging
 import math
 import threading
 import time
+import uuid
 from collections import OrderedDict, deque
 from dataclasses import dataclass
 
@@ -137,6 +138,10 @@ class Manager:
         # when any pin goes, or after PIN_REFUSAL_SECONDS
         self._pin_refusals: dict[str, dict[bytes, tuple[Tier, float]]] = {}
         self._policy_ops = 0
+        # policy commands carry "policy-<leader epoch>-<n>" (a random tag without an
+        # election): a new leader's ids never repeat a deposed one's that an agent may
+        # still be running, nor do its updates close another leader's commands
+        self._policy_op_tag = uuid.uuid4().hex[:8]
         self.policy_actions_total = 0
         self.policy_enabled = True
         self.tuner: CreditTuner | None = None
@@ -1038,7 +1043,8 @@ class Manager:
                 actions.extend(tier_policy.decide(view, policy, now))
         for action in actions:
             self._policy_ops += 1
-            op_id = f"policy-{self._policy_ops}"
+            epoch = getattr(self.election, "epoch", None)
+            op_id = f"policy-{epoch or self._policy_op_tag}-{self._policy_ops}"
             packed = b"".join(action.block_hashes)
             if isinstance(action, tier_policy.Evict):
                 cmd = AgentCommand(op_id, "evict", block_hashes=packed)

@@ -304,6 +304,12 @@ def test_a_pin_made_while_pins_reload_is_kept():
         def put(self, key, value, lease=0):
             self.kv[key] = value
 
+        def create(self, key, value, lease=0):
+            if key in self.kv:
+                return self.kv[key]
+            self.kv[key] = value
+            return None
+
         def delete(self, key):
             self.kv.pop(key, None)
 
@@ -362,3 +368,18 @@ def test_blocks_an_agent_says_its_pins_hold_are_left_alone_until_a_pin_goes():
     m.policy_pass(102.0)
     (third,) = f.commands("a")
     assert {third.block_hashes[i : i + 16] for i in range(0, len(third.block_hashes), 16)} & set(refused)
+
+
+def test_policy_command_ids_do_not_repeat_across_leaders():
+    """An agent may still run a deposed leader's command when the next leader decides: the
+    next leader's ids are its own, so the two are never confused on the agent or in the
+    in-flight bookkeeping."""
+    f = Fleet()
+    f.agent("over", {Tier.CPU: (16, [chain(1, 8), chain(2, 8)])})
+    f.manager.policy_pass(100.0)
+    (first,) = f.commands("over")
+    f.manager = Manager(f.cluster, durable=None, election=None, clock=lambda: 100.0)  # the next leader
+    f.manager.policy_pass(100.0)
+    (second,) = f.commands("over")
+    assert first.op_id.startswith("policy-") and second.op_id.startswith("policy-")
+    assert first.op_id != second.op_id

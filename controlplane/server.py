@@ -95,9 +95,8 @@ class ControlPlane:
         host = self.config.listen.rpartition(":")[0] or "127.0.0.1"
         return self.config.advertise or f"{host}:{self.port}"
 
-    def start(self) -> ControlPlane:
-        self._check_lookup_listen()  # bad flags fail before anything starts
-        self.etcd = InstrumentedEtcd(
+    def _connect_etcd(self) -> InstrumentedEtcd:
+        return InstrumentedEtcd(
             etcd_keys.connect(
                 self.config.etcd,
                 timeout_seconds=self.config.etcd_timeout_seconds,
@@ -107,6 +106,10 @@ class ControlPlane:
             ),
             self.metrics.etcd,
         )
+
+    def start(self) -> ControlPlane:
+        self._check_lookup_listen()  # bad flags fail before anything starts
+        self.etcd = self._connect_etcd()
         tokens = load_tokens(self.config.admin_tokens_file) if self.config.admin_tokens_file else None
         self.auth = TokenAuthInterceptor(tokens, self.config.agent_token)
         self.server = grpc.server(
@@ -128,16 +131,7 @@ class ControlPlane:
         # the election has its own etcd client: pyetcd marks a client's endpoint failed for
         # a second after any one call fails, and another thread's failed call must not
         # make the leader's lease refresh fail with it (a healthy leader gone read-only)
-        self.election_etcd = InstrumentedEtcd(
-            etcd_keys.connect(
-                self.config.etcd,
-                timeout_seconds=self.config.etcd_timeout_seconds,
-                wait_seconds=self.config.etcd_wait_seconds,
-                log=self._log_fn,
-                auth=self.config.etcd_auth,
-            ),
-            self.metrics.etcd,
-        )
+        self.election_etcd = self._connect_etcd()
         self.election = LeaderElection(self.election_etcd, self.address, self.config.election_ttl_seconds)
         self.metrics.leadership = self.election
         self.election.run_once()

@@ -32,6 +32,7 @@ import sys
 import tempfile
 import threading
 import time
+import uuid
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -504,9 +505,14 @@ class Chaos:
         for i in range(self.cfg.num_pins):
             tokens = self._tokens(8, salt=i)
             self._store(KEEPER, tokens, namespace="pinned")
+            pin_id = f"chaos-{i}-{uuid.uuid4().hex[:8]}"  # one id for every retry: one pin
             pin = self.facade.call(
-                lambda c, t=tokens: c.pin(
-                    model_id=self.model.model_id, token_ids=t, ttl_seconds=ttl_seconds, owner="kvcp-bench-chaos"
+                lambda c, t=tokens, p=pin_id: c.pin(
+                    model_id=self.model.model_id,
+                    token_ids=t,
+                    ttl_seconds=ttl_seconds,
+                    owner="kvcp-bench-chaos",
+                    pin_id=p,
                 ),
                 30,
             )

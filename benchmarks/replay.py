@@ -104,10 +104,9 @@ def hit_tokens(req: Request, hit_blocks: int) -> int:
 
 
 def block_tokens(req: Request, position: int) -> int:
-    """Tokens block `position` contributes to a hit (the last one may be partial)."""
-    if position == len(req.hash_ids) - 1:
-        return max(req.input_length - BLOCK_TOKENS * position, 0)
-    return BLOCK_TOKENS
+    """Tokens block `position` adds to a hit that reaches it (the last one may be partial;
+    blocks past `input_length` add none): summed over a hit's blocks, `hit_tokens`."""
+    return hit_tokens(req, position + 1) - hit_tokens(req, position)
 
 
 def unique_blocks(trace: Sequence[Request]) -> int:

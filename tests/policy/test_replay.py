@@ -43,6 +43,11 @@ def test_hit_tokens_count_leading_blocks_and_the_partial_last_one():
     assert rp.hit_tokens(req([1, 2], input_length=700), 2) == 700
     assert rp.hit_tokens(req([1, 2, 3], input_length=600), 2) == 600  # min(input_length, 512 * hits)
     assert [rp.block_tokens(r, p) for p in range(3)] == [512, 512, 176]
+    # block ids past input_length (a trace whose ids run on) add nothing: per-block tokens
+    # always sum to the request's hit tokens, so per-tier hits add up to the total
+    long = req([1, 2, 3, 4], input_length=600)
+    assert [rp.block_tokens(long, p) for p in range(4)] == [512, 88, 0, 0]
+    assert sum(rp.block_tokens(long, p) for p in range(3)) == rp.hit_tokens(long, 3)
 
 
 def test_lru_belady_and_infinite_on_a_hand_made_trace():
@@ -131,6 +136,10 @@ def test_tiered_replay_counts_hits_in_any_tier():
     assert set(tiered.tier_hit_ratio) == {"gpu", "cpu", "disk"}
     assert math.isclose(sum(tiered.tier_hit_ratio.values()), tiered.policy_hit_ratio)
     assert tiered.demoted_blocks > 0 and tiered.tier_hit_ratio["cpu"] > 0
+    # requests whose block ids run past their input length: tiers still add up
+    ragged = [rp.Request(r.timestamp_ms, max(r.input_length // 3, 1), r.hash_ids) for r in trace]
+    tiered = rp.replay("ragged", tiers=[(Tier.GPU, 50), (Tier.CPU, 100), (Tier.DISK, 150)], trace=ragged)
+    assert math.isclose(sum(tiered.tier_hit_ratio.values()), tiered.policy_hit_ratio)
 
 
 def test_store_events_alone_rank_blocks_by_store_time():

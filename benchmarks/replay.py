@@ -520,6 +520,18 @@ def policy_run(
 
 
 # ---- the report ---------------------------------------------------------------------------
+def _vs(value: float, baseline: float) -> float | None:
+    return value / baseline if baseline else None
+
+
+def _rounded(x: float | None, digits: int) -> float | None:
+    return None if x is None else round(x, digits)
+
+
+def _times(x: float | None) -> str:
+    return "n/a" if x is None else f"{x:.3f}x"
+
+
 @dataclass(frozen=True)
 class ReplayResult:
     trace: str
@@ -542,12 +554,13 @@ class ReplayResult:
     evidence: str = "lookups"
 
     @property
-    def policy_vs_lru(self) -> float:
-        return self.policy_hit_ratio / self.lru_hit_ratio if self.lru_hit_ratio else math.inf
+    def policy_vs_lru(self) -> float | None:
+        """None where LRU hit nothing (no ratio to state; JSON null, "n/a" in the table)."""
+        return _vs(self.policy_hit_ratio, self.lru_hit_ratio)
 
     @property
-    def policy_vs_belady(self) -> float:
-        return self.policy_hit_ratio / self.belady_hit_ratio if self.belady_hit_ratio else math.inf
+    def policy_vs_belady(self) -> float | None:
+        return _vs(self.policy_hit_ratio, self.belady_hit_ratio)
 
     def to_json(self) -> dict:
         return {
@@ -562,8 +575,8 @@ class ReplayResult:
             "lru_hit_ratio": round(self.lru_hit_ratio, 4),
             "belady_hit_ratio": round(self.belady_hit_ratio, 4),
             "infinite_hit_ratio": round(self.infinite_hit_ratio, 4),
-            "policy_vs_lru": round(self.policy_vs_lru, 3),
-            "policy_vs_belady": round(self.policy_vs_belady, 3),
+            "policy_vs_lru": _rounded(self.policy_vs_lru, 3),
+            "policy_vs_belady": _rounded(self.policy_vs_belady, 3),
             "tier_hit_ratio": {k: round(v, 4) for k, v in self.tier_hit_ratio.items()},
             "decide_calls": self.decide_calls,
             "evicted_blocks": self.evicted_blocks,
@@ -694,7 +707,7 @@ def format_table(results: Sequence[ReplayResult]) -> str:
         tiers = ", ".join(f"{k}={n}:{r.tier_hit_ratio.get(k, 0.0):.4f}" for k, n in r.tiers.items())
         lines.append(
             f"{r.capacity_blocks:>10}  {r.policy_hit_ratio:>7.4f}  {r.lru_hit_ratio:>7.4f}  {r.belady_hit_ratio:>7.4f}"
-            f"  {r.infinite_hit_ratio:>8.4f}  {r.policy_vs_lru:>6.3f}x  {r.policy_vs_belady:>8.3f}x  {tiers}"
+            f"  {r.infinite_hit_ratio:>8.4f}  {_times(r.policy_vs_lru):>7}  {_times(r.policy_vs_belady):>9}  {tiers}"
         )
     if any(r.oracles for r in results):
         lines.append("")

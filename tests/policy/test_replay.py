@@ -202,6 +202,25 @@ def test_replay_command_table_fractions_tiers_and_settings(trace_file):
     assert set(data["tier_hit_ratio"]) == {"gpu", "cpu", "disk"}
 
 
+def test_a_trace_lru_hits_nothing_in_reports_no_ratio(tmp_path):
+    """A loop of 4 two-block prompts through a cache of 2 blocks: LRU never hits, so there
+    is no ratio to LRU (JSON null, n/a in the table), never an Infinity JSON cannot carry."""
+    path = tmp_path / "loop.jsonl"
+    lines = [
+        json.dumps(
+            {"timestamp": i, "input_length": 1024, "output_length": 1, "hash_ids": [10 * (i % 4), 10 * (i % 4) + 1]}
+        )
+        for i in range(40)
+    ]
+    path.write_text("\n".join(lines) + "\n")
+    out = CliRunner().invoke(bench_main, ["replay", str(path), "--capacity-blocks", "2", "-o", "json"])
+    assert out.exit_code == 0, out.output
+    data = json.loads(out.output, parse_constant=lambda c: pytest.fail(f"{c} in JSON"))
+    assert data["lru_hit_ratio"] == 0 and data["policy_vs_lru"] is None
+    table = CliRunner().invoke(bench_main, ["replay", str(path), "--capacity-blocks", "2"])
+    assert table.exit_code == 0 and "n/a" in table.output and "inf" not in table.output
+
+
 @pytest.mark.parametrize(
     "args, words",
     [

@@ -3,12 +3,28 @@
 from __future__ import annotations
 
 import json
+import math
 import signal
 import threading
 
 import click
 
 from benchmarks.workload import Workload, WorkloadConfig
+
+
+def _json(data) -> str:
+    """Strict JSON: a ratio or rate with no finite value (a zero baseline) is null."""
+
+    def finite(x):
+        if isinstance(x, float) and not math.isfinite(x):
+            return None
+        if isinstance(x, dict):
+            return {k: finite(v) for k, v in x.items()}
+        if isinstance(x, list | tuple):
+            return [finite(v) for v in x]
+        return x
+
+    return json.dumps(finite(data), indent=2, allow_nan=False)
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
@@ -47,7 +63,7 @@ def workload(controlplane, rate_per_second, duration_seconds, seed, output_forma
         "per_agent_requests": stats.per_agent_requests,
     }
     if output_format == "json":
-        click.echo(json.dumps(data, indent=2))
+        click.echo(_json(data))
     else:
         for k, v in data.items():
             click.echo(f"{k:20s} {v}")
@@ -74,7 +90,7 @@ def tiers(block_mibs, num_blocks, repeats, fsync, torch_threads, output_format):
     from benchmarks import tiers as bench
 
     result = bench.run(tuple(block_mibs), num_blocks, repeats, fsync, torch_threads)
-    click.echo(json.dumps(result, indent=2) if output_format == "json" else bench.format_table(result))
+    click.echo(_json(result) if output_format == "json" else bench.format_table(result))
 
 
 @main.command()
@@ -150,7 +166,7 @@ def replay(trace, capacities, fractions, tiers_text, settings, oracles, evidence
         )
     if output_format == "json":
         data = [r.to_json() for r in results]
-        click.echo(json.dumps(data[0] if len(data) == 1 else data, indent=2))
+        click.echo(_json(data[0] if len(data) == 1 else data))
     else:
         click.echo(bench.format_table(results))
 
@@ -229,7 +245,7 @@ def controlplane(output_format, **kwargs):
     except (RuntimeError, ValueError, ConnectionError) as exc:
         click.echo(f"kvcp-bench controlplane: {exc}", err=True)
         raise SystemExit(2) from None
-    click.echo(json.dumps(result, indent=2) if output_format == "json" else bench.format_table(result))
+    click.echo(_json(result) if output_format == "json" else bench.format_table(result))
 
 
 @main.command()
@@ -272,7 +288,7 @@ def handoff(
             num_requests=num_requests,
         )
         result = bench.simulate_both(cfg)
-        click.echo(json.dumps(result, indent=2) if output_format == "json" else bench.format_sim(result))
+        click.echo(_json(result) if output_format == "json" else bench.format_sim(result))
         return
     try:
         size_list = tuple(int(x) for x in sizes.split(",") if x.strip())
@@ -285,7 +301,7 @@ def handoff(
     except RuntimeError as exc:
         click.echo(f"kvcp-bench handoff: {exc}", err=True)
         raise SystemExit(2) from None
-    click.echo(json.dumps(result, indent=2) if output_format == "json" else bench.format_table(result))
+    click.echo(_json(result) if output_format == "json" else bench.format_table(result))
 
 
 main.add_command(handoff, name="transfer")  # the issue's name for the same benchmark
@@ -311,5 +327,5 @@ def chaos(seconds, rate_per_second, seed, log_dir, output_format):
     except KeyboardInterrupt:
         click.echo("kvcp-bench chaos: interrupted; every process it started is stopped", err=True)
         raise SystemExit(130) from None
-    click.echo(json.dumps(result.to_json(), indent=2) if output_format == "json" else bench.format_table(result))
+    click.echo(_json(result.to_json()) if output_format == "json" else bench.format_table(result))
     click.echo(f"logs: {result.log_dir}", err=True)

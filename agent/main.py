@@ -147,6 +147,13 @@ def _metrics_listen(ctx, param, value: str) -> str:
 @click.option("--vllm-kv-events-topic", default="", help="Topic of the engine's KV events (vLLM's default: none).")
 @click.option("--vllm-model-id", default="", help="Model the engine's blocks belong to (default: the first --model).")
 @click.option(
+    "--vllm-disconnect-grace-seconds",
+    default=30.0,
+    show_default=True,
+    type=click.FloatRange(min=0, min_open=True),
+    help="The engine's event connection down this long: its blocks are forgotten (re-read when it is back).",
+)
+@click.option(
     "--torch-threads",
     default=1,
     show_default=True,
@@ -196,6 +203,7 @@ def main(
     vllm_kv_events_replay,
     vllm_kv_events_topic,
     vllm_model_id,
+    vllm_disconnect_grace_seconds,
     torch_threads,
     codec_threads,
     log_level,
@@ -246,6 +254,7 @@ def main(
         vllm_kv_events_replay=vllm_kv_events_replay,
         vllm_kv_events_topic=vllm_kv_events_topic,
         vllm_model_id=vllm_model_id,
+        vllm_disconnect_grace_seconds=vllm_disconnect_grace_seconds,
     )
     try:
         agent = Agent(config, log_fn=lambda m: click.echo(m, err=True)).start()

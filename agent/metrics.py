@@ -36,6 +36,23 @@ TRANSFER_FALLBACKS = ("secondary_path", "recompute")
 AGENT_OPERATION_KINDS = ("move", "promote", "compress")
 TERMINAL_STATES = ("succeeded", "failed", "cancelled")
 DEFAULT_REASON = "capacity"
+# (metric, help, VllmEventStats attribute): an agent indexing a vLLM engine's KV events
+VLLM_EVENT_COUNTERS = (
+    ("kvcp_vllm_event_batches_total", "vLLM KV event batches applied (live or replayed).", "batches_total"),
+    ("kvcp_vllm_event_malformed_total", "vLLM KV event messages or batches skipped as malformed.", "malformed_total"),
+    ("kvcp_vllm_event_gaps_total", "Gaps in the vLLM event sequence (asked of the replay endpoint).", "gaps_total"),
+    (
+        "kvcp_vllm_event_unrecovered_gaps_total",
+        "Gaps replay could not fill: the engine's blocks were forgotten.",
+        "unrecovered_gaps_total",
+    ),
+    ("kvcp_vllm_engine_restarts_total", "vLLM engine restarts seen (its sequence went back).", "engine_restarts_total"),
+    (
+        "kvcp_vllm_engine_lost_total",
+        "Times the vLLM engine's event connection stayed down past the grace: its blocks were forgotten.",
+        "engine_lost_total",
+    ),
+)
 
 
 def _by_tier_reason(value, default_tier: Tier) -> dict[tuple[Tier, str], int]:
@@ -105,12 +122,13 @@ class _OperationDurations:
 class AgentCollector:
     """Block pool, engine, mover and control-plane link of one agent at scrape time."""
 
-    def __init__(self, agent_id: str, pool, engine=None, link=None, mover=None):
+    def __init__(self, agent_id: str, pool, engine=None, link=None, mover=None, vllm=None):
         self.agent_id = agent_id
         self.pool = pool
         self.engine = engine
         self.link = link
         self.mover = mover
+        self.vllm = vllm  # a VllmEventSubscriber, when the agent indexes a vLLM engine's events
         self._durations = _OperationDurations(agent_id)
 
     def _families(self):
@@ -155,6 +173,8 @@ class AgentCollector:
                 [*a, "kind", "state"],
             ),
         ]
+        if self.vllm is not None:
+            specs.extend((c, name, doc, a) for name, doc, _ in VLLM_EVENT_COUNTERS)
         return {name: kind(name, doc, labels=labels) for kind, name, doc, labels in specs}
 
     def describe(self):
@@ -209,6 +229,10 @@ class AgentCollector:
         for (kind, state), n in sorted(active.items()):
             f["kvcp_agent_operations"].add_metric([aid, kind, state], n)
         self._durations.update(ops)
+        if self.vllm is not None:
+            st = self.vllm.stats
+            for name, _, attr in VLLM_EVENT_COUNTERS:
+                f[name].add_metric([aid], getattr(st, attr))
         return [*f.values(), self._durations.family()]
 
 
@@ -216,12 +240,20 @@ class AgentMetrics:
     """Every metric of one agent, in one injected registry."""
 
     def __init__(
-        self, registry: CollectorRegistry, agent_id: str, pool, engine=None, link=None, mover=None, process: bool = True
+        self,
+        registry: CollectorRegistry,
+        agent_id: str,
+        pool,
+        engine=None,
+        link=None,
+        mover=None,
+        process: bool = True,
+        vllm=None,
     ):
         self.registry = registry
         self.agent_id = agent_id
         const = {"agent_id": agent_id}
-        self.collector = AgentCollector(agent_id, pool, engine, link, mover)
+        self.collector = AgentCollector(agent_id, pool, engine, link, mover, vllm)
         registry.register(self.collector)
         registry.register(BuildInfoCollector("agent", const))
         if process:

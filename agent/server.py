@@ -70,6 +70,7 @@ class AgentConfig:
     vllm_kv_events_replay: str = ""  # its replay ROUTER endpoint, for gaps; "" none
     vllm_kv_events_topic: str = ""
     vllm_model_id: str = ""  # the model its blocks are indexed under; "" the first model
+    vllm_disconnect_grace_seconds: float = 30.0  # its connection down this long: its blocks are forgotten
     role: str = ""  # prefill | decode | both ("" = both): what a router may send here
     transfer_engine: str = "mooncake"  # data plane for handoffs: mooncake | none (gRPC fallback only)
     transfer_protocol: str = "tcp"  # the engine's transport: tcp | rdma
@@ -117,10 +118,16 @@ class Agent:
                 raise ValueError(f"--vllm-model-id {model_id!r} is not one of this agent's models (--model)")
             self.link.external = ExternalBlocks(self.pool, model_id)
             self.vllm_events = VllmEventSubscriber(
-                config.vllm_kv_events, self.link.external, config.vllm_kv_events_replay, config.vllm_kv_events_topic
+                config.vllm_kv_events,
+                self.link.external,
+                config.vllm_kv_events_replay,
+                config.vllm_kv_events_topic,
+                disconnect_grace_seconds=config.vllm_disconnect_grace_seconds,
             )
         self.registry = registry if registry is not None else CollectorRegistry()
-        self.metrics = AgentMetrics(self.registry, config.agent_id, self.pool, self.engine, self.link, self.mover)
+        self.metrics = AgentMetrics(
+            self.registry, config.agent_id, self.pool, self.engine, self.link, self.mover, vllm=self.vllm_events
+        )
         self.metrics_server = None
         host = (config.advertise or config.listen).rpartition(":")[0] or "127.0.0.1"
         backend = open_engine(config.transfer_engine, host, config.transfer_protocol, config.transfer_metadata)

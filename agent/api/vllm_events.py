@@ -16,6 +16,12 @@ to 0 is an engine restart: its cache is empty, and so is ours for it. A malforme
 message or batch is counted and skipped, never applied in part. The SUB socket's bounded
 queue (rcvhwm) is the backpressure: a consumer that falls behind loses messages, sees the
 gap and recovers as above, with memory bounded.
+
+A lost engine: PUB/SUB alone cannot tell a quiet engine from a dead one, so the SUB
+socket's monitor watches its connection. An engine whose connection stays down longer
+than `disconnect_grace_seconds` (a crash, a host gone) has its blocks forgotten, so the
+control plane stops sending lookups to a cache that no longer exists; when the publisher
+is back, the subscriber starts over as it does at start (the replay buffer, then live).
 """
 
 from __future__ import annotations
@@ -26,6 +32,7 @@ import time
 from dataclasses import dataclass
 
 import zmq
+from zmq.utils.monitor import recv_monitor_message
 
 from agent.core.vllm_events import ExternalBlocks, MalformedBatch, decode_batch
 
@@ -44,6 +51,7 @@ class VllmEventStats:
     replayed_batches_total: int = 0
     unrecovered_gaps_total: int = 0  # the blocks of the engine were dropped (a resync)
     engine_restarts_total: int = 0
+    engine_lost_total: int = 0  # the publisher's connection stayed down past the grace
     last_seq: int = -1
 
 
@@ -56,6 +64,7 @@ class VllmEventSubscriber:
         topic: str = "",
         replay_timeout_seconds: float = 2.0,
         rcvhwm: int = 10_000,
+        disconnect_grace_seconds: float = 30.0,
     ):
         self.endpoint = endpoint
         self.replay_endpoint = replay_endpoint
@@ -63,6 +72,8 @@ class VllmEventSubscriber:
         self.external = external
         self.replay_timeout_seconds = replay_timeout_seconds
         self.rcvhwm = rcvhwm
+        self.disconnect_grace_seconds = disconnect_grace_seconds
+        self._down_since: float | None = None  # monotonic time the publisher's connection dropped
         self.stats = VllmEventStats()
         self.connected = threading.Event()
         self._ctx = zmq.Context.instance()
@@ -157,11 +168,43 @@ class VllmEventSubscriber:
         self._dealer = self._ctx.socket(zmq.DEALER)
         self._dealer.connect(self.replay_endpoint)
 
+    # ---- the publisher's connection -------------------------------------------------
+    def on_connection_event(self, event: int, now: float) -> None:
+        """A SUB socket monitor event (zmq.EVENT_*) at monotonic time `now`."""
+        if event == zmq.EVENT_DISCONNECTED:
+            if self._down_since is None:
+                self._down_since = now
+                log.info("vLLM KV event publisher %s disconnected", self.endpoint)
+        elif event == zmq.EVENT_CONNECTED:
+            self._down_since = None
+
+    def check_lost(self, now: float) -> None:
+        """Forget the engine's blocks once its connection has been down past the grace."""
+        if self._down_since is None or now - self._down_since < self.disconnect_grace_seconds:
+            return
+        self._down_since = None
+        st = self.stats
+        st.engine_lost_total += 1
+        dropped = self.external.clear()
+        log.warning(
+            "vLLM KV event publisher %s down for %.0fs: forgot the engine's %d blocks",
+            self.endpoint,
+            self.disconnect_grace_seconds,
+            dropped,
+        )
+        # when it is back: start over as at start (its replay buffer, then live batches)
+        self._started = False
+        st.last_seq = -1
+
     # ---- loop -----------------------------------------------------------------------
     def run_forever(self, stop: threading.Event) -> None:
         sub = self._ctx.socket(zmq.SUB)
         sub.setsockopt(zmq.RCVHWM, self.rcvhwm)
         sub.setsockopt(zmq.SUBSCRIBE, self.topic)
+        monitor = sub.get_monitor_socket(zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED)
+        poller = zmq.Poller()
+        poller.register(sub, zmq.POLLIN)
+        poller.register(monitor, zmq.POLLIN)
         sub.connect(self.endpoint)
         if self.replay_endpoint:
             self._reset_dealer()
@@ -169,7 +212,11 @@ class VllmEventSubscriber:
         log.info("subscribed to vLLM KV events at %s (replay %s)", self.endpoint, self.replay_endpoint or "none")
         try:
             while not stop.is_set():
-                if not sub.poll(100):
+                ready = dict(poller.poll(100))
+                while monitor.poll(0):
+                    self.on_connection_event(recv_monitor_message(monitor)["event"], time.monotonic())
+                self.check_lost(time.monotonic())
+                if sub not in ready:
                     continue
                 try:
                     frames = sub.recv_multipart(zmq.NOBLOCK)
@@ -181,6 +228,8 @@ class VllmEventSubscriber:
                     self.stats.malformed_total += 1
                     log.exception("vLLM KV event message could not be applied")
         finally:
+            sub.disable_monitor()
+            monitor.close(linger=0)
             sub.close(linger=0)
             if self._dealer is not None:
                 self._dealer.close(linger=0)

@@ -12,7 +12,10 @@ import time
 
 import msgspec
 import pytest
+import zmq
+from prometheus_client import generate_latest
 
+from agent.api.vllm_events import VllmEventSubscriber
 from agent.core.journal import REMOVED, STORED, EventJournal
 from agent.core.vllm_events import AllCleared, BlocksRemoved, BlocksStored, ExternalBlocks, MalformedBatch, decode_batch
 from agent.server import DEMO_MODEL
@@ -109,6 +112,26 @@ def test_external_blocks_track_media_and_journal():
     assert [(g.tier, g.block_hashes) for g in groups] == [(Tier.CPU, h1)]
     assert groups[0].parent_hashes == ROOT_PARENT_HASH
     assert ext.clear() == 1 and ext.num_blocks == 0
+
+
+def test_only_a_connection_down_past_the_grace_forgets_the_engine():
+    ext = ExternalBlocks(_Pool(), "m")
+    ext.apply(decode_batch(msgspec.msgpack.encode(batch(stored([1, 2])))))
+    sub = VllmEventSubscriber("tcp://127.0.0.1:1", ext, disconnect_grace_seconds=5.0)
+    sub.on_connection_event(zmq.EVENT_CONNECTED, 0.0)
+    sub.on_connection_event(zmq.EVENT_DISCONNECTED, 10.0)  # a blip: back within the grace
+    sub.check_lost(14.0)
+    sub.on_connection_event(zmq.EVENT_CONNECTED, 14.5)
+    sub.check_lost(100.0)
+    assert ext.num_blocks == 2 and sub.stats.engine_lost_total == 0
+    sub.on_connection_event(zmq.EVENT_DISCONNECTED, 200.0)
+    sub.on_connection_event(zmq.EVENT_DISCONNECTED, 203.0)  # the first drop counts
+    sub.check_lost(204.9)
+    assert ext.num_blocks == 2
+    sub.check_lost(205.0)
+    assert ext.num_blocks == 0 and sub.stats.engine_lost_total == 1 and sub.stats.last_seq == -1
+    sub.check_lost(500.0)  # counted once
+    assert sub.stats.engine_lost_total == 1
 
 
 # ---- end to end: publisher -> agent -> control plane ---------------------------------
@@ -247,3 +270,31 @@ def test_vllm_own_event_classes_if_vllm_imports():
         BlocksStored([external_block_hash(5), external_block_hash(6)], ROOT_PARENT_HASH, Tier.CPU),
         AllCleared(),
     ]
+
+
+def test_an_engine_gone_past_the_grace_is_forgotten_and_read_again_when_back(controlplane, make_agent, publisher):
+    agent = make_agent(
+        "vllm-6",
+        vllm_kv_events=publisher.endpoint,
+        vllm_kv_events_replay=publisher.replay_endpoint,
+        vllm_disconnect_grace_seconds=1.0,
+    )
+    sub = agent.vllm_events
+    assert sub.connected.wait(5)
+    time.sleep(0.3)
+    publisher.publish(batch(stored([301, 302])))
+    with ControlPlaneClient(controlplane.address) as c:
+        wait_for(lambda: lookup_hits(c, [301, 302]) == {"vllm-6": 2}, what="indexed")
+        publisher.drop_pub()  # the engine dies: nothing says so but its connection
+        wait_for(lambda: sub.stats.engine_lost_total == 1, 10, what="engine given up after the grace")
+        wait_for(lambda: lookup_hits(c, [301, 302]) == {}, what="its blocks no longer found")
+        # the same engine is back (a network partition healed): its replay buffer is read
+        # again, then its live batches
+        publisher.rebind_pub()
+        time.sleep(0.5)  # SUB reconnects on its own
+        publisher.publish(batch(stored([303], parent=302)))
+        wait_for(lambda: lookup_hits(c, [301, 302, 303]) == {"vllm-6": 3}, what="read again")
+    assert sub.stats.engine_lost_total == 1 and sub.stats.unrecovered_gaps_total == 0
+    scraped = generate_latest(agent.registry).decode()
+    assert 'kvcp_vllm_engine_lost_total{agent_id="vllm-6"} 1.0' in scraped
+    assert 'kvcp_vllm_event_batches_total{agent_id="vllm-6"}' in scraped

@@ -6,6 +6,7 @@ tests; it lets a test drop a batch on PUB (kept for replay) or forget it entirel
 from __future__ import annotations
 
 import threading
+import time
 from typing import Any
 
 import msgspec
@@ -102,6 +103,26 @@ class VllmPublisher:
         if send:
             self.pub.send_multipart([f if f is not None else seq.to_bytes(8, "big") for f in frames])
         return seq
+
+    def drop_pub(self) -> None:
+        """The engine goes away: its PUB socket closes (subscribers see the disconnect)."""
+        self.pub.close(linger=0)
+
+    def rebind_pub(self, timeout_seconds: float = 5.0) -> None:
+        """The engine is back on the same endpoint."""
+        deadline = time.monotonic() + timeout_seconds
+        while True:
+            sock = self.ctx.socket(zmq.PUB)
+            try:
+                sock.bind(self.endpoint)
+            except zmq.ZMQError:  # the old socket's port is released asynchronously
+                sock.close(linger=0)
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(0.05)
+                continue
+            self.pub = sock
+            return
 
     def _serve_replay(self) -> None:
         while not self._stop.is_set():

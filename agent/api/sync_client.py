@@ -183,9 +183,14 @@ class ControlPlaneLink:
             )
         elif kind == agent_pb2.COMMAND_KIND_PIN:
             with pool.lock:
-                # counted on this agent's clock from the time left when sent (a control
-                # plane of an older version sends only its absolute expiry)
-                expires = pool.pins.clock() + cmd.ttl_seconds if cmd.ttl_seconds > 0 else cmd.expires_unix_seconds
+                # counted on this agent's monotonic clock from the time left when sent (a
+                # control plane of an older version sends only its absolute expiry)
+                if cmd.ttl_seconds > 0:
+                    expires = pool.pins.clock() + cmd.ttl_seconds
+                elif cmd.expires_unix_seconds:
+                    expires = max(pool.pins.clock() + (cmd.expires_unix_seconds - time.time()), 1e-9)
+                else:
+                    expires = 0.0  # until unpinned (an owner lease bounds it)
                 pool.pins.add(AgentPin(cmd.pin_id, int(tier or Tier.CPU), expires, cmd.namespace, frozenset(hashes)))
             self._reply(cmd.op_id, SUCCEEDED, done=len(hashes), total=len(hashes))
         elif kind == agent_pb2.COMMAND_KIND_UNPIN:
@@ -265,6 +270,7 @@ class ControlPlaneLink:
     def _outgoing(self, stop: threading.Event, done: threading.Event):
         agent_id = self._agent_info().agent_id
         with self._pool.lock:
+            self._pool.pins.expire()  # the control plane re-sends what still holds
             pin_ids = sorted(self._pool.pins.pins)
         yield agent_pb2.AgentMessage(
             hello=agent_pb2.Hello(agent_id=agent_id, session_id=self.session_id, pin_ids=pin_ids)

@@ -1,7 +1,10 @@
 """Pins as an agent enforces them: the control plane sends each pin (by block hashes or
 by namespace) with its tier and expiry; the agent keeps them here and asks, for any
 block, how it is protected *now*. A pin stops protecting at its expiry even if the
-control plane is away, so no pin outlives its TTL on an agent."""
+control plane is away, so no pin outlives its TTL on an agent. Expiries are on the
+monotonic clock: a step of the wall clock (NTP, an operator) neither shortens nor
+stretches a pin. Expired pins leave the table whenever a pin is added and before the
+agent lists its pins to the control plane."""
 
 from __future__ import annotations
 
@@ -13,25 +16,26 @@ from dataclasses import dataclass
 class AgentPin:
     pin_id: str
     tier: int  # Tier value: kept there or faster
-    expires_unix_seconds: float  # 0: until unpinned
+    expires_monotonic_seconds: float  # time.monotonic() at expiry; 0: until unpinned
     namespace: str = ""  # a namespace pin when block_hashes is empty
     block_hashes: frozenset[bytes] = frozenset()
 
     def active(self, now: float) -> bool:
-        return not self.expires_unix_seconds or now < self.expires_unix_seconds
+        return not self.expires_monotonic_seconds or now < self.expires_monotonic_seconds
 
 
 class PinTable:
     """Invariant: `_by_hash[h]` holds exactly the ids of prefix pins naming h, and
     `_by_namespace[ns]` the ids of namespace pins of ns. Not thread-safe (pool lock)."""
 
-    def __init__(self, clock=time.time) -> None:
+    def __init__(self, clock=time.monotonic) -> None:
         self.clock = clock
         self.pins: dict[str, AgentPin] = {}
         self._by_hash: dict[bytes, set[str]] = {}
         self._by_namespace: dict[str, set[str]] = {}
 
     def add(self, pin: AgentPin) -> None:
+        self.expire()
         self.remove(pin.pin_id)
         self.pins[pin.pin_id] = pin
         if pin.block_hashes:
@@ -72,6 +76,7 @@ class PinTable:
         return best
 
     def expire(self, now: float | None = None) -> list[str]:
+        """Drop the pins past their expiry; returns their ids."""
         now = self.clock() if now is None else now
         gone = [p.pin_id for p in self.pins.values() if not p.active(now)]
         for pin_id in gone:

@@ -305,6 +305,21 @@ def test_a_pin_lasts_its_time_left_on_the_agent_clock_whatever_the_senders_clock
     assert agent.pool.pin_tier(agent.pool.blocks[hs[0]]) == Tier.CPU
 
 
+def test_a_wall_clock_step_neither_shortens_nor_stretches_a_pin(agent, monkeypatch):
+    _, _, hs = store(agent, n=1)
+    wall = time.time
+    agent.link.handle_command(1, command(PIN, "op-p", hs, tier=Tier.CPU, pin_id="long", ttl_seconds=60))
+    agent.link.handle_command(1, command(PIN, "op-q", hs, tier=Tier.GPU, pin_id="short", ttl_seconds=0.3))
+    monkeypatch.setattr(time, "time", lambda: wall() + 86400)  # the wall clock jumps a day ahead
+    assert agent.pool.pin_tier(agent.pool.blocks[hs[0]]) == Tier.GPU  # neither pin cut short
+    monkeypatch.setattr(time, "time", lambda: wall() - 86400)  # ... and a day back
+    time.sleep(0.4)
+    assert agent.pool.pin_tier(agent.pool.blocks[hs[0]]) == Tier.CPU  # the short one ended on time
+    # an expired pin leaves the agent's table (it is not listed to the control plane as held)
+    agent.link.handle_command(1, command(PIN, "op-r", hs, tier=Tier.CPU, pin_id="other", ttl_seconds=60))
+    assert set(agent.pool.pins.pins) == {"long", "other"}
+
+
 def test_the_time_left_of_a_pin_is_taken_when_the_command_leaves():
     from controlplane.api.convert import command_to_pb
     from controlplane.core.cluster import AgentCommand

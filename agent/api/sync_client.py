@@ -10,6 +10,7 @@ import queue
 import threading
 import time
 import uuid
+from collections import OrderedDict
 from collections.abc import Callable
 
 import grpc
@@ -17,7 +18,7 @@ import grpc
 from agent.core.block_pool import BlockPool
 from agent.core.engine_api import KVEngineAPI
 from agent.core.journal import STORED
-from agent.core.mover import FAILED, PENDING, SUCCEEDED, MoveOp, Mover
+from agent.core.mover import FAILED, PENDING, SUCCEEDED, TERMINAL, MoveOp, Mover
 from agent.core.pins import AgentPin
 from protos.block_hash import split_hashes
 from protos.kvcp.v1 import agent_pb2, agent_pb2_grpc, types_pb2
@@ -43,6 +44,12 @@ KEEPALIVE_OPTIONS = [
 # an operation queued behind another says so this often: the control plane fails an
 # operation it has heard nothing of for a minute
 QUEUED_OP_PING_SECONDS = 10.0
+# the last word on an operation (SUCCEEDED / FAILED / CANCELLED) is sent again on every new
+# stream while it is this recent (at most this many): an update yielded to a stream that
+# then broke, or dropped from a full outbox, would leave the control plane to fail an
+# operation that ran (a repeat of a final update changes nothing there)
+RESEND_FINAL_SECONDS = 600.0
+RESEND_FINAL_MAX = 1024
 
 
 def op_update_pb(op: MoveOp) -> agent_pb2.AgentMessage:
@@ -94,6 +101,8 @@ class ControlPlaneLink:
         if mover is not None:
             mover.on_update = self._on_op_update
         self._outbox: queue.Queue[agent_pb2.AgentMessage] = queue.Queue(maxsize=10_000)
+        self._final: OrderedDict[str, tuple[float, agent_pb2.AgentMessage]] = OrderedDict()
+        self._final_lock = threading.Lock()
         self.highest_epoch = 0
         self.rejected_commands_total = 0
         self.session_id = uuid.uuid4().hex
@@ -117,6 +126,12 @@ class ControlPlaneLink:
         self._send(op_update_pb(op))
 
     def _send(self, msg: agent_pb2.AgentMessage) -> None:
+        if msg.WhichOneof("body") == "op_update" and msg.op_update.state in TERMINAL:
+            with self._final_lock:
+                self._final[msg.op_update.op_id] = (time.monotonic(), msg)
+                self._final.move_to_end(msg.op_update.op_id)
+                while len(self._final) > RESEND_FINAL_MAX:
+                    self._final.popitem(last=False)
         try:
             self._outbox.put_nowait(msg)
             self._pool.journal.wake.set()
@@ -276,6 +291,7 @@ class ControlPlaneLink:
             hello=agent_pb2.Hello(agent_id=agent_id, session_id=self.session_id, pin_ids=pin_ids)
         )
         yield from self._inventory_messages()
+        yield from self._recent_final_updates()
         yield self._stats_message()
         next_stats = time.monotonic() + self.stats_interval_seconds
         next_queued_ping = time.monotonic() + QUEUED_OP_PING_SECONDS
@@ -326,6 +342,14 @@ class ControlPlaneLink:
                 yield from self._queued_op_pings()
             wake.wait(min(0.05, max(next_stats - now, 0.001)))
         self._outgoing_finished.set()
+
+    def _recent_final_updates(self) -> list[agent_pb2.AgentMessage]:
+        """The final updates of the last RESEND_FINAL_SECONDS, oldest first."""
+        horizon = time.monotonic() - RESEND_FINAL_SECONDS
+        with self._final_lock:
+            while self._final and next(iter(self._final.values()))[0] < horizon:
+                self._final.popitem(last=False)
+            return [msg for _, msg in self._final.values()]
 
     def _queued_op_pings(self):
         """A PENDING update for each control-plane operation still queued behind another:

@@ -361,3 +361,41 @@ def test_unknown_command_kind_fails(agent):
     agent.link.handle_command(1, agent_pb2.Command(op_id="op-u", kind=agent_pb2.COMMAND_KIND_UNSPECIFIED))
     (up,) = updates(agent)
     assert up.state == FAILED and "unknown command kind" in up.error
+
+
+# ---- final updates survive a broken stream -------------------------------------------
+def _stream_until_stats(agent: Agent, stream) -> list[agent_pb2.AgentMessage]:
+    out = []
+    for msg in stream:
+        out.append(msg)
+        if msg.WhichOneof("body") == "stats":
+            return out
+    return out
+
+
+def test_a_final_update_lost_with_its_stream_or_a_full_outbox_is_sent_again(agent):
+    import threading
+
+    _, _, hs = store(agent, n=2)
+    stop, done = threading.Event(), threading.Event()
+    stream = agent.link._outgoing(stop, done)
+    _stream_until_stats(agent, stream)
+    agent.link.handle_command(1, command(EVICT, "op-lost", hs[1:]))
+    # the stream takes the update off the outbox, then breaks before it reaches the wire
+    taken = next(m for m in stream if m.WhichOneof("body") == "op_update")
+    assert taken.op_update.op_id == "op-lost" and taken.op_update.state == SUCCEEDED
+    stream.close()
+    # while no stream is up, the outbox fills and drops what comes next
+    while True:
+        try:
+            agent.link._outbox.put_nowait(agent_pb2.AgentMessage())
+        except queue.Full:
+            break
+    agent.link.handle_command(1, command(EVICT, "op-dropped", hs[:1]))
+    finals = [
+        m.op_update
+        for m in _stream_until_stats(agent, agent.link._outgoing(stop, done))
+        if m.WhichOneof("body") == "op_update"
+    ]
+    assert [(u.op_id, u.state) for u in finals] == [("op-lost", SUCCEEDED), ("op-dropped", SUCCEEDED)]
+    assert finals[0].done == 1 and finals[1].done == 1

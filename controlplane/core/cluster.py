@@ -408,6 +408,23 @@ class Cluster:
         outbox.put(command)
         return True
 
+    def routable_agents(self, max_silence_seconds: float) -> list[AgentRecord]:
+        """Agents a router may send work to: a Sync stream open (a command would reach
+        them) and heard from within `max_silence_seconds` (agents report stats every
+        second: a hung agent's stream can stay open for minutes), by agent id."""
+        with self._lock:
+            now = self._clock()
+            return sorted(
+                (
+                    r
+                    for r in self._agents.values()
+                    if r.outbox is not None
+                    and r.state != AgentState.DISCONNECTED
+                    and now - r.last_seen_unix_seconds <= max_silence_seconds
+                ),
+                key=lambda r: r.agent_id,
+            )
+
     def connected_agents(self) -> list[AgentRecord]:
         with self._lock:
             return [r for r in self._agents.values() if r.outbox is not None and r.state != AgentState.DISCONNECTED]

@@ -74,6 +74,8 @@ class RouteParams:
     interference_factor: float = 0.5
     free_watermark: float = 0.1
     queue_penalty_seconds: float = 0.05
+    # an agent silent this long is not routed to (it reports every second when well)
+    max_silence_seconds: float = 5.0
 
 
 @dataclass(frozen=True)
@@ -313,15 +315,21 @@ def route_request(
     )
     hits = {m.agent_id: m.num_hit_blocks for m in result.matches}
     states = cluster.dataplane
+    params = params or RouteParams()
+    # only agents with an open stream that were heard from lately: one that died or hangs
+    # keeps its registration (and its blocks indexed) until its lease goes
     candidates = [
         Candidate(
             rec.agent_id, rec.address, states.role(rec.agent_id), hits.get(rec.agent_id, 0), states.view(rec.agent_id)
         )
-        for rec, _ in cluster.agents()
-        if rec.state.name != "DISCONNECTED" and any(m.model_id == model_id for m in rec.models)
+        for rec in cluster.routable_agents(params.max_silence_seconds)
+        if any(m.model_id == model_id for m in rec.models)
     ]
     if prefill_agent_id and prefill_agent_id not in {c.agent_id for c in candidates}:
-        raise errors.NotFound(f"prefill_agent_id: no connected agent {prefill_agent_id!r} serves {model_id!r}")
+        raise errors.NotFound(
+            f"prefill_agent_id: no connected agent {prefill_agent_id!r} serves {model_id!r} "
+            f"(not connected, or silent for over {params.max_silence_seconds:g}s)"
+        )
     decision = route(role, candidates, result.num_blocks, result.block_size, block_bytes, params, prefill_agent_id)
     address = next((c.address for c in candidates if c.agent_id == decision.agent_id), "")
     return dataclasses.replace(decision, address=address)

@@ -3,6 +3,8 @@ free capacity, and the rule for not splitting prefill and decode."""
 
 from __future__ import annotations
 
+import pytest
+
 from controlplane.core.routing import Candidate, DataPlaneView, LinkView, RouteParams, route
 
 MIB = 1 << 20
@@ -84,3 +86,45 @@ def test_backpressure_keeps_decode_within_capacity():
     assert not on["over_capacity"] and on["decode_peak_blocks"] <= cfg.decode_capacity_blocks and on["overruns"] == 0
     assert on["decode_queue_max"] > 0  # it held handoffs back instead
     assert off["over_capacity"] and off["overruns"] > 0
+
+
+def test_route_sends_no_work_to_an_agent_without_a_stream_or_silent():
+    """A dead or hung agent keeps its registration, and its blocks indexed, until its lease
+    goes: Route must not pick it meanwhile, however much of the prompt it holds."""
+    import queue
+
+    import numpy as np
+
+    from controlplane.core.cluster import AgentRecord, BlockGroup, Cluster, ModelInfo
+    from controlplane.core.routing import route_request
+    from protos import errors
+    from protos.block_hash import ROOT_PARENT_HASH
+    from protos.tier import Tier
+
+    now = [100.0]
+    cluster = Cluster(clock=lambda: now[0])
+    model = ModelInfo("m", 16, num_layers=2, num_kv_heads=2, head_dim=128, dtype="float16")
+    chain = [np.random.default_rng(1).bytes(16) for _ in range(4)]
+    for agent_id in ("holder", "other", "no-stream"):
+        cluster.register(AgentRecord(agent_id, f"{agent_id}:1", [model], []))
+    for agent_id in ("holder", "other"):
+        cluster.hello(agent_id, "s")
+        held = [BlockGroup("m", Tier.CPU, b"".join(chain), ROOT_PARENT_HASH + b"".join(chain[:-1]))]
+        cluster.apply_inventory_chunk(agent_id, 0, 0, True, held if agent_id == "holder" else [])
+        cluster.attach_outbox(agent_id, "s", queue.Queue())
+    packed = b"".join(chain)
+    assert route_request(cluster, "m", block_hashes=packed, role="prefill").agent_id == "holder"
+    # 'holder' goes silent (SIGSTOPped: its stream stays open); 'other' keeps reporting
+    now[0] += 10
+    cluster.update_stats("other", [], 0, 0, 0)
+    decision = route_request(cluster, "m", block_hashes=packed, role="prefill")
+    assert decision.agent_id == "other" and {c.agent_id for c in decision.candidates} == {"other"}
+    with pytest.raises(errors.NotFound, match="'holder'.*silent"):
+        route_request(cluster, "m", block_hashes=packed, role="decode", prefill_agent_id="holder")
+    # 'holder' speaks again: routable again; the agent that never opened a stream never is
+    cluster.update_stats("holder", [], 0, 0, 0)
+    assert route_request(cluster, "m", block_hashes=packed, role="prefill").agent_id == "holder"
+    cluster.stream_closed("other", "s")
+    assert {c.agent_id for c in route_request(cluster, "m", block_hashes=packed, role="prefill").candidates} == {
+        "holder"
+    }

@@ -408,10 +408,10 @@ class Cluster:
         outbox.put(command)
         return True
 
-    def routable_agents(self, max_silence_seconds: float) -> list[AgentRecord]:
-        """Agents a router may send work to: a Sync stream open (a command would reach
-        them) and heard from within `max_silence_seconds` (agents report stats every
-        second: a hung agent's stream can stay open for minutes), by agent id."""
+    def connected_agents(self, max_silence_seconds: float | None = None) -> list[AgentRecord]:
+        """Agents with an open Sync stream (a command would reach them), by agent id; with
+        `max_silence_seconds`, only those heard from within it (agents report stats every
+        second: a hung agent's stream can stay open for minutes), as a router wants."""
         with self._lock:
             now = self._clock()
             return sorted(
@@ -420,14 +420,10 @@ class Cluster:
                     for r in self._agents.values()
                     if r.outbox is not None
                     and r.state != AgentState.DISCONNECTED
-                    and now - r.last_seen_unix_seconds <= max_silence_seconds
+                    and (max_silence_seconds is None or now - r.last_seen_unix_seconds <= max_silence_seconds)
                 ),
                 key=lambda r: r.agent_id,
             )
-
-    def connected_agents(self) -> list[AgentRecord]:
-        with self._lock:
-            return [r for r in self._agents.values() if r.outbox is not None and r.state != AgentState.DISCONNECTED]
 
     def _below_fastest(self, agent_id: str, tiers: bytes) -> bool:
         rec = self._agents.get(agent_id)

@@ -322,7 +322,7 @@ def route_request(
         Candidate(
             rec.agent_id, rec.address, states.role(rec.agent_id), hits.get(rec.agent_id, 0), states.view(rec.agent_id)
         )
-        for rec in cluster.routable_agents(params.max_silence_seconds)
+        for rec in cluster.connected_agents(params.max_silence_seconds)
         if any(m.model_id == model_id for m in rec.models)
     ]
     if prefill_agent_id and prefill_agent_id not in {c.agent_id for c in candidates}:

@@ -333,12 +333,13 @@ class Manager:
         names for the same request: one this leader holds, or one etcd took although the
         answer to the first try was lost (adopted). Under _lock."""
         now = self.clock()
-        earlier = self.pins.get(pin.pin_id) if pin.pin_id else None
+        earlier = self.pins.get(pin.pin_id)
         if earlier is not None and earlier.active(now):
             return self._same_pin(earlier, pin)
         check_quota(list(self.pins.values()), pin, self.quota_of(namespace))
         key, value = pin_key(pin), pin_to_json(pin)
         lease_id = pin.owner_lease_id
+        # an expired pin of ours under this id is simply replaced; else create only if free
         held = self.durable.create(key, value, lease_id) if earlier is None else b""
         if held:
             try:

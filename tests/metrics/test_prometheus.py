@@ -130,7 +130,9 @@ def test_every_dashboard_and_alert_expression_returns_series(cluster, tmp_path):
     panels = [(f"panel {t!r}", prom.substitute(e)) for t, e in prom.dashboard_queries()]
     rules = prom.rule_expressions()
     assert len(panels) >= 30 and len(rules) >= 10
-    checks = panels + [(f"rule {n}", prom.with_bool(e)) for n, e in rules]
+    # vLLM's event metrics exist only on agents started with --vllm-kv-events (none here):
+    # their rules are checked for validity below and fired by alerts_test.yml
+    checks = panels + [(f"rule {n}", prom.with_bool(e)) for n, e in rules if "kvcp_vllm_" not in e]
 
     p = prom.Prometheus(
         tmp_path / "prometheus",

@@ -10,6 +10,7 @@ may fire, and `promtool check metrics` must pass on each process's /metrics."""
 
 from __future__ import annotations
 
+import re
 import threading
 import time
 import urllib.request
@@ -18,6 +19,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from agent.metrics import VLLM_EVENT_COUNTERS
 from agent.server import DEMO_MODEL, Agent, AgentConfig
 from cli.client import ClientError, ControlPlaneClient
 from controlplane.server import ControlPlane, ControlPlaneConfig
@@ -128,14 +130,18 @@ def test_every_dashboard_and_alert_expression_returns_series(cluster, tmp_path):
         assert cp.cluster.agent(a.agent_id).metrics_address == a.metrics_address
 
     # vLLM's event metrics exist only on agents started with --vllm-kv-events (none here):
-    # their panel and rules are only checked for validity, and alerts_test.yml fires the rules
+    # their panel and rules are only checked for validity and for naming metrics the agent
+    # exports; alerts_test.yml fires the rules
     queries = [(f"panel {t!r}", prom.substitute(e)) for t, e in prom.dashboard_queries()]
-    panels = [(name, e) for name, e in queries if "kvcp_vllm_" not in e]
-    vllm_panels = [(name, e) for name, e in queries if "kvcp_vllm_" in e]
-    assert vllm_panels
     rules = prom.rule_expressions()
+    vllm_only = [(n, e) for n, e in queries + rules if "kvcp_vllm_" in e]
+    assert vllm_only
+    exported = {name for name, _, _ in VLLM_EVENT_COUNTERS}
+    unknown = {n: m for n, e in vllm_only for m in re.findall(r"kvcp_vllm_\w+", e) if m not in exported}
+    assert not unknown, unknown
+    panels = [(n, e) for n, e in queries if (n, e) not in vllm_only]
     assert len(panels) >= 30 and len(rules) >= 10
-    checks = panels + [(f"rule {n}", prom.with_bool(e)) for n, e in rules if "kvcp_vllm_" not in e]
+    checks = panels + [(f"rule {n}", prom.with_bool(e)) for n, e in rules if (n, e) not in vllm_only]
 
     p = prom.Prometheus(
         tmp_path / "prometheus",
@@ -158,7 +164,7 @@ def test_every_dashboard_and_alert_expression_returns_series(cluster, tmp_path):
                 print(f"{series_of(p, expr)[1]:4d} series  {name}: {expr}")
 
             # the alert expressions as written are valid too (empty while all is well)
-            invalid = {n: series_of(p, e)[0] for n, e in rules + vllm_panels if series_of(p, e)[0]}
+            invalid = {n: series_of(p, e)[0] for n, e in rules + vllm_only if series_of(p, e)[0]}
             assert not invalid, invalid
 
             # the dashboard's variable lists the agents

@@ -39,13 +39,15 @@ class MoveResult:
 
 @dataclass
 class DemotionResult:
-    """CPU->DISK moves that encode on the way, against the same blocks moved as they are."""
+    """Demotions that encode on the way (CPU->DISK; GPU->CPU when CUDA is present, the
+    GPU quantizing), against the same blocks moved as they are."""
 
     codec: str
     block_bytes: int
     gbps: float  # uncompressed bytes a second
     raw_move_gbps: float
     ratio: float  # > 1: compressing on demotion costs less than the write it saves
+    path: str = "cpu->disk"
 
 
 @dataclass
@@ -55,6 +57,7 @@ class CodecResult:
     compress_gbps: float
     decompress_gbps: float
     max_abs_error: float
+    device: str = "cpu"  # where the encode runs (decode: always the host, as loads do)
     # compressing on demotion pays when encoding costs less than writing the bytes it
     # saves: on disks slower than this (compress GB/s x the share of bytes saved)
     breakeven_disk_gbps: float = 0.0
@@ -175,19 +178,23 @@ def bench_moves(block_mib: int, num_blocks: int, repeats: int, fsync: bool, work
     return results
 
 
-def bench_demotions(block_mib: int, num_blocks: int, repeats: int, fsync: bool, workdir: str) -> list[DemotionResult]:
-    """The agent's CPU->DISK move of the same blocks as they are and encoded with each
-    codec (as a tier codec or `kvctl move --codec` does: codec threads encode while the
-    blocks before are written), interleaved, best of each; GB/s of uncompressed KV."""
-    pool, _, move_all = _filled_pool(block_mib, num_blocks, fsync, workdir, "demote", gpu=False)
+def bench_demotions(
+    block_mib: int, num_blocks: int, repeats: int, fsync: bool, workdir: str, src: Tier = Tier.CPU
+) -> list[DemotionResult]:
+    """The agent's demotion (src -> the tier below) of the same blocks as they are and
+    encoded with each codec (as a tier codec or `kvctl move --codec` does: codec threads
+    encode while the blocks before are written), interleaved, best of each; GB/s of
+    uncompressed KV."""
+    pool, _, move_all = _filled_pool(block_mib, num_blocks, fsync, workdir, "demote", gpu=src == Tier.GPU)
+    dst = Tier(int(src) + 1)
     total = _spec(block_mib).block_bytes * num_blocks
     names = [None] + [c for c in codecs.available_codecs() if c != "none"]
     best = {name: float("inf") for name in names}
     for _ in range(repeats):
         for name in names:
-            move_all(Tier.CPU, "none")  # back to raw fp16 in the slab
+            move_all(src, "none")  # back to raw fp16 in the slab
             t0 = time.perf_counter()
-            move_all(Tier.DISK, name)
+            move_all(dst, name)
             best[name] = min(best[name], time.perf_counter() - t0)
     raw = total / best[None] / 1e9
     return [
@@ -197,27 +204,32 @@ def bench_demotions(block_mib: int, num_blocks: int, repeats: int, fsync: bool, 
             round(total / best[name] / 1e9, 3),
             round(raw, 3),
             round(best[None] / best[name], 3),
+            f"{src.label}->{dst.label}",
         )
         for name in names[1:]
     ]
 
 
 def bench_codecs(repeats: int, disk_write_gbps: float = 0.0) -> list[CodecResult]:
+    """Each codec on the host, and each lossy one on a GPU block when CUDA is present (the
+    encode a GPU->CPU demotion runs: quantized on the GPU, the payload copied to the host)."""
     spec = _spec(1)
     gen = torch.Generator().manual_seed(1)
-    block = torch.randn(spec.block_shape, generator=gen).to(torch.float16)
-    raw = block.numel() * 2
+    host = torch.randn(spec.block_shape, generator=gen).to(torch.float16)
+    raw = host.numel() * 2
+    runs = [(name, "cpu") for name in codecs.available_codecs() if name != "none"]
+    if cuda_available():
+        runs += [(name, "cuda") for name in codecs.available_codecs() if name in codecs.LOSSY]
     out = []
-    for name in codecs.available_codecs():
-        if name == "none":
-            continue
+    for name, device in runs:
+        block = host.to(device)
         payload = codecs.encode(name, block)
-        tc = _best(lambda name=name: codecs.encode(name, block), repeats)
+        tc = _best(lambda name=name, block=block: codecs.encode(name, block), repeats)
         td = _best(
             lambda name=name, payload=payload: codecs.decode(name, payload, spec.block_shape, torch.float16), repeats
         )
         back = codecs.decode(name, payload, spec.block_shape, torch.float16)
-        err = (back.float() - block.float()).abs().max().item()
+        err = (back.float() - host.float()).abs().max().item()
         size_ratio, compress_gbps = raw / payload.numel(), raw / tc / 1e9
         breakeven = compress_gbps * max(0.0, 1.0 - 1.0 / size_ratio)
         out.append(
@@ -227,6 +239,7 @@ def bench_codecs(repeats: int, disk_write_gbps: float = 0.0) -> list[CodecResult
                 round(compress_gbps, 3),
                 round(raw / td / 1e9, 3),
                 round(err, 5),
+                device,
                 round(breakeven, 3),
                 bool(disk_write_gbps) and breakeven > disk_write_gbps,
             )
@@ -240,7 +253,10 @@ def run(block_mibs=(1, 4), num_blocks: int = 32, repeats: int = 3, fsync: bool =
         moves = []
         for mib in block_mibs:
             moves += bench_moves(mib, max(4, num_blocks // mib), repeats, fsync, workdir)
-        demotions = bench_demotions(block_mibs[0], max(4, num_blocks // block_mibs[0]), repeats, fsync, workdir)
+        n = max(4, num_blocks // block_mibs[0])
+        demotions = bench_demotions(block_mibs[0], n, repeats, fsync, workdir)
+        if cuda_available():
+            demotions += bench_demotions(block_mibs[0], n, repeats, fsync, workdir, src=Tier.GPU)
     writes = [m.baseline_gbps for m in moves if m.path == "cpu->disk"]
     return {
         "cuda": cuda_available(),
@@ -266,23 +282,26 @@ def format_table(result: dict) -> str:
         "",
         f"codecs (fp16 block [4,2,256,4,64], torch threads {result.get('torch_threads', '-')}); compressing on"
         f" demotion pays on a disk slower than BREAKEVEN (this run's raw write: {result.get('disk_write_gbps', 0):.2f} GB/s)",
-        f"{'codec':6s} {'size ratio':>10s} {'enc GB/s':>9s} {'dec GB/s':>9s} {'max |err|':>10s} {'BREAKEVEN':>10s} {'PAYS':>5s}",
+        f"{'codec':6s} {'enc on':>6s} {'size ratio':>10s} {'enc GB/s':>9s} {'dec GB/s':>9s} {'max |err|':>10s}"
+        f" {'BREAKEVEN':>10s} {'PAYS':>5s}",
     ]
     for c in result["codecs"]:
         lines.append(
-            f"{c['codec']:6s} {c['size_ratio']:>10.2f} {c['compress_gbps']:>9.2f} {c['decompress_gbps']:>9.2f}"
+            f"{c['codec']:6s} {c.get('device', 'cpu'):>6s} {c['size_ratio']:>10.2f} {c['compress_gbps']:>9.2f}"
+            f" {c['decompress_gbps']:>9.2f}"
             f" {c['max_abs_error']:>10.4f} {c['breakeven_disk_gbps']:>10.2f} {'yes' if c['pays_vs_raw_write'] else 'no':>5s}"
         )
     if result.get("demotions"):
         lines += [
             "",
-            "demotion with a codec (CPU->DISK through the agent's move, GB/s of uncompressed KV; RATIO > 1: the"
+            "demotion with a codec (through the agent's move, GB/s of uncompressed KV; RATIO > 1: the"
             " encode costs less than the write it saves)",
-            f"{'codec':6s} {'block':>8s} {'GB/s':>8s} {'raw move':>9s} {'ratio':>6s}",
+            f"{'path':10s} {'codec':6s} {'block':>8s} {'GB/s':>8s} {'raw move':>9s} {'ratio':>6s}",
         ]
         for d in result["demotions"]:
             lines.append(
-                f"{d['codec']:6s} {d['block_bytes'] >> 20:>6d}Mi {d['gbps']:>8.2f} {d['raw_move_gbps']:>9.2f}"
+                f"{d.get('path', 'cpu->disk'):10s} {d['codec']:6s} {d['block_bytes'] >> 20:>6d}Mi {d['gbps']:>8.2f}"
+                f" {d['raw_move_gbps']:>9.2f}"
                 f" {d['ratio']:>6.2f}"
             )
     return "\n".join(lines)

@@ -872,12 +872,16 @@ class BlockPool:
         is decoded from its pages as they are (it is moving or the lock is held: they stay
         its own), others from a verified read (raises BlockUnreadable)."""
         spec = self.models[model_id]
-        if getattr(src, "device", "") == "cpu" and hasattr(src, "views"):
+        if hasattr(src, "views") and (src.device == "cpu" or codec == "none"):
             segs = src.views(handle, stored_bytes)
             raw = segs[0] if len(segs) == 1 else torch.cat(segs)
         else:
             raw = src.read(handle, stored_bytes)
-        data = codecs.encode(target, codecs.decode(codec, raw, spec.block_shape, spec.torch_dtype))
+        if raw.device.type != "cpu":  # a raw GPU block: a lossy target quantizes it on the GPU
+            block = raw.view(spec.torch_dtype).reshape(spec.block_shape)
+        else:
+            block = codecs.decode(codec, raw, spec.block_shape, spec.torch_dtype)
+        data = codecs.encode(target, block)
         return data, payload_checksum(data)
 
     def _unreadable_source(self, meta: BlockMeta, exc: BlockUnreadable) -> MoveOutcome:

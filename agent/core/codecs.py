@@ -303,13 +303,18 @@ def check_codec(name: str) -> str:
 
 
 def encode(codec: str, block: torch.Tensor) -> torch.Tensor:
-    """A block tensor -> flat uint8 payload (on the CPU)."""
+    """A block tensor -> flat uint8 payload (on the CPU). A lossy codec runs where the
+    block is: a GPU block is quantized on the GPU (the same arithmetic as on the CPU, bit
+    for bit) and only its smaller payload crosses to the host."""
     check_codec(codec)
-    block = block.detach().to("cpu")
-    if codec == "none":
-        return _u8(block)
+    block = block.detach()
     if codec in LOSSY and not block.dtype.is_floating_point:
         raise CodecError(f"codec {codec} needs a floating-point KV dtype, not {block.dtype}")
+    if codec in LOSSY and block.device.type != "cpu":
+        return CODECS[codec][0](block).to("cpu")
+    block = block.to("cpu")
+    if codec == "none":
+        return _u8(block)
     return CODECS[codec][0](block)
 
 

@@ -148,3 +148,36 @@ def test_lossy_codecs_are_measured(model, connector, codec, max_rel_error):
     agreement = (ref[1:].argmax(-1) == got.argmax(-1)).float().mean().item()
     print(f"{codec}: next-token agreement {agreement:.3f} over {got.shape[0]} positions, relative KV error {rel:.4f}")
     assert agreement >= {"int8": 0.95, "fp8": 0.9, "int4": 0.6}[codec]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_reuse_on_cuda_from_gpu_cpu_and_disk_is_exact(model, tmp_path):
+    """The same model on the GPU, its KV cached in the agent's GPU tier (a CUDA slab), its
+    pinned CPU tier and its disk tier: reuse from each gives the tokens of generation
+    without reuse and logits within 1e-4, loaded straight onto the GPU."""
+    spec = spec_of(model)
+    gpu_model = transformers.LlamaForCausalLM(model.config).eval()
+    gpu_model.load_state_dict(model.state_dict())
+    gpu_model = gpu_model.cuda()
+    gpu = MemoryTier(Tier.GPU, 16 * spec.block_bytes, spec.block_bytes // 4)
+    cpu = MemoryTier(Tier.CPU, 16 * spec.block_bytes, spec.block_bytes // 4)
+    assert gpu.slab.is_cuda and cpu.slab.is_pinned()
+    pool = BlockPool([gpu, cpu, DiskTier(tmp_path / "disk", 1 << 26)], [spec])
+    mover = Mover(pool)
+    conn = KVConnector(spec, KVEngineAPI(pool, [spec], mover))
+    torch.manual_seed(3)
+    prompt = torch.randint(0, 1000, (1, 4 * BLOCK + 5)).cuda()
+    want_tokens, want_logits = greedy(gpu_model, prompt, 12)
+    assert conn.store(prompt[0].tolist(), layer_kv(forward(gpu_model, prompt, None).past_key_values)) == 4
+    hashes = split_hashes(hash_prefix("tiny-llama", prompt[0].tolist(), BLOCK))
+    for tier in (Tier.GPU, Tier.CPU, Tier.DISK, Tier.GPU):
+        for h in hashes:
+            assert pool.move_block(h, tier).ok
+        n, kv = conn.load(prompt[0].tolist(), device="cuda")
+        assert n == 4 * BLOCK and kv[0][0].is_cuda
+        got_tokens, got_logits = greedy(gpu_model, prompt, 12, make_cache(kv), n)
+        assert got_tokens == want_tokens, f"tokens differ after reuse from {tier.label}"
+        assert (got_logits - want_logits).abs().max().item() <= 1e-4
+        while mover.run_once(0.01):
+            pass

@@ -1,12 +1,15 @@
 """GPU tier (CUDA only; marked `gpu`, skipped here): a CUDA page slab above the CPU tier,
-moves both ways keep the bytes, a full GPU tier demotes to the CPU tier, and a load from
-the GPU tier returns exactly what was stored."""
+moves both ways keep the bytes, a full GPU tier demotes to the CPU tier, a load from the
+GPU tier returns exactly what was stored; lossy codecs quantize GPU blocks on the GPU into
+the very payload the host writes; a real agent with a GPU tier is indexed as `gpu` and
+moved by a control-plane command."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
+from agent.core import codecs
 from agent.core.block_pool import BlockPool
 from agent.core.engine_api import KVEngineAPI
 from agent.core.model_spec import ModelSpec
@@ -35,3 +38,67 @@ def test_gpu_tier_moves_and_demotes():
     for h in hashes[:2]:
         assert pool.move_block(h, Tier.GPU).ok
     assert torch.equal(engine.load(SPEC.model_id, tokens).kv, kv)
+
+
+@pytest.mark.parametrize("codec", ["int8", "fp8", "int4"])
+@pytest.mark.parametrize("shape", [(2, 2, 16, 2, 64), (3, 2, 300, 1, 130), (1, 2, 7, 3, 5)])
+def test_lossy_codecs_on_the_gpu_match_the_cpu_bit_for_bit(codec, shape):
+    """A GPU block is quantized on the GPU; its payload is decoded on the host (loads,
+    disk), so it must be the very bytes the host's codec writes."""
+    if codec == "fp8" and codecs.FP8 is None:
+        pytest.skip("no float8_e4m3fn in this torch")
+    gen = torch.Generator().manual_seed(sum(shape))
+    x = (torch.randn(shape, generator=gen) * 3).to(torch.float16)
+    x[0, 0, 0, 0, :2] = 0  # a zero run and an outlier: the scale edge cases
+    x[-1, 1, -1, -1, -1] = 60000
+    on_gpu = codecs.encode(codec, x.cuda())
+    assert on_gpu.device.type == "cpu"
+    assert torch.equal(on_gpu, codecs.encode(codec, x))
+    back = codecs.decode(codec, on_gpu, shape, torch.float16)
+    assert torch.equal(back, codecs.decode(codec, codecs.encode(codec, x), shape, torch.float16))
+
+
+@pytest.mark.parametrize("codec", ["int8", "int4", "zstd"])
+def test_gpu_demotion_with_a_codec_stores_the_hosts_payload(codec):
+    gpu = MemoryTier(Tier.GPU, 8 * SPEC.block_bytes, SPEC.block_bytes // 4)
+    cpu = MemoryTier(Tier.CPU, 8 * SPEC.block_bytes, SPEC.block_bytes // 4)
+    pool = BlockPool([gpu, cpu], [SPEC])
+    engine = KVEngineAPI(pool, [SPEC])
+    tokens = list(range(3 * SPEC.block_size))
+    kv = torch.randn((3, *SPEC.block_shape)).to(torch.float16)
+    assert engine.store(SPEC.model_id, tokens, kv).num_stored_blocks == 3
+    hashes = split_hashes(hash_prefix(SPEC.model_id, tokens, SPEC.block_size))
+    assert all(pool.tier_of(h) == Tier.GPU for h in hashes)
+    for h in hashes:
+        assert pool.move_block(h, Tier.CPU, codec).ok
+        assert pool.tier_of(h) == Tier.CPU
+    want = torch.stack([codecs.decode(codec, codecs.encode(codec, b), SPEC.block_shape, torch.float16) for b in kv])
+    got = engine.load(SPEC.model_id, tokens).kv
+    assert torch.equal(got, want)
+    # and back up: decoded on the host, raw on the GPU again
+    for h in hashes:
+        assert pool.move_block(h, Tier.GPU, "none").ok
+    assert torch.equal(engine.load(SPEC.model_id, tokens).kv, want)
+
+
+def test_agent_with_a_gpu_tier_is_indexed_by_tier_and_moved_by_command(controlplane, make_agent):
+    """A real agent (gRPC, etcd) whose top tier is a CUDA slab: the control plane's lookup
+    answers `gpu` for its blocks, and a move command demotes them to the pinned CPU tier
+    with an int8 quantization run on the GPU; the engine still loads the prefix."""
+    from cli.client import ControlPlaneClient
+    from tests.helpers import wait_for
+
+    agent = make_agent("gpu-agent", models=[SPEC], gpu_capacity_bytes=16 * SPEC.block_bytes)
+    assert agent.pool.top.tier == Tier.GPU and agent.pool.store_of[Tier.CPU].slab.is_pinned()
+    tokens = list(range(6 * SPEC.block_size))
+    kv = torch.randn((6, *SPEC.block_shape)).to(torch.float16)
+    assert agent.engine.store(SPEC.model_id, tokens, kv).num_stored_blocks == 6
+    with ControlPlaneClient(controlplane.address) as c:
+        wait_for(lambda: c.lookup(SPEC.model_id, tokens).num_blocks == 6, what="the agent's blocks indexed")
+        assert c.lookup(SPEC.model_id, tokens).agents[0].tiers == ["gpu"] * 6
+        op = c.wait_operation(c.move("cpu", SPEC.model_id, tokens, codec="int8").op_id, timeout_seconds=30)
+        assert op.state == "SUCCEEDED", op
+        wait_for(lambda: c.lookup(SPEC.model_id, tokens).agents[0].tiers == ["cpu"] * 6, what="the move indexed")
+    loaded = agent.engine.load(SPEC.model_id, tokens).kv
+    want = torch.stack([codecs.decode("int8", codecs.encode("int8", b), SPEC.block_shape, torch.float16) for b in kv])
+    assert torch.equal(loaded, want)

@@ -185,7 +185,7 @@ def bench_demotions(
     encoded with each codec (as a tier codec or `kvctl move --codec` does: codec threads
     encode while the blocks before are written), interleaved, best of each; GB/s of
     uncompressed KV."""
-    pool, _, move_all = _filled_pool(block_mib, num_blocks, fsync, workdir, "demote", gpu=src == Tier.GPU)
+    pool, _, move_all = _filled_pool(block_mib, num_blocks, fsync, workdir, f"demote-{src.label}", gpu=src == Tier.GPU)
     dst = Tier(int(src) + 1)
     total = _spec(block_mib).block_bytes * num_blocks
     names = [None] + [c for c in codecs.available_codecs() if c != "none"]

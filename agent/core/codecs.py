@@ -38,6 +38,13 @@ def _u8(t: torch.Tensor) -> torch.Tensor:
     return t.contiguous().view(torch.uint8).reshape(-1)
 
 
+def _div(x: torch.Tensor, c: float) -> torch.Tensor:
+    """x / c as a true division on every device: CUDA turns a division by a Python scalar
+    into a multiplication by its reciprocal, which rounds differently from the host's
+    division (and the C loops'), and the payloads must be the same bytes everywhere."""
+    return x / torch.full((), c, dtype=x.dtype, device=x.device)
+
+
 def _take(buf: torch.Tensor, offset: int, n: int, dtype: torch.dtype, shape) -> tuple[torch.Tensor, int]:
     itemsize = torch.tensor([], dtype=dtype).element_size()
     size = n * itemsize
@@ -106,7 +113,7 @@ def _int8_encode(x: torch.Tensor) -> torch.Tensor:
     if out is not None:
         return out
     xf = x.float()
-    scale = xf.abs().amax(dim=-1, keepdim=True).clamp_min(1e-8) / 127.0
+    scale = _div(xf.abs().amax(dim=-1, keepdim=True).clamp_min(1e-8), 127.0)
     q = torch.round(xf / scale).clamp_(-127, 127).to(torch.int8)
     return torch.cat([_u8(scale.to(torch.float16)), _u8(q)])
 
@@ -129,7 +136,7 @@ def _fp8_encode(x: torch.Tensor) -> torch.Tensor:
     if out is not None:
         return out
     xf = x.float()
-    scale = xf.abs().amax(dim=-1, keepdim=True).clamp_min(1e-8) / FP8_MAX
+    scale = _div(xf.abs().amax(dim=-1, keepdim=True).clamp_min(1e-8), FP8_MAX)
     q = (xf / scale).to(FP8)
     return torch.cat([_u8(scale.to(torch.float16)), _u8(q)])
 
@@ -155,7 +162,7 @@ def _quant4(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """x: [..., G, g] grouped on the last axis -> (packed uint8, scale fp16, min fp16)."""
     lo = x.amin(dim=-1, keepdim=True) + 0.0  # -0 -> +0: which zero amin returns depends on its order
     hi = x.amax(dim=-1, keepdim=True)
-    scale = ((hi - lo) / 15.0).clamp_min(1e-8)
+    scale = _div(hi - lo, 15.0).clamp_min(1e-8)
     q = torch.round((x - lo) / scale).clamp_(0, 15).to(torch.uint8).reshape(-1)
     if q.numel() % 2:
         q = torch.cat([q, q.new_zeros(1)])

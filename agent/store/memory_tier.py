@@ -7,9 +7,10 @@ the block's list of page indices. Freed pages go back so that the next allocatio
 them in ascending order again: most blocks sit in one contiguous run of pages, and
 copies are a few large memcpys instead of a gather.
 
-With `shared`, a CPU slab without CUDA lives in a memfd (agent.store.shm) that a peer
-agent on the same host can map for same-host handoff; where that fails, or with CUDA (the
-slab is then pinned memory), the slab is private and `shared_slab` is None.
+With `shared`, a CPU slab lives in a memfd (agent.store.shm) that a peer agent on the same
+host can map for same-host handoff; with CUDA that memory is pinned in place
+(cudaHostRegister), so the slab is both shared and DMA-able. Where either fails the slab
+is private (pinned with CUDA) and `shared_slab` is None.
 """
 
 from __future__ import annotations
@@ -26,6 +27,16 @@ log = logging.getLogger(__name__)
 
 def cuda_available() -> bool:
     return torch.cuda.is_available()
+
+
+def _pin_in_place(t: torch.Tensor) -> str:
+    """Page-lock a host tensor's memory for DMA (cudaHostRegister); '' or why it failed.
+    The registration lasts as long as the process: a slab lives as long as its agent."""
+    try:
+        torch.cuda.check_error(torch.cuda.cudart().cudaHostRegister(t.data_ptr(), t.numel() * t.element_size(), 0))
+    except (RuntimeError, AttributeError) as exc:  # torch.cuda.CudaError is a RuntimeError
+        return str(exc) or type(exc).__name__
+    return ""
 
 
 def runs(pages: list[int]) -> list[tuple[int, int]]:
@@ -64,11 +75,16 @@ class MemoryTier:
         self.device = device
         pin = device == "cpu" and cuda_available()
         self.shared_slab: SharedSlab | None = None
-        if shared and device == "cpu" and not pin:
+        if shared and device == "cpu":
             try:
                 self.shared_slab = SharedSlab(self.num_pages * page_bytes, f"{tier.label}-slab")
             except OSError as exc:
                 log.warning("the %s slab is private (no same-host shared memory): %s", tier.label, exc)
+            why = _pin_in_place(self.shared_slab.tensor) if self.shared_slab is not None and pin else ""
+            if why:
+                log.warning("the %s slab is private: its shared memory could not be pinned (%s)", tier.label, why)
+                self.shared_slab.close()
+                self.shared_slab = None
         if self.shared_slab is not None:
             self.slab = self.shared_slab.tensor
         else:

@@ -102,3 +102,16 @@ def test_agent_with_a_gpu_tier_is_indexed_by_tier_and_moved_by_command(controlpl
     loaded = agent.engine.load(SPEC.model_id, tokens).kv
     want = torch.stack([codecs.decode("int8", codecs.encode("int8", b), SPEC.block_shape, torch.float16) for b in kv])
     assert torch.equal(loaded, want)
+
+
+def test_a_shared_cpu_slab_is_pinned_in_place():
+    """With CUDA the CPU slab is pinned; a shared one (same-host handoff) is pinned where
+    it is (cudaHostRegister of its memfd mapping), so it stays shared and DMA-able."""
+    tier = MemoryTier(Tier.CPU, 1 << 20, 4096, shared=True)
+    assert tier.shared_slab is not None and tier.slab.data_ptr() == tier.shared_slab.tensor.data_ptr()
+    assert tier.slab.is_pinned()
+    tier.slab[4096:8192] = 7
+    on_gpu = tier.slab[4096:8192].to("cuda", non_blocking=True)
+    torch.cuda.synchronize()
+    assert int(on_gpu.sum()) == 7 * 4096
+    tier.close()

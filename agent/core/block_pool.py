@@ -186,10 +186,32 @@ def _write_one(dst, handle, data, header) -> OSError | None:
 
 
 def _batchable(src, dst) -> bool:
-    """Moves whose I/O a batch does in one call: a CPU memory slab to or from the disk."""
+    """Moves whose I/O a batch does at once: a CPU memory slab to or from the disk (one
+    call), or between memory slabs (GPU <-> CPU: every copy queued, one synchronize)."""
     if hasattr(src, "views") and getattr(src, "device", "") == "cpu" and hasattr(dst, "write_many"):
         return True
+    if hasattr(src, "views") and hasattr(dst, "views"):
+        return True
     return hasattr(src, "read_many") and hasattr(dst, "views") and getattr(dst, "device", "") == "cpu"
+
+
+def _copy_many(pairs: list[tuple[list[torch.Tensor], list[torch.Tensor]]]) -> None:
+    """Copy each (source segments, destination segments) pair of memory-slab blocks,
+    queued without waiting, then synchronize once if a GPU took part: every block is
+    copied before any is switched or its source pages freed."""
+    cuda = False
+    for src_segs, dst_segs in pairs:
+        cuda = cuda or src_segs[0].is_cuda or dst_segs[0].is_cuda
+        if len(src_segs) == 1 and len(dst_segs) == 1:
+            dst_segs[0].copy_(src_segs[0], non_blocking=True)
+            continue
+        data = src_segs[0] if len(src_segs) == 1 else torch.cat([s.to(dst_segs[0].device) for s in src_segs])
+        offset = 0
+        for seg in dst_segs:
+            seg.copy_(data[offset : offset + seg.numel()], non_blocking=True)
+            offset += seg.numel()
+    if cuda:
+        torch.cuda.synchronize()
 
 
 RECODE_WRITE_BYTES = 4 << 20  # re-encoded payload written per write_many
@@ -741,8 +763,20 @@ class BlockPool:
                             for _, m, src, old, new in jobs
                         ]
                     )
-                else:
-                    errs = jobs[0][2].read_many([(old, dst.views(new, m.stored_bytes)) for _, m, _, old, new in jobs])
+                else:  # into a memory slab: from the disk in one call, from memory slabs copied
+                    from_disk = [j for j in jobs if hasattr(j[2], "read_many")]
+                    done = {}
+                    if from_disk:
+                        reads = [(old, dst.views(new, m.stored_bytes)) for _, m, _, old, new in from_disk]
+                        done = dict(zip((j[0] for j in from_disk), from_disk[0][2].read_many(reads), strict=True))
+                    _copy_many(
+                        [
+                            (src.views(old, m.stored_bytes), dst.views(new, m.stored_bytes))
+                            for k, m, src, old, new in jobs
+                            if k not in done
+                        ]
+                    )
+                    errs = [done.get(k) for k, *_ in jobs]
             except Exception:  # nothing switched: every block stays where it was
                 with self.lock:
                     self._abandon(jobs, dst)

@@ -15,7 +15,9 @@ is private (pinned with CUDA) and `shared_slab` is None.
 
 from __future__ import annotations
 
+import ctypes
 import logging
+import weakref
 
 import torch
 
@@ -29,13 +31,28 @@ def cuda_available() -> bool:
     return torch.cuda.is_available()
 
 
+def _clear_cuda_error() -> None:
+    """Reset the CUDA runtime's last error after a failed call we handled: torch checks it
+    after its own calls and would raise it there (torch binds no cudaGetLastError)."""
+    for name in ("libcudart.so.13", "libcudart.so.12", "libcudart.so"):
+        try:
+            ctypes.CDLL(name).cudaGetLastError()
+            return
+        except (OSError, AttributeError):
+            continue
+
+
 def _pin_in_place(t: torch.Tensor) -> str:
     """Page-lock a host tensor's memory for DMA (cudaHostRegister); '' or why it failed.
-    The registration lasts as long as the process: a slab lives as long as its agent."""
+    Unregistered when the tensor goes, before its mapping can (views that outlive it copy
+    as pageable memory): a later mapping at the same addresses would not register."""
     try:
-        torch.cuda.check_error(torch.cuda.cudart().cudaHostRegister(t.data_ptr(), t.numel() * t.element_size(), 0))
+        cudart = torch.cuda.cudart()
+        torch.cuda.check_error(cudart.cudaHostRegister(t.data_ptr(), t.numel() * t.element_size(), 0))
     except (RuntimeError, AttributeError) as exc:  # torch.cuda.CudaError is a RuntimeError
+        _clear_cuda_error()
         return str(exc) or type(exc).__name__
+    weakref.finalize(t, cudart.cudaHostUnregister, t.data_ptr())
     return ""
 
 

@@ -385,3 +385,29 @@ def test_a_lossy_tier_codec_leaves_an_int8_kv_model_uncompressed(tmp_path):
     got = engine.load("i8", tokens(4))
     assert got.num_cached_tokens == 16 and torch.equal(got.kv, i8_kv)
     check_pool(pool)
+
+
+def test_a_batch_between_memory_slabs_keeps_its_bytes_and_mixes_with_disk_reads(tmp_path):
+    """Memory slab to memory slab (GPU <-> CPU; here a second host slab stands in for the
+    GPU) copies a batch then switches it: the bytes survive both ways, blocks whose pages
+    are scattered included, and a batch into the CPU slab may mix memory and disk sources."""
+    n = 8
+    upper = MemoryTier(Tier.GPU, n * SPEC.block_bytes, SPEC.block_bytes // 4, device="cpu")
+    upper._free.reverse()  # its pages come out descending: each block is four one-page runs
+    cpu = MemoryTier(Tier.CPU, n * SPEC.block_bytes, SPEC.block_bytes // 4, device="cpu")
+    pool = BlockPool([upper, cpu, DiskTier(tmp_path / "disk", 1 << 20)], [SPEC])
+    data = kv(n, seed=9)
+    hashes = [os.urandom(16) for _ in range(n)]
+    for i, h in enumerate(hashes):
+        assert pool.insert_chain(SPEC.model_id, [h], lambda _i, i=i: data[i]) == (1, 0)
+    assert len(upper.views(pool.blocks[hashes[0]].handle, SPEC.block_bytes)) == 4
+    assert all(o.ok for o in pool.move_blocks(hashes[:3], Tier.DISK))
+    outcomes = pool.move_blocks(hashes, Tier.CPU)  # three from the disk, five from the upper slab
+    assert all(o.ok for o in outcomes) and {pool.tier_of(h) for h in hashes} == {Tier.CPU}
+    assert upper.used_bytes == 0
+    for i, h in enumerate(hashes):
+        assert torch.equal(decoded(pool, h), data[i]), f"block {i}"
+    assert all(o.ok for o in pool.move_blocks(hashes[::-1], Tier.GPU))
+    for i, h in enumerate(hashes):
+        assert pool.tier_of(h) == Tier.GPU and torch.equal(decoded(pool, h), data[i]), f"block {i}"
+    check_pool(pool)

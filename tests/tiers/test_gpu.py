@@ -115,3 +115,25 @@ def test_a_shared_cpu_slab_is_pinned_in_place():
     torch.cuda.synchronize()
     assert int(on_gpu.sum()) == 7 * 4096
     tier.close()
+
+
+def test_shared_slabs_made_one_after_another_are_each_pinned():
+    """A slab's registration goes with it: the next slab, mapped at the same addresses,
+    registers again (CUDA said "already mapped" and the tier fell back to private)."""
+    for _ in range(4):
+        tier = MemoryTier(Tier.CPU, 1 << 20, 4096, shared=True)
+        assert tier.shared_slab is not None and tier.slab.is_pinned()
+        tier.close()
+        del tier
+
+
+def test_a_slab_that_cannot_be_pinned_leaves_cuda_usable():
+    """A failed registration (here: the same memory registered twice) is a warning and a
+    private slab; the error is cleared, not raised by the next CUDA call."""
+    from agent.store.memory_tier import _pin_in_place
+
+    tier = MemoryTier(Tier.CPU, 1 << 20, 4096, shared=True)
+    assert "already" in _pin_in_place(tier.shared_slab.tensor)
+    other = torch.empty(1 << 16, dtype=torch.uint8, pin_memory=True)
+    assert int(other.fill_(1).cuda().sum()) == 1 << 16
+    torch.cuda.synchronize()

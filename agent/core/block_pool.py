@@ -215,6 +215,17 @@ def _copy_many(pairs: list[tuple[list[torch.Tensor], list[torch.Tensor]]]) -> No
 
 
 RECODE_WRITE_BYTES = 4 << 20  # re-encoded payload written per write_many
+# raw GPU blocks encoded together on the GPU (its transient memory: a few times this)
+GPU_ENCODE_BATCH_BYTES = 16 << 20
+
+
+def _raw_block(src, handle, stored_bytes: int, spec: ModelSpec) -> torch.Tensor:
+    """An uncompressed block in a memory slab as a tensor of the model's shape, where it is
+    (a view when its pages are one run; the block is moving or the lock is held, so its
+    pages stay its own)."""
+    segs = src.views(handle, stored_bytes)
+    raw = segs[0] if len(segs) == 1 else torch.cat(segs)
+    return raw.view(spec.torch_dtype).reshape(spec.block_shape)
 
 
 @dataclass
@@ -829,16 +840,19 @@ class BlockPool:
         batch: list[tuple[_Recode, torch.Tensor, int]] = []
         batch_bytes = 0
         deferred: list[_Recode] = []  # no room even after making room: tried again at the end
-        queued = iter(jobs)
+        queued = deque(jobs)
         try:
             while True:
                 # encode ahead of the writes: while one batch is written (an fdatasync
                 # on a durable disk), the codec threads make the next ones
                 ahead = sum(job.stored_bytes for job, _ in pending)
-                while ahead < 3 * RECODE_WRITE_BYTES or len(pending) < 2 * self.codec_threads:
-                    job = next(queued, None)
-                    if job is None:
-                        break
+                while queued and (ahead < 3 * RECODE_WRITE_BYTES or len(pending) < 2 * self.codec_threads):
+                    on_gpu = self._gpu_batch(queued)
+                    if on_gpu:  # encoded here, together, on the GPU
+                        pending.extend(on_gpu)
+                        ahead += sum(job.stored_bytes for job, _ in on_gpu)
+                        continue
+                    job = queued.popleft()
                     try:
                         pending.append((job, self._codecs().submit(self._recode, job)))
                     except BaseException:  # no codec thread to take it (shutting down)
@@ -881,6 +895,45 @@ class BlockPool:
                     job.meta.moving = False
         return out
 
+    def _gpu_batch(self, queued: deque[_Recode]) -> list[tuple[_Recode, Future]]:
+        """Raw GPU blocks at the head of the queue going to a lossy codec, up to
+        GPU_ENCODE_BATCH_BYTES of one model: taken off the queue and encoded in one batch
+        on the GPU (codecs.encode_batch), each with its finished future. [] when the head
+        is not such a block, or the batch failed (out of GPU memory, say): the blocks are
+        back in the queue and take the per-block path."""
+        taken: list[_Recode] = []
+        size = 0
+        while queued and size < GPU_ENCODE_BATCH_BYTES:
+            job = queued[0]
+            first = taken[0] if taken else job
+            if not (
+                getattr(job.src, "device", "cpu") != "cpu"
+                and hasattr(job.src, "views")
+                and job.codec == "none"
+                and job.target in codecs.BATCHED
+                and job.meta.model_id == first.meta.model_id
+                and job.target == first.target
+            ):
+                break
+            taken.append(queued.popleft())
+            size += job.stored_bytes
+        if not taken:
+            return []
+        spec = self.models[taken[0].meta.model_id]
+        try:
+            blocks = torch.stack([_raw_block(job.src, job.handle, job.stored_bytes, spec) for job in taken])
+            payloads = codecs.encode_batch(taken[0].target, blocks)
+        except (RuntimeError, codecs.CodecError) as exc:  # torch.OutOfMemoryError is a RuntimeError
+            log.warning("encoding %d GPU blocks as one batch failed (%s); one by one instead", len(taken), exc)
+            queued.extendleft(reversed(taken))
+            return []
+        out = []
+        for job, data in zip(taken, payloads, strict=True):
+            fut: Future = Future()
+            fut.set_result((data, payload_checksum(data)))
+            out.append((job, fut))
+        return out
+
     def _codecs(self) -> ThreadPoolExecutor:
         with self.lock:
             if self._codec_pool is None:
@@ -906,15 +959,14 @@ class BlockPool:
         is decoded from its pages as they are (it is moving or the lock is held: they stay
         its own), others from a verified read (raises BlockUnreadable)."""
         spec = self.models[model_id]
-        if hasattr(src, "views") and (src.device == "cpu" or codec == "none"):
+        if hasattr(src, "views") and src.device != "cpu" and codec == "none":
+            block = _raw_block(src, handle, stored_bytes, spec)  # a lossy target quantizes it on the GPU
+        elif hasattr(src, "views") and src.device == "cpu":
             segs = src.views(handle, stored_bytes)
             raw = segs[0] if len(segs) == 1 else torch.cat(segs)
-        else:
-            raw = src.read(handle, stored_bytes)
-        if raw.device.type != "cpu":  # a raw GPU block: a lossy target quantizes it on the GPU
-            block = raw.view(spec.torch_dtype).reshape(spec.block_shape)
-        else:
             block = codecs.decode(codec, raw, spec.block_shape, spec.torch_dtype)
+        else:
+            block = codecs.decode(codec, src.read(handle, stored_bytes), spec.block_shape, spec.torch_dtype)
         data = codecs.encode(target, block)
         return data, payload_checksum(data)
 

@@ -38,6 +38,11 @@ def _u8(t: torch.Tensor) -> torch.Tensor:
     return t.contiguous().view(torch.uint8).reshape(-1)
 
 
+def _rows_u8(t: torch.Tensor) -> torch.Tensor:
+    """A batch [n, ...] as bytes, one row of its elements' bytes per block: [n, bytes]."""
+    return t.contiguous().view(torch.uint8).reshape(t.shape[0], -1)
+
+
 def _div(x: torch.Tensor, c: float) -> torch.Tensor:
     """x / c as a true division on every device: CUDA turns a division by a Python scalar
     into a multiplication by its reciprocal, which rounds differently from the host's
@@ -108,14 +113,17 @@ def _rows_decode_native(name: str, scale: torch.Tensor, q: torch.Tensor, shape, 
     return out
 
 
-def _int8_encode(x: torch.Tensor) -> torch.Tensor:
-    out = _rows_encode_native("int8_encode", x)
-    if out is not None:
-        return out
+def _int8_batch(x: torch.Tensor) -> torch.Tensor:
+    """int8 of blocks [n, ...] on their device -> payloads [n, bytes]: the C loops' bytes."""
     xf = x.float()
     scale = _div(xf.abs().amax(dim=-1, keepdim=True).clamp_min(1e-8), 127.0)
     q = torch.round(xf / scale).clamp_(-127, 127).to(torch.int8)
-    return torch.cat([_u8(scale.to(torch.float16)), _u8(q)])
+    return torch.cat([_rows_u8(scale.to(torch.float16)), _rows_u8(q)], dim=1)
+
+
+def _int8_encode(x: torch.Tensor) -> torch.Tensor:
+    out = _rows_encode_native("int8_encode", x)
+    return out if out is not None else _int8_batch(x[None])[0]
 
 
 def _int8_decode(buf: torch.Tensor, shape, dtype) -> torch.Tensor:
@@ -129,16 +137,20 @@ def _int8_decode(buf: torch.Tensor, shape, dtype) -> torch.Tensor:
 
 
 # ---- fp8 ----------------------------------------------------------------------------
+def _fp8_batch(x: torch.Tensor) -> torch.Tensor:
+    if FP8 is None:
+        raise CodecError("this torch build has no float8_e4m3fn")
+    xf = x.float()
+    scale = _div(xf.abs().amax(dim=-1, keepdim=True).clamp_min(1e-8), FP8_MAX)
+    q = (xf / scale).to(FP8)
+    return torch.cat([_rows_u8(scale.to(torch.float16)), _rows_u8(q)], dim=1)
+
+
 def _fp8_encode(x: torch.Tensor) -> torch.Tensor:
     if FP8 is None:
         raise CodecError("this torch build has no float8_e4m3fn")
     out = _rows_encode_native("fp8_encode", x)
-    if out is not None:
-        return out
-    xf = x.float()
-    scale = _div(xf.abs().amax(dim=-1, keepdim=True).clamp_min(1e-8), FP8_MAX)
-    q = (xf / scale).to(FP8)
-    return torch.cat([_u8(scale.to(torch.float16)), _u8(q)])
+    return out if out is not None else _fp8_batch(x[None])[0]
 
 
 def _fp8_decode(buf: torch.Tensor, shape, dtype) -> torch.Tensor:
@@ -159,14 +171,16 @@ def _groups(n: int) -> int:
 
 
 def _quant4(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """x: [..., G, g] grouped on the last axis -> (packed uint8, scale fp16, min fp16)."""
+    """x: [n, ..., G, g], a batch grouped on the last axis -> (nibbles packed two a byte
+    [n, bytes], scale fp16, min fp16)."""
+    n = x.shape[0]
     lo = x.amin(dim=-1, keepdim=True) + 0.0  # -0 -> +0: which zero amin returns depends on its order
     hi = x.amax(dim=-1, keepdim=True)
     scale = _div(hi - lo, 15.0).clamp_min(1e-8)
-    q = torch.round((x - lo) / scale).clamp_(0, 15).to(torch.uint8).reshape(-1)
-    if q.numel() % 2:
-        q = torch.cat([q, q.new_zeros(1)])
-    packed = q[0::2] | (q[1::2] << 4)
+    q = torch.round((x - lo) / scale).clamp_(0, 15).to(torch.uint8).reshape(n, -1)
+    if q.shape[1] % 2:
+        q = torch.cat([q, q.new_zeros(n, 1)], dim=1)
+    packed = q[:, 0::2] | (q[:, 1::2] << 4)
     return packed, scale.to(torch.float16), lo.to(torch.float16)
 
 
@@ -222,17 +236,21 @@ def _int4_encode(x: torch.Tensor) -> torch.Tensor:
         out = torch.empty(sum(sizes), dtype=torch.uint8)
         if lib.int4_encode(x.data_ptr(), L, T, H, D, gk, Gk, gv, Gv, *_section_ptrs(out.data_ptr(), sizes)) == 0:
             return out
+    return _int4_batch(x[None])[0]
+
+
+def _int4_batch(x: torch.Tensor) -> torch.Tensor:
+    """int4 of blocks [n, L, 2, T, H, D] on their device -> payloads [n, bytes]."""
     xf = x.float()
-    keys = xf[:, 0]  # [L, T, H, D]: per channel -> groups along tokens
-    vals = xf[:, 1]  # per token -> groups along D
-    k_t = keys.permute(0, 2, 3, 1)  # [L, H, D, T]
+    k_t = xf[:, :, 0].permute(0, 1, 3, 4, 2)  # keys [n, L, H, D, T]: per channel -> groups along tokens
+    vals = xf[:, :, 1]  # [n, L, T, H, D]: per token -> groups along D
     kg, _ = _pad_groups(k_t, k_t.shape[-1])
     vg, _ = _pad_groups(vals, vals.shape[-1])
     parts = []
     for grouped in (kg, vg):
         packed, scale, lo = _quant4(grouped)
-        parts += [_u8(scale), _u8(lo), packed]
-    return torch.cat(parts)
+        parts += [_rows_u8(scale), _rows_u8(lo), packed]
+    return torch.cat(parts, dim=1)
 
 
 def _int4_decode(buf: torch.Tensor, shape, dtype) -> torch.Tensor:
@@ -323,6 +341,26 @@ def encode(codec: str, block: torch.Tensor) -> torch.Tensor:
     if codec == "none":
         return _u8(block)
     return CODECS[codec][0](block)
+
+
+BATCHED = {"int8": _int8_batch, "int4": _int4_batch, "fp8": _fp8_batch}
+
+
+def encode_batch(codec: str, blocks: torch.Tensor) -> list[torch.Tensor]:
+    """Blocks [n, ...] of one shape -> their payloads (on the CPU), each the bytes encode()
+    writes for it. A lossy codec runs once over the whole batch where the blocks are (on
+    the GPU: a few kernels for n blocks, one copy of the payloads to pinned host memory)."""
+    check_codec(codec)
+    if codec not in BATCHED or blocks.device.type == "cpu" or blocks.shape[0] == 0:
+        return [encode(codec, b) for b in blocks]
+    if not blocks.dtype.is_floating_point:
+        raise CodecError(f"codec {codec} needs a floating-point KV dtype, not {blocks.dtype}")
+    if len(blocks.shape) != 6 and codec == "int4":
+        raise CodecError(f"int4 needs blocks [n, layers, 2, tokens, heads, dim], not {list(blocks.shape)}")
+    payloads = BATCHED[codec](blocks.detach())
+    host = torch.empty(payloads.shape, dtype=torch.uint8, pin_memory=torch.cuda.is_available())
+    host.copy_(payloads)
+    return list(host)
 
 
 def decode(codec: str, payload: torch.Tensor, shape, dtype: torch.dtype) -> torch.Tensor:

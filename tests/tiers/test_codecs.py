@@ -334,3 +334,20 @@ def test_int8_c_loops_build_where_a_compiler_is(monkeypatch):
     if shutil.which("cc") is None:
         pytest.skip("no C compiler")
     assert codecs._native() is not None, "agent/core/codec_kernel.c did not build (see the log)"
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32], ids=str)
+@pytest.mark.parametrize("shape", SHAPES, ids=str)
+@pytest.mark.parametrize("codec", ["int8", "int4", "fp8"])
+def test_a_batch_encodes_to_each_blocks_own_payload(codec, shape, dtype):
+    """The batched path (what a GPU demotion runs over many blocks at once; here on the
+    host) writes for every block the bytes encode() writes for it alone."""
+    if codec not in codecs.available_codecs():
+        pytest.skip(f"{codec} unavailable in this torch build")
+    blocks = torch.stack([block(shape, dtype, seed=i, magnitude=1 + 10 * i) for i in range(3)])
+    blocks[1, ..., 0] = 0
+    batch = codecs.BATCHED[codec](blocks)
+    assert batch.shape[0] == 3
+    for i in range(3):
+        assert torch.equal(batch[i], codecs.encode(codec, blocks[i])), f"block {i}"
+    assert [p.numel() for p in codecs.encode_batch(codec, blocks)] == [batch.shape[1]] * 3

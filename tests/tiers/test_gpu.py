@@ -137,3 +137,42 @@ def test_a_slab_that_cannot_be_pinned_leaves_cuda_usable():
     other = torch.empty(1 << 16, dtype=torch.uint8, pin_memory=True)
     assert int(other.fill_(1).cuda().sum()) == 1 << 16
     torch.cuda.synchronize()
+
+
+@pytest.mark.parametrize("codec", ["int8", "int4", "fp8"])
+def test_a_batched_gpu_demotion_writes_each_blocks_host_payload(codec, monkeypatch):
+    """move_blocks (the Mover's path) encodes raw GPU blocks in batches on the GPU: every
+    block ends in the CPU tier with exactly the payload the host would write, blocks with
+    scattered pages included, over more than one batch; a batch that fails on the GPU is
+    encoded block by block instead."""
+    import agent.core.block_pool as block_pool
+
+    monkeypatch.setattr(block_pool, "GPU_ENCODE_BATCH_BYTES", 3 * SPEC.block_bytes)  # several batches
+    n = 10
+    gpu = MemoryTier(Tier.GPU, n * SPEC.block_bytes, SPEC.block_bytes // 4)
+    gpu._free.reverse()  # descending pages: every block is four one-page runs
+    cpu = MemoryTier(Tier.CPU, n * SPEC.block_bytes, SPEC.block_bytes // 4)
+    pool = BlockPool([gpu, cpu], [SPEC])
+    data = (torch.randn((n, *SPEC.block_shape)) * 4).to(torch.float16)
+    hashes = [bytes([i]) * 16 for i in range(n)]
+    for i, h in enumerate(hashes):
+        assert pool.insert_chain(SPEC.model_id, [h], lambda _i, i=i: data[i]) == (1, 0)
+    calls = []
+    real = codecs.encode_batch
+
+    def flaky(name, blocks):  # the second batch fails as an out-of-memory would
+        calls.append(blocks.shape[0])
+        if len(calls) == 2:
+            raise torch.OutOfMemoryError("CUDA out of memory (test)")
+        return real(name, blocks)
+
+    monkeypatch.setattr(codecs, "encode_batch", flaky)
+    outcomes = pool.move_blocks(hashes, Tier.CPU, codec)
+    assert all(o.ok for o in outcomes), outcomes
+    assert calls[0] == 3 and len(calls) >= 3
+    for i, h in enumerate(hashes):
+        meta = pool.blocks[h]
+        assert meta.tier == Tier.CPU and meta.codec == codec
+        stored = cpu.read(meta.handle, meta.stored_bytes)
+        assert torch.equal(stored, codecs.encode(codec, data[i])), f"block {i}"
+    assert gpu.used_bytes == 0

@@ -240,6 +240,7 @@ class _Recode:
     stored_bytes: int
     target: str
     done: bool = False  # switched or failed: no longer this move's to undo
+    one_by_one: bool = False  # its GPU batch failed: encoded alone
 
 
 class BlockPool:
@@ -910,6 +911,7 @@ class BlockPool:
                 getattr(job.src, "device", "cpu") != "cpu"
                 and hasattr(job.src, "views")
                 and job.codec == "none"
+                and not job.one_by_one
                 and job.target in codecs.BATCHED
                 and job.meta.model_id == first.meta.model_id
                 and job.target == first.target
@@ -925,6 +927,8 @@ class BlockPool:
             payloads = codecs.encode_batch(taken[0].target, blocks)
         except (RuntimeError, codecs.CodecError) as exc:  # torch.OutOfMemoryError is a RuntimeError
             log.warning("encoding %d GPU blocks as one batch failed (%s); one by one instead", len(taken), exc)
+            for job in taken:
+                job.one_by_one = True
             queued.extendleft(reversed(taken))
             return []
         out = []

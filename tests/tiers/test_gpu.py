@@ -169,7 +169,7 @@ def test_a_batched_gpu_demotion_writes_each_blocks_host_payload(codec, monkeypat
     monkeypatch.setattr(codecs, "encode_batch", flaky)
     outcomes = pool.move_blocks(hashes, Tier.CPU, codec)
     assert all(o.ok for o in outcomes), outcomes
-    assert calls[0] == 3 and len(calls) >= 3
+    assert calls == [3, 3, 3, 1]  # the failed batch's three went one by one
     for i, h in enumerate(hashes):
         meta = pool.blocks[h]
         assert meta.tier == Tier.CPU and meta.codec == codec

@@ -195,21 +195,47 @@ def _batchable(src, dst) -> bool:
     return hasattr(src, "read_many") and hasattr(dst, "views") and getattr(dst, "device", "") == "cpu"
 
 
+def _spans(segs: list[torch.Tensor]) -> deque[tuple[torch.Tensor, int, int]]:
+    """Slab segments as (slab, byte offset in it, bytes)."""
+    out = deque()
+    for seg in segs:
+        slab = seg if seg._base is None else seg._base
+        out.append((slab, seg.storage_offset() - slab.storage_offset(), seg.numel()))
+    return out
+
+
 def _copy_many(pairs: list[tuple[list[torch.Tensor], list[torch.Tensor]]]) -> None:
-    """Copy each (source segments, destination segments) pair of memory-slab blocks,
-    queued without waiting, then synchronize once if a GPU took part: every block is
-    copied before any is switched or its source pages freed."""
-    cuda = False
+    """Copy each (source segments, destination segments) pair of memory-slab blocks.
+    Pieces adjacent in both slabs are merged (blocks allocated in order sit back to back
+    on both sides: one copy for the lot instead of one a block, each copy being a driver
+    call), every copy is queued without waiting, and one synchronize ends it if a GPU
+    took part: every block is copied before any is switched or its source freed."""
+    pieces: list[list] = []  # [source slab, offset, destination slab, offset, bytes]
     for src_segs, dst_segs in pairs:
-        cuda = cuda or src_segs[0].is_cuda or dst_segs[0].is_cuda
-        if len(src_segs) == 1 and len(dst_segs) == 1:
-            dst_segs[0].copy_(src_segs[0], non_blocking=True)
-            continue
-        data = src_segs[0] if len(src_segs) == 1 else torch.cat([s.to(dst_segs[0].device) for s in src_segs])
-        offset = 0
-        for seg in dst_segs:
-            seg.copy_(data[offset : offset + seg.numel()], non_blocking=True)
-            offset += seg.numel()
+        src, dst = _spans(src_segs), _spans(dst_segs)
+        while src and dst:
+            (sb, so, sn), (db, do, dn) = src[0], dst[0]
+            n = min(sn, dn)
+            last = pieces[-1] if pieces else None
+            if (
+                last is not None
+                and last[0].data_ptr() == sb.data_ptr()
+                and last[2].data_ptr() == db.data_ptr()
+                and last[1] + last[4] == so
+                and last[3] + last[4] == do
+            ):
+                last[4] += n
+            else:
+                pieces.append([sb, so, db, do, n])
+            for side, (base, off, left) in ((src, src[0]), (dst, dst[0])):
+                if left == n:
+                    side.popleft()
+                else:
+                    side[0] = (base, off + n, left - n)
+    cuda = False
+    for sb, so, db, do, n in pieces:
+        db[do : do + n].copy_(sb[so : so + n], non_blocking=True)
+        cuda = cuda or sb.is_cuda or db.is_cuda
     if cuda:
         torch.cuda.synchronize()
 

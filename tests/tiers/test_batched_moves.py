@@ -411,3 +411,28 @@ def test_a_batch_between_memory_slabs_keeps_its_bytes_and_mixes_with_disk_reads(
     for i, h in enumerate(hashes):
         assert pool.tier_of(h) == Tier.GPU and torch.equal(decoded(pool, h), data[i]), f"block {i}"
     check_pool(pool)
+
+
+def test_blocks_back_to_back_in_both_slabs_move_in_one_copy(tmp_path, monkeypatch):
+    """Each copy between memory slabs is a driver call on a GPU: blocks that sit back to
+    back in the source and land back to back in the destination go in one."""
+    n = 6
+    upper = MemoryTier(Tier.GPU, n * SPEC.block_bytes, SPEC.block_bytes // 4, device="cpu")
+    cpu = MemoryTier(Tier.CPU, n * SPEC.block_bytes, SPEC.block_bytes // 4, device="cpu")
+    pool = BlockPool([upper, cpu], [SPEC])
+    data = kv(n, seed=11)
+    hashes = [os.urandom(16) for _ in range(n)]
+    for i, h in enumerate(hashes):
+        assert pool.insert_chain(SPEC.model_id, [h], lambda _i, i=i: data[i]) == (1, 0)
+    copies, real = [], torch.Tensor.copy_
+
+    def counted(self, src, *args, **kwargs):
+        copies.append(src.numel())
+        return real(self, src, *args, **kwargs)
+
+    monkeypatch.setattr(torch.Tensor, "copy_", counted)
+    assert all(o.ok for o in pool.move_blocks(hashes, Tier.CPU))
+    monkeypatch.undo()
+    assert copies == [n * SPEC.block_bytes]
+    for i, h in enumerate(hashes):
+        assert pool.tier_of(h) == Tier.CPU and torch.equal(decoded(pool, h), data[i])

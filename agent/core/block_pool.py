@@ -210,28 +210,30 @@ def _copy_many(pairs: list[tuple[list[torch.Tensor], list[torch.Tensor]]]) -> No
     on both sides: one copy for the lot instead of one a block, each copy being a driver
     call), every copy is queued without waiting, and one synchronize ends it if a GPU
     took part: every block is copied before any is switched or its source freed."""
-    pieces: list[list] = []  # [source slab, offset, destination slab, offset, bytes]
+    split = []  # (source slab address, offset, destination slab address, offset, bytes, slabs)
     for src_segs, dst_segs in pairs:
         src, dst = _spans(src_segs), _spans(dst_segs)
         while src and dst:
             (sb, so, sn), (db, do, dn) = src[0], dst[0]
             n = min(sn, dn)
-            last = pieces[-1] if pieces else None
-            if (
-                last is not None
-                and last[0].data_ptr() == sb.data_ptr()
-                and last[2].data_ptr() == db.data_ptr()
-                and last[1] + last[4] == so
-                and last[3] + last[4] == do
-            ):
-                last[4] += n
-            else:
-                pieces.append([sb, so, db, do, n])
+            split.append((sb.data_ptr(), so, db.data_ptr(), do, n, sb, db))
             for side, (base, off, left) in ((src, src[0]), (dst, dst[0])):
                 if left == n:
                     side.popleft()
                 else:
                     side[0] = (base, off + n, left - n)
+    # the copies are independent: in source order, blocks a free list handed out in
+    # reverse (freed in order, popped last-first) line up again
+    split.sort(key=lambda p: (p[0], p[1]))
+    pieces: list[list] = []  # [source slab, offset, destination slab, offset, bytes]
+    last_ptrs = None
+    for sp, so, dp, do, n, sb, db in split:
+        last = pieces[-1] if pieces else None
+        if last is not None and last_ptrs == (sp, dp) and last[1] + last[4] == so and last[3] + last[4] == do:
+            last[4] += n
+        else:
+            pieces.append([sb, so, db, do, n])
+            last_ptrs = (sp, dp)
     cuda = False
     for sb, so, db, do, n in pieces:
         db[do : do + n].copy_(sb[so : so + n], non_blocking=True)

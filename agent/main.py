@@ -84,7 +84,7 @@ def _metrics_listen(ctx, param, value: str) -> str:
     "--shm-handoff/--no-shm-handoff",
     default=True,
     show_default=True,
-    help="Keep the CPU slab in shared memory (a memfd) so agents on this host hand off by memcpy (not with CUDA).",
+    help="Keep the CPU slab in shared memory (a memfd; pinned in place with CUDA) so agents on this host hand off by memcpy.",
 )
 @click.option("--handoff-deadline-seconds", default=10.0, show_default=True, type=float)
 @click.option("--link-max-concurrent", default=2, show_default=True, type=click.IntRange(1, 64))

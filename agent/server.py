@@ -75,7 +75,7 @@ class AgentConfig:
     transfer_engine: str = "mooncake"  # data plane for handoffs: mooncake | none (gRPC fallback only)
     transfer_protocol: str = "tcp"  # the engine's transport: tcp | rdma
     transfer_metadata: str = "P2PHANDSHAKE"  # or etcd://host:port (the engine's own metadata)
-    shm_handoff: bool = True  # the CPU slab in shared memory for same-host handoff (not with CUDA)
+    shm_handoff: bool = True  # the CPU slab in shared memory for same-host handoff (pinned in place with CUDA)
     codec_threads: int = 2  # threads that encode blocks while a move writes the ones before
     dataplane: DataPlaneConfig = field(default_factory=DataPlaneConfig)
 

@@ -196,10 +196,13 @@ def _batchable(src, dst) -> bool:
 
 
 def _spans(segs: list[torch.Tensor]) -> deque[tuple[torch.Tensor, int, int]]:
-    """Slab segments as (slab, byte offset in it, bytes)."""
+    """Slab segments as (slab, byte offset in it, bytes); a segment of anything but a flat
+    byte slab is its own (nothing is merged with it)."""
     out = deque()
     for seg in segs:
-        slab = seg if seg._base is None else seg._base
+        slab = seg._base
+        if slab is None or slab.dim() != 1 or slab.dtype != torch.uint8 or not slab.is_contiguous():
+            slab = seg
         out.append((slab, seg.storage_offset() - slab.storage_offset(), seg.numel()))
     return out
 

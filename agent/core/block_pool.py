@@ -250,6 +250,12 @@ RECODE_WRITE_BYTES = 4 << 20  # re-encoded payload written per write_many
 GPU_ENCODE_BATCH_BYTES = 16 << 20
 
 
+def _off_host(store) -> bool:
+    """A memory slab off the host (a GPU's): a lossy codec encodes its raw blocks where
+    they are, many at a time."""
+    return hasattr(store, "views") and getattr(store, "device", "cpu") != "cpu"
+
+
 def _raw_block(src, handle, stored_bytes: int, spec: ModelSpec) -> torch.Tensor:
     """An uncompressed block in a memory slab as a tensor of the model's shape, where it is
     (a view when its pages are one run; the block is moving or the lock is held, so its
@@ -939,8 +945,7 @@ class BlockPool:
             job = queued[0]
             first = taken[0] if taken else job
             if not (
-                getattr(job.src, "device", "cpu") != "cpu"
-                and hasattr(job.src, "views")
+                _off_host(job.src)
                 and job.codec == "none"
                 and not job.one_by_one
                 and job.target in codecs.BATCHED
@@ -994,7 +999,7 @@ class BlockPool:
         is decoded from its pages as they are (it is moving or the lock is held: they stay
         its own), others from a verified read (raises BlockUnreadable)."""
         spec = self.models[model_id]
-        if hasattr(src, "views") and src.device != "cpu" and codec == "none":
+        if _off_host(src) and codec == "none":
             block = _raw_block(src, handle, stored_bytes, spec)  # a lossy target quantizes it on the GPU
         elif hasattr(src, "views") and src.device == "cpu":
             segs = src.views(handle, stored_bytes)

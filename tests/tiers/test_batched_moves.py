@@ -436,3 +436,45 @@ def test_blocks_back_to_back_in_both_slabs_move_in_one_copy(tmp_path, monkeypatc
     assert copies == [n * SPEC.block_bytes]
     for i, h in enumerate(hashes):
         assert pool.tier_of(h) == Tier.CPU and torch.equal(decoded(pool, h), data[i])
+
+
+@pytest.mark.parametrize("codec", ["int8", "int4", "fp8"])
+def test_demotion_from_an_off_host_slab_encodes_in_batches(tmp_path, monkeypatch, codec):
+    """The GPU demotion's batching, on the host: a second host slab stands in for the GPU
+    (its raw blocks encoded many at a time, by the batched codec path). Every block gets
+    the payload encode() writes for it alone, over several batches and scattered pages,
+    and a batch that fails (out of GPU memory, say) is encoded block by block."""
+    import agent.core.block_pool as block_pool
+    from agent.core import codecs
+
+    if codec not in codecs.available_codecs():
+        pytest.skip(f"{codec} unavailable in this torch build")
+    monkeypatch.setattr(block_pool, "_off_host", lambda store: store.tier is Tier.GPU)
+    monkeypatch.setattr(block_pool, "GPU_ENCODE_BATCH_BYTES", 3 * SPEC.block_bytes)
+    calls = []
+
+    def batched(name, blocks):  # the GPU's path on the host; the second batch fails
+        calls.append(blocks.shape[0])
+        if len(calls) == 2:
+            raise RuntimeError("CUDA out of memory (test)")
+        return list(codecs.BATCHED[name](blocks))
+
+    monkeypatch.setattr(codecs, "encode_batch", batched)
+    n = 10
+    upper = MemoryTier(Tier.GPU, n * SPEC.block_bytes, SPEC.block_bytes // 4, device="cpu")
+    upper._free.reverse()  # descending pages: every block is four one-page runs
+    cpu = MemoryTier(Tier.CPU, n * SPEC.block_bytes, SPEC.block_bytes // 4, device="cpu")
+    pool = BlockPool([upper, cpu, DiskTier(tmp_path / "disk", 1 << 20)], [SPEC])
+    data = (kv(n, seed=13).float() * 4).to(SPEC.torch_dtype)
+    hashes = [os.urandom(16) for _ in range(n)]
+    for i, h in enumerate(hashes):
+        assert pool.insert_chain(SPEC.model_id, [h], lambda _i, i=i: data[i]) == (1, 0)
+    outcomes = pool.move_blocks(hashes, Tier.CPU, codec)
+    assert all(o.ok for o in outcomes), outcomes
+    assert calls == [3, 3, 3, 1]  # the failed batch's three went one by one
+    for i, h in enumerate(hashes):
+        meta = pool.blocks[h]
+        assert meta.tier is Tier.CPU and meta.codec == codec
+        assert torch.equal(cpu.read(meta.handle, meta.stored_bytes), codecs.encode(codec, data[i])), f"block {i}"
+    assert upper.used_bytes == 0
+    check_pool(pool)

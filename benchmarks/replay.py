@@ -370,6 +370,7 @@ class PolicyRun:
     evicted_blocks: int = 0
     demoted_blocks: int = 0
     promoted_blocks: int = 0
+    recent_first_passes: int = 0  # decide passes in recent-first order (loops larger than the cache)
 
 
 def replay_policy(**overrides) -> Policy:
@@ -413,7 +414,7 @@ class PolicyReplay:
                 default=self.policy.reuse_credit_turnovers,
                 max_reuse_credits=self.policy.max_reuse_credits,
             )
-            if self.policy.tune_reuse_credits and evidence == "lookups"
+            if (self.policy.tune_reuse_credits or self.policy.scan_resistance) and evidence == "lookups"
             else None
         )
         self.tuned: list[float] = []
@@ -466,12 +467,14 @@ class PolicyReplay:
 
     def _view(self) -> ClusterView:
         tiers = tuple(TierView(t, n, self.held[t]) for t, n in self.tiers)
-        credit = self.tuner.best() if self.tuner is not None else None
+        credit = self.tuner.best() if self.tuner is not None and self.policy.tune_reuse_credits else None
         if credit is not None:
             self.tuned.append(credit)
+        recent_first = self.tuner is not None and self.policy.scan_resistance and self.tuner.recent_first()
+        self.run.recent_first_passes += recent_first
         stored = self.stored if self.evidence == "events" else None
         agent = AgentView(AGENT_ID, tiers, num_children=self.num_children, stored_seconds=stored)
-        return ClusterView(agents=(agent,), stats=self.stats, reuse_credit_turnovers=credit)
+        return ClusterView(agents=(agent,), stats=self.stats, reuse_credit_turnovers=credit, recent_first=recent_first)
 
     def _apply(self, actions: Iterable) -> None:
         run = self.run
@@ -552,6 +555,7 @@ class ReplayResult:
     seconds: dict[str, float]
     oracles: dict[str, float] = field(default_factory=dict)
     evidence: str = "lookups"
+    recent_first_passes: int = 0
 
     @property
     def policy_vs_lru(self) -> float | None:
@@ -582,6 +586,7 @@ class ReplayResult:
             "evicted_blocks": self.evicted_blocks,
             "demoted_blocks": self.demoted_blocks,
             "promoted_blocks": self.promoted_blocks,
+            "recent_first_passes": self.recent_first_passes,
             "seconds": {k: round(v, 2) for k, v in self.seconds.items()},
             **{f"{k}_hit_ratio": round(v, 4) for k, v in self.oracles.items()},
         }
@@ -645,6 +650,7 @@ def replay(
         seconds=seconds,
         oracles=bounds,
         evidence=evidence,
+        recent_first_passes=run.recent_first_passes,
     )
 
 

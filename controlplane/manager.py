@@ -935,16 +935,18 @@ class Manager:
                 if self.tuner is not None:
                     self.tuner.observe(hashes, now, self.access)
 
-    def _tune(self, policy: tier_policy.Policy, capacity_blocks: int) -> float | None:
-        """The reuse credit the shadow caches currently favour (None: tuning off)."""
-        if not policy.tune_reuse_credits or capacity_blocks <= 0:
+    def _tune(self, policy: tier_policy.Policy, capacity_blocks: int) -> tuple[float | None, bool]:
+        """The reuse credit the shadow caches currently favour (None: tuning off), and
+        whether they see loops larger than the cache (recent-first eviction)."""
+        if not (policy.tune_reuse_credits or policy.scan_resistance) or capacity_blocks <= 0:
             self.tuner = None
-            return None
+            return None, False
         if self.tuner is None or abs(self.tuner.capacity_blocks - capacity_blocks) > 0.2 * self.tuner.capacity_blocks:
             self.tuner = CreditTuner(
                 capacity_blocks, default=policy.reuse_credit_turnovers, max_reuse_credits=policy.max_reuse_credits
             )
-        return self.tuner.best()
+        credit = self.tuner.best() if policy.tune_reuse_credits else None
+        return credit, policy.scan_resistance and self.tuner.recent_first()
 
     def tier_policy(self) -> tier_policy.Policy:
         with self._lock:
@@ -1028,7 +1030,7 @@ class Manager:
         if not views:
             return 0
         capacity = sum(self._capacity_blocks(rec) for rec in connected if rec.models)
-        credit = self._tune(policy, capacity)
+        credit, recent_first = self._tune(policy, capacity)
         actions = []
         with self._access_lock:
             turnover = self.access.turnover_seconds(capacity)
@@ -1040,6 +1042,7 @@ class Manager:
                     replicas=replicas,
                     turnover_seconds=turnover,
                     reuse_credit_turnovers=credit,
+                    recent_first=recent_first,
                 )
                 actions.extend(tier_policy.decide(view, policy, now))
         for action in actions:

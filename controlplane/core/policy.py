@@ -36,6 +36,10 @@ Rules, in the order they bind:
    is worth depends on the workload (documents: much; multi-turn chat, where a dead
    session's prefix was reused at every turn: nothing), so the view may carry a credit
    chosen by controlplane.core.tuning.CreditTuner from shadow caches of the lookups.
+   Loops larger than the cluster's capacity defeat every recency order (each block comes
+   back just after it went); while the tuner's shadows say the lookups cycle like that
+   (`scan_resistance`), the view asks for `recent_first`: the most recently used tails
+   go first, credits aside, which keeps a fixed part of the loop resident.
    `last_access_seconds` is the later of the last lookup naming the block and the last
    time an agent newly stored it (the index stamps each block when an agent newly holds
    it): a fleet whose engines store without asking kvcp first (vLLM KV events alone)
@@ -91,6 +95,7 @@ class Policy:
     promote_hot: bool = True
     promote_min_reuses: int = 1
     tune_reuse_credits: bool = True
+    scan_resistance: bool = True
 
     def tier(self, tier: Tier) -> TierPolicy:
         if tier is Tier.GPU:
@@ -170,7 +175,7 @@ class Policy:
             v = getattr(self, attr)
             if isinstance(v, bool) or not isinstance(v, int) or not lo <= v <= hi:
                 raise errors.InvalidArgument(name(attr), f"must be an integer in [{lo}, {hi}], got {v!r}")
-        for attr in ("promote_hot", "tune_reuse_credits"):
+        for attr in ("promote_hot", "tune_reuse_credits", "scan_resistance"):
             if not isinstance(getattr(self, attr), bool):
                 raise errors.InvalidArgument(name(attr), f"must be true or false, got {getattr(self, attr)!r}")
         return self
@@ -327,16 +332,24 @@ class ClusterView:
     replicas: Mapping[bytes, int] | None = None
     turnover_seconds: float | None = None
     reuse_credit_turnovers: float | None = None
+    recent_first: bool = False  # the tuner saw loops larger than the cache: newest tails go first
 
 
 # ---- scoring --------------------------------------------------------------------------------
 def block_priority(
-    stats, turnover_seconds: float, policy: Policy, replicated: bool, now: float, stored_seconds: float | None = None
+    stats,
+    turnover_seconds: float,
+    policy: Policy,
+    replicated: bool,
+    now: float,
+    stored_seconds: float | None = None,
+    recent_first: bool = False,
 ) -> float:
     """Higher stays longer. `stats` is the block's BlockStats (None: never looked up);
     `stored_seconds` when an agent last newly stored it (None: not known). A store is a
     use (an engine computed or received the block), so it counts as an access; a block
-    with neither ranks below everything. See the module docstring for the rule."""
+    with neither ranks below everything. `recent_first`: the older the last use, the
+    longer it stays (loops larger than the cache). See the module docstring for the rule."""
     if stored_seconds is not None and math.isnan(stored_seconds):
         stored_seconds = None
     if stats is None:
@@ -348,6 +361,8 @@ def block_priority(
         if stored_seconds is not None and stored_seconds > last:
             last = stored_seconds
         credits = float(min(stats.num_reuses, policy.max_reuse_credits))
+    if recent_first:
+        return -min(last, now)
     if replicated:
         credits -= policy.replica_discount_credits
     bonus = policy.reuse_credit_turnovers * turnover_seconds * credits if credits else 0.0
@@ -424,6 +439,7 @@ class _AgentPass:
         self.now = now
         self.turnover = turnover
         self.replicas = replicas
+        self.recent_first = view.recent_first and policy.scan_resistance
         self.parent: Mapping[bytes, bytes]
         if len(tiers) == 1:
             self.parent = tiers[0].blocks  # read only: no copy
@@ -442,7 +458,7 @@ class _AgentPass:
         deterministic."""
         replicated = self.replicas.get(h, 1) > 1 if self.replicas else False
         s = self.stats.get(h)
-        p = block_priority(s, self.turnover, self.policy, replicated, self.now, self.stored.get(h))
+        p = block_priority(s, self.turnover, self.policy, replicated, self.now, self.stored.get(h), self.recent_first)
         return (p, 0 if replicated else 1, getattr(s, "last_lookup", -1), h)
 
     def pin_allows(self, h: bytes, target: int | None) -> bool:

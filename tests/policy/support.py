@@ -183,3 +183,16 @@ def conversation_trace(num_requests: int = 800, seed: int = 1, new_session_share
         input_length = 512 * (len(ids) - 1) + rng.randint(1, 512)
         out.append({"timestamp": t, "input_length": input_length, "output_length": 16, "hash_ids": ids})
     return out
+
+
+def loop_trace(num_prompts: int = 200, blocks_per_prompt: int = 4, rounds: int = 5) -> list[dict]:
+    """A batch job cycling through the same prompts in the same order, round after round
+    (every block comes back once per round: a loop as long as all its blocks)."""
+    out = []
+    t = 0
+    for _ in range(rounds):
+        for p in range(num_prompts):
+            ids = [p * 100 + k for k in range(blocks_per_prompt)]
+            out.append({"timestamp": t, "input_length": 512 * blocks_per_prompt, "output_length": 8, "hash_ids": ids})
+            t += 50
+    return out

@@ -64,6 +64,21 @@ def test_a_reused_block_outlives_a_newer_block_seen_once():
     assert decide(v, Policy(gpu=FULL, reuse_credit_turnovers=0), now=16.0) == [Evict("a", (h(0),))]
 
 
+def test_recent_first_evicts_the_newest_tails_and_only_when_the_policy_allows():
+    """While the tuner sees loops larger than the cache (view.recent_first), the most
+    recently used tails go first, credits aside; `scan_resistance=false` ignores it."""
+    stats = AccessStats()
+    record(stats, [0, 1, 2], 1.0)  # older chain, seen once
+    record(stats, [3, 4, 5], 1.8)
+    record(stats, [3, 4, 5], 2.0)  # newer chain, reused: a credit
+    blocks = {**chain([0, 1, 2]), **chain([3, 4, 5])}
+    policy = Policy(gpu=TierPolicy(low_watermark=0.5, high_watermark=0.8))
+    v = replace(view({"a": {Tier.GPU: (6, blocks)}}, stats, turnover_seconds=10.0), recent_first=True)
+    assert decide(v, policy, now=3.0) == [Evict("a", (h(5), h(4), h(3)))]
+    assert decide(v, replace(policy, scan_resistance=False), now=3.0) == [Evict("a", (h(2), h(1), h(0)))]
+    assert decide(replace(v, recent_first=False), policy, now=3.0) == [Evict("a", (h(2), h(1), h(0)))]
+
+
 def test_credits_are_capped_so_a_once_hot_block_ages_out():
     stats = AccessStats()
     for t in range(10):
@@ -229,7 +244,8 @@ def scenarios(draw):
         reuse_credit_turnovers=draw(st.sampled_from([0.0, 1.0, 2.0])),
     ).validate()
     turnover = draw(st.sampled_from([None, 0.0, 10.0, 100.0]))
-    return view(agents, stats, pins, turnover), policy, t + 1.0
+    v = replace(view(agents, stats, pins, turnover), recent_first=draw(st.booleans()))  # loops: newest first
+    return v, policy, t + 1.0
 
 
 def eligible_victims(agent: FakeAgent, tier: Tier, slowest: Tier) -> list[bytes]:

@@ -1,5 +1,6 @@
 """CreditTuner: shadow caches pick the reuse credit that the recent lookups reward:
-credits on shared documents among one-off prompts, none (recency) on multi-turn chat."""
+credits on shared documents among one-off prompts, none (recency) on multi-turn chat;
+and recent-first eviction on a loop larger than the cache, only there."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ from benchmarks import replay as rp
 from controlplane.core.access_stats import AccessStats
 from controlplane.core.tuning import CreditTuner
 from protos.tier import Tier
-from tests.policy.support import conversation_trace, synthetic_trace
+from tests.policy.support import conversation_trace, loop_trace, synthetic_trace
 
 
 def tune(raw: list[dict], fraction: float, sample: float = 1.0) -> CreditTuner:
@@ -61,3 +62,24 @@ def test_no_hits_yet_keeps_the_default():
     assert tuner.best() == 2.0
     with pytest.raises(ValueError):
         CreditTuner(0)
+
+
+def test_a_loop_larger_than_the_cache_turns_eviction_recent_first():
+    loop = tune(loop_trace(), 0.4)
+    assert loop.recent_first()
+    assert loop.scan.score > 100 * max(loop.scores().values())  # recency shadows hit (next to) nothing
+    for trace in (synthetic_trace(num_requests=700, seed=3), conversation_trace(num_requests=600, seed=2)):
+        assert not tune(trace, 1 / 24).recent_first()
+
+
+@pytest.mark.parametrize("fraction", [0.4, 0.2])
+def test_policy_on_a_loop_matches_belady_where_lru_hits_nothing(fraction):
+    raw = loop_trace()
+    trace = [rp.Request(r["timestamp"], r["input_length"], tuple(r["hash_ids"])) for r in raw]
+    capacity = int(rp.unique_blocks(trace) * fraction)
+    result = rp.replay("loop", capacity, trace=trace)
+    assert result.lru_hit_ratio == 0.0
+    assert result.policy_hit_ratio >= 0.95 * result.belady_hit_ratio > 0
+    assert result.recent_first_passes > 0
+    off = rp.policy_run(trace, [(Tier.GPU, capacity)], rp.replay_policy(scan_resistance=False))
+    assert off.hit_tokens == 0 and off.recent_first_passes == 0

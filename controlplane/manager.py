@@ -132,6 +132,8 @@ class Manager:
         self.policy_agents_decided_total = 0
         self.policy_pass_seconds_max = 0.0  # the longest pass (copying out, decide, sending)
         self.policy_pass_seconds_last = 0.0
+        self.policy_credit_turnovers = 0.0  # the reuse credit of the latest pass that decided (tuned or set)
+        self.policy_recent_first = False  # the latest pass evicted most recently used first (loops)
         self._policy_inflight: dict[str, dict[str, float]] = {}  # agent -> {op_id: deadline}
         # blocks an agent left alone because its pins hold them (namespace pins: the index
         # does not know a block's namespace): agent -> {block: (pin tier, until)}; forgotten
@@ -1031,6 +1033,8 @@ class Manager:
             return 0
         capacity = sum(self._capacity_blocks(rec) for rec in connected if rec.models)
         credit, recent_first = self._tune(policy, capacity)
+        self.policy_credit_turnovers = policy.reuse_credit_turnovers if credit is None else credit
+        self.policy_recent_first = recent_first
         actions = []
         with self._access_lock:
             turnover = self.access.turnover_seconds(capacity)
@@ -1087,6 +1091,8 @@ class Manager:
             self.policy_agents_decided_total,
             self.policy_actions_total,
             self.policy_pass_seconds_last,
+            self.policy_credit_turnovers,
+            self.policy_recent_first,
         )
 
     def _policy_due(self, rec, policy: tier_policy.Policy, pinned: dict[bytes, Tier]) -> bool:

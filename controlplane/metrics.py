@@ -47,6 +47,8 @@ class PolicyStats:
     agents_decided_total: int = 0
     actions_total: int = 0
     last_pass_seconds: float = 0.0
+    reuse_credit_turnovers: float = 0.0
+    recent_first: bool = False
 
 
 class ClusterCollector:
@@ -106,6 +108,18 @@ class ClusterCollector:
             (c, "kvcp_policy_agents_decided_total", "Agents the tier-policy passes decided for.", []),
             (c, "kvcp_policy_actions_total", "Commands the tier-policy passes sent to agents.", []),
             (g, "kvcp_policy_pass_seconds", "Duration of the latest tier-policy pass.", []),
+            (
+                g,
+                "kvcp_policy_reuse_credit_turnovers",
+                "Reuse credit (turnovers of stay per reuse) of the latest pass that decided: tuned or set.",
+                [],
+            ),
+            (
+                g,
+                "kvcp_policy_recent_first",
+                "1 while passes evict the most recently used first (lookups loop over more than the cache holds).",
+                [],
+            ),
         ]
         return {name: kind(name, doc, labels=labels) for kind, name, doc, labels in specs}
 
@@ -156,6 +170,8 @@ class ClusterCollector:
         f["kvcp_policy_agents_decided_total"].add_metric([], policy.agents_decided_total)
         f["kvcp_policy_actions_total"].add_metric([], policy.actions_total)
         f["kvcp_policy_pass_seconds"].add_metric([], policy.last_pass_seconds)
+        f["kvcp_policy_reuse_credit_turnovers"].add_metric([], policy.reuse_credit_turnovers)
+        f["kvcp_policy_recent_first"].add_metric([], 1 if policy.recent_first else 0)
         return list(f.values())
 
 

@@ -163,6 +163,9 @@ def test_pass_statistics_reach_the_metrics():
     assert v("kvcp_policy_agents_decided_total") == 1  # 'calm' was not copied out
     assert v("kvcp_policy_actions_total") == 1
     assert v("kvcp_policy_pass_seconds") > 0
+    # no lookups seen: the default credit, recency order
+    assert v("kvcp_policy_reuse_credit_turnovers") == f.manager.tier_policy().reuse_credit_turnovers
+    assert v("kvcp_policy_recent_first") == 0
 
 
 @pytest.mark.parametrize("use_kernel", [True, False], ids=["c-loops", "numpy"])

@@ -124,7 +124,10 @@ class MemoryTier:
         n = max(1, -(-num_bytes // self.page_bytes))
         if n > len(self._free):
             return None
-        return [self._free.pop() for _ in range(n)]
+        taken = self._free[-n:]  # the stack's top n, popped in one go (last first)
+        del self._free[-n:]
+        taken.reverse()
+        return taken
 
     def free(self, handle) -> None:
         self._free.extend(reversed(handle))

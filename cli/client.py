@@ -231,6 +231,11 @@ class StatsView:
     tiers: list[TierView] = field(default_factory=list)
     models: list[dict] = field(default_factory=list)
     lookup_address: str = ""  # the replica's lookup socket, "" when it has none
+    # the tier policy's latest pass: the reuse credit it used, whether it evicted most
+    # recently used first (loops larger than the cache), and how many passes ran
+    policy_reuse_credit_turnovers: float = 0.0
+    policy_recent_first: bool = False
+    policy_passes_total: int = 0
 
     @property
     def hit_ratio(self) -> float:
@@ -533,6 +538,9 @@ class ControlPlaneClient:
             epoch=s.epoch,
             is_leader=s.is_leader,
             lookup_address=s.lookup_address,
+            policy_reuse_credit_turnovers=s.policy_reuse_credit_turnovers,
+            policy_recent_first=s.policy_recent_first,
+            policy_passes_total=s.policy_passes_total,
             tiers=_tiers(s.tiers),
             models=[
                 {

@@ -256,6 +256,12 @@ def stats(ctx: Context):
         ["hit tokens", f"{s.lookup_hit_tokens_total} ({s.hit_ratio:.1%})"],
         ["block events", s.events_total],
         ["resyncs", s.resyncs_total],
+        ["policy passes", s.policy_passes_total],
+        [
+            "policy order",
+            f"{'most recent first (loops larger than the cache)' if s.policy_recent_first else 'least recent first'},"
+            f" reuse credit {s.policy_reuse_credit_turnovers:g} turnovers",
+        ],
     ]
     for t in s.tiers:
         rows.append([f"tier {t.tier}", f"{output.usage_cell(t.used_bytes, t.capacity_bytes)}, {t.num_blocks} blocks"])

@@ -75,6 +75,11 @@ class AdminServicer(admin_pb2_grpc.AdminServiceServicer):
         resp.epoch = self._leadership.epoch
         resp.is_leader = self._leadership.is_leader
         resp.lookup_address = self.lookup_address
+        if self.manager is not None:
+            policy = self.manager.policy_stats()
+            resp.policy_reuse_credit_turnovers = policy.reuse_credit_turnovers
+            resp.policy_recent_first = policy.recent_first
+            resp.policy_passes_total = policy.passes_total
         return resp
 
     def Watch(self, request, context):

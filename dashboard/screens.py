@@ -151,6 +151,9 @@ class ClusterScreen(DashboardScreen):
             text.append(f"{s.hit_ratio:.1%}  ")
             text.append("resyncs ", style="bold")
             text.append(f"{s.resyncs_total}")
+            if s.policy_recent_first:  # the tier policy switched order: worth seeing at a glance
+                text.append("  policy ", style="bold")
+                text.append("most recent first (loops larger than the cache)", style="yellow")
             for t in s.tiers:
                 text.append("\n")
                 text.append_text(render.usage_bar(t.used_bytes, t.capacity_bytes, t.tier, width=20))

@@ -4,8 +4,9 @@ a snapshot does not show, driven through the app's own update methods and Pilot.
 from __future__ import annotations
 
 import asyncio
+from dataclasses import replace
 
-from textual.widgets import DataTable, Sparkline
+from textual.widgets import DataTable, Sparkline, Static
 
 from cli.client import PinView
 from dashboard.app import DashboardApp
@@ -59,5 +60,20 @@ def test_sparklines_never_get_a_single_point():
                     data = list(app.screen.query_one(f"#spark-{key}", Sparkline).data or [])
                     assert len(data) != 1, (n, key, data)
             assert len(app.screen.query_one("#spark-lookups", Sparkline).data) == 2  # three samples: two rates
+
+    asyncio.run(scenario())
+
+
+def test_the_cluster_screen_says_when_the_policy_evicts_most_recent_first():
+    async def scenario():
+        app = DashboardApp(live=False, clock=lambda: sample.NOW)
+        async with app.run_test(size=(120, 30)) as pilot:
+            at, stats = sample.stats_series()[-1]
+            app.apply_stats(stats, at)
+            await pilot.pause()
+            assert "most recent first" not in str(app.screen.query_one("#totals", Static).render())
+            app.apply_stats(replace(stats, policy_recent_first=True), at + 2)
+            await pilot.pause()
+            assert "most recent first" in str(app.screen.query_one("#totals", Static).render())
 
     asyncio.run(scenario())

@@ -42,7 +42,9 @@ from protos.block_hash import ROOT_PARENT_HASH
 
 DEFAULT_CANDIDATES = (0.0, 1.0, 2.0, 4.0)
 DEFAULT_HALF_LIFE_LOOKUPS = 2000.0
-DEFAULT_MAX_SHADOW_BLOCKS = 1 << 18  # ~200 MiB for the three shadows at most
+# a shadow holds ~460 B a block (tracemalloc, hashes included): ~120 MiB each at most, five
+# shadows (four credits, one recent-first) ~600 MiB for a cluster of 262,144 blocks or more
+DEFAULT_MAX_SHADOW_BLOCKS = 1 << 18
 SCAN_MARGIN = 3.0
 
 

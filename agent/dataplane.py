@@ -40,7 +40,7 @@ import grpc
 import torch
 from google.protobuf import json_format
 
-from agent.core.block_pool import BlockMeta, BlockPool, BlockUnreadable
+from agent.core.block_pool import BlockMeta, BlockPool, BlockUnreadable, pair_runs
 from agent.core.handoff import (
     ENGINE,
     GRPC,
@@ -56,7 +56,6 @@ from agent.core.handoff import (
     RunCursor,
     batches_of,
     checksum,
-    pair_runs,
     slices,
 )
 from agent.store.shm import PeerSlab, host_id

@@ -190,57 +190,61 @@ def _batchable(src, dst) -> bool:
     call), or between memory slabs (GPU <-> CPU: every copy queued, one synchronize)."""
     if hasattr(src, "views") and getattr(src, "device", "") == "cpu" and hasattr(dst, "write_many"):
         return True
-    if hasattr(src, "views") and hasattr(dst, "views"):
+    if hasattr(src, "byte_runs") and hasattr(dst, "byte_runs"):
         return True
     return hasattr(src, "read_many") and hasattr(dst, "views") and getattr(dst, "device", "") == "cpu"
 
 
-def _spans(segs: list[torch.Tensor]) -> deque[tuple[torch.Tensor, int, int]]:
-    """Slab segments as (slab, byte offset in it, bytes); a segment of anything but a flat
-    byte slab is its own (nothing is merged with it)."""
-    out = deque()
-    for seg in segs:
-        slab = seg._base
-        if slab is None or slab.dim() != 1 or slab.dtype != torch.uint8 or not slab.is_contiguous():
-            slab = seg
-        out.append((slab, seg.storage_offset() - slab.storage_offset(), seg.numel()))
+def pair_runs(src: Sequence[tuple[int, int]], dst: Sequence[tuple[int, int]]) -> list[tuple[int, int, int]]:
+    """Map a payload laid out in source runs onto destination runs (same total length):
+    [(src_address, dst_address, length)], each piece contiguous on both sides."""
+    out: list[tuple[int, int, int]] = []
+    si = di = 0
+    s_off = d_off = 0
+    while si < len(src) and di < len(dst):
+        s_addr, s_len = src[si]
+        d_addr, d_len = dst[di]
+        n = min(s_len - s_off, d_len - d_off)
+        if n > 0:
+            s_at, d_at = s_addr + s_off, d_addr + d_off
+            if out and out[-1][0] + out[-1][2] == s_at and out[-1][1] + out[-1][2] == d_at:
+                out[-1] = (out[-1][0], out[-1][1], out[-1][2] + n)  # contiguous on both sides: one piece
+            else:
+                out.append((s_at, d_at, n))
+        s_off += n
+        d_off += n
+        if s_off >= s_len:
+            si, s_off = si + 1, 0
+        if d_off >= d_len:
+            di, d_off = di + 1, 0
     return out
 
 
-def _copy_many(pairs: list[tuple[list[torch.Tensor], list[torch.Tensor]]]) -> None:
-    """Copy each (source segments, destination segments) pair of memory-slab blocks.
-    Pieces adjacent in both slabs are merged (blocks allocated in order sit back to back
-    on both sides: one copy for the lot instead of one a block, each copy being a driver
-    call), every copy is queued without waiting, and one synchronize ends it if a GPU
-    took part: every block is copied before any is switched or its source freed."""
-    split = []  # (source slab address, offset, destination slab address, offset, bytes, slabs)
-    for src_segs, dst_segs in pairs:
-        src, dst = _spans(src_segs), _spans(dst_segs)
-        while src and dst:
-            (sb, so, sn), (db, do, dn) = src[0], dst[0]
-            n = min(sn, dn)
-            split.append((sb.data_ptr(), so, db.data_ptr(), do, n, sb, db))
-            for side, (base, off, left) in ((src, src[0]), (dst, dst[0])):
-                if left == n:
-                    side.popleft()
-                else:
-                    side[0] = (base, off + n, left - n)
-    # the copies are independent: in source order, blocks a free list handed out in
-    # reverse (freed in order, popped last-first) line up again
-    split.sort(key=lambda p: (p[0], p[1]))
-    pieces: list[list] = []  # [source slab, offset, destination slab, offset, bytes]
-    last_ptrs = None
-    for sp, so, dp, do, n, sb, db in split:
-        last = pieces[-1] if pieces else None
-        if last is not None and last_ptrs == (sp, dp) and last[1] + last[4] == so and last[3] + last[4] == do:
-            last[4] += n
+def _copy_many(moves: list[tuple[object, object, object, object, int]]) -> None:
+    """Copy blocks between memory slabs: (source store, its handle, destination store,
+    its handle, bytes) each. Pieces adjacent in both slabs are merged (blocks allocated in
+    order sit back to back on both sides: one copy for the lot instead of one a block,
+    each copy being a driver call on a GPU; sorted by source first, as a free list hands a
+    batch's pages back last-first), every copy is queued without waiting, and one
+    synchronize ends it if a GPU took part: every block is copied before any is switched
+    or its source freed. Runs are plain addresses: no tensor per block."""
+    pieces = []
+    for src, src_handle, dst, dst_handle, n in moves:
+        for s_at, d_at, m in pair_runs(src.byte_runs(src_handle, n), dst.byte_runs(dst_handle, n)):
+            pieces.append((s_at, d_at, m, src, dst))
+    pieces.sort(key=lambda p: p[0])
+    merged: list[list] = []
+    for s_at, d_at, m, src, dst in pieces:
+        last = merged[-1] if merged else None
+        if last and last[3] is src and last[4] is dst and last[0] + last[2] == s_at and last[1] + last[2] == d_at:
+            last[2] += m
         else:
-            pieces.append([sb, so, db, do, n])
-            last_ptrs = (sp, dp)
+            merged.append([s_at, d_at, m, src, dst])
     cuda = False
-    for sb, so, db, do, n in pieces:
-        db[do : do + n].copy_(sb[so : so + n], non_blocking=True)
-        cuda = cuda or sb.is_cuda or db.is_cuda
+    for s_at, d_at, m, src, dst in merged:
+        s0, d0 = s_at - src.slab.data_ptr(), d_at - dst.slab.data_ptr()
+        dst.slab[d0 : d0 + m].copy_(src.slab[s0 : s0 + m], non_blocking=True)
+        cuda = cuda or src.slab.is_cuda or dst.slab.is_cuda
     if cuda:
         torch.cuda.synchronize()
 
@@ -818,13 +822,7 @@ class BlockPool:
                     if from_disk:
                         reads = [(old, dst.views(new, m.stored_bytes)) for _, m, _, old, new in from_disk]
                         done = dict(zip((j[0] for j in from_disk), from_disk[0][2].read_many(reads), strict=True))
-                    _copy_many(
-                        [
-                            (src.views(old, m.stored_bytes), dst.views(new, m.stored_bytes))
-                            for k, m, src, old, new in jobs
-                            if k not in done
-                        ]
-                    )
+                    _copy_many([(src, old, dst, new, m.stored_bytes) for k, m, src, old, new in jobs if k not in done])
                     errs = [done.get(k) for k, *_ in jobs]
             except Exception:  # nothing switched: every block stays where it was
                 with self.lock:

@@ -538,28 +538,3 @@ def slices(pieces: Sequence[tuple[int, int, int]], max_bytes: int) -> Iterator[l
             src, dst, n, room = src + k, dst + k, n - k, room - k
     if group:
         yield group
-
-
-def pair_runs(src: Sequence[tuple[int, int]], dst: Sequence[tuple[int, int]]) -> list[tuple[int, int, int]]:
-    """Map a payload laid out in source runs onto destination runs (same total length):
-    [(src_address, dst_address, length)], each piece contiguous on both sides."""
-    out: list[tuple[int, int, int]] = []
-    si = di = 0
-    s_off = d_off = 0
-    while si < len(src) and di < len(dst):
-        s_addr, s_len = src[si]
-        d_addr, d_len = dst[di]
-        n = min(s_len - s_off, d_len - d_off)
-        if n > 0:
-            s_at, d_at = s_addr + s_off, d_addr + d_off
-            if out and out[-1][0] + out[-1][2] == s_at and out[-1][1] + out[-1][2] == d_at:
-                out[-1] = (out[-1][0], out[-1][1], out[-1][2] + n)  # contiguous on both sides: one piece
-            else:
-                out.append((s_at, d_at, n))
-        s_off += n
-        d_off += n
-        if s_off >= s_len:
-            si, s_off = si + 1, 0
-        if d_off >= d_len:
-            di, d_off = di + 1, 0
-    return out

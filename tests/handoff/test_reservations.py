@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from agent.core.block_pool import BlockPool
+from agent.core.block_pool import BlockPool, pair_runs
 from agent.core.handoff import (
     Link,
     ReservationError,
@@ -16,7 +16,6 @@ from agent.core.handoff import (
     RunCursor,
     batches_of,
     checksum,
-    pair_runs,
 )
 from agent.store.memory_tier import MemoryTier
 from protos import errors

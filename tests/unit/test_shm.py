@@ -8,7 +8,8 @@ import os
 import pytest
 import torch
 
-from agent.core.handoff import pair_runs, slices
+from agent.core.block_pool import pair_runs
+from agent.core.handoff import slices
 from agent.store.memory_tier import MemoryTier
 from agent.store.shm import PeerSlab, SharedSlab, host_id
 from protos.tier import Tier

@@ -414,7 +414,7 @@ class PolicyReplay:
                 default=self.policy.reuse_credit_turnovers,
                 max_reuse_credits=self.policy.max_reuse_credits,
             )
-            if (self.policy.tune_reuse_credits or self.policy.scan_resistance) and evidence == "lookups"
+            if self.policy.uses_tuner and evidence == "lookups"
             else None
         )
         self.tuned: list[float] = []
@@ -467,10 +467,13 @@ class PolicyReplay:
 
     def _view(self) -> ClusterView:
         tiers = tuple(TierView(t, n, self.held[t]) for t, n in self.tiers)
-        credit = self.tuner.best() if self.tuner is not None and self.policy.tune_reuse_credits else None
+        credit, recent_first = (
+            self.tuner.choose(self.policy.tune_reuse_credits, self.policy.scan_resistance)
+            if self.tuner is not None
+            else (None, False)
+        )
         if credit is not None:
             self.tuned.append(credit)
-        recent_first = self.tuner is not None and self.policy.scan_resistance and self.tuner.recent_first()
         self.run.recent_first_passes += recent_first
         stored = self.stored if self.evidence == "events" else None
         agent = AgentView(AGENT_ID, tiers, num_children=self.num_children, stored_seconds=stored)

@@ -940,15 +940,14 @@ class Manager:
     def _tune(self, policy: tier_policy.Policy, capacity_blocks: int) -> tuple[float | None, bool]:
         """The reuse credit the shadow caches currently favour (None: tuning off), and
         whether they see loops larger than the cache (recent-first eviction)."""
-        if not (policy.tune_reuse_credits or policy.scan_resistance) or capacity_blocks <= 0:
+        if not policy.uses_tuner or capacity_blocks <= 0:
             self.tuner = None
             return None, False
         if self.tuner is None or abs(self.tuner.capacity_blocks - capacity_blocks) > 0.2 * self.tuner.capacity_blocks:
             self.tuner = CreditTuner(
                 capacity_blocks, default=policy.reuse_credit_turnovers, max_reuse_credits=policy.max_reuse_credits
             )
-        credit = self.tuner.best() if policy.tune_reuse_credits else None
-        return credit, policy.scan_resistance and self.tuner.recent_first()
+        return self.tuner.choose(policy.tune_reuse_credits, policy.scan_resistance)
 
     def tier_policy(self) -> tier_policy.Policy:
         with self._lock:

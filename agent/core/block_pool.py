@@ -163,15 +163,8 @@ def _copy_unchanged(src, src_handle, dst, dst_handle, num_bytes: int, header) ->
         dst.write(dst_handle, src.views(src_handle, num_bytes), header)
     elif hasattr(src, "read_into") and hasattr(dst, "views") and getattr(dst, "device", "cpu") == "cpu":
         src.read_into(src_handle, dst.views(dst_handle, num_bytes))
-    elif hasattr(src, "views") and hasattr(dst, "views"):
-        offset = 0
-        flat = [seg for seg in src.views(src_handle, num_bytes)]
-        data = flat[0] if len(flat) == 1 else torch.cat([f.to(dst.device) for f in flat])
-        for seg in dst.views(dst_handle, num_bytes):
-            seg.copy_(data[offset : offset + seg.numel()], non_blocking=True)
-            offset += seg.numel()
-        if "cuda" in (getattr(src, "device", "cpu"), getattr(dst, "device", "cpu")):
-            torch.cuda.synchronize()  # copied before the switch, and before the source pages are freed
+    elif hasattr(src, "byte_runs") and hasattr(dst, "byte_runs"):
+        _copy_many([(src, src_handle, dst, dst_handle, num_bytes)])  # synchronized before the switch
     else:
         dst.write(dst_handle, src.read(src_handle, num_bytes), header)
 
@@ -260,13 +253,16 @@ def _off_host(store) -> bool:
     return hasattr(store, "views") and getattr(store, "device", "cpu") != "cpu"
 
 
-def _raw_block(src, handle, stored_bytes: int, spec: ModelSpec) -> torch.Tensor:
-    """An uncompressed block in a memory slab as a tensor of the model's shape, where it is
-    (a view when its pages are one run; the block is moving or the lock is held, so its
-    pages stay its own)."""
+def _slab_payload(src, handle, stored_bytes: int) -> torch.Tensor:
+    """A block's stored bytes in a memory slab, where they are (a view when its pages are
+    one run; the block is moving or the lock is held, so its pages stay its own)."""
     segs = src.views(handle, stored_bytes)
-    raw = segs[0] if len(segs) == 1 else torch.cat(segs)
-    return raw.view(spec.torch_dtype).reshape(spec.block_shape)
+    return segs[0] if len(segs) == 1 else torch.cat(segs)
+
+
+def _raw_block(src, handle, stored_bytes: int, spec: ModelSpec) -> torch.Tensor:
+    """An uncompressed block in a memory slab as a tensor of the model's shape, where it is."""
+    return _slab_payload(src, handle, stored_bytes).view(spec.torch_dtype).reshape(spec.block_shape)
 
 
 @dataclass
@@ -1000,9 +996,7 @@ class BlockPool:
         if _off_host(src) and codec == "none":
             block = _raw_block(src, handle, stored_bytes, spec)  # a lossy target quantizes it on the GPU
         elif hasattr(src, "views") and src.device == "cpu":
-            segs = src.views(handle, stored_bytes)
-            raw = segs[0] if len(segs) == 1 else torch.cat(segs)
-            block = codecs.decode(codec, raw, spec.block_shape, spec.torch_dtype)
+            block = codecs.decode(codec, _slab_payload(src, handle, stored_bytes), spec.block_shape, spec.torch_dtype)
         else:
             block = codecs.decode(codec, src.read(handle, stored_bytes), spec.block_shape, spec.torch_dtype)
         data = codecs.encode(target, block)

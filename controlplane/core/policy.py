@@ -97,6 +97,11 @@ class Policy:
     tune_reuse_credits: bool = True
     scan_resistance: bool = True
 
+    @property
+    def uses_tuner(self) -> bool:
+        """Whether passes ask controlplane.core.tuning.CreditTuner (credit, loop order)."""
+        return self.tune_reuse_credits or self.scan_resistance
+
     def tier(self, tier: Tier) -> TierPolicy:
         if tier is Tier.GPU:
             return self.gpu

@@ -156,6 +156,11 @@ class CreditTuner:
     def scores(self) -> dict[float, float]:
         return {sh.credit_turnovers: sh.score for sh in self.shadows}
 
+    def choose(self, tune_reuse_credits: bool, scan_resistance: bool) -> tuple[float | None, bool]:
+        """What a pass uses, as the policy allows: the credit (None: the policy's own) and
+        whether to evict most recent first."""
+        return (self.best() if tune_reuse_credits else None), scan_resistance and self.recent_first()
+
     def recent_first(self) -> bool:
         top = max(sh.score for sh in self.shadows)
         return self.scan.score > 0 and self.scan.score > SCAN_MARGIN * top

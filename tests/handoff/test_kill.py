@@ -32,7 +32,7 @@ def test_destination_killed_mid_transfer(etcd, controlplane, make_agent, path):
         dataplane=DataPlaneConfig(link_bytes_per_second=40e6, chunk_bytes=4 << 20),
     )
     dst = AgentProcess("dec", etcd, *(["--no-shm-handoff"] if path == "engine" else []))
-    client = connect(etcd)
+    client = connect(etcd, wait_seconds=15, log=lambda _m: None)  # rides out a stall of this machine
     try:
         dst.wait_registered(client)
         tokens, kv, hashes = prompt(BIG, NUM_BLOCKS, seed=11)
@@ -85,7 +85,7 @@ def test_sender_killed_mid_transfer_leaves_nothing_visible(etcd, controlplane, m
         shm_handoff=path == "shm",
     )
     src = AgentProcess("pre", etcd, "--link-bandwidth", "40MB", "--handoff-deadline-seconds", "4", cpu="64MiB")
-    client = connect(etcd)
+    client = connect(etcd, wait_seconds=15, log=lambda _m: None)  # rides out a stall of this machine
     try:
         src.wait_registered(client)
         tokens, kv, hashes = prompt(BIG, NUM_BLOCKS, seed=12)

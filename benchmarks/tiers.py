@@ -38,15 +38,17 @@ class MoveResult:
 
 
 @dataclass
-class DemotionResult:
-    """Demotions that encode on the way (CPU->DISK; GPU->CPU when CUDA is present, the
-    GPU quantizing), against the same blocks moved as they are."""
+class CodecMoveResult:
+    """Moves that change a codec on the way, against the same blocks moved raw: demotions
+    that encode (CPU->DISK; GPU->CPU when CUDA is present, the GPU quantizing) and, with
+    CUDA, promotions of compressed CPU blocks into the GPU tier (the payloads cross, the
+    GPU decodes)."""
 
     codec: str
     block_bytes: int
     gbps: float  # uncompressed bytes a second
     raw_move_gbps: float
-    ratio: float  # > 1: compressing on demotion costs less than the write it saves
+    ratio: float  # > 1: the codec's move is faster than the raw one (it saves more than it costs)
     path: str = "cpu->disk"
 
 
@@ -57,7 +59,7 @@ class CodecResult:
     compress_gbps: float
     decompress_gbps: float
     max_abs_error: float
-    device: str = "cpu"  # where the encode runs (decode: always the host, as loads do)
+    device: str = "cpu"  # where it runs (on cuda: in batches, as GPU demotions and promotions do)
     # compressing on demotion pays when encoding costs less than writing the bytes it
     # saves: on disks slower than this (compress GB/s x the share of bytes saved)
     breakeven_disk_gbps: float = 0.0
@@ -180,7 +182,7 @@ def bench_moves(block_mib: int, num_blocks: int, repeats: int, fsync: bool, work
 
 def bench_demotions(
     block_mib: int, num_blocks: int, repeats: int, fsync: bool, workdir: str, src: Tier = Tier.CPU
-) -> list[DemotionResult]:
+) -> list[CodecMoveResult]:
     """The agent's demotion (src -> the tier below) of the same blocks as they are and
     encoded with each codec (as a tier codec or `kvctl move --codec` does: codec threads
     encode while the blocks before are written), interleaved, best of each; GB/s of
@@ -198,13 +200,44 @@ def bench_demotions(
             best[name] = min(best[name], time.perf_counter() - t0)
     raw = total / best[None] / 1e9
     return [
-        DemotionResult(
+        CodecMoveResult(
             name,
             total // num_blocks,
             round(total / best[name] / 1e9, 3),
             round(raw, 3),
             round(best[None] / best[name], 3),
             f"{src.label}->{dst.label}",
+        )
+        for name in names[1:]
+    ]
+
+
+def bench_promotions(block_mib: int, num_blocks: int, repeats: int, fsync: bool, workdir: str) -> list[CodecMoveResult]:
+    """With CUDA: the agent's promotion CPU->GPU of the same blocks held raw in the CPU
+    tier and held compressed with each lossy codec (decoded into raw GPU blocks on the
+    way: the payloads cross, the GPU decodes them in batches), interleaved, best of each;
+    GB/s of uncompressed KV."""
+    pool, _, move_all = _filled_pool(block_mib, num_blocks, fsync, workdir, "promote", gpu=True)
+    if pool.top.tier is not Tier.GPU:
+        return []
+    total = _spec(block_mib).block_bytes * num_blocks
+    names = [None] + [c for c in codecs.available_codecs() if c in codecs.DECODE_BATCHED]
+    best = {name: float("inf") for name in names}
+    for _ in range(repeats):
+        for name in names:
+            move_all(Tier.CPU, name or "none")  # held in the CPU tier as this codec
+            t0 = time.perf_counter()
+            move_all(Tier.GPU, "none")
+            best[name] = min(best[name], time.perf_counter() - t0)
+    raw = total / best[None] / 1e9
+    return [
+        CodecMoveResult(
+            name,
+            total // num_blocks,
+            round(total / best[name] / 1e9, 3),
+            round(raw, 3),
+            round(best[None] / best[name], 3),
+            "cpu->gpu",
         )
         for name in names[1:]
     ]
@@ -229,14 +262,25 @@ def bench_codecs(repeats: int, disk_write_gbps: float = 0.0) -> list[CodecResult
         if device == "cpu":
             payload = codecs.encode(name, host)
             tc = _best(lambda name=name: codecs.encode(name, host), repeats)
+            td = _best(
+                lambda name=name, payload=payload: codecs.decode(name, payload, spec.block_shape, torch.float16),
+                repeats,
+            )
+            back = codecs.decode(name, payload, spec.block_shape, torch.float16)
         else:
             batch = host.expand(GPU_CODEC_BATCH, *host.shape).contiguous().to(device)
-            payload = codecs.encode_batch(name, batch)[0]
+            payloads = codecs.encode_batch(name, batch)
+            payload = payloads[0]
             tc = _best(lambda name=name, batch=batch: codecs.encode_batch(name, batch), repeats) / GPU_CODEC_BATCH
-        td = _best(
-            lambda name=name, payload=payload: codecs.decode(name, payload, spec.block_shape, torch.float16), repeats
-        )
-        back = codecs.decode(name, payload, spec.block_shape, torch.float16)
+            on_gpu = torch.stack(payloads).to(device)
+
+            def gpu_decode(name=name, on_gpu=on_gpu):
+                out = codecs.decode_batch(name, on_gpu, spec.block_shape, torch.float16)
+                torch.cuda.synchronize()
+                return out
+
+            td = _best(gpu_decode, repeats) / GPU_CODEC_BATCH
+            back = gpu_decode()[0].cpu()
         err = (back.float() - host.float()).abs().max().item()
         size_ratio, compress_gbps = raw / payload.numel(), raw / tc / 1e9
         breakeven = compress_gbps * max(0.0, 1.0 - 1.0 / size_ratio)
@@ -263,8 +307,10 @@ def run(block_mibs=(1, 4), num_blocks: int = 32, repeats: int = 3, fsync: bool =
             moves += bench_moves(mib, max(4, num_blocks // mib), repeats, fsync, workdir)
         n = max(4, num_blocks // block_mibs[0])
         demotions = bench_demotions(block_mibs[0], n, repeats, fsync, workdir)
+        promotions = []
         if cuda_available():
             demotions += bench_demotions(block_mibs[0], n, repeats, fsync, workdir, src=Tier.GPU)
+            promotions = bench_promotions(block_mibs[0], n, repeats, fsync, workdir)
     writes = [m.baseline_gbps for m in moves if m.path == "cpu->disk"]
     return {
         "cuda": cuda_available(),
@@ -274,6 +320,7 @@ def run(block_mibs=(1, 4), num_blocks: int = 32, repeats: int = 3, fsync: bool =
         "disk_write_gbps": max(writes, default=0.0),
         "codecs": [asdict(c) for c in bench_codecs(repeats, max(writes, default=0.0))],
         "demotions": [asdict(d) for d in demotions],
+        "promotions": [asdict(p) for p in promotions],
     }
 
 
@@ -303,11 +350,11 @@ def format_table(result: dict) -> str:
     if result.get("demotions"):
         lines += [
             "",
-            "demotion with a codec (through the agent's move, GB/s of uncompressed KV; RATIO > 1: the"
-            " encode costs less than the write it saves)",
+            "moves with a codec (through the agent's move, GB/s of uncompressed KV; RATIO > 1: the"
+            " codec costs less than the bytes it saves; cpu->gpu: compressed CPU blocks decoded on the GPU)",
             f"{'path':10s} {'codec':6s} {'block':>8s} {'GB/s':>8s} {'raw move':>9s} {'ratio':>6s}",
         ]
-        for d in result["demotions"]:
+        for d in result["demotions"] + result.get("promotions", []):
             lines.append(
                 f"{d.get('path', 'cpu->disk'):10s} {d['codec']:6s} {d['block_bytes'] >> 20:>6d}Mi {d['gbps']:>8.2f}"
                 f" {d['raw_move_gbps']:>9.2f}"

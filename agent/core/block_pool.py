@@ -181,7 +181,7 @@ def _write_one(dst, handle, data, header) -> OSError | None:
 def _batchable(src, dst) -> bool:
     """Moves whose I/O a batch does at once: a CPU memory slab to or from the disk (one
     call), or between memory slabs (GPU <-> CPU: every copy queued, one synchronize)."""
-    if hasattr(src, "views") and getattr(src, "device", "") == "cpu" and hasattr(dst, "write_many"):
+    if hasattr(src, "views") and getattr(src, "device", "") == "cpu" and getattr(dst, "tier", None) is Tier.DISK:
         return True
     if hasattr(src, "byte_runs") and hasattr(dst, "byte_runs"):
         return True
@@ -879,7 +879,7 @@ class BlockPool:
                 # on a durable disk), the codec threads make the next ones
                 ahead = sum(job.stored_bytes for job, _ in pending)
                 while queued and (ahead < 3 * RECODE_WRITE_BYTES or len(pending) < 2 * self.codec_threads):
-                    on_gpu = self._gpu_batch(queued)
+                    on_gpu = self._gpu_batch(queued) or self._gpu_decode_batch(queued, dst)
                     if on_gpu:  # encoded here, together, on the GPU
                         pending.extend(on_gpu)
                         ahead += sum(job.stored_bytes for job, _ in on_gpu)
@@ -965,6 +965,77 @@ class BlockPool:
         for job, data in zip(taken, payloads, strict=True):
             fut: Future = Future()
             fut.set_result((data, payload_checksum(data)))
+            out.append((job, fut))
+        return out
+
+    def _gpu_decode_batch(self, queued: deque[_Recode], dst: TierStore) -> list[tuple[_Recode, Future]]:
+        """Compressed host blocks at the head of the queue promoted raw into a GPU tier, up
+        to GPU_ENCODE_BATCH_BYTES (uncompressed) of one model and codec: taken off the
+        queue, their payloads copied to the GPU as they are (the smaller bytes cross; from
+        a CPU slab straight from its pinned pages, from the disk read and verified into
+        pinned memory first) and decoded there in one batch (codecs.decode_batch). Each
+        comes with its finished future: the raw block on the GPU (its checksum 0, not
+        known: hashed where one is needed), or why its source was unreadable. [] when the
+        head is not such a block, or the batch failed (out of GPU memory, say): the blocks
+        are back in the queue and take the per-block path."""
+        if not _off_host(dst) or not queued:
+            return []
+        head = queued[0]
+        spec = self.models[head.meta.model_id]
+        try:
+            payload_bytes = codecs.payload_bytes(head.codec, spec.block_shape, spec.torch_dtype)
+        except codecs.CodecError:
+            return []
+        taken: list[_Recode] = []
+        while queued and len(taken) * spec.block_bytes < GPU_ENCODE_BATCH_BYTES:
+            job = queued[0]
+            if not (
+                job.target == "none"
+                and job.codec in codecs.DECODE_BATCHED
+                and job.codec == head.codec
+                and job.meta.model_id == head.meta.model_id
+                and job.stored_bytes == payload_bytes
+                and not job.one_by_one
+                and not _off_host(job.src)
+            ):
+                break
+            taken.append(queued.popleft())
+        if not taken:
+            return []
+        errors: dict[int, Exception] = {}
+        try:
+            payloads = torch.empty((len(taken), payload_bytes), dtype=torch.uint8, device=dst.device)
+            from_disk = [(i, job) for i, job in enumerate(taken) if hasattr(job.src, "read_many")]
+            if from_disk:
+                staged = torch.empty(
+                    (len(from_disk), payload_bytes), dtype=torch.uint8, pin_memory=torch.cuda.is_available()
+                )
+                reads = [(job.handle, [staged[r]]) for r, (_, job) in enumerate(from_disk)]
+                for (i, _), err in zip(from_disk, from_disk[0][1].src.read_many(reads), strict=True):
+                    if err is not None:
+                        errors[i] = err
+                rows = torch.tensor([i for i, _ in from_disk], device=dst.device)
+                payloads.index_copy_(0, rows, staged.to(dst.device, non_blocking=True))
+            for i, job in enumerate(taken):
+                if not hasattr(job.src, "read_many"):  # a CPU slab's (pinned) pages, as they are
+                    at = 0
+                    for seg in job.src.views(job.handle, payload_bytes):
+                        payloads[i, at : at + seg.numel()].copy_(seg, non_blocking=True)
+                        at += seg.numel()
+            blocks = codecs.decode_batch(head.codec, payloads, spec.block_shape, spec.torch_dtype)
+        except (RuntimeError, codecs.CodecError) as exc:  # torch.OutOfMemoryError is a RuntimeError
+            log.warning("decoding %d blocks as one batch on the GPU failed (%s); one by one instead", len(taken), exc)
+            for job in taken:
+                job.one_by_one = True
+            queued.extendleft(reversed(taken))
+            return []
+        out = []
+        for i, job in enumerate(taken):
+            fut: Future = Future()
+            if i in errors:
+                fut.set_exception(errors[i])
+            else:
+                fut.set_result((blocks[i].reshape(-1).view(torch.uint8), 0))
             out.append((job, fut))
         return out
 

@@ -363,6 +363,78 @@ def encode_batch(codec: str, blocks: torch.Tensor) -> list[torch.Tensor]:
     return list(host)
 
 
+def _rows_decode_batch(payloads: torch.Tensor, shape, dtype, qtype: torch.dtype) -> torch.Tensor:
+    """int8 / fp8 payloads [n, bytes] -> blocks [n, *shape]: an fp16 scale per row of
+    head_dim values, then a byte per value; q * scale in fp32, rounded once to `dtype`
+    (the C loops' arithmetic)."""
+    n, rows = payloads.shape[0], math.prod(shape[:-1])
+    scale = payloads[:, : 2 * rows].contiguous().view(torch.float16).reshape(n, *shape[:-1], 1)
+    q = payloads[:, 2 * rows : 2 * rows + math.prod(shape)].view(qtype).reshape(n, *shape)
+    return (q.float() * scale.float()).to(dtype)
+
+
+def _int4_decode_batch(payloads: torch.Tensor, shape, dtype) -> torch.Tensor:
+    """int4 payloads [n, bytes] -> blocks [n, L, 2, T, H, D] (_int4_decode's arithmetic:
+    q * scale, then + min, in fp32)."""
+    n = payloads.shape[0]
+    L, _, T, H, D = shape
+    gk, Gk, gv, Gv, sizes = _int4_layout(shape)
+    at = _section_ptrs(0, sizes)
+    section = [payloads[:, a : a + size] for a, size in zip(at, sizes, strict=True)]
+    out = torch.empty((n, *shape), dtype=torch.float32, device=payloads.device)
+    for which, (lead, axis, g, groups) in enumerate((((L, H, D), T, gk, Gk), ((L, T, H), D, gv, Gv))):
+        scale_u8, lo_u8, packed = section[3 * which : 3 * which + 3]
+        scale = scale_u8.contiguous().view(torch.float16).reshape(n, *lead, groups, 1).float()
+        lo = lo_u8.contiguous().view(torch.float16).reshape(n, *lead, groups, 1).float()
+        q = torch.empty((n, 2 * packed.shape[1]), dtype=torch.uint8, device=payloads.device)
+        q[:, 0::2] = packed & 0x0F
+        q[:, 1::2] = packed >> 4
+        count = math.prod(lead) * groups * g
+        x = q[:, :count].float().reshape(n, *lead, groups, g) * scale + lo
+        x = x.reshape(n, *lead, groups * g)[..., :axis]
+        if which == 0:
+            out[:, :, 0] = x.permute(0, 1, 4, 2, 3)  # [n, L, H, D, T] -> [n, L, T, H, D]
+        else:
+            out[:, :, 1] = x
+    return out.to(dtype)
+
+
+DECODE_BATCHED = {
+    "int8": lambda p, shape, dtype: _rows_decode_batch(p, shape, dtype, torch.int8),
+    "fp8": lambda p, shape, dtype: _rows_decode_batch(p, shape, dtype, FP8),
+    "int4": _int4_decode_batch,
+}
+
+
+def payload_bytes(codec: str, shape, dtype: torch.dtype) -> int:
+    """The size of a lossy codec's payload for a block of `shape` (fixed by the shape)."""
+    if codec == "int4":
+        return sum(_int4_layout(shape)[4])
+    if codec in ("int8", "fp8"):
+        return 2 * math.prod(shape[:-1]) + math.prod(shape)
+    if codec == "none":
+        return math.prod(shape) * torch.tensor([], dtype=dtype).element_size()
+    raise CodecError(f"codec {codec} has no fixed payload size")
+
+
+def decode_batch(codec: str, payloads: torch.Tensor, shape, dtype: torch.dtype) -> torch.Tensor:
+    """Payloads [n, bytes] of one lossy codec, on any device -> blocks [n, *shape] there:
+    a promotion to the GPU copies the smaller payloads across and decodes them on the
+    GPU, a few kernels for n blocks (the same values as decode(), which runs on the host)."""
+    check_codec(codec)
+    if codec not in DECODE_BATCHED:
+        raise CodecError(f"codec {codec} has no batched decode")
+    if codec == "int4" and len(shape) != 5:
+        raise CodecError(f"int4 needs blocks [layers, 2, tokens, heads, dim], not {list(shape)}")
+    if payloads.dim() != 2 or payloads.dtype != torch.uint8:
+        raise CodecError(f"payloads must be uint8 [n, bytes], not {payloads.dtype} {list(payloads.shape)}")
+    if payloads.shape[1] < payload_bytes(codec, shape, dtype):
+        raise CodecError("payload is truncated")
+    if codec == "fp8" and FP8 is None:
+        raise CodecError("this torch build has no float8_e4m3fn")
+    return DECODE_BATCHED[codec](payloads, tuple(shape), dtype)
+
+
 def decode(codec: str, payload: torch.Tensor, shape, dtype: torch.dtype) -> torch.Tensor:
     """Inverse of encode; raises CodecError when the payload does not fit the shape."""
     check_codec(codec)

@@ -165,13 +165,23 @@ class MemoryTier:
 
     def write(self, handle, data, meta=None) -> None:
         """`data`: a flat uint8 tensor that fits the handle's pages."""
-        data = data.reshape(-1)
-        offset = 0
-        for seg in self.views(handle, data.numel()):
-            seg.copy_(data[offset : offset + seg.numel()], non_blocking=True)
-            offset += seg.numel()
-        if self.device != "cpu" or data.device.type != "cpu":
-            torch.cuda.synchronize()  # the block is readable (and its source reusable) once written
+        self.write_many([(handle, data, meta)])
+
+    def write_many(self, items: list[tuple[object, torch.Tensor, object]]) -> list[None]:
+        """write() of several blocks, [(handle, data, meta)]: every copy queued, then one
+        synchronize if a GPU took part (each block is readable, and its source reusable,
+        once this returns). A memory write has no per-block failure: [None] each."""
+        cuda = self.device != "cpu"
+        for handle, data, _ in items:
+            data = data.reshape(-1)
+            offset = 0
+            for seg in self.views(handle, data.numel()):
+                seg.copy_(data[offset : offset + seg.numel()], non_blocking=True)
+                offset += seg.numel()
+            cuda = cuda or data.device.type != "cpu"
+        if cuda:
+            torch.cuda.synchronize()
+        return [None] * len(items)
 
     def read(self, handle, num_bytes: int) -> torch.Tensor:
         """A CPU copy of the first `num_bytes` stored under `handle`."""

@@ -478,3 +478,58 @@ def test_demotion_from_an_off_host_slab_encodes_in_batches(tmp_path, monkeypatch
         assert torch.equal(cpu.read(meta.handle, meta.stored_bytes), codecs.encode(codec, data[i])), f"block {i}"
     assert upper.used_bytes == 0
     check_pool(pool)
+
+
+@pytest.mark.parametrize("codec", ["int8", "int4", "fp8"])
+def test_promotion_into_an_off_host_slab_decodes_in_batches(tmp_path, monkeypatch, codec):
+    """The GPU promotion's batching, on the host: a second host slab stands in for the
+    GPU. Compressed blocks from the CPU slab and from the disk cross as payloads and are
+    decoded many at a time (codecs.decode_batch) into raw blocks: each the block decode()
+    gives it alone, over several batches and scattered pages; a corrupt disk block in a
+    batch is removed alone; a batch that fails (out of GPU memory, say) goes block by block."""
+    import agent.core.block_pool as block_pool
+    from agent.core import codecs
+
+    if codec not in codecs.available_codecs():
+        pytest.skip(f"{codec} unavailable in this torch build")
+    monkeypatch.setattr(block_pool, "_off_host", lambda store: store.tier is Tier.GPU)
+    monkeypatch.setattr(block_pool, "GPU_ENCODE_BATCH_BYTES", 3 * SPEC.block_bytes)
+    n = 10
+    upper = MemoryTier(Tier.GPU, n * SPEC.block_bytes, SPEC.block_bytes // 4, device="cpu")
+    cpu = MemoryTier(Tier.CPU, n * SPEC.block_bytes, SPEC.block_bytes // 4, device="cpu")
+    pool = BlockPool([upper, cpu, DiskTier(tmp_path / "disk", 1 << 20)], [SPEC])
+    data = (kv(n, seed=17).float() * 4).to(SPEC.torch_dtype)
+    hashes = [os.urandom(16) for _ in range(n)]
+    for i, h in enumerate(hashes):
+        assert pool.insert_chain(SPEC.model_id, [h], lambda _i, i=i: data[i]) == (1, 0)
+    assert all(o.ok for o in pool.move_blocks(hashes, Tier.CPU, codec))
+    on_disk = [1, 2, 5, 8]  # mixed sources within a batch
+    assert all(o.ok for o in pool.move_blocks([hashes[i] for i in on_disk], Tier.DISK))
+    at = block_on_disk(pool, hashes[5])
+    flip_byte(at.path, at.last_payload_byte)
+    upper._free.reverse()  # descending pages: every promoted block is four one-page runs
+    calls = []
+    real = codecs.decode_batch
+
+    def flaky(name, payloads, shape, dtype):  # the second batch fails as an out-of-memory would
+        calls.append(payloads.shape[0])
+        if len(calls) == 2:
+            raise RuntimeError("CUDA out of memory (test)")
+        return real(name, payloads, shape, dtype)
+
+    monkeypatch.setattr(codecs, "decode_batch", flaky)
+    pool.drain_notices()
+    outcomes = pool.move_blocks(hashes, Tier.GPU, "none")
+    assert [o.ok for o in outcomes] == [i != 5 for i in range(n)], outcomes
+    assert "unreadable" in outcomes[5].reason
+    assert calls == [3, 3, 3, 1]  # the failed batch's three went one by one
+    assert hashes[5] not in pool.blocks and [x.kind for x in pool.drain_notices()] == ["corrupt_block"]
+    for i, h in enumerate(hashes):
+        if i == 5:
+            continue
+        meta = pool.blocks[h]
+        assert meta.tier is Tier.GPU and meta.codec == "none" and meta.stored_bytes == SPEC.block_bytes
+        want = codecs.decode(codec, codecs.encode(codec, data[i]), SPEC.block_shape, SPEC.torch_dtype)
+        assert torch.equal(decoded(pool, h), want), f"block {i}"
+    assert cpu.used_bytes == 0
+    check_pool(pool)

@@ -1,5 +1,5 @@
 """`kvcp-bench tiers` as a user runs it (the console script, tiny sizes): every move path,
-codec and demotion row is there, measured, and its ratio is the ratio of its figures."""
+codec, demotion and promotion row is there, measured, and its ratio is the ratio of its figures."""
 
 from __future__ import annotations
 
@@ -23,9 +23,12 @@ def test_tiers_benchmark_json_has_moves_codecs_and_demotions():
     data = json.loads(run.stdout)
     assert {m["path"] for m in data["moves"]} >= {"cpu->disk", "disk->cpu"}
     lossy = [c for c in codecs.available_codecs() if c != "none"]
-    assert [c["codec"] for c in data["codecs"]] == lossy
-    assert [d["codec"] for d in data["demotions"]] == lossy
-    for d in data["demotions"]:
+    assert [c["codec"] for c in data["codecs"] if c["device"] == "cpu"] == lossy
+    assert [d["codec"] for d in data["demotions"] if d["path"] == "cpu->disk"] == lossy
+    # promotions into the GPU tier (compressed CPU blocks decoded there) with CUDA only
+    decoded_on_gpu = [c for c in lossy if c in codecs.DECODE_BATCHED] if data["cuda"] else []
+    assert [p["codec"] for p in data["promotions"]] == decoded_on_gpu
+    for d in data["demotions"] + data["promotions"]:
         assert d["block_bytes"] == 1 << 20 and d["gbps"] > 0 and d["raw_move_gbps"] > 0
         assert abs(d["ratio"] - d["gbps"] / d["raw_move_gbps"]) < 0.01
     table = subprocess.run(
@@ -34,4 +37,4 @@ def test_tiers_benchmark_json_has_moves_codecs_and_demotions():
         text=True,
         timeout=300,
     )
-    assert table.returncode == 0 and "demotion with a codec" in table.stdout
+    assert table.returncode == 0 and "moves with a codec" in table.stdout

@@ -351,3 +351,36 @@ def test_a_batch_encodes_to_each_blocks_own_payload(codec, shape, dtype):
     for i in range(3):
         assert torch.equal(batch[i], codecs.encode(codec, blocks[i])), f"block {i}"
     assert [p.numel() for p in codecs.encode_batch(codec, blocks)] == [batch.shape[1]] * 3
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("shape", SHAPES, ids=str)
+@pytest.mark.parametrize("codec", ["int8", "int4", "fp8"])
+def test_a_batch_decodes_to_each_payloads_own_block(codec, shape, dtype):
+    """The batched decode (what a promotion into the GPU runs there; here on the host)
+    gives every payload the very block decode() gives it alone."""
+    if codec not in codecs.available_codecs():
+        pytest.skip(f"{codec} unavailable in this torch build")
+    blocks = torch.stack([block(shape, dtype, seed=i, magnitude=1 + 10 * i) for i in range(3)])
+    blocks[1, ..., 0] = 0
+    payloads = torch.stack([codecs.encode(codec, b) for b in blocks])
+    assert payloads.shape[1] == codecs.payload_bytes(codec, shape, dtype)
+    out = codecs.decode_batch(codec, payloads, shape, dtype)
+    assert out.shape == (3, *shape) and out.dtype == dtype
+    for i in range(3):
+        assert torch.equal(out[i], codecs.decode(codec, payloads[i], shape, dtype)), f"block {i}"
+
+
+@pytest.mark.parametrize(
+    "codec, payloads, why",
+    [
+        ("int8", torch.zeros((2, 10), dtype=torch.uint8), "truncated"),
+        ("int8", torch.zeros((2, 5000), dtype=torch.float16), "uint8"),
+        ("int8", torch.zeros(5000, dtype=torch.uint8), "uint8 \\[n, bytes\\]"),
+        ("zstd", torch.zeros((2, 5000), dtype=torch.uint8), "no batched decode"),
+        ("lz4", torch.zeros((2, 5000), dtype=torch.uint8), "unknown codec"),
+    ],
+)
+def test_batched_decode_names_what_is_wrong(codec, payloads, why):
+    with pytest.raises(codecs.CodecError, match=why):
+        codecs.decode_batch(codec, payloads, (1, 2, 16, 2, 64), torch.float16)

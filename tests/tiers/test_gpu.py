@@ -176,3 +176,54 @@ def test_a_batched_gpu_demotion_writes_each_blocks_host_payload(codec, monkeypat
         stored = cpu.read(meta.handle, meta.stored_bytes)
         assert torch.equal(stored, codecs.encode(codec, data[i])), f"block {i}"
     assert gpu.used_bytes == 0
+
+
+@pytest.mark.parametrize("codec", ["int8", "int4", "fp8"])
+def test_a_promotion_into_the_gpu_decodes_there_in_batches(codec, tmp_path, monkeypatch):
+    """Compressed blocks in the CPU tier and on the disk promoted raw into the GPU tier
+    (move_blocks, the Mover's path): their payloads cross and are decoded on the GPU in
+    batches, each into the very block the host's decode gives; a corrupt disk block in a
+    batch is removed alone."""
+    import os
+
+    import agent.core.block_pool as block_pool
+    from agent.store.disk_tier import DiskTier
+    from tests.tiers.support import block_on_disk, check_pool, flip_byte
+
+    if codec == "fp8" and codecs.FP8 is None:
+        pytest.skip("no float8_e4m3fn in this torch")
+    monkeypatch.setattr(block_pool, "GPU_ENCODE_BATCH_BYTES", 4 * SPEC.block_bytes)
+    n = 10
+    gpu = MemoryTier(Tier.GPU, n * SPEC.block_bytes, SPEC.block_bytes // 4)
+    cpu = MemoryTier(Tier.CPU, n * SPEC.block_bytes, SPEC.block_bytes // 4)
+    pool = BlockPool([gpu, cpu, DiskTier(tmp_path / "disk", 1 << 20)], [SPEC])
+    data = (torch.randn((n, *SPEC.block_shape)) * 4).to(torch.float16)
+    hashes = [os.urandom(16) for _ in range(n)]
+    for i, h in enumerate(hashes):
+        assert pool.insert_chain(SPEC.model_id, [h], lambda _i, i=i: data[i]) == (1, 0)
+    assert all(o.ok for o in pool.move_blocks(hashes, Tier.CPU, codec))
+    assert all(o.ok for o in pool.move_blocks([hashes[i] for i in (1, 2, 6)], Tier.DISK))
+    at = block_on_disk(pool, hashes[6])
+    flip_byte(at.path, at.last_payload_byte)
+    gpu._free.reverse()  # scattered destination pages
+    devices = []
+    real = codecs.decode_batch
+
+    def spied(name, payloads, shape, dtype):
+        devices.append((payloads.device.type, payloads.shape[0]))
+        return real(name, payloads, shape, dtype)
+
+    monkeypatch.setattr(codecs, "decode_batch", spied)
+    outcomes = pool.move_blocks(hashes, Tier.GPU, "none")
+    assert [o.ok for o in outcomes] == [i != 6 for i in range(n)], outcomes
+    assert devices == [("cuda", 4), ("cuda", 4), ("cuda", 2)]
+    for i, h in enumerate(hashes):
+        if i == 6:
+            assert h not in pool.blocks
+            continue
+        meta = pool.blocks[h]
+        assert meta.tier is Tier.GPU and meta.codec == "none"
+        want = codecs.decode(codec, codecs.encode(codec, data[i]), SPEC.block_shape, torch.float16)
+        got = gpu.read(meta.handle, meta.stored_bytes).view(torch.float16).reshape(SPEC.block_shape)
+        assert torch.equal(got, want), f"block {i}"
+    check_pool(pool)

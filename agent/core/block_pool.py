@@ -169,6 +169,11 @@ def _copy_unchanged(src, src_handle, dst, dst_handle, num_bytes: int, header) ->
         dst.write(dst_handle, src.read(src_handle, num_bytes), header)
 
 
+def _first_page(handle) -> int:
+    """A memory slab handle's first page (a list of pages); 0 for other handles."""
+    return handle[0] if isinstance(handle, list) else 0
+
+
 def _write_one(dst, handle, data, header) -> OSError | None:
     """dst.write of one block; the OSError that kept it from being written, or None."""
     try:
@@ -217,8 +222,8 @@ def _copy_many(moves: list[tuple[object, object, object, object, int]]) -> None:
     """Copy blocks between memory slabs: (source store, its handle, destination store,
     its handle, bytes) each. Pieces adjacent in both slabs are merged (blocks allocated in
     order sit back to back on both sides: one copy for the lot instead of one a block,
-    each copy being a driver call on a GPU; sorted by source first, as a free list hands a
-    batch's pages back last-first), every copy is queued without waiting, and one
+    each copy being a driver call on a GPU, and a DMA of 1 MiB far below a bulk copy's
+    speed; sorted by source first: a batch's pages are not always handed out in order), every copy is queued without waiting, and one
     synchronize ends it if a GPU took part: every block is copied before any is switched
     or its source freed. Runs are plain addresses: no tensor per block."""
     pieces = []
@@ -825,8 +830,12 @@ class BlockPool:
                     self._abandon(jobs, dst)
                 raise
             waiting = []
+            # switched (sources freed) from the highest source pages down: a memory slab's
+            # free list is a stack, so the next batch into it gets these pages in ascending
+            # order across blocks, back to back with its source's (one copy for the lot)
+            done = sorted(zip(jobs, errs, strict=True), key=lambda j: _first_page(j[0][3]), reverse=True)
             with self.lock:
-                for (k, meta, src, old, new), err in zip(jobs, errs, strict=True):
+                for (k, meta, src, old, new), err in done:
                     if err is None and meta.ref_count == 0:
                         self._finish_move(meta, src, old, dst, new)
                         out[k] = MoveOutcome(True, meta.stored_bytes)

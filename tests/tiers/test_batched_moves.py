@@ -533,3 +533,44 @@ def test_promotion_into_an_off_host_slab_decodes_in_batches(tmp_path, monkeypatc
         assert torch.equal(decoded(pool, h), want), f"block {i}"
     assert cpu.used_bytes == 0
     check_pool(pool)
+
+
+def test_blocks_moved_back_and_forth_stay_one_copy_each_way(tmp_path, monkeypatch):
+    """A batch moved between two memory slabs and back, again and again: the sources
+    are freed highest pages first, so the next batch into a slab gets its pages in
+    ascending order and every move is one copy (it was one copy one way and a copy a
+    block the other: a DMA per 1 MiB block runs far below a bulk copy on a GPU)."""
+    import agent.core.block_pool as block_pool
+
+    n = 8
+    upper = MemoryTier(Tier.GPU, n * SPEC.block_bytes, SPEC.block_bytes // 4, device="cpu")
+    cpu = MemoryTier(Tier.CPU, n * SPEC.block_bytes, SPEC.block_bytes // 4, device="cpu")
+    pool = BlockPool([upper, cpu], [SPEC])
+    data = kv(n, seed=21)
+    hashes = [os.urandom(16) for _ in range(n)]
+    for i, h in enumerate(hashes):
+        assert pool.insert_chain(SPEC.model_id, [h], lambda _i, i=i: data[i]) == (1, 0)
+    copies = []
+    real = block_pool._copy_many
+
+    def counted(moves):
+        pieces = sorted(
+            p for src, sh, dst, dh, m in moves for p in block_pool.pair_runs(src.byte_runs(sh, m), dst.byte_runs(dh, m))
+        )
+        copies.append(
+            sum(
+                1
+                for a, b in zip([None, *pieces], pieces, strict=False)
+                if a is None or a[0] + a[2] != b[0] or a[1] + a[2] != b[1]
+            )
+        )
+        real(moves)
+
+    monkeypatch.setattr(block_pool, "_copy_many", counted)
+    for _ in range(3):
+        assert all(o.ok for o in pool.move_blocks(hashes, Tier.CPU))
+        assert all(o.ok for o in pool.move_blocks(hashes, Tier.GPU))
+    assert copies == [1] * 6
+    for i, h in enumerate(hashes):
+        assert torch.equal(decoded(pool, h), data[i])
+    check_pool(pool)

@@ -218,33 +218,69 @@ def pair_runs(src: Sequence[tuple[int, int]], dst: Sequence[tuple[int, int]]) ->
     return out
 
 
-def _copy_many(moves: list[tuple[object, object, object, object, int]]) -> None:
+COPY_CHUNK_BYTES = 8 << 20  # a batch between memory slabs is switched a chunk of this at a time
+
+
+def _source_address(move) -> int:
+    src, src_handle = move[0], move[1]
+    return src.byte_runs(src_handle, 1)[0][0]
+
+
+def _copy_many(moves: list[tuple[object, object, object, object, int]], copied=None) -> None:
     """Copy blocks between memory slabs: (source store, its handle, destination store,
     its handle, bytes) each. Pieces adjacent in both slabs are merged (blocks allocated in
     order sit back to back on both sides: one copy for the lot instead of one a block,
     each copy being a driver call on a GPU, and a DMA of 1 MiB far below a bulk copy's
-    speed; sorted by source first: a batch's pages are not always handed out in order), every copy is queued without waiting, and one
-    synchronize ends it if a GPU took part: every block is copied before any is switched
-    or its source freed. Runs are plain addresses: no tensor per block."""
-    pieces = []
-    for src, src_handle, dst, dst_handle, n in moves:
-        for s_at, d_at, m in pair_runs(src.byte_runs(src_handle, n), dst.byte_runs(dst_handle, n)):
-            pieces.append((s_at, d_at, m, src, dst))
-    pieces.sort(key=lambda p: p[0])
-    merged: list[list] = []
-    for s_at, d_at, m, src, dst in pieces:
-        last = merged[-1] if merged else None
-        if last and last[3] is src and last[4] is dst and last[0] + last[2] == s_at and last[1] + last[2] == d_at:
-            last[2] += m
-        else:
-            merged.append([s_at, d_at, m, src, dst])
-    cuda = False
-    for s_at, d_at, m, src, dst in merged:
-        s0, d0 = s_at - src.slab.data_ptr(), d_at - dst.slab.data_ptr()
-        dst.slab[d0 : d0 + m].copy_(src.slab[s0 : s0 + m], non_blocking=True)
-        cuda = cuda or src.slab.is_cuda or dst.slab.is_cuda
-    if cuda:
-        torch.cuda.synchronize()
+    speed; sorted by source first: a batch's pages are not always handed out in order),
+    every copy is queued without waiting. Runs are plain addresses: no tensor per block.
+
+    Without `copied`: one synchronize ends it if a GPU took part (every block is copied
+    before any is switched or its source freed). With it: the moves go in chunks of about
+    COPY_CHUNK_BYTES, highest source addresses first, and `copied(indices)` is called for
+    each chunk once its copies are done (its CUDA event), while the later chunks' copies
+    still run: the caller switches the first blocks during the DMA of the rest."""
+    if copied is None:
+        chunks = [list(range(len(moves)))]
+    else:
+        chunks, size = [], COPY_CHUNK_BYTES
+        for i in sorted(range(len(moves)), key=lambda i: _source_address(moves[i]), reverse=True):
+            if size >= COPY_CHUNK_BYTES:
+                chunks.append([])
+                size = 0
+            chunks[-1].append(i)
+            size += moves[i][4]
+    issued = []
+    for chunk in chunks:
+        pieces = []
+        for i in chunk:
+            src, src_handle, dst, dst_handle, n = moves[i]
+            for s_at, d_at, m in pair_runs(src.byte_runs(src_handle, n), dst.byte_runs(dst_handle, n)):
+                pieces.append((s_at, d_at, m, src, dst))
+        pieces.sort(key=lambda p: p[0])
+        merged: list[list] = []
+        for s_at, d_at, m, src, dst in pieces:
+            last = merged[-1] if merged else None
+            if last and last[3] is src and last[4] is dst and last[0] + last[2] == s_at and last[1] + last[2] == d_at:
+                last[2] += m
+            else:
+                merged.append([s_at, d_at, m, src, dst])
+        cuda = False
+        for s_at, d_at, m, src, dst in merged:
+            s0, d0 = s_at - src.slab.data_ptr(), d_at - dst.slab.data_ptr()
+            dst.slab[d0 : d0 + m].copy_(src.slab[s0 : s0 + m], non_blocking=True)
+            cuda = cuda or src.slab.is_cuda or dst.slab.is_cuda
+        event = None
+        if cuda and copied is not None:
+            event = torch.cuda.Event()
+            event.record()
+        elif cuda:
+            torch.cuda.synchronize()
+        issued.append((chunk, event))
+    if copied is not None:
+        for chunk, event in issued:
+            if event is not None:
+                event.synchronize()
+            copied(chunk)
 
 
 RECODE_WRITE_BYTES = 4 << 20  # re-encoded payload written per write_many
@@ -809,33 +845,38 @@ class BlockPool:
                     raise
                 jobs.append((k, meta, src, meta.handle, new_handle))
         if jobs:
-            try:
-                if dst.tier is Tier.DISK:
-                    errs = dst.write_many(
-                        [
-                            (new, src.views(old, m.stored_bytes), m)  # stored as it is: m is its header
-                            for _, m, src, old, new in jobs
-                        ]
-                    )
-                else:  # into a memory slab: from the disk in one call, from memory slabs copied
-                    from_disk = [j for j in jobs if hasattr(j[2], "read_many")]
-                    done = {}
-                    if from_disk:
-                        reads = [(old, dst.views(new, m.stored_bytes)) for _, m, _, old, new in from_disk]
-                        done = dict(zip((j[0] for j in from_disk), from_disk[0][2].read_many(reads), strict=True))
-                    _copy_many([(src, old, dst, new, m.stored_bytes) for k, m, src, old, new in jobs if k not in done])
-                    errs = [done.get(k) for k, *_ in jobs]
-            except Exception:  # nothing switched: every block stays where it was
-                with self.lock:
-                    self._abandon(jobs, dst)
-                raise
-            waiting = []
+            out.update(self._move_placed(jobs, dst))
+        for tier, tier_jobs in recode.items():
+            out.update(self._move_recoded(tier_jobs, self.store_of[tier]))
+        for k in singles:
+            out[k] = self.move_block(block_hashes[k], to_tier, codec)
+        with self.lock:  # corrupt sources whose drop a block of this batch (moving then) refused
+            for k in out:
+                meta = self.blocks.get(block_hashes[k])
+                if meta is not None and meta.corrupt and not meta.ref_count and not meta.moving:
+                    self._drop_subtree(meta.block_hash)
+        for k, j in repeats.items():
+            out[k] = out[j]
+        return [out[k] for k in range(len(block_hashes))]
+
+    def _move_placed(self, jobs: list, dst: TierStore) -> dict[int, MoveOutcome]:
+        """Copy blocks as they are into the space allocated for them (k, meta, source,
+        source handle, new handle; all marked moving) and switch them: to the disk in one
+        write_many, from the disk in one read_many, between memory slabs by _copy_many,
+        whose chunks are switched while the copies of the next ones still run. A failure
+        leaves each block not yet switched where it was."""
+        out: dict[int, MoveOutcome] = {}
+        waiting: list = []
+        settled: set[int] = set()
+
+        def settle(batch: list, errs: list) -> None:
             # switched (sources freed) from the highest source pages down: a memory slab's
             # free list is a stack, so the next batch into it gets these pages in ascending
             # order across blocks, back to back with its source's (one copy for the lot)
-            done = sorted(zip(jobs, errs, strict=True), key=lambda j: _first_page(j[0][3]), reverse=True)
+            done = sorted(zip(batch, errs, strict=True), key=lambda j: _first_page(j[0][3]), reverse=True)
             with self.lock:
                 for (k, meta, src, old, new), err in done:
+                    settled.add(k)
                     if err is None and meta.ref_count == 0:
                         self._finish_move(meta, src, old, dst, new)
                         out[k] = MoveOutcome(True, meta.stored_bytes)
@@ -852,23 +893,30 @@ class BlockPool:
                         else:
                             self._notice(
                                 "write_error",
-                                f"moving a block from the {meta.tier.label} to the {to_tier.label} tier failed: {err}",
+                                f"moving a block from the {meta.tier.label} to the {dst.tier.label} tier failed: {err}",
                             )
                             out[k] = self._move_failed(f"{type(err).__name__}: {err}")
-            for k, meta, src, old, new in waiting:  # readers hold it: switch once they let go
-                out[k] = self._switch_when_unread(meta, src, old, dst, new)
-        for tier, tier_jobs in recode.items():
-            out.update(self._move_recoded(tier_jobs, self.store_of[tier]))
-        for k in singles:
-            out[k] = self.move_block(block_hashes[k], to_tier, codec)
-        with self.lock:  # corrupt sources whose drop a block of this batch (moving then) refused
-            for k in out:
-                meta = self.blocks.get(block_hashes[k])
-                if meta is not None and meta.corrupt and not meta.ref_count and not meta.moving:
-                    self._drop_subtree(meta.block_hash)
-        for k, j in repeats.items():
-            out[k] = out[j]
-        return [out[k] for k in range(len(block_hashes))]
+
+        try:
+            if dst.tier is Tier.DISK:  # stored as it is: the block's meta is its header
+                settle(jobs, dst.write_many([(new, src.views(old, m.stored_bytes), m) for _, m, src, old, new in jobs]))
+            else:  # into a memory slab: from the disk in one call, from memory slabs copied
+                from_disk = [j for j in jobs if hasattr(j[2], "read_many")]
+                if from_disk:
+                    reads = [(old, dst.views(new, m.stored_bytes)) for _, m, _, old, new in from_disk]
+                    settle(from_disk, from_disk[0][2].read_many(reads))
+                copies = [j for j in jobs if not hasattr(j[2], "read_many")]
+                _copy_many(
+                    [(src, old, dst, new, m.stored_bytes) for _, m, src, old, new in copies],
+                    copied=lambda chunk: settle([copies[i] for i in chunk], [None] * len(chunk)),
+                )
+        except Exception:  # the blocks not switched stay where they were
+            with self.lock:
+                self._abandon([j for j in jobs if j[0] not in settled], dst)
+            raise
+        for k, meta, src, old, new in waiting:  # readers hold it: switch once they let go
+            out[k] = self._switch_when_unread(meta, src, old, dst, new)
+        return out
 
     def _move_recoded(self, jobs: list[_Recode], dst: TierStore) -> dict[int, MoveOutcome]:
         """Move blocks that change codec on the way (all marked moving), with move_block's

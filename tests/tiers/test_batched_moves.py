@@ -553,7 +553,7 @@ def test_blocks_moved_back_and_forth_stay_one_copy_each_way(tmp_path, monkeypatc
     copies = []
     real = block_pool._copy_many
 
-    def counted(moves):
+    def counted(moves, copied=None):
         pieces = sorted(
             p for src, sh, dst, dh, m in moves for p in block_pool.pair_runs(src.byte_runs(sh, m), dst.byte_runs(dh, m))
         )
@@ -564,7 +564,7 @@ def test_blocks_moved_back_and_forth_stay_one_copy_each_way(tmp_path, monkeypatc
                 if a is None or a[0] + a[2] != b[0] or a[1] + a[2] != b[1]
             )
         )
-        real(moves)
+        real(moves, copied)
 
     monkeypatch.setattr(block_pool, "_copy_many", counted)
     for _ in range(3):
@@ -573,4 +573,77 @@ def test_blocks_moved_back_and_forth_stay_one_copy_each_way(tmp_path, monkeypatc
     assert copies == [1] * 6
     for i, h in enumerate(hashes):
         assert torch.equal(decoded(pool, h), data[i])
+    check_pool(pool)
+
+
+def _slab_pair(n: int) -> tuple[BlockPool, MemoryTier, MemoryTier, list[bytes], torch.Tensor]:
+    upper = MemoryTier(Tier.GPU, n * SPEC.block_bytes, SPEC.block_bytes // 4, device="cpu")
+    cpu = MemoryTier(Tier.CPU, n * SPEC.block_bytes, SPEC.block_bytes // 4, device="cpu")
+    pool = BlockPool([upper, cpu], [SPEC])
+    data = kv(n, seed=23)
+    hashes = [os.urandom(16) for _ in range(n)]
+    for i, h in enumerate(hashes):
+        assert pool.insert_chain(SPEC.model_id, [h], lambda _i, i=i: data[i]) == (1, 0)
+    return pool, upper, cpu, hashes, data
+
+
+def test_a_batch_between_memory_slabs_is_switched_chunk_by_chunk(monkeypatch):
+    """A batch between memory slabs is copied in chunks (on a GPU each chunk's blocks are
+    switched while the next chunks' copies run), highest source pages first: every block
+    keeps its bytes, each chunk is one copy, and the free lists still hand the next batch
+    ascending pages (one copy a chunk on the way back too)."""
+    import agent.core.block_pool as block_pool
+
+    monkeypatch.setattr(block_pool, "COPY_CHUNK_BYTES", 2 * SPEC.block_bytes)
+    pool, upper, cpu, hashes, data = _slab_pair(8)
+    switched, real_finish = [], BlockPool._finish_move
+
+    def finish(self, meta, *args, **kwargs):
+        switched.append(hashes.index(meta.block_hash))
+        return real_finish(self, meta, *args, **kwargs)
+
+    monkeypatch.setattr(BlockPool, "_finish_move", finish)
+    copies, real_copy = [], torch.Tensor.copy_
+
+    def counted(self, src, *args, **kwargs):
+        copies.append(src.numel())
+        return real_copy(self, src, *args, **kwargs)
+
+    monkeypatch.setattr(torch.Tensor, "copy_", counted)
+    for _ in range(2):
+        for tier in (Tier.CPU, Tier.GPU):
+            copies.clear()
+            switched.clear()
+            assert all(o.ok for o in pool.move_blocks(hashes, tier))
+            assert copies == [2 * SPEC.block_bytes] * 4, tier
+            assert switched == [7, 6, 5, 4, 3, 2, 1, 0]  # highest source pages first
+    monkeypatch.undo()
+    for i, h in enumerate(hashes):
+        assert pool.tier_of(h) == Tier.GPU and torch.equal(decoded(pool, h), data[i])
+    check_pool(pool)
+
+
+def test_a_copy_that_fails_mid_batch_leaves_the_unswitched_blocks_in_place(monkeypatch):
+    import agent.core.block_pool as block_pool
+
+    monkeypatch.setattr(block_pool, "COPY_CHUNK_BYTES", 2 * SPEC.block_bytes)
+    pool, upper, cpu, hashes, data = _slab_pair(8)
+    calls, real_copy = [0], torch.Tensor.copy_
+
+    def failing(self, src, *args, **kwargs):  # the third chunk's copy fails
+        calls[0] += 1
+        if calls[0] == 3:
+            raise RuntimeError("CUDA error: an illegal memory access (test)")
+        return real_copy(self, src, *args, **kwargs)
+
+    monkeypatch.setattr(torch.Tensor, "copy_", failing)
+    with pytest.raises(RuntimeError, match="illegal memory access"):
+        pool.move_blocks(hashes, Tier.CPU)
+    monkeypatch.undo()
+    check_pool(pool)  # no page lost or held twice, nothing left moving
+    for i, h in enumerate(hashes):
+        assert pool.tier_of(h) == Tier.GPU and torch.equal(decoded(pool, h), data[i])
+    assert all(o.ok for o in pool.move_blocks(hashes, Tier.CPU))
+    for i, h in enumerate(hashes):
+        assert pool.tier_of(h) == Tier.CPU and torch.equal(decoded(pool, h), data[i])
     check_pool(pool)

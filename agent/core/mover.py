@@ -123,19 +123,19 @@ class Mover:
             op.state = RUNNING
             self._update(op)
             last = time.monotonic()
-            for k, outcome in enumerate(self._outcomes(op)):
-                if outcome is None:
-                    op.failed += 1
-                    op.error = "not held"
-                    continue
-                if outcome.ok:
-                    op.done += 1
-                    op.moved_bytes += outcome.moved_bytes
-                else:
-                    op.failed += 1
-                    op.error = outcome.reason
-                    if outcome.pinned_tier:
-                        op.pinned.append((op.block_hashes[k], outcome.pinned_tier))
+            for start, outcomes in self._outcomes(op):
+                for k, outcome in enumerate(outcomes, start):
+                    if outcome is None:
+                        op.failed += 1
+                        op.error = "not held"
+                    elif outcome.ok:
+                        op.done += 1
+                        op.moved_bytes += outcome.moved_bytes
+                    else:
+                        op.failed += 1
+                        op.error = outcome.reason
+                        if outcome.pinned_tier:
+                            op.pinned.append((op.block_hashes[k], outcome.pinned_tier))
                 if time.monotonic() - last > 0.2:
                     last = time.monotonic()
                     self._update(op)
@@ -151,14 +151,15 @@ class Mover:
         return op
 
     def _outcomes(self, op: MoveOp):
-        """Each block's outcome, in order, in batches of BATCH_BLOCKS
-        (BlockPool.move_blocks: one vectored disk call per run of adjacent extents, codecs
-        on codec threads). Stops once cancelled."""
+        """(first block's index, the blocks' outcomes) for each batch of BATCH_BLOCKS, in
+        order (BlockPool.move_blocks: one vectored disk call per run of adjacent extents,
+        codecs on codec threads, copies between memory slabs in chunks). Stops once
+        cancelled."""
         for start in range(0, op.total, BATCH_BLOCKS):
             if op.cancel_requested:
                 return
             # to_tier None (a compress): each block where it is when its batch starts
-            yield from self.pool.move_blocks(op.block_hashes[start : start + BATCH_BLOCKS], op.to_tier, op.codec)
+            yield start, self.pool.move_blocks(op.block_hashes[start : start + BATCH_BLOCKS], op.to_tier, op.codec)
 
     def run_once(self, timeout_seconds: float = 0.1) -> MoveOp | None:
         try:

@@ -218,69 +218,42 @@ def pair_runs(src: Sequence[tuple[int, int]], dst: Sequence[tuple[int, int]]) ->
     return out
 
 
-COPY_CHUNK_BYTES = 8 << 20  # a batch between memory slabs is switched a chunk of this at a time
+COPY_CHUNK_BYTES = 8 << 20  # a batch between memory slabs is allocated, copied and switched by chunks of this
 
 
-def _source_address(move) -> int:
-    src, src_handle = move[0], move[1]
-    return src.byte_runs(src_handle, 1)[0][0]
+def _issue_copies(moves: list[tuple[object, object, object, object, int]]) -> bool:
+    """Queue the copies of blocks between memory slabs: (source store, its handle,
+    destination store, its handle, bytes) each. Pieces adjacent in both slabs are merged
+    (blocks allocated in order sit back to back on both sides: one copy for the lot
+    instead of one a block, each copy being a driver call on a GPU, and a DMA of 1 MiB far
+    below a bulk copy's speed; sorted by source first: a batch's pages are not always
+    handed out in order). Runs are plain addresses: no tensor per block. True when a GPU
+    took part: the copies are queued on its stream, not waited for."""
+    pieces = []
+    for src, src_handle, dst, dst_handle, n in moves:
+        for s_at, d_at, m in pair_runs(src.byte_runs(src_handle, n), dst.byte_runs(dst_handle, n)):
+            pieces.append((s_at, d_at, m, src, dst))
+    pieces.sort(key=lambda p: p[0])
+    merged: list[list] = []
+    for s_at, d_at, m, src, dst in pieces:
+        last = merged[-1] if merged else None
+        if last and last[3] is src and last[4] is dst and last[0] + last[2] == s_at and last[1] + last[2] == d_at:
+            last[2] += m
+        else:
+            merged.append([s_at, d_at, m, src, dst])
+    cuda = False
+    for s_at, d_at, m, src, dst in merged:
+        s0, d0 = s_at - src.slab.data_ptr(), d_at - dst.slab.data_ptr()
+        dst.slab[d0 : d0 + m].copy_(src.slab[s0 : s0 + m], non_blocking=True)
+        cuda = cuda or src.slab.is_cuda or dst.slab.is_cuda
+    return cuda
 
 
-def _copy_many(moves: list[tuple[object, object, object, object, int]], copied=None) -> None:
-    """Copy blocks between memory slabs: (source store, its handle, destination store,
-    its handle, bytes) each. Pieces adjacent in both slabs are merged (blocks allocated in
-    order sit back to back on both sides: one copy for the lot instead of one a block,
-    each copy being a driver call on a GPU, and a DMA of 1 MiB far below a bulk copy's
-    speed; sorted by source first: a batch's pages are not always handed out in order),
-    every copy is queued without waiting. Runs are plain addresses: no tensor per block.
-
-    Without `copied`: one synchronize ends it if a GPU took part (every block is copied
-    before any is switched or its source freed). With it: the moves go in chunks of about
-    COPY_CHUNK_BYTES, highest source addresses first, and `copied(indices)` is called for
-    each chunk once its copies are done (its CUDA event), while the later chunks' copies
-    still run: the caller switches the first blocks during the DMA of the rest."""
-    if copied is None:
-        chunks = [list(range(len(moves)))]
-    else:
-        chunks, size = [], COPY_CHUNK_BYTES
-        for i in sorted(range(len(moves)), key=lambda i: _source_address(moves[i]), reverse=True):
-            if size >= COPY_CHUNK_BYTES:
-                chunks.append([])
-                size = 0
-            chunks[-1].append(i)
-            size += moves[i][4]
-    issued = []
-    for chunk in chunks:
-        pieces = []
-        for i in chunk:
-            src, src_handle, dst, dst_handle, n = moves[i]
-            for s_at, d_at, m in pair_runs(src.byte_runs(src_handle, n), dst.byte_runs(dst_handle, n)):
-                pieces.append((s_at, d_at, m, src, dst))
-        pieces.sort(key=lambda p: p[0])
-        merged: list[list] = []
-        for s_at, d_at, m, src, dst in pieces:
-            last = merged[-1] if merged else None
-            if last and last[3] is src and last[4] is dst and last[0] + last[2] == s_at and last[1] + last[2] == d_at:
-                last[2] += m
-            else:
-                merged.append([s_at, d_at, m, src, dst])
-        cuda = False
-        for s_at, d_at, m, src, dst in merged:
-            s0, d0 = s_at - src.slab.data_ptr(), d_at - dst.slab.data_ptr()
-            dst.slab[d0 : d0 + m].copy_(src.slab[s0 : s0 + m], non_blocking=True)
-            cuda = cuda or src.slab.is_cuda or dst.slab.is_cuda
-        event = None
-        if cuda and copied is not None:
-            event = torch.cuda.Event()
-            event.record()
-        elif cuda:
-            torch.cuda.synchronize()
-        issued.append((chunk, event))
-    if copied is not None:
-        for chunk, event in issued:
-            if event is not None:
-                event.synchronize()
-            copied(chunk)
+def _copy_many(moves: list[tuple[object, object, object, object, int]]) -> None:
+    """_issue_copies, then one synchronize if a GPU took part: every block is copied
+    before any is switched or its source freed."""
+    if _issue_copies(moves):
+        torch.cuda.synchronize()
 
 
 RECODE_WRITE_BYTES = 4 << 20  # re-encoded payload written per write_many
@@ -806,6 +779,7 @@ class BlockPool:
                 return [self._move_failed(str(exc)) for _ in block_hashes]
         out: dict[int, MoveOutcome] = {}
         jobs: list[tuple[int, BlockMeta, TierStore, object, object]] = []  # k, meta, src, src handle, new handle
+        slab_copies: list[tuple[int, BlockMeta, TierStore, object]] = []  # k, meta, src, src handle
         recode: dict[Tier, list[_Recode]] = {}
         singles: list[int] = []
         first: dict[bytes, int] = {}
@@ -833,6 +807,9 @@ class BlockPool:
                     singles.append(k)
                     continue
                 meta.moving = True  # before making room: that must not drop or demote this block
+                if hasattr(src, "byte_runs") and hasattr(dst, "byte_runs"):
+                    slab_copies.append((k, meta, src, meta.handle))  # allocated chunk by chunk
+                    continue
                 try:
                     new_handle = self._allocate(dst, meta.stored_bytes, h)
                 except PoolFull as exc:
@@ -842,10 +819,14 @@ class BlockPool:
                 except Exception:
                     meta.moving = False
                     self._abandon(jobs, dst)
+                    for _, m, _, _ in slab_copies:
+                        m.moving = False
                     raise
                 jobs.append((k, meta, src, meta.handle, new_handle))
         if jobs:
             out.update(self._move_placed(jobs, dst))
+        if slab_copies:
+            out.update(self._copy_between_slabs(slab_copies, dst))
         for tier, tier_jobs in recode.items():
             out.update(self._move_recoded(tier_jobs, self.store_of[tier]))
         for k in singles:
@@ -860,56 +841,20 @@ class BlockPool:
         return [out[k] for k in range(len(block_hashes))]
 
     def _move_placed(self, jobs: list, dst: TierStore) -> dict[int, MoveOutcome]:
-        """Copy blocks as they are into the space allocated for them (k, meta, source,
-        source handle, new handle; all marked moving) and switch them: to the disk in one
-        write_many, from the disk in one read_many, between memory slabs by _copy_many,
-        whose chunks are switched while the copies of the next ones still run. A failure
-        leaves each block not yet switched where it was."""
+        """Move blocks as they are between a memory slab and the disk into the space
+        allocated for them (k, meta, source, source handle, new handle; all marked
+        moving): to the disk in one write_many, from the disk in one read_many; then
+        switch them. A failure leaves each block not yet switched where it was."""
         out: dict[int, MoveOutcome] = {}
         waiting: list = []
         settled: set[int] = set()
-
-        def settle(batch: list, errs: list) -> None:
-            # switched (sources freed) from the highest source pages down: a memory slab's
-            # free list is a stack, so the next batch into it gets these pages in ascending
-            # order across blocks, back to back with its source's (one copy for the lot)
-            done = sorted(zip(batch, errs, strict=True), key=lambda j: _first_page(j[0][3]), reverse=True)
-            with self.lock:
-                for (k, meta, src, old, new), err in done:
-                    settled.add(k)
-                    if err is None and meta.ref_count == 0:
-                        self._finish_move(meta, src, old, dst, new)
-                        out[k] = MoveOutcome(True, meta.stored_bytes)
-                    elif err is None:
-                        waiting.append((k, meta, src, old, new))
-                    else:
-                        meta.moving = False
-                        dst.free(new)
-                        if isinstance(err, BlockUnreadable):
-                            self._mark_corrupt(meta, str(err))
-                            if meta.ref_count == 0:
-                                self._drop_subtree(meta.block_hash)
-                            out[k] = self._move_failed(f"source unreadable: {err}")
-                        else:
-                            self._notice(
-                                "write_error",
-                                f"moving a block from the {meta.tier.label} to the {dst.tier.label} tier failed: {err}",
-                            )
-                            out[k] = self._move_failed(f"{type(err).__name__}: {err}")
-
         try:
             if dst.tier is Tier.DISK:  # stored as it is: the block's meta is its header
-                settle(jobs, dst.write_many([(new, src.views(old, m.stored_bytes), m) for _, m, src, old, new in jobs]))
-            else:  # into a memory slab: from the disk in one call, from memory slabs copied
-                from_disk = [j for j in jobs if hasattr(j[2], "read_many")]
-                if from_disk:
-                    reads = [(old, dst.views(new, m.stored_bytes)) for _, m, _, old, new in from_disk]
-                    settle(from_disk, from_disk[0][2].read_many(reads))
-                copies = [j for j in jobs if not hasattr(j[2], "read_many")]
-                _copy_many(
-                    [(src, old, dst, new, m.stored_bytes) for _, m, src, old, new in copies],
-                    copied=lambda chunk: settle([copies[i] for i in chunk], [None] * len(chunk)),
-                )
+                errs = dst.write_many([(new, src.views(old, m.stored_bytes), m) for _, m, src, old, new in jobs])
+            else:
+                reads = [(old, dst.views(new, m.stored_bytes)) for _, m, _, old, new in jobs]
+                errs = jobs[0][2].read_many(reads)
+            self._settle(jobs, errs, dst, out, waiting, settled)
         except Exception:  # the blocks not switched stay where they were
             with self.lock:
                 self._abandon([j for j in jobs if j[0] not in settled], dst)
@@ -917,6 +862,93 @@ class BlockPool:
         for k, meta, src, old, new in waiting:  # readers hold it: switch once they let go
             out[k] = self._switch_when_unread(meta, src, old, dst, new)
         return out
+
+    def _copy_between_slabs(self, copies: list, dst: TierStore) -> dict[int, MoveOutcome]:
+        """Move blocks as they are between memory slabs (k, meta, source, source handle;
+        all marked moving) by chunks of COPY_CHUNK_BYTES: a chunk is allocated, its copies
+        queued (_issue_copies), and while a GPU copies it the next chunk is allocated and
+        queued; each chunk is switched once its copies are done (its CUDA event), while
+        the copies of the later ones still run. A failure leaves each block not yet
+        switched where it was."""
+        out: dict[int, MoveOutcome] = {}
+        waiting: list = []
+        settled: set[int] = set()
+        issued: deque[tuple[list, object]] = deque()  # chunks copied or copying, not switched
+        placed: list = []  # the chunk being allocated
+        i = 0
+        try:
+            while i < len(copies) or issued:
+                size = 0
+                with self.lock:
+                    while i < len(copies) and size < COPY_CHUNK_BYTES:
+                        k, meta, src, old = copies[i]
+                        i += 1
+                        try:
+                            new = self._allocate(dst, meta.stored_bytes, meta.block_hash)
+                        except PoolFull as exc:
+                            meta.moving = False
+                            out[k] = self._move_failed(f"PoolFull: {exc}")
+                            continue
+                        placed.append((k, meta, src, old, new))
+                        size += meta.stored_bytes
+                if placed:
+                    on_gpu = _issue_copies([(src, old, dst, new, m.stored_bytes) for _, m, src, old, new in placed])
+                    event = None
+                    if on_gpu:
+                        event = torch.cuda.Event()
+                        event.record()
+                    issued.append((placed, event))
+                    placed = []
+                # switch the chunks whose copies are done: all of them once nothing is left
+                # to queue (waiting on each in turn), else those already finished
+                while issued and (i >= len(copies) or issued[0][1] is None or issued[0][1].query()):
+                    chunk, event = issued.popleft()
+                    if event is not None:
+                        event.synchronize()
+                    self._settle(chunk, [None] * len(chunk), dst, out, waiting, settled)
+        except Exception:  # the blocks not switched stay where they were
+            with self.lock:
+                self._abandon(
+                    [j for chunk, _ in issued for j in chunk if j[0] not in settled]
+                    + [j for j in placed if j[0] not in settled],
+                    dst,
+                )
+                for _, meta, _, _ in copies[i:]:
+                    meta.moving = False
+            raise
+        for k, meta, src, old, new in waiting:  # readers hold it: switch once they let go
+            out[k] = self._switch_when_unread(meta, src, old, dst, new)
+        return out
+
+    def _settle(self, batch: list, errs: list, dst: TierStore, out: dict, waiting: list, settled: set) -> None:
+        """Switch (or fail) blocks whose bytes are in place or failed (k, meta, source,
+        source handle, new handle; an error or None each): a block that readers hold is
+        left in `waiting`. Switched (sources freed) from the highest source pages down:
+        a memory slab's free list is a stack, so the next batch into it gets these pages
+        in ascending order, back to back with its source's (one copy for the lot)."""
+        done = sorted(zip(batch, errs, strict=True), key=lambda j: _first_page(j[0][3]), reverse=True)
+        with self.lock:
+            for (k, meta, src, old, new), err in done:
+                settled.add(k)
+                if err is None and meta.ref_count == 0:
+                    self._finish_move(meta, src, old, dst, new)
+                    out[k] = MoveOutcome(True, meta.stored_bytes)
+                elif err is None:
+                    waiting.append((k, meta, src, old, new))
+                else:
+                    meta.moving = False
+                    dst.free(new)
+                    if isinstance(err, BlockUnreadable):
+                        self._mark_corrupt(meta, str(err))
+                        if meta.ref_count == 0:
+                            self._drop_subtree(meta.block_hash)
+                        out[k] = self._move_failed(f"source unreadable: {err}")
+                    else:
+                        self._notice(
+                            "write_error",
+                            f"moving a block from the {meta.tier.label} to the {dst.tier.label} tier failed: {err}",
+                        )
+                        out[k] = self._move_failed(f"{type(err).__name__}: {err}")
 
     def _move_recoded(self, jobs: list[_Recode], dst: TierStore) -> dict[int, MoveOutcome]:
         """Move blocks that change codec on the way (all marked moving), with move_block's

@@ -968,7 +968,7 @@ class BlockPool:
                 # on a durable disk), the codec threads make the next ones
                 ahead = sum(job.stored_bytes for job, _ in pending)
                 while queued and (ahead < 3 * RECODE_WRITE_BYTES or len(pending) < 2 * self.codec_threads):
-                    on_gpu = self._gpu_batch(queued) or self._gpu_decode_batch(queued, dst)
+                    on_gpu = self._gpu_batch(queued, dst) or self._gpu_decode_batch(queued, dst)
                     if on_gpu:  # encoded here, together, on the GPU
                         pending.extend(on_gpu)
                         ahead += sum(job.stored_bytes for job, _ in on_gpu)
@@ -1016,12 +1016,15 @@ class BlockPool:
                     job.meta.moving = False
         return out
 
-    def _gpu_batch(self, queued: deque[_Recode]) -> list[tuple[_Recode, Future]]:
+    def _gpu_batch(self, queued: deque[_Recode], dst: TierStore) -> list[tuple[_Recode, Future]]:
         """Raw GPU blocks at the head of the queue going to a lossy codec, up to
         GPU_ENCODE_BATCH_BYTES of one model: taken off the queue and encoded in one batch
-        on the GPU (codecs.encode_batch), each with its finished future. [] when the head
-        is not such a block, or the batch failed (out of GPU memory, say): the blocks are
-        back in the queue and take the per-block path."""
+        on the GPU (codecs.encode_batch), each with its finished future. Into a memory
+        slab (the pinned CPU tier) the payloads stay on the GPU until their write copies
+        them straight into the slab's pages, unhashed (checksum 0, not known: hashed where
+        one is needed, as a disk write does); elsewhere they come to the host with their
+        checksums. [] when the head is not such a block, or the batch failed (out of GPU
+        memory, say): the blocks are back in the queue and take the per-block path."""
         taken: list[_Recode] = []
         size = 0
         while queued and size < GPU_ENCODE_BATCH_BYTES:
@@ -1043,7 +1046,8 @@ class BlockPool:
         spec = self.models[taken[0].meta.model_id]
         try:
             blocks = torch.stack([_raw_block(job.src, job.handle, job.stored_bytes, spec) for job in taken])
-            payloads = codecs.encode_batch(taken[0].target, blocks)
+            to_slab = hasattr(dst, "views")
+            payloads = codecs.encode_batch(taken[0].target, blocks, on_host=not to_slab)
         except (RuntimeError, codecs.CodecError) as exc:  # torch.OutOfMemoryError is a RuntimeError
             log.warning("encoding %d GPU blocks as one batch failed (%s); one by one instead", len(taken), exc)
             for job in taken:
@@ -1053,7 +1057,7 @@ class BlockPool:
         out = []
         for job, data in zip(taken, payloads, strict=True):
             fut: Future = Future()
-            fut.set_result((data, payload_checksum(data)))
+            fut.set_result((data, 0 if to_slab else payload_checksum(data)))
             out.append((job, fut))
         return out
 

@@ -346,10 +346,12 @@ def encode(codec: str, block: torch.Tensor) -> torch.Tensor:
 BATCHED = {"int8": _int8_batch, "int4": _int4_batch, "fp8": _fp8_batch}
 
 
-def encode_batch(codec: str, blocks: torch.Tensor) -> list[torch.Tensor]:
-    """Blocks [n, ...] of one shape -> their payloads (on the CPU), each the bytes encode()
-    writes for it. A lossy codec runs once over the whole batch where the blocks are (on
-    the GPU: a few kernels for n blocks, one copy of the payloads to pinned host memory)."""
+def encode_batch(codec: str, blocks: torch.Tensor, on_host: bool = True) -> list[torch.Tensor]:
+    """Blocks [n, ...] of one shape -> their payloads, each the bytes encode() writes for
+    it. A lossy codec runs once over the whole batch where the blocks are (on the GPU: a
+    few kernels for n blocks, then one copy of the payloads to pinned host memory, or,
+    with on_host False, none: the payloads stay on the GPU, for a caller that copies them
+    straight into their destination)."""
     check_codec(codec)
     if codec not in BATCHED or blocks.device.type == "cpu" or blocks.shape[0] == 0:
         return [encode(codec, b) for b in blocks]
@@ -358,6 +360,8 @@ def encode_batch(codec: str, blocks: torch.Tensor) -> list[torch.Tensor]:
     if len(blocks.shape) != 6 and codec == "int4":
         raise CodecError(f"int4 needs blocks [n, layers, 2, tokens, heads, dim], not {list(blocks.shape)}")
     payloads = BATCHED[codec](blocks.detach())
+    if not on_host:
+        return list(payloads)
     host = torch.empty(payloads.shape, dtype=torch.uint8, pin_memory=torch.cuda.is_available())
     host.copy_(payloads)
     return list(host)

@@ -453,7 +453,7 @@ def test_demotion_from_an_off_host_slab_encodes_in_batches(tmp_path, monkeypatch
     monkeypatch.setattr(block_pool, "GPU_ENCODE_BATCH_BYTES", 3 * SPEC.block_bytes)
     calls = []
 
-    def batched(name, blocks):  # the GPU's path on the host; the second batch fails
+    def batched(name, blocks, on_host=True):  # the GPU's path on the host; the second batch fails
         calls.append(blocks.shape[0])
         if len(calls) == 2:
             raise RuntimeError("CUDA out of memory (test)")
@@ -477,6 +477,17 @@ def test_demotion_from_an_off_host_slab_encodes_in_batches(tmp_path, monkeypatch
         assert meta.tier is Tier.CPU and meta.codec == codec
         assert torch.equal(cpu.read(meta.handle, meta.stored_bytes), codecs.encode(codec, data[i])), f"block {i}"
     assert upper.used_bytes == 0
+    check_pool(pool)
+    # a batch's payloads go into the slab unhashed (checksum 0: not known); the disk
+    # hashes them on the way down and verifies them on the way back
+    assert pool.blocks[hashes[0]].checksum == 0
+    assert all(o.ok for o in pool.move_blocks(hashes, Tier.DISK))
+    assert all(pool.blocks[h].checksum != 0 for h in hashes)
+    assert all(o.ok for o in pool.move_blocks(hashes, Tier.CPU))
+    for i, h in enumerate(hashes):
+        assert torch.equal(
+            decoded(pool, h), codecs.decode(codec, codecs.encode(codec, data[i]), SPEC.block_shape, SPEC.torch_dtype)
+        )
     check_pool(pool)
 
 

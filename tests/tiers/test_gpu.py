@@ -160,11 +160,11 @@ def test_a_batched_gpu_demotion_writes_each_blocks_host_payload(codec, monkeypat
     calls = []
     real = codecs.encode_batch
 
-    def flaky(name, blocks):  # the second batch fails as an out-of-memory would
+    def flaky(name, blocks, on_host=True):  # the second batch fails as an out-of-memory would
         calls.append(blocks.shape[0])
         if len(calls) == 2:
             raise torch.OutOfMemoryError("CUDA out of memory (test)")
-        return real(name, blocks)
+        return real(name, blocks, on_host)
 
     monkeypatch.setattr(codecs, "encode_batch", flaky)
     outcomes = pool.move_blocks(hashes, Tier.CPU, codec)
@@ -176,6 +176,8 @@ def test_a_batched_gpu_demotion_writes_each_blocks_host_payload(codec, monkeypat
         stored = cpu.read(meta.handle, meta.stored_bytes)
         assert torch.equal(stored, codecs.encode(codec, data[i])), f"block {i}"
     assert gpu.used_bytes == 0
+    # the batches' payloads went from the GPU straight into the pinned slab, unhashed
+    assert [pool.blocks[h].checksum for h in hashes[:3]] == [0, 0, 0]
 
 
 @pytest.mark.parametrize("codec", ["int8", "int4", "fp8"])

@@ -165,6 +165,7 @@ def bench_moves(block_mib: int, num_blocks: int, repeats: int, fsync: bool, work
 
         def run(src=src, dst=dst):
             move_all(src)
+            pool.drain_events()  # as the agent's sync does all along (see the module doc)
             t0 = time.perf_counter()
             move_all(dst)
             if dst == Tier.GPU or src == Tier.GPU:
@@ -185,67 +186,72 @@ def bench_moves(block_mib: int, num_blocks: int, repeats: int, fsync: bool, work
     return results
 
 
+def _codec_moves(pool, move_all, names, setup, timed, repeats: int, total: int, path: str) -> list[CodecMoveResult]:
+    """Time move_all(*timed(name)) after move_all(*setup(name)) for each codec name (None:
+    the raw move, the baseline), interleaved, best of `repeats` each; the event journal
+    drained before each timed move, as the agent's sync keeps it."""
+    best = {name: float("inf") for name in names}
+    for _ in range(repeats):
+        for name in names:
+            move_all(*setup(name))
+            pool.drain_events()
+            t0 = time.perf_counter()
+            move_all(*timed(name))
+            best[name] = min(best[name], time.perf_counter() - t0)
+    n_blocks = len(pool.blocks)
+    return [
+        CodecMoveResult(
+            name,
+            total // n_blocks,
+            round(total / best[name] / 1e9, 3),
+            round(total / best[None] / 1e9, 3),
+            round(best[None] / best[name], 3),
+            path,
+        )
+        for name in names[1:]
+    ]
+
+
 def bench_demotions(
     block_mib: int, num_blocks: int, repeats: int, fsync: bool, workdir: str, src: Tier = Tier.CPU
 ) -> list[CodecMoveResult]:
     """The agent's demotion (src -> the tier below) of the same blocks as they are and
     encoded with each codec (as a tier codec or `kvctl move --codec` does: codec threads
-    encode while the blocks before are written), interleaved, best of each; GB/s of
-    uncompressed KV."""
+    encode while the blocks before are written; from the GPU, batches encoded there),
+    GB/s of uncompressed KV."""
     pool, _, move_all = _filled_pool(block_mib, num_blocks, fsync, workdir, f"demote-{src.label}", gpu=src == Tier.GPU)
     dst = Tier(int(src) + 1)
-    total = _spec(block_mib).block_bytes * num_blocks
     names = [None] + [c for c in codecs.available_codecs() if c != "none"]
-    best = {name: float("inf") for name in names}
-    for _ in range(repeats):
-        for name in names:
-            move_all(src, "none")  # back to raw fp16 in the slab
-            t0 = time.perf_counter()
-            move_all(dst, name)
-            best[name] = min(best[name], time.perf_counter() - t0)
-    raw = total / best[None] / 1e9
-    return [
-        CodecMoveResult(
-            name,
-            total // num_blocks,
-            round(total / best[name] / 1e9, 3),
-            round(raw, 3),
-            round(best[None] / best[name], 3),
-            f"{src.label}->{dst.label}",
-        )
-        for name in names[1:]
-    ]
+    return _codec_moves(
+        pool,
+        move_all,
+        names,
+        lambda name: (src, "none"),  # back to raw fp16 in the slab
+        lambda name: (dst, name),
+        repeats,
+        _spec(block_mib).block_bytes * num_blocks,
+        f"{src.label}->{dst.label}",
+    )
 
 
 def bench_promotions(block_mib: int, num_blocks: int, repeats: int, fsync: bool, workdir: str) -> list[CodecMoveResult]:
     """With CUDA: the agent's promotion CPU->GPU of the same blocks held raw in the CPU
     tier and held compressed with each lossy codec (decoded into raw GPU blocks on the
-    way: the payloads cross, the GPU decodes them in batches), interleaved, best of each;
-    GB/s of uncompressed KV."""
+    way: the payloads cross, the GPU decodes them in batches), GB/s of uncompressed KV."""
     pool, _, move_all = _filled_pool(block_mib, num_blocks, fsync, workdir, "promote", gpu=True)
     if pool.top.tier is not Tier.GPU:
         return []
-    total = _spec(block_mib).block_bytes * num_blocks
     names = [None] + [c for c in codecs.available_codecs() if c in codecs.DECODE_BATCHED]
-    best = {name: float("inf") for name in names}
-    for _ in range(repeats):
-        for name in names:
-            move_all(Tier.CPU, name or "none")  # held in the CPU tier as this codec
-            t0 = time.perf_counter()
-            move_all(Tier.GPU, "none")
-            best[name] = min(best[name], time.perf_counter() - t0)
-    raw = total / best[None] / 1e9
-    return [
-        CodecMoveResult(
-            name,
-            total // num_blocks,
-            round(total / best[name] / 1e9, 3),
-            round(raw, 3),
-            round(best[None] / best[name], 3),
-            "cpu->gpu",
-        )
-        for name in names[1:]
-    ]
+    return _codec_moves(
+        pool,
+        move_all,
+        names,
+        lambda name: (Tier.CPU, name or "none"),  # held in the CPU tier as this codec
+        lambda name: (Tier.GPU, "none"),
+        repeats,
+        _spec(block_mib).block_bytes * num_blocks,
+        "cpu->gpu",
+    )
 
 
 GPU_CODEC_BATCH = 16  # blocks a GPU encode takes at once in the benchmark (a 16 MiB batch)

@@ -294,6 +294,27 @@ class _Recode:
     one_by_one: bool = False  # its GPU batch failed: encoded alone
 
 
+def _finished(result=None, error: BaseException | None = None) -> Future:
+    """A future already done: a batch on the GPU did its blocks' work in place of the
+    codec threads."""
+    fut: Future = Future()
+    if error is not None:
+        fut.set_exception(error)
+    else:
+        fut.set_result(result)
+    return fut
+
+
+def _one_by_one(queued: deque, taken: list, what: str, exc: BaseException) -> list:
+    """A batch on the GPU failed (out of its memory, say): its blocks go back to the
+    head of the queue, each to take the per-block path."""
+    log.warning("%s %d blocks as one batch on the GPU failed (%s); one by one instead", what, len(taken), exc)
+    for job in taken:
+        job.one_by_one = True
+    queued.extendleft(reversed(taken))
+    return []
+
+
 class BlockPool:
     def __init__(
         self,
@@ -1049,17 +1070,11 @@ class BlockPool:
             to_slab = hasattr(dst, "views")
             payloads = codecs.encode_batch(taken[0].target, blocks, on_host=not to_slab)
         except (RuntimeError, codecs.CodecError) as exc:  # torch.OutOfMemoryError is a RuntimeError
-            log.warning("encoding %d GPU blocks as one batch failed (%s); one by one instead", len(taken), exc)
-            for job in taken:
-                job.one_by_one = True
-            queued.extendleft(reversed(taken))
-            return []
-        out = []
-        for job, data in zip(taken, payloads, strict=True):
-            fut: Future = Future()
-            fut.set_result((data, 0 if to_slab else payload_checksum(data)))
-            out.append((job, fut))
-        return out
+            return _one_by_one(queued, taken, "encoding", exc)
+        return [
+            (job, _finished((data, 0 if to_slab else payload_checksum(data))))
+            for job, data in zip(taken, payloads, strict=True)
+        ]
 
     def _gpu_decode_batch(self, queued: deque[_Recode], dst: TierStore) -> list[tuple[_Recode, Future]]:
         """Compressed host blocks at the head of the queue promoted raw into a GPU tier, up
@@ -1117,20 +1132,14 @@ class BlockPool:
                         at += seg.numel()
             blocks = codecs.decode_batch(head.codec, payloads, spec.block_shape, spec.torch_dtype)
         except (RuntimeError, codecs.CodecError) as exc:  # torch.OutOfMemoryError is a RuntimeError
-            log.warning("decoding %d blocks as one batch on the GPU failed (%s); one by one instead", len(taken), exc)
-            for job in taken:
-                job.one_by_one = True
-            queued.extendleft(reversed(taken))
-            return []
-        out = []
-        for i, job in enumerate(taken):
-            fut: Future = Future()
-            if i in errors:
-                fut.set_exception(errors[i])
-            else:
-                fut.set_result((blocks[i].reshape(-1).view(torch.uint8), 0))
-            out.append((job, fut))
-        return out
+            return _one_by_one(queued, taken, "decoding", exc)
+        return [
+            (
+                job,
+                _finished(error=errors[i]) if i in errors else _finished((blocks[i].reshape(-1).view(torch.uint8), 0)),
+            )
+            for i, job in enumerate(taken)
+        ]
 
     def _codecs(self) -> ThreadPoolExecutor:
         with self.lock:

@@ -413,17 +413,26 @@ def test_a_batch_between_memory_slabs_keeps_its_bytes_and_mixes_with_disk_reads(
     check_pool(pool)
 
 
-def test_blocks_back_to_back_in_both_slabs_move_in_one_copy(tmp_path, monkeypatch):
-    """Each copy between memory slabs is a driver call on a GPU: blocks that sit back to
-    back in the source and land back to back in the destination go in one."""
-    n = 6
+def _slab_pair(
+    n: int, seed: int = 23, disk_dir=None, scale: float = 1.0, scattered: bool = False
+) -> tuple[BlockPool, MemoryTier, MemoryTier, list[bytes], torch.Tensor]:
+    """n one-block chains in a host slab standing in for the GPU (`scattered`: each block
+    in four one-page runs), over a CPU slab (and a disk tier in `disk_dir`)."""
     upper = MemoryTier(Tier.GPU, n * SPEC.block_bytes, SPEC.block_bytes // 4, device="cpu")
+    if scattered:
+        upper._free.reverse()  # descending pages
     cpu = MemoryTier(Tier.CPU, n * SPEC.block_bytes, SPEC.block_bytes // 4, device="cpu")
-    pool = BlockPool([upper, cpu], [SPEC])
-    data = kv(n, seed=11)
+    disk = [DiskTier(disk_dir, 1 << 20)] if disk_dir is not None else []
+    pool = BlockPool([upper, cpu, *disk], [SPEC])
+    data = (kv(n, seed=seed).float() * scale).to(SPEC.torch_dtype)
     hashes = [os.urandom(16) for _ in range(n)]
     for i, h in enumerate(hashes):
         assert pool.insert_chain(SPEC.model_id, [h], lambda _i, i=i: data[i]) == (1, 0)
+    return pool, upper, cpu, hashes, data
+
+
+def _count_copies(monkeypatch) -> list[int]:
+    """The bytes of every tensor copy from now on (the real copies, counted)."""
     copies, real = [], torch.Tensor.copy_
 
     def counted(self, src, *args, **kwargs):
@@ -431,6 +440,15 @@ def test_blocks_back_to_back_in_both_slabs_move_in_one_copy(tmp_path, monkeypatc
         return real(self, src, *args, **kwargs)
 
     monkeypatch.setattr(torch.Tensor, "copy_", counted)
+    return copies
+
+
+def test_blocks_back_to_back_in_both_slabs_move_in_one_copy(tmp_path, monkeypatch):
+    """Each copy between memory slabs is a driver call on a GPU: blocks that sit back to
+    back in the source and land back to back in the destination go in one."""
+    n = 6
+    pool, _, _, hashes, data = _slab_pair(n, seed=11)
+    copies = _count_copies(monkeypatch)
     assert all(o.ok for o in pool.move_blocks(hashes, Tier.CPU))
     monkeypatch.undo()
     assert copies == [n * SPEC.block_bytes]
@@ -460,15 +478,7 @@ def test_demotion_from_an_off_host_slab_encodes_in_batches(tmp_path, monkeypatch
         return list(codecs.BATCHED[name](blocks))
 
     monkeypatch.setattr(codecs, "encode_batch", batched)
-    n = 10
-    upper = MemoryTier(Tier.GPU, n * SPEC.block_bytes, SPEC.block_bytes // 4, device="cpu")
-    upper._free.reverse()  # descending pages: every block is four one-page runs
-    cpu = MemoryTier(Tier.CPU, n * SPEC.block_bytes, SPEC.block_bytes // 4, device="cpu")
-    pool = BlockPool([upper, cpu, DiskTier(tmp_path / "disk", 1 << 20)], [SPEC])
-    data = (kv(n, seed=13).float() * 4).to(SPEC.torch_dtype)
-    hashes = [os.urandom(16) for _ in range(n)]
-    for i, h in enumerate(hashes):
-        assert pool.insert_chain(SPEC.model_id, [h], lambda _i, i=i: data[i]) == (1, 0)
+    pool, upper, cpu, hashes, data = _slab_pair(10, seed=13, disk_dir=tmp_path / "disk", scale=4, scattered=True)
     outcomes = pool.move_blocks(hashes, Tier.CPU, codec)
     assert all(o.ok for o in outcomes), outcomes
     assert calls == [3, 3, 3, 1]  # the failed batch's three went one by one
@@ -506,13 +516,7 @@ def test_promotion_into_an_off_host_slab_decodes_in_batches(tmp_path, monkeypatc
     monkeypatch.setattr(block_pool, "_off_host", lambda store: store.tier is Tier.GPU)
     monkeypatch.setattr(block_pool, "GPU_ENCODE_BATCH_BYTES", 3 * SPEC.block_bytes)
     n = 10
-    upper = MemoryTier(Tier.GPU, n * SPEC.block_bytes, SPEC.block_bytes // 4, device="cpu")
-    cpu = MemoryTier(Tier.CPU, n * SPEC.block_bytes, SPEC.block_bytes // 4, device="cpu")
-    pool = BlockPool([upper, cpu, DiskTier(tmp_path / "disk", 1 << 20)], [SPEC])
-    data = (kv(n, seed=17).float() * 4).to(SPEC.torch_dtype)
-    hashes = [os.urandom(16) for _ in range(n)]
-    for i, h in enumerate(hashes):
-        assert pool.insert_chain(SPEC.model_id, [h], lambda _i, i=i: data[i]) == (1, 0)
+    pool, upper, cpu, hashes, data = _slab_pair(n, seed=17, disk_dir=tmp_path / "disk", scale=4)
     assert all(o.ok for o in pool.move_blocks(hashes, Tier.CPU, codec))
     on_disk = [1, 2, 5, 8]  # mixed sources within a batch
     assert all(o.ok for o in pool.move_blocks([hashes[i] for i in on_disk], Tier.DISK))
@@ -552,20 +556,8 @@ def test_blocks_moved_back_and_forth_stay_one_copy_each_way(tmp_path, monkeypatc
     ascending order and every move is one copy (it was one copy one way and a copy a
     block the other: a DMA per 1 MiB block runs far below a bulk copy on a GPU)."""
     n = 8
-    upper = MemoryTier(Tier.GPU, n * SPEC.block_bytes, SPEC.block_bytes // 4, device="cpu")
-    cpu = MemoryTier(Tier.CPU, n * SPEC.block_bytes, SPEC.block_bytes // 4, device="cpu")
-    pool = BlockPool([upper, cpu], [SPEC])
-    data = kv(n, seed=21)
-    hashes = [os.urandom(16) for _ in range(n)]
-    for i, h in enumerate(hashes):
-        assert pool.insert_chain(SPEC.model_id, [h], lambda _i, i=i: data[i]) == (1, 0)
-    copies, real = [], torch.Tensor.copy_
-
-    def counted(self, src, *args, **kwargs):
-        copies.append(src.numel())
-        return real(self, src, *args, **kwargs)
-
-    monkeypatch.setattr(torch.Tensor, "copy_", counted)
+    pool, _, _, hashes, data = _slab_pair(n, seed=21)
+    copies = _count_copies(monkeypatch)
     for _ in range(3):
         assert all(o.ok for o in pool.move_blocks(hashes, Tier.CPU))
         assert all(o.ok for o in pool.move_blocks(hashes, Tier.GPU))
@@ -574,17 +566,6 @@ def test_blocks_moved_back_and_forth_stay_one_copy_each_way(tmp_path, monkeypatc
     for i, h in enumerate(hashes):
         assert torch.equal(decoded(pool, h), data[i])
     check_pool(pool)
-
-
-def _slab_pair(n: int) -> tuple[BlockPool, MemoryTier, MemoryTier, list[bytes], torch.Tensor]:
-    upper = MemoryTier(Tier.GPU, n * SPEC.block_bytes, SPEC.block_bytes // 4, device="cpu")
-    cpu = MemoryTier(Tier.CPU, n * SPEC.block_bytes, SPEC.block_bytes // 4, device="cpu")
-    pool = BlockPool([upper, cpu], [SPEC])
-    data = kv(n, seed=23)
-    hashes = [os.urandom(16) for _ in range(n)]
-    for i, h in enumerate(hashes):
-        assert pool.insert_chain(SPEC.model_id, [h], lambda _i, i=i: data[i]) == (1, 0)
-    return pool, upper, cpu, hashes, data
 
 
 def test_a_batch_between_memory_slabs_is_switched_chunk_by_chunk(monkeypatch):
@@ -604,13 +585,7 @@ def test_a_batch_between_memory_slabs_is_switched_chunk_by_chunk(monkeypatch):
         return real_finish(self, meta, *args, **kwargs)
 
     monkeypatch.setattr(BlockPool, "_finish_move", finish)
-    copies, real_copy = [], torch.Tensor.copy_
-
-    def counted(self, src, *args, **kwargs):
-        copies.append(src.numel())
-        return real_copy(self, src, *args, **kwargs)
-
-    monkeypatch.setattr(torch.Tensor, "copy_", counted)
+    copies = _count_copies(monkeypatch)
     for _ in range(2):
         for tier in (Tier.CPU, Tier.GPU):
             copies.clear()

@@ -218,7 +218,17 @@ def pair_runs(src: Sequence[tuple[int, int]], dst: Sequence[tuple[int, int]]) ->
     return out
 
 
-COPY_CHUNK_BYTES = 8 << 20  # a batch between memory slabs is allocated, copied and switched by chunks of this
+# a batch between memory slabs is allocated, copied and switched by chunks: the first of
+# COPY_FIRST_CHUNK_BYTES (the DMA starts early), each next one twice the one before up to
+# COPY_CHUNK_BYTES, and none over half of what is left (the last switch, which no copy
+# hides, is small)
+COPY_CHUNK_BYTES = 8 << 20
+COPY_FIRST_CHUNK_BYTES = 2 << 20
+
+
+def _chunk_bytes(k: int, left: int) -> int:
+    """The size of a batch's k-th chunk (from 0) with `left` bytes still to copy."""
+    return min(COPY_CHUNK_BYTES, COPY_FIRST_CHUNK_BYTES << min(k, 30), max(COPY_FIRST_CHUNK_BYTES, left // 2))
 
 
 def _issue_copies(moves: list[tuple[object, object, object, object, int]]) -> bool:
@@ -886,7 +896,7 @@ class BlockPool:
 
     def _copy_between_slabs(self, copies: list, dst: TierStore) -> dict[int, MoveOutcome]:
         """Move blocks as they are between memory slabs (k, meta, source, source handle;
-        all marked moving) by chunks of COPY_CHUNK_BYTES: a chunk is allocated, its copies
+        all marked moving) by chunks (_chunk_bytes): a chunk is allocated, its copies
         queued (_issue_copies), and while a GPU copies it the next chunk is allocated and
         queued; each chunk is switched once its copies are done (its CUDA event), while
         the copies of the later ones still run. A failure leaves each block not yet
@@ -897,13 +907,16 @@ class BlockPool:
         issued: deque[tuple[list, object]] = deque()  # chunks copied or copying, not switched
         placed: list = []  # the chunk being allocated
         i = 0
+        left = sum(meta.stored_bytes for _, meta, _, _ in copies)
+        n_chunks = 0
         try:
             while i < len(copies) or issued:
-                size = 0
+                size, limit = 0, _chunk_bytes(n_chunks, left)
                 with self.lock:
-                    while i < len(copies) and size < COPY_CHUNK_BYTES:
+                    while i < len(copies) and size < limit:
                         k, meta, src, old = copies[i]
                         i += 1
+                        left -= meta.stored_bytes
                         try:
                             new = self._allocate(dst, meta.stored_bytes, meta.block_hash)
                         except PoolFull as exc:
@@ -920,6 +933,7 @@ class BlockPool:
                         event.record()
                     issued.append((placed, event))
                     placed = []
+                    n_chunks += 1
                 # switch the chunks whose copies are done: all of them once nothing is left
                 # to queue (waiting on each in turn), else those already finished
                 while issued and (i >= len(copies) or issued[0][1] is None or issued[0][1].query()):

@@ -627,3 +627,22 @@ def test_a_copy_that_fails_mid_batch_leaves_the_unswitched_blocks_in_place(monke
     for i, h in enumerate(hashes):
         assert pool.tier_of(h) == Tier.CPU and torch.equal(decoded(pool, h), data[i])
     check_pool(pool)
+
+
+def test_chunks_grow_from_a_small_first_one_and_shrink_towards_the_end(monkeypatch):
+    """The first chunk is small (the copies start early), each next one twice the one
+    before up to the largest, and none over half of what is left (the last switch, which
+    no copy hides, is small): chunk sizes 1, 2, 4, 4, 3, 1, 1 blocks of 16, one copy
+    each, every block moved with its bytes."""
+    import agent.core.block_pool as block_pool
+
+    monkeypatch.setattr(block_pool, "COPY_FIRST_CHUNK_BYTES", SPEC.block_bytes)
+    monkeypatch.setattr(block_pool, "COPY_CHUNK_BYTES", 4 * SPEC.block_bytes)
+    pool, upper, cpu, hashes, data = _slab_pair(16)
+    copies = _count_copies(monkeypatch)
+    assert all(o.ok for o in pool.move_blocks(hashes, Tier.CPU))
+    monkeypatch.undo()
+    assert [c // SPEC.block_bytes for c in copies] == [1, 2, 4, 4, 3, 1, 1]
+    for i, h in enumerate(hashes):
+        assert pool.tier_of(h) == Tier.CPU and torch.equal(decoded(pool, h), data[i])
+    check_pool(pool)

@@ -259,6 +259,20 @@ def _issue_copies(moves: list[tuple[object, object, object, object, int]]) -> bo
     return cuda
 
 
+def _gpu_quiet(stores) -> bool:
+    """Whether no copy is still running into these stores' memory: True at once when none
+    is on a GPU, else after waiting for the GPU (False, logged, if that fails: the space
+    those copies write must not be reused)."""
+    if all(getattr(s, "device", "cpu") == "cpu" for s in stores) or not torch.cuda.is_initialized():
+        return True
+    try:
+        torch.cuda.synchronize()
+    except Exception as exc:  # noqa: BLE001 - a broken GPU: keep the space out of use
+        log.error("waiting for the GPU's copies after a failed move failed (%s); their space is not reused", exc)
+        return False
+    return True
+
+
 def _copy_many(moves: list[tuple[object, object, object, object, int]]) -> None:
     """_issue_copies, then one synchronize if a GPU took part: every block is copied
     before any is switched or its source freed."""
@@ -810,7 +824,6 @@ class BlockPool:
                 return [self._move_failed(str(exc)) for _ in block_hashes]
         out: dict[int, MoveOutcome] = {}
         jobs: list[tuple[int, BlockMeta, TierStore, object, object]] = []  # k, meta, src, src handle, new handle
-        slab_copies: list[tuple[int, BlockMeta, TierStore, object]] = []  # k, meta, src, src handle
         recode: dict[Tier, list[_Recode]] = {}
         singles: list[int] = []
         first: dict[bytes, int] = {}
@@ -837,10 +850,11 @@ class BlockPool:
                 if not _batchable(src, dst):
                     singles.append(k)
                     continue
-                meta.moving = True  # before making room: that must not drop or demote this block
-                if hasattr(src, "byte_runs") and hasattr(dst, "byte_runs"):
-                    slab_copies.append((k, meta, src, meta.handle))  # allocated chunk by chunk
-                    continue
+                # moving before making room (that must not drop or demote this block), and
+                # the whole batch allocated before any of it is switched: a block switched
+                # early would be the least recently used in its new tier, and the room
+                # made for the rest of its batch would evict it again
+                meta.moving = True
                 try:
                     new_handle = self._allocate(dst, meta.stored_bytes, h)
                 except PoolFull as exc:
@@ -850,16 +864,28 @@ class BlockPool:
                 except Exception:
                     meta.moving = False
                     self._abandon(jobs, dst)
-                    for _, m, _, _ in slab_copies:
-                        m.moving = False
+                    self._release_recodes(recode.values())
                     raise
                 jobs.append((k, meta, src, meta.handle, new_handle))
-        if jobs:
-            out.update(self._move_placed(jobs, dst))
-        if slab_copies:
-            out.update(self._copy_between_slabs(slab_copies, dst))
-        for tier, tier_jobs in recode.items():
-            out.update(self._move_recoded(tier_jobs, self.store_of[tier]))
+        slab_jobs = [j for j in jobs if hasattr(j[2], "byte_runs") and hasattr(dst, "byte_runs")]
+        io_jobs = [j for j in jobs if not (hasattr(j[2], "byte_runs") and hasattr(dst, "byte_runs"))]
+        phase = 0  # the phases before it ran (and cleaned up after themselves if they failed)
+        try:
+            if io_jobs:
+                out.update(self._move_placed(io_jobs, dst))
+            phase = 1
+            if slab_jobs:
+                out.update(self._copy_between_slabs(slab_jobs, dst))
+            phase = 2
+            while recode:
+                tier, tier_jobs = recode.popitem()
+                out.update(self._move_recoded(tier_jobs, self.store_of[tier]))
+        except BaseException:  # the phases that had not started: their blocks stay where they were
+            with self.lock:
+                if phase < 1:
+                    self._abandon(slab_jobs, dst)
+                self._release_recodes(recode.values())
+            raise
         for k in singles:
             out[k] = self.move_block(block_hashes[k], to_tier, codec)
         with self.lock:  # corrupt sources whose drop a block of this batch (moving then) refused
@@ -886,74 +912,78 @@ class BlockPool:
                 reads = [(old, dst.views(new, m.stored_bytes)) for _, m, _, old, new in jobs]
                 errs = jobs[0][2].read_many(reads)
             self._settle(jobs, errs, dst, out, waiting, settled)
-        except Exception:  # the blocks not switched stay where they were
-            with self.lock:
-                self._abandon([j for j in jobs if j[0] not in settled], dst)
+        except BaseException:  # the blocks not switched stay where they were
+            self._abandon_unswitched(jobs, settled, waiting, dst)
             raise
-        for k, meta, src, old, new in waiting:  # readers hold it: switch once they let go
-            out[k] = self._switch_when_unread(meta, src, old, dst, new)
-        return out
+        return self._switch_waiting(waiting, dst, out)
 
-    def _copy_between_slabs(self, copies: list, dst: TierStore) -> dict[int, MoveOutcome]:
-        """Move blocks as they are between memory slabs (k, meta, source, source handle;
-        all marked moving) by chunks (_chunk_bytes): a chunk is allocated, its copies
-        queued (_issue_copies), and while a GPU copies it the next chunk is allocated and
-        queued; each chunk is switched once its copies are done (its CUDA event), while
-        the copies of the later ones still run. A failure leaves each block not yet
-        switched where it was."""
+    def _copy_between_slabs(self, jobs: list, dst: TierStore) -> dict[int, MoveOutcome]:
+        """Move blocks as they are between memory slabs into the space allocated for them
+        (k, meta, source, source handle, new handle; all marked moving) by chunks
+        (_chunk_bytes): a chunk's copies are queued (_issue_copies), and while a GPU copies
+        it the next chunk is queued; each chunk is switched once its copies are done (its
+        CUDA event), while the copies of the later ones still run. A failure leaves each
+        block not yet switched where it was."""
         out: dict[int, MoveOutcome] = {}
         waiting: list = []
         settled: set[int] = set()
-        issued: deque[tuple[list, object]] = deque()  # chunks copied or copying, not switched
-        placed: list = []  # the chunk being allocated
-        i = 0
-        left = sum(meta.stored_bytes for _, meta, _, _ in copies)
-        n_chunks = 0
+        issued: deque[list] = deque()  # [chunk, its event or None] copied or copying, not yet switched
+        i, n_chunks = 0, 0
+        left = sum(meta.stored_bytes for _, meta, *_ in jobs)
         try:
-            while i < len(copies) or issued:
-                size, limit = 0, _chunk_bytes(n_chunks, left)
-                with self.lock:
-                    while i < len(copies) and size < limit:
-                        k, meta, src, old = copies[i]
+            while i < len(jobs) or issued:
+                if i < len(jobs):
+                    start, size, limit = i, 0, _chunk_bytes(n_chunks, left)
+                    while i < len(jobs) and size < limit:
+                        size += jobs[i][1].stored_bytes
                         i += 1
-                        left -= meta.stored_bytes
-                        try:
-                            new = self._allocate(dst, meta.stored_bytes, meta.block_hash)
-                        except PoolFull as exc:
-                            meta.moving = False
-                            out[k] = self._move_failed(f"PoolFull: {exc}")
-                            continue
-                        placed.append((k, meta, src, old, new))
-                        size += meta.stored_bytes
-                if placed:
-                    on_gpu = _issue_copies([(src, old, dst, new, m.stored_bytes) for _, m, src, old, new in placed])
-                    event = None
-                    if on_gpu:
-                        event = torch.cuda.Event()
-                        event.record()
-                    issued.append((placed, event))
-                    placed = []
+                    left -= size
+                    chunk = jobs[start:i]
+                    issued.append([chunk, None])  # before queuing: a failure there abandons it
+                    if _issue_copies([(src, old, dst, new, m.stored_bytes) for _, m, src, old, new in chunk]):
+                        issued[-1][1] = torch.cuda.Event()
+                        issued[-1][1].record()
                     n_chunks += 1
                 # switch the chunks whose copies are done: all of them once nothing is left
                 # to queue (waiting on each in turn), else those already finished
-                while issued and (i >= len(copies) or issued[0][1] is None or issued[0][1].query()):
-                    chunk, event = issued.popleft()
+                while issued and (i >= len(jobs) or issued[0][1] is None or issued[0][1].query()):
+                    chunk, event = issued[0]
                     if event is not None:
                         event.synchronize()
                     self._settle(chunk, [None] * len(chunk), dst, out, waiting, settled)
-        except Exception:  # the blocks not switched stay where they were
-            with self.lock:
-                self._abandon(
-                    [j for chunk, _ in issued for j in chunk if j[0] not in settled]
-                    + [j for j in placed if j[0] not in settled],
-                    dst,
-                )
-                for _, meta, _, _ in copies[i:]:
-                    meta.moving = False
+                    issued.popleft()
+        except BaseException:  # the blocks not switched stay where they were
+            self._abandon_unswitched(jobs, settled, waiting, dst)
             raise
-        for k, meta, src, old, new in waiting:  # readers hold it: switch once they let go
+        return self._switch_waiting(waiting, dst, out)
+
+    def _switch_waiting(self, waiting: list, dst: TierStore, out: dict[int, MoveOutcome]) -> dict[int, MoveOutcome]:
+        """Switch the copied blocks that readers held when their copies were done, once
+        the readers let go."""
+        for k, meta, src, old, new in waiting:
             out[k] = self._switch_when_unread(meta, src, old, dst, new)
         return out
+
+    def _abandon_unswitched(self, jobs: list, settled: set[int], waiting: list, dst: TierStore) -> None:
+        """After a failure: each block of a batch (k, meta, source, source handle, new
+        handle) that was not switched (nor failed on its own) stays where it was, movable
+        again, and its new space goes back. Copies a GPU may still be running into that
+        space are waited for first; if they cannot be, the space is kept out of use
+        (leaked) rather than handed to a block they would overwrite."""
+        parked = {k for k, *_ in waiting}
+        left = [j for j in jobs if j[0] not in settled or j[0] in parked]
+        quiet = _gpu_quiet([j[2] for j in left] + [dst])
+        with self.lock:
+            for _, meta, _, _, new in left:
+                meta.moving = False
+                if quiet:
+                    dst.free(new)
+
+    def _release_recodes(self, groups) -> None:
+        """Re-encoding moves that did not start: their blocks are movable again."""
+        for jobs in groups:
+            for job in jobs:
+                job.meta.moving = False
 
     def _settle(self, batch: list, errs: list, dst: TierStore, out: dict, waiting: list, settled: set) -> None:
         """Switch (or fail) blocks whose bytes are in place or failed (k, meta, source,
@@ -964,7 +994,6 @@ class BlockPool:
         done = sorted(zip(batch, errs, strict=True), key=lambda j: _first_page(j[0][3]), reverse=True)
         with self.lock:
             for (k, meta, src, old, new), err in done:
-                settled.add(k)
                 if err is None and meta.ref_count == 0:
                     self._finish_move(meta, src, old, dst, new)
                     out[k] = MoveOutcome(True, meta.stored_bytes)
@@ -974,16 +1003,14 @@ class BlockPool:
                     meta.moving = False
                     dst.free(new)
                     if isinstance(err, BlockUnreadable):
-                        self._mark_corrupt(meta, str(err))
-                        if meta.ref_count == 0:
-                            self._drop_subtree(meta.block_hash)
-                        out[k] = self._move_failed(f"source unreadable: {err}")
+                        out[k] = self._unreadable_source(meta, err)
                     else:
                         self._notice(
                             "write_error",
                             f"moving a block from the {meta.tier.label} to the {dst.tier.label} tier failed: {err}",
                         )
                         out[k] = self._move_failed(f"{type(err).__name__}: {err}")
+                settled.add(k)  # once switched, parked or failed: a block that raised midway is still to abandon
 
     def _move_recoded(self, jobs: list[_Recode], dst: TierStore) -> dict[int, MoveOutcome]:
         """Move blocks that change codec on the way (all marked moving), with move_block's
@@ -1085,6 +1112,9 @@ class BlockPool:
             payloads = codecs.encode_batch(taken[0].target, blocks, on_host=not to_slab)
         except (RuntimeError, codecs.CodecError) as exc:  # torch.OutOfMemoryError is a RuntimeError
             return _one_by_one(queued, taken, "encoding", exc)
+        except BaseException:  # back in the queue: the move's cleanup finds them there
+            queued.extendleft(reversed(taken))
+            raise
         return [
             (job, _finished((data, 0 if to_slab else payload_checksum(data))))
             for job, data in zip(taken, payloads, strict=True)
@@ -1147,6 +1177,9 @@ class BlockPool:
             blocks = codecs.decode_batch(head.codec, payloads, spec.block_shape, spec.torch_dtype)
         except (RuntimeError, codecs.CodecError) as exc:  # torch.OutOfMemoryError is a RuntimeError
             return _one_by_one(queued, taken, "decoding", exc)
+        except BaseException:  # back in the queue: the move's cleanup finds them there
+            queued.extendleft(reversed(taken))
+            raise
         return [
             (
                 job,
@@ -1255,10 +1288,12 @@ class BlockPool:
         try:
             errs = dst.write_many(items) if hasattr(dst, "write_many") else [_write_one(dst, *it) for it in items]
         except BaseException:  # nothing switched: the blocks stay, their new space goes back
+            quiet = _gpu_quiet([dst, *(job.src for job, *_ in placed)])  # no copy still writing there
             with self.lock:
                 for job, _, _, new in placed:
                     job.meta.moving = False
-                    dst.free(new)
+                    if quiet:
+                        dst.free(new)
             raise
         for (job, data, digest, new), err in zip(placed, errs, strict=True):
             if err is not None:

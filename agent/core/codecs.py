@@ -133,7 +133,7 @@ def _int8_decode(buf: torch.Tensor, shape, dtype) -> torch.Tensor:
     out = _rows_decode_native("int8_decode", scale, q, shape, dtype)
     if out is not None:
         return out
-    return (q.float() * scale.float()).to(dtype)
+    return _rows_decode_batch(buf[None], shape, dtype, torch.int8)[0]
 
 
 # ---- fp8 ----------------------------------------------------------------------------
@@ -162,7 +162,7 @@ def _fp8_decode(buf: torch.Tensor, shape, dtype) -> torch.Tensor:
     out = _rows_decode_native("fp8_decode", scale, q, shape, dtype)
     if out is not None:
         return out
-    return (q.float() * scale.float()).to(dtype)
+    return _rows_decode_batch(buf[None], shape, dtype, FP8)[0]
 
 
 # ---- int4 (KIVI) --------------------------------------------------------------------
@@ -182,14 +182,6 @@ def _quant4(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         q = torch.cat([q, q.new_zeros(n, 1)], dim=1)
     packed = q[:, 0::2] | (q[:, 1::2] << 4)
     return packed, scale.to(torch.float16), lo.to(torch.float16)
-
-
-def _dequant4(packed: torch.Tensor, scale: torch.Tensor, lo: torch.Tensor, n: int) -> torch.Tensor:
-    q = torch.empty(packed.numel() * 2, dtype=torch.uint8)
-    q[0::2] = packed & 0x0F
-    q[1::2] = packed >> 4
-    q = q[:n].float().reshape(*scale.shape[:-1], -1)
-    return q * scale.float() + lo.float()
 
 
 def _pad_groups(x: torch.Tensor, axis_len: int) -> tuple[torch.Tensor, int]:
@@ -254,37 +246,19 @@ def _int4_batch(x: torch.Tensor) -> torch.Tensor:
 
 
 def _int4_decode(buf: torch.Tensor, shape, dtype) -> torch.Tensor:
+    if len(shape) != 5:
+        raise CodecError(f"int4 needs blocks [layers, 2, tokens, heads, dim], not {list(shape)}")
+    gk, Gk, gv, Gv, sizes = _int4_layout(shape)
+    if buf.numel() < sum(sizes):
+        raise CodecError("payload is truncated")
     lib = _int4_native(shape, dtype)
     if lib is not None:
-        gk, Gk, gv, Gv, sizes = _int4_layout(shape)
-        if buf.numel() < sum(sizes):
-            raise CodecError("payload is truncated")
         buf = buf.contiguous()
         out = torch.empty(shape, dtype=torch.float16)
         ptrs = _section_ptrs(buf.data_ptr(), sizes)
         if lib.int4_decode(*ptrs, *shape[:1], *shape[2:], gk, Gk, gv, Gv, out.data_ptr()) == 0:
             return out
-    L, _, T, H, D = shape
-    out = torch.empty(shape, dtype=torch.float32)
-    off = 0
-    for which, (lead, axis) in enumerate((((L, H, D), T), ((L, T, H), D))):
-        g_count = _groups(axis)
-        g = math.ceil(axis / g_count)
-        n_groups = math.prod(lead) * g_count
-        scale, off = _take(buf, off, n_groups, torch.float16, (*lead, g_count, 1))
-        lo, off = _take(buf, off, n_groups, torch.float16, (*lead, g_count, 1))
-        n = n_groups * g
-        n_packed = (n + 1) // 2
-        if off + n_packed > buf.numel():
-            raise CodecError("payload is truncated")
-        packed = buf[off : off + n_packed]
-        off += n_packed
-        x = _dequant4(packed, scale, lo, n).reshape(*lead, g_count * g)[..., :axis]
-        if which == 0:
-            out[:, 0] = x.permute(0, 3, 1, 2)
-        else:
-            out[:, 1] = x
-    return out.to(dtype)
+    return _int4_decode_batch(buf[: sum(sizes)][None], shape, dtype)[0]
 
 
 # ---- zstd ---------------------------------------------------------------------------
@@ -302,8 +276,7 @@ def _zstd_decode(buf: torch.Tensor, shape, dtype) -> torch.Tensor:
         raw = zstandard.ZstdDecompressor().decompress(buf.numpy().tobytes())
     except zstandard.ZstdError as exc:
         raise CodecError(f"zstd payload is corrupt: {exc}") from None
-    expected = math.prod(shape) * torch.tensor([], dtype=dtype).element_size()
-    if len(raw) != expected:
+    if len(raw) != payload_bytes("none", shape, dtype):
         raise CodecError("zstd payload has the wrong size")
     return torch.frombuffer(bytearray(raw), dtype=torch.uint8).view(dtype).reshape(shape)
 
@@ -367,12 +340,20 @@ def encode_batch(codec: str, blocks: torch.Tensor, on_host: bool = True) -> list
     return list(host)
 
 
+def _f16(u8: torch.Tensor) -> torch.Tensor:
+    """Bytes [n, 2k] as fp16 [n, k] (copied when not contiguous or at an odd offset)."""
+    t = u8.contiguous()
+    if t.storage_offset() % 2 or t.stride(0) != t.shape[1]:  # a one-row slice counts as contiguous
+        t = torch.empty(t.shape, dtype=torch.uint8, device=t.device).copy_(t)
+    return t.view(torch.float16)
+
+
 def _rows_decode_batch(payloads: torch.Tensor, shape, dtype, qtype: torch.dtype) -> torch.Tensor:
     """int8 / fp8 payloads [n, bytes] -> blocks [n, *shape]: an fp16 scale per row of
     head_dim values, then a byte per value; q * scale in fp32, rounded once to `dtype`
     (the C loops' arithmetic)."""
     n, rows = payloads.shape[0], math.prod(shape[:-1])
-    scale = payloads[:, : 2 * rows].contiguous().view(torch.float16).reshape(n, *shape[:-1], 1)
+    scale = _f16(payloads[:, : 2 * rows]).reshape(n, *shape[:-1], 1)
     q = payloads[:, 2 * rows : 2 * rows + math.prod(shape)].view(qtype).reshape(n, *shape)
     return (q.float() * scale.float()).to(dtype)
 
@@ -388,8 +369,8 @@ def _int4_decode_batch(payloads: torch.Tensor, shape, dtype) -> torch.Tensor:
     out = torch.empty((n, *shape), dtype=torch.float32, device=payloads.device)
     for which, (lead, axis, g, groups) in enumerate((((L, H, D), T, gk, Gk), ((L, T, H), D, gv, Gv))):
         scale_u8, lo_u8, packed = section[3 * which : 3 * which + 3]
-        scale = scale_u8.contiguous().view(torch.float16).reshape(n, *lead, groups, 1).float()
-        lo = lo_u8.contiguous().view(torch.float16).reshape(n, *lead, groups, 1).float()
+        scale = _f16(scale_u8).reshape(n, *lead, groups, 1).float()
+        lo = _f16(lo_u8).reshape(n, *lead, groups, 1).float()
         q = torch.empty((n, 2 * packed.shape[1]), dtype=torch.uint8, device=payloads.device)
         q[:, 0::2] = packed & 0x0F
         q[:, 1::2] = packed >> 4
@@ -444,8 +425,7 @@ def decode(codec: str, payload: torch.Tensor, shape, dtype: torch.dtype) -> torc
     check_codec(codec)
     payload = payload.reshape(-1).to("cpu")
     if codec == "none":
-        expected = math.prod(shape) * torch.tensor([], dtype=dtype).element_size()
-        if payload.numel() != expected:
+        if payload.numel() != payload_bytes("none", shape, dtype):
             raise CodecError("payload has the wrong size")
         return payload.view(dtype).reshape(shape)
     return CODECS[codec][1](payload, tuple(shape), dtype)

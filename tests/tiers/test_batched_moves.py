@@ -646,3 +646,103 @@ def test_chunks_grow_from_a_small_first_one_and_shrink_towards_the_end(monkeypat
     for i, h in enumerate(hashes):
         assert pool.tier_of(h) == Tier.CPU and torch.equal(decoded(pool, h), data[i])
     check_pool(pool)
+
+
+def test_a_block_read_during_a_failed_chunked_move_is_left_movable(monkeypatch):
+    """A reader holds block 0 when its chunk is copied (its switch waits), then a later
+    chunk's copy fails: block 0 stays where it was, movable, and its new space goes
+    back (it was left moving, its pages held)."""
+    import agent.core.block_pool as block_pool
+
+    monkeypatch.setattr(block_pool, "COPY_CHUNK_BYTES", 2 * SPEC.block_bytes)
+    pool, upper, cpu, hashes, data = _slab_pair(8)
+    held = pool.acquire_chain(hashes[:1])
+    calls, real_copy = [0], torch.Tensor.copy_
+
+    def failing(self, src, *args, **kwargs):
+        calls[0] += 1
+        if calls[0] == 3:
+            raise RuntimeError("CUDA error: an illegal memory access (test)")
+        return real_copy(self, src, *args, **kwargs)
+
+    monkeypatch.setattr(torch.Tensor, "copy_", failing)
+    with pytest.raises(RuntimeError, match="illegal memory access"):
+        pool.move_blocks(hashes, Tier.CPU)
+    monkeypatch.undo()
+    pool.release_chain(held)
+    check_pool(pool)
+    assert [pool.tier_of(h) for h in hashes] == [Tier.GPU] + [Tier.CPU] * 3 + [Tier.GPU] * 4
+    for i, h in enumerate(hashes):
+        assert torch.equal(decoded(pool, h), data[i])
+    assert all(o.ok for o in pool.move_blocks(hashes, Tier.CPU))
+
+
+def test_a_failed_disk_read_leaves_the_rest_of_its_batch_movable(tmp_path, monkeypatch):
+    """A batch into the CPU slab from the disk and from a memory slab: the disk read
+    fails as a whole (an I/O thread died): every block stays where it was, none is left
+    moving, no page is lost, and the move runs again."""
+    pool, upper, cpu, hashes, data = _slab_pair(6, disk_dir=tmp_path / "disk")
+    assert all(o.ok for o in pool.move_blocks(hashes[:3], Tier.DISK))
+    disk = disk_of(pool)
+
+    def boom(items):
+        raise RuntimeError("an I/O thread died (test)")
+
+    monkeypatch.setattr(disk, "read_many", boom)
+    with pytest.raises(RuntimeError, match="I/O thread died"):
+        pool.move_blocks(hashes, Tier.CPU)
+    monkeypatch.undo()
+    check_pool(pool)
+    assert [pool.tier_of(h) for h in hashes] == [Tier.DISK] * 3 + [Tier.GPU] * 3
+    assert all(o.ok for o in pool.move_blocks(hashes, Tier.CPU))
+    for i, h in enumerate(hashes):
+        assert pool.tier_of(h) == Tier.CPU and torch.equal(decoded(pool, h), data[i])
+
+
+def test_a_move_into_a_full_tier_keeps_every_block_it_moved(monkeypatch):
+    """Four cold blocks moved into a slab full of four others, a small chunk at a time:
+    the room made for the later ones demotes the others, never a block of the batch
+    already moved (a block switched early is the least recently used in its new tier)."""
+    import agent.core.block_pool as block_pool
+
+    monkeypatch.setattr(block_pool, "COPY_CHUNK_BYTES", SPEC.block_bytes)
+    monkeypatch.setattr(block_pool, "COPY_FIRST_CHUNK_BYTES", SPEC.block_bytes)
+    upper = MemoryTier(Tier.GPU, 4 * SPEC.block_bytes, SPEC.block_bytes // 4, device="cpu")
+    cpu = MemoryTier(Tier.CPU, 8 * SPEC.block_bytes, SPEC.block_bytes // 4, device="cpu")
+    pool = BlockPool([upper, cpu], [SPEC])
+    data = kv(8, seed=3)
+    hashes = [os.urandom(16) for _ in range(8)]
+    for i, h in enumerate(hashes):  # the first four spill to the CPU slab
+        assert pool.insert_chain(SPEC.model_id, [h], lambda _i, i=i: data[i]) == (1, 0)
+    cold, hot = hashes[:4], hashes[4:]
+    assert [pool.tier_of(h) for h in cold] == [Tier.CPU] * 4
+    outcomes = pool.move_blocks(cold, Tier.GPU)
+    assert all(o.ok for o in outcomes), outcomes
+    assert [pool.tier_of(h) for h in cold] == [Tier.GPU] * 4
+    assert [pool.tier_of(h) for h in hot] == [Tier.CPU] * 4
+    for i, h in enumerate(hashes):
+        assert torch.equal(decoded(pool, h), data[i])
+    check_pool(pool)
+
+
+def test_an_unexpected_error_in_a_gpu_batch_leaves_its_blocks_movable(tmp_path, monkeypatch):
+    """A GPU decode batch that fails with an error no fallback is for (not out of memory,
+    not a codec error): the move raises, and every block of the batch stays where it was,
+    movable (the batch's blocks were off the queue, out of the move's cleanup)."""
+    import agent.core.block_pool as block_pool
+    from agent.core import codecs
+
+    monkeypatch.setattr(block_pool, "_off_host", lambda store: store.tier is Tier.GPU)
+    pool, upper, cpu, hashes, data = _slab_pair(4, disk_dir=tmp_path / "disk")
+    assert all(o.ok for o in pool.move_blocks(hashes, Tier.CPU, "int8"))
+
+    def broken(*args):
+        raise ValueError("a bug (test)")
+
+    monkeypatch.setattr(codecs, "decode_batch", broken)
+    with pytest.raises(ValueError, match="a bug"):
+        pool.move_blocks(hashes, Tier.GPU, "none")
+    monkeypatch.undo()
+    check_pool(pool)
+    assert [pool.tier_of(h) for h in hashes] == [Tier.CPU] * 4
+    assert all(o.ok for o in pool.move_blocks(hashes, Tier.GPU, "none"))

@@ -229,3 +229,39 @@ def test_a_promotion_into_the_gpu_decodes_there_in_batches(codec, tmp_path, monk
         got = gpu.read(meta.handle, meta.stored_bytes).view(torch.float16).reshape(SPEC.block_shape)
         assert torch.equal(got, want), f"block {i}"
     check_pool(pool)
+
+
+def test_a_batch_moves_between_gpu_and_cpu_chunk_by_chunk(monkeypatch):
+    """A batch between the GPU and the pinned CPU slab in small chunks: each chunk is
+    switched once its CUDA event fires while the later chunks still copy; every block
+    keeps its bytes both ways, round after round, and nothing is left moving or leaked."""
+    import agent.core.block_pool as block_pool
+    from tests.tiers.support import check_pool
+
+    monkeypatch.setattr(block_pool, "COPY_CHUNK_BYTES", 2 * SPEC.block_bytes)
+    monkeypatch.setattr(block_pool, "COPY_FIRST_CHUNK_BYTES", SPEC.block_bytes)
+    n = 24
+    gpu = MemoryTier(Tier.GPU, n * SPEC.block_bytes, SPEC.block_bytes // 4)
+    cpu = MemoryTier(Tier.CPU, n * SPEC.block_bytes, SPEC.block_bytes // 4)
+    pool = BlockPool([gpu, cpu], [SPEC])
+    data = torch.randn((n, *SPEC.block_shape)).to(torch.float16)
+    hashes = [bytes([i]) * 16 for i in range(n)]
+    for i, h in enumerate(hashes):
+        assert pool.insert_chain(SPEC.model_id, [h], lambda _i, i=i: data[i]) == (1, 0)
+    events, real_event = [], torch.cuda.Event
+
+    def counted(*args, **kwargs):
+        events.append(1)
+        return real_event(*args, **kwargs)
+
+    monkeypatch.setattr(torch.cuda, "Event", counted)
+    for _ in range(3):
+        for tier, store in ((Tier.CPU, cpu), (Tier.GPU, gpu)):
+            events.clear()
+            assert all(o.ok for o in pool.move_blocks(hashes, tier))
+            assert len(events) >= 8, events  # chunk by chunk, each behind its own event
+            for i, h in enumerate(hashes):
+                meta = pool.blocks[h]
+                got = store.read(meta.handle, meta.stored_bytes).view(torch.float16).reshape(SPEC.block_shape)
+                assert meta.tier is tier and torch.equal(got, data[i]), f"block {i}"
+    check_pool(pool)

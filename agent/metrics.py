@@ -9,7 +9,7 @@ interceptor), and transfers between agents (`record_transfer()`, for the data pl
 
 The pool's counters are plain ints or dicts keyed by tier, tier pair or (tier, reason):
 `evictions_total`, `demotions_total`, `promotions_total`, `moved_bytes_total`,
-`corrupt_blocks_total`, `move_failures_total`. A count without a reason is reported as
+`corrupt_blocks_total`, `move_failures_total`, `gpu_codec_blocks_total`. A count without a reason is reported as
 reason "capacity" (the local safety net is the only cause today); a feature that adds a
 cause keys its count by (tier, reason) and shows up without a change here."""
 
@@ -36,6 +36,7 @@ TRANSFER_FALLBACKS = ("secondary_path", "recompute")
 AGENT_OPERATION_KINDS = ("move", "promote", "compress")
 TERMINAL_STATES = ("succeeded", "failed", "cancelled")
 DEFAULT_REASON = "capacity"
+GPU_CODEC_SERIES = [(op, path) for op in ("encode", "decode") for path in ("batch", "one_by_one")]
 # (metric, help, VllmEventStats attribute): an agent indexing a vLLM engine's KV events
 VLLM_EVENT_COUNTERS = (
     ("kvcp_vllm_event_batches_total", "vLLM KV event batches applied (live or replayed).", "batches_total"),
@@ -163,6 +164,13 @@ class AgentCollector:
             ),
             (c, "kvcp_move_failures_total", "Block moves between tiers that failed (source left intact).", a),
             (c, "kvcp_corrupt_blocks_total", "Blocks found corrupt or truncated on read, removed, never returned.", a),
+            (
+                c,
+                "kvcp_gpu_codec_blocks_total",
+                "Blocks a move encoded or decoded on the GPU in batches (path batch), and those whose batch"
+                " failed (out of GPU memory, say) and went one by one on the host (path one_by_one).",
+                [*a, "op", "path"],
+            ),
             (g, "kvcp_agent_controlplane_connected", "1 while the Sync stream to the control plane is up.", a),
             (c, "kvcp_agent_sync_connections_total", "Sync streams opened to the control plane.", a),
             (c, "kvcp_agent_resyncs_total", "Full inventories sent because the control plane asked.", a),
@@ -215,6 +223,9 @@ class AgentCollector:
             f["kvcp_tier_moved_bytes_total"].add_metric([aid, src.label, dst.label], n)
         f["kvcp_move_failures_total"].add_metric([aid], int(getattr(pool, "move_failures_total", 0) or 0))
         f["kvcp_corrupt_blocks_total"].add_metric([aid], int(getattr(pool, "corrupt_blocks_total", 0) or 0))
+        gpu_codec = dict.fromkeys(GPU_CODEC_SERIES, 0) | dict(getattr(pool, "gpu_codec_blocks_total", None) or {})
+        for (op, path), n in sorted(gpu_codec.items()):
+            f["kvcp_gpu_codec_blocks_total"].add_metric([aid, op, path], n)
         link = self.link
         if link is not None:
             f["kvcp_agent_controlplane_connected"].add_metric([aid], 1 if link.connected.is_set() else 0)

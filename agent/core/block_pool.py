@@ -374,6 +374,9 @@ class BlockPool:
         self.promotions_total = 0
         self.corrupt_blocks_total = 0
         self.move_failures_total = 0
+        # blocks a GPU batch encoded or decoded, and those whose batch failed (out of GPU
+        # memory, say) and went one by one: {(op, path): n}, op encode|decode, path batch|one_by_one
+        self.gpu_codec_blocks_total: dict[tuple[str, str], int] = {}
         self.moved_bytes_total: dict[tuple[Tier, Tier], int] = {}
         # moves that re-encode a block run their codecs here (the C loops and reads let go
         # of the GIL), while the caller writes the blocks encoded before them
@@ -1111,10 +1114,12 @@ class BlockPool:
             to_slab = hasattr(dst, "views")
             payloads = codecs.encode_batch(taken[0].target, blocks, on_host=not to_slab)
         except (RuntimeError, codecs.CodecError) as exc:  # torch.OutOfMemoryError is a RuntimeError
+            self._count_gpu_codec("encode", "one_by_one", len(taken))
             return _one_by_one(queued, taken, "encoding", exc)
         except BaseException:  # back in the queue: the move's cleanup finds them there
             queued.extendleft(reversed(taken))
             raise
+        self._count_gpu_codec("encode", "batch", len(taken))
         return [
             (job, _finished((data, 0 if to_slab else payload_checksum(data))))
             for job, data in zip(taken, payloads, strict=True)
@@ -1176,10 +1181,12 @@ class BlockPool:
                         at += seg.numel()
             blocks = codecs.decode_batch(head.codec, payloads, spec.block_shape, spec.torch_dtype)
         except (RuntimeError, codecs.CodecError) as exc:  # torch.OutOfMemoryError is a RuntimeError
+            self._count_gpu_codec("decode", "one_by_one", len(taken))
             return _one_by_one(queued, taken, "decoding", exc)
         except BaseException:  # back in the queue: the move's cleanup finds them there
             queued.extendleft(reversed(taken))
             raise
+        self._count_gpu_codec("decode", "batch", len(taken) - len(errors))
         return [
             (
                 job,
@@ -1187,6 +1194,11 @@ class BlockPool:
             )
             for i, job in enumerate(taken)
         ]
+
+    def _count_gpu_codec(self, op: str, path: str, num_blocks: int) -> None:
+        with self.lock:
+            key = (op, path)
+            self.gpu_codec_blocks_total[key] = self.gpu_codec_blocks_total.get(key, 0) + num_blocks
 
     def _codecs(self) -> ThreadPoolExecutor:
         with self.lock:

@@ -56,6 +56,11 @@ def test_pool_and_engine_values_are_read_at_scrape_time(agent):
     assert v("kvcp_tier_moved_bytes_total", {"agent_id": "m1", "src_tier": "cpu", "dst_tier": "disk"}) == 0
     assert v("kvcp_promotions_total", {"agent_id": "m1"}) == 0
     assert v("kvcp_corrupt_blocks_total", {"agent_id": "m1"}) == 0
+    for op in ("encode", "decode"):
+        for path in ("batch", "one_by_one"):
+            assert v("kvcp_gpu_codec_blocks_total", {"agent_id": "m1", "op": op, "path": path}) == 0
+    a.pool.gpu_codec_blocks_total[("decode", "batch")] = 7  # as a promotion into a GPU counts them
+    assert v("kvcp_gpu_codec_blocks_total", {"agent_id": "m1", "op": "decode", "path": "batch"}) == 7
     assert v("kvcp_compression_saved_bytes", cpu) == 0
     assert v("kvcp_agent_controlplane_connected", {"agent_id": "m1"}) == 0  # not started
     assert v("kvcp_agent_sync_connections_total", {"agent_id": "m1"}) == 0

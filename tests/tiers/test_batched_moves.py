@@ -482,6 +482,7 @@ def test_demotion_from_an_off_host_slab_encodes_in_batches(tmp_path, monkeypatch
     outcomes = pool.move_blocks(hashes, Tier.CPU, codec)
     assert all(o.ok for o in outcomes), outcomes
     assert calls == [3, 3, 3, 1]  # the failed batch's three went one by one
+    assert pool.gpu_codec_blocks_total == {("encode", "batch"): 7, ("encode", "one_by_one"): 3}
     for i, h in enumerate(hashes):
         meta = pool.blocks[h]
         assert meta.tier is Tier.CPU and meta.codec == codec
@@ -538,6 +539,8 @@ def test_promotion_into_an_off_host_slab_decodes_in_batches(tmp_path, monkeypatc
     assert [o.ok for o in outcomes] == [i != 5 for i in range(n)], outcomes
     assert "unreadable" in outcomes[5].reason
     assert calls == [3, 3, 3, 1]  # the failed batch's three went one by one
+    decoded_on_gpu = {key: n for key, n in pool.gpu_codec_blocks_total.items() if key[0] == "decode"}
+    assert decoded_on_gpu == {("decode", "batch"): 7, ("decode", "one_by_one"): 3}  # the corrupt one not counted
     assert hashes[5] not in pool.blocks and [x.kind for x in pool.drain_notices()] == ["corrupt_block"]
     for i, h in enumerate(hashes):
         if i == 5:

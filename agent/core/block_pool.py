@@ -827,6 +827,7 @@ class BlockPool:
                 return [self._move_failed(str(exc)) for _ in block_hashes]
         out: dict[int, MoveOutcome] = {}
         jobs: list[tuple[int, BlockMeta, TierStore, object, object]] = []  # k, meta, src, src handle, new handle
+        slab_copies: list[tuple[int, BlockMeta, TierStore, object]] = []  # k, meta, src, src handle
         recode: dict[Tier, list[_Recode]] = {}
         singles: list[int] = []
         first: dict[bytes, int] = {}
@@ -853,11 +854,10 @@ class BlockPool:
                 if not _batchable(src, dst):
                     singles.append(k)
                     continue
-                # moving before making room (that must not drop or demote this block), and
-                # the whole batch allocated before any of it is switched: a block switched
-                # early would be the least recently used in its new tier, and the room
-                # made for the rest of its batch would evict it again
-                meta.moving = True
+                meta.moving = True  # before making room: that must not drop or demote this block
+                if hasattr(src, "byte_runs") and hasattr(dst, "byte_runs"):
+                    slab_copies.append((k, meta, src, meta.handle))  # allocated chunk by chunk
+                    continue
                 try:
                     new_handle = self._allocate(dst, meta.stored_bytes, h)
                 except PoolFull as exc:
@@ -868,17 +868,17 @@ class BlockPool:
                     meta.moving = False
                     self._abandon(jobs, dst)
                     self._release_recodes(recode.values())
+                    for _, m, _, _ in slab_copies:
+                        m.moving = False
                     raise
                 jobs.append((k, meta, src, meta.handle, new_handle))
-        slab_jobs = [j for j in jobs if hasattr(j[2], "byte_runs") and hasattr(dst, "byte_runs")]
-        io_jobs = [j for j in jobs if not (hasattr(j[2], "byte_runs") and hasattr(dst, "byte_runs"))]
         phase = 0  # the phases before it ran (and cleaned up after themselves if they failed)
         try:
-            if io_jobs:
-                out.update(self._move_placed(io_jobs, dst))
+            if jobs:
+                out.update(self._move_placed(jobs, dst))
             phase = 1
-            if slab_jobs:
-                out.update(self._copy_between_slabs(slab_jobs, dst))
+            if slab_copies:
+                out.update(self._copy_between_slabs(slab_copies, dst))
             phase = 2
             while recode:
                 tier, tier_jobs = recode.popitem()
@@ -886,7 +886,8 @@ class BlockPool:
         except BaseException:  # the phases that had not started: their blocks stay where they were
             with self.lock:
                 if phase < 1:
-                    self._abandon(slab_jobs, dst)
+                    for _, meta, _, _ in slab_copies:
+                        meta.moving = False
                 self._release_recodes(recode.values())
             raise
         for k in singles:
@@ -920,44 +921,67 @@ class BlockPool:
             raise
         return self._switch_waiting(waiting, dst, out)
 
-    def _copy_between_slabs(self, jobs: list, dst: TierStore) -> dict[int, MoveOutcome]:
-        """Move blocks as they are between memory slabs into the space allocated for them
-        (k, meta, source, source handle, new handle; all marked moving) by chunks
-        (_chunk_bytes): a chunk's copies are queued (_issue_copies), and while a GPU copies
-        it the next chunk is queued; each chunk is switched once its copies are done (its
-        CUDA event), while the copies of the later ones still run. A failure leaves each
-        block not yet switched where it was."""
+    def _copy_between_slabs(self, copies: list, dst: TierStore) -> dict[int, MoveOutcome]:
+        """Move blocks as they are between memory slabs (k, meta, source, source handle;
+        all marked moving) by chunks (_chunk_bytes): a chunk is allocated and its copies
+        queued (_issue_copies); while a GPU copies it, the next chunk is allocated and
+        queued, and each chunk is switched once its copies are done (its CUDA event) while
+        the later ones still copy. Switched blocks stay marked moving until the whole
+        batch is placed: the room made for its later chunks never evicts or demotes a
+        block it already moved (the least recently used in its new tier). A failure
+        leaves each block not yet switched where it was."""
         out: dict[int, MoveOutcome] = {}
         waiting: list = []
         settled: set[int] = set()
+        placed: list = []  # allocated so far: (k, meta, src, old, new)
         issued: deque[list] = deque()  # [chunk, its event or None] copied or copying, not yet switched
         i, n_chunks = 0, 0
-        left = sum(meta.stored_bytes for _, meta, *_ in jobs)
+        left = sum(meta.stored_bytes for _, meta, _, _ in copies)
         try:
-            while i < len(jobs) or issued:
-                if i < len(jobs):
-                    start, size, limit = i, 0, _chunk_bytes(n_chunks, left)
-                    while i < len(jobs) and size < limit:
-                        size += jobs[i][1].stored_bytes
-                        i += 1
-                    left -= size
-                    chunk = jobs[start:i]
-                    issued.append([chunk, None])  # before queuing: a failure there abandons it
-                    if _issue_copies([(src, old, dst, new, m.stored_bytes) for _, m, src, old, new in chunk]):
-                        issued[-1][1] = torch.cuda.Event()
-                        issued[-1][1].record()
-                    n_chunks += 1
+            while i < len(copies) or issued:
+                if i < len(copies):
+                    chunk, size, limit = [], 0, _chunk_bytes(n_chunks, left)
+                    with self.lock:
+                        while i < len(copies) and size < limit:
+                            k, meta, src, old = copies[i]
+                            try:
+                                new = self._allocate(dst, meta.stored_bytes, meta.block_hash)
+                            except PoolFull as exc:
+                                meta.moving = False
+                                out[k] = self._move_failed(f"PoolFull: {exc}")
+                                new = None
+                            i += 1
+                            left -= meta.stored_bytes
+                            if new is not None:
+                                chunk.append((k, meta, src, old, new))
+                                placed.append(chunk[-1])
+                                size += meta.stored_bytes
+                    if chunk:
+                        issued.append([chunk, None])  # before queuing: a failure there abandons it
+                        if _issue_copies([(src, old, dst, new, m.stored_bytes) for _, m, src, old, new in chunk]):
+                            issued[-1][1] = torch.cuda.Event()
+                            issued[-1][1].record()
+                        n_chunks += 1
                 # switch the chunks whose copies are done: all of them once nothing is left
                 # to queue (waiting on each in turn), else those already finished
-                while issued and (i >= len(jobs) or issued[0][1] is None or issued[0][1].query()):
+                while issued and (i >= len(copies) or issued[0][1] is None or issued[0][1].query()):
                     chunk, event = issued[0]
                     if event is not None:
                         event.synchronize()
-                    self._settle(chunk, [None] * len(chunk), dst, out, waiting, settled)
+                    self._settle(chunk, [None] * len(chunk), dst, out, waiting, settled, release=False)
                     issued.popleft()
         except BaseException:  # the blocks not switched stay where they were
-            self._abandon_unswitched(jobs, settled, waiting, dst)
+            self._abandon_unswitched(placed, settled, waiting, dst)
+            with self.lock:
+                for _, meta, _, _ in copies[i:]:  # never allocated
+                    meta.moving = False
             raise
+        finally:  # the batch is placed (or failed): its switched blocks may move and go again
+            parked = {k for k, *_ in waiting}
+            with self.lock:
+                for k, meta, *_ in placed:
+                    if k in settled and k not in parked and out.get(k) is not None and out[k].ok:
+                        meta.moving = False
         return self._switch_waiting(waiting, dst, out)
 
     def _switch_waiting(self, waiting: list, dst: TierStore, out: dict[int, MoveOutcome]) -> dict[int, MoveOutcome]:
@@ -988,7 +1012,9 @@ class BlockPool:
             for job in jobs:
                 job.meta.moving = False
 
-    def _settle(self, batch: list, errs: list, dst: TierStore, out: dict, waiting: list, settled: set) -> None:
+    def _settle(
+        self, batch: list, errs: list, dst: TierStore, out: dict, waiting: list, settled: set, release: bool = True
+    ) -> None:
         """Switch (or fail) blocks whose bytes are in place or failed (k, meta, source,
         source handle, new handle; an error or None each): a block that readers hold is
         left in `waiting`. Switched (sources freed) from the highest source pages down:
@@ -998,7 +1024,7 @@ class BlockPool:
         with self.lock:
             for (k, meta, src, old, new), err in done:
                 if err is None and meta.ref_count == 0:
-                    self._finish_move(meta, src, old, dst, new)
+                    self._finish_move(meta, src, old, dst, new, release=release)
                     out[k] = MoveOutcome(True, meta.stored_bytes)
                 elif err is None:
                     waiting.append((k, meta, src, old, new))
@@ -1343,15 +1369,23 @@ class BlockPool:
         jobs.clear()
 
     def _finish_move(
-        self, meta: BlockMeta, src: TierStore, old, dst: TierStore, new, stored: tuple[str, int, int] | None = None
+        self,
+        meta: BlockMeta,
+        src: TierStore,
+        old,
+        dst: TierStore,
+        new,
+        stored: tuple[str, int, int] | None = None,
+        release: bool = True,
     ) -> None:
         """Switch a copied block to its new place and free the old one (lock held).
-        `stored`: (codec, stored bytes, checksum) of a block re-encoded on the way."""
+        `stored`: (codec, stored bytes, checksum) of a block re-encoded on the way.
+        `release` False: the block stays marked moving (its batch lets it go at its end)."""
         src_tier = meta.tier
         codec, nbytes, digest = stored or (meta.codec, meta.stored_bytes, getattr(new, "checksum", 0) or meta.checksum)
         self._switch(meta, dst.tier, new, codec, nbytes, digest)
         src.free(old)
-        meta.moving = False
+        meta.moving = not release
         key = (src_tier, dst.tier)
         self.moved_bytes_total[key] = self.moved_bytes_total.get(key, 0) + meta.stored_bytes
         if int(dst.tier) < int(src_tier):

@@ -749,3 +749,30 @@ def test_an_unexpected_error_in_a_gpu_batch_leaves_its_blocks_movable(tmp_path, 
     check_pool(pool)
     assert [pool.tier_of(h) for h in hashes] == [Tier.CPU] * 4
     assert all(o.ok for o in pool.move_blocks(hashes, Tier.GPU, "none"))
+
+
+def test_an_allocation_that_fails_mid_batch_leaves_the_rest_in_place(monkeypatch):
+    """Chunks are allocated as the batch goes: an allocation that fails with an
+    unexpected error in the third chunk leaves the two chunks switched before it moved
+    and every later block where it was, none left moving, no page lost."""
+    import agent.core.block_pool as block_pool
+
+    monkeypatch.setattr(block_pool, "COPY_CHUNK_BYTES", 2 * SPEC.block_bytes)
+    pool, upper, cpu, hashes, data = _slab_pair(8)
+    calls, real = [0], BlockPool._allocate
+
+    def failing(self, store, num_bytes, block_hash):
+        calls[0] += 1
+        if calls[0] == 5:
+            raise RuntimeError("allocator bug (test)")
+        return real(self, store, num_bytes, block_hash)
+
+    monkeypatch.setattr(BlockPool, "_allocate", failing)
+    with pytest.raises(RuntimeError, match="allocator bug"):
+        pool.move_blocks(hashes, Tier.CPU)
+    monkeypatch.undo()
+    check_pool(pool)
+    assert [pool.tier_of(h) for h in hashes] == [Tier.CPU] * 4 + [Tier.GPU] * 4
+    for i, h in enumerate(hashes):
+        assert torch.equal(decoded(pool, h), data[i])
+    assert all(o.ok for o in pool.move_blocks(hashes, Tier.CPU))

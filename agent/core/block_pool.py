@@ -329,16 +329,6 @@ def _finished(result=None, error: BaseException | None = None) -> Future:
     return fut
 
 
-def _one_by_one(queued: deque, taken: list, what: str, exc: BaseException) -> list:
-    """A batch on the GPU failed (out of its memory, say): its blocks go back to the
-    head of the queue, each to take the per-block path."""
-    log.warning("%s %d blocks as one batch on the GPU failed (%s); one by one instead", what, len(taken), exc)
-    for job in taken:
-        job.one_by_one = True
-    queued.extendleft(reversed(taken))
-    return []
-
-
 class BlockPool:
     def __init__(
         self,
@@ -1140,8 +1130,7 @@ class BlockPool:
             to_slab = hasattr(dst, "views")
             payloads = codecs.encode_batch(taken[0].target, blocks, on_host=not to_slab)
         except (RuntimeError, codecs.CodecError) as exc:  # torch.OutOfMemoryError is a RuntimeError
-            self._count_gpu_codec("encode", "one_by_one", len(taken))
-            return _one_by_one(queued, taken, "encoding", exc)
+            return self._one_by_one(queued, taken, "encode", exc)
         except BaseException:  # back in the queue: the move's cleanup finds them there
             queued.extendleft(reversed(taken))
             raise
@@ -1207,8 +1196,7 @@ class BlockPool:
                         at += seg.numel()
             blocks = codecs.decode_batch(head.codec, payloads, spec.block_shape, spec.torch_dtype)
         except (RuntimeError, codecs.CodecError) as exc:  # torch.OutOfMemoryError is a RuntimeError
-            self._count_gpu_codec("decode", "one_by_one", len(taken))
-            return _one_by_one(queued, taken, "decoding", exc)
+            return self._one_by_one(queued, taken, "decode", exc)
         except BaseException:  # back in the queue: the move's cleanup finds them there
             queued.extendleft(reversed(taken))
             raise
@@ -1220,6 +1208,16 @@ class BlockPool:
             )
             for i, job in enumerate(taken)
         ]
+
+    def _one_by_one(self, queued: deque, taken: list, op: str, exc: BaseException) -> list:
+        """A batch on the GPU failed (out of its memory, say): its blocks go back to the
+        head of the queue, each to take the per-block path (counted)."""
+        log.warning("%s of %d blocks as one batch on the GPU failed (%s); one by one instead", op, len(taken), exc)
+        self._count_gpu_codec(op, "one_by_one", len(taken))
+        for job in taken:
+            job.one_by_one = True
+        queued.extendleft(reversed(taken))
+        return []
 
     def _count_gpu_codec(self, op: str, path: str, num_blocks: int) -> None:
         with self.lock:

@@ -431,6 +431,19 @@ def _slab_pair(
     return pool, upper, cpu, hashes, data
 
 
+def _fail_copy(monkeypatch, nth: int) -> None:
+    """From now on the nth tensor copy fails, as a broken GPU copy would."""
+    calls, real = [0], torch.Tensor.copy_
+
+    def failing(self, src, *args, **kwargs):
+        calls[0] += 1
+        if calls[0] == nth:
+            raise RuntimeError("CUDA error: an illegal memory access (test)")
+        return real(self, src, *args, **kwargs)
+
+    monkeypatch.setattr(torch.Tensor, "copy_", failing)
+
+
 def _count_copies(monkeypatch) -> list[int]:
     """The bytes of every tensor copy from now on (the real copies, counted)."""
     copies, real = [], torch.Tensor.copy_
@@ -610,15 +623,7 @@ def test_a_copy_that_fails_mid_batch_leaves_the_unswitched_blocks_in_place(monke
 
     monkeypatch.setattr(block_pool, "COPY_CHUNK_BYTES", 2 * SPEC.block_bytes)
     pool, upper, cpu, hashes, data = _slab_pair(8)
-    calls, real_copy = [0], torch.Tensor.copy_
-
-    def failing(self, src, *args, **kwargs):
-        calls[0] += 1
-        if calls[0] == 3:
-            raise RuntimeError("CUDA error: an illegal memory access (test)")
-        return real_copy(self, src, *args, **kwargs)
-
-    monkeypatch.setattr(torch.Tensor, "copy_", failing)
+    _fail_copy(monkeypatch, 3)
     with pytest.raises(RuntimeError, match="illegal memory access"):
         pool.move_blocks(hashes, Tier.CPU)
     monkeypatch.undo()
@@ -660,15 +665,7 @@ def test_a_block_read_during_a_failed_chunked_move_is_left_movable(monkeypatch):
     monkeypatch.setattr(block_pool, "COPY_CHUNK_BYTES", 2 * SPEC.block_bytes)
     pool, upper, cpu, hashes, data = _slab_pair(8)
     held = pool.acquire_chain(hashes[:1])
-    calls, real_copy = [0], torch.Tensor.copy_
-
-    def failing(self, src, *args, **kwargs):
-        calls[0] += 1
-        if calls[0] == 3:
-            raise RuntimeError("CUDA error: an illegal memory access (test)")
-        return real_copy(self, src, *args, **kwargs)
-
-    monkeypatch.setattr(torch.Tensor, "copy_", failing)
+    _fail_copy(monkeypatch, 3)
     with pytest.raises(RuntimeError, match="illegal memory access"):
         pool.move_blocks(hashes, Tier.CPU)
     monkeypatch.undo()

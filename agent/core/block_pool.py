@@ -862,13 +862,15 @@ class BlockPool:
                         m.moving = False
                     raise
                 jobs.append((k, meta, src, meta.handle, new_handle))
+        # the copies between memory slabs first: they make room as they go, and the blocks
+        # the disk phase switches would be the least recently used there, demoted again
         phase = 0  # the phases before it ran (and cleaned up after themselves if they failed)
         try:
-            if jobs:
-                out.update(self._move_placed(jobs, dst))
-            phase = 1
             if slab_copies:
                 out.update(self._copy_between_slabs(slab_copies, dst))
+            phase = 1
+            if jobs:
+                out.update(self._move_placed(jobs, dst))
             phase = 2
             while recode:
                 tier, tier_jobs = recode.popitem()
@@ -876,8 +878,7 @@ class BlockPool:
         except BaseException:  # the phases that had not started: their blocks stay where they were
             with self.lock:
                 if phase < 1:
-                    for _, meta, _, _ in slab_copies:
-                        meta.moving = False
+                    self._abandon(jobs, dst)
                 self._release_recodes(recode.values())
             raise
         for k in singles:
@@ -969,16 +970,25 @@ class BlockPool:
         finally:  # the batch is placed (or failed): its switched blocks may move and go again
             parked = {k for k, *_ in waiting}
             with self.lock:
-                for k, meta, *_ in placed:
-                    if k in settled and k not in parked and out.get(k) is not None and out[k].ok:
+                for k, meta, _, _, new in placed:
+                    if k not in parked and meta.handle is new:  # switched
                         meta.moving = False
+                        self._enter_lru(meta)  # held out of it while held: _victim would skip it each time
         return self._switch_waiting(waiting, dst, out)
 
     def _switch_waiting(self, waiting: list, dst: TierStore, out: dict[int, MoveOutcome]) -> dict[int, MoveOutcome]:
         """Switch the copied blocks that readers held when their copies were done, once
         the readers let go."""
-        for k, meta, src, old, new in waiting:
-            out[k] = self._switch_when_unread(meta, src, old, dst, new)
+        for n, (k, meta, src, old, new) in enumerate(waiting):
+            try:
+                out[k] = self._switch_when_unread(meta, src, old, dst, new)
+            except BaseException:  # the ones not switched yet stay where they were
+                with self.lock:
+                    for _, m, _, _, nw in waiting[n:]:
+                        m.moving = False
+                        if m.handle is not nw:
+                            dst.free(nw)
+                raise
         return out
 
     def _abandon_unswitched(self, jobs: list, settled: set[int], waiting: list, dst: TierStore) -> None:
@@ -1014,7 +1024,11 @@ class BlockPool:
         with self.lock:
             for (k, meta, src, old, new), err in done:
                 if err is None and meta.ref_count == 0:
-                    self._finish_move(meta, src, old, dst, new, release=release)
+                    try:
+                        self._finish_move(meta, src, old, dst, new, release=release)
+                    finally:  # switched, even if what followed raised: its new space is its own
+                        if meta.handle is new:
+                            settled.add(k)
                     out[k] = MoveOutcome(True, meta.stored_bytes)
                 elif err is None:
                     waiting.append((k, meta, src, old, new))
@@ -1381,7 +1395,7 @@ class BlockPool:
         `release` False: the block stays marked moving (its batch lets it go at its end)."""
         src_tier = meta.tier
         codec, nbytes, digest = stored or (meta.codec, meta.stored_bytes, getattr(new, "checksum", 0) or meta.checksum)
-        self._switch(meta, dst.tier, new, codec, nbytes, digest)
+        self._switch(meta, dst.tier, new, codec, nbytes, digest, lru=release)
         src.free(old)
         meta.moving = not release
         key = (src_tier, dst.tier)
@@ -1578,13 +1592,21 @@ class BlockPool:
         self._logical[meta.tier] += sign * meta.num_bytes
         self._stored[meta.tier] += sign * meta.stored_bytes
 
-    def _switch(self, meta: BlockMeta, tier: Tier, handle, codec: str, stored_bytes: int, checksum: int) -> None:
+    def _switch(
+        self, meta: BlockMeta, tier: Tier, handle, codec: str, stored_bytes: int, checksum: int, lru: bool = True
+    ) -> None:
+        """Point a block at its new place. `lru` False: not yet in its new tier's eviction
+        order (a block its batch still holds; it enters when let go, _enter_lru)."""
         self._account(meta, -1)
         meta.tier, meta.handle, meta.codec, meta.stored_bytes = tier, handle, codec, stored_bytes
         meta.checksum = checksum
         self._account(meta, +1)
-        heapq.heappush(self._lru[tier], (meta.last_access, meta.block_hash))
+        if lru:
+            self._enter_lru(meta)
         self.journal.record(STORED, meta.model_id, tier, meta.block_hash, meta.parent_hash)
+
+    def _enter_lru(self, meta: BlockMeta) -> None:
+        heapq.heappush(self._lru[meta.tier], (meta.last_access, meta.block_hash))
 
     def _touch(self, meta: BlockMeta) -> None:
         self._clock += 1

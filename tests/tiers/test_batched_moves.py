@@ -678,9 +678,10 @@ def test_a_block_read_during_a_failed_chunked_move_is_left_movable(monkeypatch):
 
 
 def test_a_failed_disk_read_leaves_the_rest_of_its_batch_movable(tmp_path, monkeypatch):
-    """A batch into the CPU slab from the disk and from a memory slab: the disk read
-    fails as a whole (an I/O thread died): every block stays where it was, none is left
-    moving, no page is lost, and the move runs again."""
+    """A batch into the CPU slab from a memory slab and from the disk: the memory slab's
+    blocks move first, then the disk read fails as a whole (an I/O thread died): the disk
+    blocks stay where they were, none is left moving, no page is lost, and the move runs
+    again."""
     pool, upper, cpu, hashes, data = _slab_pair(6, disk_dir=tmp_path / "disk")
     assert all(o.ok for o in pool.move_blocks(hashes[:3], Tier.DISK))
     disk = disk_of(pool)
@@ -693,7 +694,7 @@ def test_a_failed_disk_read_leaves_the_rest_of_its_batch_movable(tmp_path, monke
         pool.move_blocks(hashes, Tier.CPU)
     monkeypatch.undo()
     check_pool(pool)
-    assert [pool.tier_of(h) for h in hashes] == [Tier.DISK] * 3 + [Tier.GPU] * 3
+    assert [pool.tier_of(h) for h in hashes] == [Tier.DISK] * 3 + [Tier.CPU] * 3
     assert all(o.ok for o in pool.move_blocks(hashes, Tier.CPU))
     for i, h in enumerate(hashes):
         assert pool.tier_of(h) == Tier.CPU and torch.equal(decoded(pool, h), data[i])
@@ -773,3 +774,26 @@ def test_an_allocation_that_fails_mid_batch_leaves_the_rest_in_place(monkeypatch
     for i, h in enumerate(hashes):
         assert torch.equal(decoded(pool, h), data[i])
     assert all(o.ok for o in pool.move_blocks(hashes, Tier.CPU))
+
+
+def test_a_mixed_batch_into_a_full_tier_keeps_every_block_it_moved(tmp_path):
+    """One batch into a full CPU slab from the disk (read into space allocated up front)
+    and from the GPU slab (allocated chunk by chunk, making room as it goes): the room is
+    made from the blocks that were there, never from the disk blocks this batch already
+    moved (the least recently used there once switched)."""
+    B = SPEC.block_bytes
+    gpu = MemoryTier(Tier.GPU, 4 * B, B // 4, device="cpu")
+    cpu = MemoryTier(Tier.CPU, 4 * B, B // 4, device="cpu")
+    pool = BlockPool([gpu, cpu, DiskTier(tmp_path / "disk", 1 << 20)], [SPEC])
+    data = kv(8, seed=1)
+    hashes = [os.urandom(16) for _ in range(8)]
+    for i, h in enumerate(hashes):  # 0-3 spill to the CPU slab, 4-7 stay in the GPU slab
+        assert pool.insert_chain(SPEC.model_id, [h], lambda _i, i=i: data[i]) == (1, 0)
+    assert all(o.ok for o in pool.move_blocks(hashes[:2], Tier.DISK))
+    moved = [hashes[0], hashes[1], hashes[6], hashes[7]]
+    assert all(o.ok for o in pool.move_blocks(moved, Tier.CPU))
+    assert [pool.tier_of(h) for h in moved] == [Tier.CPU] * 4
+    assert [pool.tier_of(h) for h in hashes[2:4]] == [Tier.DISK] * 2  # made room
+    for i, h in enumerate(hashes):
+        assert torch.equal(decoded(pool, h), data[i])
+    check_pool(pool)

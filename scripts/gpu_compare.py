@@ -61,7 +61,7 @@ def chunk_sweep() -> None:
 def promotions() -> None:
     n = 32
     total = _spec(1).block_bytes * n
-    _, _, move_all = _filled_pool(1, n, False, tempfile.mkdtemp(), "p", gpu=True)
+    pool, _, move_all = _filled_pool(1, n, False, tempfile.mkdtemp(), "p", gpu=True)
     best: dict = {}
     for _ in range(5):
         for codec in ("none", "int8", "int4", "fp8"):
@@ -69,6 +69,7 @@ def promotions() -> None:
                 bp.GPU_ENCODE_BATCH_BYTES = 16 << 20
                 move_all(Tier.CPU, codec)  # encoded on the GPU
                 bp.GPU_ENCODE_BATCH_BYTES = 16 << 20 if gpu_decode else 0  # 0: no GPU batch, the host decodes
+                pool.drain_events()
                 t = time.perf_counter()
                 move_all(Tier.GPU, "none")
                 best[(codec, gpu_decode)] = min(best.get((codec, gpu_decode), 9), time.perf_counter() - t)

@@ -218,6 +218,12 @@ def pair_runs(src: Sequence[tuple[int, int]], dst: Sequence[tuple[int, int]]) ->
     return out
 
 
+def _no_room(dst, lower, num_bytes: int) -> bool:
+    """Neither `dst` nor the tier below it has free space for a block of num_bytes (room
+    made in `dst` would then be made by dropping, not demoting)."""
+    return all(s.used_bytes + s.footprint(num_bytes) > s.capacity_bytes for s in (dst, lower))
+
+
 # a batch between memory slabs is allocated, copied and switched by chunks: the first of
 # COPY_FIRST_CHUNK_BYTES (the DMA starts early), each next one twice the one before up to
 # COPY_CHUNK_BYTES, and none over half of what is left (the last switch, which no copy
@@ -719,11 +725,17 @@ class BlockPool:
         return any(self._pinned_subtree(m) for m in list(self.blocks.values()) if m.parent_hash == meta.block_hash)
 
     def move_block(
-        self, block_hash: bytes, to_tier: Tier, codec: str | None = None, wait_seconds: float = 5.0
+        self,
+        block_hash: bytes,
+        to_tier: Tier,
+        codec: str | None = None,
+        wait_seconds: float = 5.0,
+        held: list[BlockMeta] | None = None,
     ) -> MoveOutcome:
         """Move (and optionally re-encode) one block: copy, verify, switch, then free.
 
-        A failure at any step leaves the block where it was, intact."""
+        A failure at any step leaves the block where it was, intact. `held`: the block,
+        once switched, stays marked moving and is added there (its batch lets it go)."""
         dst = self.store_of.get(to_tier)
         if dst is None:
             return MoveOutcome(False, reason=f"this agent has no {to_tier.label} tier")
@@ -746,6 +758,7 @@ class BlockPool:
                 meta.stored_bytes,
             )
         new_handle = None
+        kept = False  # switched and held for its batch
         try:
             target = codec if codec is not None else self._entry_codec(to_tier, meta.model_id, src_codec)
             if target != src_codec:
@@ -774,10 +787,19 @@ class BlockPool:
                 with self.lock:
                     if meta.ref_count == 0:
                         self._switch(
-                            meta, dst.tier, new_handle, target, payload, getattr(new_handle, "checksum", 0) or digest
+                            meta,
+                            dst.tier,
+                            new_handle,
+                            target,
+                            payload,
+                            getattr(new_handle, "checksum", 0) or digest,
+                            lru=held is None,
                         )
                         src.free(src_handle)
                         new_handle = None
+                        if held is not None:
+                            held.append(meta)
+                            kept = True
                         key = (src_tier, dst.tier)
                         self.moved_bytes_total[key] = self.moved_bytes_total.get(key, 0) + payload
                         if int(dst.tier) < int(src_tier):
@@ -792,7 +814,7 @@ class BlockPool:
             return self._move_failed(f"{type(exc).__name__}: {exc}")
         finally:
             with self.lock:
-                meta.moving = False
+                meta.moving = kept
                 if new_handle is not None:
                     dst.free(new_handle)
 
@@ -862,27 +884,37 @@ class BlockPool:
                         m.moving = False
                     raise
                 jobs.append((k, meta, src, meta.handle, new_handle))
-        # the copies between memory slabs first: they make room as they go, and the blocks
-        # the disk phase switches would be the least recently used there, demoted again
+        # Every block switched stays marked moving (in `held`, out of its new tier's
+        # eviction order) until the whole batch is placed: the room made for its later
+        # blocks never evicts or demotes one it already moved (the least recently used in
+        # its new tier). The copies between memory slabs go first: they overlap their
+        # allocation with the copies, the disk phase allocates up front.
+        held: list[BlockMeta] = []
         phase = 0  # the phases before it ran (and cleaned up after themselves if they failed)
         try:
             if slab_copies:
-                out.update(self._copy_between_slabs(slab_copies, dst))
+                out.update(self._copy_between_slabs(slab_copies, dst, held))
             phase = 1
             if jobs:
-                out.update(self._move_placed(jobs, dst))
+                out.update(self._move_placed(jobs, dst, held))
             phase = 2
             while recode:
                 tier, tier_jobs = recode.popitem()
-                out.update(self._move_recoded(tier_jobs, self.store_of[tier]))
+                out.update(self._move_recoded(tier_jobs, self.store_of[tier], held))
+            phase = 3
+            for k in singles:
+                out[k] = self.move_block(block_hashes[k], to_tier, codec, held=held)
         except BaseException:  # the phases that had not started: their blocks stay where they were
             with self.lock:
                 if phase < 1:
                     self._abandon(jobs, dst)
                 self._release_recodes(recode.values())
             raise
-        for k in singles:
-            out[k] = self.move_block(block_hashes[k], to_tier, codec)
+        finally:  # the batch is placed (or failed): its switched blocks may move and go again
+            with self.lock:
+                for meta in held:
+                    meta.moving = False
+                    self._enter_lru(meta)
         with self.lock:  # corrupt sources whose drop a block of this batch (moving then) refused
             for k in out:
                 meta = self.blocks.get(block_hashes[k])
@@ -892,11 +924,12 @@ class BlockPool:
             out[k] = out[j]
         return [out[k] for k in range(len(block_hashes))]
 
-    def _move_placed(self, jobs: list, dst: TierStore) -> dict[int, MoveOutcome]:
+    def _move_placed(self, jobs: list, dst: TierStore, held: list[BlockMeta]) -> dict[int, MoveOutcome]:
         """Move blocks as they are between a memory slab and the disk into the space
         allocated for them (k, meta, source, source handle, new handle; all marked
         moving): to the disk in one write_many, from the disk in one read_many; then
-        switch them. A failure leaves each block not yet switched where it was."""
+        switch them (into `held`). A failure leaves each block not yet switched where it
+        was."""
         out: dict[int, MoveOutcome] = {}
         waiting: list = []
         settled: set[int] = set()
@@ -906,21 +939,21 @@ class BlockPool:
             else:
                 reads = [(old, dst.views(new, m.stored_bytes)) for _, m, _, old, new in jobs]
                 errs = jobs[0][2].read_many(reads)
-            self._settle(jobs, errs, dst, out, waiting, settled)
+            self._settle(jobs, errs, dst, out, waiting, settled, held)
         except BaseException:  # the blocks not switched stay where they were
             self._abandon_unswitched(jobs, settled, waiting, dst)
             raise
-        return self._switch_waiting(waiting, dst, out)
+        return self._switch_waiting(waiting, dst, out, held)
 
-    def _copy_between_slabs(self, copies: list, dst: TierStore) -> dict[int, MoveOutcome]:
+    def _copy_between_slabs(self, copies: list, dst: TierStore, held: list[BlockMeta]) -> dict[int, MoveOutcome]:
         """Move blocks as they are between memory slabs (k, meta, source, source handle;
         all marked moving) by chunks (_chunk_bytes): a chunk is allocated and its copies
         queued (_issue_copies); while a GPU copies it, the next chunk is allocated and
         queued, and each chunk is switched once its copies are done (its CUDA event) while
-        the later ones still copy. Switched blocks stay marked moving until the whole
-        batch is placed: the room made for its later chunks never evicts or demotes a
-        block it already moved (the least recently used in its new tier). A failure
-        leaves each block not yet switched where it was."""
+        the later ones still copy (into `held`). In a swap between two full tiers (the
+        room for a chunk is made by demoting into the tier its sources are in) the chunks
+        in flight are switched first, their sources' space taking the demoted blocks. A
+        failure leaves each block not yet switched where it was."""
         out: dict[int, MoveOutcome] = {}
         waiting: list = []
         settled: set[int] = set()
@@ -928,13 +961,21 @@ class BlockPool:
         issued: deque[list] = deque()  # [chunk, its event or None] copied or copying, not yet switched
         i, n_chunks = 0, 0
         left = sum(meta.stored_bytes for _, meta, _, _ in copies)
+        # a swap (GPU <-> CPU): the room made in `dst` is made by demoting into the tier
+        # the batch's sources are in, which its switched chunks free
+        lower = self.lower_of(dst.tier)
+        swap = lower is not None and any(src is lower for _, _, src, _ in copies)
         try:
             while i < len(copies) or issued:
+                drain = False  # both tiers full: switch what was copied before making room
                 if i < len(copies):
                     chunk, size, limit = [], 0, _chunk_bytes(n_chunks, left)
                     with self.lock:
                         while i < len(copies) and size < limit:
                             k, meta, src, old = copies[i]
+                            if swap and (chunk or issued) and _no_room(dst, lower, meta.stored_bytes):
+                                drain = True  # else making room would drop the blocks it demotes
+                                break
                             try:
                                 new = self._allocate(dst, meta.stored_bytes, meta.block_hash)
                             except PoolFull as exc:
@@ -955,11 +996,11 @@ class BlockPool:
                         n_chunks += 1
                 # switch the chunks whose copies are done: all of them once nothing is left
                 # to queue (waiting on each in turn), else those already finished
-                while issued and (i >= len(copies) or issued[0][1] is None or issued[0][1].query()):
+                while issued and (drain or i >= len(copies) or issued[0][1] is None or issued[0][1].query()):
                     chunk, event = issued[0]
                     if event is not None:
                         event.synchronize()
-                    self._settle(chunk, [None] * len(chunk), dst, out, waiting, settled, release=False)
+                    self._settle(chunk, [None] * len(chunk), dst, out, waiting, settled, held)
                     issued.popleft()
         except BaseException:  # the blocks not switched stay where they were
             self._abandon_unswitched(placed, settled, waiting, dst)
@@ -967,21 +1008,16 @@ class BlockPool:
                 for _, meta, _, _ in copies[i:]:  # never allocated
                     meta.moving = False
             raise
-        finally:  # the batch is placed (or failed): its switched blocks may move and go again
-            parked = {k for k, *_ in waiting}
-            with self.lock:
-                for k, meta, _, _, new in placed:
-                    if k not in parked and meta.handle is new:  # switched
-                        meta.moving = False
-                        self._enter_lru(meta)  # held out of it while held: _victim would skip it each time
-        return self._switch_waiting(waiting, dst, out)
+        return self._switch_waiting(waiting, dst, out, held)
 
-    def _switch_waiting(self, waiting: list, dst: TierStore, out: dict[int, MoveOutcome]) -> dict[int, MoveOutcome]:
+    def _switch_waiting(
+        self, waiting: list, dst: TierStore, out: dict[int, MoveOutcome], held: list[BlockMeta]
+    ) -> dict[int, MoveOutcome]:
         """Switch the copied blocks that readers held when their copies were done, once
-        the readers let go."""
+        the readers let go (into `held`)."""
         for n, (k, meta, src, old, new) in enumerate(waiting):
             try:
-                out[k] = self._switch_when_unread(meta, src, old, dst, new)
+                out[k] = self._switch_when_unread(meta, src, old, dst, new, held=held)
             except BaseException:  # the ones not switched yet stay where they were
                 with self.lock:
                     for _, m, _, _, nw in waiting[n:]:
@@ -1013,11 +1049,11 @@ class BlockPool:
                 job.meta.moving = False
 
     def _settle(
-        self, batch: list, errs: list, dst: TierStore, out: dict, waiting: list, settled: set, release: bool = True
+        self, batch: list, errs: list, dst: TierStore, out: dict, waiting: list, settled: set, held: list[BlockMeta]
     ) -> None:
         """Switch (or fail) blocks whose bytes are in place or failed (k, meta, source,
-        source handle, new handle; an error or None each): a block that readers hold is
-        left in `waiting`. Switched (sources freed) from the highest source pages down:
+        source handle, new handle; an error or None each): a switched block goes into
+        `held`, one that readers hold is left in `waiting`. Switched (sources freed) from the highest source pages down:
         a memory slab's free list is a stack, so the next batch into it gets these pages
         in ascending order, back to back with its source's (one copy for the lot)."""
         done = sorted(zip(batch, errs, strict=True), key=lambda j: _first_page(j[0][3]), reverse=True)
@@ -1025,7 +1061,7 @@ class BlockPool:
             for (k, meta, src, old, new), err in done:
                 if err is None and meta.ref_count == 0:
                     try:
-                        self._finish_move(meta, src, old, dst, new, release=release)
+                        self._finish_move(meta, src, old, dst, new, held=held)
                     finally:  # switched, even if what followed raised: its new space is its own
                         if meta.handle is new:
                             settled.add(k)
@@ -1045,7 +1081,7 @@ class BlockPool:
                         out[k] = self._move_failed(f"{type(err).__name__}: {err}")
                 settled.add(k)  # once switched, parked or failed: a block that raised midway is still to abandon
 
-    def _move_recoded(self, jobs: list[_Recode], dst: TierStore) -> dict[int, MoveOutcome]:
+    def _move_recoded(self, jobs: list[_Recode], dst: TierStore, held: list[BlockMeta]) -> dict[int, MoveOutcome]:
         """Move blocks that change codec on the way (all marked moving), with move_block's
         guarantees, as a pipeline: codec_threads threads read, decode, encode and hash the
         blocks in order while this thread allocates and writes the ones encoded before
@@ -1092,16 +1128,16 @@ class BlockPool:
                 batch.append((job, data, digest))
                 batch_bytes += data.numel()
                 if batch_bytes >= RECODE_WRITE_BYTES:
-                    out.update(self._write_recoded(batch, dst, deferred))
+                    out.update(self._write_recoded(batch, dst, deferred, held))
                     batch, batch_bytes = [], 0
-            out.update(self._write_recoded(batch, dst, deferred))
+            out.update(self._write_recoded(batch, dst, deferred, held))
             batch = []
             with self.lock:  # the others gave their space back: these go one by one, as move_block
                 for job in deferred:
                     job.meta.moving = False
             retry, deferred = deferred, []
             for job in retry:
-                out[job.k] = self.move_block(job.meta.block_hash, dst.tier, job.target)
+                out[job.k] = self.move_block(job.meta.block_hash, dst.tier, job.target, held=held)
         finally:  # an unexpected error: the blocks not finished stay where they were
             left = [job for job, _ in pending] + [job for job, *_ in batch if not job.done] + list(queued) + deferred
             running = [fut for _, fut in pending if not fut.cancel()]
@@ -1290,7 +1326,11 @@ class BlockPool:
         return self._move_failed(reason)
 
     def _write_recoded(
-        self, batch: list[tuple[_Recode, torch.Tensor, int]], dst: TierStore, deferred: list[_Recode]
+        self,
+        batch: list[tuple[_Recode, torch.Tensor, int]],
+        dst: TierStore,
+        deferred: list[_Recode],
+        held: list[BlockMeta],
     ) -> dict[int, MoveOutcome]:
         """Allocate, write and switch re-encoded blocks (each job leaves moving). When the
         tier has no room for the next block, the ones placed so far are written and
@@ -1320,11 +1360,11 @@ class BlockPool:
                     for _, _, _, new in placed:
                         dst.free(new)
                     raise
-            out.update(self._write_placed(placed, dst))
+            out.update(self._write_placed(placed, dst, held))
         return out
 
     def _write_placed(
-        self, placed: list[tuple[_Recode, torch.Tensor, int, object]], dst: TierStore
+        self, placed: list[tuple[_Recode, torch.Tensor, int, object]], dst: TierStore, held: list[BlockMeta]
     ) -> dict[int, MoveOutcome]:
         out: dict[int, MoveOutcome] = {}
         if not placed:
@@ -1355,7 +1395,7 @@ class BlockPool:
                 job.done = True
                 continue
             stored = (job.target, data.numel(), getattr(new, "checksum", 0) or digest)
-            out[job.k] = self._switch_when_unread(job.meta, job.src, job.handle, dst, new, stored=stored)
+            out[job.k] = self._switch_when_unread(job.meta, job.src, job.handle, dst, new, stored=stored, held=held)
             job.done = True
         return out
 
@@ -1388,27 +1428,31 @@ class BlockPool:
         dst: TierStore,
         new,
         stored: tuple[str, int, int] | None = None,
-        release: bool = True,
+        held: list[BlockMeta] | None = None,
     ) -> None:
         """Switch a copied block to its new place and free the old one (lock held).
         `stored`: (codec, stored bytes, checksum) of a block re-encoded on the way.
-        `release` False: the block stays marked moving (its batch lets it go at its end)."""
+        `held`: the block stays marked moving and is added there (its batch lets it go)."""
         src_tier = meta.tier
         codec, nbytes, digest = stored or (meta.codec, meta.stored_bytes, getattr(new, "checksum", 0) or meta.checksum)
-        self._switch(meta, dst.tier, new, codec, nbytes, digest, lru=release)
+        self._switch(meta, dst.tier, new, codec, nbytes, digest, lru=held is None)
+        if held is not None:
+            held.append(meta)  # before anything else can raise: its batch lets it go
         src.free(old)
-        meta.moving = not release
+        meta.moving = held is not None
         key = (src_tier, dst.tier)
         self.moved_bytes_total[key] = self.moved_bytes_total.get(key, 0) + meta.stored_bytes
         if int(dst.tier) < int(src_tier):
             self.promotions_total += 1
 
-    def _switch_when_unread(self, meta, src, old, dst, new, wait_seconds: float = 5.0, stored=None) -> MoveOutcome:
+    def _switch_when_unread(
+        self, meta, src, old, dst, new, wait_seconds: float = 5.0, stored=None, held: list[BlockMeta] | None = None
+    ) -> MoveOutcome:
         deadline = time.monotonic() + wait_seconds
         while True:
             with self.lock:
                 if meta.ref_count == 0:
-                    self._finish_move(meta, src, old, dst, new, stored)
+                    self._finish_move(meta, src, old, dst, new, stored, held)
                     return MoveOutcome(True, meta.stored_bytes)
                 if time.monotonic() > deadline:
                     meta.moving = False

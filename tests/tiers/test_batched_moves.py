@@ -797,3 +797,116 @@ def test_a_mixed_batch_into_a_full_tier_keeps_every_block_it_moved(tmp_path):
     for i, h in enumerate(hashes):
         assert torch.equal(decoded(pool, h), data[i])
     check_pool(pool)
+
+
+def _full_cpu_over_disk(tmp_path) -> tuple[BlockPool, list[bytes], list[bytes], torch.Tensor]:
+    """A CPU slab full of four blocks (hot) over a disk tier holding four others (cold)."""
+    cpu = MemoryTier(Tier.CPU, 4 * SPEC.block_bytes, SPEC.block_bytes // 4, device="cpu")
+    pool = BlockPool([cpu, DiskTier(tmp_path / "disk", 1 << 20)], [SPEC])
+    data = kv(8, seed=9)
+    hashes = [os.urandom(16) for _ in range(8)]
+    for i, h in enumerate(hashes):  # the first four spill to the disk
+        assert pool.insert_chain(SPEC.model_id, [h], lambda _i, i=i: data[i]) == (1, 0)
+    cold, hot = hashes[:4], hashes[4:]
+    assert [pool.tier_of(h) for h in cold] == [Tier.DISK] * 4
+    return pool, cold, hot, data
+
+
+def test_a_recoded_move_into_a_full_tier_keeps_every_block_it_moved(tmp_path):
+    """Cold int8 blocks decoded into a full CPU slab (the codec pipeline): the room made
+    for the later ones demotes the blocks that were there, never one this move already
+    switched (the least recently used there), and every outcome says where it landed."""
+    pool, cold, hot, data = _full_cpu_over_disk(tmp_path)
+    assert all(o.ok for o in pool.move_blocks(cold, Tier.DISK, "int8"))
+    outcomes = pool.move_blocks(cold, Tier.CPU, "none")
+    assert all(o.ok for o in outcomes), outcomes
+    assert [pool.tier_of(h) for h in cold] == [Tier.CPU] * 4
+    assert [pool.tier_of(h) for h in hot] == [Tier.DISK] * 4
+    for i, h in enumerate(cold):
+        assert torch.equal(decoded(pool, h), roundtrip_int8(data[i]))
+    for i, h in enumerate(hot, start=4):
+        assert torch.equal(decoded(pool, h), data[i])
+    check_pool(pool)
+
+
+def test_a_move_block_by_block_into_a_full_tier_keeps_every_block_it_moved(tmp_path, monkeypatch):
+    """Moves the batch cannot do at once (as the disk into a GPU) go block by block
+    (move_block): those too are held until the batch is placed."""
+    import agent.core.block_pool as block_pool
+
+    pool, cold, hot, data = _full_cpu_over_disk(tmp_path)
+    monkeypatch.setattr(block_pool, "_batchable", lambda src, dst: False)
+    outcomes = pool.move_blocks(cold, Tier.CPU)
+    assert all(o.ok for o in outcomes), outcomes
+    assert [pool.tier_of(h) for h in cold] == [Tier.CPU] * 4
+    assert [pool.tier_of(h) for h in hot] == [Tier.DISK] * 4
+    for i, h in enumerate(cold + hot):
+        assert torch.equal(decoded(pool, h), data[i])
+    check_pool(pool)
+
+
+def test_a_move_larger_than_its_tier_fails_the_blocks_that_do_not_fit(tmp_path):
+    """Six cold blocks into a four-block slab: four land, two fail for want of room (the
+    batch never pushes out what it moved) and stay where they were, intact."""
+    cpu = MemoryTier(Tier.CPU, 4 * SPEC.block_bytes, SPEC.block_bytes // 4, device="cpu")
+    pool = BlockPool([cpu, DiskTier(tmp_path / "disk", 1 << 20)], [SPEC])
+    data = kv(6, seed=4)
+    hashes = [os.urandom(16) for _ in range(6)]
+    for i, h in enumerate(hashes):
+        assert pool.insert_chain(SPEC.model_id, [h], lambda _i, i=i: data[i]) == (1, 0)
+    assert all(o.ok for o in pool.move_blocks(hashes, Tier.DISK))
+    outcomes = pool.move_blocks(hashes, Tier.CPU)
+    assert [o.ok for o in outcomes] == [True] * 4 + [False] * 2
+    assert all("PoolFull" in o.reason for o in outcomes[4:])
+    assert [pool.tier_of(h) for h in hashes] == [Tier.CPU] * 4 + [Tier.DISK] * 2
+    for i, h in enumerate(hashes):
+        assert torch.equal(decoded(pool, h), data[i])
+    check_pool(pool)
+
+
+class _SlowEvent:
+    """A CUDA event whose copies never finish on their own (a slow DMA): only a
+    synchronize waits for them. The host copies are done by then."""
+
+    def record(self) -> None:
+        pass
+
+    def query(self) -> bool:
+        return False
+
+    def synchronize(self) -> None:
+        pass
+
+
+def test_a_swap_between_two_full_tiers_demotes_instead_of_dropping(monkeypatch):
+    """Four cold CPU blocks promoted into a GPU slab full of four hot ones, with the CPU
+    slab full of the cold ones and no disk, the copies slow (not done until waited for):
+    the room for each chunk is made by demoting hot blocks into the pages the chunks
+    before it freed, so only the first block's room (nothing freed yet) is made by a drop;
+    before, every chunk in flight left the CPU full and each hot block it pushed out was
+    dropped."""
+    import agent.core.block_pool as block_pool
+
+    monkeypatch.setattr(block_pool, "COPY_FIRST_CHUNK_BYTES", SPEC.block_bytes)
+    monkeypatch.setattr(block_pool, "COPY_CHUNK_BYTES", 2 * SPEC.block_bytes)
+    real_issue = block_pool._issue_copies
+    monkeypatch.setattr(block_pool, "_issue_copies", lambda moves: real_issue(moves) or True)
+    monkeypatch.setattr(torch.cuda, "Event", _SlowEvent)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)  # the host copies are done
+    upper = MemoryTier(Tier.GPU, 4 * SPEC.block_bytes, SPEC.block_bytes // 4, device="cpu")
+    cpu = MemoryTier(Tier.CPU, 4 * SPEC.block_bytes, SPEC.block_bytes // 4, device="cpu")
+    pool = BlockPool([upper, cpu], [SPEC])
+    data = kv(8, seed=6)
+    hashes = [os.urandom(16) for _ in range(8)]
+    for i, h in enumerate(hashes):  # the first four spill to the CPU slab
+        assert pool.insert_chain(SPEC.model_id, [h], lambda _i, i=i: data[i]) == (1, 0)
+    cold, hot = hashes[:4], hashes[4:]
+    outcomes = pool.move_blocks(cold, Tier.GPU)
+    monkeypatch.undo()
+    assert all(o.ok for o in outcomes), outcomes
+    assert [pool.tier_of(h) for h in cold] == [Tier.GPU] * 4
+    assert [pool.tier_of(h) for h in hot] == [None, Tier.CPU, Tier.CPU, Tier.CPU]
+    for i, h in enumerate(hashes):
+        if pool.tier_of(h) is not None:
+            assert torch.equal(decoded(pool, h), data[i])
+    check_pool(pool)

@@ -186,7 +186,9 @@ def bench_moves(block_mib: int, num_blocks: int, repeats: int, fsync: bool, work
     return results
 
 
-def _codec_moves(pool, move_all, names, setup, timed, repeats: int, total: int, path: str) -> list[CodecMoveResult]:
+def _codec_moves(
+    pool, move_all, names, setup, timed, repeats: int, block_bytes: int, num_blocks: int, path: str
+) -> list[CodecMoveResult]:
     """Time move_all(*timed(name)) after move_all(*setup(name)) for each codec name (None:
     the raw move, the baseline), interleaved, best of `repeats` each; the event journal
     drained before each timed move, as the agent's sync keeps it."""
@@ -198,11 +200,11 @@ def _codec_moves(pool, move_all, names, setup, timed, repeats: int, total: int, 
             t0 = time.perf_counter()
             move_all(*timed(name))
             best[name] = min(best[name], time.perf_counter() - t0)
-    n_blocks = len(pool.blocks)
+    total = block_bytes * num_blocks
     return [
         CodecMoveResult(
             name,
-            total // n_blocks,
+            block_bytes,
             round(total / best[name] / 1e9, 3),
             round(total / best[None] / 1e9, 3),
             round(best[None] / best[name], 3),
@@ -229,7 +231,8 @@ def bench_demotions(
         lambda name: (src, "none"),  # back to raw fp16 in the slab
         lambda name: (dst, name),
         repeats,
-        _spec(block_mib).block_bytes * num_blocks,
+        _spec(block_mib).block_bytes,
+        num_blocks,
         f"{src.label}->{dst.label}",
     )
 
@@ -249,7 +252,8 @@ def bench_promotions(block_mib: int, num_blocks: int, repeats: int, fsync: bool,
         lambda name: (Tier.CPU, name or "none"),  # held in the CPU tier as this codec
         lambda name: (Tier.GPU, "none"),
         repeats,
-        _spec(block_mib).block_bytes * num_blocks,
+        _spec(block_mib).block_bytes,
+        num_blocks,
         "cpu->gpu",
     )
 

@@ -700,6 +700,20 @@ def test_a_failed_disk_read_leaves_the_rest_of_its_batch_movable(tmp_path, monke
         assert pool.tier_of(h) == Tier.CPU and torch.equal(decoded(pool, h), data[i])
 
 
+def _cold_under_hot(cpu_blocks: int, seed: int) -> tuple[BlockPool, list[bytes], list[bytes], torch.Tensor]:
+    """A host slab standing in for the GPU, full of four blocks (hot), over a CPU slab of
+    `cpu_blocks` holding the four stored before them (cold)."""
+    upper = MemoryTier(Tier.GPU, 4 * SPEC.block_bytes, SPEC.block_bytes // 4, device="cpu")
+    cpu = MemoryTier(Tier.CPU, cpu_blocks * SPEC.block_bytes, SPEC.block_bytes // 4, device="cpu")
+    pool = BlockPool([upper, cpu], [SPEC])
+    data = kv(8, seed=seed)
+    hashes = [os.urandom(16) for _ in range(8)]
+    for i, h in enumerate(hashes):  # the first four spill to the CPU slab
+        assert pool.insert_chain(SPEC.model_id, [h], lambda _i, i=i: data[i]) == (1, 0)
+    assert [pool.tier_of(h) for h in hashes] == [Tier.CPU] * 4 + [Tier.GPU] * 4
+    return pool, hashes[:4], hashes[4:], data
+
+
 def test_a_move_into_a_full_tier_keeps_every_block_it_moved(monkeypatch):
     """Four cold blocks moved into a slab full of four others, a small chunk at a time:
     the room made for the later ones demotes the others, never a block of the batch
@@ -708,15 +722,8 @@ def test_a_move_into_a_full_tier_keeps_every_block_it_moved(monkeypatch):
 
     monkeypatch.setattr(block_pool, "COPY_CHUNK_BYTES", SPEC.block_bytes)
     monkeypatch.setattr(block_pool, "COPY_FIRST_CHUNK_BYTES", SPEC.block_bytes)
-    upper = MemoryTier(Tier.GPU, 4 * SPEC.block_bytes, SPEC.block_bytes // 4, device="cpu")
-    cpu = MemoryTier(Tier.CPU, 8 * SPEC.block_bytes, SPEC.block_bytes // 4, device="cpu")
-    pool = BlockPool([upper, cpu], [SPEC])
-    data = kv(8, seed=3)
-    hashes = [os.urandom(16) for _ in range(8)]
-    for i, h in enumerate(hashes):  # the first four spill to the CPU slab
-        assert pool.insert_chain(SPEC.model_id, [h], lambda _i, i=i: data[i]) == (1, 0)
-    cold, hot = hashes[:4], hashes[4:]
-    assert [pool.tier_of(h) for h in cold] == [Tier.CPU] * 4
+    pool, cold, hot, data = _cold_under_hot(cpu_blocks=8, seed=3)
+    hashes = cold + hot
     outcomes = pool.move_blocks(cold, Tier.GPU)
     assert all(o.ok for o in outcomes), outcomes
     assert [pool.tier_of(h) for h in cold] == [Tier.GPU] * 4
@@ -893,14 +900,8 @@ def test_a_swap_between_two_full_tiers_demotes_instead_of_dropping(monkeypatch):
     monkeypatch.setattr(block_pool, "_issue_copies", lambda moves: real_issue(moves) or True)
     monkeypatch.setattr(torch.cuda, "Event", _SlowEvent)
     monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)  # the host copies are done
-    upper = MemoryTier(Tier.GPU, 4 * SPEC.block_bytes, SPEC.block_bytes // 4, device="cpu")
-    cpu = MemoryTier(Tier.CPU, 4 * SPEC.block_bytes, SPEC.block_bytes // 4, device="cpu")
-    pool = BlockPool([upper, cpu], [SPEC])
-    data = kv(8, seed=6)
-    hashes = [os.urandom(16) for _ in range(8)]
-    for i, h in enumerate(hashes):  # the first four spill to the CPU slab
-        assert pool.insert_chain(SPEC.model_id, [h], lambda _i, i=i: data[i]) == (1, 0)
-    cold, hot = hashes[:4], hashes[4:]
+    pool, cold, hot, data = _cold_under_hot(cpu_blocks=4, seed=6)
+    hashes = cold + hot
     outcomes = pool.move_blocks(cold, Tier.GPU)
     monkeypatch.undo()
     assert all(o.ok for o in outcomes), outcomes

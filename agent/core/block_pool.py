@@ -369,6 +369,7 @@ class BlockPool:
         self.demotions_total: dict[Tier, int] = {t.tier: 0 for t in self.tiers}
         self.promotions_total = 0
         self.corrupt_blocks_total = 0
+        self._corrupt: set[bytes] = set()  # marked corrupt, not removed yet (read or moving then)
         self.move_failures_total = 0
         # blocks a GPU batch encoded or decoded, and those whose batch failed (out of GPU
         # memory, say) and went one by one: {(op, path): n}, op encode|decode, path batch|one_by_one
@@ -817,6 +818,8 @@ class BlockPool:
                 meta.moving = kept
                 if new_handle is not None:
                     dst.free(new_handle)
+                if not kept:
+                    self._drop_corrupt()
 
     def move_blocks(
         self, block_hashes: Sequence[bytes], to_tier: Tier | None, codec: str | None = None
@@ -839,6 +842,9 @@ class BlockPool:
                 return [self._move_failed(str(exc)) for _ in block_hashes]
         out: dict[int, MoveOutcome] = {}
         jobs: list[tuple[int, BlockMeta, TierStore, object, object]] = []  # k, meta, src, src handle, new handle
+        to_place: list[tuple[int, BlockMeta, TierStore]] = []  # the disk phase's, before their allocation
+        in_place: list[BlockMeta] = []  # asked for where they are: the batch's room never comes from them
+        held: list[BlockMeta] = []  # switched by the batch, held until it is placed (below)
         slab_copies: list[tuple[int, BlockMeta, TierStore, object]] = []  # k, meta, src, src handle
         recode: dict[Tier, list[_Recode]] = {}
         singles: list[int] = []
@@ -855,6 +861,9 @@ class BlockPool:
                 refused = self._move_refused(meta, tier, codec)
                 if refused is not None:
                     out[k] = refused
+                    if refused.ok and not meta.moving:  # already there: kept there while the batch makes room
+                        meta.moving = True
+                        in_place.append(meta)
                     continue
                 src = self.store_of[meta.tier]
                 target = codec if codec is not None else self._entry_codec(tier, meta.model_id, meta.codec)
@@ -869,27 +878,38 @@ class BlockPool:
                 meta.moving = True  # before making room: that must not drop or demote this block
                 if hasattr(src, "byte_runs") and hasattr(dst, "byte_runs"):
                     slab_copies.append((k, meta, src, meta.handle))  # allocated chunk by chunk
-                    continue
-                try:
-                    new_handle = self._allocate(dst, meta.stored_bytes, h)
-                except PoolFull as exc:
-                    meta.moving = False
-                    out[k] = self._move_failed(f"PoolFull: {exc}")
-                    continue
-                except Exception:
-                    meta.moving = False
-                    self._abandon(jobs, dst)
-                    self._release_recodes(recode.values())
-                    for _, m, _, _ in slab_copies:
-                        m.moving = False
-                    raise
-                jobs.append((k, meta, src, meta.handle, new_handle))
+                else:
+                    to_place.append((k, meta, src))
+        try:
+            # the room these need, made at once (one batch down) rather than block by block
+            if dst is not None and (to_place or slab_copies):
+                moving = [m for _, m, _ in to_place] + [m for _, m, _, _ in slab_copies]
+                self._room_in_bulk(dst, sum(dst.footprint(m.stored_bytes) for m in moving))
+            with self.lock:
+                for n, (k, meta, src) in enumerate(to_place):
+                    try:
+                        new_handle = self._allocate(dst, meta.stored_bytes, meta.block_hash)
+                    except PoolFull as exc:
+                        meta.moving = False
+                        out[k] = self._move_failed(f"PoolFull: {exc}")
+                    except BaseException:
+                        del to_place[:n]  # the ones before it are jobs (or failed) now
+                        raise
+                    else:
+                        jobs.append((k, meta, src, meta.handle, new_handle))
+                to_place.clear()
+        except BaseException:  # nothing moved yet: every block stays where it was, movable
+            with self.lock:
+                self._abandon(jobs, dst)
+                self._release_recodes(recode.values())
+                for m in [m for _, m, _, _ in slab_copies] + [m for _, m, _ in to_place] + in_place:
+                    m.moving = False
+            raise
         # Every block switched stays marked moving (in `held`, out of its new tier's
         # eviction order) until the whole batch is placed: the room made for its later
         # blocks never evicts or demotes one it already moved (the least recently used in
         # its new tier). The copies between memory slabs go first: they overlap their
         # allocation with the copies, the disk phase allocates up front.
-        held: list[BlockMeta] = []
         phase = 0  # the phases before it ran (and cleaned up after themselves if they failed)
         try:
             if slab_copies:
@@ -915,11 +935,9 @@ class BlockPool:
                 for meta in held:
                     meta.moving = False
                     self._enter_lru(meta)
-        with self.lock:  # corrupt sources whose drop a block of this batch (moving then) refused
-            for k in out:
-                meta = self.blocks.get(block_hashes[k])
-                if meta is not None and meta.corrupt and not meta.ref_count and not meta.moving:
-                    self._drop_subtree(meta.block_hash)
+                for meta in in_place:
+                    meta.moving = False
+                self._drop_corrupt()  # whose removal a block of this batch (moving then) refused
         for k, j in repeats.items():
             out[k] = out[j]
         return [out[k] for k in range(len(block_hashes))]
@@ -1334,8 +1352,11 @@ class BlockPool:
     ) -> dict[int, MoveOutcome]:
         """Allocate, write and switch re-encoded blocks (each job leaves moving). When the
         tier has no room for the next block, the ones placed so far are written and
-        switched first: their sources' space comes back (a compress in a full tier)."""
+        switched first: their sources' space comes back (a compress in a full tier).
+        Into another tier, the room they need is made at once first (_room_in_bulk)."""
         out: dict[int, MoveOutcome] = {}
+        if batch and all(job.src is not dst for job, _, _ in batch):
+            self._room_in_bulk(dst, sum(dst.footprint(data.numel()) for _, data, _ in batch))
         i = 0
         while i < len(batch):
             placed: list[tuple[_Recode, torch.Tensor, int, object]] = []
@@ -1626,10 +1647,21 @@ class BlockPool:
             if not meta.corrupt:
                 meta.corrupt = True
                 self.corrupt_blocks_total += 1
+                self._corrupt.add(meta.block_hash)
         self._notice(
             "corrupt_block",
             f"block {meta.block_hash.hex()[:12]} in the {meta.tier.label} tier is unreadable ({why}); removed",
         )
+
+    def _drop_corrupt(self) -> None:
+        """Remove the blocks found corrupt whose removal was refused then (a reader held
+        one, or a block of its subtree was moving) and may go now (lock held)."""
+        for h in list(self._corrupt):
+            meta = self.blocks.get(h)
+            if meta is None:
+                self._corrupt.discard(h)
+            elif not meta.ref_count and not meta.moving:
+                self._drop_subtree(h)
 
     def _account(self, meta: BlockMeta, sign: int) -> None:
         self._count[meta.tier] += sign
@@ -1677,16 +1709,25 @@ class BlockPool:
 
     def _victim(self, tier: Tier, demote_to: Tier | None) -> BlockMeta | None:
         """LRU block of `tier` that may go: to `demote_to`, or dropped when None."""
+        found = self._victims(tier, demote_to, 1)
+        return found[0] if found else None
+
+    def _victims(self, tier: Tier, demote_to: Tier | None, num_bytes: int) -> list[BlockMeta]:
+        """The least recently used blocks of `tier` that may go (to `demote_to`, or
+        dropped when None) whose footprints there add up to num_bytes; fewer when no
+        more may go (lock held)."""
+        store = self.store_of[tier]
         heap = self._lru[tier]
         skipped = []
-        victim = None
-        while heap:
+        victims: list[BlockMeta] = []
+        chosen: set[bytes] = set()
+        while heap and num_bytes > 0:
             tick, h = heapq.heappop(heap)
             meta = self.blocks.get(h)
             if meta is None or meta.tier != tier or meta.last_access != tick:
                 continue  # stale entry
             skipped.append((tick, h))
-            if meta.ref_count or meta.moving or not meta.ready:
+            if meta.ref_count or meta.moving or not meta.ready or h in chosen:  # (an entry twice in the heap)
                 continue
             if demote_to is None and (meta.num_children or self.pin_tier(meta)):
                 continue
@@ -1694,11 +1735,30 @@ class BlockPool:
                 pinned = self.pin_tier(meta)
                 if pinned and int(demote_to) > pinned:
                     continue
-            victim = meta
-            break
+            victims.append(meta)
+            chosen.add(h)
+            num_bytes -= store.footprint(meta.stored_bytes)
         for item in skipped:
             heapq.heappush(heap, item)
-        return victim
+        return victims
+
+    def _room_in_bulk(self, store: TierStore, num_bytes: int) -> None:
+        """Make room for num_bytes in `store` by demoting its least recently used blocks
+        to the tier below as one batch (one vectored disk write, merged slab copies and
+        one wait for a GPU) instead of one block at a time as each allocation would
+        (_make_room: a write, or a GPU synchronize, per block). Best effort: what it
+        cannot demote, the allocations make room for as before. Not under the lock."""
+        lower = self.lower_of(store.tier)
+        if lower is None:
+            return
+        with self.lock:
+            short = num_bytes - (store.capacity_bytes - store.used_bytes)
+            victims = self._victims(store.tier, lower.tier, short) if short > 0 else []
+        if not victims:
+            return
+        outcomes = self.move_blocks([m.block_hash for m in victims], lower.tier)
+        with self.lock:
+            self.demotions_total[store.tier] += sum(1 for o in outcomes if o.ok and o.moved_bytes)
 
     def _make_room(self, store: TierStore) -> None:
         """Free space in `store`: demote its LRU block to the next tier, or drop an LRU
@@ -1749,6 +1809,10 @@ class BlockPool:
                 dst.free(handle)
                 self._notice("write_error", f"demoting to the {dst.tier.label} tier failed: {exc}")
                 return False
+            except BaseException:  # a broken GPU copy, say: the block stays, its new space goes back
+                if _gpu_quiet([src, dst]):  # no copy still writing there
+                    dst.free(handle)
+                raise
         except BlockUnreadable as exc:
             if handle is not None:
                 dst.free(handle)
@@ -1777,6 +1841,7 @@ class BlockPool:
                 if not self._drop_subtree(child.block_hash):
                     return False
         del self.blocks[block_hash]
+        self._corrupt.discard(block_hash)
         self._account(meta, -1)
         self.store_of[meta.tier].free(meta.handle)
         parent = self.blocks.get(meta.parent_hash)

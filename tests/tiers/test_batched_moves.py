@@ -911,3 +911,138 @@ def test_a_swap_between_two_full_tiers_demotes_instead_of_dropping(monkeypatch):
         if pool.tier_of(h) is not None:
             assert torch.equal(decoded(pool, h), data[i])
     check_pool(pool)
+
+
+@pytest.mark.parametrize("codec", [None, "none"])
+def test_room_for_a_promotion_is_made_in_one_batch_outside_the_lock(tmp_path, monkeypatch, codec):
+    """Cold blocks promoted into a full CPU slab (as they are, or decoded from int8 on the
+    way): the hot blocks they push out go down to the disk as one batch, one vectored
+    write, while the pool lock is free for the engine's lookups (before, each allocation
+    demoted one block with its own write, under the lock)."""
+    pool, cold, hot, data = _full_cpu_over_disk(tmp_path)
+    if codec is not None:
+        assert all(o.ok for o in pool.move_blocks(cold, Tier.DISK, "int8"))
+    writes, lock_free, real = [], [], os.pwritev
+
+    def watched(fd, buffers, offset):
+        writes.append(len(buffers))
+        got = []
+
+        def engine():  # a lookup's turn at the pool lock while the write runs
+            if pool.lock.acquire(timeout=2):
+                pool.lock.release()
+                got.append(True)
+            else:
+                got.append(False)
+
+        t = threading.Thread(target=engine)
+        t.start()
+        t.join()
+        lock_free.append(got[0])
+        return real(fd, buffers, offset)
+
+    monkeypatch.setattr(os, "pwritev", watched)
+    outcomes = pool.move_blocks(cold, Tier.CPU, codec)
+    monkeypatch.undo()
+    assert all(o.ok for o in outcomes), outcomes
+    assert len(writes) == 1 and lock_free == [True]
+    assert [pool.tier_of(h) for h in cold] == [Tier.CPU] * 4
+    assert [pool.tier_of(h) for h in hot] == [Tier.DISK] * 4
+    assert pool.demotions_total[Tier.CPU] >= 4
+    for i, h in enumerate(hot, start=4):
+        assert torch.equal(decoded(pool, h), data[i])
+    check_pool(pool)
+
+
+def test_room_in_bulk_never_demotes_below_a_pin_nor_the_batchs_own_blocks(tmp_path):
+    """The bulk demotion takes the least recently used blocks that may go: a block pinned
+    at the CPU stays, and the room comes from the others; what cannot be made is failed
+    by name (PoolFull), each block left where it was."""
+    pool, cold, hot, data = _full_cpu_over_disk(tmp_path)
+    assert pool.set_pin(hot[:1], Tier.CPU) == 1
+    outcomes = pool.move_blocks(cold, Tier.CPU)
+    assert [o.ok for o in outcomes] == [True] * 3 + [False]
+    assert "PoolFull" in outcomes[3].reason
+    assert pool.tier_of(hot[0]) == Tier.CPU and pool.tier_of(cold[3]) == Tier.DISK
+    assert [pool.tier_of(h) for h in hot[1:]] == [Tier.DISK] * 3
+    for i, h in enumerate(cold + hot):
+        assert torch.equal(decoded(pool, h), data[i])
+    pool.set_pin(hot[:1], None)
+    check_pool(pool)
+
+
+def test_a_corrupt_parent_found_while_a_batch_holds_its_child_is_removed_after(tmp_path):
+    """A reader finds parent P corrupt while a batch holds its child C (switched, the
+    batch waiting on another block's reader): P's removal is refused then (C is moving),
+    and made once the batch lets C go: no corrupt block stays, nothing dangles."""
+    cpu = MemoryTier(Tier.CPU, 8 * SPEC.block_bytes, SPEC.block_bytes // 4, device="cpu")
+    pool = BlockPool([cpu, DiskTier(tmp_path / "disk", 1 << 20)], [SPEC])
+    data = kv(3, seed=2)
+    chain, other = [os.urandom(16), os.urandom(16)], os.urandom(16)
+    assert pool.insert_chain(SPEC.model_id, chain, lambda i: data[i]) == (2, 0)
+    assert pool.insert_chain(SPEC.model_id, [other], lambda _i: data[2]) == (1, 0)
+    assert all(o.ok for o in pool.move_blocks([*chain, other], Tier.DISK))
+    at = block_on_disk(pool, chain[0])
+    flip_byte(at.path, at.last_payload_byte)
+    reader = pool.acquire_chain([other])  # the batch waits for this reader to switch `other`
+    seen = []
+
+    def later():
+        time.sleep(0.2)  # C is switched and held by now
+        got, _ = pool.read_chain(chain)
+        seen.append((len(got), chain[0] in pool.blocks))
+        pool.release_chain(reader)
+
+    t = threading.Thread(target=later)
+    t.start()
+    outcomes = pool.move_blocks([chain[1], other], Tier.CPU)
+    t.join()
+    assert seen == [(0, True)]  # read as a miss; its removal had to wait
+    assert all(o.ok for o in outcomes)
+    assert chain[0] not in pool.blocks and chain[1] not in pool.blocks  # P with its subtree
+    assert pool.tier_of(other) == Tier.CPU and torch.equal(decoded(pool, other), data[2])
+    check_pool(pool)
+
+
+def test_a_copy_that_fails_while_making_room_leaks_no_page(monkeypatch):
+    """A swap between two full slabs (copies slow, so the chunks in flight are switched
+    before more room is made): a copy failing in any step (the batch's or a demotion's)
+    raises, leaves every block where it was or where it went, and no page lost."""
+    import agent.core.block_pool as block_pool
+
+    for nth in range(1, 9):
+        monkeypatch.setattr(block_pool, "COPY_FIRST_CHUNK_BYTES", SPEC.block_bytes)
+        monkeypatch.setattr(block_pool, "COPY_CHUNK_BYTES", 2 * SPEC.block_bytes)
+        real_issue = block_pool._issue_copies
+        monkeypatch.setattr(block_pool, "_issue_copies", lambda moves, real=real_issue: real(moves) or True)
+        monkeypatch.setattr(torch.cuda, "Event", _SlowEvent)
+        monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)
+        monkeypatch.setattr(block_pool, "_gpu_quiet", lambda stores: True)
+        pool, cold, hot, data = _cold_under_hot(cpu_blocks=4, seed=6)
+        _fail_copy(monkeypatch, nth)
+        try:
+            pool.move_blocks(cold, Tier.GPU)
+        except RuntimeError as exc:
+            assert "illegal memory access" in str(exc)
+        monkeypatch.undo()
+        check_pool(pool)
+        for i, h in enumerate(cold + hot):
+            if pool.tier_of(h) is not None:
+                assert torch.equal(decoded(pool, h), data[i]), (nth, i)
+
+
+def test_blocks_already_where_asked_are_not_pushed_out_by_the_batch(tmp_path):
+    """A batch asks for blocks in a full CPU slab, two already there: the room for the
+    others comes from blocks it did not name, never from those two (before, the first
+    allocations demoted them, and the batch then brought them back up)."""
+    pool, cold, hot, data = _full_cpu_over_disk(tmp_path)
+    asked = cold[:2] + hot[:2]  # hot[:2] are the least recently used in the CPU slab
+    outcomes = pool.move_blocks(asked, Tier.CPU)
+    assert all(o.ok for o in outcomes), outcomes
+    assert [o.moved_bytes for o in outcomes[2:]] == [0, 0]  # not sent down and back up
+    assert pool.demotions_total[Tier.CPU] - 4 == 2  # (four when the slab first filled)
+    assert [pool.tier_of(h) for h in asked] == [Tier.CPU] * 4
+    assert [pool.tier_of(h) for h in hot[2:]] == [Tier.DISK] * 2
+    for i, h in enumerate(cold + hot):
+        assert torch.equal(decoded(pool, h), data[i])
+    check_pool(pool)

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import os
 import tempfile
+import threading
 import time
 from dataclasses import asdict, dataclass
 
@@ -55,6 +56,21 @@ class CodecMoveResult:
     raw_move_gbps: float
     ratio: float  # > 1: the codec's move is faster than the raw one (it saves more than it costs)
     path: str = "cpu->disk"
+
+
+@dataclass
+class FullTierResult:
+    """A promotion DISK -> CPU into a full CPU tier (the room made by demoting as many
+    other blocks to the disk) against the same two moves run one after the other, and
+    how long an engine's call that takes the pool lock (a lookup) waited meanwhile."""
+
+    path: str
+    block_bytes: int
+    gbps: float  # promoted bytes a second
+    sequential_gbps: float  # the same bytes demoted, then promoted, as two batches
+    ratio: float
+    lock_wait_p50_ms: float
+    lock_wait_p99_ms: float
 
 
 @dataclass
@@ -258,6 +274,70 @@ def bench_promotions(block_mib: int, num_blocks: int, repeats: int, fsync: bool,
     )
 
 
+def bench_full_tier(block_mib: int, num_blocks: int, repeats: int, fsync: bool, workdir: str) -> FullTierResult:
+    """num_blocks cold blocks promoted from the disk into a CPU tier full of num_blocks
+    hot ones, and back (each move pushes the other set down), best of `repeats` each way;
+    the baseline moves the same sets down and up as two batches into free room. An
+    engine thread meanwhile calls num_leading (the pool lock) every 0.2 ms."""
+    spec = _spec(block_mib)
+    nbytes, total = spec.block_bytes, spec.block_bytes * num_blocks
+    pool = BlockPool(
+        [
+            MemoryTier(Tier.CPU, total, nbytes // 16, device="cpu"),
+            DiskTier(os.path.join(workdir, f"full-{block_mib}"), 4 * total, fsync=fsync),
+        ],
+        [spec],
+    )
+    gen = torch.Generator().manual_seed(0)
+    data = torch.randn((2 * num_blocks, *spec.block_shape), generator=gen).to(torch.float16)
+    hashes = [os.urandom(16) for _ in range(2 * num_blocks)]
+    for i, h in enumerate(hashes):  # the first half spills to the disk
+        pool.insert_chain(spec.model_id, [h], lambda _i, i=i: data[i])
+    sets = [hashes[:num_blocks], hashes[num_blocks:]]  # on the disk, in the CPU tier
+    waits: list[float] = []
+    stop = threading.Event()
+
+    def engine() -> None:
+        while not stop.is_set():
+            t0 = time.perf_counter()
+            pool.num_leading(sets[1][:4])
+            waits.append(time.perf_counter() - t0)
+            time.sleep(0.0002)
+
+    def move(blocks, tier) -> float:
+        pool.drain_events()
+        t0 = time.perf_counter()
+        outcomes = pool.move_blocks(blocks, tier)
+        if not all(o.ok for o in outcomes):
+            raise RuntimeError(f"a move to {tier.label} failed: {next(o.reason for o in outcomes if not o.ok)}")
+        return time.perf_counter() - t0
+
+    swap, two = float("inf"), float("inf")
+    thread = threading.Thread(target=engine, daemon=True)
+    thread.start()
+    try:
+        for r in range(2 * repeats):  # into the full tier, cold and hot in turn
+            swap = min(swap, move(sets[r % 2], Tier.CPU))
+    finally:
+        stop.set()
+        thread.join()
+    up = 1  # sets[1] is in the CPU tier again after an even number of swaps
+    for _ in range(repeats):  # the same bytes down, then the others up into the room made
+        down = move(sets[up], Tier.DISK)
+        up = 1 - up
+        two = min(two, down + move(sets[up], Tier.CPU))
+    waits.sort()
+    return FullTierResult(
+        "disk->cpu (full)",
+        nbytes,
+        round(total / swap / 1e9, 3),
+        round(total / two / 1e9, 3),
+        round(two / swap, 3),
+        round(waits[len(waits) // 2] * 1e3, 3),
+        round(waits[int(len(waits) * 0.99)] * 1e3, 3),
+    )
+
+
 GPU_CODEC_BATCH = 16  # blocks a GPU encode takes at once in the benchmark (a 16 MiB batch)
 
 
@@ -326,6 +406,7 @@ def run(block_mibs=(1, 4), num_blocks: int = 32, repeats: int = 3, fsync: bool =
         if cuda_available():
             demotions += bench_demotions(block_mibs[0], n, repeats, fsync, workdir, src=Tier.GPU)
             promotions = bench_promotions(block_mibs[0], n, repeats, fsync, workdir)
+        full = bench_full_tier(block_mibs[0], n, repeats, fsync, workdir)
     writes = [m.baseline_gbps for m in moves if m.path == "cpu->disk"]
     return {
         "cuda": cuda_available(),
@@ -336,6 +417,7 @@ def run(block_mibs=(1, 4), num_blocks: int = 32, repeats: int = 3, fsync: bool =
         "codecs": [asdict(c) for c in bench_codecs(repeats, max(writes, default=0.0))],
         "demotions": [asdict(d) for d in demotions],
         "promotions": [asdict(p) for p in promotions],
+        "full_tier": [asdict(full)],
     }
 
 
@@ -374,5 +456,17 @@ def format_table(result: dict) -> str:
                 f"{d.get('path', 'cpu->disk'):10s} {d['codec']:6s} {d['block_bytes'] >> 20:>6d}Mi {d['gbps']:>8.2f}"
                 f" {d['raw_move_gbps']:>9.2f}"
                 f" {d['ratio']:>6.2f}"
+            )
+    if result.get("full_tier"):
+        lines += [
+            "",
+            "promotion into a full tier (each block in pushes one out to the disk; SEQUENTIAL: the same"
+            " bytes down, then up, as two batches; LOCK WAIT: an engine's lookup meanwhile)",
+            f"{'path':17s} {'block':>6s} {'GB/s':>7s} {'sequential':>11s} {'ratio':>6s} {'lock wait p50/p99 ms':>21s}",
+        ]
+        for f in result["full_tier"]:
+            lines.append(
+                f"{f['path']:17s} {f['block_bytes'] >> 20:>4d}Mi {f['gbps']:>7.2f} {f['sequential_gbps']:>11.2f}"
+                f" {f['ratio']:>6.2f} {f['lock_wait_p50_ms']:>10.3f} / {f['lock_wait_p99_ms']:.3f}"
             )
     return "\n".join(lines)

@@ -265,3 +265,49 @@ def test_a_batch_moves_between_gpu_and_cpu_chunk_by_chunk(monkeypatch):
                 got = store.read(meta.handle, meta.stored_bytes).view(torch.float16).reshape(SPEC.block_shape)
                 assert meta.tier is tier and torch.equal(got, data[i]), f"block {i}"
     check_pool(pool)
+
+
+@pytest.mark.parametrize("disk", [False, True])
+def test_a_promotion_into_a_full_gpu_demotes_in_one_batch(disk, tmp_path, monkeypatch):
+    """Cold CPU blocks promoted into a GPU full of hot ones: the room is made at once, the
+    hot blocks going down to the CPU slab as one chunked batch (no device-wide synchronize
+    per block under the lock), or, with the CPU full of nothing but the batch's sources
+    (no disk), by switching the chunks in flight first; every block keeps its bytes."""
+    import agent.core.block_pool as block_pool
+    from agent.store.disk_tier import DiskTier
+    from tests.tiers.support import check_pool
+
+    monkeypatch.setattr(block_pool, "COPY_CHUNK_BYTES", 2 * SPEC.block_bytes)
+    monkeypatch.setattr(block_pool, "COPY_FIRST_CHUNK_BYTES", SPEC.block_bytes)
+    n = 8
+    gpu = MemoryTier(Tier.GPU, n * SPEC.block_bytes, SPEC.block_bytes // 4)
+    cpu = MemoryTier(Tier.CPU, (2 * n if disk else n) * SPEC.block_bytes, SPEC.block_bytes // 4)
+    lower = [DiskTier(tmp_path / "disk", 1 << 22)] if disk else []
+    pool = BlockPool([gpu, cpu, *lower], [SPEC])
+    data = torch.randn((2 * n, *SPEC.block_shape)).to(torch.float16)
+    hashes = [bytes([i]) * 16 for i in range(2 * n)]
+    for i, h in enumerate(hashes):  # the first n spill to the CPU slab
+        assert pool.insert_chain(SPEC.model_id, [h], lambda _i, i=i: data[i]) == (1, 0)
+    cold, hot = hashes[:n], hashes[n:]
+    syncs, real_sync = [], torch.cuda.synchronize
+
+    def counted(*args, **kwargs):
+        syncs.append(1)
+        return real_sync(*args, **kwargs)
+
+    monkeypatch.setattr(torch.cuda, "synchronize", counted)
+    assert all(o.ok for o in pool.move_blocks(cold, Tier.GPU))
+    monkeypatch.undo()
+    assert [pool.tier_of(h) for h in cold] == [Tier.GPU] * n
+    held = [pool.tier_of(h) for h in hot]
+    if disk:
+        assert held == [Tier.CPU] * n and len(syncs) < n  # one batch down, not one sync a block
+    else:
+        assert held.count(None) <= 1 and held.count(Tier.CPU) >= n - 1
+    for i, h in enumerate(hashes):
+        meta = pool.blocks.get(h)
+        if meta is not None:
+            store = pool.store_of[meta.tier]
+            got = store.read(meta.handle, meta.stored_bytes).view(torch.float16).reshape(SPEC.block_shape)
+            assert torch.equal(got.cpu(), data[i]), f"block {i}"
+    check_pool(pool)

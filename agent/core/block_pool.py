@@ -151,6 +151,16 @@ def _stored_as(meta: BlockMeta, codec: str, checksum: int) -> BlockMeta:
     return out
 
 
+class _Held(list):
+    """The blocks a move_blocks call switched, kept marked moving (out of their new
+    tier's eviction order) until the whole batch is placed; and how long a switch waits
+    for a block's readers to let go."""
+
+    def __init__(self, reader_wait_seconds: float = 5.0) -> None:
+        super().__init__()
+        self.reader_wait_seconds = reader_wait_seconds
+
+
 class PoolFull(Exception):
     """No room can be made (everything left is pinned, in use or moving)."""
 
@@ -575,6 +585,7 @@ class BlockPool:
                 for meta in metas:
                     if meta.corrupt and meta.ref_count == 0:
                         self._drop_subtree(meta.block_hash)
+                self._drop_corrupt()
         return out, tiers
 
     # ---- handoff between agents (agent.core.handoff drives these) ---------------------
@@ -598,6 +609,7 @@ class BlockPool:
             for meta in metas:  # found unreadable while held: removed now that no one reads it
                 if meta.corrupt and meta.ref_count == 0 and not meta.moving:
                     self._drop_subtree(meta.block_hash)
+            self._drop_corrupt()
 
     def reserve_chain(
         self, model_id: str, block_hashes: Sequence[bytes], stored_bytes: Sequence[int], tier: Tier
@@ -731,7 +743,7 @@ class BlockPool:
         to_tier: Tier,
         codec: str | None = None,
         wait_seconds: float = 5.0,
-        held: list[BlockMeta] | None = None,
+        held: _Held | None = None,
     ) -> MoveOutcome:
         """Move (and optionally re-encode) one block: copy, verify, switch, then free.
 
@@ -760,6 +772,8 @@ class BlockPool:
             )
         new_handle = None
         kept = False  # switched and held for its batch
+        if held is not None:
+            wait_seconds = held.reader_wait_seconds
         try:
             target = codec if codec is not None else self._entry_codec(to_tier, meta.model_id, src_codec)
             if target != src_codec:
@@ -822,14 +836,22 @@ class BlockPool:
                     self._drop_corrupt()
 
     def move_blocks(
-        self, block_hashes: Sequence[bytes], to_tier: Tier | None, codec: str | None = None
+        self,
+        block_hashes: Sequence[bytes],
+        to_tier: Tier | None,
+        codec: str | None = None,
+        *,
+        from_tier: Tier | None = None,
+        reader_wait_seconds: float = 5.0,
     ) -> list[MoveOutcome]:
         """Move many blocks with move_block's guarantees (copy, verify, switch, free; a
         failure leaves a block where it was), batching the I/O: blocks going between the
         CPU slab and the disk as they are (no re-encode) are read or written with one
         vectored call per run of adjacent disk extents; blocks changing codec go through
         the codec pipeline (_move_recoded). `to_tier` None: each block stays in the tier
-        it is in when the move starts (a compress in place, `codec` given)."""
+        it is in when the move starts (a compress in place, `codec` given). `from_tier`:
+        only blocks still in that tier move (the room-making's victims, chosen before).
+        `reader_wait_seconds`: how long a copied block's switch waits for its readers."""
         if to_tier is None and codec is None:
             raise ValueError("a move in place needs a codec")
         dst = self.store_of.get(to_tier) if to_tier is not None else None
@@ -844,47 +866,57 @@ class BlockPool:
         jobs: list[tuple[int, BlockMeta, TierStore, object, object]] = []  # k, meta, src, src handle, new handle
         to_place: list[tuple[int, BlockMeta, TierStore]] = []  # the disk phase's, before their allocation
         in_place: list[BlockMeta] = []  # asked for where they are: the batch's room never comes from them
-        held: list[BlockMeta] = []  # switched by the batch, held until it is placed (below)
+        held = _Held(reader_wait_seconds)  # switched by the batch, held until it is placed (below)
         slab_copies: list[tuple[int, BlockMeta, TierStore, object]] = []  # k, meta, src, src handle
         recode: dict[Tier, list[_Recode]] = {}
         singles: list[int] = []
         first: dict[bytes, int] = {}
         repeats: dict[int, int] = {}  # a hash listed again: its first listing's outcome
         with self.lock:
-            for k, h in enumerate(block_hashes):
-                if h in first:
-                    repeats[k] = first[h]
-                    continue
-                first[h] = k
-                meta = self.blocks.get(h)
-                tier = to_tier if to_tier is not None or meta is None else meta.tier
-                refused = self._move_refused(meta, tier, codec)
-                if refused is not None:
-                    out[k] = refused
-                    if refused.ok and not meta.moving:  # already there: kept there while the batch makes room
+            try:
+                for k, h in enumerate(block_hashes):
+                    if h in first:
+                        repeats[k] = first[h]
+                        continue
+                    first[h] = k
+                    meta = self.blocks.get(h)
+                    if from_tier is not None and meta is not None and meta.tier != from_tier:
+                        out[k] = MoveOutcome(False, reason=f"no longer in the {from_tier.label} tier")
+                        continue
+                    tier = to_tier if to_tier is not None or meta is None else meta.tier
+                    refused = self._move_refused(meta, tier, codec)
+                    if refused is not None:
+                        out[k] = refused
+                        if refused.ok and not meta.moving:  # already there: kept there while the batch makes room
+                            meta.moving = True
+                            in_place.append(meta)
+                        continue
+                    src = self.store_of[meta.tier]
+                    target = codec if codec is not None else self._entry_codec(tier, meta.model_id, meta.codec)
+                    if target != meta.codec:
                         meta.moving = True
-                        in_place.append(meta)
-                    continue
-                src = self.store_of[meta.tier]
-                target = codec if codec is not None else self._entry_codec(tier, meta.model_id, meta.codec)
-                if target != meta.codec:
-                    meta.moving = True
-                    job = _Recode(k, meta, src, meta.handle, meta.codec, meta.stored_bytes, target)
-                    recode.setdefault(tier, []).append(job)
-                    continue
-                if not _batchable(src, dst):
-                    singles.append(k)
-                    continue
-                meta.moving = True  # before making room: that must not drop or demote this block
-                if hasattr(src, "byte_runs") and hasattr(dst, "byte_runs"):
-                    slab_copies.append((k, meta, src, meta.handle))  # allocated chunk by chunk
-                else:
-                    to_place.append((k, meta, src))
+                        job = _Recode(k, meta, src, meta.handle, meta.codec, meta.stored_bytes, target)
+                        recode.setdefault(tier, []).append(job)
+                        continue
+                    if not _batchable(src, dst):
+                        singles.append(k)
+                        continue
+                    meta.moving = True  # before making room: that must not drop or demote this block
+                    if hasattr(src, "byte_runs") and hasattr(dst, "byte_runs"):
+                        slab_copies.append((k, meta, src, meta.handle))  # allocated chunk by chunk
+                    else:
+                        to_place.append((k, meta, src))
+            except BaseException:  # nothing moved: every block marked so far is movable again
+                self._release_recodes(recode.values())
+                for m in [m for _, m, _, _ in slab_copies] + [m for _, m, _ in to_place] + in_place:
+                    m.moving = False
+                raise
         try:
             # the room these need, made at once (one batch down) rather than block by block
             if dst is not None and (to_place or slab_copies):
-                moving = [m for _, m, _ in to_place] + [m for _, m, _, _ in slab_copies]
-                self._room_in_bulk(dst, sum(dst.footprint(m.stored_bytes) for m in moving))
+                self._room_in_bulk(
+                    dst, [(m, src) for _, m, src in to_place] + [(m, src) for _, m, src, _ in slab_copies]
+                )
             with self.lock:
                 for n, (k, meta, src) in enumerate(to_place):
                     try:
@@ -942,7 +974,7 @@ class BlockPool:
             out[k] = out[j]
         return [out[k] for k in range(len(block_hashes))]
 
-    def _move_placed(self, jobs: list, dst: TierStore, held: list[BlockMeta]) -> dict[int, MoveOutcome]:
+    def _move_placed(self, jobs: list, dst: TierStore, held: _Held) -> dict[int, MoveOutcome]:
         """Move blocks as they are between a memory slab and the disk into the space
         allocated for them (k, meta, source, source handle, new handle; all marked
         moving): to the disk in one write_many, from the disk in one read_many; then
@@ -963,7 +995,7 @@ class BlockPool:
             raise
         return self._switch_waiting(waiting, dst, out, held)
 
-    def _copy_between_slabs(self, copies: list, dst: TierStore, held: list[BlockMeta]) -> dict[int, MoveOutcome]:
+    def _copy_between_slabs(self, copies: list, dst: TierStore, held: _Held) -> dict[int, MoveOutcome]:
         """Move blocks as they are between memory slabs (k, meta, source, source handle;
         all marked moving) by chunks (_chunk_bytes): a chunk is allocated and its copies
         queued (_issue_copies); while a GPU copies it, the next chunk is allocated and
@@ -1029,7 +1061,7 @@ class BlockPool:
         return self._switch_waiting(waiting, dst, out, held)
 
     def _switch_waiting(
-        self, waiting: list, dst: TierStore, out: dict[int, MoveOutcome], held: list[BlockMeta]
+        self, waiting: list, dst: TierStore, out: dict[int, MoveOutcome], held: _Held
     ) -> dict[int, MoveOutcome]:
         """Switch the copied blocks that readers held when their copies were done, once
         the readers let go (into `held`)."""
@@ -1067,7 +1099,7 @@ class BlockPool:
                 job.meta.moving = False
 
     def _settle(
-        self, batch: list, errs: list, dst: TierStore, out: dict, waiting: list, settled: set, held: list[BlockMeta]
+        self, batch: list, errs: list, dst: TierStore, out: dict, waiting: list, settled: set, held: _Held
     ) -> None:
         """Switch (or fail) blocks whose bytes are in place or failed (k, meta, source,
         source handle, new handle; an error or None each): a switched block goes into
@@ -1099,7 +1131,7 @@ class BlockPool:
                         out[k] = self._move_failed(f"{type(err).__name__}: {err}")
                 settled.add(k)  # once switched, parked or failed: a block that raised midway is still to abandon
 
-    def _move_recoded(self, jobs: list[_Recode], dst: TierStore, held: list[BlockMeta]) -> dict[int, MoveOutcome]:
+    def _move_recoded(self, jobs: list[_Recode], dst: TierStore, held: _Held) -> dict[int, MoveOutcome]:
         """Move blocks that change codec on the way (all marked moving), with move_block's
         guarantees, as a pipeline: codec_threads threads read, decode, encode and hash the
         blocks in order while this thread allocates and writes the ones encoded before
@@ -1348,7 +1380,7 @@ class BlockPool:
         batch: list[tuple[_Recode, torch.Tensor, int]],
         dst: TierStore,
         deferred: list[_Recode],
-        held: list[BlockMeta],
+        held: _Held,
     ) -> dict[int, MoveOutcome]:
         """Allocate, write and switch re-encoded blocks (each job leaves moving). When the
         tier has no room for the next block, the ones placed so far are written and
@@ -1356,7 +1388,7 @@ class BlockPool:
         Into another tier, the room they need is made at once first (_room_in_bulk)."""
         out: dict[int, MoveOutcome] = {}
         if batch and all(job.src is not dst for job, _, _ in batch):
-            self._room_in_bulk(dst, sum(dst.footprint(data.numel()) for _, data, _ in batch))
+            self._room_in_bulk(dst, [(job.meta, job.src, data.numel()) for job, data, _ in batch])
         i = 0
         while i < len(batch):
             placed: list[tuple[_Recode, torch.Tensor, int, object]] = []
@@ -1385,7 +1417,7 @@ class BlockPool:
         return out
 
     def _write_placed(
-        self, placed: list[tuple[_Recode, torch.Tensor, int, object]], dst: TierStore, held: list[BlockMeta]
+        self, placed: list[tuple[_Recode, torch.Tensor, int, object]], dst: TierStore, held: _Held
     ) -> dict[int, MoveOutcome]:
         out: dict[int, MoveOutcome] = {}
         if not placed:
@@ -1449,7 +1481,7 @@ class BlockPool:
         dst: TierStore,
         new,
         stored: tuple[str, int, int] | None = None,
-        held: list[BlockMeta] | None = None,
+        held: _Held | None = None,
     ) -> None:
         """Switch a copied block to its new place and free the old one (lock held).
         `stored`: (codec, stored bytes, checksum) of a block re-encoded on the way.
@@ -1467,8 +1499,10 @@ class BlockPool:
             self.promotions_total += 1
 
     def _switch_when_unread(
-        self, meta, src, old, dst, new, wait_seconds: float = 5.0, stored=None, held: list[BlockMeta] | None = None
+        self, meta, src, old, dst, new, wait_seconds: float = 5.0, stored=None, held: _Held | None = None
     ) -> MoveOutcome:
+        if held is not None:
+            wait_seconds = held.reader_wait_seconds
         deadline = time.monotonic() + wait_seconds
         while True:
             with self.lock:
@@ -1742,21 +1776,36 @@ class BlockPool:
             heapq.heappush(heap, item)
         return victims
 
-    def _room_in_bulk(self, store: TierStore, num_bytes: int) -> None:
-        """Make room for num_bytes in `store` by demoting its least recently used blocks
+    def _room_in_bulk(self, store: TierStore, incoming: list[tuple]) -> None:
+        """Make room in `store` for the blocks a batch brings in ((meta, its source
+        store[, its bytes there]) each) by demoting the least recently used blocks there
         to the tier below as one batch (one vectored disk write, merged slab copies and
         one wait for a GPU) instead of one block at a time as each allocation would
-        (_make_room: a write, or a GPU synchronize, per block). Best effort: what it
-        cannot demote, the allocations make room for as before. Not under the lock."""
+        (_make_room: a write, or a GPU synchronize, per block, under the lock). Blocks
+        coming from that tier below give their space back there only as they switch: for
+        them room is made at once only as far as the tier below has room now (a swap of
+        two full tiers goes chunk by chunk instead, _copy_between_slabs). Best effort: what
+        it cannot demote, the allocations make room for as before. Not under the lock."""
         lower = self.lower_of(store.tier)
         if lower is None:
             return
+        own = from_lower = 0
+        for meta, src, *size in incoming:
+            n = store.footprint(size[0] if size else meta.stored_bytes)
+            if src is lower:
+                from_lower += n
+            else:
+                own += n
         with self.lock:
-            short = num_bytes - (store.capacity_bytes - store.used_bytes)
+            lower_free = max(lower.capacity_bytes - lower.used_bytes, 0)
+            short = own + min(from_lower, lower_free) - (store.capacity_bytes - store.used_bytes)
             victims = self._victims(store.tier, lower.tier, short) if short > 0 else []
         if not victims:
             return
-        outcomes = self.move_blocks([m.block_hash for m in victims], lower.tier)
+        # a victim moved or read since it was chosen is left alone (not waited for)
+        outcomes = self.move_blocks(
+            [m.block_hash for m in victims], lower.tier, from_tier=store.tier, reader_wait_seconds=0.0
+        )
         with self.lock:
             self.demotions_total[store.tier] += sum(1 for o in outcomes if o.ok and o.moved_bytes)
 

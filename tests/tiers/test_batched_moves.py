@@ -1046,3 +1046,66 @@ def test_blocks_already_where_asked_are_not_pushed_out_by_the_batch(tmp_path):
     for i, h in enumerate(cold + hot):
         assert torch.equal(decoded(pool, h), data[i])
     check_pool(pool)
+
+
+def test_a_swap_makes_no_more_room_below_than_its_own_sources_free():
+    """Cold CPU blocks promoted into a GPU full of hot ones, the CPU full of the cold
+    ones and four older blocks (no disk): the hot blocks go down into the pages the cold
+    ones free as they switch, so one older block goes (the first block's room), not four
+    (room made at once below, not counting the sources' pages, dropped them all)."""
+    upper = MemoryTier(Tier.GPU, 4 * SPEC.block_bytes, SPEC.block_bytes // 4, device="cpu")
+    cpu = MemoryTier(Tier.CPU, 8 * SPEC.block_bytes, SPEC.block_bytes // 4, device="cpu")
+    pool = BlockPool([upper, cpu], [SPEC])
+    data = kv(12, seed=1)
+    hashes = [os.urandom(16) for _ in range(12)]
+    for i, h in enumerate(hashes):
+        assert pool.insert_chain(SPEC.model_id, [h], lambda _i, i=i: data[i]) == (1, 0)
+    older, cold, hot = hashes[:4], hashes[4:8], hashes[8:]
+    assert all(o.ok for o in pool.move_blocks(cold, Tier.GPU))
+    assert pool.evictions_total[Tier.CPU] == 1 and pool.move_failures_total == 0
+    assert [pool.tier_of(h) for h in cold] == [Tier.GPU] * 4
+    assert [pool.tier_of(h) for h in hot] == [Tier.CPU] * 4
+    assert [pool.tier_of(h) for h in older] == [None] + [Tier.CPU] * 3
+    for i, h in enumerate(hashes[1:], start=1):
+        assert torch.equal(decoded(pool, h), data[i])
+    check_pool(pool)
+
+
+def test_room_making_leaves_alone_a_victim_moved_or_read_since_it_was_chosen(tmp_path, monkeypatch):
+    """The blocks chosen to make room are moved down after the pool lock is let go: one
+    promoted to the GPU meanwhile stays there (not sent from the GPU to the disk), and one
+    a reader holds meanwhile is not waited for (the room comes from elsewhere or the
+    block fails by name)."""
+    upper = MemoryTier(Tier.GPU, 4 * SPEC.block_bytes, SPEC.block_bytes // 4, device="cpu")
+    cpu = MemoryTier(Tier.CPU, 4 * SPEC.block_bytes, SPEC.block_bytes // 4, device="cpu")
+    pool = BlockPool([upper, cpu, DiskTier(tmp_path / "disk", 1 << 20)], [SPEC])
+    data = kv(8, seed=2)
+    hashes = [os.urandom(16) for _ in range(8)]
+    for i, h in enumerate(hashes):
+        assert pool.insert_chain(SPEC.model_id, [h], lambda _i, i=i: data[i]) == (1, 0)
+    cold, hot = hashes[:4], hashes[4:]
+    assert all(o.ok for o in pool.move_blocks(cold, Tier.DISK))
+    assert all(o.ok for o in pool.move_blocks(hot, Tier.CPU))
+    real, seen = BlockPool.move_blocks, []
+
+    def racing(self, block_hashes, to_tier, codec=None, **kwargs):
+        if kwargs.get("from_tier") is Tier.CPU and not seen:  # the room-making batch
+            seen.append(self.move_block(block_hashes[0], Tier.GPU).ok)
+            reader = self.acquire_chain(block_hashes[1:2])
+            threading.Timer(3.0, self.release_chain, [reader]).start()
+        return real(self, block_hashes, to_tier, codec, **kwargs)
+
+    monkeypatch.setattr(BlockPool, "move_blocks", racing)
+    t0 = time.monotonic()
+    outcomes = pool.move_blocks(cold, Tier.CPU)
+    took = time.monotonic() - t0
+    monkeypatch.undo()
+    assert seen == [True] and took < 2.0
+    assert pool.tier_of(hot[0]) == Tier.GPU and pool.moved_bytes_total.get((Tier.GPU, Tier.DISK), 0) == 0
+    assert pool.tier_of(hot[1]) == Tier.CPU  # read while chosen: left where it was
+    assert [o.ok for o in outcomes].count(True) >= 3
+    assert all("PoolFull" in o.reason for o in outcomes if not o.ok)
+    time.sleep(3.1)  # the reader lets go
+    for i, h in enumerate(hashes):
+        assert torch.equal(decoded(pool, h), data[i])
+    check_pool(pool)

@@ -950,9 +950,9 @@ class BlockPool:
             if jobs:
                 out.update(self._move_placed(jobs, dst, held))
             phase = 2
-            while recode:
-                tier, tier_jobs = recode.popitem()
-                out.update(self._move_recoded(tier_jobs, self.store_of[tier], held))
+            while recode:  # the slowest tier first: a compress in place there frees room for the ones above
+                tier = max(recode, key=int)
+                out.update(self._move_recoded(recode.pop(tier), self.store_of[tier], held))
             phase = 3
             for k in singles:
                 out[k] = self.move_block(block_hashes[k], to_tier, codec, held=held)
@@ -1182,12 +1182,7 @@ class BlockPool:
                     batch, batch_bytes = [], 0
             out.update(self._write_recoded(batch, dst, deferred, held))
             batch = []
-            with self.lock:  # the others gave their space back: these go one by one, as move_block
-                for job in deferred:
-                    job.meta.moving = False
-            retry, deferred = deferred, []
-            for job in retry:
-                out[job.k] = self.move_block(job.meta.block_hash, dst.tier, job.target, held=held)
+            out.update(self._retry_deferred(deferred, dst, held))  # the others gave their space back
         finally:  # an unexpected error: the blocks not finished stay where they were
             left = [job for job, _ in pending] + [job for job, *_ in batch if not job.done] + list(queued) + deferred
             running = [fut for _, fut in pending if not fut.cancel()]
@@ -1196,6 +1191,73 @@ class BlockPool:
                 for job in left:
                     job.meta.moving = False
         return out
+
+    def _retry_deferred(self, deferred: list[_Recode], dst: TierStore, held: _Held) -> dict[int, MoveOutcome]:
+        """Re-encoded blocks that found no room in `dst` on their turn (a compress in place
+        of a tier full of the batch itself, say): each goes on its own (move_block) while
+        the others stay held, so the room made for one never pushes out another. When not
+        even one finds room (every block that could go is the batch's), the last of them
+        goes down to the tier below first, as it is, and comes back re-encoded at the end,
+        once the others freed their space (each takes less than it gave back); with no
+        tier below, it is dropped (as the tier's safety net would). A block no room can be
+        made for fails by name (PoolFull) and stays where it was. Jobs leave `deferred` as
+        they are taken: those left there are the caller's to release."""
+        out: dict[int, MoveOutcome] = {}
+        lower = self.lower_of(dst.tier)
+        parked: _Recode | None = None  # sent down to make room, back at the end
+        parking_tried = False
+        failed: list[BlockMeta] = []  # kept from the room made for the others until the end
+        try:
+            while deferred:
+                job = deferred.pop(0)
+                with self.lock:
+                    job.meta.moving = False
+                result = self.move_block(job.meta.block_hash, dst.tier, job.target, held=held)
+                if not result.ok and result.reason.startswith("PoolFull") and not parking_tried and deferred:
+                    parking_tried = True
+                    last = deferred.pop()
+                    if self._send_down(last.meta, dst, lower):
+                        if lower is None:
+                            out[last.k] = self._move_failed("dropped to make room for the others")
+                        else:
+                            parked = last
+                        result = self.move_block(job.meta.block_hash, dst.tier, job.target, held=held)
+                    else:
+                        out[last.k] = self._move_failed(f"PoolFull: no room in the {dst.tier.label} tier for it")
+                        self._keep(last.meta, failed)
+                out[job.k] = result
+                if not result.ok:
+                    self._keep(job.meta, failed)
+            if parked is not None:
+                out[parked.k] = self.move_block(parked.meta.block_hash, dst.tier, parked.target, held=held)
+        finally:
+            with self.lock:
+                for meta in failed:
+                    meta.moving = False
+        return out
+
+    def _send_down(self, meta: BlockMeta, store: TierStore, lower: TierStore | None) -> bool:
+        """Free a held block's space in `store` (it is let go first): moved to the tier
+        below as it is, or, with none, dropped if it may be (an unpinned leaf no one
+        reads). Whether its space is free now."""
+        with self.lock:
+            meta.moving = False
+            if lower is None:
+                if meta.block_hash not in self.blocks or meta.num_children or meta.ref_count or self.pin_tier(meta):
+                    return False
+                self._drop_subtree(meta.block_hash)
+                self.evictions_total[store.tier] += 1
+                return True
+        down = self.move_blocks([meta.block_hash], lower.tier, reader_wait_seconds=0.0)[0]
+        return down.ok and down.moved_bytes > 0
+
+    def _keep(self, meta: BlockMeta, kept: list[BlockMeta]) -> None:
+        """Mark a block that stayed where it was moving again, so the room its batch makes
+        for others never comes from it (released by whoever holds `kept`)."""
+        with self.lock:
+            if meta.block_hash in self.blocks and not meta.moving:
+                meta.moving = True
+                kept.append(meta)
 
     def _gpu_batch(self, queued: deque[_Recode], dst: TierStore) -> list[tuple[_Recode, Future]]:
         """Raw GPU blocks at the head of the queue going to a lossy codec, up to

@@ -1109,3 +1109,33 @@ def test_room_making_leaves_alone_a_victim_moved_or_read_since_it_was_chosen(tmp
     for i, h in enumerate(hashes):
         assert torch.equal(decoded(pool, h), data[i])
     check_pool(pool)
+
+
+@pytest.mark.parametrize("gpu", [False, True])
+def test_a_compress_in_place_of_full_tiers_loses_nothing_and_moves_one_block_at_most(tmp_path, gpu):
+    """Every block of a full CPU slab over a disk (and of a full GPU stand-in above it,
+    both full of nothing but the batch) compressed in place: the last block of a tier
+    steps down to make room for the first, the others each fit in what the ones before
+    gave back, and it comes back compressed at the end: all compressed where they were,
+    none lost (before: blocks of the batch sent down and back, or dropped)."""
+    n = 6
+    upper = [MemoryTier(Tier.GPU, n * SPEC.block_bytes, SPEC.block_bytes // 4, device="cpu")] if gpu else []
+    cpu = MemoryTier(Tier.CPU, n * SPEC.block_bytes, SPEC.block_bytes // 4, device="cpu")
+    pool = BlockPool([*upper, cpu, DiskTier(tmp_path / "disk", 1 << 20)], [SPEC])
+    total = 2 * n if gpu else n
+    data = kv(total, seed=1)
+    hashes = [os.urandom(16) for _ in range(total)]
+    for i, h in enumerate(hashes):
+        assert pool.insert_chain(SPEC.model_id, [h], lambda _i, i=i: data[i]) == (1, 0)
+    where = [pool.tier_of(h) for h in hashes]
+    assert Tier.DISK not in where
+    down_before = pool.moved_bytes_total.get((Tier.CPU, Tier.DISK), 0)
+    outcomes = pool.move_blocks(hashes, None, "int8")
+    assert all(o.ok for o in outcomes), outcomes
+    assert [pool.tier_of(h) for h in hashes] == where
+    assert all(pool.blocks[h].codec == "int8" for h in hashes)
+    assert sum(pool.evictions_total.values()) == 0
+    assert pool.moved_bytes_total.get((Tier.CPU, Tier.DISK), 0) - down_before <= SPEC.block_bytes
+    for i, h in enumerate(hashes):
+        assert torch.equal(decoded(pool, h), roundtrip_int8(data[i]))
+    check_pool(pool)

@@ -617,14 +617,17 @@ class BlockPool:
         """Pages in `tier` for the blocks after the leading ones held here, making room
         as a store does. The held leading blocks are referenced (release_chain them).
         The pages belong to no block: invisible until commit_reserved. Raises PoolFull
-        (and holds nothing) when they cannot all be found."""
+        (and holds nothing) when they cannot all be found. The room is made at once
+        first, outside the lock (_room_in_bulk): a decode agent's engine is not held up
+        by one demotion per reserved block."""
         store = self.store_of[tier]
+        leading = self.num_leading(block_hashes)
+        need = sum(store.footprint(int(n)) for n in stored_bytes[leading:])
+        if need > self.reclaimable_bytes(tier):  # before anything is demoted for it
+            raise PoolFull(f"{need} B do not fit: the {store.tier.label} tier can free less than that")
+        self._room_in_bulk(store, [(None, None, int(n)) for n in stored_bytes[leading:]])
         with self.lock:
             present = self.acquire_chain(block_hashes)
-            need = sum(store.footprint(int(n)) for n in stored_bytes[len(present) :])
-            if need > self.reclaimable_bytes(tier):
-                self.release_chain(present)
-                raise PoolFull(f"{need} B do not fit: the {store.tier.label} tier can free less than that")
             handles: list = []
             try:
                 for i in range(len(present), len(block_hashes)):
@@ -1852,7 +1855,7 @@ class BlockPool:
         if lower is None:
             return
         own = from_lower = 0
-        for meta, src, *size in incoming:
+        for meta, src, *size in incoming:  # (meta None: a block not held yet, its bytes given)
             n = store.footprint(size[0] if size else meta.stored_bytes)
             if src is lower:
                 from_lower += n

@@ -1139,3 +1139,40 @@ def test_a_compress_in_place_of_full_tiers_loses_nothing_and_moves_one_block_at_
     for i, h in enumerate(hashes):
         assert torch.equal(decoded(pool, h), roundtrip_int8(data[i]))
     check_pool(pool)
+
+
+def test_a_reservation_in_a_full_tier_makes_its_room_in_one_batch_outside_the_lock(tmp_path, monkeypatch):
+    """A handoff's reservation on a decode agent whose CPU slab is full: the blocks it
+    pushes out go to the disk in one vectored write while the pool lock stays free for the
+    engine (before: one write per reserved block, all under the lock)."""
+    pool, cold, hot, data = _full_cpu_over_disk(tmp_path)
+    writes, lock_free, real = [], [], os.pwritev
+
+    def watched(fd, buffers, offset):
+        writes.append(len(buffers))
+        got = []
+
+        def engine():
+            if pool.lock.acquire(timeout=2):
+                pool.lock.release()
+                got.append(True)
+            else:
+                got.append(False)
+
+        t = threading.Thread(target=engine)
+        t.start()
+        t.join()
+        lock_free.append(got[0])
+        return real(fd, buffers, offset)
+
+    monkeypatch.setattr(os, "pwritev", watched)
+    incoming = [os.urandom(16) for _ in range(3)]
+    num_present, present, handles = pool.reserve_chain(SPEC.model_id, incoming, [SPEC.block_bytes] * 3, Tier.CPU)
+    monkeypatch.undo()
+    assert (num_present, present, len(handles)) == (0, [], 3)
+    assert len(writes) == 1 and lock_free == [True]
+    assert [pool.tier_of(h) for h in hot] == [Tier.DISK] * 3 + [Tier.CPU]
+    pool.release_reserved(handles, Tier.CPU)
+    for i, h in enumerate(cold + hot):
+        assert torch.equal(decoded(pool, h), data[i])
+    check_pool(pool)

@@ -60,14 +60,15 @@ class CodecMoveResult:
 
 @dataclass
 class FullTierResult:
-    """A promotion DISK -> CPU into a full CPU tier (the room made by demoting as many
-    other blocks to the disk) against the same two moves run one after the other, and
-    how long an engine's call that takes the pool lock (a lookup) waited meanwhile."""
+    """Work into a full CPU tier whose room is made by demoting as many blocks to the disk
+    (a promotion from the disk; a handoff's reservation), against the same demotion (and
+    promotion) run as plain batches into free room, and how long an engine's call that
+    takes the pool lock (a lookup) waited meanwhile."""
 
     path: str
     block_bytes: int
-    gbps: float  # promoted bytes a second
-    sequential_gbps: float  # the same bytes demoted, then promoted, as two batches
+    gbps: float  # bytes placed (promoted or reserved) a second
+    sequential_gbps: float  # the baseline: the same bytes down, then (a promotion) up, as plain batches
     ratio: float
     lock_wait_p50_ms: float
     lock_wait_p99_ms: float
@@ -274,11 +275,13 @@ def bench_promotions(block_mib: int, num_blocks: int, repeats: int, fsync: bool,
     )
 
 
-def bench_full_tier(block_mib: int, num_blocks: int, repeats: int, fsync: bool, workdir: str) -> FullTierResult:
-    """num_blocks cold blocks promoted from the disk into a CPU tier full of num_blocks
-    hot ones, and back (each move pushes the other set down), best of `repeats` each way;
-    the baseline moves the same sets down and up as two batches into free room. An
-    engine thread meanwhile calls num_leading (the pool lock) every 0.2 ms."""
+def bench_full_tier(block_mib: int, num_blocks: int, repeats: int, fsync: bool, workdir: str) -> list[FullTierResult]:
+    """A CPU tier full of num_blocks blocks over a disk holding num_blocks others. (1) The
+    disk ones promoted into it and back (each move pushes the other set down), best of
+    2 x `repeats`, against the same bytes moved down and up as two batches into free room.
+    (2) A handoff's reservation of num_blocks pages there (BlockPool.reserve_chain: the
+    room made by pushing as many blocks down), against moving them down as one batch.
+    An engine thread meanwhile calls num_leading (the pool lock) every 0.2 ms."""
     spec = _spec(block_mib)
     nbytes, total = spec.block_bytes, spec.block_bytes * num_blocks
     pool = BlockPool(
@@ -294,15 +297,6 @@ def bench_full_tier(block_mib: int, num_blocks: int, repeats: int, fsync: bool, 
     for i, h in enumerate(hashes):  # the first half spills to the disk
         pool.insert_chain(spec.model_id, [h], lambda _i, i=i: data[i])
     sets = [hashes[:num_blocks], hashes[num_blocks:]]  # on the disk, in the CPU tier
-    waits: list[float] = []
-    stop = threading.Event()
-
-    def engine() -> None:
-        while not stop.is_set():
-            t0 = time.perf_counter()
-            pool.num_leading(sets[1][:4])
-            waits.append(time.perf_counter() - t0)
-            time.sleep(0.0002)
 
     def move(blocks, tier) -> float:
         pool.drain_events()
@@ -312,29 +306,68 @@ def bench_full_tier(block_mib: int, num_blocks: int, repeats: int, fsync: bool, 
             raise RuntimeError(f"a move to {tier.label} failed: {next(o.reason for o in outcomes if not o.ok)}")
         return time.perf_counter() - t0
 
-    swap, two = float("inf"), float("inf")
-    thread = threading.Thread(target=engine, daemon=True)
-    thread.start()
-    try:
-        for r in range(2 * repeats):  # into the full tier, cold and hot in turn
-            swap = min(swap, move(sets[r % 2], Tier.CPU))
-    finally:
-        stop.set()
-        thread.join()
-    up = 1  # sets[1] is in the CPU tier again after an even number of swaps
+    def reserve() -> float:  # a handoff's pages for num_blocks blocks, given back after
+        t0 = time.perf_counter()
+        _, _, handles = pool.reserve_chain(
+            spec.model_id, [os.urandom(16) for _ in range(num_blocks)], [nbytes] * num_blocks, Tier.CPU
+        )
+        took = time.perf_counter() - t0
+        pool.release_reserved(handles, Tier.CPU)
+        return took
+
+    swaps = _with_engine(pool, sets[1][:4], lambda: [move(sets[r % 2], Tier.CPU) for r in range(2 * repeats)])
+    reserves = []
+    for _ in range(repeats):  # sets[1] is in the CPU tier after an even number of swaps
+        reserves.append(_with_engine(pool, sets[1][:4], reserve))
+        move(sets[1], Tier.CPU)  # what it pushed out, back (not timed)
+    up, two, down_only = 1, float("inf"), float("inf")
     for _ in range(repeats):  # the same bytes down, then the others up into the room made
         down = move(sets[up], Tier.DISK)
         up = 1 - up
+        down_only = min(down_only, down)
         two = min(two, down + move(sets[up], Tier.CPU))
-    waits.sort()
+    move(sets[1], Tier.CPU)
+    swap_times, swap_waits = swaps
+    swap_s = min(swap_times)
+    res_s = min(t for t, _ in reserves)
+    res_waits = sorted(w for _, ws in reserves for w in ws)
+    return [
+        _full_row("disk->cpu (full)", nbytes, total, swap_s, two, sorted(swap_waits)),
+        _full_row("reserve (full)", nbytes, total, res_s, down_only, res_waits),
+    ]
+
+
+def _with_engine(pool, hashes, fn):
+    """fn() while an engine thread calls num_leading (the pool lock) every 0.2 ms: its
+    result and the thread's waits (seconds)."""
+    waits: list[float] = []
+    stop = threading.Event()
+
+    def engine() -> None:
+        while not stop.is_set():
+            t0 = time.perf_counter()
+            pool.num_leading(hashes)
+            waits.append(time.perf_counter() - t0)
+            time.sleep(0.0002)
+
+    thread = threading.Thread(target=engine, daemon=True)
+    thread.start()
+    try:
+        return fn(), waits
+    finally:
+        stop.set()
+        thread.join()
+
+
+def _full_row(path: str, nbytes: int, total: int, seconds: float, baseline_seconds: float, waits) -> FullTierResult:
     return FullTierResult(
-        "disk->cpu (full)",
+        path,
         nbytes,
-        round(total / swap / 1e9, 3),
-        round(total / two / 1e9, 3),
-        round(two / swap, 3),
-        round(waits[len(waits) // 2] * 1e3, 3),
-        round(waits[int(len(waits) * 0.99)] * 1e3, 3),
+        round(total / seconds / 1e9, 3),
+        round(total / baseline_seconds / 1e9, 3),
+        round(baseline_seconds / seconds, 3),
+        round(waits[len(waits) // 2] * 1e3, 3) if waits else 0.0,
+        round(waits[int(len(waits) * 0.99)] * 1e3, 3) if waits else 0.0,
     )
 
 
@@ -417,7 +450,7 @@ def run(block_mibs=(1, 4), num_blocks: int = 32, repeats: int = 3, fsync: bool =
         "codecs": [asdict(c) for c in bench_codecs(repeats, max(writes, default=0.0))],
         "demotions": [asdict(d) for d in demotions],
         "promotions": [asdict(p) for p in promotions],
-        "full_tier": [asdict(full)],
+        "full_tier": [asdict(f) for f in full],
     }
 
 
@@ -460,8 +493,8 @@ def format_table(result: dict) -> str:
     if result.get("full_tier"):
         lines += [
             "",
-            "promotion into a full tier (each block in pushes one out to the disk; SEQUENTIAL: the same"
-            " bytes down, then up, as two batches; LOCK WAIT: an engine's lookup meanwhile)",
+            "into a full tier (each block in pushes one out to the disk; SEQUENTIAL: the same bytes down"
+            " (then up, for a promotion) as plain batches; LOCK WAIT: an engine's lookup meanwhile)",
             f"{'path':17s} {'block':>6s} {'GB/s':>7s} {'sequential':>11s} {'ratio':>6s} {'lock wait p50/p99 ms':>21s}",
         ]
         for f in result["full_tier"]:

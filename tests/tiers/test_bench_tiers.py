@@ -1,5 +1,6 @@
 """`kvcp-bench tiers` as a user runs it (the console script, tiny sizes): every move path,
-codec, demotion and promotion row is there, measured, and its ratio is the ratio of its figures."""
+codec, demotion and promotion row (and the rows into a full tier) is there, measured, and
+its ratio is the ratio of its figures."""
 
 from __future__ import annotations
 
@@ -31,10 +32,15 @@ def test_tiers_benchmark_json_has_moves_codecs_and_demotions():
     for d in data["demotions"] + data["promotions"]:
         assert d["block_bytes"] == 1 << 20 and d["gbps"] > 0 and d["raw_move_gbps"] > 0
         assert abs(d["ratio"] - d["gbps"] / d["raw_move_gbps"]) < 0.01
+    # into a full tier: a promotion and a handoff's reservation, with the engine's lock wait
+    assert [f["path"] for f in data["full_tier"]] == ["disk->cpu (full)", "reserve (full)"]
+    for f in data["full_tier"]:
+        assert f["gbps"] > 0 and f["sequential_gbps"] > 0 and 0 <= f["lock_wait_p50_ms"] <= f["lock_wait_p99_ms"]
+        assert abs(f["ratio"] - f["gbps"] / f["sequential_gbps"]) < 0.01
     table = subprocess.run(
         [str(exe), "tiers", "--block-mib", "1", "--blocks", "4", "--repeats", "1"],
         capture_output=True,
         text=True,
         timeout=300,
     )
-    assert table.returncode == 0 and "moves with a codec" in table.stdout
+    assert table.returncode == 0 and "moves with a codec" in table.stdout and "reserve (full)" in table.stdout

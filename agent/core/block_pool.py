@@ -467,10 +467,21 @@ class BlockPool:
         `block(i)` returns block i as a tensor of the model's shape (None: not available,
         e.g. a prefix the caller skipped was evicted meanwhile). Blocks are stored in
         order and stop at the first that cannot be (a missing parent, no room, a write
-        error): the held set stays a forest of prefixes. Returns (num_stored, num_present)."""
+        error): the held set stays a forest of prefixes. The room the new blocks need is
+        made first, at once and outside the lock (_room_in_bulk). Returns (num_stored,
+        num_present)."""
         spec = self.models[model_id]
         top = self.top
         codec = self._tier_codec(top.tier, model_id)
+        try:
+            size = codecs.payload_bytes(codec, spec.block_shape, spec.torch_dtype)
+        except codecs.CodecError:  # zstd: no fixed size, at most about the raw block
+            size = spec.block_bytes
+        leading = self.acquire_chain(block_hashes)  # referenced: the room is never made from them
+        try:
+            self._room_in_bulk(top, [(None, None, size)] * (len(block_hashes) - len(leading)))
+        finally:
+            self.release_chain(leading)
         stored = present = 0
         chain: list[bytes] = []
         # Only the current parent is referenced while its child is written: the rest of
@@ -621,13 +632,16 @@ class BlockPool:
         first, outside the lock (_room_in_bulk): a decode agent's engine is not held up
         by one demotion per reserved block."""
         store = self.store_of[tier]
-        leading = self.num_leading(block_hashes)
-        need = sum(store.footprint(int(n)) for n in stored_bytes[leading:])
-        if need > self.reclaimable_bytes(tier):  # before anything is demoted for it
-            raise PoolFull(f"{need} B do not fit: the {store.tier.label} tier can free less than that")
-        self._room_in_bulk(store, [(None, None, int(n)) for n in stored_bytes[leading:]])
+        present = self.acquire_chain(block_hashes)  # referenced from here: never the room made
+        need = sum(store.footprint(int(n)) for n in stored_bytes[len(present) :])
+        try:
+            if need > self.reclaimable_bytes(tier):  # before anything is demoted for it
+                raise PoolFull(f"{need} B do not fit: the {store.tier.label} tier can free less than that")
+            self._room_in_bulk(store, [(None, None, int(n)) for n in stored_bytes[len(present) :]])
+        except BaseException:
+            self.release_chain(present)
+            raise
         with self.lock:
-            present = self.acquire_chain(block_hashes)
             handles: list = []
             try:
                 for i in range(len(present), len(block_hashes)):

@@ -913,22 +913,16 @@ def test_a_swap_between_two_full_tiers_demotes_instead_of_dropping(monkeypatch):
     check_pool(pool)
 
 
-@pytest.mark.parametrize("codec", [None, "none"])
-def test_room_for_a_promotion_is_made_in_one_batch_outside_the_lock(tmp_path, monkeypatch, codec):
-    """Cold blocks promoted into a full CPU slab (as they are, or decoded from int8 on the
-    way): the hot blocks they push out go down to the disk as one batch, one vectored
-    write, while the pool lock is free for the engine's lookups (before, each allocation
-    demoted one block with its own write, under the lock)."""
-    pool, cold, hot, data = _full_cpu_over_disk(tmp_path)
-    if codec is not None:
-        assert all(o.ok for o in pool.move_blocks(cold, Tier.DISK, "int8"))
+def _watch_disk_writes(pool: BlockPool, monkeypatch) -> tuple[list[int], list[bool]]:
+    """From now on, each vectored disk write is counted (its buffers) and, while it runs,
+    another thread (an engine's lookup) tries the pool lock: whether it got it."""
     writes, lock_free, real = [], [], os.pwritev
 
     def watched(fd, buffers, offset):
         writes.append(len(buffers))
         got = []
 
-        def engine():  # a lookup's turn at the pool lock while the write runs
+        def engine():
             if pool.lock.acquire(timeout=2):
                 pool.lock.release()
                 got.append(True)
@@ -942,6 +936,19 @@ def test_room_for_a_promotion_is_made_in_one_batch_outside_the_lock(tmp_path, mo
         return real(fd, buffers, offset)
 
     monkeypatch.setattr(os, "pwritev", watched)
+    return writes, lock_free
+
+
+@pytest.mark.parametrize("codec", [None, "none"])
+def test_room_for_a_promotion_is_made_in_one_batch_outside_the_lock(tmp_path, monkeypatch, codec):
+    """Cold blocks promoted into a full CPU slab (as they are, or decoded from int8 on the
+    way): the hot blocks they push out go down to the disk as one batch, one vectored
+    write, while the pool lock is free for the engine's lookups (before, each allocation
+    demoted one block with its own write, under the lock)."""
+    pool, cold, hot, data = _full_cpu_over_disk(tmp_path)
+    if codec is not None:
+        assert all(o.ok for o in pool.move_blocks(cold, Tier.DISK, "int8"))
+    writes, lock_free = _watch_disk_writes(pool, monkeypatch)
     outcomes = pool.move_blocks(cold, Tier.CPU, codec)
     monkeypatch.undo()
     assert all(o.ok for o in outcomes), outcomes
@@ -1146,26 +1153,7 @@ def test_a_reservation_in_a_full_tier_makes_its_room_in_one_batch_outside_the_lo
     pushes out go to the disk in one vectored write while the pool lock stays free for the
     engine (before: one write per reserved block, all under the lock)."""
     pool, cold, hot, data = _full_cpu_over_disk(tmp_path)
-    writes, lock_free, real = [], [], os.pwritev
-
-    def watched(fd, buffers, offset):
-        writes.append(len(buffers))
-        got = []
-
-        def engine():
-            if pool.lock.acquire(timeout=2):
-                pool.lock.release()
-                got.append(True)
-            else:
-                got.append(False)
-
-        t = threading.Thread(target=engine)
-        t.start()
-        t.join()
-        lock_free.append(got[0])
-        return real(fd, buffers, offset)
-
-    monkeypatch.setattr(os, "pwritev", watched)
+    writes, lock_free = _watch_disk_writes(pool, monkeypatch)
     incoming = [os.urandom(16) for _ in range(3)]
     num_present, present, handles = pool.reserve_chain(SPEC.model_id, incoming, [SPEC.block_bytes] * 3, Tier.CPU)
     monkeypatch.undo()
@@ -1175,4 +1163,23 @@ def test_a_reservation_in_a_full_tier_makes_its_room_in_one_batch_outside_the_lo
     pool.release_reserved(handles, Tier.CPU)
     for i, h in enumerate(cold + hot):
         assert torch.equal(decoded(pool, h), data[i])
+    check_pool(pool)
+
+
+def test_an_engine_store_into_a_full_tier_makes_its_room_in_one_batch_outside_the_lock(tmp_path, monkeypatch):
+    """An engine stores a three-block chain into a full CPU slab: the blocks it pushes out
+    go to the disk in one vectored write while the pool lock stays free (before: one write
+    per stored block, each under the lock); what it pushes out keeps its bytes."""
+    pool, cold, hot, data = _full_cpu_over_disk(tmp_path)
+    writes, lock_free = _watch_disk_writes(pool, monkeypatch)
+    chain, new = [os.urandom(16) for _ in range(3)], kv(3, seed=11)
+    assert pool.insert_chain(SPEC.model_id, chain, lambda i: new[i]) == (3, 0)
+    monkeypatch.undo()
+    assert len(writes) == 1 and lock_free == [True]
+    assert [pool.tier_of(h) for h in chain] == [Tier.CPU] * 3
+    assert [pool.tier_of(h) for h in hot] == [Tier.DISK] * 3 + [Tier.CPU]
+    for i, h in enumerate(cold + hot):
+        assert torch.equal(decoded(pool, h), data[i])
+    for i, h in enumerate(chain):
+        assert torch.equal(decoded(pool, h), new[i])
     check_pool(pool)

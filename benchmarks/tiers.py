@@ -280,7 +280,8 @@ def bench_full_tier(block_mib: int, num_blocks: int, repeats: int, fsync: bool, 
     disk ones promoted into it and back (each move pushes the other set down), best of
     2 x `repeats`, against the same bytes moved down and up as two batches into free room.
     (2) A handoff's reservation of num_blocks pages there (BlockPool.reserve_chain: the
-    room made by pushing as many blocks down), against moving them down as one batch.
+    room made by pushing as many blocks down), and (3) an engine's stores of num_blocks new
+    blocks in chains of 8 (insert_chain), each against moving as many down as one batch.
     An engine thread meanwhile calls num_leading (the pool lock) every 0.2 ms."""
     spec = _spec(block_mib)
     nbytes, total = spec.block_bytes, spec.block_bytes * num_blocks
@@ -315,11 +316,24 @@ def bench_full_tier(block_mib: int, num_blocks: int, repeats: int, fsync: bool, 
         pool.release_reserved(handles, Tier.CPU)
         return took
 
+    def store() -> float:  # an engine's stores of num_blocks new blocks, chains of 8, dropped after
+        roots, t0 = [], time.perf_counter()
+        for at in range(0, num_blocks, 8):
+            chain = [os.urandom(16) for _ in range(min(8, num_blocks - at))]
+            pool.insert_chain(spec.model_id, chain, lambda i, at=at: data[at + i])
+            roots.append(chain[0])
+        took = time.perf_counter() - t0
+        for root in roots:
+            pool.drop(root)
+        return took
+
     swaps = _with_engine(pool, sets[1][:4], lambda: [move(sets[r % 2], Tier.CPU) for r in range(2 * repeats)])
-    reserves = []
+    reserves, stores = [], []
     for _ in range(repeats):  # sets[1] is in the CPU tier after an even number of swaps
         reserves.append(_with_engine(pool, sets[1][:4], reserve))
         move(sets[1], Tier.CPU)  # what it pushed out, back (not timed)
+        stores.append(_with_engine(pool, sets[1][:4], store))
+        move(sets[1], Tier.CPU)
     up, two, down_only = 1, float("inf"), float("inf")
     for _ in range(repeats):  # the same bytes down, then the others up into the room made
         down = move(sets[up], Tier.DISK)
@@ -329,12 +343,16 @@ def bench_full_tier(block_mib: int, num_blocks: int, repeats: int, fsync: bool, 
     move(sets[1], Tier.CPU)
     swap_times, swap_waits = swaps
     swap_s = min(swap_times)
-    res_s = min(t for t, _ in reserves)
-    res_waits = sorted(w for _, ws in reserves for w in ws)
     return [
         _full_row("disk->cpu (full)", nbytes, total, swap_s, two, sorted(swap_waits)),
-        _full_row("reserve (full)", nbytes, total, res_s, down_only, res_waits),
+        _full_row("reserve (full)", nbytes, total, min(t for t, _ in reserves), down_only, _all(reserves)),
+        _full_row("store (full)", nbytes, total, min(t for t, _ in stores), down_only, _all(stores)),
     ]
+
+
+def _all(runs) -> list[float]:
+    """The engine's waits over several (result, waits) runs, sorted."""
+    return sorted(w for _, waits in runs for w in waits)
 
 
 def _with_engine(pool, hashes, fn):

@@ -32,8 +32,8 @@ def test_tiers_benchmark_json_has_moves_codecs_and_demotions():
     for d in data["demotions"] + data["promotions"]:
         assert d["block_bytes"] == 1 << 20 and d["gbps"] > 0 and d["raw_move_gbps"] > 0
         assert abs(d["ratio"] - d["gbps"] / d["raw_move_gbps"]) < 0.01
-    # into a full tier: a promotion and a handoff's reservation, with the engine's lock wait
-    assert [f["path"] for f in data["full_tier"]] == ["disk->cpu (full)", "reserve (full)"]
+    # into a full tier: a promotion, a handoff's reservation, an engine's stores; the lock wait
+    assert [f["path"] for f in data["full_tier"]] == ["disk->cpu (full)", "reserve (full)", "store (full)"]
     for f in data["full_tier"]:
         assert f["gbps"] > 0 and f["sequential_gbps"] > 0 and 0 <= f["lock_wait_p50_ms"] <= f["lock_wait_p99_ms"]
         assert abs(f["ratio"] - f["gbps"] / f["sequential_gbps"]) < 0.01

@@ -473,15 +473,7 @@ class BlockPool:
         spec = self.models[model_id]
         top = self.top
         codec = self._tier_codec(top.tier, model_id)
-        try:
-            size = codecs.payload_bytes(codec, spec.block_shape, spec.torch_dtype)
-        except codecs.CodecError:  # zstd: no fixed size, at most about the raw block
-            size = spec.block_bytes
-        leading = self.acquire_chain(block_hashes)  # referenced: the room is never made from them
-        try:
-            self._room_in_bulk(top, [(None, None, size)] * (len(block_hashes) - len(leading)))
-        finally:
-            self.release_chain(leading)
+        room_made = False  # for the new blocks, at once, before the first of them
         stored = present = 0
         chain: list[bytes] = []
         # Only the current parent is referenced while its child is written: the rest of
@@ -509,6 +501,9 @@ class BlockPool:
                 data = block(i)
                 if data is None:
                     break
+                if not room_made:  # one batch down outside the lock, not a demotion per block
+                    room_made = True
+                    self._room_for_chain(top, block_hashes[:i], len(block_hashes) - i, codec, spec)
                 payload = codecs.encode(codec, data)
                 digest = payload_checksum(payload)
                 with self.lock:
@@ -562,6 +557,21 @@ class BlockPool:
                     self.store_of[pending.tier].free(pending.handle)
                 self.touch(chain)
         return stored, present
+
+    def _room_for_chain(self, store: TierStore, leading: Sequence[bytes], num_new: int, codec: str, spec) -> None:
+        """_room_in_bulk for num_new blocks of `spec` in `codec` about to be stored after
+        the chain's `leading` blocks, which stay referenced meanwhile (the room is never
+        made from them)."""
+        try:
+            size = codecs.payload_bytes(codec, spec.block_shape, spec.torch_dtype)
+        except codecs.CodecError:  # zstd: no fixed size; at most its worst case
+            n = spec.block_bytes
+            size = n + (n >> 8) + ((((128 << 10) - n) >> 11) if n < (128 << 10) else 0) + 64
+        held = self.acquire_chain(leading)
+        try:
+            self._room_in_bulk(store, [(None, None, size)] * num_new)
+        finally:
+            self.release_chain(held)
 
     def read_chain(self, block_hashes: Sequence[bytes]) -> tuple[list[torch.Tensor], list[Tier]]:
         """The decoded leading blocks that are held and intact, with their tiers.
@@ -633,8 +643,8 @@ class BlockPool:
         by one demotion per reserved block."""
         store = self.store_of[tier]
         present = self.acquire_chain(block_hashes)  # referenced from here: never the room made
-        need = sum(store.footprint(int(n)) for n in stored_bytes[len(present) :])
         try:
+            need = sum(store.footprint(int(n)) for n in stored_bytes[len(present) :])
             if need > self.reclaimable_bytes(tier):  # before anything is demoted for it
                 raise PoolFull(f"{need} B do not fit: the {store.tier.label} tier can free less than that")
             self._room_in_bulk(store, [(None, None, int(n)) for n in stored_bytes[len(present) :]])
@@ -646,7 +656,7 @@ class BlockPool:
             try:
                 for i in range(len(present), len(block_hashes)):
                     handles.append(self._allocate(store, int(stored_bytes[i]), block_hashes[i]))
-            except PoolFull:
+            except BaseException:  # PoolFull, or a failed demotion: nothing held
                 for handle in handles:
                     store.free(handle)
                 self.release_chain(present)

@@ -1183,3 +1183,14 @@ def test_an_engine_store_into_a_full_tier_makes_its_room_in_one_batch_outside_th
     for i, h in enumerate(chain):
         assert torch.equal(decoded(pool, h), new[i])
     check_pool(pool)
+
+
+def test_a_store_that_stores_nothing_pushes_nothing_out(tmp_path):
+    """A store into a full tier whose first new block is not available after all (the
+    engine's `block(i)` gives None): no room is made for it, every block stays put."""
+    pool, cold, hot, data = _full_cpu_over_disk(tmp_path)
+    demoted = dict(pool.demotions_total)
+    assert pool.insert_chain(SPEC.model_id, [os.urandom(16) for _ in range(3)], lambda i: None) == (0, 0)
+    assert pool.demotions_total == demoted
+    assert [pool.tier_of(h) for h in cold + hot] == [Tier.DISK] * 4 + [Tier.CPU] * 4
+    check_pool(pool)

@@ -275,9 +275,12 @@ def bench_promotions(block_mib: int, num_blocks: int, repeats: int, fsync: bool,
     )
 
 
-def bench_full_tier(block_mib: int, num_blocks: int, repeats: int, fsync: bool, workdir: str) -> list[FullTierResult]:
-    """A CPU tier full of num_blocks blocks over a disk holding num_blocks others. (1) The
-    disk ones promoted into it and back (each move pushes the other set down), best of
+def bench_full_tier(
+    block_mib: int, num_blocks: int, repeats: int, fsync: bool, workdir: str, gpu_device: str | None = None
+) -> list[FullTierResult]:
+    """A top tier full of num_blocks blocks over a tier holding num_blocks others: the CPU
+    tier over a disk, or with `gpu_device` a GPU tier there over a CPU tier with room. (1)
+    The lower ones promoted into it and back (each move pushes the other set down), best of
     2 x `repeats`, against the same bytes moved down and up as two batches into free room.
     (2) A handoff's reservation of num_blocks pages there (BlockPool.reserve_chain: the
     room made by pushing as many blocks down), and (3) an engine's stores of num_blocks new
@@ -285,19 +288,23 @@ def bench_full_tier(block_mib: int, num_blocks: int, repeats: int, fsync: bool, 
     An engine thread meanwhile calls num_leading (the pool lock) every 0.2 ms."""
     spec = _spec(block_mib)
     nbytes, total = spec.block_bytes, spec.block_bytes * num_blocks
-    pool = BlockPool(
-        [
-            MemoryTier(Tier.CPU, total, nbytes // 16, device="cpu"),
-            DiskTier(os.path.join(workdir, f"full-{block_mib}"), 4 * total, fsync=fsync),
-        ],
-        [spec],
-    )
+    disk = DiskTier(os.path.join(workdir, f"full-{block_mib}-{gpu_device}"), 4 * total, fsync=fsync)
+    if gpu_device is None:
+        top, low, tiers = Tier.CPU, Tier.DISK, [MemoryTier(Tier.CPU, total, nbytes // 16, device="cpu"), disk]
+    else:  # the CPU tier takes what the GPU pushes out
+        top, low = Tier.GPU, Tier.CPU
+        tiers = [
+            MemoryTier(Tier.GPU, total, nbytes // 16, device=gpu_device),
+            MemoryTier(Tier.CPU, 3 * total, nbytes // 16),
+            disk,
+        ]
+    pool = BlockPool(tiers, [spec])
     gen = torch.Generator().manual_seed(0)
     data = torch.randn((2 * num_blocks, *spec.block_shape), generator=gen).to(torch.float16)
     hashes = [os.urandom(16) for _ in range(2 * num_blocks)]
-    for i, h in enumerate(hashes):  # the first half spills to the disk
+    for i, h in enumerate(hashes):  # the first half spills to the tier below
         pool.insert_chain(spec.model_id, [h], lambda _i, i=i: data[i])
-    sets = [hashes[:num_blocks], hashes[num_blocks:]]  # on the disk, in the CPU tier
+    sets = [hashes[:num_blocks], hashes[num_blocks:]]  # below, in the top tier
 
     def move(blocks, tier) -> float:
         pool.drain_events()
@@ -310,10 +317,10 @@ def bench_full_tier(block_mib: int, num_blocks: int, repeats: int, fsync: bool, 
     def reserve() -> float:  # a handoff's pages for num_blocks blocks, given back after
         t0 = time.perf_counter()
         _, _, handles = pool.reserve_chain(
-            spec.model_id, [os.urandom(16) for _ in range(num_blocks)], [nbytes] * num_blocks, Tier.CPU
+            spec.model_id, [os.urandom(16) for _ in range(num_blocks)], [nbytes] * num_blocks, top
         )
         took = time.perf_counter() - t0
-        pool.release_reserved(handles, Tier.CPU)
+        pool.release_reserved(handles, top)
         return took
 
     def store() -> float:  # an engine's stores of num_blocks new blocks, chains of 8, dropped after
@@ -327,26 +334,27 @@ def bench_full_tier(block_mib: int, num_blocks: int, repeats: int, fsync: bool, 
             pool.drop(root)
         return took
 
-    swaps = _with_engine(pool, sets[1][:4], lambda: [move(sets[r % 2], Tier.CPU) for r in range(2 * repeats)])
+    swaps = _with_engine(pool, sets[1][:4], lambda: [move(sets[r % 2], top) for r in range(2 * repeats)])
     reserves, stores = [], []
-    for _ in range(repeats):  # sets[1] is in the CPU tier after an even number of swaps
+    for _ in range(repeats):  # sets[1] is in the top tier after an even number of swaps
         reserves.append(_with_engine(pool, sets[1][:4], reserve))
-        move(sets[1], Tier.CPU)  # what it pushed out, back (not timed)
+        move(sets[1], top)  # what it pushed out, back (not timed)
         stores.append(_with_engine(pool, sets[1][:4], store))
-        move(sets[1], Tier.CPU)
+        move(sets[1], top)
     up, two, down_only = 1, float("inf"), float("inf")
     for _ in range(repeats):  # the same bytes down, then the others up into the room made
-        down = move(sets[up], Tier.DISK)
+        down = move(sets[up], low)
         up = 1 - up
         down_only = min(down_only, down)
-        two = min(two, down + move(sets[up], Tier.CPU))
-    move(sets[1], Tier.CPU)
+        two = min(two, down + move(sets[up], top))
+    move(sets[1], top)
     swap_times, swap_waits = swaps
     swap_s = min(swap_times)
+    on = "" if top is Tier.CPU else f" {top.label}"
     return [
-        _full_row("disk->cpu (full)", nbytes, total, swap_s, two, sorted(swap_waits)),
-        _full_row("reserve (full)", nbytes, total, min(t for t, _ in reserves), down_only, _all(reserves)),
-        _full_row("store (full)", nbytes, total, min(t for t, _ in stores), down_only, _all(stores)),
+        _full_row(f"{low.label}->{top.label} (full)", nbytes, total, swap_s, two, sorted(swap_waits)),
+        _full_row(f"reserve{on} (full)", nbytes, total, min(t for t, _ in reserves), down_only, _all(reserves)),
+        _full_row(f"store{on} (full)", nbytes, total, min(t for t, _ in stores), down_only, _all(stores)),
     ]
 
 
@@ -458,6 +466,8 @@ def run(block_mibs=(1, 4), num_blocks: int = 32, repeats: int = 3, fsync: bool =
             demotions += bench_demotions(block_mibs[0], n, repeats, fsync, workdir, src=Tier.GPU)
             promotions = bench_promotions(block_mibs[0], n, repeats, fsync, workdir)
         full = bench_full_tier(block_mibs[0], n, repeats, fsync, workdir)
+        if cuda_available():  # the same into a full GPU tier (pushing out to the CPU tier)
+            full += bench_full_tier(block_mibs[0], n, repeats, fsync, workdir, gpu_device="cuda")
     writes = [m.baseline_gbps for m in moves if m.path == "cpu->disk"]
     return {
         "cuda": cuda_available(),

@@ -44,3 +44,14 @@ def test_tiers_benchmark_json_has_moves_codecs_and_demotions():
         timeout=300,
     )
     assert table.returncode == 0 and "moves with a codec" in table.stdout and "reserve (full)" in table.stdout
+
+
+def test_the_full_tier_rows_run_over_a_gpu_tier_too(tmp_path):
+    """The rows a CUDA machine adds (a GPU tier full, pushing out to the CPU tier), run
+    here on a host slab standing in for the GPU: each measured, ratios consistent."""
+    from benchmarks.tiers import bench_full_tier
+
+    rows = bench_full_tier(1, 4, 1, False, str(tmp_path), gpu_device="cpu")
+    assert [r.path for r in rows] == ["cpu->gpu (full)", "reserve gpu (full)", "store gpu (full)"]
+    for r in rows:
+        assert r.gbps > 0 and r.sequential_gbps > 0 and abs(r.ratio - r.gbps / r.sequential_gbps) < 0.01

@@ -60,10 +60,11 @@ class CodecMoveResult:
 
 @dataclass
 class FullTierResult:
-    """Work into a full CPU tier whose room is made by demoting as many blocks to the disk
-    (a promotion from the disk; a handoff's reservation), against the same demotion (and
-    promotion) run as plain batches into free room, and how long an engine's call that
-    takes the pool lock (a lookup) waited meanwhile."""
+    """Work into a full top tier (CPU over a disk, or GPU over the CPU) whose room is made
+    by demoting as many blocks to the tier below (a promotion from there, a handoff's
+    reservation, an engine's stores), against the same demotion (and promotion) run as
+    plain batches into free room, and how long an engine's call that takes the pool lock
+    (a lookup) waited meanwhile."""
 
     path: str
     block_bytes: int
@@ -349,18 +350,17 @@ def bench_full_tier(
         two = min(two, down + move(sets[up], top))
     move(sets[1], top)
     swap_times, swap_waits = swaps
-    swap_s = min(swap_times)
     on = "" if top is Tier.CPU else f" {top.label}"
     return [
-        _full_row(f"{low.label}->{top.label} (full)", nbytes, total, swap_s, two, sorted(swap_waits)),
+        _full_row(f"{low.label}->{top.label} (full)", nbytes, total, min(swap_times), two, swap_waits),
         _full_row(f"reserve{on} (full)", nbytes, total, min(t for t, _ in reserves), down_only, _all(reserves)),
         _full_row(f"store{on} (full)", nbytes, total, min(t for t, _ in stores), down_only, _all(stores)),
     ]
 
 
 def _all(runs) -> list[float]:
-    """The engine's waits over several (result, waits) runs, sorted."""
-    return sorted(w for _, waits in runs for w in waits)
+    """The engine's waits over several (result, waits) runs."""
+    return [w for _, waits in runs for w in waits]
 
 
 def _with_engine(pool, hashes, fn):
@@ -386,6 +386,7 @@ def _with_engine(pool, hashes, fn):
 
 
 def _full_row(path: str, nbytes: int, total: int, seconds: float, baseline_seconds: float, waits) -> FullTierResult:
+    waits = sorted(waits)
     return FullTierResult(
         path,
         nbytes,
@@ -521,7 +522,7 @@ def format_table(result: dict) -> str:
     if result.get("full_tier"):
         lines += [
             "",
-            "into a full tier (each block in pushes one out to the disk; SEQUENTIAL: the same bytes down"
+            "into a full tier (each block in pushes one out to the tier below; SEQUENTIAL: the same bytes down"
             " (then up, for a promotion) as plain batches; LOCK WAIT: an engine's lookup meanwhile)",
             f"{'path':17s} {'block':>6s} {'GB/s':>7s} {'sequential':>11s} {'ratio':>6s} {'lock wait p50/p99 ms':>21s}",
         ]

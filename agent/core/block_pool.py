@@ -562,11 +562,10 @@ class BlockPool:
         """_room_in_bulk for num_new blocks of `spec` in `codec` about to be stored after
         the chain's `leading` blocks, which stay referenced meanwhile (the room is never
         made from them)."""
-        try:
-            size = codecs.payload_bytes(codec, spec.block_shape, spec.torch_dtype)
-        except codecs.CodecError:  # zstd: no fixed size; at most its worst case
-            n = spec.block_bytes
-            size = n + (n >> 8) + ((((128 << 10) - n) >> 11) if n < (128 << 10) else 0) + 64
+        size = codecs.max_payload_bytes(codec, spec.block_shape, spec.torch_dtype)
+        with self.lock:
+            if store.capacity_bytes - store.used_bytes >= num_new * store.footprint(size):
+                return  # room enough already: nothing to reference or demote
         held = self.acquire_chain(leading)
         try:
             self._room_in_bulk(store, [(None, None, size)] * num_new)
@@ -799,8 +798,6 @@ class BlockPool:
             )
         new_handle = None
         kept = False  # switched and held for its batch
-        if held is not None:
-            wait_seconds = held.reader_wait_seconds
         try:
             target = codec if codec is not None else self._entry_codec(to_tier, meta.model_id, src_codec)
             if target != src_codec:
@@ -823,36 +820,14 @@ class BlockPool:
                     kind, f"moving a block from the {src_tier.label} to the {dst.tier.label} tier failed: {exc}"
                 )
                 raise
-            payload = nbytes
-            deadline = time.monotonic() + wait_seconds
-            while True:
-                with self.lock:
-                    if meta.ref_count == 0:
-                        self._switch(
-                            meta,
-                            dst.tier,
-                            new_handle,
-                            target,
-                            payload,
-                            getattr(new_handle, "checksum", 0) or digest,
-                            lru=held is None,
-                        )
-                        src.free(src_handle)
-                        new_handle = None
-                        if held is not None:
-                            held.append(meta)
-                            kept = True
-                        key = (src_tier, dst.tier)
-                        self.moved_bytes_total[key] = self.moved_bytes_total.get(key, 0) + payload
-                        if int(dst.tier) < int(src_tier):
-                            self.promotions_total += 1
-                        return MoveOutcome(True, payload)
-                if time.monotonic() > deadline:
-                    raise TimeoutError("readers held the block too long")
-                time.sleep(0.001)
+            stored = (target, nbytes, getattr(new_handle, "checksum", 0) or digest)
+            new, new_handle = new_handle, None  # switched, or given back if readers hold on too long
+            outcome = self._switch_when_unread(meta, src, src_handle, dst, new, wait_seconds, stored, held)
+            kept = outcome.ok and held is not None
+            return outcome
         except BlockUnreadable as exc:
             return self._unreadable_source(meta, exc)
-        except (PoolFull, OSError, TimeoutError, codecs.CodecError) as exc:
+        except (PoolFull, OSError, codecs.CodecError) as exc:
             return self._move_failed(f"{type(exc).__name__}: {exc}")
         finally:
             with self.lock:
@@ -899,6 +874,12 @@ class BlockPool:
         singles: list[int] = []
         first: dict[bytes, int] = {}
         repeats: dict[int, int] = {}  # a hash listed again: its first listing's outcome
+
+        def release_unstarted() -> None:  # lock held: the blocks marked so far are movable again
+            self._release_recodes(recode.values())
+            for m in [m for _, m, _, _ in slab_copies] + [m for _, m, _ in to_place] + in_place:
+                m.moving = False
+
         with self.lock:
             try:
                 for k, h in enumerate(block_hashes):
@@ -914,9 +895,8 @@ class BlockPool:
                     refused = self._move_refused(meta, tier, codec)
                     if refused is not None:
                         out[k] = refused
-                        if refused.ok and not meta.moving:  # already there: kept there while the batch makes room
-                            meta.moving = True
-                            in_place.append(meta)
+                        if refused.ok:  # already there: kept there while the batch makes room
+                            self._keep(meta, in_place)
                         continue
                     src = self.store_of[meta.tier]
                     target = codec if codec is not None else self._entry_codec(tier, meta.model_id, meta.codec)
@@ -934,9 +914,7 @@ class BlockPool:
                     else:
                         to_place.append((k, meta, src))
             except BaseException:  # nothing moved: every block marked so far is movable again
-                self._release_recodes(recode.values())
-                for m in [m for _, m, _, _ in slab_copies] + [m for _, m, _ in to_place] + in_place:
-                    m.moving = False
+                release_unstarted()
                 raise
         try:
             # the room these need, made at once (one batch down) rather than block by block
@@ -960,9 +938,7 @@ class BlockPool:
         except BaseException:  # nothing moved yet: every block stays where it was, movable
             with self.lock:
                 self._abandon(jobs, dst)
-                self._release_recodes(recode.values())
-                for m in [m for _, m, _, _ in slab_copies] + [m for _, m, _ in to_place] + in_place:
-                    m.moving = False
+                release_unstarted()
             raise
         # Every block switched stays marked moving (in `held`, out of its new tier's
         # eviction order) until the whole batch is placed: the room made for its later

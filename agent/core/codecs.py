@@ -402,6 +402,15 @@ def payload_bytes(codec: str, shape, dtype: torch.dtype) -> int:
     raise CodecError(f"codec {codec} has no fixed payload size")
 
 
+def max_payload_bytes(codec: str, shape, dtype: torch.dtype) -> int:
+    """The most a block of `shape` can take in `codec`: its fixed size, or for zstd the
+    library's worst case (ZSTD_compressBound) plus room for the frame header."""
+    if codec != "zstd":
+        return payload_bytes(codec, shape, dtype)
+    n = payload_bytes("none", shape, dtype)
+    return n + (n >> 8) + ((((128 << 10) - n) >> 11) if n < (128 << 10) else 0) + 64
+
+
 def decode_batch(codec: str, payloads: torch.Tensor, shape, dtype: torch.dtype) -> torch.Tensor:
     """Payloads [n, bytes] of one lossy codec, on any device -> blocks [n, *shape] there:
     a promotion to the GPU copies the smaller payloads across and decodes them on the

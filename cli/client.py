@@ -46,6 +46,13 @@ class ClientError(Exception):
 PIN_RETRIES = 3
 
 
+def _refused_by_etcd(exc: ClientError) -> bool:
+    """Did the control plane refuse the change because etcd is unreachable (not applied)?
+    Its etcd client refuses every call for a second after one timed out, so a busy etcd's
+    one slow answer refuses the changes that come just after it."""
+    return exc.code == "UNAVAILABLE" and str(exc).startswith("etcd is unreachable")
+
+
 def _outcome_lost(exc: ClientError) -> bool:
     """Did the call end without a definite answer (it may have been applied)?"""
     return exc.code in ("UNKNOWN", "DEADLINE_EXCEEDED") or (
@@ -448,6 +455,19 @@ class ControlPlaneClient:
     def __exit__(self, *exc) -> None:
         self.close()
 
+    def _change(self, method: str, request):
+        """A change that may be asked again without harm (unpin, cancel, policy set): one
+        the control plane refused because etcd was unreachable is asked again after 0.25,
+        0.5 and 1 s (etcd never saw it); after that the refusal is the answer."""
+        for delay_seconds in (0.25, 0.5, 1.0):
+            try:
+                return self._call(method, request)
+            except ClientError as exc:
+                if not _refused_by_etcd(exc):
+                    raise
+            time.sleep(delay_seconds)
+        return self._call(method, request)
+
     def _call(self, method: str, request, follow: bool = True):
         try:
             return getattr(self._stub, method)(request, timeout=self.timeout_seconds, metadata=self._metadata)
@@ -607,7 +627,7 @@ class ControlPlaneClient:
         raise AssertionError("unreachable")
 
     def unpin(self, pin_id: str) -> PinView:
-        return _pin_view(self._call("Unpin", admin_pb2.UnpinRequest(pin_id=pin_id)))
+        return _pin_view(self._change("Unpin", admin_pb2.UnpinRequest(pin_id=pin_id)))
 
     def list_pins(self, namespace: str = "") -> list[PinView]:
         return [_pin_view(p) for p in self._call("ListPins", admin_pb2.ListPinsRequest(namespace=namespace)).pins]
@@ -748,7 +768,7 @@ class ControlPlaneClient:
         return [_op_view(o) for o in resp.operations]
 
     def cancel_operation(self, op_id: str) -> OperationView:
-        return _op_view(self._call("CancelOperation", admin_pb2.CancelOperationRequest(op_id=op_id)))
+        return _op_view(self._change("CancelOperation", admin_pb2.CancelOperationRequest(op_id=op_id)))
 
     def wait_operation(self, op_id: str, timeout_seconds: float = 300.0, on_progress=None) -> OperationView:
         """Poll an operation until it finishes or `timeout_seconds` pass; `on_progress(op)`
@@ -771,7 +791,7 @@ class ControlPlaneClient:
         return dict(self._call("GetPolicy", admin_pb2.GetPolicyRequest()).values)
 
     def set_policy(self, values: dict[str, str]) -> dict[str, str]:
-        return dict(self._call("SetPolicy", admin_pb2.SetPolicyRequest(values=values)).values)
+        return dict(self._change("SetPolicy", admin_pb2.SetPolicyRequest(values=values)).values)
 
     # ---- watch ----------------------------------------------------------------------
     def watch(self, kinds: tuple[str, ...] = (), replay_recent: bool = True):

@@ -39,7 +39,9 @@ class MembershipWatcher:
     def _on_watch(self, response) -> None:
         import pyetcd.events
 
-        if isinstance(response, Exception):
+        if response is None or isinstance(response, Exception):
+            # the stream ended (etcd away, the client closed it): the next resync watches again
+            self._watch_id = None
             return
         for event in response.events:
             if isinstance(event, pyetcd.events.DeleteEvent):

@@ -11,6 +11,8 @@ import numpy as np
 from agent.core.engine_api import ENGINE_MESSAGE_BYTES
 from protos.kvcp.v1 import agent_pb2, agent_pb2_grpc, types_pb2
 
+MAX_DEFAULT_HANDOFF_DEADLINE_SECONDS = 600.0  # the most an agent's --handoff-deadline-seconds may be
+
 
 @dataclass(frozen=True)
 class Loaded:
@@ -123,8 +125,10 @@ class EngineClient:
         paths=(),
     ) -> Handoff:
         """Ask this agent to hand a prefix to another agent (prefill -> decode). The answer
-        comes within the deadline (plus one RPC), whatever happens to the peer."""
-        timeout = (deadline_seconds or self.timeout_seconds) + 5.0
+        comes within the deadline (plus one RPC), whatever happens to the peer; with none
+        (0), within the agent's own default (`--handoff-deadline-seconds`, at most 600 s),
+        which this side does not know: it waits that long before calling the agent hung."""
+        timeout = (deadline_seconds or MAX_DEFAULT_HANDOFF_DEADLINE_SECONDS) + 5.0
         r = self._dataplane.Handoff(
             agent_pb2.HandoffRequest(
                 model_id=model_id,

@@ -158,6 +158,7 @@ class DataPlane:
         self.metrics = metrics  # agent.metrics.AgentMetrics (record_transfer), optional
         self._peers: dict[str, tuple[float, Peer]] = {}
         self._channels: dict[str, grpc.Channel] = {}
+        self._aborts: set = set()  # Abort calls still on the wire (a call nobody holds is cancelled)
         self._lock = threading.Lock()
         # one writer thread per handoff on the engine path (it holds it while the handoff runs)
         self._writers = cf.ThreadPoolExecutor(max_workers=16, thread_name_prefix="te-write")
@@ -235,7 +236,7 @@ class DataPlane:
             hashes,
             list(request.stored_bytes),
             list(request.codecs),
-            request.namespace,
+            list(request.namespaces) or request.namespace,
             request.ttl_seconds or self.config.deadline_seconds,
             request.source_agent_id,
         )
@@ -379,10 +380,14 @@ class DataPlane:
         return agent_pb2_grpc.DataPlaneStub(ch)
 
     def _drop_channel(self, address: str) -> None:
+        """Forget a peer's channel; closed a second later, so an Abort still on it (0.5 s
+        at most) arrives instead of being cancelled with the channel."""
         with self._lock:
             ch = self._channels.pop(address, None)
         if ch is not None:
-            ch.close()
+            closer = threading.Timer(1.0, ch.close)
+            closer.daemon = True
+            closer.start()
 
     # ---- sending --------------------------------------------------------------------
     def handoff(
@@ -538,6 +543,8 @@ class DataPlane:
                     stored_bytes=[m.stored_bytes for m in metas],
                     codecs=[m.codec for m in metas],
                     namespace=namespace,
+                    # each block keeps its own namespace unless the request names one for all
+                    namespaces=[] if namespace else [m.namespace for m in metas],
                     ttl_seconds=max(0.5, deadline - time.monotonic()) + 1.0,
                     source_agent_id=self.agent_id,
                     path=path,
@@ -664,16 +671,28 @@ class DataPlane:
         return sent
 
     def _abort(self, stub, rid: str, reason: str, quiesced: bool, deadline: float) -> None:
-        """Tell the peer to let the reservation go, waiting for it at most 0.5 s and never
-        past the handoff's deadline (an abort that is not answered expires there)."""
+        """Tell the peer to let the reservation go, waiting for the answer at most 0.5 s and
+        never past the handoff's deadline. The call itself goes on for its own 0.5 s after
+        that (held here until it ends: a call nobody holds is cancelled), so the peer frees
+        the pages now rather than after the reservation's TTL and quarantine."""
         try:
             call = stub.Abort.future(
                 agent_pb2.AbortRequest(reservation_id=rid, reason=reason[:200], writes_quiesced=quiesced),
                 timeout=0.5,
             )
+        except grpc.RpcError:
+            return  # the peer is gone: its reservation expires by itself
+        with self._lock:
+            self._aborts.add(call)
+        call.add_done_callback(self._abort_done)
+        try:
             call.result(timeout=max(0.0, min(0.5, deadline - time.monotonic())))
         except (grpc.RpcError, grpc.FutureTimeoutError):
             pass  # the peer is gone or slow: its reservation expires by itself
+
+    def _abort_done(self, call) -> None:
+        with self._lock:
+            self._aborts.discard(call)
 
     def _source(self, meta: BlockMeta) -> tuple[list[torch.Tensor], torch.Tensor | None]:
         """Segments of a block's stored payload in registered memory; a block elsewhere

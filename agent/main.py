@@ -86,7 +86,13 @@ def _metrics_listen(ctx, param, value: str) -> str:
     show_default=True,
     help="Keep the CPU slab in shared memory (a memfd; pinned in place with CUDA) so agents on this host hand off by memcpy.",
 )
-@click.option("--handoff-deadline-seconds", default=10.0, show_default=True, type=float)
+@click.option(
+    "--handoff-deadline-seconds",
+    default=10.0,
+    show_default=True,
+    type=click.FloatRange(0.1, 600.0),
+    help="Answer time of a handoff that names none (its caller waits up to 600 s for one).",
+)
 @click.option("--link-max-concurrent", default=2, show_default=True, type=click.IntRange(1, 64))
 @click.option(
     "--link-bandwidth", default="0", show_default=True, type=SizeType(), help="Bytes/s per peer link (0: unlimited)."

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from concurrent import futures
 from dataclasses import dataclass, field
 
@@ -30,6 +31,7 @@ from agent.dataplane import DataPlane, DataPlaneConfig, etcd_peer_info
 from agent.metrics import AgentMetrics
 from agent.store.disk_tier import DiskTier
 from agent.store.memory_tier import MemoryTier, cuda_available
+from agent.store.pin_file import PinFile
 from agent.store.registry import EtcdRegistration
 from agent.store.transfer_engine import open_engine
 from protos import etcd_keys
@@ -90,6 +92,7 @@ class Agent:
             tiers.append(MemoryTier(Tier.GPU, config.gpu_capacity_bytes, page))
         tiers.append(MemoryTier(Tier.CPU, config.cpu_capacity_bytes, page, shared=config.shm_handoff))
         self.disk = None
+        self.pin_file: PinFile | None = None
         if config.disk_dir:
             self.disk = DiskTier(config.disk_dir, config.disk_capacity_bytes or 1 << 30, fsync=config.disk_fsync)
             tiers.append(self.disk)
@@ -99,6 +102,11 @@ class Agent:
             adopted = self.pool.recover(self.disk, found)
             self.pool.corrupt_blocks_total += corrupt
             log.info("disk tier %s: recovered %d blocks (%d corrupt removed)", config.disk_dir, adopted, corrupt)
+            # the pins held before the restart protect what the disk kept from the first store on
+            self.pin_file = PinFile(config.disk_dir)
+            with self.pool.lock:
+                for pin in self.pin_file.load():
+                    self.pool.pins.add(pin)
         self.mover = Mover(self.pool)
         self.engine = KVEngineAPI(self.pool, config.models, self.mover)
         self._stop = threading.Event()
@@ -111,6 +119,8 @@ class Agent:
             self.info, self.pool, self.engine, self._controlplane_address, config.stats_interval_seconds, self.mover
         )
         self.link.token, self.link.tls = config.controlplane_token, config.tls
+        if self.pin_file is not None:
+            self.link.on_pins_changed = self._save_pins
         self.vllm_events: VllmEventSubscriber | None = None
         if config.vllm_kv_events:
             model_id = config.vllm_model_id or config.models[0].model_id
@@ -156,6 +166,12 @@ class Agent:
         if host in ("", "0.0.0.0", "::"):  # bound to all interfaces: peers use our advertised host
             host = self.address.rpartition(":")[0]
         return f"{host}:{self.metrics_server.port}"
+
+    def _save_pins(self) -> None:
+        with self.pool.lock:
+            pins = list(self.pool.pins.pins.values())
+            monotonic_now, unix_now = self.pool.pins.clock(), time.time()
+        self.pin_file.save(pins, monotonic_now, unix_now)
 
     def info(self) -> types_pb2.AgentInfo:
         info = types_pb2.AgentInfo(

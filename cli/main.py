@@ -166,6 +166,8 @@ def parse_tokens(text: str, source: str) -> list[int]:
             tokens = [int(p) for p in text.replace(",", " ").split()]
         except ValueError:
             fail(usage)
+    if not tokens:  # "[]": an empty prefix would read as "the whole namespace"
+        fail(f"{source}: no tokens given")
     bad = [t for t in tokens if t < 0 or t >= 2**32]
     if bad:
         fail(f"{source}: token id {bad[0]} is out of range [0, 2^32)")

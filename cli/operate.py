@@ -158,12 +158,29 @@ def wait_and_print(ctx: Context, op: OperationView, wait: bool, wait_timeout: st
         sys.exit(1)
 
 
+def parse_lease_id(text: str) -> int:
+    """An etcd lease id in decimal, or in hex with 0x (etcdctl prints it in hex without)."""
+    text = text.strip()
+    try:
+        value = int(text, 0)
+    except ValueError:
+        hint = f" (hex, as etcdctl prints it? write 0x{text})" if re.fullmatch(r"[0-9a-fA-F]+", text) else ""
+        fail(f"--owner-lease: {text!r} is not a lease id: decimal, or hex with 0x{hint}")
+    if not 0 < value < 1 << 63:
+        fail(f"--owner-lease: {text} is out of range (a lease id is a positive 64-bit integer)")
+    return value
+
+
 @main.command()
 @scope_options
 @click.option("--tier", default="cpu", show_default=True, help="Keep at this tier or faster: gpu|cpu|disk.")
 @click.option("--ttl", default="", help="How long the pin holds (90s, 30m, 2h, 1d).")
 @click.option("--owner", default="", help="Who asked (shown in kvctl pins).")
-@click.option("--owner-lease", default=0, type=int, help="etcd lease id: the pin goes when this lease goes.")
+@click.option(
+    "--owner-lease",
+    default="",
+    help="etcd lease id, decimal or 0x-hex (etcdctl prints hex without 0x): the pin goes when this lease goes.",
+)
 @click.option(
     "--pin-id",
     default="",
@@ -188,6 +205,7 @@ def pin(
 ):
     """Pin a prefix or a namespace: never evicted, never demoted below --tier."""
     scope = scope_kwargs(model_id, tokens, tokens_file, hashes, extra_keys, namespace, agent_id)
+    owner_lease = parse_lease_id(owner_lease) if owner_lease else 0
     if not ttl and not owner_lease:
         fail("--ttl: a pin needs a TTL (or --owner-lease that bounds its life)")
     ttl_seconds = parse_duration(ttl, "--ttl") if ttl else 0.0
@@ -351,6 +369,8 @@ def route(ctx: Context, model_id, tokens, tokens_file, hashes, extra_keys, role,
     scope = scope_kwargs(model_id, tokens, tokens_file, hashes, extra_keys, "", "")
     if scope["token_ids"] is None and not scope["block_hashes"]:
         fail("give the request: --tokens, --tokens-file or --hashes")
+    if prefill_agent_id and role != "decode":
+        fail(f"--prefill-agent: only with --role decode (--role {role} chooses the prefill agent itself)")
     r = ctx.call(
         lambda c: c.route(
             model_id,

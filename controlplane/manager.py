@@ -64,16 +64,25 @@ def _exact(seconds: float) -> str:
     return short if float(short) == seconds else repr(seconds)
 
 
+def _check_quota_entry(key: str, value: str) -> None:
+    """`quota.<namespace>=<size>`: the namespace must be named (`quota.` alone would be
+    stored and never read: a pin's namespace is never empty)."""
+    namespace = key.removeprefix("quota.")
+    if not namespace:
+        raise errors.InvalidArgument(f"values[{key}]", "name the namespace: quota.<namespace>=<size>")
+    check_namespace(namespace, f"values[{key}]")
+    try:
+        parse_size(value)
+    except ValueError as exc:
+        raise errors.InvalidArgument(f"values[{key}]", str(exc)) from None
+
+
 def validate_policy(values: dict[str, str]) -> dict[str, str]:
     """Effective policy from stored/changed values: quota.<namespace> sizes here, the
     tier policy's keys by its own validator (controlplane.core.policy)."""
     quotas = {k: v for k, v in values.items() if k.startswith("quota.")}
     for key, value in quotas.items():
-        check_namespace(key.removeprefix("quota."), f"values[{key}]")
-        try:
-            parse_size(value)
-        except ValueError as exc:
-            raise errors.InvalidArgument(f"values[{key}]", str(exc)) from None
+        _check_quota_entry(key, value)
     rest = {k: v for k, v in values.items() if not k.startswith("quota.")}
     try:
         from controlplane.core.policy import Policy
@@ -222,7 +231,7 @@ class Manager:
                         requeue.append(op)
                 elif op_id not in kept:
                     to_fail.append(op)
-            self.policy = self.policy_validator(values) if values else self.policy_validator({})
+            self.policy = self._valid_stored_policy(values)
             self.policy_revision = revision
         for op in requeue:
             self._start_locked(op)
@@ -232,6 +241,22 @@ class Manager:
                 op.updated_unix_seconds = self.clock()
             self._op_changed(op)
         self._loaded_epoch = epoch
+
+    def _valid_stored_policy(self, values: dict[str, str]) -> dict[str, str]:
+        """The stored policy, less any key a newer rule no longer takes (said in the log):
+        one such key must not keep a new leader from loading at all."""
+        try:
+            return self.policy_validator(values)
+        except errors.InvalidArgument as exc:
+            log.warning("the stored policy does not validate (%s); loading the keys that do", exc)
+        good: dict[str, str] = {}
+        for key, value in values.items():
+            try:
+                self.policy_validator({**good, key: value})
+                good[key] = value
+            except errors.InvalidArgument as exc:
+                log.warning("ignoring the stored policy key %s=%s: %s", key, value, exc)
+        return self.policy_validator(good)
 
     # ---- scope ----------------------------------------------------------------------
     def _model(self, model_id: str) -> ModelInfo:
@@ -307,7 +332,9 @@ class Manager:
             pinned_bytes = self.cluster.namespace_bytes(namespace)
         # etcd lease ids are int64: a larger one names no lease (and etcd's client cannot send it)
         if owner_lease_id and (owner_lease_id >= 1 << 63 or not self.durable.lease_alive(owner_lease_id)):
-            raise errors.InvalidArgument("owner_lease_id", f"lease {owner_lease_id:x} does not exist or has expired")
+            raise errors.InvalidArgument(
+                "owner_lease_id", f"lease {owner_lease_id} (0x{owner_lease_id:x}) does not exist or has expired"
+            )
         pin = new_pin(
             namespace,
             scope.model_id,
@@ -338,7 +365,7 @@ class Manager:
         earlier = self.pins.get(pin.pin_id)
         if earlier is not None and earlier.active(now):
             return self._same_pin(earlier, pin)
-        check_quota(list(self.pins.values()), pin, self.quota_of(namespace))
+        check_quota(list(self.pins.values()), pin, self.quota_of(namespace), self.cluster.namespace_bytes(namespace))
         key, value = pin_key(pin), pin_to_json(pin)
         lease_id = pin.owner_lease_id
         # an expired pin of ours under this id is simply replaced; else create only if free
@@ -389,6 +416,8 @@ class Manager:
         return pin
 
     def list_pins(self, namespace: str = "") -> list[Pin]:
+        if namespace:
+            check_namespace(namespace, "namespace")  # "a b" names no namespace: say so, not "no pins"
         now = self.clock()
         with self._lock:
             return sorted(
@@ -397,16 +426,17 @@ class Manager:
             )
 
     def _apply_pins(self, now: float) -> None:
-        """Send every connected agent the pins it should hold and lacks; unpin the rest."""
+        """Send every connected agent the pins it should hold and lacks (or holds in another
+        version: a pin made again under its id replaces the agent's copy); unpin the rest."""
         with self._lock:
             pins = [p for p in self.pins.values() if p.active(now)]
         for rec in self.cluster.connected_agents():
             want = {p.pin_id: p for p in pins if p.applies_to(rec.agent_id)}
-            for pin_id in list(rec.applied_pins - set(want)):
+            for pin_id in [i for i in rec.applied_pins if i not in want]:
                 if self.cluster.send(rec.agent_id, AgentCommand(f"unpin-{pin_id}", "unpin", pin_id=pin_id)):
-                    rec.applied_pins.discard(pin_id)
+                    rec.applied_pins.pop(pin_id, None)
             for pin_id, p in want.items():
-                if pin_id in rec.applied_pins:
+                if rec.applied_pins.get(pin_id) == p.version:
                     continue
                 cmd = AgentCommand(
                     f"pin-{pin_id}",
@@ -415,10 +445,11 @@ class Manager:
                     tier=int(p.min_tier),
                     namespace=p.namespace if p.whole_namespace else "",
                     pin_id=pin_id,
+                    pin_version=p.version,
                     expires_unix_seconds=p.expires_unix_seconds,
                 )
                 if self.cluster.send(rec.agent_id, cmd):
-                    rec.applied_pins.add(pin_id)
+                    rec.applied_pins[pin_id] = p.version
 
     def _expire_pins(self, now: float) -> None:
         with self._lock:
@@ -901,11 +932,7 @@ class Manager:
         self.ensure_loaded()
         for key, value in changes.items():
             if key.startswith("quota."):
-                check_namespace(key.removeprefix("quota."), f"values[{key}]")
-                try:
-                    parse_size(value)
-                except ValueError as exc:
-                    raise errors.InvalidArgument(f"values[{key}]", str(exc)) from None
+                _check_quota_entry(key, value)
         with self._lock:
             merged = self.policy_validator({**self.policy, **changes})
             self.durable.put(etcd_keys.POLICY_KEY, json.dumps(merged, sort_keys=True))

@@ -113,6 +113,7 @@ class ControlPlaneLink:
         self._connected_to = ""
         self.token = ""  # agent token the control plane asks for (never logged)
         self.tls = None  # protos.security.TLSConfig for the control-plane channel
+        self.on_pins_changed = None  # called after a pin or unpin command changed the pin table
         self.epoch = 0
         self.connections_total = 0
         self.resyncs_total = 0
@@ -140,6 +141,13 @@ class ControlPlaneLink:
 
     def _reply(self, op_id: str, state: str, **fields) -> None:
         self._send(agent_pb2.AgentMessage(op_update=agent_pb2.OpUpdate(op_id=op_id, state=state, **fields)))
+
+    def _pins_changed(self) -> None:
+        if self.on_pins_changed is not None:
+            try:
+                self.on_pins_changed()
+            except OSError as exc:  # the pin stands in memory; the control plane re-sends after a restart
+                log.warning("could not save the pin table: %s", exc)
 
     def handle_command(self, epoch: int, cmd: agent_pb2.Command) -> None:
         """Execute a leader's command; commands of an older epoch are rejected (fencing)."""
@@ -206,11 +214,17 @@ class ControlPlaneLink:
                     expires = max(pool.pins.clock() + (cmd.expires_unix_seconds - time.time()), 1e-9)
                 else:
                     expires = 0.0  # until unpinned (an owner lease bounds it)
-                pool.pins.add(AgentPin(cmd.pin_id, int(tier or Tier.CPU), expires, cmd.namespace, frozenset(hashes)))
+                pool.pins.add(
+                    AgentPin(
+                        cmd.pin_id, int(tier or Tier.CPU), expires, cmd.namespace, frozenset(hashes), cmd.pin_version
+                    )
+                )
+            self._pins_changed()
             self._reply(cmd.op_id, SUCCEEDED, done=len(hashes), total=len(hashes))
         elif kind == agent_pb2.COMMAND_KIND_UNPIN:
             with pool.lock:
                 pool.pins.remove(cmd.pin_id)
+            self._pins_changed()
             self._reply(cmd.op_id, SUCCEEDED)
         elif kind == agent_pb2.COMMAND_KIND_CLEANUP:
             result = pool.cleanup(cmd.older_than_seconds, cmd.namespace or None, cmd.model_id, cmd.dry_run)
@@ -286,10 +300,8 @@ class ControlPlaneLink:
         agent_id = self._agent_info().agent_id
         with self._pool.lock:
             self._pool.pins.expire()  # the control plane re-sends what still holds
-            pin_ids = sorted(self._pool.pins.pins)
-        yield agent_pb2.AgentMessage(
-            hello=agent_pb2.Hello(agent_id=agent_id, session_id=self.session_id, pin_ids=pin_ids)
-        )
+            held = [agent_pb2.HeldPin(pin_id=p.pin_id, version=p.version) for p in self._pool.pins.pins.values()]
+        yield agent_pb2.AgentMessage(hello=agent_pb2.Hello(agent_id=agent_id, session_id=self.session_id, pins=held))
         yield from self._inventory_messages()
         yield from self._recent_final_updates()
         yield self._stats_message()

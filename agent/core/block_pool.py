@@ -671,10 +671,11 @@ class BlockPool:
         stored_bytes: Sequence[int],
         block_codecs: Sequence[str],
         tier: Tier,
-        namespace: str = "",
+        namespace: str | Sequence[str] = "",
         checksums: Sequence[int] | None = None,
     ) -> int:
         """Make reserved blocks [num_present, N) visible, all at once (one lock hold).
+        `namespace`: one for all, or one per block of the prefix.
         A block stored here meanwhile keeps its copy and the reserved pages are freed.
         Raises ValueError (and changes nothing) when one is being written by another
         caller right now, or the leading blocks went away. Returns blocks added."""
@@ -705,7 +706,7 @@ class BlockPool:
                     handle,
                     block_codecs[i],
                     int(stored_bytes[i]),
-                    namespace=namespace,
+                    namespace=namespace if isinstance(namespace, str) else namespace[i],
                     checksum=checksums[i - num_present] if checksums else 0,
                 )
                 self.blocks[h] = meta
@@ -1526,7 +1527,9 @@ class BlockPool:
         if meta.tier == to_tier and (codec is None or codec == meta.codec):
             return MoveOutcome(True)
         pinned = self.pin_tier(meta)
-        if pinned and int(to_tier) > pinned:
+        # a pin keeps a block from going below its tier; re-encoding it where it is (below
+        # a GPU pin on an agent without a GPU) takes it nowhere
+        if pinned and int(to_tier) > pinned and to_tier != meta.tier:
             return MoveOutcome(False, reason=f"pinned at tier {Tier(pinned).label}", pinned_tier=pinned)
         return None
 

@@ -64,13 +64,17 @@ class Reservation:
     handles: list  # one page list per reserved block, blocks [num_present, N)
     stored_bytes: list[int]
     codecs: list[str]
-    namespace: str
+    namespaces: list[str]  # per block of the prefix
     tier: Tier
     source_agent_id: str
     created_monotonic: float
     expires_monotonic: float
     verified: dict[int, int] = field(default_factory=dict)  # prefix index -> its checksum, once it matched
     writers: int = 0  # fallback-path streams writing into its pages right now
+    # set once it leaves the open set (commit, abort, expiry): no fallback write lands in its
+    # pages after that; `guard` is held by each write's copy and each block's verification
+    closed: bool = False
+    guard: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
 
     @property
     def num_blocks(self) -> int:
@@ -134,7 +138,7 @@ class Reservations:
         block_hashes: Sequence[bytes],
         stored_bytes: Sequence[int],
         codecs: Sequence[str],
-        namespace: str = "",
+        namespace: str | Sequence[str] = "",
         ttl_seconds: float = 10.0,
         source_agent_id: str = "",
     ) -> Reservation:
@@ -145,6 +149,9 @@ class Reservations:
             raise errors.NotFound(f"model_id: this agent serves no model {model_id!r}")
         if len(stored_bytes) != len(block_hashes) or len(codecs) != len(block_hashes):
             raise errors.InvalidArgument("stored_bytes", "give one size and one codec per block")
+        namespaces = [namespace] * len(block_hashes) if isinstance(namespace, str) else list(namespace)
+        if len(namespaces) != len(block_hashes):
+            raise errors.InvalidArgument("namespaces", "give one namespace per block, or none")
         if not math.isfinite(ttl_seconds):
             raise errors.InvalidArgument("ttl_seconds", f"must be finite, got {ttl_seconds}")
         ttl_seconds = min(ttl_seconds, MAX_TTL_SECONDS)
@@ -153,6 +160,14 @@ class Reservations:
                 codec_names.check_codec(c)
             except ValueError as exc:
                 raise errors.InvalidArgument("codecs", str(exc)) from None
+        # a size its codec cannot have would commit a block no read can decode
+        spec = self.pool.models[model_id]
+        for i, (n, c) in enumerate(zip(stored_bytes, codecs, strict=True)):
+            exact = c != "zstd"  # every other codec's size is fixed by the block's shape
+            most = codec_names.max_payload_bytes(c, spec.block_shape, spec.torch_dtype)
+            if (exact and n != most) or not 0 < n <= most:
+                want = f"{most} B" if exact else f"1 to {most} B"
+                raise errors.InvalidArgument(f"stored_bytes[{i}]", f"{n} B is not a {c} block of {model_id} ({want})")
         with self._lock:
             if len(self._open) >= self.max_inbound:
                 raise errors.ResourceExhausted(
@@ -188,7 +203,7 @@ class Reservations:
             handles,
             list(stored_bytes),
             list(codecs),
-            namespace,
+            namespaces,
             self.tier,
             source_agent_id,
             now,
@@ -219,7 +234,10 @@ class Reservations:
         return self.store.views(r.handles[i], r.stored_bytes[index])
 
     def write(self, r: Reservation, index: int, offset: int, data) -> None:
-        """Fallback path: copy `data` (bytes) into block `index` at `offset`."""
+        """Fallback path: copy `data` (bytes) into block `index` at `offset`, only while the
+        reservation is open and the block not yet verified (a stream still writing after its
+        reservation was committed, aborted or expired would corrupt pages that now hold
+        verified blocks, or another handoff's)."""
         if not r.num_present <= index < r.num_blocks:
             raise errors.InvalidArgument("block_index", f"{index} is not a reserved block of this reservation")
         size = r.stored_bytes[index]
@@ -228,49 +246,77 @@ class Reservations:
         if not data:
             return
         src = np.frombuffer(data, dtype=np.uint8)  # a read-only view of the message bytes: no copy
-        pos = 0
-        for seg in self.views(r, index):
-            n = seg.numel()
-            lo, hi = max(offset, pos), min(offset + len(data), pos + n)
-            if lo < hi:
-                seg.numpy()[lo - pos : hi - pos] = src[lo - offset : hi - offset]
-            pos += n
+        with r.guard:
+            if r.closed:
+                raise ReservationError(
+                    f"reservation {r.reservation_id!r} is no longer open (committed, aborted or expired)"
+                )
+            if index in r.verified:
+                raise errors.FailedPrecondition(
+                    f"block {index} of the reservation is verified already: not written again"
+                )
+            pos = 0
+            for seg in self.views(r, index):
+                n = seg.numel()
+                lo, hi = max(offset, pos), min(offset + len(data), pos + n)
+                if lo < hi:
+                    seg.numpy()[lo - pos : hi - pos] = src[lo - offset : hi - offset]
+                pos += n
 
-    def verify(self, reservation_id: str, first_block: int, checksums: Sequence[int]) -> Reservation:
-        """Check blocks [first_block, first_block + len(checksums)); a mismatch aborts
-        the whole reservation (into quarantine: a late write may have caused it)."""
-        r = self.get(reservation_id)
+    def _check_range(self, r: Reservation, first_block: int, checksums: Sequence[int]) -> None:
         if first_block < r.num_present or first_block + len(checksums) > r.num_blocks:
             raise errors.InvalidArgument(
                 "first_block",
                 f"checksums for blocks [{first_block}, {first_block + len(checksums)}) but blocks "
                 f"[{r.num_present}, {r.num_blocks}) are reserved",
             )
+
+    def _verify_blocks(self, r: Reservation, first_block: int, checksums: Sequence[int]) -> str:
+        """Check blocks [first_block, first_block + len(checksums)), each with no write in
+        between; '' when all match, else what did not."""
         for k, expected in enumerate(checksums):
             i = first_block + k
-            got = checksum(self.views(r, i))
+            with r.guard:
+                got = checksum(self.views(r, i))
+                if got == expected:
+                    r.verified[i] = got
             if got != expected:
                 self.checksum_failures_total += 1
-                self.abort(reservation_id, quiesced=False)
-                raise ReservationError(
+                return (
                     f"checksum mismatch on block {i} ({r.block_hashes[i].hex()[:12]}): "
                     f"sent {expected:016x}, received {got:016x}; nothing was made visible"
                 )
-            r.verified[i] = got
+        return ""
+
+    def verify(self, reservation_id: str, first_block: int, checksums: Sequence[int]) -> Reservation:
+        """Check blocks [first_block, first_block + len(checksums)) while the rest may still
+        be on the wire; a mismatch aborts the whole reservation (into quarantine: a late
+        write may have caused it)."""
+        r = self.get(reservation_id)
+        self._check_range(r, first_block, checksums)
+        mismatch = self._verify_blocks(r, first_block, checksums)
+        if mismatch:
+            self.abort(reservation_id, quiesced=False)
+            raise ReservationError(mismatch)
         return r
 
     def commit(self, reservation_id: str, first_block: int, checksums: Sequence[int]) -> Reservation:
-        """Verify what is left and make every block of the prefix visible at once."""
-        r = self.verify(reservation_id, first_block, checksums)
-        missing = [i for i in range(r.num_present, r.num_blocks) if i not in r.verified]
-        if missing:
-            self.abort(reservation_id, quiesced=True)
-            raise ReservationError(
-                f"blocks {missing[:5]} of the reservation were never verified; nothing was made visible"
-            )
+        """Close the reservation to writes, verify what is left and make every block of the
+        prefix visible at once."""
+        self._check_range(self.get(reservation_id), first_block, checksums)
         with self._lock:
-            if self._open.pop(reservation_id, None) is None:
-                raise ReservationError(f"reservation {reservation_id!r} expired during its commit")
+            r = self._open.pop(reservation_id, None)
+        if r is None:
+            raise ReservationError(f"reservation {reservation_id!r} expired or was aborted during its commit")
+        self._close(r)  # from here on what is verified stays as verified
+        mismatch = self._verify_blocks(r, first_block, checksums)
+        missing = [i for i in range(r.num_present, r.num_blocks) if i not in r.verified]
+        if mismatch or missing:
+            self._release(r, quiesced=not mismatch and not r.writers)
+            self.aborted_total += 1
+            raise ReservationError(
+                mismatch or f"blocks {missing[:5]} of the reservation were never verified; nothing was made visible"
+            )
         try:
             self.pool.commit_reserved(
                 r.model_id,
@@ -280,7 +326,7 @@ class Reservations:
                 r.stored_bytes,
                 r.codecs,
                 r.tier,
-                r.namespace,
+                r.namespaces,
                 checksums=[r.verified[i] for i in range(r.num_present, r.num_blocks)],
             )
         except ValueError as exc:
@@ -298,6 +344,7 @@ class Reservations:
             quiesced = quiesced and r is not None and not r.writers
         if r is None:
             return False
+        self._close(r)
         self._release(r, quiesced)
         self.aborted_total += 1
         return True
@@ -316,6 +363,12 @@ class Reservations:
     def detach_writer(self, r: Reservation) -> None:
         with self._lock:
             r.writers -= 1
+
+    @staticmethod
+    def _close(r: Reservation) -> None:
+        """No fallback write lands in `r`'s pages after this returns (one under way ends first)."""
+        with r.guard:
+            r.closed = True
 
     def _release(self, r: Reservation, quiesced: bool) -> None:
         """Give back what a reservation held: its pages now when no write can still land in
@@ -338,6 +391,7 @@ class Reservations:
             due = [h for t, h in self._quarantine if t <= now]
             self._quarantine = [(t, h) for t, h in self._quarantine if t > now]
         for r in stale:
+            self._close(r)
             self._release(r, quiesced=False)
             self.expired_total += 1
         for handles in due:

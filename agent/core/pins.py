@@ -19,6 +19,7 @@ class AgentPin:
     expires_monotonic_seconds: float  # time.monotonic() at expiry; 0: until unpinned
     namespace: str = ""  # a namespace pin when block_hashes is empty
     block_hashes: frozenset[bytes] = frozenset()
+    version: str = ""  # the control plane's, reported back so it can tell a pin re-made under this id
 
     def active(self, now: float) -> bool:
         return not self.expires_monotonic_seconds or now < self.expires_monotonic_seconds

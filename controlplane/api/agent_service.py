@@ -147,7 +147,8 @@ class AgentServicer(agent_pb2_grpc.AgentServiceServicer):
     def _handle(self, msg: agent_pb2.AgentMessage, session: dict, epoch: int):
         kind = msg.WhichOneof("body")
         if kind == "hello":
-            self._cluster.hello(msg.hello.agent_id, msg.hello.session_id, msg.hello.pin_ids)
+            held = {p.pin_id: p.version for p in msg.hello.pins}
+            self._cluster.hello(msg.hello.agent_id, msg.hello.session_id, held)
             session["agent_id"], session["session_id"] = msg.hello.agent_id, msg.hello.session_id
             self._cluster.attach_outbox(msg.hello.agent_id, msg.hello.session_id, session["outbox"])
             return None

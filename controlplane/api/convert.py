@@ -166,6 +166,7 @@ def command_to_pb(c: core.AgentCommand, epoch: int, now: float | None = None) ->
             dry_run=c.dry_run,
             only_tier=c.only_tier,
             pin_id=c.pin_id,
+            pin_version=c.pin_version,
             expires_unix_seconds=c.expires_unix_seconds,
             peer_agent_id=c.peer_agent_id,
             deadline_seconds=c.deadline_seconds,

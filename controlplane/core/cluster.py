@@ -81,8 +81,8 @@ class AgentRecord:
     namespaces: dict[str, tuple[int, int]] = field(default_factory=dict)  # ns -> (blocks, bytes)
     # commands go down the agent's current Sync stream; pins applied on this stream
     outbox: object = None
-    applied_pins: set[str] = field(default_factory=set)
-    reported_pins: set[str] = field(default_factory=set)  # pins the agent's Hello said it holds
+    applied_pins: dict[str, str] = field(default_factory=dict)  # pin id -> version sent on this stream
+    reported_pins: dict[str, str] = field(default_factory=dict)  # what the agent's Hello said it holds
 
 
 @dataclass(frozen=True)
@@ -100,6 +100,7 @@ class AgentCommand:
     dry_run: bool = False
     only_tier: int = 0
     pin_id: str = ""
+    pin_version: str = ""
     expires_unix_seconds: float = 0.0
     peer_agent_id: str = ""  # transfer: the destination
     deadline_seconds: float = 0.0  # transfer: answer within this (0: the agent's default)
@@ -284,13 +285,13 @@ class Cluster:
             ]
 
     # ---- sync -----------------------------------------------------------------------
-    def hello(self, agent_id: str, session_id: str, pin_ids=()) -> None:
-        """A Sync stream opened: the agent sends a full inventory next. `pin_ids`: the
-        control plane's pins it holds (the new stream starts from them)."""
+    def hello(self, agent_id: str, session_id: str, pins: dict[str, str] | None = None) -> None:
+        """A Sync stream opened: the agent sends a full inventory next. `pins`: the
+        control plane's pins it holds, id -> version (the new stream starts from them)."""
         with self._lock:
             rec = self.agent(agent_id)
             rec.session_id = session_id
-            rec.reported_pins = set(pin_ids)
+            rec.reported_pins = dict(pins or {})
             rec.state = AgentState.SYNCING
             self.events.publish("agent_state", f"{agent_id} connected; syncing its inventory", agent_id=agent_id)
             rec.awaiting_inventory = True
@@ -396,7 +397,7 @@ class Cluster:
                 rec.outbox = outbox
                 # a new stream starts from the pins the agent said it holds: those the
                 # control plane no longer has are unpinned, the ones it lacks sent
-                rec.applied_pins = set(rec.reported_pins)
+                rec.applied_pins = dict(rec.reported_pins)
 
     def send(self, agent_id: str, command: AgentCommand) -> bool:
         """Queue a command for an agent; False when it has no open stream."""

@@ -20,6 +20,7 @@ _NAMESPACE_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,62}$")
 _PIN_ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
 MAX_PIN_BLOCKS = 1 << 16
 MAX_TTL_SECONDS = 365 * 24 * 3600.0
+MAX_OWNER_CHARS = 256
 
 
 def check_namespace(namespace: str, field: str = "scope.namespace") -> str:
@@ -61,6 +62,13 @@ class Pin:
     def applies_to(self, agent_id: str) -> bool:
         return not self.agent_id or self.agent_id == agent_id
 
+    @property
+    def version(self) -> str:
+        """Tells this pin from another made under the same id (a refresh after it expired,
+        an unpin and a new pin): agents report it back, so the control plane resends a pin
+        whose id an agent holds with another version."""
+        return repr(self.created_unix_seconds)
+
 
 def new_pin(
     namespace: str,
@@ -78,6 +86,8 @@ def new_pin(
     """`pin_id` empty: a fresh random id."""
     now = time.time() if now is None else now
     ns = check_namespace(namespace)
+    if len(owner) > MAX_OWNER_CHARS:
+        raise errors.InvalidArgument("owner", f"at most {MAX_OWNER_CHARS} characters")
     if pin_id and not _PIN_ID_RE.match(pin_id):
         raise errors.InvalidArgument("pin_id", f"{pin_id!r} is not a pin id (letters, digits, . _ -; at most 64)")
     if not math.isfinite(ttl_seconds) or ttl_seconds < 0 or ttl_seconds > MAX_TTL_SECONDS:
@@ -118,13 +128,19 @@ def same_request(a: Pin, b: Pin) -> bool:
     ) and abs(ttl_a - ttl_b) <= 1e-6 * max(ttl_a, ttl_b, 1.0)
 
 
-def check_quota(pins: list[Pin], new: Pin, quota_bytes: int | None) -> None:
+def check_quota(pins: list[Pin], new: Pin, quota_bytes: int | None, namespace_bytes: int = 0) -> None:
     """Reject a pin that would take its namespace beyond its quota (nothing changes).
-    Pins past their TTL count for nothing, even before the sweep deletes them."""
+    Pins past their TTL count for nothing, even before the sweep deletes them. A
+    whole-namespace pin covers whatever the namespace holds now (`namespace_bytes`, all
+    agents), not what it held when it was made: it grows as the namespace does."""
     if quota_bytes is None:
         return
     now = new.created_unix_seconds
-    used = sum(p.pinned_bytes for p in pins if p.namespace == new.namespace and p.active(now))
+    used = sum(
+        max(p.pinned_bytes, namespace_bytes) if p.whole_namespace else p.pinned_bytes
+        for p in pins
+        if p.namespace == new.namespace and p.active(now)
+    )
     if used + new.pinned_bytes > quota_bytes:
         raise errors.ResourceExhausted(
             f"pin quota of namespace {new.namespace!r} exceeded: {used} B pinned + {new.pinned_bytes} B asked "

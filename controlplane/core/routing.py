@@ -148,6 +148,9 @@ def decode_scores(
             continue
         dp = a.dataplane or DataPlaneView()
         need = max(0, num_blocks - a.num_cached_blocks) * block_bytes
+        # the blocks of the prefix it holds count in its free bytes (they could be evicted),
+        # but a handoff keeps them: what it can take is what is free besides them
+        usable = max(0, dp.handoff_free_bytes - min(num_blocks, a.num_cached_blocks) * block_bytes)
         link = (prefill_view.links.get(a.agent_id) if prefill_view is not None else None) or LinkView(a.agent_id)
         rate = link.throughput_bytes_per_second or params.default_link_bytes_per_second
         busy = link.inflight + link.queued
@@ -155,8 +158,8 @@ def decode_scores(
         behind_why = ""
         if dp.handoff_capacity_bytes and dp.handoff_free_bytes < params.free_watermark * dp.handoff_capacity_bytes:
             behind_why = f"free {dp.handoff_free_bytes} B under the {params.free_watermark:.0%} watermark"
-        elif dp.handoff_capacity_bytes and dp.handoff_free_bytes < need:
-            behind_why = f"free {dp.handoff_free_bytes} B < {need} B needed"
+        elif dp.handoff_capacity_bytes and usable < need:
+            behind_why = f"free {usable} B besides the prefix's own blocks < {need} B needed"
         elif dp.inbound_reservations >= dp.max_inbound:
             behind_why = f"{dp.inbound_reservations} handoffs arriving (limit {dp.max_inbound})"
         score = transfer + params.queue_penalty_seconds * dp.inbound_reservations

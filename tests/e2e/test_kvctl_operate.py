@@ -157,6 +157,15 @@ def test_pin_move_cleanup_from_kvctl(cluster, tmp_path):
         (["op", "nope"], "no operation 'nope'"),
         (["op", "nope", "--wait", "--wait-timeout", "0"], "--wait-timeout"),
         (["cleanup", "--wait", "--wait-timeout", "soon"], "--wait-timeout: 'soon' is not a duration"),
+        # an empty prefix is no prefix: it must not turn into "the whole namespace"
+        (["pin", "--model", M.model_id, "--tokens", "[]", "--namespace", "kb", "--ttl", "1h"], "no tokens given"),
+        (["move", "--model", M.model_id, "--tokens", "[]", "--namespace", "kb", "--to", "disk"], "no tokens given"),
+        (["policy", "set", "quota.=0"], "quota.<namespace>"),
+        (["pins", "--namespace", "a b"], "'a b' is not a namespace"),
+        (["route", "--model", M.model_id, "--tokens", "1,2", "--prefill-agent", "x"], "only with --role decode"),
+        (["pin", "--namespace", "kb", "--ttl", "1h", "--owner", "x" * 300], "owner: at most 256 characters"),
+        (["pin", "--namespace", "kb", "--ttl", "1h", "--owner-lease", "-1"], "--owner-lease: -1 is out of range"),
+        (["pin", "--namespace", "kb", "--owner-lease", "694d7e2ba6fe7a0f"], "write 0x694d7e2ba6fe7a0f"),
     ],
 )
 def test_bad_operate_input(cluster, args, needle):

@@ -5,15 +5,18 @@ that must not outlive their handoff, and bad numbers refused with INVALID_ARGUME
 from __future__ import annotations
 
 import math
+import queue
 import time
 from concurrent import futures
 
 import grpc
+import numpy as np
 import pytest
+import torch
 
 from agent.api.dataplane_service import DataPlaneServicer
 from agent.core.block_pool import BlockPool
-from agent.core.handoff import PRESENT, RECOMPUTE
+from agent.core.handoff import PRESENT, RECOMPUTE, TRANSFERRED, checksum
 from agent.dataplane import DataPlane, DataPlaneConfig
 from agent.store.memory_tier import MemoryTier
 from agent.store.transfer_engine import NoEngine
@@ -21,17 +24,22 @@ from protos.grpc_errors import ErrorMappingInterceptor
 from protos.kvcp.v1 import agent_pb2, agent_pb2_grpc, types_pb2
 from protos.tier import Tier
 from tests.handoff.support import SMALL, prompt
+from tests.helpers import wait_for
 
 
-def _pool() -> BlockPool:
-    return BlockPool([MemoryTier(Tier.CPU, 64 * SMALL.block_bytes, SMALL.block_bytes // 4)], [SMALL])
+def _pool(shared: bool = False, blocks: int = 64) -> BlockPool:
+    return BlockPool([MemoryTier(Tier.CPU, blocks * SMALL.block_bytes, SMALL.block_bytes // 4, shared=shared)], [SMALL])
 
 
 class Pair:
-    def __init__(self, sender_config: DataPlaneConfig | None = None):
+    def __init__(self, sender_config: DataPlaneConfig | None = None, shared: bool = False, recv_blocks: int = 64):
         infos: dict[str, types_pb2.AgentInfo] = {}
-        self.recv = DataPlane("dec", _pool(), NoEngine("none"), DataPlaneConfig(), peer_info=infos.get)
-        self.send = DataPlane("pre", _pool(), NoEngine("none"), sender_config or DataPlaneConfig(), peer_info=infos.get)
+        self.recv = DataPlane(
+            "dec", _pool(shared, recv_blocks), NoEngine("none"), DataPlaneConfig(), peer_info=infos.get
+        )
+        self.send = DataPlane(
+            "pre", _pool(shared), NoEngine("none"), sender_config or DataPlaneConfig(), peer_info=infos.get
+        )
         self.server = grpc.server(futures.ThreadPoolExecutor(8), interceptors=[ErrorMappingInterceptor()])
         agent_pb2_grpc.add_DataPlaneServicer_to_server(DataPlaneServicer(self.recv, None), self.server)
         port = self.server.add_insecure_port("127.0.0.1:0")
@@ -138,3 +146,128 @@ def test_a_handoff_deadline_must_be_finite_and_not_negative(pair, deadline):
     with pytest.raises(grpc.RpcError) as err:
         pair.stub.Handoff(request, timeout=5)
     assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "deadline_seconds" in err.value.details()
+
+
+def _raw(block) -> bytes:
+    return block.contiguous().view(-1).view(torch.uint8).numpy().tobytes()
+
+
+def _stream(stub, reservation_id: str):
+    """A Push stream that attaches now and writes what is put in its queue (None ends it)."""
+    q: queue.Queue = queue.Queue()
+
+    def chunks():
+        yield agent_pb2.PushChunk(reservation_id=reservation_id)
+        while (item := q.get()) is not None:
+            yield item
+
+    return q, stub.Push.future(chunks(), timeout=20)
+
+
+@pytest.mark.parametrize("end", ["commit", "abort"])
+def test_a_push_stream_writes_nothing_once_its_reservation_ended(pair, end):
+    """A stream still attached when its reservation is committed (its blocks now visible)
+    or aborted (its pages, after quarantine, another handoff's) must not write into them."""
+    pair.recv.reservations.quarantine_seconds = 0.2
+    _, kv, hashes = prompt(SMALL, 2, 0)
+    pair.send.pool.insert_chain(SMALL.model_id, hashes, lambda i: kv[i])
+    rid = pair.stub.Reserve(reserve_request(hashes, 5.0), timeout=5).reservation_id
+    datas = [_raw(kv[i]) for i in range(2)]
+    q, late = _stream(pair.stub, rid)
+    wait_for(lambda: pair.recv.reservations.get(rid).writers == 1, 5, 0.01, "the stream attached")
+    for i, data in enumerate(datas):
+        q.put(agent_pb2.PushChunk(block_index=i, offset=0, data=data))
+    check = [checksum([np.frombuffer(d, dtype=np.uint8)]) for d in datas]
+    r = pair.recv.reservations.get(rid)
+    wait_for(lambda: [checksum(pair.recv.reservations.views(r, i)) for i in (0, 1)] == check, 5, 0.01, "written")
+    if end == "commit":
+        pair.stub.Commit(agent_pb2.CommitRequest(reservation_id=rid, first_block=0, checksums=check, last=True))
+        victim, victim_kv = hashes, kv
+    else:
+        pair.stub.Abort(agent_pb2.AbortRequest(reservation_id=rid, writes_quiesced=False, reason="gave up"))
+        time.sleep(0.3)
+        pair.recv.reservations.run_once()  # out of quarantine: the pages go to the next handoff
+        _, victim_kv, victim = prompt(SMALL, 2, 7)
+        pair.send.pool.insert_chain(SMALL.model_id, victim, lambda i: victim_kv[i])
+        assert pair.send.handoff(SMALL.model_id, victim, "dec", 5.0, paths=("grpc",)).outcome == TRANSFERRED
+    q.put(agent_pb2.PushChunk(block_index=1, offset=0, data=b"\xff" * len(datas[1])))
+    q.put(None)
+    with pytest.raises(grpc.RpcError) as err:
+        late.result()
+    assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION and "no longer open" in err.value.details()
+    blocks, _ = pair.recv.pool.read_chain(victim)
+    assert len(blocks) == 2 and all(bool((blocks[i] == victim_kv[i]).all()) for i in range(2))
+
+
+@pytest.mark.parametrize("size", [0, 10, SMALL.block_bytes + 1, 4096])
+def test_a_reservation_of_sizes_no_block_can_have_is_refused(pair, size):
+    hashes = store(pair.send.pool, 2)
+    request = reserve_request(hashes, 5.0)
+    request.stored_bytes[1] = size
+    with pytest.raises(grpc.RpcError) as err:
+        pair.stub.Reserve(request, timeout=5)
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "stored_bytes[1]" in err.value.details()
+    assert pair.recv.reservations.open_count() == 0 and pair.recv.reservations.reserved_bytes() == 0
+
+
+def test_handed_off_blocks_keep_their_namespace(pair):
+    _, kv, hashes = prompt(SMALL, 3, 3)
+    pair.send.pool.insert_chain(SMALL.model_id, hashes, lambda i: kv[i], namespace="legal-kb")
+    assert pair.send.handoff(SMALL.model_id, hashes, "dec", 5.0, paths=("grpc",)).outcome == TRANSFERRED
+    assert {pair.recv.pool.blocks[h].namespace for h in hashes} == {"legal-kb"}
+    assert len(pair.recv.pool.blocks_matching("legal-kb")) == 3
+
+
+@pytest.mark.parametrize("path", ["shm", "grpc"])
+def test_an_attempt_given_up_at_the_deadline_still_aborts_its_reservation(path, monkeypatch):
+    """The sender's Abort must reach the destination even when the attempt failed at the
+    deadline (no time left to wait for the answer) and the sender then drops the channel:
+    otherwise the pages stay held, and count against its handoff limit, for the TTL and
+    the quarantine."""
+    import agent.store.shm as shm
+
+    p = Pair(shared=True)
+    try:
+        hashes = store(p.send.pool, 4)
+        if path == "shm":  # the copy is slow: the deadline passes after the Reserve
+            slow = shm.PeerSlab.write
+            monkeypatch.setattr(shm.PeerSlab, "write", lambda self, part: (time.sleep(0.12), slow(self, part))[1])
+        else:
+            slow = p.send._source
+            monkeypatch.setattr(p.send, "_source", lambda m: (time.sleep(0.04), slow(m))[1])
+        left_open = 0
+        for _ in range(6):
+            r = p.send.handoff(SMALL.model_id, hashes, "dec", 0.1, paths=(path,))
+            assert r.outcome == RECOMPUTE
+            time.sleep(0.3)
+            left_open += p.recv.reservations.open_count()
+            p.recv.reservations.run_once(time.monotonic() + 100)  # clean up for the next try
+        assert left_open == 0
+        assert p.recv.reservations.aborted_total >= 6
+    finally:
+        p.close()
+
+
+def test_route_does_not_send_a_prefix_to_a_decode_agent_whose_free_room_is_that_prefix():
+    """The decode agent holds 6 of the prompt's 10 blocks and has room for 8: it reports all
+    8 as free (its blocks could be evicted), but a handoff keeps those 6, leaving room for
+    2 of the 4 it lacks. Route must call it behind, as its Reserve would refuse."""
+    from controlplane.api.convert import dataplane_from_pb
+    from controlplane.core.routing import Candidate, route
+
+    p = Pair(recv_blocks=8)
+    try:
+        _, kv, hashes = prompt(SMALL, 10, 0)
+        p.send.pool.insert_chain(SMALL.model_id, hashes, lambda i: kv[i])
+        p.recv.pool.insert_chain(SMALL.model_id, hashes[:6], lambda i: kv[i])
+        candidates = [
+            Candidate("pre", "a:0", "prefill", 10, dataplane_from_pb(p.send.stats())),
+            Candidate("dec", "a:1", "decode", 6, dataplane_from_pb(p.recv.stats())),
+        ]
+        decision = route("pair", candidates, 10, SMALL.block_size, SMALL.block_bytes)
+        assert decision.backpressure, decision.reason
+        assert "besides the prefix" in next(c.note for c in decision.candidates if c.agent_id == "dec")
+        r = p.send.handoff(SMALL.model_id, hashes, "dec", 5.0, paths=("grpc",))
+        assert r.outcome == RECOMPUTE and "room" in r.reason  # what Route foresaw
+    finally:
+        p.close()

@@ -175,6 +175,95 @@ def test_a_pin_gone_while_the_controlplane_was_down_is_lifted_on_the_agent(etcd,
         owner.close()
 
 
+def test_a_pin_made_again_under_its_id_after_it_expired_reaches_the_agent(client, make_agent, controlplane):
+    """A client refreshing its pin under a fixed id once `kvctl pins` stops listing it (it
+    expired, the sweep has not yet run): the new pin replaces the agent's expired copy."""
+    a = make_agent("p7", cpu_capacity_bytes=8 * M.block_bytes)
+    a.engine.store(M.model_id, tokens(4, start=7000), kv(4))
+    wait_for(lambda: indexed(client, "p7") == 4, what="indexed")
+    controlplane.manager._expire_pins = lambda now: None  # the sweep has not run yet, whenever it looks
+    first = client.pin(model_id=M.model_id, token_ids=tokens(4, start=7000), ttl_seconds=1.0, pin_id="sys")
+    wait_for(lambda: pinned_on(a, tokens(4, start=7000)) == [int(Tier.CPU)] * 4, what="first pin applied")
+    wait_for(lambda: client.list_pins() == [], timeout_seconds=3, what="first pin expired")
+    assert time.time() >= first.expires_unix_seconds
+    client.pin(model_id=M.model_id, token_ids=tokens(4, start=7000), ttl_seconds=60, pin_id="sys")
+    wait_for(lambda: pinned_on(a, tokens(4, start=7000)) == [int(Tier.CPU)] * 4, what="the new pin on the agent")
+    for i in range(4):  # fill the tier: the pinned prefix stays
+        a.engine.store(M.model_id, tokens(4, start=20_000 * (i + 1)), kv(4, seed=i + 1))
+    assert a.engine.lookup(M.model_id, tokens(4, start=7000)) == 4 * BS
+
+
+def test_an_agent_holding_another_pin_under_an_id_gets_the_current_one(etcd, make_agent):
+    """The agent was away while its pin was removed and another made under the same id
+    (another prefix): its Hello names the id with the old version, and the control plane
+    sends the current pin instead of taking the id for it."""
+    from agent.core.pins import AgentPin
+    from controlplane.server import ControlPlane, ControlPlaneConfig
+
+    cp = ControlPlane(ControlPlaneConfig(listen="127.0.0.1:0", etcd=etcd, election_ttl_seconds=2)).start()
+    port = cp.port
+    old, new = tokens(2, start=30_000), tokens(2, start=31_000)
+    try:
+        a = make_agent("p8", lease_ttl_seconds=3)
+        a.engine.store(M.model_id, old, kv(2))
+        a.engine.store(M.model_id, new, kv(2, seed=1))
+        with ControlPlaneClient(cp.address) as c:
+            wait_for(lambda: indexed(c, "p8") == 4, what="indexed")
+            c.pin(model_id=M.model_id, token_ids=new, ttl_seconds=120, pin_id="tenant-x")
+            wait_for(lambda: pinned_on(a, new) == [int(Tier.CPU)] * 2, what="applied")
+    finally:
+        cp.stop()
+    # what the agent held from before: the same id on the old prefix, an older version
+    with a.pool.lock:
+        held = a.pool.pins.pins["tenant-x"]
+        stale = split_hashes(hash_prefix(M.model_id, old, BS))
+        a.pool.pins.add(AgentPin("tenant-x", held.tier, held.expires_monotonic_seconds, "", frozenset(stale), "0.0"))
+    assert pinned_on(a, old) == [int(Tier.CPU)] * 2 and pinned_on(a, new) == [0, 0]
+    cp2 = ControlPlane(ControlPlaneConfig(listen=f"127.0.0.1:{port}", etcd=etcd, election_ttl_seconds=2)).start()
+    try:
+        wait_for(lambda: pinned_on(a, new) == [int(Tier.CPU)] * 2, timeout_seconds=15, what="the current pin sent")
+        assert pinned_on(a, old) == [0, 0]
+    finally:
+        cp2.stop()
+
+
+def test_a_restarted_agent_protects_its_pinned_disk_blocks_before_the_controlplane_is_back(etcd, make_agent, tmp_path):
+    """Blocks pinned at the disk tier survive an agent restart on disk; the pins must too:
+    with no control plane to re-send them, an engine storing into the restarted agent
+    would push the pinned blocks out. A pin whose time ran out meanwhile is not restored."""
+    from controlplane.server import ControlPlane, ControlPlaneConfig
+
+    cp = ControlPlane(ControlPlaneConfig(listen="127.0.0.1:0", etcd=etcd, election_ttl_seconds=2)).start()
+    cfg = dict(
+        cpu_capacity_bytes=4 * M.block_bytes,
+        disk_dir=str(tmp_path / "disk"),
+        disk_capacity_bytes=8 * M.block_bytes + 65536,
+        lease_ttl_seconds=3,
+    )
+    kept, brief = tokens(3, start=40_000), tokens(2, start=41_000)
+    try:
+        a = make_agent("p9", **cfg)
+        a.engine.store(M.model_id, kept, kv(3))
+        a.engine.store(M.model_id, brief, kv(2, seed=1))
+        with ControlPlaneClient(cp.address) as c:
+            wait_for(lambda: indexed(c, "p9") == 5, what="indexed")
+            c.wait_operation(c.move("disk", model_id=M.model_id, token_ids=kept).op_id, timeout_seconds=20)
+            c.wait_operation(c.move("disk", model_id=M.model_id, token_ids=brief).op_id, timeout_seconds=20)
+            c.pin(model_id=M.model_id, token_ids=kept, min_tier="disk", ttl_seconds=600, pin_id="keep")
+            c.pin(model_id=M.model_id, token_ids=brief, min_tier="disk", ttl_seconds=1.5, pin_id="brief")
+            wait_for(lambda: pinned_on(a, kept) == [int(Tier.DISK)] * 3, what="applied")
+            wait_for(lambda: pinned_on(a, brief) == [int(Tier.DISK)] * 2, what="applied")
+    finally:
+        cp.stop()
+    a.stop(deregister=True)
+    time.sleep(1.6)  # "brief" runs out while the agent is down
+    b = make_agent("p9", **cfg)
+    assert pinned_on(b, kept) == [int(Tier.DISK)] * 3 and pinned_on(b, brief) == [0, 0]
+    for i in range(12):  # the engine stores at once, far beyond the tiers
+        b.engine.store(M.model_id, tokens(2, start=100_000 + 1000 * i), kv(2, seed=10 + i))
+    assert b.engine.lookup(M.model_id, kept) == 3 * BS
+
+
 def test_pin_tied_to_owner_lease_goes_with_it(client, make_agent, etcd):
     make_agent("p5")
     wait_for(lambda: indexed(client, "p5") == 0, what="agent")

@@ -79,3 +79,17 @@ def test_a_pin_past_its_ttl_counts_for_nothing_against_the_quota():
     check_quota([old, live], new, quota_bytes=200)  # 50 + 100 <= 200: the expired 900 B are gone
     with pytest.raises(errors.ResourceExhausted, match="quota"):
         check_quota([old, live], new, quota_bytes=120)
+
+
+def test_a_namespace_pin_counts_what_its_namespace_holds_now():
+    """Made on an empty namespace (0 B), it pins every block stored there since: the quota
+    charges it the namespace's size at the next pin, not 0."""
+    from controlplane.core.pins import Pin, check_quota
+
+    whole = Pin("ns", "kb", "", b"", Tier.CPU, 0.0, 1e12, pinned_bytes=0)
+    new = Pin("new", "kb", "m", b"\x03" * 16, Tier.CPU, 100.0, 1e12, pinned_bytes=100)
+    check_quota([whole], new, quota_bytes=1000, namespace_bytes=0)
+    with pytest.raises(errors.ResourceExhausted, match="quota"):
+        check_quota([whole], new, quota_bytes=1000, namespace_bytes=960)  # 960 + 100 > 1000
+    other = Pin("other", "legal", "m", b"\x04" * 16, Tier.CPU, 100.0, 1e12, pinned_bytes=100)
+    check_quota([whole], other, quota_bytes=1000, namespace_bytes=0)  # another namespace's pin: not charged

@@ -296,6 +296,22 @@ def test_pinned_gpu_block_is_not_demoted_and_others_go_instead():
     check_invariants(pool)
 
 
+def test_a_block_below_its_pin_may_be_compressed_where_it_is():
+    """A GPU pin on an agent without a GPU: the block stays in the CPU tier, under its pin's
+    tier already. Re-encoding it there takes it nowhere, so the pin does not refuse it; a
+    move to the disk still is refused."""
+    pool = make_pool(mem(Tier.CPU, 8), codec_threads=1)
+    hs = chain(range(2))
+    insert(pool, hs)
+    pool.set_pin(hs, Tier.GPU)
+    out = pool.move_blocks(hs, Tier.CPU, "zstd")
+    assert [o.ok for o in out] == [True, True], [o.reason for o in out]
+    assert all(pool.blocks[h].codec == "zstd" and pool.blocks[h].tier is Tier.CPU for h in hs)
+    out = pool.move_blocks(hs, None, "none")  # in place, the form kvctl compress sends
+    assert [o.ok for o in out] == [True, True], [o.reason for o in out]
+    check_invariants(pool)
+
+
 def test_blocks_referenced_by_a_reader_are_not_evicted_until_released():
     pool = make_pool(mem(Tier.CPU, 2))
     a = chain(range(2))

@@ -166,14 +166,22 @@ class DataPlaneStats(_message.Message):
     def __init__(self, links: _Optional[_Iterable[_Union[LinkStats, _Mapping]]] = ..., inbound_reservations: _Optional[int] = ..., reserved_bytes: _Optional[int] = ..., handoff_free_bytes: _Optional[int] = ..., handoff_capacity_bytes: _Optional[int] = ..., outbound_inflight: _Optional[int] = ..., outbound_queued: _Optional[int] = ..., max_inbound: _Optional[int] = ...) -> None: ...
 
 class Hello(_message.Message):
-    __slots__ = ("agent_id", "session_id", "pin_ids")
+    __slots__ = ("agent_id", "session_id", "pins")
     AGENT_ID_FIELD_NUMBER: _ClassVar[int]
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
-    PIN_IDS_FIELD_NUMBER: _ClassVar[int]
+    PINS_FIELD_NUMBER: _ClassVar[int]
     agent_id: str
     session_id: str
-    pin_ids: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, agent_id: _Optional[str] = ..., session_id: _Optional[str] = ..., pin_ids: _Optional[_Iterable[str]] = ...) -> None: ...
+    pins: _containers.RepeatedCompositeFieldContainer[HeldPin]
+    def __init__(self, agent_id: _Optional[str] = ..., session_id: _Optional[str] = ..., pins: _Optional[_Iterable[_Union[HeldPin, _Mapping]]] = ...) -> None: ...
+
+class HeldPin(_message.Message):
+    __slots__ = ("pin_id", "version")
+    PIN_ID_FIELD_NUMBER: _ClassVar[int]
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    pin_id: str
+    version: str
+    def __init__(self, pin_id: _Optional[str] = ..., version: _Optional[str] = ...) -> None: ...
 
 class Notice(_message.Message):
     __slots__ = ("kind", "message", "unix_seconds")
@@ -234,7 +242,7 @@ class ResyncRequest(_message.Message):
     def __init__(self, reason: _Optional[str] = ...) -> None: ...
 
 class Command(_message.Message):
-    __slots__ = ("op_id", "kind", "block_hashes", "tier", "codec", "namespace", "model_id", "older_than_seconds", "dry_run", "only_tier", "pin_id", "expires_unix_seconds", "peer_agent_id", "deadline_seconds", "ttl_seconds")
+    __slots__ = ("op_id", "kind", "block_hashes", "tier", "codec", "namespace", "model_id", "older_than_seconds", "dry_run", "only_tier", "pin_id", "expires_unix_seconds", "peer_agent_id", "deadline_seconds", "ttl_seconds", "pin_version")
     OP_ID_FIELD_NUMBER: _ClassVar[int]
     KIND_FIELD_NUMBER: _ClassVar[int]
     BLOCK_HASHES_FIELD_NUMBER: _ClassVar[int]
@@ -250,6 +258,7 @@ class Command(_message.Message):
     PEER_AGENT_ID_FIELD_NUMBER: _ClassVar[int]
     DEADLINE_SECONDS_FIELD_NUMBER: _ClassVar[int]
     TTL_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    PIN_VERSION_FIELD_NUMBER: _ClassVar[int]
     op_id: str
     kind: CommandKind
     block_hashes: bytes
@@ -265,7 +274,8 @@ class Command(_message.Message):
     peer_agent_id: str
     deadline_seconds: float
     ttl_seconds: float
-    def __init__(self, op_id: _Optional[str] = ..., kind: _Optional[_Union[CommandKind, str]] = ..., block_hashes: _Optional[bytes] = ..., tier: _Optional[_Union[_types_pb2.Tier, str]] = ..., codec: _Optional[str] = ..., namespace: _Optional[str] = ..., model_id: _Optional[str] = ..., older_than_seconds: _Optional[float] = ..., dry_run: _Optional[bool] = ..., only_tier: _Optional[_Union[_types_pb2.Tier, str]] = ..., pin_id: _Optional[str] = ..., expires_unix_seconds: _Optional[float] = ..., peer_agent_id: _Optional[str] = ..., deadline_seconds: _Optional[float] = ..., ttl_seconds: _Optional[float] = ...) -> None: ...
+    pin_version: str
+    def __init__(self, op_id: _Optional[str] = ..., kind: _Optional[_Union[CommandKind, str]] = ..., block_hashes: _Optional[bytes] = ..., tier: _Optional[_Union[_types_pb2.Tier, str]] = ..., codec: _Optional[str] = ..., namespace: _Optional[str] = ..., model_id: _Optional[str] = ..., older_than_seconds: _Optional[float] = ..., dry_run: _Optional[bool] = ..., only_tier: _Optional[_Union[_types_pb2.Tier, str]] = ..., pin_id: _Optional[str] = ..., expires_unix_seconds: _Optional[float] = ..., peer_agent_id: _Optional[str] = ..., deadline_seconds: _Optional[float] = ..., ttl_seconds: _Optional[float] = ..., pin_version: _Optional[str] = ...) -> None: ...
 
 class ControlMessage(_message.Message):
     __slots__ = ("epoch", "resync", "command")
@@ -346,7 +356,7 @@ class LoadResponse(_message.Message):
     def __init__(self, num_cached_tokens: _Optional[int] = ..., kv: _Optional[bytes] = ..., truncated: _Optional[bool] = ...) -> None: ...
 
 class ReserveRequest(_message.Message):
-    __slots__ = ("model_id", "block_hashes", "stored_bytes", "codecs", "namespace", "ttl_seconds", "source_agent_id", "path")
+    __slots__ = ("model_id", "block_hashes", "stored_bytes", "codecs", "namespace", "ttl_seconds", "source_agent_id", "path", "namespaces")
     MODEL_ID_FIELD_NUMBER: _ClassVar[int]
     BLOCK_HASHES_FIELD_NUMBER: _ClassVar[int]
     STORED_BYTES_FIELD_NUMBER: _ClassVar[int]
@@ -355,6 +365,7 @@ class ReserveRequest(_message.Message):
     TTL_SECONDS_FIELD_NUMBER: _ClassVar[int]
     SOURCE_AGENT_ID_FIELD_NUMBER: _ClassVar[int]
     PATH_FIELD_NUMBER: _ClassVar[int]
+    NAMESPACES_FIELD_NUMBER: _ClassVar[int]
     model_id: str
     block_hashes: bytes
     stored_bytes: _containers.RepeatedScalarFieldContainer[int]
@@ -363,7 +374,8 @@ class ReserveRequest(_message.Message):
     ttl_seconds: float
     source_agent_id: str
     path: str
-    def __init__(self, model_id: _Optional[str] = ..., block_hashes: _Optional[bytes] = ..., stored_bytes: _Optional[_Iterable[int]] = ..., codecs: _Optional[_Iterable[str]] = ..., namespace: _Optional[str] = ..., ttl_seconds: _Optional[float] = ..., source_agent_id: _Optional[str] = ..., path: _Optional[str] = ...) -> None: ...
+    namespaces: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, model_id: _Optional[str] = ..., block_hashes: _Optional[bytes] = ..., stored_bytes: _Optional[_Iterable[int]] = ..., codecs: _Optional[_Iterable[str]] = ..., namespace: _Optional[str] = ..., ttl_seconds: _Optional[float] = ..., source_agent_id: _Optional[str] = ..., path: _Optional[str] = ..., namespaces: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class BlockSlots(_message.Message):
     __slots__ = ("addresses", "lengths")

@@ -1,0 +1,30 @@
+"""The agent's pin file (agent/store/pin_file.py): what a restart reads back."""
+
+from __future__ import annotations
+
+from agent.core.pins import AgentPin
+from agent.store.pin_file import PinFile
+
+
+def test_round_trip_counts_time_left_and_drops_what_ran_out(tmp_path):
+    f = PinFile(tmp_path)
+    h = bytes(range(16))
+    pins = [
+        AgentPin("a", 3, 1000.0 + 30.0, "", frozenset({h}), "v1"),  # 30 s left
+        AgentPin("ns", 2, 0.0, "kb", frozenset(), "v2"),  # until unpinned
+        AgentPin("gone", 2, 1000.0 + 5.0, "", frozenset({h}), "v3"),  # 5 s left
+    ]
+    f.save(pins, monotonic_now=1000.0, unix_now=50_000.0)
+    # read back 10 s later by a process whose monotonic clock starts elsewhere
+    back = {p.pin_id: p for p in f.load(monotonic_now=7.0, unix_now=50_010.0)}
+    assert set(back) == {"a", "ns"}
+    assert abs(back["a"].expires_monotonic_seconds - 27.0) < 1e-6 and back["a"].block_hashes == {h}
+    assert back["a"].version == "v1" and back["a"].tier == 3
+    assert back["ns"].expires_monotonic_seconds == 0.0 and back["ns"].namespace == "kb"
+
+
+def test_a_missing_or_torn_file_restores_nothing(tmp_path):
+    f = PinFile(tmp_path)
+    assert f.load() == []
+    f.path.write_text('{"pins": [{"pin_id": "a", "tier": 2, "expires_unix')
+    assert f.load() == []

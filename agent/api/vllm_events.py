@@ -79,6 +79,7 @@ class VllmEventSubscriber:
         self._ctx = zmq.Context.instance()
         self._dealer: zmq.Socket | None = None
         self._started = False
+        self._reconnected = False  # the publisher's connection came back since the last batch
 
     # ---- applying -------------------------------------------------------------------
     def _apply(self, seq: int, payload: bytes) -> None:
@@ -103,15 +104,24 @@ class VllmEventSubscriber:
             log.warning("vLLM KV event message with %d frames skipped (want [topic, seq, payload])", len(frames))
             return
         seq = int.from_bytes(frames[1], "big")
+        if self._reconnected and self._started:
+            # the publisher's connection dropped and came back: the engine behind it may be a
+            # new one whose numbers passed the old one's (a gap would then be filled from the
+            # wrong engine, and the old engine's blocks claimed for good): start over from
+            # its replay buffer, as at start
+            log.info("vLLM KV event publisher %s is back: reading its blocks again", self.endpoint)
+            self.external.clear()
+            st.last_seq = -1
+            self._started = False
+        self._reconnected = False
         if not self._started:
             self._started = True
             if seq > 0:
                 self._replay(0, seq, initial=True)  # the engine was running before we subscribed
         elif seq <= st.last_seq:
-            if seq == st.last_seq:
-                return  # the same batch again
-            # PUB/SUB never delivers an older batch: the sequence went back, so the engine
-            # restarted (its first batches may have been missed while we reconnected)
+            # PUB/SUB never delivers a batch twice nor an older one (replayed batches do not
+            # come through here): the sequence started over, so the engine restarted (its
+            # first batches may have been missed while we reconnected)
             st.engine_restarts_total += 1
             log.info("vLLM engine restarted (seq %d after %d); forgetting its blocks", seq, st.last_seq)
             self.external.clear()
@@ -176,6 +186,8 @@ class VllmEventSubscriber:
                 self._down_since = now
                 log.info("vLLM KV event publisher %s disconnected", self.endpoint)
         elif event == zmq.EVENT_CONNECTED:
+            if self._down_since is not None:
+                self._reconnected = True
             self._down_since = None
 
     def check_lost(self, now: float) -> None:

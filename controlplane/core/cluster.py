@@ -172,6 +172,7 @@ class Cluster:
         self._clock = clock
         self._agents: dict[str, AgentRecord] = {}
         self._models: dict[str, ModelInfo] = {}
+        self._serving: dict[str, frozenset[str]] = {}  # model -> ids of the agents serving it
         self.index = BlockIndex(expected_blocks)
         self.lookups_total = 0
         self.lookup_tokens_total = 0
@@ -234,10 +235,13 @@ class Cluster:
     def _refresh_models(self) -> None:
         """Models are those some registered agent serves (lock held)."""
         models: dict[str, ModelInfo] = {}
+        serving: dict[str, set[str]] = {}
         for a in self._agents.values():
             for m in a.models:
                 models.setdefault(m.model_id, m)
+                serving.setdefault(m.model_id, set()).add(a.agent_id)
         self._models = models
+        self._serving = {m: frozenset(ids) for m, ids in serving.items()}
 
     def remove_agent(self, agent_id: str) -> int:
         """The agent's lease is gone: forget it and its blocks. Returns replicas dropped."""
@@ -532,6 +536,11 @@ class Cluster:
             raise errors.InvalidArgument("block_hashes", f"at most {MAX_LOOKUP_BLOCKS} blocks per lookup")
         with self._lock:
             holders = self.index.prefix_holders(packed)
+            serving = self._serving.get(model_id, frozenset())
+            if any(a not in serving for a in holders.agent_ids):
+                # the index keys blocks by hash alone: an engine's own hashes (vLLM's) need not
+                # tell models apart, so an agent serving another model is no holder
+                holders = holders.only(serving)
             for agent_id, _, tiers in holders.rows():
                 if agent_id not in self._slow_hits and self._below_fastest(agent_id, tiers):
                     self._slow_hits.add(agent_id)

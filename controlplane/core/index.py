@@ -110,6 +110,19 @@ class PrefixHolders:
     def matches(self) -> list[AgentMatch]:
         return [AgentMatch(*row) for row in self.rows()]
 
+    def only(self, agent_ids) -> PrefixHolders:
+        """The holders among `agent_ids`, in the same order."""
+        keep = [k for k, a in enumerate(self.agent_ids) if a in agent_ids]
+        if not keep:
+            return NO_HOLDERS
+        w, t = self.width, self.tiers
+        return PrefixHolders(
+            [self.agent_ids[k] for k in keep],
+            [self.counts[k] for k in keep],
+            b"".join(t[k * w : (k + 1) * w] for k in keep),
+            w,
+        )
+
 
 NO_HOLDERS = PrefixHolders([], [], b"", 0)
 

@@ -134,6 +134,45 @@ def test_only_a_connection_down_past_the_grace_forgets_the_engine():
     assert sub.stats.engine_lost_total == 1
 
 
+def _message(seq: int, hashes: list[int]) -> list[bytes]:
+    return [b"", seq.to_bytes(8, "big"), msgspec.msgpack.encode(batch(stored(hashes)))]
+
+
+def _claimed(ext: ExternalBlocks) -> set[bytes]:
+    return {h for h in (external_block_hash(i) for i in range(1000)) if ext.holds(h) is not None}
+
+
+def test_a_restarted_engine_whose_first_new_number_is_the_last_old_one_is_a_restart():
+    """The new engine's seq 0 went out before we reconnected: the first batch seen is seq 1,
+    the old engine's last number. PUB/SUB never delivers a batch twice, so it is a restart."""
+    ext = ExternalBlocks(_Pool(), "m")
+    sub = VllmEventSubscriber("tcp://127.0.0.1:1", ext)  # no replay buffer
+    sub.handle(_message(0, [1]))
+    sub.handle(_message(1, [2]))
+    sub.handle(_message(1, [20]))
+    assert sub.stats.engine_restarts_total == 1
+    assert _claimed(ext) == {external_block_hash(20)}
+
+
+def test_a_publisher_that_came_back_is_read_again_from_its_start():
+    """The connection dropped and came back (within the grace): the engine behind it may be
+    a new one whose numbers passed the old one's. Its blocks are read again from its replay
+    buffer, as at start, instead of filling a 'gap' from the new engine and keeping the
+    old one's blocks for good."""
+    ext = ExternalBlocks(_Pool(), "m")
+    sub = VllmEventSubscriber("tcp://127.0.0.1:1", ext)
+    sub.on_connection_event(zmq.EVENT_CONNECTED, 0.0)
+    sub.handle(_message(0, [100]))
+    sub.handle(_message(1, [101]))
+    sub.on_connection_event(zmq.EVENT_DISCONNECTED, 5.0)
+    sub.on_connection_event(zmq.EVENT_CONNECTED, 6.0)
+    sub.handle(_message(3, [303]))  # a new engine, already at seq 3
+    assert _claimed(ext) == {external_block_hash(303)}
+    sub.handle(_message(4, [304]))  # and on from there as usual
+    assert _claimed(ext) == {external_block_hash(303), external_block_hash(304)}
+    assert sub.stats.last_seq == 4
+
+
 # ---- end to end: publisher -> agent -> control plane ---------------------------------
 @pytest.fixture
 def publisher():
@@ -248,6 +287,31 @@ def test_subscriber_picks_up_history_when_started_late(controlplane, make_agent,
     publisher.publish(batch(stored([200])))
     with ControlPlaneClient(controlplane.address) as c:
         wait_for(lambda: all(lookup_hits(c, [h]) == {"vllm-4": 1} for h in [100, 104, 200]), what="history replayed")
+
+
+def test_an_engine_back_with_numbers_past_the_old_ones_is_read_again(controlplane, make_agent, publisher):
+    """The engine's process restarts (its PUB socket goes and comes back) and is at seq 3
+    by the time we hear from it, past the old engine's last number: not a gap to fill, a
+    new engine. Its blocks come from its replay buffer; the old engine's are forgotten."""
+    agent = make_agent("vllm-6", vllm_kv_events=publisher.endpoint, vllm_kv_events_replay=publisher.replay_endpoint)
+    sub = agent.vllm_events
+    assert sub.connected.wait(5)
+    time.sleep(0.3)
+    with ControlPlaneClient(controlplane.address) as c:
+        publisher.publish(batch(stored([100])))
+        publisher.publish(batch(stored([101], parent=100)))
+        wait_for(lambda: lookup_hits(c, [100, 101]) == {"vllm-6": 2}, what="old engine indexed")
+        publisher.drop_pub()
+        wait_for(lambda: sub._down_since is not None, what="the publisher's connection dropped")
+        publisher.rebind_pub()
+        publisher.seq = 0
+        publisher.buffer.clear()
+        for k in range(3):  # seq 0..2 go out before we are back
+            publisher.publish(batch(stored([300 + k], parent=300 + k - 1 if k else None)), send=False)
+        wait_for(lambda: sub._down_since is None, what="reconnected")
+        publisher.publish(batch(stored([303], parent=302)))  # seq 3
+        wait_for(lambda: lookup_hits(c, [300, 301, 302, 303]) == {"vllm-6": 4}, what="the new engine's blocks")
+        assert lookup_hits(c, [100]) == {}
 
 
 def test_vllm_own_event_classes_if_vllm_imports():

@@ -369,3 +369,22 @@ def test_an_agent_that_leaves_has_its_stream_ended_and_its_data_plane_state_forg
     ended = outbox.get_nowait()
     assert isinstance(ended, errors.NotFound) and "register again" in str(ended)
     assert cluster.dataplane.role("a") != "decode"
+
+
+def test_a_lookup_names_only_agents_serving_its_model():
+    """The index keys blocks by hash alone, and engines' own hashes (vLLM's) need not tell
+    models apart: the same hash from two engines serving different models must not make an
+    agent serving the other model a holder."""
+    from controlplane.core.cluster import AgentRecord, BlockGroup, Cluster, ModelInfo
+    from protos.block_hash import external_block_hash
+    from protos.tier import Tier
+
+    c = Cluster()
+    c.register(AgentRecord("llama-agent", "x:1", [ModelInfo("llama", 16)], []))
+    c.register(AgentRecord("qwen-agent", "x:2", [ModelInfo("qwen", 16)], []))
+    h = external_block_hash(0x1234)
+    for agent_id, model in (("llama-agent", "llama"), ("qwen-agent", "qwen")):
+        c.hello(agent_id, "s")
+        c.apply_inventory_chunk(agent_id, 0, 0, True, [BlockGroup(model, Tier.GPU, h)], "s")
+    assert [(m.agent_id, m.num_hit_blocks) for m in c.lookup("llama", block_hashes=h).matches] == [("llama-agent", 1)]
+    assert [m.agent_id for m in c.lookup("qwen", block_hashes=h).matches] == ["qwen-agent"]

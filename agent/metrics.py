@@ -148,12 +148,25 @@ class AgentCollector:
             (c, "kvcp_agent_lookups_total", "Engine lookups and loads served by this agent.", a),
             (c, "kvcp_agent_lookup_tokens_total", "Tokens asked about in engine lookups and loads.", a),
             (c, "kvcp_agent_lookup_hit_tokens_total", "Tokens found cached in engine lookups and loads.", a),
-            (c, "kvcp_evictions_total", "Blocks dropped from a tier, by tier and reason.", [*a, "tier", "reason"]),
+            (
+                c,
+                "kvcp_evictions_total",
+                "Blocks dropped from a tier, by tier and reason: capacity (room for new blocks), command "
+                "(the tier policy's or an operator's evict), cleanup.",
+                [*a, "tier", "reason"],
+            ),
             (
                 c,
                 "kvcp_demotions_total",
-                "Blocks moved to a slower tier, by source tier and reason.",
+                "Blocks moved to a slower tier, by source tier and reason: capacity (room for new blocks), "
+                "command (a move: the tier policy's or an operator's).",
                 [*a, "tier", "reason"],
+            ),
+            (
+                c,
+                "kvcp_recoded_bytes_total",
+                "Stored bytes of blocks re-encoded where they were (kvctl compress in place; not movement).",
+                a,
             ),
             (c, "kvcp_promotions_total", "Blocks moved to a faster tier.", a),
             (
@@ -205,17 +218,33 @@ class AgentCollector:
             f["kvcp_agent_lookups_total"].add_metric([aid], e.lookups_total)
             f["kvcp_agent_lookup_tokens_total"].add_metric([aid], e.lookup_tokens_total)
             f["kvcp_agent_lookup_hit_tokens_total"].add_metric([aid], e.lookup_hit_tokens_total)
-        # evictions happen in the last tier, demotions start in any but the last
-        for name, attr, default_tier in (
-            ("kvcp_evictions_total", "evictions_total", tiers[-1]),
-            ("kvcp_demotions_total", "demotions_total", tiers[0]),
+        # evictions for room happen in the last tier, demotions start in any but the last
+        for name, default_tier, by_reason in (
+            (
+                "kvcp_evictions_total",
+                tiers[-1],
+                (
+                    (DEFAULT_REASON, "evictions_total"),
+                    ("command", "commanded_evictions_total"),
+                    ("cleanup", "cleanup_evictions_total"),
+                ),
+            ),
+            (
+                "kvcp_demotions_total",
+                tiers[0],
+                ((DEFAULT_REASON, "demotions_total"), ("command", "commanded_demotions_total")),
+            ),
         ):
-            counts = dict.fromkeys(((t, DEFAULT_REASON) for t in tiers), 0)
-            counts.update(_by_tier_reason(getattr(pool, attr, None), default_tier))
+            counts = {(t, reason): 0 for t in tiers for reason, _ in by_reason}
+            for reason, attr in by_reason:
+                for (tier, r), n in _by_tier_reason(getattr(pool, attr, None), default_tier).items():
+                    key = (tier, reason if r == DEFAULT_REASON else r)
+                    counts[key] = counts.get(key, 0) + n
             for (tier, reason), n in sorted(counts.items()):
                 f[name].add_metric([aid, tier.label, reason], n)
+        f["kvcp_recoded_bytes_total"].add_metric([aid], int(getattr(pool, "recoded_bytes_total", 0) or 0))
         f["kvcp_promotions_total"].add_metric([aid], int(getattr(pool, "promotions_total", 0) or 0))
-        moved = dict.fromkeys(itertools.permutations(sorted({*MEMORY_AND_DISK, *tiers}), 2), 0)
+        moved = dict.fromkeys(itertools.permutations(sorted({*MEMORY_AND_DISK, *tiers}), 2), 0)  # src != dst
         moved.update(
             {(Tier(s), Tier(d)): int(n) for (s, d), n in (getattr(pool, "moved_bytes_total", None) or {}).items()}
         )

@@ -121,6 +121,9 @@ class Agent:
         self.link.token, self.link.tls = config.controlplane_token, config.tls
         if self.pin_file is not None:
             self.link.on_pins_changed = self._save_pins
+            for pin in list(self.pool.pins.pins.values()):  # restored: up to their tier again
+                if not pin.block_hashes and pin.namespace:
+                    self.link.raise_to_pin(pin.namespace, pin.tier)
         self.vllm_events: VllmEventSubscriber | None = None
         if config.vllm_kv_events:
             model_id = config.vllm_model_id or config.models[0].model_id

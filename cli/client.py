@@ -46,6 +46,13 @@ class ClientError(Exception):
 PIN_RETRIES = 3
 
 
+def _not_connected(exc: grpc.RpcError) -> bool:
+    """gRPC's own UNAVAILABLE for a replica it could not connect to (the call never left;
+    a connection reset mid-call is not this: the replica may have acted on it)."""
+    details = (exc.details() or "").lower()
+    return exc.code() == grpc.StatusCode.UNAVAILABLE and ("failed to connect" in details or "refused" in details)
+
+
 def _refused_by_etcd(exc: ClientError) -> bool:
     """Did the control plane refuse the change because etcd is unreachable (not applied)?
     Its etcd client refuses every call for a second after one timed out, so a busy etcd's
@@ -414,16 +421,19 @@ class ControlPlaneClient:
         tls: TLSConfig | None = None,
         lookup_endpoint: str = "",
     ):
-        """`token`: bearer token for the admin API (viewer or operator); `tls`: the CA
-        that signed the control plane's certificate (and ours, for mTLS);
-        `lookup_endpoint`: the leader's lookup socket (HOST:PORT or unix:PATH), which
-        lookup() then uses instead of gRPC."""
+        """`endpoint`: HOST:PORT of a control-plane replica, or several, comma separated
+        (a call that cannot connect to one goes to the next: with every replica listed, a
+        dead leader's successor is found); `token`: bearer token for the admin API
+        (viewer or operator); `tls`: the CA that signed the control plane's certificate
+        (and ours, for mTLS); `lookup_endpoint`: the leader's lookup socket (HOST:PORT or
+        unix:PATH), which lookup() then uses instead of gRPC."""
         self._metadata = token_metadata(token)
         self._tls = tls
-        self.endpoint = endpoint
+        self._endpoints = [e.strip() for e in endpoint.split(",") if e.strip()] or [DEFAULT_ENDPOINT]
+        self.endpoint = self._endpoints[0]
         self.timeout_seconds = timeout_seconds
         self._lookups = LookupSocket(lookup_endpoint, token, timeout_seconds, tls) if lookup_endpoint else None
-        self._connect(endpoint)
+        self._connect(self.endpoint)
 
     def _connect(self, endpoint: str) -> None:
         self.endpoint = endpoint
@@ -432,7 +442,9 @@ class ControlPlaneClient:
 
     def use_endpoint(self, endpoint: str) -> None:
         """Talk to `endpoint` from now on (e.g. the leader another client already found),
-        with the same token and TLS."""
+        with the same token and TLS; it joins the replicas tried when one cannot be reached."""
+        if endpoint and endpoint not in self._endpoints:
+            self._endpoints.append(endpoint)
         if endpoint and endpoint != self.endpoint:
             self._channel.close()
             self._connect(endpoint)
@@ -469,15 +481,29 @@ class ControlPlaneClient:
         return self._call(method, request)
 
     def _call(self, method: str, request, follow: bool = True):
-        try:
-            return getattr(self._stub, method)(request, timeout=self.timeout_seconds, metadata=self._metadata)
-        except grpc.RpcError as exc:
-            leader = self._leader_of(exc) if follow else ""
-            if leader:
-                self.close()
-                self._connect(leader)
-                return self._call(method, request, follow=False)
-            raise self._error(exc) from None
+        tried = {self.endpoint}
+        while True:
+            try:
+                return getattr(self._stub, method)(request, timeout=self.timeout_seconds, metadata=self._metadata)
+            except grpc.RpcError as exc:
+                leader = self._leader_of(exc) if follow else ""
+                if leader:
+                    follow = False
+                    self.use_endpoint(leader)
+                    tried.add(leader)
+                    continue
+                if _not_connected(exc):  # never reached this replica: the call may go to another
+                    other = next((e for e in self._endpoints if e not in tried), "")
+                    if other:
+                        tried.add(other)
+                        self.use_endpoint(other)
+                        continue
+                elif exc.code() == grpc.StatusCode.DEADLINE_EXCEEDED and len(self._endpoints) > 1:
+                    # it may have been applied there, so it is not sent again; the next call
+                    # starts at another replica (a paused leader's successor, say)
+                    i = self._endpoints.index(self.endpoint) if self.endpoint in self._endpoints else -1
+                    self.use_endpoint(self._endpoints[(i + 1) % len(self._endpoints)])
+                raise self._error(exc) from None
 
     def _error(self, exc: grpc.RpcError) -> ClientError:
         code = exc.code()

@@ -64,7 +64,8 @@ pass_ctx = click.make_pass_decorator(Context)
     envvar="KVCTL_ENDPOINT",
     default=DEFAULT_ENDPOINT,
     show_default=True,
-    help="Control-plane address (env KVCTL_ENDPOINT).",
+    help="Control-plane address, or every replica's, comma separated: a replica that cannot be "
+    "reached is skipped (env KVCTL_ENDPOINT).",
 )
 @click.option(
     "-o",

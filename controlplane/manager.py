@@ -143,7 +143,8 @@ class Manager:
         self.policy_pass_seconds_last = 0.0
         self.policy_credit_turnovers = 0.0  # the reuse credit of the latest pass that decided (tuned or set)
         self.policy_recent_first = False  # the latest pass evicted most recently used first (loops)
-        self._policy_inflight: dict[str, dict[str, float]] = {}  # agent -> {op_id: deadline}
+        # agent -> {op_id: (deadline, the agent's stream session it went down)}
+        self._policy_inflight: dict[str, dict[str, tuple[float, str]]] = {}
         # blocks an agent left alone because its pins hold them (namespace pins: the index
         # does not know a block's namespace): agent -> {block: (pin tier, until)}; forgotten
         # when any pin goes, or after PIN_REFUSAL_SECONDS
@@ -1035,9 +1036,11 @@ class Manager:
         for rec in connected:
             inflight = self._policy_inflight.get(rec.agent_id, {})
             # agents' answers pop from it on gRPC threads: iterate a copy, pop what is still there
-            for op_id, deadline in list(inflight.items()):
-                if deadline < now:
-                    inflight.pop(op_id, None)  # an agent that never answered gets decided for again
+            for op_id, (deadline, session_id) in list(inflight.items()):
+                # an agent that never answered, or that opened a new stream since (restarted:
+                # the command went with its old process), gets decided for again
+                if deadline < now or session_id != rec.session_id:
+                    inflight.pop(op_id, None)
             if inflight or not rec.models:
                 continue
             if self._policy_due(rec, policy, pinned_for(rec.agent_id)):
@@ -1075,6 +1078,7 @@ class Manager:
                     recent_first=recent_first,
                 )
                 actions.extend(tier_policy.decide(view, policy, now))
+        sessions = {rec.agent_id: rec.session_id for rec in connected}
         for action in actions:
             self._policy_ops += 1
             epoch = getattr(self.election, "epoch", None)
@@ -1087,8 +1091,12 @@ class Manager:
                 cmd = AgentCommand(
                     op_id, "move", block_hashes=packed, tier=int(action.to_tier), codec="" if codec == "none" else codec
                 )
+            session_id = sessions.get(action.agent_id, "")
             if self.cluster.send(action.agent_id, cmd):
-                self._policy_inflight.setdefault(action.agent_id, {})[op_id] = now + self.op_timeout_seconds
+                self._policy_inflight.setdefault(action.agent_id, {})[op_id] = (
+                    now + self.op_timeout_seconds,
+                    session_id,
+                )
                 self.policy_actions_total += 1
         return len(actions)
 

@@ -74,6 +74,13 @@ class ClusterCollector:
         specs = [
             (g, "kvcp_controlplane_is_leader", "1 if this replica is the leader now, else 0.", []),
             (g, "kvcp_controlplane_serving_stale", "1 while a leader cut off from etcd answers from memory.", []),
+            (
+                g,
+                "kvcp_controlplane_serving",
+                "1 on the replica that answers for the cluster: the leader, or the leader cut off from etcd "
+                "serving from memory (filter per-agent and cluster panels by it).",
+                [],
+            ),
             (g, "kvcp_controlplane_epoch", "Epoch (leader key create revision) of the leader this replica knows.", []),
             (g, "kvcp_agents", "Registered agents by sync state.", ["state"]),
             (
@@ -132,12 +139,15 @@ class ClusterCollector:
         f["kvcp_controlplane_is_leader"].add_metric([], 1 if lead is not None and lead.is_leader else 0)
         stale = lead is not None and getattr(lead, "serving_from_memory", False)
         f["kvcp_controlplane_serving_stale"].add_metric([], 1 if stale else 0)
+        # the leader cut off from etcd still answers lookups (flagged stale): its view of the
+        # agents is the cluster's, and panels filtered by it must not go empty meanwhile
+        leading = lead is not None and (lead.is_leader or stale)
+        f["kvcp_controlplane_serving"].add_metric([], 1 if leading else 0)
         f["kvcp_controlplane_epoch"].add_metric([], lead.epoch if lead is not None else 0)
         stats = self._cluster.stats()
         by_state = dict.fromkeys(AGENT_STATES, 0)
-        # per-agent series come from the leader only: a deposed replica keeps its records
-        # (disconnected) until the agents' leases go, and alerts would fire on them
-        leading = lead is not None and lead.is_leader
+        # per-agent series come from the serving replica only: a deposed replica keeps its
+        # records (disconnected) until the agents' leases go, and alerts would fire on them
         for rec, num_blocks in self._cluster.agents():
             state = rec.state.name.lower()
             by_state[state] += 1

@@ -142,6 +142,14 @@ class ControlPlaneLink:
     def _reply(self, op_id: str, state: str, **fields) -> None:
         self._send(agent_pb2.AgentMessage(op_update=agent_pb2.OpUpdate(op_id=op_id, state=state, **fields)))
 
+    def raise_to_pin(self, namespace: str, tier: int) -> None:
+        """A namespace pin's blocks held slower than its tier go up to it (in the background,
+        parents first). The control plane does this for prefix pins, whose blocks it knows;
+        a namespace's blocks only the agent knows."""
+        below = [h for h in self._pool.blocks_matching(namespace) if int(self._pool.tier_of(h) or 0) > tier]
+        if below and self._mover is not None and tier in self._pool.store_of:
+            self._mover.submit(below, Tier(tier), kind="promote")
+
     def _pins_changed(self) -> None:
         if self.on_pins_changed is not None:
             try:
@@ -220,6 +228,8 @@ class ControlPlaneLink:
                     )
                 )
             self._pins_changed()
+            if not hashes and cmd.namespace:
+                self.raise_to_pin(cmd.namespace, int(tier or Tier.CPU))
             self._reply(cmd.op_id, SUCCEEDED, done=len(hashes), total=len(hashes))
         elif kind == agent_pb2.COMMAND_KIND_UNPIN:
             with pool.lock:

@@ -156,9 +156,10 @@ class _Held(list):
     tier's eviction order) until the whole batch is placed; and how long a switch waits
     for a block's readers to let go."""
 
-    def __init__(self, reader_wait_seconds: float = 5.0) -> None:
+    def __init__(self, reader_wait_seconds: float = 5.0, making_room: bool = False) -> None:
         super().__init__()
         self.reader_wait_seconds = reader_wait_seconds
+        self.making_room = making_room  # its demotions make room (capacity), not a command's
 
 
 class PoolFull(Exception):
@@ -375,8 +376,14 @@ class BlockPool:
         self._stored: dict[Tier, int] = {t.tier: 0 for t in self.tiers}
         self.notices: deque[Notice] = deque(maxlen=1000)
         self.pins = PinTable()  # pins from the control plane (by hash or namespace)
+        # by the tier a block left: for room (capacity), as commanded (a move, the control
+        # plane's policy, an evict command), or by a cleanup
         self.evictions_total: dict[Tier, int] = {t.tier: 0 for t in self.tiers}
         self.demotions_total: dict[Tier, int] = {t.tier: 0 for t in self.tiers}
+        self.commanded_evictions_total: dict[Tier, int] = {t.tier: 0 for t in self.tiers}
+        self.commanded_demotions_total: dict[Tier, int] = {t.tier: 0 for t in self.tiers}
+        self.cleanup_evictions_total: dict[Tier, int] = {t.tier: 0 for t in self.tiers}
+        self.recoded_bytes_total = 0  # stored bytes re-encoded where they were (compress in place)
         self.promotions_total = 0
         self.corrupt_blocks_total = 0
         self._corrupt: set[bytes] = set()  # marked corrupt, not removed yet (read or moving then)
@@ -755,7 +762,11 @@ class BlockPool:
             meta = self.blocks.get(block_hash)
             if meta is None or self._pinned_subtree(meta):
                 return False
-            return self._drop_subtree(block_hash)
+            tier = meta.tier
+            if not self._drop_subtree(block_hash):
+                return False
+            self.commanded_evictions_total[tier] += 1
+            return True
 
     def _pinned_subtree(self, meta: BlockMeta) -> bool:
         if self.pin_tier(meta):
@@ -869,7 +880,9 @@ class BlockPool:
         jobs: list[tuple[int, BlockMeta, TierStore, object, object]] = []  # k, meta, src, src handle, new handle
         to_place: list[tuple[int, BlockMeta, TierStore]] = []  # the disk phase's, before their allocation
         in_place: list[BlockMeta] = []  # asked for where they are: the batch's room never comes from them
-        held = _Held(reader_wait_seconds)  # switched by the batch, held until it is placed (below)
+        # switched by the batch, held until it is placed (below); `from_tier` is given only
+        # by the room-making step, whose demotions count as capacity ones
+        held = _Held(reader_wait_seconds, making_room=from_tier is not None)
         slab_copies: list[tuple[int, BlockMeta, TierStore, object]] = []  # k, meta, src, src handle
         recode: dict[Tier, list[_Recode]] = {}
         singles: list[int] = []
@@ -1561,10 +1574,17 @@ class BlockPool:
             held.append(meta)  # before anything else can raise: its batch lets it go
         src.free(old)
         meta.moving = held is not None
+        if dst.tier == src_tier:  # a compress in place: no movement between tiers
+            self.recoded_bytes_total += meta.stored_bytes
+            return
         key = (src_tier, dst.tier)
         self.moved_bytes_total[key] = self.moved_bytes_total.get(key, 0) + meta.stored_bytes
         if int(dst.tier) < int(src_tier):
             self.promotions_total += 1
+        elif held is not None and held.making_room:
+            self.demotions_total[src_tier] += 1
+        else:
+            self.commanded_demotions_total[src_tier] += 1
 
     def _switch_when_unread(
         self, meta, src, old, dst, new, wait_seconds: float = 5.0, stored=None, held: _Held | None = None
@@ -1643,8 +1663,8 @@ class BlockPool:
                 acc = freed.setdefault(meta.tier, [0, 0])
                 acc[0] += 1
                 acc[1] += self.store_of[meta.tier].footprint(meta.stored_bytes)
-                if not dry_run:
-                    self._drop_subtree(meta.block_hash)
+                if not dry_run and self._drop_subtree(meta.block_hash):
+                    self.cleanup_evictions_total[meta.tier] += 1
             return CleanupResult({t: (n, b) for t, (n, b) in freed.items()}, skipped, len(order))
 
     # ---- recovery and inventory -----------------------------------------------------
@@ -1688,8 +1708,15 @@ class BlockPool:
                 parent = self.blocks.get(b.parent_hash)
                 if parent is not None:
                     parent.num_children += 1
-            for b in candidates.values():
-                self._touch(self.blocks[b.block_hash])
+            # in the order they were last used, keeping when (a cleanup by age goes on
+            # working after the restart; blocks of older slabs: now)
+            now = time.time()
+            for b in sorted(candidates.values(), key=lambda b: getattr(b, "last_access_unix_seconds", 0.0) or now):
+                meta = self.blocks[b.block_hash]
+                self._touch(meta)
+                accessed = getattr(b, "last_access_unix_seconds", 0.0)
+                if 0 < accessed <= now:
+                    meta.last_access_unix_seconds = accessed
             return len(candidates)
 
     def _adoptable(self, found) -> bool:
@@ -1871,11 +1898,8 @@ class BlockPool:
         if not victims:
             return
         # a victim moved or read since it was chosen is left alone (not waited for)
-        outcomes = self.move_blocks(
-            [m.block_hash for m in victims], lower.tier, from_tier=store.tier, reader_wait_seconds=0.0
-        )
-        with self.lock:
-            self.demotions_total[store.tier] += sum(1 for o in outcomes if o.ok and o.moved_bytes)
+        # counted as capacity demotions where they switch (_finish_move)
+        self.move_blocks([m.block_hash for m in victims], lower.tier, from_tier=store.tier, reader_wait_seconds=0.0)
 
     def _make_room(self, store: TierStore) -> None:
         """Free space in `store`: demote its LRU block to the next tier, or drop an LRU

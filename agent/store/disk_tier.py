@@ -10,7 +10,9 @@ payload, verified on every read.
             16-byte parent hash, 8-byte codec name, u64 uncompressed bytes,
             u64 payload bytes, u64 xxh3-64 of the payload, u16 + model_id,
             u16 + namespace, u16 + KV layout (ModelSpec.layout; absent in older
-            headers), u64 xxh3-64 of the header before it
+            headers), f64 the block's last access (unix seconds) when written (absent
+            in older headers: a restart keeps how long a block was idle, so a cleanup
+            by age works after it), u64 xxh3-64 of the header before it
 
 A block is written with one `pwritev` (header and payload straight from the memory
 tier's pages) into space nobody else uses, and read with one `preadv` straight into
@@ -38,6 +40,7 @@ import errno
 import fcntl
 import itertools
 import logging
+import math
 import os
 import struct
 import threading
@@ -66,7 +69,8 @@ _FIXED_SEQ_AT = 10  # magic (8) + header size (2)
 _FIXED_SEQ_END = _FIXED_SEQ_AT + 8
 _FIXED = struct.Struct("<8sHQ16s16s8sQQQ")  # magic .. payload checksum
 _CHECK = struct.Struct("<Q")
-HEADER_SLOT_BYTES = 512  # model id + namespace up to 418 bytes together
+_ACCESSED = struct.Struct("<d")
+HEADER_SLOT_BYTES = 512  # model id, namespace and KV layout up to 408 bytes together
 ALIGNED_FROM_BYTES = 64 << 10  # extents at least this big keep their payload 4 KiB-aligned
 _ALIGN_GRANULES = 4096 // GRANULE_BYTES
 _SCAN_CHUNK_BYTES = 8 << 20
@@ -101,6 +105,7 @@ class RecoveredBlock:
     stored_bytes: int
     handle: DiskHandle
     layout: str = ""  # the model's KV layout when written ("" in older slabs)
+    last_access_unix_seconds: float = 0.0  # when written (0: an older slab, unknown)
 
 
 @dataclass(frozen=True)
@@ -115,6 +120,7 @@ class Header:
     model_id: str
     namespace: str
     layout: str = ""
+    last_access_unix_seconds: float = 0.0
 
 
 def checksum(buf) -> int:
@@ -127,7 +133,7 @@ def _granules(num_bytes: int) -> int:
 
 def header_size(meta, layout: str = "") -> int:
     strings = len(meta.model_id.encode()) + len(meta.namespace.encode()) + len(layout.encode())
-    return _FIXED.size + 2 + 2 + 2 + strings + _CHECK.size
+    return _FIXED.size + 2 + 2 + 2 + strings + _ACCESSED.size + _CHECK.size
 
 
 def encode_header(seq: int, meta, payload_bytes: int, digest: int, layout: str = "") -> bytes:
@@ -156,6 +162,7 @@ def encode_header(seq: int, meta, payload_bytes: int, digest: int, layout: str =
             ns,
             struct.pack("<H", len(lay)),
             lay,
+            _ACCESSED.pack(float(getattr(meta, "last_access_unix_seconds", 0.0) or 0.0)),
         ]
     )
     return body + _CHECK.pack(checksum(body))
@@ -189,9 +196,13 @@ def decode_header(raw: bytes | memoryview) -> Header:
     namespace = raw[pos + 2 : pos + 2 + ns_len]
     pos += 2 + ns_len
     layout = b""
+    accessed = 0.0
     if pos + 2 <= size - _CHECK.size:  # older headers end at the namespace
         (layout_len,) = struct.unpack_from("<H", raw, pos)
         layout = raw[pos + 2 : pos + 2 + layout_len]
+        pos += 2 + layout_len
+        if pos + _ACCESSED.size <= size - _CHECK.size:  # and then at the layout
+            (accessed,) = _ACCESSED.unpack_from(raw, pos)
     try:
         return Header(
             seq,
@@ -204,6 +215,7 @@ def decode_header(raw: bytes | memoryview) -> Header:
             model.decode(),
             namespace.decode(),
             layout.decode(),
+            accessed if math.isfinite(accessed) and accessed > 0 else 0.0,
         )
     except UnicodeDecodeError:
         raise CorruptBlock("undecodable header") from None
@@ -809,6 +821,7 @@ class DiskTier:
                 header.payload_bytes,
                 handle,
                 header.layout,
+                header.last_access_unix_seconds,
             )
             older = found.get(header.block_hash)
             if older is not None:  # a copy whose removal a crash interrupted: the later write wins

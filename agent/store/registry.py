@@ -43,11 +43,19 @@ class EtcdRegistration:
                 self.on_reregistered()
 
     def run_forever(self, stop: threading.Event) -> None:
-        while not stop.wait(max(self.ttl_seconds / 3.0, 0.2)):
+        """Refresh every ttl/3; after a failed refresh every 0.5 s: the failed call took
+        its timeout out of the lease's time already, and etcd back from a pause expires
+        a lease whose time ran out meanwhile at once, so the first refresh it can answer
+        must come quickly."""
+        period = max(self.ttl_seconds / 3.0, 0.2)
+        wait = period
+        while not stop.wait(wait):
             try:
                 self.run_once()
+                wait = period
             except Exception as exc:  # noqa: BLE001 - etcd away: keep serving, retry
                 log.warning("etcd keep-alive of %s failed: %s", self.agent_id, exc)
+                wait = min(period, 0.5)
 
     def leader_address(self) -> str:
         value, _ = self._client.get(etcd_keys.LEADER_KEY)

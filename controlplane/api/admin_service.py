@@ -56,14 +56,23 @@ class AdminServicer(admin_pb2_grpc.AdminServiceServicer):
         """Lookup's answer, for gRPC and for the lookup socket alike (KvcpError on bad input)."""
         self._require_leader(read=True)
         start = time.perf_counter()
-        result = self._cluster.lookup(
-            request.model_id,
-            token_ids=list(request.token_ids),
-            block_hashes=request.block_hashes,
-            extra_keys=tuple(request.extra_keys),
-        )
+        rebuilding = self._cluster.rebuilding()
+        try:
+            result = self._cluster.lookup(
+                request.model_id,
+                token_ids=list(request.token_ids),
+                block_hashes=request.block_hashes,
+                extra_keys=tuple(request.extra_keys),
+            )
+        except errors.NotFound:
+            if rebuilding:  # the agents serving it have not synced with this leader yet
+                raise errors.Unavailable(
+                    f"model_id: no agent serving {request.model_id!r} has synced with this control plane yet "
+                    "(it took over, or agents are resyncing); retry shortly"
+                ) from None
+            raise
         response = convert.lookup_to_pb(result)
-        response.possibly_stale = self._stale
+        response.possibly_stale = self._stale or rebuilding
         if self._lookup_duration is not None:
             self._lookup_duration.observe(time.perf_counter() - start)
         return response

@@ -173,6 +173,10 @@ class Cluster:
         self._agents: dict[str, AgentRecord] = {}
         self._models: dict[str, ModelInfo] = {}
         self._serving: dict[str, frozenset[str]] = {}  # model -> ids of the agents serving it
+        # agents with a key in etcd at the last membership listing: until each is back and
+        # synced here (a new leader, an agent resyncing), answers may miss what they hold
+        self._expected_agents: frozenset[str] = frozenset()
+        self._rebuilding = (0.0, False)  # (monotonic time computed, value)
         self.index = BlockIndex(expected_blocks)
         self.lookups_total = 0
         self.lookup_tokens_total = 0
@@ -263,10 +267,26 @@ class Cluster:
                 )
             return dropped
 
+    def rebuilding(self) -> bool:
+        """Is an agent that has a key in etcd not (yet, or no longer) synced here? Then a
+        lookup may miss blocks it holds, or name ones it lost: answers say possibly stale.
+        Computed at most every 0.1 s (lookups ask it every time)."""
+        at, value = self._rebuilding
+        now = time.monotonic()
+        if now - at < 0.1:
+            return value
+        with self._lock:
+            agents = self._agents
+            value = any((r := agents.get(a)) is None or r.state != AgentState.READY for a in self._expected_agents)
+        self._rebuilding = (now, value)
+        return value
+
     def reconcile_membership(self, live_agent_ids: set[str], listed_at_unix_seconds: float) -> list[str]:
         """Level-triggered repair: drop every agent not in `live_agent_ids` (listed from
         etcd at `listed_at_unix_seconds`; agents that registered after that are kept)."""
         with self._lock:
+            self._expected_agents = frozenset(live_agent_ids)
+            self._rebuilding = (0.0, False)
             recent = {a for a, r in self._agents.items() if r.registered_at_unix_seconds > listed_at_unix_seconds}
             known = set(self._agents) | set(self.index.agents())
             gone = [a for a in known if a not in live_agent_ids and a not in recent]

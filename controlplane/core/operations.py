@@ -150,7 +150,11 @@ def _settle(op: Operation) -> bool:
     before = op.state
     states = [p.state for p in op.parts.values()]
     if all(s in TERMINAL for s in states):
-        if op.cancel_requested or any(s == CANCELLED for s in states):
+        if op.cancel_requested and all(s == SUCCEEDED for s in states):
+            # every part had finished its work before the cancel reached it: it ran, say so
+            op.state = SUCCEEDED
+            op.error = "cancel came after every agent had finished"
+        elif op.cancel_requested or any(s == CANCELLED for s in states):
             op.state = CANCELLED
         elif any(s == FAILED for s in states):
             op.state = FAILED

@@ -53,7 +53,13 @@ class LeaderElection:
                     self.is_leader = False
                     self.serving_from_memory = False
                     self._lease = None
-                    return False
+                    # name the leader now (a deposed leader went on naming itself until its
+                    # next step, and clients could not follow): read the key, or stand again
+                    try:
+                        self._campaign()
+                    except Exception:  # noqa: BLE001 - the next step tries again
+                        self.leader_address = ""
+                    return self.is_leader
                 if self.is_leader and time.monotonic() - self._last_ok < self.ttl_seconds / 2:
                     # one failed call (a timeout, the client's endpoint marked failed for a
                     # second) is no outage yet: the lease still has most of its TTL, and the

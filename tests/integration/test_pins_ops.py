@@ -264,6 +264,22 @@ def test_a_restarted_agent_protects_its_pinned_disk_blocks_before_the_controlpla
     assert b.engine.lookup(M.model_id, kept) == 3 * BS
 
 
+def test_a_namespace_pin_brings_its_blocks_up_to_its_tier(client, make_agent, tmp_path):
+    """A pin is a minimum tier: a namespace's blocks already on disk when it is pinned at
+    cpu go back up (the control plane repairs prefix pins; a namespace's blocks only the
+    agent knows)."""
+    a = make_agent("p10", cpu_capacity_bytes=32 * M.block_bytes, disk_dir=str(tmp_path / "disk"))
+    kb = tokens(4, start=50_000)
+    a.engine.store(M.model_id, kb, kv(4), namespace="kb")
+    wait_for(lambda: indexed(client, "p10") == 4, what="indexed")
+    client.wait_operation(client.move("disk", namespace="kb").op_id, timeout_seconds=20)
+    hs = split_hashes(hash_prefix(M.model_id, kb, BS))
+    assert [a.pool.tier_of(h) for h in hs] == [Tier.DISK] * 4
+    client.pin(namespace="kb", min_tier="cpu", ttl_seconds=60)
+    wait_for(lambda: [a.pool.tier_of(h) for h in hs] == [Tier.CPU] * 4, what="promoted to the pin's tier")
+    assert a.engine.lookup(M.model_id, kb) == 4 * BS
+
+
 def test_pin_tied_to_owner_lease_goes_with_it(client, make_agent, etcd):
     make_agent("p5")
     wait_for(lambda: indexed(client, "p5") == 0, what="agent")

@@ -150,3 +150,42 @@ def test_pool_counters_of_any_shape():
         (Tier.DISK, "cleanup"): 5,
         (Tier.CPU, "policy"): 1,
     }
+
+
+def test_commanded_moves_compresses_cleanups_and_evicts_are_counted(tmp_path):
+    """Not only the room-making ones: an operator's (or the policy's) move to disk is a
+    demotion, a compress in place re-encodes without moving between tiers, a cleanup and
+    an evict command drop blocks."""
+    from protos.block_hash import hash_prefix, split_hashes
+
+    registry = CollectorRegistry()
+    a = Agent(
+        AgentConfig(
+            agent_id="m2",
+            cpu_capacity_bytes=16 * M.block_bytes,
+            disk_dir=str(tmp_path / "disk"),
+            disk_capacity_bytes=32 * M.block_bytes,
+        ),
+        registry=registry,
+    )
+    try:
+        v = registry.get_sample_value
+        first, second = tokens(4), tokens(4, start=7000)
+        a.engine.store(M.model_id, first, kv(4))
+        a.engine.store(M.model_id, second, kv(4))
+        hs1 = split_hashes(hash_prefix(M.model_id, first, BS))
+        hs2 = split_hashes(hash_prefix(M.model_id, second, BS))
+        assert all(o.ok for o in a.pool.move_blocks(hs1, Tier.DISK))
+        assert v("kvcp_demotions_total", {"agent_id": "m2", "tier": "cpu", "reason": "command"}) == 4
+        assert v("kvcp_demotions_total", {"agent_id": "m2", "tier": "cpu", "reason": "capacity"}) == 0
+        assert v("kvcp_tier_moved_bytes_total", {"agent_id": "m2", "src_tier": "cpu", "dst_tier": "disk"}) > 0
+        assert all(o.ok for o in a.pool.move_blocks(hs2, None, "int8"))  # compress in place
+        assert v("kvcp_recoded_bytes_total", {"agent_id": "m2"}) > 0
+        assert v("kvcp_tier_moved_bytes_total", {"agent_id": "m2", "src_tier": "cpu", "dst_tier": "cpu"}) is None
+        assert a.pool.drop(hs2[-1])
+        assert v("kvcp_evictions_total", {"agent_id": "m2", "tier": "cpu", "reason": "command"}) == 1
+        assert a.pool.cleanup(0).num_blocks == 7
+        assert v("kvcp_evictions_total", {"agent_id": "m2", "tier": "disk", "reason": "cleanup"}) == 4
+        assert v("kvcp_evictions_total", {"agent_id": "m2", "tier": "cpu", "reason": "cleanup"}) == 3
+    finally:
+        a.disk.close()

@@ -25,6 +25,7 @@ class Leadership:
     is_leader: bool = True
     epoch: int = 7
     leader_address: str = "127.0.0.1:1"
+    serving_from_memory: bool = False
 
 
 def packed(n_blocks: int, start: int = 0) -> bytes:
@@ -119,6 +120,14 @@ def test_per_agent_series_only_while_leader(setup):
 
     metrics.leadership = Leadership(is_leader=True)  # leading again: the series are back
     assert v("kvcp_agent_state", {"agent_id": "a1", "state": "disconnected"}) == 1
+    assert v("kvcp_controlplane_serving") == 1
+
+    # cut off from etcd, the leader serves lookups from memory: its view is still the
+    # cluster's, so its per-agent series stay (panels and alerts filter on serving == 1)
+    metrics.leadership = Leadership(is_leader=False, serving_from_memory=True)
+    assert v("kvcp_controlplane_is_leader") == 0 and v("kvcp_controlplane_serving_stale") == 1
+    assert v("kvcp_controlplane_serving") == 1
+    assert v("kvcp_agent_indexed_blocks", {"agent_id": "a1"}) == 2
 
 
 def test_lookup_latency_histogram_counts_answered_lookups(setup):

@@ -133,6 +133,23 @@ def test_pass_decides_only_for_agents_that_can_have_something_to_do(monkeypatch)
     assert cmd.kind == "move" and cmd.tier == int(Tier.CPU)
 
 
+def test_an_agent_back_on_a_new_stream_is_decided_for_again_at_once():
+    """A policy command went to an agent that then restarted before answering: the new
+    process never heard of it, so the next pass decides for it again instead of waiting
+    for the old command's timeout."""
+    f = Fleet()
+    f.agent("a", {Tier.CPU: (16, [chain(1, 8), chain(2, 8)])})
+    f.manager.policy_pass(100.0)
+    assert len(f.commands("a")) == 1
+    f.manager.policy_pass(101.0)
+    assert f.commands("a") == []  # its command is in flight on that stream
+    f.cluster.hello("a", "s2")  # the agent restarted: a new stream
+    f.outboxes["a"] = queue.Queue()
+    f.cluster.attach_outbox("a", "s2", f.outboxes["a"])
+    f.manager.policy_pass(102.0)
+    assert len(f.commands("a")) == 1
+
+
 def test_pass_budget_takes_the_longest_waiting_agents_first():
     f = Fleet()
     for name in ("a", "b", "c"):

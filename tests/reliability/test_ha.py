@@ -197,6 +197,7 @@ def test_deposed_leader_writes_nothing(etcd):
     DurableStore(cb, b).put(etcd_keys.POLICY_KEY, "{}")
     assert cb.get(etcd_keys.POLICY_KEY)[0] == b"{}"
     assert not a.run_once()  # and at its next pass it steps down
+    assert a.leader_address == "b:1"  # naming the leader at once, so clients follow (not itself)
     ca.close()
     cb.close()
 
@@ -259,3 +260,32 @@ def test_etcd_outage_reads_from_memory_rejects_writes_and_recovers(make_agent_fa
         if cp:
             cp.stop()
         server.cleanup()
+
+
+def test_a_client_given_every_replica_finds_the_new_leader_when_the_old_one_is_gone(etcd):
+    """kvctl --endpoint A,B (and the dashboard, the same facade): the leader A dies; calls
+    that cannot connect to A go on to B, which leads once A's election lease is gone."""
+    from controlplane.server import ControlPlane, ControlPlaneConfig
+
+    a = ControlPlane(ControlPlaneConfig(listen="127.0.0.1:0", etcd=etcd, election_ttl_seconds=TTL)).start()
+    b = ControlPlane(ControlPlaneConfig(listen="127.0.0.1:0", etcd=etcd, election_ttl_seconds=TTL)).start()
+    try:
+        wait_for(lambda: a.election.is_leader, 10, 0.1, "a leads")
+        with ControlPlaneClient(f"{a.address},{b.address}") as c:
+            assert c.stats().leader_address == a.address
+            a.stop(grace_seconds=0)
+            stats = wait_for(lambda: _stats_or_none(c), TTL + 10, 0.2, "answered by the new leader")
+            assert stats.leader_address == b.address and c.endpoint == b.address
+            with pytest.raises(ClientError) as err:  # a replica that was never listed is not guessed
+                ControlPlaneClient(a.address, timeout_seconds=1).stats()
+            assert err.value.code == "UNAVAILABLE"
+    finally:
+        a.stop()
+        b.stop()
+
+
+def _stats_or_none(client):
+    try:
+        return client.stats() if client.stats().is_leader else None
+    except ClientError:
+        return None

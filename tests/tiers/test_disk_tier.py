@@ -285,6 +285,24 @@ def test_restart_recovers_valid_blocks_and_prunes_corrupt_and_orphans(tmp_path):
     assert {(g.tier, len(g.block_hashes) // 16) for g in groups} == {(Tier.DISK, 4)}
 
 
+def test_a_restart_keeps_how_long_disk_blocks_were_idle(tmp_path):
+    """A cleanup by age after a restart: the blocks' last access comes back from their
+    headers (before, every recovered block counted as used at the restart, and
+    `cleanup --older-than 7d` freed nothing for 7 days)."""
+    d = tmp_path / "disk"
+    pool, engine, toks, data, hs = spill(tmp_path)
+    time.sleep(1.2)
+    assert all(pool.move_block(h, Tier.DISK).ok for h in hs[3:][::-1])  # children first
+    disk_of(pool).close()
+    disk2 = DiskTier(d, 1 << 20)
+    pool2 = BlockPool([MemoryTier(Tier.CPU, 2 * BLOCK_BYTES, BLOCK_BYTES, device="cpu"), disk2], [SPEC])
+    found, _ = disk2.scan()
+    assert pool2.recover(disk2, found) == 5
+    freed = pool2.cleanup(1.0, dry_run=True)
+    assert freed.num_blocks == 5  # idle for 1.2 s before the restart: older than 1 s
+    assert pool2.cleanup(60.0, dry_run=True).num_blocks == 0
+
+
 def test_restart_drops_blocks_of_models_no_longer_served(tmp_path):
     d = tmp_path / "disk"
     pool, *_ = spill(tmp_path)

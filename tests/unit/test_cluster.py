@@ -388,3 +388,39 @@ def test_a_lookup_names_only_agents_serving_its_model():
         c.apply_inventory_chunk(agent_id, 0, 0, True, [BlockGroup(model, Tier.GPU, h)], "s")
     assert [(m.agent_id, m.num_hit_blocks) for m in c.lookup("llama", block_hashes=h).matches] == [("llama-agent", 1)]
     assert [m.agent_id for m in c.lookup("qwen", block_hashes=h).matches] == ["qwen-agent"]
+
+
+def test_lookups_say_possibly_stale_until_every_agent_in_etcd_has_synced():
+    """A new leader (or one whose agents are resyncing) answers from an index still being
+    rebuilt: an answer that may miss what an unsynced agent holds says so, and a model no
+    synced agent serves yet is UNAVAILABLE (retry), not NOT_FOUND."""
+    import time as _time
+
+    from controlplane.api.admin_service import AdminServicer
+    from controlplane.core.cluster import AgentRecord, BlockGroup, Cluster, ModelInfo
+    from protos import errors
+    from protos.block_hash import hash_prefix
+    from protos.kvcp.v1 import admin_pb2
+    from protos.tier import Tier
+
+    class Leading:
+        is_leader, serving_from_memory, epoch, leader_address = True, False, 1, ""
+
+    c = Cluster()
+    servicer = AdminServicer(c, Leading())
+    c.reconcile_membership({"a", "b"}, _time.time())  # both have keys in etcd
+    with pytest.raises(errors.Unavailable, match="synced"):
+        servicer.Lookup(admin_pb2.LookupRequest(model_id="m", token_ids=list(range(16))), None)
+    c.register(AgentRecord("a", "x:1", [ModelInfo("m", 16)], []))
+    c.hello("a", "s")
+    c.apply_inventory_chunk("a", 0, 0, True, [BlockGroup("m", Tier.CPU, hash_prefix("m", range(16), 16))], "s")
+    _time.sleep(0.11)
+    r = servicer.Lookup(admin_pb2.LookupRequest(model_id="m", token_ids=list(range(16))), None)
+    assert r.best_agent_id == "a" and r.possibly_stale  # "b" may hold more: not synced yet
+    c.register(AgentRecord("b", "x:2", [ModelInfo("m", 16)], []))
+    c.hello("b", "s")
+    c.apply_inventory_chunk("b", 0, 0, True, [], "s")
+    _time.sleep(0.11)
+    assert not servicer.Lookup(admin_pb2.LookupRequest(model_id="m", token_ids=list(range(16))), None).possibly_stale
+    with pytest.raises(errors.NotFound):  # every agent synced: an unknown model is unknown
+        servicer.Lookup(admin_pb2.LookupRequest(model_id="nope", token_ids=[1]), None)

@@ -78,9 +78,13 @@ class Operation:
 
     @property
     def progress(self) -> float:
-        if self.finished:
+        """The share of its blocks accounted for (done or failed); a cancelled operation
+        shows how far it got, not 100 %."""
+        if self.state == SUCCEEDED:
             return 1.0
         total = self.total
+        if self.finished and not total:
+            return 1.0
         if total:
             return min(1.0, (self.done + self.failed) / total)
         parts = self.parts.values()

@@ -34,3 +34,13 @@ def test_a_cancel_before_anything_was_sent_cancels():
     op = ops.new_operation("cleanup", {}, ["a1"], now=0.0)
     ops.cancel(op, now=1.0)
     assert op.state == ops.CANCELLED
+
+
+def test_a_cancelled_operation_shows_how_far_it_got():
+    op = _running(["a1"])
+    ops.cancel(op, now=2.0)
+    ops.apply_update(op, "a1", ops.CANCELLED, 64, 8661, 0, 64 * 8192, "", now=3.0)
+    assert op.state == ops.CANCELLED and abs(op.progress - 64 / 8661) < 1e-9
+    done = _running(["a1"])
+    ops.apply_update(done, "a1", ops.SUCCEEDED, 8, 8, 0, 0, "", now=3.0)
+    assert done.progress == 1.0

@@ -3,6 +3,7 @@ ControlPlaneClient; `-o json` prints the stable shape scripts rely on."""
 
 from __future__ import annotations
 
+import errno
 import json
 import math
 import ssl
@@ -58,7 +59,19 @@ class Context:
 pass_ctx = click.make_pass_decorator(Context)
 
 
-@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+class _Group(click.Group):
+    def main(self, *args, **kwargs):
+        """Output that cannot be written (a full disk, a closed terminal) is one line on
+        stderr and exit 1, not a traceback (a closed pipe stays click's quiet exit)."""
+        try:
+            return super().main(*args, **kwargs)
+        except OSError as exc:
+            if exc.errno == errno.EPIPE:
+                raise
+            fail(f"cannot write the output: {exc.strerror or exc}", 1)
+
+
+@click.group(cls=_Group, context_settings={"help_option_names": ["-h", "--help"]})
 @click.option(
     "--endpoint",
     envvar="KVCTL_ENDPOINT",

@@ -325,3 +325,12 @@ def test_demo_runs_twice_in_a_row(tmp_path):
         assert proc.returncode == 0, proc.stdout + proc.stderr
         assert "kvcp demo cluster is up" in proc.stdout and "stopped 5 processes" in proc.stdout
         assert not list((run_dir / "pids").glob("*.pid"))
+
+
+def test_kvctl_output_that_cannot_be_written_is_one_line_not_a_traceback():
+    with open("/dev/full", "w") as full:
+        proc = subprocess.run(
+            [script("kvctl"), "--endpoint", "127.0.0.1:1", "--help"], stdout=full, stderr=subprocess.PIPE, text=True
+        )
+    assert proc.returncode == 1
+    assert proc.stderr.strip() == "kvctl: cannot write the output: No space left on device"

@@ -16,7 +16,7 @@ from collections.abc import Sequence
 
 import torch
 
-from agent.core.engine_api import blocks_per_message
+from agent.core.engine_api import blocks_in_store_message, blocks_per_message
 from agent.core.model_spec import ModelSpec
 
 LayerKV = tuple[torch.Tensor, torch.Tensor]
@@ -136,12 +136,15 @@ class KVConnector:
             return self.engine.store(self.spec.model_id, tokens, blocks, first_block, self.extra_keys).num_stored_blocks
         stored = 0
         end = first_block + n
-        for first in range(first_block, end, self._blocks_per_message):  # one message at a time
-            count = min(self._blocks_per_message, end - first)
+        first = first_block
+        while first < end:  # one message at a time
+            fits = blocks_in_store_message(self.spec.block_bytes, self.spec.block_size, first)
+            count = min(self._blocks_per_message, fits, end - first)
             raw = layers_to_blocks(kv, self.spec, first, count).view(torch.uint8).numpy().tobytes()
             upto = tokens[: (first + count) * self.spec.block_size]
             new, present = self.engine.store(self.spec.model_id, upto, raw, first, self.extra_keys, spec=self._spec_pb)
             if new + present < first + count:  # stopped short (prefix gone, no room): so do we
                 break
             stored += new
+            first += count
         return stored

@@ -203,11 +203,11 @@ class Manager:
         pins = self.durable.load_pins()
         loaded_ops = self.durable.load_ops()
         values, revision = self.durable.load_policy()
-        requeue, to_fail = [], []
+        requeue, adopted = [], []
         with self._lock:
             self.pins = {p.pin_id: p for p in pins}
             merged: dict[str, ops.Operation] = {}
-            kept: set[str] = set()  # held here: not failed as "went away"
+            kept: set[str] = set()  # held here: not adopted as another leader's
             for stored in loaded_ops:
                 held = self.ops.get(stored.op_id)
                 # stored finished, or started by another leader since: the stored copy is newer
@@ -231,15 +231,22 @@ class Manager:
                         self._op_done.setdefault(op_id, threading.Event())
                         requeue.append(op)
                 elif op_id not in kept:
-                    to_fail.append(op)
+                    adopted.append(op)
             self.policy = self._valid_stored_policy(values)
             self.policy_revision = revision
         for op in requeue:
             self._start_locked(op)
-        for op in to_fail:
+        for op in adopted:
+            # another leader sent its commands: its agents run them to the end and report
+            # on their new streams (progress, or the final answer they send again), so it
+            # is followed from here; a part whose agent never reports (it never got the
+            # command, or left) fails after the operation timeout like any silent part
             with self._lock:
-                op.state, op.error = ops.FAILED, "the control plane that ran it went away; start it again"
-                op.updated_unix_seconds = self.clock()
+                now = self.clock()
+                for part in op.parts.values():
+                    if part.state not in ops.TERMINAL:
+                        part.updated_unix_seconds = now
+                op.updated_unix_seconds = now
             self._op_changed(op)
         self._loaded_epoch = epoch
 
@@ -890,7 +897,10 @@ class Manager:
         return op
 
     def _expire_ops(self, now: float) -> None:
-        live = {r.agent_id for r, _ in self.cluster.agents()}
+        # an agent with a key in etcd is alive though not yet back on this leader's stream;
+        # before the first membership listing nobody is known to have left
+        in_etcd = self.cluster.agents_in_etcd()
+        live = {r.agent_id for r, _ in self.cluster.agents()} | (in_etcd or frozenset())
         with self._lock:
             # a cleanup still waiting for its lock has its own timeout (_run_locked)
             running = [o for o in self.ops.values() if not o.finished and not o.waiting_for_lock]
@@ -917,7 +927,7 @@ class Manager:
             changed = False
             with self._lock:
                 for part in list(op.parts.values()):
-                    if part.agent_id not in live:
+                    if in_etcd is not None and part.agent_id not in live:
                         changed |= ops.fail_part(op, part.agent_id, "agent left", now)
                 changed |= ops.expire_silent_parts(op, now, self.op_timeout_seconds)
             if changed:

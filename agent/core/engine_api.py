@@ -36,9 +36,24 @@ ENGINE_MESSAGE_BYTES = 256 << 20
 _MESSAGE_HEADROOM_BYTES = 4 << 20  # token ids and framing
 
 
+_TOKEN_ID_BYTES = 5  # the most one token id takes in a message (packed varint)
+
+
 def blocks_per_message(block_bytes: int) -> int:
     """How many blocks of `block_bytes` one engine message carries (at least one)."""
     return max(1, (ENGINE_MESSAGE_BYTES - _MESSAGE_HEADROOM_BYTES) // block_bytes)
+
+
+def blocks_in_store_message(block_bytes: int, block_size: int, first_block: int) -> int:
+    """How many blocks from `first_block` one Store message carries: it also carries
+    every token id up to its last block, so the further into a long prompt, the fewer
+    (a 1.5M-token prompt's last message went over the limit). ValueError when the
+    token ids before `first_block` alone would not fit."""
+    room = ENGINE_MESSAGE_BYTES - _MESSAGE_HEADROOM_BYTES - _TOKEN_ID_BYTES * first_block * block_size
+    count = room // (block_bytes + _TOKEN_ID_BYTES * block_size)
+    if count < 1:
+        raise ValueError(f"a prompt of {first_block * block_size} tokens does not fit in one engine message")
+    return count
 
 
 @dataclass(frozen=True)

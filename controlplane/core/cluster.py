@@ -176,6 +176,7 @@ class Cluster:
         # agents with a key in etcd at the last membership listing: until each is back and
         # synced here (a new leader, an agent resyncing), answers may miss what they hold
         self._expected_agents: frozenset[str] = frozenset()
+        self._listed = False  # a membership listing has come in
         self._rebuilding = (0.0, False)  # (monotonic time computed, value)
         self.index = BlockIndex(expected_blocks)
         self.lookups_total = 0
@@ -267,6 +268,11 @@ class Cluster:
                 )
             return dropped
 
+    def agents_in_etcd(self) -> frozenset[str] | None:
+        """The agents that had a key in etcd at the last membership listing (None before
+        the first: nobody can tell yet whether an agent left)."""
+        return self._expected_agents if self._listed else None
+
     def rebuilding(self) -> bool:
         """Is an agent that has a key in etcd not (yet, or no longer) synced here? Then a
         lookup may miss blocks it holds, or name ones it lost: answers say possibly stale.
@@ -286,6 +292,7 @@ class Cluster:
         etcd at `listed_at_unix_seconds`; agents that registered after that are kept)."""
         with self._lock:
             self._expected_agents = frozenset(live_agent_ids)
+            self._listed = True
             self._rebuilding = (0.0, False)
             recent = {a for a, r in self._agents.items() if r.registered_at_unix_seconds > listed_at_unix_seconds}
             known = set(self._agents) | set(self.index.agents())

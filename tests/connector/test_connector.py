@@ -102,3 +102,22 @@ def test_load_of_a_bad_first_block_is_an_invalid_argument(make_agent):
         assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "first_block" in e.value.details()
     finally:
         client.close()
+
+
+def test_store_messages_deep_into_a_long_prompt_carry_fewer_blocks():
+    """Each Store carries every token id up to its last block: at 1.5M tokens the ids take
+    ~7 MiB, more than the message's fixed headroom, so later messages carry fewer blocks
+    (a prompt of 3 full messages' blocks went over the 256 MiB limit on its last one)."""
+    from agent.core.engine_api import ENGINE_MESSAGE_BYTES, blocks_in_store_message, blocks_per_message
+
+    bb, bs = M.block_bytes, M.block_size
+    full = blocks_per_message(bb)
+    for first in (0, full, 2 * full, 8 * full):
+        count = blocks_in_store_message(bb, bs, first)
+        assert count >= 1
+        assert count * bb + 5 * (first + count) * bs + (1 << 20) <= ENGINE_MESSAGE_BYTES, first
+    first = 2 * full  # where the old fixed count went over
+    assert full * bb + 5 * (first + full) * bs > ENGINE_MESSAGE_BYTES - (1 << 20)
+    assert blocks_in_store_message(bb, bs, first) < full
+    with pytest.raises(ValueError, match="does not fit"):
+        blocks_in_store_message(bb, bs, ENGINE_MESSAGE_BYTES // bs)

@@ -280,6 +280,37 @@ def test_a_namespace_pin_brings_its_blocks_up_to_its_tier(client, make_agent, tm
     assert a.engine.lookup(M.model_id, kb) == 4 * BS
 
 
+def test_a_move_running_when_the_controlplane_restarts_is_followed_to_its_end(etcd, make_agent, tmp_path, monkeypatch):
+    """Its agent runs it to the end whatever happens to the leader: the new leader follows
+    it (progress and the final answer the agent sends again on its new stream) instead of
+    calling it failed while the blocks go on moving, beyond any cancel."""
+    from controlplane.server import ControlPlane, ControlPlaneConfig
+
+    cp = ControlPlane(ControlPlaneConfig(listen="127.0.0.1:0", etcd=etcd, election_ttl_seconds=2)).start()
+    port = cp.port
+    a = make_agent("p11", cpu_capacity_bytes=128 * M.block_bytes, disk_dir=str(tmp_path / "disk"), lease_ttl_seconds=5)
+    real = a.pool.move_blocks
+    monkeypatch.setattr(a.pool, "move_blocks", lambda *args, **kw: (time.sleep(1.0), real(*args, **kw))[1])
+    prompt = tokens(96, start=60_000)
+    try:
+        a.engine.store(M.model_id, prompt, kv(96))
+        with ControlPlaneClient(cp.address) as c:
+            wait_for(lambda: indexed(c, "p11") == 96, what="indexed")
+            op = c.move("disk", model_id=M.model_id, token_ids=prompt)
+            wait_for(lambda: c.get_operation(op.op_id).state == "RUNNING", what="running")
+    finally:
+        cp.stop()
+    cp2 = ControlPlane(ControlPlaneConfig(listen=f"127.0.0.1:{port}", etcd=etcd, election_ttl_seconds=2)).start()
+    try:
+        with ControlPlaneClient(cp2.address) as c:
+            done = wait_for(lambda: c.get_operation(op.op_id).finished and c.get_operation(op.op_id), 30, 0.2, "done")
+            assert done.state == "SUCCEEDED" and done.done == 96, (done.state, done.error, done.done)
+        hs = split_hashes(hash_prefix(M.model_id, prompt, BS))
+        assert {a.pool.tier_of(h) for h in hs} == {Tier.DISK}
+    finally:
+        cp2.stop()
+
+
 def test_pin_tied_to_owner_lease_goes_with_it(client, make_agent, etcd):
     make_agent("p5")
     wait_for(lambda: indexed(client, "p5") == 0, what="agent")

@@ -335,21 +335,22 @@ def bench_full_tier(
             pool.drop(root)
         return took
 
-    swaps = _with_engine(pool, sets[1][:4], lambda: [move(sets[r % 2], top) for r in range(2 * repeats)])
+    # each round: the blocks below come up into the full tier in one batch (kvcp), then the
+    # same bytes as two batches (down, then the others up into the room made: the
+    # baseline), the engine thread running through both; as many of each, interleaved
+    swap_times, swap_waits, two, down_only = [], [], float("inf"), float("inf")
+    for _ in range(repeats):  # sets[1] is in the top tier at the start of each round
+        took, waits = _with_engine(pool, sets[1][:4], lambda: move(sets[0], top))
+        swap_times.append(took)
+        swap_waits.extend(waits)
+        (down, up), _ = _with_engine(pool, sets[1][:4], lambda: (move(sets[0], low), move(sets[1], top)))
+        down_only, two = min(down_only, down), min(two, down + up)
     reserves, stores = [], []
     for _ in range(repeats):  # sets[1] is in the top tier after an even number of swaps
         reserves.append(_with_engine(pool, sets[1][:4], reserve))
         move(sets[1], top)  # what it pushed out, back (not timed)
         stores.append(_with_engine(pool, sets[1][:4], store))
         move(sets[1], top)
-    up, two, down_only = 1, float("inf"), float("inf")
-    for _ in range(repeats):  # the same bytes down, then the others up into the room made
-        down = move(sets[up], low)
-        up = 1 - up
-        down_only = min(down_only, down)
-        two = min(two, down + move(sets[up], top))
-    move(sets[1], top)
-    swap_times, swap_waits = swaps
     on = "" if top is Tier.CPU else f" {top.label}"
     return [
         _full_row(f"{low.label}->{top.label} (full)", nbytes, total, min(swap_times), two, swap_waits),

@@ -553,16 +553,30 @@ class _AgentPass:
             if room <= 0:
                 continue
             hot = []
+            where = {}  # block of a slower tier -> its tier index
             for j in range(i + 1, len(tiers)):
                 for h in self.content[j]:
+                    where[h] = j
                     if h in moved:
                         continue
                     s = self.stats.get(h)
                     if s is not None and s.num_reuses >= self.policy.promote_min_reuses:
                         hot.append((self.priority(h), j))
-            for (*_, h), j in heapq.nlargest(room, hot):
-                self._move_up(h, j, i)
-                moved.add(h)
+            # never a block above its parent: a parent left in a slower tier with a child in
+            # a faster one could be neither dropped nor demoted there (its tier overflows)
+            for (*_, h), _j in heapq.nlargest(room, hot):
+                chain = []
+                while h in where:  # it and its ancestors still slower than tier i
+                    chain.append(h)
+                    h = self.parent.get(h, ROOT_PARENT_HASH)
+                if not chain or len(chain) > room:
+                    continue
+                for b in reversed(chain):  # parents first
+                    self._move_up(b, where.pop(b), i)
+                    moved.add(b)
+                room -= len(chain)
+                if room <= 0:
+                    break
 
     def _move_up(self, h: bytes, frm: int, to: int) -> None:
         self.origin.setdefault(h, frm)

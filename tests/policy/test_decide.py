@@ -182,6 +182,22 @@ def test_promotes_hot_blocks_into_room_parents_first():
     assert decide(v, Policy(promote_hot=False), now=3.0) == []
 
 
+def test_a_hot_block_is_never_promoted_above_its_parent():
+    """Room for one block, and the child ranks above its parent (a tie: both used as
+    often, as recently, and the child's hash the larger): promoting it alone
+    would leave its parent below it, which then can be neither demoted nor dropped there,
+    and that tier overflows (kvcp-bench replay --tiers gpu=100,cpu=300,disk=286 did)."""
+    stats = AccessStats()
+    for t in (1.0, 2.0, 3.0, 4.0, 5.0):  # both past the most credits: a tie, broken by hash
+        record(stats, [0, 1], t)
+    v = view({"a": {Tier.GPU: (4, {h(9): ROOT}), Tier.CPU: (4, chain([0, 1]))}}, stats)
+    policy = Policy(gpu=TierPolicy(high_watermark=0.75, low_watermark=0.5))  # room for one block
+    actions = decide(v, policy, now=6.0)
+    assert actions == [] or actions == [Promote("a", (h(0),), Tier.GPU)]
+    for action in actions:
+        assert not (isinstance(action, Promote) and h(1) in action.block_hashes and h(0) not in action.block_hashes)
+
+
 def test_decide_is_pure():
     stats = AccessStats()
     record(stats, [0, 1, 2, 3], 1.0)

@@ -65,7 +65,7 @@ class AdminServicer(admin_pb2_grpc.AdminServiceServicer):
                 extra_keys=tuple(request.extra_keys),
             )
         except errors.NotFound:
-            if rebuilding:  # the agents serving it have not synced with this leader yet
+            if rebuilding and self._cluster.agents_not_registered():  # may serve it: not back yet
                 raise errors.Unavailable(
                     f"model_id: no agent serving {request.model_id!r} has synced with this control plane yet "
                     "(it took over, or agents are resyncing); retry shortly"

@@ -273,6 +273,11 @@ class Cluster:
         the first: nobody can tell yet whether an agent left)."""
         return self._expected_agents if self._listed else None
 
+    def agents_not_registered(self) -> bool:
+        """Is an agent with a key in etcd not registered here (its models unknown yet)?"""
+        with self._lock:
+            return any(a not in self._agents for a in self._expected_agents)
+
     def rebuilding(self) -> bool:
         """Is an agent that has a key in etcd not (yet, or no longer) synced here? Then a
         lookup may miss blocks it holds, or name ones it lost: answers say possibly stale.

@@ -164,6 +164,7 @@ class DataPlane:
         self._writers = cf.ThreadPoolExecutor(max_workers=16, thread_name_prefix="te-write")
         self._rng = random.Random()
         self.tls = None  # protos.security.TLSConfig of this agent: peers' listeners use the same
+        self.token = ""  # the agent token, which peers' DataPlane listeners ask for
         self.shared = getattr(self.store, "shared_slab", None)  # agent.store.shm.SharedSlab, or None
         self._peer_slabs: dict[str, tuple[PeerSlab, float]] = {}  # agent id -> (mapped slab, last used)
         self._shm_refused: dict[tuple, float] = {}  # slab key -> monotonic time to try it again
@@ -376,6 +377,7 @@ class DataPlane:
                         ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
                         ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
                     ],
+                    token=self.token,
                 )
         return agent_pb2_grpc.DataPlaneStub(ch)
 

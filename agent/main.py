@@ -14,6 +14,7 @@ from agent.core.codecs import available_codecs
 from agent.core.model_spec import ModelSpec
 from agent.dataplane import DataPlaneConfig
 from agent.server import DEMO_MODEL, Agent, AgentConfig
+from protos.etcd_keys import EtcdAuth
 from protos.metrics import parse_listen
 from protos.security import TLSConfig, read_secret
 from protos.tier import Tier
@@ -133,6 +134,11 @@ def _metrics_listen(ctx, param, value: str) -> str:
 )
 @click.option("--lease-ttl-seconds", default=10, show_default=True, type=click.IntRange(2, 3600))
 @click.option("--etcd-wait-seconds", default=30.0, show_default=True, type=float)
+@click.option("--etcd-ca", default="", help="CA of etcd's certificate (TLS to etcd).")
+@click.option("--etcd-cert", default="", help="Client certificate for etcd.")
+@click.option("--etcd-key", default="", help="Client key for etcd.")
+@click.option("--etcd-user", default="", help="etcd user (password from --etcd-password-file or KVCP_ETCD_PASSWORD).")
+@click.option("--etcd-password-file", default="")
 @click.option(
     "--metrics-listen",
     default="127.0.0.1:9401",
@@ -204,6 +210,11 @@ def main(
     tls_cert,
     tls_key,
     etcd_wait_seconds,
+    etcd_ca,
+    etcd_cert,
+    etcd_key,
+    etcd_user,
+    etcd_password_file,
     metrics_listen,
     vllm_kv_events,
     vllm_kv_events_replay,
@@ -222,8 +233,12 @@ def main(
     torch.set_num_threads(torch_threads)
     try:
         token = read_secret(token_file, "KVCP_AGENT_TOKEN")
+        etcd_password = read_secret(etcd_password_file, "KVCP_ETCD_PASSWORD")
     except ValueError as exc:
         click.echo(f"kvcp-agent: {exc}", err=True)
+        sys.exit(2)
+    if (etcd_cert or etcd_key) and not etcd_ca:
+        click.echo("kvcp-agent: --etcd-cert/--etcd-key need --etcd-ca (TLS to etcd)", err=True)
         sys.exit(2)
     tls = TLSConfig(tls_cert, tls_key, tls_ca) if (tls_ca or tls_cert) else None
     config = AgentConfig(
@@ -255,6 +270,7 @@ def main(
         tier_codecs={Tier.GPU: gpu_codec, Tier.CPU: cpu_codec, Tier.DISK: disk_codec},
         lease_ttl_seconds=lease_ttl_seconds,
         etcd_wait_seconds=etcd_wait_seconds,
+        etcd_auth=EtcdAuth(etcd_ca, etcd_cert, etcd_key, etcd_user, etcd_password),
         metrics_listen=metrics_listen,
         vllm_kv_events=vllm_kv_events,
         vllm_kv_events_replay=vllm_kv_events_replay,

@@ -35,10 +35,11 @@ from agent.store.pin_file import PinFile
 from agent.store.registry import EtcdRegistration
 from agent.store.transfer_engine import open_engine
 from protos import etcd_keys
+from protos.etcd_keys import EtcdAuth
 from protos.grpc_errors import ErrorMappingInterceptor
 from protos.kvcp.v1 import agent_pb2, agent_pb2_grpc, types_pb2
 from protos.metrics import InstrumentedEtcd, serve_metrics
-from protos.security import TLSConfig, add_port
+from protos.security import DATAPLANE_SERVICE, TLSConfig, TokenAuthInterceptor, add_port
 from protos.tier import Tier
 
 log = logging.getLogger(__name__)
@@ -67,6 +68,7 @@ class AgentConfig:
     lease_ttl_seconds: int = 10
     stats_interval_seconds: float = 1.0
     etcd_wait_seconds: float = 30.0
+    etcd_auth: EtcdAuth | None = None  # TLS files and user/password for etcd (as the control plane's)
     metrics_listen: str = ""  # /metrics HOST:PORT (port 0: any free one); "" serves none
     vllm_kv_events: str = ""  # a vLLM engine's KV event PUB endpoint (tcp://host:port); "" none
     vllm_kv_events_replay: str = ""  # its replay ROUTER endpoint, for gaps; "" none
@@ -150,6 +152,7 @@ class Agent:
             config.agent_id, self.pool, backend, config.dataplane, lambda a: etcd_peer_info(self.etcd)(a), self.metrics
         )
         self.dataplane.tls = config.tls
+        self.dataplane.token = config.controlplane_token
         self.link.dataplane = self.dataplane
 
     @property
@@ -205,9 +208,12 @@ class Agent:
         return self.registration.leader_address()
 
     def start(self) -> Agent:
+        # peers' DataPlane calls (handoffs into this agent's memory) must carry the agent
+        # token when there is one; the engine's calls come from its own host (--listen)
+        auth = TokenAuthInterceptor(None, self.config.controlplane_token, agent_services=(DATAPLANE_SERVICE,))
         self.server = grpc.server(
             futures.ThreadPoolExecutor(max_workers=16, thread_name_prefix="agent-rpc"),
-            interceptors=[ErrorMappingInterceptor(), self.metrics.rpc],
+            interceptors=[auth, ErrorMappingInterceptor(), self.metrics.rpc],
             options=[
                 ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
                 ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
@@ -234,7 +240,12 @@ class Agent:
         self.metrics_server = serve_metrics(self.config.metrics_listen, self.registry, self._log_fn)
         # the engine is served from here on, whether or not etcd and the control plane are up
         self.etcd = InstrumentedEtcd(
-            etcd_keys.connect(self.config.etcd, wait_seconds=self.config.etcd_wait_seconds, log=self._log_fn),
+            etcd_keys.connect(
+                self.config.etcd,
+                wait_seconds=self.config.etcd_wait_seconds,
+                log=self._log_fn,
+                auth=self.config.etcd_auth,
+            ),
             self.metrics.etcd,
         )
         self.registration = EtcdRegistration(

@@ -113,6 +113,16 @@ def main(
     if bool(tls_cert) != bool(tls_key):
         click.echo("kvcp-controlplane: --tls-cert and --tls-key go together", err=True)
         sys.exit(2)
+    # a half-given TLS setup must not quietly serve (or reach etcd) in plain text
+    if tls_client_ca and not tls_cert:
+        click.echo(
+            "kvcp-controlplane: --tls-client-ca needs --tls-cert and --tls-key (client certificates ride on TLS)",
+            err=True,
+        )
+        sys.exit(2)
+    if (etcd_cert or etcd_key) and not etcd_ca:
+        click.echo("kvcp-controlplane: --etcd-cert/--etcd-key need --etcd-ca (TLS to etcd)", err=True)
+        sys.exit(2)
     try:
         agent_token = read_secret(agent_token_file, "KVCP_AGENT_TOKEN")
         etcd_password = read_secret(etcd_password_file, "KVCP_ETCD_PASSWORD")

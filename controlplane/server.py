@@ -88,6 +88,7 @@ class ControlPlane:
         self.election: LeaderElection | None = None
         self.server: grpc.Server | None = None
         self.lookup_socket: LookupSocketServer | None = None
+        self.admin: AdminServicer | None = None
         self.port = 0
 
     @property
@@ -151,7 +152,7 @@ class ControlPlane:
         self.metrics.collector.pins_source = self._pin_stats
         self.metrics.collector.operations_source = self.manager.operation_counts
         self.metrics.collector.policy_source = self.manager.policy_stats
-        admin = AdminServicer(self.cluster, self.election, self.metrics.lookup_duration)
+        admin = self.admin = AdminServicer(self.cluster, self.election, self.metrics.lookup_duration)
         admin.manager = self.manager
         admin_pb2_grpc.add_AdminServiceServicer_to_server(admin, self.server)
         if self.config.lookup_listen:

@@ -21,6 +21,7 @@ import grpc
 ROLES = ("viewer", "operator")
 ADMIN_SERVICE = "/kvcp.v1.AdminService/"
 AGENT_SERVICE = "/kvcp.v1.AgentService/"
+DATAPLANE_SERVICE = "/kvcp.v1.DataPlane/"  # agent to agent (handoffs): the agent token too
 READ_METHODS = frozenset(
     ADMIN_SERVICE + m
     for m in (
@@ -97,13 +98,27 @@ def _deny(handler, code: grpc.StatusCode, message: str):
     )
 
 
+def _same_secret(a: str, b: str) -> bool:
+    """Constant-time comparison of two tokens as bytes (compare_digest refuses str with
+    non-ASCII characters: a token of "é" raised instead of being refused)."""
+    return hmac.compare_digest(a.encode("utf-8", "surrogatepass"), b.encode("utf-8", "surrogatepass"))
+
+
 class TokenAuthInterceptor(grpc.ServerInterceptor):
     """Checks bearer tokens: admin tokens with roles on AdminService, the agent token on
     AgentService. A `None` table leaves that service open (the demo's default)."""
 
-    def __init__(self, admin_tokens: dict[str, str] | None = None, agent_token: str = ""):
+    def __init__(
+        self,
+        admin_tokens: dict[str, str] | None = None,
+        agent_token: str = "",
+        agent_services: tuple[str, ...] = (AGENT_SERVICE,),
+    ):
+        """`agent_services`: the services that take the agent token (the control plane's
+        AgentService; on an agent, its DataPlane, which peers call)."""
         self.admin_tokens = admin_tokens
         self.agent_token = agent_token
+        self.agent_services = agent_services
         self.denied_total = 0
 
     def check(self, method: str, token: str) -> tuple[grpc.StatusCode, str] | None:
@@ -112,15 +127,15 @@ class TokenAuthInterceptor(grpc.ServerInterceptor):
                 return grpc.StatusCode.UNAUTHENTICATED, (
                     "missing bearer token: pass kvctl --token-file FILE (or KVCTL_TOKEN)"
                 )
-            role = next((r for t, r in self.admin_tokens.items() if hmac.compare_digest(t, token)), None)
+            role = next((r for t, r in self.admin_tokens.items() if _same_secret(t, token)), None)
             if role is None:
                 return grpc.StatusCode.UNAUTHENTICATED, "invalid bearer token"
             if role == "viewer" and method not in READ_METHODS:
                 return grpc.StatusCode.PERMISSION_DENIED, (
                     f"role viewer may only read; {method.rsplit('/', 1)[-1]} needs an operator token"
                 )
-        elif method.startswith(AGENT_SERVICE) and self.agent_token:
-            if not token or not hmac.compare_digest(token, self.agent_token):
+        elif self.agent_token and method.startswith(self.agent_services):
+            if not token or not _same_secret(token, self.agent_token):
                 return grpc.StatusCode.UNAUTHENTICATED, "agents must present the agent token (kvcp-agent --token-file)"
         return None
 
@@ -169,17 +184,47 @@ def add_port(server: grpc.Server, address: str, tls: TLSConfig | None, require_c
     return server.add_secure_port(address, creds)
 
 
-def channel(target: str, tls: TLSConfig | None = None, options=None) -> grpc.Channel:
+def channel(target: str, tls: TLSConfig | None = None, options=None, token: str = "") -> grpc.Channel:
     """A channel to a kvcp server: TLS when a CA is configured (with our certificate for
-    mTLS when one is given), plain otherwise."""
+    mTLS when one is given), plain otherwise; `token`: sent as the bearer token of every
+    call on it."""
     if tls is None or not tls.ca_file:
-        return grpc.insecure_channel(target, options=options)
-    creds = grpc.ssl_channel_credentials(
-        _read(tls.ca_file),
-        _read(tls.key_file) if tls.key_file else None,
-        _read(tls.cert_file) if tls.cert_file else None,
-    )
-    return grpc.secure_channel(target, creds, options=options)
+        ch = grpc.insecure_channel(target, options=options)
+    else:
+        creds = grpc.ssl_channel_credentials(
+            _read(tls.ca_file),
+            _read(tls.key_file) if tls.key_file else None,
+            _read(tls.cert_file) if tls.cert_file else None,
+        )
+        ch = grpc.secure_channel(target, creds, options=options)
+    return grpc.intercept_channel(ch, _BearerToken(token)) if token else ch
+
+
+class _BearerToken(
+    grpc.UnaryUnaryClientInterceptor,
+    grpc.UnaryStreamClientInterceptor,
+    grpc.StreamUnaryClientInterceptor,
+    grpc.StreamStreamClientInterceptor,
+):
+    """Adds the bearer token to every call's metadata."""
+
+    def __init__(self, token: str):
+        self._metadata = token_metadata(token)
+
+    def _with_token(self, details):
+        return details._replace(metadata=tuple(details.metadata or ()) + self._metadata)
+
+    def intercept_unary_unary(self, continuation, details, request):
+        return continuation(self._with_token(details), request)
+
+    def intercept_unary_stream(self, continuation, details, request):
+        return continuation(self._with_token(details), request)
+
+    def intercept_stream_unary(self, continuation, details, requests):
+        return continuation(self._with_token(details), requests)
+
+    def intercept_stream_stream(self, continuation, details, requests):
+        return continuation(self._with_token(details), requests)
 
 
 def server_ssl_context(tls: TLSConfig | None, require_client_cert: bool = False) -> ssl.SSLContext | None:

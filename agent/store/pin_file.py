@@ -11,6 +11,7 @@ the old table or the new one, never a torn one; a file that does not parse is ig
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -43,7 +44,11 @@ class PinFile:
             for p in pins
         ]
         tmp = self.path.with_suffix(".tmp")
-        with open(tmp, "w") as f:
+        # owner-only, as the slab beside it; never through a link someone planted there
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp)
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+        with os.fdopen(fd, "w") as f:
             json.dump({"pins": rows}, f)
             f.flush()
             os.fsync(f.fileno())

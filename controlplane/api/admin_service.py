@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import threading
 import time
 
 from controlplane.api import convert
@@ -19,9 +20,14 @@ class AdminServicer(admin_pb2_grpc.AdminServiceServicer):
     manager = None  # controlplane.manager.Manager, set by the server (pins, operations, policy)
     lookup_address = ""  # this replica's lookup socket (controlplane.api.lookup_socket), if any
 
-    def __init__(self, cluster: Cluster, leadership, lookup_duration=None):
+    def __init__(self, cluster: Cluster, leadership, lookup_duration=None, max_watch_streams: int = 32):
         self._cluster = cluster
         self._leadership = leadership
+        # each Watch holds a server thread while open: past this many, new ones are refused
+        # (RESOURCE_EXHAUSTED), so watchers cannot take the threads agents and calls need
+        self.max_watch_streams = max_watch_streams
+        self._watch_streams = 0
+        self._watch_lock = threading.Lock()
         # a prometheus Histogram (controlplane.metrics); None in tests that do not measure
         self._lookup_duration = lookup_duration
 
@@ -98,6 +104,20 @@ class AdminServicer(admin_pb2_grpc.AdminServiceServicer):
         worker thread stays parked on a stream nobody reads. A read: a leader cut off from
         etcd keeps streaming what it sees."""
         self._require_leader(read=True)
+        with self._watch_lock:
+            if self._watch_streams >= self.max_watch_streams:
+                raise errors.ResourceExhausted(
+                    f"this control plane serves at most {self.max_watch_streams} event streams at once; "
+                    "close one (a dashboard, kvctl) and retry"
+                )
+            self._watch_streams += 1
+        try:
+            yield from self._stream_events(request, context)
+        finally:
+            with self._watch_lock:
+                self._watch_streams -= 1
+
+    def _stream_events(self, request, context):
         sub = self._cluster.events.subscribe(tuple(request.kinds), replay_recent=request.replay_recent)
         context.add_callback(sub.close)
         try:

@@ -22,6 +22,7 @@ import socket
 import ssl
 import stat
 import threading
+import time
 
 from google.protobuf.message import DecodeError
 
@@ -37,6 +38,9 @@ HANDSHAKE_SECONDS = 10.0
 # a connection silent this long is closed (clients reconnect once, transparently), so idle
 # or half-sent connections cannot hold the listener's slots
 IDLE_SECONDS = 120.0
+# a frame, from its first byte, must arrive whole within this (a client trickling a byte
+# at a time, each within the idle time, held a slot for good: 256 of them, every slot)
+FRAME_SECONDS = 10.0
 READ_CHUNK_BYTES = 1 << 16
 
 
@@ -155,9 +159,15 @@ class LookupSocketServer:
         rfile = conn.makefile("rb", buffering=READ_CHUNK_BYTES)
         try:
             while True:
-                head = rfile.read(HEADER_BYTES)
-                if len(head) < HEADER_BYTES:
-                    return  # the client went away (between frames, or mid-header)
+                conn.settimeout(IDLE_SECONDS)
+                first = rfile.read1(HEADER_BYTES)  # waits (idle) for the next frame to begin
+                if not first:
+                    return  # the client went away between frames
+                deadline = time.monotonic() + FRAME_SECONDS
+                rest = _read_within(conn, rfile, HEADER_BYTES - len(first), deadline)
+                if rest is None:
+                    return  # went away, or too slow, mid-header
+                head = first + rest
                 size = int.from_bytes(head, "little")
                 if size > MAX_FRAME_BYTES:
                     self._counted("INVALID_ARGUMENT")
@@ -166,9 +176,9 @@ class LookupSocketServer:
                     )
                     conn.sendall(frame(bad.SerializeToString()))
                     return  # the stream cannot be re-synchronised after a bad length
-                body = _read_body(rfile, size)
+                body = _read_within(conn, rfile, size, deadline)
                 if body is None:
-                    return
+                    return  # went away, or too slow: the frame did not arrive within FRAME_SECONDS
                 conn.sendall(frame(self.handle(body)))
         except OSError:
             return
@@ -212,12 +222,20 @@ class LookupSocketServer:
         return reply
 
 
-def _read_body(rfile, size: int) -> bytes | None:
+def _read_within(conn, rfile, size: int, deadline: float) -> bytes | None:
     """`size` bytes, read as they come (a header claiming megabytes costs nothing until
-    they arrive); None when the client goes away first."""
+    they arrive), all before `deadline` (monotonic); None when the client goes away or is
+    too slow."""
     parts, got = [], 0
     while got < size:
-        part = rfile.read(min(READ_CHUNK_BYTES, size - got))
+        left = deadline - time.monotonic()
+        if left <= 0:
+            return None
+        conn.settimeout(min(left, IDLE_SECONDS))  # silent for the idle time: gone
+        try:
+            part = rfile.read1(min(READ_CHUNK_BYTES, size - got))  # what one receive brings
+        except TimeoutError:
+            return None
         if not part:
             return None
         parts.append(part)

@@ -278,3 +278,34 @@ def test_idle_connections_are_closed_and_clients_reconnect(etcd, make_agent, mon
 def test_a_lookup_that_gets_no_answer_is_deadline_exceeded():
     held = []  # the connection stays open, unanswered
     assert fake_peer_call(held.append, timeout_seconds=0.5).code == "DEADLINE_EXCEEDED"
+
+
+def test_a_frame_trickled_a_byte_at_a_time_loses_its_slot(etcd, monkeypatch):
+    """Each read waited up to the idle time, so a client sending one byte every few seconds
+    held its slot for good (256 such clients, every slot): a frame must arrive whole
+    within FRAME_SECONDS of its first byte."""
+    import controlplane.api.lookup_socket as lookup_socket
+
+    monkeypatch.setattr(lookup_socket, "FRAME_SECONDS", 1.0)
+    cp = start_cp(etcd, lookup_listen="127.0.0.1:0")
+    try:
+        family, where = split_address(cp.lookup_socket.address)
+        with socket.socket(family, socket.SOCK_STREAM) as s:
+            s.connect(where)
+            s.sendall((1 << 20).to_bytes(4, "little"))  # a 1 MiB frame announced...
+            closed = False
+            for _ in range(8):  # ...a byte every 0.3 s (each well within the idle time)
+                time.sleep(0.3)
+                try:
+                    s.sendall(b"x")
+                    s.settimeout(0.01)
+                    closed = s.recv(1) == b""
+                except (BlockingIOError, TimeoutError):
+                    continue
+                except OSError:
+                    closed = True
+                if closed:
+                    break
+            assert closed, "the trickling connection was still open after 2.4 s"
+    finally:
+        cp.stop()

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import threading
 
+import pytest
+
 from cli.client import ClientError, ControlPlaneClient
 from tests.helpers import wait_for
 
@@ -70,3 +72,33 @@ def test_watch_ends_when_the_server_stops(controlplane):
     t.join(5)
     assert not t.is_alive() and isinstance(got[-1], ClientError)
     client.close()
+
+
+def test_event_streams_past_the_limit_are_refused_not_queued(controlplane, make_agent):
+    """Each Watch holds a server thread: past max_watch_streams new ones are refused
+    (RESOURCE_EXHAUSTED), so watchers cannot take the threads agents and calls need."""
+    import grpc
+
+    from protos.kvcp.v1 import admin_pb2, admin_pb2_grpc
+
+    make_agent("w-cap")  # its joining is an event every stream replays first
+    admin = controlplane.admin
+    admin.max_watch_streams = 2
+    channel = grpc.insecure_channel(controlplane.address)
+    stub = admin_pb2_grpc.AdminServiceStub(channel)
+    streams = [stub.Watch(admin_pb2.WatchRequest(replay_recent=True)) for _ in range(2)]
+    try:
+        for s in streams:  # both open: each has its first (replayed) event
+            next(iter(s))
+        with pytest.raises(grpc.RpcError) as err:
+            next(iter(stub.Watch(admin_pb2.WatchRequest(replay_recent=True))))
+        assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        with ControlPlaneClient(controlplane.address) as c:  # calls go on meanwhile
+            assert c.stats() is not None
+        streams[0].cancel()
+        wait_for(lambda: admin._watch_streams < 2, 5, 0.05, "a slot freed")
+        assert next(iter(stub.Watch(admin_pb2.WatchRequest(replay_recent=True)))) is not None
+    finally:
+        for s in streams:
+            s.cancel()
+        channel.close()

@@ -8,10 +8,13 @@ import subprocess
 import time
 
 import pytest
+import torch
 
+from agent.server import DEMO_MODEL as M
 from agent.server import Agent, AgentConfig
 from cli.client import ClientError, ControlPlaneClient
 from controlplane.server import ControlPlane, ControlPlaneConfig
+from protos.block_hash import hash_prefix, split_hashes
 from protos.security import TLSConfig
 from tests.e2e.test_console_scripts import kvctl
 from tests.helpers import wait_for
@@ -167,3 +170,99 @@ def test_kvctl_with_token_file_and_ca(secure_cluster):
     )
     assert denied.returncode == 1 and "needs an operator token" in denied.stderr
     assert VIEWER not in denied.stderr + denied.stdout  # tokens are never echoed
+
+
+def test_a_peer_handoff_needs_the_agent_token_and_non_ascii_tokens_are_refused(secure_cluster, etcd):
+    """An agent's DataPlane (handoffs write into its memory) asks for the agent token:
+    a caller without it is UNAUTHENTICATED, a peer agent with it hands off. A token with
+    non-ASCII characters is refused, not an exception."""
+    import grpc
+
+    from protos.kvcp.v1 import agent_pb2, agent_pb2_grpc
+    from protos.security import TokenAuthInterceptor, channel
+
+    cp, agent, ca, _ = secure_cluster
+    tls = TLSConfig(ca_file=ca)
+    for token in ("", "not-the-agent-token-xxxx"):
+        stub = agent_pb2_grpc.DataPlaneStub(channel(agent.address, tls, token=token))
+        with pytest.raises(grpc.RpcError) as err:
+            stub.Abort(agent_pb2.AbortRequest(reservation_id="x"), timeout=5)
+        assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED
+    stub = agent_pb2_grpc.DataPlaneStub(channel(agent.address, tls, token=AGENT))
+    stub.Abort(agent_pb2.AbortRequest(reservation_id="x"), timeout=5)  # answered: nothing to abort
+    peer = Agent(
+        AgentConfig(
+            "secure-peer",
+            listen="127.0.0.1:0",
+            etcd=etcd,
+            controlplane_token=AGENT,
+            tls=TLSConfig(*(agent.config.tls.cert_file, agent.config.tls.key_file, ca)),
+            lease_ttl_seconds=3,
+            metrics_listen="",
+            transfer_engine="none",
+        )
+    ).start()
+    try:
+        toks = list(range(2 * M.block_size))
+        peer.engine.store(M.model_id, toks, torch.zeros((2, *M.block_shape), dtype=torch.float16))
+        hashes = split_hashes(hash_prefix(M.model_id, toks, M.block_size))
+        result = peer.dataplane.handoff(M.model_id, hashes, "secure-agent", 10.0)
+        assert result.outcome == "transferred", result.reason
+    finally:
+        peer.stop()
+    auth = TokenAuthInterceptor({"é" * 20: "operator"}, "é" * 20)
+    assert auth.check("/kvcp.v1.AdminService/GetStats", "e" * 20)[0] == grpc.StatusCode.UNAUTHENTICATED
+    assert auth.check("/kvcp.v1.AgentService/Sync", "é" * 19 + "e")[0] == grpc.StatusCode.UNAUTHENTICATED
+    assert auth.check("/kvcp.v1.AdminService/GetStats", "é" * 20) is None
+
+
+def test_agents_and_the_control_plane_reach_an_etcd_that_speaks_only_tls(tmp_path):
+    """Securing etcd must not leave agents out: they take the same etcd TLS options."""
+    import shutil
+    import tempfile
+
+    from protos.etcd_keys import EtcdAuth
+    from tests.helpers import free_port
+
+    ca, cert, key = make_certs(tmp_path)
+    port, peer = free_port(), free_port()
+    data = tempfile.mkdtemp(prefix="kvcp-tls-etcd-")
+    proc = subprocess.Popen(
+        [
+            "etcd", "--name", "t", "--data-dir", f"{data}/d",
+            "--listen-client-urls", f"https://127.0.0.1:{port}", "--advertise-client-urls", f"https://127.0.0.1:{port}",
+            "--listen-peer-urls", f"http://127.0.0.1:{peer}", "--initial-advertise-peer-urls", f"http://127.0.0.1:{peer}",
+            "--initial-cluster", f"t=http://127.0.0.1:{peer}", "--cert-file", str(cert), "--key-file", str(key),
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )  # fmt: skip
+    endpoint, auth = f"127.0.0.1:{port}", EtcdAuth(ca_file=str(ca))
+    cp = agent = None
+    try:
+        cp = ControlPlane(
+            ControlPlaneConfig(
+                listen="127.0.0.1:0", etcd=endpoint, etcd_auth=auth, metrics_listen="", etcd_wait_seconds=15
+            )
+        ).start()
+        agent = Agent(
+            AgentConfig(
+                "tls-etcd-agent",
+                listen="127.0.0.1:0",
+                etcd=endpoint,
+                etcd_auth=auth,
+                etcd_wait_seconds=15,
+                lease_ttl_seconds=3,
+                metrics_listen="",
+            )
+        ).start()
+        with ControlPlaneClient(cp.address) as c:
+            wait_for(lambda: [a.agent_id for a in c.list_agents()] == ["tls-etcd-agent"], 15, 0.2, "registered")
+    finally:
+        if agent:
+            agent.stop()
+        if cp:
+            cp.stop()
+        proc.terminate()
+        proc.wait()
+        shutil.rmtree(data, ignore_errors=True)

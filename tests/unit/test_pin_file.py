@@ -28,3 +28,17 @@ def test_a_missing_or_torn_file_restores_nothing(tmp_path):
     assert f.load() == []
     f.path.write_text('{"pins": [{"pin_id": "a", "tier": 2, "expires_unix')
     assert f.load() == []
+
+
+def test_the_file_is_the_owners_only_and_no_planted_link_is_followed(tmp_path):
+    import os
+    import stat
+
+    victim = tmp_path / "elsewhere"
+    victim.write_text("keep me")
+    (tmp_path / "pins.tmp").symlink_to(victim)  # planted where the file is written first
+    f = PinFile(tmp_path)
+    f.save([AgentPin("a", 2, 0.0, "kb", frozenset(), "v")], monotonic_now=0.0, unix_now=1.0)
+    assert stat.S_IMODE(os.stat(f.path).st_mode) == 0o600
+    assert victim.read_text() == "keep me"
+    assert [p.pin_id for p in f.load()] == ["a"]

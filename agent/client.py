@@ -5,11 +5,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import grpc
 import numpy as np
 
 from agent.core.engine_api import ENGINE_MESSAGE_BYTES
+from protos import security
 from protos.kvcp.v1 import agent_pb2, agent_pb2_grpc, types_pb2
+from protos.security import TLSConfig
 
 MAX_DEFAULT_HANDOFF_DEADLINE_SECONDS = 600.0  # the most an agent's --handoff-deadline-seconds may be
 
@@ -40,11 +41,14 @@ _OUTCOMES = {1: "transferred", 2: "present", 3: "recompute"}
 
 
 class EngineClient:
-    def __init__(self, address: str, timeout_seconds: float = 10.0):
+    def __init__(self, address: str, timeout_seconds: float = 10.0, tls: TLSConfig | None = None):
+        """`tls`: the CA of an agent that serves TLS (`kvcp-agent --tls-cert`), and this
+        engine's certificate where the agent wants one."""
         self.address = address
         self.timeout_seconds = timeout_seconds
-        self._channel = grpc.insecure_channel(
+        self._channel = security.channel(
             address,
+            tls,
             options=[
                 ("grpc.max_receive_message_length", ENGINE_MESSAGE_BYTES),
                 ("grpc.max_send_message_length", ENGINE_MESSAGE_BYTES),

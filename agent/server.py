@@ -39,7 +39,7 @@ from protos.etcd_keys import EtcdAuth
 from protos.grpc_errors import ErrorMappingInterceptor
 from protos.kvcp.v1 import agent_pb2, agent_pb2_grpc, types_pb2
 from protos.metrics import InstrumentedEtcd, serve_metrics
-from protos.security import DATAPLANE_SERVICE, TLSConfig, TokenAuthInterceptor, add_port
+from protos.security import PEER_METHODS, TLSConfig, TokenAuthInterceptor, add_port
 from protos.tier import Tier
 
 log = logging.getLogger(__name__)
@@ -210,7 +210,7 @@ class Agent:
     def start(self) -> Agent:
         # peers' DataPlane calls (handoffs into this agent's memory) must carry the agent
         # token when there is one; the engine's calls come from its own host (--listen)
-        auth = TokenAuthInterceptor(None, self.config.controlplane_token, agent_services=(DATAPLANE_SERVICE,))
+        auth = TokenAuthInterceptor(None, self.config.controlplane_token, agent_services=PEER_METHODS)
         self.server = grpc.server(
             futures.ThreadPoolExecutor(max_workers=16, thread_name_prefix="agent-rpc"),
             interceptors=[auth, ErrorMappingInterceptor(), self.metrics.rpc],

@@ -21,7 +21,9 @@ import grpc
 ROLES = ("viewer", "operator")
 ADMIN_SERVICE = "/kvcp.v1.AdminService/"
 AGENT_SERVICE = "/kvcp.v1.AgentService/"
-DATAPLANE_SERVICE = "/kvcp.v1.DataPlane/"  # agent to agent (handoffs): the agent token too
+# agent to agent: the calls that write into the receiver's memory take the agent token
+# (Handoff, an engine asking its agent to send a prefix, is the engine's: not these)
+PEER_METHODS = tuple(f"/kvcp.v1.DataPlane/{m}" for m in ("Reserve", "Push", "Commit", "Abort"))
 READ_METHODS = frozenset(
     ADMIN_SERVICE + m
     for m in (

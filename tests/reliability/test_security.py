@@ -208,6 +208,21 @@ def test_a_peer_handoff_needs_the_agent_token_and_non_ascii_tokens_are_refused(s
         hashes = split_hashes(hash_prefix(M.model_id, toks, M.block_size))
         result = peer.dataplane.handoff(M.model_id, hashes, "secure-agent", 10.0)
         assert result.outcome == "transferred", result.reason
+        # the engine on the agent's host: over TLS, no token, it stores, loads and asks its
+        # agent to hand a prefix off (an engine's request, not a peer's write)
+        from agent.client import EngineClient
+
+        engine = EngineClient(peer.address, tls=tls)
+        try:
+            more = list(range(5000, 5000 + 2 * M.block_size))
+            kv = torch.ones((2, *M.block_shape), dtype=torch.float16)
+            assert engine.store(M.model_id, more, kv.view(torch.uint8).numpy().tobytes()) == (2, 0)
+            assert engine.load(M.model_id, more).num_cached_tokens == 2 * M.block_size
+            assert (
+                engine.handoff(M.model_id, "secure-agent", token_ids=more, deadline_seconds=10).outcome == "transferred"
+            )
+        finally:
+            engine.close()
     finally:
         peer.stop()
     auth = TokenAuthInterceptor({"é" * 20: "operator"}, "é" * 20)

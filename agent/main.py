@@ -237,8 +237,9 @@ def main(
     except ValueError as exc:
         click.echo(f"kvcp-agent: {exc}", err=True)
         sys.exit(2)
-    if (etcd_cert or etcd_key) and not etcd_ca:
-        click.echo("kvcp-agent: --etcd-cert/--etcd-key need --etcd-ca (TLS to etcd)", err=True)
+    etcd_auth = EtcdAuth(etcd_ca, etcd_cert, etcd_key, etcd_user, etcd_password)
+    if etcd_auth.problem():
+        click.echo(f"kvcp-agent: {etcd_auth.problem()}", err=True)
         sys.exit(2)
     tls = TLSConfig(tls_cert, tls_key, tls_ca) if (tls_ca or tls_cert) else None
     config = AgentConfig(
@@ -270,7 +271,7 @@ def main(
         tier_codecs={Tier.GPU: gpu_codec, Tier.CPU: cpu_codec, Tier.DISK: disk_codec},
         lease_ttl_seconds=lease_ttl_seconds,
         etcd_wait_seconds=etcd_wait_seconds,
-        etcd_auth=EtcdAuth(etcd_ca, etcd_cert, etcd_key, etcd_user, etcd_password),
+        etcd_auth=etcd_auth,
         metrics_listen=metrics_listen,
         vllm_kv_events=vllm_kv_events,
         vllm_kv_events_replay=vllm_kv_events_replay,

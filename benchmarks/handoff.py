@@ -294,9 +294,8 @@ def run(
             # between two processes, the first copy through a fresh mapping and a path's first
             # handoff pay one-off costs (connections, page-table faults) on either side alike
             times: dict[str, list[float]] = {p: [] for p in ("raw", "raw_memcpy", *paths)}
-            warm: dict[str, list[float]] = {p: [] for p in times}
             for trial in range(repeats + 1):
-                into = warm if trial == 0 else times
+                into = times if trial else {p: [] for p in times}  # the warm-up's: dropped
                 if shm_up:
                     receiver.call(cmd="drop")
                     into["raw_memcpy"].append(

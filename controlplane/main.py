@@ -120,21 +120,22 @@ def main(
             err=True,
         )
         sys.exit(2)
-    if (etcd_cert or etcd_key) and not etcd_ca:
-        click.echo("kvcp-controlplane: --etcd-cert/--etcd-key need --etcd-ca (TLS to etcd)", err=True)
-        sys.exit(2)
     try:
         agent_token = read_secret(agent_token_file, "KVCP_AGENT_TOKEN")
         etcd_password = read_secret(etcd_password_file, "KVCP_ETCD_PASSWORD")
     except ValueError as exc:
         click.echo(f"kvcp-controlplane: {exc}", err=True)
         sys.exit(2)
+    etcd_auth = EtcdAuth(etcd_ca, etcd_cert, etcd_key, etcd_user, etcd_password)
+    if etcd_auth.problem():
+        click.echo(f"kvcp-controlplane: {etcd_auth.problem()}", err=True)
+        sys.exit(2)
     config = ControlPlaneConfig(
         admin_tokens_file=admin_tokens_file,
         agent_token=agent_token,
         tls=TLSConfig(tls_cert, tls_key, tls_client_ca) if tls_cert else None,
         require_client_cert=bool(tls_client_ca),
-        etcd_auth=EtcdAuth(etcd_ca, etcd_cert, etcd_key, etcd_user, etcd_password),
+        etcd_auth=etcd_auth,
         listen=listen,
         etcd=etcd,
         advertise=advertise,

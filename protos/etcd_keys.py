@@ -63,6 +63,13 @@ class EtcdAuth:
     user: str = ""
     password: str = ""
 
+    def problem(self) -> str:
+        """Why these options cannot be used as given ("" when they can): a client
+        certificate without the CA would quietly reach etcd in plain text."""
+        if (self.cert_file or self.key_file) and not self.ca_file:
+            return "--etcd-cert/--etcd-key need --etcd-ca (TLS to etcd)"
+        return ""
+
 
 def _client(targets, timeout_seconds: float, auth: EtcdAuth):
     import grpc

@@ -155,7 +155,6 @@ class LookupSocketServer:
                     return
                 self._conns.add(tls_conn)
             conn = tls_conn
-        conn.settimeout(IDLE_SECONDS)
         rfile = conn.makefile("rb", buffering=READ_CHUNK_BYTES)
         try:
             while True:

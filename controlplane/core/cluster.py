@@ -175,8 +175,8 @@ class Cluster:
         self._serving: dict[str, frozenset[str]] = {}  # model -> ids of the agents serving it
         # agents with a key in etcd at the last membership listing: until each is back and
         # synced here (a new leader, an agent resyncing), answers may miss what they hold
-        self._expected_agents: frozenset[str] = frozenset()
-        self._listed = False  # a membership listing has come in
+        # (None before the first listing: nobody can tell yet whether an agent left)
+        self._expected_agents: frozenset[str] | None = None
         self._rebuilding = (0.0, False)  # (monotonic time computed, value)
         self.index = BlockIndex(expected_blocks)
         self.lookups_total = 0
@@ -271,12 +271,12 @@ class Cluster:
     def agents_in_etcd(self) -> frozenset[str] | None:
         """The agents that had a key in etcd at the last membership listing (None before
         the first: nobody can tell yet whether an agent left)."""
-        return self._expected_agents if self._listed else None
+        return self._expected_agents
 
     def agents_not_registered(self) -> bool:
         """Is an agent with a key in etcd not registered here (its models unknown yet)?"""
         with self._lock:
-            return any(a not in self._agents for a in self._expected_agents)
+            return any(a not in self._agents for a in self._expected_agents or ())
 
     def rebuilding(self) -> bool:
         """Is an agent that has a key in etcd not (yet, or no longer) synced here? Then a
@@ -288,7 +288,8 @@ class Cluster:
             return value
         with self._lock:
             agents = self._agents
-            value = any((r := agents.get(a)) is None or r.state != AgentState.READY for a in self._expected_agents)
+            expected = self._expected_agents or ()
+            value = any((r := agents.get(a)) is None or r.state != AgentState.READY for a in expected)
         self._rebuilding = (now, value)
         return value
 
@@ -297,7 +298,6 @@ class Cluster:
         etcd at `listed_at_unix_seconds`; agents that registered after that are kept)."""
         with self._lock:
             self._expected_agents = frozenset(live_agent_ids)
-            self._listed = True
             self._rebuilding = (0.0, False)
             recent = {a for a, r in self._agents.items() if r.registered_at_unix_seconds > listed_at_unix_seconds}
             known = set(self._agents) | set(self.index.agents())

@@ -83,6 +83,8 @@ class DataPlaneConfig:
     retry: RetryPolicy = field(default_factory=RetryPolicy)
 
 
+PEER_CACHE_SECONDS = 2.0  # a peer's etcd record is read again after this long
+PEER_LAPSE_GRACE_SECONDS = 10.0  # a peer whose key vanished is still tried at its last address this long
 PEER_SLAB_IDLE_SECONDS = 60.0  # a peer's mapped slab unused this long is let go (it may be gone)
 SHM_REFUSED_SECONDS = 60.0  # a peer slab that could not be mapped is not tried again for this long
 SHM_SLICE_BYTES = 16 << 20  # copies between checks that the reservation is still open
@@ -346,10 +348,21 @@ class DataPlane:
         now = time.monotonic()
         with self._lock:
             cached = self._peers.get(agent_id)
-        if cached is not None and not refresh and now - cached[0] < 2.0:
+        if cached is not None and not refresh and now - cached[0] < PEER_CACHE_SECONDS:
             return cached[1]
-        info = self._peer_info(agent_id) if self._peer_info is not None else None
+        try:
+            info = self._peer_info(agent_id) if self._peer_info is not None else None
+        except Exception as exc:  # noqa: BLE001 - etcd unreachable: the last address seen still serves
+            if cached is None:
+                raise errors.Unavailable(f"destination_agent_id: cannot read {agent_id!r} from etcd: {exc}") from exc
+            log.debug("etcd unreachable (%s): handing off to %s at its last known address", exc, agent_id)
+            return cached[1]
         if info is None:
+            # a key gone a moment ago is most often a lease that lapsed in an etcd stall while the
+            # agent lives on and registers again: its last address is tried (a dead one answers
+            # "recompute" at the handoff's deadline); an agent never seen, or gone longer, is unknown
+            if cached is not None and now - cached[0] < PEER_LAPSE_GRACE_SECONDS:
+                return cached[1]
             raise errors.NotFound(f"destination_agent_id: no agent {agent_id!r} is registered")
         p = Peer(
             agent_id,

@@ -214,6 +214,7 @@ def test_a_stalled_shm_sender_never_writes_after_its_reservation_expired(control
         return real_read(handle, n)
 
     disk.read = slow_read
+    wait_for(lambda: a.dataplane.peer("dec", refresh=True), 15, what="dec registered")  # after a stall here
     out = {}
     t = threading.Thread(
         target=lambda: out.setdefault("r", a.dataplane.handoff(BIG.model_id, hashes, "dec", 1.0, paths=("shm",)))

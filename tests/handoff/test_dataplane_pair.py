@@ -271,3 +271,35 @@ def test_route_does_not_send_a_prefix_to_a_decode_agent_whose_free_room_is_that_
         assert r.outcome == RECOMPUTE and "room" in r.reason  # what Route foresaw
     finally:
         p.close()
+
+
+def test_a_peer_whose_key_lapsed_or_etcd_is_down_is_reached_at_its_last_address(pair, monkeypatch):
+    """An etcd stall lets a live agent's lease lapse (it registers again a moment later) and
+    an etcd outage answers no reads: a handoff goes on to the address last seen. A peer gone
+    longer than the grace, or never seen, is an error naming it."""
+    import agent.dataplane as dataplane_module
+    from protos import errors
+
+    monkeypatch.setattr(dataplane_module, "PEER_CACHE_SECONDS", 0.0)  # read etcd at every handoff
+    hashes = store(pair.send.pool, 4, seed=5)
+    assert pair.send.handoff(SMALL.model_id, hashes[:2], "dec", 5.0, paths=("grpc",)).outcome == TRANSFERRED
+    infos = {}
+    pair.send._peer_info = infos.get  # the key is gone (the lease lapsed)
+    r = pair.send.handoff(SMALL.model_id, hashes[:3], "dec", 5.0, paths=("grpc",))
+    assert (r.outcome, r.num_sent_blocks) == (TRANSFERRED, 1), r
+
+    def etcd_down(_agent_id):
+        raise ConnectionError("etcd at 127.0.0.1:1 unreachable")
+
+    pair.send._peer_info = etcd_down
+    r = pair.send.handoff(SMALL.model_id, hashes, "dec", 5.0, paths=("grpc",))
+    assert (r.outcome, r.num_sent_blocks) == (TRANSFERRED, 1), r
+    with pytest.raises(errors.Unavailable, match="'other'.*etcd"):
+        pair.send.handoff(SMALL.model_id, hashes, "other", 5.0)
+    monkeypatch.setattr(dataplane_module, "PEER_LAPSE_GRACE_SECONDS", 0.0)
+    pair.send._peer_info = infos.get
+    with pytest.raises(errors.NotFound, match="no agent 'dec' is registered"):
+        pair.send.handoff(SMALL.model_id, hashes, "dec", 5.0)
+    got, _ = pair.recv.pool.read_chain(hashes)
+    sent, _ = pair.send.pool.read_chain(hashes)
+    assert all(torch.equal(x, y) for x, y in zip(got, sent, strict=True))

@@ -27,6 +27,7 @@ and each link's achieved throughput is measured and reported to the control plan
 
 from __future__ import annotations
 
+import collections
 import concurrent.futures as cf
 import errno
 import logging
@@ -73,7 +74,8 @@ MAX_MESSAGE_BYTES = 64 * 1024 * 1024
 class DataPlaneConfig:
     deadline_seconds: float = 10.0  # default answer time of a handoff
     rpc_timeout_seconds: float = 3.0  # one control RPC to a peer (Reserve, Commit, Abort)
-    chunk_bytes: int = 64 << 20  # engine writes go in batches of about this much (each engine call costs a few ms)
+    chunk_bytes: int = 8 << 20  # engine writes go in batches of about this much, each verified once it landed
+    engine_window: int = 4  # engine batches on the wire at once (they travel side by side)
     grpc_chunk_bytes: int = 1 << 20  # fallback stream message size
     stall_min_bytes_per_second: float = 20e6  # slower than this (plus 2 s) is a stall
     link_max_concurrent: int = 2
@@ -83,6 +85,7 @@ class DataPlaneConfig:
     retry: RetryPolicy = field(default_factory=RetryPolicy)
 
 
+ENGINE_POLL_SECONDS = 0.0002  # how often the writer asks the engine whether a batch landed
 PEER_CACHE_SECONDS = 2.0  # a peer's etcd record is read again after this long
 PEER_LAPSE_GRACE_SECONDS = 10.0  # a peer whose key vanished is still tried at its last address this long
 PEER_SLAB_IDLE_SECONDS = 60.0  # a peer's mapped slab unused this long is let go (it may be gone)
@@ -731,24 +734,47 @@ class DataPlane:
         return [(seg.data_ptr(), seg.numel()) for seg in segs], bounce
 
     def _write_chain(self, endpoint: str, batches: queue.SimpleQueue, stop: threading.Event) -> None:
-        """The engine writes of one handoff, back to back in this one thread, so the engine
-        never waits for Python between batches; each batch's future says when it landed.
-        After a failure or `stop` the batches left are not written (their futures fail)."""
+        """The engine writes of one handoff, from this one thread: up to `engine_window`
+        batches on the wire at once (submitted without waiting, so the engine never waits
+        for Python between them), each batch's future set in order once it landed. After
+        a failure or `stop` the batches not yet submitted are not written (their futures
+        fail); those on the wire are followed to their end."""
         failed: BaseException | None = None
-        while (item := batches.get()) is not None:
-            pieces, fut = item
-            if failed is None and stop.is_set():
-                failed = TransferFailed("the handoff stopped before this batch was written")
-            if failed is not None:
-                fut.set_exception(failed)
-                continue
-            try:
-                self.engine.write(endpoint, pieces)
-            except BaseException as exc:  # noqa: BLE001 - handed to the waiting sender
-                failed = exc
-                fut.set_exception(exc)
-            else:
-                fut.set_result(None)
+        inflight: collections.deque = collections.deque()  # (PendingWrite, future), oldest first
+        ended = False
+        while not ended or inflight:
+            while not ended and len(inflight) < max(1, self.config.engine_window):
+                try:
+                    item = batches.get(block=not inflight)  # nothing on the wire: wait for a batch
+                except queue.Empty:
+                    break
+                if item is None:
+                    ended = True
+                    break
+                pieces, fut = item
+                if failed is None and stop.is_set():
+                    failed = TransferFailed("the handoff stopped before this batch was written")
+                if failed is not None:
+                    fut.set_exception(failed)
+                    continue
+                try:
+                    inflight.append((self.engine.submit(endpoint, pieces), fut))
+                except BaseException as exc:  # noqa: BLE001 - handed to the waiting sender
+                    failed = exc
+                    fut.set_exception(exc)
+            while inflight:
+                pending, fut = inflight[0]
+                try:
+                    if not pending.poll():
+                        break
+                except BaseException as exc:  # noqa: BLE001 - handed to the waiting sender
+                    failed = failed or exc
+                    fut.set_exception(exc)
+                else:
+                    fut.set_result(None)
+                inflight.popleft()
+            if inflight:
+                time.sleep(ENGINE_POLL_SECONDS)
 
     def _send_engine(self, stub, peer: Peer, resp, metas: list[BlockMeta], deadline: float, left) -> int:
         """Engine writes of the blocks in batches of about `chunk_bytes`, back to back from

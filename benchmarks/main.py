@@ -252,7 +252,7 @@ def controlplane(output_format, **kwargs):
 @click.option("--sizes", default="1,16,64,256", show_default=True, help="Payloads in MiB, comma separated.")
 @click.option("--block-mib", default=1, show_default=True, type=click.IntRange(1, 64), help="Block size in MiB.")
 @click.option("--repeats", default=3, show_default=True, type=click.IntRange(1, 50))
-@click.option("--chunk-mib", default=64, show_default=True, type=click.IntRange(1, 1024), help="Engine write batch.")
+@click.option("--chunk-mib", default=8, show_default=True, type=click.IntRange(1, 1024), help="Engine write batch.")
 @click.option("--fault/--no-fault", default=True, show_default=True, help="Also kill a receiver mid-transfer.")
 @click.option("--etcd", default="", help="An etcd to use (default: start one on free ports).")
 @click.option("--simulate", is_flag=True, help="Instead: N prefill / M decode agents under a request stream.")

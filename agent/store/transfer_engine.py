@@ -20,6 +20,7 @@ from __future__ import annotations
 import logging
 import os
 import threading
+import time
 from collections.abc import Sequence
 from typing import Protocol
 
@@ -40,7 +41,44 @@ class TransferBackend(Protocol):
     def register(self, address: int, num_bytes: int) -> None: ...
     def unregister(self, address: int) -> None: ...
     def write(self, endpoint: str, pieces: Sequence[tuple[int, int, int]]) -> None: ...
+    def submit(self, endpoint: str, pieces: Sequence[tuple[int, int, int]]) -> PendingWrite: ...
     def close(self) -> None: ...
+
+
+class PendingWrite:
+    """Writes handed to the engine without waiting: one engine transfer per piece.
+    `poll()` is False while any is on the wire, True once all landed, and raises
+    TransferFailed once all have ended and one of them failed (never earlier: until then
+    the engine may still read the source pages)."""
+
+    def __init__(self, check, num_bytes: int, endpoint: str, timeout_seconds: float):
+        self._check = check  # transfer id -> 1 landed, 0 on the wire, < 0 failed or timed out
+        self.num_bytes = num_bytes
+        self.endpoint = endpoint
+        self.ids: list[int] = []
+        self.error = ""
+        # as the engine's own blocking write: its timeout plus a second per GiB, then given up
+        self._give_up_at = time.monotonic() + timeout_seconds + num_bytes / (1 << 30)
+
+    def poll(self) -> bool:
+        if self.ids and time.monotonic() > self._give_up_at:
+            self.error = self.error or f"engine write of {self.num_bytes} B to {self.endpoint} never completed"
+            self.ids = []
+        still = []
+        for t in self.ids:
+            rc = self._check(t)
+            if rc == 0:
+                still.append(t)
+            elif rc < 0 and not self.error:
+                self.error = f"engine write of {self.num_bytes} B to {self.endpoint} " + (
+                    "timed out" if rc == -2 else f"failed (rc {rc})"
+                )
+        self.ids = still
+        if still:
+            return False
+        if self.error:
+            raise TransferFailed(self.error)
+        return True
 
 
 class NoEngine:
@@ -59,6 +97,9 @@ class NoEngine:
         pass
 
     def write(self, endpoint: str, pieces) -> None:
+        raise TransferFailed(f"no transfer engine here: {self.status}")
+
+    def submit(self, endpoint: str, pieces) -> PendingWrite:
         raise TransferFailed(f"no transfer engine here: {self.status}")
 
     def close(self) -> None:
@@ -125,6 +166,21 @@ class MooncakeEngine:
             rc = self._engine.batch_transfer_sync_write(endpoint, srcs, dsts, lens)
         if rc != 0:
             raise TransferFailed(f"engine write of {sum(lens)} B to {endpoint} failed (rc {rc})")
+
+    def submit(self, endpoint: str, pieces: Sequence[tuple[int, int, int]]) -> PendingWrite:
+        """Hand [(src_address, dst_address, length)] to the engine and return at once.
+        Several submitted writes travel side by side (the engine spreads them over its
+        connections and worker threads) where one blocking write keeps one at a time and
+        spins a core polling for it. A piece the engine refuses to take fails the write
+        once the pieces it took have ended."""
+        w = PendingWrite(self._engine.transfer_check_status, sum(p[2] for p in pieces), endpoint, self.timeout_seconds)
+        for src, dst, n in pieces:
+            t = self._engine.transfer_submit_write(endpoint, src, dst, n)
+            if t <= 0:  # -1 (or a null batch): not taken, nothing of it is on the wire
+                w.error = f"engine refused a write of {n} B to {endpoint} (rc {t})"
+                break
+            w.ids.append(t)
+        return w
 
     def close(self) -> None:
         with self._lock:

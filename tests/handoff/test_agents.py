@@ -257,7 +257,7 @@ def test_a_retry_on_the_first_path_is_not_counted_as_a_fallback(controlplane, ma
     make_agent("dec", models=[BIG], cpu_capacity_bytes=16 << 20, shm_handoff=False)  # as a peer on another host
     tokens, kv, hashes = prompt(BIG, 4, seed=61)
     a.engine.store(BIG.model_id, tokens, kv)
-    real, failed = a.dataplane.engine.write, []
+    real, failed = a.dataplane.engine.submit, []
 
     def flaky(*args, **kw):
         if not failed:
@@ -265,7 +265,7 @@ def test_a_retry_on_the_first_path_is_not_counted_as_a_fallback(controlplane, ma
             raise TransferFailed("transient")
         return real(*args, **kw)
 
-    a.dataplane.engine.write = flaky
+    a.dataplane.engine.submit = flaky
     seen = []
     record = a.dataplane.metrics.record_transfer
     a.dataplane.metrics.record_transfer = lambda *x, **k: (seen.append(k), record(*x, **k))

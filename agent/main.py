@@ -151,6 +151,11 @@ def _metrics_listen(ctx, param, value: str) -> str:
 @click.option("--tls-cert", default="", help="This agent's certificate: TLS on its listener, mTLS to the CP.")
 @click.option("--tls-key", default="", help="This agent's private key.")
 @click.option(
+    "--tls-client-ca",
+    default="",
+    help="CA of client certificates: the listener requires them (mTLS; peers and engines present theirs).",
+)
+@click.option(
     "--vllm-kv-events",
     default="",
     help="A vLLM engine's KV event publisher (tcp://host:port): index its blocks under vLLM's hashes.",
@@ -209,6 +214,7 @@ def main(
     tls_ca,
     tls_cert,
     tls_key,
+    tls_client_ca,
     etcd_wait_seconds,
     etcd_ca,
     etcd_cert,
@@ -241,10 +247,20 @@ def main(
     if etcd_auth.problem():
         click.echo(f"kvcp-agent: {etcd_auth.problem()}", err=True)
         sys.exit(2)
+    if bool(tls_cert) != bool(tls_key):
+        click.echo("kvcp-agent: --tls-cert and --tls-key go together", err=True)
+        sys.exit(2)
+    if tls_client_ca and not tls_cert:
+        # a half-given TLS setup must not quietly serve in plain text
+        click.echo(
+            "kvcp-agent: --tls-client-ca needs --tls-cert and --tls-key (client certificates ride on TLS)", err=True
+        )
+        sys.exit(2)
     tls = TLSConfig(tls_cert, tls_key, tls_ca) if (tls_ca or tls_cert) else None
     config = AgentConfig(
         controlplane_token=token,
         tls=tls,
+        tls_client_ca=tls_client_ca,
         agent_id=agent_id,
         role=role,
         transfer_engine=transfer_engine,

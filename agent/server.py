@@ -64,6 +64,7 @@ class AgentConfig:
     tier_codecs: dict[Tier, str] = field(default_factory=dict)  # codec applied on entering a tier
     controlplane_token: str = ""  # presented to the control plane (its --agent-token-file)
     tls: TLSConfig | None = None  # cert/key: TLS on the engine listener and mTLS to the CP; ca: verify the CP
+    tls_client_ca: str = ""  # with tls: the listener requires client certificates signed by it (mTLS)
     page_bytes: int = 0  # memory-tier page; 0: 1/16 of the smallest block, at least 1 KiB
     lease_ttl_seconds: int = 10
     stats_interval_seconds: float = 1.0
@@ -220,7 +221,10 @@ class Agent:
                 ("grpc.so_reuseport", 0),
             ],
         )
-        self.port = add_port(self.server, self.config.listen, self.config.tls)
+        listener_tls = self.config.tls
+        if listener_tls is not None and self.config.tls_client_ca:
+            listener_tls = TLSConfig(listener_tls.cert_file, listener_tls.key_file, self.config.tls_client_ca)
+        self.port = add_port(self.server, self.config.listen, listener_tls, bool(self.config.tls_client_ca))
         if self.port == 0:
             raise OSError(f"cannot listen on {self.config.listen} (port in use?)")
         agent_pb2_grpc.add_EngineServiceServicer_to_server(EngineServicer(self.engine), self.server)

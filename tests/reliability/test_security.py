@@ -281,3 +281,50 @@ def test_agents_and_the_control_plane_reach_an_etcd_that_speaks_only_tls(tmp_pat
         proc.terminate()
         proc.wait()
         shutil.rmtree(data, ignore_errors=True)
+
+
+def test_an_agent_that_requires_client_certificates(secure_cluster, etcd):
+    """`--tls-client-ca` on an agent: a peer or an engine without a certificate signed by
+    that CA cannot reach it; with one, an engine stores and a peer hands off."""
+    import grpc
+
+    from agent.client import EngineClient
+
+    cp, agent, ca, _ = secure_cluster
+    cert, key = agent.config.tls.cert_file, agent.config.tls.key_file
+    guarded = Agent(
+        AgentConfig(
+            "guarded-agent",
+            listen="127.0.0.1:0",
+            etcd=etcd,
+            controlplane_token=AGENT,
+            tls=TLSConfig(cert, key, ca),
+            tls_client_ca=ca,
+            lease_ttl_seconds=3,
+            metrics_listen="",
+            transfer_engine="none",
+        )
+    ).start()
+    toks = list(range(2 * M.block_size))
+    kv = torch.ones((2, *M.block_shape), dtype=torch.float16)
+    try:
+        anonymous = EngineClient(guarded.address, tls=TLSConfig(ca_file=ca), timeout_seconds=3)
+        with pytest.raises(grpc.RpcError) as err:
+            anonymous.store(M.model_id, toks, kv.view(torch.uint8).numpy().tobytes())
+        assert err.value.code() == grpc.StatusCode.UNAVAILABLE
+        anonymous.close()
+        engine = EngineClient(guarded.address, tls=TLSConfig(cert, key, ca))
+        assert engine.store(M.model_id, toks, kv.view(torch.uint8).numpy().tobytes()) == (2, 0)
+        engine.close()
+        # a peer agent presents its certificate (its own TLS config) on its handoff
+        hashes = split_hashes(hash_prefix(M.model_id, toks, M.block_size))
+        result = guarded.dataplane.handoff(M.model_id, hashes, "secure-agent", 10.0)
+        assert result.outcome == "transferred", result.reason
+        more = list(range(9000, 9000 + 2 * M.block_size))
+        agent.engine.store(M.model_id, more, kv)
+        back = agent.dataplane.handoff(
+            M.model_id, split_hashes(hash_prefix(M.model_id, more, M.block_size)), "guarded-agent", 10.0
+        )
+        assert back.outcome == "transferred", back.reason
+    finally:
+        guarded.stop()

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from controlplane.core import operations as ops
 from controlplane.core import policy as tier_policy
 from controlplane.core.access_stats import AccessStats
+from controlplane.core.clock import SteadyWallClock
 from controlplane.core.cluster import AgentCommand, Cluster, ModelInfo
 from controlplane.core.pins import Pin, check_namespace, check_quota, new_pin, same_request
 from controlplane.core.tuning import CreditTuner
@@ -101,7 +102,7 @@ class Manager:
         durable: DurableStore,
         election,
         etcd_client=None,
-        clock=time.time,
+        clock=None,
         op_timeout_seconds: float = 60.0,
         resync_seconds: float = 2.0,
         policy_validator=None,
@@ -110,7 +111,7 @@ class Manager:
         self.durable = durable
         self.election = election
         self._etcd = etcd_client
-        self.clock = clock
+        self.clock = clock or SteadyWallClock()  # Unix seconds a step of the host's clock does not move
         self.op_timeout_seconds = op_timeout_seconds
         self.resync_seconds = resync_seconds
         # callable(values: dict[str, str]) -> dict[str, str] of effective values; raises InvalidArgument

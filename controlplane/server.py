@@ -159,7 +159,7 @@ class ControlPlane:
             self.lookup_socket = self._lookup_socket(admin)
             admin.lookup_address = self.lookup_socket.address
         agent_pb2_grpc.add_AgentServiceServicer_to_server(
-            AgentServicer(self.cluster, self.election, self._agent_key_exists, self._on_op_update),
+            AgentServicer(self.cluster, self.election, self._agent_key_exists, self._on_op_update, self.manager.clock),
             self.server,
         )
         self.health = health.HealthServicer()

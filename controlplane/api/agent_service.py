@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import queue
 import threading
+import time
 
 from controlplane.api import convert
 from controlplane.core.cluster import AgentCommand, Cluster
@@ -67,8 +68,9 @@ class _Applier:
 
 
 class AgentServicer(agent_pb2_grpc.AgentServiceServicer):
-    def __init__(self, cluster: Cluster, leadership, agent_key_exists=None, on_op_update=None):
+    def __init__(self, cluster: Cluster, leadership, agent_key_exists=None, on_op_update=None, clock=time.time):
         self._cluster = cluster
+        self._clock = clock  # the manager's: a pin's time left is taken on the clock its expiry was set by
         self._applier = _Applier()  # index updates of every stream, applied by one thread
         self._leadership = leadership
         # callable(agent_id, OpUpdate message): operation progress from agents
@@ -138,7 +140,7 @@ class AgentServicer(agent_pb2_grpc.AgentServiceServicer):
                 if isinstance(item, Exception):
                     raise item
                 if isinstance(item, AgentCommand):
-                    item = convert.command_to_pb(item, self._leadership.epoch)
+                    item = convert.command_to_pb(item, self._leadership.epoch, self._clock())
                 yield item
         finally:
             if session["agent_id"]:

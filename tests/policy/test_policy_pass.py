@@ -403,3 +403,56 @@ def test_policy_command_ids_do_not_repeat_across_leaders():
     (second,) = f.commands("over")
     assert first.op_id.startswith("policy-") and second.op_id.startswith("policy-")
     assert first.op_id != second.op_id
+
+
+def test_a_step_of_the_host_clock_neither_ends_a_pin_early_nor_keeps_it_late():
+    """The manager's clock reads the host's clock once and follows the monotonic clock
+    after: a pin of 60 s survives the host clock jumping an hour ahead (NTP step, `date
+    -s`), ends 60 s after it was made by the monotonic clock, and the time left an agent
+    is told comes from the same clock."""
+    from controlplane.api.convert import command_to_pb
+    from controlplane.core.clock import SteadyWallClock
+    from controlplane.manager import Scope
+
+    wall, mono = [1_000_000.0], [50.0]
+    f = Fleet()
+    m = f.manager
+    assert isinstance(Manager(f.cluster, durable=None, election=None).clock, SteadyWallClock)  # the default
+    m.clock = SteadyWallClock(lambda: wall[0], lambda: mono[0])
+    c = chain(5, 2)
+    f.agent("a", {Tier.GPU: (100, [c])})
+
+    class Durable:
+        def __init__(self):
+            self.kv = {}
+
+        def put(self, key, value, lease=0):
+            self.kv[key] = value
+
+        def create(self, key, value, lease=0):
+            if key in self.kv:
+                return self.kv[key]
+            self.kv[key] = value
+            return None
+
+        def delete(self, key):
+            self.kv.pop(key, None)
+
+        def load_pins(self):
+            from controlplane.store.durable import pin_from_json
+
+            return [pin_from_json(v) for v in self.kv.values()]
+
+    m.durable = Durable()
+    pin = m.pin(Scope(model_id="m", block_hashes=b"".join(c)), Tier.GPU, 60)
+    assert pin.expires_unix_seconds == 1_000_060.0
+    [sent] = [cmd for cmd in f.commands("a") if cmd.kind == "pin"]
+    wall[0] += 3600.0  # the host's clock steps an hour ahead
+    mono[0] += 30.0
+    m._expire_pins(m.clock())
+    assert pin.pin_id in m.pins  # 30 s of its 60 have passed, whatever the host clock says
+    ttl = command_to_pb(sent, 1, m.clock()).command.ttl_seconds
+    assert 29.0 <= ttl <= 30.0, ttl
+    mono[0] += 31.0
+    m._expire_pins(m.clock())
+    assert pin.pin_id not in m.pins and m.pins_expired_total == 1

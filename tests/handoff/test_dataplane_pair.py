@@ -99,8 +99,9 @@ def test_a_paced_link_that_runs_out_of_time_says_so(tmp_path):
     p = Pair(DataPlaneConfig(link_bytes_per_second=100, grpc_chunk_bytes=16))
     try:
         hashes = store(p.send.pool, 4)
-        r = p.send.handoff(SMALL.model_id, hashes, "dec", 0.6, paths=("grpc",))
-        assert r.outcome == RECOMPUTE and "bandwidth limit" in r.reason
+        # seconds of deadline, hours of bytes at 100 B/s: refused up front, however slow this machine
+        r = p.send.handoff(SMALL.model_id, hashes, "dec", 3.0, paths=("grpc",))
+        assert r.outcome == RECOMPUTE and "bandwidth limit" in r.reason, r
         assert r.attempts == 1  # not tried again: a second try would have even less time
         assert "checksum" not in r.reason and p.recv.reservations.checksum_failures_total == 0
     finally:

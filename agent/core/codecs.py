@@ -398,7 +398,7 @@ def payload_bytes(codec: str, shape, dtype: torch.dtype) -> int:
     if codec in ("int8", "fp8"):
         return 2 * math.prod(shape[:-1]) + math.prod(shape)
     if codec == "none":
-        return math.prod(shape) * torch.tensor([], dtype=dtype).element_size()
+        return math.prod(shape) * dtype.itemsize
     raise CodecError(f"codec {codec} has no fixed payload size")
 
 

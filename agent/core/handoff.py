@@ -21,7 +21,9 @@ Nothing here imports gRPC or the engine; agent.api and agent.store bring those.
 
 from __future__ import annotations
 
+import concurrent.futures as cf
 import math
+import os
 import random
 import threading
 import time
@@ -41,6 +43,26 @@ SHM, ENGINE, GRPC = "shm", "engine", "grpc"
 PATHS = (SHM, ENGINE, GRPC)  # the order a handoff tries them in (shm only to a peer on this host)
 TRANSFERRED, PRESENT, RECOMPUTE = "transferred", "present", "recompute"
 MAX_TTL_SECONDS = 600.0  # a reservation outlives no sender longer than this
+
+
+VERIFY_THREADS = max(1, min(4, os.cpu_count() or 1))  # xxh3 lets go of the GIL: blocks hash side by side
+VERIFY_PARALLEL_BYTES = 4 << 20  # a batch smaller than this is hashed in the calling thread
+_verify_pool: cf.ThreadPoolExecutor | None = None
+_verify_pool_lock = threading.Lock()
+
+
+def checksums_of(blocks: list) -> list[int]:
+    """`checksum` of each block (a list of segments each), on up to VERIFY_THREADS threads
+    when there is enough to hash: verifying what landed is a pass over every byte."""
+    global _verify_pool
+    total = sum(seg.numel() if hasattr(seg, "numel") else len(seg) for segs in blocks for seg in segs)
+    if VERIFY_THREADS == 1 or len(blocks) < 2 or total < VERIFY_PARALLEL_BYTES:
+        return [checksum(segs) for segs in blocks]
+    if _verify_pool is None:
+        with _verify_pool_lock:
+            if _verify_pool is None:
+                _verify_pool = cf.ThreadPoolExecutor(VERIFY_THREADS, thread_name_prefix="verify")
+    return list(_verify_pool.map(checksum, blocks))
 
 
 def checksum(segments) -> int:
@@ -162,9 +184,10 @@ class Reservations:
                 raise errors.InvalidArgument("codecs", str(exc)) from None
         # a size its codec cannot have would commit a block no read can decode
         spec = self.pool.models[model_id]
+        most_of = {c: codec_names.max_payload_bytes(c, spec.block_shape, spec.torch_dtype) for c in set(codecs)}
         for i, (n, c) in enumerate(zip(stored_bytes, codecs, strict=True)):
             exact = c != "zstd"  # every other codec's size is fixed by the block's shape
-            most = codec_names.max_payload_bytes(c, spec.block_shape, spec.torch_dtype)
+            most = most_of[c]
             if (exact and n != most) or not 0 < n <= most:
                 want = f"{most} B" if exact else f"1 to {most} B"
                 raise errors.InvalidArgument(f"stored_bytes[{i}]", f"{n} B is not a {c} block of {model_id} ({want})")
@@ -274,17 +297,18 @@ class Reservations:
     def _verify_blocks(self, r: Reservation, first_block: int, checksums: Sequence[int]) -> str:
         """Check blocks [first_block, first_block + len(checksums)), each with no write in
         between; '' when all match, else what did not."""
-        for k, expected in enumerate(checksums):
-            i = first_block + k
-            with r.guard:
-                got = checksum(self.views(r, i))
-                if got == expected:
-                    r.verified[i] = got
-            if got != expected:
+        indices = range(first_block, first_block + len(checksums))
+        with r.guard:  # no fallback write lands in these blocks while they are hashed
+            got = checksums_of([self.views(r, i) for i in indices])
+            for i, g, expected in zip(indices, got, checksums, strict=True):
+                if g == expected:
+                    r.verified[i] = g
+        for i, g, expected in zip(indices, got, checksums, strict=True):
+            if g != expected:
                 self.checksum_failures_total += 1
                 return (
                     f"checksum mismatch on block {i} ({r.block_hashes[i].hex()[:12]}): "
-                    f"sent {expected:016x}, received {got:016x}; nothing was made visible"
+                    f"sent {expected:016x}, received {g:016x}; nothing was made visible"
                 )
         return ""
 

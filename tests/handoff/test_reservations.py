@@ -260,3 +260,16 @@ def test_link_concurrency_queues_and_bandwidth_paces():
     link.record(True, 1 << 20, 0.5, "engine")
     link.record(True, 1 << 20, 1.0, "engine")
     assert 1.3e6 < link.throughput_bytes_per_second < 2.1e6
+
+
+def test_a_large_batch_is_hashed_on_several_threads_to_the_same_sums(monkeypatch):
+    import torch
+
+    from agent.core import handoff
+
+    monkeypatch.setattr(handoff, "VERIFY_THREADS", 3)
+    g = torch.Generator().manual_seed(5)
+    blocks = [[torch.randint(0, 256, (1 << 20,), dtype=torch.uint8, generator=g)] for _ in range(6)]
+    blocks[2] = [blocks[2][0][: 1 << 19], blocks[2][0][1 << 19 :]]  # a block in two runs of the slab
+    assert handoff.checksums_of(blocks) == [handoff.checksum(b) for b in blocks]
+    assert handoff._verify_pool is not None  # 6 MiB: over the bar, hashed side by side

@@ -180,6 +180,22 @@ def _copy_unchanged(src, src_handle, dst, dst_handle, num_bytes: int, header) ->
         dst.write(dst_handle, src.read(src_handle, num_bytes), header)
 
 
+def _grows(target: str, new_bytes: int, stored_bytes: int) -> bool:
+    """Whether re-encoding a block in place into `target` would not make it smaller: zstd
+    of incompressible bytes, or of a block already in a lossy codec (decoded first, so its
+    raw bytes are zstd'ed), or one lossy codec into another as big. A compress keeps such a
+    block as it is: growing it takes room (in a full tier, a block dropped or demoted to
+    make it) for nothing, and re-quantizing loses precision for nothing. `none` (a
+    decompress) is asked to grow it."""
+    return target != "none" and new_bytes >= stored_bytes
+
+
+def _kept(codec: str, target: str, new_bytes: int, stored_bytes: int) -> MoveOutcome:
+    return MoveOutcome(
+        True, reason=f"kept as {codec}: {target} would not make it smaller ({new_bytes} B, now {stored_bytes} B)"
+    )
+
+
 def _first_page(handle) -> int:
     """A memory slab handle's first page (a list of pages); 0 for other handles."""
     return handle[0] if isinstance(handle, list) else 0
@@ -815,6 +831,8 @@ class BlockPool:
             if target != src_codec:
                 data, digest = self._reencode(meta.model_id, src, src_handle, src_stored, src_codec, target)
                 nbytes = data.numel()
+                if dst is src and _grows(target, nbytes, src_stored):  # a compress in place
+                    return _kept(src_codec, target, nbytes, src_stored)
             else:
                 data, nbytes, digest = None, src_stored, meta.checksum
             with self.lock:
@@ -1192,6 +1210,11 @@ class BlockPool:
                 except BaseException:
                     self._recode_failed(job.meta, "unexpected error")
                     raise
+                if job.src is dst and _grows(job.target, data.numel(), job.stored_bytes):
+                    with self.lock:  # a compress in place that would grow it: it stays as it is
+                        job.meta.moving = False
+                    out[job.k] = _kept(job.codec, job.target, data.numel(), job.stored_bytes)
+                    continue
                 batch.append((job, data, digest))
                 batch_bytes += data.numel()
                 if batch_bytes >= RECODE_WRITE_BYTES:

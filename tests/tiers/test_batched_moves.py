@@ -12,6 +12,7 @@ import time
 import pytest
 import torch
 
+from agent.core import codecs
 from agent.core.block_pool import BlockPool
 from agent.core.engine_api import KVEngineAPI
 from agent.core.mover import SUCCEEDED, Mover
@@ -1193,4 +1194,46 @@ def test_a_store_that_stores_nothing_pushes_nothing_out(tmp_path):
     assert pool.insert_chain(SPEC.model_id, [os.urandom(16) for _ in range(3)], lambda i: None) == (0, 0)
     assert pool.demotions_total == demoted
     assert [pool.tier_of(h) for h in cold + hot] == [Tier.DISK] * 4 + [Tier.CPU] * 4
+    check_pool(pool)
+
+
+@pytest.mark.parametrize("page", [SPEC.block_bytes, 64])
+def test_a_compress_that_would_grow_blocks_keeps_them_and_drops_nothing(page):
+    """A compress in place never makes a block bigger: zstd of blocks already in int8
+    (decoded first: raw fp16 zstd'ed, ~1.6x their int8 bytes here) would grow them; in a
+    full CPU tier with no tier below, that found no room and dropped a block of the batch
+    "to make room for the others", for nothing (every block then failed PoolFull). Such
+    blocks stay as they are, and nothing is dropped."""
+    n = 8
+    cpu = MemoryTier(Tier.CPU, n * SPEC.block_bytes, page, device="cpu")
+    pool = BlockPool([cpu], [SPEC], tier_codecs={Tier.CPU: "int8"})
+    data = kv(n, seed=3)
+    hashes = [os.urandom(16) for _ in range(n)]
+    for i, h in enumerate(hashes):
+        assert pool.insert_chain(SPEC.model_id, [h], lambda _i, i=i: data[i]) == (1, 0)
+    before = pool.usage()[0]
+    outcomes = pool.move_blocks(hashes, None, "zstd")
+    assert all(o.ok for o in outcomes), outcomes
+    assert all(h in pool.blocks and pool.blocks[h].codec == "int8" for h in hashes)
+    assert sum(pool.evictions_total.values()) == 0
+    assert pool.usage()[0] == before
+    for i, h in enumerate(hashes):
+        assert torch.equal(decoded(pool, h), roundtrip_int8(data[i]))
+    check_pool(pool)
+
+
+def test_compress_to_zstd_keeps_raw_blocks_zstd_cannot_shrink(tmp_path):
+    """zstd of incompressible KV (here random fp16 bytes of a 512 B block: 522 B) is
+    bigger than the raw block: a compress in place leaves it raw instead of storing more
+    bytes than the block's uncompressed size (and, on the disk, an extra granule)."""
+    pool, hashes, data = independent_blocks(tmp_path, 4)
+    assert all(o.ok for o in pool.move_blocks(hashes[:2], Tier.DISK))
+    assert len(codecs.encode("zstd", data[0])) > SPEC.block_bytes  # incompressible
+    outcomes = pool.move_blocks(hashes, None, "zstd")
+    assert all(o.ok for o in outcomes), outcomes
+    for u in pool.usage():
+        assert u.stored_bytes <= u.uncompressed_bytes
+    assert {pool.blocks[h].codec for h in hashes} == {"none"}
+    for i, h in enumerate(hashes):
+        assert torch.equal(decoded(pool, h), data[i])
     check_pool(pool)

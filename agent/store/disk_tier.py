@@ -833,6 +833,15 @@ class DiskTier:
             else:
                 found[header.block_hash] = block
         self._seq = itertools.count(seq_max + 1)
+        # the walk read no further than this capacity's slab: a dead header past it (a
+        # restart with a smaller --disk-capacity) is cleared here, else it would come back
+        # at a later restart with the bigger one once its record went below
+        walked = min(os.fstat(self.fd).st_size, self.slab_bytes) // GRANULE_BYTES * GRANULE_BYTES
+        for offset, seq in self._dead():
+            if offset >= walked:
+                head = os.pread(self.fd, _FIXED_SEQ_END, offset)
+                if head[:8] == MAGIC and _SEQ.unpack_from(head, _FIXED_SEQ_AT)[0] == seq:
+                    self._clear(offset)
         os.fdatasync(self.fd)  # the clears are on disk before the records that stood for them go
         os.ftruncate(self._dead_fd, 0)  # every dead header is cleared: the log starts empty
         self._dead_records = 0

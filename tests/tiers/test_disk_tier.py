@@ -508,6 +508,24 @@ def test_freed_blocks_do_not_come_back_after_a_restart(tmp_path):
     assert again.used_bytes == again.footprint(3000)
 
 
+def test_freed_blocks_past_a_smaller_capacity_do_not_come_back_at_the_old_one(tmp_path):
+    """A restart with a smaller --disk-capacity reads only that much of the slab, and
+    used to empty the dead log all the same: the freed blocks past it, never cleared,
+    came back at a later restart with the old capacity (a cleanup undone)."""
+    disk = DiskTier(tmp_path, 1 << 20)
+    freed = [_raw_block(disk, bytes([i]) * 16, 3000, i)[0] for i in range(1, 4)]
+    for handle in freed:
+        disk.free(handle)  # e.g. a cleanup, then the agent stops
+    disk.close()
+    smaller = DiskTier(tmp_path, GRANULE_BYTES)  # its slab: 4 KiB, the first block and a half
+    assert freed[-1].offset >= smaller.slab_bytes
+    assert smaller.scan() == ([], 0)
+    smaller.close()
+    again = DiskTier(tmp_path, 1 << 20)
+    assert again.scan() == ([], 0)
+    assert again.used_bytes == 0
+
+
 def test_a_dead_extent_reused_at_another_offset_recovers_only_the_new_block(tmp_path):
     disk = DiskTier(tmp_path, 1 << 20)
     big, _ = _raw_block(disk, b"\x03" * 16, 8000, 3)  # 17 granules at offset 0

@@ -389,7 +389,9 @@ def route(ctx: Context, model_id, tokens, tokens_file, hashes, extra_keys, role,
         return
     if r.role == "pair":
         how = "split" if r.disaggregate else "not split"
-        click.echo(f"prefill {r.prefill_agent_id}, decode {r.decode_agent_id or '-'} ({how}): {r.reason}")
+        said = r.reason.startswith(f"{how}:")  # the reason may say it already: not twice
+        where = f"prefill {r.prefill_agent_id}, decode {r.decode_agent_id or '-'}"
+        click.echo(f"{where}: {r.reason}" if said else f"{where} ({how}): {r.reason}")
     else:
         click.echo(f"{r.role} {r.agent_id} ({r.address}): {r.reason}")
     if r.backpressure:

@@ -276,8 +276,8 @@ def route(
             num_cached_tokens=cached,
             transfer_seconds=d.transfer_seconds,
             saved_seconds=saved,
-            reason=f"not split: the handoff to {d.agent_id} ({d.transfer_seconds * 1e3:.1f} ms) costs more than "
-            f"the {saved * 1e3:.1f} ms of interference it saves",
+            reason=f"not split: the handoff to {d.agent_id} ({d.transfer_seconds * 1e3:.2f} ms) costs more than "
+            f"the {saved * 1e3:.2f} ms of interference it saves",
             candidates=tuple(pre) + tuple(dec),
         )
     return RouteDecision(

@@ -1,0 +1,55 @@
+"""`kvctl route`'s first line names the split decision once: the control plane's reason
+may already start with it ("not split: ..."), and then it is not said twice."""
+
+from __future__ import annotations
+
+import pytest
+from click.testing import CliRunner
+
+from cli import main as cli_main
+from cli.client import RouteView
+
+
+def view(disaggregate: bool, reason: str) -> RouteView:
+    return RouteView(
+        "pair", "a1", "127.0.0.1:1", "a1", "a2" if disaggregate else "a1", disaggregate, 96, 0.0, 0.0, reason, False, []
+    )
+
+
+class FakeClient:
+    def __init__(self, answer: RouteView):
+        self.answer = answer
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+    def route(self, *args, **kwargs):
+        return self.answer
+
+
+@pytest.mark.parametrize(
+    ("answer", "first_line"),
+    [
+        (
+            view(False, "not split: the handoff to a2 (0.05 ms) costs more than the 0.00 ms of interference it saves"),
+            "prefill a1, decode a1: not split: the handoff to a2 (0.05 ms) costs more than the 0.00 ms of interference"
+            " it saves",
+        ),
+        (
+            view(True, "split: prefill on a1, decode on a2 (idle)"),
+            "prefill a1, decode a2: split: prefill on a1, decode on a2 (idle)",
+        ),
+        (
+            view(False, "no other decode agent: prefill and decode on a1"),
+            "prefill a1, decode a1 (not split): no other decode agent: prefill and decode on a1",
+        ),
+    ],
+)
+def test_route_says_split_or_not_once(monkeypatch, answer, first_line):
+    monkeypatch.setattr(cli_main.Context, "client", lambda self: FakeClient(answer))
+    result = CliRunner().invoke(cli_main.main, ["route", "--model", "m", "--tokens", "1,2,3"])
+    assert result.exit_code == 0, result.output
+    assert result.output.splitlines()[0] == first_line

@@ -466,6 +466,7 @@ def policy():
 @policy.command("get")
 @pass_ctx
 def policy_get(ctx: Context):
+    """The effective policy: every tier-policy key with its value, and the namespace quotas."""
     values = ctx.call(lambda c: c.get_policy())
     if ctx.output == "json":
         click.echo(json.dumps(values, indent=2, sort_keys=True))
@@ -479,7 +480,8 @@ def policy_get(ctx: Context):
 @click.argument("assignments", nargs=-1, required=True)
 @pass_ctx
 def policy_set(ctx: Context, assignments):
-    """kvctl policy set key=value ..."""
+    """kvctl policy set key=value ...: any key `kvctl policy get` lists (validated, applied
+    live), and `quota.<namespace>=<size>` (e.g. 2GiB; `none` lifts it)."""
     changes = {}
     for a in assignments:
         key, eq, value = a.partition("=")

@@ -65,6 +65,9 @@ def _exact(seconds: float) -> str:
     return short if float(short) == seconds else repr(seconds)
 
 
+QUOTA_REMOVED = ("", "none")  # `kvctl policy set quota.<ns>=none` (or empty) lifts a namespace's quota
+
+
 def _check_quota_entry(key: str, value: str) -> None:
     """`quota.<namespace>=<size>`: the namespace must be named (`quota.` alone would be
     stored and never read: a pin's namespace is never empty)."""
@@ -72,6 +75,8 @@ def _check_quota_entry(key: str, value: str) -> None:
     if not namespace:
         raise errors.InvalidArgument(f"values[{key}]", "name the namespace: quota.<namespace>=<size>")
     check_namespace(namespace, f"values[{key}]")
+    if value in QUOTA_REMOVED:
+        return
     try:
         parse_size(value)
     except ValueError as exc:
@@ -946,7 +951,11 @@ class Manager:
             if key.startswith("quota."):
                 _check_quota_entry(key, value)
         with self._lock:
-            merged = self.policy_validator({**self.policy, **changes})
+            values = {**self.policy, **changes}
+            for key, value in changes.items():
+                if key.startswith("quota.") and value in QUOTA_REMOVED:
+                    del values[key]
+            merged = self.policy_validator(values)
             self.durable.put(etcd_keys.POLICY_KEY, json.dumps(merged, sort_keys=True))
             self.policy = merged
             try:

@@ -532,9 +532,21 @@ class BlockPool:
                 with self.lock:
                     if h in self.blocks:
                         break
-                    try:
-                        handle = self._allocate(top, payload.numel(), h)
-                    except PoolFull:
+                    handle = None
+                    while handle is None:
+                        try:
+                            handle = self._allocate(top, payload.numel(), h)
+                        except PoolFull:
+                            # nothing here may go (pins, loads, moves hold it all): the rest of
+                            # the chain goes to the next tier down that has room, rather than
+                            # nowhere (a child is never kept faster than its parent)
+                            lower = self.lower_of(top.tier)
+                            if lower is None:
+                                break
+                            top, codec = lower, self._tier_codec(lower.tier, model_id)
+                            payload = codecs.encode(codec, data)
+                            digest = payload_checksum(payload)
+                    if handle is None:
                         break
                     pending = BlockMeta(
                         h,

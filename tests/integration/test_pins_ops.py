@@ -116,6 +116,11 @@ def test_quota_rejects_beyond_it(client, make_agent):
     with pytest.raises(ClientError) as info:
         client.set_policy({"quota.legal-kb": "lots"})
     assert info.value.code == "INVALID_ARGUMENT" and "quota.legal-kb" in str(info.value)
+    # `none` lifts the quota (it was the only way out of one but a huge size)
+    effective = client.set_policy({"quota.legal-kb": "none"})
+    assert "quota.legal-kb" not in effective
+    client.pin(model_id=M.model_id, token_ids=tokens(2, start=500), namespace="legal-kb", ttl_seconds=60)
+    assert len(client.list_pins("legal-kb")) == 2
 
 
 def test_pins_survive_controlplane_restart_and_reapply_to_restarted_agent(etcd, make_agent):

@@ -629,3 +629,31 @@ def _descendants(pool: BlockPool, h: bytes) -> set[bytes]:
         out.update(kids)
         frontier += kids
     return out
+
+
+def test_a_top_tier_held_whole_by_pins_sends_new_blocks_to_the_tier_below():
+    """A namespace pinned at the top tier that fills it (the README's demo pin outgrew
+    the CPU tiers) left every store storing nothing while the tier below stood empty:
+    the rest of a chain now goes to the fastest lower tier with room, parents first."""
+    import time
+
+    from agent.core.pins import AgentPin
+
+    pool = make_pool(mem(Tier.CPU, 4), mem(Tier.DISK, 16))
+    pool.pins.add(AgentPin("kb", int(Tier.CPU), time.monotonic() + 60, namespace="kb"))
+    pinned = chain(range(4))
+    assert pool.insert_chain("m", pinned, lambda i: payload(pinned[i]), namespace="kb") == (4, 0)
+    other = chain(range(100, 103))
+    assert pool.insert_chain("m", other, lambda i: payload(other[i]), namespace="docs") == (3, 0)
+    assert [pool.tier_of(h) for h in pinned] == [Tier.CPU] * 4  # the pin holds
+    assert [pool.tier_of(h) for h in other] == [Tier.DISK] * 3
+    blocks, tiers = pool.read_chain(other)
+    assert [as_bytes(b) for b in blocks] == [as_bytes(payload(h)) for h in other] and tiers == [Tier.DISK] * 3
+    # a chain that starts in the top tier and runs out of room there goes on below
+    pool.pins.remove("kb")
+    pool.drop(pinned[-1])
+    longer = chain(range(200, 203))
+    pool.pins.add(AgentPin("kb2", int(Tier.CPU), time.monotonic() + 60, namespace="kb"))
+    assert pool.insert_chain("m", longer, lambda i: payload(longer[i]), namespace="kb") == (3, 0)
+    assert [pool.tier_of(h) for h in longer] == [Tier.CPU, Tier.DISK, Tier.DISK]
+    check_invariants(pool)

@@ -967,10 +967,15 @@ class BlockPool:
                     dst, [(m, src) for _, m, src in to_place] + [(m, src) for _, m, src, _ in slab_copies]
                 )
             with self.lock:
+                full: PoolFull | None = None  # nothing frees room under the lock: no larger block fits after
+                full_bytes = 0
                 for n, (k, meta, src) in enumerate(to_place):
                     try:
+                        if full is not None and meta.stored_bytes >= full_bytes:
+                            raise full
                         new_handle = self._allocate(dst, meta.stored_bytes, meta.block_hash)
                     except PoolFull as exc:
+                        full, full_bytes = exc, meta.stored_bytes
                         meta.moving = False
                         out[k] = self._move_failed(f"PoolFull: {exc}")
                     except BaseException:
@@ -1068,14 +1073,19 @@ class BlockPool:
                 if i < len(copies):
                     chunk, size, limit = [], 0, _chunk_bytes(n_chunks, left)
                     with self.lock:
+                        full: PoolFull | None = None  # nothing frees room under the lock: no larger block fits
+                        full_bytes = 0
                         while i < len(copies) and size < limit:
                             k, meta, src, old = copies[i]
                             if swap and (chunk or issued) and _no_room(dst, lower, meta.stored_bytes):
                                 drain = True  # else making room would drop the blocks it demotes
                                 break
                             try:
+                                if full is not None and meta.stored_bytes >= full_bytes:
+                                    raise full
                                 new = self._allocate(dst, meta.stored_bytes, meta.block_hash)
                             except PoolFull as exc:
+                                full, full_bytes = exc, meta.stored_bytes
                                 meta.moving = False
                                 out[k] = self._move_failed(f"PoolFull: {exc}")
                                 new = None
@@ -1944,7 +1954,9 @@ class BlockPool:
             meta = self._victim(store.tier, lower.tier)
             if meta is not None and self._demote_locked(meta, store, lower):
                 return
-        meta = self._victim(store.tier, None)
+        # a block that may be dropped may also be demoted (no pin, no child, not in use):
+        # when none may be demoted, a second pass over the tier would find none to drop
+        meta = self._victim(store.tier, None) if lower is None or meta is not None else None
         if meta is None:
             raise PoolFull(f"the {store.tier.label} tier is full of pinned, in-use or moving blocks")
         self._drop_subtree(meta.block_hash)

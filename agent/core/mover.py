@@ -23,6 +23,7 @@ log = logging.getLogger(__name__)
 PENDING, RUNNING, SUCCEEDED, FAILED, CANCELLED = "PENDING", "RUNNING", "SUCCEEDED", "FAILED", "CANCELLED"
 TERMINAL = {SUCCEEDED, FAILED, CANCELLED}
 BATCH_BLOCKS = 32  # blocks a batch moves at once (cancellation and progress go by batch)
+PROMOTE_BACKOFF_SECONDS = 1.0  # no load promotion after one found no room, for this long
 
 
 @dataclass
@@ -57,6 +58,7 @@ class Mover:
         self._ids = itertools.count(1)
         self.keep_finished = keep_finished
         self._promoting: set[bytes] = set()
+        self._no_room_until = 0.0  # monotonic: load promotions are not tried before then
 
     def submit(
         self,
@@ -78,8 +80,13 @@ class Mover:
         return op
 
     def promote(self, block_hashes: Sequence[bytes]) -> MoveOp | None:
-        """Bring blocks read from a lower tier up to the fastest one (deduplicated)."""
+        """Bring blocks read from a lower tier up to the fastest one (deduplicated). After
+        a promotion found no room up there (pins, or loads in flight, hold all of it) none
+        is tried for PROMOTE_BACKOFF_SECONDS: every load would otherwise try again, fail
+        and hold the pool's lock for the search."""
         with self._lock:
+            if time.monotonic() < self._no_room_until:
+                return None
             fresh = [h for h in block_hashes if h not in self._promoting]
             self._promoting.update(fresh)
         if not fresh:
@@ -134,6 +141,9 @@ class Mover:
                     else:
                         op.failed += 1
                         op.error = outcome.reason
+                        if op.kind == "promote" and outcome.reason.startswith("PoolFull"):
+                            with self._lock:
+                                self._no_room_until = time.monotonic() + PROMOTE_BACKOFF_SECONDS
                         if outcome.pinned_tier:
                             op.pinned.append((op.block_hashes[k], outcome.pinned_tier))
                 if time.monotonic() - last > 0.2:

@@ -342,6 +342,31 @@ def test_load_from_disk_promotes_in_the_background(tmp_path):
     check_pool(pool)
 
 
+def test_loads_stop_promoting_for_a_while_once_the_top_tier_had_no_room(tmp_path, monkeypatch):
+    """A CPU tier held whole by pins: every load of a block on disk started a promotion
+    that failed (the demo's namespace pin: thousands of failures, each a search of the
+    tier under the pool's lock). After one finds no room, loads promote nothing for a
+    second; then they try again."""
+    import agent.core.mover as mover_module
+
+    pool, engine, toks, data, hs = stored(tmp_path, n=3, cpu_blocks=2)
+    engine = make_engine(pool, with_mover=True)
+    pool.set_pin(hs[1:], Tier.CPU)  # the CPU tier's two blocks
+    assert pool.tier_of(hs[0]) is Tier.DISK
+    assert torch.equal(engine.load(SPEC.model_id, toks[:BS]).kv, data[:1])
+    op = engine.mover.run_once()
+    assert op.kind == "promote" and op.state == FAILED and "PoolFull" in op.error
+    for _ in range(3):  # within the backoff: read, not promoted again
+        assert torch.equal(engine.load(SPEC.model_id, toks[:BS]).kv, data[:1])
+    assert engine.mover.run_once(timeout_seconds=0.01) is None and pool.move_failures_total == 1
+    monkeypatch.setattr(mover_module, "PROMOTE_BACKOFF_SECONDS", 0.0)
+    engine.mover._no_room_until = 0.0  # the backoff is over
+    pool.set_pin(hs[1:], None)
+    engine.load(SPEC.model_id, toks[:BS])
+    assert engine.mover.run_once().state == SUCCEEDED and pool.tier_of(hs[0]) is Tier.CPU
+    check_pool(pool)
+
+
 def test_background_mover_thread_promotes(tmp_path):
     pool, engine, toks, data, hs = stored(tmp_path, n=2)
     engine = make_engine(pool, with_mover=True)

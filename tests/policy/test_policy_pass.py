@@ -307,6 +307,33 @@ def test_a_pin_scoped_to_one_agent_binds_that_agent_only():
     assert _moves(f, "b") == []  # b's copy is not promoted for a pin that is not b's
 
 
+class PinsInMemory:
+    """The pin part of DurableStore over a dict (etcd's create-if-absent included)."""
+
+    def __init__(self):
+        self.kv = {}
+
+    def put(self, key, value, lease=0):
+        self.kv[key] = value
+
+    def create(self, key, value, lease=0):
+        if key in self.kv:
+            return self.kv[key]
+        self.kv[key] = value
+        return None
+
+    def delete(self, key):
+        self.kv.pop(key, None)
+
+    def lease_alive(self, lease):
+        return True
+
+    def load_pins(self):
+        from controlplane.store.durable import pin_from_json
+
+        return [pin_from_json(v) for v in self.kv.values()]
+
+
 def test_a_pin_made_while_pins_reload_is_kept():
     from controlplane.manager import Scope
     from controlplane.store.durable import pin_from_json
@@ -317,25 +344,7 @@ def test_a_pin_made_while_pins_reload_is_kept():
     f.agent("a", {Tier.GPU: (100, [c])})
     created = []
 
-    class Durable:  # etcd's range read, with a Pin RPC landing on another thread meanwhile
-        def __init__(self):
-            self.kv = {}
-
-        def put(self, key, value, lease=0):
-            self.kv[key] = value
-
-        def create(self, key, value, lease=0):
-            if key in self.kv:
-                return self.kv[key]
-            self.kv[key] = value
-            return None
-
-        def delete(self, key):
-            self.kv.pop(key, None)
-
-        def lease_alive(self, lease):
-            return True
-
+    class Durable(PinsInMemory):  # etcd's range read, with a Pin RPC landing on another thread meanwhile
         def load_pins(self):
             snapshot = [pin_from_json(v) for v in self.kv.values()]
             created.append(m.pin(Scope(model_id="m", block_hashes=b"".join(c)), Tier.GPU, 3600))
@@ -422,28 +431,7 @@ def test_a_step_of_the_host_clock_neither_ends_a_pin_early_nor_keeps_it_late():
     c = chain(5, 2)
     f.agent("a", {Tier.GPU: (100, [c])})
 
-    class Durable:
-        def __init__(self):
-            self.kv = {}
-
-        def put(self, key, value, lease=0):
-            self.kv[key] = value
-
-        def create(self, key, value, lease=0):
-            if key in self.kv:
-                return self.kv[key]
-            self.kv[key] = value
-            return None
-
-        def delete(self, key):
-            self.kv.pop(key, None)
-
-        def load_pins(self):
-            from controlplane.store.durable import pin_from_json
-
-            return [pin_from_json(v) for v in self.kv.values()]
-
-    m.durable = Durable()
+    m.durable = PinsInMemory()
     pin = m.pin(Scope(model_id="m", block_hashes=b"".join(c)), Tier.GPU, 60)
     assert pin.expires_unix_seconds == 1_000_060.0
     [sent] = [cmd for cmd in f.commands("a") if cmd.kind == "pin"]

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import dataclasses
 import json
 import logging
 import math
@@ -434,10 +435,16 @@ class Manager:
             check_namespace(namespace, "namespace")  # "a b" names no namespace: say so, not "no pins"
         now = self.clock()
         with self._lock:
-            return sorted(
+            found = sorted(
                 (p for p in self.pins.values() if p.active(now) and (not namespace or p.namespace == namespace)),
                 key=lambda p: p.created_unix_seconds,
             )
+        # a namespace pin covers what its namespace holds now (it grows with it), as its
+        # quota check counts it, not what it held when it was made
+        return [
+            dataclasses.replace(p, pinned_bytes=self.cluster.namespace_bytes(p.namespace)) if p.whole_namespace else p
+            for p in found
+        ]
 
     def _apply_pins(self, now: float) -> None:
         """Send every connected agent the pins it should hold and lacks (or holds in another

@@ -283,6 +283,11 @@ def test_a_namespace_pin_brings_its_blocks_up_to_its_tier(client, make_agent, tm
     client.pin(namespace="kb", min_tier="cpu", ttl_seconds=60)
     wait_for(lambda: [a.pool.tier_of(h) for h in hs] == [Tier.CPU] * 4, what="promoted to the pin's tier")
     assert a.engine.lookup(M.model_id, kb) == 4 * BS
+    # the pin's size is what its namespace holds now: it grows as the namespace does
+    [pin] = client.list_pins("kb")
+    assert pin.pinned_bytes == 4 * M.block_bytes
+    a.engine.store(M.model_id, tokens(2, start=70_000), kv(2), namespace="kb")
+    wait_for(lambda: client.list_pins("kb")[0].pinned_bytes == 6 * M.block_bytes, what="the pin's bytes grew")
 
 
 def test_a_move_running_when_the_controlplane_restarts_is_followed_to_its_end(etcd, make_agent, tmp_path, monkeypatch):

@@ -84,7 +84,9 @@ class Demo:
 
     def spawn(self, name: str, argv: list[str]) -> subprocess.Popen:
         log = open(self.logs / f"{name}.log", "ab")  # noqa: SIM115 - kept open for the child
-        proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, start_new_session=True, cwd=REPO)
+        proc = subprocess.Popen(
+            argv, stdout=log, stderr=subprocess.STDOUT, start_new_session=True, cwd=REPO, preexec_fn=_die_with_parent
+        )
         (self.pids / f"{name}.pid").write_text(str(proc.pid))
         self.procs.append((name, proc))
         return proc
@@ -305,7 +307,10 @@ def main(argv: list[str] | None = None) -> int:
             stopping["flag"] = True
             raise KeyboardInterrupt
 
-    signal.signal(signal.SIGTERM, on_signal)
+    # Ctrl-C, kill, a closed terminal: all stop what the demo started (SIGINT set here too:
+    # a demo started in the background inherits it ignored)
+    for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+        signal.signal(sig, on_signal)
     code = 0
     try:
         demo.start()
@@ -319,6 +324,17 @@ def main(argv: list[str] | None = None) -> int:
         signal.signal(signal.SIGINT, signal.SIG_IGN)
         demo.stop()
     return code
+
+
+def _die_with_parent() -> None:
+    """In each child, before it runs: SIGTERM when the demo itself dies, even by SIGKILL
+    (Linux's PR_SET_PDEATHSIG), so no process of a demo outlives it."""
+    try:
+        import ctypes
+
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG = 1
+    except (OSError, AttributeError):
+        pass  # not Linux: the demo's own stop() is all there is
 
 
 if __name__ == "__main__":

@@ -67,7 +67,7 @@ def demo(tmp_path):
             time.sleep(0.2)
         yield f"127.0.0.1:{port}"
     finally:
-        proc.send_signal(signal.SIGINT)  # as Ctrl-C: the demo stops everything it started
+        proc.send_signal(signal.SIGTERM)  # the demo stops everything it started (its children die with it too)
         try:
             proc.wait(timeout=30)
         except subprocess.TimeoutExpired:

@@ -31,6 +31,7 @@ import collections
 import concurrent.futures as cf
 import errno
 import logging
+import os
 import queue
 import random
 import threading
@@ -76,6 +77,9 @@ class DataPlaneConfig:
     rpc_timeout_seconds: float = 3.0  # one control RPC to a peer (Reserve, Commit, Abort)
     chunk_bytes: int = 8 << 20  # engine writes go in batches of about this much, each verified once it landed
     engine_window: int = 4  # engine batches on the wire at once (they travel side by side)
+    # the receiver verifies each batch that landed while later ones travel: worth it where
+    # cores are to spare; on a small host the hashing slows the transfer more than it saves
+    verify_while_sending: bool = (os.cpu_count() or 1) > 4
     grpc_chunk_bytes: int = 1 << 20  # fallback stream message size
     stall_min_bytes_per_second: float = 20e6  # slower than this (plus 2 s) is a stall
     link_max_concurrent: int = 2
@@ -790,6 +794,7 @@ class DataPlane:
             chunk_bytes = min(chunk_bytes, int(link.bytes_per_second * 0.1))
         chunks = [[p + j for j in b] for b in batches_of([m.stored_bytes for m in metas[p:]], chunk_bytes)]
         verifies = []
+        unverified: list[int] = []  # checksums kept for the last Commit (verify_while_sending off)
         total = 0
         bounces: list[torch.Tensor] = []
         inflight: list[tuple[int, list[int], cf.Future, int, list[int]]] = []
@@ -811,6 +816,11 @@ class DataPlane:
                 ) from None
             total += nbytes
             last = k == len(chunks) - 1
+            if not self.config.verify_while_sending:  # every block is verified by the last Commit
+                unverified.extend(sums)
+                if not last:
+                    return
+                sums, chunk = unverified, [p]
             request = agent_pb2.CommitRequest(reservation_id=rid, checksums=sums, first_block=chunk[0], last=last)
             if not last:
                 verifies.append(stub.Commit.future(request, timeout=left(deadline - time.monotonic())))

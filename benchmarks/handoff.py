@@ -58,6 +58,9 @@ class PathResult:
     median_ratio: float = 0.0
     raw_memcpy_gbps: float = 0.0  # shm rows: the same bytes with one memcpy into the mapped slab
     memcpy_ratio: float = 0.0
+    # raw_engine_gbps is the better of these two ways of driving the engine alone (best of repeats)
+    raw_engine_sync_gbps: float = 0.0  # one blocking transfer_sync_write of every byte
+    raw_engine_windowed_gbps: float = 0.0  # the agent's batch size, submitted four at a time
 
 
 def _spec(block_mib: int):
@@ -307,7 +310,7 @@ def run(
             # machine load; best of repeats. A first round is not timed: the first engine write
             # between two processes, the first copy through a fresh mapping and a path's first
             # handoff pay one-off costs (connections, page-table faults) on either side alike
-            times: dict[str, list[float]] = {p: [] for p in ("raw", "raw_memcpy", *paths)}
+            times: dict[str, list[float]] = {p: [] for p in ("raw", "raw_sync", "raw_windowed", "raw_memcpy", *paths)}
             for trial in range(repeats + 1):
                 into = times if trial else {p: [] for p in times}  # the warm-up's: dropped
                 if shm_up:
@@ -330,8 +333,10 @@ def run(
                         dst=receiver.hello["slab_address"],
                         bytes=nbytes,
                         repeats=1,
-                    )["seconds"]
-                    into["raw"].append(t)
+                    )
+                    into["raw"].append(t["seconds"])
+                    into["raw_sync"].append(t["sync_seconds"])
+                    into["raw_windowed"].append(t["windowed_seconds"])
                 for path in paths:
                     receiver.call(cmd="drop")
                     last = sender.call(cmd="handoff", blocks=n, seed=seed, to=receiver.agent_id, paths=[path])
@@ -343,6 +348,8 @@ def run(
             raw = nbytes / min(times["raw"]) / 1e9 if engine_up else 0.0
             raw_med = nbytes / statistics.median(times["raw"]) / 1e9 if engine_up else 0.0
             memcpy = nbytes / min(times["raw_memcpy"]) / 1e9 if shm_up else 0.0
+            raw_sync = nbytes / min(times["raw_sync"]) / 1e9 if engine_up else 0.0
+            raw_windowed = nbytes / min(times["raw_windowed"]) / 1e9 if engine_up else 0.0
             for path in paths:
                 gbps = nbytes / min(times[path]) / 1e9
                 med = nbytes / statistics.median(times[path]) / 1e9
@@ -361,6 +368,8 @@ def run(
                         round(med / raw_med, 3) if raw_med else 0.0,
                         round(memcpy, 3) if is_shm else 0.0,
                         round(gbps / memcpy, 3) if is_shm and memcpy else 0.0,
+                        round(raw_sync, 3),
+                        round(raw_windowed, 3),
                     )
                 )
             receiver.call(cmd="drop")
@@ -435,6 +444,13 @@ def format_table(result: dict) -> str:
             f"receiver SIGKILLed {f['killed_after_seconds']}s into a {f['payload_bytes'] >> 20} MiB handoff: "
             f"{f['outcome']} after {f['answer_seconds']}s ({f['attempts']} attempts; deadline {f['deadline_seconds']}s)",
             f"  reason: {f['reason'][:300]}",
+        ]
+    raws = {r["payload_bytes"]: r for r in result["results"] if r.get("raw_engine_sync_gbps")}
+    if raws:
+        lines.append("raw engine = the better of one blocking write and the agent's batches four at a time:")
+        lines += [
+            f"{n >> 20:>5d}MiB blocking {r['raw_engine_sync_gbps']:.3f} GB/s, windowed {r['raw_engine_windowed_gbps']:.3f} GB/s"
+            for n, r in raws.items()
         ]
     lines += [f"note: {n}" for n in result.get("notes", [])]
     return "\n".join(lines)

@@ -125,6 +125,7 @@ class Manager:
         self._lock = threading.RLock()
         self.pins: dict[str, Pin] = {}
         self.ops: OrderedDict[str, ops.Operation] = OrderedDict()
+        self._op_said: dict[str, tuple[str, str]] = {}  # op id -> the (state, error) its last event said
         self._op_done: dict[str, threading.Event] = {}
         self.policy: dict[str, str] = {}
         self.policy_revision = 0
@@ -514,6 +515,7 @@ class Manager:
                     break
                 self.ops.popitem(last=False)
                 self._op_done.pop(old_id, None)
+                self._op_said.pop(old_id, None)
                 try:
                     self.durable.delete(etcd_keys.OPS_PREFIX + old_id)
                 except errors.KvcpError:
@@ -534,12 +536,17 @@ class Manager:
         else:
             with self._lock:
                 self._dirty.discard(op.op_id)
-        self.cluster.events.publish(
-            "op_state",
-            f"{op.kind} {op.op_id}: {op.state}" + (f" ({op.error})" if op.error else ""),
-            "error" if op.state == ops.FAILED else "info",
-            op_id=op.op_id,
-        )
+        said = (op.state, op.error)
+        with self._lock:  # an event when the state (or its error) changes, not at every progress report
+            fresh = self._op_said.get(op.op_id) != said
+            self._op_said[op.op_id] = said
+        if fresh:
+            self.cluster.events.publish(
+                "op_state",
+                f"{op.kind} {op.op_id}: {op.state}" + (f" ({op.error})" if op.error else ""),
+                "error" if op.state == ops.FAILED else "info",
+                op_id=op.op_id,
+            )
         if op.finished:
             ev = self._op_done.get(op.op_id)
             if ev is not None and not ev.is_set():

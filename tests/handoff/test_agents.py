@@ -50,6 +50,26 @@ def test_engine_handoff_is_byte_exact_and_indexed(controlplane, make_agent):
     client.close()
 
 
+@needs_engine
+@pytest.mark.parametrize("verify_while_sending", [True, False])
+def test_engine_batches_verified_as_they_land_or_all_at_the_commit(controlplane, make_agent, verify_while_sending):
+    """Batches of 4 MiB, two on the wire at once: with `verify_while_sending` the receiver
+    checks each batch that landed while later ones travel (a host with cores to spare),
+    else the last Commit checks them all; byte-exact either way."""
+    cfg = DataPlaneConfig(chunk_bytes=4 << 20, engine_window=2, verify_while_sending=verify_while_sending)
+    a = make_agent("pre", models=[BIG], cpu_capacity_bytes=24 << 20, dataplane=cfg)
+    b = make_agent("dec", models=[BIG], cpu_capacity_bytes=24 << 20, shm_handoff=False)
+    tokens, kv, hashes = prompt(BIG, 20, seed=71)
+    a.engine.store(BIG.model_id, tokens, kv)
+    checked = []
+    real = b.dataplane.reservations.verify
+    b.dataplane.reservations.verify = lambda *x: (checked.append(len(x[2])), real(*x))[1]
+    r = a.dataplane.handoff(BIG.model_id, hashes, "dec", 20, paths=("engine",))
+    assert (r.outcome, r.path, r.num_sent_blocks) == ("transferred", "engine", 20), r
+    assert torch.equal(b.engine.load(BIG.model_id, tokens).kv, kv)
+    assert checked == ([4] * 4 if verify_while_sending else [])  # the fifth batch: with the Commit
+
+
 def test_grpc_fallback_when_the_destination_has_no_engine(controlplane, make_agent):
     a = make_agent("pre", models=[BIG], cpu_capacity_bytes=24 << 20)
     b = make_agent("dec", models=[BIG], cpu_capacity_bytes=24 << 20, transfer_engine="none", shm_handoff=False)

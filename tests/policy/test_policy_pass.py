@@ -444,3 +444,20 @@ def test_a_step_of_the_host_clock_neither_ends_a_pin_early_nor_keeps_it_late():
     mono[0] += 31.0
     m._expire_pins(m.clock())
     assert pin.pin_id not in m.pins and m.pins_expired_total == 1
+
+
+def test_an_operation_says_its_state_once_not_at_every_progress_report():
+    """The Events screen listed a cleanup's `SUCCEEDED` twice: an event went out at every
+    change of the operation (progress too), not when its state changed."""
+    from controlplane.core import operations as ops
+
+    f = Fleet()
+    m = f.manager
+    m.durable = PinsInMemory()
+    op = ops.new_operation("cleanup", {}, ["a"], now=100.0)
+    m._register_op(op)
+    for state, done in (("RUNNING", 1), ("RUNNING", 2), ("SUCCEEDED", 3), ("SUCCEEDED", 3)):
+        op.state, op.done_blocks = state, done
+        m._op_changed(op)
+    said = [e.message for e in f.cluster.events.recent(("op_state",))]
+    assert said == [f"cleanup {op.op_id}: RUNNING", f"cleanup {op.op_id}: SUCCEEDED"]

@@ -201,9 +201,17 @@ class DashboardApp(App):
         if self._stopping.is_set() or not self.screen_stack:
             return None
         screen = self.screen
-        if isinstance(screen, DashboardScreen) and screen.is_mounted and screen.is_attached:
+        if isinstance(screen, DashboardScreen) and not self._torn_down(screen):
             return screen
         return None
+
+    def _torn_down(self, screen: DashboardScreen) -> bool:
+        """Whether `screen` is going or gone. At exit Textual stops the app running, then
+        removes each screen's widgets before the screen, and unmounts the app (which sets
+        _stopping) last: a result handled meanwhile finds the screen mounted, its widgets not."""
+        if self._stopping.is_set() or not self.is_running:
+            return True
+        return not (screen.is_mounted and screen.is_attached) or screen._pruning or screen._closing
 
     def _show(self, topics: frozenset[str]) -> None:
         screen = self._current_screen()
@@ -212,7 +220,7 @@ class DashboardApp(App):
         try:
             screen.show(topics)
         except (NoMatches, ScreenStackError):  # torn down between the check and the query
-            if not self._stopping.is_set() and screen.is_mounted:
+            if not self._torn_down(screen):
                 raise
 
     # ---- the update methods (live results and tests come through here) ---------------
@@ -263,7 +271,7 @@ class DashboardApp(App):
         try:
             screen.event_added(event)
         except (NoMatches, ScreenStackError):
-            if not self._stopping.is_set() and screen.is_mounted:
+            if not self._torn_down(screen):
                 raise
 
     # ---- fetching ---------------------------------------------------------------------

@@ -77,3 +77,28 @@ def test_the_cluster_screen_says_when_the_policy_evicts_most_recent_first():
             assert "most recent first" in str(app.screen.query_one("#totals", Static).render())
 
     asyncio.run(scenario())
+
+
+def test_a_result_arriving_while_the_app_shuts_down_is_dropped():
+    """At exit Textual removes a screen's widgets before the screen itself, and the app's
+    own unmount comes after both: a refresh result handled in between (a loaded CI machine
+    saw one) finds the screen still mounted with #totals already gone. It is dropped."""
+    seen = []
+
+    async def scenario():
+        app = DashboardApp(live=False, clock=lambda: sample.NOW)
+        async with app.run_test(size=SIZE) as pilot:
+            await pilot.pause()
+            totals = app.screen.query_one("#totals", Static)
+            real_exit = totals._message_loop_exit
+
+            async def exit_then_a_result() -> None:
+                await real_exit()  # #totals is out of the DOM now, its screen not yet
+                seen.append(app.screen.is_mounted and not app.screen.query("#totals"))
+                app.apply_agents(sample.agents())
+
+            totals._message_loop_exit = exit_then_a_result
+        assert app.return_code is None
+
+    asyncio.run(scenario())
+    assert seen == [True]  # the result did come in that window

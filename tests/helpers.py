@@ -3,7 +3,9 @@ scripts of this venv, and waiting with a deadline."""
 
 from __future__ import annotations
 
+import signal
 import socket
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -32,6 +34,20 @@ def wait_for(predicate, timeout_seconds: float = 10.0, interval_seconds: float =
             last = exc
         time.sleep(interval_seconds)
     raise AssertionError(f"timed out after {timeout_seconds}s waiting for {what} (last: {last!r})")
+
+
+def popen_for_ctrl_c(argv: list[str], **kwargs) -> subprocess.Popen:
+    """Popen for a child that the test stops with SIGINT, as Ctrl-C would. An ignored SIGINT
+    is inherited across exec, and a shell starts a script's background jobs with SIGINT
+    ignored (`make test &`, a CI step run so): the child's Python would then never raise
+    KeyboardInterrupt and the test would wait out its timeout. A handled signal is reset to
+    the default at exec, so one is handled here while the child starts."""
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        return subprocess.Popen(argv, **kwargs)
+    finally:
+        if previous is not None:
+            signal.signal(signal.SIGINT, previous)
 
 
 def script(name: str) -> str:

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers import script, wait_for
+from tests.helpers import popen_for_ctrl_c, script, wait_for
 
 
 def processes_using(endpoint: str) -> list[int]:
@@ -52,7 +52,7 @@ def test_a_short_chaos_run_serves_no_wrong_kv_and_loses_no_pin(tmp_path):
 
 @pytest.mark.timeout(300)
 def test_ctrl_c_stops_every_process_it_started(tmp_path):
-    proc = subprocess.Popen(
+    proc = popen_for_ctrl_c(
         [script("kvcp-bench"), "chaos", "--seconds", "120", "--log-dir", str(tmp_path / "logs")],
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,

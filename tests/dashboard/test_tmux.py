@@ -15,7 +15,7 @@ import uuid
 
 import pytest
 
-from tests.helpers import REPO, free_port, script
+from tests.helpers import REPO, free_port, popen_for_ctrl_c, script
 
 pytestmark = pytest.mark.skipif(shutil.which("tmux") is None, reason="tmux is not installed (scripts/bootstrap.sh)")
 
@@ -58,7 +58,7 @@ def demo(tmp_path):
         "5",  # a living cluster, without the workload competing for the two cores
     ]
     log = open(tmp_path / "demo.log", "w")  # noqa: SIM115 - closed below
-    proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    proc = popen_for_ctrl_c(argv, stdout=log, stderr=subprocess.STDOUT, text=True, start_new_session=True)
     try:
         deadline = time.monotonic() + 60
         while "kvcp demo cluster is up" not in (tmp_path / "demo.log").read_text():

@@ -9,6 +9,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -59,7 +60,7 @@ class Cluster:
         )
         wait_for(lambda: kvctl(self.endpoint, "stats", check=False).returncode == 0, 20, 0.2, "control plane up")
 
-    def start_agent(self, agent_id: str, port: int | None = None):
+    def start_agent(self, agent_id: str, port: int | None = None, lease_ttl_seconds: int = 3):
         port = port or self.agent_ports.get(agent_id) or free_port()
         self.agent_ports[agent_id] = port
         return self.spawn(
@@ -75,7 +76,7 @@ class Cluster:
                 "--cpu-capacity",
                 "8MiB",
                 "--lease-ttl-seconds",
-                "3",
+                str(lease_ttl_seconds),
             ],
         )
 
@@ -192,19 +193,25 @@ def test_cluster_from_console_scripts(cluster, tmp_path):
 
 
 def test_restart_before_lease_expiry_replaces_stale_blocks(cluster):
+    # a lease that outlives the new process's start (over 10 s on a loaded 2-core machine: a
+    # 3 s one lapsed first and the agent was simply gone) and the wait below: only the new
+    # registration and inventory can replace the stale blocks in time
+    lease = 60
     cluster.start_controlplane()
-    cluster.start_agent("agent-r")
-    wait_for(lambda: "agent-r" in cluster.agents(), 20, 0.2, "agent up")
+    cluster.start_agent("agent-r", lease_ttl_seconds=lease)
+    wait_for(lambda: "agent-r" in cluster.agents(), 30, 0.2, "agent up")
     engine = EngineClient(f"127.0.0.1:{cluster.agent_ports['agent-r']}")
     engine.store(M.model_id, list(range(4 * M.block_size)), bytes(4 * M.block_bytes))
     engine.close()
-    wait_for(lambda: cluster.agents()["agent-r"]["num_blocks"] == 4, 10, 0.2, "indexed")
+    wait_for(lambda: cluster.agents()["agent-r"]["num_blocks"] == 4, 30, 0.2, "indexed")
     cluster.procs["agent-r"].send_signal(signal.SIGKILL)
     cluster.procs["agent-r"].wait()
-    cluster.start_agent("agent-r")  # same id, new process, old lease still alive
+    killed = time.monotonic()
+    cluster.start_agent("agent-r", lease_ttl_seconds=lease)  # same id, new process, old lease still alive
     wait_for(
-        lambda: cluster.agents()["agent-r"]["num_blocks"] == 0, 10, 0.2, "stale blocks replaced by the new inventory"
+        lambda: cluster.agents()["agent-r"]["num_blocks"] == 0, 40, 0.2, "stale blocks replaced by the new inventory"
     )
+    assert time.monotonic() - killed < lease  # not the old lease lapsing
 
 
 @pytest.mark.parametrize(

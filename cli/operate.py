@@ -13,6 +13,7 @@ import click
 from cli import output
 from cli.client import OperationView, PinView
 from cli.main import Context, fail, main, parse_hashes, pass_ctx, read_tokens
+from protos.tier import Tier
 
 _DURATION = re.compile(r"^(\d+(?:\.\d+)?)(ms|s|m|h|d)?$")
 _UNITS = {"ms": 0.001, "s": 1, "m": 60, "h": 3600, "d": 86400, None: 1}
@@ -206,6 +207,10 @@ def pin(
     """Pin a prefix or a namespace: never evicted, never demoted below --tier."""
     scope = scope_kwargs(model_id, tokens, tokens_file, hashes, extra_keys, namespace, agent_id)
     owner_lease = parse_lease_id(owner_lease) if owner_lease else 0
+    try:  # a bad tier is said first: it is wrong whatever the TTL
+        Tier.parse(tier)
+    except ValueError as exc:
+        fail(f"--tier: {exc}")
     if not ttl and not owner_lease:
         fail("--ttl: a pin needs a TTL (or --owner-lease that bounds its life)")
     ttl_seconds = parse_duration(ttl, "--ttl") if ttl else 0.0

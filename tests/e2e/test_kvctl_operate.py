@@ -148,6 +148,7 @@ def test_pin_move_cleanup_from_kvctl(cluster, tmp_path):
         (["pin", "--namespace", "kb", "--ttl", "soon"], "--ttl: 'soon' is not a duration"),
         (["pin", "--namespace", "kb", "--ttl", "1h", "--tier", "ssd"], "unknown tier 'ssd'"),
         (["pin", "--namespace", "kb"], "needs a TTL"),
+        (["pin", "--namespace", "kb", "--tier", "ssd"], "--tier: unknown tier 'ssd'"),  # said before the TTL
         (["move", "--namespace", "kb", "--to", "tape"], "unknown tier 'tape'"),
         (["cleanup", "--agent", "ghost"], "no agent 'ghost'"),
         (["cleanup", "--older-than", "yesterday"], "--older-than"),

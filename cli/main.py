@@ -53,7 +53,34 @@ class Context:
             with client as c:
                 return fn(c)
         except ClientError as exc:
-            fail(str(exc), 1)
+            fail(flag_named(str(exc)), 1)
+
+
+# the request fields a server's error may start with, and the kvctl flag that sets each
+FLAG_OF_FIELD = {
+    "to_tier": "--to",
+    "to_agent_id": "--to",
+    "from_agent_id": "--from",
+    "min_tier": "--tier",
+    "tier": "--tier",
+    "ttl_seconds": "--ttl",
+    "older_than_seconds": "--older-than",
+    "owner_lease_id": "--owner-lease",
+    "owner": "--owner",
+    "codec": "--codec",
+    "model_id": "--model",
+    "scope.model_id": "--model",
+    "scope.namespace": "--namespace",
+    "scope.agent_id": "--agent",
+}
+
+
+def flag_named(message: str) -> str:
+    """A server error about a request field, said with the flag that set it:
+    `to_tier: unknown tier 'tape'` -> `--to (to_tier): unknown tier 'tape'`."""
+    field, sep, rest = message.partition(": ")
+    flag = FLAG_OF_FIELD.get(field) if sep else None
+    return f"{flag} ({field}): {rest}" if flag else message
 
 
 pass_ctx = click.make_pass_decorator(Context)

@@ -164,7 +164,7 @@ def test_pin_move_cleanup_from_kvctl(cluster, tmp_path):
         (["policy", "set", "quota.=0"], "quota.<namespace>"),
         (["pins", "--namespace", "a b"], "'a b' is not a namespace"),
         (["route", "--model", M.model_id, "--tokens", "1,2", "--prefill-agent", "x"], "only with --role decode"),
-        (["pin", "--namespace", "kb", "--ttl", "1h", "--owner", "x" * 300], "owner: at most 256 characters"),
+        (["pin", "--namespace", "kb", "--ttl", "1h", "--owner", "x" * 300], "--owner (owner): at most 256 characters"),
         (["pin", "--namespace", "kb", "--ttl", "1h", "--owner-lease", "-1"], "--owner-lease: -1 is out of range"),
         (["pin", "--namespace", "kb", "--owner-lease", "694d7e2ba6fe7a0f"], "write 0x694d7e2ba6fe7a0f"),
     ],
@@ -216,3 +216,15 @@ def test_route_without_an_agent_fails_in_both_formats(cluster):
     js = kvctl(cluster.endpoint, "-o", "json", *args, check=False)
     assert js.returncode == table.returncode, js
     assert json.loads(js.stdout)["agent_id"] == "" and "no agent to route to" in js.stderr
+
+
+def test_a_server_error_about_a_field_names_the_flag_that_set_it():
+    from cli.main import flag_named
+
+    assert flag_named("to_tier: unknown tier 'tape'") == "--to (to_tier): unknown tier 'tape'"
+    assert (
+        flag_named("scope.namespace: 'a b' is not a namespace")
+        == "--namespace (scope.namespace): 'a b' is not a namespace"
+    )
+    assert flag_named("no pin 'x'") == "no pin 'x'"  # not about a field: as it came
+    assert flag_named("values[quota.kb]: 'lots' is not a size") == "values[quota.kb]: 'lots' is not a size"

@@ -61,7 +61,7 @@ from agent.core.handoff import (
     slices,
 )
 from agent.store.shm import PeerSlab, host_id
-from agent.store.transfer_engine import TransferBackend, TransferFailed
+from agent.store.transfer_engine import TransferBackend, TransferFailed, TransferTimedOut
 from protos import errors, etcd_keys, security
 from protos.kvcp.v1 import agent_pb2, agent_pb2_grpc, types_pb2
 from protos.tier import Tier
@@ -598,6 +598,9 @@ class DataPlane:
             quiesced = exc.code() != grpc.StatusCode.DEADLINE_EXCEEDED
             self._abort(stub, rid, f"{exc.code().name}", quiesced, deadline)
             raise _rpc_error(exc, "push/commit" if path == GRPC else "commit") from None
+        except TransferTimedOut as exc:  # the engine never said it ended: it may still land
+            self._abort(stub, rid, str(exc), False, deadline)
+            raise _PathError(str(exc)) from None
         except TransferFailed as exc:
             self._abort(stub, rid, str(exc), True, deadline)
             raise _PathError(str(exc)) from None
@@ -795,6 +798,7 @@ class DataPlane:
         chunks = [[p + j for j in b] for b in batches_of([m.stored_bytes for m in metas[p:]], chunk_bytes)]
         verifies = []
         unverified: list[int] = []  # checksums kept for the last Commit (verify_while_sending off)
+        unverified_bytes = [0]  # what the last Commit then verifies
         total = 0
         bounces: list[torch.Tensor] = []
         inflight: list[tuple[int, list[int], cf.Future, int, list[int]]] = []
@@ -818,9 +822,10 @@ class DataPlane:
             last = k == len(chunks) - 1
             if not self.config.verify_while_sending:  # every block is verified by the last Commit
                 unverified.extend(sums)
+                unverified_bytes[0] += nbytes
                 if not last:
                     return
-                sums, chunk = unverified, [p]
+                sums, chunk, nbytes = unverified, [p], unverified_bytes[0]  # its time: for all of them
             request = agent_pb2.CommitRequest(reservation_id=rid, checksums=sums, first_block=chunk[0], last=last)
             if not last:
                 verifies.append(stub.Commit.future(request, timeout=left(deadline - time.monotonic())))

@@ -31,6 +31,11 @@ class TransferFailed(Exception):
     """A write did not complete (peer gone, address rejected, engine timeout)."""
 
 
+class TransferTimedOut(TransferFailed):
+    """A write given up on, or that the engine timed out, without the engine saying it
+    ended: it may still land in the destination's pages."""
+
+
 class TransferBackend(Protocol):
     name: str  # "mooncake", or "" for none
     available: bool
@@ -49,7 +54,9 @@ class PendingWrite:
     """Writes handed to the engine without waiting: one engine transfer per piece.
     `poll()` is False while any is on the wire, True once all landed, and raises
     TransferFailed once all have ended and one of them failed (never earlier: until then
-    the engine may still read the source pages)."""
+    the engine may still read the source pages). A write given up after the timeout, or
+    one the engine timed out, has not said it ended: that is TransferTimedOut (whoever
+    reserved the destination must keep its pages from other blocks for a while)."""
 
     def __init__(self, check, num_bytes: int, endpoint: str, timeout_seconds: float):
         self._check = check  # transfer id -> 1 landed, 0 on the wire, < 0 failed or timed out
@@ -57,6 +64,7 @@ class PendingWrite:
         self.endpoint = endpoint
         self.ids: list[int] = []
         self.error = ""
+        self.timed_out = False  # a piece given up on or timed out: it may still land
         # as the engine's own blocking write: its timeout plus a second per GiB, then given up
         self._give_up_at = time.monotonic() + timeout_seconds + num_bytes / (1 << 30)
 
@@ -64,20 +72,23 @@ class PendingWrite:
         if self.ids and time.monotonic() > self._give_up_at:
             self.error = self.error or f"engine write of {self.num_bytes} B to {self.endpoint} never completed"
             self.ids = []
+            self.timed_out = True
         still = []
         for t in self.ids:
             rc = self._check(t)
             if rc == 0:
                 still.append(t)
-            elif rc < 0 and not self.error:
-                self.error = f"engine write of {self.num_bytes} B to {self.endpoint} " + (
-                    "timed out" if rc == -2 else f"failed (rc {rc})"
-                )
+            elif rc < 0:
+                self.timed_out = self.timed_out or rc == -2
+                if not self.error:
+                    self.error = f"engine write of {self.num_bytes} B to {self.endpoint} " + (
+                        "timed out" if rc == -2 else f"failed (rc {rc})"
+                    )
         self.ids = still
         if still:
             return False
         if self.error:
-            raise TransferFailed(self.error)
+            raise (TransferTimedOut if self.timed_out else TransferFailed)(self.error)
         return True
 
 

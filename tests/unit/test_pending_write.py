@@ -75,3 +75,16 @@ def test_a_refused_piece_fails_the_write_once_the_taken_ones_end():
     wire.status[4] = 1
     with pytest.raises(TransferFailed, match="refused"):
         w.poll()
+
+
+def test_only_a_write_that_may_still_land_is_said_timed_out():
+    from agent.store.transfer_engine import TransferTimedOut
+
+    for rc, timed_out in ((-1, False), (-2, True)):
+        wire = Wire()
+        w = PendingWrite(wire.check, 1 << 20, "peer:1", timeout_seconds=5)
+        w.ids = [1]
+        wire.status = {1: rc}
+        with pytest.raises(TransferFailed) as caught:
+            w.poll()
+        assert isinstance(caught.value, TransferTimedOut) is timed_out

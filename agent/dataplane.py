@@ -31,6 +31,7 @@ import collections
 import concurrent.futures as cf
 import errno
 import logging
+import math
 import os
 import queue
 import random
@@ -165,7 +166,8 @@ class DataPlane:
         self.links = Links(self.config.link_max_concurrent, self.config.link_bytes_per_second)
         self._peer_info = peer_info  # callable(agent_id) -> AgentInfo | None (etcd)
         self.metrics = metrics  # agent.metrics.AgentMetrics (record_transfer), optional
-        self._peers: dict[str, tuple[float, Peer]] = {}
+        self._peers: dict[str, tuple[float, Peer]] = {}  # agent id -> (when etcd last named it, its record)
+        self._etcd_failed_at = -math.inf  # monotonic time of the last etcd read that failed
         self._channels: dict[str, grpc.Channel] = {}
         self._aborts: set = set()  # Abort calls still on the wire (a call nobody holds is cancelled)
         self._lock = threading.Lock()
@@ -357,9 +359,12 @@ class DataPlane:
             cached = self._peers.get(agent_id)
         if cached is not None and not refresh and now - cached[0] < PEER_CACHE_SECONDS:
             return cached[1]
+        if cached is not None and now - self._etcd_failed_at < PEER_CACHE_SECONDS:
+            return cached[1]  # etcd failed a moment ago: no handoff waits out its timeout again
         try:
             info = self._peer_info(agent_id) if self._peer_info is not None else None
         except Exception as exc:  # noqa: BLE001 - etcd unreachable: the last address seen still serves
+            self._etcd_failed_at = time.monotonic()
             if cached is None:
                 raise errors.Unavailable(f"destination_agent_id: cannot read {agent_id!r} from etcd: {exc}") from exc
             log.debug("etcd unreachable (%s): handing off to %s at its last known address", exc, agent_id)
@@ -367,9 +372,12 @@ class DataPlane:
         if info is None:
             # a key gone a moment ago is most often a lease that lapsed in an etcd stall while the
             # agent lives on and registers again: its last address is tried (a dead one answers
-            # "recompute" at the handoff's deadline); an agent never seen, or gone longer, is unknown
+            # "recompute" at the handoff's deadline); an agent never seen, or gone longer, is
+            # unknown, and forgotten (an etcd outage later must not bring its address back)
             if cached is not None and now - cached[0] < PEER_LAPSE_GRACE_SECONDS:
                 return cached[1]
+            with self._lock:
+                self._peers.pop(agent_id, None)
             raise errors.NotFound(f"destination_agent_id: no agent {agent_id!r} is registered")
         p = Peer(
             agent_id,

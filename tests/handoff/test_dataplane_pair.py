@@ -289,17 +289,29 @@ def test_a_peer_whose_key_lapsed_or_etcd_is_down_is_reached_at_its_last_address(
     r = pair.send.handoff(SMALL.model_id, hashes[:3], "dec", 5.0, paths=("grpc",))
     assert (r.outcome, r.num_sent_blocks) == (TRANSFERRED, 1), r
 
-    def etcd_down(_agent_id):
+    reads = []
+
+    def etcd_down(agent_id):  # a stalled etcd: each read would wait out the client's timeout
+        reads.append(agent_id)
         raise ConnectionError("etcd at 127.0.0.1:1 unreachable")
 
     pair.send._peer_info = etcd_down
     r = pair.send.handoff(SMALL.model_id, hashes, "dec", 5.0, paths=("grpc",))
     assert (r.outcome, r.num_sent_blocks) == (TRANSFERRED, 1), r
+    monkeypatch.setattr(dataplane_module, "PEER_CACHE_SECONDS", 5.0)
+    seen, peer = pair.send._peers["dec"]
+    pair.send._peers["dec"] = (seen - 60.0, peer)  # its record is old: only the failed read keeps etcd out
+    assert pair.send.handoff(SMALL.model_id, hashes, "dec", 5.0, paths=("grpc",)).outcome == PRESENT
+    assert reads == ["dec"]  # after a failed read, the next handoffs do not wait on etcd again
     with pytest.raises(errors.Unavailable, match="'other'.*etcd"):
         pair.send.handoff(SMALL.model_id, hashes, "other", 5.0)
+    monkeypatch.setattr(dataplane_module, "PEER_CACHE_SECONDS", 0.0)
     monkeypatch.setattr(dataplane_module, "PEER_LAPSE_GRACE_SECONDS", 0.0)
     pair.send._peer_info = infos.get
     with pytest.raises(errors.NotFound, match="no agent 'dec' is registered"):
+        pair.send.handoff(SMALL.model_id, hashes, "dec", 5.0)
+    pair.send._peer_info = etcd_down  # gone, then etcd down: its old address is not used again
+    with pytest.raises(errors.Unavailable, match="'dec'.*etcd"):
         pair.send.handoff(SMALL.model_id, hashes, "dec", 5.0)
     got, _ = pair.recv.pool.read_chain(hashes)
     sent, _ = pair.send.pool.read_chain(hashes)

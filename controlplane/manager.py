@@ -231,6 +231,8 @@ class Manager:
                     merged[op_id] = held  # registered meanwhile, or not stored yet
                     kept.add(op_id)
             self.ops = OrderedDict(sorted(merged.items(), key=lambda kv: kv[1].created_unix_seconds))
+            for gone in [i for i in self._op_said if i not in self.ops]:
+                del self._op_said[gone]  # what events said of operations no longer kept
             for op_id, op in self.ops.items():
                 if op.finished:
                     continue

@@ -202,7 +202,10 @@ class ControlPlane:
 
     def _pin_stats(self) -> PinStats:
         pins = self.manager.list_pins()
-        return PinStats(len(pins), sum(p.pinned_bytes for p in pins))
+        # a namespace pinned twice holds its bytes once (a namespace pin's bytes are the namespace's)
+        namespaces = {p.namespace: p.pinned_bytes for p in pins if p.whole_namespace}
+        prefixes = sum(p.pinned_bytes for p in pins if not p.whole_namespace)
+        return PinStats(len(pins), prefixes + sum(namespaces.values()))
 
     def _on_op_update(self, agent_id: str, u) -> None:
         self.manager.on_op_update(

@@ -269,7 +269,7 @@ def test_a_restarted_agent_protects_its_pinned_disk_blocks_before_the_controlpla
     assert b.engine.lookup(M.model_id, kept) == 3 * BS
 
 
-def test_a_namespace_pin_brings_its_blocks_up_to_its_tier(client, make_agent, tmp_path):
+def test_a_namespace_pin_brings_its_blocks_up_to_its_tier(controlplane, client, make_agent, tmp_path):
     """A pin is a minimum tier: a namespace's blocks already on disk when it is pinned at
     cpu go back up (the control plane repairs prefix pins; a namespace's blocks only the
     agent knows)."""
@@ -288,6 +288,10 @@ def test_a_namespace_pin_brings_its_blocks_up_to_its_tier(client, make_agent, tm
     assert pin.pinned_bytes == 4 * M.block_bytes
     a.engine.store(M.model_id, tokens(2, start=70_000), kv(2), namespace="kb")
     wait_for(lambda: client.list_pins("kb")[0].pinned_bytes == 6 * M.block_bytes, what="the pin's bytes grew")
+    # a namespace pinned twice holds its bytes once in the pinned-bytes metric
+    client.pin(namespace="kb", min_tier="disk", ttl_seconds=60)
+    assert controlplane._pin_stats().num_pins == 2
+    assert controlplane._pin_stats().pinned_bytes == 6 * M.block_bytes
 
 
 def test_a_move_running_when_the_controlplane_restarts_is_followed_to_its_end(etcd, make_agent, tmp_path, monkeypatch):

@@ -124,7 +124,7 @@ def test_admin_errors_have_status_codes(controlplane, make_agent):
     wait_for(lambda: stub.GetStats(admin_pb2.GetStatsRequest()).models, what="model known")
     for request, code, field in cases:
         with pytest.raises(grpc.RpcError) as info:
-            stub.Lookup(request, timeout=5)
+            stub.Lookup(request, timeout=30)
         assert info.value.code() == code
         assert field in info.value.details()
     channel.close()

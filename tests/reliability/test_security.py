@@ -186,10 +186,10 @@ def test_a_peer_handoff_needs_the_agent_token_and_non_ascii_tokens_are_refused(s
     for token in ("", "not-the-agent-token-xxxx"):
         stub = agent_pb2_grpc.DataPlaneStub(channel(agent.address, tls, token=token))
         with pytest.raises(grpc.RpcError) as err:
-            stub.Abort(agent_pb2.AbortRequest(reservation_id="x"), timeout=5)
+            stub.Abort(agent_pb2.AbortRequest(reservation_id="x"), timeout=30)
         assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED
     stub = agent_pb2_grpc.DataPlaneStub(channel(agent.address, tls, token=AGENT))
-    stub.Abort(agent_pb2.AbortRequest(reservation_id="x"), timeout=5)  # answered: nothing to abort
+    stub.Abort(agent_pb2.AbortRequest(reservation_id="x"), timeout=30)  # answered: nothing to abort
     peer = Agent(
         AgentConfig(
             "secure-peer",

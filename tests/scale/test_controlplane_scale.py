@@ -200,12 +200,12 @@ def test_sync_bad_input_is_rejected_and_counted(controlplane, etcd):
         admin = admin_pb2_grpc.AdminServiceStub(ch)
         # an agent without an etcd key cannot register; one that never registered cannot sync
         with pytest.raises(grpc.RpcError) as exc:
-            stub.Register(agent_pb2.RegisterRequest(agent=_info("no-key")), timeout=5)
+            stub.Register(agent_pb2.RegisterRequest(agent=_info("no-key")), timeout=30)
         assert exc.value.code() == grpc.StatusCode.FAILED_PRECONDITION
         with pytest.raises(grpc.RpcError) as exc:
-            list(stub.Sync(iter(_hello("never-registered")), timeout=5))
+            list(stub.Sync(iter(_hello("never-registered")), timeout=30))
         assert exc.value.code() == grpc.StatusCode.NOT_FOUND
-        stub.Register(agent_pb2.RegisterRequest(agent=_info("g1")), timeout=5)
+        stub.Register(agent_pb2.RegisterRequest(agent=_info("g1")), timeout=30)
         # a gap: the control plane asks for a resync and ignores batches until the inventory
         msgs = _hello("g1") + [_events(1, keys(8, 10)), _events(3, keys(8, 11)), _events(4, keys(8, 12))]
         done = threading.Event()
@@ -219,17 +219,17 @@ def test_sync_bad_input_is_rejected_and_counted(controlplane, etcd):
         assert reply.WhichOneof("body") == "resync" and "expected 2" in reply.resync.reason
         done.set()
         call.cancel()
-        stats = admin.GetStats(admin_pb2.GetStatsRequest(), timeout=5)
+        stats = admin.GetStats(admin_pb2.GetStatsRequest(), timeout=30)
         assert stats.resyncs_total == 1 and stats.events_total == 8 and stats.num_block_replicas == 8
         # a malformed batch ends the stream with INVALID_ARGUMENT and changes nothing
         with pytest.raises(grpc.RpcError) as exc:
-            list(stub.Sync(iter(_hello("g1") + [_events(1, b"\x01" * 17)]), timeout=5))
+            list(stub.Sync(iter(_hello("g1") + [_events(1, b"\x01" * 17)]), timeout=30))
         assert exc.value.code() == grpc.StatusCode.INVALID_ARGUMENT
-        stats = admin.GetStats(admin_pb2.GetStatsRequest(), timeout=5)
+        stats = admin.GetStats(admin_pb2.GetStatsRequest(), timeout=30)
         assert stats.num_block_replicas == 0 and stats.events_total == 8  # the new inventory was empty
         # bad lookups are rejected, the control plane is fine
         with pytest.raises(grpc.RpcError) as exc:
-            admin.Lookup(admin_pb2.LookupRequest(model_id=MODEL, block_hashes=b"\x00" * 15), timeout=5)
+            admin.Lookup(admin_pb2.LookupRequest(model_id=MODEL, block_hashes=b"\x00" * 15), timeout=30)
         assert exc.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     etcd_client.close()
 
@@ -253,7 +253,7 @@ def test_slow_consumer_applies_backpressure(controlplane, etcd):
 
     with grpc.insecure_channel(controlplane.address) as ch:
         stub = agent_pb2_grpc.AgentServiceStub(ch)
-        stub.Register(agent_pb2.RegisterRequest(agent=_info("fast")), timeout=5)
+        stub.Register(agent_pb2.RegisterRequest(agent=_info("fast")), timeout=30)
         wait_for(lambda: "fast" in [r.agent_id for r, _ in controlplane.cluster.agents()], what="registered")
         lock = controlplane.cluster._lock
         lock.acquire()

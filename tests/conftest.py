@@ -8,7 +8,7 @@ import uuid
 
 import pytest
 
-from tests.helpers import EtcdServer, ExternalEtcd
+from tests.helpers import EtcdServer, ExternalEtcd, wait_for
 
 
 @pytest.fixture(scope="session")
@@ -74,6 +74,12 @@ def make_agent(etcd):
             **kwargs,
         )
         a = Agent(cfg).start()
+        # each agent of the test knows the others' addresses before the test's first handoff:
+        # an etcd stall of this machine that lets a lease lapse just then would otherwise
+        # make a live peer "not registered" (the agent re-registers a moment later)
+        for other in [o for o in agents if not o._stop.is_set() and o.config.agent_id != a.config.agent_id]:
+            wait_for(lambda o=other: o.dataplane.peer(a.config.agent_id, refresh=True), 30, what="peer known")
+            wait_for(lambda o=other: a.dataplane.peer(o.config.agent_id, refresh=True), 30, what="peer known")
         agents.append(a)
         return a
 

@@ -81,6 +81,12 @@ class DataPlaneConfig:
     # the receiver verifies each batch that landed while later ones travel: worth it where
     # cores are to spare; on a small host the hashing slows the transfer more than it saves
     verify_while_sending: bool = (os.cpu_count() or 1) > 4
+    # threads copying one shm handoff side by side (one core's copy is bound by its own
+    # cache misses: two copy about twice as fast)
+    shm_copy_threads: int = max(1, min(4, os.cpu_count() or 1))
+    # a shm handoff larger than this is verified by the peer in groups (each while the next
+    # is copied, its bytes still in cache); a smaller one by its one Commit
+    shm_verify_group_bytes: int = 16 << 20
     grpc_chunk_bytes: int = 1 << 20  # fallback stream message size
     stall_min_bytes_per_second: float = 20e6  # slower than this (plus 2 s) is a stall
     link_max_concurrent: int = 2
@@ -95,6 +101,7 @@ PEER_CACHE_SECONDS = 2.0  # a peer's etcd record is read again after this long
 PEER_LAPSE_GRACE_SECONDS = 10.0  # a peer whose key vanished is still tried at its last address this long
 PEER_SLAB_IDLE_SECONDS = 60.0  # a peer's mapped slab unused this long is let go (it may be gone)
 SHM_REFUSED_SECONDS = 60.0  # a peer slab that could not be mapped is not tried again for this long
+SHM_VERIFY_GROUPS = 8  # verify groups of a large shm handoff (each group at most 4x shm_verify_group_bytes)
 SHM_SLICE_BYTES = 16 << 20  # copies between checks that the reservation is still open
 SHM_EXPIRY_MARGIN_SECONDS = 0.5  # no copy this close to the reservation's expiry
 
@@ -173,6 +180,9 @@ class DataPlane:
         self._lock = threading.Lock()
         # one writer thread per handoff on the engine path (it holds it while the handoff runs)
         self._writers = cf.ThreadPoolExecutor(max_workers=16, thread_name_prefix="te-write")
+        self.copier = cf.ThreadPoolExecutor(
+            max_workers=max(1, self.config.shm_copy_threads - 1), thread_name_prefix="shm-copy"
+        )
         self._rng = random.Random()
         self.tls = None  # protos.security.TLSConfig of this agent: peers' listeners use the same
         self.token = ""  # the agent token, which peers' DataPlane listeners ask for
@@ -317,6 +327,7 @@ class DataPlane:
 
     def close(self) -> None:
         self._writers.shutdown(wait=False, cancel_futures=True)
+        self.copier.shutdown(wait=False, cancel_futures=True)
         with self._lock:
             channels = list(self._channels.values())
             self._channels.clear()
@@ -659,7 +670,8 @@ class DataPlane:
 
     def _send_shm(self, stub, target: PeerSlab, peer: Peer, resp, metas: list[BlockMeta], deadline: float, left) -> int:
         """The blocks copied straight into the reserved pages of the peer's slab (mapped
-        here); one Commit verifies them all and makes the prefix visible. Copies go in
+        here), in groups the peer verifies while the next group is copied (a large
+        handoff); the last Commit verifies the rest and makes the prefix visible. Copies go in
         slices, each only while the reservation is open and the deadline ahead (a copy
         after the reservation expired could land on pages given to another block, once
         their quarantine is over); a link with a bandwidth limit is paced as on the
@@ -669,38 +681,62 @@ class DataPlane:
         wanted = sum(m.stored_bytes for m in metas[p:])
         if sum(n for _, n in slots) != wanted:
             raise _PathError(f"the peer reserved {sum(n for _, n in slots)} B for {wanted} B of blocks", path_off=True)
-        src_runs: list[tuple[int, int]] = []
-        bounces = []  # blocks outside the CPU slab (disk), read once; alive until copied
-        for m in metas[p:]:
-            runs, bounce = self._source_runs(m)
-            if bounce is not None:
-                bounces.append(bounce)
-            src_runs += runs
-        pieces = pair_runs(src_runs, slots)
         link = self.links.get(peer.agent_id)
         sent = 0
         # the reservation's expiry on this clock (the peer said when, in wall-clock time)
         expires = time.monotonic() + (resp.expires_unix_seconds - time.time()) - SHM_EXPIRY_MARGIN_SECONDS
+        slice_bytes = SHM_SLICE_BYTES
+        if link.bytes_per_second > 0:
+            slice_bytes = min(slice_bytes, max(int(link.bytes_per_second * 0.1), 64 << 10))
+        least = self.config.shm_verify_group_bytes  # one Commit costs more than hashing less than this
+        group_bytes = min(4 * least, max(least, wanted // SHM_VERIFY_GROUPS))
+        groups = [[p + j for j in g] for g in batches_of([m.stored_bytes for m in metas[p:]], group_bytes)]
+        dst = RunCursor(slots)
+        verifies = []  # the peer hashes each group while the next is copied (its bytes still in cache)
+        bounces = []  # blocks outside the CPU slab (disk), read once; alive until copied
+        sums: list[int] = []
         try:
-            target.check(pieces)
-            slice_bytes = SHM_SLICE_BYTES
-            if link.bytes_per_second > 0:
-                slice_bytes = min(slice_bytes, max(int(link.bytes_per_second * 0.1), 64 << 10))
-            for part in slices(pieces, slice_bytes):
-                nbytes = sum(n for _, _, n in part)
-                if not link.pace(nbytes, deadline):
-                    # no retry on this path: a second try has even less time
-                    raise _PathError(
-                        f"the link's bandwidth limit would pass the deadline for {nbytes} B", path_off=True
+            for k, group in enumerate(groups):
+                src_runs: list[tuple[int, int]] = []
+                for i in group:
+                    runs, bounce = self._source_runs(metas[i])
+                    if bounce is not None:
+                        bounces.append(bounce)
+                    src_runs += runs
+                pieces = pair_runs(src_runs, dst.take(sum(metas[i].stored_bytes for i in group)))
+                target.check(pieces)
+                for part in slices(pieces, slice_bytes):
+                    nbytes = sum(n for _, _, n in part)
+                    if not link.pace(nbytes, deadline):
+                        # no retry on this path: a second try has even less time
+                        raise _PathError(
+                            f"the link's bandwidth limit would pass the deadline for {nbytes} B", path_off=True
+                        )
+                    if time.monotonic() >= min(deadline, expires):
+                        raise _PathError("the reservation expires or the deadline passes before the copy ends")
+                    sent += target.write(part, self.copier, self.config.shm_copy_threads)
+                group_sums = [metas[i].checksum or checksum(self._source(metas[i])[0]) for i in group]
+                sums += group_sums
+                if k < len(groups) - 1:
+                    request = agent_pb2.CommitRequest(
+                        reservation_id=resp.reservation_id, checksums=group_sums, first_block=group[0], last=False
                     )
-                if time.monotonic() >= min(deadline, expires):
-                    raise _PathError("the reservation expires or the deadline passes before the copy ends")
-                sent += target.write(part)
+                    verifies.append(stub.Commit.future(request, timeout=left(deadline - time.monotonic())))
+                _raise_failed(verifies)  # a group the peer refused (a mismatch aborted it all): stop copying
         except ValueError as exc:
             raise _PathError(str(exc), path_off=True) from None
-        sums = [m.checksum or checksum(self._source(m)[0]) for m in metas[p:]]
+        # the last Commit carries every checksum: it waits for a verify under way and hashes
+        # what no verify reached, so it need not wait for the verifies' answers here
         request = agent_pb2.CommitRequest(reservation_id=resp.reservation_id, checksums=sums, first_block=p, last=True)
-        stub.Commit(request, timeout=left(max(self.config.rpc_timeout_seconds, 0.1 + wanted / 1e9)))
+        try:
+            stub.Commit(request, timeout=left(max(self.config.rpc_timeout_seconds, 0.1 + wanted / 1e9)))
+        except grpc.RpcError:
+            # why the reservation was gone, rather than that it was (its answer may trail)
+            _raise_failed(verifies, wait_seconds=max(0.0, min(0.5, deadline - time.monotonic())))
+            raise
+        finally:
+            for v in verifies:
+                v.cancel()  # one that had not begun: the Commit did its work
         return sent
 
     def _abort(self, stub, rid: str, reason: str, quiesced: bool, deadline: float) -> None:
@@ -955,6 +991,19 @@ class DataPlane:
             timeout=left(max(self.config.rpc_timeout_seconds, 0.1 + sent[0] / 1e9)),
         )
         return sent[0]
+
+
+def _raise_failed(calls: list, wait_seconds: float = 0.0) -> None:
+    """Raise the error of the first of these calls that failed (waiting up to
+    `wait_seconds` in all for those not finished yet)."""
+    until = time.monotonic() + wait_seconds
+    for call in calls:
+        try:
+            exc = call.exception(timeout=max(0.0, until - time.monotonic()))
+        except (grpc.FutureTimeoutError, grpc.FutureCancelledError):
+            continue
+        if exc is not None:
+            raise exc
 
 
 def _note(reasons: list[str], text: str) -> None:

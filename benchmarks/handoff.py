@@ -14,9 +14,9 @@ driver asks, in turn:
   commit: the blocks are loadable on the receiver afterwards (checked);
 - `grpc`: the same handoff over the fallback path (chunked gRPC stream);
 - `shm`: the same handoff over the same-host path (the receiver's slab is a memfd the
-  sender maps; one memcpy per run, then Commit verifies), next to `raw_memcpy`: the
-  sender copying the same bytes into the receiver's mapped slab with one memcpy (what
-  the machine's memory does alone). `ratio` stays against the raw engine;
+  sender maps, copied by `shm_copy_threads` threads side by side; the receiver verifies),
+  next to `raw_memcpy`: the sender copying the same bytes into the receiver's mapped slab
+  with as many threads and nothing else (what the machine's memory does alone). `ratio` stays against the raw engine;
   `memcpy_ratio` is against raw_memcpy.
 
 Figures are the best of `--repeats` (the receiver drops the blocks between runs). A
@@ -157,7 +157,7 @@ def worker(agent_id: str, etcd: str, block_mib: int, capacity_bytes: int, engine
             key = (cmd["path"], cmd["inode"], cmd["dst"], cmd["slab_bytes"])
             peer = mapped.get(key) or mapped.setdefault(key, PeerSlab(*key))
             t0 = time.perf_counter()
-            peer.write([(dp.store.slab.data_ptr(), cmd["dst"], cmd["bytes"])])
+            peer.write([(dp.store.slab.data_ptr(), cmd["dst"], cmd["bytes"])], dp.copier, dp.config.shm_copy_threads)
             reply(seconds=time.perf_counter() - t0)
         elif op == "handoff":
             _, hashes = prompt(cmd["blocks"], cmd["seed"])

@@ -111,6 +111,31 @@ def test_shm_handoff_on_one_host_is_byte_exact_and_indexed(controlplane, make_ag
     assert (r.outcome, r.path) == ("transferred", "grpc") and torch.equal(b.engine.load(BIG.model_id, tokens).kv, kv)
 
 
+def test_a_large_shm_handoff_is_verified_in_groups_while_it_copies(controlplane, make_agent):
+    """Groups of 2 MiB: the receiver checks each group while the next is copied (two
+    threads copying), the last Commit the rest; byte-exact. A wrong checksum in an early
+    group aborts the reservation: nothing of the prefix becomes visible."""
+    cfg = DataPlaneConfig(shm_verify_group_bytes=2 << 20, shm_copy_threads=2)
+    a = make_agent("pre", models=[BIG], cpu_capacity_bytes=40 << 20, dataplane=cfg)
+    b = make_agent("dec", models=[BIG], cpu_capacity_bytes=40 << 20)
+    tokens, kv, hashes = prompt(BIG, 12, seed=23)
+    a.engine.store(BIG.model_id, tokens, kv)
+    checked = []
+    real = b.dataplane.reservations.verify
+    b.dataplane.reservations.verify = lambda *x: (checked.append(len(x[2])), real(*x))[1]
+    r = a.dataplane.handoff(BIG.model_id, hashes, "dec", 20, paths=("shm",))
+    assert (r.outcome, r.path, r.num_sent_blocks) == ("transferred", "shm", 12), r
+    assert torch.equal(b.engine.load(BIG.model_id, tokens).kv, kv)
+    assert sorted(checked) == [2] * 5  # the sixth group: with the Commit
+    tokens2, kv2, hashes2 = prompt(BIG, 12, seed=24)
+    a.engine.store(BIG.model_id, tokens2, kv2)
+    a.pool.blocks[hashes2[1]].checksum ^= 1  # as if block 1 arrived damaged
+    r = a.dataplane.handoff(BIG.model_id, hashes2, "dec", 20, paths=("shm",))
+    assert r.outcome == "recompute" and "checksum mismatch on block 1" in r.reason, r
+    assert b.pool.num_leading(hashes2) == 0
+    wait_for(lambda: b.dataplane.reservations.open_count() == 0, 10, what="reservations closed")
+
+
 def test_shm_path_that_cannot_map_falls_back_and_says_why(controlplane, make_agent, monkeypatch):
     import agent.dataplane as dataplane
 

@@ -232,7 +232,9 @@ def test_an_attempt_given_up_at_the_deadline_still_aborts_its_reservation(path, 
         hashes = store(p.send.pool, 4)
         if path == "shm":  # the copy is slow: the deadline passes after the Reserve
             slow = shm.PeerSlab.write
-            monkeypatch.setattr(shm.PeerSlab, "write", lambda self, part: (time.sleep(0.12), slow(self, part))[1])
+            monkeypatch.setattr(
+                shm.PeerSlab, "write", lambda self, part, *a: (time.sleep(0.12), slow(self, part, *a))[1]
+            )
         else:
             slow = p.send._source
             monkeypatch.setattr(p.send, "_source", lambda m: (time.sleep(0.04), slow(m))[1])

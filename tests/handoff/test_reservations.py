@@ -69,6 +69,32 @@ def test_reserved_blocks_are_invisible_until_the_last_commit():
     assert res.open_count() == 0
 
 
+def test_a_commit_with_every_checksum_hashes_only_what_no_verify_matched(monkeypatch):
+    """The shm sender's last Commit carries all checksums while earlier verifies may still
+    run: blocks they matched are not hashed again, the rest are, and a mismatch anywhere
+    still makes nothing visible."""
+    import agent.core.handoff as handoff
+
+    hashed = []
+    real = handoff.checksums_of
+    monkeypatch.setattr(handoff, "checksums_of", lambda blocks: (hashed.append(len(blocks)), real(blocks))[1])
+    pool, res, _ = make()
+    _, kv, hashes = prompt(SMALL, 6)
+    r = reserve(res, hashes)
+    sums = fill(res, r, kv)
+    res.verify(r.reservation_id, 0, sums[:4])
+    res.commit(r.reservation_id, 0, sums)
+    assert hashed == [4, 2] and pool.num_leading(hashes) == 6
+    # a verified block sent with another checksum in the Commit is hashed again: a mismatch
+    _, kv2, hashes2 = prompt(SMALL, 3, seed=5)
+    r2 = reserve(res, hashes2)
+    sums2 = fill(res, r2, kv2)
+    res.verify(r2.reservation_id, 0, sums2[:2])
+    with pytest.raises(ReservationError, match="checksum mismatch on block 1"):
+        res.commit(r2.reservation_id, 0, [sums2[0], sums2[1] ^ 1, sums2[2]])
+    assert pool.num_leading(hashes2) == 0
+
+
 def test_slots_cover_the_reserved_pages_in_order_merged_where_they_touch():
     pool, res, _ = make()
     _, _, hashes = prompt(SMALL, 6)

@@ -3,6 +3,7 @@ the inode check against a reused /proc path, bounds, and slicing for a paced lin
 
 from __future__ import annotations
 
+import concurrent.futures as cf
 import os
 
 import pytest
@@ -11,7 +12,7 @@ import torch
 from agent.core.block_pool import pair_runs
 from agent.core.handoff import slices
 from agent.store.memory_tier import MemoryTier
-from agent.store.shm import PeerSlab, SharedSlab, host_id
+from agent.store.shm import PeerSlab, SharedSlab, host_id, split_even
 from protos.tier import Tier
 
 
@@ -27,6 +28,31 @@ def test_a_peer_mapping_writes_into_the_shared_slab():
     pieces = pair_runs([(src.data_ptr(), 16384)], [(base + 4096, 8192), (base + 65536, 8192)])
     assert peer.write(pieces) == 16384
     assert torch.equal(tier.slab[4096:12288], src[:8192]) and torch.equal(tier.slab[65536:73728], src[8192:])
+
+
+def test_split_even_cuts_pieces_into_near_equal_shares_in_order():
+    pieces = [(0, 1000, 10), (100, 2000, 3)]
+    assert split_even(pieces, 2) == [[(0, 1000, 7)], [(7, 1007, 3), (100, 2000, 3)]]
+    shares = split_even(pieces, 4)
+    assert [sum(n for *_, n in s) for s in shares] == [4, 4, 4, 1]
+    assert [t for s in shares for t in s][0] == (0, 1000, 4) and shares[-1] == [(102, 2002, 1)]
+    assert split_even([(0, 0, 2)], 8) == [[(0, 0, 1)], [(1, 1, 1)]]  # never more shares than bytes
+    assert split_even(pieces, 1) == [pieces]
+
+
+def test_a_large_write_copied_by_several_threads_is_byte_exact():
+    tier = MemoryTier(Tier.CPU, 16 << 20, 1 << 20, shared=True)
+    slab = tier.shared_slab
+    peer = PeerSlab(slab.path, slab.inode, tier.slab.data_ptr(), tier.slab.numel())
+    src = torch.randint(0, 256, (9 << 20,), dtype=torch.uint8, generator=torch.Generator().manual_seed(3))
+    base = tier.slab.data_ptr()
+    # three destination runs of odd sizes: shares cut through pieces at arbitrary bytes
+    runs = [(base + 4096, (3 << 20) + 5), (base + (5 << 20), (4 << 20) - 11), (base + (10 << 20), (2 << 20) + 6)]
+    with cf.ThreadPoolExecutor(2) as copier:
+        assert peer.write(pair_runs([(src.data_ptr(), 9 << 20)], runs), copier, threads=3) == 9 << 20
+    got = torch.cat([tier.slab[a - base : a - base + n] for a, n in runs])
+    assert torch.equal(got, src)
+    assert int(tier.slab[:4096].sum()) == 0 and int(tier.slab[(3 << 20) + 4101 : 5 << 20].sum()) == 0
 
 
 def test_a_mapping_refuses_another_file_and_runs_outside_the_slab():

@@ -98,6 +98,7 @@ class DataPlaneConfig:
 
 ENGINE_POLL_SECONDS = 0.0002  # how often the writer asks the engine whether a batch landed
 PEER_CACHE_SECONDS = 2.0  # a peer's etcd record is read again after this long
+PEER_REFRESH_WAIT_SECONDS = 1.0  # a retry waits at most this long (and half its time left) for the peer's record
 PEER_LAPSE_GRACE_SECONDS = 10.0  # a peer whose key vanished is still tried at its last address this long
 PEER_SLAB_IDLE_SECONDS = 60.0  # a peer's mapped slab unused this long is let go (it may be gone)
 SHM_REFUSED_SECONDS = 60.0  # a peer slab that could not be mapped is not tried again for this long
@@ -184,6 +185,8 @@ class DataPlane:
             max_workers=max(1, self.config.shm_copy_threads - 1), thread_name_prefix="shm-copy"
         )
         self._rng = random.Random()
+        self._refresher = cf.ThreadPoolExecutor(max_workers=2, thread_name_prefix="peer-read")
+        self._refreshing: dict[str, cf.Future] = {}  # agent id -> its record's read under way
         self.tls = None  # protos.security.TLSConfig of this agent: peers' listeners use the same
         self.token = ""  # the agent token, which peers' DataPlane listeners ask for
         self.shared = getattr(self.store, "shared_slab", None)  # agent.store.shm.SharedSlab, or None
@@ -327,6 +330,7 @@ class DataPlane:
 
     def close(self) -> None:
         self._writers.shutdown(wait=False, cancel_futures=True)
+        self._refresher.shutdown(wait=False, cancel_futures=True)
         self.copier.shutdown(wait=False, cancel_futures=True)
         with self._lock:
             channels = list(self._channels.values())
@@ -531,7 +535,7 @@ class DataPlane:
                     if exc.path_off:
                         break
                     tries += 1
-                    peer = self._refresh(peer)
+                    peer = self._refresh(peer, deadline)
                     self._sleep(policy.backoff(tries - 1, self._rng), deadline)
                     continue
                 seconds = time.monotonic() - t0
@@ -552,10 +556,21 @@ class DataPlane:
             reasons.append("deadline passed")
         return HandoffResult(RECOMPUTE, attempts=attempts, reason="; ".join(reasons + skipped) or "no path to try")
 
-    def _refresh(self, peer: Peer) -> Peer:
+    def _refresh(self, peer: Peer, deadline: float) -> Peer:
+        """The peer's record read again before a retry, waiting for etcd at most half the
+        time left (and PEER_REFRESH_WAIT_SECONDS): a stalled etcd must not eat the
+        handoff's deadline. A read still under way lands in the cache for later tries."""
         self._drop_channel(peer.address)
+        with self._lock:
+            read = self._refreshing.get(peer.agent_id)
+            if read is None or read.done():
+                read = self._refresher.submit(self.peer, peer.agent_id, True)
+                self._refreshing[peer.agent_id] = read
+        wait = min(PEER_REFRESH_WAIT_SECONDS, max(0.0, deadline - time.monotonic()) / 2)
         try:
-            return self.peer(peer.agent_id, refresh=True)
+            return read.result(timeout=wait)
+        except cf.TimeoutError:
+            return peer  # etcd is slow: the next attempt goes to the address known
         except errors.KvcpError:
             return peer  # gone from etcd too: the next attempt fails fast and says so
 

@@ -20,6 +20,7 @@ from agent.core.handoff import PRESENT, RECOMPUTE, TRANSFERRED, checksum
 from agent.dataplane import DataPlane, DataPlaneConfig
 from agent.store.memory_tier import MemoryTier
 from agent.store.transfer_engine import NoEngine
+from protos import errors
 from protos.grpc_errors import ErrorMappingInterceptor
 from protos.kvcp.v1 import agent_pb2, agent_pb2_grpc, types_pb2
 from protos.tier import Tier
@@ -318,3 +319,28 @@ def test_a_peer_whose_key_lapsed_or_etcd_is_down_is_reached_at_its_last_address(
     got, _ = pair.recv.pool.read_chain(hashes)
     sent, _ = pair.send.pool.read_chain(hashes)
     assert all(torch.equal(x, y) for x, y in zip(got, sent, strict=True))
+
+
+def test_a_retry_does_not_wait_out_a_stalled_etcd_past_its_deadline(pair, monkeypatch):
+    """Before a retry the sender reads the peer's record again; with etcd stalled (each read
+    waits out the client's 5 s timeout) the retry goes on at the known address after at
+    most half its time left, and the answer comes by the deadline."""
+    hashes = store(pair.send.pool, 4, seed=9)
+    pair.send.peer("dec")  # known
+    reads = []
+
+    def stalled_etcd(agent_id):
+        reads.append(agent_id)
+        time.sleep(5.0)
+        raise ConnectionError("etcd timed out")
+
+    def refused(_request):
+        raise errors.Unavailable("a moment of trouble")
+
+    pair.send._peer_info = stalled_etcd
+    monkeypatch.setattr(pair.recv, "reserve", refused)  # every attempt fails: retried, then recompute
+    t0 = time.monotonic()
+    r = pair.send.handoff(SMALL.model_id, hashes, "dec", 1.5, paths=("grpc",))
+    assert r.outcome == RECOMPUTE and r.attempts >= 2, r
+    assert time.monotonic() - t0 < 2.5  # the deadline (1.5 s) and a little, not etcd's 5 s
+    assert reads == ["dec"]  # one read under way at a time, shared by the retries

@@ -457,7 +457,7 @@ class DataPlane:
         for p in paths:
             if p not in PATHS:
                 raise errors.InvalidArgument("paths", f"unknown path {p!r}; expected {', '.join(PATHS)}")
-        peer = self.peer(destination_agent_id)
+        peer = self._peer_by(destination_agent_id, deadline)
         metas = self.pool.acquire_chain(block_hashes)
         if not metas:
             raise errors.FailedPrecondition(
@@ -556,11 +556,26 @@ class DataPlane:
             reasons.append("deadline passed")
         return HandoffResult(RECOMPUTE, attempts=attempts, reason="; ".join(reasons + skipped) or "no path to try")
 
-    def _refresh(self, peer: Peer, deadline: float) -> Peer:
-        """The peer's record read again before a retry, waiting for etcd at most half the
-        time left (and PEER_REFRESH_WAIT_SECONDS): a stalled etcd must not eat the
-        handoff's deadline. A read still under way lands in the cache for later tries."""
-        self._drop_channel(peer.address)
+    def _peer_by(self, agent_id: str, deadline: float) -> Peer:
+        """The peer for a handoff: from the cache while fresh; a stale record is read again
+        from etcd within `_refresh`'s bound (the one known serves meanwhile); one never
+        seen must be read (errors name it)."""
+        with self._lock:
+            cached = self._peers.get(agent_id)
+        if cached is None:
+            return self.peer(agent_id)
+        if time.monotonic() - cached[0] < PEER_CACHE_SECONDS:
+            return cached[1]
+        return self._refresh(cached[1], deadline, retry=False)
+
+    def _refresh(self, peer: Peer, deadline: float, retry: bool = True) -> Peer:
+        """The peer's record read again, waiting for etcd at most half the time left (and
+        PEER_REFRESH_WAIT_SECONDS): a stalled etcd must not eat the handoff's deadline; a
+        read still under way lands in the cache for later tries. Before a retry (`retry`)
+        the channel is made anew and a peer gone from etcd is tried once more at its old
+        address (the attempt says what fails); else that is the handoff's error."""
+        if retry:
+            self._drop_channel(peer.address)
         with self._lock:
             read = self._refreshing.get(peer.agent_id)
             if read is None or read.done():
@@ -572,6 +587,8 @@ class DataPlane:
         except cf.TimeoutError:
             return peer  # etcd is slow: the next attempt goes to the address known
         except errors.KvcpError:
+            if not retry:
+                raise
             return peer  # gone from etcd too: the next attempt fails fast and says so
 
     @staticmethod

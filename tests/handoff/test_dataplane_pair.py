@@ -344,3 +344,22 @@ def test_a_retry_does_not_wait_out_a_stalled_etcd_past_its_deadline(pair, monkey
     assert r.outcome == RECOMPUTE and r.attempts >= 2, r
     assert time.monotonic() - t0 < 2.5  # the deadline (1.5 s) and a little, not etcd's 5 s
     assert reads == ["dec"]  # one read under way at a time, shared by the retries
+
+
+def test_a_stale_peer_record_does_not_hold_a_handoff_on_a_stalled_etcd(pair, monkeypatch):
+    """The peer's record is older than PEER_CACHE_SECONDS and etcd stalls: the handoff goes
+    on at the known address after the bounded wait instead of waiting out etcd's timeout."""
+    hashes = store(pair.send.pool, 4, seed=10)
+    pair.send.peer("dec")
+    seen, known = pair.send._peers["dec"]
+    pair.send._peers["dec"] = (seen - 60.0, known)
+
+    def stalled_etcd(agent_id):
+        time.sleep(5.0)
+        raise ConnectionError("etcd timed out")
+
+    pair.send._peer_info = stalled_etcd
+    t0 = time.monotonic()
+    r = pair.send.handoff(SMALL.model_id, hashes, "dec", 4.0, paths=("grpc",))
+    assert r.outcome == TRANSFERRED, r
+    assert time.monotonic() - t0 < 2.5  # the bounded wait (1 s) and the transfer, not etcd's 5 s

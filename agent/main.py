@@ -184,6 +184,13 @@ def _metrics_listen(ctx, param, value: str) -> str:
     type=click.IntRange(1, 64),
     help="Threads that encode blocks moving to a compressed tier while the blocks before them are written.",
 )
+@click.option(
+    "--shm-copy-threads",
+    default=DataPlaneConfig.shm_copy_threads,
+    show_default=True,
+    type=click.IntRange(1, 64),
+    help="Threads that copy one same-host handoff side by side (fewer leave more cores to the inference engine).",
+)
 @click.option("--log-level", default="INFO", show_default=True)
 def main(
     agent_id,
@@ -229,6 +236,7 @@ def main(
     vllm_disconnect_grace_seconds,
     torch_threads,
     codec_threads,
+    shm_copy_threads,
     log_level,
 ):
     """Run a kvcp agent: a tiered KV block store that reports to the control plane."""
@@ -273,6 +281,7 @@ def main(
             link_max_concurrent=link_max_concurrent,
             link_bytes_per_second=float(link_bandwidth),
             max_inbound=max_inbound_handoffs,
+            shm_copy_threads=shm_copy_threads,
         ),
         listen=listen,
         etcd=etcd,

@@ -339,3 +339,12 @@ def test_a_corrupt_disk_block_in_a_handoff_is_an_answer_and_removed(controlplane
     r = a.dataplane.handoff(BIG.model_id, hashes, "dec", 5.0)
     assert r.outcome == "recompute", r
     assert a.pool.corrupt_blocks_total == 1 and hashes[-1] not in a.pool.blocks
+
+
+def test_the_agent_refuses_a_copy_thread_count_out_of_range():
+    from click.testing import CliRunner
+
+    from agent.main import main
+
+    result = CliRunner().invoke(main, ["--agent-id", "x", "--shm-copy-threads", "0"], catch_exceptions=False)
+    assert result.exit_code == 2 and "--shm-copy-threads" in result.output and "Traceback" not in result.output

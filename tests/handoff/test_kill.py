@@ -84,7 +84,17 @@ def test_sender_killed_mid_transfer_leaves_nothing_visible(etcd, controlplane, m
         dataplane=DataPlaneConfig(quarantine_seconds=1.0),
         shm_handoff=path == "shm",
     )
-    src = AgentProcess("pre", etcd, "--link-bandwidth", "40MB", "--handoff-deadline-seconds", "4", cpu="64MiB")
+    src = AgentProcess(
+        "pre",
+        etcd,
+        "--link-bandwidth",
+        "40MB",
+        "--handoff-deadline-seconds",
+        "4",
+        "--shm-copy-threads",
+        "2",
+        cpu="64MiB",
+    )
     client = connect(etcd, wait_seconds=15, log=lambda _m: None)  # rides out a stall of this machine
     try:
         src.wait_registered(client)

@@ -755,20 +755,21 @@ class DataPlane:
                     )
                     verifies.append(stub.Commit.future(request, timeout=left(deadline - time.monotonic())))
                 _raise_failed(verifies)  # a group the peer refused (a mismatch aborted it all): stop copying
+            # every verify answered before the last Commit goes: one the Commit overtook would find
+            # the reservation closed, and its 'not open' would hide why the Commit failed (or a
+            # verify's mismatch would trail the Commit's 'not open'); the peer hashed the last of
+            # them while the last group was copied, so the wait is about a round trip
+            _raise_failed(verifies, wait_seconds=max(0.0, deadline - time.monotonic()))
+            # the last Commit carries every checksum: it hashes what no verify matched
+            request = agent_pb2.CommitRequest(
+                reservation_id=resp.reservation_id, checksums=sums, first_block=p, last=True
+            )
+            stub.Commit(request, timeout=left(max(self.config.rpc_timeout_seconds, 0.1 + wanted / 1e9)))
         except ValueError as exc:
             raise _PathError(str(exc), path_off=True) from None
-        # the last Commit carries every checksum: it waits for a verify under way and hashes
-        # what no verify reached, so it need not wait for the verifies' answers here
-        request = agent_pb2.CommitRequest(reservation_id=resp.reservation_id, checksums=sums, first_block=p, last=True)
-        try:
-            stub.Commit(request, timeout=left(max(self.config.rpc_timeout_seconds, 0.1 + wanted / 1e9)))
-        except grpc.RpcError:
-            # why the reservation was gone, rather than that it was (its answer may trail)
-            _raise_failed(verifies, wait_seconds=max(0.0, min(0.5, deadline - time.monotonic())))
-            raise
         finally:
             for v in verifies:
-                v.cancel()  # one that had not begun: the Commit did its work
+                v.cancel()  # one still under way when the copy stopped early: its answer is not wanted
         return sent
 
     def _abort(self, stub, rid: str, reason: str, quiesced: bool, deadline: float) -> None:

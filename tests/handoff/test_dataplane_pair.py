@@ -363,3 +363,21 @@ def test_a_stale_peer_record_does_not_hold_a_handoff_on_a_stalled_etcd(pair, mon
     r = pair.send.handoff(SMALL.model_id, hashes, "dec", 4.0, paths=("grpc",))
     assert r.outcome == TRANSFERRED, r
     assert time.monotonic() - t0 < 2.5  # the bounded wait (1 s) and the transfer, not etcd's 5 s
+
+
+def test_a_mismatch_the_last_commit_finds_is_the_reason_though_verifies_answer_late(monkeypatch):
+    """A shm handoff verified in groups whose verifies start late on the receiver (a busy
+    machine): a damaged block of the last group is found by the last Commit, and that is
+    the reason given, not the 'not open' of a verify the Commit had overtaken."""
+    p = Pair(DataPlaneConfig(shm_verify_group_bytes=2 * SMALL.block_bytes), shared=True)
+    try:
+        hashes = store(p.send.pool, 12, seed=11)
+        p.send.pool.blocks[hashes[11]].checksum ^= 1  # as if block 11 arrived damaged
+        real = p.recv.reservations.verify
+        monkeypatch.setattr(p.recv.reservations, "verify", lambda *a: (time.sleep(0.3), real(*a))[1])
+        r = p.send.handoff(SMALL.model_id, hashes, "dec", 20.0, paths=("shm",))
+        assert r.outcome == RECOMPUTE and "checksum mismatch on block 11" in r.reason, r
+        assert "not open" not in r.reason, r
+        assert p.recv.pool.num_leading(hashes) == 0
+    finally:
+        p.close()

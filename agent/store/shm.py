@@ -108,8 +108,10 @@ class PeerSlab:
             _copy(local)
             return total
         shares = split_even(local, threads)
-        futures = [copier.submit(_copy, share) for share in shares[1:]]
+        futures: list[cf.Future] = []
         try:
+            for share in shares[1:]:
+                futures.append(copier.submit(_copy, share))  # may refuse (shut down) after taking some
             _copy(shares[0])
         finally:
             cf.wait(futures)  # no copy outlives the call, even when one failed

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import concurrent.futures as cf
 import os
+import time
 
 import pytest
 import torch
@@ -53,6 +54,29 @@ def test_a_large_write_copied_by_several_threads_is_byte_exact():
     got = torch.cat([tier.slab[a - base : a - base + n] for a, n in runs])
     assert torch.equal(got, src)
     assert int(tier.slab[:4096].sum()) == 0 and int(tier.slab[(3 << 20) + 4101 : 5 << 20].sum()) == 0
+
+
+def test_a_write_whose_copier_refuses_a_share_leaves_no_copy_running():
+    """The copier takes one share and refuses the next (shut down by a closing agent): the
+    write fails, and no share it took is still copying after it returned."""
+    tier = MemoryTier(Tier.CPU, 16 << 20, 1 << 20, shared=True)
+    slab = tier.shared_slab
+    peer = PeerSlab(slab.path, slab.inode, tier.slab.data_ptr(), tier.slab.numel())
+    src = torch.full((8 << 20,), 7, dtype=torch.uint8)
+
+    class Refusing(cf.ThreadPoolExecutor):
+        def submit(self, fn, *args):
+            if getattr(self, "took", False):
+                raise RuntimeError("cannot schedule new futures after shutdown")
+            self.took = True
+            return super().submit(lambda *a: (time.sleep(0.3), fn(*a))[1], *args)  # a slow share
+
+    copier = Refusing(2)
+    with pytest.raises(RuntimeError, match="after shutdown"):
+        peer.write([(src.data_ptr(), tier.slab.data_ptr(), 8 << 20)], copier, threads=3)
+    copied = int(tier.slab.sum())
+    copier.shutdown()  # a share still copying ends here
+    assert int(tier.slab.sum()) == copied  # nothing landed after the write returned
 
 
 def test_a_mapping_refuses_another_file_and_runs_outside_the_slab():

@@ -185,6 +185,7 @@ class DataPlane:
             max_workers=max(1, self.config.shm_copy_threads - 1), thread_name_prefix="shm-copy"
         )
         self._rng = random.Random()
+        self._closing = False  # close() began: executors refuse work, handoffs under way end
         self._refresher = cf.ThreadPoolExecutor(max_workers=2, thread_name_prefix="peer-read")
         self._refreshing: dict[str, cf.Future] = {}  # agent id -> its record's read under way
         self.tls = None  # protos.security.TLSConfig of this agent: peers' listeners use the same
@@ -329,6 +330,7 @@ class DataPlane:
                     del self._shm_refused[key]
 
     def close(self) -> None:
+        self._closing = True
         self._writers.shutdown(wait=False, cancel_futures=True)
         self._refresher.shutdown(wait=False, cancel_futures=True)
         self.copier.shutdown(wait=False, cancel_futures=True)
@@ -579,7 +581,10 @@ class DataPlane:
         with self._lock:
             read = self._refreshing.get(peer.agent_id)
             if read is None or read.done():
-                read = self._refresher.submit(self.peer, peer.agent_id, True)
+                try:
+                    read = self._refresher.submit(self.peer, peer.agent_id, True)
+                except RuntimeError:  # the agent is stopping
+                    return peer
                 self._refreshing[peer.agent_id] = read
         wait = min(PEER_REFRESH_WAIT_SECONDS, max(0.0, deadline - time.monotonic()) / 2)
         try:
@@ -658,6 +663,12 @@ class DataPlane:
         except _PathError as exc:
             self._abort(stub, rid, str(exc), True, deadline)
             raise
+        except (RuntimeError, cf.CancelledError) as exc:
+            if not self._closing:
+                raise
+            # the agent is stopping: its copy and write threads take no more work
+            self._abort(stub, rid, "the sending agent is stopping", False, deadline)
+            raise _PathError(f"this agent is stopping ({exc or type(exc).__name__})", permanent=True) from None
         except OSError as exc:  # reading a source block (disk): nothing of this attempt is in flight
             self._abort(stub, rid, f"source read failed: {exc}", True, deadline)
             raise _PathError(f"reading the prefix here failed ({exc})") from None

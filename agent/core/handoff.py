@@ -294,10 +294,17 @@ class Reservations:
                 f"[{r.num_present}, {r.num_blocks}) are reserved",
             )
 
-    def _verify_blocks(self, r: Reservation, first_block: int, checksums: Sequence[int]) -> str:
+    def _verify_blocks(
+        self, r: Reservation, first_block: int, checksums: Sequence[int], committing: bool = False
+    ) -> str:
         """Check blocks [first_block, first_block + len(checksums)), each with no write in
-        between; '' when all match, else what did not."""
+        between; '' when all match, else what did not. Only the commit verifies a closed
+        reservation: a verify that lost the race to an abort would hash pages no longer its."""
         with r.guard:  # no fallback write lands in these blocks while they are hashed
+            if r.closed and not committing:
+                raise ReservationError(
+                    f"reservation {r.reservation_id!r} is no longer open (committed, aborted or expired)"
+                )
             # a block an earlier verify matched with the same checksum is not hashed again
             todo = [(first_block + k, c) for k, c in enumerate(checksums) if r.verified.get(first_block + k) != c]
             got = checksums_of([self.views(r, i) for i, _ in todo])
@@ -334,7 +341,7 @@ class Reservations:
         if r is None:
             raise ReservationError(f"reservation {reservation_id!r} expired or was aborted during its commit")
         self._close(r)  # from here on what is verified stays as verified
-        mismatch = self._verify_blocks(r, first_block, checksums)
+        mismatch = self._verify_blocks(r, first_block, checksums, committing=True)
         missing = [i for i in range(r.num_present, r.num_blocks) if i not in r.verified]
         if mismatch or missing:
             self._release(r, quiesced=not mismatch and not r.writers)

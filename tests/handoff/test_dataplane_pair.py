@@ -394,3 +394,22 @@ def test_a_mismatch_the_last_commit_finds_is_the_reason_though_verifies_answer_l
         assert p.recv.pool.num_leading(hashes) == 0
     finally:
         p.close()
+
+
+def test_a_handoff_while_the_agent_closes_is_an_answer_not_an_exception(monkeypatch):
+    """close() shuts the copy threads down: a handoff then under way answers recompute
+    ("stopping") and lets its reservation go, instead of raising out of handoff()."""
+    import agent.store.shm as shm
+
+    monkeypatch.setattr(shm, "PARALLEL_COPY_BYTES", 0)  # even these small blocks go to the copy threads
+    p = Pair(shared=True)
+    try:
+        hashes = store(p.send.pool, 4, seed=12)
+        p.send._closing = True
+        p.send.copier.shutdown(wait=True)
+        r = p.send.handoff(SMALL.model_id, hashes, "dec", 5.0, paths=("shm",))
+        assert r.outcome == RECOMPUTE and "this agent is stopping" in r.reason, r
+        wait_for(lambda: p.recv.reservations.open_count() == 0, 5, what="reservation let go")
+        assert p.recv.pool.num_leading(hashes) == 0
+    finally:
+        p.close()

@@ -95,6 +95,20 @@ def test_a_commit_with_every_checksum_hashes_only_what_no_verify_matched(monkeyp
     assert pool.num_leading(hashes2) == 0
 
 
+def test_a_verify_that_lost_the_race_to_an_abort_hashes_nothing():
+    """A verify took the reservation just before an abort freed its pages: it must not hash
+    pages that are no longer its (nor count a false checksum failure)."""
+    pool, res, _ = make()
+    _, kv, hashes = prompt(SMALL, 3)
+    r = reserve(res, hashes)
+    sums = fill(res, r, kv)
+    res.get = lambda _rid: r  # the verify's lookup ran before the abort
+    res.abort(r.reservation_id, quiesced=True)
+    with pytest.raises(ReservationError, match="no longer open"):
+        res.verify(r.reservation_id, 0, sums)
+    assert res.checksum_failures_total == 0 and r.verified == {}
+
+
 def test_slots_cover_the_reserved_pages_in_order_merged_where_they_touch():
     pool, res, _ = make()
     _, _, hashes = prompt(SMALL, 6)

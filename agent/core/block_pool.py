@@ -529,41 +529,45 @@ class BlockPool:
                     self._room_for_chain(top, block_hashes[:i], len(block_hashes) - i, codec, spec)
                 payload = codecs.encode(codec, data)
                 digest = payload_checksum(payload)
-                with self.lock:
-                    if h in self.blocks:
-                        break
-                    handle = None
-                    while handle is None:
+                handle = None
+                while True:
+                    lower = None
+                    with self.lock:
+                        if h in self.blocks:
+                            break
                         try:
                             handle = self._allocate(top, payload.numel(), h)
                         except PoolFull:
-                            # nothing here may go (pins, loads, moves hold it all): the rest of
-                            # the chain goes to the next tier down that has room, rather than
-                            # nowhere (a child is never kept faster than its parent)
                             lower = self.lower_of(top.tier)
-                            if lower is None:
-                                break
-                            top, codec = lower, self._tier_codec(lower.tier, model_id)
-                            payload = codecs.encode(codec, data)
-                            digest = payload_checksum(payload)
-                    if handle is None:
+                        else:
+                            pending = BlockMeta(
+                                h,
+                                parent,
+                                model_id,
+                                spec.block_bytes,
+                                top.tier,
+                                handle,
+                                codec,
+                                payload.numel(),
+                                ref_count=1,
+                                ready=False,
+                                namespace=namespace,
+                                checksum=digest,
+                            )
+                            self.blocks[h] = pending
+                            self._account(pending, +1)
+                            break
+                    if lower is None:
                         break
-                    pending = BlockMeta(
-                        h,
-                        parent,
-                        model_id,
-                        spec.block_bytes,
-                        top.tier,
-                        handle,
-                        codec,
-                        payload.numel(),
-                        ref_count=1,
-                        ready=False,
-                        namespace=namespace,
-                        checksum=digest,
-                    )
-                    self.blocks[h] = pending
-                    self._account(pending, +1)
+                    # nothing here may go (pins, loads, moves hold it all): the rest of the
+                    # chain goes to the next tier down that has room, rather than nowhere (a
+                    # child is never kept faster than its parent); encoded for that tier
+                    # outside the lock, which an encode would hold up for every caller
+                    top, codec = lower, self._tier_codec(lower.tier, model_id)
+                    payload = codecs.encode(codec, data)
+                    digest = payload_checksum(payload)
+                if handle is None:
+                    break
                 try:
                     top.write(handle, payload, pending)
                 except OSError as exc:

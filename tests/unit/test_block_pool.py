@@ -631,6 +631,34 @@ def _descendants(pool: BlockPool, h: bytes) -> set[bytes]:
     return out
 
 
+def test_a_block_sent_to_the_tier_below_is_encoded_for_it_outside_the_pool_lock(monkeypatch):
+    """The top tier held whole by pins: a store's blocks go to the tier below, whose codec
+    differs; that re-encode must not run under the pool lock (every other caller waits on it)."""
+    import time
+
+    import agent.core.block_pool as block_pool
+    from agent.core.pins import AgentPin
+
+    pool = make_pool(mem(Tier.CPU, 2), mem(Tier.DISK, 16), tier_codecs={Tier.DISK: "zstd"})
+    pool.pins.add(AgentPin("kb", int(Tier.CPU), time.monotonic() + 60, namespace="kb"))
+    pinned = chain(range(2))
+    assert pool.insert_chain("m", pinned, lambda i: payload(pinned[i]), namespace="kb") == (2, 0)
+    encodes = []
+    real = block_pool.codecs.encode
+    monkeypatch.setattr(
+        block_pool.codecs,
+        "encode",
+        lambda codec, data: (encodes.append((codec, pool.lock._is_owned())), real(codec, data))[1],
+    )
+    other = chain(range(100, 103))
+    assert pool.insert_chain("m", other, lambda i: payload(other[i]), namespace="docs") == (3, 0)
+    assert [pool.tier_of(h) for h in other] == [Tier.DISK] * 3
+    assert ("zstd", False) in encodes and all(not held for _, held in encodes), encodes
+    blocks, _ = pool.read_chain(other)
+    assert [as_bytes(b) for b in blocks] == [as_bytes(payload(h)) for h in other]
+    check_invariants(pool)
+
+
 def test_a_top_tier_held_whole_by_pins_sends_new_blocks_to_the_tier_below():
     """A namespace pinned at the top tier that fills it (the README's demo pin outgrew
     the CPU tiers) left every store storing nothing while the tier below stood empty:

@@ -130,8 +130,20 @@ def test_a_large_shm_handoff_is_verified_in_groups_while_it_copies(controlplane,
     tokens2, kv2, hashes2 = prompt(BIG, 12, seed=24)
     a.engine.store(BIG.model_id, tokens2, kv2)
     a.pool.blocks[hashes2[1]].checksum ^= 1  # as if block 1 arrived damaged
+    refused = []
+
+    def verify(*x):
+        try:
+            return real(*x)
+        except Exception as exc:
+            refused.append((x[1], str(exc)))
+            raise
+
+    b.dataplane.reservations.verify = verify
     r = a.dataplane.handoff(BIG.model_id, hashes2, "dec", 20, paths=("shm",))
     assert r.outcome == "recompute" and "checksum mismatch on block 1" in r.reason, r
+    # the first group's verify found it (each of the two attempts), not the last Commit
+    assert [first for first, why in refused if "checksum mismatch on block 1" in why] == [0, 0], refused
     assert b.pool.num_leading(hashes2) == 0
     wait_for(lambda: b.dataplane.reservations.open_count() == 0, 10, what="reservations closed")
 

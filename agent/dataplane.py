@@ -561,14 +561,31 @@ class DataPlane:
     def _peer_by(self, agent_id: str, deadline: float) -> Peer:
         """The peer for a handoff: from the cache while fresh; a stale record is read again
         from etcd within `_refresh`'s bound (the one known serves meanwhile); one never
-        seen must be read (errors name it)."""
+        seen must be read, by the handoff's deadline (errors name it)."""
         with self._lock:
             cached = self._peers.get(agent_id)
-        if cached is None:
-            return self.peer(agent_id)
-        if time.monotonic() - cached[0] < PEER_CACHE_SECONDS:
+        if cached is not None and time.monotonic() - cached[0] < PEER_CACHE_SECONDS:
             return cached[1]
-        return self._refresh(cached[1], deadline, retry=False)
+        if cached is not None:
+            return self._refresh(cached[1], deadline, retry=False)
+        try:
+            return self._read_peer(agent_id).result(timeout=max(0.0, deadline - time.monotonic()))
+        except RuntimeError:
+            raise errors.Unavailable("this agent is stopping") from None
+        except cf.TimeoutError:
+            raise errors.Unavailable(
+                f"destination_agent_id: etcd did not answer where {agent_id!r} is by the handoff's deadline"
+            ) from None
+
+    def _read_peer(self, agent_id: str) -> cf.Future:
+        """The peer's record read from etcd in the background (one read per peer at a time);
+        the result lands in the cache either way."""
+        with self._lock:
+            read = self._refreshing.get(agent_id)
+            if read is None or read.done():
+                read = self._refresher.submit(self.peer, agent_id, True)  # RuntimeError once closed
+                self._refreshing[agent_id] = read
+        return read
 
     def _refresh(self, peer: Peer, deadline: float, retry: bool = True) -> Peer:
         """The peer's record read again, waiting for etcd at most half the time left (and
@@ -578,14 +595,10 @@ class DataPlane:
         address (the attempt says what fails); else that is the handoff's error."""
         if retry:
             self._drop_channel(peer.address)
-        with self._lock:
-            read = self._refreshing.get(peer.agent_id)
-            if read is None or read.done():
-                try:
-                    read = self._refresher.submit(self.peer, peer.agent_id, True)
-                except RuntimeError:  # the agent is stopping
-                    return peer
-                self._refreshing[peer.agent_id] = read
+        try:
+            read = self._read_peer(peer.agent_id)
+        except RuntimeError:  # the agent is stopping
+            return peer
         wait = min(PEER_REFRESH_WAIT_SECONDS, max(0.0, deadline - time.monotonic()) / 2)
         try:
             return read.result(timeout=wait)

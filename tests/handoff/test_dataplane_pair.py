@@ -413,3 +413,29 @@ def test_a_handoff_while_the_agent_closes_is_an_answer_not_an_exception(monkeypa
         assert p.recv.pool.num_leading(hashes) == 0
     finally:
         p.close()
+
+
+def test_a_peer_never_seen_on_a_stalled_etcd_is_an_error_by_the_deadline(pair):
+    """No record of the peer yet and etcd stalls (here it answers only when the test ends):
+    the handoff says so (UNAVAILABLE, naming etcd and the agent) by its deadline instead of
+    waiting out etcd; the read goes on and fills the cache once etcd answers."""
+    hashes = store(pair.send.pool, 4, seed=13)
+    etcd_back = threading.Event()
+    assert "dec" not in pair.send._peers
+    real = pair.send._peer_info
+
+    def stalled_etcd(agent_id):
+        etcd_back.wait(60.0)
+        return real(agent_id)
+
+    pair.send._peer_info = stalled_etcd
+    try:
+        t0 = time.monotonic()
+        with pytest.raises(errors.Unavailable, match="etcd did not answer where 'dec' is"):
+            pair.send.handoff(SMALL.model_id, hashes, "dec", 1.0, paths=("grpc",))
+        assert time.monotonic() - t0 < 10.0  # the deadline (1 s), stalls of this machine included: not etcd's 60 s
+    finally:
+        etcd_back.set()
+    wait_for(lambda: "dec" in pair.send._peers, 10, what="the read lands in the cache")
+    r = pair.send.handoff(SMALL.model_id, hashes, "dec", 10.0, paths=("grpc",))
+    assert r.outcome == TRANSFERRED, r

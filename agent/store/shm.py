@@ -22,6 +22,8 @@ from functools import cache
 
 import torch
 
+from agent.core.handoff import slices
+
 NAME_PREFIX = "kvcp-"  # memfd names: /proc/<pid>/fd/<fd> links to "/memfd:kvcp-..."
 
 
@@ -132,16 +134,4 @@ def split_even(pieces: Sequence[tuple[int, int, int]], parts: int) -> list[list[
     """(src, dst, length) pieces cut into `parts` groups of nearly equal bytes, in order
     (a piece may be split between two groups); fewer groups when there are fewer bytes."""
     total = sum(n for _, _, n in pieces)
-    parts = max(1, min(parts, total))
-    quota = -(-total // parts)  # ceil: the last group takes what is left
-    out: list[list[tuple[int, int, int]]] = [[]]
-    room = quota
-    for src, dst, n in pieces:
-        while n > 0:
-            if room == 0:
-                out.append([])
-                room = quota
-            k = min(n, room)
-            out[-1].append((src, dst, k))
-            src, dst, n, room = src + k, dst + k, n - k, room - k
-    return out
+    return list(slices(pieces, max(1, -(-total // max(1, parts))))) or [list(pieces)]

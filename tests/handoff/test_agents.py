@@ -24,6 +24,25 @@ def lookup_blocks(cp, agent_id, hashes) -> int:
     return next((m.num_hit_blocks for m in r.matches if m.agent_id == agent_id), 0)
 
 
+def watch_verifies(agent) -> list[tuple[int, int, str]]:
+    """Each verify (Commit of a batch or group) the agent receives from now on, as
+    (first block, number of blocks, its error or "")."""
+    calls: list[tuple[int, int, str]] = []
+    real = agent.dataplane.reservations.verify
+
+    def verify(reservation_id, first_block, checksums):
+        try:
+            out = real(reservation_id, first_block, checksums)
+        except Exception as exc:
+            calls.append((first_block, len(checksums), str(exc)))
+            raise
+        calls.append((first_block, len(checksums), ""))
+        return out
+
+    agent.dataplane.reservations.verify = verify
+    return calls
+
+
 @needs_engine
 def test_engine_handoff_is_byte_exact_and_indexed(controlplane, make_agent):
     a = make_agent("pre", models=[BIG], cpu_capacity_bytes=40 << 20)
@@ -61,13 +80,11 @@ def test_engine_batches_verified_as_they_land_or_all_at_the_commit(controlplane,
     b = make_agent("dec", models=[BIG], cpu_capacity_bytes=24 << 20, shm_handoff=False)
     tokens, kv, hashes = prompt(BIG, 20, seed=71)
     a.engine.store(BIG.model_id, tokens, kv)
-    checked = []
-    real = b.dataplane.reservations.verify
-    b.dataplane.reservations.verify = lambda *x: (checked.append(len(x[2])), real(*x))[1]
+    verifies = watch_verifies(b)
     r = a.dataplane.handoff(BIG.model_id, hashes, "dec", 20, paths=("engine",))
     assert (r.outcome, r.path, r.num_sent_blocks) == ("transferred", "engine", 20), r
     assert torch.equal(b.engine.load(BIG.model_id, tokens).kv, kv)
-    assert checked == ([4] * 4 if verify_while_sending else [])  # the fifth batch: with the Commit
+    assert [n for _, n, _ in verifies] == ([4] * 4 if verify_while_sending else [])  # the fifth: with the Commit
 
 
 def test_grpc_fallback_when_the_destination_has_no_engine(controlplane, make_agent):
@@ -120,30 +137,19 @@ def test_a_large_shm_handoff_is_verified_in_groups_while_it_copies(controlplane,
     b = make_agent("dec", models=[BIG], cpu_capacity_bytes=40 << 20)
     tokens, kv, hashes = prompt(BIG, 12, seed=23)
     a.engine.store(BIG.model_id, tokens, kv)
-    checked = []
-    real = b.dataplane.reservations.verify
-    b.dataplane.reservations.verify = lambda *x: (checked.append(len(x[2])), real(*x))[1]
+    verifies = watch_verifies(b)
     r = a.dataplane.handoff(BIG.model_id, hashes, "dec", 20, paths=("shm",))
     assert (r.outcome, r.path, r.num_sent_blocks) == ("transferred", "shm", 12), r
     assert torch.equal(b.engine.load(BIG.model_id, tokens).kv, kv)
-    assert sorted(checked) == [2] * 5  # the sixth group: with the Commit
+    assert sorted(n for _, n, _ in verifies) == [2] * 5  # the sixth group: with the Commit
     tokens2, kv2, hashes2 = prompt(BIG, 12, seed=24)
     a.engine.store(BIG.model_id, tokens2, kv2)
     a.pool.blocks[hashes2[1]].checksum ^= 1  # as if block 1 arrived damaged
-    refused = []
-
-    def verify(*x):
-        try:
-            return real(*x)
-        except Exception as exc:
-            refused.append((x[1], str(exc)))
-            raise
-
-    b.dataplane.reservations.verify = verify
+    verifies.clear()
     r = a.dataplane.handoff(BIG.model_id, hashes2, "dec", 20, paths=("shm",))
     assert r.outcome == "recompute" and "checksum mismatch on block 1" in r.reason, r
     # the first group's verify found it (each of the two attempts), not the last Commit
-    assert [first for first, why in refused if "checksum mismatch on block 1" in why] == [0, 0], refused
+    assert [first for first, _, why in verifies if "checksum mismatch on block 1" in why] == [0, 0], verifies
     assert b.pool.num_leading(hashes2) == 0
     wait_for(lambda: b.dataplane.reservations.open_count() == 0, 10, what="reservations closed")
 

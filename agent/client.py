@@ -41,9 +41,10 @@ _OUTCOMES = {1: "transferred", 2: "present", 3: "recompute"}
 
 
 class EngineClient:
-    def __init__(self, address: str, timeout_seconds: float = 10.0, tls: TLSConfig | None = None):
+    def __init__(self, address: str, timeout_seconds: float = 10.0, tls: TLSConfig | None = None, token: str = ""):
         """`tls`: the CA of an agent that serves TLS (`kvcp-agent --tls-cert`), and this
-        engine's certificate where the agent wants one."""
+        engine's certificate where the agent wants one. `token`: the agent's engine token
+        (`kvcp-agent --engine-token-file`), where it has one."""
         self.address = address
         self.timeout_seconds = timeout_seconds
         self._channel = security.channel(
@@ -53,6 +54,7 @@ class EngineClient:
                 ("grpc.max_receive_message_length", ENGINE_MESSAGE_BYTES),
                 ("grpc.max_send_message_length", ENGINE_MESSAGE_BYTES),
             ],
+            token=token,
         )
         self._stub = agent_pb2_grpc.EngineServiceStub(self._channel)
         self._dataplane = agent_pb2_grpc.DataPlaneStub(self._channel)

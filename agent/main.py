@@ -147,6 +147,11 @@ def _metrics_listen(ctx, param, value: str) -> str:
     help="Prometheus /metrics address (port 0: any free port; empty: none); a taken port falls back to a free one.",
 )
 @click.option("--token-file", default="", help="Agent token for the control plane (else env KVCP_AGENT_TOKEN).")
+@click.option(
+    "--engine-token-file",
+    default="",
+    help="Token the inference engine must present on this agent's engine API (else env KVCP_ENGINE_TOKEN; none: open).",
+)
 @click.option("--tls-ca", default="", help="CA of the control plane's certificate: TLS to it.")
 @click.option("--tls-cert", default="", help="This agent's certificate: TLS on its listener, mTLS to the CP.")
 @click.option("--tls-key", default="", help="This agent's private key.")
@@ -218,6 +223,7 @@ def main(
     disk_codec,
     lease_ttl_seconds,
     token_file,
+    engine_token_file,
     tls_ca,
     tls_cert,
     tls_key,
@@ -247,6 +253,7 @@ def main(
     torch.set_num_threads(torch_threads)
     try:
         token = read_secret(token_file, "KVCP_AGENT_TOKEN")
+        engine_token = read_secret(engine_token_file, "KVCP_ENGINE_TOKEN")
         etcd_password = read_secret(etcd_password_file, "KVCP_ETCD_PASSWORD")
     except ValueError as exc:
         click.echo(f"kvcp-agent: {exc}", err=True)
@@ -267,6 +274,7 @@ def main(
     tls = TLSConfig(tls_cert, tls_key, tls_ca) if (tls_ca or tls_cert) else None
     config = AgentConfig(
         controlplane_token=token,
+        engine_token=engine_token,
         tls=tls,
         tls_client_ca=tls_client_ca,
         agent_id=agent_id,

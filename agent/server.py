@@ -63,6 +63,7 @@ class AgentConfig:
     disk_fsync: bool = False
     tier_codecs: dict[Tier, str] = field(default_factory=dict)  # codec applied on entering a tier
     controlplane_token: str = ""  # presented to the control plane (its --agent-token-file)
+    engine_token: str = ""  # asked of the engine's calls (EngineService, Handoff); "" leaves them open
     tls: TLSConfig | None = None  # cert/key: TLS on the engine listener and mTLS to the CP; ca: verify the CP
     tls_client_ca: str = ""  # with tls: the listener requires client certificates signed by it (mTLS)
     page_bytes: int = 0  # memory-tier page; 0: 1/16 of the smallest block, at least 1 KiB
@@ -210,8 +211,10 @@ class Agent:
 
     def start(self) -> Agent:
         # peers' DataPlane calls (handoffs into this agent's memory) must carry the agent
-        # token when there is one; the engine's calls come from its own host (--listen)
-        auth = TokenAuthInterceptor(None, self.config.controlplane_token, agent_services=PEER_METHODS)
+        # token when there is one; the engine's calls the engine token when there is one
+        auth = TokenAuthInterceptor(
+            None, self.config.controlplane_token, agent_services=PEER_METHODS, engine_token=self.config.engine_token
+        )
         self.server = grpc.server(
             futures.ThreadPoolExecutor(max_workers=16, thread_name_prefix="agent-rpc"),
             interceptors=[auth, ErrorMappingInterceptor(), self.metrics.rpc],

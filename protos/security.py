@@ -3,7 +3,9 @@
 - Bearer tokens on the admin API, two roles: `viewer` (read calls) and `operator`
   (everything). A tokens file has one `ROLE TOKEN` per line (`#` comments). No token:
   UNAUTHENTICATED; a viewer changing state: PERMISSION_DENIED.
-- Agents authenticate to the control plane with a shared agent token.
+- Agents authenticate to the control plane with a shared agent token (and to each other,
+  on the calls that write into a peer's memory); an engine to its agent with the engine
+  token, where the agent has one.
 - TLS on listeners (server certificate and key; with a client CA, clients must present a
   certificate: mTLS) and on channels (the CA that signed the server).
 Tokens are compared in constant time and never logged or exported as metrics.
@@ -24,6 +26,9 @@ AGENT_SERVICE = "/kvcp.v1.AgentService/"
 # agent to agent: the calls that write into the receiver's memory take the agent token
 # (Handoff, an engine asking its agent to send a prefix, is the engine's: not these)
 PEER_METHODS = tuple(f"/kvcp.v1.DataPlane/{m}" for m in ("Reserve", "Push", "Commit", "Abort"))
+# engine to its agent: store, load, lookup, and asking the agent to hand a prefix off;
+# they take the engine token where the agent has one (kvcp-agent --engine-token-file)
+ENGINE_METHODS = ("/kvcp.v1.EngineService/", "/kvcp.v1.DataPlane/Handoff")
 READ_METHODS = frozenset(
     ADMIN_SERVICE + m
     for m in (
@@ -115,12 +120,15 @@ class TokenAuthInterceptor(grpc.ServerInterceptor):
         admin_tokens: dict[str, str] | None = None,
         agent_token: str = "",
         agent_services: tuple[str, ...] = (AGENT_SERVICE,),
+        engine_token: str = "",
     ):
         """`agent_services`: the services that take the agent token (the control plane's
-        AgentService; on an agent, its DataPlane, which peers call)."""
+        AgentService; on an agent, its DataPlane, which peers call). `engine_token`: on an
+        agent, asked of ENGINE_METHODS ('' leaves them open)."""
         self.admin_tokens = admin_tokens
         self.agent_token = agent_token
         self.agent_services = agent_services
+        self.engine_token = engine_token
         self.denied_total = 0
 
     def check(self, method: str, token: str) -> tuple[grpc.StatusCode, str] | None:
@@ -139,6 +147,11 @@ class TokenAuthInterceptor(grpc.ServerInterceptor):
         elif self.agent_token and method.startswith(self.agent_services):
             if not token or not _same_secret(token, self.agent_token):
                 return grpc.StatusCode.UNAUTHENTICATED, "agents must present the agent token (kvcp-agent --token-file)"
+        elif self.engine_token and method.startswith(ENGINE_METHODS):
+            if not token or not _same_secret(token, self.engine_token):
+                return grpc.StatusCode.UNAUTHENTICATED, (
+                    "engines must present the agent's engine token (EngineClient(token=...); kvcp-agent --engine-token-file)"
+                )
         return None
 
     def intercept_service(self, continuation, handler_call_details):

@@ -328,3 +328,93 @@ def test_an_agent_that_requires_client_certificates(secure_cluster, etcd):
         assert back.outcome == "transferred", back.reason
     finally:
         guarded.stop()
+
+
+ENGINE = "engine-token-0123456789abcdef"
+
+
+def test_an_agent_with_an_engine_token_asks_it_of_engines_and_only_of_them(make_agent):
+    """`--engine-token-file`: store, load, lookup and Handoff without the engine token are
+    UNAUTHENTICATED and change nothing; with it they work; peers' DataPlane calls and
+    health checks are not asked for it (they are not the engine's)."""
+    import grpc
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    from agent.client import EngineClient
+    from protos.kvcp.v1 import agent_pb2, agent_pb2_grpc
+    from protos.security import channel
+
+    guarded = make_agent("guarded", engine_token=ENGINE, transfer_engine="none")
+    peer = make_agent("peer", transfer_engine="none")
+    toks = list(range(2 * M.block_size))
+    kv = torch.ones((2, *M.block_shape), dtype=torch.float16).view(torch.uint8).numpy().tobytes()
+    for token in ("", "not-the-engine-token-xxxx", AGENT):
+        stranger = EngineClient(guarded.address, timeout_seconds=10, token=token)
+        try:
+            for call, args in (
+                (stranger.store, (M.model_id, toks, kv)),
+                (stranger.lookup, (M.model_id, toks)),
+                (stranger.load, (M.model_id, toks)),
+                (stranger.handoff, (M.model_id, "peer", toks)),
+            ):
+                with pytest.raises(grpc.RpcError) as err:
+                    call(*args)
+                assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED
+                assert "engine token" in err.value.details()
+        finally:
+            stranger.close()
+    assert guarded.engine.lookup(M.model_id, toks) == 0  # nothing was stored
+    engine = EngineClient(guarded.address, timeout_seconds=10, token=ENGINE)
+    try:
+        assert engine.store(M.model_id, toks, kv) == (2, 0)
+        assert engine.lookup(M.model_id, toks) == 2 * M.block_size
+        assert engine.load(M.model_id, toks).num_cached_tokens == 2 * M.block_size
+        assert engine.handoff(M.model_id, "peer", token_ids=toks, deadline_seconds=10).outcome == "transferred"
+    finally:
+        engine.close()
+    assert peer.engine.lookup(M.model_id, toks) == 2 * M.block_size
+    # a peer's handoff into the guarded agent: the agent token's business (none here), not the engine's
+    more = list(range(7000, 7000 + M.block_size))
+    peer.engine.store(M.model_id, more, torch.zeros((1, *M.block_shape), dtype=torch.float16))
+    hashes = split_hashes(hash_prefix(M.model_id, more, M.block_size))
+    assert peer.dataplane.handoff(M.model_id, hashes, "guarded", 10.0).outcome == "transferred"
+    with channel(guarded.address) as ch:
+        agent_pb2_grpc.DataPlaneStub(ch).Abort(agent_pb2.AbortRequest(reservation_id="x"), timeout=10)
+        status = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(), timeout=10)
+        assert status.status == health_pb2.HealthCheckResponse.SERVING
+
+
+def test_kvcp_agent_takes_its_engine_token_from_a_file(tmp_path, etcd):
+    """The console script: --engine-token-file guards the engine API of a real kvcp-agent;
+    a file that cannot be read is a one-line error, exit 2."""
+    import grpc
+
+    from agent.client import EngineClient
+    from tests.helpers import free_port, script
+
+    out = subprocess.run(
+        [script("kvcp-agent"), "--agent-id", "x", "--etcd", etcd, "--engine-token-file", str(tmp_path / "missing")],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert out.returncode == 2, out
+    assert "cannot read token file" in out.stderr and "Traceback" not in out.stderr
+    (tmp_path / "engine.token").write_text(ENGINE + "\n")
+    port = free_port()
+    argv = [script("kvcp-agent"), "--agent-id", "tok", "--listen", f"127.0.0.1:{port}", "--etcd", etcd]
+    argv += ["--metrics-listen", "", "--transfer-engine", "none", "--engine-token-file", str(tmp_path / "engine.token")]
+    proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    toks = list(range(M.block_size))
+    try:
+        stranger = EngineClient(f"127.0.0.1:{port}", timeout_seconds=5)
+        engine = EngineClient(f"127.0.0.1:{port}", timeout_seconds=5, token=ENGINE)
+        wait_for(lambda: engine.lookup(M.model_id, toks) is not None, 60, what="the agent to serve")
+        with pytest.raises(grpc.RpcError) as err:
+            stranger.lookup(M.model_id, toks)
+        assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED
+        stranger.close()
+        engine.close()
+    finally:
+        proc.terminate()
+        proc.wait(30)

@@ -40,7 +40,16 @@ GPU_CODEC_SERIES = [(op, path) for op in ("encode", "decode") for path in ("batc
 # (metric, help, VllmEventStats attribute): an agent indexing a vLLM engine's KV events
 VLLM_EVENT_COUNTERS = (
     ("kvcp_vllm_event_batches_total", "vLLM KV event batches applied (live or replayed).", "batches_total"),
-    ("kvcp_vllm_event_malformed_total", "vLLM KV event messages or batches skipped as malformed.", "malformed_total"),
+    (
+        "kvcp_vllm_event_malformed_total",
+        "vLLM KV event messages or batches skipped as malformed (a batch: the engine's blocks forgotten).",
+        "malformed_total",
+    ),
+    (
+        "kvcp_vllm_event_unknown_total",
+        "vLLM KV events of a kind not known here, left out of their batch.",
+        "unknown_events_total",
+    ),
     ("kvcp_vllm_event_gaps_total", "Gaps in the vLLM event sequence (asked of the replay endpoint).", "gaps_total"),
     (
         "kvcp_vllm_event_unrecovered_gaps_total",

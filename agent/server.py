@@ -131,9 +131,17 @@ class Agent:
         self.vllm_events: VllmEventSubscriber | None = None
         if config.vllm_kv_events:
             model_id = config.vllm_model_id or config.models[0].model_id
-            if model_id not in {m.model_id for m in config.models}:
+            specs = {m.model_id: m for m in config.models}
+            if model_id not in specs:
                 raise ValueError(f"--vllm-model-id {model_id!r} is not one of this agent's models (--model)")
-            self.link.external = ExternalBlocks(self.pool, model_id)
+            if len(specs) > 1:
+                # vLLM's block hashes do not name the model: a lookup of another model this
+                # agent serves would match the engine's blocks
+                raise ValueError(
+                    f"an agent indexing a vLLM engine's KV events serves that engine's one model "
+                    f"({model_id!r}), not {len(specs)} (--model): vLLM's block hashes do not name the model"
+                )
+            self.link.external = ExternalBlocks(self.pool, model_id, specs[model_id].block_size)
             self.vllm_events = VllmEventSubscriber(
                 config.vllm_kv_events,
                 self.link.external,

@@ -11,9 +11,12 @@ back in order is applied, and if it cannot fill the gap (no replay endpoint, the
 buffer has moved on, a timeout) the agent forgets every block of this engine (nothing
 stale is claimed) and starts over from what follows: the counted equivalent of a resync,
 since vLLM has no snapshot to ask for. When the subscriber starts it asks for the whole
-replay buffer, so an engine that was already running is picked up. A seq that goes back
-to 0 is an engine restart: its cache is empty, and so is ours for it. A malformed
-message or batch is counted and skipped, never applied in part. The SUB socket's bounded
+replay buffer, so an engine that was already running is picked up; a replay that does
+not reach the live batch is such a gap too. A seq that goes back to 0 is an engine
+restart: its cache is empty, and so is ours for it. A malformed message is counted and
+skipped (its seq, if it had one, shows as a gap); a batch that does not decode is never
+applied in part, and since the removals in it are unknown the engine's blocks are
+forgotten (as for a gap). Events of a kind not known here are counted and left out. The SUB socket's bounded
 queue (rcvhwm) is the backpressure: a consumer that falls behind loses messages, sees the
 gap and recovers as above, with memory bounded.
 
@@ -34,7 +37,7 @@ from dataclasses import dataclass
 import zmq
 from zmq.utils.monitor import recv_monitor_message
 
-from agent.core.vllm_events import ExternalBlocks, MalformedBatch, decode_batch
+from agent.core.vllm_events import BlockSizeMismatch, ExternalBlocks, MalformedBatch, decode_batch
 
 log = logging.getLogger(__name__)
 
@@ -47,6 +50,7 @@ class VllmEventStats:
     blocks_stored_total: int = 0
     blocks_removed_total: int = 0
     malformed_total: int = 0
+    unknown_events_total: int = 0  # events of a kind not known here, left out of their batch
     gaps_total: int = 0
     replayed_batches_total: int = 0
     unrecovered_gaps_total: int = 0  # the blocks of the engine were dropped (a resync)
@@ -87,11 +91,18 @@ class VllmEventSubscriber:
         st.last_seq = seq
         try:
             batch = decode_batch(payload)
+            stored, removed = self.external.apply(batch)
         except MalformedBatch as exc:
             st.malformed_total += 1
-            log.warning("vLLM KV event batch %d skipped: %s", seq, exc)
+            # what it stored or removed is unknown: nothing of the engine's is claimed
+            dropped = self.external.clear()
+            (log.error if isinstance(exc, BlockSizeMismatch) else log.warning)(
+                "vLLM KV event batch %d not applied (%s); forgot the engine's %d blocks", seq, exc, dropped
+            )
             return
-        stored, removed = self.external.apply(batch)
+        if batch.unknown_events:
+            st.unknown_events_total += batch.unknown_events
+            log.info("vLLM KV event batch %d: %d event(s) of a kind not known here left out", seq, batch.unknown_events)
         st.batches_total += 1
         st.blocks_stored_total += stored
         st.blocks_removed_total += removed
@@ -117,7 +128,7 @@ class VllmEventSubscriber:
         if not self._started:
             self._started = True
             if seq > 0:
-                self._replay(0, seq, initial=True)  # the engine was running before we subscribed
+                self._replay_from_start(seq)  # the engine was running before we subscribed
         elif seq <= st.last_seq:
             # PUB/SUB never delivers a batch twice nor an older one (replayed batches do not
             # come through here): the sequence started over, so the engine restarted (its
@@ -127,7 +138,7 @@ class VllmEventSubscriber:
             self.external.clear()
             st.last_seq = -1
             if seq > 0:
-                self._replay(0, seq, initial=True)
+                self._replay_from_start(seq)
         elif seq > st.last_seq + 1:
             st.gaps_total += 1
             want = st.last_seq + 1
@@ -143,17 +154,32 @@ class VllmEventSubscriber:
                 )
         self._apply(seq, frames[2])
 
+    def _replay_from_start(self, until: int) -> None:
+        """The engine's history before live batch `until`, from wherever its replay buffer
+        starts. One that does not reach `until` (a timeout, a broken answer) left batches
+        out, removals perhaps: nothing of the engine's is claimed then."""
+        st = self.stats
+        if not self.replay_endpoint:
+            return  # nothing before `until` is known, so nothing of it is claimed
+        self._replay(0, until, initial=True)
+        if st.last_seq != until - 1:
+            st.unrecovered_gaps_total += 1
+            dropped = self.external.clear()
+            st.last_seq = -1
+            log.warning(
+                "vLLM KV events before %d were not all replayed; forgot the %d blocks read of them", until, dropped
+            )
+
     def _replay(self, start: int, until: int, initial: bool = False) -> None:
         """Ask for batches [start, until) and apply those that fill in order (`initial`:
-        from wherever the engine's buffer starts)."""
+        from wherever the engine's buffer starts). Each answer must come within
+        `replay_timeout_seconds` of the one before (a full buffer takes as long as it takes)."""
         if not self.replay_endpoint or self._dealer is None:
             return
         st = self.stats
         self._dealer.send_multipart([b"", start.to_bytes(8, "big")])
-        deadline = time.monotonic() + self.replay_timeout_seconds
         while True:
-            left = deadline - time.monotonic()
-            if left <= 0 or not self._dealer.poll(int(left * 1000)):
+            if not self._dealer.poll(int(self.replay_timeout_seconds * 1000)):
                 log.warning("vLLM replay from %d timed out", start)
                 self._reset_dealer()
                 return

@@ -10,7 +10,10 @@ ignored. Block hashes are ints or bytes and become 16-byte digests through
 `protos.block_hash.external_block_hash`.
 
 `decode_batch` validates a whole batch before anything is applied: a malformed one
-raises `MalformedBatch` and changes nothing. `ExternalBlocks` is the agent's inventory
+raises `MalformedBatch` and changes nothing. An event of a kind this agent does not know
+(a later vLLM's, a fork's) is counted and left out; the batch's known events apply. A
+BlockStored whose `block_size` is not the model's is refused (`BlockSizeMismatch`): the
+control plane counts a hit block as the model's block size in tokens. `ExternalBlocks` is the agent's inventory
 of blocks the engine holds and this agent does not (it has no bytes for them, so they
 stay out of the BlockPool): their events go into the pool's journal, in the same
 sequence space as the pool's own, and they are part of every inventory the agent sends.
@@ -35,11 +38,16 @@ class MalformedBatch(ValueError):
     """A payload that is not a vLLM KVEventBatch."""
 
 
+class BlockSizeMismatch(MalformedBatch):
+    """The engine's blocks hold another number of tokens than the model's block size."""
+
+
 @dataclass(frozen=True)
 class BlocksStored:
     block_hashes: list[bytes]  # 16-byte digests
     parent_hash: bytes  # ROOT_PARENT_HASH when none
     tier: Tier
+    block_size: int | None = None  # tokens per block, as the engine said (None: not said)
 
 
 @dataclass(frozen=True)
@@ -58,6 +66,7 @@ class DecodedBatch:
     ts: float
     events: list[BlocksStored | BlocksRemoved | AllCleared]
     data_parallel_rank: int | None
+    unknown_events: int = 0  # events of a kind not known here, left out
 
 
 _decoder = msgspec.msgpack.Decoder()
@@ -101,24 +110,27 @@ _STORED_FIELDS = ("block_hashes", "parent_block_hash", "token_ids", "block_size"
 _REMOVED_FIELDS = ("block_hashes", "medium")
 
 
-def _event(raw) -> BlocksStored | BlocksRemoved | AllCleared:
+def _event(raw) -> BlocksStored | BlocksRemoved | AllCleared | None:
+    """The event, or None for a well-formed event of a kind not known here."""
     tag = raw[0] if isinstance(raw, list | tuple) and raw else raw.get("type") if isinstance(raw, dict) else None
     if tag == "BlockStored":
-        _, (hashes, parent, _tokens, _block_size, _lora, medium) = _fields(raw, _STORED_FIELDS)
+        _, (hashes, parent, _tokens, block_size, _lora, medium) = _fields(raw, _STORED_FIELDS)
         parent_hash = ROOT_PARENT_HASH
         if parent is not None:
             try:
                 parent_hash = external_block_hash(parent)
             except ValueError as exc:
                 raise MalformedBatch(f"parent_block_hash: {exc}") from None
-        return BlocksStored(_hashes(hashes), parent_hash, _tier(medium))
+        if block_size is not None and (not isinstance(block_size, int) or isinstance(block_size, bool)):
+            raise MalformedBatch(f"block_size must be an int, not {type(block_size).__name__}")
+        return BlocksStored(_hashes(hashes), parent_hash, _tier(medium), block_size)
     if tag == "BlockRemoved":
         _, (hashes, medium) = _fields(raw, _REMOVED_FIELDS)
         return BlocksRemoved(_hashes(hashes), _tier(medium))
     if tag == "AllBlocksCleared":
         return AllCleared()
     _fields(raw, ())  # the shape error, if that is what it is
-    raise MalformedBatch(f"unknown event tag {tag!r}")
+    return None
 
 
 def decode_batch(payload: bytes) -> DecodedBatch:
@@ -142,7 +154,9 @@ def decode_batch(payload: bytes) -> DecodedBatch:
         raise MalformedBatch("batch events must be a list")
     if rank is not None and (not isinstance(rank, int) or isinstance(rank, bool)):
         raise MalformedBatch("data_parallel_rank must be an int")
-    return DecodedBatch(float(ts), [_event(e) for e in events], rank)
+    decoded = [_event(e) for e in events]
+    known = [e for e in decoded if e is not None]
+    return DecodedBatch(float(ts), known, rank, len(decoded) - len(known))
 
 
 class ExternalBlocks:
@@ -154,9 +168,11 @@ class ExternalBlocks:
     that lock (the pool's blocks plus `inventory_groups()`) and the events after it agree.
     """
 
-    def __init__(self, pool, model_id: str):
+    def __init__(self, pool, model_id: str, block_size: int = 0):
+        """`block_size`: the model's tokens per block (0: not checked)."""
         self._pool = pool
         self.model_id = model_id
+        self.block_size = block_size
         self._tiers: dict[bytes, int] = {}
         self._parents: dict[bytes, bytes] = {}
 
@@ -165,7 +181,14 @@ class ExternalBlocks:
         return Tier((mask & -mask).bit_length() - 1)
 
     def apply(self, batch: DecodedBatch) -> tuple[int, int]:
-        """Apply a decoded batch; returns (blocks stored, blocks removed)."""
+        """Apply a decoded batch; returns (blocks stored, blocks removed).
+        BlockSizeMismatch, with nothing applied, when a store names another block size."""
+        for ev in batch.events:
+            if isinstance(ev, BlocksStored) and self.block_size and ev.block_size not in (None, self.block_size):
+                raise BlockSizeMismatch(
+                    f"the engine's blocks hold {ev.block_size} tokens, model {self.model_id!r} {self.block_size}: "
+                    "its blocks are not indexed (give the agent the engine's block size in --model)"
+                )
         stored = removed = 0
         with self._pool.lock:
             journal = self._pool.journal

@@ -17,7 +17,15 @@ from prometheus_client import generate_latest
 
 from agent.api.vllm_events import VllmEventSubscriber
 from agent.core.journal import REMOVED, STORED, EventJournal
-from agent.core.vllm_events import AllCleared, BlocksRemoved, BlocksStored, ExternalBlocks, MalformedBatch, decode_batch
+from agent.core.vllm_events import (
+    AllCleared,
+    BlockSizeMismatch,
+    BlocksRemoved,
+    BlocksStored,
+    ExternalBlocks,
+    MalformedBatch,
+    decode_batch,
+)
 from agent.server import DEMO_MODEL
 from cli.client import ControlPlaneClient
 from protos.block_hash import ROOT_PARENT_HASH, external_block_hash
@@ -53,13 +61,13 @@ def test_decode_array_like_and_map_batches():
     sha = hashlib.sha256(b"x").digest()
     d = decode_batch(msgspec.msgpack.encode(batch(stored([1, 2], medium="CPU"), BlockRemoved([sha], None))))
     assert d.data_parallel_rank == 0
-    assert d.events[0] == BlocksStored([external_block_hash(1), external_block_hash(2)], ROOT_PARENT_HASH, Tier.CPU)
+    assert d.events[0] == BlocksStored([external_block_hash(1), external_block_hash(2)], ROOT_PARENT_HASH, Tier.CPU, 16)
     assert d.events[1] == BlocksRemoved([sha[:16]], Tier.GPU)
     d = decode_batch(msgspec.msgpack.encode(batch(AllBlocksCleared())))
     assert d.events == [AllCleared()]
     m = MapBatch(1.0, [MapBlockStored([7], 6, [1] * 16, 16, None, "GPU", "lora-a")])
     d = decode_batch(msgspec.msgpack.encode(m))
-    assert d.events == [BlocksStored([external_block_hash(7)], external_block_hash(6), Tier.GPU)]
+    assert d.events == [BlocksStored([external_block_hash(7)], external_block_hash(6), Tier.GPU, 16)]
     assert d.data_parallel_rank is None
 
 
@@ -70,7 +78,7 @@ def test_decode_array_like_and_map_batches():
         msgspec.msgpack.encode("a string"),
         msgspec.msgpack.encode([1.0]),
         msgspec.msgpack.encode([1.0, "not a list"]),
-        msgspec.msgpack.encode([1.0, [["NoSuchEvent", [1]]]]),
+        msgspec.msgpack.encode([1.0, [["BlockStored", [1], None, [], "16", None, "GPU"]]]),
         msgspec.msgpack.encode([1.0, [["BlockStored", [1.5], None, [], 16, None, "GPU"]]]),
         msgspec.msgpack.encode([1.0, [["BlockStored", "nope", None, [], 16, None, "GPU"]]]),
         msgspec.msgpack.encode([1.0, [["BlockRemoved", [1], 7]]]),
@@ -82,6 +90,92 @@ def test_decode_array_like_and_map_batches():
 def test_malformed_batches_raise(payload):
     with pytest.raises(MalformedBatch):
         decode_batch(payload)
+
+
+def test_events_of_an_unknown_kind_are_left_out_and_the_rest_applies():
+    """A later vLLM's or a fork's event kind (ATOM's BlockTransferred) must not cost the
+    batch's removals: it is counted and the known events apply."""
+    raw = msgspec.msgpack.encode([1.0, [["BlockRemoved", [31, 32], "GPU"], ["BlockTransferred", [31], "x"]]])
+    d = decode_batch(raw)
+    assert d.events == [BlocksRemoved([external_block_hash(31), external_block_hash(32)], Tier.GPU)]
+    assert d.unknown_events == 1
+    ext = ExternalBlocks(_Pool(), "m")
+    sub = VllmEventSubscriber("tcp://127.0.0.1:1", ext)
+    sub.handle(_message(0, [31, 32]))
+    sub.handle([b"", (1).to_bytes(8, "big"), raw])
+    assert _claimed(ext) == set() and sub.stats.unknown_events_total == 1 and sub.stats.malformed_total == 0
+
+
+def test_a_batch_that_does_not_decode_forgets_the_engine_and_a_wrong_block_size_is_refused():
+    """What a broken batch stored or removed is unknown: nothing of the engine's stays
+    claimed. A store of blocks of another size than the model's is refused whole (the
+    control plane counts hit tokens in the model's block size)."""
+    ext = ExternalBlocks(_Pool(), "m", block_size=16)
+    sub = VllmEventSubscriber("tcp://127.0.0.1:1", ext)
+    sub.handle(_message(0, [1, 2]))
+    assert _claimed(ext) == {external_block_hash(1), external_block_hash(2)}
+    sub.handle([b"", (1).to_bytes(8, "big"), msgspec.msgpack.encode([1.0, [["BlockRemoved", [1], 7]]])])
+    assert _claimed(ext) == set() and sub.stats.malformed_total == 1
+    sub.handle(_message(2, [5]))
+    eight = msgspec.msgpack.encode(batch(BlockStored([6, 7], 5, list(range(16)), 8, None, "GPU")))
+    sub.handle([b"", (3).to_bytes(8, "big"), eight])
+    assert _claimed(ext) == set() and sub.stats.malformed_total == 2
+    with pytest.raises(BlockSizeMismatch):
+        ext.apply(decode_batch(eight))
+    assert ExternalBlocks(_Pool(), "m", block_size=8).apply(decode_batch(eight)) == (2, 0)
+
+
+class _Replayer:
+    """A replay endpoint (vLLM's ROUTER) answering from `batches`, `delay` seconds per answer."""
+
+    def __init__(self, batches: list[bytes], delay: float):
+        self.sock = zmq.Context.instance().socket(zmq.ROUTER)
+        port = self.sock.bind_to_random_port("tcp://127.0.0.1")
+        self.endpoint = f"tcp://127.0.0.1:{port}"
+        self.batches, self.delay = batches, delay
+        self.thread = threading.Thread(target=self._serve, daemon=True)
+        self.thread.start()
+
+    def _serve(self):
+        try:
+            ident, _, start = self.sock.recv_multipart()
+        except zmq.ZMQError:
+            return
+        for seq in range(int.from_bytes(start, "big"), len(self.batches)):
+            time.sleep(self.delay)
+            self.sock.send_multipart([ident, b"", seq.to_bytes(8, "big", signed=True), self.batches[seq]])
+        self.sock.send_multipart([ident, b"", (-1).to_bytes(8, "big", signed=True), b""])
+
+    def close(self):
+        self.thread.join(10)
+        self.sock.close(linger=0)
+
+
+@pytest.mark.parametrize("delay", [0.02, 0.5])
+def test_a_late_start_whose_replay_does_not_reach_the_live_batch_claims_nothing_stale(delay):
+    """Started against a running engine: its history comes from the replay buffer. When
+    that answer stops short of the live batch (here: each answer 0.5 s late against a
+    0.2 s timeout), the batches it left out (a removal of 1..5) are unknown, so nothing
+    read of the history stays claimed. A slow but steady replay (each answer within the
+    timeout, the whole longer than it) is read to the end."""
+    history = [msgspec.msgpack.encode(batch(stored([1, 2, 3, 4, 5])))]
+    history += [msgspec.msgpack.encode(batch(stored([10 + i]))) for i in range(8)]
+    history.append(msgspec.msgpack.encode(batch(BlockRemoved([1, 2, 3, 4, 5], "GPU"))))
+    replayer = _Replayer(history, delay)
+    ext = ExternalBlocks(_Pool(), "m")
+    sub = VllmEventSubscriber("tcp://127.0.0.1:1", ext, replay_endpoint=replayer.endpoint, replay_timeout_seconds=0.2)
+    sub._reset_dealer()
+    try:
+        sub.handle(_message(len(history), [99]))
+        if delay < 0.2:
+            assert _claimed(ext) == {external_block_hash(h) for h in [10, 11, 12, 13, 14, 15, 16, 17, 99]}
+            assert sub.stats.unrecovered_gaps_total == 0 and sub.stats.replayed_batches_total == len(history)
+        else:
+            assert _claimed(ext) == {external_block_hash(99)}
+            assert sub.stats.unrecovered_gaps_total == 1
+    finally:
+        sub._dealer.close(linger=0)
+        replayer.close()
 
 
 class _Pool:
@@ -272,10 +366,12 @@ def test_malformed_messages_counted_and_skipped(controlplane, make_agent, publis
     publisher.pub.send_multipart([b"", b"short"])  # not [topic, seq, payload]
     publisher.pub.send_multipart([b"only one frame"])
     publisher.publish(batch(stored([2], parent=1)))
+    publisher.publish(batch(stored([1]), stored([2], parent=1)))
     with ControlPlaneClient(controlplane.address) as c:
+        # the batches that did not decode may have removed 1: it was forgotten, then stored again
         wait_for(lambda: lookup_hits(c, [1, 2]) == {"vllm-3": 2}, what="valid batch after bad ones")
     wait_for(lambda: sub.stats.malformed_total == 4, what="malformed counted")
-    assert sub.stats.batches_total == 2 and sub.stats.gaps_total == 0
+    assert sub.stats.batches_total == 3 and sub.stats.gaps_total == 0
 
 
 def test_subscriber_picks_up_history_when_started_late(controlplane, make_agent, publisher):
@@ -362,3 +458,14 @@ def test_an_engine_gone_past_the_grace_is_forgotten_and_read_again_when_back(con
     scraped = generate_latest(agent.registry).decode()
     assert 'kvcp_vllm_engine_lost_total{agent_id="vllm-6"} 1.0' in scraped
     assert 'kvcp_vllm_event_batches_total{agent_id="vllm-6"}' in scraped
+
+
+def test_an_agent_indexing_a_vllm_engine_serves_its_one_model(etcd):
+    """vLLM's block hashes do not name the model: on an agent that also served another
+    model, a lookup of that model by the same hashes would find the engine's blocks."""
+    from agent.core.model_spec import ModelSpec
+    from agent.server import Agent, AgentConfig
+
+    other = ModelSpec("other-model", block_size=16, num_layers=2, num_kv_heads=2, head_dim=32, dtype="float16")
+    with pytest.raises(ValueError, match="serves that engine's one model"):
+        Agent(AgentConfig("two-models", etcd=etcd, models=[M, other], vllm_kv_events="tcp://127.0.0.1:1"))

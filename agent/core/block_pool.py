@@ -19,6 +19,7 @@ free), and only the last tier drops blocks.
 
 from __future__ import annotations
 
+import collections
 import copy
 import heapq
 import logging
@@ -789,23 +790,33 @@ class BlockPool:
 
     def drop(self, block_hash: bytes) -> bool:
         """Remove one unpinned block and, first, every held descendant of it; refused
-        when it or a descendant is pinned (the descendant could not outlive it)."""
+        when it or a descendant is pinned (the descendant could not outlive it). Each
+        block removed counts as a commanded eviction from its own tier."""
         with self.lock:
             meta = self.blocks.get(block_hash)
-            if meta is None or self._pinned_subtree(meta):
+            if meta is None or any(self.pin_tier(m) for m in self._subtree(meta)):
                 return False
-            tier = meta.tier
-            if not self._drop_subtree(block_hash):
+            removed: list[BlockMeta] = []
+            if not self._drop_subtree(block_hash, removed):
                 return False
-            self.commanded_evictions_total[tier] += 1
+            for m in removed:
+                self.commanded_evictions_total[m.tier] += 1
             return True
 
-    def _pinned_subtree(self, meta: BlockMeta) -> bool:
-        if self.pin_tier(meta):
-            return True
+    def _subtree(self, meta: BlockMeta) -> list[BlockMeta]:
+        """`meta` and every held descendant, parents before children (no recursion: a
+        chain may be a long prompt's thousands of blocks). One pass over the pool finds
+        the children, only for a block that has some."""
         if not meta.num_children:
-            return False
-        return any(self._pinned_subtree(m) for m in list(self.blocks.values()) if m.parent_hash == meta.block_hash)
+            return [meta]
+        children: dict[bytes, list[BlockMeta]] = collections.defaultdict(list)
+        for m in self.blocks.values():
+            children[m.parent_hash].append(m)
+        out = [meta]
+        for m in out:  # grows as it goes: breadth first
+            if m.num_children:
+                out.extend(children.get(m.block_hash, ()))
+        return out
 
     def move_block(
         self,
@@ -1170,7 +1181,12 @@ class BlockPool:
         done = sorted(zip(batch, errs, strict=True), key=lambda j: _first_page(j[0][3]), reverse=True)
         with self.lock:
             for (k, meta, src, old, new), err in done:
-                if err is None and meta.ref_count == 0:
+                refused = self._pinned_meanwhile(meta, dst) if err is None else None
+                if refused is not None:
+                    meta.moving = False
+                    dst.free(new)
+                    out[k] = refused
+                elif err is None and meta.ref_count == 0:
                     try:
                         self._finish_move(meta, src, old, dst, new, held=held)
                     finally:  # switched, even if what followed raised: its new space is its own
@@ -1595,6 +1611,14 @@ class BlockPool:
             return MoveOutcome(False, reason=f"pinned at tier {Tier(pinned).label}", pinned_tier=pinned)
         return None
 
+    def _pinned_meanwhile(self, meta: BlockMeta, dst: TierStore) -> MoveOutcome | None:
+        """A move whose block was pinned above its destination while its bytes were on
+        the way (lock held): refused at the switch, the block staying where it is."""
+        pinned = self.pin_tier(meta)
+        if pinned and int(dst.tier) > pinned and dst.tier != meta.tier:
+            return MoveOutcome(False, reason=f"pinned at tier {Tier(pinned).label} while it moved", pinned_tier=pinned)
+        return None
+
     def _abandon(self, jobs: list, dst: TierStore) -> None:
         """Undo the moves of a batch that failed as a whole (lock held): the blocks stay
         where they are, movable again, and their new space is given back."""
@@ -1643,6 +1667,11 @@ class BlockPool:
         deadline = time.monotonic() + wait_seconds
         while True:
             with self.lock:
+                refused = self._pinned_meanwhile(meta, dst)
+                if refused is not None:
+                    meta.moving = False
+                    dst.free(new)
+                    return refused
                 if meta.ref_count == 0:
                     self._finish_move(meta, src, old, dst, new, stored, held)
                     return MoveOutcome(True, meta.stored_bytes)
@@ -2022,23 +2051,26 @@ class BlockPool:
         self.moved_bytes_total[key] = self.moved_bytes_total.get(key, 0) + nbytes
         return True
 
-    def _drop_subtree(self, block_hash: bytes) -> bool:
+    def _drop_subtree(self, block_hash: bytes, removed: list[BlockMeta] | None = None) -> bool:
+        """Remove a block and every held descendant, children first; all or nothing:
+        False, with nothing removed, while any of them is being read or moved.
+        `removed` collects what went."""
         meta = self.blocks.get(block_hash)
         if meta is None:
             return True
-        if meta.ref_count or meta.moving:
+        subtree = self._subtree(meta)
+        if any(m.ref_count or m.moving for m in subtree):
             return False
-        if meta.num_children:
-            for child in [m for m in self.blocks.values() if m.parent_hash == block_hash]:
-                if not self._drop_subtree(child.block_hash):
-                    return False
-        del self.blocks[block_hash]
-        self._corrupt.discard(block_hash)
-        self._account(meta, -1)
-        self.store_of[meta.tier].free(meta.handle)
-        parent = self.blocks.get(meta.parent_hash)
-        if parent is not None:
-            parent.num_children -= 1
-        if meta.ready:
-            self.journal.record(REMOVED, meta.model_id, meta.tier, meta.block_hash, meta.parent_hash)
+        for m in reversed(subtree):
+            del self.blocks[m.block_hash]
+            self._corrupt.discard(m.block_hash)
+            self._account(m, -1)
+            self.store_of[m.tier].free(m.handle)
+            parent = self.blocks.get(m.parent_hash)
+            if parent is not None:
+                parent.num_children -= 1
+            if m.ready:
+                self.journal.record(REMOVED, m.model_id, m.tier, m.block_hash, m.parent_hash)
+            if removed is not None:
+                removed.append(m)
         return True

@@ -257,6 +257,8 @@ class DataPlane:
         hashes = _split(request.block_hashes, "block_hashes")
         if not hashes:
             raise errors.InvalidArgument("block_hashes", "give at least one block")
+        for ns in {request.namespace, *request.namespaces} - {""}:
+            etcd_keys.check_namespace(ns, "namespaces")
         r = self.reservations.reserve(
             request.model_id,
             hashes,
@@ -456,6 +458,8 @@ class DataPlane:
             raise errors.NotFound(f"model_id: this agent serves no model {model_id!r}")
         if destination_agent_id == self.agent_id:
             raise errors.InvalidArgument("destination_agent_id", "is this agent; a handoff goes to another one")
+        if namespace:
+            etcd_keys.check_namespace(namespace, "namespace")
         for p in paths:
             if p not in PATHS:
                 raise errors.InvalidArgument("paths", f"unknown path {p!r}; expected {', '.join(PATHS)}")

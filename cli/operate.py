@@ -108,7 +108,7 @@ def print_op(ctx: Context, op: OperationView) -> None:
         verb = "would free" if op.dry_run else "freed"
         for t in op.freed:
             click.echo(f"  {verb} {t.num_blocks} blocks, {output.human_bytes(t.used_bytes)} in {t.tier}")
-    elif op.kind == "cleanup" and op.finished:
+    elif op.kind == "cleanup" and op.state == "SUCCEEDED":  # a failed or cancelled one did not look at all
         click.echo("  nothing matched" if not op.dry_run else "  would free nothing")
 
 

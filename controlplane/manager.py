@@ -26,13 +26,14 @@ from controlplane.core import policy as tier_policy
 from controlplane.core.access_stats import AccessStats
 from controlplane.core.clock import SteadyWallClock
 from controlplane.core.cluster import AgentCommand, Cluster, ModelInfo
-from controlplane.core.pins import Pin, check_namespace, check_quota, new_pin, same_request
+from controlplane.core.pins import Pin, check_quota, new_pin, same_request
 from controlplane.core.tuning import CreditTuner
 from controlplane.metrics import PolicyStats
 from controlplane.store.durable import DurableStore, op_to_json, pin_from_json, pin_key, pin_to_json
 from controlplane.store.locks import EtcdLock
 from protos import errors, etcd_keys
 from protos.block_hash import BLOCK_HASH_BYTES, hash_prefix
+from protos.etcd_keys import check_namespace
 from protos.tier import Tier
 from protos.units import parse_size
 

@@ -21,6 +21,7 @@ from agent.core.model_spec import TORCH_DTYPES, ModelSpec
 from agent.core.mover import Mover
 from protos import errors
 from protos.block_hash import hash_prefix, split_hashes
+from protos.etcd_keys import check_namespace
 from protos.tier import Tier
 
 
@@ -98,6 +99,8 @@ class KVEngineAPI:
         namespace: str = "",
     ) -> StoreResult:
         """Cache the full blocks of `token_ids`; `kv` holds blocks [first_block, n)."""
+        if namespace:
+            check_namespace(namespace, "namespace")  # it goes into each block's record on disk
         model = self.model(model_id)
         hashes = self.hashes(model, token_ids, extra_keys)
         n_given = len(hashes) - first_block

@@ -23,6 +23,9 @@ if hasattr(torch, "float8_e4m3fn"):
     TORCH_DTYPES["float8_e4m3fn"] = torch.float8_e4m3fn
 
 
+MAX_MODEL_ID_BYTES = 256
+
+
 @dataclass(frozen=True)
 class ModelSpec:
     model_id: str
@@ -35,6 +38,9 @@ class ModelSpec:
     def __post_init__(self) -> None:
         if not self.model_id:
             raise ValueError("model_id must not be empty")
+        if len(self.model_id.encode()) > MAX_MODEL_ID_BYTES:
+            # with a namespace (63) and the layout it must fit a disk block's header
+            raise ValueError(f"model_id is {len(self.model_id.encode())} bytes; at most {MAX_MODEL_ID_BYTES}")
         for name in ("block_size", "num_layers", "num_kv_heads", "head_dim"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive")

@@ -13,21 +13,13 @@ import uuid
 from dataclasses import dataclass
 
 from protos import errors
+from protos.etcd_keys import check_namespace
 from protos.tier import Tier
 
-DEFAULT_NAMESPACE = "default"
-_NAMESPACE_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,62}$")
 _PIN_ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
 MAX_PIN_BLOCKS = 1 << 16
 MAX_TTL_SECONDS = 365 * 24 * 3600.0
 MAX_OWNER_CHARS = 256
-
-
-def check_namespace(namespace: str, field: str = "scope.namespace") -> str:
-    ns = namespace or DEFAULT_NAMESPACE
-    if not _NAMESPACE_RE.match(ns):
-        raise errors.InvalidArgument(field, f"{namespace!r} is not a namespace (letters, digits, . _ -; at most 63)")
-    return ns
 
 
 @dataclass(frozen=True)

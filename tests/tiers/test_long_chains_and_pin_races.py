@@ -122,3 +122,32 @@ def test_a_pin_arriving_while_its_blocks_go_down_keeps_them_up(tmp_path, monkeyp
         check_invariants(agent.pool)
     finally:
         agent.disk.close()
+
+
+def test_a_namespace_that_could_not_reach_the_disk_is_refused_at_store_and_the_longest_names_fit(tmp_path):
+    """A namespace is written into each block's record on disk: one the control plane
+    would refuse (64+ characters, a '/') is INVALID_ARGUMENT at the engine's store, with
+    nothing stored, instead of blocks dropped at their first demotion. The longest model
+    id and namespace allowed fit a disk block's header."""
+    from agent.core.engine_api import KVEngineAPI
+    from agent.core.model_spec import MAX_MODEL_ID_BYTES, ModelSpec
+    from protos import errors
+
+    pool = make_pool(tmp_path / "a", cpu_blocks=2)
+    e = make_engine(pool)
+    for bad in ("t" * 64, "a/b", "-lead"):
+        with pytest.raises(errors.InvalidArgument, match="namespace"):
+            e.store(SPEC.model_id, tokens(2), kv(2), namespace=bad)
+    assert not pool.blocks
+    with pytest.raises(ValueError, match="model_id"):
+        ModelSpec("m" * (MAX_MODEL_ID_BYTES + 1), 4, 2, 2, 8)
+    big = ModelSpec("m" * MAX_MODEL_ID_BYTES, block_size=4, num_layers=2, num_kv_heads=2, head_dim=8)
+    cpu = MemoryTier(Tier.CPU, 2 * BLOCK_BYTES, BLOCK_BYTES, device="cpu")
+    pool = BlockPool([cpu, DiskTier(tmp_path / "b", 1 << 20)], [big])
+    e = KVEngineAPI(pool, [big])
+    ns = "n" * 63
+    e.store(big.model_id, tokens(2), kv(2, spec=big), namespace=ns)
+    e.store(big.model_id, tokens(2, start=500), kv(2, seed=1, spec=big))  # pushes the first two to disk
+    hs = e.hashes(big, tokens(2))
+    assert [pool.tier_of(h) for h in hs] == [Tier.DISK, Tier.DISK]
+    assert e.load(big.model_id, tokens(2)).num_cached_tokens == 8

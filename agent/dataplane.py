@@ -65,6 +65,7 @@ from agent.store.shm import PeerSlab, host_id
 from agent.store.transfer_engine import TransferBackend, TransferFailed, TransferTimedOut
 from protos import errors, etcd_keys, security
 from protos.kvcp.v1 import agent_pb2, agent_pb2_grpc, types_pb2
+from protos.namespaces import check_namespace
 from protos.tier import Tier
 
 log = logging.getLogger(__name__)
@@ -258,7 +259,7 @@ class DataPlane:
         if not hashes:
             raise errors.InvalidArgument("block_hashes", "give at least one block")
         for ns in {request.namespace, *request.namespaces} - {""}:
-            etcd_keys.check_namespace(ns, "namespaces")
+            check_namespace(ns, "namespaces")
         r = self.reservations.reserve(
             request.model_id,
             hashes,
@@ -459,7 +460,7 @@ class DataPlane:
         if destination_agent_id == self.agent_id:
             raise errors.InvalidArgument("destination_agent_id", "is this agent; a handoff goes to another one")
         if namespace:
-            etcd_keys.check_namespace(namespace, "namespace")
+            check_namespace(namespace, "namespace")
         for p in paths:
             if p not in PATHS:
                 raise errors.InvalidArgument("paths", f"unknown path {p!r}; expected {', '.join(PATHS)}")

@@ -33,7 +33,7 @@ from controlplane.store.durable import DurableStore, op_to_json, pin_from_json, 
 from controlplane.store.locks import EtcdLock
 from protos import errors, etcd_keys
 from protos.block_hash import BLOCK_HASH_BYTES, hash_prefix
-from protos.etcd_keys import check_namespace
+from protos.namespaces import check_namespace
 from protos.tier import Tier
 from protos.units import parse_size
 

@@ -12,11 +12,8 @@ process connects. Everything durable lives here; the block index never does.
 
 from __future__ import annotations
 
-import re
 import time
 from dataclasses import dataclass
-
-from protos import errors
 
 ROOT = "/kvcp/v1/"
 AGENTS_PREFIX = ROOT + "agents/"
@@ -25,21 +22,6 @@ POLICY_KEY = ROOT + "config/policy"
 OPS_PREFIX = ROOT + "ops/"
 LEADER_KEY = ROOT + "election/leader"
 LOCKS_PREFIX = ROOT + "locks/"
-
-
-DEFAULT_NAMESPACE = "default"
-_NAMESPACE_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,62}$")
-
-
-def check_namespace(namespace: str, field: str = "scope.namespace") -> str:
-    """The namespace ('' is the default one), or InvalidArgument naming `field`: a
-    namespace is a key segment here and part of every block's record on an agent's disk."""
-    ns = namespace or DEFAULT_NAMESPACE
-    if not _NAMESPACE_RE.match(ns):
-        raise errors.InvalidArgument(
-            field, f"{namespace[:80]!r} is not a namespace (letters, digits, . _ -; at most 63)"
-        )
-    return ns
 
 
 def agent_key(agent_id: str) -> str:

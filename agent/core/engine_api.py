@@ -21,7 +21,7 @@ from agent.core.model_spec import TORCH_DTYPES, ModelSpec
 from agent.core.mover import Mover
 from protos import errors
 from protos.block_hash import hash_prefix, split_hashes
-from protos.etcd_keys import check_namespace
+from protos.namespaces import check_namespace
 from protos.tier import Tier
 
 

@@ -13,7 +13,7 @@ import uuid
 from dataclasses import dataclass
 
 from protos import errors
-from protos.etcd_keys import check_namespace
+from protos.namespaces import check_namespace
 from protos.tier import Tier
 
 _PIN_ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")

@@ -102,6 +102,7 @@ PEER_CACHE_SECONDS = 2.0  # a peer's etcd record is read again after this long
 PEER_REFRESH_WAIT_SECONDS = 1.0  # a retry waits at most this long (and half its time left) for the peer's record
 PEER_LAPSE_GRACE_SECONDS = 10.0  # a peer whose key vanished is still tried at its last address this long
 PEER_SLAB_IDLE_SECONDS = 60.0  # a peer's mapped slab unused this long is let go (it may be gone)
+TRANSFER_HEARTBEAT_SECONDS = 5.0  # a control-plane transfer says RUNNING this often while it runs
 SHM_REFUSED_SECONDS = 60.0  # a peer slab that could not be mapped is not tried again for this long
 SHM_VERIFY_GROUPS = 8  # verify groups of a large shm handoff (each group at most 4x shm_verify_group_bytes)
 SHM_SLICE_BYTES = 16 << 20  # copies between checks that the reservation is still open
@@ -349,13 +350,23 @@ class DataPlane:
         """A control-plane TRANSFER: hand off in the background, reporting the operation's
         progress through `reply(op_id, state, **OpUpdate fields)`."""
 
+        def beat(done: threading.Event) -> None:
+            # a handoff may rightly take longer than the control plane's silence timeout
+            # (a long deadline over a slow or limited link): say it is alive meanwhile
+            while not done.wait(TRANSFER_HEARTBEAT_SECONDS):
+                reply(op_id, "RUNNING", total=len(hashes))
+
         def run() -> None:
             reply(op_id, "RUNNING", total=len(hashes))
+            done = threading.Event()
+            threading.Thread(target=beat, args=(done,), name=f"transfer {op_id} beat", daemon=True).start()
             try:
                 r = self.handoff(model_id, hashes, peer_agent_id, deadline_seconds)
             except errors.KvcpError as exc:
                 reply(op_id, "FAILED", total=len(hashes), failed=len(hashes), error=str(exc))
                 return
+            finally:
+                done.set()
             if r.outcome == RECOMPUTE:
                 reply(op_id, "FAILED", total=len(hashes), failed=len(hashes), error=f"recompute: {r.reason}")
                 return

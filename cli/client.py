@@ -44,6 +44,8 @@ class ClientError(Exception):
 
 
 PIN_RETRIES = 3
+# answers to a poll that say "not now" rather than "no": a failover or an etcd blip
+WAIT_RETRY_CODES = frozenset({"UNAVAILABLE", "DEADLINE_EXCEEDED", "FAILED_PRECONDITION"})
 
 
 def _not_connected(exc: grpc.RpcError) -> bool:
@@ -796,19 +798,32 @@ class ControlPlaneClient:
     def cancel_operation(self, op_id: str) -> OperationView:
         return _op_view(self._change("CancelOperation", admin_pb2.CancelOperationRequest(op_id=op_id)))
 
-    def wait_operation(self, op_id: str, timeout_seconds: float = 300.0, on_progress=None) -> OperationView:
+    def wait_operation(
+        self, op_id: str, timeout_seconds: float = 300.0, on_progress=None, until_finished: bool = True
+    ) -> OperationView:
         """Poll an operation until it finishes or `timeout_seconds` pass; `on_progress(op)`
         is called on every poll. The last view comes back either way: a caller tells the
-        two apart by `op.finished`."""
-        import time
-
+        two apart by `op.finished`. A poll the control plane could not answer (a failover:
+        the leader gone or paused, a replica not leading yet, etcd away) is asked again,
+        of the next replica given, until the time is up (reading is always safe).
+        `until_finished=False`: the first answer, however the operation stands."""
         deadline = time.monotonic() + timeout_seconds
         while True:
-            op = self.get_operation(op_id)
+            asked = self.endpoint
+            try:
+                op = self.get_operation(op_id)
+            except ClientError as exc:
+                if exc.code not in WAIT_RETRY_CODES or time.monotonic() >= deadline:
+                    raise
+                if self.endpoint == asked:  # (a call that timed out has moved on already)
+                    i = self._endpoints.index(asked) if asked in self._endpoints else -1
+                    self.use_endpoint(self._endpoints[(i + 1) % len(self._endpoints)])
+                time.sleep(min(0.5, max(0.0, deadline - time.monotonic())))
+                continue
             if on_progress:
                 on_progress(op)
             left = deadline - time.monotonic()
-            if op.finished or left <= 0:
+            if op.finished or left <= 0 or not until_finished:
                 return op
             time.sleep(min(0.2, left))
 

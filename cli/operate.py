@@ -11,7 +11,7 @@ import time
 import click
 
 from cli import output
-from cli.client import OperationView, PinView
+from cli.client import ClientError, OperationView, PinView
 from cli.main import Context, fail, main, parse_hashes, pass_ctx, read_tokens
 from protos.tier import Tier
 
@@ -145,7 +145,19 @@ def wait_and_print(ctx: Context, op: OperationView, wait: bool, wait_timeout: st
                     f"\r[{'#' * filled}{'.' * (width - filled)}] {o.progress:4.0%} {o.state:<9}", nl=False, err=True
                 )
 
-        op = ctx.call(lambda c: c.wait_operation(op.op_id, timeout_seconds, on_progress=progress))
+        started = op
+
+        def wait(c):
+            try:
+                return c.wait_operation(started.op_id, timeout_seconds, on_progress=progress)
+            except ClientError as exc:  # the operation goes on: say which one it is
+                raise ClientError(
+                    exc.code,
+                    f"{exc} (while waiting for {started.kind} {started.op_id}, which goes on: "
+                    f"`kvctl op {started.op_id} --wait` waits again)",
+                ) from None
+
+        op = ctx.call(wait)
         if tty:
             click.echo("", err=True)
     print_op(ctx, op)
@@ -451,8 +463,12 @@ def ops(ctx: Context, limit):
 @pass_ctx
 def op(ctx: Context, op_id, wait, wait_timeout):
     """One operation (with --wait: until it finishes)."""
-    wait_timeout_seconds(wait_timeout)
-    wait_and_print(ctx, ctx.call(lambda c: c.get_operation(op_id)), wait, wait_timeout)
+    seconds = wait_timeout_seconds(wait_timeout)
+    if wait:  # patient from the first poll: a failover may be under way
+        first = ctx.call(lambda c: c.wait_operation(op_id, seconds, until_finished=False))
+    else:
+        first = ctx.call(lambda c: c.get_operation(op_id))
+    wait_and_print(ctx, first, wait, wait_timeout)
 
 
 @main.command()

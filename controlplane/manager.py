@@ -49,6 +49,10 @@ def block_bytes(m: ModelInfo) -> int:
     return m.num_layers * 2 * m.block_size * m.num_kv_heads * m.head_dim * DTYPE_BYTES.get(m.dtype, 2)
 
 
+# after taking over: how long operations wait (Unavailable) for agents etcd lists to be back
+AGENTS_BACK_GRACE_SECONDS = 15.0
+
+
 @dataclass(frozen=True)
 class Scope:
     """What an action is about: a prefix of one model, or a namespace; optionally one agent."""
@@ -131,6 +135,7 @@ class Manager:
         self.policy: dict[str, str] = {}
         self.policy_revision = 0
         self._loaded_epoch = 0  # the epoch whose state load() read from etcd; 0: none yet
+        self._loaded_monotonic = -math.inf  # when load() last ended: agents come back after it
         self._load_lock = threading.Lock()
         # op ids whose latest change etcd has not taken (an outage): retried every pass, and
         # load() keeps the in-memory op over the older stored one
@@ -260,6 +265,7 @@ class Manager:
                 op.updated_unix_seconds = now
             self._op_changed(op)
         self._loaded_epoch = epoch
+        self._loaded_monotonic = time.monotonic()
 
     def _valid_stored_policy(self, values: dict[str, str]) -> dict[str, str]:
         """The stored policy, less any key a newer rule no longer takes (said in the log):
@@ -310,8 +316,25 @@ class Manager:
             raise errors.InvalidArgument(f"{field}.namespace", "give a prefix (tokens or hashes) or a namespace")
         return b"", check_namespace(scope.namespace, f"{field}.namespace")
 
+    def _check_agents_back(self, agent_ids: tuple[str, ...] = ()) -> None:
+        """Right after this control plane began to lead, an agent that etcd lists may not
+        be back on its stream yet, and an operation sent to the agents it has would
+        succeed having done nothing where that agent holds the blocks: Unavailable (retry
+        shortly) for the first AGENTS_BACK_GRACE_SECONDS. `agent_ids`: only these matter."""
+        if time.monotonic() - self._loaded_monotonic >= AGENTS_BACK_GRACE_SECONDS:
+            return  # one still away now is away: the operation goes to the agents here
+        away = self.cluster.agents_not_synced()
+        if agent_ids:
+            away = away & frozenset(agent_ids)
+        if away:
+            raise errors.Unavailable(
+                f"agent(s) {', '.join(sorted(away))} registered in etcd are not back on this control plane yet "
+                "(it took over moments ago); try again in a few seconds"
+            )
+
     def _targets(self, scope: Scope, packed: bytes) -> dict[str, bytes]:
         """agent_id -> packed hashes to send (b"" for a namespace scope)."""
+        self._check_agents_back((scope.agent_id,) if scope.agent_id else ())
         agents = [r.agent_id for r, _ in self.cluster.agents()]
         if scope.agent_id:
             if scope.agent_id not in agents:
@@ -579,11 +602,11 @@ class Manager:
             now = self.clock()
             for part in op.parts.values():
                 part.updated_unix_seconds = now  # silence is counted from when commands go out
+            op.commands_sent = True  # from here a cancel waits for the agents' own answers
             for agent_id, cmd in commands.items():
                 if not self.cluster.send(agent_id, cmd):
                     ops.fail_part(op, agent_id, "agent has no open stream to the control plane")
-        if op.finished or op.state == ops.RUNNING:
-            self._op_changed(op)
+        self._op_changed(op)
 
     def move(self, scope: Scope, to_tier: Tier, codec: str = "") -> ops.Operation:
         self.ensure_loaded()
@@ -624,6 +647,7 @@ class Manager:
             raise errors.InvalidArgument("scope", "a transfer needs a prefix of a model (token_ids or block_hashes)")
         if not math.isfinite(deadline_seconds) or deadline_seconds < 0:
             raise errors.InvalidArgument("deadline_seconds", f"must be a finite number >= 0, got {deadline_seconds}")
+        self._check_agents_back(tuple(a for a in (from_agent_id, to_agent_id) if a))
         agents = {r.agent_id: r for r, _ in self.cluster.agents()}
         for field_name, agent_id in (("from_agent_id", from_agent_id), ("to_agent_id", to_agent_id)):
             if not agent_id:
@@ -704,6 +728,7 @@ class Manager:
         ns = check_namespace(namespace, "namespace") if namespace else ""
         if model_id:
             self._model(model_id)
+        self._check_agents_back((agent_id,) if agent_id else ())
         agents = [r.agent_id for r, _ in self.cluster.agents()]
         if agent_id:
             if agent_id not in agents:
@@ -951,7 +976,7 @@ class Manager:
             with self._lock:
                 for part in list(op.parts.values()):
                     if in_etcd is not None and part.agent_id not in live:
-                        changed |= ops.fail_part(op, part.agent_id, "agent left", now)
+                        changed |= ops.fail_part(op, part.agent_id, "agent left", now, given_up=True)
                 changed |= ops.expire_silent_parts(op, now, self.op_timeout_seconds)
             if changed:
                 self._op_changed(op)

@@ -528,7 +528,7 @@ class BlockPool:
                 if not room_made:  # one batch down outside the lock, not a demotion per block
                     room_made = True
                     self._room_for_chain(top, block_hashes[:i], len(block_hashes) - i, codec, spec)
-                payload = codecs.encode(codec, data)
+                block_codec, payload = self._encode_for(codec, data)
                 digest = payload_checksum(payload)
                 handle = None
                 while True:
@@ -548,7 +548,7 @@ class BlockPool:
                                 spec.block_bytes,
                                 top.tier,
                                 handle,
-                                codec,
+                                block_codec,
                                 payload.numel(),
                                 ref_count=1,
                                 ready=False,
@@ -565,7 +565,7 @@ class BlockPool:
                     # child is never kept faster than its parent); encoded for that tier
                     # outside the lock, which an encode would hold up for every caller
                     top, codec = lower, self._tier_codec(lower.tier, model_id)
-                    payload = codecs.encode(codec, data)
+                    block_codec, payload = self._encode_for(codec, data)
                     digest = payload_checksum(payload)
                 if handle is None:
                     break
@@ -1839,6 +1839,17 @@ class BlockPool:
             return out
 
     # ---- internals (called with the lock held) --------------------------------------
+    def _encode_for(self, codec: str, data: torch.Tensor) -> tuple[str, torch.Tensor]:
+        """(codec, payload) of a block entering a tier: one the tier's lossy codec cannot
+        hold (values beyond its fp16 scales) is kept uncompressed, with a notice."""
+        try:
+            return codec, codecs.encode(codec, data)
+        except codecs.CodecError as exc:
+            if codec == "none":
+                raise
+            self._notice("codec_refused", f"a block is kept uncompressed instead of {codec}: {exc}")
+            return "none", codecs.encode("none", data)
+
     def _notice(self, kind: str, message: str) -> None:
         log.warning("%s: %s", kind, message)
         with self.lock:

@@ -99,6 +99,7 @@ def _rows_encode_native(name: str, x: torch.Tensor) -> torch.Tensor | None:
     rows = x.numel() // d
     out = torch.empty(2 * rows + x.numel(), dtype=torch.uint8)
     getattr(lib, name)(x.data_ptr(), rows, d, out.data_ptr(), out.data_ptr() + 2 * rows)
+    _fp16_scales(out[: 2 * rows].view(torch.float16))
     return out
 
 
@@ -113,12 +114,25 @@ def _rows_decode_native(name: str, scale: torch.Tensor, q: torch.Tensor, shape, 
     return out
 
 
+def _fp16_scales(*tensors: torch.Tensor) -> None:
+    """A lossy payload keeps its scales (and int4 its minimums) in fp16: a block whose
+    values they cannot hold (inf or NaN in it; a bf16 or fp32 block beyond fp16's range
+    times the codec's) would decode to inf/NaN. CodecError instead: it is not encoded."""
+    for t in tensors:
+        if not bool(torch.isfinite(t).all()):
+            raise CodecError(
+                "the block holds values its fp16 scales cannot (inf, NaN, or beyond fp16's range): not encoded"
+            )
+
+
 def _int8_batch(x: torch.Tensor) -> torch.Tensor:
     """int8 of blocks [n, ...] on their device -> payloads [n, bytes]: the C loops' bytes."""
     xf = x.float()
     scale = _div(xf.abs().amax(dim=-1, keepdim=True).clamp_min(1e-8), 127.0)
     q = torch.round(xf / scale).clamp_(-127, 127).to(torch.int8)
-    return torch.cat([_rows_u8(scale.to(torch.float16)), _rows_u8(q)], dim=1)
+    scale16 = scale.to(torch.float16)
+    _fp16_scales(scale16)
+    return torch.cat([_rows_u8(scale16), _rows_u8(q)], dim=1)
 
 
 def _int8_encode(x: torch.Tensor) -> torch.Tensor:
@@ -143,7 +157,9 @@ def _fp8_batch(x: torch.Tensor) -> torch.Tensor:
     xf = x.float()
     scale = _div(xf.abs().amax(dim=-1, keepdim=True).clamp_min(1e-8), FP8_MAX)
     q = (xf / scale).to(FP8)
-    return torch.cat([_rows_u8(scale.to(torch.float16)), _rows_u8(q)], dim=1)
+    scale16 = scale.to(torch.float16)
+    _fp16_scales(scale16)
+    return torch.cat([_rows_u8(scale16), _rows_u8(q)], dim=1)
 
 
 def _fp8_encode(x: torch.Tensor) -> torch.Tensor:
@@ -181,7 +197,9 @@ def _quant4(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     if q.shape[1] % 2:
         q = torch.cat([q, q.new_zeros(n, 1)], dim=1)
     packed = q[:, 0::2] | (q[:, 1::2] << 4)
-    return packed, scale.to(torch.float16), lo.to(torch.float16)
+    scale16, lo16 = scale.to(torch.float16), lo.to(torch.float16)
+    _fp16_scales(scale16, lo16)
+    return packed, scale16, lo16
 
 
 def _pad_groups(x: torch.Tensor, axis_len: int) -> tuple[torch.Tensor, int]:
@@ -227,6 +245,9 @@ def _int4_encode(x: torch.Tensor) -> torch.Tensor:
         gk, Gk, gv, Gv, sizes = _int4_layout(x.shape)
         out = torch.empty(sum(sizes), dtype=torch.uint8)
         if lib.int4_encode(x.data_ptr(), L, T, H, D, gk, Gk, gv, Gv, *_section_ptrs(out.data_ptr(), sizes)) == 0:
+            k_end, v_start = sizes[0] + sizes[1], sum(sizes[:3])
+            v_scales = out[v_start : v_start + sizes[3] + sizes[4]].clone()  # (it may start at an odd byte)
+            _fp16_scales(out[:k_end].view(torch.float16), v_scales.view(torch.float16))
             return out
     return _int4_batch(x[None])[0]
 

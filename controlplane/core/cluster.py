@@ -278,6 +278,15 @@ class Cluster:
         with self._lock:
             return any(a not in self._agents for a in self._expected_agents or ())
 
+    def agents_not_synced(self) -> frozenset[str]:
+        """Agents with a key in etcd at the last listing that are not synced here (not
+        back on this control plane's stream yet, or resyncing); empty before a listing."""
+        with self._lock:
+            agents = self._agents
+            return frozenset(
+                a for a in self._expected_agents or () if (r := agents.get(a)) is None or r.state != AgentState.READY
+            )
+
     def rebuilding(self) -> bool:
         """Is an agent that has a key in etcd not (yet, or no longer) synced here? Then a
         lookup may miss blocks it holds, or name ones it lost: answers say possibly stale.

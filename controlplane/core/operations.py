@@ -4,7 +4,11 @@ commands; agents report OpUpdates, folded here into one state.
 
 States: PENDING -> RUNNING -> SUCCEEDED | FAILED | CANCELLED. An operation succeeds
 when every agent it was sent to succeeded; it fails when one failed, left, or went
-silent for longer than the timeout."""
+silent for longer than the timeout. An agent given up so (by the control plane, not by
+its own report) may still have run the command: its final report, when it comes, takes
+the place of the failure, and the operation's state follows what was done. A cancel
+ends at once only the parts no command has gone to; a part whose agent has the command
+ends with the agent's own answer (CANCELLED with how far it got, or SUCCEEDED)."""
 
 from __future__ import annotations
 
@@ -36,6 +40,7 @@ class AgentPart:
     error: str = ""
     freed: dict[int, tuple[int, int]] = field(default_factory=dict)  # tier -> (blocks, bytes)
     updated_unix_seconds: float = 0.0
+    given_up: bool = False  # FAILED by the control plane (silent, left): the agent's last word may still come
 
 
 @dataclass
@@ -51,6 +56,7 @@ class Operation:
     updated_unix_seconds: float = field(default_factory=time.time)
     cancel_requested: bool = False
     waiting_for_lock: bool = False  # queued behind a scope lock: no command has gone out yet
+    commands_sent: bool = False  # its agents were sent their commands
 
     @property
     def finished(self) -> bool:
@@ -139,7 +145,14 @@ def apply_update(
     it does not know are dropped (one bad report must not break every listing)."""
     now = time.time() if now is None else now
     part = op.parts.get(agent_id)
-    if part is None or op.finished or state not in STATES:
+    if part is None or state not in STATES:
+        return False
+    if part.given_up and state in TERMINAL:
+        # the agent ran it after all: what it says replaces the failure the control plane
+        # declared (the operation, finished or not, is settled again from its parts)
+        part.given_up = False
+        op.state = RUNNING
+    elif op.finished:
         return False
     part.state, part.done, part.total, part.failed = state, done, max(total, part.total), failed
     part.moved_bytes, part.error, part.skipped_pinned = moved_bytes, error, skipped_pinned
@@ -170,11 +183,12 @@ def _settle(op: Operation) -> bool:
     return op.state != before
 
 
-def fail_part(op: Operation, agent_id: str, reason: str, now: float | None = None) -> bool:
+def fail_part(op: Operation, agent_id: str, reason: str, now: float | None = None, given_up: bool = False) -> bool:
+    """`given_up`: failed for the agent's silence or absence, not by its own word."""
     part = op.parts.get(agent_id)
     if part is None or part.state in TERMINAL or op.finished:
         return False
-    part.state, part.error = FAILED, reason
+    part.state, part.error, part.given_up = FAILED, reason, given_up and op.commands_sent
     part.updated_unix_seconds = op.updated_unix_seconds = time.time() if now is None else now
     return _settle(op)
 
@@ -184,7 +198,7 @@ def expire_silent_parts(op: Operation, now: float, timeout_seconds: float) -> bo
     changed = False
     for part in op.parts.values():
         if part.state not in TERMINAL and now - part.updated_unix_seconds > timeout_seconds:
-            changed |= fail_part(op, part.agent_id, f"no progress for {timeout_seconds:.0f}s", now)
+            changed |= fail_part(op, part.agent_id, f"no progress for {timeout_seconds:.0f}s", now, given_up=True)
     return changed
 
 
@@ -202,9 +216,10 @@ def cancel(op: Operation, now: float | None = None) -> bool:
     if op.finished:
         return False
     op.cancel_requested = True
-    for part in op.parts.values():
-        if part.state == PENDING:
-            part.state = CANCELLED
+    if op.waiting_for_lock or not op.commands_sent:
+        for part in op.parts.values():
+            if part.state == PENDING:
+                part.state = CANCELLED
     op.updated_unix_seconds = time.time() if now is None else now
     _settle(op)
     return True

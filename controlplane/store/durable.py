@@ -68,6 +68,7 @@ def op_to_json(op: Operation) -> str:
             "error": op.error,
             "dry_run": op.dry_run,
             "waiting_for_lock": op.waiting_for_lock,
+            "commands_sent": op.commands_sent,
             "created_unix_seconds": op.created_unix_seconds,
             "updated_unix_seconds": op.updated_unix_seconds,
             "parts": [
@@ -81,6 +82,7 @@ def op_to_json(op: Operation) -> str:
                     "moved_bytes": p.moved_bytes,
                     "error": p.error,
                     "freed": {str(t): list(v) for t, v in p.freed.items()},
+                    "given_up": p.given_up,
                 }
                 for p in op.parts.values()
             ],
@@ -100,6 +102,8 @@ def op_from_json(raw: bytes) -> Operation:
         created_unix_seconds=d["created_unix_seconds"],
         updated_unix_seconds=d["updated_unix_seconds"],
         waiting_for_lock=d.get("waiting_for_lock", False),
+        # stored before the flag: an operation past its lock had its commands sent
+        commands_sent=d.get("commands_sent", not d.get("waiting_for_lock", False)),
     )
     for p in d["parts"]:
         op.parts[p["agent_id"]] = AgentPart(
@@ -113,6 +117,7 @@ def op_from_json(raw: bytes) -> Operation:
             p["error"],
             {int(t): (v[0], v[1]) for t, v in p["freed"].items()},
             d["updated_unix_seconds"],
+            p.get("given_up", False),
         )
     return op
 

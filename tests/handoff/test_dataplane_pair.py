@@ -439,3 +439,32 @@ def test_a_peer_never_seen_on_a_stalled_etcd_is_an_error_by_the_deadline(pair):
     wait_for(lambda: "dec" in pair.send._peers, 10, what="the read lands in the cache")
     r = pair.send.handoff(SMALL.model_id, hashes, "dec", 10.0, paths=("grpc",))
     assert r.outcome == TRANSFERRED, r
+
+
+def test_a_control_plane_transfer_says_it_is_alive_while_a_slow_handoff_runs(monkeypatch):
+    """A transfer may rightly outlast the control plane's silence timeout (a long deadline
+    over a limited link): the agent reports RUNNING every TRANSFER_HEARTBEAT_SECONDS until
+    its final answer, so the operation is not failed for silence while it works."""
+    import agent.dataplane as dataplane_module
+
+    monkeypatch.setattr(dataplane_module, "TRANSFER_HEARTBEAT_SECONDS", 0.1)
+    p = Pair(DataPlaneConfig(link_bytes_per_second=2 * SMALL.block_bytes, grpc_chunk_bytes=SMALL.block_bytes // 4))
+    try:
+        hashes = store(p.send.pool, 4)
+        replies: list[tuple[str, dict]] = []
+        finished = threading.Event()
+
+        def reply(op_id, state, **fields):
+            replies.append((state, fields))
+            if state != "RUNNING":
+                finished.set()
+
+        p.send.run_command("transfer-1", SMALL.model_id, hashes, "dec", 10.0, reply)
+        assert finished.wait(30)
+        states = [s for s, _ in replies]
+        assert states[-1] == "SUCCEEDED", replies
+        assert states.count("RUNNING") >= 5  # ~2 s of paced bytes, a beat every 0.1 s
+        time.sleep(0.3)
+        assert len(replies) == len(states)  # no beat after the answer
+    finally:
+        p.close()

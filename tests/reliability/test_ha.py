@@ -289,3 +289,79 @@ def _stats_or_none(client):
         return client.stats() if client.stats().is_leader else None
     except ClientError:
         return None
+
+
+def test_an_operation_right_after_a_failover_waits_for_the_agents_etcd_lists(replicas):
+    """The new leader has no stream from an agent yet (here: paused through the
+    failover). A move of its namespace must not succeed having done nothing: it is
+    UNAVAILABLE naming the agent, and once the agent is back the same move does the work."""
+    r = replicas
+    r.start_cp("cp-a")
+    wait_for(lambda: r.leader() == r.endpoint("cp-a"), 20, 0.2, "cp-a leads")
+    r.start_cp("cp-b")
+    wait_for(lambda: status_code(r.endpoint("cp-b")) == grpc.StatusCode.FAILED_PRECONDITION, 20, 0.2, "cp-b follows")
+    agent_port = free_port()
+    agent = r.spawn(
+        "agent",
+        [
+            script("kvcp-agent"),
+            "--agent-id",
+            "paused-agent",
+            "--listen",
+            f"127.0.0.1:{agent_port}",
+            "--etcd",
+            r.etcd,
+            "--lease-ttl-seconds",
+            "20",
+            "--metrics-listen",
+            "",
+            "--transfer-engine",
+            "none",
+        ],
+    )
+    engine = EngineClient(f"127.0.0.1:{agent_port}")
+    prompt = list(range(5 * M.block_size))
+    with ControlPlaneClient(r.endpoint("cp-a")) as c:
+        wait_for(lambda: engine.lookup(M.model_id, prompt) is not None, 30, 0.3, "agent serving")
+        engine.store(M.model_id, prompt, bytes(5 * M.block_bytes), namespace="chat")
+        wait_for(
+            lambda: {a.agent_id: a.num_blocks for a in c.list_agents()}.get("paused-agent") == 5, 20, 0.2, "indexed"
+        )
+    engine.close()
+    agent.send_signal(signal.SIGSTOP)
+    try:
+        r.procs["cp-a"].send_signal(signal.SIGKILL)
+        wait_for(lambda: r.leader() == r.endpoint("cp-b"), TTL + 4, 0.05, "cp-b elected")
+        refused = kvctl(r.endpoint("cp-b"), "move", "--namespace", "chat", "--to", "disk", check=False)
+        assert refused.returncode != 0, refused.stdout
+        assert "paused-agent" in refused.stderr and "not back" in refused.stderr
+    finally:
+        agent.send_signal(signal.SIGCONT)
+    with ControlPlaneClient(r.endpoint("cp-b")) as c:
+        wait_for(lambda: {a.agent_id: a.state for a in c.list_agents()}.get("paused-agent") == "ready", 20, 0.2, "back")
+    done = kvctl(r.endpoint("cp-b"), "-o", "json", "move", "--namespace", "chat", "--to", "cpu", "--wait")
+    op = json.loads(done.stdout)
+    assert op["state"] == "SUCCEEDED" and op["total"] == 5, op
+
+
+def test_kvctl_op_wait_rides_out_a_paused_leader(replicas):
+    """`kvctl --endpoint A,B op ID --wait` while the leader A is paused (SIGSTOP): its
+    polls time out, are asked of B, which leads once A's lease lapses, and the answer
+    comes from there (before: the first timed-out poll ended kvctl with an error)."""
+    r = replicas
+    r.start_cp("cp-a")
+    wait_for(lambda: r.leader() == r.endpoint("cp-a"), 20, 0.2, "cp-a leads")
+    r.start_cp("cp-b")
+    wait_for(lambda: status_code(r.endpoint("cp-b")) == grpc.StatusCode.FAILED_PRECONDITION, 20, 0.2, "cp-b follows")
+    with ControlPlaneClient(r.endpoint("cp-a")) as c:
+        op = c.cleanup(older_than_seconds=3600, dry_run=True)
+        op = c.wait_operation(op.op_id, 20)
+        assert op.finished
+    both = f"{r.endpoint('cp-a')},{r.endpoint('cp-b')}"
+    r.procs["cp-a"].send_signal(signal.SIGSTOP)
+    try:
+        out = kvctl(both, "--timeout", "1", "-o", "json", "op", op.op_id, "--wait", "--wait-timeout", "30s")
+        assert json.loads(out.stdout)["op_id"] == op.op_id
+        assert r.leader() == r.endpoint("cp-b")
+    finally:
+        r.procs["cp-a"].send_signal(signal.SIGCONT)

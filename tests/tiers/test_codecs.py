@@ -384,3 +384,57 @@ def test_a_batch_decodes_to_each_payloads_own_block(codec, shape, dtype):
 def test_batched_decode_names_what_is_wrong(codec, payloads, why):
     with pytest.raises(codecs.CodecError, match=why):
         codecs.decode_batch(codec, payloads, (1, 2, 16, 2, 64), torch.float16)
+
+
+# ---- values the fp16 scales cannot hold ------------------------------------------------
+@pytest.mark.parametrize(
+    "dtype, magnitude, codec",
+    [
+        (torch.bfloat16, 1e5, "int4"),  # minimums past fp16's 65504
+        (torch.bfloat16, 1e7, "int8"),  # scales past 65504 (x / 127)
+        (torch.float32, 1e8, "fp8"),  # scales past 65504 (x / 448)
+        (torch.float16, math.inf, "int8"),  # an inf in an fp16 row (the C loops)
+        (torch.float16, math.inf, "fp8"),
+        (torch.float16, math.inf, "int4"),
+        (torch.bfloat16, math.nan, "int8"),  # (the C loops for fp16 encode a NaN as some finite value)
+    ],
+    ids=str,
+)
+def test_a_lossy_codec_refuses_a_block_its_fp16_scales_cannot_hold(dtype, magnitude, codec):
+    """Encoded, such a block would decode to inf/NaN with no error anywhere: the codec
+    refuses it (the pool then keeps it uncompressed, or the move fails and it stays)."""
+    if codec == "fp8" and FP8_MISSING:
+        pytest.skip("no float8_e4m3fn in this torch")
+    x = block((1, 2, 4, 1, 8), dtype).float()
+    x[0, 0, 1, 0, 3] = magnitude if not math.isfinite(magnitude) else x[0, 0, 1, 0, 3] * magnitude
+    if math.isfinite(magnitude):
+        x = x * magnitude
+    x = x.to(dtype)
+    with pytest.raises(codecs.CodecError, match="fp16 scales"):
+        codecs.encode(codec, x)
+    with pytest.raises(codecs.CodecError, match="fp16 scales"):
+        codecs.encode_batch(codec, x[None])
+
+
+def test_a_block_a_tiers_codec_cannot_hold_is_stored_uncompressed_and_a_move_with_it_fails(tmp_path):
+    from agent.core.block_pool import BlockPool
+    from agent.core.engine_api import KVEngineAPI
+    from agent.core.model_spec import ModelSpec
+    from agent.store.disk_tier import DiskTier
+    from agent.store.memory_tier import MemoryTier
+    from protos.tier import Tier
+
+    spec = ModelSpec("m", block_size=4, num_layers=1, num_kv_heads=1, head_dim=8, dtype="bfloat16")
+    cpu = MemoryTier(Tier.CPU, 8 * spec.block_bytes, spec.block_bytes, device="cpu")
+    pool = BlockPool([cpu, DiskTier(tmp_path, 1 << 20)], [spec], tier_codecs={Tier.CPU: "int8"})
+    e = KVEngineAPI(pool, [spec])
+    big = (torch.randn((2, *spec.block_shape), generator=torch.Generator().manual_seed(0)) * 1e7).to(torch.bfloat16)
+    toks = list(range(8))
+    assert e.store("m", toks, big).num_stored_blocks == 2
+    hs = e.hashes(spec, toks)
+    assert [pool.blocks[h].codec for h in hs] == ["none", "none"]
+    assert any(n.kind == "codec_refused" for n in pool.drain_notices())
+    assert torch.equal(e.load("m", toks).kv, big)
+    out = pool.move_blocks(hs[1:], Tier.DISK, "int4")
+    assert not out[0].ok and pool.tier_of(hs[1]) is Tier.CPU
+    assert torch.equal(e.load("m", toks).kv, big)

@@ -44,3 +44,56 @@ def test_a_cancelled_operation_shows_how_far_it_got():
     done = _running(["a1"])
     ops.apply_update(done, "a1", ops.SUCCEEDED, 8, 8, 0, 0, "", now=3.0)
     assert done.progress == 1.0
+
+
+def _sent(agent_ids):
+    op = ops.new_operation("move", {"to": "disk"}, list(agent_ids), now=0.0)
+    op.commands_sent = True
+    return op
+
+
+def test_a_cancel_of_a_part_whose_agent_has_the_command_waits_for_the_agents_answer():
+    """Sent but not yet reported RUNNING: the agent may be moving already. The cancel
+    must not say CANCELLED with 0 done while the agent moves; the agent's answer decides."""
+    op = _sent(["a1", "a2"])
+    assert ops.cancel(op, now=1.0)
+    assert op.state == ops.PENDING and op.cancel_requested
+    assert ops.apply_update(op, "a1", ops.CANCELLED, 64, 600, 0, 64 * 8192, "", now=2.0)
+    assert op.state == ops.RUNNING  # a2 still to answer
+    ops.apply_update(op, "a2", ops.SUCCEEDED, 600, 600, 0, 600 * 8192, "", now=2.0)
+    assert op.state == ops.CANCELLED and op.done == 664
+    unsent = ops.new_operation("move", {"to": "disk"}, ["a1"], now=0.0)  # cancelled before its fan-out
+    ops.cancel(unsent, now=1.0)
+    assert unsent.state == ops.CANCELLED
+
+
+def test_an_agent_given_up_for_silence_that_answers_later_has_the_last_word():
+    """The control plane failed the part (no progress for 60 s); the agent, only stalled,
+    finished the move. Its final report replaces the failure: the operation says what
+    was done. A failure the agent reported itself is final."""
+    op = _sent(["a1", "a2"])
+    ops.apply_update(op, "a2", ops.SUCCEEDED, 5, 5, 0, 0, "", now=1.0)
+    assert ops.expire_silent_parts(op, now=100.0, timeout_seconds=60.0)
+    assert op.state == ops.FAILED and "no progress" in op.error
+    assert not ops.apply_update(op, "a1", ops.RUNNING, 10, 500, 0, 0, "", now=101.0)  # finished: progress ignored
+    assert ops.apply_update(op, "a1", ops.SUCCEEDED, 500, 500, 0, 500 * 8192, "", now=102.0)
+    assert op.state == ops.SUCCEEDED and op.done == 505
+    left = _sent(["a1"])
+    ops.fail_part(left, "a1", "agent left", now=5.0, given_up=True)
+    ops.apply_update(left, "a1", ops.FAILED, 3, 8, 5, 0, "disk full", now=6.0)
+    assert left.state == ops.FAILED and "disk full" in left.error
+    own = _sent(["a1"])
+    ops.apply_update(own, "a1", ops.FAILED, 0, 8, 8, 0, "disk full", now=1.0)
+    assert not ops.apply_update(own, "a1", ops.SUCCEEDED, 8, 8, 0, 0, "", now=2.0)
+    assert own.state == ops.FAILED
+
+
+def test_what_a_cancel_and_a_give_up_need_survives_etcd():
+    from controlplane.store.durable import op_from_json, op_to_json
+
+    op = _sent(["a1"])
+    ops.expire_silent_parts(op, now=100.0, timeout_seconds=60.0)
+    back = op_from_json(op_to_json(op).encode())
+    assert back.commands_sent and back.parts["a1"].given_up
+    ops.apply_update(back, "a1", ops.SUCCEEDED, 8, 8, 0, 0, "", now=101.0)
+    assert back.state == ops.SUCCEEDED

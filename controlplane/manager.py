@@ -132,6 +132,10 @@ class Manager:
         self.ops: OrderedDict[str, ops.Operation] = OrderedDict()
         self._op_said: dict[str, tuple[str, str]] = {}  # op id -> the (state, error) its last event said
         self._op_done: dict[str, threading.Event] = {}
+        # adopted cleanups taking their scope locks again: queued ones wait for that first
+        self._adopted_locks_pending = 0
+        self._adopted_locks_settled = threading.Event()
+        self._adopted_locks_settled.set()
         self.policy: dict[str, str] = {}
         self.policy_revision = 0
         self._loaded_epoch = 0  # the epoch whose state load() read from etcd; 0: none yet
@@ -250,6 +254,11 @@ class Manager:
                     adopted.append(op)
             self.policy = self._valid_stored_policy(values)
             self.policy_revision = revision
+        holders = [op for op in adopted if op.kind == "cleanup" and not op.dry_run and not op.finished]
+        if holders:
+            with self._lock:
+                self._adopted_locks_pending += len(holders)
+                self._adopted_locks_settled.clear()
         for op in requeue:
             self._start_locked(op)
         for op in adopted:
@@ -263,7 +272,13 @@ class Manager:
                     if part.state not in ops.TERMINAL:
                         part.updated_unix_seconds = now
                 op.updated_unix_seconds = now
+                if op in holders:
+                    self._op_done.setdefault(op.op_id, threading.Event())
             self._op_changed(op)
+            if op in holders:
+                # its scope lock lapsed with the old leader's lease: held again here until
+                # it ends, so a cleanup queued behind it still waits
+                threading.Thread(target=self._hold_adopted_lock, args=(op,), name=f"op {op.op_id}", daemon=True).start()
         self._loaded_epoch = epoch
         self._loaded_monotonic = time.monotonic()
 
@@ -316,14 +331,16 @@ class Manager:
             raise errors.InvalidArgument(f"{field}.namespace", "give a prefix (tokens or hashes) or a namespace")
         return b"", check_namespace(scope.namespace, f"{field}.namespace")
 
-    def _check_agents_back(self, agent_ids: tuple[str, ...] = ()) -> None:
+    def _check_agents_back(self, agent_ids: tuple[str, ...] = (), indexed: bool = False) -> None:
         """Right after this control plane began to lead, an agent that etcd lists may not
         be back on its stream yet, and an operation sent to the agents it has would
         succeed having done nothing where that agent holds the blocks: Unavailable (retry
-        shortly) for the first AGENTS_BACK_GRACE_SECONDS. `agent_ids`: only these matter."""
+        shortly) for the first AGENTS_BACK_GRACE_SECONDS. `agent_ids`: only these matter;
+        `indexed`: the operation finds its agents in the index (a prefix), so their
+        inventories must be in too."""
         if time.monotonic() - self._loaded_monotonic >= AGENTS_BACK_GRACE_SECONDS:
             return  # one still away now is away: the operation goes to the agents here
-        away = self.cluster.agents_not_synced()
+        away = self.cluster.agents_not_back(indexed)
         if agent_ids:
             away = away & frozenset(agent_ids)
         if away:
@@ -334,7 +351,7 @@ class Manager:
 
     def _targets(self, scope: Scope, packed: bytes) -> dict[str, bytes]:
         """agent_id -> packed hashes to send (b"" for a namespace scope)."""
-        self._check_agents_back((scope.agent_id,) if scope.agent_id else ())
+        self._check_agents_back((scope.agent_id,) if scope.agent_id else (), indexed=bool(packed))
         agents = [r.agent_id for r, _ in self.cluster.agents()]
         if scope.agent_id:
             if scope.agent_id not in agents:
@@ -647,7 +664,7 @@ class Manager:
             raise errors.InvalidArgument("scope", "a transfer needs a prefix of a model (token_ids or block_hashes)")
         if not math.isfinite(deadline_seconds) or deadline_seconds < 0:
             raise errors.InvalidArgument("deadline_seconds", f"must be a finite number >= 0, got {deadline_seconds}")
-        self._check_agents_back(tuple(a for a in (from_agent_id, to_agent_id) if a))
+        self._check_agents_back(tuple(a for a in (from_agent_id, to_agent_id) if a), indexed=True)
         agents = {r.agent_id: r for r, _ in self.cluster.agents()}
         for field_name, agent_id in (("from_agent_id", from_agent_id), ("to_agent_id", to_agent_id)):
             if not agent_id:
@@ -784,7 +801,7 @@ class Manager:
             with self._lock:
                 self._lock_threads.discard(op.op_id)
 
-    def _run_locked(self, op: ops.Operation) -> None:
+    def _cleanup_lock(self, op: ops.Operation) -> tuple[EtcdLock, str]:
         # a namespace cleanup and an all-namespace one exclude each other: the namespace one
         # takes its lock only while the _all lock is free; the _all one, once it holds its
         # lock (so no namespace one starts), waits for those already running
@@ -798,6 +815,39 @@ class Manager:
             also_absent=(all_key,) if namespace else (),
             drain_prefix="" if namespace else etcd_keys.LOCKS_PREFIX + "cleanup/",
         )
+        return lock, lock_name
+
+    def _hold_until_done(self, op: ops.Operation) -> None:
+        """Wait while `op` runs and this replica leads (bounded by twice the op timeout)."""
+        done = self._op_done.get(op.op_id)
+        deadline = time.monotonic() + self.op_timeout_seconds * 2
+        while done is not None and time.monotonic() < deadline and self._owns(op):
+            if done.wait(0.5):
+                break
+
+    def _hold_adopted_lock(self, op: ops.Operation) -> None:
+        """A cleanup another leader started: take its scope lock again (a cleanup that
+        got it in between runs alongside, as it would have anyway) and hold it to the end."""
+        lock, _ = self._cleanup_lock(op)
+        try:
+            got = lock.acquire(self.op_timeout_seconds, cancelled=lambda: op.finished or not self._owns(op))
+        except Exception:  # noqa: BLE001 - the operation goes on; its lock is best kept, not required
+            log.warning("could not take the scope lock of adopted cleanup %s again", op.op_id, exc_info=True)
+            got = False
+        with self._lock:
+            self._adopted_locks_pending -= 1
+            if self._adopted_locks_pending <= 0:
+                self._adopted_locks_settled.set()
+        if not got:
+            return
+        try:
+            self._hold_until_done(op)
+        finally:
+            lock.release()
+
+    def _run_locked(self, op: ops.Operation) -> None:
+        lock, lock_name = self._cleanup_lock(op)
+        self._adopted_locks_settled.wait(self.op_timeout_seconds)  # cleanups already out go first
         try:
             got = lock.acquire(self.op_timeout_seconds, cancelled=lambda: op.cancel_requested or not self._owns(op))
         except Exception as exc:  # noqa: BLE001 - etcd trouble fails the operation, visibly
@@ -829,12 +879,7 @@ class Manager:
                     self._op_changed(op)
                 return
             self._fan_out(op, self._cleanup_commands(op))
-            done = self._op_done.get(op.op_id)
-            deadline = time.monotonic() + self.op_timeout_seconds * 2
-            # hold the scope lock until it finishes, or until this replica no longer leads
-            while done is not None and time.monotonic() < deadline and self._owns(op):
-                if done.wait(0.5):
-                    break
+            self._hold_until_done(op)  # the scope lock, until it finishes or this replica no longer leads
         finally:
             lock.release()
 

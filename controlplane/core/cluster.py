@@ -278,13 +278,14 @@ class Cluster:
         with self._lock:
             return any(a not in self._agents for a in self._expected_agents or ())
 
-    def agents_not_synced(self) -> frozenset[str]:
-        """Agents with a key in etcd at the last listing that are not synced here (not
-        back on this control plane's stream yet, or resyncing); empty before a listing."""
+    def agents_not_back(self, indexed: bool) -> frozenset[str]:
+        """Agents with a key in etcd at the last listing that have no stream here yet
+        (`indexed`: or whose inventory is not in the index yet); empty before a listing."""
+        ok = (AgentState.READY,) if indexed else (AgentState.READY, AgentState.SYNCING)
         with self._lock:
             agents = self._agents
             return frozenset(
-                a for a in self._expected_agents or () if (r := agents.get(a)) is None or r.state != AgentState.READY
+                a for a in self._expected_agents or () if (r := agents.get(a)) is None or r.state not in ok
             )
 
     def rebuilding(self) -> bool:

@@ -476,3 +476,40 @@ def test_queued_cleanup_survives_a_controlplane_restart(etcd, make_agent):
     finally:
         holder.release()
         cp.stop()
+
+
+def test_a_cleanup_a_new_leader_adopts_takes_its_scope_lock_again(make_agent, etcd):
+    """A cleanup the previous leader sent out still runs on its agents; that leader's
+    lease, and with it the scope lock, is gone. The new leader takes the lock again for
+    it, so a cleanup of the same namespace queued now waits for it to end."""
+    from controlplane.core import operations as ops
+    from controlplane.server import ControlPlane, ControlPlaneConfig
+    from controlplane.store.durable import op_to_json
+
+    make_agent("o4")
+    adopted = ops.new_operation(
+        "cleanup", {"older_than_seconds": "0", "namespace": "kb", "agent": "", "model": ""}, ["o4"]
+    )
+    adopted.commands_sent = True
+    adopted.parts["o4"].state = ops.RUNNING
+    adopted.state = ops.RUNNING
+    client = etcd_keys.connect(etcd)
+    client.put(etcd_keys.OPS_PREFIX + adopted.op_id, op_to_json(adopted))
+    cp = ControlPlane(
+        ControlPlaneConfig(listen="127.0.0.1:0", etcd=etcd, election_ttl_seconds=3, op_timeout_seconds=12)
+    ).start()
+    try:
+        with ControlPlaneClient(cp.address) as c:
+            lock_key = etcd_keys.LOCKS_PREFIX + "cleanup/kb"
+            wait_for(lambda: client.get(lock_key)[0] == adopted.op_id.encode(), 15, what="the adopted cleanup's lock")
+            wait_for(lambda: indexed(c, "o4") == 0, 15, what="agent back")
+            queued = c.cleanup(0, namespace="kb")
+            time.sleep(1.0)
+            assert c.get_operation(queued.op_id).state == "PENDING"  # behind the adopted one
+            # the adopted one ends (o4 never had its command: silent past the timeout)
+            assert c.wait_operation(adopted.op_id, 30).state == "FAILED"
+            done = c.wait_operation(queued.op_id, 20)
+            assert done.state == "SUCCEEDED", done.error
+    finally:
+        cp.stop()
+        client.close()

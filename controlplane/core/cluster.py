@@ -172,6 +172,9 @@ class Cluster:
         self._clock = clock
         self._agents: dict[str, AgentRecord] = {}
         self._models: dict[str, ModelInfo] = {}
+        # every model an agent served since this control plane started: one whose agents
+        # are all away for a moment is still a model (lookups find nothing), not unknown
+        self._models_seen: dict[str, ModelInfo] = {}
         self._serving: dict[str, frozenset[str]] = {}  # model -> ids of the agents serving it
         # agents with a key in etcd at the last membership listing: until each is back and
         # synced here (a new leader, an agent resyncing), answers may miss what they hold
@@ -246,6 +249,7 @@ class Cluster:
                 models.setdefault(m.model_id, m)
                 serving.setdefault(m.model_id, set()).add(a.agent_id)
         self._models = models
+        self._models_seen.update(models)
         self._serving = {m: frozenset(ids) for m, ids in serving.items()}
 
     def remove_agent(self, agent_id: str) -> int:
@@ -528,7 +532,7 @@ class Cluster:
     # ---- lookup ---------------------------------------------------------------------
     def model(self, model_id: str) -> ModelInfo:
         with self._lock:
-            m = self._models.get(model_id)
+            m = self._models.get(model_id) or self._models_seen.get(model_id)
         if m is None:
             known = ", ".join(sorted(self._models)) or "none yet"
             raise errors.NotFound(f"model_id: unknown model {model_id!r} (known: {known})")

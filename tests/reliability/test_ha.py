@@ -53,6 +53,15 @@ class Replicas:
             ],
         )
 
+    def start_pair(self):
+        """cp-a leading, cp-b following."""
+        self.start_cp("cp-a")
+        wait_for(lambda: self.leader() == self.endpoint("cp-a"), 20, 0.2, "cp-a leads")
+        self.start_cp("cp-b")
+        wait_for(
+            lambda: status_code(self.endpoint("cp-b")) == grpc.StatusCode.FAILED_PRECONDITION, 20, 0.2, "cp-b follows"
+        )
+
     def endpoint(self, name):
         return f"127.0.0.1:{self.ports[name]}"
 
@@ -94,10 +103,7 @@ def status_code(endpoint: str) -> grpc.StatusCode | None:
 
 def test_failover_fencing_and_survival(replicas):
     r = replicas
-    r.start_cp("cp-a")
-    wait_for(lambda: r.leader() == r.endpoint("cp-a"), 20, 0.2, "cp-a leads")
-    r.start_cp("cp-b")
-    wait_for(lambda: status_code(r.endpoint("cp-b")) == grpc.StatusCode.FAILED_PRECONDITION, 20, 0.2, "cp-b follows")
+    r.start_pair()
     agent_port = free_port()
     r.spawn(
         "agent",
@@ -296,10 +302,7 @@ def test_an_operation_right_after_a_failover_waits_for_the_agents_etcd_lists(rep
     failover). A move of its namespace must not succeed having done nothing: it is
     UNAVAILABLE naming the agent, and once the agent is back the same move does the work."""
     r = replicas
-    r.start_cp("cp-a")
-    wait_for(lambda: r.leader() == r.endpoint("cp-a"), 20, 0.2, "cp-a leads")
-    r.start_cp("cp-b")
-    wait_for(lambda: status_code(r.endpoint("cp-b")) == grpc.StatusCode.FAILED_PRECONDITION, 20, 0.2, "cp-b follows")
+    r.start_pair()
     agent_port = free_port()
     agent = r.spawn(
         "agent",
@@ -349,10 +352,7 @@ def test_kvctl_op_wait_rides_out_a_paused_leader(replicas):
     polls time out, are asked of B, which leads once A's lease lapses, and the answer
     comes from there (before: the first timed-out poll ended kvctl with an error)."""
     r = replicas
-    r.start_cp("cp-a")
-    wait_for(lambda: r.leader() == r.endpoint("cp-a"), 20, 0.2, "cp-a leads")
-    r.start_cp("cp-b")
-    wait_for(lambda: status_code(r.endpoint("cp-b")) == grpc.StatusCode.FAILED_PRECONDITION, 20, 0.2, "cp-b follows")
+    r.start_pair()
     with ControlPlaneClient(r.endpoint("cp-a")) as c:
         op = c.cleanup(older_than_seconds=3600, dry_run=True)
         op = c.wait_operation(op.op_id, 20)

@@ -424,3 +424,17 @@ def test_lookups_say_possibly_stale_until_every_agent_in_etcd_has_synced():
     assert not servicer.Lookup(admin_pb2.LookupRequest(model_id="m", token_ids=list(range(16))), None).possibly_stale
     with pytest.raises(errors.NotFound):  # every agent synced: an unknown model is unknown
         servicer.Lookup(admin_pb2.LookupRequest(model_id="nope", token_ids=[1]), None)
+
+
+def test_a_model_whose_agents_are_all_away_is_still_a_model(cluster):
+    """Every agent of a model gone for a moment (restarts, a lease lapse): a router's
+    lookup finds nothing cached rather than NOT_FOUND 'unknown model', which it could
+    take for a misconfiguration. A model never served stays unknown."""
+    ready_agent(cluster, "a", [BlockGroup("m", Tier.CPU, packed(2))])
+    assert cluster.lookup("m", block_hashes=packed(2)).best_agent_id == "a"
+    cluster.remove_agent("a")
+    r = cluster.lookup("m", block_hashes=packed(2))
+    assert r.matches == [] and not r.best_agent_id
+    assert cluster.model("m").block_size == BS
+    with pytest.raises(errors.NotFound, match="unknown model 'nope'"):
+        cluster.lookup("nope", block_hashes=packed(1))

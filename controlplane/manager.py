@@ -623,6 +623,8 @@ class Manager:
             for agent_id, cmd in commands.items():
                 if not self.cluster.send(agent_id, cmd):
                     ops.fail_part(op, agent_id, "agent has no open stream to the control plane")
+                elif agent_id in op.parts:
+                    op.parts[agent_id].incarnation = self.cluster.incarnation_of(agent_id)
         self._op_changed(op)
 
     def move(self, scope: Scope, to_tier: Tier, codec: str = "") -> ops.Operation:
@@ -1022,6 +1024,9 @@ class Manager:
                 for part in list(op.parts.values()):
                     if in_etcd is not None and part.agent_id not in live:
                         changed |= ops.fail_part(op, part.agent_id, "agent left", now, given_up=True)
+                    elif part.incarnation and self.cluster.incarnation_of(part.agent_id) not in ("", part.incarnation):
+                        # a process that was not the one given the command: that one is gone
+                        changed |= ops.fail_part(op, part.agent_id, "agent restarted; its command was lost", now)
                 changed |= ops.expire_silent_parts(op, now, self.op_timeout_seconds)
             if changed:
                 self._op_changed(op)

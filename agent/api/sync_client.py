@@ -106,6 +106,7 @@ class ControlPlaneLink:
         self.highest_epoch = 0
         self.rejected_commands_total = 0
         self.session_id = uuid.uuid4().hex
+        self.incarnation = uuid.uuid4().hex  # this process: a restart is another one
         self._resync = threading.Event()
         self._reconnect = threading.Event()
         self.connected = threading.Event()
@@ -311,7 +312,11 @@ class ControlPlaneLink:
         with self._pool.lock:
             self._pool.pins.expire()  # the control plane re-sends what still holds
             held = [agent_pb2.HeldPin(pin_id=p.pin_id, version=p.version) for p in self._pool.pins.pins.values()]
-        yield agent_pb2.AgentMessage(hello=agent_pb2.Hello(agent_id=agent_id, session_id=self.session_id, pins=held))
+        yield agent_pb2.AgentMessage(
+            hello=agent_pb2.Hello(
+                agent_id=agent_id, session_id=self.session_id, pins=held, incarnation=self.incarnation
+            )
+        )
         yield from self._inventory_messages()
         yield from self._recent_final_updates()
         yield self._stats_message()

@@ -150,7 +150,7 @@ class AgentServicer(agent_pb2_grpc.AgentServiceServicer):
         kind = msg.WhichOneof("body")
         if kind == "hello":
             held = {p.pin_id: p.version for p in msg.hello.pins}
-            self._cluster.hello(msg.hello.agent_id, msg.hello.session_id, held)
+            self._cluster.hello(msg.hello.agent_id, msg.hello.session_id, held, msg.hello.incarnation)
             session["agent_id"], session["session_id"] = msg.hello.agent_id, msg.hello.session_id
             self._cluster.attach_outbox(msg.hello.agent_id, msg.hello.session_id, session["outbox"])
             return None

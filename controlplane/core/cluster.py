@@ -68,6 +68,7 @@ class AgentRecord:
     metrics_address: str = ""
     state: AgentState = AgentState.SYNCING
     session_id: str = ""
+    incarnation: str = ""  # the agent process behind the current session ("" from older agents)
     last_seq: int = 0
     awaiting_inventory: bool = True
     last_seen_unix_seconds: float = 0.0
@@ -228,6 +229,7 @@ class Cluster:
             if old is not None:
                 # keep the sync position and counters of a re-registering agent
                 record.session_id, record.last_seq = old.session_id, old.last_seq
+                record.incarnation = old.incarnation
                 record.awaiting_inventory = old.awaiting_inventory
                 record.lookups_total = old.lookups_total
                 record.lookup_tokens_total = old.lookup_tokens_total
@@ -282,6 +284,12 @@ class Cluster:
         with self._lock:
             return any(a not in self._agents for a in self._expected_agents or ())
 
+    def incarnation_of(self, agent_id: str) -> str:
+        """The process id the agent's current session said ('' unknown or not here)."""
+        with self._lock:
+            rec = self._agents.get(agent_id)
+            return rec.incarnation if rec is not None else ""
+
     def agents_not_back(self, indexed: bool) -> frozenset[str]:
         """Agents with a key in etcd at the last listing that have no stream here yet
         (`indexed`: or whose inventory is not in the index yet); empty before a listing."""
@@ -335,12 +343,14 @@ class Cluster:
             ]
 
     # ---- sync -----------------------------------------------------------------------
-    def hello(self, agent_id: str, session_id: str, pins: dict[str, str] | None = None) -> None:
+    def hello(self, agent_id: str, session_id: str, pins: dict[str, str] | None = None, incarnation: str = "") -> None:
         """A Sync stream opened: the agent sends a full inventory next. `pins`: the
-        control plane's pins it holds, id -> version (the new stream starts from them)."""
+        control plane's pins it holds, id -> version (the new stream starts from them).
+        `incarnation`: the agent process's id (another one: it restarted)."""
         with self._lock:
             rec = self.agent(agent_id)
             rec.session_id = session_id
+            rec.incarnation = incarnation
             rec.reported_pins = dict(pins or {})
             rec.state = AgentState.SYNCING
             self.events.publish("agent_state", f"{agent_id} connected; syncing its inventory", agent_id=agent_id)

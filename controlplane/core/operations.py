@@ -41,6 +41,7 @@ class AgentPart:
     freed: dict[int, tuple[int, int]] = field(default_factory=dict)  # tier -> (blocks, bytes)
     updated_unix_seconds: float = 0.0
     given_up: bool = False  # FAILED by the control plane (silent, left): the agent's last word may still come
+    incarnation: str = ""  # the agent process its command went to ("" unknown): another one lost it
 
 
 @dataclass

@@ -83,6 +83,7 @@ def op_to_json(op: Operation) -> str:
                     "error": p.error,
                     "freed": {str(t): list(v) for t, v in p.freed.items()},
                     "given_up": p.given_up,
+                    "incarnation": p.incarnation,
                 }
                 for p in op.parts.values()
             ],
@@ -118,6 +119,7 @@ def op_from_json(raw: bytes) -> Operation:
             {int(t): (v[0], v[1]) for t, v in p["freed"].items()},
             d["updated_unix_seconds"],
             p.get("given_up", False),
+            p.get("incarnation", ""),
         )
     return op
 

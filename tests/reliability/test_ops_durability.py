@@ -377,3 +377,26 @@ def test_cleanup_of_all_namespaces_waits_for_a_namespace_cleanup(etcd):
         wait_for(lambda: agent.commands("cleanup", later.op_id), 5, 0.02, "namespace cleanup sent after")
     finally:
         cp.stop()
+
+
+def test_a_part_whose_agent_restarted_fails_at_once_and_a_reconnect_is_no_restart(etcd):
+    """The agent process the command went to is gone (a Hello under another incarnation):
+    its part fails at the next pass, not after the operation timeout. A new stream of the
+    same process (a reconnect) is no restart."""
+    cp = start_cp(etcd)
+    try:
+        agent = StandInAgent(cp)
+        cp.cluster.hello("a1", "s1", incarnation="proc-1")
+        cp.cluster.attach_outbox("a1", "s1", agent.outbox)
+        op = cp.manager.move(Scope(namespace="ns1"), Tier.DISK)
+        assert op.parts["a1"].incarnation == "proc-1"
+        cp.cluster.hello("a1", "s2", incarnation="proc-1")  # a reconnect
+        cp.manager.run_once()
+        assert not cp.manager.get_op(op.op_id).finished
+        cp.cluster.hello("a1", "s3", incarnation="proc-2")  # a restart
+        cp.manager.run_once()
+        got = cp.manager.get_op(op.op_id)
+        assert got.state == "FAILED" and "restarted" in got.error
+        assert stored_op(etcd, op.op_id)["parts"][0]["incarnation"] == "proc-1"
+    finally:
+        cp.stop()

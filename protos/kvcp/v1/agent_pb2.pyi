@@ -166,14 +166,16 @@ class DataPlaneStats(_message.Message):
     def __init__(self, links: _Optional[_Iterable[_Union[LinkStats, _Mapping]]] = ..., inbound_reservations: _Optional[int] = ..., reserved_bytes: _Optional[int] = ..., handoff_free_bytes: _Optional[int] = ..., handoff_capacity_bytes: _Optional[int] = ..., outbound_inflight: _Optional[int] = ..., outbound_queued: _Optional[int] = ..., max_inbound: _Optional[int] = ...) -> None: ...
 
 class Hello(_message.Message):
-    __slots__ = ("agent_id", "session_id", "pins")
+    __slots__ = ("agent_id", "session_id", "pins", "incarnation")
     AGENT_ID_FIELD_NUMBER: _ClassVar[int]
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     PINS_FIELD_NUMBER: _ClassVar[int]
+    INCARNATION_FIELD_NUMBER: _ClassVar[int]
     agent_id: str
     session_id: str
     pins: _containers.RepeatedCompositeFieldContainer[HeldPin]
-    def __init__(self, agent_id: _Optional[str] = ..., session_id: _Optional[str] = ..., pins: _Optional[_Iterable[_Union[HeldPin, _Mapping]]] = ...) -> None: ...
+    incarnation: str
+    def __init__(self, agent_id: _Optional[str] = ..., session_id: _Optional[str] = ..., pins: _Optional[_Iterable[_Union[HeldPin, _Mapping]]] = ..., incarnation: _Optional[str] = ...) -> None: ...
 
 class HeldPin(_message.Message):
     __slots__ = ("pin_id", "version")

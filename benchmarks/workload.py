@@ -105,9 +105,35 @@ class PromptGenerator:
         return prompt
 
 
+def _codec_exact_fills() -> list[float]:
+    """Integers under 2048 (exact in fp16) that a block holding only that value keeps
+    exactly through every codec: the demo compresses namespaces with lossy codecs, and a
+    value int8 or fp8 rounds (8 and 180 of the 2048 do) would be counted as corruption."""
+    import torch
+
+    from agent.core import codecs
+
+    values = torch.arange(2048, dtype=torch.float16)
+    x = values.reshape(-1, 1, 1, 1, 1, 1).expand(-1, 1, 2, 1, 1, 8).contiguous()  # blocks [L, 2, T, H, D]
+    exact = torch.ones(2048, dtype=torch.bool)
+    for codec in codecs.available_codecs():
+        for i in range(2048):
+            if exact[i] and not torch.equal(
+                codecs.decode(codec, codecs.encode(codec, x[i]), x[i].shape, x.dtype), x[i]
+            ):
+                exact[i] = False
+    return [float(v) for v in values[exact]]
+
+
+_FILLS: list[float] = []
+
+
 def block_fill(block_hash: bytes) -> float:
-    """The value every element of a block's KV holds in this workload (exact in fp16)."""
-    return float(int.from_bytes(block_hash[:2], "little") % 2048)
+    """The value every element of a block's KV holds in this workload (exact in fp16 and
+    through every codec)."""
+    if not _FILLS:
+        _FILLS.extend(_codec_exact_fills())
+    return _FILLS[int.from_bytes(block_hash[:2], "little") % len(_FILLS)]
 
 
 class Workload:

@@ -438,3 +438,18 @@ def test_a_block_a_tiers_codec_cannot_hold_is_stored_uncompressed_and_a_move_wit
     out = pool.move_blocks(hs[1:], Tier.DISK, "int4")
     assert not out[0].ok and pool.tier_of(hs[1]) is Tier.CPU
     assert torch.equal(e.load("m", toks).kv, big)
+
+
+def test_the_demo_workloads_blocks_survive_every_codec_so_a_mismatch_is_corruption():
+    """The workload checks every loaded block byte for byte; the demo compresses a
+    namespace with int8. Its fill values are those every codec keeps exactly (some
+    integers int8 or fp8 round are left out), so a mismatch it counts is real."""
+    from agent.server import DEMO_MODEL
+    from benchmarks.workload import _codec_exact_fills, block_fill
+
+    fills = _codec_exact_fills()
+    assert 1500 < len(fills) < 2048
+    for h in (bytes([i, 7 * i % 256]) + bytes(14) for i in range(0, 256, 5)):
+        x = torch.full(DEMO_MODEL.block_shape, block_fill(h), dtype=torch.float16)
+        for codec in codecs.available_codecs():
+            assert torch.equal(codecs.decode(codec, codecs.encode(codec, x), x.shape, x.dtype), x), (codec, h)

@@ -130,6 +130,7 @@ class Mover:
             op.state = RUNNING
             self._update(op)
             last = time.monotonic()
+            landed: list[bytes] = []  # the blocks this move put (or found) in its tier
             for start, outcomes in self._outcomes(op):
                 for k, outcome in enumerate(outcomes, start):
                     if outcome is None:
@@ -138,6 +139,7 @@ class Mover:
                     elif outcome.ok:
                         op.done += 1
                         op.moved_bytes += outcome.moved_bytes
+                        landed.append(op.block_hashes[k])
                     else:
                         op.failed += 1
                         op.error = outcome.reason
@@ -149,6 +151,8 @@ class Mover:
                 if time.monotonic() - last > 0.2:
                     last = time.monotonic()
                     self._update(op)
+            if op.kind == "move" and op.to_tier is not None:
+                self._count_pushed_out(op, landed)
             if op.cancel_requested and op.done + op.failed < op.total:
                 op.state = CANCELLED
             else:
@@ -159,6 +163,19 @@ class Mover:
         op.finished_unix_seconds = time.time()
         self._update(op)
         return op
+
+    def _count_pushed_out(self, op: MoveOp, landed: list[bytes]) -> None:
+        """A move of more than its tier holds: each batch makes room by demoting the least
+        recently used blocks, which may be the ones earlier batches of this same move
+        brought in. Those are not where the move put them: counted failed, and said."""
+        gone = [h for h in landed if self.pool.tier_of(h) is not op.to_tier]
+        if gone:
+            op.done -= len(gone)
+            op.failed += len(gone)
+            op.error = (
+                f"{len(gone)} of the blocks moved to the {op.to_tier.label} tier were pushed out again by "
+                "later ones (the tier cannot hold them all)"
+            )
 
     def _outcomes(self, op: MoveOp):
         """(first block's index, the blocks' outcomes) for each batch of BATCH_BLOCKS, in

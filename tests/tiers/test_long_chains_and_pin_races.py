@@ -151,3 +151,27 @@ def test_a_namespace_that_could_not_reach_the_disk_is_refused_at_store_and_the_l
     hs = e.hashes(big, tokens(2))
     assert [pool.tier_of(h) for h in hs] == [Tier.DISK, Tier.DISK]
     assert e.load(big.model_id, tokens(2)).num_cached_tokens == 8
+
+
+def test_a_move_of_more_than_its_tier_holds_says_how_many_did_not_stay(tmp_path, monkeypatch):
+    """Moving 12 blocks into a CPU tier of 4, 4 at a time: each batch makes room by
+    demoting what is least recently used, which is what the earlier batches brought in.
+    The move reports the blocks that stayed as done and the rest as failed, saying why,
+    not 12 of 12 done."""
+    import agent.core.mover as mover_module
+    from agent.core.mover import Mover
+
+    monkeypatch.setattr(mover_module, "BATCH_BLOCKS", 4)
+    pool = make_pool(tmp_path, cpu_blocks=4, disk_bytes=4 << 20)
+    e = make_engine(pool)
+    toks = tokens(12)
+    e.store(SPEC.model_id, toks, kv(12))
+    hs = hashes(e, toks)
+    assert sum(pool.tier_of(h) is Tier.DISK for h in hs) == 8
+    mover = Mover(pool)
+    op = mover.submit(hs, Tier.CPU, kind="move", op_id="m1")
+    mover.run_once(1.0)
+    in_cpu = sum(pool.tier_of(h) is Tier.CPU for h in hs)
+    assert op.done == in_cpu and op.failed == 12 - in_cpu > 0, (op.done, op.failed, in_cpu)
+    assert "pushed out again" in op.error
+    check_invariants(pool)

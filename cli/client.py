@@ -46,6 +46,9 @@ class ClientError(Exception):
 PIN_RETRIES = 3
 # answers to a poll that say "not now" rather than "no": a failover or an etcd blip
 WAIT_RETRY_CODES = frozenset({"UNAVAILABLE", "DEADLINE_EXCEEDED", "FAILED_PRECONDITION"})
+# ... asked again from the start of a wait only this long (a failover takes an election
+# TTL or two); once the operation was seen, until the wait's own time is up
+FIRST_ANSWER_SECONDS = 15.0
 
 
 def _not_connected(exc: grpc.RpcError) -> bool:
@@ -807,13 +810,22 @@ class ControlPlaneClient:
         the leader gone or paused, a replica not leading yet, etcd away) is asked again,
         of the next replica given, until the time is up (reading is always safe).
         `until_finished=False`: the first answer, however the operation stands."""
-        deadline = time.monotonic() + timeout_seconds
+        start = time.monotonic()
+        deadline = start + timeout_seconds
+        answered = False
         while True:
             asked = self.endpoint
             try:
                 op = self.get_operation(op_id)
+                answered = True
             except ClientError as exc:
-                if exc.code not in WAIT_RETRY_CODES or time.monotonic() >= deadline:
+                now = time.monotonic()
+                if (
+                    exc.code not in WAIT_RETRY_CODES
+                    or now >= deadline
+                    or str(exc).startswith("this control plane runs without")  # its lasting answer
+                    or (not answered and now - start >= FIRST_ANSWER_SECONDS)  # a wrong address, say
+                ):
                     raise
                 if self.endpoint == asked:  # (a call that timed out has moved on already)
                     i = self._endpoints.index(asked) if asked in self._endpoints else -1

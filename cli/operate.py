@@ -132,8 +132,15 @@ def wait_timeout_seconds(text: str) -> float:
     return seconds
 
 
-def wait_and_print(ctx: Context, op: OperationView, wait: bool, wait_timeout: str = DEFAULT_WAIT_TIMEOUT) -> None:
-    timeout_seconds = wait_timeout_seconds(wait_timeout)
+def wait_and_print(
+    ctx: Context,
+    op: OperationView,
+    wait: bool,
+    wait_timeout: str = DEFAULT_WAIT_TIMEOUT,
+    seconds_left: float | None = None,
+) -> None:
+    """`seconds_left`: what is left of --wait-timeout (part of it went on the first answer)."""
+    timeout_seconds = wait_timeout_seconds(wait_timeout) if seconds_left is None else seconds_left
     if wait and not op.finished:
         tty = sys.stderr.isatty() and ctx.output != "json"
 
@@ -163,7 +170,7 @@ def wait_and_print(ctx: Context, op: OperationView, wait: bool, wait_timeout: st
     print_op(ctx, op)
     if wait and not op.finished:
         fail(
-            f"--wait-timeout: {op.kind} {op.op_id} is still {op.state} after {timeout_seconds:g}s; "
+            f"--wait-timeout: {op.kind} {op.op_id} is still {op.state} after {wait_timeout_seconds(wait_timeout):g}s; "
             f"it goes on: `kvctl op {op.op_id} --wait` waits again, `kvctl cancel {op.op_id}` stops it",
             1,
         )
@@ -464,11 +471,13 @@ def ops(ctx: Context, limit):
 def op(ctx: Context, op_id, wait, wait_timeout):
     """One operation (with --wait: until it finishes)."""
     seconds = wait_timeout_seconds(wait_timeout)
-    if wait:  # patient from the first poll: a failover may be under way
-        first = ctx.call(lambda c: c.wait_operation(op_id, seconds, until_finished=False))
-    else:
-        first = ctx.call(lambda c: c.get_operation(op_id))
-    wait_and_print(ctx, first, wait, wait_timeout)
+    if not wait:
+        print_op(ctx, ctx.call(lambda c: c.get_operation(op_id)))
+        return
+    # patient from the first poll (a failover may be under way), one --wait-timeout in all
+    start = time.monotonic()
+    first = ctx.call(lambda c: c.wait_operation(op_id, seconds, until_finished=False))
+    wait_and_print(ctx, first, wait, wait_timeout, seconds_left=max(0.0, seconds - (time.monotonic() - start)))
 
 
 @main.command()

@@ -349,9 +349,13 @@ class Manager:
                 "(it took over moments ago); try again in a few seconds"
             )
 
+    def _check_scope_agents_back(self, scope: Scope) -> None:
+        self._check_agents_back(
+            (scope.agent_id,) if scope.agent_id else (), indexed=bool(scope.token_ids or scope.block_hashes)
+        )
+
     def _targets(self, scope: Scope, packed: bytes) -> dict[str, bytes]:
         """agent_id -> packed hashes to send (b"" for a namespace scope)."""
-        self._check_agents_back((scope.agent_id,) if scope.agent_id else (), indexed=bool(packed))
         agents = [r.agent_id for r, _ in self.cluster.agents()]
         if scope.agent_id:
             if scope.agent_id not in agents:
@@ -633,6 +637,7 @@ class Manager:
             raise errors.InvalidArgument("to_tier", "must be gpu, cpu or disk")
         if codec and codec not in CODECS:
             raise errors.InvalidArgument("codec", f"unknown codec {codec!r}; expected one of {'|'.join(CODECS)}")
+        self._check_scope_agents_back(scope)  # (before the model: a new leader may not know it yet)
         packed, namespace = self.resolve(scope)
         targets = self._targets(scope, packed)
         params = {"to": to_tier.label, "namespace": namespace if not packed else "", "blocks": str(len(packed) // 16)}
@@ -661,12 +666,12 @@ class Manager:
         """Hand a prefix from one agent to another (prefill -> decode); the source runs it
         (agent.dataplane) and reports the outcome: engine, fallback path, or recompute."""
         self.ensure_loaded()
+        self._check_agents_back(tuple(a for a in (from_agent_id, to_agent_id) if a), indexed=True)
         packed, _ = self.resolve(scope)
         if not packed:
             raise errors.InvalidArgument("scope", "a transfer needs a prefix of a model (token_ids or block_hashes)")
         if not math.isfinite(deadline_seconds) or deadline_seconds < 0:
             raise errors.InvalidArgument("deadline_seconds", f"must be a finite number >= 0, got {deadline_seconds}")
-        self._check_agents_back(tuple(a for a in (from_agent_id, to_agent_id) if a), indexed=True)
         agents = {r.agent_id: r for r, _ in self.cluster.agents()}
         for field_name, agent_id in (("from_agent_id", from_agent_id), ("to_agent_id", to_agent_id)):
             if not agent_id:
@@ -710,6 +715,7 @@ class Manager:
         self.ensure_loaded()
         if codec not in CODECS:
             raise errors.InvalidArgument("codec", f"unknown codec {codec!r}; expected one of {'|'.join(CODECS)}")
+        self._check_scope_agents_back(scope)
         packed, namespace = self.resolve(scope)
         targets = self._targets(scope, packed)
         params = {"codec": codec, "namespace": namespace if not packed else "", "tier": tier.label if tier else ""}
@@ -745,9 +751,9 @@ class Manager:
                 "older_than_seconds", f"must be a finite number >= 0, got {older_than_seconds}"
             )
         ns = check_namespace(namespace, "namespace") if namespace else ""
+        self._check_agents_back((agent_id,) if agent_id else ())  # (before the model: see move)
         if model_id:
             self._model(model_id)
-        self._check_agents_back((agent_id,) if agent_id else ())
         agents = [r.agent_id for r, _ in self.cluster.agents()]
         if agent_id:
             if agent_id not in agents:
@@ -1019,6 +1025,12 @@ class Manager:
                     self._op_done.setdefault(op.op_id, threading.Event())
                 self._start_locked(op)
         for op in running:
+            if op.cancel_requested and op.commands_sent and self._owns(op):
+                # a cancel's command may not have reached an agent (its stream was down, or
+                # the leader that stored the cancel died): asked again until it answers
+                for part in list(op.parts.values()):
+                    if part.state not in ops.TERMINAL:
+                        self.cluster.send(part.agent_id, AgentCommand(op.op_id, "cancel"))
             changed = False
             with self._lock:
                 for part in list(op.parts.values()):

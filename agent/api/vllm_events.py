@@ -84,6 +84,7 @@ class VllmEventSubscriber:
         self._dealer: zmq.Socket | None = None
         self._started = False
         self._reconnected = False  # the publisher's connection came back since the last batch
+        self._said_block_size = False
 
     # ---- applying -------------------------------------------------------------------
     def _apply(self, seq: int, payload: bytes) -> None:
@@ -96,9 +97,10 @@ class VllmEventSubscriber:
             st.malformed_total += 1
             # what it stored or removed is unknown: nothing of the engine's is claimed
             dropped = self.external.clear()
-            (log.error if isinstance(exc, BlockSizeMismatch) else log.warning)(
-                "vLLM KV event batch %d not applied (%s); forgot the engine's %d blocks", seq, exc, dropped
-            )
+            loud = isinstance(exc, BlockSizeMismatch) and not self._said_block_size
+            self._said_block_size |= loud  # (said once as an error: every batch after repeats it)
+            level = log.error if loud else log.debug if isinstance(exc, BlockSizeMismatch) else log.warning
+            level("vLLM KV event batch %d not applied (%s); forgot the engine's %d blocks", seq, exc, dropped)
             return
         if batch.unknown_events:
             st.unknown_events_total += batch.unknown_events

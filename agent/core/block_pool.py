@@ -812,10 +812,13 @@ class BlockPool:
         children: dict[bytes, list[BlockMeta]] = collections.defaultdict(list)
         for m in self.blocks.values():
             children[m.parent_hash].append(m)
-        out = [meta]
+        out, seen = [meta], {meta.block_hash}
         for m in out:  # grows as it goes: breadth first
             if m.num_children:
-                out.extend(children.get(m.block_hash, ()))
+                for c in children.get(m.block_hash, ()):
+                    if c.block_hash not in seen:  # (a parent loop, which no digest makes, must not spin)
+                        seen.add(c.block_hash)
+                        out.append(c)
         return out
 
     def move_block(

@@ -21,6 +21,7 @@ import ctypes
 import math
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from protos import native
@@ -99,7 +100,8 @@ def _rows_encode_native(name: str, x: torch.Tensor) -> torch.Tensor | None:
     rows = x.numel() // d
     out = torch.empty(2 * rows + x.numel(), dtype=torch.uint8)
     getattr(lib, name)(x.data_ptr(), rows, d, out.data_ptr(), out.data_ptr() + 2 * rows)
-    _fp16_scales(out[: 2 * rows].view(torch.float16))
+    qmax = 127.0 if name.startswith("int8") else FP8_MAX
+    _decodable(_largest_np(out.numpy()[: 2 * rows].view(np.float16), qmax), True)
     return out
 
 
@@ -114,15 +116,35 @@ def _rows_decode_native(name: str, scale: torch.Tensor, q: torch.Tensor, shape, 
     return out
 
 
-def _fp16_scales(*tensors: torch.Tensor) -> None:
-    """A lossy payload keeps its scales (and int4 its minimums) in fp16: a block whose
-    values they cannot hold (inf or NaN in it; a bf16 or fp32 block beyond fp16's range
-    times the codec's) would decode to inf/NaN. CodecError instead: it is not encoded."""
-    for t in tensors:
-        if not bool(torch.isfinite(t).all()):
-            raise CodecError(
-                "the block holds values its fp16 scales cannot (inf, NaN, or beyond fp16's range): not encoded"
-            )
+_NOT_ENCODED = "the block holds values its fp16 scales cannot (inf, NaN, or beyond fp16's range): not encoded"
+FP16_MAX = 65504.0
+
+
+def _decodable(largest: float, fp16_block: bool) -> None:
+    """`largest`: the largest magnitude the payload decodes to (qmax x scale, plus the
+    minimum's for int4), as stored in fp16. Infinite or NaN (the block held inf or NaN,
+    or a bf16 / fp32 block went past what an fp16 scale holds), or past fp16's range for
+    an fp16 block (it would decode to inf): CodecError, the block is not encoded."""
+    if not math.isfinite(largest) or (fp16_block and largest > FP16_MAX):
+        raise CodecError(_NOT_ENCODED)
+
+
+def _largest(scale16: torch.Tensor, qmax: float, lo16: torch.Tensor | None = None) -> float:
+    """int8 / fp8 decode to at most qmax x scale; int4 to [min, min + 15 x scale]."""
+    top = scale16.float().abs() * qmax
+    if lo16 is not None:
+        lo = lo16.float()
+        top = torch.maximum(lo.abs(), (lo + top).abs())
+    return float(top.amax()) if top.numel() else 0.0
+
+
+def _largest_np(scales: np.ndarray, qmax: float, lows: np.ndarray | None = None) -> float:
+    """_largest of scales (and minimums) read straight from a C loop's payload."""
+    top = np.abs(scales.astype(np.float32)) * qmax
+    if lows is not None:
+        lo = lows.astype(np.float32)
+        top = np.maximum(np.abs(lo), np.abs(lo + top))
+    return float(top.max()) if top.size else 0.0
 
 
 def _int8_batch(x: torch.Tensor) -> torch.Tensor:
@@ -131,7 +153,7 @@ def _int8_batch(x: torch.Tensor) -> torch.Tensor:
     scale = _div(xf.abs().amax(dim=-1, keepdim=True).clamp_min(1e-8), 127.0)
     q = torch.round(xf / scale).clamp_(-127, 127).to(torch.int8)
     scale16 = scale.to(torch.float16)
-    _fp16_scales(scale16)
+    _decodable(_largest(scale16, 127.0), x.dtype == torch.float16)
     return torch.cat([_rows_u8(scale16), _rows_u8(q)], dim=1)
 
 
@@ -158,7 +180,7 @@ def _fp8_batch(x: torch.Tensor) -> torch.Tensor:
     scale = _div(xf.abs().amax(dim=-1, keepdim=True).clamp_min(1e-8), FP8_MAX)
     q = (xf / scale).to(FP8)
     scale16 = scale.to(torch.float16)
-    _fp16_scales(scale16)
+    _decodable(_largest(scale16, FP8_MAX), x.dtype == torch.float16)
     return torch.cat([_rows_u8(scale16), _rows_u8(q)], dim=1)
 
 
@@ -198,7 +220,7 @@ def _quant4(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         q = torch.cat([q, q.new_zeros(n, 1)], dim=1)
     packed = q[:, 0::2] | (q[:, 1::2] << 4)
     scale16, lo16 = scale.to(torch.float16), lo.to(torch.float16)
-    _fp16_scales(scale16, lo16)
+    _decodable(_largest(scale16, 15.0, lo16), x.dtype == torch.float16)
     return packed, scale16, lo16
 
 
@@ -245,9 +267,13 @@ def _int4_encode(x: torch.Tensor) -> torch.Tensor:
         gk, Gk, gv, Gv, sizes = _int4_layout(x.shape)
         out = torch.empty(sum(sizes), dtype=torch.uint8)
         if lib.int4_encode(x.data_ptr(), L, T, H, D, gk, Gk, gv, Gv, *_section_ptrs(out.data_ptr(), sizes)) == 0:
-            k_end, v_start = sizes[0] + sizes[1], sum(sizes[:3])
-            v_scales = out[v_start : v_start + sizes[3] + sizes[4]].clone()  # (it may start at an odd byte)
-            _fp16_scales(out[:k_end].view(torch.float16), v_scales.view(torch.float16))
+            raw = out.numpy()
+            nk, nv = sizes[0] // 2, sizes[3] // 2
+            v_at = sum(sizes[:3])  # (it may be an odd byte: frombuffer reads it unaligned)
+            k_scale, k_lo = raw[: 2 * nk].view(np.float16), raw[2 * nk : 4 * nk].view(np.float16)
+            v_scale = np.frombuffer(raw, np.float16, nv, v_at)
+            v_lo = np.frombuffer(raw, np.float16, nv, v_at + 2 * nv)
+            _decodable(max(_largest_np(k_scale, 15.0, k_lo), _largest_np(v_scale, 15.0, v_lo)), True)
             return out
     return _int4_batch(x[None])[0]
 

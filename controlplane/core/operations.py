@@ -174,11 +174,13 @@ def _settle(op: Operation) -> bool:
             op.error = "cancel came after every agent had finished"
         elif op.cancel_requested or any(s == CANCELLED for s in states):
             op.state = CANCELLED
+            op.error = ""  # (a failure declared before a late report is no longer the story)
         elif any(s == FAILED for s in states):
             op.state = FAILED
             op.error = "; ".join(f"{p.agent_id}: {p.error or 'failed'}" for p in op.parts.values() if p.state == FAILED)
         else:
             op.state = SUCCEEDED
+            op.error = ""
     elif any(s != PENDING for s in states):
         op.state = RUNNING
     return op.state != before

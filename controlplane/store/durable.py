@@ -69,6 +69,7 @@ def op_to_json(op: Operation) -> str:
             "dry_run": op.dry_run,
             "waiting_for_lock": op.waiting_for_lock,
             "commands_sent": op.commands_sent,
+            "cancel_requested": op.cancel_requested,
             "created_unix_seconds": op.created_unix_seconds,
             "updated_unix_seconds": op.updated_unix_seconds,
             "parts": [
@@ -105,6 +106,7 @@ def op_from_json(raw: bytes) -> Operation:
         waiting_for_lock=d.get("waiting_for_lock", False),
         # stored before the flag: an operation past its lock had its commands sent
         commands_sent=d.get("commands_sent", not d.get("waiting_for_lock", False)),
+        cancel_requested=d.get("cancel_requested", False),
     )
     for p in d["parts"]:
         op.parts[p["agent_id"]] = AgentPart(

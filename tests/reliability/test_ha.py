@@ -338,6 +338,12 @@ def test_an_operation_right_after_a_failover_waits_for_the_agents_etcd_lists(rep
         refused = kvctl(r.endpoint("cp-b"), "move", "--namespace", "chat", "--to", "disk", check=False)
         assert refused.returncode != 0, refused.stdout
         assert "paused-agent" in refused.stderr and "not back" in refused.stderr
+        # a prefix: the new leader does not know the model yet either (not "unknown model")
+        tokens = ",".join(map(str, prompt))
+        refused = kvctl(
+            r.endpoint("cp-b"), "move", "--model", M.model_id, "--tokens", tokens, "--to", "disk", check=False
+        )
+        assert refused.returncode != 0 and "not back" in refused.stderr, refused.stderr
     finally:
         agent.send_signal(signal.SIGCONT)
     with ControlPlaneClient(r.endpoint("cp-b")) as c:

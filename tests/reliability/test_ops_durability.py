@@ -400,3 +400,25 @@ def test_a_part_whose_agent_restarted_fails_at_once_and_a_reconnect_is_no_restar
         assert stored_op(etcd, op.op_id)["parts"][0]["incarnation"] == "proc-1"
     finally:
         cp.stop()
+
+
+def test_a_cancel_is_asked_again_until_the_agent_answers_and_survives_a_reload(etcd):
+    """The cancel's command may never reach the agent (a stream down at that moment, a
+    leader that died after storing it): every pass asks again while the part runs, and
+    the cancel is kept in etcd, so a next leader goes on asking."""
+    cp = start_cp(etcd)
+    try:
+        agent = StandInAgent(cp)
+        op = cp.manager.move(Scope(namespace="ns1"), Tier.DISK)
+        agent.report(op.op_id, "RUNNING", 1, 10)
+        cp.manager.cancel_op(op.op_id)
+        assert len(agent.commands("cancel", op.op_id)) == 1
+        cp.manager.run_once()
+        assert len(agent.commands("cancel", op.op_id)) == 2
+        assert stored_op(etcd, op.op_id)["cancel_requested"] is True
+        agent.report(op.op_id, "CANCELLED", 4, 10)
+        cp.manager.run_once()
+        assert len(agent.commands("cancel", op.op_id)) == 2  # answered: no more
+        assert cp.manager.get_op(op.op_id).state == "CANCELLED"
+    finally:
+        cp.stop()

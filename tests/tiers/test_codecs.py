@@ -453,3 +453,17 @@ def test_the_demo_workloads_blocks_survive_every_codec_so_a_mismatch_is_corrupti
         x = torch.full(DEMO_MODEL.block_shape, block_fill(h), dtype=torch.float16)
         for codec in codecs.available_codecs():
             assert torch.equal(codecs.decode(codec, codecs.encode(codec, x), x.shape, x.dtype), x), (codec, h)
+
+
+@pytest.mark.parametrize("codec", ["int8", "int4", "fp8"])
+def test_an_fp16_block_at_the_top_of_its_range_is_refused_not_decoded_to_inf(codec):
+    """±65504: int8's scale rounds up in fp16 (127 x 516 = 65532), which decodes to inf;
+    refused on the C path and torch's alike. 60000 goes through, finite."""
+    if codec not in codecs.available_codecs():
+        pytest.skip(f"{codec} unavailable in this torch build")
+    x = block((1, 2, 4, 1, 8), torch.float16)
+    x[0, 0, 0, 0, 0], x[0, 1, 1, 0, 1] = 65504.0, -65504.0
+    with pytest.raises(codecs.CodecError, match="fp16 scales"):
+        codecs.encode(codec, x)
+    x[0, 0, 0, 0, 0], x[0, 1, 1, 0, 1] = 60000.0, -60000.0
+    assert torch.isfinite(roundtrip(codec, x).float()).all()

@@ -77,7 +77,7 @@ def test_an_agent_given_up_for_silence_that_answers_later_has_the_last_word():
     assert op.state == ops.FAILED and "no progress" in op.error
     assert not ops.apply_update(op, "a1", ops.RUNNING, 10, 500, 0, 0, "", now=101.0)  # finished: progress ignored
     assert ops.apply_update(op, "a1", ops.SUCCEEDED, 500, 500, 0, 500 * 8192, "", now=102.0)
-    assert op.state == ops.SUCCEEDED and op.done == 505
+    assert op.state == ops.SUCCEEDED and op.done == 505 and op.error == ""
     left = _sent(["a1"])
     ops.fail_part(left, "a1", "agent left", now=5.0, given_up=True)
     ops.apply_update(left, "a1", ops.FAILED, 3, 8, 5, 0, "disk full", now=6.0)

@@ -201,6 +201,8 @@ class Demo:
                     a.agent_disk_capacity,
                     "--metrics-listen",
                     f"127.0.0.1:{a.agent_metrics_ports[i - 1]}",
+                    "--role",  # a prefill agent and one that does both: kvctl route has a choice to show
+                    "prefill" if i == 1 else "both",
                 ],
             )
             self.wait_port(name, proc, port)

@@ -163,7 +163,9 @@ class Policy:
             if low > high:
                 raise errors.InvalidArgument(
                     name(f"{t.label}.low_watermark"),
-                    f"must not exceed {t.label}.high_watermark ({_format(high)}), got {_format(low)}",
+                    f"must not exceed {t.label}.high_watermark ({_format(high)}), got {_format(low)}; "
+                    f"moving one past the other: set both in one call ({t.label}.high_watermark=H "
+                    f"{t.label}.low_watermark=L)",
                 )
             if tp.codec not in CODECS:
                 raise errors.InvalidArgument(

@@ -131,6 +131,7 @@ class Mover:
             self._update(op)
             last = time.monotonic()
             landed: list[bytes] = []  # the blocks this move put (or found) in its tier
+            kept = 0  # blocks a compress left in their codec (the new one would not shrink them)
             for start, outcomes in self._outcomes(op):
                 for k, outcome in enumerate(outcomes, start):
                     if outcome is None:
@@ -140,6 +141,7 @@ class Mover:
                         op.done += 1
                         op.moved_bytes += outcome.moved_bytes
                         landed.append(op.block_hashes[k])
+                        kept += outcome.reason.startswith("kept as")
                     else:
                         op.failed += 1
                         op.error = outcome.reason
@@ -153,6 +155,8 @@ class Mover:
                     self._update(op)
             if op.kind == "move" and op.to_tier is not None:
                 self._count_pushed_out(op, landed)
+            if kept and not op.error:
+                op.error = f"{kept} block(s) kept in their codec: {op.codec} would not make them smaller"
             if op.cancel_requested and op.done + op.failed < op.total:
                 op.state = CANCELLED
             else:

@@ -180,7 +180,9 @@ def _settle(op: Operation) -> bool:
             op.error = "; ".join(f"{p.agent_id}: {p.error or 'failed'}" for p in op.parts.values() if p.state == FAILED)
         else:
             op.state = SUCCEEDED
-            op.error = ""
+            # what the agents noted about work that succeeded (blocks kept, a prefix held
+            # only in part); a failure declared before a late report is no longer among them
+            op.error = "; ".join(f"{p.agent_id}: {p.error}" for p in op.parts.values() if p.error)
     elif any(s != PENDING for s in states):
         op.state = RUNNING
     return op.state != before

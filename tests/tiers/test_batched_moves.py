@@ -1220,6 +1220,11 @@ def test_a_compress_that_would_grow_blocks_keeps_them_and_drops_nothing(page):
     for i, h in enumerate(hashes):
         assert torch.equal(decoded(pool, h), roundtrip_int8(data[i]))
     check_pool(pool)
+    # as an operation: it succeeds, and says the blocks stayed in their codec
+    mover = Mover(pool)
+    op = mover.run_op(mover.submit(hashes, None, codec="zstd", kind="compress"))
+    assert op.state == "SUCCEEDED" and op.done == n
+    assert op.error == f"{n} block(s) kept in their codec: zstd would not make them smaller"
 
 
 def test_compress_to_zstd_keeps_raw_blocks_zstd_cannot_shrink(tmp_path):

@@ -97,3 +97,10 @@ def test_what_a_cancel_and_a_give_up_need_survives_etcd():
     assert back.commands_sent and back.parts["a1"].given_up
     ops.apply_update(back, "a1", ops.SUCCEEDED, 8, 8, 0, 0, "", now=101.0)
     assert back.state == ops.SUCCEEDED
+
+
+def test_a_succeeded_operation_carries_what_its_agents_noted():
+    op = _sent(["a1", "a2"])
+    ops.apply_update(op, "a1", ops.SUCCEEDED, 6, 6, 0, 0, "6 block(s) kept in their codec", now=1.0)
+    ops.apply_update(op, "a2", ops.SUCCEEDED, 4, 4, 0, 4096, "", now=1.0)
+    assert op.state == ops.SUCCEEDED and op.error == "a1: 6 block(s) kept in their codec"

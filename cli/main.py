@@ -86,7 +86,33 @@ def flag_named(message: str) -> str:
 pass_ctx = click.make_pass_decorator(Context)
 
 
+# options of kvctl itself (before the command), named when given after one
+GLOBAL_OPTIONS = (
+    "-o",
+    "--output",
+    "--endpoint",
+    "--timeout",
+    "--token-file",
+    "--tls-ca",
+    "--tls-cert",
+    "--tls-key",
+    "--lookup-endpoint",
+)
+
+
 class _Group(click.Group):
+    def invoke(self, ctx):
+        try:
+            return super().invoke(ctx)
+        except click.NoSuchOption as exc:
+            # `kvctl pins -o json`: a global option after the command is no option there
+            if exc.option_name in GLOBAL_OPTIONS:
+                exc.message = (
+                    f"{exc.option_name} is an option of kvctl itself: put it before the command "
+                    f"(kvctl {exc.option_name} ... {ctx.invoked_subcommand or 'COMMAND'} ...)"
+                )
+            raise
+
     def main(self, *args, **kwargs):
         """Output that cannot be written (a full disk, a closed terminal) is one line on
         stderr and exit 1, not a traceback (a closed pipe stays click's quiet exit)."""

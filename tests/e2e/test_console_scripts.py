@@ -341,3 +341,16 @@ def test_kvctl_output_that_cannot_be_written_is_one_line_not_a_traceback():
         )
     assert proc.returncode == 1
     assert proc.stderr.strip() == "kvctl: cannot write the output: No space left on device"
+
+
+@pytest.mark.parametrize(
+    "argv", [["pins", "-o", "json"], ["policy", "get", "--output", "json"], ["ops", "--timeout", "3"]]
+)
+def test_a_kvctl_option_given_after_the_command_is_named_as_kvctls_own(argv):
+    """`kvctl pins -o json` got click's bare "No such option '-o'": it now says the option
+    goes before the command (exit 2, nothing called)."""
+    proc = kvctl("127.0.0.1:1", *argv, check=False)
+    assert proc.returncode == 2, proc
+    assert f"{argv[-2]} is an option of kvctl itself: put it before the command" in proc.stderr
+    unknown = kvctl("127.0.0.1:1", "pins", "--bogus", check=False)
+    assert unknown.returncode == 2 and "No such option" in unknown.stderr

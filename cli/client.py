@@ -454,6 +454,11 @@ class ControlPlaneClient:
             self._channel.close()
             self._connect(endpoint)
 
+    def _use_next_endpoint(self) -> None:
+        """Move on to the replica after this one in the list given (round robin)."""
+        i = self._endpoints.index(self.endpoint) if self.endpoint in self._endpoints else -1
+        self.use_endpoint(self._endpoints[(i + 1) % len(self._endpoints)])
+
     def _leader_of(self, exc: grpc.RpcError) -> str:
         """The leader a follower named in its FAILED_PRECONDITION answer, if not us."""
         if exc.code() != grpc.StatusCode.FAILED_PRECONDITION:
@@ -506,8 +511,7 @@ class ControlPlaneClient:
                 elif exc.code() == grpc.StatusCode.DEADLINE_EXCEEDED and len(self._endpoints) > 1:
                     # it may have been applied there, so it is not sent again; the next call
                     # starts at another replica (a paused leader's successor, say)
-                    i = self._endpoints.index(self.endpoint) if self.endpoint in self._endpoints else -1
-                    self.use_endpoint(self._endpoints[(i + 1) % len(self._endpoints)])
+                    self._use_next_endpoint()
                 raise self._error(exc) from None
 
     def _error(self, exc: grpc.RpcError) -> ClientError:
@@ -828,8 +832,7 @@ class ControlPlaneClient:
                 ):
                     raise
                 if self.endpoint == asked:  # (a call that timed out has moved on already)
-                    i = self._endpoints.index(asked) if asked in self._endpoints else -1
-                    self.use_endpoint(self._endpoints[(i + 1) % len(self._endpoints)])
+                    self._use_next_endpoint()
                 time.sleep(min(0.5, max(0.0, deadline - time.monotonic())))
                 continue
             if on_progress:

@@ -989,13 +989,16 @@ class Manager:
             running = [] if refused else [p.agent_id for p in op.parts.values() if p.state not in ops.TERMINAL]
             if not refused:
                 ops.cancel(op, now)
-        for agent_id in running:
-            self.cluster.send(agent_id, AgentCommand(op.op_id, "cancel"))
+        self._send_cancel(op, running)
         if persist or not refused:
             self._op_changed(op)
         if refused:
             self._check_cancellable(op)
         return op
+
+    def _send_cancel(self, op: ops.Operation, agent_ids: list[str]) -> None:
+        for agent_id in agent_ids:
+            self.cluster.send(agent_id, AgentCommand(op.op_id, "cancel"))
 
     def _expire_ops(self, now: float) -> None:
         # an agent with a key in etcd is alive though not yet back on this leader's stream;
@@ -1028,9 +1031,7 @@ class Manager:
             if op.cancel_requested and op.commands_sent and self._owns(op):
                 # a cancel's command may not have reached an agent (its stream was down, or
                 # the leader that stored the cancel died): asked again until it answers
-                for part in list(op.parts.values()):
-                    if part.state not in ops.TERMINAL:
-                        self.cluster.send(part.agent_id, AgentCommand(op.op_id, "cancel"))
+                self._send_cancel(op, [p.agent_id for p in list(op.parts.values()) if p.state not in ops.TERMINAL])
             changed = False
             with self._lock:
                 for part in list(op.parts.values()):

@@ -122,6 +122,7 @@ class MoveOutcome:
     moved_bytes: int = 0
     reason: str = ""
     pinned_tier: int = 0  # refused because a pin keeps the block at this tier or faster
+    kept: bool = False  # a compress left it in its codec: the new one would not make it smaller
 
 
 @dataclass(frozen=True)
@@ -193,7 +194,9 @@ def _grows(target: str, new_bytes: int, stored_bytes: int) -> bool:
 
 def _kept(codec: str, target: str, new_bytes: int, stored_bytes: int) -> MoveOutcome:
     return MoveOutcome(
-        True, reason=f"kept as {codec}: {target} would not make it smaller ({new_bytes} B, now {stored_bytes} B)"
+        True,
+        reason=f"kept as {codec}: {target} would not make it smaller ({new_bytes} B, now {stored_bytes} B)",
+        kept=True,
     )
 
 

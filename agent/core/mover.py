@@ -141,7 +141,7 @@ class Mover:
                         op.done += 1
                         op.moved_bytes += outcome.moved_bytes
                         landed.append(op.block_hashes[k])
-                        kept += outcome.reason.startswith("kept as")
+                        kept += outcome.kept
                     else:
                         op.failed += 1
                         op.error = outcome.reason

@@ -1,7 +1,8 @@
 /* The int8, int4 and fp8 codecs of agent/core/codecs.py for fp16 blocks, in C (AVX2 +
    F16C where the compiler targets them, plain C otherwise). Bit for bit what the torch
-   path computes on finite blocks (a NaN or infinity, which no engine's KV holds, encodes
-   differently). int8: per row of head_dim values, scale = max(absmax, 1e-8) / 127 in fp32, q = round half to
+   path computes on finite blocks. A NaN anywhere in a row (or int4 group) makes its scale
+   NaN, as an infinity makes it infinite, so codecs.py refuses the block from its stored
+   scales. int8: per row of head_dim values, scale = max(absmax, 1e-8) / 127 in fp32, q = round half to
    even of x / scale (a true division, as torch does), clamped to [-127, 127]; the scale
    is stored as fp16. Decode: q * fp16 scale in fp32, rounded to fp16. int4 (KIVI) and
    fp8: see their sections. Built and loaded by protos.native. */
@@ -18,6 +19,15 @@
 #define VEC 1
 #endif
 
+#ifdef VEC
+/* max of magnitudes (sign bits clear) compared as integers: the same order as floats,
+   with a NaN above infinity, so a NaN is kept (a float max drops it) */
+static inline __m256 mag_max(__m256 x, __m256 y) {
+    return _mm256_castsi256_ps(_mm256_max_epi32(_mm256_castps_si256(x), _mm256_castps_si256(y)));
+}
+#endif
+
+/* the largest |v[j]|; NaN when a v[j] is NaN */
 static inline float row_absmax(const _Float16 *v, int64_t d) {
     float m = 0.f;
     int64_t j = 0;
@@ -26,21 +36,23 @@ static inline float row_absmax(const _Float16 *v, int64_t d) {
     const __m256 nosign = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF));
     for (; j + 8 <= d; j += 8) {
         __m256 a = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(v + j)));
-        acc = _mm256_max_ps(acc, _mm256_and_ps(a, nosign));
+        acc = mag_max(acc, _mm256_and_ps(a, nosign));
     }
-    __m128 h = _mm_max_ps(_mm256_castps256_ps128(acc), _mm256_extractf128_ps(acc, 1));
-    h = _mm_max_ps(h, _mm_movehl_ps(h, h));
-    h = _mm_max_ss(h, _mm_shuffle_ps(h, h, 1));
-    m = _mm_cvtss_f32(h);
+    float lanes[8];
+    _mm256_storeu_ps(lanes, acc);
+    for (int k = 0; k < 8; k++) m = (lanes[k] > m || lanes[k] != lanes[k]) ? lanes[k] : m;
 #endif
-    for (; j < d; j++) { float a = fabsf((float)v[j]); m = a > m ? a : m; }
+    for (; j < d; j++) {
+        float a = fabsf((float)v[j]);
+        m = (a > m || a != a) ? a : m; /* once NaN, m stays NaN */
+    }
     return m;
 }
 
 /* a row's scale, max(absmax, 1e-8) / qmax in fp32, stored as fp16 */
 static inline float row_scale(const _Float16 *v, int64_t d, float qmax, _Float16 *stored) {
     float m = row_absmax(v, d);
-    float s = (m > 1e-8f ? m : 1e-8f) / qmax;
+    float s = (m > 1e-8f || m != m ? m : 1e-8f) / qmax;
     *stored = (_Float16)s;
     return s;
 }
@@ -48,7 +60,7 @@ static inline float row_scale(const _Float16 *v, int64_t d, float qmax, _Float16
 #ifdef VEC
 /* max over each 128-bit half's adjacent pairs of x and y: [x0|x1, x2|x3, y0|y1, y2|y3] per half (hadd's order) */
 static inline __m256 hmax2(__m256 x, __m256 y) {
-    return _mm256_max_ps(_mm256_shuffle_ps(x, y, 0x88), _mm256_shuffle_ps(x, y, 0xDD));
+    return mag_max(_mm256_shuffle_ps(x, y, 0x88), _mm256_shuffle_ps(x, y, 0xDD));
 }
 
 /* the absmax of 8 rows of d values (d a multiple of 8), one row per lane: the rows'
@@ -60,12 +72,12 @@ static inline __m256 rows8_absmax(const _Float16 *v, int64_t d) {
         const _Float16 *row = v + i * d;
         __m256 a = _mm256_setzero_ps();
         for (int64_t j = 0; j < d; j += 8)
-            a = _mm256_max_ps(a, _mm256_and_ps(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(row + j))), nosign));
+            a = mag_max(a, _mm256_and_ps(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(row + j))), nosign));
         acc[i] = a;
     }
     __m256 m0123 = hmax2(hmax2(acc[0], acc[1]), hmax2(acc[2], acc[3]));
     __m256 m4567 = hmax2(hmax2(acc[4], acc[5]), hmax2(acc[6], acc[7]));
-    return _mm256_max_ps(_mm256_permute2f128_ps(m0123, m4567, 0x20), _mm256_permute2f128_ps(m0123, m4567, 0x31));
+    return mag_max(_mm256_permute2f128_ps(m0123, m4567, 0x20), _mm256_permute2f128_ps(m0123, m4567, 0x31));
 }
 #endif
 
@@ -73,7 +85,8 @@ static inline __m256 rows8_absmax(const _Float16 *v, int64_t d) {
 /* the fp32 scales max(absmax, 1e-8) / qmax of 8 rows (d a multiple of 8), stored as fp16
    too: row_scale's arithmetic, one division and one conversion for the 8 */
 static inline __m256 rows8_scale(const _Float16 *v, int64_t d, float qmax, _Float16 *stored) {
-    __m256 sv = _mm256_div_ps(_mm256_max_ps(rows8_absmax(v, d), _mm256_set1_ps(1e-8f)), _mm256_set1_ps(qmax));
+    /* max_ps answers its second operand when either is NaN: a NaN absmax stays NaN */
+    __m256 sv = _mm256_div_ps(_mm256_max_ps(_mm256_set1_ps(1e-8f), rows8_absmax(v, d)), _mm256_set1_ps(qmax));
     _mm_storeu_si128((__m128i *)stored, _mm256_cvtps_ph(sv, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
     return sv;
 }
@@ -190,18 +203,21 @@ static inline void quant4_row(const float *restrict v, float lo, float s, uint8_
     }
 }
 
-/* min and max of v[0:n), n >= 1 */
+/* min and max of v[0:n), n >= 1; the max is NaN when a v[j] is */
 static inline void minmax(const float *v, int64_t n, float *lo_out, float *hi_out) {
     float lo = v[0], hi = v[0];
     int64_t j = 0;
+    int nan = v[0] != v[0];
 #ifdef VEC
     if (n >= 8) {
-        __m256 a = _mm256_loadu_ps(v), b = a;
+        __m256 a = _mm256_loadu_ps(v), b = a, un = _mm256_cmp_ps(a, a, _CMP_UNORD_Q);
         for (j = 8; j + 8 <= n; j += 8) {
             __m256 c = _mm256_loadu_ps(v + j);
             a = _mm256_min_ps(a, c);
             b = _mm256_max_ps(b, c);
+            un = _mm256_or_ps(un, _mm256_cmp_ps(c, c, _CMP_UNORD_Q));
         }
+        nan |= _mm256_movemask_ps(un) != 0;
         float la[8], hb[8];
         _mm256_storeu_ps(la, a);
         _mm256_storeu_ps(hb, b);
@@ -215,9 +231,10 @@ static inline void minmax(const float *v, int64_t n, float *lo_out, float *hi_ou
     for (; j < n; j++) {
         lo = v[j] < lo ? v[j] : lo;
         hi = v[j] > hi ? v[j] : hi;
+        nan |= v[j] != v[j];
     }
     *lo_out = lo;
-    *hi_out = hi;
+    *hi_out = nan ? NAN : hi;
 }
 
 /* fp16 number i of a payload section that may start at an odd address */
@@ -308,7 +325,7 @@ int int4_encode(const _Float16 *x, int64_t L, int64_t T, int64_t H, int64_t D, i
                     load_row(keys + (t * H + h) * D, row, D);
                     for (int64_t d = 0; d < D; d++) {
                         mn[d] = row[d] < mn[d] ? row[d] : mn[d];
-                        mx[d] = row[d] > mx[d] ? row[d] : mx[d];
+                        mx[d] = row[d] > mx[d] || row[d] != row[d] ? row[d] : mx[d]; /* a NaN stays */
                     }
                 }
                 for (int64_t d = 0; d < D; d++) {

@@ -273,7 +273,8 @@ def _int4_encode(x: torch.Tensor) -> torch.Tensor:
             k_scale, k_lo = raw[: 2 * nk].view(np.float16), raw[2 * nk : 4 * nk].view(np.float16)
             v_scale = np.frombuffer(raw, np.float16, nv, v_at)
             v_lo = np.frombuffer(raw, np.float16, nv, v_at + 2 * nv)
-            _decodable(max(_largest_np(k_scale, 15.0, k_lo), _largest_np(v_scale, 15.0, v_lo)), True)
+            _decodable(_largest_np(k_scale, 15.0, k_lo), True)  # each: max() would drop a NaN
+            _decodable(_largest_np(v_scale, 15.0, v_lo), True)
             return out
     return _int4_batch(x[None])[0]
 

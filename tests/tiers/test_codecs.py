@@ -5,6 +5,7 @@ bad payloads. A block is [num_layers, 2, block_size, num_kv_heads, head_dim]."""
 from __future__ import annotations
 
 import math
+import random
 
 import pytest
 import torch
@@ -396,7 +397,10 @@ def test_batched_decode_names_what_is_wrong(codec, payloads, why):
         (torch.float16, math.inf, "int8"),  # an inf in an fp16 row (the C loops)
         (torch.float16, math.inf, "fp8"),
         (torch.float16, math.inf, "int4"),
-        (torch.bfloat16, math.nan, "int8"),  # (the C loops for fp16 encode a NaN as some finite value)
+        (torch.bfloat16, math.nan, "int8"),
+        (torch.float16, math.nan, "int8"),  # a NaN in an fp16 row (the C loops' scales keep it)
+        (torch.float16, math.nan, "fp8"),
+        (torch.float16, math.nan, "int4"),
     ],
     ids=str,
 )
@@ -414,6 +418,34 @@ def test_a_lossy_codec_refuses_a_block_its_fp16_scales_cannot_hold(dtype, magnit
         codecs.encode(codec, x)
     with pytest.raises(codecs.CodecError, match="fp16 scales"):
         codecs.encode_batch(codec, x[None])
+
+
+@pytest.mark.parametrize("codec", ["int8", "fp8", "int4"])
+@pytest.mark.parametrize("head_dim", [8, 12, 64])
+def test_one_nan_anywhere_in_an_fp16_block_is_refused_by_every_loop(codec, head_dim):
+    """A NaN in any row, at any place of it (the vector body, a row's tail past a
+    multiple of 8, the 8-row batches and the rows after them; a key or a value group for
+    int4) makes the block's scales NaN: refused, never encoded as finite values."""
+    if codec == "fp8" and FP8_MISSING:
+        pytest.skip("no float8_e4m3fn in this torch")
+    shape = (2, 2, 5, 3, head_dim)  # 30 rows: 3 batches of 8 and 6 rows after
+    base = block(shape, torch.float16)
+    codecs.encode(codec, base)  # finite: encoded
+    rng = random.Random(head_dim)
+    places = {
+        (layer, kv, t, h, d)
+        for layer in range(2)
+        for kv in range(2)
+        for t in (0, 4)
+        for h in (0, 2)
+        for d in (0, head_dim - 1)
+    }
+    places |= {tuple(rng.randrange(n) for n in shape) for _ in range(12)}
+    for where in sorted(places):
+        x = base.clone()
+        x[where] = math.nan
+        with pytest.raises(codecs.CodecError, match="fp16 scales"):
+            codecs.encode(codec, x)
 
 
 def test_a_block_a_tiers_codec_cannot_hold_is_stored_uncompressed_and_a_move_with_it_fails(tmp_path):

@@ -16,6 +16,7 @@ cause keys its count by (tier, reason) and shows up without a change here."""
 from __future__ import annotations
 
 import itertools
+import threading
 from collections.abc import Mapping
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, ProcessCollector
@@ -79,12 +80,13 @@ def _by_tier_reason(value, default_tier: Tier) -> dict[tuple[Tier, str], int]:
 
 
 class _OperationDurations:
-    """Durations of the mover's finished operations, observed once each at scrape time
-    (the mover keeps its recent operations; ids seen finished are remembered while kept)."""
+    """Durations of the mover's operations, each observed once as it ends (a Mover finish
+    listener): the mover keeps only its latest operations, so reading them at scrape
+    time would miss those that ended and were dropped between two scrapes."""
 
     def __init__(self, agent_id: str):
         self._agent_id = agent_id
-        self._seen: set[str] = set()
+        self._lock = threading.Lock()
         self._buckets: dict[tuple[str, str], list[int]] = {}
         self._sums: dict[tuple[str, str], float] = {}
         for kind, state in itertools.product(AGENT_OPERATION_KINDS, TERMINAL_STATES):
@@ -97,23 +99,17 @@ class _OperationDurations:
             self._sums[key] = 0.0
         return self._buckets[key], self._sums[key]
 
-    def update(self, ops) -> None:
-        present = set()
-        for op in ops:
-            state = str(op.state).lower()
-            if state not in TERMINAL_STATES:
-                continue
-            present.add(op.op_id)
-            if op.op_id in self._seen:
-                continue
-            self._seen.add(op.op_id)
-            seconds = max(0.0, float(op.finished_unix_seconds) - float(op.created_unix_seconds))
+    def observe(self, op) -> None:
+        state = str(op.state).lower()
+        if state not in TERMINAL_STATES:
+            return
+        seconds = max(0.0, float(op.finished_unix_seconds) - float(op.created_unix_seconds))
+        with self._lock:
             counts, _ = self._slot(op.kind, state)
             for i, bound in enumerate((*DURATION_BUCKETS_SECONDS, float("inf"))):
                 if seconds <= bound:
                     counts[i] += 1
             self._sums[(op.kind, state)] += seconds
-        self._seen &= present
 
     def family(self) -> HistogramMetricFamily:
         h = HistogramMetricFamily(
@@ -122,10 +118,10 @@ class _OperationDurations:
             labels=["agent_id", "kind", "state"],
         )
         bounds = [*(floatToGoString(b) for b in DURATION_BUCKETS_SECONDS), "+Inf"]
-        for (kind, state), counts in sorted(self._buckets.items()):
-            h.add_metric(
-                [self._agent_id, kind, state], list(zip(bounds, counts, strict=True)), self._sums[(kind, state)]
-            )
+        with self._lock:
+            rows = [(key, list(counts), self._sums[key]) for key, counts in sorted(self._buckets.items())]
+        for (kind, state), counts, total in rows:
+            h.add_metric([self._agent_id, kind, state], list(zip(bounds, counts, strict=True)), total)
         return h
 
 
@@ -140,6 +136,8 @@ class AgentCollector:
         self.mover = mover
         self.vllm = vllm  # a VllmEventSubscriber, when the agent indexes a vLLM engine's events
         self._durations = _OperationDurations(agent_id)
+        if mover is not None and hasattr(mover, "finish_listeners"):
+            mover.finish_listeners.append(self._durations.observe)
 
     def _families(self):
         g, c = GaugeMetricFamily, CounterMetricFamily
@@ -277,7 +275,6 @@ class AgentCollector:
                 active[(op.kind, state)] = active.get((op.kind, state), 0) + 1
         for (kind, state), n in sorted(active.items()):
             f["kvcp_agent_operations"].add_metric([aid, kind, state], n)
-        self._durations.update(ops)
         if self.vllm is not None:
             st = self.vllm.stats
             for name, _, attr in VLLM_EVENT_COUNTERS:

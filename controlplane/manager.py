@@ -151,6 +151,14 @@ class Manager:
         self.access = AccessStats()
         self._access_lock = threading.Lock()
         self.policy_interval_seconds = 2.0
+        # a pass sooner, for an agent whose report after its last commands shows a tier
+        # over its high watermark: the workload fills the band between the watermarks in
+        # about a second, faster than the periodic pass reacts
+        self.policy_urgent_min_seconds = 0.25
+        self._next_urgent = 0.0
+        # agent -> its stats_reports when a pass last decided for it / when it answered a
+        # policy command: a report newer than both shows what the commands did
+        self._policy_report_seen: dict[str, int] = {}
         # blocks copied out of the index for `decide` in one pass (agents beyond wait)
         self.policy_max_blocks_per_pass = 1_000_000
         self._next_policy = 0.0
@@ -907,6 +915,7 @@ class Manager:
     ) -> None:
         if op_id.startswith("policy-") and state in ops.TERMINAL:
             self._policy_inflight.get(agent_id, {}).pop(op_id, None)
+            self._policy_report_seen[agent_id] = self.cluster.stats_reports(agent_id)
             if pinned:  # the next passes leave these where the agent's pins hold them
                 until = self.clock() + PIN_REFUSAL_SECONDS
                 with self._lock:
@@ -1179,6 +1188,7 @@ class Manager:
                 break
             budget -= n
             self._policy_last[agent_id] = now
+            self._policy_report_seen[agent_id] = rec.stats_reports
             self.cluster.forget_slow_hit(agent_id)
             views.append(self._agent_view(rec, replicas))
         self.policy_agents_decided_total += len(views)
@@ -1254,17 +1264,37 @@ class Manager:
             self.policy_recent_first,
         )
 
+    def _over_high(self, rec, policy: tier_policy.Policy) -> bool:
+        """A managed tier of the agent over its high watermark, by its latest report."""
+        for t in self._managed_tiers(rec):
+            if t.num_blocks > math.floor(
+                policy.tier(t.tier).high_watermark * self._tier_capacity_blocks(rec, t) + 1e-9
+            ):
+                return True
+        return False
+
+    def _urgent(self, policy: tier_policy.Policy) -> bool:
+        """Is there an agent a pass should not wait for: over a high watermark in a report
+        that came after the last pass decided for it and after it answered that pass's
+        commands (an older report may predate what they moved)?"""
+        for rec in self.cluster.connected_agents():
+            if self._policy_inflight.get(rec.agent_id) or not rec.models:
+                continue
+            if rec.stats_reports > self._policy_report_seen.get(rec.agent_id, 0) and self._over_high(rec, policy):
+                return True
+        return False
+
     def _policy_due(self, rec, policy: tier_policy.Policy, pinned: dict[bytes, Tier]) -> bool:
         """Can `decide` have anything to do for this agent? (counts only; see policy_pass)"""
         usage = sorted(self._managed_tiers(rec), key=lambda t: int(t.tier))
         if not usage:
             return False
+        if self._over_high(rec, policy):
+            return True
         room = False
         for t in usage:
             tp = policy.tier(t.tier)
             capacity = self._tier_capacity_blocks(rec, t)
-            if t.num_blocks > math.floor(tp.high_watermark * capacity + 1e-9):
-                return True
             room = room or (t is not usage[-1] and t.num_blocks < math.floor(tp.low_watermark * capacity + 1e-9))
         if pinned:
             held = self.cluster.tiers_held(rec.agent_id, b"".join(pinned))
@@ -1302,12 +1332,16 @@ class Manager:
         self._expire_pins(now)
         self._apply_pins(now)
         self._expire_ops(now)
-        if self.policy_enabled and now >= self._next_policy:
+        if self.policy_enabled and (
+            now >= self._next_policy or (now >= self._next_urgent and self._urgent(self.tier_policy()))
+        ):
             started = time.perf_counter()
             self.policy_pass(now)
             # a long pass (large agents to decide for) spaces the next one out, so the pass
             # takes at most a third of a core from ingest and lookups
-            self._next_policy = now + max(self.policy_interval_seconds, 2 * (time.perf_counter() - started))
+            spacing = 2 * (time.perf_counter() - started)
+            self._next_policy = now + max(self.policy_interval_seconds, spacing)
+            self._next_urgent = now + max(self.policy_urgent_min_seconds, spacing)
 
     def run_forever(self, stop: threading.Event, interval_seconds: float = 0.2) -> None:
         while not stop.is_set():

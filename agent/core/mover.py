@@ -42,6 +42,7 @@ class MoveOp:
     finished_unix_seconds: float = 0.0
     cancel_requested: bool = False
     pinned: list[tuple[bytes, int]] = field(default_factory=list)  # (block, pin tier) left where a pin holds it
+    finish_told: bool = False  # the mover's finish listeners have seen it end
 
     @property
     def total(self) -> int:
@@ -52,6 +53,9 @@ class Mover:
     def __init__(self, pool: BlockPool, on_update: Callable[[MoveOp], None] | None = None, keep_finished: int = 256):
         self.pool = pool
         self.on_update = on_update
+        # called once with each operation that ends (the metrics' durations: the mover
+        # keeps only its latest `keep_finished`, fewer than end between two scrapes)
+        self.finish_listeners: list[Callable[[MoveOp], None]] = []
         self._queue: queue.Queue[MoveOp] = queue.Queue()
         self._ops: OrderedDict[str, MoveOp] = OrderedDict()
         self._lock = threading.Lock()
@@ -109,6 +113,13 @@ class Mover:
         return True
 
     def _update(self, op: MoveOp) -> None:
+        if op.state in TERMINAL and not op.finish_told:
+            op.finish_told = True
+            for listener in self.finish_listeners:
+                try:
+                    listener(op)
+                except Exception:  # noqa: BLE001 - an observer does not fail the operation
+                    log.exception("a finish listener failed on %s", op.op_id)
         if self.on_update:
             self.on_update(op)
 

@@ -73,6 +73,7 @@ class AgentRecord:
     awaiting_inventory: bool = True
     last_seen_unix_seconds: float = 0.0
     registered_at_unix_seconds: float = 0.0
+    stats_reports: int = 0  # stats reports taken on any stream (tells a fresh report from one already seen)
     lookups_total: int = 0
     lookup_tokens_total: int = 0
     lookup_hit_tokens_total: int = 0
@@ -335,6 +336,12 @@ class Cluster:
                 raise errors.NotFound(f"agent {agent_id!r} is not registered")
             return rec
 
+    def stats_reports(self, agent_id: str) -> int:
+        """How many stats reports the agent has made (0: not registered)."""
+        with self._lock:
+            rec = self._agents.get(agent_id)
+            return rec.stats_reports if rec is not None else 0
+
     def agents(self) -> list[tuple[AgentRecord, int]]:
         with self._lock:
             return [
@@ -445,6 +452,7 @@ class Cluster:
         with self._lock:
             rec = self.agent(agent_id)
             rec.tiers = tiers
+            rec.stats_reports += 1
             rec.lookups_total, rec.lookup_tokens_total, rec.lookup_hit_tokens_total = lookups, lookup_tokens, hit_tokens
             rec.last_seen_unix_seconds = self._clock()
 

@@ -4,6 +4,8 @@ watermark, leaves pinned blocks where they are, and the index follows."""
 
 from __future__ import annotations
 
+import time
+
 import torch
 
 from agent.server import DEMO_MODEL
@@ -54,3 +56,39 @@ def test_policy_demotes_to_low_watermark_and_respects_pins(controlplane, make_ag
         assert stats.policy_passes_total > 0 and stats.policy_recent_first is False
         assert stats.policy_reuse_credit_turnovers == controlplane.manager.policy_credit_turnovers
         c.unpin(pin.pin_id)
+
+
+def test_a_tier_filled_over_its_high_watermark_is_brought_down_before_the_periodic_pass(
+    controlplane, make_agent, tmp_path
+):
+    """The workload can fill the band between the watermarks in about a second: an
+    agent's report of a tier over its high watermark (after it answered the last pass's
+    commands) brings a pass at once instead of at the next periodic one."""
+    a = make_agent(
+        "urgent",
+        cpu_capacity_bytes=20 * M.block_bytes,
+        disk_dir=str(tmp_path / "d"),
+        disk_capacity_bytes=1 << 24,
+        page_bytes=M.block_bytes,
+    )
+    kv = torch.zeros((4, *M.block_shape), dtype=torch.float16)
+    manager = controlplane.manager
+
+    def cpu_blocks():
+        return next(t.num_blocks for t in a.pool.usage() if t.tier == Tier.CPU)
+
+    with ControlPlaneClient(controlplane.address) as c:
+        c.set_policy({"cpu.high_watermark": "0.6", "cpu.low_watermark": "0.4"})
+        for i in range(4):  # 16 blocks: 80% of CPU, over 60%
+            a.engine.store(M.model_id, list(range(10_000 * i, 10_000 * i + 4 * BS)), kv)
+        wait_for(lambda: cpu_blocks() <= 8, 15, 0.2, "first demotion to the low watermark")
+        manager.policy_interval_seconds = 3600.0  # no periodic pass from here on
+        manager._next_policy = manager.clock() + 3600.0
+        passes = manager.policy_passes_total
+        for i in range(4, 8):  # 8 + 16 blocks: full, then the agent's own room-making
+            a.engine.store(M.model_id, list(range(10_000 * i, 10_000 * i + 4 * BS)), kv)
+        wait_for(lambda: cpu_blocks() <= 8, 10, 0.2, "CPU tier back to its low watermark without a periodic pass")
+        assert manager.policy_passes_total > passes
+        quiet = manager.policy_passes_total
+        time.sleep(2.0)  # under the watermark: no more passes (each would copy the agent's blocks)
+        assert manager.policy_passes_total == quiet

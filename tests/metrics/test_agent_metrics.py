@@ -84,7 +84,7 @@ def op(op_id, kind, state, created, finished=0.0):
 
 def test_operations_in_flight_and_durations_observed_once():
     pool = SimpleNamespace(usage=lambda: [SimpleNamespace(tier=Tier.CPU, capacity_bytes=1, used_bytes=0, num_blocks=0)])
-    mover = SimpleNamespace(ops=lambda: ops)
+    mover = SimpleNamespace(ops=lambda: ops, finish_listeners=[])
     ops = [
         op("1", "move", "SUCCEEDED", 100.0, 100.3),
         op("2", "promote", "RUNNING", 100.0),
@@ -93,6 +93,9 @@ def test_operations_in_flight_and_durations_observed_once():
     ]
     registry = CollectorRegistry()
     registry.register(AgentCollector("m1", pool, mover=mover))
+    for o in (ops[0], ops[3]):  # the mover tells its listeners once, as each ends
+        for listener in mover.finish_listeners:
+            listener(o)
     v = registry.get_sample_value
     a = {"agent_id": "m1"}
     for _ in range(2):  # a second scrape does not count the same operation again
@@ -109,6 +112,7 @@ def test_operations_in_flight_and_durations_observed_once():
         assert v("kvcp_agent_operation_duration_seconds_bucket", {**failed, "le": "30.0"}) == 0
         assert v("kvcp_agent_operation_duration_seconds_bucket", {**failed, "le": "60.0"}) == 1
     ops[1] = op("2", "promote", "SUCCEEDED", 100.0, 102.0)
+    mover.finish_listeners[0](ops[1])
     ops.pop(0)  # the mover forgot op 1: it stays counted
     promote = {**a, "kind": "promote", "state": "succeeded"}
     assert v("kvcp_agent_operation_duration_seconds_count", promote) == 1
@@ -189,3 +193,22 @@ def test_commanded_moves_compresses_cleanups_and_evicts_are_counted(tmp_path):
         assert v("kvcp_evictions_total", {"agent_id": "m2", "tier": "cpu", "reason": "cleanup"}) == 3
     finally:
         a.disk.close()
+
+
+def test_every_operation_that_ended_between_two_scrapes_is_observed(tmp_path):
+    """The mover keeps its latest 256 operations; a busy agent ends more than that between
+    two scrapes (every load from a lower tier is a promote): each is observed as it ends."""
+    from agent.core.mover import Mover
+    from tests.tiers.support import make_pool
+
+    pool = make_pool(str(tmp_path))
+    mover = Mover(pool)
+    registry = CollectorRegistry()
+    AgentMetrics(registry, "m1", pool, mover=mover, process=False)
+    move = {"agent_id": "m1", "kind": "move", "state": "succeeded"}
+    assert registry.get_sample_value("kvcp_agent_operation_duration_seconds_count", move) == 0
+    for _ in range(1000):
+        mover.submit([], None, kind="move")  # nothing to move: it ends at once
+        mover.run_once(0.01)
+    assert len(mover.ops()) == 256
+    assert registry.get_sample_value("kvcp_agent_operation_duration_seconds_count", move) == 1000

@@ -123,6 +123,7 @@ class Agent:
             self.info, self.pool, self.engine, self._controlplane_address, config.stats_interval_seconds, self.mover
         )
         self.link.token, self.link.tls = config.controlplane_token, config.tls
+        self.link.etcd_leader = self._etcd_leader
         if self.pin_file is not None:
             self.link.on_pins_changed = self._save_pins
             for pin in list(self.pool.pins.pins.values()):  # restored: up to their tier again
@@ -216,6 +217,10 @@ class Agent:
         if self.config.controlplane:
             return self.config.controlplane
         return self.registration.leader_address()
+
+    def _etcd_leader(self) -> tuple[str, int]:
+        """The leader and epoch etcd itself names (("", 0) without etcd)."""
+        return self.registration.leader() if self.registration is not None else ("", 0)
 
     def start(self) -> Agent:
         # peers' DataPlane calls (handoffs into this agent's memory) must carry the agent

@@ -104,7 +104,11 @@ class ControlPlaneLink:
         self._final: OrderedDict[str, tuple[float, agent_pb2.AgentMessage]] = OrderedDict()
         self._final_lock = threading.Lock()
         self.highest_epoch = 0
+        # () -> (address, epoch) etcd names as leader; lets a lower epoch through when etcd
+        # itself says so (etcd was reset: its revisions started again)
+        self.etcd_leader: Callable[[], tuple[str, int]] | None = None
         self.rejected_commands_total = 0
+        self.etcd_resets_total = 0
         self.session_id = uuid.uuid4().hex
         self.incarnation = uuid.uuid4().hex  # this process: a restart is another one
         self._resync = threading.Event()
@@ -160,7 +164,7 @@ class ControlPlaneLink:
 
     def handle_command(self, epoch: int, cmd: agent_pb2.Command) -> None:
         """Execute a leader's command; commands of an older epoch are rejected (fencing)."""
-        if epoch < self.highest_epoch:
+        if epoch < self.highest_epoch and not self._etcd_was_reset(self._connected_to, epoch):
             self.rejected_commands_total += 1
             log.warning("rejecting command %s from epoch %d (newest seen %d)", cmd.op_id, epoch, self.highest_epoch)
             self._reply(cmd.op_id, FAILED, error=f"stale epoch {epoch} < {self.highest_epoch}")
@@ -399,6 +403,29 @@ class ControlPlaneLink:
             return True
         return False
 
+    def _etcd_was_reset(self, address: str, epoch: int) -> bool:
+        """A leader whose epoch is below one seen before is deposed, unless etcd names it
+        now with that very epoch: within one etcd history a newer leader's key always has
+        a higher create revision, so etcd lost its data (restored from an old snapshot,
+        or a new empty etcd) and the epochs started again. The fence starts again too."""
+        if self.etcd_leader is None:
+            return False
+        try:
+            named, named_epoch = self.etcd_leader()
+        except Exception:  # noqa: BLE001 - etcd away: keep the fence
+            return False
+        if named != address or named_epoch != epoch:
+            return False
+        log.warning(
+            "etcd names %s leader with epoch %d, below the %d seen before: etcd's history was reset "
+            "(data lost or restored); following it",
+            address,
+            epoch,
+            self.highest_epoch,
+        )
+        self.etcd_resets_total += 1
+        return True
+
     # ---- connection loop ------------------------------------------------------------
     def run_once(self, stop: threading.Event) -> None:
         """Connect, register and stream until the stream breaks or `stop` is set."""
@@ -411,7 +438,7 @@ class ControlPlaneLink:
             auth = token_metadata(self.token)
             reply = stub.Register(agent_pb2.RegisterRequest(agent=self._agent_info()), timeout=5, metadata=auth)
             self.epoch = reply.epoch
-            if reply.epoch < self.highest_epoch:
+            if reply.epoch < self.highest_epoch and not self._etcd_was_reset(address, reply.epoch):
                 raise ConnectionError(
                     f"control plane at {address} has epoch {reply.epoch} < {self.highest_epoch}: a deposed leader"
                 )

@@ -58,8 +58,14 @@ class EtcdRegistration:
                 wait = min(period, 0.5)
 
     def leader_address(self) -> str:
-        value, _ = self._client.get(etcd_keys.LEADER_KEY)
-        return value.decode() if value else ""
+        return self.leader()[0]
+
+    def leader(self) -> tuple[str, int]:
+        """The leader etcd names, with its epoch (the key's create revision); ("", 0): none."""
+        value, meta = self._client.get(etcd_keys.LEADER_KEY)
+        if not value or meta is None:
+            return "", 0
+        return value.decode(), int(meta.create_revision)
 
     def deregister(self) -> None:
         if self.lease is not None:

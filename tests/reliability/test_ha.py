@@ -5,6 +5,8 @@ etcd outage during which lookups are still answered from memory."""
 from __future__ import annotations
 
 import json
+import os
+import shutil
 import signal
 import subprocess
 import time
@@ -371,3 +373,71 @@ def test_kvctl_op_wait_rides_out_a_paused_leader(replicas):
         assert r.leader() == r.endpoint("cp-b")
     finally:
         r.procs["cp-a"].send_signal(signal.SIGCONT)
+
+
+def test_agents_follow_a_leader_of_an_etcd_that_lost_its_data(tmp_path):
+    """etcd comes back empty (a new member, a restore from an old snapshot): its
+    revisions start again, so the new leader's epoch is below the one agents saw. It is
+    not a deposed leader (etcd names it, with that epoch): agents register with it and
+    the index is rebuilt from them. Before, they refused it as deposed for good."""
+    from agent.server import Agent, AgentConfig
+    from controlplane.server import ControlPlane, ControlPlaneConfig
+
+    server = EtcdServer().start()
+    cp = agent = None
+    try:
+        client = etcd_keys.connect(server.endpoint)
+        for i in range(300):  # an etcd with a history: the first leader's epoch is over 300
+            client.put(f"/other/{i}", "x")
+        client.close()
+        cp = ControlPlane(
+            ControlPlaneConfig(listen="127.0.0.1:0", etcd=server.endpoint, election_ttl_seconds=2, metrics_listen="")
+        ).start()
+        agent = Agent(
+            AgentConfig(
+                "reset-agent",
+                listen="127.0.0.1:0",
+                etcd=server.endpoint,
+                disk_dir=str(tmp_path / "disk"),
+                disk_capacity_bytes=1 << 24,
+                lease_ttl_seconds=3,
+                stats_interval_seconds=0.2,
+                metrics_listen="",
+            )
+        ).start()
+        kv = torch.zeros((3, *M.block_shape), dtype=torch.float16)
+        prompt = list(range(3 * M.block_size))
+        agent.engine.store(M.model_id, prompt, kv)
+        with ControlPlaneClient(cp.address, timeout_seconds=10) as c:
+            wait_for(lambda: c.lookup(M.model_id, prompt).agents, 10, 0.1, "indexed")
+            first = agent.link.highest_epoch
+            assert first > 300
+            server.stop()
+            shutil.rmtree(os.path.join(server.data_dir, "data"))
+            server.start()  # same address, no data
+            wait_for(
+                lambda: cp.election.is_leader and 0 < cp.election.epoch < first, 30, 0.2, "a leader in the new etcd"
+            )
+            wait_for(
+                lambda: c.lookup(M.model_id, prompt).best_agent_id == "reset-agent",
+                30,
+                0.3,
+                "index rebuilt from the agent",
+            )
+
+            def moved():  # a command of the new epoch is carried out, not refused as stale
+                try:
+                    op = c.move("disk", model_id=M.model_id, token_ids=prompt)
+                except ClientError:  # e.g. agents not back yet after the takeover
+                    return None
+                op = c.wait_operation(op.op_id, 20)
+                return op if op.state == "SUCCEEDED" else None  # e.g. the agent was reconnecting
+
+            assert wait_for(moved, 40, 0.5, "a move after the reset").done == 3
+            assert agent.link.highest_epoch == cp.election.epoch and agent.link.etcd_resets_total >= 1
+    finally:
+        if agent:
+            agent.stop()
+        if cp:
+            cp.stop()
+        server.cleanup()

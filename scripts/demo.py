@@ -37,6 +37,13 @@ def port_free(port: int) -> bool:
             return False
 
 
+def _start_time(pid: int) -> str:
+    """The process's start time in clock ticks since boot (/proc/PID/stat field 22): with
+    the pid, it names one process (a pid alone may be another program's by now)."""
+    stat = Path(f"/proc/{pid}/stat").read_text()
+    return stat[stat.rindex(")") + 2 :].split()[19]
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -55,31 +62,36 @@ class Demo:
         print(msg, flush=True)
 
     def clean_stale(self) -> None:
-        """Stop what a previous, killed demo left running (pid files in .run/pids)."""
+        """Stop what a previous, killed demo left running (pid files in .run/pids). A pid
+        file names the process and its start time: a pid the kernel has since given to
+        another program (pids wrap) is left alone."""
         if not self.pids.exists():
             return
         for pid_file in self.pids.glob("*.pid"):
             try:
-                pid = int(pid_file.read_text())
-                cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace")
+                pid_text, _, started = pid_file.read_text().strip().partition(" ")
+                pid = int(pid_text)
+                alive_since = _start_time(pid)
             except (ValueError, OSError):
                 pid_file.unlink(missing_ok=True)
                 continue
-            if str(self.run_dir) in cmdline or "kvcp" in cmdline or "etcd" in cmdline:
-                self.say(f"demo: stopping {pid_file.stem} (pid {pid}) left by an earlier run")
+            if not started or alive_since != started:
+                pid_file.unlink(missing_ok=True)  # another process has that pid now (or a file of an old demo)
+                continue
+            self.say(f"demo: stopping {pid_file.stem} (pid {pid}) left by an earlier run")
+            try:
+                os.killpg(pid, signal.SIGTERM)
+            except OSError:
+                pass
+            for _ in range(50):
+                if not Path(f"/proc/{pid}").exists():
+                    break
+                time.sleep(0.1)
+            else:
                 try:
-                    os.killpg(pid, signal.SIGTERM)
+                    os.killpg(pid, signal.SIGKILL)
                 except OSError:
                     pass
-                for _ in range(50):
-                    if not Path(f"/proc/{pid}").exists():
-                        break
-                    time.sleep(0.1)
-                else:
-                    try:
-                        os.killpg(pid, signal.SIGKILL)
-                    except OSError:
-                        pass
             pid_file.unlink(missing_ok=True)
 
     def spawn(self, name: str, argv: list[str]) -> subprocess.Popen:
@@ -87,7 +99,11 @@ class Demo:
         proc = subprocess.Popen(
             argv, stdout=log, stderr=subprocess.STDOUT, start_new_session=True, cwd=REPO, preexec_fn=_die_with_parent
         )
-        (self.pids / f"{name}.pid").write_text(str(proc.pid))
+        try:
+            started = _start_time(proc.pid)
+        except OSError:  # it died already: nothing to clean up later
+            started = ""
+        (self.pids / f"{name}.pid").write_text(f"{proc.pid} {started}")
         self.procs.append((name, proc))
         return proc
 

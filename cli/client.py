@@ -58,6 +58,13 @@ def _not_connected(exc: grpc.RpcError) -> bool:
     return exc.code() == grpc.StatusCode.UNAVAILABLE and ("failed to connect" in details or "refused" in details)
 
 
+def _not_leader(exc: grpc.RpcError) -> bool:
+    """A follower's refusal (it names the leader in trailing metadata, maybe none)."""
+    return exc.code() == grpc.StatusCode.FAILED_PRECONDITION and any(
+        k == LEADER_METADATA_KEY for k, _ in (exc.trailing_metadata() or ())
+    )
+
+
 def _refused_by_etcd(exc: ClientError) -> bool:
     """Did the control plane refuse the change because etcd is unreachable (not applied)?
     Its etcd client refuses every call for a second after one timed out, so a busy etcd's
@@ -502,7 +509,9 @@ class ControlPlaneClient:
                     self.use_endpoint(leader)
                     tried.add(leader)
                     continue
-                if _not_connected(exc):  # never reached this replica: the call may go to another
+                # never reached this replica, or it is not the leader and names none
+                # other (or, stale, itself): the call was not applied; another may take it
+                if _not_connected(exc) or _not_leader(exc):
                     other = next((e for e in self._endpoints if e not in tried), "")
                     if other:
                         tried.add(other)

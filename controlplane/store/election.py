@@ -98,8 +98,12 @@ class LeaderElection:
             success=[client.transactions.put(self.key, self.address, lease)],
             failure=[],
         )
-        if not won:
+        if not won:  # another replica won between the read and the transaction: name it
             lease.revoke()
+            value, meta = client.get(self.key)
+            self.leader_address = value.decode() if value else ""
+            if meta is not None:
+                self.epoch = meta.create_revision
             return
         value, meta = client.get(self.key)
         self._lease = lease

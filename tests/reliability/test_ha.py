@@ -210,6 +210,61 @@ def test_deposed_leader_writes_nothing(etcd):
     cb.close()
 
 
+class _OtherWinsFirst:
+    """The real etcd client, with another replica's campaign run just before this one's
+    transaction: the interleaving where a replica back from an outage reads no leader key
+    and then loses the race for it."""
+
+    def __init__(self, client, other):
+        self._client, self._other = client, other
+
+    def __getattr__(self, name):
+        return getattr(self._client, name)
+
+    def transaction(self, **kwargs):
+        if self._other is not None:
+            other, self._other = self._other, None
+            assert other.run_once()
+        return self._client.transaction(**kwargs)
+
+
+def test_a_replica_that_loses_the_race_for_the_leader_key_names_the_winner(etcd):
+    """It went on naming itself (its address from when it led) until its next step, so
+    clients it answered 'not the leader' were sent back to it."""
+    from controlplane.store.election import LeaderElection
+
+    ca, cb = etcd_keys.connect(etcd), etcd_keys.connect(etcd)
+    b = LeaderElection(cb, "b:1", ttl_seconds=2)
+    a = LeaderElection(_OtherWinsFirst(ca, b), "a:1", ttl_seconds=2)
+    a.leader_address = "a:1"  # as a replica that led before an etcd outage
+    assert not a.run_once()
+    assert b.is_leader and a.leader_address == "b:1" and a.epoch == b.epoch
+    b.resign()
+    ca.close()
+    cb.close()
+
+
+def test_a_client_moves_on_from_a_replica_that_is_not_the_leader_and_names_no_other(etcd):
+    """A follower that names no leader (none yet, or, stale, itself) refused the call
+    without applying it: kvctl given several replicas asks the next one."""
+    from controlplane.server import ControlPlane, ControlPlaneConfig
+
+    a = ControlPlane(ControlPlaneConfig(listen="127.0.0.1:0", etcd=etcd, election_ttl_seconds=TTL)).start()
+    b = None
+    try:
+        wait_for(lambda: a.election.is_leader, 10, 0.1, "a leads")
+        b = ControlPlane(ControlPlaneConfig(listen="127.0.0.1:0", etcd=etcd, election_ttl_seconds=TTL)).start()
+        wait_for(lambda: b.election.leader_address == a.address, 10, 0.1, "b names a")
+        b.election.run_once = lambda: False  # b's election stands still ...
+        b.election.leader_address = b.address  # ... naming itself, stale, as after a lost race
+        with ControlPlaneClient(f"{b.address},{a.address}", timeout_seconds=5) as c:
+            assert c.stats().leader_address == a.address
+    finally:
+        for cp in (b, a):
+            if cp is not None:
+                cp.stop()
+
+
 def test_etcd_outage_reads_from_memory_rejects_writes_and_recovers(make_agent_factory=None):
     from agent.server import Agent, AgentConfig
     from controlplane.server import ControlPlane, ControlPlaneConfig

@@ -20,6 +20,7 @@ import time
 import uuid
 from collections import OrderedDict, deque
 from dataclasses import dataclass
+from functools import partial
 
 from controlplane.core import operations as ops
 from controlplane.core import policy as tier_policy
@@ -400,7 +401,7 @@ class Manager:
         if packed:
             pinned_bytes = len(packed) // BLOCK_HASH_BYTES * block_bytes(self._model(scope.model_id))
         else:
-            pinned_bytes = self.cluster.namespace_bytes(namespace)
+            pinned_bytes = self.cluster.namespace_bytes(namespace, scope.agent_id)
         # etcd lease ids are int64: a larger one names no lease (and etcd's client cannot send it)
         if owner_lease_id and (owner_lease_id >= 1 << 63 or not self.durable.lease_alive(owner_lease_id)):
             raise errors.InvalidArgument(
@@ -436,7 +437,9 @@ class Manager:
         earlier = self.pins.get(pin.pin_id)
         if earlier is not None and earlier.active(now):
             return self._same_pin(earlier, pin)
-        check_quota(list(self.pins.values()), pin, self.quota_of(namespace), self.cluster.namespace_bytes(namespace))
+        check_quota(
+            list(self.pins.values()), pin, self.quota_of(namespace), partial(self.cluster.namespace_bytes, namespace)
+        )
         key, value = pin_key(pin), pin_to_json(pin)
         lease_id = pin.owner_lease_id
         # an expired pin of ours under this id is simply replaced; else create only if free
@@ -498,7 +501,9 @@ class Manager:
         # a namespace pin covers what its namespace holds now (it grows with it), as its
         # quota check counts it, not what it held when it was made
         return [
-            dataclasses.replace(p, pinned_bytes=self.cluster.namespace_bytes(p.namespace)) if p.whole_namespace else p
+            dataclasses.replace(p, pinned_bytes=self.cluster.namespace_bytes(p.namespace, p.agent_id))
+            if p.whole_namespace
+            else p
             for p in found
         ]
 
@@ -1299,7 +1304,13 @@ class Manager:
         if pinned:
             held = self.cluster.tiers_held(rec.agent_id, b"".join(pinned))
             managed = {int(t.tier) for t in usage}  # a block elsewhere (REMOTE) is not the pass's to move
-            if any(t in managed and Tier(t) > pin for t, pin in zip(held.tolist(), pinned.values(), strict=True)):
+            # a pin faster than the agent's fastest tier (gpu on a host without one) is met
+            # by that tier: `decide` moves nothing for it, so it makes no pass due
+            fastest = Tier(usage[0].tier)
+            if any(
+                t in managed and Tier(t) > max(pin, fastest)
+                for t, pin in zip(held.tolist(), pinned.values(), strict=True)
+            ):
                 return True
         return policy.promote_hot and room and self.cluster.slow_hit(rec.agent_id)
 

@@ -10,6 +10,7 @@ import logging
 import threading
 from concurrent import futures
 from dataclasses import dataclass
+from functools import partial
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -20,6 +21,7 @@ from controlplane.api.admin_service import AdminServicer
 from controlplane.api.agent_service import AgentServicer
 from controlplane.api.lookup_socket import LookupSocketServer
 from controlplane.core.cluster import Cluster
+from controlplane.core.pins import pinned_bytes_of
 from controlplane.manager import Manager, validate_policy
 from controlplane.metrics import ControlPlaneMetrics, PinStats
 from controlplane.store.durable import DurableStore
@@ -202,10 +204,13 @@ class ControlPlane:
 
     def _pin_stats(self) -> PinStats:
         pins = self.manager.list_pins()
-        # a namespace pinned twice holds its bytes once (a namespace pin's bytes are the namespace's)
-        namespaces = {p.namespace: p.pinned_bytes for p in pins if p.whole_namespace}
-        prefixes = sum(p.pinned_bytes for p in pins if not p.whole_namespace)
-        return PinStats(len(pins), prefixes + sum(namespaces.values()))
+        now = self.manager.clock()
+        # each byte once: a namespace pinned twice, or a prefix inside a pinned namespace
+        held = sum(
+            pinned_bytes_of(pins, ns, now, partial(self.manager.cluster.namespace_bytes, ns))
+            for ns in {p.namespace for p in pins}
+        )
+        return PinStats(len(pins), held)
 
     def _on_op_update(self, agent_id: str, u) -> None:
         self.manager.on_op_update(

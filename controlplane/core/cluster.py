@@ -526,9 +526,14 @@ class Cluster:
                     out.setdefault(a, []).append(h)
             return out
 
-    def namespace_bytes(self, namespace: str) -> int:
+    def namespace_bytes(self, namespace: str, agent_id: str = "") -> int:
+        """What the namespace holds, on one agent or ("") on all of them."""
         with self._lock:
-            return sum(r.namespaces.get(namespace, (0, 0))[1] for r in self._agents.values())
+            return sum(
+                r.namespaces.get(namespace, (0, 0))[1]
+                for r in self._agents.values()
+                if not agent_id or r.agent_id == agent_id
+            )
 
     def update_namespaces(self, agent_id: str, namespaces: dict[str, tuple[int, int]]) -> None:
         with self._lock:

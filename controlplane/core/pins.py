@@ -10,6 +10,7 @@ import math
 import re
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from protos import errors
@@ -120,21 +121,32 @@ def same_request(a: Pin, b: Pin) -> bool:
     ) and abs(ttl_a - ttl_b) <= 1e-6 * max(ttl_a, ttl_b, 1.0)
 
 
-def check_quota(pins: list[Pin], new: Pin, quota_bytes: int | None, namespace_bytes: int = 0) -> None:
-    """Reject a pin that would take its namespace beyond its quota (nothing changes).
-    Pins past their TTL count for nothing, even before the sweep deletes them. A
-    whole-namespace pin covers whatever the namespace holds now (`namespace_bytes`, all
-    agents), not what it held when it was made: it grows as the namespace does."""
+def pinned_bytes_of(pins: list[Pin], namespace: str, now: float, namespace_bytes: Callable[[str], int]) -> int:
+    """What the namespace's live pins hold together, each byte once. A whole-namespace pin
+    covers whatever the namespace holds now on the agents it applies to
+    (`namespace_bytes(agent_id)`, "" for every agent), not what it held when it was made:
+    it grows as the namespace does. Pins of blocks count their blocks, except where a
+    namespace pin already covers them (the same agents). Pins past their TTL count for
+    nothing, even before the sweep deletes them."""
+    live = [p for p in pins if p.namespace == namespace and p.active(now)]
+    whole = [p for p in live if p.whole_namespace]
+    if any(not p.agent_id for p in whole):  # the namespace everywhere: every pin of it is inside
+        return max([namespace_bytes("")] + [p.pinned_bytes for p in whole if not p.agent_id])
+    agents = {p.agent_id for p in whole}
+    covered = sum(max([namespace_bytes(a)] + [p.pinned_bytes for p in whole if p.agent_id == a]) for a in agents)
+    return covered + sum(p.pinned_bytes for p in live if not p.whole_namespace and p.agent_id not in agents)
+
+
+def check_quota(pins: list[Pin], new: Pin, quota_bytes: int | None, namespace_bytes: Callable[[str], int]) -> None:
+    """Reject a pin that would take its namespace beyond its quota (nothing changes); a
+    pin that adds nothing (its bytes already pinned, see pinned_bytes_of) is not refused."""
     if quota_bytes is None:
         return
     now = new.created_unix_seconds
-    used = sum(
-        max(p.pinned_bytes, namespace_bytes) if p.whole_namespace else p.pinned_bytes
-        for p in pins
-        if p.namespace == new.namespace and p.active(now)
-    )
-    if used + new.pinned_bytes > quota_bytes:
+    before = pinned_bytes_of(pins, new.namespace, now, namespace_bytes)
+    after = pinned_bytes_of([*pins, new], new.namespace, now, namespace_bytes)
+    if after > quota_bytes and after > before:
         raise errors.ResourceExhausted(
-            f"pin quota of namespace {new.namespace!r} exceeded: {used} B pinned + {new.pinned_bytes} B asked "
+            f"pin quota of namespace {new.namespace!r} exceeded: {before} B pinned + {after - before} B asked "
             f"> quota {quota_bytes} B; unpin something or raise quota.{new.namespace}"
         )

@@ -123,6 +123,38 @@ def test_quota_rejects_beyond_it(client, make_agent):
     assert len(client.list_pins("legal-kb")) == 2
 
 
+def test_namespace_pins_are_charged_each_byte_once_and_on_their_agent(client, make_agent):
+    """Three pins of one namespace (everywhere, agent-1 only, agent-2 only) held it three
+    times over against its quota, and a pin on an agent that holds none of it was charged
+    the whole namespace."""
+    make_agent("q1")
+    q2 = make_agent("q2")
+    q2.engine.store(M.model_id, tokens(4), kv(4), namespace="chat")
+    size = 4 * M.block_bytes
+    wait_for(lambda: indexed(client, "q2") == 4, what="indexed")
+    wait_for(
+        lambda: client.pin(namespace="chat", ttl_seconds=60, pin_id="chat-probe").pinned_bytes == size, what="sizes"
+    )
+    client.unpin("chat-probe")
+    client.set_policy({"quota.chat": str(size)})
+    try:
+        client.pin(namespace="chat", ttl_seconds=60, pin_id="chat-all")
+        client.pin(namespace="chat", ttl_seconds=60, agent_id="q1", pin_id="chat-q1")
+        client.pin(namespace="chat", ttl_seconds=60, agent_id="q2", pin_id="chat-q2")
+        shown = {p.pin_id: p.pinned_bytes for p in client.list_pins("chat")}
+        assert shown == {"chat-all": size, "chat-q1": 0, "chat-q2": size}
+        client.unpin("chat-all")
+        with pytest.raises(ClientError) as info:  # outside agent-2's pin: it adds its 2 blocks
+            client.pin(model_id=M.model_id, token_ids=tokens(2, start=900), namespace="chat", ttl_seconds=60)
+        assert info.value.code == "RESOURCE_EXHAUSTED" and f"{size} B pinned + {2 * M.block_bytes} B asked" in str(
+            info.value
+        )
+    finally:
+        client.set_policy({"quota.chat": "none"})
+        for p in client.list_pins("chat"):
+            client.unpin(p.pin_id)
+
+
 def test_pins_survive_controlplane_restart_and_reapply_to_restarted_agent(etcd, make_agent):
     from controlplane.server import ControlPlane, ControlPlaneConfig
 

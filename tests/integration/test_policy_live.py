@@ -92,3 +92,26 @@ def test_a_tier_filled_over_its_high_watermark_is_brought_down_before_the_period
         quiet = manager.policy_passes_total
         time.sleep(2.0)  # under the watermark: no more passes (each would copy the agent's blocks)
         assert manager.policy_passes_total == quiet
+
+
+def test_a_gpu_pin_on_an_agent_without_a_gpu_makes_no_pass_decide_for_it(controlplane, make_agent, tmp_path):
+    """Its blocks in the agent's fastest tier are as far up as they can go: `decide` has
+    nothing to do, so the pass should not copy the agent's blocks out every 2 s for it."""
+    a = make_agent(
+        "nogpu",
+        cpu_capacity_bytes=20 * M.block_bytes,
+        disk_dir=str(tmp_path / "d"),
+        disk_capacity_bytes=1 << 24,
+        page_bytes=M.block_bytes,
+    )
+    kv = torch.zeros((2, *M.block_shape), dtype=torch.float16)
+    prompt = list(range(2 * BS))
+    a.engine.store(M.model_id, prompt, kv)
+    manager = controlplane.manager
+    with ControlPlaneClient(controlplane.address) as c:
+        wait_for(lambda: any(m["model_id"] == M.model_id for m in c.stats().models), 20, what="model known")
+        c.pin(model_id=M.model_id, token_ids=prompt, min_tier="gpu", ttl_seconds=120)
+        passes, decided = manager.policy_passes_total, manager.policy_agents_decided_total
+        wait_for(lambda: manager.policy_passes_total >= passes + 3, 15, 0.2, "three passes")
+        assert manager.policy_agents_decided_total == decided
+        assert all(t == "cpu" for t in c.lookup(M.model_id, prompt).agents[0].tiers)

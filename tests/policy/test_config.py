@@ -76,20 +76,42 @@ def test_a_pin_past_its_ttl_counts_for_nothing_against_the_quota():
     old = Pin("old", "kb", "m", b"\x01" * 16, Tier.CPU, 0.0, 50.0, pinned_bytes=900)  # expired at 50
     live = Pin("live", "kb", "m", b"\x02" * 16, Tier.CPU, 0.0, 1e12, pinned_bytes=50)
     new = Pin("new", "kb", "m", b"\x03" * 16, Tier.CPU, 100.0, 1e12, pinned_bytes=100)
-    check_quota([old, live], new, quota_bytes=200)  # 50 + 100 <= 200: the expired 900 B are gone
+    nothing = lambda agent_id: 0  # noqa: E731
+    check_quota([old, live], new, 200, nothing)  # 50 + 100 <= 200: the expired 900 B are gone
     with pytest.raises(errors.ResourceExhausted, match="quota"):
-        check_quota([old, live], new, quota_bytes=120)
+        check_quota([old, live], new, 120, nothing)
 
 
 def test_a_namespace_pin_counts_what_its_namespace_holds_now():
     """Made on an empty namespace (0 B), it pins every block stored there since: the quota
-    charges it the namespace's size at the next pin, not 0."""
+    charges it the namespace's size (on the agents it applies to) at the next pin, not 0."""
     from controlplane.core.pins import Pin, check_quota
 
-    whole = Pin("ns", "kb", "", b"", Tier.CPU, 0.0, 1e12, pinned_bytes=0)
+    whole = Pin("ns", "kb", "", b"", Tier.CPU, 0.0, 1e12, agent_id="agent-1", pinned_bytes=0)
     new = Pin("new", "kb", "m", b"\x03" * 16, Tier.CPU, 100.0, 1e12, pinned_bytes=100)
-    check_quota([whole], new, quota_bytes=1000, namespace_bytes=0)
-    with pytest.raises(errors.ResourceExhausted, match="quota"):
-        check_quota([whole], new, quota_bytes=1000, namespace_bytes=960)  # 960 + 100 > 1000
+    check_quota([whole], new, 1000, lambda agent_id: 0)
+    held = {"agent-1": 960, "agent-2": 40, "": 1000}
+    with pytest.raises(errors.ResourceExhausted, match="960 B pinned"):
+        check_quota([whole], new, 1000, held.get)  # agent-1's 960 + 100 > 1000
     other = Pin("other", "legal", "m", b"\x04" * 16, Tier.CPU, 100.0, 1e12, pinned_bytes=100)
-    check_quota([whole], other, quota_bytes=1000, namespace_bytes=0)  # another namespace's pin: not charged
+    check_quota([whole], other, 1000, lambda agent_id: 0)  # another namespace's pin: not charged
+
+
+def test_each_pinned_byte_counts_once_against_the_quota():
+    """A namespace pinned twice, or on one agent only, or a prefix inside a namespace
+    already pinned everywhere: charged what it adds, not its namespace's size again, and
+    an agent-scoped namespace pin only what the namespace holds on that agent."""
+    from controlplane.core.pins import Pin, check_quota, pinned_bytes_of
+
+    held = {"agent-1": 0, "agent-2": 600, "": 600}
+    everywhere = Pin("all", "chat", "", b"", Tier.CPU, 0.0, 1e12, pinned_bytes=600)
+    on_1 = Pin("a1", "chat", "", b"", Tier.CPU, 0.0, 1e12, agent_id="agent-1")
+    on_2 = Pin("a2", "chat", "", b"", Tier.CPU, 0.0, 1e12, agent_id="agent-2")
+    prefix = Pin("p", "chat", "m", b"\x05" * 32, Tier.GPU, 0.0, 1e12, pinned_bytes=64)
+    assert pinned_bytes_of([everywhere, on_1, on_2, prefix], "chat", 1.0, held.get) == 600
+    assert pinned_bytes_of([on_1, on_2], "chat", 1.0, held.get) == 600
+    assert pinned_bytes_of([on_1, prefix], "chat", 1.0, held.get) == 64  # agent-1 holds none of chat
+    for again in (on_1, on_2, prefix, Pin("all2", "chat", "", b"", Tier.DISK, 5.0, 1e12, pinned_bytes=600)):
+        check_quota([everywhere], again, 600, held.get)  # adds nothing: fits a quota of exactly 600
+    with pytest.raises(errors.ResourceExhausted, match="600 B pinned \\+ 64 B asked"):
+        check_quota([on_2], prefix, 600, held.get)  # a prefix pin for all agents: outside agent-2's pin

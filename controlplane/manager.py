@@ -140,6 +140,10 @@ class Manager:
         self.policy: dict[str, str] = {}
         self.policy_revision = 0
         self._loaded_epoch = 0  # the epoch whose state load() read from etcd; 0: none yet
+        # the epoch whose state memory holds as its leader's: kept while no other replica
+        # is seen leading (an outage, a lapsed lease won again), so an etcd that comes
+        # back with its revisions gone back can be told and given that state again
+        self._state_epoch = 0
         self._loaded_monotonic = -math.inf  # when load() last ended: agents come back after it
         self._load_lock = threading.Lock()
         # op ids whose latest change etcd has not taken (an outage): retried every pass, and
@@ -148,6 +152,7 @@ class Manager:
         self._lock_threads: set[str] = set()  # cleanups with a thread waiting for or holding their lock
         self._next_reload = 0.0
         self.pins_expired_total = 0
+        self.etcd_resets_total = 0  # etcd found to have lost its data on winning an election
         # the tier policy: future-reuse evidence from lookups
         self.access = AccessStats()
         self._access_lock = threading.Lock()
@@ -227,6 +232,8 @@ class Manager:
         result it answered must not be undone. The epoch counts as loaded only at the end,
         so a load cut short is done again."""
         epoch = self.election.epoch
+        if 0 < epoch < self._state_epoch:
+            self._restore_after_etcd_reset(epoch)
         pins = self.durable.load_pins()
         loaded_ops = self.durable.load_ops()
         values, revision = self.durable.load_policy()
@@ -288,8 +295,47 @@ class Manager:
                 # its scope lock lapsed with the old leader's lease: held again here until
                 # it ends, so a cleanup queued behind it still waits
                 threading.Thread(target=self._hold_adopted_lock, args=(op,), name=f"op {op.op_id}", daemon=True).start()
-        self._loaded_epoch = epoch
+        self._loaded_epoch = self._state_epoch = epoch
         self._loaded_monotonic = time.monotonic()
+
+    def _restore_after_etcd_reset(self, epoch: int) -> None:
+        """This replica led at a later epoch than the one it just won and lost no election
+        since (it served from memory through an outage): etcd's revisions went back, so
+        etcd lost its data (a new empty member, a restore from an old snapshot). What it
+        holds in memory is the newest state there is: its live pins and its policy are
+        written back before loading, instead of the pins being lifted from every agent as
+        gone. A pin tied to an owner's lease cannot be (the lease went with etcd's data):
+        said, and left to its owner to make again."""
+        now = self.clock()
+        with self._lock:
+            mine = {p.pin_id: p for p in self.pins.values() if p.active(now)}
+            policy = dict(self.policy)
+        self.etcd_resets_total += 1
+        stored = {p.pin_id: p for p in self.durable.load_pins()}
+        restored, lost = 0, []
+        for p in mine.values():
+            if p.owner_lease_id:
+                lost.append(p.pin_id)
+            elif p.pin_id not in stored:
+                self.durable.create(pin_key(p), pin_to_json(p))
+                restored += 1
+        for p in stored.values():  # an old snapshot's pins since removed here
+            if p.pin_id not in mine:
+                self.durable.delete(pin_key(p))
+        values, _ = self.durable.load_policy()
+        if policy and values != policy:
+            self.durable.put(etcd_keys.POLICY_KEY, json.dumps(policy, sort_keys=True))
+        message = (
+            f"etcd lost its data (epoch {epoch} after {self._state_epoch}): restored {restored} pin(s) and the "
+            f"policy from this leader's memory"
+            + (
+                f"; {len(lost)} pin(s) tied to owner leases etcd no longer has were not: {', '.join(lost)}"
+                if lost
+                else ""
+            )
+        )
+        log.error("%s", message)
+        self.cluster.events.publish("etcd_reset", message, "error")
 
     def _valid_stored_policy(self, values: dict[str, str]) -> dict[str, str]:
         """The stored policy, less any key a newer rule no longer takes (said in the log):
@@ -1333,6 +1379,9 @@ class Manager:
         if not self.election.is_leader:
             if not getattr(self.election, "serving_from_memory", False):
                 self._loaded_epoch = 0  # reload when we lead again (another epoch)
+            leader = getattr(self.election, "leader_address", "")
+            if leader and leader != getattr(self.election, "address", leader):
+                self._state_epoch = 0  # another replica leads: what memory holds is not the newest
             return
         now = self.clock() if now is None else now
         self.ensure_loaded()

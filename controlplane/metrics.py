@@ -67,6 +67,7 @@ class ClusterCollector:
         self.pins_source = pins_source
         self.operations_source = operations_source
         self.policy_source = policy_source
+        self.etcd_data_lost_source: Callable[[], int] | None = None  # Manager.etcd_resets_total
 
     @staticmethod
     def _families() -> dict[str, GaugeMetricFamily | CounterMetricFamily]:
@@ -109,6 +110,13 @@ class ClusterCollector:
             (c, "kvcp_block_events_total", "Block events (stored/removed blocks) ingested from agents.", []),
             (c, "kvcp_resyncs_total", "Full inventories asked of agents after a gap in their event sequence.", []),
             (g, "kvcp_pins", "Pins in force.", []),
+            (
+                c,
+                "kvcp_etcd_data_lost_total",
+                "Times this replica won an election in an etcd whose revisions went back (it lost its data) and "
+                "wrote its pins and policy back from memory.",
+                [],
+            ),
             (g, "kvcp_pinned_bytes", "Bytes of KV cache held by pins.", []),
             (g, "kvcp_operations", "Operations known to the control plane by kind and state.", ["kind", "state"]),
             (c, "kvcp_policy_passes_total", "Tier-policy passes run by this replica.", []),
@@ -168,6 +176,7 @@ class ClusterCollector:
         f["kvcp_resyncs_total"].add_metric([], stats.resyncs_total)
         pins = self.pins_source() if self.pins_source else PinStats()
         f["kvcp_pins"].add_metric([], pins.num_pins)
+        f["kvcp_etcd_data_lost_total"].add_metric([], self.etcd_data_lost_source() if self.etcd_data_lost_source else 0)
         f["kvcp_pinned_bytes"].add_metric([], pins.pinned_bytes)
         ops = dict(self.operations_source()) if self.operations_source else {}
         for kind in OPERATION_KINDS:

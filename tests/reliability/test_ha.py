@@ -467,6 +467,13 @@ def test_agents_follow_a_leader_of_an_etcd_that_lost_its_data(tmp_path):
             wait_for(lambda: c.lookup(M.model_id, prompt).agents, 10, 0.1, "indexed")
             first = agent.link.highest_epoch
             assert first > 300
+            pin = c.pin(model_id=M.model_id, token_ids=prompt, min_tier="disk", ttl_seconds=600)
+            owner = etcd_keys.connect(server.endpoint)
+            lease = owner.lease(600)
+            tied = c.pin(namespace="kb", ttl_seconds=600, owner_lease_id=lease.id)
+            c.set_policy({"cpu.high_watermark": "0.8", "cpu.low_watermark": "0.7", "quota.kb": "1GiB"})
+            wait_for(lambda: set(agent.pool.pins.pins) == {pin.pin_id, tied.pin_id}, 10, 0.1, "pins applied")
+            owner.close()
             server.stop()
             shutil.rmtree(os.path.join(server.data_dir, "data"))
             server.start()  # same address, no data
@@ -490,6 +497,19 @@ def test_agents_follow_a_leader_of_an_etcd_that_lost_its_data(tmp_path):
 
             assert wait_for(moved, 40, 0.5, "a move after the reset").done == 3
             assert agent.link.highest_epoch == cp.election.epoch and agent.link.etcd_resets_total >= 1
+            # the leader had served from memory through it: its pins and policy went back
+            # into etcd (before, `kvctl pins` said "no pins" and agents lifted theirs)
+            assert [p.pin_id for p in c.list_pins()] == [pin.pin_id]
+            assert set(agent.pool.pins.pins) == {pin.pin_id}  # the lease-tied one went with its lease
+            restored = etcd_keys.connect(server.endpoint)
+            assert pin.pin_id.encode() in b"".join(k.key for _, k in restored.get_prefix(etcd_keys.PINS_PREFIX))
+            restored.close()
+            policy = c.get_policy()
+            assert policy["cpu.high_watermark"] == "0.8" and policy["quota.kb"] == "1GiB"
+            assert cp.manager.etcd_resets_total == 1
+            assert cp.metrics.registry.get_sample_value("kvcp_etcd_data_lost_total") == 1
+            said = [e.message for e in cp.manager.cluster.events.recent() if e.kind == "etcd_reset"]
+            assert said and "restored 1 pin(s)" in said[0] and tied.pin_id in said[0]
     finally:
         if agent:
             agent.stop()

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import logging
+from collections.abc import Callable
 
 from controlplane.core.operations import AgentPart, Operation
 from controlplane.core.pins import Pin
@@ -208,6 +209,23 @@ class DurableStore:
     def _prefix(self, prefix: str) -> list[bytes]:
         try:
             return [value for value, _ in self._client.get_prefix(prefix)]
+        except Exception as exc:  # noqa: BLE001
+            raise self._unavailable(exc) from None
+
+    def watch_deletes(self, prefix: str, on_delete: Callable[[], None], on_end: Callable[[], None]):
+        """Call `on_delete()` when a key under `prefix` is deleted (a pin released with its
+        owner's lease: etcd deletes it, nobody writes), `on_end()` when the watch stream
+        ends (etcd away; watch again). Returns the watch id."""
+        import pyetcd.events
+
+        def on_response(response) -> None:
+            if response is None or isinstance(response, Exception):
+                on_end()
+            elif any(isinstance(e, pyetcd.events.DeleteEvent) for e in response.events):
+                on_delete()
+
+        try:
+            return self._client.add_watch_prefix_callback(prefix, on_response)
         except Exception as exc:  # noqa: BLE001
             raise self._unavailable(exc) from None
 

@@ -129,29 +129,28 @@ def test_namespace_pins_are_charged_each_byte_once_and_on_their_agent(client, ma
     the whole namespace."""
     make_agent("q1")
     q2 = make_agent("q2")
-    q2.engine.store(M.model_id, tokens(4), kv(4), namespace="chat")
+    q2.engine.store(M.model_id, tokens(4), kv(4), namespace="cq")
     size = 4 * M.block_bytes
     wait_for(lambda: indexed(client, "q2") == 4, what="indexed")
-    wait_for(
-        lambda: client.pin(namespace="chat", ttl_seconds=60, pin_id="chat-probe").pinned_bytes == size, what="sizes"
-    )
-    client.unpin("chat-probe")
-    client.set_policy({"quota.chat": str(size)})
+    client.pin(namespace="cq", ttl_seconds=60, pin_id="cq-probe")  # a retry would return this pin, as it was
+    wait_for(lambda: [p.pinned_bytes for p in client.list_pins("cq")] == [size], what="the namespace's size known")
+    client.unpin("cq-probe")
+    client.set_policy({"quota.cq": str(size)})
     try:
-        client.pin(namespace="chat", ttl_seconds=60, pin_id="chat-all")
-        client.pin(namespace="chat", ttl_seconds=60, agent_id="q1", pin_id="chat-q1")
-        client.pin(namespace="chat", ttl_seconds=60, agent_id="q2", pin_id="chat-q2")
-        shown = {p.pin_id: p.pinned_bytes for p in client.list_pins("chat")}
-        assert shown == {"chat-all": size, "chat-q1": 0, "chat-q2": size}
-        client.unpin("chat-all")
+        client.pin(namespace="cq", ttl_seconds=60, pin_id="cq-all")
+        client.pin(namespace="cq", ttl_seconds=60, agent_id="q1", pin_id="cq-q1")
+        client.pin(namespace="cq", ttl_seconds=60, agent_id="q2", pin_id="cq-q2")
+        shown = {p.pin_id: p.pinned_bytes for p in client.list_pins("cq")}
+        assert shown == {"cq-all": size, "cq-q1": 0, "cq-q2": size}
+        client.unpin("cq-all")
         with pytest.raises(ClientError) as info:  # outside agent-2's pin: it adds its 2 blocks
-            client.pin(model_id=M.model_id, token_ids=tokens(2, start=900), namespace="chat", ttl_seconds=60)
+            client.pin(model_id=M.model_id, token_ids=tokens(2, start=900), namespace="cq", ttl_seconds=60)
         assert info.value.code == "RESOURCE_EXHAUSTED" and f"{size} B pinned + {2 * M.block_bytes} B asked" in str(
             info.value
         )
     finally:
-        client.set_policy({"quota.chat": "none"})
-        for p in client.list_pins("chat"):
+        client.set_policy({"quota.cq": "none"})
+        for p in client.list_pins("cq"):
             client.unpin(p.pin_id)
 
 
@@ -357,15 +356,21 @@ def test_a_move_running_when_the_controlplane_restarts_is_followed_to_its_end(et
         cp2.stop()
 
 
-def test_pin_tied_to_owner_lease_goes_with_it(client, make_agent, etcd):
-    make_agent("p5")
+def test_pin_tied_to_owner_lease_goes_with_it(controlplane, client, make_agent, etcd):
+    """etcd deletes the pin's key with the lease; a watch on the pin keys lifts it at once
+    (the periodic resync, turned off here, took up to 2 s more)."""
+    a = make_agent("p5")
     wait_for(lambda: indexed(client, "p5") == 0, what="agent")
     owner = etcd_keys.connect(etcd)
     lease = owner.lease(2)
     pin = client.pin(namespace="chat", owner="router-1", owner_lease_id=lease.id)
     assert pin.expires_unix_seconds == 0 and pin.whole_namespace
+    wait_for(lambda: pin.pin_id in a.pool.pins.pins, what="pin applied")
+    manager = controlplane.manager
+    manager.resync_seconds, manager._next_reload = 3600.0, manager.clock() + 3600.0
     lease.revoke()
     wait_for(lambda: client.list_pins() == [], timeout_seconds=5, what="pin released with its owner lease")
+    wait_for(lambda: pin.pin_id not in a.pool.pins.pins, timeout_seconds=5, what="and lifted from the agent")
     owner.close()
 
 

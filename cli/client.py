@@ -347,6 +347,7 @@ class RouteView:
     reason: str
     backpressure: bool
     candidates: list[RouteCandidateView]
+    possibly_stale: bool = False  # answered from memory (etcd away) or while agents resync
 
 
 @dataclass(frozen=True)
@@ -802,6 +803,7 @@ class ControlPlaneClient:
                 )
                 for c in r.candidates
             ],
+            r.possibly_stale,
         )
 
     def get_operation(self, op_id: str) -> OperationView:

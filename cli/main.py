@@ -302,6 +302,8 @@ def lookup(ctx: Context, model_id, tokens, tokens_file, hashes, extra_keys):
     if view.agents:
         rows = [[m.agent_id, m.num_hit_blocks, m.num_hit_tokens, output.tier_runs(m.tiers)] for m in view.agents]
         click.echo(output.table(["AGENT", "HIT_BLOCKS", "HIT_TOKENS", "TIERS"], rows))
+    if view.possibly_stale:
+        click.echo(output.STALE_NOTE)
 
 
 @main.command()

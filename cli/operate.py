@@ -420,6 +420,8 @@ def route(ctx: Context, model_id, tokens, tokens_file, hashes, extra_keys, role,
         click.echo(f"{r.role} {r.agent_id} ({r.address}): {r.reason}")
     if r.backpressure:
         click.echo("backpressure: decode agents are behind; queue the request or its handoff")
+    if r.possibly_stale:
+        click.echo(output.STALE_NOTE)
     rows = [
         [
             c.agent_id,

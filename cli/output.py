@@ -5,6 +5,8 @@ from __future__ import annotations
 import dataclasses
 import json
 
+STALE_NOTE = "possibly stale: answered from memory (etcd unreachable) or while agents resync"
+
 
 def to_jsonable(value):
     if dataclasses.is_dataclass(value):

@@ -203,7 +203,9 @@ class AdminServicer(admin_pb2_grpc.AdminServiceServicer):
             role=request.role,
             prefill_agent_id=request.prefill_agent_id,
         )
-        return convert.route_to_pb(decision)
+        response = convert.route_to_pb(decision)
+        response.possibly_stale = self._stale or self._cluster.rebuilding()
+        return response
 
     def GetOperation(self, request, context):
         if not request.op_id:

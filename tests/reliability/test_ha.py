@@ -304,7 +304,8 @@ def test_etcd_outage_reads_from_memory_rejects_writes_and_recovers(make_agent_fa
             wait_for(lambda: cp.election.serving_from_memory, 15, 0.1, "control plane notices")
             res = c.lookup(M.model_id, prompt)
             assert res.best_agent_id == "outage-agent" and res.possibly_stale
-            assert c.route(M.model_id, prompt, role="prefill").prefill_agent_id == "outage-agent"  # read, as lookup
+            routed = c.route(M.model_id, prompt, role="prefill")  # a read, as lookup, and flagged as lookup
+            assert routed.prefill_agent_id == "outage-agent" and routed.possibly_stale
             with pytest.raises(ClientError) as info:
                 c.pin(model_id=M.model_id, token_ids=prompt, ttl_seconds=60)
             assert info.value.code == "UNAVAILABLE" and "etcd is unreachable" in str(info.value)
@@ -315,6 +316,7 @@ def test_etcd_outage_reads_from_memory_rejects_writes_and_recovers(make_agent_fa
             pin = wait_for(lambda: c.pin(model_id=M.model_id, token_ids=prompt, ttl_seconds=60), 10, 0.3, "pin works")
             assert pin.num_blocks == 3
             wait_for(lambda: not c.lookup(M.model_id, prompt).possibly_stale, 10, 0.2, "lookups fresh again")
+            assert not c.route(M.model_id, prompt, role="prefill").possibly_stale
     finally:
         if server.proc.poll() is None:
             server.proc.send_signal(signal.SIGCONT)

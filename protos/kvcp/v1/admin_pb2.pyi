@@ -399,7 +399,7 @@ class RouteCandidate(_message.Message):
     def __init__(self, agent_id: _Optional[str] = ..., score: _Optional[float] = ..., num_cached_blocks: _Optional[int] = ..., load: _Optional[float] = ..., free_bytes: _Optional[int] = ..., link_bytes_per_second: _Optional[float] = ..., transfer_seconds: _Optional[float] = ..., behind: _Optional[bool] = ..., note: _Optional[str] = ...) -> None: ...
 
 class RouteResponse(_message.Message):
-    __slots__ = ("role", "agent_id", "address", "prefill_agent_id", "decode_agent_id", "disaggregate", "num_cached_tokens", "transfer_seconds", "saved_seconds", "reason", "candidates", "backpressure")
+    __slots__ = ("role", "agent_id", "address", "prefill_agent_id", "decode_agent_id", "disaggregate", "num_cached_tokens", "transfer_seconds", "saved_seconds", "reason", "candidates", "backpressure", "possibly_stale")
     ROLE_FIELD_NUMBER: _ClassVar[int]
     AGENT_ID_FIELD_NUMBER: _ClassVar[int]
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
@@ -412,6 +412,7 @@ class RouteResponse(_message.Message):
     REASON_FIELD_NUMBER: _ClassVar[int]
     CANDIDATES_FIELD_NUMBER: _ClassVar[int]
     BACKPRESSURE_FIELD_NUMBER: _ClassVar[int]
+    POSSIBLY_STALE_FIELD_NUMBER: _ClassVar[int]
     role: str
     agent_id: str
     address: str
@@ -424,7 +425,8 @@ class RouteResponse(_message.Message):
     reason: str
     candidates: _containers.RepeatedCompositeFieldContainer[RouteCandidate]
     backpressure: bool
-    def __init__(self, role: _Optional[str] = ..., agent_id: _Optional[str] = ..., address: _Optional[str] = ..., prefill_agent_id: _Optional[str] = ..., decode_agent_id: _Optional[str] = ..., disaggregate: _Optional[bool] = ..., num_cached_tokens: _Optional[int] = ..., transfer_seconds: _Optional[float] = ..., saved_seconds: _Optional[float] = ..., reason: _Optional[str] = ..., candidates: _Optional[_Iterable[_Union[RouteCandidate, _Mapping]]] = ..., backpressure: _Optional[bool] = ...) -> None: ...
+    possibly_stale: bool
+    def __init__(self, role: _Optional[str] = ..., agent_id: _Optional[str] = ..., address: _Optional[str] = ..., prefill_agent_id: _Optional[str] = ..., decode_agent_id: _Optional[str] = ..., disaggregate: _Optional[bool] = ..., num_cached_tokens: _Optional[int] = ..., transfer_seconds: _Optional[float] = ..., saved_seconds: _Optional[float] = ..., reason: _Optional[str] = ..., candidates: _Optional[_Iterable[_Union[RouteCandidate, _Mapping]]] = ..., backpressure: _Optional[bool] = ..., possibly_stale: _Optional[bool] = ...) -> None: ...
 
 class Policy(_message.Message):
     __slots__ = ("values", "revision")

@@ -5,6 +5,7 @@ stream always begins with a full inventory), while the engine keeps being served
 
 from __future__ import annotations
 
+import concurrent.futures as cf
 import logging
 import queue
 import threading
@@ -109,6 +110,7 @@ class ControlPlaneLink:
         self.etcd_leader: Callable[[], tuple[str, int]] | None = None
         self.rejected_commands_total = 0
         self.etcd_resets_total = 0
+        self._leader_checks = cf.ThreadPoolExecutor(1, thread_name_prefix="leader-check")
         self.session_id = uuid.uuid4().hex
         self.incarnation = uuid.uuid4().hex  # this process: a restart is another one
         self._resync = threading.Event()
@@ -328,11 +330,17 @@ class ControlPlaneLink:
         next_queued_ping = time.monotonic() + QUEUED_OP_PING_SECONDS
         next_leader_check = time.monotonic() + LEADER_CHECK_SECONDS
         wake = self._pool.journal.wake
+        moved: cf.Future | None = None  # the leader check in flight (it reads etcd)
         while not (stop.is_set() or done.is_set() or self._reconnect.is_set()):
-            if time.monotonic() >= next_leader_check:
-                next_leader_check = time.monotonic() + LEADER_CHECK_SECONDS
-                if self._leader_moved():
+            # etcd is read off this loop: a slow or unreachable etcd (each read waits for
+            # its timeout) held back the block events behind it, and lookups went stale
+            if moved is not None and moved.done():
+                if moved.result():
                     break
+                moved = None
+            if moved is None and time.monotonic() >= next_leader_check:
+                next_leader_check = time.monotonic() + LEADER_CHECK_SECONDS
+                moved = self._leader_checks.submit(self._leader_moved)
             if self._resync.is_set():
                 self._resync.clear()
                 self.resyncs_total += 1

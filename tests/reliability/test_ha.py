@@ -304,6 +304,14 @@ def test_etcd_outage_reads_from_memory_rejects_writes_and_recovers(make_agent_fa
             wait_for(lambda: cp.election.serving_from_memory, 15, 0.1, "control plane notices")
             res = c.lookup(M.model_id, prompt)
             assert res.best_agent_id == "outage-agent" and res.possibly_stale
+            # blocks stored meanwhile reach the index as before: the agent reads etcd (for a
+            # leader change) off its stream's loop, which waited out each read's 5 s timeout
+            # (lags of 2.2 and 4.9 s in 8 stores before; 0-0.02 s after)
+            for i in range(8):
+                later = list(range(50_000 * (i + 1), 50_000 * (i + 1) + 2 * M.block_size))
+                agent.engine.store(M.model_id, later, kv[:2])
+                wait_for(lambda p=later: c.lookup(M.model_id, p).best_agent_id, 2.0, 0.02, "stored during the outage")
+                time.sleep(0.4)
             routed = c.route(M.model_id, prompt, role="prefill")  # a read, as lookup, and flagged as lookup
             assert routed.prefill_agent_id == "outage-agent" and routed.possibly_stale
             with pytest.raises(ClientError) as info:

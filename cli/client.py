@@ -262,6 +262,7 @@ class StatsView:
     policy_reuse_credit_turnovers: float = 0.0
     policy_recent_first: bool = False
     policy_passes_total: int = 0
+    tier_moved_bytes_total: int = 0  # bytes the agents moved between their tiers (since each started)
 
     @property
     def hit_ratio(self) -> float:
@@ -606,6 +607,7 @@ class ControlPlaneClient:
             policy_reuse_credit_turnovers=s.policy_reuse_credit_turnovers,
             policy_recent_first=s.policy_recent_first,
             policy_passes_total=s.policy_passes_total,
+            tier_moved_bytes_total=s.tier_moved_bytes_total,
             tiers=_tiers(s.tiers),
             models=[
                 {

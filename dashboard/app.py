@@ -49,7 +49,7 @@ from dashboard.state import CONNECTED, RECONNECTING, DashboardState
 
 WATCH_BACKOFF_SECONDS = (0.25, 5.0)  # first retry, cap
 SLOW_REFRESH_EVERY = 5  # pins and operations not in view: every 5th periodic refresh
-FETCH_ORDER = ("operations", "pins", "agents", "stats")  # operations first: stats samples their moved bytes
+FETCH_ORDER = ("operations", "pins", "agents", "stats")
 UNREACHABLE = {"UNAVAILABLE", "DEADLINE_EXCEEDED", "CANCELLED"}
 
 # which refreshes an event kind calls for

@@ -57,7 +57,7 @@ class DashboardState:
     def add_stats(self, stats: StatsView, at_unix_seconds: float) -> None:
         self.stats = stats
         self.stats_error = ""
-        moved = sum(op.moved_bytes for op in self.operations)
+        moved = stats.tier_moved_bytes_total  # the policy's demotions and promotions, and operations
         self.samples.append(
             Sample(
                 at_unix_seconds,
@@ -95,7 +95,9 @@ class DashboardState:
         return self._rates(lambda s: s.lookups_total)
 
     def movement_series(self) -> list[float]:
-        """Bytes per second moved by operations between successive samples."""
+        """Bytes per second the agents moved between their tiers (the tier policy's
+        demotions and promotions, loads' promotions, moves) between successive samples; an
+        agent that restarted counts from 0 again, which shows as no movement, not less."""
         return self._rates(lambda s: s.moved_bytes_total)
 
     def hit_ratio_series(self) -> list[float]:

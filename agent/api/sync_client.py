@@ -299,6 +299,8 @@ class ControlPlaneLink:
 
     def _stats_message(self) -> agent_pb2.AgentMessage:
         e = self._engine
+        with self._pool.lock:  # movers add to it
+            moved_bytes = sum((getattr(self._pool, "moved_bytes_total", None) or {}).values())
         return agent_pb2.AgentMessage(
             stats=agent_pb2.AgentStats(
                 tiers=tier_usage_pb(self._pool),
@@ -310,6 +312,7 @@ class ControlPlaneLink:
                 lookup_tokens_total=e.lookup_tokens_total,
                 lookup_hit_tokens_total=e.lookup_hit_tokens_total,
                 dataplane=self.dataplane.stats() if self.dataplane is not None else None,
+                tier_moved_bytes_total=moved_bytes,
             )
         )
 

@@ -181,6 +181,7 @@ class AgentServicer(agent_pb2_grpc.AgentServiceServicer):
                 st.lookups_total,
                 st.lookup_tokens_total,
                 st.lookup_hit_tokens_total,
+                st.tier_moved_bytes_total,
             )
             self._cluster.update_namespaces(
                 agent_id, {n.namespace: (n.num_blocks, n.uncompressed_bytes) for n in st.namespaces}

@@ -116,6 +116,7 @@ def stats_to_pb(s: core.ClusterStats) -> admin_pb2.GetStatsResponse:
         models=[model_to_pb(m) for m in s.models],
         resyncs_total=s.resyncs_total,
         events_total=s.events_total,
+        tier_moved_bytes_total=s.tier_moved_bytes_total,
     )
 
 

@@ -74,6 +74,7 @@ class AgentRecord:
     last_seen_unix_seconds: float = 0.0
     registered_at_unix_seconds: float = 0.0
     stats_reports: int = 0  # stats reports taken on any stream (tells a fresh report from one already seen)
+    tier_moved_bytes_total: int = 0  # bytes the agent moved between its tiers (its process's count)
     lookups_total: int = 0
     lookup_tokens_total: int = 0
     lookup_hit_tokens_total: int = 0
@@ -163,6 +164,7 @@ class ClusterStats:
     events_total: int
     tiers: list[TierUsage]
     models: list[ModelInfo]
+    tier_moved_bytes_total: int = 0  # summed over the agents here (each counts since it started)
 
 
 class Cluster:
@@ -447,11 +449,18 @@ class Cluster:
             return None
 
     def update_stats(
-        self, agent_id: str, tiers: list[TierUsage], lookups: int, lookup_tokens: int, hit_tokens: int
+        self,
+        agent_id: str,
+        tiers: list[TierUsage],
+        lookups: int,
+        lookup_tokens: int,
+        hit_tokens: int,
+        tier_moved_bytes: int = 0,
     ) -> None:
         with self._lock:
             rec = self.agent(agent_id)
             rec.tiers = tiers
+            rec.tier_moved_bytes_total = tier_moved_bytes
             rec.stats_reports += 1
             rec.lookups_total, rec.lookup_tokens_total, rec.lookup_hit_tokens_total = lookups, lookup_tokens, hit_tokens
             rec.last_seen_unix_seconds = self._clock()
@@ -645,4 +654,5 @@ class Cluster:
                 events_total=self.events_total,
                 tiers=[TierUsage(t, *v) for t, v in sorted(totals.items())],
                 models=sorted(self._models.values(), key=lambda m: m.model_id),
+                tier_moved_bytes_total=sum(r.tier_moved_bytes_total for r in self._agents.values()),
             )

@@ -87,6 +87,8 @@ def stats_series() -> list[tuple[float, StatsView]]:
                     is_leader=True,
                     tiers=[TierView("gpu", 64 * MiB, 61 * MiB, 310), TierView("cpu", 320 * MiB, 70 * MiB, 704)],
                     models=[{"model_id": "demo-model", "block_size": 16}],
+                    # what agents moved between tiers grows through the minute: the sparkline
+                    tier_moved_bytes_total=int(96 * MiB * (i / 31) ** 2),
                 ),
             )
         )
@@ -196,9 +198,7 @@ def load(app) -> None:
     app.apply_connection("connected")
     app.apply_operations(operations(moved_bytes=0))
     series = stats_series()
-    for i, (at, stats) in enumerate(series):
-        # operations' moved bytes grow through the minute: the movement sparkline
-        app.state.operations = operations(moved_bytes=int(96 * MiB * (i / len(series)) ** 2))
+    for at, stats in series:
         app.apply_stats(stats, at)
     app.apply_operations(operations())
     app.apply_agents(agents())

@@ -10,8 +10,8 @@ from cli.client import EventView, StatsView
 from dashboard.state import DashboardState, matches_filter
 
 
-def stats(lookups: int, tokens: int, hits: int) -> StatsView:
-    return StatsView(1, 0, 0, lookups, tokens, hits, 0, 0, "cp", 1, True)
+def stats(lookups: int, tokens: int, hits: int, moved: int = 0) -> StatsView:
+    return StatsView(1, 0, 0, lookups, tokens, hits, 0, 0, "cp", 1, True, tier_moved_bytes_total=moved)
 
 
 def event(seq: int, at: float, kind: str = "agent_joined", **kw) -> EventView:
@@ -35,6 +35,16 @@ def test_rates_between_samples_and_a_counter_reset():
     # an interval with no lookups keeps the last ratio; a reset is no new information
     assert s.hit_ratio_series() == pytest.approx([0.5, 0.9, 0.9, 0.9])
     assert s.movement_series() == [0.0, 0.0, 0.0, 0.0]
+
+
+def test_movement_is_what_agents_moved_between_tiers_not_only_operations():
+    """The tier policy's demotions and promotions are no operations: the sparkline said
+    0 B/s while Grafana showed ~0.5 MB/s. An agent restart (its count from 0) is no
+    movement, not a negative one."""
+    s = DashboardState()
+    for at, moved in [(0, 0), (2, 1_000_000), (4, 3_000_000), (6, 500_000), (8, 900_000)]:
+        s.add_stats(stats(0, 0, 0, moved), at)
+    assert s.movement_series() == [500_000.0, 1_000_000.0, 0.0, 200_000.0]
 
 
 def test_history_is_bounded():

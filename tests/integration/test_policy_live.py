@@ -52,6 +52,8 @@ def test_policy_demotes_to_low_watermark_and_respects_pins(controlplane, make_ag
         )
         assert a.engine.load(M.model_id, prompts[3]).num_cached_tokens == 4 * BS  # still served, from disk
         assert controlplane.manager.policy_actions_total > 0
+        # what the demotions moved, as the agent counts it, reaches kvctl stats / the dashboard
+        wait_for(lambda: c.stats().tier_moved_bytes_total >= 8 * M.block_bytes, 5, 0.2, "moved bytes reported")
         stats = c.stats()  # the policy's latest pass, as kvctl stats shows it
         assert stats.policy_passes_total > 0 and stats.policy_recent_first is False
         assert stats.policy_reuse_credit_turnovers == controlplane.manager.policy_credit_turnovers

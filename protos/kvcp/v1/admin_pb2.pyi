@@ -120,7 +120,7 @@ class GetStatsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class GetStatsResponse(_message.Message):
-    __slots__ = ("num_agents", "num_blocks", "num_block_replicas", "lookups_total", "lookup_tokens_total", "lookup_hit_tokens_total", "tiers", "leader_address", "epoch", "is_leader", "models", "resyncs_total", "events_total", "lookup_address", "policy_reuse_credit_turnovers", "policy_recent_first", "policy_passes_total")
+    __slots__ = ("num_agents", "num_blocks", "num_block_replicas", "lookups_total", "lookup_tokens_total", "lookup_hit_tokens_total", "tiers", "leader_address", "epoch", "is_leader", "models", "resyncs_total", "events_total", "lookup_address", "policy_reuse_credit_turnovers", "policy_recent_first", "policy_passes_total", "tier_moved_bytes_total")
     NUM_AGENTS_FIELD_NUMBER: _ClassVar[int]
     NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     NUM_BLOCK_REPLICAS_FIELD_NUMBER: _ClassVar[int]
@@ -138,6 +138,7 @@ class GetStatsResponse(_message.Message):
     POLICY_REUSE_CREDIT_TURNOVERS_FIELD_NUMBER: _ClassVar[int]
     POLICY_RECENT_FIRST_FIELD_NUMBER: _ClassVar[int]
     POLICY_PASSES_TOTAL_FIELD_NUMBER: _ClassVar[int]
+    TIER_MOVED_BYTES_TOTAL_FIELD_NUMBER: _ClassVar[int]
     num_agents: int
     num_blocks: int
     num_block_replicas: int
@@ -155,7 +156,8 @@ class GetStatsResponse(_message.Message):
     policy_reuse_credit_turnovers: float
     policy_recent_first: bool
     policy_passes_total: int
-    def __init__(self, num_agents: _Optional[int] = ..., num_blocks: _Optional[int] = ..., num_block_replicas: _Optional[int] = ..., lookups_total: _Optional[int] = ..., lookup_tokens_total: _Optional[int] = ..., lookup_hit_tokens_total: _Optional[int] = ..., tiers: _Optional[_Iterable[_Union[_types_pb2.TierUsage, _Mapping]]] = ..., leader_address: _Optional[str] = ..., epoch: _Optional[int] = ..., is_leader: _Optional[bool] = ..., models: _Optional[_Iterable[_Union[_types_pb2.ModelSpec, _Mapping]]] = ..., resyncs_total: _Optional[int] = ..., events_total: _Optional[int] = ..., lookup_address: _Optional[str] = ..., policy_reuse_credit_turnovers: _Optional[float] = ..., policy_recent_first: _Optional[bool] = ..., policy_passes_total: _Optional[int] = ...) -> None: ...
+    tier_moved_bytes_total: int
+    def __init__(self, num_agents: _Optional[int] = ..., num_blocks: _Optional[int] = ..., num_block_replicas: _Optional[int] = ..., lookups_total: _Optional[int] = ..., lookup_tokens_total: _Optional[int] = ..., lookup_hit_tokens_total: _Optional[int] = ..., tiers: _Optional[_Iterable[_Union[_types_pb2.TierUsage, _Mapping]]] = ..., leader_address: _Optional[str] = ..., epoch: _Optional[int] = ..., is_leader: _Optional[bool] = ..., models: _Optional[_Iterable[_Union[_types_pb2.ModelSpec, _Mapping]]] = ..., resyncs_total: _Optional[int] = ..., events_total: _Optional[int] = ..., lookup_address: _Optional[str] = ..., policy_reuse_credit_turnovers: _Optional[float] = ..., policy_recent_first: _Optional[bool] = ..., policy_passes_total: _Optional[int] = ..., tier_moved_bytes_total: _Optional[int] = ...) -> None: ...
 
 class Scope(_message.Message):
     __slots__ = ("model_id", "token_ids", "block_hashes", "extra_keys", "namespace", "agent_id")

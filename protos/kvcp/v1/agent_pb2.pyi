@@ -108,20 +108,22 @@ class NamespaceUsage(_message.Message):
     def __init__(self, namespace: _Optional[str] = ..., num_blocks: _Optional[int] = ..., uncompressed_bytes: _Optional[int] = ...) -> None: ...
 
 class AgentStats(_message.Message):
-    __slots__ = ("namespaces", "tiers", "lookups_total", "lookup_tokens_total", "lookup_hit_tokens_total", "dataplane")
+    __slots__ = ("namespaces", "tiers", "lookups_total", "lookup_tokens_total", "lookup_hit_tokens_total", "dataplane", "tier_moved_bytes_total")
     NAMESPACES_FIELD_NUMBER: _ClassVar[int]
     TIERS_FIELD_NUMBER: _ClassVar[int]
     LOOKUPS_TOTAL_FIELD_NUMBER: _ClassVar[int]
     LOOKUP_TOKENS_TOTAL_FIELD_NUMBER: _ClassVar[int]
     LOOKUP_HIT_TOKENS_TOTAL_FIELD_NUMBER: _ClassVar[int]
     DATAPLANE_FIELD_NUMBER: _ClassVar[int]
+    TIER_MOVED_BYTES_TOTAL_FIELD_NUMBER: _ClassVar[int]
     namespaces: _containers.RepeatedCompositeFieldContainer[NamespaceUsage]
     tiers: _containers.RepeatedCompositeFieldContainer[_types_pb2.TierUsage]
     lookups_total: int
     lookup_tokens_total: int
     lookup_hit_tokens_total: int
     dataplane: DataPlaneStats
-    def __init__(self, namespaces: _Optional[_Iterable[_Union[NamespaceUsage, _Mapping]]] = ..., tiers: _Optional[_Iterable[_Union[_types_pb2.TierUsage, _Mapping]]] = ..., lookups_total: _Optional[int] = ..., lookup_tokens_total: _Optional[int] = ..., lookup_hit_tokens_total: _Optional[int] = ..., dataplane: _Optional[_Union[DataPlaneStats, _Mapping]] = ...) -> None: ...
+    tier_moved_bytes_total: int
+    def __init__(self, namespaces: _Optional[_Iterable[_Union[NamespaceUsage, _Mapping]]] = ..., tiers: _Optional[_Iterable[_Union[_types_pb2.TierUsage, _Mapping]]] = ..., lookups_total: _Optional[int] = ..., lookup_tokens_total: _Optional[int] = ..., lookup_hit_tokens_total: _Optional[int] = ..., dataplane: _Optional[_Union[DataPlaneStats, _Mapping]] = ..., tier_moved_bytes_total: _Optional[int] = ...) -> None: ...
 
 class LinkStats(_message.Message):
     __slots__ = ("peer_agent_id", "throughput_bytes_per_second", "inflight", "queued", "transfers_total", "failures_total", "bytes_total", "last_path", "last_unix_seconds")

@@ -31,6 +31,8 @@ from protos.metrics import (
 AGENT_STATES = tuple(s.name.lower() for s in AgentState)
 OPERATION_KINDS = ("move", "cleanup", "compress", "transfer")
 OPERATION_STATES = ("pending", "running", "succeeded", "failed", "cancelled")
+# what a lookup-socket frame is answered with (others, rarer, appear when they happen)
+LOOKUP_SOCKET_CODES = ("OK", "INVALID_ARGUMENT", "NOT_FOUND", "UNAVAILABLE", "UNAUTHENTICATED", "FAILED_PRECONDITION")
 
 
 @dataclass(frozen=True)
@@ -218,6 +220,8 @@ class ControlPlaneMetrics:
             ("code",),
             registry=registry,
         )
+        for code in LOOKUP_SOCKET_CODES:  # exported at 0 from the start, as every family here
+            self.lookup_socket_frames.labels(code=code)
         self.operation_duration = Histogram(
             "kvcp_operation_duration_seconds",
             "Duration of finished operations, by kind and final state.",

@@ -151,7 +151,11 @@ class Manager:
         self._dirty: set[str] = set()
         self._lock_threads: set[str] = set()  # cleanups with a thread waiting for or holding their lock
         self._next_reload = 0.0
-        self._pins_watched = False  # a watch on the pin keys is open (durable.watch_deletes)
+        # the watch on the pin keys (durable.watch_deletes): its id once open, a generation
+        # number while opening, None when there is none
+        self._pins_watch: object = None
+        self._pins_watch_id: object = None
+        self._pins_watch_generation = 0
         self.pins_expired_total = 0
         self.etcd_resets_total = 0  # etcd found to have lost its data on winning an election
         # the tier policy: future-reuse evidence from lookups
@@ -166,6 +170,7 @@ class Manager:
         # agent -> its stats_reports when a pass last decided for it / when it answered a
         # policy command: a report newer than both shows what the commands did
         self._policy_report_seen: dict[str, int] = {}
+        self._policy_idle: dict[str, bool] = {}  # agent -> its last decide had nothing to do
         # blocks copied out of the index for `decide` in one pass (agents beyond wait)
         self.policy_max_blocks_per_pass = 1_000_000
         self._next_policy = 0.0
@@ -233,7 +238,7 @@ class Manager:
         result it answered must not be undone. The epoch counts as loaded only at the end,
         so a load cut short is done again."""
         epoch = self.election.epoch
-        if 0 < epoch < self._state_epoch:
+        if 0 < epoch < self._state_epoch and not self.durable.exists(etcd_keys.LOADED_KEY):
             self._restore_after_etcd_reset(epoch)
         pins = self.durable.load_pins()
         loaded_ops = self.durable.load_ops()
@@ -296,22 +301,27 @@ class Manager:
                 # its scope lock lapsed with the old leader's lease: held again here until
                 # it ends, so a cleanup queued behind it still waits
                 threading.Thread(target=self._hold_adopted_lock, args=(op,), name=f"op {op.op_id}", daemon=True).start()
+        # said in etcd: a later leader of this etcd's history has state to load, and must
+        # not restore its own over it (etcd emptied after this, a paused replica wins...)
+        self.durable.put(
+            etcd_keys.LOADED_KEY, json.dumps({"address": getattr(self.election, "address", ""), "epoch": epoch})
+        )
         self._loaded_epoch = self._state_epoch = epoch
         self._loaded_monotonic = time.monotonic()
 
     def _restore_after_etcd_reset(self, epoch: int) -> None:
-        """This replica led at a later epoch than the one it just won and lost no election
-        since (it served from memory through an outage): etcd's revisions went back, so
-        etcd lost its data (a new empty member, a restore from an old snapshot). What it
-        holds in memory is the newest state there is: its live pins and its policy are
-        written back before loading, instead of the pins being lifted from every agent as
-        gone. A pin tied to an owner's lease cannot be (the lease went with etcd's data):
-        said, and left to its owner to make again."""
+        """This replica led at a later epoch than the one it just won, saw no other replica
+        lead since, and etcd holds no leader's loaded state (LOADED_KEY): etcd lost its
+        data (a new empty member) and no leader has loaded since. What this replica holds
+        in memory is the newest state there is: its live pins and its policy are written
+        back before loading, instead of the pins being lifted from every agent as gone. A
+        pin tied to an owner's lease cannot be (the lease went with etcd's data): said,
+        and left to its owner to make again. An etcd restored from a snapshot holds an
+        older leader's mark: its state is loaded as it is."""
         now = self.clock()
         with self._lock:
             mine = {p.pin_id: p for p in self.pins.values() if p.active(now)}
             policy = dict(self.policy)
-        self.etcd_resets_total += 1
         stored = {p.pin_id: p for p in self.durable.load_pins()}
         restored, lost = 0, []
         for p in mine.values():
@@ -320,11 +330,8 @@ class Manager:
             elif p.pin_id not in stored:
                 self.durable.create(pin_key(p), pin_to_json(p))
                 restored += 1
-        for p in stored.values():  # an old snapshot's pins since removed here
-            if p.pin_id not in mine:
-                self.durable.delete(pin_key(p))
         values, _ = self.durable.load_policy()
-        if policy and values != policy:
+        if policy and not values:
             self.durable.put(etcd_keys.POLICY_KEY, json.dumps(policy, sort_keys=True))
         message = (
             f"etcd lost its data (epoch {epoch} after {self._state_epoch}): restored {restored} pin(s) and the "
@@ -335,6 +342,7 @@ class Manager:
                 else ""
             )
         )
+        self.etcd_resets_total += 1  # (a restore cut short by etcd is done again, and counted once)
         log.error("%s", message)
         self.cluster.events.publish("etcd_reset", message, "error")
 
@@ -599,20 +607,35 @@ class Manager:
         """A pin key deleted in etcd (its owner's lease ended) brings the reload forward to
         this loop's next turn, instead of the next resync up to `resync_seconds` later:
         the pin is lifted from agents within about a tenth of a second of its lease."""
-        if self._pins_watched or not hasattr(self.durable, "watch_deletes"):
-            return
+        with self._lock:
+            if self._pins_watch is not None or not hasattr(self.durable, "watch_deletes"):
+                return
+            self._pins_watch_generation += 1
+            generation = self._pins_watch = self._pins_watch_generation  # "opening"
 
         def reload_now() -> None:
             self._next_reload = 0.0
 
-        def ended() -> None:
-            self._pins_watched = False  # watched again at the next turn
+        def ended() -> None:  # on the watch's thread, maybe before watch_deletes returns
+            with self._lock:
+                if self._pins_watch in (generation, self._pins_watch_id):
+                    self._pins_watch = self._pins_watch_id = None  # watched again at the next turn
 
         try:
-            self.durable.watch_deletes(etcd_keys.PINS_PREFIX, reload_now, ended)
-            self._pins_watched = True
+            watch_id = self.durable.watch_deletes(etcd_keys.PINS_PREFIX, reload_now, ended)
         except errors.Unavailable as exc:
             log.debug("cannot watch pins yet: %s", exc)
+            watch_id = None
+        with self._lock:
+            if self._pins_watch == generation:  # not ended meanwhile
+                self._pins_watch = self._pins_watch_id = watch_id
+
+    def _unwatch_pins(self) -> None:
+        """A follower does not reload pins: its watch goes (it is opened again on leading)."""
+        with self._lock:
+            watch_id, self._pins_watch, self._pins_watch_id = self._pins_watch_id, None, None
+        if watch_id is not None and hasattr(self.durable, "cancel_watch"):
+            self.durable.cancel_watch(watch_id)
 
     def _reload_pins(self) -> None:
         """Level-triggered: etcd is the truth (a pin tied to an owner lease vanishes with it)."""
@@ -1283,7 +1306,11 @@ class Manager:
                     reuse_credit_turnovers=credit,
                     recent_first=recent_first,
                 )
-                actions.extend(tier_policy.decide(view, policy, now))
+                decided = tier_policy.decide(view, policy, now)
+                # a pass that had nothing to do for a tier over its watermark (pins or
+                # loads hold it) is not brought forward again by the agent's next report
+                self._policy_idle[agent_view.agent_id] = not decided
+                actions.extend(decided)
         sessions = {rec.agent_id: rec.session_id for rec in connected}
         for action in actions:
             self._policy_ops += 1
@@ -1347,9 +1374,10 @@ class Manager:
     def _urgent(self, policy: tier_policy.Policy) -> bool:
         """Is there an agent a pass should not wait for: over a high watermark in a report
         that came after the last pass decided for it and after it answered that pass's
-        commands (an older report may predate what they moved)?"""
+        commands (an older report may predate what they moved), and not one whose last
+        pass found nothing to do (pins hold the tier: the periodic pass is enough)?"""
         for rec in self.cluster.connected_agents():
-            if self._policy_inflight.get(rec.agent_id) or not rec.models:
+            if self._policy_inflight.get(rec.agent_id) or not rec.models or self._policy_idle.get(rec.agent_id):
                 continue
             if rec.stats_reports > self._policy_report_seen.get(rec.agent_id, 0) and self._over_high(rec, policy):
                 return True
@@ -1402,6 +1430,8 @@ class Manager:
             leader = getattr(self.election, "leader_address", "")
             if leader and leader != getattr(self.election, "address", leader):
                 self._state_epoch = 0  # another replica leads: what memory holds is not the newest
+            if self._pins_watch is not None:
+                self._unwatch_pins()
             return
         now = self.clock() if now is None else now
         self.ensure_loaded()

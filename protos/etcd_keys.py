@@ -21,6 +21,9 @@ PINS_PREFIX = ROOT + "pins/"
 POLICY_KEY = ROOT + "config/policy"
 OPS_PREFIX = ROOT + "ops/"
 LEADER_KEY = ROOT + "election/leader"
+# written by each leader once it has loaded its state: an etcd without it holds no
+# leader's state (new, or emptied), which is when a leader may restore its own from memory
+LOADED_KEY = ROOT + "election/loaded"
 LOCKS_PREFIX = ROOT + "locks/"
 
 

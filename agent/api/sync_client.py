@@ -504,3 +504,4 @@ class ControlPlaneLink:
                 backoff = 0.2
             stop.wait(backoff)
             backoff = min(backoff * 2, 5.0)
+        self._leader_checks.shutdown(wait=False)  # a check stuck on etcd ends with its call's timeout

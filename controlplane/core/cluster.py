@@ -237,6 +237,9 @@ class Cluster:
                 record.lookups_total = old.lookups_total
                 record.lookup_tokens_total = old.lookup_tokens_total
                 record.lookup_hit_tokens_total = old.lookup_hit_tokens_total
+                # the policy's urgent pass compares report counts; the dashboard rates moved bytes
+                record.stats_reports = old.stats_reports
+                record.tier_moved_bytes_total = old.tier_moved_bytes_total
             record.last_seen_unix_seconds = record.registered_at_unix_seconds = self._clock()
             self._agents[record.agent_id] = record
             self._refresh_models()

@@ -122,19 +122,22 @@ def same_request(a: Pin, b: Pin) -> bool:
 
 
 def pinned_bytes_of(pins: list[Pin], namespace: str, now: float, namespace_bytes: Callable[[str], int]) -> int:
-    """What the namespace's live pins hold together, each byte once. A whole-namespace pin
-    covers whatever the namespace holds now on the agents it applies to
+    """What the namespace's live pins hold, a namespace's own blocks once. A whole-namespace
+    pin covers whatever the namespace holds now on the agents it applies to
     (`namespace_bytes(agent_id)`, "" for every agent), not what it held when it was made:
-    it grows as the namespace does. Pins of blocks count their blocks, except where a
-    namespace pin already covers them (the same agents). Pins past their TTL count for
-    nothing, even before the sweep deletes them."""
+    it grows as the namespace does; several namespace pins (everywhere, or on some agents)
+    count those blocks once. Pins of blocks count their blocks in full: the namespace is
+    their label, and the blocks they name need not be stored under it, so a namespace pin
+    does not cover them. Pins past their TTL count for nothing, even before the sweep
+    deletes them."""
     live = [p for p in pins if p.namespace == namespace and p.active(now)]
     whole = [p for p in live if p.whole_namespace]
-    if any(not p.agent_id for p in whole):  # the namespace everywhere: every pin of it is inside
-        return max([namespace_bytes("")] + [p.pinned_bytes for p in whole if not p.agent_id])
-    agents = {p.agent_id for p in whole}
-    covered = sum(max([namespace_bytes(a)] + [p.pinned_bytes for p in whole if p.agent_id == a]) for a in agents)
-    return covered + sum(p.pinned_bytes for p in live if not p.whole_namespace and p.agent_id not in agents)
+    if any(not p.agent_id for p in whole):  # the namespace everywhere
+        covered = max([namespace_bytes("")] + [p.pinned_bytes for p in whole if not p.agent_id])
+    else:
+        agents = {p.agent_id for p in whole}
+        covered = sum(max([namespace_bytes(a)] + [p.pinned_bytes for p in whole if p.agent_id == a]) for a in agents)
+    return covered + sum(p.pinned_bytes for p in live if not p.whole_namespace)
 
 
 def check_quota(pins: list[Pin], new: Pin, quota_bytes: int | None, namespace_bytes: Callable[[str], int]) -> None:

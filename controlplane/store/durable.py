@@ -229,6 +229,18 @@ class DurableStore:
         except Exception as exc:  # noqa: BLE001
             raise self._unavailable(exc) from None
 
+    def cancel_watch(self, watch_id) -> None:
+        try:
+            self._client.cancel_watch(watch_id)
+        except Exception as exc:  # noqa: BLE001 - etcd away: the stream is gone with it
+            log.debug("cancelling watch %s: %s", watch_id, exc)
+
+    def exists(self, key: str) -> bool:
+        try:
+            return self._client.get(key)[0] is not None
+        except Exception as exc:  # noqa: BLE001
+            raise self._unavailable(exc) from None
+
     def load_pins(self) -> list[Pin]:
         out = []
         for raw in self._prefix(etcd_keys.PINS_PREFIX):

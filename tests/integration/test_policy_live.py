@@ -117,3 +117,32 @@ def test_a_gpu_pin_on_an_agent_without_a_gpu_makes_no_pass_decide_for_it(control
         wait_for(lambda: manager.policy_passes_total >= passes + 3, 15, 0.2, "three passes")
         assert manager.policy_agents_decided_total == decided
         assert all(t == "cpu" for t in c.lookup(M.model_id, prompt).agents[0].tiers)
+
+
+def test_a_tier_pins_hold_over_its_watermark_does_not_bring_a_pass_at_every_report(controlplane, make_agent, tmp_path):
+    """Nothing can leave it: a pass that found nothing to do is not brought forward again
+    by the agent's next report (each pass copies the agent's blocks out of the index);
+    the periodic pass looks again."""
+    a = make_agent(
+        "held",
+        cpu_capacity_bytes=10 * M.block_bytes,
+        disk_dir=str(tmp_path / "d"),
+        disk_capacity_bytes=1 << 24,
+        page_bytes=M.block_bytes,
+    )
+    kv = torch.zeros((8, *M.block_shape), dtype=torch.float16)
+    prompt = list(range(8 * BS))
+    manager = controlplane.manager
+    with ControlPlaneClient(controlplane.address) as c:
+        c.set_policy({"cpu.high_watermark": "0.6", "cpu.low_watermark": "0.4"})
+        a.engine.store(M.model_id, prompt, kv)  # 8 of 10 blocks: over 60 %
+        wait_for(lambda: any(m["model_id"] == M.model_id for m in c.stats().models), 20, what="model known")
+        c.pin(model_id=M.model_id, token_ids=prompt, min_tier="cpu", ttl_seconds=120)
+        wait_for(lambda: len(a.pool.pins.pins) == 1, 10, 0.1, "pin applied")
+        manager.policy_interval_seconds = 3600.0
+        manager._next_policy = manager.clock()  # one periodic pass now, then none
+        wait_for(lambda: manager._next_policy > manager.clock() + 60, 10, 0.1, "the periodic pass ran")
+        decided = manager.policy_agents_decided_total
+        time.sleep(2.0)  # ten reports of the tier over its watermark
+        assert manager.policy_agents_decided_total - decided <= 1
+        assert next(t.num_blocks for t in a.pool.usage() if t.tier == Tier.CPU) == 8  # pinned: all stay

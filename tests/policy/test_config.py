@@ -98,9 +98,11 @@ def test_a_namespace_pin_counts_what_its_namespace_holds_now():
 
 
 def test_each_pinned_byte_counts_once_against_the_quota():
-    """A namespace pinned twice, or on one agent only, or a prefix inside a namespace
-    already pinned everywhere: charged what it adds, not its namespace's size again, and
-    an agent-scoped namespace pin only what the namespace holds on that agent."""
+    """A namespace pinned twice, or on one agent only: its blocks charged once, and an
+    agent-scoped namespace pin only what the namespace holds on that agent. A prefix pin
+    is charged in full even with its namespace pinned: its blocks need not be stored under
+    that namespace (charged nothing, 100 pins of 1 GiB labelled with a 0 B pinned
+    namespace went past a 1 MiB quota)."""
     from controlplane.core.pins import Pin, check_quota, pinned_bytes_of
 
     held = {"agent-1": 0, "agent-2": 600, "": 600}
@@ -108,10 +110,15 @@ def test_each_pinned_byte_counts_once_against_the_quota():
     on_1 = Pin("a1", "chat", "", b"", Tier.CPU, 0.0, 1e12, agent_id="agent-1")
     on_2 = Pin("a2", "chat", "", b"", Tier.CPU, 0.0, 1e12, agent_id="agent-2")
     prefix = Pin("p", "chat", "m", b"\x05" * 32, Tier.GPU, 0.0, 1e12, pinned_bytes=64)
-    assert pinned_bytes_of([everywhere, on_1, on_2, prefix], "chat", 1.0, held.get) == 600
+    assert pinned_bytes_of([everywhere, on_1, on_2], "chat", 1.0, held.get) == 600
+    assert pinned_bytes_of([everywhere, on_1, on_2, prefix], "chat", 1.0, held.get) == 664
     assert pinned_bytes_of([on_1, on_2], "chat", 1.0, held.get) == 600
-    assert pinned_bytes_of([on_1, prefix], "chat", 1.0, held.get) == 64  # agent-1 holds none of chat
-    for again in (on_1, on_2, prefix, Pin("all2", "chat", "", b"", Tier.DISK, 5.0, 1e12, pinned_bytes=600)):
+    assert pinned_bytes_of([on_1], "chat", 1.0, held.get) == 0  # agent-1 holds none of chat
+    for again in (on_1, on_2, Pin("all2", "chat", "", b"", Tier.DISK, 5.0, 1e12, pinned_bytes=600)):
         check_quota([everywhere], again, 600, held.get)  # adds nothing: fits a quota of exactly 600
     with pytest.raises(errors.ResourceExhausted, match="600 B pinned \\+ 64 B asked"):
-        check_quota([on_2], prefix, 600, held.get)  # a prefix pin for all agents: outside agent-2's pin
+        check_quota([everywhere], prefix, 600, held.get)
+    empty = {"": 0}.get
+    big = [Pin(f"g{i}", "chat", "m", bytes([i]) * 16, Tier.CPU, 0.0, 1e12, pinned_bytes=1 << 30) for i in range(2)]
+    with pytest.raises(errors.ResourceExhausted, match="quota"):
+        check_quota([Pin("ns", "chat", "", b"", Tier.CPU, 0.0, 1e12), big[0]], big[1], 1 << 20, empty)

@@ -526,3 +526,41 @@ def test_agents_follow_a_leader_of_an_etcd_that_lost_its_data(tmp_path):
         if cp:
             cp.stop()
         server.cleanup()
+
+
+def test_a_replica_back_after_another_loaded_in_the_emptied_etcd_restores_nothing():
+    """The restore is for an etcd no leader has loaded since it lost its data. A replica
+    that led before (paused, cut off) and wins after another leader loaded there (its
+    mark, election/loaded) loads what etcd holds: it wrote its stale pins back over the
+    newer ones before the mark."""
+    from controlplane.server import ControlPlane, ControlPlaneConfig
+
+    server = EtcdServer().start()
+    cp = None
+    try:
+        client = etcd_keys.connect(server.endpoint)
+        for i in range(300):  # the first leader's epoch is over 300
+            client.put(f"/other/{i}", "x")
+        client.close()
+        cp = ControlPlane(
+            ControlPlaneConfig(listen="127.0.0.1:0", etcd=server.endpoint, election_ttl_seconds=2, metrics_listen="")
+        ).start()
+        with ControlPlaneClient(cp.address, timeout_seconds=10) as c:
+            wait_for(lambda: cp.manager.ready, 10, 0.1, "loaded")
+            c.pin(namespace="old", ttl_seconds=600, pin_id="stale")
+            c.set_policy({"cpu.high_watermark": "0.8", "cpu.low_watermark": "0.7"})
+            server.stop()
+            shutil.rmtree(os.path.join(server.data_dir, "data"))
+            server.start()
+            other = etcd_keys.connect(server.endpoint)  # another leader loaded here meanwhile
+            other.put(etcd_keys.LOADED_KEY, json.dumps({"address": "b:1", "epoch": 1}))
+            other.put(etcd_keys.PINS_PREFIX + "new/newer", "not a pin this test reads")
+            wait_for(lambda: cp.manager.ready and cp.election.epoch < 300, 30, 0.2, "leading in the emptied etcd")
+            assert c.list_pins() == [] and cp.manager.etcd_resets_total == 0
+            assert other.get(etcd_keys.POLICY_KEY)[0] is None
+            assert json.loads(other.get(etcd_keys.LOADED_KEY)[0])["epoch"] == cp.election.epoch  # its own mark now
+            other.close()
+    finally:
+        if cp:
+            cp.stop()
+        server.cleanup()

@@ -438,3 +438,15 @@ def test_a_model_whose_agents_are_all_away_is_still_a_model(cluster):
     assert cluster.model("m").block_size == BS
     with pytest.raises(errors.NotFound, match="unknown model 'nope'"):
         cluster.lookup("nope", block_hashes=packed(1))
+
+
+def test_an_agent_registering_again_keeps_its_report_counts():
+    """A new stream starts with Register: the record it replaces carried how many stats
+    reports the agent made (the policy's urgent pass compares them) and what it moved
+    between tiers (the dashboard's rate): a reset read as silence, then a spike."""
+    cluster = Cluster()
+    cluster.register(record("a"))
+    for _ in range(3):
+        cluster.update_stats("a", [], 0, 0, 0, tier_moved_bytes=5000)
+    cluster.register(record("a"))
+    assert cluster.stats_reports("a") == 3 and cluster.stats().tier_moved_bytes_total == 5000

@@ -18,14 +18,19 @@ M = DEMO_MODEL
 BS = M.block_size
 
 
-def test_policy_demotes_to_low_watermark_and_respects_pins(controlplane, make_agent, tmp_path):
-    a = make_agent(
-        "pol",
-        cpu_capacity_bytes=20 * M.block_bytes,
+def tiered_agent(make_agent, agent_id: str, cpu_blocks: int, tmp_path):
+    """An agent with a CPU tier of `cpu_blocks` blocks over a disk tier."""
+    return make_agent(
+        agent_id,
+        cpu_capacity_bytes=cpu_blocks * M.block_bytes,
         disk_dir=str(tmp_path / "d"),
         disk_capacity_bytes=1 << 24,
         page_bytes=M.block_bytes,
     )
+
+
+def test_policy_demotes_to_low_watermark_and_respects_pins(controlplane, make_agent, tmp_path):
+    a = tiered_agent(make_agent, "pol", 20, tmp_path)
     kv = torch.zeros((4, *M.block_shape), dtype=torch.float16)
     prompts = [list(range(10_000 * i, 10_000 * i + 4 * BS)) for i in range(4)]  # 16 blocks: 80% of CPU
     with ControlPlaneClient(controlplane.address) as c:
@@ -66,13 +71,7 @@ def test_a_tier_filled_over_its_high_watermark_is_brought_down_before_the_period
     """The workload can fill the band between the watermarks in about a second: an
     agent's report of a tier over its high watermark (after it answered the last pass's
     commands) brings a pass at once instead of at the next periodic one."""
-    a = make_agent(
-        "urgent",
-        cpu_capacity_bytes=20 * M.block_bytes,
-        disk_dir=str(tmp_path / "d"),
-        disk_capacity_bytes=1 << 24,
-        page_bytes=M.block_bytes,
-    )
+    a = tiered_agent(make_agent, "urgent", 20, tmp_path)
     kv = torch.zeros((4, *M.block_shape), dtype=torch.float16)
     manager = controlplane.manager
 
@@ -99,13 +98,7 @@ def test_a_tier_filled_over_its_high_watermark_is_brought_down_before_the_period
 def test_a_gpu_pin_on_an_agent_without_a_gpu_makes_no_pass_decide_for_it(controlplane, make_agent, tmp_path):
     """Its blocks in the agent's fastest tier are as far up as they can go: `decide` has
     nothing to do, so the pass should not copy the agent's blocks out every 2 s for it."""
-    a = make_agent(
-        "nogpu",
-        cpu_capacity_bytes=20 * M.block_bytes,
-        disk_dir=str(tmp_path / "d"),
-        disk_capacity_bytes=1 << 24,
-        page_bytes=M.block_bytes,
-    )
+    a = tiered_agent(make_agent, "nogpu", 20, tmp_path)
     kv = torch.zeros((2, *M.block_shape), dtype=torch.float16)
     prompt = list(range(2 * BS))
     a.engine.store(M.model_id, prompt, kv)
@@ -123,13 +116,7 @@ def test_a_tier_pins_hold_over_its_watermark_does_not_bring_a_pass_at_every_repo
     """Nothing can leave it: a pass that found nothing to do is not brought forward again
     by the agent's next report (each pass copies the agent's blocks out of the index);
     the periodic pass looks again."""
-    a = make_agent(
-        "held",
-        cpu_capacity_bytes=10 * M.block_bytes,
-        disk_dir=str(tmp_path / "d"),
-        disk_capacity_bytes=1 << 24,
-        page_bytes=M.block_bytes,
-    )
+    a = tiered_agent(make_agent, "held", 10, tmp_path)
     kv = torch.zeros((8, *M.block_shape), dtype=torch.float16)
     prompt = list(range(8 * BS))
     manager = controlplane.manager

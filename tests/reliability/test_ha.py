@@ -265,31 +265,45 @@ def test_a_client_moves_on_from_a_replica_that_is_not_the_leader_and_names_no_ot
                 cp.stop()
 
 
-def test_etcd_outage_reads_from_memory_rejects_writes_and_recovers(make_agent_factory=None):
+def _own_etcd_cluster(agent_id: str, election_ttl_seconds: int, history: int = 0, **agent_kwargs):
+    """A private etcd (`history` keys written first: the first leader's epoch is above it),
+    a control plane and an agent holding a 3-block prompt, indexed. -> (server, cp, agent,
+    prompt, kv); the caller stops them (agent, cp, then server.cleanup())."""
     from agent.server import Agent, AgentConfig
     from controlplane.server import ControlPlane, ControlPlaneConfig
 
     server = EtcdServer().start()
-    cp = agent = None
+    client = etcd_keys.connect(server.endpoint)
+    for i in range(history):
+        client.put(f"/other/{i}", "x")
+    client.close()
+    cp = ControlPlane(
+        ControlPlaneConfig(
+            listen="127.0.0.1:0", etcd=server.endpoint, election_ttl_seconds=election_ttl_seconds, metrics_listen=""
+        )
+    ).start()
+    agent = Agent(
+        AgentConfig(
+            agent_id,
+            listen="127.0.0.1:0",
+            etcd=server.endpoint,
+            stats_interval_seconds=0.2,
+            metrics_listen="",
+            **agent_kwargs,
+        )
+    ).start()
+    kv = torch.zeros((3, *M.block_shape), dtype=torch.float16)
+    prompt = list(range(3 * M.block_size))
+    agent.engine.store(M.model_id, prompt, kv)
+    with ControlPlaneClient(cp.address, timeout_seconds=10) as c:
+        wait_for(lambda: c.lookup(M.model_id, prompt).agents, 10, 0.1, "indexed")
+    return server, cp, agent, prompt, kv
+
+
+def test_etcd_outage_reads_from_memory_rejects_writes_and_recovers():
+    server, cp, agent, prompt, kv = _own_etcd_cluster("outage-agent", 3, lease_ttl_seconds=10)
     try:
-        cp = ControlPlane(
-            ControlPlaneConfig(listen="127.0.0.1:0", etcd=server.endpoint, election_ttl_seconds=3, metrics_listen="")
-        ).start()
-        agent = Agent(
-            AgentConfig(
-                "outage-agent",
-                listen="127.0.0.1:0",
-                etcd=server.endpoint,
-                lease_ttl_seconds=10,
-                stats_interval_seconds=0.2,
-                metrics_listen="",
-            )
-        ).start()
-        kv = torch.zeros((3, *M.block_shape), dtype=torch.float16)
-        prompt = list(range(3 * M.block_size))
-        agent.engine.store(M.model_id, prompt, kv)
         with ControlPlaneClient(cp.address, timeout_seconds=10) as c:
-            wait_for(lambda: c.lookup(M.model_id, prompt).agents, 10, 0.1, "indexed")
             server.proc.send_signal(signal.SIGSTOP)  # etcd stops answering
             # before the leader notices, a durable change waits on etcd for at most its call
             # timeout (2 s): kvctl's 5 s deadline sees the reason, not a timeout; the write
@@ -328,10 +342,8 @@ def test_etcd_outage_reads_from_memory_rejects_writes_and_recovers(make_agent_fa
     finally:
         if server.proc.poll() is None:
             server.proc.send_signal(signal.SIGCONT)
-        if agent:
-            agent.stop()
-        if cp:
-            cp.stop()
+        agent.stop()
+        cp.stop()
         server.cleanup()
 
 
@@ -445,36 +457,11 @@ def test_agents_follow_a_leader_of_an_etcd_that_lost_its_data(tmp_path):
     revisions start again, so the new leader's epoch is below the one agents saw. It is
     not a deposed leader (etcd names it, with that epoch): agents register with it and
     the index is rebuilt from them. Before, they refused it as deposed for good."""
-    from agent.server import Agent, AgentConfig
-    from controlplane.server import ControlPlane, ControlPlaneConfig
-
-    server = EtcdServer().start()
-    cp = agent = None
+    server, cp, agent, prompt, kv = _own_etcd_cluster(
+        "reset-agent", 2, history=300, disk_dir=str(tmp_path / "disk"), disk_capacity_bytes=1 << 24, lease_ttl_seconds=3
+    )
     try:
-        client = etcd_keys.connect(server.endpoint)
-        for i in range(300):  # an etcd with a history: the first leader's epoch is over 300
-            client.put(f"/other/{i}", "x")
-        client.close()
-        cp = ControlPlane(
-            ControlPlaneConfig(listen="127.0.0.1:0", etcd=server.endpoint, election_ttl_seconds=2, metrics_listen="")
-        ).start()
-        agent = Agent(
-            AgentConfig(
-                "reset-agent",
-                listen="127.0.0.1:0",
-                etcd=server.endpoint,
-                disk_dir=str(tmp_path / "disk"),
-                disk_capacity_bytes=1 << 24,
-                lease_ttl_seconds=3,
-                stats_interval_seconds=0.2,
-                metrics_listen="",
-            )
-        ).start()
-        kv = torch.zeros((3, *M.block_shape), dtype=torch.float16)
-        prompt = list(range(3 * M.block_size))
-        agent.engine.store(M.model_id, prompt, kv)
         with ControlPlaneClient(cp.address, timeout_seconds=10) as c:
-            wait_for(lambda: c.lookup(M.model_id, prompt).agents, 10, 0.1, "indexed")
             first = agent.link.highest_epoch
             assert first > 300
             pin = c.pin(model_id=M.model_id, token_ids=prompt, min_tier="disk", ttl_seconds=600)

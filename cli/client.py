@@ -501,6 +501,7 @@ class ControlPlaneClient:
 
     def _call(self, method: str, request, follow: bool = True):
         tried = {self.endpoint}
+        named_by = ""  # the replica that named the leader being asked
         while True:
             try:
                 return getattr(self._stub, method)(request, timeout=self.timeout_seconds, metadata=self._metadata)
@@ -508,6 +509,7 @@ class ControlPlaneClient:
                 leader = self._leader_of(exc) if follow else ""
                 if leader:
                     follow = False
+                    named_by = self.endpoint
                     self.use_endpoint(leader)
                     tried.add(leader)
                     continue
@@ -523,7 +525,15 @@ class ControlPlaneClient:
                     # it may have been applied there, so it is not sent again; the next call
                     # starts at another replica (a paused leader's successor, say)
                     self._use_next_endpoint()
-                raise self._error(exc) from None
+                error = self._error(exc)
+                if named_by and _not_connected(exc):
+                    # not "start a control plane": one answered, naming a leader that is gone
+                    error = ClientError(
+                        error.code,
+                        f"the control plane at {named_by} names {self.endpoint} as its leader, which cannot be "
+                        "reached: it may have just died and a new leader not been elected yet; retry in a few seconds",
+                    )
+                raise error from None
 
     def _error(self, exc: grpc.RpcError) -> ClientError:
         code = exc.code()

@@ -300,6 +300,26 @@ def _own_etcd_cluster(agent_id: str, election_ttl_seconds: int, history: int = 0
     return server, cp, agent, prompt, kv
 
 
+def test_a_follower_naming_a_leader_that_is_gone_is_said_so(etcd):
+    """kvctl said "cannot reach the kvcp control plane at <dead leader>; start one with
+    make demo" though a replica had answered: it says which replica named which leader."""
+    from controlplane.server import ControlPlane, ControlPlaneConfig
+
+    b = ControlPlane(ControlPlaneConfig(listen="127.0.0.1:0", etcd=etcd, election_ttl_seconds=TTL)).start()
+    try:
+        wait_for(lambda: b.election.is_leader, 10, 0.1, "b leads")
+        b.election.run_once = lambda: False  # b stands still as a follower ...
+        b.election.is_leader = False
+        gone = f"127.0.0.1:{free_port()}"
+        b.election.leader_address = gone  # ... naming a leader that has just died
+        with ControlPlaneClient(b.address, timeout_seconds=5) as c, pytest.raises(ClientError) as info:
+            c.stats()
+        assert f"at {b.address} names {gone} as its leader, which cannot be reached" in str(info.value)
+        assert "make demo" not in str(info.value)
+    finally:
+        b.stop()
+
+
 def test_etcd_outage_reads_from_memory_rejects_writes_and_recovers():
     server, cp, agent, prompt, kv = _own_etcd_cluster("outage-agent", 3, lease_ttl_seconds=10)
     try:

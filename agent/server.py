@@ -275,7 +275,6 @@ class Agent:
             self.config.lease_ttl_seconds,
         )
         self.registration.register()
-        self.registration.on_reregistered = self.link.request_reconnect
         self._spawn("etcd-keepalive", self.registration.run_forever)
         self._spawn("cp-link", self.link.run_forever)
         if self.vllm_events is not None:

@@ -1,8 +1,9 @@
 """The agent's membership in etcd: `/kvcp/v1/agents/<agent_id>` under a lease.
 
 The lease is refreshed every ttl/3. If it was lost (etcd restarted, a long pause), a
-new lease is granted and the key rewritten; `on_reregistered` lets the control-plane
-link register again. While the key exists the control plane keeps the agent's blocks.
+new lease is granted and the key rewritten (`on_reregistered` is told). While the key
+exists, or while the agent streams to it, the control plane keeps the agent's blocks;
+one that dropped them ends the agent's stream, and the agent registers again then.
 """
 
 from __future__ import annotations

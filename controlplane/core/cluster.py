@@ -28,6 +28,9 @@ MAX_LOOKUP_BLOCKS = 1 << 16
 # blocks one agent may stage in an unfinished inventory (16 bytes each): bounds the memory
 # a misbehaving agent can hold before its last chunk
 MAX_INVENTORY_BLOCKS = 1 << 25
+# an agent heard on its open stream within this long is alive though its etcd lease ended
+# (agents report stats every second)
+LIVE_STREAM_SECONDS = 5.0
 
 
 class AgentState(IntEnum):
@@ -175,6 +178,7 @@ class Cluster:
         self._lock = threading.RLock()
         self._clock = clock
         self._agents: dict[str, AgentRecord] = {}
+        self._kept_without_lease: set[str] = set()  # streaming agents whose key etcd deleted
         self._models: dict[str, ModelInfo] = {}
         # every model an agent served since this control plane started: one whose agents
         # are all away for a moment is still a model (lookups find nothing), not unknown
@@ -263,6 +267,7 @@ class Cluster:
     def remove_agent(self, agent_id: str) -> int:
         """The agent's lease is gone: forget it and its blocks. Returns replicas dropped."""
         with self._lock:
+            self._kept_without_lease.discard(agent_id)
             rec = self._agents.pop(agent_id, None)
             known = rec is not None
             self._slow_hits.discard(agent_id)
@@ -323,16 +328,44 @@ class Cluster:
 
     def reconcile_membership(self, live_agent_ids: set[str], listed_at_unix_seconds: float) -> list[str]:
         """Level-triggered repair: drop every agent not in `live_agent_ids` (listed from
-        etcd at `listed_at_unix_seconds`; agents that registered after that are kept)."""
+        etcd at `listed_at_unix_seconds`; agents that registered after that are kept, and
+        so are agents still streaming: see lease_gone)."""
         with self._lock:
             self._expected_agents = frozenset(live_agent_ids)
             self._rebuilding = (0.0, False)
+            self._kept_without_lease -= live_agent_ids  # registered again
             recent = {a for a, r in self._agents.items() if r.registered_at_unix_seconds > listed_at_unix_seconds}
             known = set(self._agents) | set(self.index.agents())
             gone = [a for a in known if a not in live_agent_ids and a not in recent]
-            for a in gone:
-                self.remove_agent(a)
-            return gone
+            return [a for a in gone if self.lease_gone(a) is not None]
+
+    def lease_gone(self, agent_id: str) -> int | None:
+        """The agent's key is gone from etcd (its lease ended). An agent whose Sync stream
+        is open and was heard within LIVE_STREAM_SECONDS is alive: an etcd outage longer
+        than the agents' lease TTL ends every lease at once, and dropping them all made
+        every agent send its whole inventory again (a resync storm at scale). It keeps
+        its blocks (None) and registers a new lease when etcd answers; one that goes
+        silent or whose stream ends is dropped at the next pass. Otherwise the agent and
+        its blocks go (the replicas dropped)."""
+        with self._lock:
+            rec = self._agents.get(agent_id)
+            live = (
+                rec is not None
+                and rec.outbox is not None
+                and rec.state != AgentState.DISCONNECTED
+                and self._clock() - rec.last_seen_unix_seconds <= LIVE_STREAM_SECONDS
+            )
+            if not live:
+                return self.remove_agent(agent_id)
+            if agent_id not in self._kept_without_lease:
+                self._kept_without_lease.add(agent_id)
+                self.events.publish(
+                    "agent_state",
+                    f"{agent_id}'s lease is gone but its stream is live: its blocks are kept until it registers again",
+                    "warning",
+                    agent_id=agent_id,
+                )
+            return None
 
     def agent(self, agent_id: str) -> AgentRecord:
         with self._lock:

@@ -46,8 +46,11 @@ class MembershipWatcher:
         for event in response.events:
             if isinstance(event, pyetcd.events.DeleteEvent):
                 agent_id = event.key.decode()[len(AGENTS_PREFIX) :]
-                dropped = self._cluster.remove_agent(agent_id)
-                log.info("agent %s left (key deleted), %d replicas dropped", agent_id, dropped)
+                dropped = self._cluster.lease_gone(agent_id)
+                if dropped is None:
+                    log.info("agent %s's key was deleted but its stream is live: kept", agent_id)
+                else:
+                    log.info("agent %s left (key deleted), %d replicas dropped", agent_id, dropped)
 
     def run_forever(self, stop: threading.Event) -> None:
         while not stop.is_set():

@@ -571,3 +571,35 @@ def test_a_replica_back_after_another_loaded_in_the_emptied_etcd_restores_nothin
         if cp:
             cp.stop()
         server.cleanup()
+
+
+def test_an_etcd_outage_longer_than_the_agents_lease_costs_no_resync():
+    """Every agent lease ends during it: the agents, streaming all along, were dropped
+    with their blocks when etcd came back, and each sent its whole inventory again (a
+    resync storm at scale). They keep their blocks and register a new lease."""
+    server, cp, agent, prompt, _ = _own_etcd_cluster("long-outage", 3, lease_ttl_seconds=2)
+    try:
+        with ControlPlaneClient(cp.address, timeout_seconds=10) as c:
+            connections = agent.link.connections_total
+            server.pause()
+            time.sleep(5.0)  # > the lease's 2 s
+            server.resume()
+            deadline, answers = time.monotonic() + 8.0, 0
+            while time.monotonic() < deadline:  # never forgotten meanwhile
+                try:
+                    found = c.lookup(M.model_id, prompt).best_agent_id
+                except ClientError as exc:  # the leader's own lease ended too: it stands again
+                    assert exc.code in ("FAILED_PRECONDITION", "UNAVAILABLE"), exc
+                else:
+                    assert found == "long-outage"
+                    answers += 1
+                time.sleep(0.1)
+            assert answers > 20
+            assert agent.link.connections_total == connections  # no new stream, no inventory
+            live = etcd_keys.connect(server.endpoint)
+            assert live.get(etcd_keys.agent_key("long-outage"))[0] is not None  # a new lease
+            live.close()
+    finally:
+        agent.stop()
+        cp.stop()
+        server.cleanup()

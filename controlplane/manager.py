@@ -151,9 +151,9 @@ class Manager:
         self._dirty: set[str] = set()
         self._lock_threads: set[str] = set()  # cleanups with a thread waiting for or holding their lock
         self._next_reload = 0.0
-        # the watch on the pin keys (durable.watch_deletes): its id once open, a generation
-        # number while opening, None when there is none
-        self._pins_watch: object = None
+        # the watch on the pin keys (durable.watch_deletes): the generation of the one open
+        # or opening (None: none; an old one's end does not end a newer one), and its id
+        self._pins_watch: int | None = None
         self._pins_watch_id: object = None
         self._pins_watch_generation = 0
         self.pins_expired_total = 0
@@ -322,7 +322,7 @@ class Manager:
         with self._lock:
             mine = {p.pin_id: p for p in self.pins.values() if p.active(now)}
             policy = dict(self.policy)
-        stored = {p.pin_id: p for p in self.durable.load_pins()}
+        stored = {p.pin_id for p in self.durable.load_pins()}
         restored, lost = 0, []
         for p in mine.values():
             if p.owner_lease_id:
@@ -618,17 +618,18 @@ class Manager:
 
         def ended() -> None:  # on the watch's thread, maybe before watch_deletes returns
             with self._lock:
-                if self._pins_watch in (generation, self._pins_watch_id):
+                if self._pins_watch == generation:
                     self._pins_watch = self._pins_watch_id = None  # watched again at the next turn
 
         try:
             watch_id = self.durable.watch_deletes(etcd_keys.PINS_PREFIX, reload_now, ended)
         except errors.Unavailable as exc:
             log.debug("cannot watch pins yet: %s", exc)
-            watch_id = None
+            ended()
+            return
         with self._lock:
             if self._pins_watch == generation:  # not ended meanwhile
-                self._pins_watch = self._pins_watch_id = watch_id
+                self._pins_watch_id = watch_id
 
     def _unwatch_pins(self) -> None:
         """A follower does not reload pins: its watch goes (it is opened again on leading)."""

@@ -10,6 +10,7 @@ a run that was killed are used to clean up before starting, so it can run again.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import shutil
 import signal
@@ -79,19 +80,15 @@ class Demo:
                 pid_file.unlink(missing_ok=True)  # another process has that pid now (or a file of an old demo)
                 continue
             self.say(f"demo: stopping {pid_file.stem} (pid {pid}) left by an earlier run")
-            try:
+            with contextlib.suppress(OSError):  # gone meanwhile
                 os.killpg(pid, signal.SIGTERM)
-            except OSError:
-                pass
             for _ in range(50):
                 if not Path(f"/proc/{pid}").exists():
                     break
                 time.sleep(0.1)
             else:
-                try:
+                with contextlib.suppress(OSError):
                     os.killpg(pid, signal.SIGKILL)
-                except OSError:
-                    pass
             pid_file.unlink(missing_ok=True)
 
     def spawn(self, name: str, argv: list[str]) -> subprocess.Popen:

@@ -1,7 +1,7 @@
 """The agent's membership in etcd: `/kvcp/v1/agents/<agent_id>` under a lease.
 
 The lease is refreshed every ttl/3. If it was lost (etcd restarted, a long pause), a
-new lease is granted and the key rewritten (`on_reregistered` is told). While the key
+new lease is granted and the key rewritten. While the key
 exists, or while the agent streams to it, the control plane keeps the agent's blocks;
 one that dropped them ends the agent's stream, and the agent registers again then.
 """
@@ -25,7 +25,6 @@ class EtcdRegistration:
         self._value = value
         self.ttl_seconds = ttl_seconds
         self.lease = None
-        self.on_reregistered: Callable[[], None] | None = None
 
     def register(self) -> None:
         self.lease = self._client.lease(self.ttl_seconds)
@@ -40,8 +39,6 @@ class EtcdRegistration:
         if ttl <= 0 or self._client.get(self.key)[0] is None:
             log.warning("lease of %s was lost; registering again", self.agent_id)
             self.register()
-            if self.on_reregistered:
-                self.on_reregistered()
 
     def run_forever(self, stop: threading.Event) -> None:
         """Refresh every ttl/3; after a failed refresh every 0.5 s: the failed call took

@@ -349,13 +349,7 @@ class Cluster:
         its blocks go (the replicas dropped)."""
         with self._lock:
             rec = self._agents.get(agent_id)
-            live = (
-                rec is not None
-                and rec.outbox is not None
-                and rec.state != AgentState.DISCONNECTED
-                and self._clock() - rec.last_seen_unix_seconds <= LIVE_STREAM_SECONDS
-            )
-            if not live:
+            if rec is None or not self._streaming(rec, self._clock(), LIVE_STREAM_SECONDS):
                 return self.remove_agent(agent_id)
             if agent_id not in self._kept_without_lease:
                 self._kept_without_lease.add(agent_id)
@@ -529,15 +523,18 @@ class Cluster:
         with self._lock:
             now = self._clock()
             return sorted(
-                (
-                    r
-                    for r in self._agents.values()
-                    if r.outbox is not None
-                    and r.state != AgentState.DISCONNECTED
-                    and (max_silence_seconds is None or now - r.last_seen_unix_seconds <= max_silence_seconds)
-                ),
+                (r for r in self._agents.values() if self._streaming(r, now, max_silence_seconds)),
                 key=lambda r: r.agent_id,
             )
+
+    @staticmethod
+    def _streaming(rec: AgentRecord, now: float, max_silence_seconds: float | None) -> bool:
+        """An open Sync stream, heard within `max_silence_seconds` (None: any silence)."""
+        return (
+            rec.outbox is not None
+            and rec.state != AgentState.DISCONNECTED
+            and (max_silence_seconds is None or now - rec.last_seen_unix_seconds <= max_silence_seconds)
+        )
 
     def _below_fastest(self, agent_id: str, tiers: bytes) -> bool:
         rec = self._agents.get(agent_id)

@@ -19,6 +19,7 @@ from protos.tier import Tier
 
 _PIN_ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
 MAX_PIN_BLOCKS = 1 << 16
+MIN_TTL_SECONDS = 1.0  # a shorter pin would lapse before agents could apply it
 MAX_TTL_SECONDS = 365 * 24 * 3600.0
 MAX_OWNER_CHARS = 256
 
@@ -63,6 +64,16 @@ class Pin:
         return repr(self.created_unix_seconds)
 
 
+def _duration(seconds: float) -> str:
+    """400d, 1.5h, 0.5ms: as kvctl's --ttl is written."""
+    if not math.isfinite(seconds):
+        return str(seconds)
+    for unit, size in (("d", 86400), ("h", 3600), ("m", 60), ("s", 1)):
+        if abs(seconds) >= size:
+            return f"{seconds / size:.4g}{unit}"
+    return f"{seconds * 1000:.4g}ms"
+
+
 def new_pin(
     namespace: str,
     model_id: str,
@@ -84,7 +95,11 @@ def new_pin(
     if pin_id and not _PIN_ID_RE.match(pin_id):
         raise errors.InvalidArgument("pin_id", f"{pin_id!r} is not a pin id (letters, digits, . _ -; at most 64)")
     if not math.isfinite(ttl_seconds) or ttl_seconds < 0 or ttl_seconds > MAX_TTL_SECONDS:
-        raise errors.InvalidArgument("ttl_seconds", f"must be in (0, {MAX_TTL_SECONDS:.0f}] seconds")
+        raise errors.InvalidArgument("ttl_seconds", f"{_duration(ttl_seconds)} is not between 1s and 365d")
+    if 0 < ttl_seconds < MIN_TTL_SECONDS:
+        raise errors.InvalidArgument(
+            "ttl_seconds", f"{_duration(ttl_seconds)} is under the 1s minimum (agents could not apply the pin in time)"
+        )
     if not ttl_seconds and not owner_lease_id:
         raise errors.InvalidArgument("ttl_seconds", "a pin needs a TTL, or an owner lease that bounds its life")
     if min_tier not in (Tier.GPU, Tier.CPU, Tier.DISK):

@@ -146,6 +146,8 @@ def test_pin_move_cleanup_from_kvctl(cluster, tmp_path):
     [
         (["unpin", "no-such-pin"], "no pin 'no-such-pin'"),
         (["pin", "--namespace", "kb", "--ttl", "soon"], "--ttl: 'soon' is not a duration"),
+        (["pin", "--namespace", "kb", "--ttl", "0.5ms"], "--ttl (ttl_seconds): 0.5ms is under the 1s minimum"),
+        (["pin", "--namespace", "kb", "--ttl", "400d"], "--ttl (ttl_seconds): 400d is not between 1s and 365d"),
         (["pin", "--namespace", "kb", "--ttl", "1h", "--tier", "ssd"], "unknown tier 'ssd'"),
         (["pin", "--namespace", "kb"], "needs a TTL"),
         (["pin", "--namespace", "kb", "--tier", "ssd"], "--tier: unknown tier 'ssd'"),  # said before the TTL

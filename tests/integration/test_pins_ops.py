@@ -69,6 +69,7 @@ def test_pin_errors_change_nothing(client, make_agent):
         (dict(model_id=M.model_id, token_ids=[1, 2], ttl_seconds=10), "INVALID_ARGUMENT", "fewer tokens"),
         (dict(namespace="bad ns!", ttl_seconds=10), "INVALID_ARGUMENT", "namespace"),
         (dict(model_id=M.model_id, token_ids=tokens(1)), "INVALID_ARGUMENT", "TTL"),
+        (dict(namespace="kb", ttl_seconds=0.2), "INVALID_ARGUMENT", "under the 1s minimum"),
         (dict(model_id="nope", token_ids=tokens(1), ttl_seconds=10), "NOT_FOUND", "unknown model"),
         (dict(model_id=M.model_id, token_ids=tokens(1), ttl_seconds=10, min_tier="ssd"), "INVALID_ARGUMENT", "tier"),
         (dict(namespace="kb", ttl_seconds=10, agent_id="ghost"), "NOT_FOUND", "ghost"),

@@ -73,6 +73,16 @@ log = logging.getLogger(__name__)
 MAX_MESSAGE_BYTES = 64 * 1024 * 1024
 
 
+def transfer_result(r: HandoffResult) -> str:
+    """A handoff that landed, in words for its operation: the path and what it cost."""
+    if r.outcome == PRESENT:
+        return f"{r.num_blocks} blocks already on the destination"
+    said = f"via {r.path} in {r.seconds:.2f}s"
+    if r.reason:  # the paths that failed or were skipped before this one
+        said += f" ({r.attempts} attempts: {r.reason})" if r.attempts > 1 else f" ({r.reason})"
+    return said
+
+
 @dataclass
 class DataPlaneConfig:
     deadline_seconds: float = 10.0  # default answer time of a handoff
@@ -379,6 +389,7 @@ class DataPlane:
                 failed=missing,
                 moved_bytes=r.sent_bytes,
                 error=f"this agent holds only {r.num_blocks} leading blocks of {len(hashes)}" if missing else "",
+                result=transfer_result(r),
             )
 
         threading.Thread(target=run, name=f"transfer {op_id}", daemon=True).start()

@@ -295,6 +295,7 @@ class AgentProgressView:
     total: int
     failed: int
     error: str
+    result: str = ""
 
 
 @dataclass(frozen=True)
@@ -315,6 +316,7 @@ class OperationView:
     params: dict[str, str]
     agents: list[AgentProgressView]
     dry_run: bool
+    result: str = ""  # what it came to, in words (a transfer: the path taken)
 
     @property
     def finished(self) -> bool:
@@ -407,8 +409,9 @@ def _op_view(o) -> OperationView:
         created_unix_seconds=o.created_unix_seconds,
         updated_unix_seconds=o.updated_unix_seconds,
         params=dict(o.params),
-        agents=[AgentProgressView(a.agent_id, a.state, a.done, a.total, a.failed, a.error) for a in o.agents],
+        agents=[AgentProgressView(a.agent_id, a.state, a.done, a.total, a.failed, a.error, a.result) for a in o.agents],
         dry_run=o.dry_run,
+        result=o.result,
     )
 
 

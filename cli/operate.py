@@ -101,6 +101,8 @@ def print_op(ctx: Context, op: OperationView) -> None:
         line += f", {op.skipped_pinned} pinned skipped"
     if op.moved_bytes:
         line += f", {output.human_bytes(op.moved_bytes)} moved"
+    if op.result:
+        line += f", {op.result}"
     if op.error:
         line += f" ({op.error})"
     click.echo(line)

@@ -1007,6 +1007,7 @@ class Manager:
         skipped_pinned: int = 0,
         freed=None,
         pinned: list[tuple[bytes, int]] | None = None,
+        result: str = "",
     ) -> None:
         if op_id.startswith("policy-") and state in ops.TERMINAL:
             self._policy_inflight.get(agent_id, {}).pop(op_id, None)
@@ -1030,7 +1031,18 @@ class Manager:
             if op is None:
                 return  # pin/unpin acknowledgements and local operations
             changed = ops.apply_update(
-                op, agent_id, state, done, total, failed, moved_bytes, error, skipped_pinned, freed, self.clock()
+                op,
+                agent_id,
+                state,
+                done,
+                total,
+                failed,
+                moved_bytes,
+                error,
+                skipped_pinned,
+                freed,
+                self.clock(),
+                result,
             )
         if changed:
             self._op_changed(op)

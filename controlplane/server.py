@@ -226,6 +226,7 @@ class ControlPlane:
             u.skipped_pinned,
             {t.tier: (t.num_blocks, t.used_bytes) for t in u.freed},
             _pinned_blocks(u),
+            u.result,
         )
 
     def _agent_key_exists(self, agent_id: str) -> bool:

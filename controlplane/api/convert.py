@@ -233,11 +233,18 @@ def op_to_pb(op) -> admin_pb2.Operation:
         params=op.params,
         agents=[
             admin_pb2.AgentProgress(
-                agent_id=p.agent_id, state=p.state, done=p.done, total=p.total, failed=p.failed, error=p.error
+                agent_id=p.agent_id,
+                state=p.state,
+                done=p.done,
+                total=p.total,
+                failed=p.failed,
+                error=p.error,
+                result=p.result,
             )
             for p in op.parts.values()
         ],
         dry_run=op.dry_run,
+        result=op.result,
     )
 
 

@@ -42,6 +42,7 @@ class AgentPart:
     updated_unix_seconds: float = 0.0
     given_up: bool = False  # FAILED by the control plane (silent, left): the agent's last word may still come
     incarnation: str = ""  # the agent process its command went to ("" unknown): another one lost it
+    result: str = ""  # what the agent says its part came to (a transfer: the path taken)
 
 
 @dataclass
@@ -82,6 +83,14 @@ class Operation:
     @property
     def moved_bytes(self) -> int:
         return sum(p.moved_bytes for p in self.parts.values())
+
+    @property
+    def result(self) -> str:
+        """The parts' results: one part's alone, several as "agent: result; ..."."""
+        said = [(p.agent_id, p.result) for p in self.parts.values() if p.result]
+        if len(self.parts) == 1:
+            return said[0][1] if said else ""
+        return "; ".join(f"{a}: {r}" for a, r in said)
 
     @property
     def progress(self) -> float:
@@ -140,6 +149,7 @@ def apply_update(
     skipped_pinned: int = 0,
     freed: dict[int, tuple[int, int]] | None = None,
     now: float | None = None,
+    result: str = "",
 ) -> bool:
     """Fold one agent's OpUpdate in; returns True when the operation's state changed. An
     update with a state this module does not know is ignored, and freed counts of tiers
@@ -157,6 +167,7 @@ def apply_update(
         return False
     part.state, part.done, part.total, part.failed = state, done, max(total, part.total), failed
     part.moved_bytes, part.error, part.skipped_pinned = moved_bytes, error, skipped_pinned
+    part.result = result
     if freed is not None:
         part.freed = {int(t): v for t, v in freed.items() if t in _TIERS}
     part.updated_unix_seconds = now

@@ -86,6 +86,7 @@ def op_to_json(op: Operation) -> str:
                     "freed": {str(t): list(v) for t, v in p.freed.items()},
                     "given_up": p.given_up,
                     "incarnation": p.incarnation,
+                    "result": p.result,
                 }
                 for p in op.parts.values()
             ],
@@ -123,6 +124,7 @@ def op_from_json(raw: bytes) -> Operation:
             d["updated_unix_seconds"],
             p.get("given_up", False),
             p.get("incarnation", ""),
+            p.get("result", ""),
         )
     return op
 

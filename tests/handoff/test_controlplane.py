@@ -4,6 +4,7 @@ Route over live agents' reports, and `kvctl transfer` / `kvctl route` as a user 
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 
 import pytest
@@ -90,6 +91,26 @@ def test_transfer_operation_and_route(controlplane, make_agent, tmp_path):
         timeout=60,
     )
     assert p.returncode == 0 and "SUCCEEDED" in p.stdout and "6/6 blocks" in p.stdout, (p.stdout, p.stderr)
+    assert re.search(r", via (shm|grpc) in \d+\.\d\ds", p.stdout), p.stdout  # the path it took
+    p = subprocess.run(  # again: the destination has it all, and says so
+        [
+            *kvctl,
+            "transfer",
+            "--model",
+            BIG.model_id,
+            "--tokens-file",
+            str(f),
+            "--from",
+            "pre",
+            "--to",
+            "dec",
+            "--wait",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert p.returncode == 0 and "6 blocks already on the destination" in p.stdout, (p.stdout, p.stderr)
     p = subprocess.run(
         [*kvctl, "transfer", "--model", BIG.model_id, "--tokens-file", str(f), "--from", "pre", "--to", "x"],
         capture_output=True,

@@ -234,23 +234,25 @@ class ListPinsResponse(_message.Message):
     def __init__(self, pins: _Optional[_Iterable[_Union[PinInfo, _Mapping]]] = ...) -> None: ...
 
 class AgentProgress(_message.Message):
-    __slots__ = ("agent_id", "state", "done", "total", "failed", "error")
+    __slots__ = ("agent_id", "state", "done", "total", "failed", "error", "result")
     AGENT_ID_FIELD_NUMBER: _ClassVar[int]
     STATE_FIELD_NUMBER: _ClassVar[int]
     DONE_FIELD_NUMBER: _ClassVar[int]
     TOTAL_FIELD_NUMBER: _ClassVar[int]
     FAILED_FIELD_NUMBER: _ClassVar[int]
     ERROR_FIELD_NUMBER: _ClassVar[int]
+    RESULT_FIELD_NUMBER: _ClassVar[int]
     agent_id: str
     state: str
     done: int
     total: int
     failed: int
     error: str
-    def __init__(self, agent_id: _Optional[str] = ..., state: _Optional[str] = ..., done: _Optional[int] = ..., total: _Optional[int] = ..., failed: _Optional[int] = ..., error: _Optional[str] = ...) -> None: ...
+    result: str
+    def __init__(self, agent_id: _Optional[str] = ..., state: _Optional[str] = ..., done: _Optional[int] = ..., total: _Optional[int] = ..., failed: _Optional[int] = ..., error: _Optional[str] = ..., result: _Optional[str] = ...) -> None: ...
 
 class Operation(_message.Message):
-    __slots__ = ("op_id", "kind", "state", "progress", "done", "total", "failed", "skipped_pinned", "moved_bytes", "freed", "error", "created_unix_seconds", "updated_unix_seconds", "params", "agents", "dry_run")
+    __slots__ = ("op_id", "kind", "state", "progress", "done", "total", "failed", "skipped_pinned", "moved_bytes", "freed", "error", "created_unix_seconds", "updated_unix_seconds", "params", "agents", "dry_run", "result")
     class ParamsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -274,6 +276,7 @@ class Operation(_message.Message):
     PARAMS_FIELD_NUMBER: _ClassVar[int]
     AGENTS_FIELD_NUMBER: _ClassVar[int]
     DRY_RUN_FIELD_NUMBER: _ClassVar[int]
+    RESULT_FIELD_NUMBER: _ClassVar[int]
     op_id: str
     kind: str
     state: OperationState
@@ -290,7 +293,8 @@ class Operation(_message.Message):
     params: _containers.ScalarMap[str, str]
     agents: _containers.RepeatedCompositeFieldContainer[AgentProgress]
     dry_run: bool
-    def __init__(self, op_id: _Optional[str] = ..., kind: _Optional[str] = ..., state: _Optional[_Union[OperationState, str]] = ..., progress: _Optional[float] = ..., done: _Optional[int] = ..., total: _Optional[int] = ..., failed: _Optional[int] = ..., skipped_pinned: _Optional[int] = ..., moved_bytes: _Optional[int] = ..., freed: _Optional[_Iterable[_Union[_types_pb2.TierUsage, _Mapping]]] = ..., error: _Optional[str] = ..., created_unix_seconds: _Optional[float] = ..., updated_unix_seconds: _Optional[float] = ..., params: _Optional[_Mapping[str, str]] = ..., agents: _Optional[_Iterable[_Union[AgentProgress, _Mapping]]] = ..., dry_run: _Optional[bool] = ...) -> None: ...
+    result: str
+    def __init__(self, op_id: _Optional[str] = ..., kind: _Optional[str] = ..., state: _Optional[_Union[OperationState, str]] = ..., progress: _Optional[float] = ..., done: _Optional[int] = ..., total: _Optional[int] = ..., failed: _Optional[int] = ..., skipped_pinned: _Optional[int] = ..., moved_bytes: _Optional[int] = ..., freed: _Optional[_Iterable[_Union[_types_pb2.TierUsage, _Mapping]]] = ..., error: _Optional[str] = ..., created_unix_seconds: _Optional[float] = ..., updated_unix_seconds: _Optional[float] = ..., params: _Optional[_Mapping[str, str]] = ..., agents: _Optional[_Iterable[_Union[AgentProgress, _Mapping]]] = ..., dry_run: _Optional[bool] = ..., result: _Optional[str] = ...) -> None: ...
 
 class MoveRequest(_message.Message):
     __slots__ = ("scope", "to_tier", "codec")

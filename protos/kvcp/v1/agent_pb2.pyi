@@ -198,7 +198,7 @@ class Notice(_message.Message):
     def __init__(self, kind: _Optional[str] = ..., message: _Optional[str] = ..., unix_seconds: _Optional[float] = ...) -> None: ...
 
 class OpUpdate(_message.Message):
-    __slots__ = ("op_id", "state", "done", "total", "failed", "moved_bytes", "error", "skipped_pinned", "freed", "pinned_block_hashes", "pinned_tiers")
+    __slots__ = ("op_id", "state", "done", "total", "failed", "moved_bytes", "error", "skipped_pinned", "freed", "pinned_block_hashes", "pinned_tiers", "result")
     OP_ID_FIELD_NUMBER: _ClassVar[int]
     STATE_FIELD_NUMBER: _ClassVar[int]
     DONE_FIELD_NUMBER: _ClassVar[int]
@@ -210,6 +210,7 @@ class OpUpdate(_message.Message):
     FREED_FIELD_NUMBER: _ClassVar[int]
     PINNED_BLOCK_HASHES_FIELD_NUMBER: _ClassVar[int]
     PINNED_TIERS_FIELD_NUMBER: _ClassVar[int]
+    RESULT_FIELD_NUMBER: _ClassVar[int]
     op_id: str
     state: str
     done: int
@@ -221,7 +222,8 @@ class OpUpdate(_message.Message):
     freed: _containers.RepeatedCompositeFieldContainer[_types_pb2.TierUsage]
     pinned_block_hashes: bytes
     pinned_tiers: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, op_id: _Optional[str] = ..., state: _Optional[str] = ..., done: _Optional[int] = ..., total: _Optional[int] = ..., failed: _Optional[int] = ..., moved_bytes: _Optional[int] = ..., error: _Optional[str] = ..., skipped_pinned: _Optional[int] = ..., freed: _Optional[_Iterable[_Union[_types_pb2.TierUsage, _Mapping]]] = ..., pinned_block_hashes: _Optional[bytes] = ..., pinned_tiers: _Optional[_Iterable[int]] = ...) -> None: ...
+    result: str
+    def __init__(self, op_id: _Optional[str] = ..., state: _Optional[str] = ..., done: _Optional[int] = ..., total: _Optional[int] = ..., failed: _Optional[int] = ..., moved_bytes: _Optional[int] = ..., error: _Optional[str] = ..., skipped_pinned: _Optional[int] = ..., freed: _Optional[_Iterable[_Union[_types_pb2.TierUsage, _Mapping]]] = ..., pinned_block_hashes: _Optional[bytes] = ..., pinned_tiers: _Optional[_Iterable[int]] = ..., result: _Optional[str] = ...) -> None: ...
 
 class AgentMessage(_message.Message):
     __slots__ = ("hello", "inventory", "events", "stats", "notice", "op_update")

@@ -58,8 +58,11 @@ class PendingWrite:
     one the engine timed out, has not said it ended: that is TransferTimedOut (whoever
     reserved the destination must keep its pages from other blocks for a while)."""
 
-    def __init__(self, check, num_bytes: int, endpoint: str, timeout_seconds: float):
+    def __init__(self, check, num_bytes: int, endpoint: str, timeout_seconds: float, abandon=None):
         self._check = check  # transfer id -> 1 landed, 0 on the wire, < 0 failed or timed out
+        # callable(ids): transfers given up while the engine still holds them (their batch
+        # ids are freed by the engine only when a later check sees them end)
+        self._abandon = abandon
         self.num_bytes = num_bytes
         self.endpoint = endpoint
         self.ids: list[int] = []
@@ -71,6 +74,7 @@ class PendingWrite:
     def poll(self) -> bool:
         if self.ids and time.monotonic() > self._give_up_at:
             self.error = self.error or f"engine write of {self.num_bytes} B to {self.endpoint} never completed"
+            self._given_up(self.ids)
             self.ids = []
             self.timed_out = True
         still = []
@@ -79,6 +83,8 @@ class PendingWrite:
             if rc == 0:
                 still.append(t)
             elif rc < 0:
+                if rc == -2:  # timed out, still the engine's: it frees the id once it ends
+                    self._given_up([t])
                 self.timed_out = self.timed_out or rc == -2
                 if not self.error:
                     self.error = f"engine write of {self.num_bytes} B to {self.endpoint} " + (
@@ -90,6 +96,10 @@ class PendingWrite:
         if self.error:
             raise (TransferTimedOut if self.timed_out else TransferFailed)(self.error)
         return True
+
+    def _given_up(self, ids: list[int]) -> None:
+        if self._abandon is not None and ids:
+            self._abandon(list(ids))
 
 
 class NoEngine:
@@ -149,6 +159,10 @@ class MooncakeEngine:
         self.status = f"mooncake {protocol} at {self.endpoint}"
         self._lock = threading.Lock()
         self._registered: dict[int, int] = {}
+        # writes given up (timed out) that the engine still holds: checked again before
+        # each submit, as the engine frees a transfer's batch id only when a check sees
+        # it end (completed or failed)
+        self._abandoned: list[int] = []
 
     def register(self, address: int, num_bytes: int) -> None:
         rc = self._engine.register_memory(address, num_bytes)
@@ -184,7 +198,10 @@ class MooncakeEngine:
         connections and worker threads) where one blocking write keeps one at a time and
         spins a core polling for it. A piece the engine refuses to take fails the write
         once the pieces it took have ended."""
-        w = PendingWrite(self._engine.transfer_check_status, sum(p[2] for p in pieces), endpoint, self.timeout_seconds)
+        self.reap()
+        w = PendingWrite(
+            self._engine.transfer_check_status, sum(p[2] for p in pieces), endpoint, self.timeout_seconds, self._abandon
+        )
         for src, dst, n in pieces:
             t = self._engine.transfer_submit_write(endpoint, src, dst, n)
             if t <= 0:  # -1 (or a null batch): not taken, nothing of it is on the wire
@@ -192,6 +209,22 @@ class MooncakeEngine:
                 break
             w.ids.append(t)
         return w
+
+    def _abandon(self, ids: list[int]) -> None:
+        with self._lock:
+            self._abandoned.extend(ids)
+
+    def reap(self) -> int:
+        """Check the writes given up earlier once more: each that has ended is freed by
+        the engine and forgotten here. Returns how many the engine still holds."""
+        with self._lock:
+            ids, self._abandoned = self._abandoned, []
+        if not ids:
+            return 0
+        left = [t for t in ids if self._engine.transfer_check_status(t) in (0, -2)]
+        with self._lock:
+            self._abandoned.extend(left)
+            return len(self._abandoned)
 
     def close(self) -> None:
         with self._lock:

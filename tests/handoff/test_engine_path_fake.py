@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import ctypes
 import itertools
+import threading
+import time
 
 import pytest
 
@@ -118,3 +120,55 @@ def test_the_last_commit_has_time_for_every_block_it_verifies(verify_while_sendi
         assert timeout >= 0.1 + sum(stored[first : first + n]) / 1e9 - 1e-9, (commits[-1], sum(stored))
     finally:
         p.close()
+
+
+class BatchIds:
+    """The Mooncake binding's batch-id rules, as transfer_engine_py.cpp has them: a
+    submitted write holds a batch id until `transfer_check_status` sees it completed (1)
+    or failed (-1), which frees it; timed out (-2) or on the wire (0) keeps it. Checking a
+    freed id is a use after free: refused here."""
+
+    def __init__(self):
+        self.state: dict[int, int] = {}  # held ids -> what a check reports
+        self._ids = itertools.count(1)
+
+    def transfer_submit_write(self, endpoint, src, dst, n) -> int:
+        t = next(self._ids)
+        self.state[t] = 0
+        return t
+
+    def transfer_check_status(self, t: int) -> int:
+        assert t in self.state, f"batch id {t} checked after it was freed"
+        rc = self.state[t]
+        if rc in (1, -1):
+            del self.state[t]
+        return rc
+
+
+def test_batch_ids_of_writes_given_up_are_freed_once_the_engine_ends_them():
+    from agent.store.transfer_engine import MooncakeEngine, TransferTimedOut
+
+    engine = MooncakeEngine.__new__(MooncakeEngine)  # its bookkeeping, without a live engine
+    engine._engine, engine._lock, engine._abandoned, engine.timeout_seconds = BatchIds(), threading.Lock(), [], 0
+    ids = engine._engine
+    stuck = engine.submit("peer:1", [(0, 0, 4096), (4096, 4096, 4096)])
+    time.sleep(0.01)
+    with pytest.raises(TransferTimedOut):
+        while not stuck.poll():  # given up at once (timeout 0): both still the engine's
+            pass
+    assert engine.reap() == 2 and len(ids.state) == 2
+    ids.state[1], ids.state[2] = -2, 1  # one the engine timed out, one that landed late
+    assert engine.reap() == 1 and list(ids.state) == [1]
+    ids.state[1] = -1  # the timed-out one ends (failed): the next submit's check frees it
+    engine.timeout_seconds = 60
+    ok = engine.submit("peer:1", [(0, 0, 4096)])
+    assert ids.state == {3: 0} and engine.reap() == 0
+    ids.state[3] = 1
+    assert ok.poll() and ids.state == {}
+    timed_out = engine.submit("peer:1", [(0, 0, 4096)])  # timed out by the engine: kept until it ends
+    ids.state[4] = -2
+    with pytest.raises(TransferTimedOut):
+        timed_out.poll()
+    assert engine.reap() == 1
+    ids.state[4] = 1
+    assert engine.reap() == 0 and ids.state == {}

@@ -2,13 +2,17 @@
 sessions that share a few system prompts, and documents whose popularity is Zipf.
 
 Each request is routed like a KV-aware router would: ask the control plane which agent
-holds the longest cached prefix (Lookup), load that prefix from the agent, "compute"
-the rest, and store the new blocks. The KV of a block is a fill derived from its hash,
+holds the longest cached prefix (Lookup), pick the agent with the least work (blocks to
+compute, plus its share of recent requests beyond a fair one: a router that only
+followed cached prefixes would send everything to the agent that holds the shared
+system prompts, and an agent that restarted empty would never get a request), load the
+prefix from it, "compute" the rest, and store the new blocks. The KV of a block is a fill derived from its hash,
 so every loaded block is checked: a wrong byte is counted as corruption.
 """
 
 from __future__ import annotations
 
+import collections
 import random
 import threading
 import time
@@ -136,6 +140,10 @@ def block_fill(block_hash: bytes) -> float:
     return _FILLS[int.from_bytes(block_hash[:2], "little") % len(_FILLS)]
 
 
+RECENT_REQUESTS = 50  # the window an agent's share of requests is counted over
+LOAD_BLOCKS_PER_REQUEST = 0.5  # a request over its fair share costs as much as computing this many blocks
+
+
 class Workload:
     def __init__(self, controlplane: str, rate_per_second: float = 10.0, cfg: WorkloadConfig | None = None):
         self.controlplane = controlplane
@@ -146,6 +154,7 @@ class Workload:
         self._engines: dict[str, EngineClient] = {}
         self._rng = random.Random(self.cfg.seed + 1)
         self._models: dict[str, dict] = {}
+        self._recent: collections.deque[str] = collections.deque(maxlen=RECENT_REQUESTS)
 
     def _engine(self, agent_id: str, address: str) -> EngineClient:
         e = self._engines.get(agent_id)
@@ -159,10 +168,7 @@ class Workload:
         model = agents[agent_id][1]
         model_id, block_size = model["model_id"], model["block_size"]
         view = cp.lookup(model_id, prompt)
-        if view.agents and view.agents[0].agent_id in agents:
-            agent_id = view.best_agent_id
-        else:  # nothing cached: the least loaded agent by requests so far
-            agent_id = min(agents, key=lambda a: (self.stats.per_agent_requests.get(a, 0), self._rng.random()))
+        agent_id = self.choose(agents, len(prompt) // block_size, {m.agent_id: m.num_hit_blocks for m in view.agents})
         engine = self._engine(agent_id, agents[agent_id][0])
         hashes = split_hashes(hash_prefix(model_id, prompt, block_size))
         loaded = engine.load(model_id, prompt)
@@ -186,6 +192,18 @@ class Workload:
         self.stats.prompt_tokens_total += len(prompt)
         self.stats.hit_tokens_total += loaded.num_cached_tokens
         self.stats.per_agent_requests[agent_id] = self.stats.per_agent_requests.get(agent_id, 0) + 1
+        self._recent.append(agent_id)
+
+    def choose(self, agents, num_blocks: int, hit_blocks: dict[str, int]) -> str:
+        """The agent with the least work for this request: blocks to compute there, plus
+        LOAD_BLOCKS_PER_REQUEST for each of its recent requests beyond a fair share."""
+        fair = len(self._recent) / len(agents)
+        counts = collections.Counter(self._recent)
+
+        def cost(a: str) -> float:
+            return num_blocks - hit_blocks.get(a, 0) + LOAD_BLOCKS_PER_REQUEST * (counts[a] - fair)
+
+        return min(agents, key=lambda a: (cost(a), self._rng.random()))
 
     def run(self, stop: threading.Event, duration_seconds: float | None = None, report=None) -> WorkloadStats:
         deadline = time.monotonic() + duration_seconds if duration_seconds else None

@@ -51,13 +51,19 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+CRASH_LOOP_EXITS = 3  # a process exiting this often ...
+CRASH_LOOP_SECONDS = 60.0  # ... within this long stops the demo instead of restarting
+
+
 class Demo:
     def __init__(self, args):
         self.args = args
         self.run_dir = Path(args.run_dir).resolve()
         self.logs = self.run_dir / "logs"
         self.pids = self.run_dir / "pids"
-        self.procs: list[tuple[str, subprocess.Popen]] = []
+        self.procs: dict[str, subprocess.Popen] = {}  # name -> its current process
+        self.argv: dict[str, list[str]] = {}
+        self.exits: dict[str, list[float]] = {}  # name -> when it exited lately (crash-loop check)
 
     def say(self, msg: str) -> None:
         print(msg, flush=True)
@@ -101,7 +107,8 @@ class Demo:
         except OSError:  # it died already: nothing to clean up later
             started = ""
         (self.pids / f"{name}.pid").write_text(f"{proc.pid} {started}")
-        self.procs.append((name, proc))
+        self.procs[name] = proc
+        self.argv[name] = argv
         return proc
 
     def wait_port(self, name: str, proc: subprocess.Popen, port: int, timeout_seconds: float = 30) -> None:
@@ -256,6 +263,7 @@ class Demo:
             f"  {kvctl}{ep} dashboard\n"
             "  prometheus --config.file=dashboard/grafana/prometheus.yml --storage.tsdb.path=.run/prometheus\n"
             "  (Grafana: dashboard/grafana/kvcp.json; see README, Metrics and dashboards)\n\n"
+            "A process that exits (try kill -9 on an agent) is started again; "
             "Ctrl-C stops every process this demo started.\n"
         )
 
@@ -275,22 +283,36 @@ class Demo:
         deadline = time.monotonic() + self.args.duration if self.args.duration else None
         next_status = time.monotonic() + 10
         while deadline is None or time.monotonic() < deadline:
-            for name, proc in self.procs:
+            for name, proc in list(self.procs.items()):
                 if proc.poll() is not None:
-                    raise RuntimeError(f"{name} exited with code {proc.returncode} (see {self.logs / (name + '.log')})")
+                    self.restart(name, proc.returncode)
             if time.monotonic() >= next_status:
                 self.say(self.status_line())
                 next_status += 10
             time.sleep(0.2)
 
+    def restart(self, name: str, code: int) -> None:
+        """A process that exited (killed to try a failure, crashed) is started again as
+        a supervisor would, the rest serving meanwhile: an agent comes back with its disk
+        tier, etcd with its data. One that exits 3 times within a minute stops the demo."""
+        now = time.monotonic()
+        recent = [t for t in self.exits.get(name, []) if now - t < CRASH_LOOP_SECONDS] + [now]
+        self.exits[name] = recent
+        how = f"killed by signal {-code}" if code < 0 else f"exited with code {code}"
+        log = self.logs / f"{name}.log"
+        if len(recent) >= CRASH_LOOP_EXITS:
+            raise RuntimeError(f"{name} {how}, {len(recent)} times within {CRASH_LOOP_SECONDS:.0f}s (see {log})")
+        self.say(f"demo: {name} {how}; the rest keep serving; starting it again (log {log})")
+        self.spawn(name, self.argv[name])
+
     def stop(self) -> None:
-        for _name, proc in reversed(self.procs):
+        for proc in reversed(self.procs.values()):
             if proc.poll() is None:
                 try:
                     os.killpg(proc.pid, signal.SIGTERM)
                 except OSError:
                     pass
-        for name, proc in reversed(self.procs):
+        for name, proc in reversed(self.procs.items()):
             try:
                 proc.wait(timeout=10)
             except subprocess.TimeoutExpired:

@@ -45,3 +45,57 @@ def test_only_the_process_a_pid_file_names_is_stopped(demo_module, tmp_path):
     finally:
         other.kill()
         other.wait()
+
+
+def _free_ports(n: int) -> list[int]:
+    import socket
+
+    socks = [socket.socket() for _ in range(n)]
+    try:
+        for s in socks:
+            s.bind(("127.0.0.1", 0))
+        return [s.getsockname()[1] for s in socks]
+    finally:
+        for s in socks:
+            s.close()
+
+
+def test_a_killed_agent_is_started_again_and_the_demo_serves_on(tmp_path):
+    import os
+    import signal
+    import sys
+
+    from cli.client import ControlPlaneClient
+    from tests.helpers import wait_for
+
+    etcd, cp, a1, a2, m0, m1, m2 = _free_ports(7)
+    run_dir = tmp_path / "run"
+    out = open(tmp_path / "demo.out", "w")  # noqa: SIM115 - the demo's output, read below
+    demo = subprocess.Popen(
+        [sys.executable, str(REPO / "scripts" / "demo.py"), "--run-dir", str(run_dir), "--rate", "0"]
+        + ["--etcd-port", str(etcd), "--controlplane-port", str(cp), "--agent-ports", str(a1), str(a2)]
+        + ["--controlplane-metrics-port", str(m0), "--agent-metrics-ports", str(m1), str(m2)],
+        stdout=out,
+        stderr=subprocess.STDOUT,
+        cwd=REPO,
+    )
+    said = lambda: (tmp_path / "demo.out").read_text()  # noqa: E731
+    try:
+        wait_for(lambda: "demo cluster is up" in said(), timeout_seconds=60, what=f"demo up: {said()}")
+        first = int((run_dir / "pids" / "agent-2.pid").read_text().split()[0])
+        os.kill(first, signal.SIGKILL)
+        wait_for(lambda: "agent-2 killed by signal 9" in said(), timeout_seconds=10, what=f"restart: {said()}")
+        assert demo.poll() is None, said()
+        with ControlPlaneClient(f"127.0.0.1:{cp}") as c:
+            wait_for(
+                lambda: sorted(a.agent_id for a in c.list_agents() if a.state == "ready") == ["agent-1", "agent-2"],
+                timeout_seconds=30,
+                what="agent-2 ready again",
+            )
+        again = int((run_dir / "pids" / "agent-2.pid").read_text().split()[0])
+        assert again != first and demo.poll() is None
+    finally:
+        demo.send_signal(signal.SIGTERM)
+        assert demo.wait(30) == 0, said()
+        out.close()
+    assert "stopped 4 processes" in said()

@@ -61,7 +61,7 @@ from agent.core.handoff import (
     checksum,
     slices,
 )
-from agent.store.shm import PeerSlab, host_id
+from agent.store.shm import PeerSlab, host_id, process_alive, process_start_ticks
 from agent.store.transfer_engine import TransferBackend, TransferFailed, TransferTimedOut
 from protos import errors, etcd_keys, security
 from protos.kvcp.v1 import agent_pb2, agent_pb2_grpc, types_pb2
@@ -182,7 +182,9 @@ class DataPlane:
         self.tier = Tier.CPU if Tier.CPU in pool.store_of else pool.top.tier
         self.store = pool.store_of[self.tier]
         quarantine = self.config.quarantine_seconds or (getattr(engine, "timeout_seconds", 5) + 2.0)
-        self.reservations = Reservations(pool, self.tier, self.config.max_inbound, quarantine)
+        self.reservations = Reservations(
+            pool, self.tier, self.config.max_inbound, quarantine, writer_alive=process_alive
+        )
         self.links = Links(self.config.link_max_concurrent, self.config.link_bytes_per_second)
         self._peer_info = peer_info  # callable(agent_id) -> AgentInfo | None (etcd)
         self.metrics = metrics  # agent.metrics.AgentMetrics (record_transfer), optional
@@ -279,6 +281,8 @@ class DataPlane:
             list(request.namespaces) or request.namespace,
             request.ttl_seconds or self.config.deadline_seconds,
             request.source_agent_id,
+            # a same-host sender copies into the pages itself: they wait for it, not a timer
+            (request.writer_pid, request.writer_start_ticks) if request.path == SHM and request.writer_pid else None,
         )
         slots = self.reservations.slots(r)
         return agent_pb2.ReserveResponse(
@@ -666,6 +670,8 @@ class DataPlane:
                     ttl_seconds=max(0.5, deadline - time.monotonic()) + 1.0,
                     source_agent_id=self.agent_id,
                     path=path,
+                    writer_pid=os.getpid() if path == SHM else 0,
+                    writer_start_ticks=(process_start_ticks(os.getpid()) or 0) if path == SHM else 0,
                 ),
                 timeout=left(),
             )
@@ -691,7 +697,8 @@ class DataPlane:
             self._abort(stub, rid, str(exc), False, deadline)  # a late write may still land: quarantine its pages
             raise _PathError(str(exc)) from None
         except grpc.RpcError as exc:
-            quiesced = exc.code() != grpc.StatusCode.DEADLINE_EXCEEDED
+            # a commit that timed out may still run there; a shm copy runs in this thread: it ended
+            quiesced = path == SHM or exc.code() != grpc.StatusCode.DEADLINE_EXCEEDED
             self._abort(stub, rid, f"{exc.code().name}", quiesced, deadline)
             raise _rpc_error(exc, "push/commit" if path == GRPC else "commit") from None
         except TransferTimedOut as exc:  # the engine never said it ended: it may still land
@@ -804,13 +811,14 @@ class DataPlane:
                     request = agent_pb2.CommitRequest(
                         reservation_id=resp.reservation_id, checksums=group_sums, first_block=group[0], last=False
                     )
-                    verifies.append(stub.Commit.future(request, timeout=left(deadline - time.monotonic())))
+                    verifies.append(stub.Commit.future(request, timeout=left()))
                 _raise_failed(verifies)  # a group the peer refused (a mismatch aborted it all): stop copying
             # every verify answered before the last Commit goes: one the Commit overtook would find
             # the reservation closed, and its 'not open' would hide why the Commit failed (or a
             # verify's mismatch would trail the Commit's 'not open'); the peer hashed the last of
             # them while the last group was copied, so the wait is about a round trip
-            _raise_failed(verifies, wait_seconds=max(0.0, deadline - time.monotonic()))
+            for v in verifies:  # each within one RPC's time: a peer that stopped answering is said so
+                v.result()
             # the last Commit carries every checksum: it hashes what no verify matched
             request = agent_pb2.CommitRequest(
                 reservation_id=resp.reservation_id, checksums=sums, first_block=p, last=True
@@ -956,10 +964,10 @@ class DataPlane:
                 sums, chunk, nbytes = unverified, [p], unverified_bytes[0]  # its time: for all of them
             request = agent_pb2.CommitRequest(reservation_id=rid, checksums=sums, first_block=chunk[0], last=last)
             if not last:
-                verifies.append(stub.Commit.future(request, timeout=left(deadline - time.monotonic())))
+                verifies.append(stub.Commit.future(request, timeout=left()))
                 return
-            for v in verifies:
-                v.result(timeout=left(deadline - time.monotonic()))
+            for v in verifies:  # each within one RPC's time (its own timeout)
+                v.result()
             stub.Commit(request, timeout=left(max(self.config.rpc_timeout_seconds, 0.1 + nbytes / 1e9)))
 
         slots = list(zip(resp.slots.addresses, resp.slots.lengths, strict=True))

@@ -6,6 +6,7 @@ from __future__ import annotations
 import errno
 import json
 import math
+import re
 import ssl
 import sys
 from pathlib import Path
@@ -57,6 +58,8 @@ class Context:
 
 
 # the request fields a server's error may start with, and the kvctl flag that sets each
+MAX_TIMEOUT_SECONDS = 86400.0
+
 FLAG_OF_FIELD = {
     "to_tier": "--to",
     "to_agent_id": "--to",
@@ -72,6 +75,14 @@ FLAG_OF_FIELD = {
     "scope.model_id": "--model",
     "scope.namespace": "--namespace",
     "scope.agent_id": "--agent",
+    "scope.token_ids": "--tokens/--tokens-file",
+    "scope.block_hashes": "--hashes",
+    "token_ids": "--tokens/--tokens-file",
+    "namespace": "--namespace",
+    "agent_id": "--agent",
+    "pin_id": "--pin-id",
+    "prefill_agent_id": "--prefill-agent",
+    "deadline_seconds": "--deadline",
 }
 
 
@@ -159,6 +170,10 @@ def main(ctx, endpoint, output_format, timeout_seconds, token_file, tls_ca, tls_
     """kvctl: inspect and operate a kvcp KV cache cluster."""
     if not (math.isfinite(timeout_seconds) and timeout_seconds > 0):
         fail(f"--timeout: {timeout_seconds:g} is not a positive number of seconds (e.g. --timeout 5)")
+    if timeout_seconds > MAX_TIMEOUT_SECONDS:  # gRPC's deadline overflows far beyond this
+        fail(f"--timeout: {timeout_seconds:g} s is longer than {MAX_TIMEOUT_SECONDS:.0f} s (one day)")
+    if not [e for e in endpoint.split(",") if e.strip()]:  # an unset shell variable must not mean the default
+        fail("--endpoint: empty (give HOST:PORT, or leave it out for the default 127.0.0.1:50051)")
     try:
         token = read_secret(token_file, "KVCTL_TOKEN")
     except ValueError as exc:
@@ -213,6 +228,9 @@ def agents(ctx: Context):
     click.echo(output.table(["AGENT", "ADDRESS", "STATE", "BLOCKS", "HIT", "TIERS (used/capacity)"], rows))
 
 
+_TOKEN_ID = re.compile(r"-?[0-9]+", re.ASCII)  # a sign only to say "out of range" below
+
+
 def parse_tokens(text: str, source: str) -> list[int]:
     text = text.strip()
     if not text:
@@ -229,10 +247,11 @@ def parse_tokens(text: str, source: str) -> list[int]:
             fail(f"{usage}; got {json.dumps(bad[0])[:40]}")
         tokens = values
     else:
-        try:
-            tokens = [int(p) for p in text.replace(",", " ").split()]
-        except ValueError:
-            fail(usage)
+        parts = re.split(r"\s*,\s*|\s+", text)
+        wrong = next((p for p in parts if not _TOKEN_ID.fullmatch(p)), None)
+        if wrong is not None:  # int() would take 1_000 and other scripts' digits; "1,,2" is a slip
+            fail(f"{usage}; got {'an empty field' if not wrong else repr(wrong[:40])}")
+        tokens = [int(p) for p in parts]
     if not tokens:  # "[]": an empty prefix would read as "the whole namespace"
         fail(f"{source}: no tokens given")
     bad = [t for t in tokens if t < 0 or t >= 2**32]

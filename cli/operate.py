@@ -111,7 +111,16 @@ def print_op(ctx: Context, op: OperationView) -> None:
         for t in op.freed:
             click.echo(f"  {verb} {t.num_blocks} blocks, {output.human_bytes(t.used_bytes)} in {t.tier}")
     elif op.kind == "cleanup" and op.state == "SUCCEEDED":  # a failed or cancelled one did not look at all
-        click.echo("  nothing matched" if not op.dry_run else "  would free nothing")
+        if op.skipped_pinned:
+            click.echo(
+                "  would free nothing: pins hold every block it matched"
+                if op.dry_run
+                else "  nothing freed: pins hold every block it matched"
+            )
+        else:
+            click.echo("  nothing matched" if not op.dry_run else "  would free nothing")
+    elif op.kind in ("move", "compress") and op.state == "SUCCEEDED" and not op.total:
+        click.echo("  nothing matched (no agent holds a block of it)")
 
 
 DEFAULT_WAIT_TIMEOUT = "300"
@@ -489,7 +498,10 @@ def op(ctx: Context, op_id, wait, wait_timeout):
 @pass_ctx
 def cancel(ctx: Context, op_id):
     """Cancel a running operation."""
-    print_op(ctx, ctx.call(lambda c: c.cancel_operation(op_id)))
+    op = ctx.call(lambda c: c.cancel_operation(op_id))
+    print_op(ctx, op)
+    if ctx.output != "json" and not op.finished:  # agents stop at their next batch
+        click.echo(f"  cancel requested: `kvctl op {op.op_id} --wait` shows where it stopped")
 
 
 @main.group()

@@ -451,6 +451,10 @@ class Manager:
         ALREADY_EXISTS."""
         self.ensure_loaded()
         packed, namespace = self.resolve(scope)
+        if not packed and scope.model_id:  # agents hold a namespace pin over every model's blocks in it
+            raise errors.InvalidArgument(
+                "scope.model_id", "a namespace pin covers every model's blocks in it; give a prefix to pin one model's"
+            )
         if scope.agent_id and scope.agent_id not in {r.agent_id for r, _ in self.cluster.agents()}:
             raise errors.NotFound(f"scope.agent_id: no agent {scope.agent_id!r} is registered")
         if packed:
@@ -744,6 +748,8 @@ class Manager:
         packed, namespace = self.resolve(scope)
         targets = self._targets(scope, packed)
         params = {"to": to_tier.label, "namespace": namespace if not packed else "", "blocks": str(len(packed) // 16)}
+        if codec:
+            params["codec"] = codec
         op = ops.new_operation("move", params, list(targets), now=self.clock())
         self._register_op(op)
         self._fan_out(

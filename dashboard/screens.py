@@ -500,6 +500,8 @@ class PinForm(ModalScreen[dict | None]):
         model = self._value("pin-model")
         if tokens and not model:
             raise ValueError("model: a prefix pin needs the model id")
+        if model and not tokens:
+            raise ValueError("model: a namespace pin covers every model's blocks in it; clear it, or give tokens")
         return {
             "namespace": self._value("pin-namespace"),
             "model_id": model,

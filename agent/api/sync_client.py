@@ -63,6 +63,7 @@ def op_update_pb(op: MoveOp) -> agent_pb2.AgentMessage:
             failed=op.failed,
             moved_bytes=op.moved_bytes,
             error=op.error,
+            skipped_pinned=len(op.pinned),
             pinned_block_hashes=b"".join(h for h, _ in op.pinned),
             pinned_tiers=[t for _, t in op.pinned],
         )

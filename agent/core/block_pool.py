@@ -123,6 +123,7 @@ class MoveOutcome:
     reason: str = ""
     pinned_tier: int = 0  # refused because a pin keeps the block at this tier or faster
     kept: bool = False  # a compress left it in its codec: the new one would not make it smaller
+    gone: bool = False  # not held (never, or evicted since it was named): nothing to move
 
 
 @dataclass(frozen=True)
@@ -1605,7 +1606,7 @@ class BlockPool:
     def _move_refused(self, meta: BlockMeta | None, to_tier: Tier, codec: str | None) -> MoveOutcome | None:
         """The outcome of a move that need not or may not start (lock held), else None."""
         if meta is None or not meta.visible:
-            return MoveOutcome(False, reason="not held")
+            return MoveOutcome(False, reason="not held", gone=True)
         if meta.moving:
             return MoveOutcome(False, reason="already moving")
         if meta.tier == to_tier and (codec is None or codec == meta.codec):

@@ -14,7 +14,10 @@ Invariants (checked by tests):
   while it is open, so they are neither evicted nor moved away under it;
 - pages of an aborted or expired reservation go back to the free list only once no
   write can still land in them: at once when the sender says its writes are quiesced,
-  else after a quarantine long enough for the engine's own timeout to have fired.
+  else after a quarantine long enough for the engine's own timeout to have fired; pages
+  a same-host sender copies into itself (shared memory) stay held, past the quarantine,
+  while that process lives and has not said its copy ended (a sender stopped in the
+  middle of a copy finishes it when it runs again, however late).
 
 Nothing here imports gRPC or the engine; agent.api and agent.store bring those.
 """
@@ -93,6 +96,9 @@ class Reservation:
     expires_monotonic: float
     verified: dict[int, int] = field(default_factory=dict)  # prefix index -> its checksum, once it matched
     writers: int = 0  # fallback-path streams writing into its pages right now
+    # (pid, start ticks) of the same-host process that copies into its pages itself (the
+    # shared-memory path): no engine timeout bounds when that copy ends
+    writer: tuple[int, int] | None = None
     # set once it leaves the open set (commit, abort, expiry): no fallback write lands in its
     # pages after that; `guard` is held by each write's copy and each block's verification
     closed: bool = False
@@ -105,6 +111,17 @@ class Reservation:
     @property
     def reserved_bytes(self) -> int:
         return sum(self.stored_bytes[self.num_present :])
+
+
+@dataclass(eq=False)  # compared by identity: two holds are never the same one
+class _Held:
+    """Pages of a reservation that a late write could still reach."""
+
+    release_at: float
+    handles: list
+    reservation_id: str = ""
+    writer: tuple[int, int] | None = None  # held past release_at while this process lives ...
+    release_at_latest: float = math.inf  # ... but not past this
 
 
 class ReservationError(errors.FailedPrecondition):
@@ -122,6 +139,8 @@ class Reservations:
         max_inbound: int = 8,
         quarantine_seconds: float = 12.0,
         clock=time.monotonic,
+        writer_alive=None,
+        writer_hold_max_seconds: float = 600.0,
     ):
         self.pool = pool
         self.tier = tier
@@ -131,7 +150,11 @@ class Reservations:
         self.clock = clock
         self._lock = threading.Lock()
         self._open: dict[str, Reservation] = {}
-        self._quarantine: list[tuple[float, list]] = []  # (release at, handles)
+        self._quarantine: list[_Held] = []
+        # callable(pid, start ticks) -> whether that process still runs (None: none is
+        # asked; a writer's pages are freed after the quarantine as any others)
+        self._writer_alive = writer_alive
+        self.writer_hold_max_seconds = writer_hold_max_seconds
         self.committed_total = 0
         self.aborted_total = 0
         self.expired_total = 0
@@ -163,6 +186,7 @@ class Reservations:
         namespace: str | Sequence[str] = "",
         ttl_seconds: float = 10.0,
         source_agent_id: str = "",
+        writer: tuple[int, int] | None = None,
     ) -> Reservation:
         """Reserve pages for the blocks after the leading ones held here. Raises
         ResourceExhausted when too many handoffs are arriving (retry later), and
@@ -231,6 +255,7 @@ class Reservations:
             source_agent_id,
             now,
             now + max(0.1, ttl_seconds),
+            writer=writer,
         )
         if handles:
             with self._lock:
@@ -370,11 +395,19 @@ class Reservations:
         return r
 
     def abort(self, reservation_id: str, quiesced: bool = False) -> bool:
+        quiesced_word, held = quiesced, []
         with self._lock:
             r = self._open.pop(reservation_id, None)
             # read with the pop: a writer attaches only to an open reservation (attach_writer)
             quiesced = quiesced and r is not None and not r.writers
+            if r is None and quiesced_word:
+                # a same-host writer whose reservation expired under its copy: it says the
+                # copy has ended, so the pages held for it are free now
+                held = [h for h in self._quarantine if h.writer is not None and h.reservation_id == reservation_id]
+                self._quarantine = [h for h in self._quarantine if h not in held]
         if r is None:
+            for h in held:
+                self.pool.release_reserved(h.handles, self.tier)
             return False
         self._close(r)
         self._release(r, quiesced)
@@ -409,8 +442,14 @@ class Reservations:
         if quiesced:
             self.pool.release_reserved(r.handles, r.tier)
         else:
+            now = self.clock()
+            held = _Held(now + self.quarantine_seconds, r.handles, r.reservation_id, r.writer)
+            if r.writer is not None and self._writer_alive is not None:
+                held.release_at_latest = now + max(self.quarantine_seconds, self.writer_hold_max_seconds)
+            else:
+                held.writer = None
             with self._lock:
-                self._quarantine.append((self.clock() + self.quarantine_seconds, r.handles))
+                self._quarantine.append(held)
 
     def run_once(self, now: float | None = None) -> int:
         """Expire reservations past their TTL (into quarantine) and free quarantined pages
@@ -420,19 +459,30 @@ class Reservations:
             stale = [r for r in self._open.values() if r is not None and r.expires_monotonic <= now]
             for r in stale:
                 del self._open[r.reservation_id]
-            due = [h for t, h in self._quarantine if t <= now]
-            self._quarantine = [(t, h) for t, h in self._quarantine if t > now]
+            due = [h for h in self._quarantine if self._free_now(h, now)]
+            self._quarantine = [h for h in self._quarantine if h not in due]
         for r in stale:
             self._close(r)
             self._release(r, quiesced=False)
             self.expired_total += 1
-        for handles in due:
-            self.pool.release_reserved(handles, self.tier)
+        for h in due:
+            self.pool.release_reserved(h.handles, self.tier)
         return len(stale)
+
+    def _free_now(self, h: _Held, now: float) -> bool:
+        if h.release_at > now:
+            return False
+        return h.writer is None or now >= h.release_at_latest or not self._writer_alive(*h.writer)
 
     def quarantined_pages(self) -> int:
         with self._lock:
-            return sum(len(p) for _, hs in self._quarantine for p in hs)
+            return sum(len(p) for h in self._quarantine for p in h.handles)
+
+    def held_for_writers(self) -> int:
+        """Quarantined reservations past their time, held while their same-host writer lives."""
+        now = self.clock()
+        with self._lock:
+            return sum(1 for h in self._quarantine if h.writer is not None and h.release_at <= now)
 
 
 def _runs_of(store, handle, num_bytes: int) -> list[tuple[int, int]]:

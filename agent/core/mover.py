@@ -42,6 +42,7 @@ class MoveOp:
     finished_unix_seconds: float = 0.0
     cancel_requested: bool = False
     pinned: list[tuple[bytes, int]] = field(default_factory=list)  # (block, pin tier) left where a pin holds it
+    gone: int = 0  # blocks no longer held when their batch came (neither done nor failed)
     finish_told: bool = False  # the mover's finish listeners have seen it end
 
     @property
@@ -145,22 +146,21 @@ class Mover:
             kept = 0  # blocks a compress left in their codec (the new one would not shrink them)
             for start, outcomes in self._outcomes(op):
                 for k, outcome in enumerate(outcomes, start):
-                    if outcome is None:
-                        op.failed += 1
-                        op.error = "not held"
+                    if outcome is None or outcome.gone:  # not held (evicted meanwhile): nothing to move
+                        op.gone += 1
                     elif outcome.ok:
                         op.done += 1
                         op.moved_bytes += outcome.moved_bytes
                         landed.append(op.block_hashes[k])
                         kept += outcome.kept
+                    elif outcome.pinned_tier:  # where a pin holds it: skipped, as a cleanup skips it
+                        op.pinned.append((op.block_hashes[k], outcome.pinned_tier))
                     else:
                         op.failed += 1
                         op.error = outcome.reason
                         if op.kind == "promote" and outcome.reason.startswith("PoolFull"):
                             with self._lock:
                                 self._no_room_until = time.monotonic() + PROMOTE_BACKOFF_SECONDS
-                        if outcome.pinned_tier:
-                            op.pinned.append((op.block_hashes[k], outcome.pinned_tier))
                 if time.monotonic() - last > 0.2:
                     last = time.monotonic()
                     self._update(op)
@@ -168,10 +168,15 @@ class Mover:
                 self._count_pushed_out(op, landed)
             if kept and not op.error:
                 op.error = f"{kept} block(s) kept in their codec: {op.codec} would not make them smaller"
-            if op.cancel_requested and op.done + op.failed < op.total:
+            if op.gone and not op.error:
+                op.error = f"{op.gone} block(s) no longer held here (evicted or dropped meanwhile)"
+            if op.pinned and not op.error:
+                tiers = sorted({Tier(t).label for _, t in op.pinned})
+                op.error = f"{len(op.pinned)} block(s) left where pins hold them (at tier {', '.join(tiers)})"
+            if op.cancel_requested and op.done + op.failed + op.gone + len(op.pinned) < op.total:
                 op.state = CANCELLED
-            else:
-                op.state = SUCCEEDED if op.failed == 0 else (FAILED if op.done == 0 else SUCCEEDED)
+            else:  # a block it could not put where asked fails the operation (the counts say how much)
+                op.state = SUCCEEDED if op.failed == 0 else FAILED
         if op.kind == "promote":
             with self._lock:
                 self._promoting.difference_update(op.block_hashes)

@@ -38,6 +38,25 @@ def host_id() -> str:
         return ""
 
 
+def process_start_ticks(pid: int) -> int | None:
+    """When a process started (clock ticks after boot, /proc/<pid>/stat), None when it
+    is gone or a zombie (which copies nothing any more)."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            fields = f.read().rpartition(b")")[2].split()
+    except OSError:
+        return None
+    if len(fields) < 20 or fields[0] in (b"Z", b"X"):
+        return None
+    return int(fields[19])
+
+
+def process_alive(pid: int, start_ticks: int) -> bool:
+    """That very process still runs (stopped counts: it may run again); a pid reused by
+    another process does not."""
+    return process_start_ticks(pid) == start_ticks
+
+
 class SharedSlab:
     """A zeroed slab of `num_bytes` in a memfd, as a uint8 tensor (`tensor`). Its size is
     sealed: a process that opens it cannot shrink it under a mapping (SIGBUS)."""

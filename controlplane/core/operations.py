@@ -102,7 +102,7 @@ class Operation:
         if self.finished and not total:
             return 1.0
         if total:
-            return min(1.0, (self.done + self.failed) / total)
+            return min(1.0, (self.done + self.failed + self.skipped_pinned) / total)
         parts = self.parts.values()
         return sum(p.state in TERMINAL for p in parts) / len(self.parts) if self.parts else 0.0
 

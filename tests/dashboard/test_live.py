@@ -144,9 +144,8 @@ def test_pin_from_the_form_then_unpin_with_confirmation(cluster):
             await until(pilot, on_screen(pilot, "no pins"), "empty pins")
             await pilot.press("n")
             await pilot.pause()
-            # namespace (typed), model, tokens (empty: the whole namespace), tier select, ttl
+            # namespace (typed), model and tokens (empty: the whole namespace), tier select, ttl
             await pilot.press(*"dash-kb", "tab")
-            app.screen.query_one("#pin-model").value = M.model_id
             await pilot.press("tab", "tab", "tab", "ctrl+a", "ctrl+k", *"600", "enter")
             await until(pilot, lambda: len(app.state.pins) == 1, "the pin listed")
             await until(pilot, on_screen(pilot, "dash-kb", "namespace", "cpu"), "the pin on screen")

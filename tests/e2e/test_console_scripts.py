@@ -224,6 +224,9 @@ def test_restart_before_lease_expiry_replaces_stale_blocks(cluster):
         (["lookup", "--model", "demo-model", "--hashes", "abcd"], "16 bytes"),
         (["lookup", "--model", "demo-model", "--hashes", "zz"], "hexadecimal"),
         (["lookup", "--model", "demo-model", "--tokens", "-1"], "out of range"),
+        (["lookup", "--model", "demo-model", "--tokens", "1,,2"], "got an empty field"),
+        (["lookup", "--model", "demo-model", "--tokens", "1_000,2"], "got '1_000'"),
+        (["lookup", "--model", "demo-model", "--tokens", "\u0663,1"], "got '\u0663'"),  # an Arabic-Indic 3
         (["lookup", "--model", "demo-model", "--tokens", "[Infinity]"], "--tokens: token ids must be integers"),
         (["lookup", "--model", "demo-model", "--tokens", "[1.9, true, 3.5]"], "--tokens: token ids must be integers"),
         (["lookup", "--model", "demo-model", "--tokens", "[1, true]"], "--tokens: token ids must be integers"),

@@ -313,3 +313,67 @@ def test_a_large_batch_is_hashed_on_several_threads_to_the_same_sums(monkeypatch
     blocks[2] = [blocks[2][0][: 1 << 19], blocks[2][0][1 << 19 :]]  # a block in two runs of the slab
     assert handoff.checksums_of(blocks) == [handoff.checksum(b) for b in blocks]
     assert handoff._verify_pool is not None  # 6 MiB: over the bar, hashed side by side
+
+
+def test_pages_a_same_host_writer_copies_into_wait_for_it_not_for_a_timer():
+    # a shared-memory sender stopped in the middle of a copy (SIGSTOP, a long pause)
+    # finishes that copy when it runs again, however late: its expired reservation's pages
+    # must not go to other blocks before it is gone or says its copy ended
+    alive = {(4242, 7): True, (4243, 9): True}
+    pool, res, clock = make(
+        quarantine_seconds=2, writer_alive=lambda pid, start: alive[(pid, start)], writer_hold_max_seconds=600
+    )
+    _, _, hashes = prompt(SMALL, 8)
+    stalled = res.reserve(SMALL.model_id, hashes[:3], [BLOCK] * 3, ["none"] * 3, ttl_seconds=1, writer=(4242, 7))
+    dead = res.reserve(SMALL.model_id, hashes[3:5], [BLOCK] * 2, ["none"] * 2, ttl_seconds=1, writer=(4243, 9))
+    timed = res.reserve(SMALL.model_id, hashes[5:], [BLOCK] * 3, ["none"] * 3, ttl_seconds=1)  # engine/grpc
+    clock.now += 1
+    assert res.run_once() == 3 and res.quarantined_pages() == 8
+    clock.now += 2  # the quarantine is over: only the pages no live writer may still copy into go
+    alive[(4243, 9)] = False  # that sender died (or its pid now names another process)
+    res.run_once()
+    assert res.quarantined_pages() == 3 and res.held_for_writers() == 1 and pool.top.used_bytes == 3 * BLOCK
+    clock.now += 60
+    res.run_once()
+    assert res.quarantined_pages() == 3  # still running (stopped counts): still held
+    assert not res.abort(stalled.reservation_id, quiesced=False)  # a word that is not "my copy ended"
+    assert res.quarantined_pages() == 3
+    assert not res.abort(stalled.reservation_id, quiesced=True)  # its copy ended: free now
+    assert res.quarantined_pages() == 0 and pool.top.used_bytes == 0
+    assert {dead.reservation_id, timed.reservation_id}.isdisjoint(res._open)
+
+
+def test_a_writer_that_never_says_is_held_at_most_the_longest_hold():
+    pool, res, clock = make(quarantine_seconds=2, writer_alive=lambda pid, start: True, writer_hold_max_seconds=30)
+    _, _, hashes = prompt(SMALL, 2)
+    res.reserve(SMALL.model_id, hashes, [BLOCK] * 2, ["none"] * 2, ttl_seconds=1, writer=(1, 1))
+    clock.now += 1
+    res.run_once()
+    clock.now += 29.5
+    res.run_once()
+    assert res.quarantined_pages() == 2
+    clock.now += 1
+    res.run_once()
+    assert res.quarantined_pages() == 0 and pool.top.used_bytes == 0
+
+
+def test_a_stopped_process_is_alive_and_a_dead_or_reused_pid_is_not():
+    import os
+    import signal
+    import subprocess
+    import time
+
+    from agent.store.shm import process_alive, process_start_ticks
+
+    child = subprocess.Popen(["sleep", "30"])
+    try:
+        start = process_start_ticks(child.pid)
+        os.kill(child.pid, signal.SIGSTOP)
+        assert process_alive(child.pid, start) and not process_alive(child.pid, start + 1)
+    finally:
+        child.kill()
+    deadline = time.monotonic() + 5
+    while process_alive(child.pid, start) and time.monotonic() < deadline:  # a zombie copies nothing
+        time.sleep(0.01)
+    assert not process_alive(child.pid, start)
+    child.wait()

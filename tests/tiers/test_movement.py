@@ -295,9 +295,12 @@ def test_mover_failures(tmp_path):
     mover = Mover(pool)
     missing = [b"\x01" * 16, b"\x02" * 16]
     op = mover.run_op(mover.submit(missing, Tier.DISK))
-    assert (op.state, op.done, op.failed, op.error) == (FAILED, 0, 2, "not held")
+    assert (op.state, op.done, op.failed, op.gone) == (SUCCEEDED, 0, 0, 2)  # nothing held: nothing to do
+    assert "2 block(s) no longer held" in op.error
     op = mover.run_op(mover.submit([hs[0], missing[0]], Tier.DISK))
-    assert (op.state, op.done, op.failed) == (SUCCEEDED, 1, 1)  # partly done: counts tell
+    assert (op.state, op.done, op.failed, op.gone) == (SUCCEEDED, 1, 0, 1)
+    op = mover.run_op(mover.submit(hs, Tier.GPU))  # no GPU tier here: every block fails
+    assert (op.state, op.done, op.failed) == (FAILED, 0, 2)
     op = mover.run_op(mover.submit([hs[1]], Tier.DISK, codec="lz4"))
     assert op.state == FAILED and "lz4" in op.error
     op = mover.run_op(mover.submit([hs[1]], Tier.DISK))  # the mover is still fine

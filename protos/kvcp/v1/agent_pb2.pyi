@@ -362,7 +362,7 @@ class LoadResponse(_message.Message):
     def __init__(self, num_cached_tokens: _Optional[int] = ..., kv: _Optional[bytes] = ..., truncated: _Optional[bool] = ...) -> None: ...
 
 class ReserveRequest(_message.Message):
-    __slots__ = ("model_id", "block_hashes", "stored_bytes", "codecs", "namespace", "ttl_seconds", "source_agent_id", "path", "namespaces")
+    __slots__ = ("model_id", "block_hashes", "stored_bytes", "codecs", "namespace", "ttl_seconds", "source_agent_id", "path", "namespaces", "writer_pid", "writer_start_ticks")
     MODEL_ID_FIELD_NUMBER: _ClassVar[int]
     BLOCK_HASHES_FIELD_NUMBER: _ClassVar[int]
     STORED_BYTES_FIELD_NUMBER: _ClassVar[int]
@@ -372,6 +372,8 @@ class ReserveRequest(_message.Message):
     SOURCE_AGENT_ID_FIELD_NUMBER: _ClassVar[int]
     PATH_FIELD_NUMBER: _ClassVar[int]
     NAMESPACES_FIELD_NUMBER: _ClassVar[int]
+    WRITER_PID_FIELD_NUMBER: _ClassVar[int]
+    WRITER_START_TICKS_FIELD_NUMBER: _ClassVar[int]
     model_id: str
     block_hashes: bytes
     stored_bytes: _containers.RepeatedScalarFieldContainer[int]
@@ -381,7 +383,9 @@ class ReserveRequest(_message.Message):
     source_agent_id: str
     path: str
     namespaces: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, model_id: _Optional[str] = ..., block_hashes: _Optional[bytes] = ..., stored_bytes: _Optional[_Iterable[int]] = ..., codecs: _Optional[_Iterable[str]] = ..., namespace: _Optional[str] = ..., ttl_seconds: _Optional[float] = ..., source_agent_id: _Optional[str] = ..., path: _Optional[str] = ..., namespaces: _Optional[_Iterable[str]] = ...) -> None: ...
+    writer_pid: int
+    writer_start_ticks: int
+    def __init__(self, model_id: _Optional[str] = ..., block_hashes: _Optional[bytes] = ..., stored_bytes: _Optional[_Iterable[int]] = ..., codecs: _Optional[_Iterable[str]] = ..., namespace: _Optional[str] = ..., ttl_seconds: _Optional[float] = ..., source_agent_id: _Optional[str] = ..., path: _Optional[str] = ..., namespaces: _Optional[_Iterable[str]] = ..., writer_pid: _Optional[int] = ..., writer_start_ticks: _Optional[int] = ...) -> None: ...
 
 class BlockSlots(_message.Message):
     __slots__ = ("addresses", "lengths")

@@ -149,7 +149,8 @@ class AgentCollector:
             (
                 g,
                 "kvcp_compression_saved_bytes",
-                "Bytes each tier saves by compression (uncompressed minus stored size of its blocks).",
+                "Bytes of each tier compression frees: what its blocks would take raw minus what they take "
+                "(whole pages, disk granules).",
                 [*a, "tier"],
             ),
             (c, "kvcp_agent_lookups_total", "Engine lookups and loads served by this agent.", a),
@@ -218,8 +219,7 @@ class AgentCollector:
             f["kvcp_tier_capacity_bytes"].add_metric([aid, t], u.capacity_bytes)
             f["kvcp_tier_used_bytes"].add_metric([aid, t], u.used_bytes)
             f["kvcp_tier_blocks"].add_metric([aid, t], u.num_blocks)
-            uncompressed, stored = getattr(u, "uncompressed_bytes", 0), getattr(u, "stored_bytes", 0)
-            f["kvcp_compression_saved_bytes"].add_metric([aid, t], max(0, uncompressed - stored) if stored else 0)
+            f["kvcp_compression_saved_bytes"].add_metric([aid, t], max(0, getattr(u, "saved_bytes", 0)))
         e = self.engine
         if e is not None:
             f["kvcp_agent_lookups_total"].add_metric([aid], e.lookups_total)

@@ -97,6 +97,10 @@ class TierUsage:
     num_blocks: int
     uncompressed_bytes: int = 0
     stored_bytes: int = 0
+    # the room compression frees there: what the blocks would take raw minus what they
+    # take, in the tier's own units (whole pages, disk granules); a payload a codec shrank
+    # within its last page frees nothing
+    saved_bytes: int = 0
 
 
 @dataclass(frozen=True)
@@ -394,6 +398,7 @@ class BlockPool:
         self._lru: dict[Tier, list[tuple[int, bytes]]] = {t.tier: [] for t in self.tiers}
         self._count: dict[Tier, int] = {t.tier: 0 for t in self.tiers}
         self._logical: dict[Tier, int] = {t.tier: 0 for t in self.tiers}
+        self._saved: dict[Tier, int] = {t.tier: 0 for t in self.tiers}
         self._stored: dict[Tier, int] = {t.tier: 0 for t in self.tiers}
         self.notices: deque[Notice] = deque(maxlen=1000)
         self.pins = PinTable()  # pins from the control plane (by hash or namespace)
@@ -456,6 +461,7 @@ class BlockPool:
                     self._count[t.tier],
                     self._logical[t.tier],
                     self._stored[t.tier],
+                    self._saved[t.tier],
                 )
                 for t in self.tiers
             ]
@@ -1892,6 +1898,9 @@ class BlockPool:
         self._count[meta.tier] += sign
         self._logical[meta.tier] += sign * meta.num_bytes
         self._stored[meta.tier] += sign * meta.stored_bytes
+        if meta.stored_bytes != meta.num_bytes:
+            store = self.store_of[meta.tier]
+            self._saved[meta.tier] += sign * (store.footprint(meta.num_bytes) - store.footprint(meta.stored_bytes))
 
     def _switch(
         self, meta: BlockMeta, tier: Tier, handle, codec: str, stored_bytes: int, checksum: int, lru: bool = True

@@ -212,3 +212,22 @@ def test_every_operation_that_ended_between_two_scrapes_is_observed(tmp_path):
         mover.run_once(0.01)
     assert len(mover.ops()) == 256
     assert registry.get_sample_value("kvcp_agent_operation_duration_seconds_count", move) == 1000
+
+
+def test_compression_saved_is_the_room_freed_in_whole_pages(agent):
+    # a demo block is 8 KiB in 1 KiB pages: int8 halves it (4 pages freed a block); zstd of
+    # random fp16 shrinks it within its last page at best, which frees nothing
+    a, registry = agent
+    cpu = {"agent_id": "m1", "tier": "cpu"}
+    page = a.pool.store_of[Tier.CPU].page_bytes
+    data = torch.randn((2, *M.block_shape), generator=torch.Generator().manual_seed(3)).to(torch.float16)
+    a.engine.store(M.model_id, tokens(2), data)
+    hashes = a.engine.hashes(M, tokens(2))
+    assert all(o.ok for o in a.pool.move_blocks(hashes[:1], None, codec="int8"))
+    assert all(o.ok for o in a.pool.move_blocks(hashes[1:], None, codec="zstd"))
+    metas = [a.pool.blocks[h] for h in hashes]
+    pages = [-(-m.stored_bytes // page) for m in metas]
+    freed = sum(M.block_bytes // page - n for n in pages) * page
+    assert registry.get_sample_value("kvcp_compression_saved_bytes", cpu) == freed
+    payload_saved = sum(M.block_bytes - m.stored_bytes for m in metas if m.codec != "none")
+    assert freed < payload_saved  # what the payloads shrank by overstates the room freed

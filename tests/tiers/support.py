@@ -120,6 +120,7 @@ def check_pool(pool: BlockPool) -> None:
             assert u.num_blocks == len(metas)
             assert u.uncompressed_bytes == sum(m.num_bytes for m in metas)
             assert u.stored_bytes == sum(m.stored_bytes for m in metas)
+            assert u.saved_bytes == sum(store.footprint(m.num_bytes) - store.footprint(m.stored_bytes) for m in metas)
             assert u.used_bytes <= u.capacity_bytes
             if isinstance(store, MemoryTier):
                 used: list[int] = []

@@ -516,13 +516,13 @@ class DataPlane:
         finally:
             self.pool.release_chain(metas)
         result = HandoffResult(**{**result.__dict__, "seconds": time.monotonic() - start})
-        if self.metrics is not None and result.outcome != PRESENT:
+        if self.metrics is not None:  # a prefix found whole there counts too: a handoff that moved nothing
             secondary = result.outcome == TRANSFERRED and result.path != result.first_path
             self.metrics.record_transfer(
                 "handoff",
                 result.sent_bytes,
                 result.seconds,
-                ok=result.outcome == TRANSFERRED and not secondary,
+                ok=result.outcome in (TRANSFERRED, PRESENT) and not secondary,
                 fallback="recompute" if result.outcome == RECOMPUTE else ("secondary_path" if secondary else ""),
             )
         if result.outcome == RECOMPUTE:

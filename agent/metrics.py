@@ -125,6 +125,57 @@ class _OperationDurations:
         return h
 
 
+# the receiving and sending side of handoffs (agent.dataplane), read at scrape time
+HANDOFF_FAMILIES = (
+    (GaugeMetricFamily, "kvcp_handoff_reservations", "Handoffs arriving here: reservations open.", ()),
+    (GaugeMetricFamily, "kvcp_handoff_reserved_bytes", "Bytes reserved for handoffs arriving here.", ()),
+    (
+        CounterMetricFamily,
+        "kvcp_handoff_reservations_ended_total",
+        "Reservations of arriving handoffs, by how they ended: committed, aborted by the sender, expired "
+        "(the sender went silent: dead, hung, or past its deadline).",
+        ("outcome",),
+    ),
+    (
+        CounterMetricFamily,
+        "kvcp_handoff_checksum_failures_total",
+        "Arriving handoffs whose bytes did not match the sender's checksums (nothing of them was made visible).",
+        (),
+    ),
+    (
+        GaugeMetricFamily,
+        "kvcp_handoff_quarantined_bytes",
+        "Pages of aborted or expired handoffs held until no late write can land in them.",
+        (),
+    ),
+    (
+        GaugeMetricFamily,
+        "kvcp_handoff_held_for_writers",
+        "Expired shared-memory handoffs whose pages are held past the quarantine while their sender lives "
+        "(a hung sender).",
+        (),
+    ),
+    (
+        GaugeMetricFamily,
+        "kvcp_handoff_free_bytes",
+        "Room for arriving handoffs: free pages plus blocks that may be evicted or demoted.",
+        (),
+    ),
+    (
+        GaugeMetricFamily,
+        "kvcp_handoffs_outbound",
+        "Handoffs this agent sends, by state: inflight, queued (behind a link's concurrency limit).",
+        ("state",),
+    ),
+    (
+        GaugeMetricFamily,
+        "kvcp_link_throughput_bytes_per_second",
+        "Achieved handoff throughput to each peer (moving average of transfers of 64 KiB or more).",
+        ("peer_agent_id",),
+    ),
+)
+
+
 class AgentCollector:
     """Block pool, engine, mover and control-plane link of one agent at scrape time."""
 
@@ -135,6 +186,7 @@ class AgentCollector:
         self.link = link
         self.mover = mover
         self.vllm = vllm  # a VllmEventSubscriber, when the agent indexes a vLLM engine's events
+        self.dataplane = None  # agent.dataplane.DataPlane, set once made (it takes these metrics)
         self._durations = _OperationDurations(agent_id)
         if mover is not None and hasattr(mover, "finish_listeners"):
             mover.finish_listeners.append(self._durations.observe)
@@ -204,6 +256,8 @@ class AgentCollector:
         ]
         if self.vllm is not None:
             specs.extend((c, name, doc, a) for name, doc, _ in VLLM_EVENT_COUNTERS)
+        if self.dataplane is not None:
+            specs.extend((kind, name, doc, [*a, *extra]) for kind, name, doc, extra in HANDOFF_FAMILIES)
         return {name: kind(name, doc, labels=labels) for kind, name, doc, labels in specs}
 
     def describe(self):
@@ -279,7 +333,33 @@ class AgentCollector:
             st = self.vllm.stats
             for name, _, attr in VLLM_EVENT_COUNTERS:
                 f[name].add_metric([aid], getattr(st, attr))
+        if self.dataplane is not None:
+            self._collect_handoffs(f)
         return [*f.values(), self._durations.family()]
+
+    def _collect_handoffs(self, f) -> None:
+        aid, dp = self.agent_id, self.dataplane
+        res = dp.reservations
+        f["kvcp_handoff_reservations"].add_metric([aid], res.open_count())
+        f["kvcp_handoff_reserved_bytes"].add_metric([aid], res.reserved_bytes())
+        for outcome, n in (
+            ("committed", res.committed_total),
+            ("aborted", res.aborted_total),
+            ("expired", res.expired_total),
+        ):
+            f["kvcp_handoff_reservations_ended_total"].add_metric([aid, outcome], n)
+        f["kvcp_handoff_checksum_failures_total"].add_metric([aid], res.checksum_failures_total)
+        page = getattr(dp.store, "page_bytes", 1)
+        f["kvcp_handoff_quarantined_bytes"].add_metric([aid], res.quarantined_pages() * page)
+        f["kvcp_handoff_held_for_writers"].add_metric([aid], res.held_for_writers())
+        f["kvcp_handoff_free_bytes"].add_metric([aid], max(0, dp.pool.reclaimable_bytes(dp.tier)))
+        links = dp.links.all()
+        f["kvcp_handoffs_outbound"].add_metric([aid, "inflight"], sum(link.inflight for link in links))
+        f["kvcp_handoffs_outbound"].add_metric([aid, "queued"], sum(link.queued for link in links))
+        for link in links:
+            f["kvcp_link_throughput_bytes_per_second"].add_metric(
+                [aid, link.peer_agent_id], link.throughput_bytes_per_second
+            )
 
 
 class AgentMetrics:

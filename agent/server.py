@@ -165,6 +165,7 @@ class Agent:
         self.dataplane.tls = config.tls
         self.dataplane.token = config.controlplane_token
         self.link.dataplane = self.dataplane
+        self.metrics.collector.dataplane = self.dataplane
 
     @property
     def agent_id(self) -> str:

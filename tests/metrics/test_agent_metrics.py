@@ -231,3 +231,21 @@ def test_compression_saved_is_the_room_freed_in_whole_pages(agent):
     assert registry.get_sample_value("kvcp_compression_saved_bytes", cpu) == freed
     payload_saved = sum(M.block_bytes - m.stored_bytes for m in metas if m.codec != "none")
     assert freed < payload_saved  # what the payloads shrank by overstates the room freed
+
+
+def test_handoff_state_is_exported(agent):
+    a, registry = agent
+    v = registry.get_sample_value
+    aid = {"agent_id": "m1"}
+    assert v("kvcp_handoff_reservations", aid) == 0 and v("kvcp_handoff_quarantined_bytes", aid) == 0
+    assert v("kvcp_handoff_free_bytes", aid) == 6 * M.block_bytes
+    assert v("kvcp_handoffs_outbound", {**aid, "state": "queued"}) == 0
+    hashes = a.engine.hashes(M, tokens(2))
+    res = a.dataplane.reservations
+    r = res.reserve(M.model_id, hashes, [M.block_bytes] * 2, ["none"] * 2, ttl_seconds=5)
+    assert v("kvcp_handoff_reservations", aid) == 1 and v("kvcp_handoff_reserved_bytes", aid) == 2 * M.block_bytes
+    res.abort(r.reservation_id, quiesced=False)  # a late write may land: its pages are quarantined
+    assert v("kvcp_handoff_reservations", aid) == 0
+    assert v("kvcp_handoff_reservations_ended_total", {**aid, "outcome": "aborted"}) == 1
+    assert v("kvcp_handoff_reservations_ended_total", {**aid, "outcome": "expired"}) == 0
+    assert v("kvcp_handoff_quarantined_bytes", aid) == 2 * M.block_bytes

@@ -243,6 +243,7 @@ class DataPlane:
                 agent_pb2.LinkStats(
                     peer_agent_id=link.peer_agent_id,
                     throughput_bytes_per_second=link.throughput_bytes_per_second,
+                    latency_seconds=link.latency_seconds,
                     inflight=link.inflight,
                     queued=link.queued,
                     transfers_total=link.transfers_total,

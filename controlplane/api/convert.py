@@ -260,7 +260,7 @@ def dataplane_from_pb(d: agent_pb2.DataPlaneStats):
         outbound_queued=d.outbound_queued,
         links={
             link.peer_agent_id: LinkView(
-                link.peer_agent_id, link.throughput_bytes_per_second, link.inflight, link.queued
+                link.peer_agent_id, link.throughput_bytes_per_second, link.inflight, link.queued, link.latency_seconds
             )
             for link in d.links
         },

@@ -40,9 +40,10 @@ DTYPE_BYTES = {"float16": 2, "bfloat16": 2, "float32": 4, "float8_e4m3fn": 1, "i
 @dataclass(frozen=True)
 class LinkView:
     peer_agent_id: str
-    throughput_bytes_per_second: float = 0.0
+    throughput_bytes_per_second: float = 0.0  # the link's capacity for bytes (0: not measured)
     inflight: int = 0
     queued: int = 0
+    latency_seconds: float = 0.0  # the fixed cost of one transfer on it
 
 
 @dataclass(frozen=True)
@@ -154,7 +155,8 @@ def decode_scores(
         link = (prefill_view.links.get(a.agent_id) if prefill_view is not None else None) or LinkView(a.agent_id)
         rate = link.throughput_bytes_per_second or params.default_link_bytes_per_second
         busy = link.inflight + link.queued
-        transfer = need / rate * (1 + busy)
+        # its share of the link, after those on it or waiting; plus one transfer's fixed cost
+        transfer = (link.latency_seconds if need else 0.0) + need / rate * (1 + busy)
         behind_why = ""
         if dp.handoff_capacity_bytes and dp.handoff_free_bytes < params.free_watermark * dp.handoff_capacity_bytes:
             behind_why = f"free {dp.handoff_free_bytes} B under the {params.free_watermark:.0%} watermark"

@@ -377,3 +377,23 @@ def test_a_stopped_process_is_alive_and_a_dead_or_reused_pid_is_not():
         time.sleep(0.01)
     assert not process_alive(child.pid, start)
     child.wait()
+
+
+def test_a_link_is_fitted_as_a_fixed_cost_plus_its_capacity_shared_by_transfers_at_once():
+    # RPC round trips cost 10 ms a transfer; the link moves 1 GB/s, split among those on it
+    link = Link("dec", max_concurrent=4)
+    sizes = [64 << 10, 16 << 20, 1 << 20, 256 << 20, 4 << 20, 64 << 20] * 3
+    for k, n in enumerate(sizes):
+        sharing = 1 + k % 2  # every other one ran beside another transfer
+        for _ in range(sharing):
+            assert link.acquire(deadline_monotonic=1.0)
+        link.record(True, n, 0.010 + n * sharing / 1e9, "shm")
+        for _ in range(sharing):
+            link.release()
+    assert link.latency_seconds == pytest.approx(0.010, rel=1e-6)
+    assert link.throughput_bytes_per_second == pytest.approx(1e9, rel=1e-6)
+    # bytes over seconds would have said: for the 64 KiB ones, 6.5 MB/s
+    same = Link("dec")
+    for _ in range(3):
+        same.record(True, 1 << 20, 0.011, "engine")  # one size only: all of it as rate, right for that size
+    assert same.latency_seconds == 0 and same.throughput_bytes_per_second == pytest.approx((1 << 20) / 0.011)

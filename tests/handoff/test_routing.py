@@ -72,6 +72,10 @@ def test_split_only_when_the_handoff_costs_less_than_it_saves():
     assert fast.disaggregate and fast.decode_agent_id == "d" and fast.transfer_seconds < fast.saved_seconds
     slow = route("pair", agents(0.5e9), 64, 16, MIB, P)
     assert not slow.disaggregate and slow.decode_agent_id == "p" and "costs more" in slow.reason
+    # the same 2 GB/s link with 25 ms of fixed cost a transfer (round trips): not worth it
+    slow_start = [Candidate("p", "a:0", "both", dataplane=dp(links=[LinkView("d", 2e9, latency_seconds=0.025)]))]
+    r = route("pair", [*slow_start, agents(2e9)[1]], 64, 16, MIB, P)
+    assert not r.disaggregate and r.transfer_seconds == pytest.approx(0.025 + 64 * MIB / 2e9)
     # a prefill-only agent always splits
     only = [Candidate("p", "a:0", "prefill", dataplane=dp(links=[LinkView("d", 0.5e9)])), agents(0.5e9)[1]]
     assert route("pair", only, 64, 16, MIB, P).disaggregate

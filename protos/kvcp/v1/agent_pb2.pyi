@@ -126,7 +126,7 @@ class AgentStats(_message.Message):
     def __init__(self, namespaces: _Optional[_Iterable[_Union[NamespaceUsage, _Mapping]]] = ..., tiers: _Optional[_Iterable[_Union[_types_pb2.TierUsage, _Mapping]]] = ..., lookups_total: _Optional[int] = ..., lookup_tokens_total: _Optional[int] = ..., lookup_hit_tokens_total: _Optional[int] = ..., dataplane: _Optional[_Union[DataPlaneStats, _Mapping]] = ..., tier_moved_bytes_total: _Optional[int] = ...) -> None: ...
 
 class LinkStats(_message.Message):
-    __slots__ = ("peer_agent_id", "throughput_bytes_per_second", "inflight", "queued", "transfers_total", "failures_total", "bytes_total", "last_path", "last_unix_seconds")
+    __slots__ = ("peer_agent_id", "throughput_bytes_per_second", "inflight", "queued", "transfers_total", "failures_total", "bytes_total", "last_path", "last_unix_seconds", "latency_seconds")
     PEER_AGENT_ID_FIELD_NUMBER: _ClassVar[int]
     THROUGHPUT_BYTES_PER_SECOND_FIELD_NUMBER: _ClassVar[int]
     INFLIGHT_FIELD_NUMBER: _ClassVar[int]
@@ -136,6 +136,7 @@ class LinkStats(_message.Message):
     BYTES_TOTAL_FIELD_NUMBER: _ClassVar[int]
     LAST_PATH_FIELD_NUMBER: _ClassVar[int]
     LAST_UNIX_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    LATENCY_SECONDS_FIELD_NUMBER: _ClassVar[int]
     peer_agent_id: str
     throughput_bytes_per_second: float
     inflight: int
@@ -145,7 +146,8 @@ class LinkStats(_message.Message):
     bytes_total: int
     last_path: str
     last_unix_seconds: float
-    def __init__(self, peer_agent_id: _Optional[str] = ..., throughput_bytes_per_second: _Optional[float] = ..., inflight: _Optional[int] = ..., queued: _Optional[int] = ..., transfers_total: _Optional[int] = ..., failures_total: _Optional[int] = ..., bytes_total: _Optional[int] = ..., last_path: _Optional[str] = ..., last_unix_seconds: _Optional[float] = ...) -> None: ...
+    latency_seconds: float
+    def __init__(self, peer_agent_id: _Optional[str] = ..., throughput_bytes_per_second: _Optional[float] = ..., inflight: _Optional[int] = ..., queued: _Optional[int] = ..., transfers_total: _Optional[int] = ..., failures_total: _Optional[int] = ..., bytes_total: _Optional[int] = ..., last_path: _Optional[str] = ..., last_unix_seconds: _Optional[float] = ..., latency_seconds: _Optional[float] = ...) -> None: ...
 
 class DataPlaneStats(_message.Message):
     __slots__ = ("links", "inbound_reservations", "reserved_bytes", "handoff_free_bytes", "handoff_capacity_bytes", "outbound_inflight", "outbound_queued", "max_inbound")

@@ -72,50 +72,16 @@ def test_transfer_operation_and_route(controlplane, make_agent, tmp_path):
     assert p.returncode == 0, p.stderr
     assert json.loads(p.stdout)["decode_agent_id"] == "dec"
     b.pool.cleanup(0)
-    p = subprocess.run(
-        [
-            *kvctl,
-            "transfer",
-            "--model",
-            BIG.model_id,
-            "--tokens-file",
-            str(f),
-            "--from",
-            "pre",
-            "--to",
-            "dec",
-            "--wait",
-        ],
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
+
+    def transfer(to: str) -> subprocess.CompletedProcess:
+        argv = [*kvctl, "transfer", "--model", BIG.model_id, "--tokens-file", str(f), "--from", "pre", "--to", to]
+        return subprocess.run([*argv, "--wait"], capture_output=True, text=True, timeout=60)
+
+    p = transfer("dec")
     assert p.returncode == 0 and "SUCCEEDED" in p.stdout and "6/6 blocks" in p.stdout, (p.stdout, p.stderr)
     assert re.search(r", via (shm|grpc) in \d+\.\d\ds", p.stdout), p.stdout  # the path it took
-    p = subprocess.run(  # again: the destination has it all, and says so
-        [
-            *kvctl,
-            "transfer",
-            "--model",
-            BIG.model_id,
-            "--tokens-file",
-            str(f),
-            "--from",
-            "pre",
-            "--to",
-            "dec",
-            "--wait",
-        ],
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
+    p = transfer("dec")  # again: the destination has it all, and says so
     assert p.returncode == 0 and "6 blocks already on the destination" in p.stdout, (p.stdout, p.stderr)
-    p = subprocess.run(
-        [*kvctl, "transfer", "--model", BIG.model_id, "--tokens-file", str(f), "--from", "pre", "--to", "x"],
-        capture_output=True,
-        text=True,
-        timeout=30,
-    )
+    p = transfer("x")
     assert p.returncode != 0 and "no agent 'x'" in p.stderr and "Traceback" not in p.stderr
     c.close()

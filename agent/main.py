@@ -169,6 +169,14 @@ def _metrics_listen(ctx, param, value: str) -> str:
 @click.option("--vllm-kv-events-topic", default="", help="Topic of the engine's KV events (vLLM's default: none).")
 @click.option("--vllm-model-id", default="", help="Model the engine's blocks belong to (default: the first --model).")
 @click.option(
+    "--vllm-kv-group",
+    default=0,
+    show_default=True,
+    type=click.IntRange(min=0),
+    help="The engine's KV cache group to index (hybrid models: a full-attention one); other groups' events are "
+    "left out (counted).",
+)
+@click.option(
     "--vllm-disconnect-grace-seconds",
     default=30.0,
     show_default=True,
@@ -239,6 +247,7 @@ def main(
     vllm_kv_events_replay,
     vllm_kv_events_topic,
     vllm_model_id,
+    vllm_kv_group,
     vllm_disconnect_grace_seconds,
     torch_threads,
     codec_threads,
@@ -311,6 +320,7 @@ def main(
         vllm_kv_events_topic=vllm_kv_events_topic,
         vllm_model_id=vllm_model_id,
         vllm_disconnect_grace_seconds=vllm_disconnect_grace_seconds,
+        vllm_kv_group=vllm_kv_group,
     )
     try:
         agent = Agent(config, log_fn=lambda m: click.echo(m, err=True)).start()

@@ -51,6 +51,11 @@ VLLM_EVENT_COUNTERS = (
         "vLLM KV events of a kind not known here, left out of their batch.",
         "unknown_events_total",
     ),
+    (
+        "kvcp_vllm_event_other_group_total",
+        "vLLM KV events of a KV cache group this agent does not index (--vllm-kv-group), left out.",
+        "other_group_events_total",
+    ),
     ("kvcp_vllm_event_gaps_total", "Gaps in the vLLM event sequence (asked of the replay endpoint).", "gaps_total"),
     (
         "kvcp_vllm_event_unrecovered_gaps_total",

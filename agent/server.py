@@ -77,6 +77,7 @@ class AgentConfig:
     vllm_kv_events_topic: str = ""
     vllm_model_id: str = ""  # the model its blocks are indexed under; "" the first model
     vllm_disconnect_grace_seconds: float = 30.0  # its connection down this long: its blocks are forgotten
+    vllm_kv_group: int = 0  # the engine's KV cache group indexed (hybrid models: others are left out)
     role: str = ""  # prefill | decode | both ("" = both): what a router may send here
     transfer_engine: str = "mooncake"  # data plane for handoffs: mooncake | none (gRPC fallback only)
     transfer_protocol: str = "tcp"  # the engine's transport: tcp | rdma
@@ -149,6 +150,7 @@ class Agent:
                 config.vllm_kv_events_replay,
                 config.vllm_kv_events_topic,
                 disconnect_grace_seconds=config.vllm_disconnect_grace_seconds,
+                group=config.vllm_kv_group,
             )
         self.registry = registry if registry is not None else CollectorRegistry()
         self.metrics = AgentMetrics(

@@ -51,6 +51,7 @@ class VllmEventStats:
     blocks_removed_total: int = 0
     malformed_total: int = 0
     unknown_events_total: int = 0  # events of a kind not known here, left out of their batch
+    other_group_events_total: int = 0  # events of a KV cache group not indexed here, left out
     gaps_total: int = 0
     replayed_batches_total: int = 0
     unrecovered_gaps_total: int = 0  # the blocks of the engine were dropped (a resync)
@@ -69,8 +70,10 @@ class VllmEventSubscriber:
         replay_timeout_seconds: float = 2.0,
         rcvhwm: int = 10_000,
         disconnect_grace_seconds: float = 30.0,
+        group: int = 0,
     ):
         self.endpoint = endpoint
+        self.group = group
         self.replay_endpoint = replay_endpoint
         self.topic = topic.encode()
         self.external = external
@@ -84,6 +87,7 @@ class VllmEventSubscriber:
         self._dealer: zmq.Socket | None = None
         self._started = False
         self._reconnected = False  # the publisher's connection came back since the last batch
+        self._read_at_start = False  # the replay buffer was read at start: no live batch seen yet
         self._said_block_size = False
 
     # ---- applying -------------------------------------------------------------------
@@ -91,7 +95,7 @@ class VllmEventSubscriber:
         st = self.stats
         st.last_seq = seq
         try:
-            batch = decode_batch(payload)
+            batch = decode_batch(payload, self.group)
             stored, removed = self.external.apply(batch)
         except MalformedBatch as exc:
             st.malformed_total += 1
@@ -102,6 +106,7 @@ class VllmEventSubscriber:
             level = log.error if loud else log.debug if isinstance(exc, BlockSizeMismatch) else log.warning
             level("vLLM KV event batch %d not applied (%s); forgot the engine's %d blocks", seq, exc, dropped)
             return
+        st.other_group_events_total += batch.other_group_events
         if batch.unknown_events:
             st.unknown_events_total += batch.unknown_events
             log.info("vLLM KV event batch %d: %d event(s) of a kind not known here left out", seq, batch.unknown_events)
@@ -127,6 +132,10 @@ class VllmEventSubscriber:
             st.last_seq = -1
             self._started = False
         self._reconnected = False
+        if self._read_at_start:
+            self._read_at_start = False
+            if self._started and seq <= st.last_seq:
+                return  # published while the buffer was read at start: applied from it already
         if not self._started:
             self._started = True
             if seq > 0:
@@ -155,6 +164,18 @@ class VllmEventSubscriber:
                     dropped,
                 )
         self._apply(seq, frames[2])
+
+    def read_buffer_at_start(self) -> None:
+        """Read the engine's replay buffer before any live batch: an engine already running
+        and idle now is indexed at once, not at its next batch. Batches published while
+        this runs come live as well (skipped, being applied) or are a gap (replayed)."""
+        st = self.stats
+        if not self.replay_endpoint or self._started:
+            return
+        self._replay(0, 1 << 62, initial=True)
+        if st.last_seq >= 0:
+            self._started = self._read_at_start = True
+            log.info("vLLM KV events: read the engine's replay buffer up to batch %d", st.last_seq)
 
     def _replay_from_start(self, until: int) -> None:
         """The engine's history before live batch `until`, from wherever its replay buffer
@@ -248,6 +269,7 @@ class VllmEventSubscriber:
         sub.connect(self.endpoint)
         if self.replay_endpoint:
             self._reset_dealer()
+            self.read_buffer_at_start()
         self.connected.set()
         log.info("subscribed to vLLM KV events at %s (replay %s)", self.endpoint, self.replay_endpoint or "none")
         try:

@@ -5,8 +5,13 @@ batch is `[ts, events, data_parallel_rank]` (array-like structs) or the same as 
 (`{"ts", "events", "data_parallel_rank"}`, newer vLLM); each event is a tagged struct,
 array-like `["BlockStored", block_hashes, parent_block_hash, token_ids, block_size,
 lora_id, medium, ...]` / `["BlockRemoved", block_hashes, medium, ...]` /
-`["AllBlocksCleared"]`, or a map with the tag under "type". Fields vLLM adds later are
-ignored. Block hashes are ints or bytes and become 16-byte digests through
+`["AllBlocksCleared"]`, or a map with the tag under "type". Array-like events carry
+every field vLLM has added since (`lora_name, extra_keys, group_idx, kv_cache_spec_kind,
+kv_cache_spec_sliding_window, locality, ...`): those named here are read, the rest left
+out. A hybrid model (full and sliding-window attention) reports each KV cache group's
+blocks under the same hashes, and a sliding-window group drops blocks the others keep:
+one group is indexed (`group`, default 0; events without `group_idx` belong to it), the
+others' events are counted and left out. Block hashes are ints or bytes and become 16-byte digests through
 `protos.block_hash.external_block_hash`.
 
 `decode_batch` validates a whole batch before anything is applied: a malformed one
@@ -48,12 +53,14 @@ class BlocksStored:
     parent_hash: bytes  # ROOT_PARENT_HASH when none
     tier: Tier
     block_size: int | None = None  # tokens per block, as the engine said (None: not said)
+    group: int | None = None  # the engine's KV cache group (None: not said)
 
 
 @dataclass(frozen=True)
 class BlocksRemoved:
     block_hashes: list[bytes]
     tier: Tier
+    group: int | None = None
 
 
 @dataclass(frozen=True)
@@ -67,6 +74,7 @@ class DecodedBatch:
     events: list[BlocksStored | BlocksRemoved | AllCleared]
     data_parallel_rank: int | None
     unknown_events: int = 0  # events of a kind not known here, left out
+    other_group_events: int = 0  # events of a KV cache group not indexed here, left out
 
 
 _decoder = msgspec.msgpack.Decoder()
@@ -96,7 +104,7 @@ def _fields(event, names: tuple[str, ...]) -> tuple[str, list]:
     if isinstance(event, list | tuple):
         if not event or not isinstance(event[0], str):
             raise MalformedBatch("an array-like event must start with its tag")
-        rest = list(event[1:])
+        rest = list(event[1 : 1 + len(names)])  # fields added after these: not read here
         return event[0], rest + [None] * (len(names) - len(rest))
     if isinstance(event, dict):
         tag = event.get("type")
@@ -106,15 +114,34 @@ def _fields(event, names: tuple[str, ...]) -> tuple[str, list]:
     raise MalformedBatch(f"an event must be an array or a map, not {type(event).__name__}")
 
 
-_STORED_FIELDS = ("block_hashes", "parent_block_hash", "token_ids", "block_size", "lora_id", "medium")
-_REMOVED_FIELDS = ("block_hashes", "medium")
+# vLLM's field order (array-like events): later versions append, never reorder
+_STORED_FIELDS = (
+    "block_hashes",
+    "parent_block_hash",
+    "token_ids",
+    "block_size",
+    "lora_id",
+    "medium",
+    "lora_name",
+    "extra_keys",
+    "group_idx",
+)
+_REMOVED_FIELDS = ("block_hashes", "medium", "group_idx")
+
+
+def _group(value) -> int | None:
+    if value is not None and (not isinstance(value, int) or isinstance(value, bool)):
+        raise MalformedBatch(f"group_idx must be an int, not {type(value).__name__}")
+    return value
 
 
 def _event(raw) -> BlocksStored | BlocksRemoved | AllCleared | None:
     """The event, or None for a well-formed event of a kind not known here."""
     tag = raw[0] if isinstance(raw, list | tuple) and raw else raw.get("type") if isinstance(raw, dict) else None
     if tag == "BlockStored":
-        _, (hashes, parent, _tokens, block_size, _lora, medium) = _fields(raw, _STORED_FIELDS)
+        _, (hashes, parent, _tokens, block_size, _lora, medium, _lora_name, _extra, group) = _fields(
+            raw, _STORED_FIELDS
+        )
         parent_hash = ROOT_PARENT_HASH
         if parent is not None:
             try:
@@ -123,18 +150,19 @@ def _event(raw) -> BlocksStored | BlocksRemoved | AllCleared | None:
                 raise MalformedBatch(f"parent_block_hash: {exc}") from None
         if block_size is not None and (not isinstance(block_size, int) or isinstance(block_size, bool)):
             raise MalformedBatch(f"block_size must be an int, not {type(block_size).__name__}")
-        return BlocksStored(_hashes(hashes), parent_hash, _tier(medium), block_size)
+        return BlocksStored(_hashes(hashes), parent_hash, _tier(medium), block_size, _group(group))
     if tag == "BlockRemoved":
-        _, (hashes, medium) = _fields(raw, _REMOVED_FIELDS)
-        return BlocksRemoved(_hashes(hashes), _tier(medium))
+        _, (hashes, medium, group) = _fields(raw, _REMOVED_FIELDS)
+        return BlocksRemoved(_hashes(hashes), _tier(medium), _group(group))
     if tag == "AllBlocksCleared":
         return AllCleared()
     _fields(raw, ())  # the shape error, if that is what it is
     return None
 
 
-def decode_batch(payload: bytes) -> DecodedBatch:
-    """One KVEventBatch payload, validated whole; MalformedBatch when it is not one."""
+def decode_batch(payload: bytes, group: int = 0) -> DecodedBatch:
+    """One KVEventBatch payload, validated whole; MalformedBatch when it is not one.
+    Events of another KV cache group than `group` are left out (counted)."""
     try:
         raw = _decoder.decode(payload)
     except (msgspec.DecodeError, ValueError, TypeError) as exc:
@@ -154,9 +182,15 @@ def decode_batch(payload: bytes) -> DecodedBatch:
         raise MalformedBatch("batch events must be a list")
     if rank is not None and (not isinstance(rank, int) or isinstance(rank, bool)):
         raise MalformedBatch("data_parallel_rank must be an int")
-    decoded = [_event(e) for e in events]
+    try:
+        decoded = [_event(e) for e in events]
+    except MalformedBatch:
+        raise
+    except (ValueError, TypeError, AttributeError) as exc:  # a shape no check above foresaw
+        raise MalformedBatch(f"an event does not decode: {exc}") from None
     known = [e for e in decoded if e is not None]
-    return DecodedBatch(float(ts), known, rank, len(decoded) - len(known))
+    ours = [e for e in known if getattr(e, "group", None) in (None, group)]
+    return DecodedBatch(float(ts), ours, rank, len(decoded) - len(known), len(known) - len(ours))
 
 
 class ExternalBlocks:

@@ -106,6 +106,41 @@ def test_events_of_an_unknown_kind_are_left_out_and_the_rest_applies():
     assert _claimed(ext) == set() and sub.stats.unknown_events_total == 1 and sub.stats.malformed_total == 0
 
 
+def test_events_with_every_field_vllm_added_since_decode():
+    """Array-like events of vLLM from lora_name on carry 7 to 14 fields: the ones not read
+    here are left out, never a reason to drop the batch (it was: 'too many values to
+    unpack', the whole batch lost and a removed block still listed)."""
+    toks = list(range(16))
+    v10 = ["BlockStored", [41], None, toks, 16, None, "GPU", None]  # + lora_name
+    later = ["BlockStored", [42], 41, toks, 16, None, "GPU", "lora-a", None, 0, "full_attention", None, "LOCAL"]
+    gone = ["BlockRemoved", [41], "GPU", 0, "LOCAL", None]
+    d = decode_batch(msgspec.msgpack.encode([1.0, [v10, later, gone], 0]))
+    assert d.events == [
+        BlocksStored([external_block_hash(41)], ROOT_PARENT_HASH, Tier.GPU, 16, None),
+        BlocksStored([external_block_hash(42)], external_block_hash(41), Tier.GPU, 16, 0),
+        BlocksRemoved([external_block_hash(41)], Tier.GPU, 0),
+    ]
+    assert (d.unknown_events, d.other_group_events) == (0, 0)
+
+
+def test_one_kv_cache_group_is_indexed_and_the_others_left_out():
+    """A hybrid model reports each group's blocks under the same hashes; the sliding-window
+    group drops blocks the full-attention group keeps, and may use another block size."""
+    toks = list(range(16))
+    full = ["BlockStored", [51, 52], None, toks * 2, 16, None, "GPU", None, None, 0]
+    window = ["BlockStored", [51, 52], None, toks * 2, 16, None, "GPU", None, None, 1, "sliding_window", 128]
+    window_dropped = ["BlockRemoved", [51], "GPU", 1]
+    other_size = ["BlockStored", [53], None, toks * 4, 64, None, "GPU", None, None, 1]
+    ext = ExternalBlocks(_Pool(), "m", block_size=16)
+    sub = VllmEventSubscriber("tcp://127.0.0.1:1", ext)  # group 0, as --vllm-kv-group's default
+    sub.handle([b"", (0).to_bytes(8, "big"), msgspec.msgpack.encode([1.0, [full, window]])])
+    sub.handle([b"", (1).to_bytes(8, "big"), msgspec.msgpack.encode([1.0, [window_dropped, other_size]])])
+    assert _claimed(ext) == {external_block_hash(51), external_block_hash(52)}
+    assert sub.stats.other_group_events_total == 3 and sub.stats.malformed_total == 0
+    d = decode_batch(msgspec.msgpack.encode([1.0, [full, window, window_dropped]]), group=1)
+    assert [type(e).__name__ for e in d.events] == ["BlocksStored", "BlocksRemoved"] and d.other_group_events == 1
+
+
 def test_a_batch_that_does_not_decode_forgets_the_engine_and_a_wrong_block_size_is_refused():
     """What a broken batch stored or removed is unknown: nothing of the engine's stays
     claimed. A store of blocks of another size than the model's is refused whole (the
@@ -383,6 +418,22 @@ def test_subscriber_picks_up_history_when_started_late(controlplane, make_agent,
     publisher.publish(batch(stored([200])))
     with ControlPlaneClient(controlplane.address) as c:
         wait_for(lambda: all(lookup_hits(c, [h]) == {"vllm-4": 1} for h in [100, 104, 200]), what="history replayed")
+
+
+def test_an_idle_engine_is_indexed_from_its_replay_buffer_at_start(controlplane, make_agent, publisher):
+    """No live batch after the agent starts: its history is read at start all the same (it
+    was read only when the next live batch came); one published right after is not lost."""
+    for i in range(3):
+        publisher.publish(batch(stored([300 + i])))  # nobody listening yet
+    agent = make_agent("vllm-6", vllm_kv_events=publisher.endpoint, vllm_kv_events_replay=publisher.replay_endpoint)
+    assert agent.vllm_events.connected.wait(5)
+    with ControlPlaneClient(controlplane.address) as c:
+        wait_for(lambda: all(lookup_hits(c, [h]) == {"vllm-6": 1} for h in [300, 301, 302]), what="idle engine read")
+        time.sleep(0.3)
+        publisher.publish(batch(stored([303])))
+        wait_for(lambda: lookup_hits(c, [303]) == {"vllm-6": 1}, what="the next live batch")
+    st = agent.vllm_events.stats
+    assert st.gaps_total == 0 and st.unrecovered_gaps_total == 0 and st.engine_restarts_total == 0
 
 
 def test_an_engine_back_with_numbers_past_the_old_ones_is_read_again(controlplane, make_agent, publisher):

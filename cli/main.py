@@ -279,6 +279,9 @@ def read_tokens(tokens: str | None, tokens_file: str | None) -> list[int] | None
     return None
 
 
+HASHES_HELP = "Block hashes as hex, 32 digits each (comma separated, repeated, or packed together)"
+
+
 def parse_hashes(hashes: tuple[str, ...]) -> bytes:
     out = bytearray()
     for h in hashes:
@@ -287,9 +290,10 @@ def parse_hashes(hashes: tuple[str, ...]) -> bytes:
                 raw = bytes.fromhex(part)
             except ValueError:
                 fail(f"--hashes: {part!r} is not hexadecimal")
-            if len(raw) != BLOCK_HASH_BYTES:
+            if not raw or len(raw) % BLOCK_HASH_BYTES:  # one hash, or several packed together
                 fail(
-                    f"--hashes: {part!r} is {len(raw)} bytes; block hashes are {BLOCK_HASH_BYTES} bytes ({2 * BLOCK_HASH_BYTES} hex digits)"
+                    f"--hashes: {part[:40]!r} is {len(raw)} bytes; block hashes are {BLOCK_HASH_BYTES} bytes "
+                    f"({2 * BLOCK_HASH_BYTES} hex digits) each"
                 )
             out += raw
     return bytes(out)
@@ -299,7 +303,7 @@ def parse_hashes(hashes: tuple[str, ...]) -> bytes:
 @click.option("--model", "model_id", required=True, help="Model id.")
 @click.option("--tokens", help="Token ids, comma separated: 1,2,3")
 @click.option("--tokens-file", help="File of token ids (commas, spaces or a JSON list).")
-@click.option("--hashes", multiple=True, help="Packed block hashes as hex (32 digits each), instead of tokens.")
+@click.option("--hashes", multiple=True, help=HASHES_HELP + ", instead of tokens.")
 @click.option("--extra-key", "extra_keys", multiple=True, help="Extra hash key (e.g. a LoRA id), repeatable.")
 @pass_ctx
 def lookup(ctx: Context, model_id, tokens, tokens_file, hashes, extra_keys):

@@ -12,7 +12,7 @@ import click
 
 from cli import output
 from cli.client import ClientError, OperationView, PinView
-from cli.main import Context, fail, main, parse_hashes, pass_ctx, read_tokens
+from cli.main import HASHES_HELP, Context, fail, main, parse_hashes, pass_ctx, read_tokens
 from protos.tier import Tier
 
 _DURATION = re.compile(r"^(\d+(?:\.\d+)?)(ms|s|m|h|d)?$")
@@ -31,7 +31,7 @@ def scope_options(fn):
     fn = click.option("--agent", "agent_id", default="", help="Only this agent.")(fn)
     fn = click.option("--namespace", default="", help="A namespace (alone: all its blocks).")(fn)
     fn = click.option("--extra-key", "extra_keys", multiple=True, help="Extra hash key, repeatable.")(fn)
-    fn = click.option("--hashes", multiple=True, help="Packed block hashes as hex (32 digits each).")(fn)
+    fn = click.option("--hashes", multiple=True, help=HASHES_HELP + ".")(fn)
     fn = click.option("--tokens-file", help="File of token ids.")(fn)
     fn = click.option("--tokens", help="Token ids, comma separated.")(fn)
     fn = click.option("--model", "model_id", default="", help="Model id (for a prefix).")(fn)
@@ -349,7 +349,7 @@ def compress(
 @click.option("--model", "model_id", required=True, help="Model id of the prefix.")
 @click.option("--tokens", help="Token ids, comma separated.")
 @click.option("--tokens-file", help="File of token ids.")
-@click.option("--hashes", multiple=True, help="Packed block hashes as hex (32 digits each).")
+@click.option("--hashes", multiple=True, help=HASHES_HELP + ".")
 @click.option("--extra-key", "extra_keys", multiple=True, help="Extra hash key, repeatable.")
 @click.option("--from", "from_agent_id", required=True, help="Agent that holds the prefix (prefill).")
 @click.option("--to", "to_agent_id", required=True, help="Agent that gets it (decode).")
@@ -394,7 +394,7 @@ def transfer(
 @click.option("--model", "model_id", required=True)
 @click.option("--tokens", help="Token ids, comma separated.")
 @click.option("--tokens-file", help="File of token ids.")
-@click.option("--hashes", multiple=True, help="Packed block hashes as hex (32 digits each).")
+@click.option("--hashes", multiple=True, help=HASHES_HELP + ".")
 @click.option("--extra-key", "extra_keys", multiple=True)
 @click.option("--role", type=click.Choice(["pair", "prefill", "decode"]), default="pair", show_default=True)
 @click.option("--prefill-agent", "prefill_agent_id", default="", help="decode: the agent that prefilled.")

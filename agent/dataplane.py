@@ -37,6 +37,7 @@ import queue
 import random
 import threading
 import time
+import uuid
 from dataclasses import dataclass, field
 
 import grpc
@@ -191,6 +192,7 @@ class DataPlane:
         self._peers: dict[str, tuple[float, Peer]] = {}  # agent id -> (when etcd last named it, its record)
         self._etcd_failed_at = -math.inf  # monotonic time of the last etcd read that failed
         self._channels: dict[str, grpc.Channel] = {}
+        self._channel_users: dict[grpc.Channel, int] = {}  # handoffs on each channel now
         self._aborts: set = set()  # Abort calls still on the wire (a call nobody holds is cancelled)
         self._lock = threading.Lock()
         # one writer thread per handoff on the engine path (it holds it while the handoff runs)
@@ -284,6 +286,7 @@ class DataPlane:
             request.source_agent_id,
             # a same-host sender copies into the pages itself: they wait for it, not a timer
             (request.writer_pid, request.writer_start_ticks) if request.path == SHM and request.writer_pid else None,
+            request.reservation_id,
         )
         slots = self.reservations.slots(r)
         return agent_pb2.ReserveResponse(
@@ -380,6 +383,10 @@ class DataPlane:
             except errors.KvcpError as exc:
                 reply(op_id, "FAILED", total=len(hashes), failed=len(hashes), error=str(exc))
                 return
+            except Exception as exc:  # noqa: BLE001 - the operation gets its answer whatever went wrong
+                log.exception("transfer %s failed", op_id)
+                reply(op_id, "FAILED", total=len(hashes), failed=len(hashes), error=f"{type(exc).__name__}: {exc}")
+                return
             finally:
                 done.set()
             if r.outcome == RECOMPUTE:
@@ -441,7 +448,9 @@ class DataPlane:
             self._peers[agent_id] = (now, p)
         return p
 
-    def _stub(self, address: str) -> agent_pb2_grpc.DataPlaneStub:
+    def _stub(self, address: str) -> tuple[agent_pb2_grpc.DataPlaneStub, grpc.Channel]:
+        """A stub on the peer's channel, which stays open until `_let_go(channel)`: a
+        handoff that made it anew (`_drop_channel`) must not close it under another one."""
         with self._lock:
             ch = self._channels.get(address)
             if ch is None:
@@ -454,17 +463,34 @@ class DataPlane:
                     ],
                     token=self.token,
                 )
-        return agent_pb2_grpc.DataPlaneStub(ch)
+            self._channel_users[ch] = self._channel_users.get(ch, 0) + 1
+        return agent_pb2_grpc.DataPlaneStub(ch), ch
+
+    def _let_go(self, ch: grpc.Channel) -> None:
+        with self._lock:
+            users = self._channel_users[ch] = self._channel_users[ch] - 1
+            retired = users == 0 and ch not in self._channels.values()
+            if users == 0:
+                del self._channel_users[ch]
+        if retired:
+            self._close_later(ch)
+
+    @staticmethod
+    def _close_later(ch: grpc.Channel) -> None:
+        """Closed a second later, so an Abort still on it (0.5 s at most) arrives instead of
+        being cancelled with the channel."""
+        closer = threading.Timer(1.0, ch.close)
+        closer.daemon = True
+        closer.start()
 
     def _drop_channel(self, address: str) -> None:
-        """Forget a peer's channel; closed a second later, so an Abort still on it (0.5 s
-        at most) arrives instead of being cancelled with the channel."""
+        """Forget a peer's channel: the next attempt makes a new one; this one is closed
+        once no handoff uses it."""
         with self._lock:
             ch = self._channels.pop(address, None)
-        if ch is not None:
-            closer = threading.Timer(1.0, ch.close)
-            closer.daemon = True
-            closer.start()
+            in_use = ch is not None and self._channel_users.get(ch, 0) > 0
+        if ch is not None and not in_use:
+            self._close_later(ch)
 
     # ---- sending --------------------------------------------------------------------
     def handoff(
@@ -649,8 +675,17 @@ class DataPlane:
         self, path: str, peer: Peer, model_id: str, metas: list[BlockMeta], namespace: str, deadline: float
     ) -> tuple[int, int, int]:
         """One try over one path -> (num_present, blocks sent, bytes sent); raises _PathError."""
-        stub = self._stub(peer.address)
+        stub, channel = self._stub(peer.address)
+        try:
+            return self._try_path(stub, path, peer, model_id, metas, namespace, deadline)
+        finally:
+            self._let_go(channel)
+
+    def _try_path(
+        self, stub, path: str, peer: Peer, model_id: str, metas: list[BlockMeta], namespace: str, deadline: float
+    ) -> tuple[int, int, int]:
         target = self._peer_slab(peer) if path == SHM else None  # mapped before anything is reserved
+        rid = uuid.uuid4().hex  # ours: a Reserve that got no answer can still be aborted
 
         def left(cap: float = self.config.rpc_timeout_seconds) -> float:
             remaining = deadline - time.monotonic()
@@ -673,17 +708,20 @@ class DataPlane:
                     path=path,
                     writer_pid=os.getpid() if path == SHM else 0,
                     writer_start_ticks=(process_start_ticks(os.getpid()) or 0) if path == SHM else 0,
+                    reservation_id=rid,
                 ),
                 timeout=left(),
             )
         except grpc.RpcError as exc:
+            if exc.code() == grpc.StatusCode.DEADLINE_EXCEEDED:  # it may have been made there: nothing was written
+                self._abort(stub, rid, "reserve: no answer in time", True, deadline)
             if path == SHM:
                 self._drop_peer_slab(peer.agent_id)
             raise _rpc_error(exc, "reserve") from None
         p = resp.num_present_blocks
         if p >= len(metas):
             return p, 0, 0
-        rid = resp.reservation_id
+        rid = resp.reservation_id or rid
         done = False
         try:
             if path == ENGINE:
@@ -812,7 +850,10 @@ class DataPlane:
                     request = agent_pb2.CommitRequest(
                         reservation_id=resp.reservation_id, checksums=group_sums, first_block=group[0], last=False
                     )
-                    verifies.append(stub.Commit.future(request, timeout=left()))
+                    group_bytes_now = sum(metas[i].stored_bytes for i in group)
+                    # one RPC's time, or what hashing its bytes takes: not the handoff's whole deadline
+                    cap = max(self.config.rpc_timeout_seconds, 0.1 + group_bytes_now / 1e9)
+                    verifies.append(stub.Commit.future(request, timeout=left(cap)))
                 _raise_failed(verifies)  # a group the peer refused (a mismatch aborted it all): stop copying
             # every verify answered before the last Commit goes: one the Commit overtook would find
             # the reservation closed, and its 'not open' would hide why the Commit failed (or a
@@ -842,8 +883,8 @@ class DataPlane:
                 agent_pb2.AbortRequest(reservation_id=rid, reason=reason[:200], writes_quiesced=quiesced),
                 timeout=0.5,
             )
-        except grpc.RpcError:
-            return  # the peer is gone: its reservation expires by itself
+        except (grpc.RpcError, ValueError):  # the peer is gone, or the channel closed (ValueError)
+            return  # its reservation expires by itself
         with self._lock:
             self._aborts.add(call)
         call.add_done_callback(self._abort_done)
@@ -964,8 +1005,9 @@ class DataPlane:
                     return
                 sums, chunk, nbytes = unverified, [p], unverified_bytes[0]  # its time: for all of them
             request = agent_pb2.CommitRequest(reservation_id=rid, checksums=sums, first_block=chunk[0], last=last)
-            if not last:
-                verifies.append(stub.Commit.future(request, timeout=left()))
+            if not last:  # one RPC's time, or what hashing its bytes takes
+                cap = max(self.config.rpc_timeout_seconds, 0.1 + nbytes / 1e9)
+                verifies.append(stub.Commit.future(request, timeout=left(cap)))
                 return
             for v in verifies:  # each within one RPC's time (its own timeout)
                 v.result()

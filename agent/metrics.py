@@ -175,7 +175,13 @@ HANDOFF_FAMILIES = (
     (
         GaugeMetricFamily,
         "kvcp_link_throughput_bytes_per_second",
-        "Achieved handoff throughput to each peer (moving average of transfers of 64 KiB or more).",
+        "Each peer's link capacity for handoff bytes, fitted to recent transfers (0: not measured yet).",
+        ("peer_agent_id",),
+    ),
+    (
+        GaugeMetricFamily,
+        "kvcp_link_latency_seconds",
+        "Each peer's fixed cost of one handoff (round trips, a verify), fitted to recent transfers.",
         ("peer_agent_id",),
     ),
 )
@@ -365,6 +371,7 @@ class AgentCollector:
             f["kvcp_link_throughput_bytes_per_second"].add_metric(
                 [aid, link.peer_agent_id], link.throughput_bytes_per_second
             )
+            f["kvcp_link_latency_seconds"].add_metric([aid, link.peer_agent_id], link.latency_seconds)
 
 
 class AgentMetrics:

@@ -168,7 +168,8 @@ class Workload:
         model = agents[agent_id][1]
         model_id, block_size = model["model_id"], model["block_size"]
         view = cp.lookup(model_id, prompt)
-        agent_id = self.choose(agents, len(prompt) // block_size, {m.agent_id: m.num_hit_blocks for m in view.agents})
+        serving = {a: v for a, v in agents.items() if v[1]["model_id"] == model_id}
+        agent_id = self.choose(serving, len(prompt) // block_size, {m.agent_id: m.num_hit_blocks for m in view.agents})
         engine = self._engine(agent_id, agents[agent_id][0])
         hashes = split_hashes(hash_prefix(model_id, prompt, block_size))
         loaded = engine.load(model_id, prompt)

@@ -228,7 +228,7 @@ def agents(ctx: Context):
     click.echo(output.table(["AGENT", "ADDRESS", "STATE", "BLOCKS", "HIT", "TIERS (used/capacity)"], rows))
 
 
-_TOKEN_ID = re.compile(r"-?[0-9]+", re.ASCII)  # a sign only to say "out of range" below
+_TOKEN_ID = re.compile(r"-?[0-9]{1,20}", re.ASCII)  # a sign only to say "out of range" below
 
 
 def parse_tokens(text: str, source: str) -> list[int]:

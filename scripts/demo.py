@@ -98,10 +98,15 @@ class Demo:
             pid_file.unlink(missing_ok=True)
 
     def spawn(self, name: str, argv: list[str]) -> subprocess.Popen:
-        log = open(self.logs / f"{name}.log", "ab")  # noqa: SIM115 - kept open for the child
-        proc = subprocess.Popen(
-            argv, stdout=log, stderr=subprocess.STDOUT, start_new_session=True, cwd=REPO, preexec_fn=_die_with_parent
-        )
+        with open(self.logs / f"{name}.log", "ab") as log:  # the child has its own copy of it
+            proc = subprocess.Popen(
+                argv,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+                cwd=REPO,
+                preexec_fn=_die_with_parent,
+            )
         try:
             started = _start_time(proc.pid)
         except OSError:  # it died already: nothing to clean up later
@@ -303,7 +308,10 @@ class Demo:
         if len(recent) >= CRASH_LOOP_EXITS:
             raise RuntimeError(f"{name} {how}, {len(recent)} times within {CRASH_LOOP_SECONDS:.0f}s (see {log})")
         self.say(f"demo: {name} {how}; the rest keep serving; starting it again (log {log})")
-        self.spawn(name, self.argv[name])
+        try:
+            self.spawn(name, self.argv[name])
+        except OSError as exc:
+            raise RuntimeError(f"{name} could not be started again: {exc}") from None
 
     def stop(self) -> None:
         for proc in reversed(self.procs.values()):

@@ -17,7 +17,8 @@ Invariants (checked by tests):
   else after a quarantine long enough for the engine's own timeout to have fired; pages
   a same-host sender copies into itself (shared memory) stay held, past the quarantine,
   while that process lives and has not said its copy ended (a sender stopped in the
-  middle of a copy finishes it when it runs again, however late).
+  middle of a copy finishes it when it runs again, however late), at most
+  `writer_hold_max_seconds`.
 
 Nothing here imports gRPC or the engine; agent.api and agent.store bring those.
 """
@@ -28,9 +29,11 @@ import concurrent.futures as cf
 import math
 import os
 import random
+import re
 import threading
 import time
 import uuid
+from collections import OrderedDict
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 
@@ -124,6 +127,10 @@ class _Held:
     release_at_latest: float = math.inf  # ... but not past this
 
 
+_RESERVATION_ID = re.compile(r"[A-Za-z0-9_-]{16,64}")
+MAX_WRITER_DONE = 4096  # reservations whose writer said its copy ended before they closed
+
+
 class ReservationError(errors.FailedPrecondition):
     """A reservation cannot be committed (unknown, expired, checksum mismatch)."""
 
@@ -155,6 +162,10 @@ class Reservations:
         # asked; a writer's pages are freed after the quarantine as any others)
         self._writer_alive = writer_alive
         self.writer_hold_max_seconds = writer_hold_max_seconds
+        # ids whose writer said "my copy ended" while the reservation was closing, or before
+        # it existed (an Abort that raced the Reserve, its commit, its expiry): their pages
+        # wait out the plain quarantine, not the writer
+        self._writer_done: OrderedDict[str, None] = OrderedDict()
         self.committed_total = 0
         self.aborted_total = 0
         self.expired_total = 0
@@ -187,12 +198,15 @@ class Reservations:
         ttl_seconds: float = 10.0,
         source_agent_id: str = "",
         writer: tuple[int, int] | None = None,
+        reservation_id: str = "",
     ) -> Reservation:
         """Reserve pages for the blocks after the leading ones held here. Raises
         ResourceExhausted when too many handoffs are arriving (retry later), and
         FailedPrecondition when the blocks cannot fit (pinned/in-use blocks fill the tier)."""
         if model_id not in self.pool.models:
             raise errors.NotFound(f"model_id: this agent serves no model {model_id!r}")
+        if reservation_id and not _RESERVATION_ID.fullmatch(reservation_id):
+            raise errors.InvalidArgument("reservation_id", "16 to 64 letters, digits, - or _")
         if len(stored_bytes) != len(block_hashes) or len(codecs) != len(block_hashes):
             raise errors.InvalidArgument("stored_bytes", "give one size and one codec per block")
         namespaces = [namespace] * len(block_hashes) if isinstance(namespace, str) else list(namespace)
@@ -220,7 +234,11 @@ class Reservations:
                 raise errors.ResourceExhausted(
                     f"{len(self._open)} handoffs are arriving here already (limit {self.max_inbound}); retry shortly"
                 )
-            rid = uuid.uuid4().hex[:16]
+            rid = reservation_id or uuid.uuid4().hex[:16]  # the sender's own: it can abort a Reserve it lost
+            if rid in self._writer_done:
+                raise errors.FailedPrecondition(f"reservation_id: {rid!r} was aborted by its sender already")
+            if rid in self._open:
+                raise errors.AlreadyExists(f"reservation_id: {rid!r} is in use here")
             self._open[rid] = None  # type: ignore[assignment]  # holds the slot while pages are found
         try:
             num_present, present, handles = self.pool.reserve_chain(
@@ -400,11 +418,15 @@ class Reservations:
             r = self._open.pop(reservation_id, None)
             # read with the pop: a writer attaches only to an open reservation (attach_writer)
             quiesced = quiesced and r is not None and not r.writers
-            if r is None and quiesced_word:
+            if r is None and quiesced_word and reservation_id:
                 # a same-host writer whose reservation expired under its copy: it says the
-                # copy has ended, so the pages held for it are free now
+                # copy has ended, so the pages held for it are free now (and if they are not
+                # held yet, closing or not made yet, they will not be held for it)
                 held = [h for h in self._quarantine if h.writer is not None and h.reservation_id == reservation_id]
                 self._quarantine = [h for h in self._quarantine if h not in held]
+                self._writer_done[reservation_id] = None
+                while len(self._writer_done) > MAX_WRITER_DONE:
+                    self._writer_done.popitem(last=False)
         if r is None:
             for h in held:
                 self.pool.release_reserved(h.handles, self.tier)
@@ -444,11 +466,15 @@ class Reservations:
         else:
             now = self.clock()
             held = _Held(now + self.quarantine_seconds, r.handles, r.reservation_id, r.writer)
-            if r.writer is not None and self._writer_alive is not None:
-                held.release_at_latest = now + max(self.quarantine_seconds, self.writer_hold_max_seconds)
-            else:
-                held.writer = None
             with self._lock:
+                if (
+                    r.writer is not None
+                    and self._writer_alive is not None
+                    and r.reservation_id not in self._writer_done
+                ):
+                    held.release_at_latest = now + max(self.quarantine_seconds, self.writer_hold_max_seconds)
+                else:
+                    held.writer = None
                 self._quarantine.append(held)
 
     def run_once(self, now: float | None = None) -> int:
@@ -523,6 +549,9 @@ class HandoffResult:
     reason: str = ""
     num_cached_tokens: int = 0
     first_path: str = ""  # the first path tried: `path` differs from it after a fallback
+
+
+SMALL_TRANSFER_BYTES = 1 << 16  # transfers this small are their fixed cost, whatever the link's speed
 
 
 class Link:
@@ -613,6 +642,8 @@ class Link:
             slope = cov / var if var > (0.1 * mx) ** 2 else 0.0  # sizes too alike to tell the two apart
             if slope > 0 and my - slope * mx >= 0:
                 self.throughput_bytes_per_second, self.latency_seconds = 1 / slope, my - slope * mx
+            elif mx < SMALL_TRANSFER_BYTES:  # small ones only: they measure the fixed cost, not the link
+                self.throughput_bytes_per_second, self.latency_seconds = 0.0, my
             else:  # all of it as rate: right for transfers of the sizes seen
                 self.throughput_bytes_per_second, self.latency_seconds = mx / my, 0.0
 

@@ -94,7 +94,7 @@ def test_the_last_commit_has_time_for_every_block_it_verifies(verify_while_sendi
         real_stub = p.send._stub
 
         def spying_stub(address):
-            stub = real_stub(address)
+            stub, channel = real_stub(address)
             real_commit, real_reserve = stub.Commit, stub.Reserve
 
             def reserve(request, timeout=None):
@@ -111,7 +111,7 @@ def test_the_last_commit_has_time_for_every_block_it_verifies(verify_while_sendi
 
             commit.future = real_commit.future  # the batches' Commits while later ones travel
             stub.Commit = commit
-            return stub
+            return stub, channel
 
         p.send._stub = spying_stub
         r = p.send.handoff("small", hashes, "dec", 5.0, paths=("engine",))

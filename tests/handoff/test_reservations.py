@@ -397,3 +397,42 @@ def test_a_link_is_fitted_as_a_fixed_cost_plus_its_capacity_shared_by_transfers_
     for _ in range(3):
         same.record(True, 1 << 20, 0.011, "engine")  # one size only: all of it as rate, right for that size
     assert same.latency_seconds == 0 and same.throughput_bytes_per_second == pytest.approx((1 << 20) / 0.011)
+    small = Link("dec")
+    for _ in range(3):
+        small.record(True, 4096, 0.004, "shm")  # tiny ones: the fixed cost, not the link's speed
+    assert small.throughput_bytes_per_second == 0 and small.latency_seconds == pytest.approx(0.004)
+
+
+def test_a_writer_that_said_its_copy_ended_while_its_reservation_closed_is_not_waited_for():
+    # the writer's quiesced Abort lands between the reservation leaving the open set (its
+    # commit failing, its expiry) and its pages reaching quarantine: it must still count
+    pool, res, clock = make(quarantine_seconds=2, writer_alive=lambda pid, start: True)
+    _, _, hashes = prompt(SMALL, 2)
+    rid = "sender-chosen-0001"
+    r = res.reserve(SMALL.model_id, hashes, [BLOCK] * 2, ["none"] * 2, ttl_seconds=1, writer=(7, 7), reservation_id=rid)
+    assert r.reservation_id == rid
+    with res._lock:  # as commit() and run_once() take it out of the open set
+        res._open.pop(rid)
+    assert not res.abort(rid, quiesced=True)
+    res._release(r, quiesced=False)
+    clock.now += 2
+    res.run_once()
+    assert res.quarantined_pages() == 0 and pool.top.used_bytes == 0
+
+
+def test_a_sender_chooses_the_reservation_id_and_may_abort_before_its_reserve_lands():
+    pool, res, _ = make(writer_alive=lambda pid, start: True)
+    _, _, hashes = prompt(SMALL, 2)
+
+    def reserve(rid):
+        return res.reserve(SMALL.model_id, hashes, [BLOCK] * 2, ["none"] * 2, writer=(7, 7), reservation_id=rid)
+
+    with pytest.raises(errors.InvalidArgument, match="reservation_id"):
+        reserve("short")
+    assert reserve("a" * 16).reservation_id == "a" * 16
+    with pytest.raises(errors.AlreadyExists, match="in use"):
+        reserve("a" * 16)
+    assert not res.abort("b" * 16, quiesced=True)  # its Reserve got no answer: the sender aborts it
+    with pytest.raises(errors.FailedPrecondition, match="aborted by its sender"):
+        reserve("b" * 16)  # arriving late, it is refused, so nothing is held for it
+    assert pool.top.used_bytes == 2 * BLOCK  # the first one's pages only

@@ -364,7 +364,7 @@ class LoadResponse(_message.Message):
     def __init__(self, num_cached_tokens: _Optional[int] = ..., kv: _Optional[bytes] = ..., truncated: _Optional[bool] = ...) -> None: ...
 
 class ReserveRequest(_message.Message):
-    __slots__ = ("model_id", "block_hashes", "stored_bytes", "codecs", "namespace", "ttl_seconds", "source_agent_id", "path", "namespaces", "writer_pid", "writer_start_ticks")
+    __slots__ = ("model_id", "block_hashes", "stored_bytes", "codecs", "namespace", "ttl_seconds", "source_agent_id", "path", "namespaces", "writer_pid", "writer_start_ticks", "reservation_id")
     MODEL_ID_FIELD_NUMBER: _ClassVar[int]
     BLOCK_HASHES_FIELD_NUMBER: _ClassVar[int]
     STORED_BYTES_FIELD_NUMBER: _ClassVar[int]
@@ -376,6 +376,7 @@ class ReserveRequest(_message.Message):
     NAMESPACES_FIELD_NUMBER: _ClassVar[int]
     WRITER_PID_FIELD_NUMBER: _ClassVar[int]
     WRITER_START_TICKS_FIELD_NUMBER: _ClassVar[int]
+    RESERVATION_ID_FIELD_NUMBER: _ClassVar[int]
     model_id: str
     block_hashes: bytes
     stored_bytes: _containers.RepeatedScalarFieldContainer[int]
@@ -387,7 +388,8 @@ class ReserveRequest(_message.Message):
     namespaces: _containers.RepeatedScalarFieldContainer[str]
     writer_pid: int
     writer_start_ticks: int
-    def __init__(self, model_id: _Optional[str] = ..., block_hashes: _Optional[bytes] = ..., stored_bytes: _Optional[_Iterable[int]] = ..., codecs: _Optional[_Iterable[str]] = ..., namespace: _Optional[str] = ..., ttl_seconds: _Optional[float] = ..., source_agent_id: _Optional[str] = ..., path: _Optional[str] = ..., namespaces: _Optional[_Iterable[str]] = ..., writer_pid: _Optional[int] = ..., writer_start_ticks: _Optional[int] = ...) -> None: ...
+    reservation_id: str
+    def __init__(self, model_id: _Optional[str] = ..., block_hashes: _Optional[bytes] = ..., stored_bytes: _Optional[_Iterable[int]] = ..., codecs: _Optional[_Iterable[str]] = ..., namespace: _Optional[str] = ..., ttl_seconds: _Optional[float] = ..., source_agent_id: _Optional[str] = ..., path: _Optional[str] = ..., namespaces: _Optional[_Iterable[str]] = ..., writer_pid: _Optional[int] = ..., writer_start_ticks: _Optional[int] = ..., reservation_id: _Optional[str] = ...) -> None: ...
 
 class BlockSlots(_message.Message):
     __slots__ = ("addresses", "lengths")

@@ -775,12 +775,13 @@ class Manager:
         """Hand a prefix from one agent to another (prefill -> decode); the source runs it
         (agent.dataplane) and reports the outcome: engine, fallback path, or recompute."""
         self.ensure_loaded()
+        # bad input is said as such, whatever the agents' state (not "try again")
+        if not math.isfinite(deadline_seconds) or deadline_seconds < 0:
+            raise errors.InvalidArgument("deadline_seconds", f"must be a finite number >= 0, got {deadline_seconds}")
         self._check_agents_back(tuple(a for a in (from_agent_id, to_agent_id) if a), indexed=True)
         packed, _ = self.resolve(scope)
         if not packed:
             raise errors.InvalidArgument("scope", "a transfer needs a prefix of a model (token_ids or block_hashes)")
-        if not math.isfinite(deadline_seconds) or deadline_seconds < 0:
-            raise errors.InvalidArgument("deadline_seconds", f"must be a finite number >= 0, got {deadline_seconds}")
         agents = {r.agent_id: r for r, _ in self.cluster.agents()}
         for field_name, agent_id in (("from_agent_id", from_agent_id), ("to_agent_id", to_agent_id)):
             if not agent_id:

@@ -126,7 +126,7 @@ class MoveOutcome:
     moved_bytes: int = 0
     reason: str = ""
     pinned_tier: int = 0  # refused because a pin keeps the block at this tier or faster
-    kept: bool = False  # a compress left it in its codec: the new one would not make it smaller
+    kept: bool = False  # a compress left it in its codec: the new one would free none of its room
     gone: bool = False  # not held (never, or evicted since it was named): nothing to move
 
 
@@ -187,20 +187,22 @@ def _copy_unchanged(src, src_handle, dst, dst_handle, num_bytes: int, header) ->
         dst.write(dst_handle, src.read(src_handle, num_bytes), header)
 
 
-def _grows(target: str, new_bytes: int, stored_bytes: int) -> bool:
-    """Whether re-encoding a block in place into `target` would not make it smaller: zstd
+def _grows(target: str, new_bytes: int, stored_bytes: int, store) -> bool:
+    """Whether re-encoding a block in place into `target` would free none of its room in
+    `store` (whole pages, disk granules: zstd shrinking an 8 KiB block to 7.4 KiB frees
+    no 1 KiB page, and every load would pay its decode): zstd
     of incompressible bytes, or of a block already in a lossy codec (decoded first, so its
     raw bytes are zstd'ed), or one lossy codec into another as big. A compress keeps such a
     block as it is: growing it takes room (in a full tier, a block dropped or demoted to
     make it) for nothing, and re-quantizing loses precision for nothing. `none` (a
     decompress) is asked to grow it."""
-    return target != "none" and new_bytes >= stored_bytes
+    return target != "none" and store.footprint(new_bytes) >= store.footprint(stored_bytes)
 
 
 def _kept(codec: str, target: str, new_bytes: int, stored_bytes: int) -> MoveOutcome:
     return MoveOutcome(
         True,
-        reason=f"kept as {codec}: {target} would not make it smaller ({new_bytes} B, now {stored_bytes} B)",
+        reason=f"kept as {codec}: {target} would free none of its room ({new_bytes} B, now {stored_bytes} B)",
         kept=True,
     )
 
@@ -871,7 +873,7 @@ class BlockPool:
             if target != src_codec:
                 data, digest = self._reencode(meta.model_id, src, src_handle, src_stored, src_codec, target)
                 nbytes = data.numel()
-                if dst is src and _grows(target, nbytes, src_stored):  # a compress in place
+                if dst is src and _grows(target, nbytes, src_stored, dst):  # a compress in place
                     return _kept(src_codec, target, nbytes, src_stored)
             else:
                 data, nbytes, digest = None, src_stored, meta.checksum
@@ -1265,7 +1267,7 @@ class BlockPool:
                 except BaseException:
                     self._recode_failed(job.meta, "unexpected error")
                     raise
-                if job.src is dst and _grows(job.target, data.numel(), job.stored_bytes):
+                if job.src is dst and _grows(job.target, data.numel(), job.stored_bytes, dst):
                     with self.lock:  # a compress in place that would grow it: it stays as it is
                         job.meta.moving = False
                     out[job.k] = _kept(job.codec, job.target, data.numel(), job.stored_bytes)

@@ -167,7 +167,7 @@ class Mover:
             if op.kind == "move" and op.to_tier is not None:
                 self._count_pushed_out(op, landed)
             if kept and not op.error:
-                op.error = f"{kept} block(s) kept in their codec: {op.codec} would not make them smaller"
+                op.error = f"{kept} block(s) kept in their codec: {op.codec} would free none of their room"
             if op.gone and not op.error:
                 op.error = f"{op.gone} block(s) no longer held here (evicted or dropped meanwhile)"
             if op.pinned and not op.error:

@@ -1,7 +1,7 @@
 """Routing for disaggregated serving: which agent prefills a request, which decodes it,
 and whether to split them at all. Pure functions over what agents report
-(AgentStats.dataplane: free capacity, handoffs in flight and queued, per-link achieved
-throughput) and what the index knows (cached prefix per agent).
+(AgentStats.dataplane: free capacity, handoffs in flight and queued, each link's fitted
+latency and capacity) and what the index knows (cached prefix per agent).
 
 The rule (README, "Prefill->decode handoff"):
 
@@ -10,10 +10,10 @@ The rule (README, "Prefill->decode handoff"):
   `queue_penalty_seconds` per handoff it has waiting or on the wire. Agents whose
   handoffs are queued behind slow decode agents are steered away from this way.
 - decode agent (given the prefill agent P): least estimated handoff time, i.e. the
-  bytes it lacks (prompt blocks minus its cached prefix) over P's measured throughput
-  to it (or `default_link_bytes_per_second` before any transfer measured it), scaled
-  by 1 + the transfers already on that link, plus `queue_penalty_seconds` per handoff
-  arriving there. A decode agent is *behind* when its free capacity for handoffs is
+  link's latency plus the bytes it lacks (prompt blocks minus its cached prefix) over
+  the capacity P fitted for the link to it (or `default_link_bytes_per_second` before
+  any transfer measured it), scaled by 1 + the transfers already on that link, plus
+  `queue_penalty_seconds` per handoff arriving there. A decode agent is *behind* when its free capacity for handoffs is
   under `free_watermark` of its capacity (or under what this request needs), or it
   has `max_inbound` handoffs arriving; behind agents are only chosen when all are, and
   then the answer says `backpressure` (a router queues the request).

@@ -226,6 +226,7 @@ def test_compression_saved_is_the_room_freed_in_whole_pages(agent):
     assert all(o.ok for o in a.pool.move_blocks(hashes[:1], None, codec="int8"))
     assert all(o.ok for o in a.pool.move_blocks(hashes[1:], None, codec="zstd"))
     metas = [a.pool.blocks[h] for h in hashes]
+    assert [m.codec for m in metas] == ["int8", "none"]  # zstd would free no page: kept as it was
     pages = [-(-m.stored_bytes // page) for m in metas]
     freed = sum(M.block_bytes // page - n for n in pages) * page
     assert registry.get_sample_value("kvcp_compression_saved_bytes", cpu) == freed

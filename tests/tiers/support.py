@@ -39,7 +39,7 @@ def make_pool(
     cpu_blocks: int = 2,
     disk_bytes: int = 1 << 20,
     tier_codecs: dict[Tier, str] | None = None,
-    page_bytes: int = BLOCK_BYTES,
+    page_bytes: int = BLOCK_BYTES // 16,  # as an agent pages a tier: 1/16 of a block
 ) -> BlockPool:
     """A CPU slab of `cpu_blocks` raw blocks over a disk tier in `disk_dir`."""
     cpu = MemoryTier(Tier.CPU, cpu_blocks * BLOCK_BYTES, page_bytes, device="cpu")

@@ -28,7 +28,7 @@ def agent(tmp_path) -> Agent:
             agent_id="cmd",
             models=[SPEC],
             cpu_capacity_bytes=8 * BLOCK_BYTES,
-            page_bytes=BLOCK_BYTES,
+            page_bytes=BLOCK_BYTES // 16,  # as an agent pages a tier: a compressed block frees pages
             disk_dir=str(tmp_path / "disk"),
             disk_capacity_bytes=1 << 20,
         )
@@ -195,11 +195,11 @@ def test_evict_of_a_namespace_goes_leaves_first(agent):
 
 def test_a_prefix_scope_with_a_tier_touches_only_that_tier(agent):
     toks, data, hs = store(agent)
-    assert agent.pool.move_block(hs[2], Tier.DISK).ok
-    agent.link.handle_command(1, command(COMPRESS, "op-t", hs, codec="int4", only_tier=Tier.DISK))
+    assert agent.pool.move_block(hs[0], Tier.DISK).ok
+    agent.link.handle_command(1, command(COMPRESS, "op-t", hs, codec="int4", only_tier=Tier.CPU))
     run_mover(agent)
-    assert [agent.pool.blocks[h].codec for h in hs] == ["none", "none", "int4"]
-    assert updates(agent)[-1].done == 1
+    assert [agent.pool.blocks[h].codec for h in hs] == ["none", "int4", "int4"]
+    assert updates(agent)[-1].done == 2
 
 
 def test_an_operation_that_raises_tells_the_control_plane_why(agent, monkeypatch):

@@ -166,6 +166,7 @@ def decode_scores(
             behind_why = f"{dp.inbound_reservations} handoffs arriving (limit {dp.max_inbound})"
         score = transfer + params.queue_penalty_seconds * dp.inbound_reservations
         measured = "measured" if link.throughput_bytes_per_second else "assumed"
+        fixed = f" + {link.latency_seconds * 1e3:.1f} ms a transfer" if need and link.latency_seconds else ""
         out.append(
             Score(
                 a.agent_id,
@@ -176,7 +177,8 @@ def decode_scores(
                 rate,
                 transfer,
                 bool(behind_why),
-                "decode: " + (behind_why or f"{need} B over a {rate / 1e9:.2f} GB/s link ({measured}), {busy} on it"),
+                "decode: "
+                + (behind_why or f"{need} B over a {rate / 1e9:.2f} GB/s link ({measured}){fixed}, {busy} on it"),
             )
         )
     return sorted(out, key=lambda s: (s.behind, s.score, -s.free_bytes, s.agent_id))

@@ -76,6 +76,7 @@ def test_split_only_when_the_handoff_costs_less_than_it_saves():
     slow_start = [Candidate("p", "a:0", "both", dataplane=dp(links=[LinkView("d", 2e9, latency_seconds=0.025)]))]
     r = route("pair", [*slow_start, agents(2e9)[1]], 64, 16, MIB, P)
     assert not r.disaggregate and r.transfer_seconds == pytest.approx(0.025 + 64 * MIB / 2e9)
+    assert "over a 2.00 GB/s link (measured) + 25.0 ms a transfer, 0 on it" in r.candidates[-1].note
     # a prefill-only agent always splits
     only = [Candidate("p", "a:0", "prefill", dataplane=dp(links=[LinkView("d", 0.5e9)])), agents(0.5e9)[1]]
     assert route("pair", only, 64, 16, MIB, P).disaggregate

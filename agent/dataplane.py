@@ -62,7 +62,7 @@ from agent.core.handoff import (
     checksum,
     slices,
 )
-from agent.store.shm import PeerSlab, host_id, process_alive, process_start_ticks
+from agent.store.shm import PeerSlab, host_id, own_start_ticks, process_alive
 from agent.store.transfer_engine import TransferBackend, TransferFailed, TransferTimedOut
 from protos import errors, etcd_keys, security
 from protos.kvcp.v1 import agent_pb2, agent_pb2_grpc, types_pb2
@@ -707,7 +707,7 @@ class DataPlane:
                     source_agent_id=self.agent_id,
                     path=path,
                     writer_pid=os.getpid() if path == SHM else 0,
-                    writer_start_ticks=(process_start_ticks(os.getpid()) or 0) if path == SHM else 0,
+                    writer_start_ticks=own_start_ticks() if path == SHM else 0,
                     reservation_id=rid,
                 ),
                 timeout=left(),
@@ -761,6 +761,10 @@ class DataPlane:
         finally:
             if path == SHM and not done:
                 self._drop_peer_slab(peer.agent_id)
+
+    def _commit_seconds(self, num_bytes: int) -> float:
+        """Time for a Commit (or a verify) of `num_bytes`: one RPC's, or hashing them."""
+        return max(self.config.rpc_timeout_seconds, 0.1 + num_bytes / 1e9)
 
     def _drop_peer_slab(self, agent_id: str) -> None:
         """A peer that failed may be gone: do not keep its memory mapped (a handoff still
@@ -832,7 +836,8 @@ class DataPlane:
                     if bounce is not None:
                         bounces.append(bounce)
                     src_runs += runs
-                pieces = pair_runs(src_runs, dst.take(sum(metas[i].stored_bytes for i in group)))
+                group_bytes = sum(metas[i].stored_bytes for i in group)
+                pieces = pair_runs(src_runs, dst.take(group_bytes))
                 target.check(pieces)
                 for part in slices(pieces, slice_bytes):
                     nbytes = sum(n for _, _, n in part)
@@ -850,10 +855,8 @@ class DataPlane:
                     request = agent_pb2.CommitRequest(
                         reservation_id=resp.reservation_id, checksums=group_sums, first_block=group[0], last=False
                     )
-                    group_bytes_now = sum(metas[i].stored_bytes for i in group)
                     # one RPC's time, or what hashing its bytes takes: not the handoff's whole deadline
-                    cap = max(self.config.rpc_timeout_seconds, 0.1 + group_bytes_now / 1e9)
-                    verifies.append(stub.Commit.future(request, timeout=left(cap)))
+                    verifies.append(stub.Commit.future(request, timeout=left(self._commit_seconds(group_bytes))))
                 _raise_failed(verifies)  # a group the peer refused (a mismatch aborted it all): stop copying
             # every verify answered before the last Commit goes: one the Commit overtook would find
             # the reservation closed, and its 'not open' would hide why the Commit failed (or a
@@ -865,7 +868,7 @@ class DataPlane:
             request = agent_pb2.CommitRequest(
                 reservation_id=resp.reservation_id, checksums=sums, first_block=p, last=True
             )
-            stub.Commit(request, timeout=left(max(self.config.rpc_timeout_seconds, 0.1 + wanted / 1e9)))
+            stub.Commit(request, timeout=left(self._commit_seconds(wanted)))
         except ValueError as exc:
             raise _PathError(str(exc), path_off=True) from None
         finally:
@@ -1006,12 +1009,11 @@ class DataPlane:
                 sums, chunk, nbytes = unverified, [p], unverified_bytes[0]  # its time: for all of them
             request = agent_pb2.CommitRequest(reservation_id=rid, checksums=sums, first_block=chunk[0], last=last)
             if not last:  # one RPC's time, or what hashing its bytes takes
-                cap = max(self.config.rpc_timeout_seconds, 0.1 + nbytes / 1e9)
-                verifies.append(stub.Commit.future(request, timeout=left(cap)))
+                verifies.append(stub.Commit.future(request, timeout=left(self._commit_seconds(nbytes))))
                 return
             for v in verifies:  # each within one RPC's time (its own timeout)
                 v.result()
-            stub.Commit(request, timeout=left(max(self.config.rpc_timeout_seconds, 0.1 + nbytes / 1e9)))
+            stub.Commit(request, timeout=left(self._commit_seconds(nbytes)))
 
         slots = list(zip(resp.slots.addresses, resp.slots.lengths, strict=True))
         reserved = sum(n for _, n in slots)
@@ -1123,7 +1125,7 @@ class DataPlane:
             raise _PathError("the link's bandwidth limit would pass the deadline", path_off=True)
         stub.Commit(
             agent_pb2.CommitRequest(reservation_id=rid, checksums=sums, first_block=p, last=True),
-            timeout=left(max(self.config.rpc_timeout_seconds, 0.1 + sent[0] / 1e9)),
+            timeout=left(self._commit_seconds(sent[0])),
         )
         return sent[0]
 

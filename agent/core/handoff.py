@@ -413,17 +413,16 @@ class Reservations:
         return r
 
     def abort(self, reservation_id: str, quiesced: bool = False) -> bool:
-        quiesced_word, held = quiesced, []
+        held: list[_Held] = []
         with self._lock:
             r = self._open.pop(reservation_id, None)
             # read with the pop: a writer attaches only to an open reservation (attach_writer)
-            quiesced = quiesced and r is not None and not r.writers
-            if r is None and quiesced_word and reservation_id:
+            free_now = quiesced and r is not None and not r.writers
+            if r is None and quiesced and reservation_id:
                 # a same-host writer whose reservation expired under its copy: it says the
                 # copy has ended, so the pages held for it are free now (and if they are not
                 # held yet, closing or not made yet, they will not be held for it)
-                held = [h for h in self._quarantine if h.writer is not None and h.reservation_id == reservation_id]
-                self._quarantine = [h for h in self._quarantine if h not in held]
+                held = self._take_held(lambda h: h.writer is not None and h.reservation_id == reservation_id)
                 self._writer_done[reservation_id] = None
                 while len(self._writer_done) > MAX_WRITER_DONE:
                     self._writer_done.popitem(last=False)
@@ -432,7 +431,7 @@ class Reservations:
                 self.pool.release_reserved(h.handles, self.tier)
             return False
         self._close(r)
-        self._release(r, quiesced)
+        self._release(r, free_now)
         self.aborted_total += 1
         return True
 
@@ -485,8 +484,7 @@ class Reservations:
             stale = [r for r in self._open.values() if r is not None and r.expires_monotonic <= now]
             for r in stale:
                 del self._open[r.reservation_id]
-            due = [h for h in self._quarantine if self._free_now(h, now)]
-            self._quarantine = [h for h in self._quarantine if h not in due]
+            due = self._take_held(lambda h: self._free_now(h, now))
         for r in stale:
             self._close(r)
             self._release(r, quiesced=False)
@@ -494,6 +492,14 @@ class Reservations:
         for h in due:
             self.pool.release_reserved(h.handles, self.tier)
         return len(stale)
+
+    def _take_held(self, which) -> list[_Held]:
+        """Take the quarantined holds `which` picks out of the quarantine (lock held)."""
+        taken, kept = [], []
+        for h in self._quarantine:
+            (taken if which(h) else kept).append(h)
+        self._quarantine = kept
+        return taken
 
     def _free_now(self, h: _Held, now: float) -> bool:
         if h.release_at > now:

@@ -51,6 +51,12 @@ def process_start_ticks(pid: int) -> int | None:
     return int(fields[19])
 
 
+@cache
+def own_start_ticks() -> int:
+    """This process's start time, read once (0 where /proc does not say)."""
+    return process_start_ticks(os.getpid()) or 0
+
+
 def process_alive(pid: int, start_ticks: int) -> bool:
     """That very process still runs (stopped counts: it may run again); a pid reused by
     another process does not."""

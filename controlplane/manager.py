@@ -44,6 +44,7 @@ DTYPE_BYTES = {"float16": 2, "bfloat16": 2, "float32": 4, "float8_e4m3fn": 1, "i
 CODECS = ("none", "int8", "int4", "fp8", "zstd")
 MAX_OPS_KEPT = 500
 PIN_REFUSAL_SECONDS = 60.0  # how long the policy leaves alone a block an agent's pin held
+CANCEL_RESEND_SECONDS = 1.0  # a cancel no agent answered yet is sent again this often
 
 
 def block_bytes(m: ModelInfo) -> int:
@@ -132,6 +133,7 @@ class Manager:
         self.pins: dict[str, Pin] = {}
         self.ops: OrderedDict[str, ops.Operation] = OrderedDict()
         self._op_said: dict[str, tuple[str, str]] = {}  # op id -> the (state, error) its last event said
+        self._cancel_asked: dict[str, float] = {}  # op id -> when its cancel was last sent to agents
         self._op_done: dict[str, threading.Event] = {}
         # adopted cleanups taking their scope locks again: queued ones wait for that first
         self._adopted_locks_pending = 0
@@ -265,6 +267,8 @@ class Manager:
             self.ops = OrderedDict(sorted(merged.items(), key=lambda kv: kv[1].created_unix_seconds))
             for gone in [i for i in self._op_said if i not in self.ops]:
                 del self._op_said[gone]  # what events said of operations no longer kept
+            for gone in [i for i in self._cancel_asked if i not in self.ops]:
+                del self._cancel_asked[gone]
             for op_id, op in self.ops.items():
                 if op.finished:
                     continue
@@ -670,6 +674,7 @@ class Manager:
                 self.ops.popitem(last=False)
                 self._op_done.pop(old_id, None)
                 self._op_said.pop(old_id, None)
+                self._cancel_asked.pop(old_id, None)
                 try:
                     self.durable.delete(etcd_keys.OPS_PREFIX + old_id)
                 except errors.KvcpError:
@@ -1112,14 +1117,16 @@ class Manager:
             running = [] if refused else [p.agent_id for p in op.parts.values() if p.state not in ops.TERMINAL]
             if not refused:
                 ops.cancel(op, now)
-        self._send_cancel(op, running)
+        self._send_cancel(op, running, now)
         if persist or not refused:
             self._op_changed(op)
         if refused:
             self._check_cancellable(op)
         return op
 
-    def _send_cancel(self, op: ops.Operation, agent_ids: list[str]) -> None:
+    def _send_cancel(self, op: ops.Operation, agent_ids: list[str], now: float) -> None:
+        with self._lock:
+            self._cancel_asked[op.op_id] = now
         for agent_id in agent_ids:
             self.cluster.send(agent_id, AgentCommand(op.op_id, "cancel"))
 
@@ -1151,10 +1158,13 @@ class Manager:
                     self._op_done.setdefault(op.op_id, threading.Event())
                 self._start_locked(op)
         for op in running:
-            if op.cancel_requested and op.commands_sent and self._owns(op):
+            asked = self._cancel_asked.get(op.op_id, 0.0)
+            if op.cancel_requested and op.commands_sent and self._owns(op) and now - asked >= CANCEL_RESEND_SECONDS:
                 # a cancel's command may not have reached an agent (its stream was down, or
-                # the leader that stored the cancel died): asked again until it answers
-                self._send_cancel(op, [p.agent_id for p in list(op.parts.values()) if p.state not in ops.TERMINAL])
+                # the leader that stored the cancel died): asked again, once a second, until
+                # it answers
+                waiting = [p.agent_id for p in list(op.parts.values()) if p.state not in ops.TERMINAL]
+                self._send_cancel(op, waiting, now)
             changed = False
             with self._lock:
                 for part in list(op.parts.values()):

@@ -29,13 +29,18 @@ truncated raises CorruptBlock: the pool treats it as a miss and removes it. `sca
 rebuilds the inventory after a restart by reading the slab once, verifying every
 checksum; of two copies of a block (a crash between writing a new copy and freeing the
 old) the later write wins. The slab is sparse (space is taken as blocks are written: a
-full file system is a write error, reported, never a crash) and locked (flock) so that
+full file system is a write error, reported, never a crash) and gives space back: once a
+freed extent is in the dead log, the whole 4 KiB pages of the free run around it are
+punched out of the file (fallocate PUNCH_HOLE) before it can be allocated again, so a
+cleanup frees the file system's space, not only the tier's. It is locked (flock) so that
 two agents cannot share a directory.
 """
 
 from __future__ import annotations
 
 import bisect
+import ctypes
+import ctypes.util
 import errno
 import fcntl
 import itertools
@@ -80,6 +85,37 @@ _MAGIC_U64 = np.frombuffer(MAGIC, dtype=np.uint64)[0]
 
 class CorruptBlock(BlockUnreadable):
     pass
+
+
+_FALLOC_FL_KEEP_SIZE = 0x01
+_FALLOC_FL_PUNCH_HOLE = 0x02
+_PAGE_BYTES = 4096
+
+
+def _load_fallocate():
+    """libc's fallocate(2), or None where there is none (the slab then keeps its space)."""
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+        fn = libc.fallocate64
+    except (OSError, AttributeError):
+        return None
+    fn.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_int64, ctypes.c_int64]
+    fn.restype = ctypes.c_int
+    return fn
+
+
+_fallocate = _load_fallocate()
+
+
+def punch_hole(fd: int, offset: int, length: int) -> None:
+    """Give [offset, offset+length) of the file back to the file system (it reads as
+    zeros after); the file's size stays. Raises OSError (EOPNOTSUPP where the file
+    system cannot)."""
+    if _fallocate is None:
+        raise OSError(errno.EOPNOTSUPP, "fallocate is not available")
+    if _fallocate(fd, _FALLOC_FL_PUNCH_HOLE | _FALLOC_FL_KEEP_SIZE, offset, length) != 0:
+        err = ctypes.get_errno()
+        raise OSError(err, os.strerror(err))
 
 
 @dataclass
@@ -287,6 +323,15 @@ class ExtentAllocator:
     def runs(self) -> list[tuple[int, int]]:
         return [(s, self._lengths[s]) for s in self._starts]
 
+    def run_around(self, granule: int) -> tuple[int, int]:
+        """(start, length) of the free run holding `granule`; (granule, 0) if it is used."""
+        i = bisect.bisect_right(self._starts, granule) - 1
+        if i >= 0:
+            start = self._starts[i]
+            if granule < start + self._lengths[start]:
+                return start, self._lengths[start]
+        return granule, 0
+
 
 class DiskTier:
     tier = Tier.DISK
@@ -300,6 +345,7 @@ class DiskTier:
         self._clear_wake = threading.Event()
         self._compact_at = 0  # dead-log size past which to compact (raised after a failure)
         self._dead_log_ok = True  # False once an append could not be undone: headers are cleared instead
+        self.punch_holes = True  # False once the file system refused: freed space stays in the file
         if capacity_bytes <= 0:
             raise ValueError("disk capacity must be positive")
         self.directory = Path(directory)
@@ -437,6 +483,8 @@ class DiskTier:
             with self._lock:
                 for offset, footprint, _ in batch:
                     self._extents.free(offset // GRANULE_BYTES, footprint // GRANULE_BYTES)
+                # under the lock: nothing is allocated (and written) in a free run meanwhile
+                self._give_back_space(batch)
             if self._dead_records > self._compact_at:
                 try:
                     self._compact_dead_log()
@@ -444,6 +492,44 @@ class DiskTier:
                 except OSError as exc:  # the log stays as it is (still correct), retried later
                     log.warning("disk tier: compacting %s failed: %s", self.dead_path, exc)
                     self._compact_at = 2 * self._dead_records
+
+    def _give_back_space(self, batch: list[tuple[int, int, int]]) -> None:
+        """Punch the whole pages of the free runs that the freed extents of `batch` fell
+        into (only near each extent: a page it shares with a free neighbour is freed too,
+        one it shares with a used block is not). Caller holds `_lock`, after the extents'
+        dead records are on disk: a hole reads as zeros, which a restart skips."""
+        if not self.punch_holes:
+            return
+        spans: list[tuple[int, int]] = []
+        for offset, footprint, _ in batch:
+            start, length = self._extents.run_around(offset // GRANULE_BYTES)
+            run_lo, run_hi = start * GRANULE_BYTES, (start + length) * GRANULE_BYTES
+            lo = -(-max(run_lo, offset - _PAGE_BYTES) // _PAGE_BYTES) * _PAGE_BYTES
+            hi = min(run_hi, offset + footprint + _PAGE_BYTES) // _PAGE_BYTES * _PAGE_BYTES
+            if hi > lo:
+                spans.append((lo, hi))
+        spans.sort()
+        merged: list[list[int]] = []
+        for lo, hi in spans:
+            if merged and lo <= merged[-1][1]:
+                merged[-1][1] = max(merged[-1][1], hi)
+            else:
+                merged.append([lo, hi])
+        for lo, hi in merged:
+            try:
+                punch_hole(self.fd, lo, hi - lo)
+            except OSError as exc:
+                self.punch_holes = False
+                log.warning(
+                    "disk tier: cannot give freed space in %s back to the file system (%s); it is reused, not returned",
+                    self.path,
+                    exc.strerror or exc,
+                )
+                return
+
+    def allocated_bytes(self) -> int:
+        """Bytes of the file system the slab takes now (its sparse size)."""
+        return os.fstat(self.fd).st_blocks * 512
 
     def _dead(self) -> set[tuple[int, int]]:
         """(offset, seq) of the blocks the dead log says are gone."""

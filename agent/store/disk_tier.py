@@ -32,7 +32,8 @@ old) the later write wins. The slab is sparse (space is taken as blocks are writ
 full file system is a write error, reported, never a crash) and gives space back: once a
 freed extent is in the dead log, the whole 4 KiB pages of the free run around it are
 punched out of the file (fallocate PUNCH_HOLE) before it can be allocated again, so a
-cleanup frees the file system's space, not only the tier's. It is locked (flock) so that
+cleanup frees the file system's space, not only the tier's (while the tier is at most
+3/4 full: one kept near its capacity reuses what it frees at once). It is locked (flock) so that
 two agents cannot share a directory.
 """
 
@@ -90,6 +91,10 @@ class CorruptBlock(BlockUnreadable):
 _FALLOC_FL_KEEP_SIZE = 0x01
 _FALLOC_FL_PUNCH_HOLE = 0x02
 _PAGE_BYTES = 4096
+# space is given back only while the tier is this full or less: a tier kept near its
+# capacity (the policy's watermarks are 0.90-0.95) reuses what it frees at once, and
+# punching it would make every write allocate the file system's blocks again
+PUNCH_BELOW = 0.75
 
 
 def _load_fallocate():
@@ -346,6 +351,7 @@ class DiskTier:
         self._compact_at = 0  # dead-log size past which to compact (raised after a failure)
         self._dead_log_ok = True  # False once an append could not be undone: headers are cleared instead
         self.punch_holes = True  # False once the file system refused: freed space stays in the file
+        self._swept = False  # every free run punched since the tier last went below PUNCH_BELOW
         if capacity_bytes <= 0:
             raise ValueError("disk capacity must be positive")
         self.directory = Path(directory)
@@ -496,18 +502,29 @@ class DiskTier:
     def _give_back_space(self, batch: list[tuple[int, int, int]]) -> None:
         """Punch the whole pages of the free runs that the freed extents of `batch` fell
         into (only near each extent: a page it shares with a free neighbour is freed too,
-        one it shares with a used block is not). Caller holds `_lock`, after the extents'
+        one it shares with a used block is not), while the tier is at most PUNCH_BELOW
+        full; on going below it, every free run. Caller holds `_lock`, after the extents'
         dead records are on disk: a hole reads as zeros, which a restart skips."""
         if not self.punch_holes:
             return
+        if self._used > PUNCH_BELOW * self.capacity_bytes:
+            self._swept = False
+            return
         spans: list[tuple[int, int]] = []
-        for offset, footprint, _ in batch:
-            start, length = self._extents.run_around(offset // GRANULE_BYTES)
-            run_lo, run_hi = start * GRANULE_BYTES, (start + length) * GRANULE_BYTES
-            lo = -(-max(run_lo, offset - _PAGE_BYTES) // _PAGE_BYTES) * _PAGE_BYTES
-            hi = min(run_hi, offset + footprint + _PAGE_BYTES) // _PAGE_BYTES * _PAGE_BYTES
-            if hi > lo:
-                spans.append((lo, hi))
+        if not self._swept:  # just went below: every free run, freed while above too
+            self._swept = True
+            for start, length in self._extents.runs():
+                spans.append((start * GRANULE_BYTES, (start + length) * GRANULE_BYTES))
+        else:
+            for offset, footprint, _ in batch:
+                start, length = self._extents.run_around(offset // GRANULE_BYTES)
+                run_lo, run_hi = start * GRANULE_BYTES, (start + length) * GRANULE_BYTES
+                spans.append((max(run_lo, offset - _PAGE_BYTES), min(run_hi, offset + footprint + _PAGE_BYTES)))
+        spans = [
+            (-(-lo // _PAGE_BYTES) * _PAGE_BYTES, hi // _PAGE_BYTES * _PAGE_BYTES)
+            for lo, hi in spans
+            if hi // _PAGE_BYTES * _PAGE_BYTES > -(-lo // _PAGE_BYTES) * _PAGE_BYTES
+        ]
         spans.sort()
         merged: list[list[int]] = []
         for lo, hi in spans:

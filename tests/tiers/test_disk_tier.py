@@ -299,6 +299,31 @@ def test_freed_blocks_give_their_space_back_to_the_file_system(tmp_path, num_byt
     again.close()
 
 
+def test_a_nearly_full_tier_keeps_freed_space_for_reuse_until_it_empties_below_three_quarters(tmp_path):
+    """Churn near capacity reuses freed extents at once (punching them would make each
+    write allocate again); going below 3/4 full gives back every free run, those freed
+    while above included."""
+    disk = DiskTier(tmp_path, 16 << 20)
+    if not disk.punch_holes:
+        pytest.skip("this file system cannot punch holes")
+    blocks = _write_blocks(disk, 200, 64 << 10)
+    disk.flush()
+    full = disk.allocated_bytes()
+    assert disk.used_bytes > 0.8 * disk.capacity_bytes
+    for handle, _, _ in blocks[:10]:
+        disk.free(handle)
+    disk.drain()
+    assert disk.used_bytes > 0.75 * disk.capacity_bytes and disk.allocated_bytes() == full
+    for handle, _, _ in blocks[10:40]:
+        disk.free(handle)
+    disk.drain()
+    assert disk.used_bytes < 0.75 * disk.capacity_bytes
+    assert full - disk.allocated_bytes() >= 0.95 * 40 * (64 << 10)
+    for handle, data, _ in blocks[40:]:
+        assert torch.equal(disk.read(handle, 64 << 10), data)
+    disk.close()
+
+
 def test_a_file_system_that_cannot_punch_holes_keeps_the_space_and_says_so_once(tmp_path, monkeypatch, caplog):
     import agent.store.disk_tier as disk_tier
 

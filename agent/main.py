@@ -163,7 +163,7 @@ def _metrics_listen(ctx, param, value: str) -> str:
 @click.option(
     "--vllm-kv-events",
     default="",
-    help="A vLLM engine's KV event publisher (tcp://host:port): index its blocks under vLLM's hashes.",
+    help="A vLLM engine's KV event publisher (tcp://host:port): index its blocks (see --vllm-index-by).",
 )
 @click.option("--vllm-kv-events-replay", default="", help="That engine's replay endpoint (tcp://host:port), for gaps.")
 @click.option("--vllm-kv-events-topic", default="", help="Topic of the engine's KV events (vLLM's default: none).")
@@ -175,6 +175,15 @@ def _metrics_listen(ctx, param, value: str) -> str:
     type=click.IntRange(min=0),
     help="The engine's KV cache group to index (hybrid models: a full-attention one); other groups' events are "
     "left out (counted).",
+)
+@click.option(
+    "--vllm-index-by",
+    default="tokens",
+    show_default=True,
+    type=click.Choice(["tokens", "vllm"]),
+    help="Index the engine's blocks under kvcp's digest of their tokens (token lookups, kvctl, Route and pins "
+    "find them; LoRA and multimodal blocks stay under vLLM's hash) or under vLLM's own hashes (a router that "
+    "computes them).",
 )
 @click.option(
     "--vllm-disconnect-grace-seconds",
@@ -248,6 +257,7 @@ def main(
     vllm_kv_events_topic,
     vllm_model_id,
     vllm_kv_group,
+    vllm_index_by,
     vllm_disconnect_grace_seconds,
     torch_threads,
     codec_threads,
@@ -321,6 +331,7 @@ def main(
         vllm_model_id=vllm_model_id,
         vllm_disconnect_grace_seconds=vllm_disconnect_grace_seconds,
         vllm_kv_group=vllm_kv_group,
+        vllm_index_by=vllm_index_by,
     )
     try:
         agent = Agent(config, log_fn=lambda m: click.echo(m, err=True)).start()

@@ -267,6 +267,15 @@ class AgentCollector:
         ]
         if self.vllm is not None:
             specs.extend((c, name, doc, a) for name, doc, _ in VLLM_EVENT_COUNTERS)
+            specs.append(
+                (
+                    c,
+                    "kvcp_vllm_blocks_indexed_total",
+                    "vLLM engine blocks indexed, by the hash they are indexed under: kvcp's digest of their "
+                    "tokens (found by token lookups) or the engine's own (--vllm-index-by).",
+                    [*a, "by"],
+                )
+            )
         if self.dataplane is not None:
             specs.extend((kind, name, doc, [*a, *extra]) for kind, name, doc, extra in HANDOFF_FAMILIES)
         return {name: kind(name, doc, labels=labels) for kind, name, doc, labels in specs}
@@ -344,6 +353,9 @@ class AgentCollector:
             st = self.vllm.stats
             for name, _, attr in VLLM_EVENT_COUNTERS:
                 f[name].add_metric([aid], getattr(st, attr))
+            ext = self.vllm.external
+            f["kvcp_vllm_blocks_indexed_total"].add_metric([aid, "tokens"], ext.indexed_by_tokens_total)
+            f["kvcp_vllm_blocks_indexed_total"].add_metric([aid, "engine_hash"], ext.indexed_by_engine_hash_total)
         if self.dataplane is not None:
             self._collect_handoffs(f)
         return [*f.values(), self._durations.family()]

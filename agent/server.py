@@ -78,6 +78,7 @@ class AgentConfig:
     vllm_model_id: str = ""  # the model its blocks are indexed under; "" the first model
     vllm_disconnect_grace_seconds: float = 30.0  # its connection down this long: its blocks are forgotten
     vllm_kv_group: int = 0  # the engine's KV cache group indexed (hybrid models: others are left out)
+    vllm_index_by: str = "tokens"  # the hash its blocks are indexed under (agent.core.vllm_events.INDEX_BY)
     role: str = ""  # prefill | decode | both ("" = both): what a router may send here
     transfer_engine: str = "mooncake"  # data plane for handoffs: mooncake | none (gRPC fallback only)
     transfer_protocol: str = "tcp"  # the engine's transport: tcp | rdma
@@ -143,7 +144,9 @@ class Agent:
                     f"an agent indexing a vLLM engine's KV events serves that engine's one model "
                     f"({model_id!r}), not {len(specs)} (--model): vLLM's block hashes do not name the model"
                 )
-            self.link.external = ExternalBlocks(self.pool, model_id, specs[model_id].block_size)
+            self.link.external = ExternalBlocks(
+                self.pool, model_id, specs[model_id].block_size, index_by=config.vllm_index_by
+            )
             self.vllm_events = VllmEventSubscriber(
                 config.vllm_kv_events,
                 self.link.external,

@@ -13,9 +13,10 @@ every agent, control plane and client computes it the same way, on any machine.
 
 Only full blocks are hashed: a prompt of n tokens has n // block_size blocks. Digests
 travel packed, BLOCK_HASH_BYTES each, back to back, in `bytes` fields. Python's `hash()`
-is never used (it is salted per process). Engines that bring their own hashes (vLLM KV
-events) are indexed under their own hashes, truncated or zero-padded to 16 bytes
-(`external_block_hash`):
+is never used (it is salted per process). Blocks an engine reports with its own hashes
+(vLLM KV events) are indexed under this digest of their tokens where the tokens decide
+their KV (agent.core.vllm_events), and otherwise under the engine's hash, truncated or
+zero-padded to 16 bytes (`external_block_hash`):
 
     int h (vLLM with VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES, or older vLLM's Python ints)
         -> u64be(h mod 2**64) || 8 zero bytes        (negative ints wrap: -1 -> ff..ff)

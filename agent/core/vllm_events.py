@@ -14,6 +14,16 @@ one group is indexed (`group`, default 0; events without `group_idx` belong to i
 others' events are counted and left out. Block hashes are ints or bytes and become 16-byte digests through
 `protos.block_hash.external_block_hash`.
 
+Which hash a block is indexed under (`index_by`): "tokens" (the default) computes kvcp's
+own chained digest (`protos.block_hash.hash_block` of the model and the block's tokens,
+which every `BlockStored` carries) from its parent's, so a `Lookup` by tokens, `kvctl
+lookup --tokens`, `Route` and pins by tokens find the engine's blocks as they find any
+agent's; a block whose KV its tokens do not decide (a LoRA adapter, multimodal or other
+extra keys), whose tokens are missing or do not fill its blocks, or whose parent is not
+indexed by tokens (an engine read from the middle of its history) stays under the
+engine's hash, as do its descendants. "vllm" indexes every block under the engine's hash,
+for a router that computes vLLM's hashes itself.
+
 `decode_batch` validates a whole batch before anything is applied: a malformed one
 raises `MalformedBatch` and changes nothing. An event of a kind this agent does not know
 (a later vLLM's, a fork's) is counted and left out; the batch's known events apply. A
@@ -32,10 +42,11 @@ import msgspec
 
 from agent.core.block_pool import InventoryGroup
 from agent.core.journal import REMOVED, STORED
-from protos.block_hash import ROOT_PARENT_HASH, external_block_hash
+from protos.block_hash import ROOT_PARENT_HASH, external_block_hash, hash_block
 from protos.tier import Tier
 
 MEDIUM_TIERS = {"GPU": Tier.GPU, "CPU": Tier.CPU, "DISK": Tier.DISK}
+INDEX_BY = ("tokens", "vllm")  # kvcp's digest of the block's tokens; the engine's own hash
 MAX_BLOCKS_PER_EVENT = 1 << 20
 
 
@@ -54,6 +65,8 @@ class BlocksStored:
     tier: Tier
     block_size: int | None = None  # tokens per block, as the engine said (None: not said)
     group: int | None = None  # the engine's KV cache group (None: not said)
+    token_ids: tuple[int, ...] | None = None  # every block's tokens, in order (None: not usable)
+    keyed: bool = False  # a LoRA adapter or extra keys (multimodal inputs): tokens alone do not name the KV
 
 
 @dataclass(frozen=True)
@@ -135,13 +148,29 @@ def _group(value) -> int | None:
     return value
 
 
+def _token_ids(value) -> tuple[int, ...] | None:
+    """The event's token ids, or None where they cannot name blocks (absent, or not a
+    list of ints): the blocks are then indexed under the engine's hashes."""
+    if not isinstance(value, list | tuple) or not all(type(t) is int for t in value):
+        return None
+    return tuple(value)
+
+
+def _keyed(lora_id, lora_name, extra_keys) -> bool:
+    if lora_id is not None or lora_name is not None:
+        return True
+    if extra_keys is None:
+        return False
+    if isinstance(extra_keys, list | tuple):
+        return any(k is not None for k in extra_keys)
+    return True
+
+
 def _event(raw) -> BlocksStored | BlocksRemoved | AllCleared | None:
     """The event, or None for a well-formed event of a kind not known here."""
     tag = raw[0] if isinstance(raw, list | tuple) and raw else raw.get("type") if isinstance(raw, dict) else None
     if tag == "BlockStored":
-        _, (hashes, parent, _tokens, block_size, _lora, medium, _lora_name, _extra, group) = _fields(
-            raw, _STORED_FIELDS
-        )
+        _, (hashes, parent, tokens, block_size, lora, medium, lora_name, extra, group) = _fields(raw, _STORED_FIELDS)
         parent_hash = ROOT_PARENT_HASH
         if parent is not None:
             try:
@@ -150,7 +179,15 @@ def _event(raw) -> BlocksStored | BlocksRemoved | AllCleared | None:
                 raise MalformedBatch(f"parent_block_hash: {exc}") from None
         if block_size is not None and (not isinstance(block_size, int) or isinstance(block_size, bool)):
             raise MalformedBatch(f"block_size must be an int, not {type(block_size).__name__}")
-        return BlocksStored(_hashes(hashes), parent_hash, _tier(medium), block_size, _group(group))
+        return BlocksStored(
+            _hashes(hashes),
+            parent_hash,
+            _tier(medium),
+            block_size,
+            _group(group),
+            _token_ids(tokens),
+            _keyed(lora, lora_name, extra),
+        )
     if tag == "BlockRemoved":
         _, (hashes, medium, group) = _fields(raw, _REMOVED_FIELDS)
         return BlocksRemoved(_hashes(hashes), _tier(medium), _group(group))
@@ -202,13 +239,54 @@ class ExternalBlocks:
     that lock (the pool's blocks plus `inventory_groups()`) and the events after it agree.
     """
 
-    def __init__(self, pool, model_id: str, block_size: int = 0):
-        """`block_size`: the model's tokens per block (0: not checked)."""
+    def __init__(self, pool, model_id: str, block_size: int = 0, index_by: str = "tokens"):
+        """`block_size`: the model's tokens per block (0: not checked). `index_by`: one of
+        INDEX_BY (module docstring)."""
+        if index_by not in INDEX_BY:
+            raise ValueError(f"index_by must be one of {', '.join(INDEX_BY)}, not {index_by!r}")
         self._pool = pool
         self.model_id = model_id
         self.block_size = block_size
+        self.index_by = index_by
+        # keyed by the hash a block is indexed under
         self._tiers: dict[bytes, int] = {}
         self._parents: dict[bytes, bytes] = {}
+        # engine hash -> kvcp digest, for the blocks indexed by their tokens
+        self._by_tokens: dict[bytes, bytes] = {}
+        self.indexed_by_tokens_total = 0  # blocks first indexed under kvcp's digest
+        self.indexed_by_engine_hash_total = 0  # ... under the engine's hash
+
+    def _index_hashes(self, ev: BlocksStored) -> tuple[list[bytes], bytes]:
+        """(the hash each block is indexed under, that of the first one's parent)."""
+        by_tokens = self._by_tokens
+        first_parent = by_tokens.get(ev.parent_hash, ev.parent_hash)
+        bs = ev.block_size or self.block_size
+        tokens = ev.token_ids
+        usable = (
+            self.index_by == "tokens"
+            and not ev.keyed
+            and tokens is not None
+            and bs > 0
+            and len(tokens) == bs * len(ev.block_hashes)
+        )
+        # a chain is computable from a parent that is the root or indexed by tokens
+        chained = usable and (ev.parent_hash == ROOT_PARENT_HASH or ev.parent_hash in by_tokens)
+        out: list[bytes] = []
+        parent = first_parent
+        for i, h in enumerate(ev.block_hashes):
+            known = by_tokens.get(h)
+            if known is not None:  # indexed by tokens already (another medium, a repeat)
+                idx = known
+            elif h in self._tiers or not chained:
+                idx, chained = h, False  # under the engine's hash, and so is what follows
+            else:
+                try:
+                    idx = hash_block(parent, tokens[i * bs : (i + 1) * bs], self.model_id)
+                except ValueError:  # a token id out of range: not kvcp's tokens
+                    idx, chained = h, False
+            out.append(idx)
+            parent = idx
+        return out, first_parent
 
     @staticmethod
     def _fastest(mask: int) -> Tier:
@@ -228,12 +306,18 @@ class ExternalBlocks:
             journal = self._pool.journal
             for ev in batch.events:
                 if isinstance(ev, BlocksStored):
-                    parent = ev.parent_hash
+                    indexed, parent = self._index_hashes(ev)
                     bit = 1 << int(ev.tier)
-                    for h in ev.block_hashes:
+                    for engine_hash, h in zip(ev.block_hashes, indexed, strict=True):
                         old = self._tiers.get(h, 0)
                         new = old | bit
                         self._parents[h] = parent
+                        if not old:
+                            if h != engine_hash:
+                                self._by_tokens[engine_hash] = h
+                                self.indexed_by_tokens_total += 1
+                            else:
+                                self.indexed_by_engine_hash_total += 1
                         if new != old:
                             self._tiers[h] = new
                             if not old or self._fastest(new) != self._fastest(old):
@@ -242,7 +326,8 @@ class ExternalBlocks:
                         parent = h
                 elif isinstance(ev, BlocksRemoved):
                     bit = 1 << int(ev.tier)
-                    for h in ev.block_hashes:
+                    for engine_hash in ev.block_hashes:
+                        h = self._by_tokens.get(engine_hash, engine_hash)
                         old = self._tiers.get(h, 0)
                         new = old & ~bit
                         if new == old:
@@ -255,6 +340,7 @@ class ExternalBlocks:
                         else:
                             del self._tiers[h]
                             self._parents.pop(h, None)
+                            self._by_tokens.pop(engine_hash, None)
                             journal.record(REMOVED, self.model_id, self._fastest(old), h, parent)
                             removed += 1
                 else:
@@ -271,6 +357,7 @@ class ExternalBlocks:
             n = len(self._tiers)
             self._tiers.clear()
             self._parents.clear()
+            self._by_tokens.clear()
             return n
 
     def inventory_groups(self) -> list[InventoryGroup]:
@@ -287,5 +374,7 @@ class ExternalBlocks:
         return len(self._tiers)
 
     def holds(self, block_hash: bytes) -> Tier | None:
-        mask = self._tiers.get(block_hash)
+        """The fastest medium of a block, named by the engine's hash or by the hash it
+        is indexed under."""
+        mask = self._tiers.get(self._by_tokens.get(block_hash, block_hash))
         return None if mask is None else self._fastest(mask)

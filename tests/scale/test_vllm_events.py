@@ -7,6 +7,8 @@ dropped and counted; malformed messages are counted and skipped."""
 from __future__ import annotations
 
 import hashlib
+import json
+import subprocess
 import threading
 import time
 
@@ -28,9 +30,9 @@ from agent.core.vllm_events import (
 )
 from agent.server import DEMO_MODEL
 from cli.client import ControlPlaneClient
-from protos.block_hash import ROOT_PARENT_HASH, external_block_hash
+from protos.block_hash import ROOT_PARENT_HASH, external_block_hash, hash_prefix, split_hashes
 from protos.tier import Tier
-from tests.helpers import wait_for
+from tests.helpers import script, wait_for
 from tests.scale.vllm_publisher import (
     AllBlocksCleared,
     BlockRemoved,
@@ -42,6 +44,7 @@ from tests.scale.vllm_publisher import (
 )
 
 M = DEMO_MODEL
+BY_VLLM = {"vllm_index_by": "vllm"}  # the tests below look blocks up by the engine's hashes
 
 
 def stored(hashes, parent=None, medium="GPU"):
@@ -61,13 +64,16 @@ def test_decode_array_like_and_map_batches():
     sha = hashlib.sha256(b"x").digest()
     d = decode_batch(msgspec.msgpack.encode(batch(stored([1, 2], medium="CPU"), BlockRemoved([sha], None))))
     assert d.data_parallel_rank == 0
-    assert d.events[0] == BlocksStored([external_block_hash(1), external_block_hash(2)], ROOT_PARENT_HASH, Tier.CPU, 16)
+    assert d.events[0] == BlocksStored(
+        [external_block_hash(1), external_block_hash(2)], ROOT_PARENT_HASH, Tier.CPU, 16, None, tuple(range(32))
+    )
     assert d.events[1] == BlocksRemoved([sha[:16]], Tier.GPU)
     d = decode_batch(msgspec.msgpack.encode(batch(AllBlocksCleared())))
     assert d.events == [AllCleared()]
     m = MapBatch(1.0, [MapBlockStored([7], 6, [1] * 16, 16, None, "GPU", "lora-a")])
     d = decode_batch(msgspec.msgpack.encode(m))
-    assert d.events == [BlocksStored([external_block_hash(7)], external_block_hash(6), Tier.GPU, 16)]
+    lora = BlocksStored([external_block_hash(7)], external_block_hash(6), Tier.GPU, 16, None, (1,) * 16, keyed=True)
+    assert d.events == [lora]
     assert d.data_parallel_rank is None
 
 
@@ -99,7 +105,7 @@ def test_events_of_an_unknown_kind_are_left_out_and_the_rest_applies():
     d = decode_batch(raw)
     assert d.events == [BlocksRemoved([external_block_hash(31), external_block_hash(32)], Tier.GPU)]
     assert d.unknown_events == 1
-    ext = ExternalBlocks(_Pool(), "m")
+    ext = ExternalBlocks(_Pool(), "m", index_by="vllm")
     sub = VllmEventSubscriber("tcp://127.0.0.1:1", ext)
     sub.handle(_message(0, [31, 32]))
     sub.handle([b"", (1).to_bytes(8, "big"), raw])
@@ -116,8 +122,8 @@ def test_events_with_every_field_vllm_added_since_decode():
     gone = ["BlockRemoved", [41], "GPU", 0, "LOCAL", None]
     d = decode_batch(msgspec.msgpack.encode([1.0, [v10, later, gone], 0]))
     assert d.events == [
-        BlocksStored([external_block_hash(41)], ROOT_PARENT_HASH, Tier.GPU, 16, None),
-        BlocksStored([external_block_hash(42)], external_block_hash(41), Tier.GPU, 16, 0),
+        BlocksStored([external_block_hash(41)], ROOT_PARENT_HASH, Tier.GPU, 16, None, tuple(toks)),
+        BlocksStored([external_block_hash(42)], external_block_hash(41), Tier.GPU, 16, 0, tuple(toks), keyed=True),
         BlocksRemoved([external_block_hash(41)], Tier.GPU, 0),
     ]
     assert (d.unknown_events, d.other_group_events) == (0, 0)
@@ -131,7 +137,7 @@ def test_one_kv_cache_group_is_indexed_and_the_others_left_out():
     window = ["BlockStored", [51, 52], None, toks * 2, 16, None, "GPU", None, None, 1, "sliding_window", 128]
     window_dropped = ["BlockRemoved", [51], "GPU", 1]
     other_size = ["BlockStored", [53], None, toks * 4, 64, None, "GPU", None, None, 1]
-    ext = ExternalBlocks(_Pool(), "m", block_size=16)
+    ext = ExternalBlocks(_Pool(), "m", block_size=16, index_by="vllm")
     sub = VllmEventSubscriber("tcp://127.0.0.1:1", ext)  # group 0, as --vllm-kv-group's default
     sub.handle([b"", (0).to_bytes(8, "big"), msgspec.msgpack.encode([1.0, [full, window]])])
     sub.handle([b"", (1).to_bytes(8, "big"), msgspec.msgpack.encode([1.0, [window_dropped, other_size]])])
@@ -145,7 +151,7 @@ def test_a_batch_that_does_not_decode_forgets_the_engine_and_a_wrong_block_size_
     """What a broken batch stored or removed is unknown: nothing of the engine's stays
     claimed. A store of blocks of another size than the model's is refused whole (the
     control plane counts hit tokens in the model's block size)."""
-    ext = ExternalBlocks(_Pool(), "m", block_size=16)
+    ext = ExternalBlocks(_Pool(), "m", block_size=16, index_by="vllm")
     sub = VllmEventSubscriber("tcp://127.0.0.1:1", ext)
     sub.handle(_message(0, [1, 2]))
     assert _claimed(ext) == {external_block_hash(1), external_block_hash(2)}
@@ -157,7 +163,7 @@ def test_a_batch_that_does_not_decode_forgets_the_engine_and_a_wrong_block_size_
     assert _claimed(ext) == set() and sub.stats.malformed_total == 2
     with pytest.raises(BlockSizeMismatch):
         ext.apply(decode_batch(eight))
-    assert ExternalBlocks(_Pool(), "m", block_size=8).apply(decode_batch(eight)) == (2, 0)
+    assert ExternalBlocks(_Pool(), "m", block_size=8, index_by="vllm").apply(decode_batch(eight)) == (2, 0)
 
 
 class _Replayer:
@@ -197,7 +203,7 @@ def test_a_late_start_whose_replay_does_not_reach_the_live_batch_claims_nothing_
     history += [msgspec.msgpack.encode(batch(stored([10 + i]))) for i in range(8)]
     history.append(msgspec.msgpack.encode(batch(BlockRemoved([1, 2, 3, 4, 5], "GPU"))))
     replayer = _Replayer(history, delay)
-    ext = ExternalBlocks(_Pool(), "m")
+    ext = ExternalBlocks(_Pool(), "m", index_by="vllm")
     sub = VllmEventSubscriber("tcp://127.0.0.1:1", ext, replay_endpoint=replayer.endpoint, replay_timeout_seconds=0.2)
     sub._reset_dealer()
     try:
@@ -221,7 +227,7 @@ class _Pool:
 
 def test_external_blocks_track_media_and_journal():
     pool = _Pool()
-    ext = ExternalBlocks(pool, "m")
+    ext = ExternalBlocks(pool, "m", index_by="vllm")
     h1, h2 = external_block_hash(1), external_block_hash(2)
     ext.apply(decode_batch(msgspec.msgpack.encode(batch(stored([1, 2], medium="CPU")))))
     ext.apply(decode_batch(msgspec.msgpack.encode(batch(stored([1], medium="GPU")))))  # also on GPU now
@@ -243,8 +249,64 @@ def test_external_blocks_track_media_and_journal():
     assert ext.clear() == 1 and ext.num_blocks == 0
 
 
+def _journal(pool) -> list[tuple[str, Tier, bytes, bytes]]:
+    """(kind, tier, block hash, parent hash) of each block the journal recorded, in order."""
+    return [
+        (b.kind, g.tier, h, p)
+        for b in pool.journal.drain()
+        for g in b.groups
+        for h, p in zip(split_hashes(bytes(g.block_hashes)), split_hashes(bytes(g.parent_hashes)), strict=True)
+    ]
+
+
+def test_blocks_are_indexed_by_their_tokens_so_a_token_lookup_finds_them():
+    """By default an engine's blocks are indexed under kvcp's digest of the model and
+    their tokens, chained from their parent's: the hash a Lookup by tokens computes."""
+    pool = _Pool()
+    ext = ExternalBlocks(pool, "m", block_size=16)
+    toks = list(range(1000, 1048))
+    ours = split_hashes(hash_prefix("m", toks, 16))
+    ext.apply(decode_batch(msgspec.msgpack.encode(batch(BlockStored([1, 2], None, toks[:32], 16, None, "GPU")))))
+    ext.apply(decode_batch(msgspec.msgpack.encode(batch(BlockStored([3], 2, toks[32:], 16, None, "GPU")))))
+    assert _journal(pool) == [
+        (STORED, Tier.GPU, ours[0], ROOT_PARENT_HASH),
+        (STORED, Tier.GPU, ours[1], ours[0]),
+        (STORED, Tier.GPU, ours[2], ours[1]),
+    ]
+    assert ext.holds(ours[2]) == Tier.GPU and ext.holds(external_block_hash(3)) == Tier.GPU
+    # offloaded to CPU and dropped from GPU: the same block, named by the engine's hash
+    ext.apply(decode_batch(msgspec.msgpack.encode(batch(BlockStored([3], 2, toks[32:], 16, None, "CPU")))))
+    ext.apply(decode_batch(msgspec.msgpack.encode(batch(BlockRemoved([3], "GPU")))))
+    assert ext.holds(ours[2]) == Tier.CPU and ext.num_blocks == 3
+    ext.apply(decode_batch(msgspec.msgpack.encode(batch(BlockRemoved([3], "CPU"), BlockRemoved([2], "GPU")))))
+    assert _journal(pool)[-2:] == [(REMOVED, Tier.CPU, ours[2], ours[1]), (REMOVED, Tier.GPU, ours[1], ours[0])]
+    assert ext.num_blocks == 1 and (ext.indexed_by_tokens_total, ext.indexed_by_engine_hash_total) == (3, 0)
+    assert ext.clear() == 1 and ext.holds(external_block_hash(1)) is None
+
+
+def test_blocks_their_tokens_do_not_name_stay_under_the_engines_hash():
+    """A LoRA adapter's or a multimodal prompt's KV is not decided by the tokens alone;
+    a block whose parent was never indexed by tokens (read from the middle of the
+    engine's history) cannot be chained: those, and what follows them, keep vLLM's hash."""
+    pool = _Pool()
+    ext = ExternalBlocks(pool, "m", block_size=16)
+    toks = list(range(16))
+    lora = ["BlockStored", [61], None, toks, 16, 3, "GPU", "adapter"]
+    multimodal = ["BlockStored", [62], None, toks, 16, None, "GPU", None, [["img-hash", 0]]]
+    orphan = ["BlockStored", [63, 64], 99, toks * 2, 16, None, "GPU"]
+    after_lora = ["BlockStored", [65], 61, toks, 16, None, "GPU"]
+    short = ["BlockStored", [66], None, toks[:8], 16, None, "GPU"]
+    ext.apply(decode_batch(msgspec.msgpack.encode([1.0, [lora, multimodal, orphan, after_lora, short], 0])))
+    engine = [external_block_hash(h) for h in (61, 62, 63, 64, 65, 66)]
+    assert [h for _, _, h, _ in _journal(pool)] == engine
+    assert (ext.indexed_by_tokens_total, ext.indexed_by_engine_hash_total) == (0, 6)
+    # a text-only prompt on the same engine is chained by its tokens
+    ext.apply(decode_batch(msgspec.msgpack.encode(batch(BlockStored([70], None, toks, 16, None, "GPU")))))
+    assert [h for _, _, h, _ in _journal(pool)] == split_hashes(hash_prefix("m", toks, 16))
+
+
 def test_only_a_connection_down_past_the_grace_forgets_the_engine():
-    ext = ExternalBlocks(_Pool(), "m")
+    ext = ExternalBlocks(_Pool(), "m", index_by="vllm")
     ext.apply(decode_batch(msgspec.msgpack.encode(batch(stored([1, 2])))))
     sub = VllmEventSubscriber("tcp://127.0.0.1:1", ext, disconnect_grace_seconds=5.0)
     sub.on_connection_event(zmq.EVENT_CONNECTED, 0.0)
@@ -274,7 +336,7 @@ def _claimed(ext: ExternalBlocks) -> set[bytes]:
 def test_a_restarted_engine_whose_first_new_number_is_the_last_old_one_is_a_restart():
     """The new engine's seq 0 went out before we reconnected: the first batch seen is seq 1,
     the old engine's last number. PUB/SUB never delivers a batch twice, so it is a restart."""
-    ext = ExternalBlocks(_Pool(), "m")
+    ext = ExternalBlocks(_Pool(), "m", index_by="vllm")
     sub = VllmEventSubscriber("tcp://127.0.0.1:1", ext)  # no replay buffer
     sub.handle(_message(0, [1]))
     sub.handle(_message(1, [2]))
@@ -288,7 +350,7 @@ def test_a_publisher_that_came_back_is_read_again_from_its_start():
     a new one whose numbers passed the old one's. Its blocks are read again from its replay
     buffer, as at start, instead of filling a 'gap' from the new engine and keeping the
     old one's blocks for good."""
-    ext = ExternalBlocks(_Pool(), "m")
+    ext = ExternalBlocks(_Pool(), "m", index_by="vllm")
     sub = VllmEventSubscriber("tcp://127.0.0.1:1", ext)
     sub.on_connection_event(zmq.EVENT_CONNECTED, 0.0)
     sub.handle(_message(0, [100]))
@@ -316,7 +378,9 @@ def lookup_hits(client: ControlPlaneClient, hashes) -> dict[str, int]:
 
 
 def test_vllm_blocks_found_by_vllm_hashes(controlplane, make_agent, publisher):
-    agent = make_agent("vllm-1", vllm_kv_events=publisher.endpoint, vllm_kv_events_replay=publisher.replay_endpoint)
+    agent = make_agent(
+        "vllm-1", vllm_kv_events=publisher.endpoint, vllm_kv_events_replay=publisher.replay_endpoint, **BY_VLLM
+    )
     sub = agent.vllm_events
     assert sub is not None and sub.connected.wait(5)
     time.sleep(0.3)  # PUB/SUB joins late; anything lost before is replayed anyway
@@ -342,8 +406,46 @@ def test_vllm_blocks_found_by_vllm_hashes(controlplane, make_agent, publisher):
     assert sub.stats.malformed_total == 0 and sub.stats.unrecovered_gaps_total == 0
 
 
+def test_an_engines_blocks_are_found_by_a_lookup_by_tokens_and_by_kvctl(controlplane, make_agent, publisher):
+    """The default (--vllm-index-by tokens): a router's Lookup by tokens, and kvctl
+    lookup --tokens, find the engine that reported the prefix in its events."""
+    agent = make_agent("vllm-t", vllm_kv_events=publisher.endpoint, vllm_kv_events_replay=publisher.replay_endpoint)
+    assert agent.vllm_events is not None and agent.vllm_events.connected.wait(5)
+    time.sleep(0.3)
+    toks = list(range(5000, 5000 + 16 * 3))
+    publisher.publish(batch(BlockStored([11, 12, 13], None, toks, 16, None, "GPU")))
+    with ControlPlaneClient(controlplane.address) as c:
+        hits = lambda t: {m.agent_id: m.num_hit_blocks for m in c.lookup(M.model_id, token_ids=t).agents}  # noqa: E731
+        wait_for(lambda: hits(toks + [1, 2, 3]) == {"vllm-t": 3}, what="indexed by tokens")
+        assert hits(toks[:16] + [7] * 16) == {"vllm-t": 1}
+        out = subprocess.run(
+            [
+                script("kvctl"),
+                "--endpoint",
+                controlplane.address,
+                "-o",
+                "json",
+                "lookup",
+                "--model",
+                M.model_id,
+                "--tokens",
+                ",".join(map(str, toks)),
+            ],
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+        assert out.returncode == 0, out.stderr
+        assert json.loads(out.stdout)["best_agent_id"] == "vllm-t"
+        publisher.publish(batch(BlockRemoved([13], "GPU")))
+        wait_for(lambda: hits(toks) == {"vllm-t": 2}, what="removal by the engine's hash")
+    assert agent.vllm_events.stats.malformed_total == 0
+
+
 def test_gap_recovered_through_replay_and_unrecoverable_gap_drops(controlplane, make_agent, publisher):
-    agent = make_agent("vllm-2", vllm_kv_events=publisher.endpoint, vllm_kv_events_replay=publisher.replay_endpoint)
+    agent = make_agent(
+        "vllm-2", vllm_kv_events=publisher.endpoint, vllm_kv_events_replay=publisher.replay_endpoint, **BY_VLLM
+    )
     sub = agent.vllm_events
     assert sub.connected.wait(5)
     time.sleep(0.3)
@@ -370,7 +472,9 @@ def test_gap_recovered_through_replay_and_unrecoverable_gap_drops(controlplane, 
 
 
 def test_a_restart_whose_first_batches_were_missed_is_seen_and_replayed(controlplane, make_agent, publisher):
-    agent = make_agent("vllm-4", vllm_kv_events=publisher.endpoint, vllm_kv_events_replay=publisher.replay_endpoint)
+    agent = make_agent(
+        "vllm-4", vllm_kv_events=publisher.endpoint, vllm_kv_events_replay=publisher.replay_endpoint, **BY_VLLM
+    )
     sub = agent.vllm_events
     assert sub.connected.wait(5)
     time.sleep(0.3)
@@ -390,7 +494,9 @@ def test_a_restart_whose_first_batches_were_missed_is_seen_and_replayed(controlp
 
 
 def test_malformed_messages_counted_and_skipped(controlplane, make_agent, publisher):
-    agent = make_agent("vllm-3", vllm_kv_events=publisher.endpoint, vllm_kv_events_replay=publisher.replay_endpoint)
+    agent = make_agent(
+        "vllm-3", vllm_kv_events=publisher.endpoint, vllm_kv_events_replay=publisher.replay_endpoint, **BY_VLLM
+    )
     sub = agent.vllm_events
     assert sub.connected.wait(5)
     time.sleep(0.3)
@@ -412,7 +518,9 @@ def test_malformed_messages_counted_and_skipped(controlplane, make_agent, publis
 def test_subscriber_picks_up_history_when_started_late(controlplane, make_agent, publisher):
     for i in range(5):
         publisher.publish(batch(stored([100 + i])))  # nobody listening yet
-    agent = make_agent("vllm-4", vllm_kv_events=publisher.endpoint, vllm_kv_events_replay=publisher.replay_endpoint)
+    agent = make_agent(
+        "vllm-4", vllm_kv_events=publisher.endpoint, vllm_kv_events_replay=publisher.replay_endpoint, **BY_VLLM
+    )
     assert agent.vllm_events.connected.wait(5)
     time.sleep(0.3)
     publisher.publish(batch(stored([200])))
@@ -425,7 +533,9 @@ def test_an_idle_engine_is_indexed_from_its_replay_buffer_at_start(controlplane,
     was read only when the next live batch came); one published right after is not lost."""
     for i in range(3):
         publisher.publish(batch(stored([300 + i])))  # nobody listening yet
-    agent = make_agent("vllm-6", vllm_kv_events=publisher.endpoint, vllm_kv_events_replay=publisher.replay_endpoint)
+    agent = make_agent(
+        "vllm-6", vllm_kv_events=publisher.endpoint, vllm_kv_events_replay=publisher.replay_endpoint, **BY_VLLM
+    )
     assert agent.vllm_events.connected.wait(5)
     with ControlPlaneClient(controlplane.address) as c:
         wait_for(lambda: all(lookup_hits(c, [h]) == {"vllm-6": 1} for h in [300, 301, 302]), what="idle engine read")
@@ -440,7 +550,9 @@ def test_an_engine_back_with_numbers_past_the_old_ones_is_read_again(controlplan
     """The engine's process restarts (its PUB socket goes and comes back) and is at seq 3
     by the time we hear from it, past the old engine's last number: not a gap to fill, a
     new engine. Its blocks come from its replay buffer; the old engine's are forgotten."""
-    agent = make_agent("vllm-6", vllm_kv_events=publisher.endpoint, vllm_kv_events_replay=publisher.replay_endpoint)
+    agent = make_agent(
+        "vllm-6", vllm_kv_events=publisher.endpoint, vllm_kv_events_replay=publisher.replay_endpoint, **BY_VLLM
+    )
     sub = agent.vllm_events
     assert sub.connected.wait(5)
     time.sleep(0.3)
@@ -487,6 +599,7 @@ def test_an_engine_gone_past_the_grace_is_forgotten_and_read_again_when_back(con
     agent = make_agent(
         "vllm-6",
         vllm_kv_events=publisher.endpoint,
+        **BY_VLLM,
         vllm_kv_events_replay=publisher.replay_endpoint,
         vllm_disconnect_grace_seconds=1.0,
     )

@@ -622,12 +622,14 @@ class Cluster:
             raise errors.InvalidArgument("token_ids", "give at least one token id (or block_hashes)")
         model = self.model(model_id)
         if token_ids:
-            if len(token_ids) > MAX_LOOKUP_TOKENS:
-                raise errors.InvalidArgument("token_ids", f"at most {MAX_LOOKUP_TOKENS} tokens per lookup")
-            if len(token_ids) // model.block_size > MAX_LOOKUP_BLOCKS:
+            # full blocks are what is looked up: a partial one after the last is ignored,
+            # here as everywhere (it was refused at exactly the cap plus one token)
+            max_blocks = min(MAX_LOOKUP_BLOCKS, MAX_LOOKUP_TOKENS // model.block_size)
+            if len(token_ids) // model.block_size > max_blocks:
                 raise errors.InvalidArgument(
                     "token_ids",
-                    f"at most {MAX_LOOKUP_BLOCKS} blocks ({MAX_LOOKUP_BLOCKS * model.block_size} tokens) per lookup",
+                    f"at most {max_blocks} blocks ({max_blocks * model.block_size} tokens, and a partial block "
+                    f"after them) per lookup; got {len(token_ids)} tokens",
                 )
             try:
                 packed = hash_prefix(model_id, token_ids, model.block_size, extra_keys)

@@ -90,7 +90,7 @@ class AgentMatch(NamedTuple):
 
 class PrefixHolders:
     """Who holds a prefix, with no Python object per agent: agent ids longest first (then
-    by id), how many leading blocks each holds, and one row of tier values each (row k is
+    in faster tiers, then by id), how many leading blocks each holds, and one row of tier values each (row k is
     `tiers[k * width : k * width + counts[k]]`). A lookup can match every agent."""
 
     __slots__ = ("agent_ids", "counts", "tiers", "width")
@@ -837,7 +837,14 @@ class BlockIndex:
             rows = np.zeros((64 * self._W, m), np.uint8)
             rows[slots] = (1 + lo + 2 * hi).T
         held = counts[slots]
-        slots = slots[np.lexsort((self._name_ranks()[slots], -held))]  # longest first, then by id
+        # of equal lengths, the copy in faster tiers first (a router loads it sooner): the
+        # sum of its hit blocks' tiers (GPU 1 .. REMOTE 4), then by id
+        if len(held) > 1 and len(np.unique(held)) < len(held):  # some lengths tie
+            hit = np.arange(m)[None, :] < held[:, None]
+            tier_cost = np.where(hit, rows[slots], 0).sum(axis=1, dtype=np.int64)
+        else:
+            tier_cost = np.zeros(len(held), np.int64)
+        slots = slots[np.lexsort((self._name_ranks()[slots], tier_cost, -held))]
         names = self._names
         return PrefixHolders([names[s] for s in slots.tolist()], counts[slots].tolist(), rows[slots].tobytes(), m)
 

@@ -143,8 +143,9 @@ def pinned_bytes_of(pins: list[Pin], namespace: str, now: float, namespace_bytes
     it grows as the namespace does; several namespace pins (everywhere, or on some agents)
     count those blocks once. Pins of blocks count their blocks in full: the namespace is
     their label, and the blocks they name need not be stored under it, so a namespace pin
-    does not cover them. Pins past their TTL count for nothing, even before the sweep
-    deletes them."""
+    does not cover them; a block several of them name counts once (once per agent named,
+    for pins on single agents that no pin of it everywhere covers). Pins past their TTL
+    count for nothing, even before the sweep deletes them."""
     live = [p for p in pins if p.namespace == namespace and p.active(now)]
     whole = [p for p in live if p.whole_namespace]
     if any(not p.agent_id for p in whole):  # the namespace everywhere
@@ -152,7 +153,31 @@ def pinned_bytes_of(pins: list[Pin], namespace: str, now: float, namespace_bytes
     else:
         agents = {p.agent_id for p in whole}
         covered = sum(max([namespace_bytes(a)] + [p.pinned_bytes for p in whole if p.agent_id == a]) for a in agents)
-    return covered + sum(p.pinned_bytes for p in live if not p.whole_namespace)
+    return covered + _prefix_pins_bytes([p for p in live if not p.whole_namespace])
+
+
+def _prefix_pins_bytes(pins: list[Pin]) -> int:
+    """Bytes of the blocks these pins name, each (model, block) once where a pin holds it
+    everywhere, else once per agent pinned on (two pins of one prompt took the quota twice)."""
+    everywhere: dict[tuple[str, bytes], int] = {}
+    on_agents: dict[tuple[str, bytes], dict[str, int]] = {}
+    for p in pins:
+        if not p.num_blocks:
+            continue
+        per_block = p.pinned_bytes // p.num_blocks
+        raw = p.block_hashes
+        for i in range(0, len(raw), 16):
+            key = (p.model_id, raw[i : i + 16])
+            if not p.agent_id:
+                everywhere[key] = max(everywhere.get(key, 0), per_block)
+            else:
+                agents = on_agents.setdefault(key, {})
+                agents[p.agent_id] = max(agents.get(p.agent_id, 0), per_block)
+    total = sum(everywhere.values())
+    for key, agents in on_agents.items():
+        if key not in everywhere:
+            total += sum(agents.values())
+    return total
 
 
 def check_quota(pins: list[Pin], new: Pin, quota_bytes: int | None, namespace_bytes: Callable[[str], int]) -> None:

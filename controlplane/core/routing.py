@@ -66,6 +66,7 @@ class Candidate:
     role: str = BOTH
     num_cached_blocks: int = 0
     dataplane: DataPlaneView | None = None
+    lookup_rank: int = 0  # its place in the lookup's answer (longest, then fastest tiers first)
 
 
 @dataclass(frozen=True)
@@ -132,7 +133,8 @@ def prefill_scores(agents: Sequence[Candidate], num_blocks: int, block_size: int
                 note=f"prefill: {max(0, tokens)} tokens to compute, {queued} handoffs waiting",
             )
         )
-    return sorted(out, key=lambda s: (s.score, -s.num_cached_blocks, s.agent_id))
+    rank = {a.agent_id: a.lookup_rank for a in agents}
+    return sorted(out, key=lambda s: (s.score, -s.num_cached_blocks, rank[s.agent_id], s.agent_id))
 
 
 def decode_scores(
@@ -321,13 +323,19 @@ def route_request(
         model.num_layers * 2 * model.block_size * model.num_kv_heads * model.head_dim * DTYPE_BYTES.get(model.dtype, 2)
     )
     hits = {m.agent_id: m.num_hit_blocks for m in result.matches}
+    ranks = {m.agent_id: k for k, m in enumerate(result.matches)}
     states = cluster.dataplane
     params = params or RouteParams()
     # only agents with an open stream that were heard from lately: one that died or hangs
     # keeps its registration (and its blocks indexed) until its lease goes
     candidates = [
         Candidate(
-            rec.agent_id, rec.address, states.role(rec.agent_id), hits.get(rec.agent_id, 0), states.view(rec.agent_id)
+            rec.agent_id,
+            rec.address,
+            states.role(rec.agent_id),
+            hits.get(rec.agent_id, 0),
+            states.view(rec.agent_id),
+            ranks.get(rec.agent_id, len(ranks)),
         )
         for rec in cluster.connected_agents(params.max_silence_seconds)
         if any(m.model_id == model_id for m in rec.models)

@@ -133,3 +133,12 @@ def test_route_sends_no_work_to_an_agent_without_a_stream_or_silent():
     assert {c.agent_id for c in route_request(cluster, "m", block_hashes=packed, role="prefill").candidates} == {
         "holder"
     }
+
+
+def test_prefill_ties_go_to_the_agent_the_lookup_ranks_first():
+    """Two agents hold as long a prefix, one in CPU memory, one on disk: the lookup ranks
+    the faster copy first and Route follows it (it went by agent id)."""
+    on_disk = Candidate("agent-1", "a1:1", "both", 4, DataPlaneView(), lookup_rank=1)
+    in_cpu = Candidate("agent-2", "a2:1", "both", 4, DataPlaneView(), lookup_rank=0)
+    decision = route("prefill", [on_disk, in_cpu], 4, 16, 1024, RouteParams())
+    assert decision.agent_id == "agent-2"

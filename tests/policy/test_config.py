@@ -109,7 +109,7 @@ def test_each_pinned_byte_counts_once_against_the_quota():
     everywhere = Pin("all", "chat", "", b"", Tier.CPU, 0.0, 1e12, pinned_bytes=600)
     on_1 = Pin("a1", "chat", "", b"", Tier.CPU, 0.0, 1e12, agent_id="agent-1")
     on_2 = Pin("a2", "chat", "", b"", Tier.CPU, 0.0, 1e12, agent_id="agent-2")
-    prefix = Pin("p", "chat", "m", b"\x05" * 32, Tier.GPU, 0.0, 1e12, pinned_bytes=64)
+    prefix = Pin("p", "chat", "m", b"\x05" * 16 + b"\x06" * 16, Tier.GPU, 0.0, 1e12, pinned_bytes=64)
     assert pinned_bytes_of([everywhere, on_1, on_2], "chat", 1.0, held.get) == 600
     assert pinned_bytes_of([everywhere, on_1, on_2, prefix], "chat", 1.0, held.get) == 664
     assert pinned_bytes_of([on_1, on_2], "chat", 1.0, held.get) == 600
@@ -122,3 +122,28 @@ def test_each_pinned_byte_counts_once_against_the_quota():
     big = [Pin(f"g{i}", "chat", "m", bytes([i]) * 16, Tier.CPU, 0.0, 1e12, pinned_bytes=1 << 30) for i in range(2)]
     with pytest.raises(errors.ResourceExhausted, match="quota"):
         check_quota([Pin("ns", "chat", "", b"", Tier.CPU, 0.0, 1e12), big[0]], big[1], 1 << 20, empty)
+
+
+def test_a_prompt_pinned_twice_is_charged_once():
+    """Two pins of the same prompt hold the same blocks: the second adds nothing to the
+    quota (it was charged again: a third identical pin refused at '65536 B pinned' with 32
+    KiB of blocks pinned). A pin on one agent is covered by the same pin everywhere; pins
+    of one block on two agents hold two copies."""
+    from controlplane.core.pins import Pin, check_quota, pinned_bytes_of
+
+    chain = b"\x07" * 16 + b"\x08" * 16
+    first = Pin("p1", "q", "m", chain, Tier.CPU, 0.0, 1e12, pinned_bytes=64)
+    again = Pin("p2", "q", "m", chain, Tier.CPU, 1.0, 1e12, pinned_bytes=64)
+    longer = Pin("p3", "q", "m", chain + b"\x09" * 16, Tier.CPU, 1.0, 1e12, pinned_bytes=96)
+    nothing = {"": 0}.get
+    assert pinned_bytes_of([first, again], "q", 2.0, nothing) == 64
+    check_quota([first, again], Pin("p4", "q", "m", chain, Tier.DISK, 2.0, 1e12, pinned_bytes=64), 64, nothing)
+    assert pinned_bytes_of([first, longer], "q", 2.0, nothing) == 96  # the new block only
+    with pytest.raises(errors.ResourceExhausted, match="64 B pinned \\+ 32 B asked"):
+        check_quota([first], longer, 64, nothing)
+    on_1 = Pin("a1", "q", "m", chain, Tier.CPU, 0.0, 1e12, agent_id="agent-1", pinned_bytes=64)
+    on_2 = Pin("a2", "q", "m", chain, Tier.CPU, 0.0, 1e12, agent_id="agent-2", pinned_bytes=64)
+    assert pinned_bytes_of([on_1, first], "q", 2.0, nothing) == 64
+    assert pinned_bytes_of([on_1, on_2], "q", 2.0, nothing) == 128
+    other_model = Pin("o", "q", "m2", chain, Tier.CPU, 0.0, 1e12, pinned_bytes=64)
+    assert pinned_bytes_of([first, other_model], "q", 2.0, nothing) == 128

@@ -43,7 +43,7 @@ def reference_lookup(ref: dict[str, dict[bytes, int]], chain: list[bytes]) -> li
             n += 1
         if n:
             out.append(AgentMatch(a, n, bytes(blocks[h] for h in chain[:n])))
-    out.sort(key=lambda m: (-m.num_hit_blocks, m.agent_id))
+    out.sort(key=lambda m: (-m.num_hit_blocks, sum(m.tiers), m.agent_id))
     return out
 
 

@@ -450,3 +450,17 @@ def test_an_agent_registering_again_keeps_its_report_counts():
         cluster.update_stats("a", [], 0, 0, 0, tier_moved_bytes=5000)
     cluster.register(record("a"))
     assert cluster.stats_reports("a") == 3 and cluster.stats().tier_moved_bytes_total == 5000
+
+
+def test_a_lookup_at_the_block_cap_may_end_in_a_partial_block(cluster):
+    """The cap counts full blocks: a prompt of the most blocks plus a few tokens is looked
+    up (its partial block ignored, as everywhere); one more full block is refused."""
+    from controlplane.core.cluster import MAX_LOOKUP_BLOCKS, MAX_LOOKUP_TOKENS
+
+    bs = 16  # where the caps meet: 65,536 blocks of 16 are 1,048,576 tokens
+    cluster.register(record("a", ModelInfo("m16", bs)))
+    most = min(MAX_LOOKUP_BLOCKS, MAX_LOOKUP_TOKENS // bs)
+    res = cluster.lookup("m16", token_ids=[7] * (most * bs + bs - 1))
+    assert res.num_blocks == most
+    with pytest.raises(errors.InvalidArgument, match=f"at most {most} blocks"):
+        cluster.lookup("m16", token_ids=[7] * ((most + 1) * bs))

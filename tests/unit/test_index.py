@@ -134,6 +134,20 @@ def test_lookup_ties_ordered_by_agent_id():
     assert [m.agent_id for m in idx.lookup(hs)] == ["a", "m", "z"]
 
 
+def test_lookup_ties_go_to_the_copy_in_faster_tiers_first():
+    """Of two agents holding as long a prefix, the one that loads it sooner leads (it
+    went by id alone: a copy on disk was chosen over the same blocks in CPU memory)."""
+    idx = BlockIndex()
+    hs = chain(4)
+    idx.add("a", hs, Tier.DISK)
+    idx.add("b", hs, Tier.CPU)
+    idx.add("c", hs[:2], Tier.GPU)
+    idx.add("c", hs[2:], Tier.DISK)
+    assert [m.agent_id for m in idx.lookup(hs)] == ["b", "c", "a"]  # CPU×4 (8), GPU×2+DISK×2 (8, then id), DISK×4
+    idx.add("z", hs + chain(1, seed=5), Tier.DISK)
+    assert idx.lookup(hs + chain(1, seed=5))[0].agent_id == "z"  # longer first, whatever its tiers
+
+
 # ---- consistency against a reference model ----------------------------------------
 
 HASHES = chain(8, seed=9)
@@ -198,7 +212,7 @@ class IndexMachine(RuleBasedStateMachine):
                 n += 1
             if n:
                 expected.append(AgentMatch(a, n, bytes(blocks[h] for h in HASHES[:n])))
-        expected.sort(key=lambda m: (-m.num_hit_blocks, m.agent_id))
+        expected.sort(key=lambda m: (-m.num_hit_blocks, sum(m.tiers), m.agent_id))
         assert self.idx.lookup(HASHES) == expected
 
 

@@ -6,7 +6,6 @@ from __future__ import annotations
 import errno
 import json
 import math
-import re
 import ssl
 import sys
 from pathlib import Path
@@ -15,6 +14,7 @@ import click
 
 from cli import output
 from cli.client import DEFAULT_ENDPOINT, ClientError, ControlPlaneClient
+from cli.tokens import parse_token_ids
 from protos.block_hash import BLOCK_HASH_BYTES
 from protos.lookup_wire import split_address
 from protos.security import TLSConfig, read_secret
@@ -172,8 +172,7 @@ def main(ctx, endpoint, output_format, timeout_seconds, token_file, tls_ca, tls_
         fail(f"--timeout: {timeout_seconds:g} is not a positive number of seconds (e.g. --timeout 5)")
     if timeout_seconds > MAX_TIMEOUT_SECONDS:  # gRPC's deadline overflows far beyond this
         fail(f"--timeout: {timeout_seconds:g} s is longer than {MAX_TIMEOUT_SECONDS:.0f} s (one day)")
-    if not [e for e in endpoint.split(",") if e.strip()]:  # an unset shell variable must not mean the default
-        fail("--endpoint: empty (give HOST:PORT, or leave it out for the default 127.0.0.1:50051)")
+    check_endpoint(endpoint)
     try:
         token = read_secret(token_file, "KVCTL_TOKEN")
     except ValueError as exc:
@@ -185,6 +184,11 @@ def main(ctx, endpoint, output_format, timeout_seconds, token_file, tls_ca, tls_
             fail(f"--lookup-endpoint: {exc}")
     tls = tls_config(tls_ca, tls_cert, tls_key)
     ctx.obj = Context(endpoint, output_format, timeout_seconds, token, tls, lookup_endpoint)
+
+
+def check_endpoint(endpoint: str) -> None:
+    if not [e for e in endpoint.split(",") if e.strip()]:  # an unset shell variable must not mean the default
+        fail("--endpoint: empty (give HOST:PORT, or leave it out for the default 127.0.0.1:50051)")
 
 
 def tls_config(ca_file: str, cert_file: str, key_file: str) -> TLSConfig | None:
@@ -228,36 +232,11 @@ def agents(ctx: Context):
     click.echo(output.table(["AGENT", "ADDRESS", "STATE", "BLOCKS", "HIT", "TIERS (used/capacity)"], rows))
 
 
-_TOKEN_ID = re.compile(r"-?[0-9]{1,20}", re.ASCII)  # a sign only to say "out of range" below
-
-
 def parse_tokens(text: str, source: str) -> list[int]:
-    text = text.strip()
-    if not text:
-        fail(f"{source}: no tokens given")
-    usage = f"{source}: token ids must be integers, separated by commas or spaces (or a JSON list)"
-    if text.startswith("["):
-        try:
-            values = json.loads(text)
-        except (ValueError, RecursionError):
-            fail(usage)
-        # a JSON list holds integers only: 1.9 or true is a mistake, never a token id
-        bad = [v for v in values if type(v) is not int] if isinstance(values, list) else [values]
-        if bad:
-            fail(f"{usage}; got {json.dumps(bad[0])[:40]}")
-        tokens = values
-    else:
-        parts = re.split(r"\s*,\s*|\s+", text)
-        wrong = next((p for p in parts if not _TOKEN_ID.fullmatch(p)), None)
-        if wrong is not None:  # int() would take 1_000 and other scripts' digits; "1,,2" is a slip
-            fail(f"{usage}; got {'an empty field' if not wrong else repr(wrong[:40])}")
-        tokens = [int(p) for p in parts]
-    if not tokens:  # "[]": an empty prefix would read as "the whole namespace"
-        fail(f"{source}: no tokens given")
-    bad = [t for t in tokens if t < 0 or t >= 2**32]
-    if bad:
-        fail(f"{source}: token id {bad[0]} is out of range [0, 2^32)")
-    return tokens
+    try:
+        return parse_token_ids(text)
+    except ValueError as exc:
+        fail(f"{source}: {exc}")
 
 
 def read_tokens(tokens: str | None, tokens_file: str | None) -> list[int] | None:
@@ -340,7 +319,11 @@ def stats(ctx: Context):
         click.echo(json.dumps(data, indent=2))
         return
     rows = [
-        ["leader", f"{s.leader_address} (epoch {s.epoch})"],
+        [
+            "leader",
+            f"{s.leader_address} (epoch {s.epoch})"
+            + ("" if s.is_leader else ", answering from memory: etcd unreachable, possibly stale"),
+        ],
         *([["lookup socket", s.lookup_address]] if s.lookup_address else []),
         ["agents", s.num_agents],
         ["blocks (distinct)", s.num_blocks],
@@ -371,7 +354,8 @@ def dashboard(ctx: Context, endpoint):
     """Open the terminal dashboard: cluster, agents, pins, operations, live events."""
     from dashboard.app import DashboardApp  # Textual loads only for this command
 
-    if endpoint:
+    if endpoint is not None:  # given, even empty: checked as kvctl's own --endpoint is
+        check_endpoint(endpoint)
         ctx.endpoint = endpoint
     DashboardApp(ctx.endpoint, ctx.timeout_seconds, connect=ctx.client).run()
 

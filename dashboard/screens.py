@@ -15,6 +15,7 @@ from textual.containers import Grid, Horizontal, Vertical, VerticalScroll
 from textual.screen import ModalScreen, Screen
 from textual.widgets import Button, DataTable, Footer, Input, Label, RichLog, Select, Sparkline, Static
 
+from cli.tokens import parse_token_ids
 from dashboard import render
 from dashboard.state import CONNECTED, CONNECTING, RECONNECTING, DashboardState, matches_filter
 
@@ -484,13 +485,11 @@ class PinForm(ModalScreen[dict | None]):
         """The form as keyword arguments of ControlPlaneClient.pin; ValueError names the bad field."""
         tokens_text = self._value("pin-tokens")
         tokens = None
-        if tokens_text:
+        if tokens_text:  # as kvctl --tokens reads them (it took 1_000 and '1,,2' here)
             try:
-                tokens = [int(t) for t in tokens_text.replace(",", " ").split()]
-            except ValueError:
-                raise ValueError("tokens: token ids must be integers separated by commas or spaces") from None
-            if any(t < 0 or t >= 2**32 for t in tokens):
-                raise ValueError("tokens: token ids must be in [0, 2^32)")
+                tokens = parse_token_ids(tokens_text)
+            except ValueError as exc:
+                raise ValueError(f"tokens: {exc}") from None
         try:
             ttl = float(self._value("pin-ttl") or 0)
         except ValueError:

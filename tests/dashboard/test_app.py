@@ -102,3 +102,33 @@ def test_a_result_arriving_while_the_app_shuts_down_is_dropped():
 
     asyncio.run(scenario())
     assert seen == [True]  # the result did come in that window
+
+
+def test_the_pin_form_reads_token_ids_as_kvctl_does():
+    """The form took '1_000', other scripts' digits and '1,,2' (int() over split()) and
+    pinned another prefix than the one typed; kvctl --tokens refuses them."""
+    from textual.widgets import Input
+
+    from dashboard.screens import PinForm
+
+    async def scenario():
+        app = DashboardApp(live=False, clock=lambda: sample.NOW)
+        async with app.run_test(size=SIZE) as pilot:
+            form = PinForm()
+            await app.push_screen(form)
+            await pilot.pause()
+            form.query_one("#pin-model", Input).value = "demo-model"
+            outcomes = {}
+            for text in ("1_000, 2", "\u0663\u0664", "1,,2", "+7", "1, 2 3", "[4, 5]", "4294967296"):
+                form.query_one("#pin-tokens", Input).value = text
+                try:
+                    outcomes[text] = form.request()["token_ids"]
+                except ValueError as exc:
+                    outcomes[text] = str(exc)
+            return outcomes
+
+    got = asyncio.run(scenario())
+    assert got["1, 2 3"] == [1, 2, 3] and got["[4, 5]"] == [4, 5]
+    for bad in ("1_000, 2", "\u0663\u0664", "1,,2", "+7"):
+        assert got[bad].startswith("tokens: token ids must be integers"), got[bad]
+    assert got["4294967296"] == "tokens: token id 4294967296 is out of range [0, 2^32)"

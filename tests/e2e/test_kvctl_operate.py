@@ -152,6 +152,8 @@ def test_pin_move_cleanup_from_kvctl(cluster, tmp_path):
         ),
         (["--timeout", "1e10", "pins"], "--timeout: 1e+10 s is longer than 86400 s"),
         (["--endpoint", " ", "pins"], "--endpoint: empty"),
+        (["dashboard", "--endpoint", ""], "--endpoint: empty"),  # it went to the default address
+        (["dashboard", "--endpoint", ",,"], "--endpoint: empty"),  # and showed ',,' as its title
         (["pin", "--namespace", "kb", "--ttl", "0.5ms"], "--ttl (ttl_seconds): 0.5ms is under the 1s minimum"),
         (["pin", "--namespace", "kb", "--ttl", "400d"], "--ttl (ttl_seconds): 400d is not between 1s and 365d"),
         (["pin", "--namespace", "kb", "--ttl", "1h", "--tier", "ssd"], "unknown tier 'ssd'"),

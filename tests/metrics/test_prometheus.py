@@ -217,3 +217,22 @@ def test_with_bool_turns_the_top_level_comparison():
     assert prom.with_bool('x{s=~"a|b"} >= 2') == 'x{s=~"a|b"} >= bool 2'
     assert prom.with_bool('max(x{s!="=="}) > bool 1') == 'max(x{s!="=="}) > bool 1'
     assert prom.with_bool("sum(rate(x[5m]))") == "sum(rate(x[5m]))"
+
+
+def test_every_panel_of_a_control_plane_gauge_reads_the_serving_replica_only():
+    """A deposed or follower replica keeps exporting the gauges it last knew (a policy
+    pass's duration, agents, pins): a panel that does not filter by
+    kvcp_controlplane_serving shows the stale value next to, or instead of, the leader's
+    (the policy pass panel took max() over both replicas and showed the deposed one's)."""
+    from controlplane.metrics import ClusterCollector
+
+    own = {"kvcp_controlplane_serving", "kvcp_controlplane_is_leader", "kvcp_controlplane_serving_stale"}
+    gauges = {
+        name for name, family in ClusterCollector._families().items() if family.type == "gauge" and name not in own
+    }
+    unfiltered = {
+        title: sorted(set(re.findall(r"kvcp_\w+", expr)) & gauges)
+        for title, expr in prom.dashboard_queries()
+        if set(re.findall(r"kvcp_\w+", expr)) & gauges and "kvcp_controlplane_serving == 1" not in expr
+    }
+    assert not unfiltered

@@ -348,6 +348,9 @@ def test_etcd_outage_reads_from_memory_rejects_writes_and_recovers():
                 time.sleep(0.4)
             routed = c.route(M.model_id, prompt, role="prefill")  # a read, as lookup, and flagged as lookup
             assert routed.prefill_agent_id == "outage-agent" and routed.possibly_stale
+            # kvctl stats says it too (it printed a plain leader line)
+            said = kvctl(cp.address, "stats").stdout
+            assert "answering from memory: etcd unreachable, possibly stale" in said, said
             with pytest.raises(ClientError) as info:
                 c.pin(model_id=M.model_id, token_ids=prompt, ttl_seconds=60)
             assert info.value.code == "UNAVAILABLE" and "etcd is unreachable" in str(info.value)

@@ -90,6 +90,14 @@ class AgentConfig:
 
 class Agent:
     def __init__(self, config: AgentConfig, log_fn=None, registry: CollectorRegistry | None = None):
+        if config.engine_token and not config.controlplane_token:
+            # peers write blocks through the DataPlane (Reserve/Push/Commit) with the agent
+            # token: without one, any caller could put KV under a prompt's hashes that the
+            # guarded engine then loads
+            raise ValueError(
+                "an engine token (--engine-token-file) guards the engine API, but without an agent token "
+                "(--token-file) anyone can write blocks into this agent through the peer DataPlane: give both"
+            )
         self.config = config
         self._log_fn = log_fn or (lambda msg: log.warning(msg))
         page = config.page_bytes or max(1024, min(m.block_bytes for m in config.models) // 16)

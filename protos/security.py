@@ -46,13 +46,18 @@ READ_METHODS = frozenset(
 
 
 def read_secret(path: str = "", env: str = "") -> str:
-    """A token from a file (first line) or an environment variable; '' when neither."""
+    """A token from a file (first line) or an environment variable; '' when neither. A
+    file given with an empty first line is an error: '' would leave the service open
+    though a token was asked for."""
     if path:
         try:
             with open(path) as f:
-                return f.readline().strip()
+                token = f.readline().strip()
         except OSError as exc:
             raise ValueError(f"cannot read token file {path}: {exc.strerror}") from None
+        if not token:
+            raise ValueError(f"token file {path} is empty (its first line is the token)")
+        return token
     return os.environ.get(env, "").strip() if env else ""
 
 

@@ -335,8 +335,10 @@ ENGINE = "engine-token-0123456789abcdef"
 
 def test_an_agent_with_an_engine_token_asks_it_of_engines_and_only_of_them(make_agent):
     """`--engine-token-file`: store, load, lookup and Handoff without the engine token are
-    UNAUTHENTICATED and change nothing; with it they work; peers' DataPlane calls and
-    health checks are not asked for it (they are not the engine's)."""
+    UNAUTHENTICATED and change nothing; with it they work; peers' DataPlane calls take the
+    agent token, not the engine's (an agent with an engine token and no agent token is
+    refused: its DataPlane let anyone write KV the engine then loaded), and health checks
+    neither."""
     import grpc
     from grpc_health.v1 import health_pb2, health_pb2_grpc
 
@@ -344,8 +346,10 @@ def test_an_agent_with_an_engine_token_asks_it_of_engines_and_only_of_them(make_
     from protos.kvcp.v1 import agent_pb2, agent_pb2_grpc
     from protos.security import channel
 
-    guarded = make_agent("guarded", engine_token=ENGINE, transfer_engine="none")
-    peer = make_agent("peer", transfer_engine="none")
+    with pytest.raises(ValueError, match="without an agent token .* anyone can write blocks"):
+        make_agent("open-peers", engine_token=ENGINE, transfer_engine="none")
+    guarded = make_agent("guarded", engine_token=ENGINE, controlplane_token=AGENT, transfer_engine="none")
+    peer = make_agent("peer", controlplane_token=AGENT, transfer_engine="none")
     toks = list(range(2 * M.block_size))
     kv = torch.ones((2, *M.block_shape), dtype=torch.float16).view(torch.uint8).numpy().tobytes()
     for token in ("", "not-the-engine-token-xxxx", AGENT):
@@ -373,13 +377,19 @@ def test_an_agent_with_an_engine_token_asks_it_of_engines_and_only_of_them(make_
     finally:
         engine.close()
     assert peer.engine.lookup(M.model_id, toks) == 2 * M.block_size
-    # a peer's handoff into the guarded agent: the agent token's business (none here), not the engine's
+    # a peer's handoff into the guarded agent: the agent token's business, not the engine's
     more = list(range(7000, 7000 + M.block_size))
     peer.engine.store(M.model_id, more, torch.zeros((1, *M.block_shape), dtype=torch.float16))
     hashes = split_hashes(hash_prefix(M.model_id, more, M.block_size))
     assert peer.dataplane.handoff(M.model_id, hashes, "guarded", 10.0).outcome == "transferred"
     with channel(guarded.address) as ch:
-        agent_pb2_grpc.DataPlaneStub(ch).Abort(agent_pb2.AbortRequest(reservation_id="x"), timeout=10)
+        for token in ("", ENGINE):  # a stranger, or the engine, cannot write blocks as a peer
+            meta = (("authorization", f"Bearer {token}"),) if token else ()
+            with pytest.raises(grpc.RpcError) as err:
+                agent_pb2_grpc.DataPlaneStub(ch).Abort(
+                    agent_pb2.AbortRequest(reservation_id="x"), timeout=10, metadata=meta
+                )
+            assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED
         status = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(), timeout=10)
         assert status.status == health_pb2.HealthCheckResponse.SERVING
 
@@ -400,10 +410,25 @@ def test_kvcp_agent_takes_its_engine_token_from_a_file(tmp_path, etcd):
     )
     assert out.returncode == 2, out
     assert "cannot read token file" in out.stderr and "Traceback" not in out.stderr
+    # an empty file (or a blank first line) asked for a token and gave none: it left the API open
+    (tmp_path / "empty.token").write_text("\nsecret-on-line-two\n")
     (tmp_path / "engine.token").write_text(ENGINE + "\n")
+    (tmp_path / "agent.token").write_text(AGENT + "\n")
+    for flags, needle in (
+        (["--engine-token-file", str(tmp_path / "empty.token")], "is empty (its first line is the token)"),
+        (["--engine-token-file", str(tmp_path / "engine.token")], "without an agent token"),
+    ):
+        out = subprocess.run(
+            [script("kvcp-agent"), "--agent-id", "x", "--etcd", etcd, "--transfer-engine", "none", *flags],
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+        assert out.returncode == 2 and needle in out.stderr and "Traceback" not in out.stderr, out
     port = free_port()
     argv = [script("kvcp-agent"), "--agent-id", "tok", "--listen", f"127.0.0.1:{port}", "--etcd", etcd]
     argv += ["--metrics-listen", "", "--transfer-engine", "none", "--engine-token-file", str(tmp_path / "engine.token")]
+    argv += ["--token-file", str(tmp_path / "agent.token")]
     proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     toks = list(range(M.block_size))
     try:

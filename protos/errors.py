@@ -48,6 +48,24 @@ class Unavailable(KvcpError):
     retryable = True
 
 
+class NoLeader(Unavailable):
+    """No replica leads at the moment (an election in progress, or the leader key still
+    names a predecessor at this very address, gone with its lease not yet ended)."""
+
+    def __init__(self) -> None:
+        super().__init__(
+            "no control-plane leader at the moment (an election is in progress: it takes up to the "
+            "election TTL); try again"
+        )
+        self.leader_address = ""
+
+
+def not_leader(leader_address: str) -> KvcpError:
+    """What a replica that does not lead answers: the leader's address to follow, or, when
+    it knows of no reachable leader, UNAVAILABLE (retry later) rather than a leader of ''."""
+    return NotLeader(leader_address) if leader_address else NoLeader()
+
+
 class OutcomeUnknown(KvcpError):
     """A durable change was sent but no answer came back in time (etcd paused or slow):
     it may or may not have been applied. Not retryable blindly: a retry could apply it

@@ -161,7 +161,7 @@ class DurableStore:
                 "policy, operations) are rejected until it returns; lookups are still answered from memory"
             )
         if not self._election.is_leader:
-            raise errors.NotLeader(self._election.leader_address)
+            raise errors.not_leader(self._election.leader_address)
         leader = c.transactions.create(etcd_keys.LEADER_KEY) == self._election.epoch
         try:
             ok, responses = c.transaction(
@@ -183,7 +183,7 @@ class DurableStore:
         if not ok:
             held = responses[0] if compare else []
             if not held or held[0][1].create_revision != self._election.epoch:
-                raise errors.NotLeader(self._election.leader_address)
+                raise errors.not_leader(self._election.leader_address)
             return False, responses[1:]
         return True, []
 

@@ -88,7 +88,11 @@ class LeaderElection:
                 self.leader_address = self.address
                 return
             self._lease = None
-            self.leader_address = value.decode()
+            named = value.decode()
+            # our own address under another lease: a predecessor here (this replica
+            # restarted) whose lease lasts until its TTL; it is gone, so no leader is
+            # reachable (naming ourselves sent clients back to us, FAILED_PRECONDITION)
+            self.leader_address = "" if named == self.address else named
             self.epoch = meta.create_revision
             return
         self._lease = None

@@ -265,6 +265,32 @@ def test_a_client_moves_on_from_a_replica_that_is_not_the_leader_and_names_no_ot
                 cp.stop()
 
 
+def test_a_replica_restarted_at_its_address_before_its_lease_ended_names_no_leader(etcd):
+    """Restarted where it ran (a supervisor's restart), a replica found the leader key
+    still naming its own address under the dead predecessor's lease: it named itself as
+    the leader, and kvctl was sent back to it (FAILED_PRECONDITION, exit 1) until the lease
+    ended. It names none: UNAVAILABLE, 'no control-plane leader at the moment'; then it leads."""
+    from controlplane.server import ControlPlane, ControlPlaneConfig
+
+    port = free_port()
+    client = etcd_keys.connect(etcd)
+    predecessor = client.lease(5)
+    client.put(etcd_keys.LEADER_KEY, f"127.0.0.1:{port}", predecessor)  # as the one killed left it
+    cp = ControlPlane(ControlPlaneConfig(listen=f"127.0.0.1:{port}", etcd=etcd, election_ttl_seconds=TTL)).start()
+    try:
+        wait_for(lambda: cp.election.epoch, 10, 0.05, "the key read")
+        assert not cp.election.is_leader and cp.election.leader_address == ""
+        with ControlPlaneClient(cp.address, timeout_seconds=5) as c, pytest.raises(ClientError) as info:
+            c.stats()
+        assert info.value.code == "UNAVAILABLE" and "no control-plane leader at the moment" in str(info.value)
+        said = kvctl(cp.address, "stats", check=False)
+        assert said.returncode != 0 and "no control-plane leader at the moment" in said.stderr, said.stderr
+        wait_for(lambda: cp.election.is_leader, 20, 0.1, "it leads once the predecessor's lease ends")
+    finally:
+        cp.stop()
+        client.close()
+
+
 def _own_etcd_cluster(agent_id: str, election_ttl_seconds: int, history: int = 0, **agent_kwargs):
     """A private etcd (`history` keys written first: the first leader's epoch is above it),
     a control plane and an agent holding a 3-block prompt, indexed. -> (server, cp, agent,

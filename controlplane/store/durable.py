@@ -145,8 +145,10 @@ class DurableStore:
 
     def _unavailable(self, exc: Exception) -> errors.Unavailable:
         self.errors_total += 1
+        # pyetcd refuses calls for a second after a failed one with a bare ValueError
+        why = "connection failed" if isinstance(exc, ValueError) else type(exc).__name__
         return errors.Unavailable(
-            f"etcd is unreachable{(' at ' + self.endpoint) if self.endpoint else ''} ({type(exc).__name__}); "
+            f"etcd is unreachable{(' at ' + self.endpoint) if self.endpoint else ''} ({why}); "
             "durable changes (pin, unpin, policy, operations) are rejected until it returns"
         )
 

@@ -59,10 +59,10 @@ def _not_connected(exc: grpc.RpcError) -> bool:
 
 
 def _not_leader(exc: grpc.RpcError) -> bool:
-    """A follower's refusal (it names the leader in trailing metadata, maybe none)."""
-    return exc.code() == grpc.StatusCode.FAILED_PRECONDITION and any(
-        k == LEADER_METADATA_KEY for k, _ in (exc.trailing_metadata() or ())
-    )
+    """A follower's refusal (it names the leader in trailing metadata, maybe none:
+    UNAVAILABLE, no leader reachable at the moment)."""
+    codes = (grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.UNAVAILABLE)
+    return exc.code() in codes and any(k == LEADER_METADATA_KEY for k, _ in (exc.trailing_metadata() or ()))
 
 
 def _refused_by_etcd(exc: ClientError) -> bool:

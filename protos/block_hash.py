@@ -88,11 +88,23 @@ def hash_prefix(
     extra_keys: Sequence[str] = (),
 ) -> bytes:
     """Packed digests of the full blocks of `token_ids` (len = 16 * (n // block_size))."""
+    return hash_chain(ROOT_PARENT_HASH, model_id, token_ids, block_size, extra_keys)
+
+
+def hash_chain(
+    parent_hash: bytes,
+    model_id: str,
+    token_ids: Sequence[int] | np.ndarray,
+    block_size: int,
+    extra_keys: Sequence[str] = (),
+) -> bytes:
+    """Packed digests of the full blocks of `token_ids` following the block
+    `parent_hash` (ROOT_PARENT_HASH: from the prompt's start)."""
     if block_size <= 0:
         raise ValueError("block_size must be positive")
     tokens = token_array(token_ids)
     header = _header(model_id, extra_keys)
-    parent = ROOT_PARENT_HASH
+    parent = parent_hash
     out = bytearray()
     for start in range(0, len(tokens) - block_size + 1, block_size):
         parent = _digest(parent, header, tokens[start : start + block_size])

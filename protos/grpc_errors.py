@@ -50,7 +50,7 @@ def _bounded(details: str) -> str:
 
 def _abort(context: grpc.ServicerContext, exc: Exception):
     if isinstance(exc, errors.KvcpError):
-        if isinstance(exc, errors.NotLeader):
+        if isinstance(exc, errors.NotLeader | errors.NoLeader):  # the leader it knows, maybe none
             context.set_trailing_metadata(((LEADER_METADATA_KEY, exc.leader_address),))
         context.abort(status_code_of(exc), _bounded(str(exc)))
     log.exception("internal error in RPC")

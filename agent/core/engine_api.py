@@ -34,7 +34,10 @@ class StoreResult:
 # One engine RPC carries at most this much (both sides' gRPC limit); KV bigger than one
 # message goes in several Stores and Loads (first_block / max_blocks).
 ENGINE_MESSAGE_BYTES = 256 << 20
-MAX_BLOCKS_PER_CALL = 1 << 16  # blocks of one prompt an engine call may name (as a control-plane lookup)
+# blocks of one prompt an engine call may name: as a control-plane lookup
+# (controlplane.core.cluster MAX_LOOKUP_BLOCKS / MAX_LOOKUP_TOKENS)
+MAX_BLOCKS_PER_CALL = 1 << 16
+MAX_TOKENS_PER_CALL = 1 << 20
 _MESSAGE_HEADROOM_BYTES = 4 << 20  # token ids and framing
 
 
@@ -85,12 +88,13 @@ class KVEngineAPI:
         return m
 
     def hashes(self, model: ModelSpec, token_ids, extra_keys: Sequence[str] = ()) -> list[bytes]:
-        if len(token_ids) // model.block_size > MAX_BLOCKS_PER_CALL:
+        most = min(MAX_BLOCKS_PER_CALL, MAX_TOKENS_PER_CALL // model.block_size)
+        if len(token_ids) // model.block_size > most:
             # hashing a 20M-token prompt took 9 s and held other engines' calls up for 4 s
             raise errors.InvalidArgument(
                 "token_ids",
-                f"at most {MAX_BLOCKS_PER_CALL} blocks ({MAX_BLOCKS_PER_CALL * model.block_size} tokens) per call; "
-                f"got {len(token_ids)} tokens",
+                f"at most {most} blocks ({most * model.block_size} tokens, and a partial block after them) per "
+                f"call; got {len(token_ids)} tokens",
             )
         try:
             return split_hashes(hash_prefix(model.model_id, token_ids, model.block_size, tuple(extra_keys)))

@@ -9,6 +9,7 @@ The owner (BlockPool) calls everything under its lock.
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from protos.tier import Tier
@@ -44,8 +45,20 @@ class EventJournal:
         self.overflowed = False
         self._pending: list[tuple[int, str, Tier, bytes, bytes]] = []
         self.wake = threading.Event()
+        # block hash -> the tier another holder of this agent's blocks has it in, or None
+        # (agent.core.vllm_events.ExternalBlocks: an engine's blocks indexed by tokens)
+        self.other_tier: Callable[[bytes], Tier | None] | None = None
 
-    def record(self, kind: int, model_id: str, tier: Tier, block_hash: bytes, parent_hash: bytes) -> None:
+    def record(
+        self, kind: int, model_id: str, tier: Tier, block_hash: bytes, parent_hash: bytes, merged: bool = False
+    ) -> None:
+        """`merged`: the caller already accounted for `other_tier` (an engine's own events)."""
+        if not merged and self.other_tier is not None:
+            # the same block may also be held by the engine (its KV events, indexed by
+            # tokens): the agent holds it while either does, in the faster of the two
+            other = self.other_tier(block_hash)
+            if other is not None:
+                kind, tier = STORED, other if kind == REMOVED else min(tier, other)
         if len(self._pending) >= self.max_pending:
             # drop them, and skip a sequence number so the control plane sees the gap
             # and asks for an inventory, which carries the state

@@ -42,7 +42,7 @@ import msgspec
 
 from agent.core.block_pool import InventoryGroup
 from agent.core.journal import REMOVED, STORED
-from protos.block_hash import ROOT_PARENT_HASH, external_block_hash, hash_block
+from protos.block_hash import ROOT_PARENT_HASH, external_block_hash, hash_block, hash_chain, split_hashes
 from protos.tier import Tier
 
 MEDIUM_TIERS = {"GPU": Tier.GPU, "CPU": Tier.CPU, "DISK": Tier.DISK}
@@ -255,6 +255,10 @@ class ExternalBlocks:
         self._by_tokens: dict[bytes, bytes] = {}
         self.indexed_by_tokens_total = 0  # blocks first indexed under kvcp's digest
         self.indexed_by_engine_hash_total = 0  # ... under the engine's hash
+        if index_by == "tokens":
+            # the agent's own store (a connector's) may hold the same digests: the pool's
+            # events then say the agent holds a block while either holds it
+            pool.journal.other_tier = self._tier_of_indexed
 
     def _index_hashes(self, ev: BlocksStored) -> tuple[list[bytes], bytes]:
         """(the hash each block is indexed under, that of the first one's parent)."""
@@ -271,8 +275,15 @@ class ExternalBlocks:
         )
         # a chain is computable from a parent that is the root or indexed by tokens
         chained = usable and (ev.parent_hash == ROOT_PARENT_HASH or ev.parent_hash in by_tokens)
+        chain: list[bytes] = []
+        if chained:
+            try:  # the whole event's chain at once; used while its blocks follow it
+                chain = split_hashes(hash_chain(first_parent, self.model_id, tokens, bs))
+            except ValueError:  # a token id out of range: not kvcp's tokens
+                chained = False
         out: list[bytes] = []
         parent = first_parent
+        on_chain = chained
         for i, h in enumerate(ev.block_hashes):
             known = by_tokens.get(h)
             if known is not None:  # indexed by tokens already (another medium, a repeat)
@@ -280,13 +291,32 @@ class ExternalBlocks:
             elif h in self._tiers or not chained:
                 idx, chained = h, False  # under the engine's hash, and so is what follows
             else:
-                try:
-                    idx = hash_block(parent, tokens[i * bs : (i + 1) * bs], self.model_id)
-                except ValueError:  # a token id out of range: not kvcp's tokens
+                idx = chain[i] if on_chain else hash_block(parent, tokens[i * bs : (i + 1) * bs], self.model_id)
+                if idx in self._tiers:
+                    # the same tokens under another engine hash: vLLM's hash saw what the
+                    # event does not carry (a cache salt, older vLLM's multimodal keys)
                     idx, chained = h, False
+            on_chain = on_chain and idx == chain[i]
             out.append(idx)
             parent = idx
         return out, first_parent
+
+    def _pool_tier(self, h: bytes) -> Tier | None:
+        """The tier the agent's own store holds `h` in, if it does (a connector's copy)."""
+        meta = getattr(self._pool, "blocks", {}).get(h)
+        return meta.tier if meta is not None and meta.visible else None
+
+    def _tier_of_indexed(self, h: bytes) -> Tier | None:
+        mask = self._tiers.get(h)
+        return None if mask is None else self._fastest(mask)
+
+    def _record(self, kind: int, h: bytes, tier: Tier, parent: bytes) -> None:
+        """Journal a change of the engine's copy, as the agent's: the agent still holds
+        the block (or holds it faster) where its own store does."""
+        own = self._pool_tier(h)
+        if own is not None:
+            kind, tier = STORED, own if kind == REMOVED else min(tier, own)
+        self._pool.journal.record(kind, self.model_id, tier, h, parent, merged=True)
 
     @staticmethod
     def _fastest(mask: int) -> Tier:
@@ -303,7 +333,6 @@ class ExternalBlocks:
                 )
         stored = removed = 0
         with self._pool.lock:
-            journal = self._pool.journal
             for ev in batch.events:
                 if isinstance(ev, BlocksStored):
                     indexed, parent = self._index_hashes(ev)
@@ -311,8 +340,8 @@ class ExternalBlocks:
                     for engine_hash, h in zip(ev.block_hashes, indexed, strict=True):
                         old = self._tiers.get(h, 0)
                         new = old | bit
-                        self._parents[h] = parent
-                        if not old:
+                        if not old:  # a repeat in another medium keeps the parent it came with
+                            self._parents[h] = parent
                             if h != engine_hash:
                                 self._by_tokens[engine_hash] = h
                                 self.indexed_by_tokens_total += 1
@@ -321,7 +350,7 @@ class ExternalBlocks:
                         if new != old:
                             self._tiers[h] = new
                             if not old or self._fastest(new) != self._fastest(old):
-                                journal.record(STORED, self.model_id, self._fastest(new), h, parent)
+                                self._record(STORED, h, self._fastest(new), self._parents[h])
                             stored += not old
                         parent = h
                 elif isinstance(ev, BlocksRemoved):
@@ -336,12 +365,12 @@ class ExternalBlocks:
                         if new:
                             self._tiers[h] = new
                             if self._fastest(new) != self._fastest(old):
-                                journal.record(STORED, self.model_id, self._fastest(new), h, parent)
+                                self._record(STORED, h, self._fastest(new), parent)
                         else:
                             del self._tiers[h]
                             self._parents.pop(h, None)
                             self._by_tokens.pop(engine_hash, None)
-                            journal.record(REMOVED, self.model_id, self._fastest(old), h, parent)
+                            self._record(REMOVED, h, self._fastest(old), parent)
                             removed += 1
                 else:
                     removed += self.clear()
@@ -351,9 +380,8 @@ class ExternalBlocks:
         """Forget every block (AllBlocksCleared, an engine restart, or a gap replay could not
         fill: what the engine holds is unknown, so nothing is claimed); returns how many."""
         with self._pool.lock:
-            journal = self._pool.journal
             for h, mask in self._tiers.items():
-                journal.record(REMOVED, self.model_id, self._fastest(mask), h, self._parents.get(h, ROOT_PARENT_HASH))
+                self._record(REMOVED, h, self._fastest(mask), self._parents.get(h, ROOT_PARENT_HASH))
             n = len(self._tiers)
             self._tiers.clear()
             self._parents.clear()
@@ -361,10 +389,15 @@ class ExternalBlocks:
             return n
 
     def inventory_groups(self) -> list[InventoryGroup]:
-        """Groups for an inventory (call under the pool's lock, with pool.inventory())."""
+        """Groups for an inventory (call under the pool's lock, with pool.inventory(),
+        and send them after the pool's: of a block listed twice the last tier counts).
+        A block the agent's own store holds as fast is left to the pool's groups."""
         acc: dict[Tier, tuple[bytearray, bytearray]] = {}
         for h, mask in self._tiers.items():
-            hs, ps = acc.setdefault(self._fastest(mask), (bytearray(), bytearray()))
+            tier, own = self._fastest(mask), self._pool_tier(h)
+            if own is not None and own <= tier:
+                continue
+            hs, ps = acc.setdefault(tier, (bytearray(), bytearray()))
             hs += h
             ps += self._parents.get(h, ROOT_PARENT_HASH)
         return [InventoryGroup(self.model_id, t, bytes(h), bytes(p)) for t, (h, p) in acc.items()]

@@ -95,6 +95,7 @@ _PAGE_BYTES = 4096
 # capacity (the policy's watermarks are 0.90-0.95) reuses what it frees at once, and
 # punching it would make every write allocate the file system's blocks again
 PUNCH_BELOW = 0.75
+PUNCH_SWEEP_REARM = 0.85  # the sweep of every free run comes again once the tier was this full
 
 
 def _load_fallocate():
@@ -351,7 +352,7 @@ class DiskTier:
         self._compact_at = 0  # dead-log size past which to compact (raised after a failure)
         self._dead_log_ok = True  # False once an append could not be undone: headers are cleared instead
         self.punch_holes = True  # False once the file system refused: freed space stays in the file
-        self._swept = False  # every free run punched since the tier last went below PUNCH_BELOW
+        self._swept = False  # every free run punched since the tier was last above PUNCH_SWEEP_REARM
         if capacity_bytes <= 0:
             raise ValueError("disk capacity must be positive")
         self.directory = Path(directory)
@@ -489,8 +490,8 @@ class DiskTier:
             with self._lock:
                 for offset, footprint, _ in batch:
                     self._extents.free(offset // GRANULE_BYTES, footprint // GRANULE_BYTES)
-                # under the lock: nothing is allocated (and written) in a free run meanwhile
-                self._give_back_space(batch)
+                spans = self._spans_to_punch(batch)
+            self._punch(spans)
             if self._dead_records > self._compact_at:
                 try:
                     self._compact_dead_log()
@@ -499,19 +500,21 @@ class DiskTier:
                     log.warning("disk tier: compacting %s failed: %s", self.dead_path, exc)
                     self._compact_at = 2 * self._dead_records
 
-    def _give_back_space(self, batch: list[tuple[int, int, int]]) -> None:
-        """Punch the whole pages of the free runs that the freed extents of `batch` fell
-        into (only near each extent: a page it shares with a free neighbour is freed too,
-        one it shares with a used block is not), while the tier is at most PUNCH_BELOW
-        full; on going below it, every free run. Caller holds `_lock`, after the extents'
-        dead records are on disk: a hole reads as zeros, which a restart skips."""
+    def _spans_to_punch(self, batch: list[tuple[int, int, int]]) -> list[tuple[int, int]]:
+        """The whole pages of the free runs that the freed extents of `batch` fell into
+        (only near each extent: a page it shares with a free neighbour goes too, one it
+        shares with a used block does not), while the tier is at most PUNCH_BELOW full;
+        the first time below it since it was above PUNCH_SWEEP_REARM, every free run.
+        Caller holds `_lock`, after the extents' dead records are on disk: a hole reads as
+        zeros, which a restart skips."""
         if not self.punch_holes:
-            return
-        if self._used > PUNCH_BELOW * self.capacity_bytes:
+            return []
+        if self._used > PUNCH_SWEEP_REARM * self.capacity_bytes:
             self._swept = False
-            return
+        if self._used > PUNCH_BELOW * self.capacity_bytes:
+            return []
         spans: list[tuple[int, int]] = []
-        if not self._swept:  # just went below: every free run, freed while above too
+        if not self._swept:  # every free run, those freed while the tier was fuller too
             self._swept = True
             for start, length in self._extents.runs():
                 spans.append((start * GRANULE_BYTES, (start + length) * GRANULE_BYTES))
@@ -520,29 +523,41 @@ class DiskTier:
                 start, length = self._extents.run_around(offset // GRANULE_BYTES)
                 run_lo, run_hi = start * GRANULE_BYTES, (start + length) * GRANULE_BYTES
                 spans.append((max(run_lo, offset - _PAGE_BYTES), min(run_hi, offset + footprint + _PAGE_BYTES)))
-        spans = [
-            (-(-lo // _PAGE_BYTES) * _PAGE_BYTES, hi // _PAGE_BYTES * _PAGE_BYTES)
-            for lo, hi in spans
-            if hi // _PAGE_BYTES * _PAGE_BYTES > -(-lo // _PAGE_BYTES) * _PAGE_BYTES
-        ]
-        spans.sort()
-        merged: list[list[int]] = []
-        for lo, hi in spans:
+        pages = sorted(
+            (lo, hi)
+            for lo, hi in ((-(-lo // _PAGE_BYTES) * _PAGE_BYTES, hi // _PAGE_BYTES * _PAGE_BYTES) for lo, hi in spans)
+            if hi > lo
+        )
+        merged: list[tuple[int, int]] = []
+        for lo, hi in pages:
             if merged and lo <= merged[-1][1]:
-                merged[-1][1] = max(merged[-1][1], hi)
+                merged[-1] = (merged[-1][0], max(merged[-1][1], hi))
             else:
-                merged.append([lo, hi])
-        for lo, hi in merged:
-            try:
-                punch_hole(self.fd, lo, hi - lo)
-            except OSError as exc:
-                self.punch_holes = False
-                log.warning(
-                    "disk tier: cannot give freed space in %s back to the file system (%s); it is reused, not returned",
-                    self.path,
-                    exc.strerror or exc,
-                )
-                return
+                merged.append((lo, hi))
+        return merged
+
+    def _punch(self, spans: list[tuple[int, int]]) -> None:
+        """Punch each span, taking the lock for one span at a time (a sweep of a
+        fragmented tier must not hold allocations up for all of it) and only if it is
+        still free then: nothing is allocated (and written) in it while it is punched."""
+        for lo, hi in spans:
+            with self._lock:
+                if not self.punch_holes or self.fd < 0:
+                    return
+                start, length = self._extents.run_around(lo // GRANULE_BYTES)
+                if not (start * GRANULE_BYTES <= lo and hi <= (start + length) * GRANULE_BYTES):
+                    continue  # taken again meanwhile
+                try:
+                    punch_hole(self.fd, lo, hi - lo)
+                except OSError as exc:
+                    self.punch_holes = False
+                    log.warning(
+                        "disk tier: cannot give freed space in %s back to the file system (%s); "
+                        "it is reused, not returned",
+                        self.path,
+                        exc.strerror or exc,
+                    )
+                    return
 
     def allocated_bytes(self) -> int:
         """Bytes of the file system the slab takes now (its sparse size)."""

@@ -256,9 +256,10 @@ def test_a_client_moves_on_from_a_replica_that_is_not_the_leader_and_names_no_ot
         b = ControlPlane(ControlPlaneConfig(listen="127.0.0.1:0", etcd=etcd, election_ttl_seconds=TTL)).start()
         wait_for(lambda: b.election.leader_address == a.address, 10, 0.1, "b names a")
         b.election.run_once = lambda: False  # b's election stands still ...
-        b.election.leader_address = b.address  # ... naming itself, stale, as after a lost race
-        with ControlPlaneClient(f"{b.address},{a.address}", timeout_seconds=5) as c:
-            assert c.stats().leader_address == a.address
+        for named in (b.address, ""):  # ... naming itself, stale, as after a lost race, or none
+            b.election.leader_address = named
+            with ControlPlaneClient(f"{b.address},{a.address}", timeout_seconds=5) as c:
+                assert c.stats().leader_address == a.address
     finally:
         for cp in (b, a):
             if cp is not None:

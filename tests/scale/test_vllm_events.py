@@ -14,6 +14,7 @@ import time
 
 import msgspec
 import pytest
+import torch
 import zmq
 from prometheus_client import generate_latest
 
@@ -303,6 +304,26 @@ def test_blocks_their_tokens_do_not_name_stay_under_the_engines_hash():
     # a text-only prompt on the same engine is chained by its tokens
     ext.apply(decode_batch(msgspec.msgpack.encode(batch(BlockStored([70], None, toks, 16, None, "GPU")))))
     assert [h for _, _, h, _ in _journal(pool)] == split_hashes(hash_prefix("m", toks, 16))
+    # the same tokens under another engine hash (a cache salt vLLM's hash saw): its own
+    # block, kept under its hash (one digest for both lost the first at the second's removal)
+    ext.apply(decode_batch(msgspec.msgpack.encode(batch(BlockStored([71], None, toks, 16, None, "CPU")))))
+    assert [h for _, _, h, _ in _journal(pool)] == [external_block_hash(71)]
+    ext.apply(decode_batch(msgspec.msgpack.encode(batch(BlockRemoved([71], "CPU")))))
+    assert ext.holds(external_block_hash(70)) == Tier.GPU
+
+
+def test_a_block_offloaded_again_keeps_the_parent_it_was_stored_with():
+    """A re-store in another medium (an offload event naming no parent) reset the
+    block's parent to the root, which inventories and removals then said."""
+    pool = _Pool()
+    ext = ExternalBlocks(pool, "m", block_size=16)
+    toks = list(range(32))
+    ours = split_hashes(hash_prefix("m", toks, 16))
+    ext.apply(decode_batch(msgspec.msgpack.encode(batch(BlockStored([1, 2], None, toks, 16, None, "GPU")))))
+    ext.apply(decode_batch(msgspec.msgpack.encode(batch(BlockStored([2], None, toks[16:], 16, None, "CPU")))))
+    ext.apply(decode_batch(msgspec.msgpack.encode(batch(BlockRemoved([2], "GPU"), BlockRemoved([2], "CPU")))))
+    assert _journal(pool)[-1] == (REMOVED, Tier.CPU, ours[1], ours[0])
+    assert [g.parent_hashes for g in ext.inventory_groups()] == [ROOT_PARENT_HASH]
 
 
 def test_only_a_connection_down_past_the_grace_forgets_the_engine():
@@ -440,6 +461,37 @@ def test_an_engines_blocks_are_found_by_a_lookup_by_tokens_and_by_kvctl(controlp
         publisher.publish(batch(BlockRemoved([13], "GPU")))
         wait_for(lambda: hits(toks) == {"vllm-t": 2}, what="removal by the engine's hash")
     assert agent.vllm_events.stats.malformed_total == 0
+
+
+def test_the_engines_copy_and_the_agents_own_of_one_block_are_held_while_either_is(controlplane, make_agent, publisher):
+    """Indexed by tokens, an engine block and the agent's own stored copy (a connector's)
+    share a digest, and the index keeps one tier per agent and block: the engine's removal
+    of its copy must not drop the agent's (nor the agent's drop the engine's), and the
+    faster copy is the tier said."""
+    agent = make_agent("vllm-m", vllm_kv_events=publisher.endpoint, vllm_kv_events_replay=publisher.replay_endpoint)
+    assert agent.vllm_events is not None and agent.vllm_events.connected.wait(5)
+    time.sleep(0.3)
+    toks = list(range(8000, 8000 + 2 * M.block_size))
+    agent.engine.store(M.model_id, toks, torch.zeros((2, *M.block_shape), dtype=torch.float16))
+    with ControlPlaneClient(controlplane.address) as c:
+        tiers = lambda: [m.tiers for m in c.lookup(M.model_id, token_ids=toks).agents]  # noqa: E731
+        wait_for(lambda: tiers() == [["cpu", "cpu"]], what="the agent's own copy indexed")
+        publisher.publish(batch(BlockStored([21, 22], None, toks, M.block_size, None, "GPU")))
+        wait_for(lambda: tiers() == [["gpu", "gpu"]], what="the engine's faster copy said")
+        publisher.publish(batch(BlockRemoved([22, 21], "GPU")))
+        wait_for(lambda: tiers() == [["cpu", "cpu"]], what="the agent's copy kept")
+        time.sleep(0.5)
+        assert tiers() == [["cpu", "cpu"]]
+        publisher.publish(batch(BlockStored([21, 22], None, toks, M.block_size, None, "GPU")))
+        wait_for(lambda: tiers() == [["gpu", "gpu"]], what="the engine's copy again")
+        hashes = split_hashes(hash_prefix(M.model_id, toks, M.block_size))
+        assert agent.pool.drop(hashes[0])  # the agent's own copy goes (its child with it)
+        time.sleep(0.5)
+        assert tiers() == [["gpu", "gpu"]]
+        # an inventory says the same (the engine's copy listed after the pool's)
+        agent.link.request_reconnect()
+        wait_for(lambda: agent.link.connections_total >= 2, what="reconnected")
+        wait_for(lambda: tiers() == [["gpu", "gpu"]], what="the inventory's tiers")
 
 
 def test_gap_recovered_through_replay_and_unrecoverable_gap_drops(controlplane, make_agent, publisher):

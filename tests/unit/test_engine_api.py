@@ -127,13 +127,14 @@ def test_bad_token_ids_are_invalid_argument():
 def test_a_prompt_past_the_block_cap_is_refused_before_it_is_hashed():
     """A 20M-token lookup was hashed whole (9 s, other engines' calls held up 4 s): the
     agent caps a call at the control plane's lookup cap, its partial block aside."""
-    from agent.core.engine_api import MAX_BLOCKS_PER_CALL
+    from agent.core.engine_api import MAX_BLOCKS_PER_CALL, MAX_TOKENS_PER_CALL
 
     engine = make_engine()
-    assert engine.lookup("tiny", [1] * (MAX_BLOCKS_PER_CALL * BS + BS - 1)) == 0
+    most = min(MAX_BLOCKS_PER_CALL, MAX_TOKENS_PER_CALL // BS)
+    assert engine.lookup("tiny", [1] * (most * BS + BS - 1)) == 0
     for call in (engine.lookup, engine.load):
-        with pytest.raises(errors.InvalidArgument, match=f"at most {MAX_BLOCKS_PER_CALL} blocks") as info:
-            call("tiny", [1] * ((MAX_BLOCKS_PER_CALL + 1) * BS))
+        with pytest.raises(errors.InvalidArgument, match=f"at most {most} blocks") as info:
+            call("tiny", [1] * ((most + 1) * BS))
         assert info.value.field == "token_ids"
 
 

@@ -11,7 +11,8 @@ control plane cannot answer, a request is still routed, to the least loaded agen
 
 At set times, one after another, it: SIGKILLs an agent (and restarts it); SIGKILLs the
 leader (and restarts it); SIGSTOPs the new leader, then SIGCONTs it; pauses etcd for
-10 s (SIGSTOP/SIGCONT); and, when this build has handoff, SIGKILLs the destination of
+10 s (SIGSTOP/SIGCONT); SIGKILLs etcd and starts it again on its data 15 s later; and,
+when this build has handoff, SIGKILLs the destination of
 a handoff in flight (and restarts it). A fault's `recovery_seconds` is the time until a
 lookup and a pin both succeed again through the facade, counted from the fault (from
 etcd's return for the etcd pause); `back_seconds` is the time until the faulted part is
@@ -41,7 +42,7 @@ import grpc
 import numpy as np
 
 from agent.client import EngineClient
-from benchmarks.etcd import EtcdServer, free_port
+from benchmarks.etcd import EtcdServer, free_ports
 from benchmarks.workload import DTYPES, PromptGenerator, WorkloadConfig, block_fill
 from cli.client import ClientError, ControlPlaneClient
 from protos.block_hash import hash_prefix, split_hashes
@@ -65,6 +66,7 @@ class ChaosConfig:
     election_ttl_seconds: int = 2
     agent_lease_ttl_seconds: int = 4
     etcd_pause_seconds: float = 10.0
+    etcd_down_seconds: float = 15.0  # SIGKILLed, then started again on its data
     leader_pause_seconds: float = 8.0
     agent_cpu_capacity: str = "32MiB"  # small: the workload keeps the tiers full, so pins matter
     # the handoff: 20 blocks of 1 MiB of a second model, over a source link paced to 4 MiB/s:
@@ -401,8 +403,11 @@ class Chaos:
         self.prefix = die_with_parent()
         self.procs = Processes(self.log_dir, self.prefix)
         self.etcd: EtcdServer | None = None
-        self.cp_ports = {name: free_port() for name in REPLICAS}
-        self.agent_ports = {name: free_port() for name in AGENTS}
+        # every port of the run at once, so no two are the same (an agent got etcd's)
+        ports = free_ports(len(REPLICAS) + len(AGENTS) + 2)
+        self.etcd_ports = (ports[0], ports[1])
+        self.cp_ports = dict(zip(REPLICAS, ports[2 : 2 + len(REPLICAS)], strict=True))
+        self.agent_ports = dict(zip(AGENTS, ports[2 + len(REPLICAS) :], strict=True))
         self.endpoints = [f"127.0.0.1:{p}" for p in self.cp_ports.values()]
         self.replica_of = {f"127.0.0.1:{p}": name for name, p in self.cp_ports.items()}
         self.facade = Facade(self.endpoints)
@@ -413,7 +418,7 @@ class Chaos:
     # ---- cluster --------------------------------------------------------------------
     def _start_cluster(self) -> None:
         etcd_dir = self.log_dir / "etcd"
-        self.etcd = EtcdServer(str(etcd_dir)).start(command_prefix=self.prefix)
+        self.etcd = EtcdServer(str(etcd_dir), ports=self.etcd_ports).start(command_prefix=self.prefix)
         self.report(f"chaos: etcd at {self.etcd.endpoint}; logs in {self.log_dir}")
         for name, port in self.cp_ports.items():
             self.procs.start(
@@ -648,6 +653,36 @@ class Chaos:
             f"pins tried: {pin_text}; timed from etcd's return; back = all agents ready",
         )
 
+    def fault_etcd_kill(self) -> FaultResult:
+        """etcd SIGKILLed and started again on its data after `etcd_down_seconds`: the
+        control plane's etcd client must reconnect within about a second of its return
+        (gRPC's own backoff grew with the outage: 4-8 s after 18 s down)."""
+        lookups = tries = 0
+        t0 = time.monotonic()
+        self.etcd.proc.kill()
+        self.etcd.proc.wait()
+        self.etcd.stop()  # closes its log
+        while time.monotonic() < t0 + self.cfg.etcd_down_seconds:
+            tries += 1
+            try:
+                self.facade.call(lambda c: c.lookup(self.model.model_id, self._probe_tokens), 2)
+                lookups += 1
+            except ClientError:
+                pass
+            time.sleep(0.5)
+        self.etcd.start(command_prefix=self.prefix)
+        t1 = time.monotonic()
+        recovery = self._recovery(t1)
+        back = self._until(lambda: self._ready_agents() == set(AGENTS), t1, self.cfg.recovery_timeout_seconds)
+        return FaultResult(
+            f"etcd_sigkill_{self.cfg.etcd_down_seconds:.0f}s",
+            recovery is not None and back is not None,
+            recovery,
+            back_seconds=back,
+            detail=f"down {self.cfg.etcd_down_seconds:.0f}s, started again on its data; {lookups}/{tries} lookups "
+            "answered meanwhile; timed from etcd answering again; back = all agents ready",
+        )
+
     def fault_handoff_kill(self) -> FaultResult:
         if not handoff_available():
             return FaultResult("handoff_kill", False, None, detail="not available: no handoff in this build")
@@ -720,6 +755,7 @@ class Chaos:
                 self.fault_leader_kill,
                 self.fault_leader_pause,
                 self.fault_etcd_pause,
+                self.fault_etcd_kill,
                 self.fault_handoff_kill,
             ]
             pin_ttl = cfg.seconds + len(faults) * cfg.recovery_timeout_seconds * 2 + 600

@@ -20,6 +20,19 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def free_ports(n: int) -> list[int]:
+    """n distinct free loopback ports (one free_port() after another may give the same
+    one twice: a chaos run's agent once got its etcd's port)."""
+    sockets = [socket.socket() for _ in range(n)]
+    try:
+        for s in sockets:
+            s.bind(("127.0.0.1", 0))
+        return [s.getsockname()[1] for s in sockets]
+    finally:
+        for s in sockets:
+            s.close()
+
+
 def _memory_dir() -> str | None:
     """/dev/shm where it is writable: a throwaway etcd's fsyncs then cost nothing, and a
     busy shared disk cannot stall it past its clients' timeouts."""
@@ -29,12 +42,12 @@ def _memory_dir() -> str | None:
 class EtcdServer:
     """A real etcd on free loopback ports with its data in a temp dir (or `data_dir`)."""
 
-    def __init__(self, data_dir: str | None = None):
+    def __init__(self, data_dir: str | None = None, ports: tuple[int, int] | None = None):
+        """`ports`: (client, peer); fresh free ones when not given."""
         self.binary = shutil.which("etcd")
         if self.binary is None:
             raise RuntimeError("etcd is not installed: run scripts/bootstrap.sh (apt-get install -y etcd-server)")
-        self.port = free_port()
-        self.peer_port = free_port()
+        self.port, self.peer_port = ports or free_ports(2)
         self.data_dir = data_dir or tempfile.mkdtemp(prefix="kvcp-test-etcd-", dir=_memory_dir())
         self.proc: subprocess.Popen | None = None
         self.log = None

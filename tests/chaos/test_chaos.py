@@ -45,7 +45,15 @@ def test_a_short_chaos_run_serves_no_wrong_kv_and_loses_no_pin(tmp_path):
     assert result["pins_lost"] == 0
     assert result["requests"] > 0 and result["served"] > 0
     faults = {f["fault"]: f for f in result["faults"]}
-    assert {"agent_sigkill", "leader_sigkill", "leader_sigstop", "etcd_sigstop_10s", "handoff_kill"} <= set(faults)
+    expected = {
+        "agent_sigkill",
+        "leader_sigkill",
+        "leader_sigstop",
+        "etcd_sigstop_10s",
+        "etcd_sigkill_15s",
+        "handoff_kill",
+    }
+    assert expected <= set(faults)
     endpoint = re.search(r"etcd at (\S+);", run.stderr).group(1)
     assert processes_using(endpoint) == []
 

@@ -27,6 +27,10 @@ class EngineServicer(agent_pb2_grpc.EngineServiceServicer):
         model = self._engine.model(request.model_id)
         if request.HasField("spec"):
             s = request.spec
+            if s.model_id and s.model_id != model.model_id:  # a spec of another model: its layout says nothing
+                raise errors.InvalidArgument(
+                    "spec.model_id", f"{s.model_id!r} is not the request's model_id {model.model_id!r}"
+                )
             try:
                 theirs = ModelSpec(model.model_id, s.block_size, s.num_layers, s.num_kv_heads, s.head_dim, s.dtype)
             except ValueError as exc:

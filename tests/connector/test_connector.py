@@ -66,6 +66,35 @@ def test_remote_connector_with_another_layout_is_refused_and_caches_nothing(make
         client.close()
 
 
+def test_a_spec_of_another_model_is_refused_by_name(make_agent):
+    """The spec's model_id was not read: a caller describing another model, in the same
+    layout, was taken as describing the request's."""
+    from protos.kvcp.v1 import types_pb2
+
+    agent = make_agent(models=[M])
+    client = EngineClient(agent.address)
+    theirs = types_pb2.ModelSpec(
+        model_id="other-model",
+        block_size=M.block_size,
+        num_layers=M.num_layers,
+        num_kv_heads=M.num_kv_heads,
+        head_dim=M.head_dim,
+        dtype=M.dtype,
+    )
+    try:
+        tokens = list(range(M.block_size))
+        kv = bytes(M.block_bytes)
+        with pytest.raises(grpc.RpcError) as e:
+            client.store(M.model_id, tokens, kv, spec=theirs)
+        assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert "spec.model_id" in e.value.details() and "other-model" in e.value.details()
+        assert agent.engine.lookup(M.model_id, tokens) == 0
+        theirs.model_id = M.model_id
+        assert client.store(M.model_id, tokens, kv, spec=theirs) == (1, 0)
+    finally:
+        client.close()
+
+
 def test_a_prefix_bigger_than_one_message_goes_in_several(make_agent, monkeypatch):
     import agent.api.engine_service as engine_service
 

@@ -37,6 +37,9 @@ from collections.abc import Iterable, Sequence
 import numpy as np
 
 BLOCK_HASH_BYTES = 16
+# the most of one prompt a lookup or an engine call may name (a partial block after them aside)
+MAX_PROMPT_BLOCKS = 1 << 16
+MAX_PROMPT_TOKENS = 1 << 20
 ROOT_PARENT_HASH = bytes(BLOCK_HASH_BYTES)
 _PERSON = b"kvcp.v1.block"
 _MAX_TOKEN_ID = 2**32 - 1
@@ -135,3 +138,18 @@ def external_block_hash(h: int | bytes | bytearray | memoryview) -> bytes:
         raw = bytes(h)
         return raw[:BLOCK_HASH_BYTES] if len(raw) >= BLOCK_HASH_BYTES else raw + bytes(BLOCK_HASH_BYTES - len(raw))
     raise ValueError(f"a block hash must be an int or bytes, not {type(h).__name__}")
+
+
+def check_prompt_size(num_tokens: int, block_size: int, per: str) -> None:
+    """Refuse (InvalidArgument on token_ids) a prompt of more full blocks than
+    min(MAX_PROMPT_BLOCKS, MAX_PROMPT_TOKENS // block_size): hashing it would hold the
+    caller's server up (a 20M-token one took 9 s). `per`: "lookup", "call"."""
+    from protos import errors
+
+    most = min(MAX_PROMPT_BLOCKS, MAX_PROMPT_TOKENS // block_size)
+    if num_tokens // block_size > most:
+        raise errors.InvalidArgument(
+            "token_ids",
+            f"at most {most} blocks ({most * block_size} tokens, and a partial block after them) per {per}; "
+            f"got {num_tokens} tokens",
+        )

@@ -20,7 +20,7 @@ from agent.core.block_pool import BlockPool
 from agent.core.model_spec import TORCH_DTYPES, ModelSpec
 from agent.core.mover import Mover
 from protos import errors
-from protos.block_hash import hash_prefix, split_hashes
+from protos.block_hash import MAX_PROMPT_BLOCKS, MAX_PROMPT_TOKENS, check_prompt_size, hash_prefix, split_hashes
 from protos.namespaces import check_namespace
 from protos.tier import Tier
 
@@ -35,9 +35,7 @@ class StoreResult:
 # message goes in several Stores and Loads (first_block / max_blocks).
 ENGINE_MESSAGE_BYTES = 256 << 20
 # blocks of one prompt an engine call may name: as a control-plane lookup
-# (controlplane.core.cluster MAX_LOOKUP_BLOCKS / MAX_LOOKUP_TOKENS)
-MAX_BLOCKS_PER_CALL = 1 << 16
-MAX_TOKENS_PER_CALL = 1 << 20
+MAX_BLOCKS_PER_CALL, MAX_TOKENS_PER_CALL = MAX_PROMPT_BLOCKS, MAX_PROMPT_TOKENS
 _MESSAGE_HEADROOM_BYTES = 4 << 20  # token ids and framing
 
 
@@ -88,14 +86,7 @@ class KVEngineAPI:
         return m
 
     def hashes(self, model: ModelSpec, token_ids, extra_keys: Sequence[str] = ()) -> list[bytes]:
-        most = min(MAX_BLOCKS_PER_CALL, MAX_TOKENS_PER_CALL // model.block_size)
-        if len(token_ids) // model.block_size > most:
-            # hashing a 20M-token prompt took 9 s and held other engines' calls up for 4 s
-            raise errors.InvalidArgument(
-                "token_ids",
-                f"at most {most} blocks ({most * model.block_size} tokens, and a partial block after them) per "
-                f"call; got {len(token_ids)} tokens",
-            )
+        check_prompt_size(len(token_ids), model.block_size, "call")
         try:
             return split_hashes(hash_prefix(model.model_id, token_ids, model.block_size, tuple(extra_keys)))
         except ValueError as exc:

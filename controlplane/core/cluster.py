@@ -20,11 +20,10 @@ from controlplane.core.events import EventBus
 from controlplane.core.index import AgentMatch, BlockIndex, PrefixHolders
 from controlplane.core.routing import DataPlaneStates
 from protos import errors
-from protos.block_hash import BLOCK_HASH_BYTES, hash_prefix
+from protos.block_hash import BLOCK_HASH_BYTES, MAX_PROMPT_BLOCKS, MAX_PROMPT_TOKENS, check_prompt_size, hash_prefix
 from protos.tier import Tier
 
-MAX_LOOKUP_TOKENS = 1 << 20
-MAX_LOOKUP_BLOCKS = 1 << 16
+MAX_LOOKUP_TOKENS, MAX_LOOKUP_BLOCKS = MAX_PROMPT_TOKENS, MAX_PROMPT_BLOCKS
 # blocks one agent may stage in an unfinished inventory (16 bytes each): bounds the memory
 # a misbehaving agent can hold before its last chunk
 MAX_INVENTORY_BLOCKS = 1 << 25
@@ -624,13 +623,7 @@ class Cluster:
         if token_ids:
             # full blocks are what is looked up: a partial one after the last is ignored,
             # here as everywhere (it was refused at exactly the cap plus one token)
-            max_blocks = min(MAX_LOOKUP_BLOCKS, MAX_LOOKUP_TOKENS // model.block_size)
-            if len(token_ids) // model.block_size > max_blocks:
-                raise errors.InvalidArgument(
-                    "token_ids",
-                    f"at most {max_blocks} blocks ({max_blocks * model.block_size} tokens, and a partial block "
-                    f"after them) per lookup; got {len(token_ids)} tokens",
-                )
+            check_prompt_size(len(token_ids), model.block_size, "lookup")
             try:
                 packed = hash_prefix(model_id, token_ids, model.block_size, extra_keys)
             except ValueError as exc:

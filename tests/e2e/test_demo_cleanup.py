@@ -10,6 +10,8 @@ from pathlib import Path
 
 import pytest
 
+from benchmarks.etcd import free_ports
+
 REPO = Path(__file__).resolve().parents[2]
 
 
@@ -47,19 +49,6 @@ def test_only_the_process_a_pid_file_names_is_stopped(demo_module, tmp_path):
         other.wait()
 
 
-def _free_ports(n: int) -> list[int]:
-    import socket
-
-    socks = [socket.socket() for _ in range(n)]
-    try:
-        for s in socks:
-            s.bind(("127.0.0.1", 0))
-        return [s.getsockname()[1] for s in socks]
-    finally:
-        for s in socks:
-            s.close()
-
-
 def test_a_killed_agent_is_started_again_and_the_demo_serves_on(tmp_path):
     import os
     import signal
@@ -68,7 +57,7 @@ def test_a_killed_agent_is_started_again_and_the_demo_serves_on(tmp_path):
     from cli.client import ControlPlaneClient
     from tests.helpers import wait_for
 
-    etcd, cp, a1, a2, m0, m1, m2 = _free_ports(7)
+    etcd, cp, a1, a2, m0, m1, m2 = free_ports(7)
     run_dir = tmp_path / "run"
     out = open(tmp_path / "demo.out", "w")  # noqa: SIM115 - the demo's output, read below
     demo = subprocess.Popen(

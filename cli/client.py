@@ -269,6 +269,13 @@ class StatsView:
         return self.lookup_hit_tokens_total / self.lookup_tokens_total if self.lookup_tokens_total else 0.0
 
 
+class PinList(list):
+    """Pins as listed; `possibly_stale`: a replica cut off from etcd answered from memory
+    (pins made since, through the leader that replaced it, may be missing)."""
+
+    possibly_stale: bool = False
+
+
 @dataclass(frozen=True)
 class PinView:
     pin_id: str
@@ -689,8 +696,11 @@ class ControlPlaneClient:
     def unpin(self, pin_id: str) -> PinView:
         return _pin_view(self._change("Unpin", admin_pb2.UnpinRequest(pin_id=pin_id)))
 
-    def list_pins(self, namespace: str = "") -> list[PinView]:
-        return [_pin_view(p) for p in self._call("ListPins", admin_pb2.ListPinsRequest(namespace=namespace)).pins]
+    def list_pins(self, namespace: str = "") -> PinList:
+        resp = self._call("ListPins", admin_pb2.ListPinsRequest(namespace=namespace))
+        pins = PinList(_pin_view(p) for p in resp.pins)
+        pins.possibly_stale = resp.possibly_stale
+        return pins
 
     # ---- operations -----------------------------------------------------------------
     def move(

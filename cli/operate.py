@@ -69,7 +69,7 @@ def print_pins(ctx: Context, pins: list[PinView]) -> None:
         click.echo(output.dumps(pins))
         return
     if not pins:
-        click.echo("no pins")
+        click.echo("no pins" + (f" ({output.STALE_NOTE})" if getattr(pins, "possibly_stale", False) else ""))
         return
     now = time.time()
     rows = [
@@ -86,6 +86,8 @@ def print_pins(ctx: Context, pins: list[PinView]) -> None:
         for p in pins
     ]
     click.echo(output.table(["PIN", "NAMESPACE", "WHAT", "TIER>=", "BYTES", "AGENT", "TTL LEFT", "OWNER"], rows))
+    if getattr(pins, "possibly_stale", False):
+        click.echo(output.STALE_NOTE)
 
 
 def print_op(ctx: Context, op: OperationView) -> None:

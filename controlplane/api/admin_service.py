@@ -163,7 +163,8 @@ class AdminServicer(admin_pb2_grpc.AdminServiceServicer):
 
     def ListPins(self, request, context):
         return admin_pb2.ListPinsResponse(
-            pins=[convert.pin_to_pb(p) for p in self._manager(read=True).list_pins(request.namespace)]
+            pins=[convert.pin_to_pb(p) for p in self._manager(read=True).list_pins(request.namespace)],
+            possibly_stale=self._stale,
         )
 
     def Move(self, request, context):

@@ -378,6 +378,9 @@ def test_etcd_outage_reads_from_memory_rejects_writes_and_recovers():
             # kvctl stats says it too (it printed a plain leader line)
             said = kvctl(cp.address, "stats").stdout
             assert "answering from memory: etcd unreachable, possibly stale" in said, said
+            # and its pins: a leader elected meanwhile may hold pins this one does not
+            assert c.list_pins().possibly_stale
+            assert "possibly stale" in kvctl(cp.address, "pins").stdout
             with pytest.raises(ClientError) as info:
                 c.pin(model_id=M.model_id, token_ids=prompt, ttl_seconds=60)
             assert info.value.code == "UNAVAILABLE" and "etcd is unreachable" in str(info.value)
@@ -388,6 +391,7 @@ def test_etcd_outage_reads_from_memory_rejects_writes_and_recovers():
             pin = wait_for(lambda: c.pin(model_id=M.model_id, token_ids=prompt, ttl_seconds=60), 10, 0.3, "pin works")
             assert pin.num_blocks == 3
             wait_for(lambda: not c.lookup(M.model_id, prompt).possibly_stale, 10, 0.2, "lookups fresh again")
+            assert not c.list_pins().possibly_stale
             assert not c.route(M.model_id, prompt, role="prefill").possibly_stale
     finally:
         if server.proc.poll() is None:

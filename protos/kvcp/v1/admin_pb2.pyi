@@ -228,10 +228,12 @@ class ListPinsRequest(_message.Message):
     def __init__(self, namespace: _Optional[str] = ...) -> None: ...
 
 class ListPinsResponse(_message.Message):
-    __slots__ = ("pins",)
+    __slots__ = ("pins", "possibly_stale")
     PINS_FIELD_NUMBER: _ClassVar[int]
+    POSSIBLY_STALE_FIELD_NUMBER: _ClassVar[int]
     pins: _containers.RepeatedCompositeFieldContainer[PinInfo]
-    def __init__(self, pins: _Optional[_Iterable[_Union[PinInfo, _Mapping]]] = ...) -> None: ...
+    possibly_stale: bool
+    def __init__(self, pins: _Optional[_Iterable[_Union[PinInfo, _Mapping]]] = ..., possibly_stale: _Optional[bool] = ...) -> None: ...
 
 class AgentProgress(_message.Message):
     __slots__ = ("agent_id", "state", "done", "total", "failed", "error", "result")

@@ -445,6 +445,8 @@ class DiskTier:
             start = self._extents.allocate(n, phase)
             if start is not None:
                 self._used += n * GRANULE_BYTES
+                if self._used > PUNCH_SWEEP_REARM * self.capacity_bytes:
+                    self._swept = False  # seen here too: it may fall back before the next drain
             return start
 
     def free(self, handle: DiskHandle) -> None:

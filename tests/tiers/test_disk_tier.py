@@ -337,6 +337,36 @@ def test_a_nearly_full_tier_keeps_freed_space_for_reuse_until_it_empties_below_t
     disk.close()
 
 
+def test_a_tier_filled_past_085_between_two_drains_is_swept_when_it_empties(tmp_path):
+    """The sweep re-arms when the tier goes above 0.85; that was seen only at a drain, so
+    a tier filled past it and emptied again between two drains kept the space it had
+    freed while between 3/4 and 0.85."""
+    _skip_unless_holes_punch(tmp_path)
+    disk = DiskTier(tmp_path, 16 << 20)
+    first = _write_blocks(disk, 101, 64 << 10, seed=4)
+    disk.free(first[-1][0])
+    disk.drain()  # below 3/4: the first sweep
+    blocks = first[:100] + _write_blocks(disk, 100, 64 << 10)
+    disk.flush()
+    full = disk.allocated_bytes()
+    for handle, _, _ in blocks[0:20:2]:  # 10 holes between kept blocks, freed at ~0.79 full
+        disk.free(handle)
+    disk.drain()
+    assert 0.75 * disk.capacity_bytes < disk.used_bytes < 0.85 * disk.capacity_bytes
+    assert disk.allocated_bytes() == full  # kept for reuse
+    more = _write_blocks(disk, 15, 128 << 10, seed=3)  # too big for the holes: past 0.85, no drain
+    assert disk.used_bytes > 0.85 * disk.capacity_bytes
+    for handle, _, _ in more + blocks[20:120]:
+        disk.free(handle)
+    disk.drain()
+    assert disk.used_bytes < 0.75 * disk.capacity_bytes
+    # swept: the 10 holes went back too, not only what this drain freed
+    assert disk.allocated_bytes() <= disk.used_bytes + 64 * 1024
+    for handle, data, _ in blocks[1:20:2] + blocks[120:]:
+        assert torch.equal(disk.read(handle, 64 << 10), data)
+    disk.close()
+
+
 def test_a_file_system_that_cannot_punch_holes_keeps_the_space_and_says_so_once(tmp_path, monkeypatch, caplog):
     import agent.store.disk_tier as disk_tier
 

@@ -11,7 +11,7 @@ import time
 import click
 
 from cli import output
-from cli.client import ClientError, OperationView, PinView
+from cli.client import ClientError, OperationView, PinList, PinView
 from cli.main import HASHES_HELP, Context, fail, main, parse_hashes, pass_ctx, read_tokens
 from protos.tier import Tier
 
@@ -64,12 +64,12 @@ def _ttl(p: PinView, now: float) -> str:
     return f"{int(left) // 3600}h{int(left) % 3600 // 60:02d}m{int(left) % 60:02d}s"
 
 
-def print_pins(ctx: Context, pins: list[PinView]) -> None:
+def print_pins(ctx: Context, pins: PinList) -> None:
     if ctx.output == "json":
         click.echo(output.dumps(pins))
         return
     if not pins:
-        click.echo("no pins" + (f" ({output.STALE_NOTE})" if getattr(pins, "possibly_stale", False) else ""))
+        click.echo("no pins" + (f" ({output.STALE_NOTE})" if pins.possibly_stale else ""))
         return
     now = time.time()
     rows = [
@@ -86,7 +86,7 @@ def print_pins(ctx: Context, pins: list[PinView]) -> None:
         for p in pins
     ]
     click.echo(output.table(["PIN", "NAMESPACE", "WHAT", "TIER>=", "BYTES", "AGENT", "TTL LEFT", "OWNER"], rows))
-    if getattr(pins, "possibly_stale", False):
+    if pins.possibly_stale:
         click.echo(output.STALE_NOTE)
 
 

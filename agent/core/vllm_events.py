@@ -303,7 +303,7 @@ class ExternalBlocks:
 
     def _pool_tier(self, h: bytes) -> Tier | None:
         """The tier the agent's own store holds `h` in, if it does (a connector's copy)."""
-        meta = getattr(self._pool, "blocks", {}).get(h)
+        meta = self._pool.blocks.get(h)
         return meta.tier if meta is not None and meta.visible else None
 
     def _tier_of_indexed(self, h: bytes) -> Tier | None:

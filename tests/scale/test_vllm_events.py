@@ -224,6 +224,7 @@ class _Pool:
     def __init__(self):
         self.lock = threading.RLock()
         self.journal = EventJournal()
+        self.blocks: dict = {}  # the agent's own store holds nothing here
 
 
 def test_external_blocks_track_media_and_journal():

@@ -43,6 +43,7 @@ log = logging.getLogger(__name__)
 DTYPE_BYTES = {"float16": 2, "bfloat16": 2, "float32": 4, "float8_e4m3fn": 1, "int8": 1}
 CODECS = ("none", "int8", "int4", "fp8", "zstd")
 MAX_OPS_KEPT = 500
+POLICY_WRITE_TRIES = 5  # SetPolicy merges into a policy written meanwhile, at most this often
 PIN_REFUSAL_SECONDS = 60.0  # how long the policy leaves alone a block an agent's pin held
 CANCEL_RESEND_SECONDS = 1.0  # a cancel no agent answered yet is sent again this often
 
@@ -334,9 +335,8 @@ class Manager:
             elif p.pin_id not in stored:
                 self.durable.create(pin_key(p), pin_to_json(p))
                 restored += 1
-        values, _ = self.durable.load_policy()
-        if policy and not values:
-            self.durable.put(etcd_keys.POLICY_KEY, json.dumps(policy, sort_keys=True))
+        if policy:  # only where etcd holds none: a policy written since the reset stays
+            self.durable.create(etcd_keys.POLICY_KEY, json.dumps(policy, sort_keys=True))
         message = (
             f"etcd lost its data (epoch {epoch} after {self._state_epoch}): restored {restored} pin(s) and the "
             f"policy from this leader's memory"
@@ -1189,12 +1189,19 @@ class Manager:
             if key.startswith("quota."):
                 _check_quota_entry(key, value)
         with self._lock:
-            values = {**self.policy, **changes}
-            for key, value in changes.items():
-                if key.startswith("quota.") and value in QUOTA_REMOVED:
-                    del values[key]
-            merged = self.policy_validator(values)
-            self.durable.put(etcd_keys.POLICY_KEY, json.dumps(merged, sort_keys=True))
+            for _ in range(POLICY_WRITE_TRIES):
+                values = {**self.policy, **changes}
+                for key, value in changes.items():
+                    if key.startswith("quota.") and value in QUOTA_REMOVED:
+                        del values[key]
+                merged = self.policy_validator(values)
+                if self.durable.replace(etcd_keys.POLICY_KEY, json.dumps(merged, sort_keys=True), self.policy_revision):
+                    break
+                # written in etcd since this replica read it (by hand, or a restore): merge into that
+                stored, revision = self.durable.load_policy()
+                self.policy, self.policy_revision = self._valid_stored_policy(stored), revision
+            else:
+                raise errors.Unavailable("the stored policy kept changing under this write; try again")
             self.policy = merged
             try:
                 _, self.policy_revision = self.durable.load_policy()
@@ -1204,6 +1211,20 @@ class Manager:
             "policy", "policy set: " + ", ".join(f"{k}={v}" for k, v in sorted(changes.items()))
         )
         return dict(merged)
+
+    def _reload_policy(self) -> None:
+        """Level-triggered like the pins: a policy written in etcd by other means than
+        SetPolicy (etcdctl, a restore) applies within a resync. Revisions only grow, so a
+        read racing a SetPolicy never puts back the older value; a deleted key (revision 0)
+        is left to the restore after an etcd reset."""
+        values, revision = self.durable.load_policy()
+        with self._lock:
+            if revision <= self.policy_revision:
+                return
+            changed = self._valid_stored_policy(values)
+            self.policy, self.policy_revision = changed, revision
+        log.info("policy changed in etcd (revision %d): applied", revision)
+        self.cluster.events.publish("policy", f"policy changed in etcd (revision {revision}): applied")
 
     # ---- tier policy ----------------------------------------------------------------
     def note_lookup(self, packed: bytes, now: float) -> None:
@@ -1470,6 +1491,7 @@ class Manager:
         if now >= self._next_reload:
             self._next_reload = now + self.resync_seconds
             self._reload_pins()
+            self._reload_policy()
         self._expire_pins(now)
         self._apply_pins(now)
         self._expire_ops(now)

@@ -207,6 +207,14 @@ class DurableStore:
         held = responses[0]
         return held[0][0] if held else b""
 
+    def replace(self, key: str, value: str, mod_revision: int) -> bool:
+        """Put `key` only if it is still at `mod_revision` (0: absent): False when someone
+        wrote it since (read it again and merge), so a read-modify-write loses no edit."""
+        c = self._client
+        held = c.transactions.version(key) == 0 if mod_revision == 0 else c.transactions.mod(key) == mod_revision
+        ok, _ = self._fenced([c.transactions.put(key, value)], compare=[held], failure=[c.transactions.get(key)])
+        return ok
+
     def delete(self, key: str) -> None:
         self._fenced([self._client.transactions.delete(key)])
 

@@ -4,10 +4,13 @@ the lock within the lease TTL. Used for exclusive scopes such as a namespace cle
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 
 from protos import etcd_keys
+
+log = logging.getLogger(__name__)
 
 
 class EtcdLock:
@@ -33,23 +36,35 @@ class EtcdLock:
         self._lease = None
         self._stop = threading.Event()
         self._refresher: threading.Thread | None = None
+        self.held = False  # False again once another holder took the key after our lease lapsed
+        self.lost_total = 0  # times the lease lapsed while held
 
     def try_acquire(self) -> bool:
-        c = self._client
-        lease = c.lease(self.ttl_seconds)
-        won, _ = c.transaction(
-            compare=[c.transactions.create(k) == 0 for k in (self.key, *self.also_absent)],
-            success=[c.transactions.put(self.key, self.holder, lease)],
-            failure=[],
-        )
-        if not won:
-            lease.revoke()
+        lease, _ = self._take()
+        if lease is None:
             return False
         self._lease = lease
+        self.held = True
         self._stop.clear()
         self._refresher = threading.Thread(target=self._refresh, name=f"lock {self.key}", daemon=True)
         self._refresher.start()
         return True
+
+    def _take(self):
+        """(lease, "") when the key (and none of `also_absent`) was absent and is now ours
+        under a new lease; (None, who holds it) otherwise."""
+        c = self._client
+        lease = c.lease(self.ttl_seconds)
+        won, responses = c.transaction(
+            compare=[c.transactions.create(k) == 0 for k in (self.key, *self.also_absent)],
+            success=[c.transactions.put(self.key, self.holder, lease)],
+            failure=[c.transactions.get(k) for k in (self.key, *self.also_absent)],
+        )
+        if won:
+            return lease, ""
+        lease.revoke()
+        held = [r[0][0].decode(errors="replace") for r in responses if r]
+        return None, ", ".join(held) or "?"
 
     def acquire(self, timeout_seconds: float, cancelled=lambda: False) -> bool:
         """Wait for the lock until the deadline or `cancelled()`; etcd unreachable meanwhile
@@ -72,19 +87,45 @@ class EtcdLock:
             return True
         return all(meta.key.decode() == self.key for _, meta in self._client.get_prefix(self.drain_prefix))
 
-    def holder_now(self) -> str:
-        value, _ = self._client.get(self.key)
-        return value.decode() if value else ""
-
     def _refresh(self) -> None:
         while not self._stop.wait(self.ttl_seconds / 3):
             try:
-                self._lease.refresh()
-            except Exception:  # noqa: BLE001 - etcd away: the lease may lapse; nothing else to do
-                pass
+                if self._lease.refresh()[0].TTL > 0:
+                    continue
+            except Exception as exc:  # noqa: BLE001 - etcd away: the lease may lapse meanwhile
+                log.debug("refreshing the lease of lock %s: %s", self.key, exc)
+                continue
+            self._retake()
+
+    def _retake(self) -> None:
+        """The lease lapsed (etcd was away longer than its TTL): the key went with it and
+        another holder may have taken it. Take it again where it is free; otherwise say
+        that the scope is no longer held exclusively."""
+        self.lost_total += 1
+        try:
+            lease, other = self._take()
+        except Exception as exc:  # noqa: BLE001 - etcd away again: the next refresh tries again
+            log.warning("lock %s held by %s lapsed with its lease; not taken again yet: %s", self.key, self.holder, exc)
+            return
+        if lease is not None:
+            if self._stop.is_set():  # released meanwhile
+                lease.revoke()
+                return
+            self._lease = lease
+            log.warning("lock %s held by %s lapsed with its lease and was taken again", self.key, self.holder)
+            return
+        self.held = False
+        log.error(
+            "lock %s held by %s lapsed with its lease and %s has taken it: the two may now run side by side",
+            self.key,
+            self.holder,
+            other,
+        )
+        self._stop.set()
 
     def release(self) -> None:
         self._stop.set()
+        self.held = False
         if self._lease is not None:
             try:
                 self._lease.revoke()  # deletes the key with it

@@ -439,6 +439,29 @@ def test_concurrent_cleanups_of_one_namespace_serialize(client, make_agent, cont
     assert done.state == "SUCCEEDED", done.error
 
 
+def test_a_lock_whose_lease_lapsed_is_taken_again_or_said_lost(etcd, caplog):
+    """A holder cut from etcd past its lease TTL loses the key: it takes it again when it
+    is free, and says so when another holder got it meanwhile (no silent double holder)."""
+    from controlplane.store.locks import EtcdLock
+
+    other = etcd_keys.connect(etcd)
+    lock = EtcdLock(etcd_keys.connect(etcd), "cleanup/lapse", "me", ttl_seconds=3)
+    assert lock.try_acquire()
+    other.revoke_lease(lock._lease.id)  # as etcd does once the TTL passes unrefreshed
+    wait_for(lambda: lock.lost_total == 1 and other.get(lock.key)[0] == b"me", 5, what="taken again")
+    assert lock.held
+
+    other.revoke_lease(lock._lease.id)
+    rival = EtcdLock(other, "cleanup/lapse", "rival")
+    assert rival.try_acquire()
+    wait_for(lambda: not lock.held, 5, what="said lost")
+    assert lock.lost_total == 2 and other.get(lock.key)[0] == b"rival"
+    assert any("rival has taken it" in r.getMessage() for r in caplog.records)
+    lock.release()
+    assert other.get(lock.key)[0] == b"rival"  # releasing a lost lock leaves the new holder's key
+    rival.release()
+
+
 def test_a_lock_waiter_waits_out_an_etcd_that_does_not_answer(etcd):
     from pyetcd import exceptions as ex
 

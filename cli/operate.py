@@ -66,7 +66,9 @@ def _ttl(p: PinView, now: float) -> str:
 
 def print_pins(ctx: Context, pins: PinList) -> None:
     if ctx.output == "json":
-        click.echo(output.dumps(pins))
+        click.echo(output.dumps(pins))  # a list, as before the flag: the flag goes to stderr
+        if pins.possibly_stale:
+            click.echo(f"kvctl: {output.STALE_NOTE}", err=True)
         return
     if not pins:
         click.echo("no pins" + (f" ({output.STALE_NOTE})" if pins.possibly_stale else ""))

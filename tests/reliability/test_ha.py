@@ -381,6 +381,8 @@ def test_etcd_outage_reads_from_memory_rejects_writes_and_recovers():
             # and its pins: a leader elected meanwhile may hold pins this one does not
             assert c.list_pins().possibly_stale
             assert "possibly stale" in kvctl(cp.address, "pins").stdout
+            as_json = kvctl(cp.address, "-o", "json", "pins")  # a list on stdout; the flag on stderr
+            assert isinstance(json.loads(as_json.stdout), list) and "possibly stale" in as_json.stderr
             with pytest.raises(ClientError) as info:
                 c.pin(model_id=M.model_id, token_ids=prompt, ttl_seconds=60)
             assert info.value.code == "UNAVAILABLE" and "etcd is unreachable" in str(info.value)

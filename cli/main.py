@@ -6,6 +6,7 @@ from __future__ import annotations
 import errno
 import json
 import math
+import re
 import ssl
 import sys
 from pathlib import Path
@@ -135,6 +136,18 @@ class _Group(click.Group):
             fail(f"cannot write the output: {exc.strerror or exc}", 1)
 
 
+_DURATION = re.compile(r"^(\d+(?:\.\d+)?)(ms|s|m|h|d)?$")
+_UNITS = {"ms": 0.001, "s": 1, "m": 60, "h": 3600, "d": 86400, None: 1}
+
+
+def parse_duration(text: str, option: str) -> float:
+    """'30m' -> 1800.0; a sentence naming the option when it does not parse."""
+    m = _DURATION.match(text.strip().lower())
+    if not m:
+        fail(f"{option}: {text!r} is not a duration (examples: 90s, 30m, 2h, 1d)")
+    return float(m.group(1)) * _UNITS[m.group(2)]
+
+
 @click.group(cls=_Group, context_settings={"help_option_names": ["-h", "--help"]})
 @click.option(
     "--endpoint",
@@ -153,7 +166,7 @@ class _Group(click.Group):
     show_default=True,
     help="Tables for people, JSON for scripts.",
 )
-@click.option("--timeout", "timeout_seconds", default=5.0, show_default=True, type=float, help="Seconds per call.")
+@click.option("--timeout", "timeout", default="5s", show_default=True, help="Time per call: 5, 5s, 500ms, 2m.")
 @click.option("--token-file", default="", help="Bearer token for the admin API (else env KVCTL_TOKEN).")
 @click.option("--tls-ca", default="", envvar="KVCTL_TLS_CA", help="CA of the control plane's certificate: use TLS.")
 @click.option("--tls-cert", default="", help="Client certificate (mTLS).")
@@ -166,8 +179,9 @@ class _Group(click.Group):
     "`kvctl lookup` goes there instead of gRPC (env KVCTL_LOOKUP_ENDPOINT).",
 )
 @click.pass_context
-def main(ctx, endpoint, output_format, timeout_seconds, token_file, tls_ca, tls_cert, tls_key, lookup_endpoint):
+def main(ctx, endpoint, output_format, timeout, token_file, tls_ca, tls_cert, tls_key, lookup_endpoint):
     """kvctl: inspect and operate a kvcp KV cache cluster."""
+    timeout_seconds = parse_duration(timeout, "--timeout")
     if not (math.isfinite(timeout_seconds) and timeout_seconds > 0):
         fail(f"--timeout: {timeout_seconds:g} is not a positive number of seconds (e.g. --timeout 5)")
     if timeout_seconds > MAX_TIMEOUT_SECONDS:  # gRPC's deadline overflows far beyond this

@@ -12,19 +12,8 @@ import click
 
 from cli import output
 from cli.client import ClientError, OperationView, PinList, PinView
-from cli.main import HASHES_HELP, Context, fail, main, parse_hashes, pass_ctx, read_tokens
+from cli.main import HASHES_HELP, Context, fail, main, parse_duration, parse_hashes, pass_ctx, read_tokens
 from protos.tier import Tier
-
-_DURATION = re.compile(r"^(\d+(?:\.\d+)?)(ms|s|m|h|d)?$")
-_UNITS = {"ms": 0.001, "s": 1, "m": 60, "h": 3600, "d": 86400, None: 1}
-
-
-def parse_duration(text: str, option: str) -> float:
-    """'30m' -> 1800.0; a sentence naming the option when it does not parse."""
-    m = _DURATION.match(text.strip().lower())
-    if not m:
-        fail(f"{option}: {text!r} is not a duration (examples: 90s, 30m, 2h, 1d)")
-    return float(m.group(1)) * _UNITS[m.group(2)]
 
 
 def scope_options(fn):

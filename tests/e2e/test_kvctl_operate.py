@@ -150,7 +150,8 @@ def test_pin_move_cleanup_from_kvctl(cluster, tmp_path):
             ["pin", "--namespace", "kb", "--model", M.model_id, "--ttl", "1h"],
             "--model (scope.model_id): a namespace pin",
         ),
-        (["--timeout", "1e10", "pins"], "--timeout: 1e+10 s is longer than 86400 s"),
+        (["--timeout", "2d", "pins"], "--timeout: 172800 s is longer than 86400 s"),
+        (["--timeout", "1e10", "pins"], "--timeout: '1e10' is not a duration"),
         (["--endpoint", " ", "pins"], "--endpoint: empty"),
         (["dashboard", "--endpoint", ""], "--endpoint: empty"),  # it went to the default address
         (["dashboard", "--endpoint", ",,"], "--endpoint: empty"),  # and showed ',,' as its title

@@ -313,6 +313,11 @@ class Manager:
         )
         self._loaded_epoch = self._state_epoch = epoch
         self._loaded_monotonic = time.monotonic()
+        self.cluster.events.publish(
+            "leader",
+            f"{getattr(self.election, 'address', '') or 'this replica'} leads (epoch {epoch}): loaded "
+            f"{len(pins)} pin(s), {len(loaded_ops)} operation(s) ({len(adopted)} adopted, {len(requeue)} queued again)",
+        )
 
     def _restore_after_etcd_reset(self, epoch: int) -> None:
         """This replica led at a later epoch than the one it just won, saw no other replica

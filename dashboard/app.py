@@ -57,12 +57,14 @@ EVENT_TOPICS = {
     "agent_joined": {"agents", "stats"},
     "agent_left": {"agents", "stats"},
     "agent_state": {"agents"},
-    "eviction": {"agents", "stats"},
+    "notice": {"agents"},
     "pin_created": {"pins"},
     "pin_removed": {"pins"},
     "pin_expired": {"pins"},
     "op_state": {"operations", "agents"},
+    "policy": {"stats"},
     "leader": set(FETCH_ORDER),
+    "etcd_reset": set(FETCH_ORDER),
     "dropped": set(FETCH_ORDER),
 }
 

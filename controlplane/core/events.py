@@ -17,6 +17,22 @@ from dataclasses import dataclass
 
 SEVERITIES = ("info", "warning", "error")
 DROPPED_KIND = "dropped"
+# every kind the control plane publishes (admin.proto's ClusterEvent.kind lists the same,
+# the dashboard refreshes by them; tests/unit/test_events.py checks all three agree)
+EVENT_KINDS = (
+    "agent_joined",
+    "agent_left",
+    "agent_state",
+    "notice",
+    "pin_created",
+    "pin_removed",
+    "pin_expired",
+    "op_state",
+    "policy",
+    "leader",
+    "etcd_reset",
+    DROPPED_KIND,
+)
 
 
 @dataclass(frozen=True)

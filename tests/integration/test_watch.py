@@ -31,7 +31,9 @@ def test_watch_replays_and_streams_membership_events(controlplane, make_agent):
     got: list = []
     t = _collect(client, got, replay_recent=True)
     wait_for(lambda: any(getattr(e, "kind", "") == "agent_joined" for e in got), what="replayed join")
-    assert got[0].agent_id == first.config.agent_id and got[0].seq == 1
+    assert got[0].seq == 1  # replayed from the first event
+    assert any(e.kind == "leader" and "leads (epoch" in e.message for e in got)  # the replica loaded its state
+    assert next(e for e in got if e.kind == "agent_joined").agent_id == first.config.agent_id
     make_agent("agent-w2")
     wait_for(
         lambda: any(getattr(e, "agent_id", "") == "agent-w2" and e.message.endswith("blocks)") for e in got),

@@ -121,3 +121,31 @@ def test_a_subscriber_sees_an_increasing_subsequence_ending_at_the_newest(kinds,
     assert seqs == sorted(set(seqs))
     wanted = [e.seq for e in published if e.kind in ("a", "b")]
     assert seqs == wanted[-maxsize:] if wanted else seqs == []
+
+
+def test_the_event_kinds_published_documented_and_refreshed_by_agree():
+    """admin.proto named kinds nothing published (eviction, leader) and left out three that
+    were (policy, etcd_reset, dropped); the dashboard refreshed on the dead ones."""
+    import ast
+    import re
+    from pathlib import Path
+
+    from controlplane.core.events import EVENT_KINDS
+    from dashboard.app import EVENT_TOPICS
+
+    root = Path(__file__).resolve().parents[2]
+    published = set()
+    for path in [*root.joinpath("controlplane").rglob("*.py"), *root.joinpath("agent").rglob("*.py")]:
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Call) and getattr(node.func, "attr", "") == "publish" and node.args:
+                first = node.args[0]
+                if isinstance(first, ast.Constant) and isinstance(first.value, str):
+                    published.add(first.value)
+    assert published and published <= set(EVENT_KINDS), published - set(EVENT_KINDS)
+    assert set(EVENT_KINDS) - published == {DROPPED_KIND}  # the bus makes that one itself
+    proto = root.joinpath("protos/kvcp/v1/admin.proto").read_text()
+    comment = re.search(r"string kind = 3;(.*?)string severity", proto, re.S).group(1)
+    assert set(re.findall(r"[a-z_]+", comment.replace("controlplane/core/events.py EVENT_KINDS", ""))) == set(
+        EVENT_KINDS
+    )
+    assert set(EVENT_TOPICS) <= set(EVENT_KINDS), set(EVENT_TOPICS) - set(EVENT_KINDS)

@@ -1416,6 +1416,7 @@ class Manager:
             self.policy_pass_seconds_last,
             self.policy_credit_turnovers,
             self.policy_recent_first,
+            self.lookups_dropped_total,
         )
 
     def _over_high(self, rec, policy: tier_policy.Policy) -> bool:

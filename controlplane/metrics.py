@@ -51,6 +51,7 @@ class PolicyStats:
     last_pass_seconds: float = 0.0
     reuse_credit_turnovers: float = 0.0
     recent_first: bool = False
+    lookups_dropped_total: int = 0
 
 
 class ClusterCollector:
@@ -70,6 +71,7 @@ class ClusterCollector:
         self.operations_source = operations_source
         self.policy_source = policy_source
         self.etcd_data_lost_source: Callable[[], int] | None = None  # Manager.etcd_resets_total
+        self.auth_denied_source: Callable[[], int] | None = None  # TokenAuthInterceptor.denied_total
 
     @staticmethod
     def _families() -> dict[str, GaugeMetricFamily | CounterMetricFamily]:
@@ -125,6 +127,13 @@ class ClusterCollector:
             (c, "kvcp_policy_agents_decided_total", "Agents the tier-policy passes decided for.", []),
             (c, "kvcp_policy_actions_total", "Commands the tier-policy passes sent to agents.", []),
             (g, "kvcp_policy_pass_seconds", "Duration of the latest tier-policy pass.", []),
+            (
+                c,
+                "kvcp_policy_lookups_dropped_total",
+                "Lookups the tier policy did not count as reuse evidence: its queue (100,000) was full.",
+                [],
+            ),
+            (c, "kvcp_auth_denied_total", "Calls refused for a missing or wrong token.", []),
             (
                 g,
                 "kvcp_policy_reuse_credit_turnovers",
@@ -191,6 +200,8 @@ class ClusterCollector:
         f["kvcp_policy_agents_decided_total"].add_metric([], policy.agents_decided_total)
         f["kvcp_policy_actions_total"].add_metric([], policy.actions_total)
         f["kvcp_policy_pass_seconds"].add_metric([], policy.last_pass_seconds)
+        f["kvcp_policy_lookups_dropped_total"].add_metric([], policy.lookups_dropped_total)
+        f["kvcp_auth_denied_total"].add_metric([], self.auth_denied_source() if self.auth_denied_source else 0)
         f["kvcp_policy_reuse_credit_turnovers"].add_metric([], policy.reuse_credit_turnovers)
         f["kvcp_policy_recent_first"].add_metric([], 1 if policy.recent_first else 0)
         return list(f.values())

@@ -183,6 +183,10 @@ def test_pass_statistics_reach_the_metrics():
     # no lookups seen: the default credit, recency order
     assert v("kvcp_policy_reuse_credit_turnovers") == f.manager.tier_policy().reuse_credit_turnovers
     assert v("kvcp_policy_recent_first") == 0
+    # lookups beyond the evidence queue (no pass draining it) are dropped, and counted
+    for _ in range(f.manager._lookups.maxlen + 3):
+        f.manager.note_lookup(b"\x01" * 16, 100.5)
+    assert v("kvcp_policy_lookups_dropped_total") == 3
 
 
 @pytest.mark.parametrize("use_kernel", [True, False], ids=["c-loops", "numpy"])

@@ -129,6 +129,8 @@ def test_roles_and_tls(secure_cluster):
     with client(cp, ca, "not-a-valid-token-at-all") as c, pytest.raises(ClientError) as info:
         c.stats()
     assert info.value.code == "UNAUTHENTICATED"
+    # the three refusals above are counted (a scan with stolen or stale tokens shows)
+    assert cp.metrics.registry.get_sample_value("kvcp_auth_denied_total") >= 3
     with client(cp, ca, OPERATOR) as c:
         pin = c.pin(namespace="kb", ttl_seconds=60)
         assert [p.pin_id for p in c.list_pins()] == [pin.pin_id]

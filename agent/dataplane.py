@@ -385,7 +385,13 @@ class DataPlane:
                 return
             except Exception as exc:  # noqa: BLE001 - the operation gets its answer whatever went wrong
                 log.exception("transfer %s failed", op_id)
-                reply(op_id, "FAILED", total=len(hashes), failed=len(hashes), error=f"{type(exc).__name__}: {exc}")
+                reply(
+                    op_id,
+                    "FAILED",
+                    total=len(hashes),
+                    failed=len(hashes),
+                    error=f"internal error on the agent ({type(exc).__name__}: {exc}); its log has the trace",
+                )
                 return
             finally:
                 done.set()

@@ -128,7 +128,11 @@ class Mover:
         try:
             return self._run_op(op)
         except Exception as exc:
-            op.state, op.error = FAILED, f"{type(exc).__name__}: {exc}"
+            log.exception("move %s failed", op.op_id)
+            op.state, op.error = (
+                FAILED,
+                f"internal error on the agent ({type(exc).__name__}: {exc}); its log has the trace",
+            )
             op.finished_unix_seconds = time.time()
             with self._lock:
                 self._promoting.difference_update(op.block_hashes)

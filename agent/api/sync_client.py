@@ -408,7 +408,8 @@ class ControlPlaneLink:
         we would otherwise only notice when the old leader's stream breaks)."""
         try:
             now = self._address()
-        except Exception:  # noqa: BLE001 - etcd away: keep the stream we have
+        except Exception as exc:  # noqa: BLE001 - etcd away: keep the stream we have
+            log.debug("reading the leader key from etcd failed: %s", exc, exc_info=True)
             return False
         if now and now != self._connected_to:
             log.info("leader moved from %s to %s; reconnecting", self._connected_to, now)
@@ -424,7 +425,8 @@ class ControlPlaneLink:
             return False
         try:
             named, named_epoch = self.etcd_leader()
-        except Exception:  # noqa: BLE001 - etcd away: keep the fence
+        except Exception as exc:  # noqa: BLE001 - etcd away: keep the fence
+            log.debug("reading the leader key from etcd failed: %s", exc, exc_info=True)
             return False
         if named != address or named_epoch != epoch:
             return False

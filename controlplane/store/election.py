@@ -57,7 +57,8 @@ class LeaderElection:
                     # next step, and clients could not follow): read the key, or stand again
                     try:
                         self._campaign()
-                    except Exception:  # noqa: BLE001 - the next step tries again
+                    except Exception as again:  # noqa: BLE001 - the next step tries again
+                        log.debug("reading the leader key after losing leadership: %s", again)
                         self.leader_address = ""
                     return self.is_leader
                 if self.is_leader and time.monotonic() - self._last_ok < self.ttl_seconds / 2:

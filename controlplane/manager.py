@@ -34,14 +34,13 @@ from controlplane.store.durable import DurableStore, op_to_json, pin_from_json, 
 from controlplane.store.locks import EtcdLock
 from protos import errors, etcd_keys
 from protos.block_hash import BLOCK_HASH_BYTES, hash_prefix
+from protos.kv_format import CODECS, kv_block_bytes
 from protos.namespaces import check_namespace
 from protos.tier import Tier
 from protos.units import parse_size
 
 log = logging.getLogger(__name__)
 
-DTYPE_BYTES = {"float16": 2, "bfloat16": 2, "float32": 4, "float8_e4m3fn": 1, "int8": 1}
-CODECS = ("none", "int8", "int4", "fp8", "zstd")
 MAX_OPS_KEPT = 500
 POLICY_WRITE_TRIES = 5  # SetPolicy merges into a policy written meanwhile, at most this often
 PIN_REFUSAL_SECONDS = 60.0  # how long the policy leaves alone a block an agent's pin held
@@ -49,7 +48,7 @@ CANCEL_RESEND_SECONDS = 1.0  # a cancel no agent answered yet is sent again this
 
 
 def block_bytes(m: ModelInfo) -> int:
-    return m.num_layers * 2 * m.block_size * m.num_kv_heads * m.head_dim * DTYPE_BYTES.get(m.dtype, 2)
+    return kv_block_bytes(m.num_layers, m.block_size, m.num_kv_heads, m.head_dim, m.dtype)
 
 
 # after taking over: how long operations wait (Unavailable) for agents etcd lists to be back

@@ -10,8 +10,7 @@ from dataclasses import dataclass
 
 import torch
 
-DTYPE_BYTES = {"float16": 2, "bfloat16": 2, "float32": 4, "float8_e4m3fn": 1, "int8": 1}
-
+from protos.kv_format import DTYPE_BYTES, kv_block_bytes
 
 TORCH_DTYPES = {
     "float16": torch.float16,
@@ -57,8 +56,7 @@ class ModelSpec:
 
     @property
     def block_bytes(self) -> int:
-        n = self.num_layers * 2 * self.block_size * self.num_kv_heads * self.head_dim
-        return n * DTYPE_BYTES[self.dtype]
+        return kv_block_bytes(self.num_layers, self.block_size, self.num_kv_heads, self.head_dim, self.dtype)
 
     @property
     def layout(self) -> str:

@@ -62,9 +62,9 @@ from typing import Protocol
 
 from protos import errors
 from protos.block_hash import ROOT_PARENT_HASH
+from protos.kv_format import CODECS
 from protos.tier import Tier
 
-CODECS = ("none", "int8", "int4", "fp8", "zstd")
 MANAGED_TIERS = (Tier.GPU, Tier.CPU, Tier.DISK)
 _MAX_CREDITS = 1000
 

@@ -31,10 +31,10 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 from protos import errors
+from protos.kv_format import kv_block_bytes
 
 PREFILL, DECODE, BOTH = "prefill", "decode", "both"
 ROLES = ("prefill", "decode", "pair")
-DTYPE_BYTES = {"float16": 2, "bfloat16": 2, "float32": 4, "float8_e4m3fn": 1, "int8": 1}
 
 
 @dataclass(frozen=True)
@@ -319,9 +319,7 @@ def route_request(
         model_id, token_ids=token_ids, block_hashes=block_hashes, extra_keys=extra_keys, record=role != "decode"
     )
     model = cluster.model(model_id)
-    block_bytes = (
-        model.num_layers * 2 * model.block_size * model.num_kv_heads * model.head_dim * DTYPE_BYTES.get(model.dtype, 2)
-    )
+    block_bytes = kv_block_bytes(model.num_layers, model.block_size, model.num_kv_heads, model.head_dim, model.dtype)
     hits = {m.agent_id: m.num_hit_blocks for m in result.matches}
     ranks = {m.agent_id: k for k, m in enumerate(result.matches)}
     states = cluster.dataplane

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+import torch
 
 from agent.core.model_spec import DTYPE_BYTES, ModelSpec
 
@@ -62,3 +63,16 @@ def test_direct_construction_validates():
         ModelSpec("m", 16, 2, 2, 0)
     with pytest.raises(ValueError, match="one of float16"):
         ModelSpec("m", 16, 2, 2, 64, "float64")
+
+
+def test_the_agents_codecs_and_dtypes_are_the_wire_contracts():
+    """Codec names and dtype sizes were written out in three places each (the manager, the
+    policy, routing and the agent): one definition in protos.kv_format now."""
+    from agent.core import codecs
+    from agent.core.model_spec import TORCH_DTYPES
+    from protos import kv_format
+
+    assert {"none", *codecs.CODECS} == set(kv_format.CODECS)
+    assert set(TORCH_DTYPES) == set(kv_format.DTYPE_BYTES)
+    for name, dtype in TORCH_DTYPES.items():
+        assert torch.empty((), dtype=dtype).element_size() == kv_format.DTYPE_BYTES[name]

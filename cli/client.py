@@ -19,7 +19,7 @@ import grpc
 from google.protobuf.message import DecodeError
 
 from protos.block_hash import BLOCK_HASH_BYTES
-from protos.grpc_errors import LEADER_METADATA_KEY
+from protos.grpc_errors import ERROR_KIND_METADATA_KEY, LEADER_METADATA_KEY
 from protos.kvcp.v1 import admin_pb2, admin_pb2_grpc, types_pb2
 from protos.lookup_wire import HEADER_BYTES, MAX_REPLY_BYTES, frame, split_address
 from protos.security import TLSConfig, client_ssl_context, token_metadata
@@ -36,11 +36,14 @@ AGENT_STATES = {
 
 
 class ClientError(Exception):
-    """A failed admin call; `code` is the gRPC status code name (e.g. 'INVALID_ARGUMENT')."""
+    """A failed admin call; `code` is the gRPC status code name (e.g. 'INVALID_ARGUMENT'),
+    `kind` the control plane's error kind when it answered (`EtcdUnreachable`,
+    `NotConfigured`, ...: protos.errors class names), '' when it did not (no connection)."""
 
-    def __init__(self, code: str, message: str):
+    def __init__(self, code: str, message: str, kind: str = ""):
         super().__init__(message)
         self.code = code
+        self.kind = kind
 
 
 PIN_RETRIES = 3
@@ -69,13 +72,13 @@ def _refused_by_etcd(exc: ClientError) -> bool:
     """Did the control plane refuse the change because etcd is unreachable (not applied)?
     Its etcd client refuses every call for a second after one timed out, so a busy etcd's
     one slow answer refuses the changes that come just after it."""
-    return exc.code == "UNAVAILABLE" and str(exc).startswith("etcd is unreachable")
+    return exc.kind == "EtcdUnreachable"
 
 
 def _outcome_lost(exc: ClientError) -> bool:
     """Did the call end without a definite answer (it may have been applied)?"""
     return exc.code in ("UNKNOWN", "DEADLINE_EXCEEDED") or (
-        exc.code == "UNAVAILABLE" and str(exc).startswith("cannot reach")
+        exc.code == "UNAVAILABLE" and str(exc).startswith("cannot reach")  # our own sentence (_error)
     )
 
 
@@ -548,9 +551,10 @@ class ControlPlaneClient:
     def _error(self, exc: grpc.RpcError) -> ClientError:
         code = exc.code()
         details = exc.details() or ""
-        # the control plane's own UNAVAILABLE ("etcd is unreachable ...", "this control plane
-        # runs without ...") is its answer; gRPC's own (no connection) is ours to explain
-        answered = details.startswith(("etcd is unreachable", "this control plane"))
+        # the control plane's own UNAVAILABLE (etcd unreachable, no leader, ...) is its answer,
+        # naming its kind; gRPC's own (no connection) is ours to explain
+        kind = dict(exc.trailing_metadata() or ()).get(ERROR_KIND_METADATA_KEY, "")
+        answered = bool(kind)
         if not answered and (
             code == grpc.StatusCode.DEADLINE_EXCEEDED
             or (code == grpc.StatusCode.UNAVAILABLE and "connect" in details.lower())
@@ -560,7 +564,7 @@ class ControlPlaneClient:
                 f"cannot reach the kvcp control plane at {self.endpoint} ({code.name.lower()}); "
                 "start one with `make demo` or `kvcp-controlplane`, or pass --endpoint / KVCTL_ENDPOINT",
             )
-        return ClientError(code.name, exc.details() or code.name)
+        return ClientError(code.name, exc.details() or code.name, kind)
 
     # ---- calls ----------------------------------------------------------------------
     def list_agents(self) -> list[AgentView]:
@@ -863,7 +867,7 @@ class ControlPlaneClient:
                 if (
                     exc.code not in WAIT_RETRY_CODES
                     or now >= deadline
-                    or str(exc).startswith("this control plane runs without")  # its lasting answer
+                    or exc.kind == "NotConfigured"  # its lasting answer
                     or (not answered and now - start >= FIRST_ANSWER_SECONDS)  # a wrong address, say
                 ):
                     raise

@@ -1,14 +1,14 @@
 """Error kinds shared by every kvcp process. Core code raises these; one gRPC
-interceptor per server (protos.grpc_errors) maps them to status codes, and clients turn
-status codes back into a sentence. Messages are written for the person who reads them."""
+interceptor per server (protos.grpc_errors) maps them to status codes and sends the
+kind's class name in trailing metadata (`kvcp-error-kind`), which clients decide on (retry,
+wait, give up); the sentence is written for the person who reads it, never parsed."""
 
 from __future__ import annotations
 
 
 class KvcpError(Exception):
-    """Base class. `retryable` tells a caller whether trying again can help."""
-
-    retryable = False
+    """Base class. Whether trying again can help is told by the kind (Unavailable and its
+    kinds, NotLeader, ResourceExhausted: later or elsewhere; the rest: no)."""
 
 
 class InvalidArgument(KvcpError):
@@ -34,8 +34,6 @@ class FailedPrecondition(KvcpError):
 class NotLeader(FailedPrecondition):
     """This control-plane replica is not the leader; `leader_address` says who is."""
 
-    retryable = True
-
     def __init__(self, leader_address: str):
         where = leader_address or "unknown (election in progress)"
         super().__init__(f"this control plane is not the leader; leader is at {where}")
@@ -45,7 +43,15 @@ class NotLeader(FailedPrecondition):
 class Unavailable(KvcpError):
     """Refused, nothing changed (etcd unreachable, state still loading): try again later."""
 
-    retryable = True
+
+class EtcdUnreachable(Unavailable):
+    """etcd did not answer: a durable change (pin, unpin, policy, operation) was refused
+    and not applied; reads are answered from memory meanwhile."""
+
+
+class NotConfigured(Unavailable):
+    """This control plane runs without what the call needs (etcd-backed pins and
+    operations): a lasting answer, not worth waiting for."""
 
 
 class NoLeader(Unavailable):
@@ -73,4 +79,4 @@ class OutcomeUnknown(KvcpError):
 
 
 class ResourceExhausted(KvcpError):
-    retryable = True
+    """Over a limit (a quota, a queue): try again later or ask for less."""

@@ -17,6 +17,9 @@ from protos import errors
 log = logging.getLogger(__name__)
 
 LEADER_METADATA_KEY = "kvcp-leader-address"
+# the error's kind (its class name in protos.errors: EtcdUnreachable, NotConfigured, ...):
+# clients decide on it, never on the wording of the sentence
+ERROR_KIND_METADATA_KEY = "kvcp-error-kind"
 # error sentences may quote the caller's input; details travel percent-encoded in trailing
 # metadata, which clients cap (8 KiB soft, 16 KiB hard): a longer one reaches them as
 # RESOURCE_EXHAUSTED instead of its own code. 2000 UTF-8 bytes encode to at most 6000.
@@ -50,8 +53,10 @@ def _bounded(details: str) -> str:
 
 def _abort(context: grpc.ServicerContext, exc: Exception):
     if isinstance(exc, errors.KvcpError):
+        metadata = [(ERROR_KIND_METADATA_KEY, type(exc).__name__)]
         if isinstance(exc, errors.NotLeader | errors.NoLeader):  # the leader it knows, maybe none
-            context.set_trailing_metadata(((LEADER_METADATA_KEY, exc.leader_address),))
+            metadata.append((LEADER_METADATA_KEY, exc.leader_address))
+        context.set_trailing_metadata(tuple(metadata))
         context.abort(status_code_of(exc), _bounded(str(exc)))
     log.exception("internal error in RPC")
     context.abort(grpc.StatusCode.INTERNAL, f"internal error: {type(exc).__name__}")

@@ -39,7 +39,7 @@ class AdminServicer(admin_pb2_grpc.AdminServiceServicer):
         if getattr(self._leadership, "serving_from_memory", False):
             if read:
                 return
-            raise errors.Unavailable(
+            raise errors.EtcdUnreachable(
                 "etcd is unreachable; durable changes (pin, unpin, policy, operations) are rejected until it "
                 "returns; lookups are still answered from memory"
             )
@@ -136,7 +136,7 @@ class AdminServicer(admin_pb2_grpc.AdminServiceServicer):
     def _manager(self, read: bool = False):
         self._require_leader(read)
         if self.manager is None:
-            raise errors.Unavailable("this control plane runs without etcd-backed pins and operations")
+            raise errors.NotConfigured("this control plane runs without etcd-backed pins and operations")
         # a new leader answers from its state only once it has read it from etcd (it loads
         # it now if the reconcile loop has not yet; etcd unreachable: UNAVAILABLE)
         self.manager.ensure_loaded()

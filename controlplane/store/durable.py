@@ -147,7 +147,7 @@ class DurableStore:
         self.errors_total += 1
         # pyetcd refuses calls for a second after a failed one with a bare ValueError
         why = "connection failed" if isinstance(exc, ValueError) else type(exc).__name__
-        return errors.Unavailable(
+        return errors.EtcdUnreachable(
             f"etcd is unreachable{(' at ' + self.endpoint) if self.endpoint else ''} ({why}); "
             "durable changes (pin, unpin, policy, operations) are rejected until it returns"
         )
@@ -158,7 +158,7 @@ class DurableStore:
         not hold. NotLeader when the leadership compare failed."""
         c = self._client
         if getattr(self._election, "serving_from_memory", False):
-            raise errors.Unavailable(
+            raise errors.EtcdUnreachable(
                 f"etcd is unreachable{(' at ' + self.endpoint) if self.endpoint else ''}; durable changes (pin, unpin, "
                 "policy, operations) are rejected until it returns; lookups are still answered from memory"
             )

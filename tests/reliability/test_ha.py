@@ -386,6 +386,7 @@ def test_etcd_outage_reads_from_memory_rejects_writes_and_recovers():
             with pytest.raises(ClientError) as info:
                 c.pin(model_id=M.model_id, token_ids=prompt, ttl_seconds=60)
             assert info.value.code == "UNAVAILABLE" and "etcd is unreachable" in str(info.value)
+            assert info.value.kind == "EtcdUnreachable"  # what clients decide on, not the sentence
             # the agent keeps serving its engine throughout
             assert agent.engine.load(M.model_id, prompt).num_cached_tokens == len(prompt)
             server.proc.send_signal(signal.SIGCONT)

@@ -98,13 +98,7 @@ def validate_policy(values: dict[str, str]) -> dict[str, str]:
     for key, value in quotas.items():
         _check_quota_entry(key, value)
     rest = {k: v for k, v in values.items() if not k.startswith("quota.")}
-    try:
-        from controlplane.core.policy import Policy
-    except ImportError:  # the tier policy is not built into this control plane
-        if rest:
-            raise errors.InvalidArgument(f"values[{sorted(rest)[0]}]", "unknown policy key") from None
-        return quotas
-    policy = Policy.from_mapping(rest)
+    policy = tier_policy.Policy.from_mapping(rest)
     return {**policy.to_mapping(), **quotas}
 
 

@@ -21,7 +21,6 @@ from protos.tier import Tier
 PENDING, RUNNING, SUCCEEDED, FAILED, CANCELLED = "PENDING", "RUNNING", "SUCCEEDED", "FAILED", "CANCELLED"
 TERMINAL = frozenset({SUCCEEDED, FAILED, CANCELLED})
 STATES = frozenset({PENDING, RUNNING}) | TERMINAL
-KINDS = frozenset({"move", "cleanup", "compress", "transfer"})
 # kinds an agent runs to the end once it has the command (its mover cancels moves and
 # compressions only): a cancel could not stop them, so one is refused rather than reported
 UNCANCELLABLE_ONCE_SENT = frozenset({"cleanup", "transfer"})

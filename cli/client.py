@@ -220,6 +220,16 @@ class AgentView:
     lookup_tokens_total: int
     lookup_hit_tokens_total: int
     last_seen_unix_seconds: float
+    transfer_engine: str = ""  # "mooncake" when its engine is up
+    transfer_engine_status: str = ""  # the engine's endpoint, or why it is off
+    shm_handoff: bool = False  # same-host handoffs through its shared-memory slab
+
+    @property
+    def handoff_paths(self) -> list[str]:
+        """The paths a handoff to or from it can take, in the order they are tried."""
+        return [
+            p for p, up in (("shm", self.shm_handoff), ("engine", bool(self.transfer_engine)), ("grpc", True)) if up
+        ]
 
     @property
     def hit_ratio(self) -> float:
@@ -581,6 +591,9 @@ class ControlPlaneClient:
                 lookup_tokens_total=a.lookup_tokens_total,
                 lookup_hit_tokens_total=a.lookup_hit_tokens_total,
                 last_seen_unix_seconds=a.last_seen_unix_seconds,
+                transfer_engine=a.info.transfer_engine,
+                transfer_engine_status=a.info.transfer_engine_status,
+                shm_handoff=bool(a.info.shm_path),
             )
             for a in resp.agents
         ]

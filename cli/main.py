@@ -244,6 +244,12 @@ def agents(ctx: Context):
         tiers = " ".join(f"{t.tier}:{output.tier_cell(t)}" for t in a.tiers)
         rows.append([a.agent_id, a.address, a.state, a.num_blocks, f"{a.hit_ratio:.1%}", tiers])
     click.echo(output.table(["AGENT", "ADDRESS", "STATE", "BLOCKS", "HIT", "TIERS (used/capacity)"], rows))
+    for a in views:  # an engine that did not start: handoffs go the slower ways, said once here
+        if not a.transfer_engine and a.transfer_engine_status:
+            click.echo(
+                f"{a.agent_id}: no transfer engine ({a.transfer_engine_status}); "
+                f"its handoffs go by {' then '.join(a.handoff_paths)}"
+            )
 
 
 def parse_tokens(text: str, source: str) -> list[int]:

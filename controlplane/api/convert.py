@@ -58,6 +58,9 @@ def agent_record_from_pb(info: types_pb2.AgentInfo) -> core.AgentRecord:
         models=[model_from_pb(m) for m in info.models],
         tiers=[tier_usage_from_pb(t) for t in info.tiers],
         metrics_address=info.metrics_address,
+        transfer_engine=info.transfer_engine,
+        transfer_engine_status=info.transfer_engine_status,
+        shm_handoff=bool(info.shm_path),
     )
 
 
@@ -80,6 +83,9 @@ def agent_status_to_pb(rec: core.AgentRecord, num_blocks: int) -> admin_pb2.Agen
             models=[model_to_pb(m) for m in rec.models],
             tiers=[tier_usage_to_pb(t) for t in rec.tiers],
             metrics_address=rec.metrics_address,
+            transfer_engine=rec.transfer_engine,
+            transfer_engine_status=rec.transfer_engine_status,
+            shm_path="shm" if rec.shm_handoff else "",  # said, not given: peers read the path from etcd
         ),
         state=int(rec.state),
         num_blocks=num_blocks,

@@ -68,6 +68,10 @@ class AgentRecord:
     models: list[ModelInfo]
     tiers: list[TierUsage]
     metrics_address: str = ""
+    # its handoff paths, as it registered them: the engine ("" = none) and why not, shared memory
+    transfer_engine: str = ""
+    transfer_engine_status: str = ""
+    shm_handoff: bool = False
     state: AgentState = AgentState.SYNCING
     session_id: str = ""
     incarnation: str = ""  # the agent process behind the current session ("" from older agents)

@@ -60,7 +60,7 @@ class Cluster:
         )
         wait_for(lambda: kvctl(self.endpoint, "stats", check=False).returncode == 0, 20, 0.2, "control plane up")
 
-    def start_agent(self, agent_id: str, port: int | None = None, lease_ttl_seconds: int = 3):
+    def start_agent(self, agent_id: str, port: int | None = None, lease_ttl_seconds: int = 3, *extra: str):
         port = port or self.agent_ports.get(agent_id) or free_port()
         self.agent_ports[agent_id] = port
         return self.spawn(
@@ -77,6 +77,7 @@ class Cluster:
                 "8MiB",
                 "--lease-ttl-seconds",
                 str(lease_ttl_seconds),
+                *extra,
             ],
         )
 
@@ -104,8 +105,16 @@ def cluster(etcd, tmp_path):
 def test_cluster_from_console_scripts(cluster, tmp_path):
     cluster.start_controlplane()
     cluster.start_agent("agent-a")
-    cluster.start_agent("agent-b")
+    cluster.start_agent("agent-b", None, 3, "--transfer-engine", "none")
     wait_for(lambda: set(cluster.agents()) == {"agent-a", "agent-b"}, 30, 0.3, "two agents")
+    # an agent without its transfer engine says so, and which ways its handoffs go
+    table = kvctl(cluster.endpoint, "agents").stdout
+    assert (
+        "agent-b: no transfer engine (disabled by configuration (--transfer-engine none)); its handoffs go by shm then grpc"
+        in table
+    ), table
+    assert "agent-a: no transfer engine" not in table
+    assert cluster.agents()["agent-b"]["shm_handoff"] and not cluster.agents()["agent-b"]["transfer_engine"]
     # the workload stores and looks up KV through the agents; every loaded block is verified
     wl = subprocess.run(
         [

@@ -42,6 +42,7 @@ from protos.units import parse_size
 log = logging.getLogger(__name__)
 
 MAX_OPS_KEPT = 500
+UNPINNED_REMEMBERED_SECONDS = 60.0  # far longer than a reload's read of etcd can take
 POLICY_WRITE_TRIES = 5  # SetPolicy merges into a policy written meanwhile, at most this often
 PIN_REFUSAL_SECONDS = 60.0  # how long the policy leaves alone a block an agent's pin held
 CANCEL_RESEND_SECONDS = 1.0  # a cancel no agent answered yet is sent again this often
@@ -142,6 +143,12 @@ class Manager:
         self._state_epoch = 0
         self._loaded_monotonic = -math.inf  # when load() last ended: agents come back after it
         self._load_lock = threading.Lock()
+        # pins go to agents from the reconcile loop and from Pin/Unpin calls: one at a time
+        # (each compares and updates the records' applied_pins)
+        self._apply_lock = threading.Lock()
+        # pins this replica unpinned lately: a reload whose read of etcd came before the
+        # delete must not bring them back (pin id -> monotonic time of the unpin)
+        self._unpinned: dict[str, float] = {}
         # op ids whose latest change etcd has not taken (an outage): retried every pass, and
         # load() keeps the in-memory op over the older stored one
         self._dirty: set[str] = set()
@@ -484,10 +491,10 @@ class Manager:
         with self._lock:
             earlier = self._store_pin(pin, namespace)
         if earlier is not None:  # a retry: the pin exists (sent to its agents again, harmlessly)
-            self._apply_pins(self.clock())
+            self._apply_pins_now()
             return earlier
         self.cluster.events.publish("pin_created", self._describe(pin), pin_id=pin.pin_id)
-        self._apply_pins(self.clock())
+        self._apply_pins_now()
         return pin
 
     def _store_pin(self, pin: Pin, namespace: str) -> Pin | None:
@@ -545,10 +552,20 @@ class Manager:
                 raise errors.NotFound(f"pin_id: no pin {pin_id!r} (kvctl pins lists them)")
             self.durable.delete(pin_key(pin))
             del self.pins[pin_id]
+            self._unpinned[pin_id] = time.monotonic()
             self._pin_refusals.clear()  # a lifted pin may free what an agent refused
         self.cluster.events.publish("pin_removed", f"pin {pin_id} removed", pin_id=pin_id)
-        self._apply_pins(self.clock())
+        self._apply_pins_now()
         return pin
+
+    def _apply_pins_now(self) -> None:
+        """After a pin or unpin is stored: send it to the agents at once. The change is
+        made whatever happens here (the caller must hear so, not an error): a failure is
+        logged and the reconcile loop's next pass sends it."""
+        try:
+            self._apply_pins(self.clock())
+        except Exception:  # noqa: BLE001 - see above
+            log.exception("sending pins to agents failed; the next reconcile pass sends them")
 
     def list_pins(self, namespace: str = "") -> list[Pin]:
         if namespace:
@@ -571,11 +588,16 @@ class Manager:
     def _apply_pins(self, now: float) -> None:
         """Send every connected agent the pins it should hold and lacks (or holds in another
         version: a pin made again under its id replaces the agent's copy); unpin the rest."""
+        with self._apply_lock:
+            self._apply_pins_locked(now)
+
+    def _apply_pins_locked(self, now: float) -> None:
         with self._lock:
             pins = [p for p in self.pins.values() if p.active(now)]
         for rec in self.cluster.connected_agents():
             want = {p.pin_id: p for p in pins if p.applies_to(rec.agent_id)}
-            for pin_id in [i for i in rec.applied_pins if i not in want]:
+            # a copy: a new stream's Hello replaces the record's dict meanwhile
+            for pin_id in [i for i in list(rec.applied_pins) if i not in want]:
                 if self.cluster.send(rec.agent_id, AgentCommand(f"unpin-{pin_id}", "unpin", pin_id=pin_id)):
                     rec.applied_pins.pop(pin_id, None)
             for pin_id, p in want.items():
@@ -654,8 +676,11 @@ class Manager:
             for pid in gone:
                 del self.pins[pid]
                 self._pin_refusals.clear()  # a lifted pin may free what an agent refused
+            cutoff = time.monotonic() - UNPINNED_REMEMBERED_SECONDS
+            self._unpinned = {pid: at for pid, at in self._unpinned.items() if at > cutoff}
             for pid, p in stored.items():
-                self.pins.setdefault(pid, p)
+                if pid not in self._unpinned:  # (read before its unpin deleted it)
+                    self.pins.setdefault(pid, p)
         for pid in gone:
             self.cluster.events.publish("pin_removed", f"pin {pid} released (owner lease gone)", pin_id=pid)
 

@@ -288,7 +288,7 @@ class Agent:
             lambda: json_format.MessageToJson(self.info(), indent=None),
             self.config.lease_ttl_seconds,
         )
-        self.registration.register()
+        self.registration.register_at_start()
         self._spawn("etcd-keepalive", self.registration.run_forever)
         self._spawn("cp-link", self.link.run_forever)
         if self.vllm_events is not None:

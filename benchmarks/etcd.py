@@ -42,8 +42,12 @@ def _memory_dir() -> str | None:
 class EtcdServer:
     """A real etcd on free loopback ports with its data in a temp dir (or `data_dir`)."""
 
-    def __init__(self, data_dir: str | None = None, ports: tuple[int, int] | None = None):
-        """`ports`: (client, peer); fresh free ones when not given."""
+    def __init__(
+        self, data_dir: str | None = None, ports: tuple[int, int] | None = None, extra_args: tuple[str, ...] = ()
+    ):
+        """`ports`: (client, peer); fresh free ones when not given. `extra_args`: more etcd
+        flags (a test's small --quota-backend-bytes)."""
+        self.extra_args = extra_args
         self.binary = shutil.which("etcd")
         if self.binary is None:
             raise RuntimeError("etcd is not installed: run scripts/bootstrap.sh (apt-get install -y etcd-server)")
@@ -84,6 +88,7 @@ class EtcdServer:
                 peer,
                 "--initial-cluster",
                 f"test={peer}",
+                *self.extra_args,
             ],
             stdout=self.log,
             stderr=subprocess.STDOUT,

@@ -58,18 +58,21 @@ class NoLeader(Unavailable):
     """No replica leads at the moment (an election in progress, or the leader key still
     names a predecessor at this very address, gone with its lease not yet ended)."""
 
-    def __init__(self) -> None:
+    def __init__(self, why: str = "") -> None:
         super().__init__(
-            "no control-plane leader at the moment (an election is in progress: it takes up to the "
+            f"no control-plane leader at the moment: {why}"
+            if why
+            else "no control-plane leader at the moment (an election is in progress: it takes up to the "
             "election TTL); try again"
         )
         self.leader_address = ""
 
 
-def not_leader(leader_address: str) -> KvcpError:
+def not_leader(leader_address: str, why_no_leader: str = "") -> KvcpError:
     """What a replica that does not lead answers: the leader's address to follow, or, when
-    it knows of no reachable leader, UNAVAILABLE (retry later) rather than a leader of ''."""
-    return NotLeader(leader_address) if leader_address else NoLeader()
+    it knows of no reachable leader, UNAVAILABLE (retry later) rather than a leader of '',
+    with the reason no replica can be elected when it knows one (etcd out of space)."""
+    return NotLeader(leader_address) if leader_address else NoLeader(why_no_leader)
 
 
 class OutcomeUnknown(KvcpError):

@@ -56,6 +56,26 @@ def is_unreachable(exc: BaseException) -> bool:
     return isinstance(exc, ValueError) and "failed node" in str(exc)
 
 
+NOSPACE_ADVICE = (
+    "etcd is out of space (NOSPACE alarm: mvcc database space exceeded) and refuses writes until its "
+    "history is compacted, its database defragmented and the alarm disarmed (etcdctl compact <revision>; "
+    "etcdctl defrag; etcdctl alarm disarm), or its --quota-backend-bytes is raised"
+)
+TOO_LARGE_ADVICE = "the request is over etcd's size limit (--max-request-bytes, 1.5 MiB by default)"
+
+
+def refusal_reason(exc: BaseException) -> str:
+    """Why an etcd that answered refused the call, as a sentence for an operator ('' when
+    the failure is something else: unreachable, a timeout, a bug)."""
+    details = getattr(exc, "details", None)
+    text = f"{details() if callable(details) else ''} {exc}"
+    if "database space exceeded" in text:
+        return NOSPACE_ADVICE
+    if "request is too large" in text:
+        return TOO_LARGE_ADVICE
+    return ""
+
+
 @dataclass(frozen=True)
 class EtcdAuth:
     """TLS files and user/password for the etcd connection (all optional)."""

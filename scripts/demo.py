@@ -184,6 +184,12 @@ class Demo:
                 peer_url,
                 "--initial-cluster",
                 f"kvcp-demo={peer_url}",
+                # etcd keeps every revision until compacted: without this a busy cluster's
+                # history fills the backend quota (NOSPACE) in time
+                "--auto-compaction-mode",
+                "periodic",
+                "--auto-compaction-retention",
+                "1h",
             ],
         )
         self.wait_port("etcd", etcd, a.etcd_port)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections.abc import Callable
 
 from protos import etcd_keys
@@ -25,6 +26,19 @@ class EtcdRegistration:
         self._value = value
         self.ttl_seconds = ttl_seconds
         self.lease = None
+        self._failures = 0  # keep-alive failures in a row (said once, then every 30 s)
+        self._said_monotonic = 0.0
+
+    def register_at_start(self) -> None:
+        """Register, or, where etcd answers but refuses (out of space), say why and serve
+        anyway: the keep-alive loop registers once etcd takes writes again."""
+        try:
+            self.register()
+        except Exception as exc:
+            reason = etcd_keys.refusal_reason(exc)
+            if not reason:
+                raise
+            log.error("cannot register %s in etcd yet (the engine is served meanwhile): %s", self.key, reason)
 
     def register(self) -> None:
         self.lease = self._client.lease(self.ttl_seconds)
@@ -51,8 +65,19 @@ class EtcdRegistration:
             try:
                 self.run_once()
                 wait = period
+                if self._failures:
+                    log.info("etcd keep-alive of %s works again after %d failures", self.agent_id, self._failures)
+                self._failures = 0
             except Exception as exc:  # noqa: BLE001 - etcd away: keep serving, retry
-                log.warning("etcd keep-alive of %s failed: %s", self.agent_id, exc)
+                self._failures += 1
+                now = time.monotonic()
+                if self._failures == 1 or now - self._said_monotonic >= 30.0:  # one line, not one per 0.5 s
+                    why = (
+                        etcd_keys.refusal_reason(exc)
+                        or f"{type(exc).__name__}: {(str(exc).splitlines() or [''])[0][:200]}"
+                    )
+                    log.warning("etcd keep-alive of %s failed (%d in a row): %s", self.agent_id, self._failures, why)
+                    self._said_monotonic = now
                 wait = min(period, 0.5)
 
     def leader_address(self) -> str:

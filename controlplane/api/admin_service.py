@@ -43,7 +43,7 @@ class AdminServicer(admin_pb2_grpc.AdminServiceServicer):
                 "etcd is unreachable; durable changes (pin, unpin, policy, operations) are rejected until it "
                 "returns; lookups are still answered from memory"
             )
-        raise errors.not_leader(self._leadership.leader_address)
+        raise errors.not_leader(self._leadership.leader_address, getattr(self._leadership, "refusal", ""))
 
     @property
     def _stale(self) -> bool:

@@ -80,7 +80,7 @@ class AgentServicer(agent_pb2_grpc.AgentServiceServicer):
 
     def _require_leader(self) -> None:
         if not self._leadership.is_leader:
-            raise errors.not_leader(self._leadership.leader_address)
+            raise errors.not_leader(self._leadership.leader_address, getattr(self._leadership, "refusal", ""))
 
     def Register(self, request, context):
         self._require_leader()

@@ -8,6 +8,7 @@ etcd being unreachable becomes `Unavailable` with a sentence saying so.
 
 from __future__ import annotations
 
+import base64
 import json
 import logging
 from collections.abc import Callable
@@ -30,7 +31,8 @@ def pin_to_json(p: Pin) -> str:
             "pin_id": p.pin_id,
             "namespace": p.namespace,
             "model_id": p.model_id,
-            "block_hashes": p.block_hashes.hex(),
+            # base64, not hex: a pin of 65,536 blocks must fit etcd's 1.5 MiB request limit
+            "block_hashes_b64": base64.b64encode(p.block_hashes).decode(),
             "min_tier": p.min_tier.label,
             "created_unix_seconds": p.created_unix_seconds,
             "expires_unix_seconds": p.expires_unix_seconds,
@@ -48,7 +50,9 @@ def pin_from_json(raw: bytes) -> Pin:
         pin_id=d["pin_id"],
         namespace=d["namespace"],
         model_id=d["model_id"],
-        block_hashes=bytes.fromhex(d["block_hashes"]),
+        block_hashes=base64.b64decode(d["block_hashes_b64"], validate=True)
+        if "block_hashes_b64" in d
+        else bytes.fromhex(d["block_hashes"]),  # as stored before 2026-12-06
         min_tier=Tier.parse(d["min_tier"]),
         created_unix_seconds=d["created_unix_seconds"],
         expires_unix_seconds=d["expires_unix_seconds"],
@@ -172,6 +176,14 @@ class DurableStore:
                 failure=[c.transactions.get(etcd_keys.LEADER_KEY), *failure] if compare else [],
             )
         except Exception as exc:  # noqa: BLE001 - any other etcd failure is "unavailable"
+            refusal = etcd_keys.refusal_reason(exc)
+            if refusal == etcd_keys.NOSPACE_ADVICE:  # answered: nothing applied; deletes (unpin) still go
+                self.errors_total += 1
+                log.error("etcd refused a write: %s", refusal)
+                raise errors.ResourceExhausted(f"{refusal}; unpin still works") from None
+            if refusal:
+                self.errors_total += 1
+                raise errors.InvalidArgument("request", f"etcd refused to store it: {refusal}") from None
             if _timed_out(exc):
                 # the transaction may be on the wire: etcd can still apply it when it answers
                 # again, so this is no refusal (a caller told "rejected" would hold a ghost)

@@ -12,7 +12,7 @@ import logging
 import threading
 import time
 
-from protos.etcd_keys import LEADER_KEY, is_unreachable
+from protos.etcd_keys import LEADER_KEY, is_unreachable, refusal_reason
 
 log = logging.getLogger(__name__)
 
@@ -33,6 +33,10 @@ class LeaderElection:
         self.epoch = 0
         self.leader_address = ""
         self._last_ok = 0.0  # monotonic time of the last step etcd answered
+        # why this replica cannot stand for election though etcd answers (it is out of
+        # space: no lease can be granted); '' when it can. Said to callers with no leader.
+        self.refusal = ""
+        self._refusal_logged = 0.0
 
     def run_once(self) -> bool:
         """One step: refresh our lease if leading, else try to win. Returns is_leader."""
@@ -46,7 +50,9 @@ class LeaderElection:
                     log.info("etcd is reachable again (leader: %s)", self.is_leader)
                 self.serving_from_memory = False
                 self._last_ok = time.monotonic()
+                self.refusal = ""
             except Exception as exc:  # noqa: BLE001 - sorted below: outage or lost leadership
+                self._note_refusal(exc)
                 if not is_unreachable(exc):
                     if self.is_leader:
                         log.warning("lost leadership (epoch %d): %s", self.epoch, exc)
@@ -58,6 +64,7 @@ class LeaderElection:
                     try:
                         self._campaign()
                     except Exception as again:  # noqa: BLE001 - the next step tries again
+                        self._note_refusal(again)
                         log.debug("reading the leader key after losing leadership: %s", again)
                         self.leader_address = ""
                     return self.is_leader
@@ -72,6 +79,13 @@ class LeaderElection:
                     self.serving_from_memory = True
                 self.is_leader = False
             return self.is_leader
+
+    def _note_refusal(self, exc: BaseException) -> None:
+        reason = refusal_reason(exc)
+        if reason and time.monotonic() - self._refusal_logged > 30.0:
+            log.error("cannot stand for control-plane leader: %s", reason)
+            self._refusal_logged = time.monotonic()
+        self.refusal = reason
 
     def _refresh(self) -> None:
         ttl = self._lease.refresh()[0].TTL

@@ -605,3 +605,32 @@ def test_pins_and_unpins_from_many_callers_all_answer_and_all_land(client, make_
     left = client.list_pins()
     assert not left, (left, len(set(pin_ids)))
     wait_for(lambda: len(agent.pool.pins.pins) == 0, 20, 0.1, "every pin lifted on the agent")
+
+
+def test_a_pin_of_the_largest_prefix_fits_etcd(client, make_agent, etcd):
+    """A prefix pin of 65,536 blocks was stored as hex (2 MiB) and etcd refused it as too
+    large ("etcd is unreachable", said the control plane): past ~45k blocks no pin could be
+    made. Stored as base64 now (1.4 MB, under etcd's 1.5 MiB); pins stored as hex before
+    still load."""
+    import json
+    import os
+
+    from controlplane.core.pins import MAX_PIN_BLOCKS
+    from controlplane.store.durable import pin_from_json
+
+    make_agent("big-pin")
+    wait_for(lambda: indexed(client, "big-pin") == 0, what="agent")
+    packed = os.urandom(16 * MAX_PIN_BLOCKS)
+    pin = client.pin(model_id=M.model_id, block_hashes=packed, ttl_seconds=60)
+    assert pin.num_blocks == MAX_PIN_BLOCKS
+    [listed] = client.list_pins()
+    assert listed.pin_id == pin.pin_id and listed.num_blocks == MAX_PIN_BLOCKS
+    with pytest.raises(ClientError) as info:  # one more is refused by kvcp, naming the limit
+        client.pin(model_id=M.model_id, block_hashes=packed + os.urandom(16), ttl_seconds=60)
+    assert info.value.code == "INVALID_ARGUMENT" and f"at most {MAX_PIN_BLOCKS} blocks" in str(info.value)
+
+    [(raw, _)] = list(etcd_keys.connect(etcd).get_prefix(etcd_keys.PINS_PREFIX))
+    assert len(raw) < 1_500_000 and pin_from_json(raw).block_hashes == packed
+    stored = json.loads(raw)
+    old = {k: v for k, v in stored.items() if k != "block_hashes_b64"} | {"block_hashes": packed[:32].hex()}
+    assert pin_from_json(json.dumps(old).encode()).block_hashes == packed[:32]

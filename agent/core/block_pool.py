@@ -42,6 +42,7 @@ from protos.block_hash import ROOT_PARENT_HASH
 from protos.tier import Tier
 
 log = logging.getLogger(__name__)
+NOTICE_EVERY_SECONDS = 10.0  # a repeated notice kind (write_error, ...) is said at most this often
 
 
 class BlockUnreadable(Exception):
@@ -403,6 +404,7 @@ class BlockPool:
         self._saved: dict[Tier, int] = {t.tier: 0 for t in self.tiers}
         self._stored: dict[Tier, int] = {t.tier: 0 for t in self.tiers}
         self.notices: deque[Notice] = deque(maxlen=1000)
+        self._notice_said: dict[str, tuple[float, int]] = {}  # kind -> (when last said, held back since)
         self.pins = PinTable()  # pins from the control plane (by hash or namespace)
         # by the tier a block left: for room (capacity), as commanded (a move, the control
         # plane's policy, an evict command), or by a cleanup
@@ -1866,9 +1868,22 @@ class BlockPool:
             return "none", codecs.encode("none", data)
 
     def _notice(self, kind: str, message: str) -> None:
-        log.warning("%s: %s", kind, message)
+        """Log a notice and queue it for the control plane's events. Repeated failures
+        (a full file system fails every write) are said once per kind every
+        NOTICE_EVERY_SECONDS with how many were held back, not hundreds a second; each
+        corrupt block is said, as it names what was lost."""
+        now = time.monotonic()
         with self.lock:
+            if kind != "corrupt_block":
+                last, held = self._notice_said.get(kind, (-NOTICE_EVERY_SECONDS, 0))
+                if now - last < NOTICE_EVERY_SECONDS:
+                    self._notice_said[kind] = (last, held + 1)
+                    return
+                if held:
+                    message += f" ({held} more like it in the last {now - last:.0f} s)"
+                self._notice_said[kind] = (now, 0)
             self.notices.append(Notice(kind, message, time.time()))
+        log.warning("%s: %s", kind, message)
 
     def _move_failed(self, reason: str) -> MoveOutcome:
         with self.lock:

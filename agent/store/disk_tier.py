@@ -96,6 +96,8 @@ _PAGE_BYTES = 4096
 # punching it would make every write allocate the file system's blocks again
 PUNCH_BELOW = 0.75
 PUNCH_SWEEP_REARM = 0.85  # the sweep of every free run comes again once the tier was this full
+REFIT_SECONDS = 5.0  # a tier cut to its file system's room looks at the room again this often
+FS_MARGIN_BYTES = 1 << 20  # of the file system's free space, left to the dead log and headers' growth
 
 
 def _load_fallocate():
@@ -378,7 +380,11 @@ class DiskTier:
             os.close(self.fd)  # releases the flock
             self.fd = -1
             raise ValueError(f"disk capacity {capacity_bytes} B is smaller than one {GRANULE_BYTES} B granule")
-        self.capacity_bytes = self.num_granules * GRANULE_BYTES
+        # what --disk-capacity asked; `capacity_bytes` is less while the file system cannot
+        # give that much (fit_to_file_system): the policy and the pool see the tier full
+        # there, instead of demoting into it writes that fail with ENOSPC
+        self.configured_capacity_bytes = self._capacity_bytes = self.num_granules * GRANULE_BYTES
+        self._fitted_monotonic = 0.0
         self.fsync = fsync
         # model_id -> its KV layout (ModelSpec.layout), written into each block's header
         # so that a restart under another layout does not adopt bytes of the old one
@@ -411,8 +417,47 @@ class DiskTier:
         self._compact_at = max(DEAD_LOG_COMPACT_RECORDS, self.num_granules // 4)
         self._clearer = threading.Thread(target=self._clear_loop, name="disk-clear", daemon=True)
         self._clearer.start()
+        self.fit_to_file_system()
+
+    def fit_to_file_system(self) -> int:
+        """Capacity = what was asked, or less: what the slab holds on its file system plus
+        the file system's free space (less a margin for the dead log). Said in the log when
+        it changes. Run at start, after a write failed for space, and every few seconds
+        while below what was asked (space freed elsewhere brings it back)."""
+        try:
+            st = os.fstatvfs(self.fd)
+            room = self.allocated_bytes() + st.f_bavail * st.f_frsize - FS_MARGIN_BYTES
+        except OSError:
+            return self._capacity_bytes
+        fitted = max(GRANULE_BYTES, min(self.configured_capacity_bytes, room // GRANULE_BYTES * GRANULE_BYTES))
+        with self._lock:
+            before, self._capacity_bytes = self._capacity_bytes, fitted
+            self._fitted_monotonic = time.monotonic()
+        if fitted != before:
+            if fitted < self.configured_capacity_bytes:
+                log.warning(
+                    "disk tier %s: its file system has room for %d MiB of the %d MiB asked (--disk-capacity); "
+                    "the tier counts as that size until space is freed",
+                    self.directory,
+                    fitted >> 20,
+                    self.configured_capacity_bytes >> 20,
+                )
+            else:
+                log.info("disk tier %s: its file system has room for all %d MiB again", self.directory, fitted >> 20)
+        return fitted
 
     # ---- space --------------------------------------------------------------------------
+    @property
+    def capacity_bytes(self) -> int:
+        """What the tier may hold: --disk-capacity, or less while its file system has no
+        room for that (looked at again every REFIT_SECONDS then: space freed elsewhere
+        comes back into use)."""
+        if self._capacity_bytes < self.configured_capacity_bytes and (
+            time.monotonic() - self._fitted_monotonic > REFIT_SECONDS
+        ):
+            self.fit_to_file_system()
+        return self._capacity_bytes
+
     @property
     def used_bytes(self) -> int:
         return self._used
@@ -440,12 +485,12 @@ class DiskTier:
 
     def _take_extent(self, n: int, phase: int | None) -> int | None:
         with self._lock:
-            if self._used + n * GRANULE_BYTES > self.capacity_bytes:
+            if self._used + n * GRANULE_BYTES > self._capacity_bytes:
                 return None
             start = self._extents.allocate(n, phase)
             if start is not None:
                 self._used += n * GRANULE_BYTES
-                if self._used > PUNCH_SWEEP_REARM * self.capacity_bytes:
+                if self._used > PUNCH_SWEEP_REARM * self._capacity_bytes:
                     self._swept = False  # seen here too: it may fall back before the next drain
             return start
 
@@ -511,9 +556,9 @@ class DiskTier:
         zeros, which a restart skips."""
         if not self.punch_holes:
             return []
-        if self._used > PUNCH_SWEEP_REARM * self.capacity_bytes:
+        if self._used > PUNCH_SWEEP_REARM * self._capacity_bytes:
             self._swept = False
-        if self._used > PUNCH_BELOW * self.capacity_bytes:
+        if self._used > PUNCH_BELOW * self._capacity_bytes:
             return []
         spans: list[tuple[int, int]] = []
         if not self._swept:  # every free run, those freed while the tier was fuller too
@@ -724,6 +769,8 @@ class DiskTier:
                 self.write_errors_total += len(run)
                 for item in run:
                     out[item[4]] = exc
+                if exc.errno in (errno.ENOSPC, errno.EDQUOT):
+                    self.fit_to_file_system()  # the tier is as full as its file system
                 continue
             for _, _, _, _, k, seq, digest in run:
                 items[k][0].seq, items[k][0].checksum = seq, digest

@@ -7,6 +7,7 @@ metadata; the facade follows it once, transparently."""
 
 from __future__ import annotations
 
+import errno
 import socket
 import ssl
 import struct
@@ -99,17 +100,31 @@ class LookupSocket:
         self._buf = bytearray(1 << 16)  # replies are read into this, header and body at once
 
     def _connect(self) -> socket.socket:
-        sock = socket.socket(self._family, socket.SOCK_STREAM)
-        sock.settimeout(self._timeout_seconds)
-        try:
-            sock.connect(self._where)
-        except OSError as exc:
-            sock.close()
-            raise ClientError(
-                "UNAVAILABLE",
-                f"cannot reach the lookup socket at {self.endpoint} ({exc.strerror or exc}); "
-                "is kvcp-controlplane running with --lookup-listen?",
-            ) from None
+        deadline = time.monotonic() + self._timeout_seconds
+        while True:
+            sock = socket.socket(self._family, socket.SOCK_STREAM)
+            sock.settimeout(self._timeout_seconds)
+            try:
+                sock.connect(self._where)
+                break
+            except OSError as exc:
+                sock.close()
+                # a Unix socket whose accept backlog is full refuses at once (EAGAIN) where
+                # TCP would wait: a burst of clients, not a missing server; wait as TCP does
+                if exc.errno in (errno.EAGAIN, errno.EWOULDBLOCK) and time.monotonic() < deadline:
+                    time.sleep(0.005)
+                    continue
+                if exc.errno in (errno.EAGAIN, errno.EWOULDBLOCK):
+                    raise ClientError(
+                        "UNAVAILABLE",
+                        f"the lookup socket at {self.endpoint} is busy (its accept queue stayed full for "
+                        f"{self._timeout_seconds:g} s); try again",
+                    ) from None
+                raise ClientError(
+                    "UNAVAILABLE",
+                    f"cannot reach the lookup socket at {self.endpoint} ({exc.strerror or exc}); "
+                    "is kvcp-controlplane running with --lookup-listen?",
+                ) from None
         if self._family != socket.AF_UNIX:
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         if self._ssl is not None:

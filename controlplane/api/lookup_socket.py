@@ -34,6 +34,7 @@ from protos.lookup_wire import HEADER_BYTES, MAX_FRAME_BYTES, frame, split_addre
 log = logging.getLogger(__name__)
 
 MAX_CONNECTIONS = 256
+LISTEN_BACKLOG = 1024  # a burst of routers connecting at once waits here (the kernel caps it at somaxconn)
 HANDSHAKE_SECONDS = 10.0
 # a connection silent this long is closed (clients reconnect once, transparently), so idle
 # or half-sent connections cannot hold the listener's slots
@@ -83,7 +84,7 @@ class LookupSocketServer:
                 sock.bind(self._where)
                 host, port = sock.getsockname()[:2]
                 self.address = f"[{host}]:{port}" if self._family == socket.AF_INET6 else f"{host}:{port}"
-            sock.listen(128)
+            sock.listen(LISTEN_BACKLOG)
         except OSError as exc:
             sock.close()
             raise OSError(f"cannot listen for lookups on {self.address}: {exc.strerror or exc}") from None

@@ -309,3 +309,41 @@ def test_a_frame_trickled_a_byte_at_a_time_loses_its_slot(etcd, monkeypatch):
             assert closed, "the trickling connection was still open after 2.4 s"
     finally:
         cp.stop()
+
+
+def test_a_burst_of_routers_connecting_at_once_all_get_answers(tmp_path):
+    """200 clients connecting to the Unix lookup socket at once: 1,085 of 4,000 lookups
+    failed "cannot reach the lookup socket ... is kvcp-controlplane running?" (a review):
+    its accept queue (128) overflowed and a Unix socket refuses at once (EAGAIN) where TCP
+    waits. The queue is 1,024 now, and a client waits for room as TCP does."""
+    import threading
+
+    from cli.client import LookupSocket
+    from controlplane.api.lookup_socket import LookupSocketServer
+
+    server = LookupSocketServer(
+        f"unix:{tmp_path}/burst.sock", answer=lambda r: admin_pb2.LookupResponse(model_id=r.model_id)
+    ).start()
+    failures: list = []
+    start = threading.Barrier(200)
+
+    def router(i: int) -> None:
+        client = LookupSocket(server.address, timeout_seconds=10)
+        try:
+            start.wait()
+            for _ in range(5):
+                assert client.call(admin_pb2.LookupRequest(model_id=f"m{i}", token_ids=[1])).model_id == f"m{i}"
+        except Exception as exc:  # noqa: BLE001 - counted and shown below
+            failures.append(exc)
+        finally:
+            client.close()
+
+    threads = [threading.Thread(target=router, args=(i,)) for i in range(200)]
+    try:
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(60)
+    finally:
+        server.stop()
+    assert failures == [], failures[:3]

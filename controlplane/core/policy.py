@@ -533,15 +533,34 @@ class _AgentPass:
         return None
 
     def _repair_pins(self) -> None:
-        """Pinned blocks held slower than their pin go back up, room or not."""
+        """Pinned blocks held slower than their pin go back up (parents first), as far as
+        the tier they go to can hold them: its capacity less the blocks pinned there that
+        cannot leave it. The shrink that follows makes the room; a tier full of such
+        blocks takes none (a promotion there fails on the agent, pass after pass: an idle
+        agent spun a core on it), and the pin holds where it can."""
         if not self.pins:
             return
         tiers = self.tiers
+        last = len(tiers) - 1
+        budget: dict[int, int] = {}
+
+        def room(k: int) -> int:
+            if k not in budget:
+                below = k + 1 if k < last else None
+                stuck = sum(1 for b in self.content[k] if not self.pin_allows(b, below))
+                budget[k] = tiers[k].capacity_blocks - stuck
+            return budget[k]
+
         for j in range(1, len(tiers)):
-            for h in list(self.content[j]):
+            wanted: dict[bytes, int] = {}
+            for h in self.content[j]:
                 pin = self.pins.min_tier(h)
                 if pin is not None and tiers[j].tier > pin:
-                    target = max((k for k, tv in enumerate(tiers) if tv.tier <= pin), default=0)
+                    wanted[h] = max((k for k, tv in enumerate(tiers) if tv.tier <= pin), default=0)
+            for h in _parents_first(list(wanted), self.parent):
+                target = wanted[h]
+                if room(target) > 0:
+                    budget[target] -= 1
                     self._move_up(h, j, target)
 
     def _promote_hot(self) -> None:

@@ -363,3 +363,37 @@ def test_an_unbounded_turnover_never_makes_a_priority_nan():
     )
     evicted = [b for a in decide(view, Policy(), 20.0) for b in a.block_hashes]
     assert evicted and evicted[0] == h(0)  # the least recently looked up goes first
+
+
+def test_a_tier_whose_next_tier_is_full_of_pinned_blocks_drops_instead_of_demoting():
+    """CPU over its watermark over a disk tier full of pinned blocks: the pass demoted CPU
+    tails into the disk anyway, the agent could make no room there, and the same failing
+    demotions came back every pass (an idle agent at 100 % of a core, ~400 failed moves a
+    second: a review). Only what the tiers below can take goes down; the rest is dropped
+    from the tier over its watermark."""
+    stats = AccessStats()
+    record(stats, [0, 1], 1.0)
+    record(stats, [2, 3], 2.0)
+    record(stats, [10, 11], 0.5)
+    pins = Pins(blocks={h(10): Tier.DISK, h(11): Tier.DISK})
+    full_of_pins = {"a": {Tier.CPU: (2, {**chain([0, 1]), **chain([2, 3])}), Tier.DISK: (2, chain([10, 11]))}}
+    assert decide(view(full_of_pins, stats, pins), EXACT, now=3.0) == [Evict("a", (h(1), h(0)))]
+    # one free block below: one goes down, the other is dropped
+    room_for_one = {"a": {Tier.CPU: (2, {**chain([0, 1]), **chain([2, 3])}), Tier.DISK: (3, chain([10, 11]))}}
+    actions = decide(view(room_for_one, stats, pins), EXACT, now=3.0)
+    assert sorted(evicted(actions)) == [h(0)] or sorted(evicted(actions)) == [h(1)]
+    assert sum(len(a.block_hashes) for a in actions if isinstance(a, Demote)) == 1
+
+
+def test_pinned_blocks_held_too_slow_go_up_only_as_far_as_room_can_be_made():
+    """A namespace pinned at cpu whose blocks fill the CPU tier and spill onto disk: the
+    pass promoted the disk ones "room or not", into a CPU tier of blocks that cannot
+    leave it, and the agent failed the same promotions every pass (a review). They stay
+    on disk until room can be made; with room for one, the parent goes first."""
+    stats = AccessStats()
+    record(stats, [0, 1, 2, 3], 1.0)
+    pins = Pins(blocks={h(i): Tier.CPU for i in range(4)})
+    spilled = {"a": {Tier.CPU: (2, {h(0): ROOT, h(1): h(0)}), Tier.DISK: (4, {h(2): h(1), h(3): h(2)})}}
+    assert decide(view(spilled, stats, pins), EXACT, now=2.0) == []
+    roomier = {"a": {Tier.CPU: (3, {h(0): ROOT, h(1): h(0)}), Tier.DISK: (4, {h(2): h(1), h(3): h(2)})}}
+    assert decide(view(roomier, stats, pins), EXACT, now=2.0) == [Promote("a", (h(2),), Tier.CPU)]

@@ -6,6 +6,7 @@ script (agent.main) builds the same thing."""
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 import time
@@ -43,6 +44,7 @@ from protos.security import PEER_METHODS, TLSConfig, TokenAuthInterceptor, add_p
 from protos.tier import Tier
 
 log = logging.getLogger(__name__)
+PIN_SAVE_SPACING_SECONDS = 0.2  # pin-table saves are at most this often (a burst of commands is one)
 
 DEMO_MODEL = ModelSpec("demo-model", block_size=16, num_layers=2, num_kv_heads=2, head_dim=32, dtype="float16")
 MAX_MESSAGE_BYTES = ENGINE_MESSAGE_BYTES
@@ -134,8 +136,9 @@ class Agent:
         )
         self.link.token, self.link.tls = config.controlplane_token, config.tls
         self.link.etcd_leader = self._etcd_leader
+        self._pins_dirty = threading.Event()
         if self.pin_file is not None:
-            self.link.on_pins_changed = self._save_pins
+            self.link.on_pins_changed = self._pins_dirty.set  # saved by the pin-saver thread
             for pin in list(self.pool.pins.pins.values()):  # restored: up to their tier again
                 if not pin.block_hashes and pin.namespace:
                     self.link.raise_to_pin(pin.namespace, pin.tier)
@@ -197,6 +200,22 @@ class Agent:
         if host in ("", "0.0.0.0", "::"):  # bound to all interfaces: peers use our advertised host
             host = self.address.rpartition(":")[0]
         return f"{host}:{self.metrics_server.port}"
+
+    def _pin_saver(self, stop: threading.Event) -> None:
+        """Save the pin table after pin commands, at most every PIN_SAVE_SPACING_SECONDS: a
+        burst of commands (a thousand pins re-sent after a restart) is one write, where a
+        write per command rewrote the whole file each time (O(n^2); 3,000 pins kept an
+        agent at a full core for minutes and its operations waited behind it). The pins
+        stand in memory at once; the file is what a restart without a control plane reads."""
+        while not stop.is_set():
+            if not self._pins_dirty.wait(0.5):
+                continue
+            self._pins_dirty.clear()
+            try:
+                self._save_pins()
+            except OSError as exc:  # the pins stand in memory; the control plane re-sends after a restart
+                log.warning("could not save the pin table: %s", exc)
+            stop.wait(PIN_SAVE_SPACING_SECONDS)
 
     def _save_pins(self) -> None:
         with self.pool.lock:
@@ -294,6 +313,8 @@ class Agent:
         if self.vllm_events is not None:
             self._spawn("vllm-events", self.vllm_events.run_forever)
         self._spawn("mover", self.mover.run_forever)
+        if self.pin_file is not None:
+            self._spawn("pin-saver", self._pin_saver)
         self._spawn("dataplane", self.dataplane.run_forever)
         log.info("agent %s serving on %s", self.agent_id, self.address)
         return self
@@ -314,6 +335,9 @@ class Agent:
             self.metrics_server.stop()
         for t in self._threads:
             t.join(timeout=3)
+        if self.pin_file is not None and self._pins_dirty.is_set():
+            with contextlib.suppress(OSError):
+                self._save_pins()  # the last commands' pins, not yet saved by the thread
         self.dataplane.close()
         self.pool.close()
         for store in self.pool.store_of.values():

@@ -250,6 +250,12 @@ class AgentCollector:
             (c, "kvcp_corrupt_blocks_total", "Blocks found corrupt or truncated on read, removed, never returned.", a),
             (
                 c,
+                "kvcp_store_refused_blocks_total",
+                "Blocks of engine stores not kept: every tier was full of blocks that may not go (pinned, in use).",
+                a,
+            ),
+            (
+                c,
                 "kvcp_disk_write_errors_total",
                 "Block writes the disk tier's file system refused (ENOSPC, EIO); the tier shrinks to what fits.",
                 a,
@@ -339,6 +345,7 @@ class AgentCollector:
             f["kvcp_tier_moved_bytes_total"].add_metric([aid, src.label, dst.label], n)
         f["kvcp_move_failures_total"].add_metric([aid], int(getattr(pool, "move_failures_total", 0) or 0))
         f["kvcp_corrupt_blocks_total"].add_metric([aid], int(getattr(pool, "corrupt_blocks_total", 0) or 0))
+        f["kvcp_store_refused_blocks_total"].add_metric([aid], int(getattr(pool, "store_refused_blocks_total", 0)))
         disk_errors = sum(getattr(t, "write_errors_total", 0) for t in getattr(pool, "tiers", ()))
         f["kvcp_disk_write_errors_total"].add_metric([aid], int(disk_errors))
         gpu_codec = dict.fromkeys(GPU_CODEC_SERIES, 0) | dict(getattr(pool, "gpu_codec_blocks_total", None) or {})

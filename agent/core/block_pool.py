@@ -404,7 +404,10 @@ class BlockPool:
         self._saved: dict[Tier, int] = {t.tier: 0 for t in self.tiers}
         self._stored: dict[Tier, int] = {t.tier: 0 for t in self.tiers}
         self.notices: deque[Notice] = deque(maxlen=1000)
-        self._notice_said: dict[str, tuple[float, int]] = {}  # kind -> (when last said, held back since)
+        self._notice_said: dict[str, tuple[float, int]] = {}
+        self.store_refused_blocks_total = (
+            0  # blocks of engine stores no tier had room for  # kind -> (when last said, held back since)
+        )
         self.pins = PinTable()  # pins from the control plane (by hash or namespace)
         # by the tier a block left: for room (capacity), as commanded (a move, the control
         # plane's policy, an evict command), or by a cleanup
@@ -513,6 +516,7 @@ class BlockPool:
         codec = self._tier_codec(top.tier, model_id)
         room_made = False  # for the new blocks, at once, before the first of them
         stored = present = 0
+        no_room_at: int | None = None  # the first block no tier had room for
         chain: list[bytes] = []
         # Only the current parent is referenced while its child is written: the rest of
         # the chain may be demoted meanwhile, so a chain longer than the top tier spills.
@@ -582,6 +586,7 @@ class BlockPool:
                     block_codec, payload = self._encode_for(codec, data)
                     digest = payload_checksum(payload)
                 if handle is None:
+                    no_room_at = i if h not in self.blocks else None
                     break
                 try:
                     top.write(handle, payload, pending)
@@ -610,6 +615,15 @@ class BlockPool:
                     self._account(pending, -1)
                     self.store_of[pending.tier].free(pending.handle)
                 self.touch(chain)
+        if no_room_at is not None:
+            refused = len(block_hashes) - no_room_at
+            with self.lock:
+                self.store_refused_blocks_total += refused
+            self._notice(
+                "no_room",
+                f"a store for {model_id} kept {no_room_at} of its {len(block_hashes)} blocks: every tier is full of "
+                f"blocks that may not go (pinned, being read or moved); {refused} not stored",
+            )
         return stored, present
 
     def _room_for_chain(self, store: TierStore, leading: Sequence[bytes], num_new: int, codec: str, spec) -> None:

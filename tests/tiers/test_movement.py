@@ -394,3 +394,30 @@ def test_decoded_matches_what_load_returns(tmp_path):
     pool, engine, toks, data, hs = stored(tmp_path, n=2)
     assert pool.move_block(hs[1], Tier.DISK, "int4").ok
     assert torch.equal(engine.load(SPEC.model_id, toks).kv[1], decoded(pool, hs[1]))
+
+
+def test_a_store_no_tier_has_room_for_is_counted_and_said(tmp_path):
+    """Every tier full of pinned blocks: an engine's store kept nothing and said nothing
+    (OK, 0 stored, no metric, no log: a review). Now counted (store_refused_blocks_total,
+    kvcp_store_refused_blocks_total) and said in a no_room notice, once per 10 s."""
+    from agent.store.disk_tier import DiskTier
+    from tests.tiers.support import BLOCK_BYTES, make_engine, make_pool
+
+    probe = DiskTier(tmp_path / "probe", 1 << 20)
+    footprint = probe.footprint(BLOCK_BYTES)
+    probe.close()
+    pool = make_pool(tmp_path / "disk", cpu_blocks=2, disk_bytes=4 * footprint)  # 2 + 4 blocks in all
+    engine = make_engine(pool)
+    first = tokens(6)
+    engine.store(SPEC.model_id, first, kv(6))
+    held = [h for h in hashes(engine, first) if pool.tier_of(h) is not None]
+    assert len(held) == 6
+    pool.set_pin(held, Tier.DISK)
+    pool.drain_notices()
+    other = tokens(3, start=50_000)
+    for _ in range(3):
+        assert engine.store(SPEC.model_id, other, kv(3, seed=1)).num_stored_blocks == 0
+    assert pool.store_refused_blocks_total == 9
+    said = [n for n in pool.drain_notices() if n.kind == "no_room"]
+    assert len(said) == 1 and "kept 0 of its 3 blocks" in said[0].message  # the repeats held back
+    check_pool(pool)

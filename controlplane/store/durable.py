@@ -133,11 +133,23 @@ def op_from_json(raw: bytes) -> Operation:
     return op
 
 
+# how gRPC says a call never left (no connection was made): a refusal, nothing applied
+_NEVER_SENT = ("failed to connect", "connection refused", "no route to host", "dns resolution", "name resolution")
+
+
 def _timed_out(exc: Exception) -> bool:
-    """A call that got no answer in time (sent, maybe applied), not one that never left."""
+    """A call that may have reached etcd and got no answer (maybe applied): a timeout, or
+    a connection that broke mid-call ("Socket closed", a reset: etcd killed while the
+    write was on its way), not one that never connected."""
     from pyetcd import exceptions as ex
 
-    return isinstance(exc, ex.ConnectionTimeoutError)
+    if isinstance(exc, ex.ConnectionTimeoutError):
+        return True
+    if isinstance(exc, ex.ConnectionFailedError):
+        cause = exc.__context__  # the gRPC error pyetcd translated
+        details = cause.details() if callable(getattr(cause, "details", None)) else ""
+        return bool(details) and not any(s in details.lower() for s in _NEVER_SENT)
+    return False
 
 
 class DurableStore:

@@ -523,6 +523,7 @@ class Manager:
         if held is not None:  # a pin past its TTL under this id, or none that parses: replaced
             self.durable.put(key, value, lease_id)
         self.pins[pin.pin_id] = pin
+        self._unpinned.pop(pin.pin_id, None)  # made again under its id: the reload may list it
         return None
 
     @staticmethod
@@ -669,10 +670,10 @@ class Manager:
     def _reload_pins(self) -> None:
         """Level-triggered: etcd is the truth (a pin tied to an owner lease vanishes with it)."""
         with self._lock:
-            before = set(self.pins)  # a pin created after the read below is not 'gone'
+            before = dict(self.pins)  # a pin created (or made again) after the read below is not 'gone'
         stored = {p.pin_id: p for p in self.durable.load_pins()}
         with self._lock:
-            gone = [pid for pid in before if pid in self.pins and pid not in stored]
+            gone = [pid for pid, p in before.items() if self.pins.get(pid) is p and pid not in stored]
             for pid in gone:
                 del self.pins[pid]
                 self._pin_refusals.clear()  # a lifted pin may free what an agent refused
@@ -1220,20 +1221,28 @@ class Manager:
                 merged = self.policy_validator(values)
                 if self.durable.replace(etcd_keys.POLICY_KEY, json.dumps(merged, sort_keys=True), self.policy_revision):
                     break
-                # written in etcd since this replica read it (by hand, or a restore): merge into that
+                # written in etcd since this replica read it (by hand, or a restore): merge into
+                # that; a key deleted there is written back from memory, as the reload treats it
                 stored, revision = self.durable.load_policy()
-                self.policy, self.policy_revision = self._valid_stored_policy(stored), revision
+                if revision:
+                    self.policy = self._valid_stored_policy(stored)
+                self.policy_revision = revision
             else:
                 raise errors.Unavailable("the stored policy kept changing under this write; try again")
             self.policy = merged
             try:
-                _, self.policy_revision = self.durable.load_policy()
+                # what etcd holds now, with its revision: an edit that landed right after this
+                # write is taken with it (its revision alone would hide it from the reload)
+                stored, revision = self.durable.load_policy()
+                if revision:
+                    self.policy, self.policy_revision = self._valid_stored_policy(stored), revision
             except errors.KvcpError:
                 pass  # the next reload or GetPolicy shows it
+            result = dict(self.policy)
         self.cluster.events.publish(
             "policy", "policy set: " + ", ".join(f"{k}={v}" for k, v in sorted(changes.items()))
         )
-        return dict(merged)
+        return result
 
     def _reload_policy(self) -> None:
         """Level-triggered like the pins: a policy written in etcd by other means than

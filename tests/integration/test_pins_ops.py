@@ -664,3 +664,35 @@ def test_a_burst_of_pins_is_saved_on_the_agent_in_a_few_writes(client, make_agen
     wait_for(lambda: len(agent.pool.pins.pins) == 299, 10, 0.05, "unpinned on the agent")
     agent.stop()
     assert len(PinFile(tmp_path / "disk").load()) == 299
+
+
+def test_a_pin_made_again_under_its_id_during_a_reload_stays_listed(controlplane):
+    """Unpin X and pin X again while the loop's reload reads etcd: the reload counted the
+    new X as gone (released, lifted from agents) and, remembering X as unpinned, kept it
+    out of memory for a minute though etcd held it (a review of this session's change)."""
+    from controlplane.manager import Scope
+    from protos.tier import Tier
+
+    m = controlplane.manager
+    m.ensure_loaded()
+    m.pin(Scope(namespace="ns"), Tier.CPU, 600, pin_id="X")
+    real = m.durable.load_pins
+    calls = []
+
+    def racing_read():
+        if not calls:
+            calls.append(1)
+            m.unpin("X")  # an Unpin lands while the read is under way...
+            out = real()  # (the read sees no X)
+            m.pin(Scope(namespace="ns"), Tier.CPU, 600, pin_id="X")  # ...and the pin is made again
+            return out
+        return real()
+
+    m.durable.load_pins = racing_read
+    try:
+        m._reload_pins()
+    finally:
+        m.durable.load_pins = real
+    assert "X" in m.pins and [p.pin_id for p in m.list_pins()] == ["X"]
+    m._reload_pins()
+    assert "X" in m.pins

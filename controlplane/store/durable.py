@@ -25,14 +25,24 @@ def pin_key(pin: Pin) -> str:
     return f"{etcd_keys.PINS_PREFIX}{pin.namespace}/{pin.pin_id}"
 
 
+# prefix pins' digests as hex, which every release reads, up to this many bytes of hex;
+# longer ones as base64 (a 65,536-block pin is 2 MiB in hex, over etcd's 1.5 MiB request
+# limit; 1.4 MB in base64), which releases before 2026-12-06 cannot read
+HEX_PIN_LIMIT_BYTES = 1 << 20
+
+
 def pin_to_json(p: Pin) -> str:
+    digests = (
+        {"block_hashes": p.block_hashes.hex()}
+        if 2 * len(p.block_hashes) <= HEX_PIN_LIMIT_BYTES
+        else {"block_hashes_b64": base64.b64encode(p.block_hashes).decode()}
+    )
     return json.dumps(
         {
             "pin_id": p.pin_id,
             "namespace": p.namespace,
             "model_id": p.model_id,
-            # base64, not hex: a pin of 65,536 blocks must fit etcd's 1.5 MiB request limit
-            "block_hashes_b64": base64.b64encode(p.block_hashes).decode(),
+            **digests,
             "min_tier": p.min_tier.label,
             "created_unix_seconds": p.created_unix_seconds,
             "expires_unix_seconds": p.expires_unix_seconds,
@@ -52,7 +62,7 @@ def pin_from_json(raw: bytes) -> Pin:
         model_id=d["model_id"],
         block_hashes=base64.b64decode(d["block_hashes_b64"], validate=True)
         if "block_hashes_b64" in d
-        else bytes.fromhex(d["block_hashes"]),  # as stored before 2026-12-06
+        else bytes.fromhex(d["block_hashes"]),
         min_tier=Tier.parse(d["min_tier"]),
         created_unix_seconds=d["created_unix_seconds"],
         expires_unix_seconds=d["expires_unix_seconds"],

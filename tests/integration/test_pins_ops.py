@@ -610,8 +610,8 @@ def test_pins_and_unpins_from_many_callers_all_answer_and_all_land(client, make_
 def test_a_pin_of_the_largest_prefix_fits_etcd(client, make_agent, etcd):
     """A prefix pin of 65,536 blocks was stored as hex (2 MiB) and etcd refused it as too
     large ("etcd is unreachable", said the control plane): past ~45k blocks no pin could be
-    made. Stored as base64 now (1.4 MB, under etcd's 1.5 MiB); pins stored as hex before
-    still load."""
+    made. Past 32,768 blocks stored as base64 now (1.4 MB, under etcd's 1.5 MiB); shorter
+    ones stay hex, which older replicas read (a rolling upgrade keeps their pins)."""
     import json
     import os
 
@@ -631,9 +631,12 @@ def test_a_pin_of_the_largest_prefix_fits_etcd(client, make_agent, etcd):
 
     [(raw, _)] = list(etcd_keys.connect(etcd).get_prefix(etcd_keys.PINS_PREFIX))
     assert len(raw) < 1_500_000 and pin_from_json(raw).block_hashes == packed
-    stored = json.loads(raw)
-    old = {k: v for k, v in stored.items() if k != "block_hashes_b64"} | {"block_hashes": packed[:32].hex()}
-    assert pin_from_json(json.dumps(old).encode()).block_hashes == packed[:32]
+    assert "block_hashes_b64" in json.loads(raw)
+    client.unpin(pin.pin_id)
+    small = client.pin(model_id=M.model_id, block_hashes=packed[:32], ttl_seconds=60)
+    [(raw, _)] = list(etcd_keys.connect(etcd).get_prefix(etcd_keys.PINS_PREFIX))
+    assert json.loads(raw)["block_hashes"] == packed[:32].hex()  # as every release reads it
+    assert pin_from_json(raw).block_hashes == packed[:32] and small.num_blocks == 2
 
 
 def test_a_burst_of_pins_is_saved_on_the_agent_in_a_few_writes(client, make_agent, controlplane, tmp_path):

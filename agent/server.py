@@ -213,8 +213,10 @@ class Agent:
             self._pins_dirty.clear()
             try:
                 self._save_pins()
-            except OSError as exc:  # the pins stand in memory; the control plane re-sends after a restart
-                log.warning("could not save the pin table: %s", exc)
+            except OSError as exc:  # the pins stand in memory; saved again in a second
+                log.warning("could not save the pin table (retried): %s", exc)
+                self._pins_dirty.set()
+                stop.wait(1.0)
             stop.wait(PIN_SAVE_SPACING_SECONDS)
 
     def _save_pins(self) -> None:

@@ -42,3 +42,33 @@ def test_the_file_is_the_owners_only_and_no_planted_link_is_followed(tmp_path):
     assert stat.S_IMODE(os.stat(f.path).st_mode) == 0o600
     assert victim.read_text() == "keep me"
     assert [p.pin_id for p in f.load()] == ["a"]
+
+
+def test_a_pin_table_save_that_failed_is_tried_again():
+    """The saver cleared its flag before saving: one ENOSPC and nothing was saved until
+    the next pin command, nor at stop (a review). It is tried again a second later."""
+    import errno
+    import threading
+    import time
+    import types
+
+    from agent.server import Agent
+
+    calls = []
+
+    def save():
+        calls.append(time.monotonic())
+        if len(calls) == 1:
+            raise OSError(errno.ENOSPC, "No space left on device")
+
+    saver = types.SimpleNamespace(_pins_dirty=threading.Event(), _save_pins=save)
+    stop = threading.Event()
+    t = threading.Thread(target=Agent._pin_saver, args=(saver, stop), daemon=True)
+    t.start()
+    saver._pins_dirty.set()  # one pin command; the volume is full at first, then not
+    deadline = time.monotonic() + 5
+    while len(calls) < 2 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    stop.set()
+    t.join(5)
+    assert len(calls) == 2 and not saver._pins_dirty.is_set()

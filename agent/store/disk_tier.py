@@ -483,6 +483,24 @@ class DiskTier:
             return None
         return DiskHandle(start * GRANULE_BYTES, n * GRANULE_BYTES)
 
+    def _out_of_space(self) -> None:
+        """A write found the file system full. Freed space kept in the slab for reuse
+        (not punched above 3/4 full) goes back to it, since a write into a hole needs the
+        file system's blocks, and the capacity is fitted again. A second ENOSPC soon after
+        a fit (the free runs are too fragmented for what is written) counts the tier as
+        full at what it holds, until the next look a few seconds on."""
+        again = time.monotonic() - self._fitted_monotonic < REFIT_SECONDS
+        with self._lock:
+            spans = [(s * GRANULE_BYTES, (s + n) * GRANULE_BYTES) for s, n in self._extents.runs()]
+        self._punch(
+            [(-(-lo // _PAGE_BYTES) * _PAGE_BYTES, hi // _PAGE_BYTES * _PAGE_BYTES) for lo, hi in spans if hi > lo]
+        )
+        fitted = self.fit_to_file_system()
+        if again:
+            with self._lock:
+                self._capacity_bytes = min(fitted, max(GRANULE_BYTES, -(-self._used // GRANULE_BYTES) * GRANULE_BYTES))
+                self._fitted_monotonic = time.monotonic()
+
     def _take_extent(self, n: int, phase: int | None) -> int | None:
         with self._lock:
             if self._used + n * GRANULE_BYTES > self._capacity_bytes:
@@ -770,7 +788,7 @@ class DiskTier:
                 for item in run:
                     out[item[4]] = exc
                 if exc.errno in (errno.ENOSPC, errno.EDQUOT):
-                    self.fit_to_file_system()  # the tier is as full as its file system
+                    self._out_of_space()
                 continue
             for _, _, _, _, k, seq, digest in run:
                 items[k][0].seq, items[k][0].checksum = seq, digest

@@ -38,6 +38,8 @@ class EtcdLock:
         self._refresher: threading.Thread | None = None
         self.held = False  # False again once another holder took the key after our lease lapsed
         self.lost_total = 0  # times the lease lapsed while held
+        self._lapsed = False  # the lease lapsed and the key is not ours again yet
+        self._swap = threading.Lock()  # the lease swap of a retake against release()
 
     def try_acquire(self) -> bool:
         lease, _ = self._take()
@@ -82,6 +84,16 @@ class EtcdLock:
         self.release()  # taken but not drained in time: let the others go on
         return False
 
+    def _holders_inside(self) -> list[str]:
+        """Holders of other keys under `drain_prefix` (sub-scope locks), by value."""
+        if not self.drain_prefix:
+            return []
+        return [
+            value.decode(errors="replace")
+            for value, meta in self._client.get_prefix(self.drain_prefix)
+            if meta.key.decode() != self.key
+        ]
+
     def _drained(self) -> bool:
         if not self.drain_prefix:
             return True
@@ -100,19 +112,41 @@ class EtcdLock:
     def _retake(self) -> None:
         """The lease lapsed (etcd was away longer than its TTL): the key went with it and
         another holder may have taken it. Take it again where it is free; otherwise say
-        that the scope is no longer held exclusively."""
-        self.lost_total += 1
+        that the scope is no longer held exclusively (a sub-scope lock taken meanwhile,
+        for a lock that waits for those to drain, counts too)."""
+        if not self._lapsed:
+            self._lapsed = True
+            self.lost_total += 1
+            log.warning("lock %s held by %s lapsed with its lease", self.key, self.holder)
         try:
             lease, other = self._take()
         except Exception as exc:  # noqa: BLE001 - etcd away again: the next refresh tries again
-            log.warning("lock %s held by %s lapsed with its lease; not taken again yet: %s", self.key, self.holder, exc)
+            log.debug("lock %s not taken again yet: %s", self.key, exc)
             return
         if lease is not None:
-            if self._stop.is_set():  # released meanwhile
-                lease.revoke()
+            with self._swap:
+                if self._stop.is_set():  # released meanwhile
+                    lease.revoke()
+                    return
+                self._lease = lease
+            self._lapsed = False
+            try:
+                inside = self._holders_inside()
+            except Exception as exc:  # noqa: BLE001 - not known: said as taken again
+                log.debug("listing the holders inside lock %s: %s", self.key, exc)
+                inside = []
+            if not inside:
+                log.warning("lock %s held by %s was taken again", self.key, self.holder)
                 return
-            self._lease = lease
-            log.warning("lock %s held by %s lapsed with its lease and was taken again", self.key, self.holder)
+            # kept (no new one starts inside), but those that did run beside this holder
+            self.held = False
+            log.error(
+                "lock %s held by %s lapsed with its lease and was taken again, but %s started inside its scope "
+                "meanwhile: they may run side by side",
+                self.key,
+                self.holder,
+                ", ".join(inside),
+            )
             return
         self.held = False
         log.error(
@@ -124,11 +158,12 @@ class EtcdLock:
         self._stop.set()
 
     def release(self) -> None:
-        self._stop.set()
-        self.held = False
-        if self._lease is not None:
+        with self._swap:
+            self._stop.set()
+            self.held = False
+            lease, self._lease = self._lease, None
+        if lease is not None:
             try:
-                self._lease.revoke()  # deletes the key with it
+                lease.revoke()  # deletes the key with it
             except Exception:  # noqa: BLE001 - it expires by itself then
                 pass
-            self._lease = None

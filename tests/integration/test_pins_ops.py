@@ -699,3 +699,33 @@ def test_a_pin_made_again_under_its_id_during_a_reload_stays_listed(controlplane
     assert "X" in m.pins and [p.pin_id for p in m.list_pins()] == ["X"]
     m._reload_pins()
     assert "X" in m.pins
+
+
+def test_a_scope_lock_taken_again_says_when_a_sub_scope_started_meanwhile(etcd, caplog):
+    """The all-namespaces cleanup lock waits for namespace locks to drain; when its lease
+    lapsed, a namespace cleanup could start, and the retake said "taken again" and counted
+    as held while both ran (a review of this session's change)."""
+    import logging
+
+    from controlplane.store.locks import EtcdLock
+
+    caplog.set_level(logging.WARNING)
+    other = etcd_keys.connect(etcd)
+    all_key = etcd_keys.LOCKS_PREFIX + "cleanup/_all"
+    big = EtcdLock(
+        etcd_keys.connect(etcd),
+        "cleanup/_all",
+        "all-op",
+        ttl_seconds=3,
+        drain_prefix=etcd_keys.LOCKS_PREFIX + "cleanup/",
+    )
+    assert big.acquire(5)
+    other.revoke_lease(big._lease.id)  # lapsed (etcd away past its TTL)
+    ns = EtcdLock(other, "cleanup/ns1", "ns-op", also_absent=(all_key,))
+    assert ns.try_acquire()  # the _all key is gone: the namespace cleanup starts
+    wait_for(lambda: big.lost_total == 1 and other.get(all_key)[0] == b"all-op", 6, what="retaken")
+    wait_for(lambda: not big.held, 3, what="said not exclusive")
+    assert any("ns-op started inside its scope" in r.getMessage() for r in caplog.records)
+    assert not EtcdLock(other, "cleanup/ns2", "ns2-op", also_absent=(all_key,)).try_acquire()  # no new one
+    big.release()
+    ns.release()

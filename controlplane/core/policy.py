@@ -456,6 +456,7 @@ class _AgentPass:
                 self.parent.update(tv.blocks)
         self.content: list[set[bytes]] = [set(tv.blocks) for tv in tiers]
         self.origin: dict[bytes, int] = {}  # level before the pass, of blocks it moves
+        self.moved_in: list[tuple[bytes, int]] = []  # (block, level) of each move, in order
         self.dropped: list[bytes] = []
 
     def priority(self, h: bytes) -> tuple[float, int, int, bytes]:
@@ -489,7 +490,30 @@ class _AgentPass:
             tp = self.policy.tier(tv.tier)
             if len(self.content[i]) > _threshold(tp.high_watermark, tv.capacity_blocks):
                 self._shrink(i, len(self.content[i]) - _threshold(tp.low_watermark, tv.capacity_blocks), i == last)
+        self._fit_capacities()
         return self._actions()
+
+    def _fit_capacities(self) -> None:
+        """Undo the pass's latest moves into a tier it leaves over its capacity (blocks
+        there that may not leave it: pinned at that tier), most recent first, until every
+        tier fits: an agent cannot carry such moves out, and the same failing moves came
+        back every pass. Undoing the latest first takes a demoted chain back parents first
+        and a promoted one children first, so no block ends slower than its child."""
+        while True:
+            over = [k for k, tv in enumerate(self.tiers) if len(self.content[k]) > tv.capacity_blocks]
+            if not over:
+                return
+            for idx in range(len(self.moved_in) - 1, -1, -1):
+                h, k = self.moved_in[idx]
+                if k in over and h in self.content[k]:
+                    # back where this move took it from: its previous move's level, or its origin
+                    back = next((lv for b, lv in reversed(self.moved_in[:idx]) if b == h), self.origin[h])
+                    del self.moved_in[idx]
+                    self.content[k].discard(h)
+                    self.content[back].add(h)
+                    break
+            else:
+                return  # over before the pass: nothing of this pass to undo
 
     def _shrink(self, i: int, need: int, is_last: bool) -> None:
         """Move `need` tails out of level i: down one level, or out of the agent."""
@@ -518,6 +542,7 @@ class _AgentPass:
                 self.dropped.append(h)
             else:
                 self.content[i + 1].add(h)
+                self.moved_in.append((h, i + 1))
             need -= 1
             p = parent[h]
             n = blockers.get(p)
@@ -603,6 +628,7 @@ class _AgentPass:
         self.origin.setdefault(h, frm)
         self.content[frm].discard(h)
         self.content[to].add(h)
+        self.moved_in.append((h, to))
 
     def _actions(self) -> list[Action]:
         """Net moves of the pass, in an order an agent can apply one by one: drops first

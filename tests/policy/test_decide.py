@@ -267,7 +267,7 @@ def scenarios(draw):
 def eligible_victims(agent: FakeAgent, tier: Tier, slowest: Tier) -> list[bytes]:
     """Blocks the pass could still move out of `tier`: unpinned for this move and with
     no child holding them in place (in a tier as fast or faster; any child when the
-    block would be dropped)."""
+    block would be dropped), into a next tier with room left after the pass."""
     out = []
     for b, t in agent.tier_of.items():
         if t is not tier:
@@ -279,7 +279,8 @@ def eligible_victims(agent: FakeAgent, tier: Tier, slowest: Tier) -> list[bytes]
                 out.append(b)
         else:
             nxt = min(x for x in agent.capacity if x > tier)
-            if (pin is None or nxt <= pin) and all(agent.tier_of[c] > tier for c in kids):
+            room = agent.used(nxt) < agent.capacity[nxt]
+            if room and (pin is None or nxt <= pin) and all(agent.tier_of[c] > tier for c in kids):
                 out.append(b)
     return out
 
@@ -301,6 +302,8 @@ def test_decide_keeps_the_invariants(scenario):
             high = int(tp.high_watermark * tv.capacity_blocks + 1e-9)
             low = int(tp.low_watermark * tv.capacity_blocks + 1e-9)
             used = agent.used(tv.tier)
+            # never over capacity (the agent could not carry the moves out) unless it was before
+            assert used <= max(tv.capacity_blocks, len(tv.blocks)), (tv.tier, used, tv.capacity_blocks)
             # never above the high watermark while an unpinned victim is left
             if used > high:
                 assert not eligible_victims(agent, tv.tier, tiers[-1]), (tv.tier, used, high)
@@ -397,3 +400,22 @@ def test_pinned_blocks_held_too_slow_go_up_only_as_far_as_room_can_be_made():
     assert decide(view(spilled, stats, pins), EXACT, now=2.0) == []
     roomier = {"a": {Tier.CPU: (3, {h(0): ROOT, h(1): h(0)}), Tier.DISK: (4, {h(2): h(1), h(3): h(2)})}}
     assert decide(view(roomier, stats, pins), EXACT, now=2.0) == [Promote("a", (h(2),), Tier.CPU)]
+
+
+def test_no_move_goes_into_a_tier_it_would_leave_over_capacity():
+    """Moves into a tier full of blocks pinned there (that cannot leave) were sent anyway:
+    GPU tails demoted into such a CPU tier, a pinned block promoted into it while the GPU
+    shrink filled it; the agent failed them and the same moves came back every pass (a
+    review). What cannot fit is left where it was."""
+    stats = AccessStats()
+    x1, x2, w = h(0), h(1), h(2)
+    pins = Pins(blocks={x1: Tier.CPU, x2: Tier.CPU, w: Tier.CPU})
+    v = view({"a": {Tier.GPU: (1, {x1: ROOT, x2: ROOT}), Tier.CPU: (1, {w: ROOT}), Tier.DISK: (10, {})}}, stats, pins)
+    assert decide(v, EXACT, now=1.0) == []  # GPU stays over: nowhere for its tails to go
+    x, z = h(10), h(11)
+    pins = Pins(blocks={x: Tier.CPU, z: Tier.GPU, w: Tier.CPU})
+    v = view({"a": {Tier.GPU: (1, {x: ROOT}), Tier.CPU: (1, {}), Tier.DISK: (10, {z: ROOT, w: ROOT})}}, stats, pins)
+    agent = FakeAgent(v.agents[0], pins)
+    for action in decide(v, EXACT, now=1.0):
+        agent.apply(action)
+    assert all(agent.used(t) <= cap for t, cap in agent.capacity.items())

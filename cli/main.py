@@ -136,7 +136,7 @@ class _Group(click.Group):
             fail(f"cannot write the output: {exc.strerror or exc}", 1)
 
 
-_DURATION = re.compile(r"^(\d+(?:\.\d+)?)(ms|s|m|h|d)?$")
+_DURATION = re.compile(r"^(\d+(?:\.\d+)?|\.\d+)(ms|s|m|h|d)?$")
 _UNITS = {"ms": 0.001, "s": 1, "m": 60, "h": 3600, "d": 86400, None: 1}
 
 

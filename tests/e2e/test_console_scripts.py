@@ -371,6 +371,6 @@ def test_a_kvctl_option_given_after_the_command_is_named_as_kvctls_own(argv):
 def test_kvctl_timeout_takes_a_duration_as_the_other_options_do():
     """`--timeout 5s` was refused ("'5s' is not a valid float") where --ttl, --older-than
     and --wait-timeout take 90s/30m: now one parser for all; a bare number is seconds."""
-    for value in ("300ms", "0.3", "1s"):
+    for value in ("300ms", "0.3", ".3", "1s"):
         proc = kvctl("127.0.0.1:1", "--timeout", value, "agents", check=False)
         assert proc.returncode == 1 and "cannot reach the kvcp control plane" in proc.stderr, (value, proc.stderr)

@@ -117,7 +117,14 @@ class Agent:
             found, corrupt = self.disk.scan()
             adopted = self.pool.recover(self.disk, found)
             self.pool.corrupt_blocks_total += corrupt
-            log.info("disk tier %s: recovered %d blocks (%d corrupt removed)", config.disk_dir, adopted, corrupt)
+            log.info(
+                "disk tier %s: recovered %d blocks, %d more waiting for their prefix to be stored again "
+                "(%d corrupt removed)",
+                config.disk_dir,
+                adopted,
+                self.pool.num_parked_blocks,
+                corrupt,
+            )
             # the pins held before the restart protect what the disk kept from the first store on
             self.pin_file = PinFile(config.disk_dir)
             with self.pool.lock:
@@ -200,6 +207,11 @@ class Agent:
         if host in ("", "0.0.0.0", "::"):  # bound to all interfaces: peers use our advertised host
             host = self.address.rpartition(":")[0]
         return f"{host}:{self.metrics_server.port}"
+
+    def _expire_parked(self, stop: threading.Event) -> None:
+        """Recovered blocks still waiting for their prefix after PARKED_SECONDS are freed."""
+        while self.pool.num_parked_blocks and not stop.wait(10.0):
+            self.pool.free_parked(expired_only=True)
 
     def _pin_saver(self, stop: threading.Event) -> None:
         """Save the pin table after pin commands, at most every PIN_SAVE_SPACING_SECONDS: a
@@ -317,6 +329,8 @@ class Agent:
         self._spawn("mover", self.mover.run_forever)
         if self.pin_file is not None:
             self._spawn("pin-saver", self._pin_saver)
+        if self.pool.num_parked_blocks:
+            self._spawn("parked-expiry", self._expire_parked)
         self._spawn("dataplane", self.dataplane.run_forever)
         log.info("agent %s serving on %s", self.agent_id, self.address)
         return self

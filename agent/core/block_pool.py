@@ -43,6 +43,7 @@ from protos.tier import Tier
 
 log = logging.getLogger(__name__)
 NOTICE_EVERY_SECONDS = 10.0  # a repeated notice kind (write_error, ...) is said at most this often
+PARKED_SECONDS = 600.0  # recovered blocks whose prefix was lost wait this long for it to be stored again
 
 
 class BlockUnreadable(Exception):
@@ -404,10 +405,14 @@ class BlockPool:
         self._saved: dict[Tier, int] = {t.tier: 0 for t in self.tiers}
         self._stored: dict[Tier, int] = {t.tier: 0 for t in self.tiers}
         self.notices: deque[Notice] = deque(maxlen=1000)
-        self._notice_said: dict[str, tuple[float, int]] = {}
-        self.store_refused_blocks_total = (
-            0  # blocks of engine stores no tier had room for  # kind -> (when last said, held back since)
-        )
+        self._notice_said: dict[str, tuple[float, int]] = {}  # kind -> (when last said, held back since)
+        self.store_refused_blocks_total = 0  # blocks of engine stores no tier had room for
+        # recovered blocks whose prefix began in a faster tier, lost with the process: by the
+        # parent they wait for; invisible, their extents kept, adopted when it is stored
+        # again, freed first when their tier needs room and after PARKED_SECONDS
+        self._parked: dict[bytes, list[BlockMeta]] = {}
+        self._parked_until = 0.0  # monotonic
+        self.parked_adopted_total = 0
         self.pins = PinTable()  # pins from the control plane (by hash or namespace)
         # by the tier a block left: for room (capacity), as commanded (a move, the control
         # plane's policy, an evict command), or by a cleanup
@@ -600,6 +605,8 @@ class BlockPool:
                         self.blocks[parent].num_children += 1
                     self.journal.record(STORED, model_id, top.tier, h, parent)
                     self._touch(meta)
+                    if self._parked:
+                        self._adopt_parked(h)
                     if parent_meta is not None:
                         parent_meta.ref_count -= 1
                     parent_meta = meta
@@ -782,6 +789,8 @@ class BlockPool:
                 if parent in self.blocks:
                     self.blocks[parent].num_children += 1
                 self.journal.record(STORED, model_id, tier, h, parent)
+                if self._parked:
+                    self._adopt_parked(h)
                 added += 1
                 parent = h
             self.touch(block_hashes)
@@ -1779,25 +1788,42 @@ class BlockPool:
     # ---- recovery and inventory -----------------------------------------------------
     def recover(self, store, found: list) -> int:
         """Adopt blocks a tier found after a restart (verified by their checksums).
-        Blocks of unknown models, of a model whose KV layout changed since they were
-        written (their bytes would be read in the wrong shape), and orphans (parent not
-        held) are removed; returns the number adopted."""
+        Blocks of unknown models and of a model whose KV layout changed since they were
+        written (their bytes would be read in the wrong shape) are removed. Blocks whose
+        chain does not reach the root or a held block (its first blocks were in a faster
+        tier, lost with the process: the usual state of a disk tier, which holds tails)
+        are parked: kept, invisible, until that prefix is stored again, when they are
+        adopted (an engine recomputes the first blocks, the rest comes back from disk).
+        Returns the number adopted now."""
         with self.lock:
             candidates = {b.block_hash: b for b in found if self._adoptable(b)}
             for b in found:
                 if b.block_hash not in candidates or candidates[b.block_hash] is not b:
                     store.free(b.handle)
-            changed = True
-            while changed:  # prune orphans until every parent is present
-                changed = False
-                for h, b in list(candidates.items()):
-                    if (
-                        b.parent_hash != ROOT_PARENT_HASH
-                        and b.parent_hash not in candidates
-                        and b.parent_hash not in self.blocks
-                    ):
-                        store.free(candidates.pop(h).handle)
-                        changed = True
+            children: dict[bytes, list[bytes]] = {}
+            for h, b in candidates.items():
+                children.setdefault(b.parent_hash, []).append(h)
+            stack = [
+                h for h, b in candidates.items() if b.parent_hash == ROOT_PARENT_HASH or b.parent_hash in self.blocks
+            ]
+            reachable = set(stack)
+            while stack:
+                for c in children.get(stack.pop(), ()):
+                    if c not in reachable:
+                        reachable.add(c)
+                        stack.append(c)
+            parked = 0
+            for h in [h for h in candidates if h not in reachable]:
+                b = candidates.pop(h)
+                self._parked.setdefault(b.parent_hash, []).append(self._recovered_meta(store, b))
+                parked += 1
+            if parked:
+                self._parked_until = time.monotonic() + PARKED_SECONDS
+                log.info(
+                    "%s tier: %d recovered blocks wait for their prefix (lost from a faster tier) to be stored again",
+                    store.tier.label,
+                    parked,
+                )
             for b in candidates.values():
                 meta = BlockMeta(
                     b.block_hash,
@@ -1827,6 +1853,67 @@ class BlockPool:
                 if 0 < accessed <= now:
                     meta.last_access_unix_seconds = accessed
             return len(candidates)
+
+    @staticmethod
+    def _recovered_meta(store, b) -> BlockMeta:
+        return BlockMeta(
+            b.block_hash,
+            b.parent_hash,
+            b.model_id,
+            b.num_bytes,
+            store.tier,
+            b.handle,
+            b.codec,
+            b.stored_bytes,
+            namespace=getattr(b, "namespace", ""),
+            checksum=getattr(b.handle, "checksum", 0),
+        )
+
+    @property
+    def num_parked_blocks(self) -> int:
+        with self.lock:
+            return sum(len(v) for v in self._parked.values())
+
+    def _adopt_parked(self, h: bytes) -> None:
+        """`h` is held and visible now: the recovered blocks that waited for it (and theirs)
+        are adopted, as stored in their tier (lock held)."""
+        stack = [h]
+        while stack and self._parked:
+            parent = stack.pop()
+            for meta in self._parked.pop(parent, ()):
+                if meta.block_hash in self.blocks:  # stored again meanwhile: that copy stays
+                    self.store_of[meta.tier].free(meta.handle)
+                else:
+                    self.blocks[meta.block_hash] = meta
+                    self._account(meta, +1)
+                    self.blocks[parent].num_children += 1
+                    self.journal.record(STORED, meta.model_id, meta.tier, meta.block_hash, parent)
+                    self._touch(meta)
+                    self.parked_adopted_total += 1
+                stack.append(meta.block_hash)
+
+    def free_parked(self, tier: Tier | None = None, expired_only: bool = False) -> int:
+        """Free parked blocks (of `tier`, or all; only once PARKED_SECONDS passed since
+        recovery when `expired_only`); returns how many."""
+        with self.lock:
+            if not self._parked or (expired_only and time.monotonic() < self._parked_until):
+                return 0
+            freed = 0
+            for parent in list(self._parked):
+                keep = []
+                for meta in self._parked[parent]:
+                    if tier is None or meta.tier is tier:
+                        self.store_of[meta.tier].free(meta.handle)
+                        freed += 1
+                    else:
+                        keep.append(meta)
+                if keep:
+                    self._parked[parent] = keep
+                else:
+                    del self._parked[parent]
+        if freed:
+            log.info("freed %d parked blocks whose prefix was not stored again", freed)
+        return freed
 
     def _adoptable(self, found) -> bool:
         spec = self.models.get(found.model_id)
@@ -2040,6 +2127,8 @@ class BlockPool:
     def _make_room(self, store: TierStore) -> None:
         """Free space in `store`: demote its LRU block to the next tier, or drop an LRU
         leaf when that fails or this is the last tier. Raises PoolFull when nothing can go."""
+        if self._parked and self.free_parked(store.tier):
+            return  # recovered blocks still waiting for their prefix go before any held one
         lower = self.lower_of(store.tier)
         if lower is not None:
             meta = self._victim(store.tier, lower.tier)

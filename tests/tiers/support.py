@@ -134,6 +134,10 @@ def check_pool(pool: BlockPool) -> None:
                 assert sorted(used + free) == list(range(store.num_pages)), "a page leaked"
             else:
                 assert all(isinstance(m.handle, DiskHandle) for m in metas)
+                # recovered blocks parked until their prefix is stored again hold their extents too
+                parked = [m for waiting in pool._parked.values() for m in waiting if m.tier == store.tier]
+                assert not {m.block_hash for m in parked} & set(blocks), "a block both parked and held"
+                metas = metas + parked
                 extents = sorted((m.handle.offset, m.handle.offset + m.handle.footprint_bytes) for m in metas)
                 assert all(a[1] <= b[0] for a, b in zip(extents, extents[1:], strict=False)), (
                     "two blocks share an extent"
@@ -147,6 +151,7 @@ def check_pool(pool: BlockPool) -> None:
         with pool.lock:
             on_disk = set(blocks_on_disk(disk))
             held = {m.handle.offset for m in pool.blocks.values() if m.tier is Tier.DISK}
+            held |= {m.handle.offset for waiting in pool._parked.values() for m in waiting if m.tier is Tier.DISK}
         assert on_disk == held, "blocks in the slab differ from the disk blocks held"
 
 

@@ -418,10 +418,11 @@ def test_restart_recovers_valid_blocks_and_prunes_corrupt_and_orphans(tmp_path):
     assert {f.block_hash for f in found} == {*ha[:2], ha[3], *hb[:2], hb[3]}
     assert all(f.model_id == SPEC.model_id and f.num_bytes == BLOCK_BYTES for f in found)
     assert pool2.recover(disk2, found) == 4
-    assert set(pool2.blocks) == {*ha[:2], *hb[:2]}  # ha[3] and hb[3] were orphans
+    assert set(pool2.blocks) == {*ha[:2], *hb[:2]}  # ha[3] and hb[3] wait for their parents
+    assert pool2.num_parked_blocks == 2
     assert all(pool2.tier_of(h) is Tier.DISK for h in pool2.blocks)
     assert pool2.blocks[ha[0]].num_children == 1 and pool2.blocks[ha[1]].num_children == 0
-    check_pool(pool2)  # orphans' and corrupt blocks are gone from the slab, used bytes match
+    check_pool(pool2)  # the corrupt block is gone from the slab, used bytes match
     engine2 = make_engine(pool2)
     res = engine2.load(SPEC.model_id, a_toks)
     assert res.num_cached_tokens == 2 * BS and torch.equal(res.kv, a[:2])
@@ -809,3 +810,77 @@ def test_compaction_keeps_a_record_whose_burying_write_is_not_on_disk_yet(tmp_pa
     disk.path.write_bytes(durable["slab"])  # the crash: what was not synced is lost
     found, _ = DiskTier(tmp_path, 1 << 20).scan()
     assert b"\xaa" * 16 not in {b.block_hash for b in found}, "a freed block came back"
+
+
+def test_disk_blocks_whose_prefix_was_in_memory_come_back_when_it_is_stored_again(tmp_path):
+    """A disk tier holds tails; their prefix is in memory, lost with a crash. Recovery
+    dropped every such block as an orphan: a killed demo agent came back with an empty
+    disk tier ("recovered 0 blocks", a newcomer's review). They wait now, parked, and are
+    adopted when an engine stores the prefix again: only the lost blocks are written."""
+    d = tmp_path / "disk"
+    pool = make_pool(d, cpu_blocks=8)
+    engine = make_engine(pool)
+    toks, data = tokens(4), kv(4, seed=3)
+    engine.store(SPEC.model_id, toks, data)
+    hs = hashes(engine, toks)
+    assert pool.move_block(hs[3], Tier.DISK).ok and pool.move_block(hs[2], Tier.DISK).ok  # tails down
+    assert [pool.tier_of(h) for h in hs] == [Tier.CPU, Tier.CPU, Tier.DISK, Tier.DISK]
+    disk_of(pool).close()  # kill -9: the CPU tier is gone
+
+    disk2 = DiskTier(d, 1 << 20)
+    pool2 = BlockPool([MemoryTier(Tier.CPU, 8 * BLOCK_BYTES, BLOCK_BYTES, device="cpu"), disk2], [SPEC])
+    found, _ = disk2.scan()
+    assert pool2.recover(disk2, found) == 0 and pool2.num_parked_blocks == 2
+    check_pool(pool2)
+    engine2 = make_engine(pool2)
+    assert engine2.load(SPEC.model_id, toks).num_cached_tokens == 0  # the prefix is gone: a miss
+    stored = engine2.store(SPEC.model_id, toks, data)  # the engine recomputed it and stores it
+    assert (stored.num_stored_blocks, stored.num_present_blocks) == (2, 2)  # the tail came back from disk
+    assert pool2.num_parked_blocks == 0 and pool2.parked_adopted_total == 2
+    assert [pool2.tier_of(h) for h in hs] == [Tier.CPU, Tier.CPU, Tier.DISK, Tier.DISK]
+    res = engine2.load(SPEC.model_id, toks)
+    assert res.num_cached_tokens == 4 * BS and torch.equal(res.kv, data)
+    check_pool(pool2)
+
+
+def test_parked_blocks_give_way_when_the_tier_needs_room(tmp_path):
+    d = tmp_path / "disk"
+    pool = make_pool(d, cpu_blocks=8)
+    engine = make_engine(pool)
+    toks = tokens(3)
+    engine.store(SPEC.model_id, toks, kv(3, seed=4))
+    hs = hashes(engine, toks)
+    assert pool.move_block(hs[2], Tier.DISK).ok and pool.move_block(hs[1], Tier.DISK).ok
+    disk_of(pool).close()
+    probe = DiskTier(tmp_path / "probe", 1 << 20)
+    footprint = probe.footprint(BLOCK_BYTES)
+    probe.close()
+    disk2 = DiskTier(d, 3 * footprint)  # room for one more block beside the two parked
+    pool2 = BlockPool([MemoryTier(Tier.CPU, 2 * BLOCK_BYTES, BLOCK_BYTES, device="cpu"), disk2], [SPEC])
+    found, _ = disk2.scan()
+    pool2.recover(disk2, found)
+    assert pool2.num_parked_blocks == 2
+    engine2 = make_engine(pool2)
+    engine2.store(SPEC.model_id, tokens(4, start=70_000), kv(4, seed=5))  # needs the disk: parked go first
+    assert pool2.num_parked_blocks == 0
+    check_pool(pool2)
+
+
+def test_parked_blocks_no_prefix_came_for_are_freed_after_a_while(tmp_path):
+    d = tmp_path / "disk"
+    pool = make_pool(d, cpu_blocks=8)
+    engine = make_engine(pool)
+    toks = tokens(3)
+    engine.store(SPEC.model_id, toks, kv(3, seed=6))
+    hs = hashes(engine, toks)
+    assert pool.move_block(hs[2], Tier.DISK).ok and pool.move_block(hs[1], Tier.DISK).ok
+    disk_of(pool).close()
+    disk2 = DiskTier(d, 1 << 20)
+    pool2 = BlockPool([MemoryTier(Tier.CPU, 2 * BLOCK_BYTES, BLOCK_BYTES, device="cpu"), disk2], [SPEC])
+    found, _ = disk2.scan()
+    pool2.recover(disk2, found)
+    assert pool2.free_parked(expired_only=True) == 0  # not yet: PARKED_SECONDS from the recovery
+    pool2._parked_until = time.monotonic() - 1.0
+    assert pool2.free_parked(expired_only=True) == 2 and pool2.num_parked_blocks == 0
+    check_pool(pool2)
+    assert disk2.used_bytes == 0

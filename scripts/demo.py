@@ -272,11 +272,27 @@ class Demo:
             f"  {kvctl}{ep} move --namespace chat --to disk --wait\n"
             f"  {kvctl}{ep} cleanup --older-than 1m --dry-run\n"
             f"  {kvctl}{ep} dashboard\n"
-            "  prometheus --config.file=dashboard/grafana/prometheus.yml --storage.tsdb.path=.run/prometheus\n"
+            f"  prometheus --config.file={self.prometheus_config()} --storage.tsdb.path={self.run_dir / 'prometheus'} "
+            "--web.listen-address=127.0.0.1:9090\n"
             "  (Grafana: dashboard/grafana/kvcp.json; see README, Metrics and dashboards)\n\n"
             "A process that exits (try kill -9 on an agent) is started again; "
             "Ctrl-C stops every process this demo started.\n"
         )
+
+    def prometheus_config(self) -> Path:
+        """dashboard/grafana/prometheus.yml with this demo's metrics ports (they differ from
+        the shipped file's when a port was taken or given), written into the run dir."""
+        a = self.args
+        shipped = Path(__file__).resolve().parent.parent / "dashboard" / "grafana"
+        text = (shipped / "prometheus.yml").read_text()
+        text = text.replace('"127.0.0.1:9400"', f'"127.0.0.1:{a.controlplane_metrics_port}"')
+        text = text.replace(
+            '"127.0.0.1:9401", "127.0.0.1:9402"', ", ".join(f'"127.0.0.1:{p}"' for p in a.agent_metrics_ports)
+        )
+        text = text.replace("  - alerts.yml  # relative to this file", f"  - {shipped / 'alerts.yml'}")
+        out = self.run_dir / "prometheus.yml"
+        out.write_text(text)
+        return out
 
     def status_line(self) -> str:
         cp_addr = f"127.0.0.1:{self.args.controlplane_port}"

@@ -322,6 +322,7 @@ def test_controlplane_without_etcd_exits_with_message():
 
 def test_demo_runs_twice_in_a_row(tmp_path):
     run_dir = tmp_path / "run"
+    metrics_ports = [str(free_port()) for _ in range(3)]
     argv = [
         sys.executable,
         str(REPO / "scripts" / "demo.py"),
@@ -334,6 +335,10 @@ def test_demo_runs_twice_in_a_row(tmp_path):
         "--agent-ports",
         str(free_port()),
         str(free_port()),
+        "--controlplane-metrics-port",
+        metrics_ports[0],
+        "--agent-metrics-ports",
+        *metrics_ports[1:],
         "--duration",
         "3",
         "--rate",
@@ -344,6 +349,16 @@ def test_demo_runs_twice_in_a_row(tmp_path):
         assert proc.returncode == 0, proc.stdout + proc.stderr
         assert "kvcp demo cluster is up" in proc.stdout and "stopped 5 processes" in proc.stdout
         assert not list((run_dir / "pids").glob("*.pid"))
+    # the Prometheus line it prints scrapes this demo's ports, not the shipped file's defaults
+    config = run_dir / "prometheus.yml"
+    assert f"--config.file={config}" in proc.stdout and "--web.listen-address=127.0.0.1:9090" in proc.stdout
+    text = config.read_text()
+    assert all(f"127.0.0.1:{port}" in text for port in metrics_ports) and "127.0.0.1:9400" not in text
+    import shutil
+
+    if shutil.which("promtool"):
+        checked = subprocess.run(["promtool", "check", "config", str(config)], capture_output=True, text=True)
+        assert checked.returncode == 0, checked.stdout + checked.stderr
 
 
 def test_kvctl_output_that_cannot_be_written_is_one_line_not_a_traceback():

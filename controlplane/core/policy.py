@@ -486,23 +486,27 @@ class _AgentPass:
         if self.policy.promote_hot:
             self._promote_hot()
         last = len(self.tiers) - 1
-        for i, tv in enumerate(self.tiers):
-            tp = self.policy.tier(tv.tier)
-            if len(self.content[i]) > _threshold(tp.high_watermark, tv.capacity_blocks):
-                self._shrink(i, len(self.content[i]) - _threshold(tp.low_watermark, tv.capacity_blocks), i == last)
-        self._fit_capacities()
+        for _ in range(3):  # again after an undo: what it put back may free a victim it held
+            for i, tv in enumerate(self.tiers):
+                tp = self.policy.tier(tv.tier)
+                if len(self.content[i]) > _threshold(tp.high_watermark, tv.capacity_blocks):
+                    self._shrink(i, len(self.content[i]) - _threshold(tp.low_watermark, tv.capacity_blocks), i == last)
+            if not self._fit_capacities():
+                break
         return self._actions()
 
-    def _fit_capacities(self) -> None:
+    def _fit_capacities(self) -> bool:
         """Undo the pass's latest moves into a tier it leaves over its capacity (blocks
         there that may not leave it: pinned at that tier), most recent first, until every
         tier fits: an agent cannot carry such moves out, and the same failing moves came
         back every pass. Undoing the latest first takes a demoted chain back parents first
-        and a promoted one children first, so no block ends slower than its child."""
+        and a promoted one children first, so no block ends slower than its child.
+        Returns whether it undid any."""
+        undid = False
         while True:
             over = [k for k, tv in enumerate(self.tiers) if len(self.content[k]) > tv.capacity_blocks]
             if not over:
-                return
+                return undid
             for idx in range(len(self.moved_in) - 1, -1, -1):
                 h, k = self.moved_in[idx]
                 if k in over and h in self.content[k]:
@@ -511,9 +515,10 @@ class _AgentPass:
                     del self.moved_in[idx]
                     self.content[k].discard(h)
                     self.content[back].add(h)
+                    undid = True
                     break
             else:
-                return  # over before the pass: nothing of this pass to undo
+                return undid  # over before the pass: nothing of this pass to undo
 
     def _shrink(self, i: int, need: int, is_last: bool) -> None:
         """Move `need` tails out of level i: down one level, or out of the agent."""

@@ -419,3 +419,19 @@ def test_no_move_goes_into_a_tier_it_would_leave_over_capacity():
     for action in decide(v, EXACT, now=1.0):
         agent.apply(action)
     assert all(agent.used(t) <= cap for t, cap in agent.capacity.items())
+
+
+def test_an_undone_move_frees_the_victim_it_held():
+    """The capacity fit undid a promotion into a full GPU tier; the child it put back had
+    held its parent in place during the shrink, so the parent stayed over the high
+    watermark with room below (found by the property test above). The shrink runs again."""
+    stats = AccessStats()
+    pins = Pins(blocks={h(2): Tier.GPU, h(13): Tier.GPU})
+    tp = TierPolicy(low_watermark=0.25, high_watermark=0.5)
+    policy = Policy(gpu=tp, cpu=tp, disk=tp, reuse_credit_turnovers=0.0)
+    gpu = {h(1): ROOT, h(2): ROOT, h(3): ROOT, h(4): ROOT}
+    v = view({"a": {Tier.GPU: (2, gpu), Tier.CPU: (2, {h(13): h(1)})}}, stats, pins)
+    agent = FakeAgent(v.agents[0], pins)
+    for action in decide(v, policy, now=1.0):
+        agent.apply(action)
+    assert agent.used(Tier.GPU) == 1 and agent.tier_of[h(1)] is Tier.CPU  # the parent went down

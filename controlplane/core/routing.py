@@ -344,6 +344,18 @@ def route_request(
             f"(not connected, or silent for over {params.max_silence_seconds:g}s)"
         )
     decision = route(role, candidates, result.num_blocks, result.block_size, block_bytes, params, prefill_agent_id)
+    if not decision.agent_id and decision.reason.startswith("no agent takes"):
+        silent = [
+            rec.agent_id
+            for rec in cluster.connected_agents()
+            if any(m.model_id == model_id for m in rec.models) and rec.agent_id not in {c.agent_id for c in candidates}
+        ]
+        if silent:  # they take the role, but have not reported lately (hung, or a stalled machine)
+            decision = dataclasses.replace(
+                decision,
+                reason=f"{decision.reason}: {', '.join(sorted(silent))} silent for over "
+                f"{params.max_silence_seconds:g}s (hung or stalled?)",
+            )
     address = next((c.address for c in candidates if c.agent_id == decision.agent_id), "")
     return dataclasses.replace(decision, address=address)
 

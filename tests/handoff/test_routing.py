@@ -133,6 +133,10 @@ def test_route_sends_no_work_to_an_agent_without_a_stream_or_silent():
     assert {c.agent_id for c in route_request(cluster, "m", block_hashes=packed, role="prefill").candidates} == {
         "holder"
     }
+    # every agent silent: the answer says so, not that no agent takes the role (a review)
+    now[0] += 10
+    decision = route_request(cluster, "m", block_hashes=packed, role="prefill")
+    assert not decision.agent_id and "holder silent for over 5s" in decision.reason, decision.reason
 
 
 def test_prefill_ties_go_to_the_agent_the_lookup_ranks_first():

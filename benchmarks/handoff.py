@@ -376,6 +376,11 @@ def run(
             sender.call(cmd="drop")
         if fault:
             fault_result = _fault(sender, endpoint, block_mib, capacity, max(sizes_mib))
+            if fault_result["outcome"] == "transferred":
+                notes.append(
+                    f"fault: the {max(sizes_mib)} MiB handoff finished in {fault_result['answer_seconds']}s, before "
+                    "the receiver was killed 50 ms in: nothing was tested (use --sizes with 64 or more)"
+                )
     finally:
         for w in (sender, receiver):
             if w is not None:

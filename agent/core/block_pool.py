@@ -1825,18 +1825,7 @@ class BlockPool:
                     parked,
                 )
             for b in candidates.values():
-                meta = BlockMeta(
-                    b.block_hash,
-                    b.parent_hash,
-                    b.model_id,
-                    b.num_bytes,
-                    store.tier,
-                    b.handle,
-                    b.codec,
-                    b.stored_bytes,
-                    namespace=getattr(b, "namespace", ""),
-                    checksum=getattr(b.handle, "checksum", 0),
-                )
+                meta = self._recovered_meta(store, b)
                 self.blocks[b.block_hash] = meta
                 self._account(meta, +1)
             for b in candidates.values():

@@ -843,15 +843,21 @@ def test_disk_blocks_whose_prefix_was_in_memory_come_back_when_it_is_stored_agai
     check_pool(pool2)
 
 
-def test_parked_blocks_give_way_when_the_tier_needs_room(tmp_path):
-    d = tmp_path / "disk"
+def _crash_with_two_tails_on_disk(d: Path, seed: int) -> None:
+    """A 3-block chain with its last two blocks on disk and its first in memory, then the
+    process gone: after a restart the two wait for their prefix."""
     pool = make_pool(d, cpu_blocks=8)
     engine = make_engine(pool)
     toks = tokens(3)
-    engine.store(SPEC.model_id, toks, kv(3, seed=4))
+    engine.store(SPEC.model_id, toks, kv(3, seed=seed))
     hs = hashes(engine, toks)
     assert pool.move_block(hs[2], Tier.DISK).ok and pool.move_block(hs[1], Tier.DISK).ok
     disk_of(pool).close()
+
+
+def test_parked_blocks_give_way_when_the_tier_needs_room(tmp_path):
+    d = tmp_path / "disk"
+    _crash_with_two_tails_on_disk(d, seed=4)
     probe = DiskTier(tmp_path / "probe", 1 << 20)
     footprint = probe.footprint(BLOCK_BYTES)
     probe.close()
@@ -868,13 +874,7 @@ def test_parked_blocks_give_way_when_the_tier_needs_room(tmp_path):
 
 def test_parked_blocks_no_prefix_came_for_are_freed_after_a_while(tmp_path):
     d = tmp_path / "disk"
-    pool = make_pool(d, cpu_blocks=8)
-    engine = make_engine(pool)
-    toks = tokens(3)
-    engine.store(SPEC.model_id, toks, kv(3, seed=6))
-    hs = hashes(engine, toks)
-    assert pool.move_block(hs[2], Tier.DISK).ok and pool.move_block(hs[1], Tier.DISK).ok
-    disk_of(pool).close()
+    _crash_with_two_tails_on_disk(d, seed=6)
     disk2 = DiskTier(d, 1 << 20)
     pool2 = BlockPool([MemoryTier(Tier.CPU, 2 * BLOCK_BYTES, BLOCK_BYTES, device="cpu"), disk2], [SPEC])
     found, _ = disk2.scan()

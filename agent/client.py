@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from agent.core.engine_api import ENGINE_MESSAGE_BYTES
+from agent.core.engine_api import ENGINE_MESSAGE_BYTES, StoreResult
 from protos import security
 from protos.kvcp.v1 import agent_pb2, agent_pb2_grpc, types_pb2
 from protos.security import TLSConfig
@@ -71,9 +71,9 @@ class EngineClient:
         extra_keys=(),
         namespace: str = "",
         spec: types_pb2.ModelSpec | None = None,
-    ) -> tuple[int, int]:
+    ) -> StoreResult:
         """Store blocks [first_block, ...) of `token_ids`; `spec`, when given, is checked
-        against the agent's layout of the model."""
+        against the agent's layout of the model. The same result as the in-process API's."""
         r = self._stub.Store(
             agent_pb2.StoreRequest(
                 model_id=model_id,
@@ -86,7 +86,7 @@ class EngineClient:
             ),
             timeout=self.timeout_seconds,
         )
-        return r.num_stored_blocks, r.num_present_blocks
+        return StoreResult(r.num_stored_blocks, r.num_present_blocks)
 
     def lookup(self, model_id: str, token_ids, extra_keys=()) -> int:
         r = self._stub.Lookup(

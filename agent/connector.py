@@ -142,9 +142,9 @@ class KVConnector:
             count = min(self._blocks_per_message, fits, end - first)
             raw = layers_to_blocks(kv, self.spec, first, count).view(torch.uint8).numpy().tobytes()
             upto = tokens[: (first + count) * self.spec.block_size]
-            new, present = self.engine.store(self.spec.model_id, upto, raw, first, self.extra_keys, spec=self._spec_pb)
-            if new + present < first + count:  # stopped short (prefix gone, no room): so do we
+            r = self.engine.store(self.spec.model_id, upto, raw, first, self.extra_keys, spec=self._spec_pb)
+            if r.num_stored_blocks + r.num_present_blocks < first + count:  # stopped short (prefix gone, no room)
                 break
-            stored += new
+            stored += r.num_stored_blocks
             first += count
         return stored

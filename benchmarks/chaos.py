@@ -380,7 +380,9 @@ class Load:
                 wrong = m.wrong_blocks(loaded.kv, hashes, n)
                 stored = 0
                 if n < len(hashes) and not wrong:
-                    stored, _ = engine.store(m.model_id, prompt, m.kv(hashes[n:]), first_block=n, namespace=namespace)
+                    stored = engine.store(
+                        m.model_id, prompt, m.kv(hashes[n:]), first_block=n, namespace=namespace
+                    ).num_stored_blocks
             except grpc.RpcError:
                 self._count(engine_errors=1)
                 engines.pop(agent_id).close()

@@ -185,9 +185,9 @@ class Workload:
             kv = np.empty((len(new), model["block_elems"]), dtype=dtype)
             for i, h in enumerate(new):
                 kv[i] = block_fill(h)
-            stored, _ = engine.store(
+            stored = engine.store(
                 model_id, prompt, kv.tobytes(), first_block=n_cached, namespace=self.prompts.last_namespace
-            )
+            ).num_stored_blocks
             self.stats.stored_blocks_total += stored
         self.stats.requests_total += 1
         self.stats.prompt_tokens_total += len(prompt)

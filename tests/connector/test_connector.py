@@ -10,6 +10,7 @@ import torch
 
 from agent.client import EngineClient
 from agent.connector import KVConnector, layers_to_blocks
+from agent.core.engine_api import StoreResult
 from agent.core.model_spec import ModelSpec
 
 M = ModelSpec("conn-m", block_size=4, num_layers=2, num_kv_heads=2, head_dim=8, dtype="float16")
@@ -90,7 +91,7 @@ def test_a_spec_of_another_model_is_refused_by_name(make_agent):
         assert "spec.model_id" in e.value.details() and "other-model" in e.value.details()
         assert agent.engine.lookup(M.model_id, tokens) == 0
         theirs.model_id = M.model_id
-        assert client.store(M.model_id, tokens, kv, spec=theirs) == (1, 0)
+        assert client.store(M.model_id, tokens, kv, spec=theirs) == StoreResult(1, 0)
     finally:
         client.close()
 

@@ -10,6 +10,7 @@ import time
 import pytest
 import torch
 
+from agent.core.engine_api import StoreResult
 from agent.server import DEMO_MODEL as M
 from agent.server import Agent, AgentConfig
 from cli.client import ClientError, ControlPlaneClient
@@ -218,7 +219,7 @@ def test_a_peer_handoff_needs_the_agent_token_and_non_ascii_tokens_are_refused(s
         try:
             more = list(range(5000, 5000 + 2 * M.block_size))
             kv = torch.ones((2, *M.block_shape), dtype=torch.float16)
-            assert engine.store(M.model_id, more, kv.view(torch.uint8).numpy().tobytes()) == (2, 0)
+            assert engine.store(M.model_id, more, kv.view(torch.uint8).numpy().tobytes()) == StoreResult(2, 0)
             assert engine.load(M.model_id, more).num_cached_tokens == 2 * M.block_size
             assert (
                 engine.handoff(M.model_id, "secure-agent", token_ids=more, deadline_seconds=10).outcome == "transferred"
@@ -316,7 +317,7 @@ def test_an_agent_that_requires_client_certificates(secure_cluster, etcd):
         assert err.value.code() == grpc.StatusCode.UNAVAILABLE
         anonymous.close()
         engine = EngineClient(guarded.address, tls=TLSConfig(cert, key, ca))
-        assert engine.store(M.model_id, toks, kv.view(torch.uint8).numpy().tobytes()) == (2, 0)
+        assert engine.store(M.model_id, toks, kv.view(torch.uint8).numpy().tobytes()) == StoreResult(2, 0)
         engine.close()
         # a peer agent presents its certificate (its own TLS config) on its handoff
         hashes = split_hashes(hash_prefix(M.model_id, toks, M.block_size))
@@ -372,7 +373,7 @@ def test_an_agent_with_an_engine_token_asks_it_of_engines_and_only_of_them(make_
     assert guarded.engine.lookup(M.model_id, toks) == 0  # nothing was stored
     engine = EngineClient(guarded.address, timeout_seconds=10, token=ENGINE)
     try:
-        assert engine.store(M.model_id, toks, kv) == (2, 0)
+        assert engine.store(M.model_id, toks, kv) == StoreResult(2, 0)
         assert engine.lookup(M.model_id, toks) == 2 * M.block_size
         assert engine.load(M.model_id, toks).num_cached_tokens == 2 * M.block_size
         assert engine.handoff(M.model_id, "peer", token_ids=toks, deadline_seconds=10).outcome == "transferred"

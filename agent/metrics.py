@@ -249,6 +249,12 @@ class AgentCollector:
             (c, "kvcp_move_failures_total", "Block moves between tiers that failed (source left intact).", a),
             (c, "kvcp_corrupt_blocks_total", "Blocks found corrupt or truncated on read, removed, never returned.", a),
             (
+                g,
+                "kvcp_parked_blocks",
+                "Blocks recovered from disk after a restart that wait for their prefix to be stored again.",
+                a,
+            ),
+            (
                 c,
                 "kvcp_store_refused_blocks_total",
                 "Blocks of engine stores not kept: every tier was full of blocks that may not go (pinned, in use).",
@@ -345,6 +351,7 @@ class AgentCollector:
             f["kvcp_tier_moved_bytes_total"].add_metric([aid, src.label, dst.label], n)
         f["kvcp_move_failures_total"].add_metric([aid], int(getattr(pool, "move_failures_total", 0) or 0))
         f["kvcp_corrupt_blocks_total"].add_metric([aid], int(getattr(pool, "corrupt_blocks_total", 0) or 0))
+        f["kvcp_parked_blocks"].add_metric([aid], int(getattr(pool, "num_parked_blocks", 0)))
         f["kvcp_store_refused_blocks_total"].add_metric([aid], int(getattr(pool, "store_refused_blocks_total", 0)))
         disk_errors = sum(getattr(t, "write_errors_total", 0) for t in getattr(pool, "tiers", ()))
         f["kvcp_disk_write_errors_total"].add_metric([aid], int(disk_errors))

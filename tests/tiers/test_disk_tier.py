@@ -832,6 +832,13 @@ def test_disk_blocks_whose_prefix_was_in_memory_come_back_when_it_is_stored_agai
     found, _ = disk2.scan()
     assert pool2.recover(disk2, found) == 0 and pool2.num_parked_blocks == 2
     check_pool(pool2)
+    from prometheus_client import CollectorRegistry
+
+    from agent.metrics import AgentMetrics
+
+    registry = CollectorRegistry()
+    AgentMetrics(registry, "a1", pool2, process=False)
+    assert registry.get_sample_value("kvcp_parked_blocks", {"agent_id": "a1"}) == 2
     engine2 = make_engine(pool2)
     assert engine2.load(SPEC.model_id, toks).num_cached_tokens == 0  # the prefix is gone: a miss
     stored = engine2.store(SPEC.model_id, toks, data)  # the engine recomputed it and stores it

@@ -4,6 +4,7 @@ move/compress/cleanup run as operations; cleanups of one scope serialize."""
 
 from __future__ import annotations
 
+import contextlib
 import time
 
 import pytest
@@ -590,21 +591,37 @@ def test_pins_and_unpins_from_many_callers_all_answer_and_all_land(client, make_
     agent = make_agent("many-pins")
     wait_for(lambda: indexed(client, "many-pins") == 0, what="agent")
 
-    def pin(i):
-        with ControlPlaneClient(controlplane.address) as c:
-            return c.pin(namespace=f"ns-{i}", ttl_seconds=600).pin_id
+    def patiently(call):
+        """A loaded machine may make etcd slow and the leader's lease lapse meanwhile:
+        "not now" answers are asked again; an INTERNAL one never is (the defect)."""
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                with ControlPlaneClient(controlplane.address, timeout_seconds=15) as c:
+                    return call(c)
+            except ClientError as exc:
+                assert exc.code != "INTERNAL", exc
+                if exc.code == "NOT_FOUND" or time.monotonic() > deadline:
+                    raise
+                time.sleep(0.2)
 
     def unpin(pin_id):
-        with ControlPlaneClient(controlplane.address) as c:
-            c.unpin(pin_id)
+        with contextlib.suppress(ClientError):  # NOT_FOUND: an earlier try did it
+            patiently(lambda c: c.unpin(pin_id))
 
+    pin_ids = [f"many-{i}" for i in range(160)]
     with ThreadPoolExecutor(6) as pool:
-        pin_ids = list(pool.map(pin, range(240)))
-        wait_for(lambda: len(agent.pool.pins.pins) == 240, 20, 0.1, "every pin on the agent")
+        list(
+            pool.map(
+                lambda i: patiently(lambda c: c.pin(namespace=f"ns-{i}", ttl_seconds=600, pin_id=pin_ids[i])),
+                range(160),
+            )
+        )
+        wait_for(lambda: len(agent.pool.pins.pins) == 160, 60, 0.1, "every pin on the agent")
         list(pool.map(unpin, pin_ids))
     left = client.list_pins()
     assert not left, (left, len(set(pin_ids)))
-    wait_for(lambda: len(agent.pool.pins.pins) == 0, 20, 0.1, "every pin lifted on the agent")
+    wait_for(lambda: len(agent.pool.pins.pins) == 0, 60, 0.1, "every pin lifted on the agent")
 
 
 def test_a_pin_of_the_largest_prefix_fits_etcd(client, make_agent, etcd):
@@ -649,21 +666,26 @@ def test_a_burst_of_pins_is_saved_on_the_agent_in_a_few_writes(client, make_agen
 
     agent = make_agent("pin-burst", disk_dir=str(tmp_path / "disk"), disk_capacity_bytes=1 << 24)
     wait_for(lambda: indexed(client, "pin-burst") == 0, what="agent")
+    from agent.server import PIN_SAVE_SPACING_SECONDS
+
     saves = []
     real_save = agent.pin_file.save
     agent.pin_file.save = lambda *a: (saves.append(1), real_save(*a))  # counted, still written
 
     def pin(i):
-        with ControlPlaneClient(controlplane.address) as c:
-            return c.pin(namespace=f"burst-{i}", ttl_seconds=600).pin_id
+        with ControlPlaneClient(controlplane.address, timeout_seconds=15) as c:
+            return c.pin(namespace=f"burst-{i}", ttl_seconds=600, pin_id=f"burst-{i}").pin_id
 
+    start = time.monotonic()
     with ThreadPoolExecutor(6) as pool:
         pin_ids = set(pool.map(pin, range(300)))
-    wait_for(lambda: len(agent.pool.pins.pins) == 300, 20, 0.1, "every pin on the agent")
+    wait_for(lambda: len(agent.pool.pins.pins) == 300, 60, 0.1, "every pin on the agent")
+    elapsed = time.monotonic() - start
     wait_for(lambda: {p.pin_id for p in PinFile(tmp_path / "disk").load()} == pin_ids, 10, 0.1, "all saved")
-    assert len(saves) < 100, len(saves)  # one write per command before: 300
+    # at most one save per spacing (and the last): one write per command before, 300 in ~3 s
+    assert len(saves) <= elapsed / PIN_SAVE_SPACING_SECONDS + 2, (len(saves), elapsed)
     client.unpin(next(iter(pin_ids)))
-    wait_for(lambda: len(agent.pool.pins.pins) == 299, 10, 0.05, "unpinned on the agent")
+    wait_for(lambda: len(agent.pool.pins.pins) == 299, 20, 0.05, "unpinned on the agent")
     agent.stop()
     assert len(PinFile(tmp_path / "disk").load()) == 299
 

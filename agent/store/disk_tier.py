@@ -341,6 +341,23 @@ class ExtentAllocator:
         return granule, 0
 
 
+def _whole_pages(spans: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    """The whole 4 KiB pages inside `spans`, sorted and merged; a span holding no whole
+    page gives none (punching an empty range fails, which would turn punching off)."""
+    pages = sorted(
+        (lo, hi)
+        for lo, hi in ((-(-lo // _PAGE_BYTES) * _PAGE_BYTES, hi // _PAGE_BYTES * _PAGE_BYTES) for lo, hi in spans)
+        if hi > lo
+    )
+    merged: list[tuple[int, int]] = []
+    for lo, hi in pages:
+        if merged and lo <= merged[-1][1]:
+            merged[-1] = (merged[-1][0], max(merged[-1][1], hi))
+        else:
+            merged.append((lo, hi))
+    return merged
+
+
 class DiskTier:
     tier = Tier.DISK
 
@@ -491,10 +508,8 @@ class DiskTier:
         full at what it holds, until the next look a few seconds on."""
         again = time.monotonic() - self._fitted_monotonic < REFIT_SECONDS
         with self._lock:
-            spans = [(s * GRANULE_BYTES, (s + n) * GRANULE_BYTES) for s, n in self._extents.runs()]
-        self._punch(
-            [(-(-lo // _PAGE_BYTES) * _PAGE_BYTES, hi // _PAGE_BYTES * _PAGE_BYTES) for lo, hi in spans if hi > lo]
-        )
+            spans = _whole_pages(self._free_runs())
+        self._punch(spans)
         fitted = self.fit_to_file_system()
         if again:
             with self._lock:
@@ -581,25 +596,17 @@ class DiskTier:
         spans: list[tuple[int, int]] = []
         if not self._swept:  # every free run, those freed while the tier was fuller too
             self._swept = True
-            for start, length in self._extents.runs():
-                spans.append((start * GRANULE_BYTES, (start + length) * GRANULE_BYTES))
+            spans = self._free_runs()
         else:
             for offset, footprint, _ in batch:
                 start, length = self._extents.run_around(offset // GRANULE_BYTES)
                 run_lo, run_hi = start * GRANULE_BYTES, (start + length) * GRANULE_BYTES
                 spans.append((max(run_lo, offset - _PAGE_BYTES), min(run_hi, offset + footprint + _PAGE_BYTES)))
-        pages = sorted(
-            (lo, hi)
-            for lo, hi in ((-(-lo // _PAGE_BYTES) * _PAGE_BYTES, hi // _PAGE_BYTES * _PAGE_BYTES) for lo, hi in spans)
-            if hi > lo
-        )
-        merged: list[tuple[int, int]] = []
-        for lo, hi in pages:
-            if merged and lo <= merged[-1][1]:
-                merged[-1] = (merged[-1][0], max(merged[-1][1], hi))
-            else:
-                merged.append((lo, hi))
-        return merged
+        return _whole_pages(spans)
+
+    def _free_runs(self) -> list[tuple[int, int]]:
+        """(start, end) bytes of every free run of the allocator (caller holds `_lock`)."""
+        return [(start * GRANULE_BYTES, (start + length) * GRANULE_BYTES) for start, length in self._extents.runs()]
 
     def _punch(self, spans: list[tuple[int, int]]) -> None:
         """Punch each span, taking the lock for one span at a time (a sweep of a

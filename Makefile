@@ -3,7 +3,7 @@
 VENV := .venv
 PY := $(VENV)/bin/python
 
-.PHONY: bootstrap demo test lint format protos bench clean
+.PHONY: bootstrap demo test lint typecheck format protos bench clean
 
 bootstrap:
 	@scripts/bootstrap.sh
@@ -15,12 +15,17 @@ test: bootstrap
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
 	$(VENV)/bin/lint-imports
+	$(VENV)/bin/mypy
 	$(VENV)/bin/pytest -q
 
 lint: bootstrap
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
 	$(VENV)/bin/lint-imports
+	$(VENV)/bin/mypy
+
+typecheck: bootstrap
+	$(VENV)/bin/mypy
 
 format: bootstrap
 	$(VENV)/bin/ruff format .

@@ -33,6 +33,7 @@ from typing import Protocol
 
 import torch
 import xxhash
+from typing_extensions import TypeIs
 
 from agent.core import codecs
 from agent.core.journal import REMOVED, STORED, EventBatch, EventJournal
@@ -61,8 +62,43 @@ class TierStore(Protocol):
     def footprint(self, num_bytes: int) -> int: ...
     def allocate(self, num_bytes: int, block_hash: bytes = b""): ...
     def free(self, handle) -> None: ...
-    def write(self, handle, data: torch.Tensor, meta) -> None: ...
+    def write(self, handle, data, meta) -> None: ...  # data: a tensor, or a list of its segments
+    def write_many(self, items: list) -> list: ...  # [(handle, data, meta)] -> [OSError | None]
     def read(self, handle, num_bytes: int) -> torch.Tensor: ...
+
+
+class SlabStore(TierStore, Protocol):
+    """A memory tier: one slab of pages on a device (agent.store.memory_tier); its blocks'
+    bytes are addressable in place."""
+
+    device: str
+    slab: torch.Tensor
+
+    def views(self, handle, num_bytes: int) -> list[torch.Tensor]: ...
+    def byte_runs(self, handle, num_bytes: int) -> list[tuple[int, int]]: ...
+
+
+class FileStore(TierStore, Protocol):
+    """A tier in a file (agent.store.disk_tier): read into memory the caller gives, and it
+    records each model's layout in its headers."""
+
+    layouts: dict[str, str]
+
+    def read_many(self, items: list) -> list: ...  # [(handle, segments)] -> [BlockUnreadable | None]
+    def read_into(self, handle, segments: list) -> None: ...
+
+
+def is_slab(store: TierStore | None) -> TypeIs[SlabStore]:
+    return hasattr(store, "views")
+
+
+def is_host_slab(store: TierStore | None) -> TypeIs[SlabStore]:
+    """A memory slab in host memory (the CPU tier's)."""
+    return hasattr(store, "views") and getattr(store, "device", "") == "cpu"
+
+
+def is_file(store: TierStore | None) -> TypeIs[FileStore]:
+    return hasattr(store, "read_many")
 
 
 @dataclass
@@ -175,15 +211,15 @@ class PoolFull(Exception):
     """No room can be made (everything left is pinned, in use or moving)."""
 
 
-def _copy_unchanged(src, src_handle, dst, dst_handle, num_bytes: int, header) -> None:
+def _copy_unchanged(src: TierStore, src_handle, dst: TierStore, dst_handle, num_bytes: int, header) -> None:
     """Copy a block's stored bytes between tiers with as few copies as the stores allow:
     slab pages are written to disk as they are, and disk payloads are read straight into
     slab pages (verified there); otherwise through one temporary copy."""
-    if hasattr(src, "views") and getattr(src, "device", "cpu") == "cpu" and not hasattr(dst, "views"):
+    if is_host_slab(src) and not is_slab(dst):
         dst.write(dst_handle, src.views(src_handle, num_bytes), header)
-    elif hasattr(src, "read_into") and hasattr(dst, "views") and getattr(dst, "device", "cpu") == "cpu":
+    elif is_file(src) and is_host_slab(dst):
         src.read_into(src_handle, dst.views(dst_handle, num_bytes))
-    elif hasattr(src, "byte_runs") and hasattr(dst, "byte_runs"):
+    elif is_slab(src) and is_slab(dst):
         _copy_many([(src, src_handle, dst, dst_handle, num_bytes)])  # synchronized before the switch
     else:
         dst.write(dst_handle, src.read(src_handle, num_bytes), header)
@@ -214,23 +250,14 @@ def _first_page(handle) -> int:
     return handle[0] if isinstance(handle, list) else 0
 
 
-def _write_one(dst, handle, data, header) -> OSError | None:
-    """dst.write of one block; the OSError that kept it from being written, or None."""
-    try:
-        dst.write(handle, data, header)
-    except OSError as exc:
-        return exc
-    return None
-
-
-def _batchable(src, dst) -> bool:
+def _batchable(src: TierStore, dst: TierStore) -> bool:
     """Moves whose I/O a batch does at once: a CPU memory slab to or from the disk (one
     call), or between memory slabs (GPU <-> CPU: every copy queued, one synchronize)."""
-    if hasattr(src, "views") and getattr(src, "device", "") == "cpu" and getattr(dst, "tier", None) is Tier.DISK:
+    if is_host_slab(src) and is_file(dst):
         return True
-    if hasattr(src, "byte_runs") and hasattr(dst, "byte_runs"):
+    if is_slab(src) and is_slab(dst):
         return True
-    return hasattr(src, "read_many") and hasattr(dst, "views") and getattr(dst, "device", "") == "cpu"
+    return is_file(src) and is_host_slab(dst)
 
 
 def pair_runs(src: Sequence[tuple[int, int]], dst: Sequence[tuple[int, int]]) -> list[tuple[int, int, int]]:
@@ -277,7 +304,7 @@ def _chunk_bytes(k: int, left: int) -> int:
     return min(COPY_CHUNK_BYTES, COPY_FIRST_CHUNK_BYTES << min(k, 30), max(COPY_FIRST_CHUNK_BYTES, left // 2))
 
 
-def _issue_copies(moves: list[tuple[object, object, object, object, int]]) -> bool:
+def _issue_copies(moves: list[tuple[SlabStore, object, SlabStore, object, int]]) -> bool:
     """Queue the copies of blocks between memory slabs: (source store, its handle,
     destination store, its handle, bytes) each. Pieces adjacent in both slabs are merged
     (blocks allocated in order sit back to back on both sides: one copy for the lot
@@ -319,7 +346,7 @@ def _gpu_quiet(stores) -> bool:
     return True
 
 
-def _copy_many(moves: list[tuple[object, object, object, object, int]]) -> None:
+def _copy_many(moves: list[tuple[SlabStore, object, SlabStore, object, int]]) -> None:
     """_issue_copies, then one synchronize if a GPU took part: every block is copied
     before any is switched or its source freed."""
     if _issue_copies(moves):
@@ -331,10 +358,10 @@ RECODE_WRITE_BYTES = 4 << 20  # re-encoded payload written per write_many
 GPU_ENCODE_BATCH_BYTES = 16 << 20
 
 
-def _off_host(store) -> bool:
+def _off_host(store: TierStore) -> TypeIs[SlabStore]:
     """A memory slab off the host (a GPU's): a lossy codec encodes its raw blocks where
     they are, many at a time."""
-    return hasattr(store, "views") and getattr(store, "device", "cpu") != "cpu"
+    return is_slab(store) and store.device != "cpu"
 
 
 def _slab_payload(src, handle, stored_bytes: int) -> torch.Tensor:
@@ -390,7 +417,7 @@ class BlockPool:
         self.store_of = {t.tier: t for t in self.tiers}
         self.models = {m.model_id: m for m in models}
         for t in self.tiers:  # a tier that keeps blocks across restarts records their layout
-            if isinstance(getattr(t, "layouts", None), dict):
+            if is_file(t):
                 t.layouts.update({m.model_id: m.layout for m in models})
         self.tier_codecs = {t.tier: "none" for t in self.tiers} | dict(tier_codecs or {})
         for c in self.tier_codecs.values():
@@ -600,6 +627,7 @@ class BlockPool:
                     break
                 with self.lock:
                     meta, pending = pending, None
+                    assert meta is not None  # made with its handle, above
                     meta.ready = True
                     if parent in self.blocks:
                         self.blocks[parent].num_children += 1
@@ -883,6 +911,7 @@ class BlockPool:
             refused = self._move_refused(meta, to_tier, codec)
             if refused is not None:
                 return refused
+            assert meta is not None  # a block not held is refused
             meta.moving = True
             src, src_tier, src_handle, src_codec, src_stored = (
                 self.store_of[meta.tier],
@@ -990,13 +1019,14 @@ class BlockPool:
                     if from_tier is not None and meta is not None and meta.tier != from_tier:
                         out[k] = MoveOutcome(False, reason=f"no longer in the {from_tier.label} tier")
                         continue
-                    tier = to_tier if to_tier is not None or meta is None else meta.tier
-                    refused = self._move_refused(meta, tier, codec)
+                    refused = self._move_refused(meta, to_tier, codec)
                     if refused is not None:
                         out[k] = refused
-                        if refused.ok:  # already there: kept there while the batch makes room
+                        if refused.ok and meta is not None:  # already there: kept there while the batch makes room
                             self._keep(meta, in_place)
                         continue
+                    assert meta is not None  # a block not held is refused
+                    tier = to_tier if to_tier is not None else meta.tier
                     src = self.store_of[meta.tier]
                     target = codec if codec is not None else self._entry_codec(tier, meta.model_id, meta.codec)
                     if target != meta.codec:
@@ -1004,11 +1034,13 @@ class BlockPool:
                         job = _Recode(k, meta, src, meta.handle, meta.codec, meta.stored_bytes, target)
                         recode.setdefault(tier, []).append(job)
                         continue
+                    # a move in place (no `dst`) re-encodes every block it moves: recoded above
+                    assert dst is not None
                     if not _batchable(src, dst):
                         singles.append(k)
                         continue
                     meta.moving = True  # before making room: that must not drop or demote this block
-                    if hasattr(src, "byte_runs") and hasattr(dst, "byte_runs"):
+                    if is_slab(src) and is_slab(dst):
                         slab_copies.append((k, meta, src, meta.handle))  # allocated chunk by chunk
                     else:
                         to_place.append((k, meta, src))
@@ -1028,6 +1060,7 @@ class BlockPool:
                     try:
                         if full is not None and meta.stored_bytes >= full_bytes:
                             raise full
+                        assert dst is not None  # placed blocks have a destination (see above)
                         new_handle = self._allocate(dst, meta.stored_bytes, meta.block_hash)
                     except PoolFull as exc:
                         full, full_bytes = exc, meta.stored_bytes
@@ -1052,9 +1085,11 @@ class BlockPool:
         phase = 0  # the phases before it ran (and cleaned up after themselves if they failed)
         try:
             if slab_copies:
+                assert is_slab(dst)  # chosen for it above
                 out.update(self._copy_between_slabs(slab_copies, dst, held))
             phase = 1
             if jobs:
+                assert dst is not None  # a move in place places no job
                 out.update(self._move_placed(jobs, dst, held))
             phase = 2
             while recode:  # the slowest tier first: a compress in place there frees room for the ones above
@@ -1062,6 +1097,7 @@ class BlockPool:
                 out.update(self._move_recoded(recode.pop(tier), self.store_of[tier], held))
             phase = 3
             for k in singles:
+                assert to_tier is not None  # a move in place has no single moves (recodes only)
                 out[k] = self.move_block(block_hashes[k], to_tier, codec, held=held)
         except BaseException:  # the phases that had not started: their blocks stay where they were
             with self.lock:
@@ -1091,9 +1127,10 @@ class BlockPool:
         waiting: list = []
         settled: set[int] = set()
         try:
-            if dst.tier is Tier.DISK:  # stored as it is: the block's meta is its header
+            if is_file(dst):  # stored as it is: the block's meta is its header
                 errs = dst.write_many([(new, src.views(old, m.stored_bytes), m) for _, m, src, old, new in jobs])
-            else:
+            else:  # from the disk into a CPU slab (_batchable)
+                assert is_slab(dst)
                 reads = [(old, dst.views(new, m.stored_bytes)) for _, m, _, old, new in jobs]
                 errs = jobs[0][2].read_many(reads)
             self._settle(jobs, errs, dst, out, waiting, settled, held)
@@ -1102,7 +1139,7 @@ class BlockPool:
             raise
         return self._switch_waiting(waiting, dst, out, held)
 
-    def _copy_between_slabs(self, copies: list, dst: TierStore, held: _Held) -> dict[int, MoveOutcome]:
+    def _copy_between_slabs(self, copies: list, dst: SlabStore, held: _Held) -> dict[int, MoveOutcome]:
         """Move blocks as they are between memory slabs (k, meta, source, source handle;
         all marked moving) by chunks (_chunk_bytes): a chunk is allocated and its copies
         queued (_issue_copies); while a GPU copies it, the next chunk is allocated and
@@ -1126,7 +1163,8 @@ class BlockPool:
             while i < len(copies) or issued:
                 drain = False  # both tiers full: switch what was copied before making room
                 if i < len(copies):
-                    chunk, size, limit = [], 0, _chunk_bytes(n_chunks, left)
+                    chunk: list[tuple[int, BlockMeta, SlabStore, object, object]] = []
+                    size, limit = 0, _chunk_bytes(n_chunks, left)
                     with self.lock:
                         full: PoolFull | None = None  # nothing frees room under the lock: no larger block fits
                         full_bytes = 0
@@ -1461,19 +1499,19 @@ class BlockPool:
         errors: dict[int, Exception] = {}
         try:
             payloads = torch.empty((len(taken), payload_bytes), dtype=torch.uint8, device=dst.device)
-            from_disk = [(i, job) for i, job in enumerate(taken) if hasattr(job.src, "read_many")]
+            from_disk = [(i, job.src) for i, job in enumerate(taken) if is_file(job.src)]
             if from_disk:
                 staged = torch.empty(
                     (len(from_disk), payload_bytes), dtype=torch.uint8, pin_memory=torch.cuda.is_available()
                 )
-                reads = [(job.handle, [staged[r]]) for r, (_, job) in enumerate(from_disk)]
-                for (i, _), err in zip(from_disk, from_disk[0][1].src.read_many(reads), strict=True):
+                reads = [(taken[i].handle, [staged[r]]) for r, (i, _) in enumerate(from_disk)]
+                for (i, _), err in zip(from_disk, from_disk[0][1].read_many(reads), strict=True):
                     if err is not None:
                         errors[i] = err
                 rows = torch.tensor([i for i, _ in from_disk], device=dst.device)
                 payloads.index_copy_(0, rows, staged.to(dst.device, non_blocking=True))
             for i, job in enumerate(taken):
-                if not hasattr(job.src, "read_many"):  # a CPU slab's (pinned) pages, as they are
+                if is_slab(job.src):  # a CPU slab's (pinned) pages, as they are
                     at = 0
                     for seg in job.src.views(job.handle, payload_bytes):
                         payloads[i, at : at + seg.numel()].copy_(seg, non_blocking=True)
@@ -1535,7 +1573,7 @@ class BlockPool:
         spec = self.models[model_id]
         if _off_host(src) and codec == "none":
             block = _raw_block(src, handle, stored_bytes, spec)  # a lossy target quantizes it on the GPU
-        elif hasattr(src, "views") and src.device == "cpu":
+        elif is_host_slab(src):
             block = codecs.decode(codec, _slab_payload(src, handle, stored_bytes), spec.block_shape, spec.torch_dtype)
         else:
             block = codecs.decode(codec, src.read(handle, stored_bytes), spec.block_shape, spec.torch_dtype)
@@ -1555,7 +1593,7 @@ class BlockPool:
     def _recode_failed(self, meta: BlockMeta, reason: str, dst: TierStore | None = None, new=None) -> MoveOutcome:
         with self.lock:
             meta.moving = False
-            if new is not None:
+            if new is not None and dst is not None:
                 dst.free(new)
         return self._move_failed(reason)
 
@@ -1613,7 +1651,7 @@ class BlockPool:
         ]
         items = [(new, data, h) for (_, data, _, new), h in zip(placed, headers, strict=True)]
         try:
-            errs = dst.write_many(items) if hasattr(dst, "write_many") else [_write_one(dst, *it) for it in items]
+            errs = dst.write_many(items)
         except BaseException:  # nothing switched: the blocks stay, their new space goes back
             quiet = _gpu_quiet([dst, *(job.src for job, *_ in placed)])  # no copy still writing there
             with self.lock:
@@ -1636,10 +1674,13 @@ class BlockPool:
             job.done = True
         return out
 
-    def _move_refused(self, meta: BlockMeta | None, to_tier: Tier, codec: str | None) -> MoveOutcome | None:
-        """The outcome of a move that need not or may not start (lock held), else None."""
+    def _move_refused(self, meta: BlockMeta | None, to_tier: Tier | None, codec: str | None) -> MoveOutcome | None:
+        """The outcome of a move that need not or may not start (lock held), else None.
+        `to_tier` None: where the block is (a move in place)."""
         if meta is None or not meta.visible:
             return MoveOutcome(False, reason="not held", gone=True)
+        if to_tier is None:
+            to_tier = meta.tier
         if meta.moving:
             return MoveOutcome(False, reason="already moving")
         if meta.tier == to_tier and (codec is None or codec == meta.codec):
@@ -1659,12 +1700,14 @@ class BlockPool:
             return MoveOutcome(False, reason=f"pinned at tier {Tier(pinned).label} while it moved", pinned_tier=pinned)
         return None
 
-    def _abandon(self, jobs: list, dst: TierStore) -> None:
+    def _abandon(self, jobs: list, dst: TierStore | None) -> None:
         """Undo the moves of a batch that failed as a whole (lock held): the blocks stay
-        where they are, movable again, and their new space is given back."""
+        where they are, movable again, and their new space is given back (`dst` None: a
+        move in place, which places no job)."""
         for _, meta, _, _, new in jobs:
             meta.moving = False
-            dst.free(new)
+            if dst is not None:
+                dst.free(new)
         jobs.clear()
 
     def _finish_move(

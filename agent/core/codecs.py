@@ -18,8 +18,11 @@ codec name kept in the block's metadata.
 from __future__ import annotations
 
 import ctypes
+import functools
 import math
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -69,7 +72,7 @@ _NATIVE_SOURCE = Path(__file__).with_name("codec_kernel.c")
 def _native():
     """The C int8, int4 and fp8 loops (codec_kernel.c), or None: torch then does the same
     arithmetic."""
-    lib = native.load(_NATIVE_SOURCE, "KVCP_CODEC_KERNEL")
+    lib: Any = native.load(_NATIVE_SOURCE, "KVCP_CODEC_KERNEL")  # its signatures are set here
     if lib is not None and not hasattr(lib, "_kvcp_ready"):
         p, i = ctypes.c_void_p, ctypes.c_int64
         lib.int8_encode.argtypes = [p, i, i, p, p]
@@ -432,11 +435,12 @@ def _int4_decode_batch(payloads: torch.Tensor, shape, dtype) -> torch.Tensor:
     return out.to(dtype)
 
 
-DECODE_BATCHED = {
+DECODE_BATCHED: dict[str, Callable[[torch.Tensor, tuple, torch.dtype], torch.Tensor]] = {
     "int8": lambda p, shape, dtype: _rows_decode_batch(p, shape, dtype, torch.int8),
-    "fp8": lambda p, shape, dtype: _rows_decode_batch(p, shape, dtype, FP8),
     "int4": _int4_decode_batch,
 }
+if FP8 is not None:  # a torch without float8 decodes fp8 with the C loops only
+    DECODE_BATCHED["fp8"] = functools.partial(_rows_decode_batch, qtype=FP8)
 
 
 def payload_bytes(codec: str, shape, dtype: torch.dtype) -> int:

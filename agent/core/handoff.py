@@ -41,7 +41,7 @@ import numpy as np
 import xxhash
 
 from agent.core import codecs as codec_names
-from agent.core.block_pool import BlockMeta, BlockPool, PoolFull
+from agent.core.block_pool import BlockMeta, BlockPool, PoolFull, is_slab
 from protos import errors
 from protos.tier import Tier
 
@@ -151,7 +151,10 @@ class Reservations:
     ):
         self.pool = pool
         self.tier = tier
-        self.store = pool.store_of[tier]
+        store = pool.store_of[tier]
+        if not is_slab(store):
+            raise ValueError(f"handoffs land in a memory tier, not the {tier.label} tier")
+        self.store = store
         self.max_inbound = max_inbound
         self.quarantine_seconds = quarantine_seconds
         self.clock = clock
@@ -287,7 +290,7 @@ class Reservations:
         out: list[tuple[int, int]] = []
         for i, handle in enumerate(r.handles):
             n = r.stored_bytes[r.num_present + i]
-            for addr, length in _runs_of(self.store, handle, n):
+            for addr, length in self.store.byte_runs(handle, n):
                 if out and out[-1][0] + out[-1][1] == addr:
                     out[-1] = (out[-1][0], out[-1][1] + length)
                 else:
@@ -495,7 +498,8 @@ class Reservations:
 
     def _take_held(self, which) -> list[_Held]:
         """Take the quarantined holds `which` picks out of the quarantine (lock held)."""
-        taken, kept = [], []
+        taken: list[_Held] = []
+        kept: list[_Held] = []
         for h in self._quarantine:
             (taken if which(h) else kept).append(h)
         self._quarantine = kept
@@ -515,13 +519,6 @@ class Reservations:
         now = self.clock()
         with self._lock:
             return sum(1 for h in self._quarantine if h.writer is not None and h.release_at <= now)
-
-
-def _runs_of(store, handle, num_bytes: int) -> list[tuple[int, int]]:
-    """(address, length) runs of a block's first `num_bytes` in a store's memory."""
-    if hasattr(store, "byte_runs"):
-        return store.byte_runs(handle, num_bytes)
-    return [(seg.data_ptr(), seg.numel()) for seg in store.views(handle, num_bytes)]
 
 
 # ---- sender: retries, link limits, throughput -----------------------------------------

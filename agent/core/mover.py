@@ -193,7 +193,7 @@ class Mover:
         recently used blocks, which may be the ones earlier batches of this same move
         brought in. Those are not where the move put them: counted failed, and said."""
         gone = [h for h in landed if self.pool.tier_of(h) is not op.to_tier]
-        if gone:
+        if gone and op.to_tier is not None:
             op.done -= len(gone)
             op.failed += len(gone)
             op.error = (

@@ -265,11 +265,11 @@ class ExternalBlocks:
         by_tokens = self._by_tokens
         first_parent = by_tokens.get(ev.parent_hash, ev.parent_hash)
         bs = ev.block_size or self.block_size
-        tokens = ev.token_ids
+        tokens = ev.token_ids or ()
         usable = (
             self.index_by == "tokens"
             and not ev.keyed
-            and tokens is not None
+            and ev.token_ids is not None
             and bs > 0
             and len(tokens) == bs * len(ev.block_hashes)
         )

@@ -15,6 +15,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 from enum import IntEnum
+from typing import Protocol
 
 from controlplane.core.events import EventBus
 from controlplane.core.index import AgentMatch, BlockIndex, PrefixHolders
@@ -30,6 +31,12 @@ MAX_INVENTORY_BLOCKS = 1 << 25
 # an agent heard on its open stream within this long is alive though its etcd lease ended
 # (agents report stats every second)
 LIVE_STREAM_SECONDS = 5.0
+
+
+class Outbox(Protocol):
+    """Where an agent's commands go: its open Sync stream's queue (api/)."""
+
+    def put(self, item: object) -> None: ...
 
 
 class AgentState(IntEnum):
@@ -89,7 +96,7 @@ class AgentRecord:
     next_chunk: int = 0
     namespaces: dict[str, tuple[int, int]] = field(default_factory=dict)  # ns -> (blocks, bytes)
     # commands go down the agent's current Sync stream; pins applied on this stream
-    outbox: object = None
+    outbox: Outbox | None = None
     applied_pins: dict[str, str] = field(default_factory=dict)  # pin id -> version sent on this stream
     reported_pins: dict[str, str] = field(default_factory=dict)  # what the agent's Hello said it holds
 
@@ -499,7 +506,7 @@ class Cluster:
             rec.last_seen_unix_seconds = self._clock()
 
     # ---- commands -------------------------------------------------------------------
-    def attach_outbox(self, agent_id: str, session_id: str, outbox) -> None:
+    def attach_outbox(self, agent_id: str, session_id: str, outbox: Outbox) -> None:
         """A Sync stream is open: commands for the agent go into `outbox` (put(cmd))."""
         with self._lock:
             rec = self.agent(agent_id)

@@ -91,7 +91,7 @@ class Subscription:
 
     def drain(self) -> list[Event]:
         """Everything queued now, without waiting (markers included)."""
-        out = []
+        out: list[Event] = []
         while True:
             with self._cond:
                 if self._closed or (not self._queue and not self._dropped):

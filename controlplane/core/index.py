@@ -34,7 +34,7 @@ from __future__ import annotations
 import ctypes
 import os
 from collections.abc import Iterable, Iterator, Sequence
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -130,6 +130,7 @@ NO_HOLDERS = PrefixHolders([], [], b"", 0)
 def as_keys(block_hashes: bytes | bytearray | memoryview | Iterable[bytes]) -> np.ndarray:
     """Packed 16-byte digests (or an iterable of them) as an (N, 2) uint64 view; ValueError
     when a digest is not 16 bytes."""
+    buf: bytes | bytearray | memoryview
     if isinstance(block_hashes, np.ndarray):
         if block_hashes.dtype == np.uint64:
             return block_hashes.reshape(-1, 2)
@@ -206,7 +207,7 @@ class BlockIndex:
 
     def __init__(self, expected_blocks: int = 0, use_kernel: bool = True) -> None:
         # the C loops for per-event work where they build (index_kernel); else numpy's
-        self._lib = index_kernel.load() if use_kernel else None
+        self._lib: Any = index_kernel.load() if use_kernel else None  # ctypes: typed in index_kernel
         self._seed = np.frombuffer(os.urandom(16), np.uint64).copy()  # secret: see _mix
         self.unplaced_total = 0  # keys left out of a table that would not stop growing
         self._kview: index_kernel.KvIndex | None = None  # the C view, kept while the arrays stay
@@ -407,6 +408,7 @@ class BlockIndex:
         among them share one), written to `ent`. Without: ids are existing entry ids of
         distinct keys (a rebuild). Returns the positions (into ids) of keys whose two
         buckets were both full: the caller grows the table and places them again."""
+        assert (keys is None) == (ent is None), "keys and ent come together"
         b1, b2, tag = self._buckets(h)
         pending = np.arange(len(ids))
         failed: list[np.ndarray] = []
@@ -421,7 +423,7 @@ class BlockIndex:
             p1, p2, tp = b1[pending], b2[pending], tag[pending]
             r1 = np.take(self._tags, p1, axis=0)
             r2 = np.take(self._tags, p2, axis=0)
-            if keys is not None and not first:
+            if keys is not None and ent is not None and not first:
                 # a duplicate of a key placed by an earlier round of this call
                 q = ids[pending]
                 e, _ = self._match(r1, p1, tp, keys, q)
@@ -452,7 +454,7 @@ class BlockIndex:
             won = self._ents_flat.take(flat) == pending
             wc, wf = pending[won], flat[won]
             self._tags_flat[wf] = tag[wc]
-            if keys is None:
+            if keys is None or ent is None:
                 self._ents_flat[wf] = ids[wc]
             else:
                 new = self._alloc(len(wc))
@@ -845,8 +847,15 @@ class BlockIndex:
         else:
             tier_cost = np.zeros(len(held), np.int64)
         slots = slots[np.lexsort((self._name_ranks()[slots], tier_cost, -held))]
-        names = self._names
-        return PrefixHolders([names[s] for s in slots.tolist()], counts[slots].tolist(), rows[slots].tobytes(), m)
+        return PrefixHolders(
+            [self._agent_at(s) for s in slots.tolist()], counts[slots].tolist(), rows[slots].tobytes(), m
+        )
+
+    def _agent_at(self, slot: int) -> str:
+        """The agent of a slot that holds blocks (a freed slot holds none: its bits are clear)."""
+        name = self._names[slot]
+        assert name is not None, f"slot {slot} holds blocks but has no agent"
+        return name
 
     def holders(self, block_hash: bytes) -> dict[str, Tier]:
         keys = as_keys(block_hash)
@@ -857,7 +866,7 @@ class BlockIndex:
         held = _bit_columns(np.take(self._mask, e, axis=1).T)[0]
         out: dict[str, Tier] = {}
         for slot in np.flatnonzero(held).tolist():
-            out[self._names[slot]] = Tier(int(self._tiers_of(e, slot)[0]))
+            out[self._agent_at(slot)] = Tier(int(self._tiers_of(e, slot)[0]))
         return out
 
     def agent_blocks(self, agent_id: str) -> dict[bytes, int]:

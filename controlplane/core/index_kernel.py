@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import ctypes
 from pathlib import Path
+from typing import Any
 
 from protos import native
 
@@ -49,7 +50,7 @@ class KvIndex(ctypes.Structure):
 
 def load() -> ctypes.CDLL | None:
     """The C loops, or None (the numpy path is used); built on first use."""
-    lib = native.load(SOURCE, _ENV)
+    lib: Any = native.load(SOURCE, _ENV)  # the functions' signatures are set here
     if lib is None or hasattr(lib, "_kvcp_ready"):
         return lib
     p = ctypes.POINTER(KvIndex)

@@ -58,7 +58,7 @@ import math
 from collections import Counter
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field, fields, replace
-from typing import Protocol
+from typing import Any, Protocol
 
 from protos import errors
 from protos.block_hash import ROOT_PARENT_HASH
@@ -134,7 +134,7 @@ class Policy:
         `base` (default: the defaults). Raises InvalidArgument naming `field[key]`."""
         policy = base or cls()
         tiers = {t.label: policy.tier(t) for t in MANAGED_TIERS}
-        top: dict[str, object] = {}
+        top: dict[str, Any] = {}
         known = set(cls.keys())
         for key, raw in values.items():
             name = f"{field}[{key}]"
@@ -145,7 +145,8 @@ class Policy:
                 tiers[label] = replace(tiers[label], **{attr: _parse(TierPolicy, attr, raw, name)})
             else:
                 top[key] = _parse(cls, key, raw, name)
-        policy = replace(policy, **{label: tp for label, tp in tiers.items()}, **top)
+        by_label: dict[str, Any] = dict(tiers)
+        policy = replace(policy, **by_label, **top)
         return policy.validate(field=field, bracket=True)
 
     def validate(self, field: str = "policy", bracket: bool = False) -> Policy:
@@ -196,9 +197,9 @@ def _format(v: object) -> str:
     return str(v)
 
 
-def _parse(cls: type, attr: str, raw: object, name: str) -> object:
-    kind = {f.name: f.type for f in fields(cls)}[attr]
-    text = raw.strip() if isinstance(raw, str) else raw
+def _parse(cls: type, attr: str, raw: object, name: str) -> Any:
+    kind = {f.name: str(f.type) for f in fields(cls)}[attr]  # annotations are strings here
+    text: Any = raw.strip() if isinstance(raw, str) else raw
     try:
         if kind == "bool":
             if isinstance(text, bool):

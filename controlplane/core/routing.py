@@ -256,18 +256,18 @@ def route(
                 candidates=tuple(pre) + tuple(dec),
                 backpressure=bool(dec),
             )
-        best = dec[0] if dec else None
+        least_behind = dec[0] if dec else None
         return RouteDecision(
             role,
             p.agent_id,
             prefill_agent_id=p.agent_id,
-            decode_agent_id=best.agent_id if best else "",
-            disaggregate=best is not None,
+            decode_agent_id=least_behind.agent_id if least_behind else "",
+            disaggregate=least_behind is not None,
             num_cached_tokens=cached,
-            transfer_seconds=best.transfer_seconds if best else 0.0,
+            transfer_seconds=least_behind.transfer_seconds if least_behind else 0.0,
             saved_seconds=saved,
-            reason=f"every decode agent is behind ({best.note}); queue the handoff"
-            if best
+            reason=f"every decode agent is behind ({least_behind.note}); queue the handoff"
+            if least_behind
             else "no agent takes decode",
             candidates=tuple(pre) + tuple(dec),
             backpressure=True,

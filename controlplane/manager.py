@@ -28,7 +28,7 @@ from controlplane.core.access_stats import AccessStats
 from controlplane.core.clock import SteadyWallClock
 from controlplane.core.cluster import AgentCommand, Cluster, ModelInfo
 from controlplane.core.pins import Pin, check_quota, new_pin, same_request
-from controlplane.core.tuning import CreditTuner
+from controlplane.core.tuning import CreditTuner, TunedChoice
 from controlplane.metrics import PolicyStats
 from controlplane.store.durable import DurableStore, op_to_json, pin_from_json, pin_key, pin_to_json
 from controlplane.store.locks import EtcdLock
@@ -1276,12 +1276,12 @@ class Manager:
                 if self.tuner is not None:
                     self.tuner.observe(hashes, now, self.access)
 
-    def _tune(self, policy: tier_policy.Policy, capacity_blocks: int) -> tuple[float | None, bool]:
+    def _tune(self, policy: tier_policy.Policy, capacity_blocks: int) -> TunedChoice:
         """The reuse credit the shadow caches currently favour (None: tuning off), and
         whether they see loops larger than the cache (recent-first eviction)."""
         if not policy.uses_tuner or capacity_blocks <= 0:
             self.tuner = None
-            return None, False
+            return TunedChoice(None, False)
         if self.tuner is None or abs(self.tuner.capacity_blocks - capacity_blocks) > 0.2 * self.tuner.capacity_blocks:
             self.tuner = CreditTuner(
                 capacity_blocks, default=policy.reuse_credit_turnovers, max_reuse_credits=policy.max_reuse_credits

@@ -29,7 +29,7 @@ from collections import deque
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
-from typing import Protocol
+from typing import NamedTuple, Protocol
 
 import torch
 import xxhash
@@ -125,6 +125,42 @@ class BlockMeta:
     @property
     def visible(self) -> bool:
         return self.ready and not self.corrupt
+
+
+class ChainStored(NamedTuple):
+    """What insert_chain did: blocks it wrote, and leading blocks already held."""
+
+    num_stored: int
+    num_present: int
+
+
+class ChainRead(NamedTuple):
+    """read_chain's leading blocks, decoded, and the tier each was read from."""
+
+    blocks: list[torch.Tensor]
+    tiers: list[Tier]
+
+
+class ChainReserved(NamedTuple):
+    """reserve_chain's answer: the leading blocks held here (referenced: release_chain
+    them) and the pages reserved for the rest, one handle a block, invisible until
+    commit_reserved."""
+
+    num_present: int
+    present: list[BlockMeta]
+    handles: list
+
+
+class Inventory(NamedTuple):
+    """A consistent snapshot of the held blocks and the journal seq it reflects."""
+
+    seq: int
+    groups: list[InventoryGroup]
+
+
+class NamespaceUsage(NamedTuple):
+    num_blocks: int
+    uncompressed_bytes: int
 
 
 @dataclass(frozen=True)
@@ -534,15 +570,14 @@ class BlockPool:
         block_hashes: Sequence[bytes],
         block: Callable[[int], torch.Tensor | None],
         namespace: str = "",
-    ) -> tuple[int, int]:
+    ) -> ChainStored:
         """Store the chain's missing blocks into the fastest tier, making room as needed.
 
         `block(i)` returns block i as a tensor of the model's shape (None: not available,
         e.g. a prefix the caller skipped was evicted meanwhile). Blocks are stored in
         order and stop at the first that cannot be (a missing parent, no room, a write
         error): the held set stays a forest of prefixes. The room the new blocks need is
-        made first, at once and outside the lock (_room_in_bulk). Returns (num_stored,
-        num_present)."""
+        made first, at once and outside the lock (_room_in_bulk)."""
         spec = self.models[model_id]
         top = self.top
         codec = self._tier_codec(top.tier, model_id)
@@ -659,7 +694,7 @@ class BlockPool:
                 f"a store for {model_id} kept {no_room_at} of its {len(block_hashes)} blocks: every tier is full of "
                 f"blocks that may not go (pinned, being read or moved); {refused} not stored",
             )
-        return stored, present
+        return ChainStored(stored, present)
 
     def _room_for_chain(self, store: TierStore, leading: Sequence[bytes], num_new: int, codec: str, spec) -> None:
         """_room_in_bulk for num_new blocks of `spec` in `codec` about to be stored after
@@ -675,7 +710,7 @@ class BlockPool:
         finally:
             self.release_chain(held)
 
-    def read_chain(self, block_hashes: Sequence[bytes]) -> tuple[list[torch.Tensor], list[Tier]]:
+    def read_chain(self, block_hashes: Sequence[bytes]) -> ChainRead:
         """The decoded leading blocks that are held and intact, with their tiers.
 
         A block that fails its checksum or does not decode ends the prefix there; it
@@ -709,7 +744,7 @@ class BlockPool:
                     if meta.corrupt and meta.ref_count == 0:
                         self._drop_subtree(meta.block_hash)
                 self._drop_corrupt()
-        return out, tiers
+        return ChainRead(out, tiers)
 
     # ---- handoff between agents (agent.core.handoff drives these) ---------------------
     def acquire_chain(self, block_hashes: Sequence[bytes]) -> list[BlockMeta]:
@@ -736,7 +771,7 @@ class BlockPool:
 
     def reserve_chain(
         self, model_id: str, block_hashes: Sequence[bytes], stored_bytes: Sequence[int], tier: Tier
-    ) -> tuple[int, list[BlockMeta], list]:
+    ) -> ChainReserved:
         """Pages in `tier` for the blocks after the leading ones held here, making room
         as a store does. The held leading blocks are referenced (release_chain them).
         The pages belong to no block: invisible until commit_reserved. Raises PoolFull
@@ -763,7 +798,7 @@ class BlockPool:
                     store.free(handle)
                 self.release_chain(present)
                 raise
-            return len(present), present, handles
+            return ChainReserved(len(present), present, handles)
 
     def commit_reserved(
         self,
@@ -1954,8 +1989,8 @@ class BlockPool:
         layout = getattr(found, "layout", "")
         return not layout or layout == spec.layout  # older slabs did not record it
 
-    def namespace_usage(self) -> dict[str, tuple[int, int]]:
-        """namespace -> (blocks, uncompressed bytes)."""
+    def namespace_usage(self) -> dict[str, NamespaceUsage]:
+        """Visible blocks per namespace."""
         with self.lock:
             out: dict[str, list[int]] = {}
             for m in self.blocks.values():
@@ -1963,9 +1998,9 @@ class BlockPool:
                     acc = out.setdefault(m.namespace, [0, 0])
                     acc[0] += 1
                     acc[1] += m.num_bytes
-            return {k: (v[0], v[1]) for k, v in out.items()}
+            return {k: NamespaceUsage(v[0], v[1]) for k, v in out.items()}
 
-    def inventory(self) -> tuple[int, list[InventoryGroup]]:
+    def inventory(self) -> Inventory:
         """A consistent snapshot with the seq it reflects; pending events are superseded."""
         with self.lock:
             seq = self.journal.reset()
@@ -1976,7 +2011,7 @@ class BlockPool:
                 hs, ps = acc.setdefault((meta.model_id, meta.tier), (bytearray(), bytearray()))
                 hs += meta.block_hash
                 ps += meta.parent_hash
-            return seq, [InventoryGroup(m, t, bytes(h), bytes(p)) for (m, t), (h, p) in acc.items()]
+            return Inventory(seq, [InventoryGroup(m, t, bytes(h), bytes(p)) for (m, t), (h, p) in acc.items()])
 
     def drain_events(self, max_blocks: int = 8192) -> list[EventBatch]:
         with self.lock:

@@ -37,6 +37,7 @@ sequence space as the pool's own, and they are part of every inventory the agent
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import msgspec
 
@@ -230,6 +231,11 @@ def decode_batch(payload: bytes, group: int = 0) -> DecodedBatch:
     return DecodedBatch(float(ts), ours, rank, len(decoded) - len(known), len(known) - len(ours))
 
 
+class BatchApplied(NamedTuple):
+    num_stored: int
+    num_removed: int
+
+
 class ExternalBlocks:
     """Blocks an engine reported that this agent indexes but does not hold.
 
@@ -322,8 +328,8 @@ class ExternalBlocks:
     def _fastest(mask: int) -> Tier:
         return Tier((mask & -mask).bit_length() - 1)
 
-    def apply(self, batch: DecodedBatch) -> tuple[int, int]:
-        """Apply a decoded batch; returns (blocks stored, blocks removed).
+    def apply(self, batch: DecodedBatch) -> BatchApplied:
+        """Apply a decoded batch: the blocks it stored and removed.
         BlockSizeMismatch, with nothing applied, when a store names another block size."""
         for ev in batch.events:
             if isinstance(ev, BlocksStored) and self.block_size and ev.block_size not in (None, self.block_size):
@@ -374,7 +380,7 @@ class ExternalBlocks:
                             removed += 1
                 else:
                     removed += self.clear()
-        return stored, removed
+        return BatchApplied(stored, removed)
 
     def clear(self) -> int:
         """Forget every block (AllBlocksCleared, an engine restart, or a gap replay could not

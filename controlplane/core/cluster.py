@@ -15,7 +15,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 from enum import IntEnum
-from typing import Protocol
+from typing import NamedTuple, Protocol
 
 from controlplane.core.events import EventBus
 from controlplane.core.index import AgentMatch, BlockIndex, PrefixHolders
@@ -37,6 +37,11 @@ class Outbox(Protocol):
     """Where an agent's commands go: its open Sync stream's queue (api/)."""
 
     def put(self, item: object) -> None: ...
+
+
+class AgentEntry(NamedTuple):
+    record: AgentRecord
+    num_blocks: int
 
 
 class AgentState(IntEnum):
@@ -384,10 +389,11 @@ class Cluster:
             rec = self._agents.get(agent_id)
             return rec.stats_reports if rec is not None else 0
 
-    def agents(self) -> list[tuple[AgentRecord, int]]:
+    def agents(self) -> list[AgentEntry]:
+        """Every agent known, by id, with the blocks the index holds for it."""
         with self._lock:
             return [
-                (r, self.index.num_agent_blocks(r.agent_id))
+                AgentEntry(r, self.index.num_agent_blocks(r.agent_id))
                 for r in sorted(self._agents.values(), key=lambda r: r.agent_id)
             ]
 

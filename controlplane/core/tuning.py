@@ -36,6 +36,7 @@ from __future__ import annotations
 import heapq
 from collections import Counter
 from collections.abc import Sequence
+from typing import NamedTuple
 
 from controlplane.core.access_stats import AccessStats
 from protos.block_hash import ROOT_PARENT_HASH
@@ -111,6 +112,13 @@ class _Shadow:
             heapq.heapify(self.heap)
 
 
+class TunedChoice(NamedTuple):
+    """What a policy pass uses."""
+
+    reuse_credit_turnovers: float | None  # None: the policy's own
+    recent_first: bool  # evict most recent first (a scan is under way)
+
+
 class CreditTuner:
     """Shadow caches, one per candidate credit, and one recent-first. `best()` is the
     candidate credit with the most recent prefix hits (the default until any shadow has
@@ -156,10 +164,9 @@ class CreditTuner:
     def scores(self) -> dict[float, float]:
         return {sh.credit_turnovers: sh.score for sh in self.shadows}
 
-    def choose(self, tune_reuse_credits: bool, scan_resistance: bool) -> tuple[float | None, bool]:
-        """What a pass uses, as the policy allows: the credit (None: the policy's own) and
-        whether to evict most recent first."""
-        return (self.best() if tune_reuse_credits else None), scan_resistance and self.recent_first()
+    def choose(self, tune_reuse_credits: bool, scan_resistance: bool) -> TunedChoice:
+        """What a pass uses, as the policy allows."""
+        return TunedChoice(self.best() if tune_reuse_credits else None, scan_resistance and self.recent_first())
 
     def recent_first(self) -> bool:
         top = max(sh.score for sh in self.shadows)

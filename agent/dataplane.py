@@ -44,7 +44,9 @@ import grpc
 import torch
 from google.protobuf import json_format
 
-from agent.core.block_pool import BlockMeta, BlockPool, BlockUnreadable, pair_runs
+from agent.core.block_moves import pair_runs
+from agent.core.block_pool import BlockPool
+from agent.core.blocks import BlockMeta
 from agent.core.handoff import (
     ENGINE,
     GRPC,
@@ -62,6 +64,7 @@ from agent.core.handoff import (
     checksum,
     slices,
 )
+from agent.core.tier_store import BlockUnreadable
 from agent.store.shm import PeerSlab, host_id, own_start_ticks, process_alive
 from agent.store.transfer_engine import TransferBackend, TransferFailed, TransferTimedOut
 from protos import errors, etcd_keys, security

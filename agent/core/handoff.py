@@ -41,7 +41,9 @@ import numpy as np
 import xxhash
 
 from agent.core import codecs as codec_names
-from agent.core.block_pool import BlockMeta, BlockPool, PoolFull, is_slab
+from agent.core.block_pool import BlockPool
+from agent.core.blocks import BlockMeta, PoolFull
+from agent.core.tier_store import SlabStore, is_slab
 from protos import errors
 from protos.tier import Tier
 
@@ -154,7 +156,7 @@ class Reservations:
         store = pool.store_of[tier]
         if not is_slab(store):
             raise ValueError(f"handoffs land in a memory tier, not the {tier.label} tier")
-        self.store = store
+        self.store: SlabStore = store
         self.max_inbound = max_inbound
         self.quarantine_seconds = quarantine_seconds
         self.clock = clock

@@ -41,7 +41,7 @@ from typing import NamedTuple
 
 import msgspec
 
-from agent.core.block_pool import InventoryGroup
+from agent.core.blocks import InventoryGroup
 from agent.core.journal import REMOVED, STORED
 from protos.block_hash import ROOT_PARENT_HASH, external_block_hash, hash_block, hash_chain, split_hashes
 from protos.tier import Tier

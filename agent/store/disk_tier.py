@@ -59,7 +59,7 @@ import numpy as np
 import torch
 import xxhash
 
-from agent.core.block_pool import BlockUnreadable
+from agent.core.tier_store import BlockUnreadable
 from protos.tier import Tier
 
 log = logging.getLogger(__name__)

@@ -8,7 +8,8 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from agent.core.block_pool import BlockPool, pair_runs
+from agent.core.block_moves import pair_runs
+from agent.core.block_pool import BlockPool
 from agent.core.handoff import (
     Link,
     ReservationError,

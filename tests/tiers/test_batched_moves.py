@@ -480,13 +480,13 @@ def test_demotion_from_an_off_host_slab_encodes_in_batches(tmp_path, monkeypatch
     (its raw blocks encoded many at a time, by the batched codec path). Every block gets
     the payload encode() writes for it alone, over several batches and scattered pages,
     and a batch that fails (out of GPU memory, say) is encoded block by block."""
-    import agent.core.block_pool as block_pool
+    import agent.core.block_moves as block_moves
     from agent.core import codecs
 
     if codec not in codecs.available_codecs():
         pytest.skip(f"{codec} unavailable in this torch build")
-    monkeypatch.setattr(block_pool, "_off_host", lambda store: store.tier is Tier.GPU)
-    monkeypatch.setattr(block_pool, "GPU_ENCODE_BATCH_BYTES", 3 * SPEC.block_bytes)
+    monkeypatch.setattr(block_moves, "_off_host", lambda store: store.tier is Tier.GPU)
+    monkeypatch.setattr(block_moves, "GPU_ENCODE_BATCH_BYTES", 3 * SPEC.block_bytes)
     calls = []
 
     def batched(name, blocks, on_host=True):  # the GPU's path on the host; the second batch fails
@@ -527,13 +527,13 @@ def test_promotion_into_an_off_host_slab_decodes_in_batches(tmp_path, monkeypatc
     decoded many at a time (codecs.decode_batch) into raw blocks: each the block decode()
     gives it alone, over several batches and scattered pages; a corrupt disk block in a
     batch is removed alone; a batch that fails (out of GPU memory, say) goes block by block."""
-    import agent.core.block_pool as block_pool
+    import agent.core.block_moves as block_moves
     from agent.core import codecs
 
     if codec not in codecs.available_codecs():
         pytest.skip(f"{codec} unavailable in this torch build")
-    monkeypatch.setattr(block_pool, "_off_host", lambda store: store.tier is Tier.GPU)
-    monkeypatch.setattr(block_pool, "GPU_ENCODE_BATCH_BYTES", 3 * SPEC.block_bytes)
+    monkeypatch.setattr(block_moves, "_off_host", lambda store: store.tier is Tier.GPU)
+    monkeypatch.setattr(block_moves, "GPU_ENCODE_BATCH_BYTES", 3 * SPEC.block_bytes)
     n = 10
     pool, upper, cpu, hashes, data = _slab_pair(n, seed=17, disk_dir=tmp_path / "disk", scale=4)
     assert all(o.ok for o in pool.move_blocks(hashes, Tier.CPU, codec))
@@ -595,9 +595,9 @@ def test_a_batch_between_memory_slabs_is_switched_chunk_by_chunk(monkeypatch):
     the next ones are), each chunk's blocks highest source pages first: every block keeps
     its bytes, each chunk is one copy, and the free lists hand the next batch each
     chunk's pages in order (one copy a chunk on the way back too)."""
-    import agent.core.block_pool as block_pool
+    import agent.core.block_moves as block_moves
 
-    monkeypatch.setattr(block_pool, "COPY_CHUNK_BYTES", 2 * SPEC.block_bytes)
+    monkeypatch.setattr(block_moves, "COPY_CHUNK_BYTES", 2 * SPEC.block_bytes)
     pool, upper, cpu, hashes, data = _slab_pair(8)
     switched, real_finish = [], BlockPool._finish_move
 
@@ -624,9 +624,9 @@ def test_a_copy_that_fails_mid_batch_leaves_the_unswitched_blocks_in_place(monke
     """The third chunk's copy fails: the two chunks switched before it stay moved, every
     other block stays where it was with its bytes, no page is lost or held twice, and the
     move can be run again."""
-    import agent.core.block_pool as block_pool
+    import agent.core.block_moves as block_moves
 
-    monkeypatch.setattr(block_pool, "COPY_CHUNK_BYTES", 2 * SPEC.block_bytes)
+    monkeypatch.setattr(block_moves, "COPY_CHUNK_BYTES", 2 * SPEC.block_bytes)
     pool, upper, cpu, hashes, data = _slab_pair(8)
     _fail_copy(monkeypatch, 3)
     with pytest.raises(RuntimeError, match="illegal memory access"):
@@ -647,10 +647,10 @@ def test_chunks_grow_from_a_small_first_one_and_shrink_towards_the_end(monkeypat
     before up to the largest, and none over half of what is left (the last switch, which
     no copy hides, is small): chunk sizes 1, 2, 4, 4, 3, 1, 1 blocks of 16, one copy
     each, every block moved with its bytes."""
-    import agent.core.block_pool as block_pool
+    import agent.core.block_moves as block_moves
 
-    monkeypatch.setattr(block_pool, "COPY_FIRST_CHUNK_BYTES", SPEC.block_bytes)
-    monkeypatch.setattr(block_pool, "COPY_CHUNK_BYTES", 4 * SPEC.block_bytes)
+    monkeypatch.setattr(block_moves, "COPY_FIRST_CHUNK_BYTES", SPEC.block_bytes)
+    monkeypatch.setattr(block_moves, "COPY_CHUNK_BYTES", 4 * SPEC.block_bytes)
     pool, upper, cpu, hashes, data = _slab_pair(16)
     copies = _count_copies(monkeypatch)
     assert all(o.ok for o in pool.move_blocks(hashes, Tier.CPU))
@@ -665,9 +665,9 @@ def test_a_block_read_during_a_failed_chunked_move_is_left_movable(monkeypatch):
     """A reader holds block 0 when its chunk is copied (its switch waits), then a later
     chunk's copy fails: block 0 stays where it was, movable, and its new space goes
     back (it was left moving, its pages held)."""
-    import agent.core.block_pool as block_pool
+    import agent.core.block_moves as block_moves
 
-    monkeypatch.setattr(block_pool, "COPY_CHUNK_BYTES", 2 * SPEC.block_bytes)
+    monkeypatch.setattr(block_moves, "COPY_CHUNK_BYTES", 2 * SPEC.block_bytes)
     pool, upper, cpu, hashes, data = _slab_pair(8)
     held = pool.acquire_chain(hashes[:1])
     _fail_copy(monkeypatch, 3)
@@ -723,10 +723,10 @@ def test_a_move_into_a_full_tier_keeps_every_block_it_moved(monkeypatch):
     """Four cold blocks moved into a slab full of four others, a small chunk at a time:
     the room made for the later ones demotes the others, never a block of the batch
     already moved (a block switched early is the least recently used in its new tier)."""
-    import agent.core.block_pool as block_pool
+    import agent.core.block_moves as block_moves
 
-    monkeypatch.setattr(block_pool, "COPY_CHUNK_BYTES", SPEC.block_bytes)
-    monkeypatch.setattr(block_pool, "COPY_FIRST_CHUNK_BYTES", SPEC.block_bytes)
+    monkeypatch.setattr(block_moves, "COPY_CHUNK_BYTES", SPEC.block_bytes)
+    monkeypatch.setattr(block_moves, "COPY_FIRST_CHUNK_BYTES", SPEC.block_bytes)
     pool, cold, hot, data = _cold_under_hot(cpu_blocks=8, seed=3)
     hashes = cold + hot
     outcomes = pool.move_blocks(cold, Tier.GPU)
@@ -742,10 +742,10 @@ def test_an_unexpected_error_in_a_gpu_batch_leaves_its_blocks_movable(tmp_path, 
     """A GPU decode batch that fails with an error no fallback is for (not out of memory,
     not a codec error): the move raises, and every block of the batch stays where it was,
     movable (the batch's blocks were off the queue, out of the move's cleanup)."""
-    import agent.core.block_pool as block_pool
+    import agent.core.block_moves as block_moves
     from agent.core import codecs
 
-    monkeypatch.setattr(block_pool, "_off_host", lambda store: store.tier is Tier.GPU)
+    monkeypatch.setattr(block_moves, "_off_host", lambda store: store.tier is Tier.GPU)
     pool, upper, cpu, hashes, data = _slab_pair(4, disk_dir=tmp_path / "disk")
     assert all(o.ok for o in pool.move_blocks(hashes, Tier.CPU, "int8"))
 
@@ -765,9 +765,9 @@ def test_an_allocation_that_fails_mid_batch_leaves_the_rest_in_place(monkeypatch
     """Chunks are allocated as the batch goes: an allocation that fails with an
     unexpected error in the third chunk leaves the two chunks switched before it moved
     and every later block where it was, none left moving, no page lost."""
-    import agent.core.block_pool as block_pool
+    import agent.core.block_moves as block_moves
 
-    monkeypatch.setattr(block_pool, "COPY_CHUNK_BYTES", 2 * SPEC.block_bytes)
+    monkeypatch.setattr(block_moves, "COPY_CHUNK_BYTES", 2 * SPEC.block_bytes)
     pool, upper, cpu, hashes, data = _slab_pair(8)
     calls, real = [0], BlockPool._allocate
 
@@ -848,10 +848,10 @@ def test_a_recoded_move_into_a_full_tier_keeps_every_block_it_moved(tmp_path):
 def test_a_move_block_by_block_into_a_full_tier_keeps_every_block_it_moved(tmp_path, monkeypatch):
     """Moves the batch cannot do at once (as the disk into a GPU) go block by block
     (move_block): those too are held until the batch is placed."""
-    import agent.core.block_pool as block_pool
+    import agent.core.block_moves as block_moves
 
     pool, cold, hot, data = _full_cpu_over_disk(tmp_path)
-    monkeypatch.setattr(block_pool, "_batchable", lambda src, dst: False)
+    monkeypatch.setattr(block_moves, "_batchable", lambda src, dst: False)
     outcomes = pool.move_blocks(cold, Tier.CPU)
     assert all(o.ok for o in outcomes), outcomes
     assert [pool.tier_of(h) for h in cold] == [Tier.CPU] * 4
@@ -901,12 +901,12 @@ def test_a_swap_between_two_full_tiers_demotes_instead_of_dropping(monkeypatch):
     before it freed, so only the first block's room (nothing freed yet) is made by a drop;
     before, every chunk in flight left the CPU full and each hot block it pushed out was
     dropped."""
-    import agent.core.block_pool as block_pool
+    import agent.core.block_moves as block_moves
 
-    monkeypatch.setattr(block_pool, "COPY_FIRST_CHUNK_BYTES", SPEC.block_bytes)
-    monkeypatch.setattr(block_pool, "COPY_CHUNK_BYTES", 2 * SPEC.block_bytes)
-    real_issue = block_pool._issue_copies
-    monkeypatch.setattr(block_pool, "_issue_copies", lambda moves: real_issue(moves) or True)
+    monkeypatch.setattr(block_moves, "COPY_FIRST_CHUNK_BYTES", SPEC.block_bytes)
+    monkeypatch.setattr(block_moves, "COPY_CHUNK_BYTES", 2 * SPEC.block_bytes)
+    real_issue = block_moves._issue_copies
+    monkeypatch.setattr(block_moves, "_issue_copies", lambda moves: real_issue(moves) or True)
     monkeypatch.setattr(torch.cuda, "Event", _SlowEvent)
     monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)  # the host copies are done
     pool, cold, hot, data = _cold_under_hot(cpu_blocks=4, seed=6)
@@ -1024,16 +1024,16 @@ def test_a_copy_that_fails_while_making_room_leaks_no_page(monkeypatch):
     """A swap between two full slabs (copies slow, so the chunks in flight are switched
     before more room is made): a copy failing in any step (the batch's or a demotion's)
     raises, leaves every block where it was or where it went, and no page lost."""
-    import agent.core.block_pool as block_pool
+    import agent.core.block_moves as block_moves
 
     for nth in range(1, 9):
-        monkeypatch.setattr(block_pool, "COPY_FIRST_CHUNK_BYTES", SPEC.block_bytes)
-        monkeypatch.setattr(block_pool, "COPY_CHUNK_BYTES", 2 * SPEC.block_bytes)
-        real_issue = block_pool._issue_copies
-        monkeypatch.setattr(block_pool, "_issue_copies", lambda moves, real=real_issue: real(moves) or True)
+        monkeypatch.setattr(block_moves, "COPY_FIRST_CHUNK_BYTES", SPEC.block_bytes)
+        monkeypatch.setattr(block_moves, "COPY_CHUNK_BYTES", 2 * SPEC.block_bytes)
+        real_issue = block_moves._issue_copies
+        monkeypatch.setattr(block_moves, "_issue_copies", lambda moves, real=real_issue: real(moves) or True)
         monkeypatch.setattr(torch.cuda, "Event", _SlowEvent)
         monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)
-        monkeypatch.setattr(block_pool, "_gpu_quiet", lambda stores: True)
+        monkeypatch.setattr(block_moves, "gpu_quiet", lambda stores: True)
         pool, cold, hot, data = _cold_under_hot(cpu_blocks=4, seed=6)
         _fail_copy(monkeypatch, nth)
         try:

@@ -87,7 +87,7 @@ def test_fragmented_free_space_does_not_fail_write_after_write(small_fs: Path):
     system's blocks: every such write failed with ENOSPC while the tier said it had room
     (a review). After one ENOSPC the free runs are punched and the tier refitted; one soon
     after counts the tier full at what it holds."""
-    from agent.core.block_pool import BlockMeta
+    from agent.core.blocks import BlockMeta
     from agent.store.disk_tier import DiskTier
     from protos.block_hash import ROOT_PARENT_HASH
     from protos.tier import Tier

@@ -12,7 +12,8 @@ import pytest
 import torch
 from click.testing import CliRunner
 
-from agent.core.block_pool import BlockMeta, BlockPool
+from agent.core.block_pool import BlockPool
+from agent.core.blocks import BlockMeta
 from agent.core.journal import REMOVED
 from agent.server import Agent, AgentConfig
 from agent.store.disk_tier import GRANULE_BYTES, MAGIC, CorruptBlock, DiskTier, ExtentAllocator

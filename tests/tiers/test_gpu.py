@@ -145,9 +145,9 @@ def test_a_batched_gpu_demotion_writes_each_blocks_host_payload(codec, monkeypat
     block ends in the CPU tier with exactly the payload the host would write, blocks with
     scattered pages included, over more than one batch; a batch that fails on the GPU is
     encoded block by block instead."""
-    import agent.core.block_pool as block_pool
+    import agent.core.block_moves as block_moves
 
-    monkeypatch.setattr(block_pool, "GPU_ENCODE_BATCH_BYTES", 3 * SPEC.block_bytes)  # several batches
+    monkeypatch.setattr(block_moves, "GPU_ENCODE_BATCH_BYTES", 3 * SPEC.block_bytes)  # several batches
     n = 10
     gpu = MemoryTier(Tier.GPU, n * SPEC.block_bytes, SPEC.block_bytes // 4)
     gpu._free.reverse()  # descending pages: every block is four one-page runs
@@ -188,13 +188,13 @@ def test_a_promotion_into_the_gpu_decodes_there_in_batches(codec, tmp_path, monk
     batch is removed alone."""
     import os
 
-    import agent.core.block_pool as block_pool
+    import agent.core.block_moves as block_moves
     from agent.store.disk_tier import DiskTier
     from tests.tiers.support import block_on_disk, check_pool, flip_byte
 
     if codec == "fp8" and codecs.FP8 is None:
         pytest.skip("no float8_e4m3fn in this torch")
-    monkeypatch.setattr(block_pool, "GPU_ENCODE_BATCH_BYTES", 4 * SPEC.block_bytes)
+    monkeypatch.setattr(block_moves, "GPU_ENCODE_BATCH_BYTES", 4 * SPEC.block_bytes)
     n = 10
     gpu = MemoryTier(Tier.GPU, n * SPEC.block_bytes, SPEC.block_bytes // 4)
     cpu = MemoryTier(Tier.CPU, n * SPEC.block_bytes, SPEC.block_bytes // 4)
@@ -235,11 +235,11 @@ def test_a_batch_moves_between_gpu_and_cpu_chunk_by_chunk(monkeypatch):
     """A batch between the GPU and the pinned CPU slab in small chunks: each chunk is
     switched once its CUDA event fires while the later chunks still copy; every block
     keeps its bytes both ways, round after round, and nothing is left moving or leaked."""
-    import agent.core.block_pool as block_pool
+    import agent.core.block_moves as block_moves
     from tests.tiers.support import check_pool
 
-    monkeypatch.setattr(block_pool, "COPY_CHUNK_BYTES", 2 * SPEC.block_bytes)
-    monkeypatch.setattr(block_pool, "COPY_FIRST_CHUNK_BYTES", SPEC.block_bytes)
+    monkeypatch.setattr(block_moves, "COPY_CHUNK_BYTES", 2 * SPEC.block_bytes)
+    monkeypatch.setattr(block_moves, "COPY_FIRST_CHUNK_BYTES", SPEC.block_bytes)
     n = 24
     gpu = MemoryTier(Tier.GPU, n * SPEC.block_bytes, SPEC.block_bytes // 4)
     cpu = MemoryTier(Tier.CPU, n * SPEC.block_bytes, SPEC.block_bytes // 4)
@@ -273,12 +273,12 @@ def test_a_promotion_into_a_full_gpu_demotes_in_one_batch(disk, tmp_path, monkey
     hot blocks going down to the CPU slab as one chunked batch (no device-wide synchronize
     per block under the lock), or, with the CPU full of nothing but the batch's sources
     (no disk), by switching the chunks in flight first; every block keeps its bytes."""
-    import agent.core.block_pool as block_pool
+    import agent.core.block_moves as block_moves
     from agent.store.disk_tier import DiskTier
     from tests.tiers.support import check_pool
 
-    monkeypatch.setattr(block_pool, "COPY_CHUNK_BYTES", 2 * SPEC.block_bytes)
-    monkeypatch.setattr(block_pool, "COPY_FIRST_CHUNK_BYTES", SPEC.block_bytes)
+    monkeypatch.setattr(block_moves, "COPY_CHUNK_BYTES", 2 * SPEC.block_bytes)
+    monkeypatch.setattr(block_moves, "COPY_FIRST_CHUNK_BYTES", SPEC.block_bytes)
     n = 8
     gpu = MemoryTier(Tier.GPU, n * SPEC.block_bytes, SPEC.block_bytes // 4)
     cpu = MemoryTier(Tier.CPU, (2 * n if disk else n) * SPEC.block_bytes, SPEC.block_bytes // 4)

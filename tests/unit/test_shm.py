@@ -10,7 +10,7 @@ import time
 import pytest
 import torch
 
-from agent.core.block_pool import pair_runs
+from agent.core.block_moves import pair_runs
 from agent.core.handoff import slices
 from agent.store.memory_tier import MemoryTier
 from agent.store.shm import PeerSlab, SharedSlab, host_id, split_even

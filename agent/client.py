@@ -31,7 +31,7 @@ class Handoff:
     num_blocks: int
     num_sent_blocks: int
     sent_bytes: int
-    seconds: float
+    elapsed_seconds: float
     attempts: int
     reason: str
     num_cached_tokens: int
@@ -154,7 +154,7 @@ class EngineClient:
             r.num_blocks,
             r.num_sent_blocks,
             r.sent_bytes,
-            r.seconds,
+            r.elapsed_seconds,
             r.attempts,
             r.reason,
             r.num_cached_tokens,

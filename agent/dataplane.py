@@ -249,8 +249,8 @@ class DataPlane:
                     peer_agent_id=link.peer_agent_id,
                     throughput_bytes_per_second=link.throughput_bytes_per_second,
                     latency_seconds=link.latency_seconds,
-                    inflight=link.inflight,
-                    queued=link.queued,
+                    num_inflight_transfers=link.inflight,
+                    num_queued_transfers=link.queued,
                     transfers_total=link.transfers_total,
                     failures_total=link.failures_total,
                     bytes_total=link.bytes_total,
@@ -259,13 +259,13 @@ class DataPlane:
                 )
                 for link in links
             ],
-            inbound_reservations=self.reservations.open_count(),
+            num_inbound_handoffs=self.reservations.open_count(),
             reserved_bytes=self.reservations.reserved_bytes(),
             handoff_free_bytes=max(0, self.pool.reclaimable_bytes(self.tier)),
             handoff_capacity_bytes=self.store.capacity_bytes,
-            outbound_inflight=sum(link.inflight for link in links),
-            outbound_queued=sum(link.queued for link in links),
-            max_inbound=self.reservations.max_inbound,
+            num_outbound_inflight_handoffs=sum(link.inflight for link in links),
+            num_outbound_queued_handoffs=sum(link.queued for link in links),
+            max_inbound_handoffs=self.reservations.max_inbound,
         )
 
     # ---- receiving ----------------------------------------------------------------
@@ -375,39 +375,45 @@ class DataPlane:
             # a handoff may rightly take longer than the control plane's silence timeout
             # (a long deadline over a slow or limited link): say it is alive meanwhile
             while not done.wait(TRANSFER_HEARTBEAT_SECONDS):
-                reply(op_id, "RUNNING", total=len(hashes))
+                reply(op_id, "RUNNING", num_total_blocks=len(hashes))
 
         def run() -> None:
-            reply(op_id, "RUNNING", total=len(hashes))
+            reply(op_id, "RUNNING", num_total_blocks=len(hashes))
             done = threading.Event()
             threading.Thread(target=beat, args=(done,), name=f"transfer {op_id} beat", daemon=True).start()
             try:
                 r = self.handoff(model_id, hashes, peer_agent_id, deadline_seconds)
             except errors.KvcpError as exc:
-                reply(op_id, "FAILED", total=len(hashes), failed=len(hashes), error=str(exc))
+                reply(op_id, "FAILED", num_total_blocks=len(hashes), num_failed_blocks=len(hashes), error=str(exc))
                 return
             except Exception as exc:  # noqa: BLE001 - the operation gets its answer whatever went wrong
                 log.exception("transfer %s failed", op_id)
                 reply(
                     op_id,
                     "FAILED",
-                    total=len(hashes),
-                    failed=len(hashes),
+                    num_total_blocks=len(hashes),
+                    num_failed_blocks=len(hashes),
                     error=f"internal error on the agent ({type(exc).__name__}: {exc}); its log has the trace",
                 )
                 return
             finally:
                 done.set()
             if r.outcome == RECOMPUTE:
-                reply(op_id, "FAILED", total=len(hashes), failed=len(hashes), error=f"recompute: {r.reason}")
+                reply(
+                    op_id,
+                    "FAILED",
+                    num_total_blocks=len(hashes),
+                    num_failed_blocks=len(hashes),
+                    error=f"recompute: {r.reason}",
+                )
                 return
             missing = len(hashes) - r.num_blocks
             reply(
                 op_id,
                 "SUCCEEDED",
-                done=r.num_blocks,
-                total=len(hashes),
-                failed=missing,
+                num_done_blocks=r.num_blocks,
+                num_total_blocks=len(hashes),
+                num_failed_blocks=missing,
                 moved_bytes=r.sent_bytes,
                 error=f"this agent holds only {r.num_blocks} leading blocks of {len(hashes)}" if missing else "",
                 result=transfer_result(r),
@@ -1192,7 +1198,7 @@ def result_to_pb(r: HandoffResult) -> agent_pb2.HandoffResponse:
         num_blocks=r.num_blocks,
         num_sent_blocks=r.num_sent_blocks,
         sent_bytes=r.sent_bytes,
-        seconds=r.seconds,
+        elapsed_seconds=r.seconds,
         attempts=r.attempts,
         reason=r.reason,
         num_cached_tokens=r.num_cached_tokens,

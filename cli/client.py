@@ -326,9 +326,9 @@ class PinView:
 class AgentProgressView:
     agent_id: str
     state: str
-    done: int
-    total: int
-    failed: int
+    num_done_blocks: int
+    num_total_blocks: int
+    num_failed_blocks: int
     error: str
     result: str = ""
 
@@ -338,11 +338,11 @@ class OperationView:
     op_id: str
     kind: str
     state: str  # PENDING | RUNNING | SUCCEEDED | FAILED | CANCELLED
-    progress: float
-    done: int
-    total: int
-    failed: int
-    skipped_pinned: int
+    progress: float  # 0..1
+    num_done_blocks: int
+    num_total_blocks: int
+    num_failed_blocks: int
+    num_skipped_pinned_blocks: int  # left in place: a pin holds them
     moved_bytes: int
     freed: list[TierView]
     error: str
@@ -361,9 +361,9 @@ class OperationView:
 @dataclass(frozen=True)
 class RouteCandidateView:
     agent_id: str
-    score: float
+    estimated_seconds: float  # prefill: compute + queue; decode: handoff + queue (lower is better)
     num_cached_blocks: int
-    load: float
+    num_active_handoffs: float  # handoffs arriving, sending or queued to send (a count)
     free_bytes: int
     link_bytes_per_second: float
     transfer_seconds: float
@@ -434,17 +434,22 @@ def _op_view(o) -> OperationView:
         kind=o.kind,
         state=admin_pb2.OperationState.Name(o.state).removeprefix("OPERATION_STATE_"),
         progress=o.progress,
-        done=o.done,
-        total=o.total,
-        failed=o.failed,
-        skipped_pinned=o.skipped_pinned,
+        num_done_blocks=o.num_done_blocks,
+        num_total_blocks=o.num_total_blocks,
+        num_failed_blocks=o.num_failed_blocks,
+        num_skipped_pinned_blocks=o.num_skipped_pinned_blocks,
         moved_bytes=o.moved_bytes,
         freed=_tiers(o.freed),
         error=o.error,
         created_unix_seconds=o.created_unix_seconds,
         updated_unix_seconds=o.updated_unix_seconds,
         params=dict(o.params),
-        agents=[AgentProgressView(a.agent_id, a.state, a.done, a.total, a.failed, a.error, a.result) for a in o.agents],
+        agents=[
+            AgentProgressView(
+                a.agent_id, a.state, a.num_done_blocks, a.num_total_blocks, a.num_failed_blocks, a.error, a.result
+            )
+            for a in o.agents
+        ],
         dry_run=o.dry_run,
         result=o.result,
     )
@@ -849,9 +854,9 @@ class ControlPlaneClient:
             [
                 RouteCandidateView(
                     c.agent_id,
-                    c.score,
+                    c.estimated_seconds,
                     c.num_cached_blocks,
-                    c.load,
+                    c.num_active_handoffs,
                     c.free_bytes,
                     c.link_bytes_per_second,
                     c.transfer_seconds,
@@ -866,8 +871,8 @@ class ControlPlaneClient:
     def get_operation(self, op_id: str) -> OperationView:
         return _op_view(self._call("GetOperation", admin_pb2.GetOperationRequest(op_id=op_id)))
 
-    def list_operations(self, limit: int = 100) -> list[OperationView]:
-        resp = self._call("ListOperations", admin_pb2.ListOperationsRequest(limit=limit))
+    def list_operations(self, max_operations: int = 100) -> list[OperationView]:
+        resp = self._call("ListOperations", admin_pb2.ListOperationsRequest(max_operations=max_operations))
         return [_op_view(o) for o in resp.operations]
 
     def cancel_operation(self, op_id: str) -> OperationView:

@@ -86,12 +86,12 @@ def print_op(ctx: Context, op: OperationView) -> None:
         click.echo(output.dumps(op))
         return
     line = f"{op.kind} {op.op_id}: {op.state}"
-    if op.total:
-        line += f", {op.done}/{op.total} blocks"
-    if op.failed:
-        line += f", {op.failed} failed"
-    if op.skipped_pinned:
-        line += f", {op.skipped_pinned} pinned skipped"
+    if op.num_total_blocks:
+        line += f", {op.num_done_blocks}/{op.num_total_blocks} blocks"
+    if op.num_failed_blocks:
+        line += f", {op.num_failed_blocks} failed"
+    if op.num_skipped_pinned_blocks:
+        line += f", {op.num_skipped_pinned_blocks} pinned skipped"
     if op.moved_bytes:
         line += f", {output.human_bytes(op.moved_bytes)} moved"
     if op.result:
@@ -104,7 +104,7 @@ def print_op(ctx: Context, op: OperationView) -> None:
         for t in op.freed:
             click.echo(f"  {verb} {t.num_blocks} blocks, {output.human_bytes(t.used_bytes)} in {t.tier}")
     elif op.kind == "cleanup" and op.state == "SUCCEEDED":  # a failed or cancelled one did not look at all
-        if op.skipped_pinned:
+        if op.num_skipped_pinned_blocks:
             click.echo(
                 "  would free nothing: pins hold every block it matched"
                 if op.dry_run
@@ -112,7 +112,7 @@ def print_op(ctx: Context, op: OperationView) -> None:
             )
         else:
             click.echo("  nothing matched" if not op.dry_run else "  would free nothing")
-    elif op.kind in ("move", "compress") and op.state == "SUCCEEDED" and not op.total:
+    elif op.kind in ("move", "compress") and op.state == "SUCCEEDED" and not op.num_total_blocks:
         click.echo("  nothing matched (no agent holds a block of it)")
 
 
@@ -429,7 +429,7 @@ def route(ctx: Context, model_id, tokens, tokens_file, hashes, extra_keys, role,
     rows = [
         [
             c.agent_id,
-            f"{c.score * 1e3:.1f}ms",
+            f"{c.estimated_seconds * 1e3:.1f}ms",
             c.num_cached_blocks,
             output.human_bytes(c.free_bytes),
             f"{c.link_bytes_per_second / 1e9:.2f}" if c.link_bytes_per_second else "-",
@@ -438,7 +438,7 @@ def route(ctx: Context, model_id, tokens, tokens_file, hashes, extra_keys, role,
         ]
         for c in r.candidates
     ]
-    click.echo(output.table(["AGENT", "SCORE", "CACHED", "FREE", "LINK GB/s", "STATE", "NOTE"], rows))
+    click.echo(output.table(["AGENT", "ESTIMATE", "CACHED", "FREE", "LINK GB/s", "STATE", "NOTE"], rows))
 
 
 @main.command()
@@ -446,7 +446,7 @@ def route(ctx: Context, model_id, tokens, tokens_file, hashes, extra_keys, role,
 @pass_ctx
 def ops(ctx: Context, limit):
     """Recent operations, newest first."""
-    views = ctx.call(lambda c: c.list_operations(limit))
+    views = ctx.call(lambda c: c.list_operations(max_operations=limit))
     if ctx.output == "json":
         click.echo(output.dumps(views))
         return
@@ -459,8 +459,8 @@ def ops(ctx: Context, limit):
             o.kind,
             o.state,
             f"{o.progress:.0%}",
-            f"{o.done}/{o.total}",
-            o.failed,
+            f"{o.num_done_blocks}/{o.num_total_blocks}",
+            o.num_failed_blocks,
             time.strftime("%H:%M:%S", time.localtime(o.created_unix_seconds)),
             o.error[:40],
         ]

@@ -309,7 +309,7 @@ class DashboardApp(App):
         try:
             client = self._current_client()
             calls = {
-                "operations": lambda: client.list_operations(limit=50),
+                "operations": lambda: client.list_operations(max_operations=50),
                 "pins": client.list_pins,
                 "agents": client.list_agents,
                 "stats": client.stats,

@@ -578,7 +578,7 @@ class OperationsScreen(DashboardScreen):
             ("KIND", "kind"),
             ("STATE", "state"),
             ("PROGRESS", "progress"),
-            ("BLOCKS", "done"),
+            ("BLOCKS", "blocks"),
             ("MOVED", "moved"),
         ):
             table.add_column(label, key=key)
@@ -614,7 +614,7 @@ class OperationsScreen(DashboardScreen):
         table.clear()
         for op in self.state.operations:
             progress = render.bar(op.progress, 10, style="cyan") + Text(f" {op.progress:>4.0%}")
-            done = Text(f"{op.done}/{op.total}", style="red" if op.failed else "")
+            done = Text(f"{op.num_done_blocks}/{op.num_total_blocks}", style="red" if op.num_failed_blocks else "")
             table.add_row(
                 render.short_id(op.op_id, 16),
                 op.kind + ("*" if op.dry_run else ""),
@@ -638,17 +638,17 @@ class OperationsScreen(DashboardScreen):
                 text.append(f"  started {render.duration(self.dash.now() - op.created_unix_seconds)} ago")
             if op.dry_run:
                 text.append("  dry run")
-            if op.failed:
-                text.append(f"  {op.failed} failed", style="red")
-            if op.skipped_pinned:
-                text.append(f"  {op.skipped_pinned} skipped (pinned)")
+            if op.num_failed_blocks:
+                text.append(f"  {op.num_failed_blocks} failed", style="red")
+            if op.num_skipped_pinned_blocks:
+                text.append(f"  {op.num_skipped_pinned_blocks} skipped (pinned)")
             params = " ".join(f"{k}={v}" for k, v in sorted(op.params.items()))
             if params:
                 text.append(f"\n{params}", style="dim")
             if op.error:
                 text.append(f"\n{op.error}", style="red")
             for a in op.agents[:3]:
-                text.append(f"\n  {a.agent_id}: {a.state} {a.done}/{a.total}")
+                text.append(f"\n  {a.agent_id}: {a.state} {a.num_done_blocks}/{a.num_total_blocks}")
                 if a.error:
                     text.append(f" {a.error}", style="red")
         self.query_one("#op-detail", Static).update(text)
@@ -678,7 +678,10 @@ class OperationsScreen(DashboardScreen):
                 self.dash.cancel_operation(op.op_id)
 
         self.app.push_screen(
-            ConfirmScreen(f"Cancel {op.kind} {op.op_id}?", f"{op.done}/{op.total} blocks done so far."), confirmed
+            ConfirmScreen(
+                f"Cancel {op.kind} {op.op_id}?", f"{op.num_done_blocks}/{op.num_total_blocks} blocks done so far."
+            ),
+            confirmed,
         )
 
 

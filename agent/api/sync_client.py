@@ -58,12 +58,12 @@ def op_update_pb(op: MoveOp) -> agent_pb2.AgentMessage:
         op_update=agent_pb2.OpUpdate(
             op_id=op.op_id,
             state=op.state,
-            done=op.done,
-            total=op.total,
-            failed=op.failed,
+            num_done_blocks=op.done,
+            num_total_blocks=op.total,
+            num_failed_blocks=op.failed,
             moved_bytes=op.moved_bytes,
             error=op.error,
-            skipped_pinned=len(op.pinned),
+            num_skipped_pinned_blocks=len(op.pinned),
             pinned_block_hashes=b"".join(h for h, _ in op.pinned),
             pinned_tiers=[t for _, t in op.pinned],
         )
@@ -214,9 +214,9 @@ class ControlPlaneLink:
             self._reply(
                 cmd.op_id,
                 SUCCEEDED,
-                done=done,
-                total=len(hashes),
-                failed=len(hashes) - done,
+                num_done_blocks=done,
+                num_total_blocks=len(hashes),
+                num_failed_blocks=len(hashes) - done,
                 pinned_block_hashes=b"".join(h for h, _ in pinned),
                 pinned_tiers=[t for _, t in pinned],
             )
@@ -238,7 +238,7 @@ class ControlPlaneLink:
             self._pins_changed()
             if not hashes and cmd.namespace:
                 self.raise_to_pin(cmd.namespace, int(tier or Tier.CPU))
-            self._reply(cmd.op_id, SUCCEEDED, done=len(hashes), total=len(hashes))
+            self._reply(cmd.op_id, SUCCEEDED, num_done_blocks=len(hashes), num_total_blocks=len(hashes))
         elif kind == agent_pb2.COMMAND_KIND_UNPIN:
             with pool.lock:
                 pool.pins.remove(cmd.pin_id)
@@ -249,9 +249,9 @@ class ControlPlaneLink:
             self._reply(
                 cmd.op_id,
                 SUCCEEDED,
-                done=result.num_blocks,
-                total=result.num_blocks,
-                skipped_pinned=result.skipped_pinned,
+                num_done_blocks=result.num_blocks,
+                num_total_blocks=result.num_blocks,
+                num_skipped_pinned_blocks=result.skipped_pinned,
                 freed=[
                     types_pb2.TierUsage(tier=int(t), num_blocks=n, used_bytes=b) for t, (n, b) in result.freed.items()
                 ],

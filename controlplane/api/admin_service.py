@@ -215,7 +215,9 @@ class AdminServicer(admin_pb2_grpc.AdminServiceServicer):
 
     def ListOperations(self, request, context):
         return admin_pb2.ListOperationsResponse(
-            operations=[convert.op_to_pb(o) for o in self._manager(read=True).list_ops(min(request.limit or 100, 1000))]
+            operations=[
+                convert.op_to_pb(o) for o in self._manager(read=True).list_ops(min(request.max_operations or 100, 1000))
+            ]
         )
 
     def CancelOperation(self, request, context):

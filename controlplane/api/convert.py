@@ -227,10 +227,10 @@ def op_to_pb(op) -> admin_pb2.Operation:
         kind=op.kind,
         state=_OP_STATES[op.state],
         progress=op.progress,
-        done=op.done,
-        total=op.total,
-        failed=op.failed,
-        skipped_pinned=op.skipped_pinned,
+        num_done_blocks=op.done,
+        num_total_blocks=op.total,
+        num_failed_blocks=op.failed,
+        num_skipped_pinned_blocks=op.skipped_pinned,
         moved_bytes=op.moved_bytes,
         freed=[types_pb2.TierUsage(tier=int(t), num_blocks=n, used_bytes=b) for t, (n, b) in op.freed().items()],
         error=op.error,
@@ -241,9 +241,9 @@ def op_to_pb(op) -> admin_pb2.Operation:
             admin_pb2.AgentProgress(
                 agent_id=p.agent_id,
                 state=p.state,
-                done=p.done,
-                total=p.total,
-                failed=p.failed,
+                num_done_blocks=p.done,
+                num_total_blocks=p.total,
+                num_failed_blocks=p.failed,
                 error=p.error,
                 result=p.result,
             )
@@ -260,13 +260,17 @@ def dataplane_from_pb(d: agent_pb2.DataPlaneStats):
     return DataPlaneView(
         handoff_free_bytes=d.handoff_free_bytes,
         handoff_capacity_bytes=d.handoff_capacity_bytes,
-        inbound_reservations=d.inbound_reservations,
-        max_inbound=d.max_inbound or 8,
-        outbound_inflight=d.outbound_inflight,
-        outbound_queued=d.outbound_queued,
+        inbound_reservations=d.num_inbound_handoffs,
+        max_inbound=d.max_inbound_handoffs or 8,
+        outbound_inflight=d.num_outbound_inflight_handoffs,
+        outbound_queued=d.num_outbound_queued_handoffs,
         links={
             link.peer_agent_id: LinkView(
-                link.peer_agent_id, link.throughput_bytes_per_second, link.inflight, link.queued, link.latency_seconds
+                link.peer_agent_id,
+                link.throughput_bytes_per_second,
+                link.num_inflight_transfers,
+                link.num_queued_transfers,
+                link.latency_seconds,
             )
             for link in d.links
         },
@@ -288,9 +292,9 @@ def route_to_pb(r) -> admin_pb2.RouteResponse:
         candidates=[
             admin_pb2.RouteCandidate(
                 agent_id=c.agent_id,
-                score=c.score,
+                estimated_seconds=c.score,
                 num_cached_blocks=c.num_cached_blocks,
-                load=c.load,
+                num_active_handoffs=c.load,
                 free_bytes=c.free_bytes,
                 link_bytes_per_second=c.link_bytes_per_second,
                 transfer_seconds=c.transfer_seconds,

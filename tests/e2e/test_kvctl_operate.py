@@ -106,12 +106,12 @@ def test_pin_move_cleanup_from_kvctl(cluster, tmp_path):
         "SUCCEEDED, 0/5 blocks, 5 pinned skipped" in out.stdout and "where pins hold them (at tier cpu)" in out.stdout
     )
     moved = j(cluster, "move", "--namespace", "chat", "--to", "disk", "--wait")
-    assert moved["state"] == "SUCCEEDED" and moved["done"] == 3
+    assert moved["state"] == "SUCCEEDED" and moved["num_done_blocks"] == 3
     lookup = j(cluster, "lookup", "--model", M.model_id, "--tokens", ",".join(map(str, chat)))
     assert lookup["agents"][0]["tiers"] == ["disk"] * 3
 
     dry = j(cluster, "cleanup", "--dry-run")
-    assert dry["dry_run"] and dry["skipped_pinned"] == 5 and sum(t["num_blocks"] for t in dry["freed"]) == 3
+    assert dry["dry_run"] and dry["num_skipped_pinned_blocks"] == 5 and sum(t["num_blocks"] for t in dry["freed"]) == 3
     assert cluster.agents()["agent-d"]["num_blocks"] == 8
     text = kvctl(cluster.endpoint, "cleanup", "--older-than", "1h", "--dry-run").stdout
     assert "would free nothing" in text
@@ -120,7 +120,7 @@ def test_pin_move_cleanup_from_kvctl(cluster, tmp_path):
     wait_for(lambda: cluster.agents()["agent-d"]["num_blocks"] == 5, 10, 0.2, "cleanup indexed")
 
     comp = j(cluster, "compress", "--codec", "int8", "--namespace", "legal-kb", "--wait")
-    assert comp["state"] == "SUCCEEDED" and comp["done"] == 5
+    assert comp["state"] == "SUCCEEDED" and comp["num_done_blocks"] == 5
 
     # kvctl -o json agents: stored vs uncompressed bytes per tier, as the agent reports them
     def cpu_tier() -> dict:

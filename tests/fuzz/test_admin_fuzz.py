@@ -102,7 +102,7 @@ def requests(live, policy: dict[str, str]):
             {"codec": CODECS, "tier": ENUM},
         ),
         "GetOperation": st.builds(admin_pb2.GetOperationRequest, op_id=texts()),
-        "ListOperations": st.builds(admin_pb2.ListOperationsRequest, limit=UINT32),
+        "ListOperations": st.builds(admin_pb2.ListOperationsRequest, max_operations=UINT32),
         "CancelOperation": st.builds(admin_pb2.CancelOperationRequest, op_id=texts()),
         "SetPolicy": st.builds(
             admin_pb2.SetPolicyRequest,

@@ -101,12 +101,12 @@ def strategies(live):
         agent_pb2.OpUpdate,
         op_id=texts("policy-1", "pin-x"),
         state=st.one_of(st.sampled_from(["PENDING", "RUNNING", "SUCCEEDED", "FAILED", "CANCELLED"]), texts()),
-        done=UINT32,
-        total=UINT32,
-        failed=UINT32,
+        num_done_blocks=UINT32,
+        num_total_blocks=UINT32,
+        num_failed_blocks=UINT32,
         moved_bytes=UINT64,
         error=texts(),
-        skipped_pinned=UINT32,
+        num_skipped_pinned_blocks=UINT32,
         freed=st.lists(usage, max_size=2),
     )
     notice = st.builds(agent_pb2.Notice, kind=texts("corrupt_block"), message=texts(), unix_seconds=FLOATS)

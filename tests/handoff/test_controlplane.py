@@ -30,7 +30,12 @@ def test_transfer_operation_and_route(controlplane, make_agent, tmp_path):
     assert op.kind == "transfer" and op.params["to"] == "dec"
     op = c.wait_operation(op.op_id, timeout_seconds=20)
     assert controlplane.cluster.lookups_total == looked_up  # its own lookup is no router's
-    assert (op.state, op.done, op.total, op.moved_bytes) == ("SUCCEEDED", 6, 6, 6 * BIG.block_bytes), op
+    assert (op.state, op.num_done_blocks, op.num_total_blocks, op.moved_bytes) == (
+        "SUCCEEDED",
+        6,
+        6,
+        6 * BIG.block_bytes,
+    ), op
     assert torch.equal(b.engine.load(BIG.model_id, tokens).kv, kv)
     wait_for(
         lambda: any(m.agent_id == "dec" and m.num_hit_blocks == 6 for m in c.lookup(BIG.model_id, tokens).agents), 10

@@ -351,7 +351,11 @@ def test_a_move_running_when_the_controlplane_restarts_is_followed_to_its_end(et
     try:
         with ControlPlaneClient(cp2.address) as c:
             done = wait_for(lambda: c.get_operation(op.op_id).finished and c.get_operation(op.op_id), 30, 0.2, "done")
-            assert done.state == "SUCCEEDED" and done.done == 96, (done.state, done.error, done.done)
+            assert done.state == "SUCCEEDED" and done.num_done_blocks == 96, (
+                done.state,
+                done.error,
+                done.num_done_blocks,
+            )
         hs = split_hashes(hash_prefix(M.model_id, prompt, BS))
         assert {a.pool.tier_of(h) for h in hs} == {Tier.DISK}
     finally:
@@ -384,12 +388,12 @@ def test_move_compress_and_cleanup_operations(client, make_agent, tmp_path):
 
     op = client.move("disk", model_id=M.model_id, token_ids=tokens(4))
     op = client.wait_operation(op.op_id, timeout_seconds=20)
-    assert op.state == "SUCCEEDED" and op.done == 4 and op.moved_bytes > 0
+    assert op.state == "SUCCEEDED" and op.num_done_blocks == 4 and op.moved_bytes > 0
     wait_for(lambda: client.lookup(M.model_id, tokens(4)).agents[0].tiers == ["disk"] * 4, what="index shows disk")
     assert torch.equal(a.engine.load(M.model_id, tokens(4)).kv, kv(4))
 
     op = client.wait_operation(client.compress("int8", namespace="chat").op_id, timeout_seconds=20)
-    assert op.state == "SUCCEEDED" and op.done == 2
+    assert op.state == "SUCCEEDED" and op.num_done_blocks == 2
     with a.pool.lock:
         codecs = {m.codec for m in a.pool.blocks.values() if m.namespace == "chat"}
     assert codecs == {"int8"}
@@ -397,7 +401,7 @@ def test_move_compress_and_cleanup_operations(client, make_agent, tmp_path):
     pin = client.pin(namespace="legal-kb", ttl_seconds=60)
     wait_for(lambda: all(t == int(Tier.CPU) for t in pinned_on(a, tokens(4))), what="namespace pin applied")
     dry = client.wait_operation(client.cleanup(0, dry_run=True).op_id, timeout_seconds=20)
-    assert dry.state == "SUCCEEDED" and dry.dry_run and dry.skipped_pinned == 4
+    assert dry.state == "SUCCEEDED" and dry.dry_run and dry.num_skipped_pinned_blocks == 4
     assert sum(t.num_blocks for t in dry.freed) == 2
     assert indexed(client, "o1") == 6  # a dry run changes nothing
     real = client.wait_operation(client.cleanup(0).op_id, timeout_seconds=20)

@@ -486,7 +486,7 @@ def test_an_operation_right_after_a_failover_waits_for_the_agents_etcd_lists(rep
         wait_for(lambda: {a.agent_id: a.state for a in c.list_agents()}.get("paused-agent") == "ready", 20, 0.2, "back")
     done = kvctl(r.endpoint("cp-b"), "-o", "json", "move", "--namespace", "chat", "--to", "cpu", "--wait")
     op = json.loads(done.stdout)
-    assert op["state"] == "SUCCEEDED" and op["total"] == 5, op
+    assert op["state"] == "SUCCEEDED" and op["num_total_blocks"] == 5, op
 
 
 def test_kvctl_op_wait_rides_out_a_paused_leader(replicas):
@@ -549,7 +549,7 @@ def test_agents_follow_a_leader_of_an_etcd_that_lost_its_data(tmp_path):
                 op = c.wait_operation(op.op_id, 20)
                 return op if op.state == "SUCCEEDED" else None  # e.g. the agent was reconnecting
 
-            assert wait_for(moved, 40, 0.5, "a move after the reset").done == 3
+            assert wait_for(moved, 40, 0.5, "a move after the reset").num_done_blocks == 3
             assert agent.link.highest_epoch == cp.election.epoch and agent.link.etcd_resets_total >= 1
             # the leader had served from memory through it: its pins and policy went back
             # into etcd (before, `kvctl pins` said "no pins" and agents lifted theirs)

@@ -72,7 +72,7 @@ def test_move_runs_as_an_operation_and_reports_progress(agent):
     ups = updates(agent)
     assert ups[0].op_id == "op-move" and ups[0].state == RUNNING
     last = ups[-1]
-    assert (last.state, last.done, last.total, last.failed) == (SUCCEEDED, 3, 3, 0)
+    assert (last.state, last.num_done_blocks, last.num_total_blocks, last.num_failed_blocks) == (SUCCEEDED, 3, 3, 0)
     assert last.moved_bytes == 3 * BLOCK_BYTES
     res = agent.engine.load(SPEC.model_id, toks)
     assert torch.equal(res.kv, data) and res.tiers == (Tier.DISK,) * 3
@@ -112,7 +112,11 @@ def test_move_of_blocks_not_held_has_nothing_to_do(agent):
     agent.link.handle_command(1, command(MOVE, "op-gone", [b"\x01" * 16], tier=Tier.DISK))
     run_mover(agent)
     last = updates(agent)[-1]
-    assert (last.state, last.done, last.failed) == (SUCCEEDED, 0, 0) and "1 block(s) no longer held" in last.error
+    assert (last.state, last.num_done_blocks, last.num_failed_blocks) == (
+        SUCCEEDED,
+        0,
+        0,
+    ) and "1 block(s) no longer held" in last.error
 
 
 def test_compress_keeps_the_tier(agent):
@@ -136,7 +140,7 @@ def test_compress_without_hashes_takes_the_blocks_of_one_tier(agent):
     agent.link.handle_command(1, command(COMPRESS, "op-cpu", codec="int8", only_tier=Tier.CPU))
     run_mover(agent)
     assert [agent.pool.blocks[h].codec for h in hs] == ["int8", "int8", "int8", "none"]
-    assert updates(agent)[-1].done == 3
+    assert updates(agent)[-1].num_done_blocks == 3
 
 
 def test_promotions_send_no_op_updates(agent):
@@ -172,7 +176,7 @@ def test_evict_drops_blocks_and_their_descendants(agent):
     agent.pool.drain_events()
     agent.link.handle_command(1, command(EVICT, "op-e", hs[1:2]))
     (up,) = updates(agent)
-    assert (up.state, up.done, up.total, up.failed) == (SUCCEEDED, 1, 1, 0)
+    assert (up.state, up.num_done_blocks, up.num_total_blocks, up.num_failed_blocks) == (SUCCEEDED, 1, 1, 0)
     assert set(agent.pool.blocks) == {hs[0]}
     assert agent.engine.lookup(SPEC.model_id, toks) == SPEC.block_size
     check_pool(agent.pool)
@@ -182,7 +186,7 @@ def test_evict_in_the_policys_order_children_first_drops_each_block_once(agent):
     _, _, hs = store(agent, n=4)
     agent.link.handle_command(1, command(EVICT, "op-e", list(reversed(hs))))  # as policy.Evict lists them
     (up,) = updates(agent)
-    assert (up.state, up.done, up.total, up.failed) == (SUCCEEDED, 4, 4, 0)
+    assert (up.state, up.num_done_blocks, up.num_total_blocks, up.num_failed_blocks) == (SUCCEEDED, 4, 4, 0)
     assert agent.pool.blocks == {}
 
 
@@ -190,7 +194,7 @@ def test_evict_of_a_namespace_goes_leaves_first(agent):
     store(agent, n=4)
     agent.link.handle_command(1, command(EVICT, "op-ns", namespace=""))
     (up,) = updates(agent)
-    assert (up.done, up.total, up.failed) == (4, 4, 0) and agent.pool.blocks == {}
+    assert (up.num_done_blocks, up.num_total_blocks, up.num_failed_blocks) == (4, 4, 0) and agent.pool.blocks == {}
 
 
 def test_a_prefix_scope_with_a_tier_touches_only_that_tier(agent):
@@ -199,7 +203,7 @@ def test_a_prefix_scope_with_a_tier_touches_only_that_tier(agent):
     agent.link.handle_command(1, command(COMPRESS, "op-t", hs, codec="int4", only_tier=Tier.CPU))
     run_mover(agent)
     assert [agent.pool.blocks[h].codec for h in hs] == ["none", "int4", "int4"]
-    assert updates(agent)[-1].done == 2
+    assert updates(agent)[-1].num_done_blocks == 2
 
 
 def test_an_operation_that_raises_tells_the_control_plane_why(agent, monkeypatch):
@@ -240,19 +244,19 @@ def test_pin_protects_until_unpinned(agent):
     # neither evicted nor moved below the pin's tier
     agent.link.handle_command(1, command(EVICT, "op-e1", hs))
     up = updates(agent)[-1]
-    assert (up.done, up.failed) == (0, 3) and set(agent.pool.blocks) == set(hs)
+    assert (up.num_done_blocks, up.num_failed_blocks) == (0, 3) and set(agent.pool.blocks) == set(hs)
     agent.link.handle_command(1, command(MOVE, "op-m1", hs, tier=Tier.DISK))
     run_mover(agent)
     up = updates(agent)[-1]
     # left where the pin holds them: skipped (as a cleanup skips them), not a failure
-    assert (up.state, up.done, up.failed, up.skipped_pinned) == (SUCCEEDED, 0, 0, 3)
+    assert (up.state, up.num_done_blocks, up.num_failed_blocks, up.num_skipped_pinned_blocks) == (SUCCEEDED, 0, 0, 3)
     assert "3 block(s) left where pins hold them (at tier cpu)" in up.error
     assert all(agent.pool.tier_of(h) is Tier.CPU for h in hs)
     # unpinned: both work
     agent.link.handle_command(1, command(UNPIN, "op-u", pin_id="pin-1"))
     assert updates(agent)[-1].state == SUCCEEDED
     agent.link.handle_command(1, command(EVICT, "op-e2", hs[2:]))
-    assert updates(agent)[-1].done == 1 and hs[2] not in agent.pool.blocks
+    assert updates(agent)[-1].num_done_blocks == 1 and hs[2] not in agent.pool.blocks
 
 
 def test_blocks_a_namespace_pin_holds_are_named_in_the_reply(agent):
@@ -266,13 +270,13 @@ def test_blocks_a_namespace_pin_holds_are_named_in_the_reply(agent):
     updates(agent)
     agent.link.handle_command(1, command(EVICT, "op-e", [*hs, *other]))
     up = updates(agent)[-1]
-    assert (up.done, up.failed) == (1, 3) and other[0] not in agent.pool.blocks
+    assert (up.num_done_blocks, up.num_failed_blocks) == (1, 3) and other[0] not in agent.pool.blocks
     held = [up.pinned_block_hashes[i : i + 16] for i in range(0, len(up.pinned_block_hashes), 16)]
     assert sorted(held) == sorted(hs) and list(up.pinned_tiers) == [int(Tier.CPU)] * 3
     agent.link.handle_command(1, command(MOVE, "op-m", hs, tier=Tier.DISK))
     run_mover(agent)
     up = updates(agent)[-1]
-    assert (up.state, up.skipped_pinned) == (SUCCEEDED, 3) and up.pinned_block_hashes == b"".join(hs)
+    assert (up.state, up.num_skipped_pinned_blocks) == (SUCCEEDED, 3) and up.pinned_block_hashes == b"".join(hs)
     assert list(up.pinned_tiers) == [int(Tier.CPU)] * 3
 
 
@@ -283,7 +287,7 @@ def test_pin_at_disk_allows_demotion_but_not_eviction(agent):
     run_mover(agent)
     assert all(agent.pool.tier_of(h) is Tier.DISK for h in hs)
     agent.link.handle_command(1, command(EVICT, "op-e", hs))
-    assert updates(agent)[-1].done == 0 and set(agent.pool.blocks) == set(hs)
+    assert updates(agent)[-1].num_done_blocks == 0 and set(agent.pool.blocks) == set(hs)
 
 
 def test_an_expired_pin_protects_nothing(agent):
@@ -292,7 +296,7 @@ def test_an_expired_pin_protects_nothing(agent):
     agent.link.handle_command(1, command(PIN, "op-p", hs, tier=Tier.CPU, pin_id="old", expires_unix_seconds=past))
     assert agent.pool.pin_tier(agent.pool.blocks[hs[0]]) == 0
     agent.link.handle_command(1, command(EVICT, "op-e", hs))
-    assert updates(agent)[-1].done == 1 and agent.pool.blocks == {}
+    assert updates(agent)[-1].num_done_blocks == 1 and agent.pool.blocks == {}
 
 
 def test_a_pin_lasts_its_time_left_on_the_agent_clock_whatever_the_senders_clock(agent):
@@ -406,4 +410,4 @@ def test_a_final_update_lost_with_its_stream_or_a_full_outbox_is_sent_again(agen
         if m.WhichOneof("body") == "op_update"
     ]
     assert [(u.op_id, u.state) for u in finals] == [("op-lost", SUCCEEDED), ("op-dropped", SUCCEEDED)]
-    assert finals[0].done == 1 and finals[1].done == 1
+    assert finals[0].num_done_blocks == 1 and finals[1].num_done_blocks == 1

@@ -236,25 +236,25 @@ class ListPinsResponse(_message.Message):
     def __init__(self, pins: _Optional[_Iterable[_Union[PinInfo, _Mapping]]] = ..., possibly_stale: _Optional[bool] = ...) -> None: ...
 
 class AgentProgress(_message.Message):
-    __slots__ = ("agent_id", "state", "done", "total", "failed", "error", "result")
+    __slots__ = ("agent_id", "state", "num_done_blocks", "num_total_blocks", "num_failed_blocks", "error", "result")
     AGENT_ID_FIELD_NUMBER: _ClassVar[int]
     STATE_FIELD_NUMBER: _ClassVar[int]
-    DONE_FIELD_NUMBER: _ClassVar[int]
-    TOTAL_FIELD_NUMBER: _ClassVar[int]
-    FAILED_FIELD_NUMBER: _ClassVar[int]
+    NUM_DONE_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    NUM_TOTAL_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    NUM_FAILED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     ERROR_FIELD_NUMBER: _ClassVar[int]
     RESULT_FIELD_NUMBER: _ClassVar[int]
     agent_id: str
     state: str
-    done: int
-    total: int
-    failed: int
+    num_done_blocks: int
+    num_total_blocks: int
+    num_failed_blocks: int
     error: str
     result: str
-    def __init__(self, agent_id: _Optional[str] = ..., state: _Optional[str] = ..., done: _Optional[int] = ..., total: _Optional[int] = ..., failed: _Optional[int] = ..., error: _Optional[str] = ..., result: _Optional[str] = ...) -> None: ...
+    def __init__(self, agent_id: _Optional[str] = ..., state: _Optional[str] = ..., num_done_blocks: _Optional[int] = ..., num_total_blocks: _Optional[int] = ..., num_failed_blocks: _Optional[int] = ..., error: _Optional[str] = ..., result: _Optional[str] = ...) -> None: ...
 
 class Operation(_message.Message):
-    __slots__ = ("op_id", "kind", "state", "progress", "done", "total", "failed", "skipped_pinned", "moved_bytes", "freed", "error", "created_unix_seconds", "updated_unix_seconds", "params", "agents", "dry_run", "result")
+    __slots__ = ("op_id", "kind", "state", "progress", "num_done_blocks", "num_total_blocks", "num_failed_blocks", "num_skipped_pinned_blocks", "moved_bytes", "freed", "error", "created_unix_seconds", "updated_unix_seconds", "params", "agents", "dry_run", "result")
     class ParamsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -266,10 +266,10 @@ class Operation(_message.Message):
     KIND_FIELD_NUMBER: _ClassVar[int]
     STATE_FIELD_NUMBER: _ClassVar[int]
     PROGRESS_FIELD_NUMBER: _ClassVar[int]
-    DONE_FIELD_NUMBER: _ClassVar[int]
-    TOTAL_FIELD_NUMBER: _ClassVar[int]
-    FAILED_FIELD_NUMBER: _ClassVar[int]
-    SKIPPED_PINNED_FIELD_NUMBER: _ClassVar[int]
+    NUM_DONE_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    NUM_TOTAL_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    NUM_FAILED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    NUM_SKIPPED_PINNED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     MOVED_BYTES_FIELD_NUMBER: _ClassVar[int]
     FREED_FIELD_NUMBER: _ClassVar[int]
     ERROR_FIELD_NUMBER: _ClassVar[int]
@@ -283,10 +283,10 @@ class Operation(_message.Message):
     kind: str
     state: OperationState
     progress: float
-    done: int
-    total: int
-    failed: int
-    skipped_pinned: int
+    num_done_blocks: int
+    num_total_blocks: int
+    num_failed_blocks: int
+    num_skipped_pinned_blocks: int
     moved_bytes: int
     freed: _containers.RepeatedCompositeFieldContainer[_types_pb2.TierUsage]
     error: str
@@ -296,7 +296,7 @@ class Operation(_message.Message):
     agents: _containers.RepeatedCompositeFieldContainer[AgentProgress]
     dry_run: bool
     result: str
-    def __init__(self, op_id: _Optional[str] = ..., kind: _Optional[str] = ..., state: _Optional[_Union[OperationState, str]] = ..., progress: _Optional[float] = ..., done: _Optional[int] = ..., total: _Optional[int] = ..., failed: _Optional[int] = ..., skipped_pinned: _Optional[int] = ..., moved_bytes: _Optional[int] = ..., freed: _Optional[_Iterable[_Union[_types_pb2.TierUsage, _Mapping]]] = ..., error: _Optional[str] = ..., created_unix_seconds: _Optional[float] = ..., updated_unix_seconds: _Optional[float] = ..., params: _Optional[_Mapping[str, str]] = ..., agents: _Optional[_Iterable[_Union[AgentProgress, _Mapping]]] = ..., dry_run: _Optional[bool] = ..., result: _Optional[str] = ...) -> None: ...
+    def __init__(self, op_id: _Optional[str] = ..., kind: _Optional[str] = ..., state: _Optional[_Union[OperationState, str]] = ..., progress: _Optional[float] = ..., num_done_blocks: _Optional[int] = ..., num_total_blocks: _Optional[int] = ..., num_failed_blocks: _Optional[int] = ..., num_skipped_pinned_blocks: _Optional[int] = ..., moved_bytes: _Optional[int] = ..., freed: _Optional[_Iterable[_Union[_types_pb2.TierUsage, _Mapping]]] = ..., error: _Optional[str] = ..., created_unix_seconds: _Optional[float] = ..., updated_unix_seconds: _Optional[float] = ..., params: _Optional[_Mapping[str, str]] = ..., agents: _Optional[_Iterable[_Union[AgentProgress, _Mapping]]] = ..., dry_run: _Optional[bool] = ..., result: _Optional[str] = ...) -> None: ...
 
 class MoveRequest(_message.Message):
     __slots__ = ("scope", "to_tier", "codec")
@@ -339,10 +339,10 @@ class GetOperationRequest(_message.Message):
     def __init__(self, op_id: _Optional[str] = ...) -> None: ...
 
 class ListOperationsRequest(_message.Message):
-    __slots__ = ("limit",)
-    LIMIT_FIELD_NUMBER: _ClassVar[int]
-    limit: int
-    def __init__(self, limit: _Optional[int] = ...) -> None: ...
+    __slots__ = ("max_operations",)
+    MAX_OPERATIONS_FIELD_NUMBER: _ClassVar[int]
+    max_operations: int
+    def __init__(self, max_operations: _Optional[int] = ...) -> None: ...
 
 class ListOperationsResponse(_message.Message):
     __slots__ = ("operations",)
@@ -385,26 +385,26 @@ class RouteRequest(_message.Message):
     def __init__(self, model_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., block_hashes: _Optional[bytes] = ..., extra_keys: _Optional[_Iterable[str]] = ..., role: _Optional[str] = ..., prefill_agent_id: _Optional[str] = ...) -> None: ...
 
 class RouteCandidate(_message.Message):
-    __slots__ = ("agent_id", "score", "num_cached_blocks", "load", "free_bytes", "link_bytes_per_second", "transfer_seconds", "behind", "note")
+    __slots__ = ("agent_id", "estimated_seconds", "num_cached_blocks", "num_active_handoffs", "free_bytes", "link_bytes_per_second", "transfer_seconds", "behind", "note")
     AGENT_ID_FIELD_NUMBER: _ClassVar[int]
-    SCORE_FIELD_NUMBER: _ClassVar[int]
+    ESTIMATED_SECONDS_FIELD_NUMBER: _ClassVar[int]
     NUM_CACHED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
-    LOAD_FIELD_NUMBER: _ClassVar[int]
+    NUM_ACTIVE_HANDOFFS_FIELD_NUMBER: _ClassVar[int]
     FREE_BYTES_FIELD_NUMBER: _ClassVar[int]
     LINK_BYTES_PER_SECOND_FIELD_NUMBER: _ClassVar[int]
     TRANSFER_SECONDS_FIELD_NUMBER: _ClassVar[int]
     BEHIND_FIELD_NUMBER: _ClassVar[int]
     NOTE_FIELD_NUMBER: _ClassVar[int]
     agent_id: str
-    score: float
+    estimated_seconds: float
     num_cached_blocks: int
-    load: float
+    num_active_handoffs: float
     free_bytes: int
     link_bytes_per_second: float
     transfer_seconds: float
     behind: bool
     note: str
-    def __init__(self, agent_id: _Optional[str] = ..., score: _Optional[float] = ..., num_cached_blocks: _Optional[int] = ..., load: _Optional[float] = ..., free_bytes: _Optional[int] = ..., link_bytes_per_second: _Optional[float] = ..., transfer_seconds: _Optional[float] = ..., behind: _Optional[bool] = ..., note: _Optional[str] = ...) -> None: ...
+    def __init__(self, agent_id: _Optional[str] = ..., estimated_seconds: _Optional[float] = ..., num_cached_blocks: _Optional[int] = ..., num_active_handoffs: _Optional[float] = ..., free_bytes: _Optional[int] = ..., link_bytes_per_second: _Optional[float] = ..., transfer_seconds: _Optional[float] = ..., behind: _Optional[bool] = ..., note: _Optional[str] = ...) -> None: ...
 
 class RouteResponse(_message.Message):
     __slots__ = ("role", "agent_id", "address", "prefill_agent_id", "decode_agent_id", "disaggregate", "num_cached_tokens", "transfer_seconds", "saved_seconds", "reason", "candidates", "backpressure", "possibly_stale")

@@ -126,11 +126,11 @@ class AgentStats(_message.Message):
     def __init__(self, namespaces: _Optional[_Iterable[_Union[NamespaceUsage, _Mapping]]] = ..., tiers: _Optional[_Iterable[_Union[_types_pb2.TierUsage, _Mapping]]] = ..., lookups_total: _Optional[int] = ..., lookup_tokens_total: _Optional[int] = ..., lookup_hit_tokens_total: _Optional[int] = ..., dataplane: _Optional[_Union[DataPlaneStats, _Mapping]] = ..., tier_moved_bytes_total: _Optional[int] = ...) -> None: ...
 
 class LinkStats(_message.Message):
-    __slots__ = ("peer_agent_id", "throughput_bytes_per_second", "inflight", "queued", "transfers_total", "failures_total", "bytes_total", "last_path", "last_unix_seconds", "latency_seconds")
+    __slots__ = ("peer_agent_id", "throughput_bytes_per_second", "num_inflight_transfers", "num_queued_transfers", "transfers_total", "failures_total", "bytes_total", "last_path", "last_unix_seconds", "latency_seconds")
     PEER_AGENT_ID_FIELD_NUMBER: _ClassVar[int]
     THROUGHPUT_BYTES_PER_SECOND_FIELD_NUMBER: _ClassVar[int]
-    INFLIGHT_FIELD_NUMBER: _ClassVar[int]
-    QUEUED_FIELD_NUMBER: _ClassVar[int]
+    NUM_INFLIGHT_TRANSFERS_FIELD_NUMBER: _ClassVar[int]
+    NUM_QUEUED_TRANSFERS_FIELD_NUMBER: _ClassVar[int]
     TRANSFERS_TOTAL_FIELD_NUMBER: _ClassVar[int]
     FAILURES_TOTAL_FIELD_NUMBER: _ClassVar[int]
     BYTES_TOTAL_FIELD_NUMBER: _ClassVar[int]
@@ -139,35 +139,35 @@ class LinkStats(_message.Message):
     LATENCY_SECONDS_FIELD_NUMBER: _ClassVar[int]
     peer_agent_id: str
     throughput_bytes_per_second: float
-    inflight: int
-    queued: int
+    num_inflight_transfers: int
+    num_queued_transfers: int
     transfers_total: int
     failures_total: int
     bytes_total: int
     last_path: str
     last_unix_seconds: float
     latency_seconds: float
-    def __init__(self, peer_agent_id: _Optional[str] = ..., throughput_bytes_per_second: _Optional[float] = ..., inflight: _Optional[int] = ..., queued: _Optional[int] = ..., transfers_total: _Optional[int] = ..., failures_total: _Optional[int] = ..., bytes_total: _Optional[int] = ..., last_path: _Optional[str] = ..., last_unix_seconds: _Optional[float] = ..., latency_seconds: _Optional[float] = ...) -> None: ...
+    def __init__(self, peer_agent_id: _Optional[str] = ..., throughput_bytes_per_second: _Optional[float] = ..., num_inflight_transfers: _Optional[int] = ..., num_queued_transfers: _Optional[int] = ..., transfers_total: _Optional[int] = ..., failures_total: _Optional[int] = ..., bytes_total: _Optional[int] = ..., last_path: _Optional[str] = ..., last_unix_seconds: _Optional[float] = ..., latency_seconds: _Optional[float] = ...) -> None: ...
 
 class DataPlaneStats(_message.Message):
-    __slots__ = ("links", "inbound_reservations", "reserved_bytes", "handoff_free_bytes", "handoff_capacity_bytes", "outbound_inflight", "outbound_queued", "max_inbound")
+    __slots__ = ("links", "num_inbound_handoffs", "reserved_bytes", "handoff_free_bytes", "handoff_capacity_bytes", "num_outbound_inflight_handoffs", "num_outbound_queued_handoffs", "max_inbound_handoffs")
     LINKS_FIELD_NUMBER: _ClassVar[int]
-    INBOUND_RESERVATIONS_FIELD_NUMBER: _ClassVar[int]
+    NUM_INBOUND_HANDOFFS_FIELD_NUMBER: _ClassVar[int]
     RESERVED_BYTES_FIELD_NUMBER: _ClassVar[int]
     HANDOFF_FREE_BYTES_FIELD_NUMBER: _ClassVar[int]
     HANDOFF_CAPACITY_BYTES_FIELD_NUMBER: _ClassVar[int]
-    OUTBOUND_INFLIGHT_FIELD_NUMBER: _ClassVar[int]
-    OUTBOUND_QUEUED_FIELD_NUMBER: _ClassVar[int]
-    MAX_INBOUND_FIELD_NUMBER: _ClassVar[int]
+    NUM_OUTBOUND_INFLIGHT_HANDOFFS_FIELD_NUMBER: _ClassVar[int]
+    NUM_OUTBOUND_QUEUED_HANDOFFS_FIELD_NUMBER: _ClassVar[int]
+    MAX_INBOUND_HANDOFFS_FIELD_NUMBER: _ClassVar[int]
     links: _containers.RepeatedCompositeFieldContainer[LinkStats]
-    inbound_reservations: int
+    num_inbound_handoffs: int
     reserved_bytes: int
     handoff_free_bytes: int
     handoff_capacity_bytes: int
-    outbound_inflight: int
-    outbound_queued: int
-    max_inbound: int
-    def __init__(self, links: _Optional[_Iterable[_Union[LinkStats, _Mapping]]] = ..., inbound_reservations: _Optional[int] = ..., reserved_bytes: _Optional[int] = ..., handoff_free_bytes: _Optional[int] = ..., handoff_capacity_bytes: _Optional[int] = ..., outbound_inflight: _Optional[int] = ..., outbound_queued: _Optional[int] = ..., max_inbound: _Optional[int] = ...) -> None: ...
+    num_outbound_inflight_handoffs: int
+    num_outbound_queued_handoffs: int
+    max_inbound_handoffs: int
+    def __init__(self, links: _Optional[_Iterable[_Union[LinkStats, _Mapping]]] = ..., num_inbound_handoffs: _Optional[int] = ..., reserved_bytes: _Optional[int] = ..., handoff_free_bytes: _Optional[int] = ..., handoff_capacity_bytes: _Optional[int] = ..., num_outbound_inflight_handoffs: _Optional[int] = ..., num_outbound_queued_handoffs: _Optional[int] = ..., max_inbound_handoffs: _Optional[int] = ...) -> None: ...
 
 class Hello(_message.Message):
     __slots__ = ("agent_id", "session_id", "pins", "incarnation")
@@ -200,32 +200,32 @@ class Notice(_message.Message):
     def __init__(self, kind: _Optional[str] = ..., message: _Optional[str] = ..., unix_seconds: _Optional[float] = ...) -> None: ...
 
 class OpUpdate(_message.Message):
-    __slots__ = ("op_id", "state", "done", "total", "failed", "moved_bytes", "error", "skipped_pinned", "freed", "pinned_block_hashes", "pinned_tiers", "result")
+    __slots__ = ("op_id", "state", "num_done_blocks", "num_total_blocks", "num_failed_blocks", "moved_bytes", "error", "num_skipped_pinned_blocks", "freed", "pinned_block_hashes", "pinned_tiers", "result")
     OP_ID_FIELD_NUMBER: _ClassVar[int]
     STATE_FIELD_NUMBER: _ClassVar[int]
-    DONE_FIELD_NUMBER: _ClassVar[int]
-    TOTAL_FIELD_NUMBER: _ClassVar[int]
-    FAILED_FIELD_NUMBER: _ClassVar[int]
+    NUM_DONE_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    NUM_TOTAL_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    NUM_FAILED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     MOVED_BYTES_FIELD_NUMBER: _ClassVar[int]
     ERROR_FIELD_NUMBER: _ClassVar[int]
-    SKIPPED_PINNED_FIELD_NUMBER: _ClassVar[int]
+    NUM_SKIPPED_PINNED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     FREED_FIELD_NUMBER: _ClassVar[int]
     PINNED_BLOCK_HASHES_FIELD_NUMBER: _ClassVar[int]
     PINNED_TIERS_FIELD_NUMBER: _ClassVar[int]
     RESULT_FIELD_NUMBER: _ClassVar[int]
     op_id: str
     state: str
-    done: int
-    total: int
-    failed: int
+    num_done_blocks: int
+    num_total_blocks: int
+    num_failed_blocks: int
     moved_bytes: int
     error: str
-    skipped_pinned: int
+    num_skipped_pinned_blocks: int
     freed: _containers.RepeatedCompositeFieldContainer[_types_pb2.TierUsage]
     pinned_block_hashes: bytes
     pinned_tiers: _containers.RepeatedScalarFieldContainer[int]
     result: str
-    def __init__(self, op_id: _Optional[str] = ..., state: _Optional[str] = ..., done: _Optional[int] = ..., total: _Optional[int] = ..., failed: _Optional[int] = ..., moved_bytes: _Optional[int] = ..., error: _Optional[str] = ..., skipped_pinned: _Optional[int] = ..., freed: _Optional[_Iterable[_Union[_types_pb2.TierUsage, _Mapping]]] = ..., pinned_block_hashes: _Optional[bytes] = ..., pinned_tiers: _Optional[_Iterable[int]] = ..., result: _Optional[str] = ...) -> None: ...
+    def __init__(self, op_id: _Optional[str] = ..., state: _Optional[str] = ..., num_done_blocks: _Optional[int] = ..., num_total_blocks: _Optional[int] = ..., num_failed_blocks: _Optional[int] = ..., moved_bytes: _Optional[int] = ..., error: _Optional[str] = ..., num_skipped_pinned_blocks: _Optional[int] = ..., freed: _Optional[_Iterable[_Union[_types_pb2.TierUsage, _Mapping]]] = ..., pinned_block_hashes: _Optional[bytes] = ..., pinned_tiers: _Optional[_Iterable[int]] = ..., result: _Optional[str] = ...) -> None: ...
 
 class AgentMessage(_message.Message):
     __slots__ = ("hello", "inventory", "events", "stats", "notice", "op_update")
@@ -486,13 +486,13 @@ class HandoffRequest(_message.Message):
     def __init__(self, model_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., block_hashes: _Optional[bytes] = ..., extra_keys: _Optional[_Iterable[str]] = ..., destination_agent_id: _Optional[str] = ..., deadline_seconds: _Optional[float] = ..., namespace: _Optional[str] = ..., paths: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class HandoffResponse(_message.Message):
-    __slots__ = ("outcome", "path", "num_blocks", "num_sent_blocks", "sent_bytes", "seconds", "attempts", "reason", "num_cached_tokens")
+    __slots__ = ("outcome", "path", "num_blocks", "num_sent_blocks", "sent_bytes", "elapsed_seconds", "attempts", "reason", "num_cached_tokens")
     OUTCOME_FIELD_NUMBER: _ClassVar[int]
     PATH_FIELD_NUMBER: _ClassVar[int]
     NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     NUM_SENT_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     SENT_BYTES_FIELD_NUMBER: _ClassVar[int]
-    SECONDS_FIELD_NUMBER: _ClassVar[int]
+    ELAPSED_SECONDS_FIELD_NUMBER: _ClassVar[int]
     ATTEMPTS_FIELD_NUMBER: _ClassVar[int]
     REASON_FIELD_NUMBER: _ClassVar[int]
     NUM_CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -501,8 +501,8 @@ class HandoffResponse(_message.Message):
     num_blocks: int
     num_sent_blocks: int
     sent_bytes: int
-    seconds: float
+    elapsed_seconds: float
     attempts: int
     reason: str
     num_cached_tokens: int
-    def __init__(self, outcome: _Optional[_Union[HandoffOutcome, str]] = ..., path: _Optional[str] = ..., num_blocks: _Optional[int] = ..., num_sent_blocks: _Optional[int] = ..., sent_bytes: _Optional[int] = ..., seconds: _Optional[float] = ..., attempts: _Optional[int] = ..., reason: _Optional[str] = ..., num_cached_tokens: _Optional[int] = ...) -> None: ...
+    def __init__(self, outcome: _Optional[_Union[HandoffOutcome, str]] = ..., path: _Optional[str] = ..., num_blocks: _Optional[int] = ..., num_sent_blocks: _Optional[int] = ..., sent_bytes: _Optional[int] = ..., elapsed_seconds: _Optional[float] = ..., attempts: _Optional[int] = ..., reason: _Optional[str] = ..., num_cached_tokens: _Optional[int] = ...) -> None: ...

@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from agent.metrics import VLLM_EVENT_COUNTERS
+from agent.metrics import HANDOFF_FAMILIES, VLLM_EVENT_COUNTERS
 from agent.server import DEMO_MODEL, Agent, AgentConfig
 from cli.client import ClientError, ControlPlaneClient
 from controlplane.server import ControlPlane, ControlPlaneConfig
@@ -139,6 +139,13 @@ def test_every_dashboard_and_alert_expression_returns_series(cluster, tmp_path):
     exported = {name for name, _, _ in VLLM_EVENT_COUNTERS}
     unknown = {n: m for n, e in vllm_only for m in re.findall(r"kvcp_vllm_\w+", e) if m not in exported}
     assert not unknown, unknown
+    # a sender's link fits exist once it has handed off to a peer (none here): checked
+    # for validity and for naming metrics the agent exports
+    link_only = [(n, e) for n, e in queries if "kvcp_link_" in e]
+    assert link_only
+    exported_links = {name for _, name, _, _ in HANDOFF_FAMILIES}
+    assert {m for _, e in link_only for m in re.findall(r"kvcp_link_\w+", e)} <= exported_links
+    vllm_only += link_only
     panels = [(n, e) for n, e in queries if (n, e) not in vllm_only]
     assert len(panels) >= 30 and len(rules) >= 10
     checks = panels + [(f"rule {n}", prom.with_bool(e)) for n, e in rules if (n, e) not in vllm_only]

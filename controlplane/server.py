@@ -22,7 +22,8 @@ from controlplane.api.agent_service import AgentServicer
 from controlplane.api.lookup_socket import LookupSocketServer
 from controlplane.core.cluster import Cluster
 from controlplane.core.pins import pinned_bytes_of
-from controlplane.manager import Manager, validate_policy
+from controlplane.manager import Manager
+from controlplane.manager_policy import validate_policy
 from controlplane.metrics import ControlPlaneMetrics, PinStats
 from controlplane.store.durable import DurableStore
 from controlplane.store.election import LeaderElection

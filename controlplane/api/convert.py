@@ -183,7 +183,7 @@ def command_to_pb(c: core.AgentCommand, epoch: int, now: float | None = None) ->
 
 
 def scope_from_pb(s: admin_pb2.Scope):
-    from controlplane.manager import Scope
+    from controlplane.core.scope import Scope
 
     return Scope(
         model_id=s.model_id,

@@ -155,7 +155,7 @@ def test_a_large_shm_handoff_is_verified_in_groups_while_it_copies(controlplane,
 
 
 def test_shm_path_that_cannot_map_falls_back_and_says_why(controlplane, make_agent, monkeypatch):
-    import agent.dataplane as dataplane
+    import agent.handoff_paths as handoff_paths
 
     a = make_agent("pre", models=[BIG], cpu_capacity_bytes=16 << 20)
     b = make_agent("dec", models=[BIG], cpu_capacity_bytes=16 << 20, transfer_engine="none")
@@ -165,7 +165,7 @@ def test_shm_path_that_cannot_map_falls_back_and_says_why(controlplane, make_age
     def gone(*args):
         raise OSError("/proc/1/fd/3 is another file now")
 
-    monkeypatch.setattr(dataplane, "PeerSlab", gone)
+    monkeypatch.setattr(handoff_paths, "PeerSlab", gone)
     r = a.dataplane.handoff(BIG.model_id, hashes, "dec", 20)
     assert (r.outcome, r.path) == ("transferred", "grpc"), r
     assert "shm: cannot map dec's slab" in r.reason and "another file" in r.reason

@@ -699,7 +699,7 @@ def test_a_pin_made_again_under_its_id_during_a_reload_stays_listed(controlplane
     """Unpin X and pin X again while the loop's reload reads etcd: the reload counted the
     new X as gone (released, lifted from agents) and, remembering X as unpinned, kept it
     out of memory for a minute though etcd held it (a review of this session's change)."""
-    from controlplane.manager import Scope
+    from controlplane.core.scope import Scope
     from protos.tier import Tier
 
     m = controlplane.manager

@@ -339,7 +339,7 @@ class PinsInMemory:
 
 
 def test_a_pin_made_while_pins_reload_is_kept():
-    from controlplane.manager import Scope
+    from controlplane.core.scope import Scope
     from controlplane.store.durable import pin_from_json
 
     f = Fleet()
@@ -425,7 +425,7 @@ def test_a_step_of_the_host_clock_neither_ends_a_pin_early_nor_keeps_it_late():
     is told comes from the same clock."""
     from controlplane.api.convert import command_to_pb
     from controlplane.core.clock import SteadyWallClock
-    from controlplane.manager import Scope
+    from controlplane.core.scope import Scope
 
     wall, mono = [1_000_000.0], [50.0]
     f = Fleet()

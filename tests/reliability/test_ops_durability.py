@@ -14,7 +14,9 @@ import pytest
 from cli.client import ClientError, ControlPlaneClient
 from controlplane.core.cluster import AgentRecord, ModelInfo, TierUsage
 from controlplane.core.pins import new_pin
-from controlplane.manager import CANCEL_RESEND_SECONDS, Manager, Scope
+from controlplane.core.scope import Scope
+from controlplane.manager import Manager
+from controlplane.manager_ops import CANCEL_RESEND_SECONDS
 from controlplane.server import ControlPlane, ControlPlaneConfig
 from controlplane.store.durable import pin_key, pin_to_json
 from protos import errors, etcd_keys

@@ -1,0 +1,555 @@
+"""The leader's operations (part of controlplane.manager.Manager): move, transfer, compress
+and cleanup fanned out to agents as commands, their progress merged from the agents'
+updates and kept in etcd, cancelled, timed out when agents fall silent; a cleanup's scope
+lock taken in etcd so two cannot race."""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import logging
+import math
+import threading
+import time
+
+from controlplane.core import operations as ops
+from controlplane.core.cluster import AgentCommand
+from controlplane.core.scope import Scope, block_bytes
+from controlplane.store.durable import op_to_json
+from controlplane.store.locks import EtcdLock
+from protos import errors, etcd_keys
+from protos.kv_format import CODECS
+from protos.namespaces import check_namespace
+from protos.tier import Tier
+
+log = logging.getLogger(__name__)
+
+MAX_OPS_KEPT = 500
+PIN_REFUSAL_SECONDS = 60.0  # how long the policy leaves alone a block an agent's pin held
+CANCEL_RESEND_SECONDS = 1.0  # a cancel no agent answered yet is sent again this often
+
+
+def _exact(seconds: float) -> str:
+    """A number as short as it reads back exactly (shown to users, parsed on resume)."""
+    short = f"{seconds:g}"
+    return short if float(short) == seconds else repr(seconds)
+
+
+class OperationControl:
+    """Operations, mixed into Manager (whose state and lock they share: see Manager.__init__)."""
+
+    # ---- operations -----------------------------------------------------------------
+    def _register_op(self, op: ops.Operation) -> None:
+        self._persist_op(op)
+        with self._lock:
+            self.ops[op.op_id] = op
+            self._op_done[op.op_id] = threading.Event()
+            while len(self.ops) > MAX_OPS_KEPT:
+                old_id, old = next(iter(self.ops.items()))
+                if not old.finished:
+                    break
+                self.ops.popitem(last=False)
+                self._op_done.pop(old_id, None)
+                self._op_said.pop(old_id, None)
+                self._cancel_asked.pop(old_id, None)
+                try:
+                    self.durable.delete(etcd_keys.OPS_PREFIX + old_id)
+                except errors.KvcpError:
+                    pass
+
+    def _persist_op(self, op: ops.Operation) -> None:
+        self.durable.put(etcd_keys.OPS_PREFIX + op.op_id, op_to_json(op))
+
+    def _op_changed(self, op: ops.Operation) -> None:
+        try:
+            self._persist_op(op)
+        except errors.KvcpError as exc:
+            # kept to be written by the next passes (_flush_dirty), and never undone by a
+            # reload meanwhile: a state this leader answered stays the state
+            with self._lock:
+                self._dirty.add(op.op_id)
+            log.warning("could not persist operation %s yet (retried): %s", op.op_id, exc)
+        else:
+            with self._lock:
+                self._dirty.discard(op.op_id)
+        said = (op.state, op.error)
+        with self._lock:  # an event when the state (or its error) changes, not at every progress report
+            fresh = self._op_said.get(op.op_id) != said
+            self._op_said[op.op_id] = said
+        if fresh:
+            self.cluster.events.publish(
+                "op_state",
+                f"{op.kind} {op.op_id}: {op.state}" + (f" ({op.error})" if op.error else ""),
+                "error" if op.state == ops.FAILED else "info",
+                op_id=op.op_id,
+            )
+        if op.finished:
+            ev = self._op_done.get(op.op_id)
+            if ev is not None and not ev.is_set():
+                ev.set()
+                if self.on_finished is not None:
+                    self.on_finished(op.kind, op.state, op.updated_unix_seconds - op.created_unix_seconds)
+
+    def _flush_dirty(self) -> None:
+        """Write the operations whose latest change etcd did not take (level-triggered)."""
+        with self._lock:
+            pending = [self.ops[i] for i in self._dirty if i in self.ops]
+            self._dirty.intersection_update(self.ops)
+        for op in pending:
+            try:
+                self._persist_op(op)
+            except errors.KvcpError:
+                return  # etcd still away: the next pass tries again
+            with self._lock:
+                self._dirty.discard(op.op_id)
+
+    def _fan_out(self, op: ops.Operation, commands: dict[str, AgentCommand]) -> None:
+        # under the lock: a cancel that came meanwhile (since the op was registered, or while
+        # its start was being recorded) is seen, and none can slip in between check and send
+        with self._lock:
+            if op.finished or op.cancel_requested:
+                return
+            now = self.clock()
+            for part in op.parts.values():
+                part.updated_unix_seconds = now  # silence is counted from when commands go out
+            op.commands_sent = True  # from here a cancel waits for the agents' own answers
+            for agent_id, cmd in commands.items():
+                if not self.cluster.send(agent_id, cmd):
+                    ops.fail_part(op, agent_id, "agent has no open stream to the control plane")
+                elif agent_id in op.parts:
+                    op.parts[agent_id].incarnation = self.cluster.incarnation_of(agent_id)
+        self._op_changed(op)
+
+    def move(self, scope: Scope, to_tier: Tier, codec: str = "") -> ops.Operation:
+        self.ensure_loaded()
+        if to_tier not in (Tier.GPU, Tier.CPU, Tier.DISK):
+            raise errors.InvalidArgument("to_tier", "must be gpu, cpu or disk")
+        if codec and codec not in CODECS:
+            raise errors.InvalidArgument("codec", f"unknown codec {codec!r}; expected one of {'|'.join(CODECS)}")
+        self._check_scope_agents_back(scope)  # (before the model: a new leader may not know it yet)
+        packed, namespace = self.resolve(scope)
+        targets = self._targets(scope, packed)
+        params = {"to": to_tier.label, "namespace": namespace if not packed else "", "blocks": str(len(packed) // 16)}
+        if codec:
+            params["codec"] = codec
+        op = ops.new_operation("move", params, list(targets), now=self.clock())
+        self._register_op(op)
+        self._fan_out(
+            op,
+            {
+                a: AgentCommand(
+                    op.op_id,
+                    "move",
+                    block_hashes=h,
+                    tier=int(to_tier),
+                    codec=codec,
+                    namespace=namespace if not h else "",
+                    model_id=scope.model_id if not h else "",
+                )
+                for a, h in targets.items()
+            },
+        )
+        return op
+
+    def transfer(
+        self, scope: Scope, from_agent_id: str, to_agent_id: str, deadline_seconds: float = 0.0
+    ) -> ops.Operation:
+        """Hand a prefix from one agent to another (prefill -> decode); the source runs it
+        (agent.dataplane) and reports the outcome: engine, fallback path, or recompute."""
+        self.ensure_loaded()
+        # bad input is said as such, whatever the agents' state (not "try again")
+        if not math.isfinite(deadline_seconds) or deadline_seconds < 0:
+            raise errors.InvalidArgument("deadline_seconds", f"must be a finite number >= 0, got {deadline_seconds}")
+        self._check_agents_back(tuple(a for a in (from_agent_id, to_agent_id) if a), indexed=True)
+        packed, _ = self.resolve(scope)
+        if not packed:
+            raise errors.InvalidArgument("scope", "a transfer needs a prefix of a model (token_ids or block_hashes)")
+        agents = {r.agent_id: r for r, _ in self.cluster.agents()}
+        for field_name, agent_id in (("from_agent_id", from_agent_id), ("to_agent_id", to_agent_id)):
+            if not agent_id:
+                raise errors.InvalidArgument(field_name, "must not be empty")
+            if agent_id not in agents:
+                raise errors.NotFound(f"{field_name}: no agent {agent_id!r} is registered (kvctl agents lists them)")
+        if from_agent_id == to_agent_id:
+            raise errors.InvalidArgument("to_agent_id", "is the source; a transfer goes to another agent")
+        hits = {
+            m.agent_id: m.num_hit_blocks
+            for m in self.cluster.lookup(scope.model_id, block_hashes=packed, record=False).matches
+        }
+        held = hits.get(from_agent_id, 0)
+        if not held:
+            raise errors.FailedPrecondition(
+                f"from_agent_id: agent {from_agent_id} holds no block of this prefix (kvctl lookup shows who does)"
+            )
+        need = (held - min(held, hits.get(to_agent_id, 0))) * block_bytes(self._model(scope.model_id))
+        capacity = sum(t.capacity_bytes for t in agents[to_agent_id].tiers if t.tier == Tier.CPU)
+        if agents[to_agent_id].tiers and need > capacity:
+            raise errors.FailedPrecondition(
+                f"to_agent_id: agent {to_agent_id} has {capacity} B of cpu tier, the prefix needs {need} B"
+            )
+        params = {"model": scope.model_id, "from": from_agent_id, "to": to_agent_id, "blocks": str(held)}
+        # the whole prefix goes to the source: the index may lag behind what it holds (its
+        # latest events in flight), and the source hands off the leading blocks it has
+        op = ops.new_operation("transfer", params, [from_agent_id], now=self.clock())
+        self._register_op(op)
+        command = AgentCommand(
+            op.op_id,
+            "transfer",
+            block_hashes=packed,
+            model_id=scope.model_id,
+            peer_agent_id=to_agent_id,
+            deadline_seconds=deadline_seconds,
+        )
+        self._fan_out(op, {from_agent_id: command})
+        return op
+
+    def compress(self, scope: Scope, codec: str, tier: Tier | None = None) -> ops.Operation:
+        self.ensure_loaded()
+        if codec not in CODECS:
+            raise errors.InvalidArgument("codec", f"unknown codec {codec!r}; expected one of {'|'.join(CODECS)}")
+        self._check_scope_agents_back(scope)
+        packed, namespace = self.resolve(scope)
+        targets = self._targets(scope, packed)
+        params = {"codec": codec, "namespace": namespace if not packed else "", "tier": tier.label if tier else ""}
+        op = ops.new_operation("compress", params, list(targets), now=self.clock())
+        self._register_op(op)
+        self._fan_out(
+            op,
+            {
+                a: AgentCommand(
+                    op.op_id,
+                    "compress",
+                    block_hashes=h,
+                    codec=codec,
+                    namespace=namespace if not h else "",
+                    only_tier=int(tier) if tier else 0,
+                )
+                for a, h in targets.items()
+            },
+        )
+        return op
+
+    def cleanup(
+        self,
+        older_than_seconds: float,
+        namespace: str = "",
+        agent_id: str = "",
+        model_id: str = "",
+        dry_run: bool = False,
+    ) -> ops.Operation:
+        self.ensure_loaded()
+        if not math.isfinite(older_than_seconds) or older_than_seconds < 0:
+            raise errors.InvalidArgument(
+                "older_than_seconds", f"must be a finite number >= 0, got {older_than_seconds}"
+            )
+        ns = check_namespace(namespace, "namespace") if namespace else ""
+        self._check_agents_back((agent_id,) if agent_id else ())  # (before the model: see move)
+        if model_id:
+            self._model(model_id)
+        agents = [r.agent_id for r, _ in self.cluster.agents()]
+        if agent_id:
+            if agent_id not in agents:
+                raise errors.NotFound(f"agent_id: no agent {agent_id!r} is registered")
+            agents = [agent_id]
+        params = {
+            "older_than_seconds": _exact(older_than_seconds),
+            "namespace": ns,
+            "agent": agent_id,
+            "model": model_id,
+        }
+        op = ops.new_operation("cleanup", params, agents, dry_run=dry_run, now=self.clock())
+        # a real cleanup of a scope takes that scope's lock: two cleanups never race
+        op.waiting_for_lock = not (dry_run or op.finished)
+        self._register_op(op)
+        if op.waiting_for_lock:
+            self._start_locked(op)
+        else:
+            self._fan_out(op, self._cleanup_commands(op))
+        return op
+
+    @staticmethod
+    def _cleanup_commands(op: ops.Operation) -> dict[str, AgentCommand]:
+        p = op.params
+        command = AgentCommand(
+            op.op_id,
+            "cleanup",
+            namespace=p["namespace"],
+            model_id=p["model"],
+            older_than_seconds=float(p["older_than_seconds"]),
+            dry_run=op.dry_run,
+        )
+        return dict.fromkeys(op.parts, command)
+
+    def _owns(self, op: ops.Operation) -> bool:
+        """Whether this leader still runs `op`: a lost election, or a reload after one,
+        hands it on (to another leader, or to the reloaded copy here). A leader cut off
+        from etcd (serving from memory, same epoch) still owns it."""
+        leading = self.election.is_leader or getattr(self.election, "serving_from_memory", False)
+        return leading and self.ops.get(op.op_id) is op
+
+    def _start_locked(self, op: ops.Operation) -> None:
+        with self._lock:
+            if op.op_id in self._lock_threads:
+                return
+            self._lock_threads.add(op.op_id)
+        threading.Thread(target=self._run_locked_once, args=(op,), name=f"op {op.op_id}", daemon=True).start()
+
+    def _run_locked_once(self, op: ops.Operation) -> None:
+        try:
+            self._run_locked(op)
+        finally:
+            with self._lock:
+                self._lock_threads.discard(op.op_id)
+
+    def _cleanup_lock(self, op: ops.Operation) -> tuple[EtcdLock, str]:
+        # a namespace cleanup and an all-namespace one exclude each other: the namespace one
+        # takes its lock only while the _all lock is free; the _all one, once it holds its
+        # lock (so no namespace one starts), waits for those already running
+        namespace = op.params["namespace"]
+        lock_name = f"cleanup/{namespace or '_all'}"
+        all_key = etcd_keys.LOCKS_PREFIX + "cleanup/_all"
+        lock = EtcdLock(
+            self._etcd,
+            lock_name,
+            op.op_id,
+            also_absent=(all_key,) if namespace else (),
+            drain_prefix="" if namespace else etcd_keys.LOCKS_PREFIX + "cleanup/",
+        )
+        return lock, lock_name
+
+    def _hold_until_done(self, op: ops.Operation) -> None:
+        """Wait while `op` runs and this replica leads (bounded by twice the op timeout)."""
+        done = self._op_done.get(op.op_id)
+        deadline = time.monotonic() + self.op_timeout_seconds * 2
+        while done is not None and time.monotonic() < deadline and self._owns(op):
+            if done.wait(0.5):
+                break
+
+    def _hold_adopted_lock(self, op: ops.Operation) -> None:
+        """A cleanup another leader started: take its scope lock again (a cleanup that
+        got it in between runs alongside, as it would have anyway) and hold it to the end."""
+        lock, _ = self._cleanup_lock(op)
+        try:
+            got = lock.acquire(self.op_timeout_seconds, cancelled=lambda: op.finished or not self._owns(op))
+        except Exception:  # noqa: BLE001 - the operation goes on; its lock is best kept, not required
+            log.warning("could not take the scope lock of adopted cleanup %s again", op.op_id, exc_info=True)
+            got = False
+        with self._lock:
+            self._adopted_locks_pending -= 1
+            if self._adopted_locks_pending <= 0:
+                self._adopted_locks_settled.set()
+        if not got:
+            return
+        try:
+            self._hold_until_done(op)
+        finally:
+            lock.release()
+
+    def _run_locked(self, op: ops.Operation) -> None:
+        lock, lock_name = self._cleanup_lock(op)
+        self._adopted_locks_settled.wait(self.op_timeout_seconds)  # cleanups already out go first
+        try:
+            got = lock.acquire(self.op_timeout_seconds, cancelled=lambda: op.cancel_requested or not self._owns(op))
+        except Exception as exc:  # noqa: BLE001 - etcd trouble fails the operation, visibly
+            got, why = False, f"etcd: {exc}"
+        else:
+            why = f"lock {lock_name} stayed taken for {self.op_timeout_seconds:.0f}s"
+        if not got:
+            if not self._owns(op):
+                return  # the leader that owns it now queues it again
+            with self._lock:
+                if not op.finished:
+                    for part in op.parts.values():
+                        ops.fail_part(op, part.agent_id, "cancelled while waiting" if op.cancel_requested else why)
+            self._op_changed(op)
+            return
+        try:
+            with self._lock:
+                if op.finished or not self._owns(op):
+                    return
+                op.waiting_for_lock = False
+            try:
+                self._persist_op(op)  # a leader that takes over now must not send it again
+            except errors.KvcpError as exc:
+                # unrecorded, a next leader would queue it again: send nothing
+                if self._owns(op):
+                    with self._lock:
+                        for part in op.parts.values():
+                            ops.fail_part(op, part.agent_id, f"could not record its start in etcd: {exc}")
+                    self._op_changed(op)
+                return
+            self._fan_out(op, self._cleanup_commands(op))
+            self._hold_until_done(op)  # the scope lock, until it finishes or this replica no longer leads
+        finally:
+            lock.release()
+
+    def on_op_update(
+        self,
+        agent_id: str,
+        op_id: str,
+        state: str,
+        done: int,
+        total: int,
+        failed: int,
+        moved_bytes: int,
+        error: str,
+        skipped_pinned: int = 0,
+        freed=None,
+        pinned: list[tuple[bytes, int]] | None = None,
+        result: str = "",
+    ) -> None:
+        if op_id.startswith("policy-") and state in ops.TERMINAL:
+            self._policy_inflight.get(agent_id, {}).pop(op_id, None)
+            self._policy_report_seen[agent_id] = self.cluster.stats_reports(agent_id)
+            if pinned:  # the next passes leave these where the agent's pins hold them
+                until = self.clock() + PIN_REFUSAL_SECONDS
+                with self._lock:
+                    held = self._pin_refusals.setdefault(agent_id, {})
+                    for h, tier in pinned:
+                        held[h] = (Tier(tier), until)
+            return
+        if state not in ops.STATES:
+            log.warning("ignoring an update of %s from %s with unknown state %r", op_id, agent_id, state)
+            return
+        if freed:
+            valid = {int(t) for t in Tier}
+            freed = {t: v for t, v in freed.items() if t in valid}  # an unknown tier would break listings
+        self.ensure_loaded()  # an update folded into a follower's copy would be lost to load()
+        with self._lock:
+            op = self.ops.get(op_id)
+            if op is None:
+                return  # pin/unpin acknowledgements and local operations
+            changed = ops.apply_update(
+                op,
+                agent_id,
+                state,
+                done,
+                total,
+                failed,
+                moved_bytes,
+                error,
+                skipped_pinned,
+                freed,
+                self.clock(),
+                result,
+            )
+        if changed:
+            self._op_changed(op)
+
+    def operation_counts(self) -> dict[tuple[str, str], int]:
+        """(kind, state lowercase) -> number of operations kept (metrics)."""
+        out: dict[tuple[str, str], int] = {}
+        with self._lock:
+            for op in self.ops.values():
+                key = (op.kind, op.state.lower())
+                out[key] = out.get(key, 0) + 1
+        return out
+
+    def get_op(self, op_id: str) -> ops.Operation:
+        self.ensure_loaded()
+        with self._lock:
+            op = self.ops.get(op_id)
+        if op is None:
+            raise errors.NotFound(f"op_id: no operation {op_id!r} (kvctl ops lists them)")
+        return op
+
+    def list_ops(self, limit: int = 100) -> list[ops.Operation]:
+        self.ensure_loaded()
+        with self._lock:
+            return list(reversed(self.ops.values()))[: limit or 100]
+
+    def cancel_op(self, op_id: str) -> ops.Operation:
+        """Cancel an operation: recorded in etcd first, so a cancel answered is one a next
+        leader sees (etcd refusing it: Unavailable, nothing changed). Kinds agents run to
+        the end once they have them are refused (FailedPrecondition) rather than reported
+        cancelled."""
+        op = self.get_op(op_id)
+        now = self.clock()
+        with self._lock:
+            self._check_cancellable(op)
+            trial = copy.deepcopy(op)
+            ops.cancel(trial, now)
+        try:
+            self._persist_op(trial)
+        except errors.OutcomeUnknown:
+            # it may be stored: memory follows, and the next passes write memory's state
+            with self._lock:
+                self._dirty.add(op.op_id)
+            with contextlib.suppress(errors.FailedPrecondition):
+                self._cancel_now(op, now, persist=False)
+            raise
+        return self._cancel_now(op, now, persist=True)
+
+    def _check_cancellable(self, op: ops.Operation) -> None:
+        if op.finished:
+            raise errors.FailedPrecondition(f"operation {op.op_id} already {op.state.lower()}")
+        why = ops.not_cancellable(op)
+        if why:
+            raise errors.FailedPrecondition(f"operation {op.op_id} cannot be cancelled: {why}")
+
+    def _cancel_now(self, op: ops.Operation, now: float, persist: bool) -> ops.Operation:
+        with self._lock:
+            # it may have finished or started meanwhile: then etcd gets its real state back
+            refused = op.finished or bool(ops.not_cancellable(op))
+            running = [] if refused else [p.agent_id for p in op.parts.values() if p.state not in ops.TERMINAL]
+            if not refused:
+                ops.cancel(op, now)
+        self._send_cancel(op, running, now)
+        if persist or not refused:
+            self._op_changed(op)
+        if refused:
+            self._check_cancellable(op)
+        return op
+
+    def _send_cancel(self, op: ops.Operation, agent_ids: list[str], now: float) -> None:
+        with self._lock:
+            self._cancel_asked[op.op_id] = now
+        for agent_id in agent_ids:
+            self.cluster.send(agent_id, AgentCommand(op.op_id, "cancel"))
+
+    def _expire_ops(self, now: float) -> None:
+        # an agent with a key in etcd is alive though not yet back on this leader's stream;
+        # before the first membership listing nobody is known to have left
+        in_etcd = self.cluster.agents_in_etcd()
+        live = {r.agent_id for r, _ in self.cluster.agents()} | (in_etcd or frozenset())
+        with self._lock:
+            # a cleanup still waiting for its lock has its own timeout (_run_locked)
+            running = [o for o in self.ops.values() if not o.finished and not o.waiting_for_lock]
+            # ... while its thread lives: one left without (a load cut short, a thread that
+            # gave up as leadership flickered) is queued again, or failed once past its time
+            orphans = [
+                o
+                for o in self.ops.values()
+                if not o.finished and o.waiting_for_lock and o.op_id not in self._lock_threads
+            ]
+        for op in orphans:
+            if not self._owns(op):
+                continue
+            if now - op.created_unix_seconds > 2 * self.op_timeout_seconds:
+                with self._lock:
+                    for part in op.parts.values():
+                        ops.fail_part(op, part.agent_id, "its scope lock was never taken", now)
+                self._op_changed(op)
+            else:
+                with self._lock:
+                    self._op_done.setdefault(op.op_id, threading.Event())
+                self._start_locked(op)
+        for op in running:
+            asked = self._cancel_asked.get(op.op_id, 0.0)
+            if op.cancel_requested and op.commands_sent and self._owns(op) and now - asked >= CANCEL_RESEND_SECONDS:
+                # a cancel's command may not have reached an agent (its stream was down, or
+                # the leader that stored the cancel died): asked again, once a second, until
+                # it answers
+                waiting = [p.agent_id for p in list(op.parts.values()) if p.state not in ops.TERMINAL]
+                self._send_cancel(op, waiting, now)
+            changed = False
+            with self._lock:
+                for part in list(op.parts.values()):
+                    if in_etcd is not None and part.agent_id not in live:
+                        changed |= ops.fail_part(op, part.agent_id, "agent left", now, given_up=True)
+                    elif part.incarnation and self.cluster.incarnation_of(part.agent_id) not in ("", part.incarnation):
+                        # a process that was not the one given the command: that one is gone
+                        changed |= ops.fail_part(op, part.agent_id, "agent restarted; its command was lost", now)
+                changed |= ops.expire_silent_parts(op, now, self.op_timeout_seconds)
+            if changed:
+                self._op_changed(op)

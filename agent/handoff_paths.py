@@ -30,7 +30,7 @@ from agent.core.handoff import (
     checksum,
     slices,
 )
-from agent.core.tier_store import BlockUnreadable
+from agent.core.tier_store import BlockUnreadable, is_slab
 from agent.store.shm import PeerSlab, host_id
 from agent.store.transfer_engine import TransferFailed
 from protos.kvcp.v1 import agent_pb2
@@ -219,7 +219,7 @@ class HandoffPaths:
         """Segments of a block's stored payload in registered memory; a block elsewhere
         (disk, or a GPU the engine cannot reach) is read into a bounce buffer once."""
         store = self.pool.store_of[meta.tier]
-        if store is self.store and hasattr(store, "views"):
+        if store is self.store and is_slab(store):
             return store.views(meta.handle, meta.stored_bytes), None
         try:
             bounce = store.read(meta.handle, meta.stored_bytes).contiguous()
@@ -231,7 +231,7 @@ class HandoffPaths:
     def _source_runs(self, meta: BlockMeta) -> tuple[list[tuple[int, int]], torch.Tensor | None]:
         """As _source, as (address, length) runs; no tensors for a block in the slab."""
         store = self.pool.store_of[meta.tier]
-        if store is self.store and hasattr(store, "byte_runs"):
+        if store is self.store and is_slab(store):
             return store.byte_runs(meta.handle, meta.stored_bytes), None
         segs, bounce = self._source(meta)
         return [(seg.data_ptr(), seg.numel()) for seg in segs], bounce

@@ -17,7 +17,7 @@ import time
 
 import torch
 
-import agent.core.block_pool as bp
+import agent.core.block_moves as bp  # the copy chunk and GPU batch sizes the moves read
 from benchmarks.tiers import _filled_pool, _spec
 from protos.tier import Tier
 

@@ -902,7 +902,8 @@ class BlockMoves:
                 rows = torch.tensor([i for i, _ in from_disk], device=dst.device)
                 payloads.index_copy_(0, rows, staged.to(dst.device, non_blocking=True))
             for i, job in enumerate(taken):
-                if is_slab(job.src):  # a CPU slab's (pinned) pages, as they are
+                if not is_file(job.src):  # a CPU slab's (pinned) pages, as they are
+                    assert is_slab(job.src), f"a {job.src.tier.label} store that is neither a slab nor a file"
                     at = 0
                     for seg in job.src.views(job.handle, payload_bytes):
                         payloads[i, at : at + seg.numel()].copy_(seg, non_blocking=True)

@@ -468,6 +468,8 @@ def decode_batch(codec: str, payloads: torch.Tensor, shape, dtype: torch.dtype) 
     a promotion to the GPU copies the smaller payloads across and decodes them on the
     GPU, a few kernels for n blocks (the same values as decode(), which runs on the host)."""
     check_codec(codec)
+    if codec == "fp8" and FP8 is None:
+        raise CodecError("this torch build has no float8_e4m3fn")
     if codec not in DECODE_BATCHED:
         raise CodecError(f"codec {codec} has no batched decode")
     if codec == "int4" and len(shape) != 5:
@@ -476,8 +478,6 @@ def decode_batch(codec: str, payloads: torch.Tensor, shape, dtype: torch.dtype) 
         raise CodecError(f"payloads must be uint8 [n, bytes], not {payloads.dtype} {list(payloads.shape)}")
     if payloads.shape[1] < payload_bytes(codec, shape, dtype):
         raise CodecError("payload is truncated")
-    if codec == "fp8" and FP8 is None:
-        raise CodecError("this torch build has no float8_e4m3fn")
     return DECODE_BATCHED[codec](payloads, tuple(shape), dtype)
 
 

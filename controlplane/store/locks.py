@@ -138,8 +138,8 @@ class EtcdLock:
             if not inside:
                 log.warning("lock %s held by %s was taken again", self.key, self.holder)
                 return
-            # kept (no new one starts inside), but those that did run beside this holder
-            self.held = False
+            # kept (no new one starts inside), but those that did run beside this holder;
+            # said before `held` turns: whoever sees it False finds the reason logged
             log.error(
                 "lock %s held by %s lapsed with its lease and was taken again, but %s started inside its scope "
                 "meanwhile: they may run side by side",
@@ -147,14 +147,15 @@ class EtcdLock:
                 self.holder,
                 ", ".join(inside),
             )
+            self.held = False
             return
-        self.held = False
         log.error(
             "lock %s held by %s lapsed with its lease and %s has taken it: the two may now run side by side",
             self.key,
             self.holder,
             other,
         )
+        self.held = False
         self._stop.set()
 
     def release(self) -> None:

@@ -125,7 +125,7 @@ def _filled_pool(block_mib: int, num_blocks: int, fsync: bool, workdir: str, nam
 
     def move_all(tier: Tier, codec: str | None = None):
         op = mover.run_op(mover.submit(hashes, tier, codec))
-        if op.state != SUCCEEDED or op.failed:
+        if op.state != SUCCEEDED or op.num_failed_blocks:
             raise RuntimeError(f"move to {tier.label} failed: {op.error}")
 
     return pool, data, move_all

@@ -58,9 +58,9 @@ def op_update_pb(op: MoveOp) -> agent_pb2.AgentMessage:
         op_update=agent_pb2.OpUpdate(
             op_id=op.op_id,
             state=op.state,
-            num_done_blocks=op.done,
-            num_total_blocks=op.total,
-            num_failed_blocks=op.failed,
+            num_done_blocks=op.num_done_blocks,
+            num_total_blocks=op.num_total_blocks,
+            num_failed_blocks=op.num_failed_blocks,
             moved_bytes=op.moved_bytes,
             error=op.error,
             num_skipped_pinned_blocks=len(op.pinned),
@@ -251,7 +251,7 @@ class ControlPlaneLink:
                 SUCCEEDED,
                 num_done_blocks=result.num_blocks,
                 num_total_blocks=result.num_blocks,
-                num_skipped_pinned_blocks=result.skipped_pinned,
+                num_skipped_pinned_blocks=result.num_skipped_pinned_blocks,
                 freed=[
                     types_pb2.TierUsage(tier=int(t), num_blocks=n, used_bytes=b) for t, (n, b) in result.freed.items()
                 ],

@@ -120,7 +120,7 @@ class MoveOutcome:
 @dataclass(frozen=True)
 class CleanupResult:
     freed: dict[Tier, tuple[int, int]]  # tier -> (blocks, bytes)
-    skipped_pinned: int
+    num_skipped_pinned_blocks: int  # left in place: a pin holds them
     num_blocks: int
 
 

@@ -34,19 +34,19 @@ class MoveOp:
     codec: str | None
     block_hashes: list[bytes]
     state: str = PENDING
-    done: int = 0
-    failed: int = 0
+    num_done_blocks: int = 0
+    num_failed_blocks: int = 0
     moved_bytes: int = 0
     error: str = ""
     created_unix_seconds: float = field(default_factory=time.time)
     finished_unix_seconds: float = 0.0
     cancel_requested: bool = False
     pinned: list[tuple[bytes, int]] = field(default_factory=list)  # (block, pin tier) left where a pin holds it
-    gone: int = 0  # blocks no longer held when their batch came (neither done nor failed)
+    num_gone_blocks: int = 0  # blocks no longer held when their batch came (neither done nor failed)
     finish_told: bool = False  # the mover's finish listeners have seen it end
 
     @property
-    def total(self) -> int:
+    def num_total_blocks(self) -> int:
         return len(self.block_hashes)
 
 
@@ -151,16 +151,16 @@ class Mover:
             for start, outcomes in self._outcomes(op):
                 for k, outcome in enumerate(outcomes, start):
                     if outcome is None or outcome.gone:  # not held (evicted meanwhile): nothing to move
-                        op.gone += 1
+                        op.num_gone_blocks += 1
                     elif outcome.ok:
-                        op.done += 1
+                        op.num_done_blocks += 1
                         op.moved_bytes += outcome.moved_bytes
                         landed.append(op.block_hashes[k])
                         kept += outcome.kept
                     elif outcome.pinned_tier:  # where a pin holds it: skipped, as a cleanup skips it
                         op.pinned.append((op.block_hashes[k], outcome.pinned_tier))
                     else:
-                        op.failed += 1
+                        op.num_failed_blocks += 1
                         op.error = outcome.reason
                         if op.kind == "promote" and outcome.reason.startswith("PoolFull"):
                             with self._lock:
@@ -172,15 +172,16 @@ class Mover:
                 self._count_pushed_out(op, landed)
             if kept and not op.error:
                 op.error = f"{kept} block(s) kept in their codec: {op.codec} would free none of their room"
-            if op.gone and not op.error:
-                op.error = f"{op.gone} block(s) no longer held here (evicted or dropped meanwhile)"
+            if op.num_gone_blocks and not op.error:
+                op.error = f"{op.num_gone_blocks} block(s) no longer held here (evicted or dropped meanwhile)"
             if op.pinned and not op.error:
                 tiers = sorted({Tier(t).label for _, t in op.pinned})
                 op.error = f"{len(op.pinned)} block(s) left where pins hold them (at tier {', '.join(tiers)})"
-            if op.cancel_requested and op.done + op.failed + op.gone + len(op.pinned) < op.total:
+            accounted = op.num_done_blocks + op.num_failed_blocks + op.num_gone_blocks + len(op.pinned)
+            if op.cancel_requested and accounted < op.num_total_blocks:
                 op.state = CANCELLED
             else:  # a block it could not put where asked fails the operation (the counts say how much)
-                op.state = SUCCEEDED if op.failed == 0 else FAILED
+                op.state = SUCCEEDED if op.num_failed_blocks == 0 else FAILED
         if op.kind == "promote":
             with self._lock:
                 self._promoting.difference_update(op.block_hashes)
@@ -194,8 +195,8 @@ class Mover:
         brought in. Those are not where the move put them: counted failed, and said."""
         gone = [h for h in landed if self.pool.tier_of(h) is not op.to_tier]
         if gone and op.to_tier is not None:
-            op.done -= len(gone)
-            op.failed += len(gone)
+            op.num_done_blocks -= len(gone)
+            op.num_failed_blocks += len(gone)
             op.error = (
                 f"{len(gone)} of the blocks moved to the {op.to_tier.label} tier were pushed out again by "
                 "later ones (the tier cannot hold them all)"
@@ -206,7 +207,7 @@ class Mover:
         order (BlockPool.move_blocks: one vectored disk call per run of adjacent extents,
         codecs on codec threads, copies between memory slabs in chunks). Stops once
         cancelled."""
-        for start in range(0, op.total, BATCH_BLOCKS):
+        for start in range(0, op.num_total_blocks, BATCH_BLOCKS):
             if op.cancel_requested:
                 return
             # to_tier None (a compress): each block where it is when its batch starts

@@ -31,10 +31,10 @@ _TIERS = frozenset(int(t) for t in Tier)
 class AgentPart:
     agent_id: str
     state: str = PENDING
-    done: int = 0
-    total: int = 0
-    failed: int = 0
-    skipped_pinned: int = 0
+    num_done_blocks: int = 0
+    num_total_blocks: int = 0
+    num_failed_blocks: int = 0
+    num_skipped_pinned_blocks: int = 0  # left in place: a pin holds them
     moved_bytes: int = 0
     error: str = ""
     freed: dict[int, tuple[int, int]] = field(default_factory=dict)  # tier -> (blocks, bytes)
@@ -64,20 +64,20 @@ class Operation:
         return self.state in TERMINAL
 
     @property
-    def done(self) -> int:
-        return sum(p.done for p in self.parts.values())
+    def num_done_blocks(self) -> int:
+        return sum(p.num_done_blocks for p in self.parts.values())
 
     @property
-    def total(self) -> int:
-        return sum(p.total for p in self.parts.values())
+    def num_total_blocks(self) -> int:
+        return sum(p.num_total_blocks for p in self.parts.values())
 
     @property
-    def failed(self) -> int:
-        return sum(p.failed for p in self.parts.values())
+    def num_failed_blocks(self) -> int:
+        return sum(p.num_failed_blocks for p in self.parts.values())
 
     @property
-    def skipped_pinned(self) -> int:
-        return sum(p.skipped_pinned for p in self.parts.values())
+    def num_skipped_pinned_blocks(self) -> int:
+        return sum(p.num_skipped_pinned_blocks for p in self.parts.values())
 
     @property
     def moved_bytes(self) -> int:
@@ -97,11 +97,12 @@ class Operation:
         shows how far it got, not 100 %."""
         if self.state == SUCCEEDED:
             return 1.0
-        total = self.total
-        if self.finished and not total:
+        num_total_blocks = self.num_total_blocks
+        if self.finished and not num_total_blocks:
             return 1.0
-        if total:
-            return min(1.0, (self.done + self.failed + self.skipped_pinned) / total)
+        if num_total_blocks:
+            accounted = self.num_done_blocks + self.num_failed_blocks + self.num_skipped_pinned_blocks
+            return min(1.0, accounted / num_total_blocks)
         parts = self.parts.values()
         return sum(p.state in TERMINAL for p in parts) / len(self.parts) if self.parts else 0.0
 
@@ -140,12 +141,12 @@ def apply_update(
     op: Operation,
     agent_id: str,
     state: str,
-    done: int,
-    total: int,
-    failed: int,
+    num_done_blocks: int,
+    num_total_blocks: int,
+    num_failed_blocks: int,
     moved_bytes: int,
     error: str,
-    skipped_pinned: int = 0,
+    num_skipped_pinned_blocks: int = 0,
     freed: dict[int, tuple[int, int]] | None = None,
     now: float | None = None,
     result: str = "",
@@ -164,8 +165,9 @@ def apply_update(
         op.state = RUNNING
     elif op.finished:
         return False
-    part.state, part.done, part.total, part.failed = state, done, max(total, part.total), failed
-    part.moved_bytes, part.error, part.skipped_pinned = moved_bytes, error, skipped_pinned
+    part.state, part.num_done_blocks, part.num_failed_blocks = state, num_done_blocks, num_failed_blocks
+    part.num_total_blocks = max(num_total_blocks, part.num_total_blocks)
+    part.moved_bytes, part.error, part.num_skipped_pinned_blocks = moved_bytes, error, num_skipped_pinned_blocks
     part.result = result
     if freed is not None:
         part.freed = {int(t): v for t, v in freed.items() if t in _TIERS}

@@ -73,6 +73,23 @@ def pin_from_json(raw: bytes) -> Pin:
     )
 
 
+# a part's block counts were stored under these keys before 2026-12-06 (read still;
+# written under the new names, which releases before then cannot read: they skip such a
+# record as malformed)
+_OLD_PART_COUNT_KEYS = {
+    "num_done_blocks": "done",
+    "num_total_blocks": "total",
+    "num_failed_blocks": "failed",
+    "num_skipped_pinned_blocks": "skipped_pinned",
+}
+
+
+def _part_count(p: dict, key: str) -> int:
+    """A part's count stored under `key`, or under its name before the rename (KeyError
+    when under neither: the record is malformed)."""
+    return p[key] if key in p else p[_OLD_PART_COUNT_KEYS[key]]
+
+
 def op_to_json(op: Operation) -> str:
     return json.dumps(
         {
@@ -91,10 +108,10 @@ def op_to_json(op: Operation) -> str:
                 {
                     "agent_id": p.agent_id,
                     "state": p.state,
-                    "done": p.done,
-                    "total": p.total,
-                    "failed": p.failed,
-                    "skipped_pinned": p.skipped_pinned,
+                    "num_done_blocks": p.num_done_blocks,
+                    "num_total_blocks": p.num_total_blocks,
+                    "num_failed_blocks": p.num_failed_blocks,
+                    "num_skipped_pinned_blocks": p.num_skipped_pinned_blocks,
                     "moved_bytes": p.moved_bytes,
                     "error": p.error,
                     "freed": {str(t): list(v) for t, v in p.freed.items()},
@@ -128,10 +145,10 @@ def op_from_json(raw: bytes) -> Operation:
         op.parts[p["agent_id"]] = AgentPart(
             p["agent_id"],
             p["state"],
-            p["done"],
-            p["total"],
-            p["failed"],
-            p["skipped_pinned"],
+            _part_count(p, "num_done_blocks"),
+            _part_count(p, "num_total_blocks"),
+            _part_count(p, "num_failed_blocks"),
+            _part_count(p, "num_skipped_pinned_blocks"),
             p["moved_bytes"],
             p["error"],
             {int(t): (v[0], v[1]) for t, v in p["freed"].items()},

@@ -69,8 +69,8 @@ class StandInAgent:
         cmds = [c for c in self.received if hasattr(c, "kind")]
         return [c for c in cmds if (not kind or c.kind == kind) and (not op_id or c.op_id == op_id)]
 
-    def report(self, op_id: str, state: str, done: int = 0, total: int = 0, freed=None) -> None:
-        self.cp.manager.on_op_update(self.agent_id, op_id, state, done, total, 0, 0, "", 0, freed)
+    def report(self, op_id: str, state: str, num_done_blocks: int = 0, num_total_blocks: int = 0, freed=None) -> None:
+        self.cp.manager.on_op_update(self.agent_id, op_id, state, num_done_blocks, num_total_blocks, 0, 0, "", 0, freed)
 
 
 def stored_op(etcd_endpoint: str, op_id: str) -> dict:
@@ -164,6 +164,83 @@ def test_leader_that_wins_again_keeps_the_operations_it_runs(etcd):
         wait_for(lambda: cp.manager._loaded_epoch == cp.election.epoch, 5, 0.02, "reloaded")
         agent.report(op.op_id, "SUCCEEDED", 5, 5)
         assert cp.manager.get_op(op.op_id).state == "SUCCEEDED"
+    finally:
+        cp.stop()
+
+
+def _record_of_an_earlier_release(op_id: str, kind: str, state: str, counts: tuple[int, int, int, int]) -> str:
+    """An operation as releases before 2026-12-06 stored it: a part's block counts under
+    "done", "total", "failed" and "skipped_pinned"."""
+    done, total, failed, skipped_pinned = counts
+    now = time.time()
+    return json.dumps(
+        {
+            "op_id": op_id,
+            "kind": kind,
+            "params": {"namespace": "ns1"},
+            "state": state,
+            "error": "",
+            "dry_run": False,
+            "waiting_for_lock": False,
+            "commands_sent": True,
+            "cancel_requested": False,
+            "created_unix_seconds": now,
+            "updated_unix_seconds": now,
+            "parts": [
+                {
+                    "agent_id": "a1",
+                    "state": state,
+                    "done": done,
+                    "total": total,
+                    "failed": failed,
+                    "skipped_pinned": skipped_pinned,
+                    "moved_bytes": done << 20,
+                    "error": "",
+                    "freed": {str(int(Tier.CPU)): [done, done << 20]} if kind == "cleanup" else {},
+                    "given_up": False,
+                    "incarnation": "",
+                    "result": "",
+                }
+            ],
+        }
+    )
+
+
+def test_an_operation_an_earlier_release_stored_loads_and_is_stored_again_under_the_new_names(etcd, late_reconcile):
+    """An upgrade: the operations in etcd were written with the old names of the block
+    counts. A new leader reads them (none is skipped as malformed), answers their counts,
+    and a report on one still running stores it again under the new names only."""
+    client = etcd_keys.connect(etcd)
+    client.put(
+        etcd_keys.OPS_PREFIX + "cleanup-old",
+        _record_of_an_earlier_release("cleanup-old", "cleanup", "SUCCEEDED", (3, 4, 0, 1)),
+    )
+    client.put(
+        etcd_keys.OPS_PREFIX + "move-old", _record_of_an_earlier_release("move-old", "move", "RUNNING", (2, 5, 1, 0))
+    )
+    client.close()
+    cp = start_cp(etcd)
+    try:
+        agent = StandInAgent(cp)
+        with ControlPlaneClient(cp.address) as c:
+            done = c.get_operation("cleanup-old")
+            counts = (
+                done.num_done_blocks,
+                done.num_total_blocks,
+                done.num_failed_blocks,
+                done.num_skipped_pinned_blocks,
+            )
+            assert (done.state, counts, done.progress) == ("SUCCEEDED", (3, 4, 0, 1), 1.0)
+            assert [(t.num_blocks, t.used_bytes) for t in done.freed] == [(3, 3 << 20)]
+            running = c.get_operation("move-old")
+            counts = (running.num_done_blocks, running.num_total_blocks, running.num_failed_blocks)
+            assert (running.state, counts, running.progress) == ("RUNNING", (2, 5, 1), pytest.approx(0.6))
+        agent.report("move-old", "SUCCEEDED", 5, 5)
+        wait_for(lambda: stored_op(etcd, "move-old").get("state") == "SUCCEEDED", 5, 0.05, "stored SUCCEEDED")
+        (part,) = stored_op(etcd, "move-old")["parts"]
+        counts = (part["num_done_blocks"], part["num_total_blocks"], part["num_failed_blocks"])
+        assert counts == (5, 5, 0) and part["num_skipped_pinned_blocks"] == 0
+        assert not {"done", "total", "failed", "skipped_pinned"} & part.keys()
     finally:
         cp.stop()
 

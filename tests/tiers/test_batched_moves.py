@@ -134,9 +134,19 @@ def test_mover_operations_move_in_batches(tmp_path):
     pool, hashes, data = independent_blocks(tmp_path)
     mover = Mover(pool)
     op = mover.run_op(mover.submit(hashes, Tier.DISK))
-    assert (op.state, op.done, op.failed, op.moved_bytes) == (SUCCEEDED, N, 0, N * SPEC.block_bytes)
+    assert (op.state, op.num_done_blocks, op.num_failed_blocks, op.moved_bytes) == (
+        SUCCEEDED,
+        N,
+        0,
+        N * SPEC.block_bytes,
+    )
     op = mover.run_op(mover.submit(hashes + [b"\x00" * 16], Tier.CPU))
-    assert (op.state, op.done, op.failed, op.gone) == (SUCCEEDED, N, 0, 1)  # one it no longer held: not a failure
+    assert (op.state, op.num_done_blocks, op.num_failed_blocks, op.num_gone_blocks) == (
+        SUCCEEDED,
+        N,
+        0,
+        1,
+    )  # one it no longer held: not a failure
     assert op.error == "1 block(s) no longer held here (evicted or dropped meanwhile)"
     check_pool(pool)
 
@@ -277,7 +287,7 @@ def test_compress_in_place_goes_in_batches(tmp_path):
     assert all(o.ok for o in pool.move_blocks(hashes[:6], Tier.DISK))
     mover = Mover(pool)
     op = mover.run_op(mover.submit(hashes, None, codec="int8", kind="compress"))
-    assert (op.state, op.done, op.failed) == (SUCCEEDED, N, 0)
+    assert (op.state, op.num_done_blocks, op.num_failed_blocks) == (SUCCEEDED, N, 0)
     assert [pool.tier_of(h) for h in hashes] == [Tier.DISK] * 6 + [Tier.CPU] * 6
     # in the CPU slab's pages int8 frees half of each block; on disk a block this small
     # takes two 512 B granules (header and payload) either way: kept as it is, and said
@@ -329,7 +339,7 @@ def test_a_hash_listed_twice_moves_once_and_both_listings_say_so(tmp_path):
     assert [o.ok for o in outcomes] == [True, True, True] and outcomes[2] == outcomes[0]
     mover = Mover(pool)
     op = mover.run_op(mover.submit([hashes[2], hashes[2]], None, codec="int8", kind="compress"))
-    assert (op.state, op.done, op.failed) == (SUCCEEDED, 2, 0)
+    assert (op.state, op.num_done_blocks, op.num_failed_blocks) == (SUCCEEDED, 2, 0)
     check_pool(pool)
 
 
@@ -1231,7 +1241,7 @@ def test_a_compress_that_would_grow_blocks_keeps_them_and_drops_nothing(page):
     # as an operation: it succeeds, and says the blocks stayed in their codec
     mover = Mover(pool)
     op = mover.run_op(mover.submit(hashes, None, codec="zstd", kind="compress"))
-    assert op.state == "SUCCEEDED" and op.done == n
+    assert op.state == "SUCCEEDED" and op.num_done_blocks == n
     assert op.error == f"{n} block(s) kept in their codec: zstd would free none of their room"
 
 

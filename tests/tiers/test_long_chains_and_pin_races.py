@@ -172,6 +172,10 @@ def test_a_move_of_more_than_its_tier_holds_says_how_many_did_not_stay(tmp_path,
     op = mover.submit(hs, Tier.CPU, kind="move", op_id="m1")
     mover.run_once(1.0)
     in_cpu = sum(pool.tier_of(h) is Tier.CPU for h in hs)
-    assert op.done == in_cpu and op.failed == 12 - in_cpu > 0, (op.done, op.failed, in_cpu)
+    assert op.num_done_blocks == in_cpu and op.num_failed_blocks == 12 - in_cpu > 0, (
+        op.num_done_blocks,
+        op.num_failed_blocks,
+        in_cpu,
+    )
     assert "pushed out again" in op.error
     check_invariants(pool)

@@ -226,7 +226,7 @@ def test_safety_net_demotes_unpinned_blocks_and_keeps_pinned_ones(tmp_path):
 # ---- the Mover ----------------------------------------------------------------------
 def recorder(mover: Mover) -> list[tuple[str, str, int, int]]:
     seen: list[tuple[str, str, int, int]] = []
-    mover.on_update = lambda op: seen.append((op.op_id, op.state, op.done, op.failed))
+    mover.on_update = lambda op: seen.append((op.op_id, op.state, op.num_done_blocks, op.num_failed_blocks))
     return seen
 
 
@@ -235,9 +235,9 @@ def test_mover_op_runs_to_succeeded_with_progress(tmp_path):
     mover = Mover(pool)
     seen = recorder(mover)
     op = mover.submit(hs, Tier.DISK, op_id="op-1")
-    assert op.state == PENDING and op.total == 3 and mover.get("op-1") is op
+    assert op.state == PENDING and op.num_total_blocks == 3 and mover.get("op-1") is op
     assert mover.run_once() is op
-    assert (op.state, op.done, op.failed, op.error) == (SUCCEEDED, 3, 0, "")
+    assert (op.state, op.num_done_blocks, op.num_failed_blocks, op.error) == (SUCCEEDED, 3, 0, "")
     assert op.moved_bytes == 3 * BLOCK_BYTES and op.finished_unix_seconds >= op.created_unix_seconds
     assert seen[0] == ("op-1", RUNNING, 0, 0) and seen[-1] == ("op-1", SUCCEEDED, 3, 0)
     assert all(pool.tier_of(h) is Tier.DISK for h in hs)
@@ -269,7 +269,7 @@ def test_mover_cancel_before_and_during_an_op(tmp_path, monkeypatch):
     op = mover.submit(hs, Tier.DISK)
     assert mover.cancel(op.op_id) is True
     mover.run_once()
-    assert op.state == CANCELLED and op.done == 0
+    assert op.state == CANCELLED and op.num_done_blocks == 0
     assert all(pool.tier_of(h) is Tier.CPU for h in hs)
     assert mover.cancel(op.op_id) is False  # finished
     assert mover.cancel("no-such-op") is False
@@ -285,7 +285,7 @@ def test_mover_cancel_before_and_during_an_op(tmp_path, monkeypatch):
     monkeypatch.setattr(mover_module, "BATCH_BLOCKS", 1)  # cancellation goes by batch
     monkeypatch.setattr(pool, "move_blocks", cancel_after_first)
     mover.run_once()
-    assert op2.state == CANCELLED and op2.done == 1
+    assert op2.state == CANCELLED and op2.num_done_blocks == 1
     assert [pool.tier_of(h) for h in hs] == [Tier.DISK, Tier.CPU, Tier.CPU]
     check_pool(pool)
 
@@ -295,12 +295,17 @@ def test_mover_failures(tmp_path):
     mover = Mover(pool)
     missing = [b"\x01" * 16, b"\x02" * 16]
     op = mover.run_op(mover.submit(missing, Tier.DISK))
-    assert (op.state, op.done, op.failed, op.gone) == (SUCCEEDED, 0, 0, 2)  # nothing held: nothing to do
+    assert (op.state, op.num_done_blocks, op.num_failed_blocks, op.num_gone_blocks) == (
+        SUCCEEDED,
+        0,
+        0,
+        2,
+    )  # nothing held: nothing to do
     assert "2 block(s) no longer held" in op.error
     op = mover.run_op(mover.submit([hs[0], missing[0]], Tier.DISK))
-    assert (op.state, op.done, op.failed, op.gone) == (SUCCEEDED, 1, 0, 1)
+    assert (op.state, op.num_done_blocks, op.num_failed_blocks, op.num_gone_blocks) == (SUCCEEDED, 1, 0, 1)
     op = mover.run_op(mover.submit(hs, Tier.GPU))  # no GPU tier here: every block fails
-    assert (op.state, op.done, op.failed) == (FAILED, 0, 2)
+    assert (op.state, op.num_done_blocks, op.num_failed_blocks) == (FAILED, 0, 2)
     op = mover.run_op(mover.submit([hs[1]], Tier.DISK, codec="lz4"))
     assert op.state == FAILED and "lz4" in op.error
     op = mover.run_op(mover.submit([hs[1]], Tier.DISK))  # the mover is still fine
@@ -311,7 +316,7 @@ def test_mover_compress_op_keeps_the_tier(tmp_path):
     pool, engine, toks, data, hs = stored(tmp_path, n=2)
     mover = Mover(pool)
     op = mover.run_op(mover.submit(hs, None, codec="int8", kind="compress"))
-    assert op.state == SUCCEEDED and op.done == 2
+    assert op.state == SUCCEEDED and op.num_done_blocks == 2
     assert all(pool.tier_of(h) is Tier.CPU and pool.blocks[h].codec == "int8" for h in hs)
 
 
@@ -336,7 +341,7 @@ def test_load_from_disk_promotes_in_the_background(tmp_path):
     engine.load(SPEC.model_id, toks)  # the same blocks are not promoted twice
     assert len(engine.mover.ops()) == 1
     op = engine.mover.run_once()
-    assert op.state == SUCCEEDED and op.done == 2
+    assert op.state == SUCCEEDED and op.num_done_blocks == 2
     assert [pool.tier_of(h) for h in hs] == [Tier.CPU] * 3
     res = engine.load(SPEC.model_id, toks)
     assert torch.equal(res.kv, data) and res.tiers == (Tier.CPU,) * 3

@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import json
+
+import pytest
+
 from controlplane.core import operations as ops
 
 
@@ -61,7 +65,7 @@ def test_a_cancel_of_a_part_whose_agent_has_the_command_waits_for_the_agents_ans
     assert ops.apply_update(op, "a1", ops.CANCELLED, 64, 600, 0, 64 * 8192, "", now=2.0)
     assert op.state == ops.RUNNING  # a2 still to answer
     ops.apply_update(op, "a2", ops.SUCCEEDED, 600, 600, 0, 600 * 8192, "", now=2.0)
-    assert op.state == ops.CANCELLED and op.done == 664
+    assert op.state == ops.CANCELLED and op.num_done_blocks == 664
     unsent = ops.new_operation("move", {"to": "disk"}, ["a1"], now=0.0)  # cancelled before its fan-out
     ops.cancel(unsent, now=1.0)
     assert unsent.state == ops.CANCELLED
@@ -77,7 +81,7 @@ def test_an_agent_given_up_for_silence_that_answers_later_has_the_last_word():
     assert op.state == ops.FAILED and "no progress" in op.error
     assert not ops.apply_update(op, "a1", ops.RUNNING, 10, 500, 0, 0, "", now=101.0)  # finished: progress ignored
     assert ops.apply_update(op, "a1", ops.SUCCEEDED, 500, 500, 0, 500 * 8192, "", now=102.0)
-    assert op.state == ops.SUCCEEDED and op.done == 505 and op.error == ""
+    assert op.state == ops.SUCCEEDED and op.num_done_blocks == 505 and op.error == ""
     left = _sent(["a1"])
     ops.fail_part(left, "a1", "agent left", now=5.0, given_up=True)
     ops.apply_update(left, "a1", ops.FAILED, 3, 8, 5, 0, "disk full", now=6.0)
@@ -104,3 +108,58 @@ def test_a_succeeded_operation_carries_what_its_agents_noted():
     ops.apply_update(op, "a1", ops.SUCCEEDED, 6, 6, 0, 0, "6 block(s) kept in their codec", now=1.0)
     ops.apply_update(op, "a2", ops.SUCCEEDED, 4, 4, 0, 4096, "", now=1.0)
     assert op.state == ops.SUCCEEDED and op.error == "a1: 6 block(s) kept in their codec"
+
+
+def test_a_record_an_earlier_release_stored_loads_and_is_stored_under_the_new_names():
+    """Before 2026-12-06 a part's block counts were stored as done / total / failed /
+    skipped_pinned: such a record still loads (an upgrade keeps its operations); what is
+    stored now says the unit (num_*_blocks), as the wire does."""
+    from controlplane.store.durable import op_from_json, op_to_json
+
+    part = {
+        "agent_id": "a1",
+        "state": "SUCCEEDED",
+        "done": 6,
+        "total": 8,
+        "failed": 1,
+        "skipped_pinned": 1,
+        "moved_bytes": 6 << 20,
+        "error": "",
+        "freed": {"2": [6, 6 << 20]},
+        "given_up": False,
+        "incarnation": "proc-1",
+        "result": "",
+    }
+    old = {
+        "op_id": "cleanup-1",
+        "kind": "cleanup",
+        "params": {"namespace": "ns"},
+        "state": "SUCCEEDED",
+        "error": "",
+        "dry_run": False,
+        "waiting_for_lock": False,
+        "commands_sent": True,
+        "cancel_requested": False,
+        "created_unix_seconds": 1.0,
+        "updated_unix_seconds": 2.0,
+        "parts": [part],
+    }
+    op = op_from_json(json.dumps(old).encode())
+    p = op.parts["a1"]
+    counts = (p.num_done_blocks, p.num_total_blocks, p.num_failed_blocks, p.num_skipped_pinned_blocks)
+    assert counts == (6, 8, 1, 1) and (p.moved_bytes, p.freed, p.incarnation) == (6 << 20, {2: (6, 6 << 20)}, "proc-1")
+    assert (op.num_done_blocks, op.num_total_blocks, op.num_failed_blocks, op.num_skipped_pinned_blocks) == (6, 8, 1, 1)
+    stored = json.loads(op_to_json(op))["parts"][0]
+    assert {k: stored[k] for k in ("num_done_blocks", "num_total_blocks", "num_failed_blocks")} == {
+        "num_done_blocks": 6,
+        "num_total_blocks": 8,
+        "num_failed_blocks": 1,
+    }
+    assert (
+        stored["num_skipped_pinned_blocks"] == 1 and not {"done", "total", "failed", "skipped_pinned"} & stored.keys()
+    )
+    assert op_from_json(op_to_json(op).encode()) == op
+    # a count under neither name: malformed, as a record missing any other field (load_ops skips it)
+    del part["done"]
+    with pytest.raises(KeyError):
+        op_from_json(json.dumps(old).encode())

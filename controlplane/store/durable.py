@@ -112,6 +112,9 @@ def op_to_json(op: Operation) -> str:
                     "num_total_blocks": p.num_total_blocks,
                     "num_failed_blocks": p.num_failed_blocks,
                     "num_skipped_pinned_blocks": p.num_skipped_pinned_blocks,
+                    # the same counts under their earlier names, which a replica of an
+                    # earlier release (a rolling upgrade) reads: it skips a record without them
+                    **{old: getattr(p, new) for new, old in _OLD_PART_COUNT_KEYS.items()},
                     "moved_bytes": p.moved_bytes,
                     "error": p.error,
                     "freed": {str(t): list(v) for t, v in p.freed.items()},

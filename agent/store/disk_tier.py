@@ -59,6 +59,7 @@ import numpy as np
 import torch
 import xxhash
 
+from agent.core.blocks import BlockMeta
 from agent.core.tier_store import BlockUnreadable
 from protos.tier import Tier
 
@@ -742,7 +743,7 @@ class DiskTier:
         want = sum(s.nbytes for s in segments)
         try:
             self._check_file()
-            got = _preadv_all(self.fd, [memoryview(head), *(memoryview(s).cast("B") for s in segments)], handle.offset)
+            got = _preadv_all(self.fd, [memoryview(head), *(s.data.cast("B") for s in segments)], handle.offset)
         except FileNotFoundError:
             raise CorruptBlock(f"{self.path}: missing") from None
         except OSError as exc:
@@ -752,7 +753,7 @@ class DiskTier:
             raise err
 
     # ---- batches (the mover's path): one syscall per run of adjacent extents -------------
-    def write_many(self, items: list[tuple[DiskHandle, list, object]]) -> list[OSError | None]:
+    def write_many(self, items: list[tuple[DiskHandle, list, BlockMeta]]) -> list[OSError | None]:
         """Write several blocks, [(handle, payload segments, meta)], with one pwritev per
         run of adjacent extents (header slot, payload and padding of each, in file order:
         the whole extent, so no older header survives inside it).
@@ -824,6 +825,7 @@ class DiskTier:
         futures, inline = [], groups[:1]
         for g in groups[1:]:
             try:
+                assert io is not None  # more than one group only with I/O threads
                 futures.append(io.submit(self._read_runs, g, items, out, pad))
             except RuntimeError:  # the pool is shutting down: read it here
                 inline.append(g)
@@ -869,7 +871,7 @@ class DiskTier:
             whole = os.preadv(self.fd, [memoryview(head)], handle.offset) == len(head)
             offset = handle.offset + HEADER_SLOT_BYTES
             for a in arrays:
-                view = memoryview(a).cast("B")
+                view = a.data.cast("B")
                 for start in range(0, len(view), READ_RUN_BYTES):
                     piece = view[start : start + READ_RUN_BYTES]
                     if whole and os.preadv(self.fd, [piece], offset) < len(piece):
@@ -952,6 +954,7 @@ class DiskTier:
                 if offset < skip_to:
                     continue
                 at = int(g) * GRANULE_BYTES
+                raw: bytes | memoryview
                 if at + HEADER_SLOT_BYTES <= len(chunk):
                     raw = memoryview(chunk)[at : at + HEADER_SLOT_BYTES]
                 else:
@@ -995,6 +998,7 @@ class DiskTier:
                 self._clear(offset)
                 corrupt += 1
                 continue
+            assert header is not None  # an OK block's header verified (_walk)
             n = self.footprint(header.payload_bytes) // GRANULE_BYTES
             handle = DiskHandle(offset, n * GRANULE_BYTES, header.seq, header.checksum)
             if not self._extents.claim(offset // GRANULE_BYTES, n):
@@ -1078,10 +1082,10 @@ def _runs(prepared: list, max_bytes: int = 1 << 62) -> list[list]:
 def _xxh3(arrays: list[np.ndarray]) -> int:
     """xxh3-64 of a payload given as one or more byte arrays (as if concatenated)."""
     if len(arrays) == 1:
-        return xxhash.xxh3_64_intdigest(arrays[0])
+        return xxhash.xxh3_64_intdigest(arrays[0].data)
     h = xxhash.xxh3_64()
     for a in arrays:
-        h.update(a)
+        h.update(a.data)
     return h.intdigest()
 
 

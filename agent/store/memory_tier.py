@@ -97,10 +97,11 @@ class MemoryTier:
                 self.shared_slab = SharedSlab(self.num_pages * page_bytes, f"{tier.label}-slab")
             except OSError as exc:
                 log.warning("the %s slab is private (no same-host shared memory): %s", tier.label, exc)
-            why = _pin_in_place(self.shared_slab.tensor) if self.shared_slab is not None and pin else ""
-            if why:
+            slab = self.shared_slab
+            why = _pin_in_place(slab.tensor) if slab is not None and pin else ""
+            if why and slab is not None:
                 log.warning("the %s slab is private: its shared memory could not be pinned (%s)", tier.label, why)
-                self.shared_slab.close()
+                slab.close()
                 self.shared_slab = None
         if self.shared_slab is not None:
             self.slab = self.shared_slab.tensor

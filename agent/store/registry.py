@@ -41,9 +41,10 @@ class EtcdRegistration:
             log.error("cannot register %s in etcd yet (the engine is served meanwhile): %s", self.key, reason)
 
     def register(self) -> None:
-        self.lease = self._client.lease(self.ttl_seconds)
-        self._client.put(self.key, self._value(), lease=self.lease)
-        log.info("registered %s in etcd (lease %x, ttl %ds)", self.key, self.lease.id, self.ttl_seconds)
+        lease = self._client.lease(self.ttl_seconds)
+        self.lease = lease
+        self._client.put(self.key, self._value(), lease=lease)
+        log.info("registered %s in etcd (lease %x, ttl %ds)", self.key, lease.id, self.ttl_seconds)
 
     def run_once(self) -> None:
         if self.lease is None:

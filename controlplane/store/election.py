@@ -88,9 +88,12 @@ class LeaderElection:
         self.refusal = reason
 
     def _refresh(self) -> None:
-        ttl = self._lease.refresh()[0].TTL
+        lease = self._lease
+        if lease is None:
+            raise RuntimeError("no leader lease")
+        ttl = lease.refresh()[0].TTL
         value, meta = self._client.get(self.key)
-        if ttl <= 0 or meta is None or meta.lease_id != self._lease.id:
+        if ttl <= 0 or meta is None or meta.lease_id != lease.id:
             raise RuntimeError("leader lease expired")
 
     def _campaign(self) -> None:

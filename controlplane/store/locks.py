@@ -101,8 +101,11 @@ class EtcdLock:
 
     def _refresh(self) -> None:
         while not self._stop.wait(self.ttl_seconds / 3):
+            lease = self._lease
+            if lease is None:  # released meanwhile
+                return
             try:
-                if self._lease.refresh()[0].TTL > 0:
+                if lease.refresh()[0].TTL > 0:
                     continue
             except Exception as exc:  # noqa: BLE001 - etcd away: the lease may lapse meanwhile
                 log.debug("refreshing the lease of lock %s: %s", self.key, exc)

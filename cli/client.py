@@ -221,6 +221,7 @@ class TierView:
     num_blocks: int
     uncompressed_bytes: int = 0  # what the tier's blocks would take raw
     stored_bytes: int = 0  # what they take as stored (less when compressed)
+    num_parked_blocks: int = 0  # recovered after a restart, waiting for their prefix (in used_bytes)
 
 
 @dataclass(frozen=True)
@@ -464,7 +465,15 @@ def _tier_name(value: int) -> str:
 
 def _tiers(tiers) -> list[TierView]:
     return [
-        TierView(_tier_name(t.tier), t.capacity_bytes, t.used_bytes, t.num_blocks, t.uncompressed_bytes, t.stored_bytes)
+        TierView(
+            _tier_name(t.tier),
+            t.capacity_bytes,
+            t.used_bytes,
+            t.num_blocks,
+            t.uncompressed_bytes,
+            t.stored_bytes,
+            t.num_parked_blocks,
+        )
         for t in tiers
     ]
 

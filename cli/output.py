@@ -53,6 +53,8 @@ def tier_cell(t) -> str:
     cell = usage_cell(t.used_bytes, t.capacity_bytes)
     if 0 < t.stored_bytes < t.uncompressed_bytes:
         cell += f" [stored {human_bytes(t.stored_bytes)} of {human_bytes(t.uncompressed_bytes)}]"
+    if t.num_parked_blocks:  # their bytes are in `used`: say why the blocks do not show
+        cell += f" [{t.num_parked_blocks} parked after a restart]"
     return cell
 
 

@@ -79,6 +79,7 @@ def tier_usage_pb(pool: BlockPool) -> list[types_pb2.TierUsage]:
             num_blocks=u.num_blocks,
             uncompressed_bytes=u.uncompressed_bytes,
             stored_bytes=u.stored_bytes,
+            num_parked_blocks=u.num_parked_blocks,
         )
         for u in pool.usage()
     ]

@@ -150,6 +150,7 @@ class BlockPool(BlockMoves):
 
     def usage(self) -> list[TierUsage]:
         with self.lock:
+            parked = collections.Counter(m.tier for waiting in self._parked.values() for m in waiting)
             return [
                 TierUsage(
                     t.tier,
@@ -159,6 +160,7 @@ class BlockPool(BlockMoves):
                     self._logical[t.tier],
                     self._stored[t.tier],
                     self._saved[t.tier],
+                    parked[t.tier],
                 )
                 for t in self.tiers
             ]

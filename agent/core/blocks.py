@@ -88,6 +88,9 @@ class TierUsage:
     # take, in the tier's own units (whole pages, disk granules); a payload a codec shrank
     # within its last page frees nothing
     saved_bytes: int = 0
+    # recovered after a restart and waiting for their prefix to be stored again: their
+    # bytes are in used_bytes, the blocks not in num_blocks (invisible until adopted)
+    num_parked_blocks: int = 0
 
 
 @dataclass(frozen=True)

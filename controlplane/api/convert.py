@@ -16,7 +16,13 @@ def tier_usage_from_pb(t: types_pb2.TierUsage) -> core.TierUsage:
 
         raise InvalidArgument("tiers.tier", f"unknown tier value {t.tier}")
     return core.TierUsage(
-        Tier(t.tier), t.capacity_bytes, t.used_bytes, t.num_blocks, t.uncompressed_bytes, t.stored_bytes
+        Tier(t.tier),
+        t.capacity_bytes,
+        t.used_bytes,
+        t.num_blocks,
+        t.uncompressed_bytes,
+        t.stored_bytes,
+        t.num_parked_blocks,
     )
 
 
@@ -33,6 +39,7 @@ def tier_usage_to_pb(t: core.TierUsage) -> types_pb2.TierUsage:
         num_blocks=min(t.num_blocks, _UINT64_MAX),
         uncompressed_bytes=min(t.uncompressed_bytes, _UINT64_MAX),
         stored_bytes=min(t.stored_bytes, _UINT64_MAX),
+        num_parked_blocks=min(t.num_parked_blocks, _UINT64_MAX),
     )
 
 

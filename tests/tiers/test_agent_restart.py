@@ -120,3 +120,42 @@ def test_restart_with_a_corrupt_block_recovers_the_prefix_before_it(controlplane
         assert res.num_cached_tokens == 2 * BS and torch.equal(res.kv, data[:2])
     finally:
         second.stop()
+
+
+def test_parked_blocks_after_a_restart_reach_kvctl_agents(controlplane, etcd, tmp_path):
+    """Disk blocks whose prefix was in memory wait after a restart (parked): their bytes
+    count in the disk tier's used bytes, the blocks in no count. The agent reports them,
+    and `kvctl agents` says why the disk tier is used with no blocks in it."""
+    from cli import output
+
+    disk_dir = str(tmp_path / "disk")
+    prompt, data = tokens(2), kv(2, seed=4)
+    first = start_agent(etcd, disk_dir, agent_id="parker")
+    try:
+        first.engine.store(M.model_id, prompt, data)  # both blocks fit the CPU tier
+        head, tail = first.engine.hashes(M, prompt)
+        assert first.pool.move_block(tail, Tier.DISK).ok  # its prefix stays in memory
+        first.disk.flush()
+    finally:
+        first.stop(deregister=False)
+
+    second = start_agent(etcd, disk_dir, agent_id="parker")
+    try:
+        assert second.pool.num_parked_blocks == 1
+        with ControlPlaneClient(controlplane.address) as c:
+
+            def disk_view():
+                for a in c.list_agents():
+                    if a.agent_id == "parker":
+                        return next((t for t in a.tiers if t.tier == "disk"), None)
+                return None
+
+            wait_for(lambda: (v := disk_view()) is not None and v.num_parked_blocks == 1, what="parked block reported")
+            view = disk_view()
+            assert view.num_blocks == 0 and view.used_bytes > 0
+            assert "[1 parked after a restart]" in output.tier_cell(view)
+            # stored again by an engine: adopted, and the count goes
+            second.engine.store(M.model_id, prompt, data)
+            wait_for(lambda: (v := disk_view()) is not None and (v.num_blocks, v.num_parked_blocks) == (1, 0))
+    finally:
+        second.stop()

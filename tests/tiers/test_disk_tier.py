@@ -833,6 +833,10 @@ def test_disk_blocks_whose_prefix_was_in_memory_come_back_when_it_is_stored_agai
     found, _ = disk2.scan()
     assert pool2.recover(disk2, found) == 0 and pool2.num_parked_blocks == 2
     check_pool(pool2)
+    # their bytes are the disk tier's used bytes; its usage says why no block shows
+    usage = {u.tier: u for u in pool2.usage()}
+    assert (usage[Tier.DISK].num_blocks, usage[Tier.DISK].num_parked_blocks) == (0, 2)
+    assert usage[Tier.DISK].used_bytes > 0 and usage[Tier.CPU].num_parked_blocks == 0
     from prometheus_client import CollectorRegistry
 
     from agent.metrics import AgentMetrics
@@ -845,6 +849,7 @@ def test_disk_blocks_whose_prefix_was_in_memory_come_back_when_it_is_stored_agai
     stored = engine2.store(SPEC.model_id, toks, data)  # the engine recomputed it and stores it
     assert (stored.num_stored_blocks, stored.num_present_blocks) == (2, 2)  # the tail came back from disk
     assert pool2.num_parked_blocks == 0 and pool2.parked_adopted_total == 2
+    assert {u.tier: (u.num_blocks, u.num_parked_blocks) for u in pool2.usage()}[Tier.DISK] == (2, 0)
     assert [pool2.tier_of(h) for h in hs] == [Tier.CPU, Tier.CPU, Tier.DISK, Tier.DISK]
     res = engine2.load(SPEC.model_id, toks)
     assert res.num_cached_tokens == 4 * BS and torch.equal(res.kv, data)

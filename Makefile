@@ -38,4 +38,4 @@ bench: bootstrap
 	$(VENV)/bin/kvcp-bench --help
 
 clean:
-	rm -rf .run .pytest_cache .ruff_cache
+	rm -rf .run .pytest_cache .ruff_cache .mypy_cache

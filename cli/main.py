@@ -361,7 +361,9 @@ def stats(ctx: Context):
         ],
     ]
     for t in s.tiers:
-        blocks = f"{t.num_blocks} blocks" + (f" (+{t.num_parked_blocks} parked)" if t.num_parked_blocks else "")
+        blocks = f"{t.num_blocks} blocks" + (
+            f" (+{output.parked_text(t.num_parked_blocks)})" if t.num_parked_blocks else ""
+        )
         rows.append([f"tier {t.tier}", f"{output.usage_cell(t.used_bytes, t.capacity_bytes)}, {blocks}"])
     for m in s.models:
         rows.append(["model", f"{m['model_id']} (block_size {m['block_size']})"])

@@ -54,8 +54,14 @@ def tier_cell(t) -> str:
     if 0 < t.stored_bytes < t.uncompressed_bytes:
         cell += f" [stored {human_bytes(t.stored_bytes)} of {human_bytes(t.uncompressed_bytes)}]"
     if t.num_parked_blocks:  # their bytes are in `used`: say why the blocks do not show
-        cell += f" [{t.num_parked_blocks} parked after a restart]"
+        cell += f" [{parked_text(t.num_parked_blocks)}]"
     return cell
+
+
+def parked_text(num_blocks: int) -> str:
+    """Blocks recovered after a restart that wait for their prefix to be stored again
+    (adopted then; freed first when the tier needs room, and after 10 minutes)."""
+    return f"{num_blocks} blocks parked after a restart"
 
 
 def tier_runs(tiers: list[str]) -> str:

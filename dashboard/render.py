@@ -7,7 +7,7 @@ import time
 
 from rich.text import Text
 
-from cli.output import human_bytes
+from cli.output import human_bytes, parked_text
 
 BAR_WIDTH = 10
 SEVERITY_STYLES = {"info": "", "warning": "yellow", "error": "bold red"}
@@ -47,6 +47,13 @@ def usage_bar(used: int, capacity: int, label: str = "", width: int = BAR_WIDTH)
 
 def bytes_text(n: int) -> str:
     return human_bytes(n)
+
+
+def parked_suffix(t) -> str:
+    """What a tier's bytes hold besides its blocks: blocks parked after a restart (a disk
+    tier with bytes used and no blocks says why)."""
+    n = getattr(t, "num_parked_blocks", 0)
+    return f" (+{parked_text(n)})" if n else ""
 
 
 def rate_bytes(bytes_per_second: float) -> str:

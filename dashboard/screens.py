@@ -160,6 +160,7 @@ class ClusterScreen(DashboardScreen):
                 text.append_text(render.usage_bar(t.used_bytes, t.capacity_bytes, t.tier, width=20))
                 text.append(
                     f"  {render.bytes_text(t.used_bytes)}/{render.bytes_text(t.capacity_bytes)}, {t.num_blocks} blocks"
+                    + render.parked_suffix(t)
                 )
         self.query_one("#totals", Static).update(text)
 
@@ -183,7 +184,7 @@ class ClusterScreen(DashboardScreen):
         for a in self.state.agents:
             tiers = Text("\n").join(
                 render.usage_bar(t.used_bytes, t.capacity_bytes, t.tier, width=8)
-                + Text(f" {render.bytes_text(t.used_bytes)}")
+                + Text(f" {render.bytes_text(t.used_bytes)}" + render.parked_suffix(t))
                 for t in a.tiers
             )
             table.add_row(
@@ -266,7 +267,9 @@ class AgentScreen(DashboardScreen):
         for t in a.tiers:
             text.append_text(render.usage_bar(t.used_bytes, t.capacity_bytes, t.tier, width=24))
             text.append(
-                f"  {render.bytes_text(t.used_bytes)} / {render.bytes_text(t.capacity_bytes)}, {t.num_blocks} blocks\n"
+                f"  {render.bytes_text(t.used_bytes)} / {render.bytes_text(t.capacity_bytes)}, {t.num_blocks} blocks"
+                + render.parked_suffix(t)
+                + "\n"
             )
         if not a.tiers:
             text.append("no tiers reported\n", style="dim")

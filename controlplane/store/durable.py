@@ -73,9 +73,10 @@ def pin_from_json(raw: bytes) -> Pin:
     )
 
 
-# a part's block counts were stored under these keys before 2026-12-06 (read still;
-# written under the new names, which releases before then cannot read: they skip such a
-# record as malformed)
+# a part's block counts were stored under these keys before 2026-12-06: read where the new
+# names are missing, and written beside them, so a replica of an earlier release reads the
+# record during a rolling upgrade (it skips a record without them as malformed); the
+# release after next may stop writing them
 _OLD_PART_COUNT_KEYS = {
     "num_done_blocks": "done",
     "num_total_blocks": "total",

@@ -153,7 +153,10 @@ def test_parked_blocks_after_a_restart_reach_kvctl_agents(controlplane, etcd, tm
             wait_for(lambda: (v := disk_view()) is not None and v.num_parked_blocks == 1, what="parked block reported")
             view = disk_view()
             assert view.num_blocks == 0 and view.used_bytes > 0
-            assert "[1 parked after a restart]" in output.tier_cell(view)
+            assert "[1 blocks parked after a restart]" in output.tier_cell(view)
+            from dashboard import render
+
+            assert render.parked_suffix(view) == " (+1 blocks parked after a restart)"  # the dashboard's tier lines
             # stored again by an engine: adopted, and the count goes
             second.engine.store(M.model_id, prompt, data)
             wait_for(lambda: (v := disk_view()) is not None and (v.num_blocks, v.num_parked_blocks) == (1, 0))

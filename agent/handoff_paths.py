@@ -63,7 +63,9 @@ class Peer:
 
 
 class Stalled(Exception):
-    pass
+    """An attempt that cannot end in time (its bytes slower than the stall floor,
+    stall_min_bytes_per_second plus 2 s, or the link's bandwidth limit past the deadline):
+    given up, its reservation aborted with its pages quarantined (a late write may land)."""
 
 
 class PathError(Exception):

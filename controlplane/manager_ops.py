@@ -54,8 +54,8 @@ class OperationControl:
                 self._cancel_asked.pop(old_id, None)
                 try:
                     self.durable.delete(etcd_keys.OPS_PREFIX + old_id)
-                except errors.KvcpError:
-                    pass
+                except errors.KvcpError:  # etcd away: the record stays; a leader that loads it trims it again
+                    continue
 
     def _persist_op(self, op: ops.Operation) -> None:
         self.durable.put(etcd_keys.OPS_PREFIX + op.op_id, op_to_json(op))

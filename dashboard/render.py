@@ -52,8 +52,7 @@ def bytes_text(n: int) -> str:
 def parked_suffix(t) -> str:
     """What a tier's bytes hold besides its blocks: blocks parked after a restart (a disk
     tier with bytes used and no blocks says why)."""
-    n = getattr(t, "num_parked_blocks", 0)
-    return f" (+{parked_text(n)})" if n else ""
+    return f" (+{parked_text(t.num_parked_blocks)})" if t.num_parked_blocks else ""
 
 
 def rate_bytes(bytes_per_second: float) -> str:

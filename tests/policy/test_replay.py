@@ -277,6 +277,16 @@ def test_the_shipped_conversation_trace_loads():
     assert len(trace) == 12031 and rp.unique_blocks(trace) == 182790
 
 
+@pytest.mark.parametrize("fraction", [1 / 16, 1 / 64])
+def test_policy_is_not_below_lru_on_the_arxiv_trace_piece(fraction):
+    """A third trace the policy was not developed on (shared system prompts, many
+    requests per timestamp): at least LRU's hits, at most Belady's."""
+    trace = rp.load_trace(Path(__file__).parents[2] / "benchmarks" / "traces" / "mooncake_arxiv_trace_part.jsonl.gz")
+    assert len(trace) == 1000 and rp.unique_blocks(trace) == 10037
+    result = rp.replay("arxiv", trace=trace, capacity_fraction=fraction)
+    assert result.lru_hit_ratio <= result.policy_hit_ratio <= result.belady_hit_ratio
+
+
 def test_a_trace_with_a_byte_order_mark_is_read(tmp_path):
     trace = tmp_path / "bom.jsonl"
     trace.write_bytes("\ufeff".encode() + (GOOD * 3).encode())

@@ -136,7 +136,7 @@ def test_every_dashboard_and_alert_expression_returns_series(cluster, tmp_path):
     rules = prom.rule_expressions()
     vllm_only = [(n, e) for n, e in queries + rules if "kvcp_vllm_" in e]
     assert vllm_only
-    exported = {name for name, _, _ in VLLM_EVENT_COUNTERS}
+    exported = {name for name, _, _ in VLLM_EVENT_COUNTERS} | {"kvcp_vllm_blocks_indexed_total"}
     unknown = {n: m for n, e in vllm_only for m in re.findall(r"kvcp_vllm_\w+", e) if m not in exported}
     assert not unknown, unknown
     # a sender's link fits exist once it has handed off to a peer (none here): checked
@@ -243,3 +243,20 @@ def test_every_panel_of_a_control_plane_gauge_reads_the_serving_replica_only():
         if set(re.findall(r"kvcp_\w+", expr)) & gauges and "kvcp_controlplane_serving == 1" not in expr
     }
     assert not unfiltered
+
+
+def test_every_kvcp_metric_is_on_a_dashboard_panel(cluster):
+    """What the processes export (a scrape of the control plane and both agents, plus the
+    families an agent exports only once it indexes a vLLM engine or hands off to a peer)
+    is each named by some panel of the Grafana dashboard: no metric only Prometheus shows."""
+    cp, agents = cluster
+    exported = set()
+    for address in (cp.metrics_address, *(a.metrics_address for a in agents)):
+        exported |= set(re.findall(r"^# TYPE (kvcp_\w+) ", scrape(address), re.M))
+    exported |= {name for name, _, _ in VLLM_EVENT_COUNTERS} | {"kvcp_vllm_blocks_indexed_total"}
+    exported |= {name for _, name, _, _ in HANDOFF_FAMILIES}
+    assert len(exported) > 60
+    named = " ".join(e for _, e in prom.dashboard_queries())
+    # a counter's TYPE line names it without _total; a histogram's without _bucket
+    missing = sorted(m for m in exported if not re.search(rf"\b{m}(_total|_bucket|_sum|_count)?\b", named))
+    assert not missing, f"metrics on no panel: {missing}"

@@ -152,8 +152,10 @@ def main(
     except (ConnectionError, OSError, ValueError) as exc:
         click.echo(f"kvcp-controlplane: {exc}", err=True)
         sys.exit(2)
+    election = cp.election
+    assert election is not None  # start() made it
     click.echo(
-        f"kvcp-controlplane serving on {cp.address} (leader: {cp.election.is_leader}, epoch {cp.election.epoch})"
+        f"kvcp-controlplane serving on {cp.address} (leader: {election.is_leader}, epoch {election.epoch})"
         + (f", metrics on http://{cp.metrics_address}/metrics" if cp.metrics_address else "")
         + (f", lookups on {cp.lookup_socket.address}" if cp.lookup_socket is not None else ""),
         err=True,

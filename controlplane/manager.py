@@ -196,7 +196,7 @@ class Manager(PinControl, OperationControl, PolicyControl):
                     stored.op_id in self._dirty
                     or not (stored.finished or (held.waiting_for_lock and not stored.waiting_for_lock))
                 )
-                merged[stored.op_id] = held if mine else stored
+                merged[stored.op_id] = held if mine and held is not None else stored  # (mine: it is held)
                 if mine:
                     kept.add(stored.op_id)
             for op_id, held in self.ops.items():

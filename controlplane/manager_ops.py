@@ -15,6 +15,7 @@ import time
 from controlplane.core import operations as ops
 from controlplane.core.cluster import AgentCommand
 from controlplane.core.scope import Scope, block_bytes
+from controlplane.manager_state import ManagerState
 from controlplane.store.durable import op_to_json
 from controlplane.store.locks import EtcdLock
 from protos import errors, etcd_keys
@@ -35,7 +36,7 @@ def _exact(seconds: float) -> str:
     return short if float(short) == seconds else repr(seconds)
 
 
-class OperationControl:
+class OperationControl(ManagerState):
     """Operations, mixed into Manager (whose state and lock they share: see Manager.__init__)."""
 
     # ---- operations -----------------------------------------------------------------

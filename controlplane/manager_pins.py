@@ -12,6 +12,7 @@ from functools import partial
 from controlplane.core.cluster import AgentCommand
 from controlplane.core.pins import Pin, check_quota, new_pin, same_request
 from controlplane.core.scope import Scope, block_bytes
+from controlplane.manager_state import ManagerState
 from controlplane.store.durable import pin_from_json, pin_key, pin_to_json
 from protos import errors, etcd_keys
 from protos.block_hash import BLOCK_HASH_BYTES
@@ -24,7 +25,7 @@ log = logging.getLogger(__name__)
 UNPINNED_REMEMBERED_SECONDS = 60.0  # far longer than a reload's read of etcd can take
 
 
-class PinControl:
+class PinControl(ManagerState):
     """Pins, mixed into Manager (whose state and lock they share: see Manager.__init__)."""
 
     # ---- pins -----------------------------------------------------------------------

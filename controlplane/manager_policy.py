@@ -12,8 +12,10 @@ import time
 
 from controlplane.core import policy as tier_policy
 from controlplane.core.cluster import AgentCommand
+from controlplane.core.policy import AgentView, Policy  # annotations: in PolicyControl, tier_policy is a method
 from controlplane.core.scope import block_bytes
 from controlplane.core.tuning import CreditTuner, TunedChoice
+from controlplane.manager_state import ManagerState
 from controlplane.metrics import PolicyStats
 from protos import errors, etcd_keys
 from protos.block_hash import BLOCK_HASH_BYTES
@@ -53,7 +55,7 @@ def validate_policy(values: dict[str, str]) -> dict[str, str]:
     return {**policy.to_mapping(), **quotas}
 
 
-class PolicyControl:
+class PolicyControl(ManagerState):
     """Policy, mixed into Manager (whose state and lock they share: see Manager.__init__)."""
 
     # ---- policy ---------------------------------------------------------------------
@@ -131,7 +133,7 @@ class PolicyControl:
                 if self.tuner is not None:
                     self.tuner.observe(hashes, now, self.access)
 
-    def _tune(self, policy: tier_policy.Policy, capacity_blocks: int) -> TunedChoice:
+    def _tune(self, policy: Policy, capacity_blocks: int) -> TunedChoice:
         """The reuse credit the shadow caches currently favour (None: tuning off), and
         whether they see loops larger than the cache (recent-first eviction)."""
         if not policy.uses_tuner or capacity_blocks <= 0:
@@ -143,7 +145,7 @@ class PolicyControl:
             )
         return self.tuner.choose(policy.tune_reuse_credits, policy.scan_resistance)
 
-    def tier_policy(self) -> tier_policy.Policy:
+    def tier_policy(self) -> Policy:
         with self._lock:
             values = {k: v for k, v in self.policy.items() if not k.startswith("quota.")}
         return tier_policy.Policy.from_mapping(values)
@@ -211,7 +213,7 @@ class PolicyControl:
                 continue
             if self._policy_due(rec, policy, pinned_for(rec.agent_id)):
                 due.append((self._policy_last.get(rec.agent_id, 0.0), rec.agent_id, rec))
-        views = []
+        views: list[AgentView] = []
         replicas: dict[bytes, int] = {}  # blocks another agent holds too (cheaper to lose)
         budget = self.policy_max_blocks_per_pass
         for _, agent_id, rec in sorted(due, key=lambda d: d[:2]):
@@ -301,7 +303,7 @@ class PolicyControl:
             self.lookups_dropped_total,
         )
 
-    def _over_high(self, rec, policy: tier_policy.Policy) -> bool:
+    def _over_high(self, rec, policy: Policy) -> bool:
         """A managed tier of the agent over its high watermark, by its latest report."""
         for t in self._managed_tiers(rec):
             if t.num_blocks > math.floor(
@@ -310,7 +312,7 @@ class PolicyControl:
                 return True
         return False
 
-    def _urgent(self, policy: tier_policy.Policy) -> bool:
+    def _urgent(self, policy: Policy) -> bool:
         """Is there an agent a pass should not wait for: over a high watermark in a report
         that came after the last pass decided for it and after it answered that pass's
         commands (an older report may predate what they moved), and not one whose last
@@ -322,7 +324,7 @@ class PolicyControl:
                 return True
         return False
 
-    def _policy_due(self, rec, policy: tier_policy.Policy, pinned: dict[bytes, Tier]) -> bool:
+    def _policy_due(self, rec, policy: Policy, pinned: dict[bytes, Tier]) -> bool:
         """Can `decide` have anything to do for this agent? (counts only; see policy_pass)"""
         usage = sorted(self._managed_tiers(rec), key=lambda t: int(t.tier))
         if not usage:
@@ -347,7 +349,7 @@ class PolicyControl:
                 return True
         return policy.promote_hot and room and self.cluster.slow_hit(rec.agent_id)
 
-    def _agent_view(self, rec, replicas: dict[bytes, int]) -> tier_policy.AgentView:
+    def _agent_view(self, rec, replicas: dict[bytes, int]) -> AgentView:
         """What the agent holds per managed tier, with parents, copied out of the index;
         its blocks held elsewhere too are added to `replicas`."""
         keys, tiers, parents, replicated, stored = self.cluster.agent_chains(rec.agent_id)

@@ -34,7 +34,7 @@ from protos.etcd_keys import EtcdAuth
 from protos.grpc_errors import ErrorMappingInterceptor
 from protos.kvcp.v1 import admin_pb2, admin_pb2_grpc, agent_pb2, agent_pb2_grpc
 from protos.lookup_wire import split_address
-from protos.metrics import InstrumentedEtcd, serve_metrics
+from protos.metrics import InstrumentedEtcd, MetricsServer, serve_metrics
 from protos.security import ADMIN_SERVICE, TLSConfig, TokenAuthInterceptor, add_port, load_tokens, server_ssl_context
 from protos.tier import Tier
 
@@ -83,11 +83,11 @@ class ControlPlane:
         self.cluster = Cluster(expected_blocks=config.expected_blocks)
         self.registry = registry if registry is not None else CollectorRegistry()
         self.metrics = ControlPlaneMetrics(self.registry, self.cluster)
-        self.metrics_server = None
+        self.metrics_server: MetricsServer | None = None
         self._stop = threading.Event()
         self._threads: list[threading.Thread] = []
-        self.etcd = None
-        self.election_etcd = None
+        self.etcd: InstrumentedEtcd | None = None
+        self.election_etcd: InstrumentedEtcd | None = None
         self.election: LeaderElection | None = None
         self.server: grpc.Server | None = None
         self.lookup_socket: LookupSocketServer | None = None
@@ -232,12 +232,15 @@ class ControlPlane:
         )
 
     def _agent_key_exists(self, agent_id: str) -> bool:
+        assert self.etcd is not None  # start() connects it before it serves the AgentService that asks
         value, _ = self.etcd.get(etcd_keys.agent_key(agent_id))
         return value is not None
 
     def _run_election(self, stop: threading.Event) -> None:
+        election = self.election
+        assert election is not None  # start() makes it before it spawns this loop
         while not stop.is_set():
-            leading = self.election.run_once()
+            leading = election.run_once()
             status = health_pb2.HealthCheckResponse.SERVING if leading else health_pb2.HealthCheckResponse.NOT_SERVING
             self.health.set("kvcp.v1.AdminService", status)
             self.health.set("", health_pb2.HealthCheckResponse.SERVING)
@@ -253,6 +256,7 @@ class ControlPlane:
         return self.metrics_server.address if self.metrics_server is not None else ""
 
     def wait(self) -> None:
+        assert self.server is not None, "wait() is for a started ControlPlane"
         self.server.wait_for_termination()
 
     def stop(self, grace_seconds: float = 1.0) -> None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import threading
 import time
+from typing import TYPE_CHECKING
 
 from controlplane.api import convert
 from controlplane.core import routing
@@ -12,12 +13,15 @@ from protos import errors
 from protos.kvcp.v1 import admin_pb2, admin_pb2_grpc
 from protos.tier import Tier
 
+if TYPE_CHECKING:
+    from controlplane.manager import Manager
+
 # how often an idle Watch stream checks that its client and our leadership are still there
 WATCH_IDLE_CHECK_SECONDS = 1.0
 
 
 class AdminServicer(admin_pb2_grpc.AdminServiceServicer):
-    manager = None  # controlplane.manager.Manager, set by the server (pins, operations, policy)
+    manager: Manager | None = None  # set by the server (pins, operations, policy)
     lookup_address = ""  # this replica's lookup socket (controlplane.api.lookup_socket), if any
 
     def __init__(self, cluster: Cluster, leadership, lookup_duration=None, max_watch_streams: int = 32):

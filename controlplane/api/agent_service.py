@@ -6,6 +6,7 @@ import logging
 import queue
 import threading
 import time
+from typing import Any
 
 from controlplane.api import convert
 from controlplane.core.cluster import AgentCommand, Cluster
@@ -99,7 +100,8 @@ class AgentServicer(agent_pb2_grpc.AgentServiceServicer):
     def Sync(self, request_iterator, context):
         self._require_leader()
         outbox: queue.Queue = queue.Queue()
-        session = {"agent_id": "", "session_id": "", "outbox": outbox}
+        # agent_id and session_id (str, from its Hello), outbox, and "failed" once a reply failed
+        session: dict[str, Any] = {"agent_id": "", "session_id": "", "outbox": outbox}
         epoch = self._leadership.epoch
 
         def read() -> None:

@@ -16,6 +16,7 @@ socket is guarded by its file permissions.
 from __future__ import annotations
 
 import contextlib
+import io
 import logging
 import os
 import socket
@@ -23,6 +24,7 @@ import ssl
 import stat
 import threading
 import time
+from typing import cast
 
 from google.protobuf.message import DecodeError
 
@@ -59,6 +61,7 @@ class LookupSocketServer:
         ssl_context: ssl.SSLContext | None = None,
     ):
         self._family, self._where = split_address(address)
+        self._path = self._where if isinstance(self._where, str) else ""  # unix:PATH: the socket file
         self._ssl = ssl_context if self._family != socket.AF_UNIX else None
         self._answer = answer
         self._check_token = check_token
@@ -74,10 +77,10 @@ class LookupSocketServer:
         sock = socket.socket(self._family, socket.SOCK_STREAM)
         try:
             if self._family == socket.AF_UNIX:
-                if os.path.exists(self._where) and not _listening(self._where):
-                    if not stat.S_ISSOCK(os.stat(self._where).st_mode):
-                        raise OSError(f"{self._where} exists and is not a socket")
-                    os.unlink(self._where)  # left by a process that died
+                if os.path.exists(self._path) and not _listening(self._path):
+                    if not stat.S_ISSOCK(os.stat(self._path).st_mode):
+                        raise OSError(f"{self._path} exists and is not a socket")
+                    os.unlink(self._path)  # left by a process that died
                 sock.bind(self._where)
             else:
                 sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -102,7 +105,7 @@ class LookupSocketServer:
             self._sock.close()
             if self._family == socket.AF_UNIX:
                 with contextlib.suppress(OSError):
-                    os.unlink(self._where)
+                    os.unlink(self._path)
         with self._lock:
             conns, self._conns = list(self._conns), set()
         for conn in conns:
@@ -110,9 +113,11 @@ class LookupSocketServer:
                 conn.shutdown(socket.SHUT_RDWR)
 
     def _accept_loop(self) -> None:
+        sock = self._sock
+        assert sock is not None  # start() sets it before it starts this loop, and nothing unsets it
         while not self._stopped.is_set():
             try:
-                conn, _ = self._sock.accept()
+                conn, _ = sock.accept()
             except OSError:
                 return
             if self._family != socket.AF_UNIX:
@@ -156,7 +161,8 @@ class LookupSocketServer:
                     return
                 self._conns.add(tls_conn)
             conn = tls_conn
-        rfile = conn.makefile("rb", buffering=READ_CHUNK_BYTES)
+        # typeshed says IOBase for an int buffering; "rb" with buffering > 0 makes a BufferedReader
+        rfile = cast(io.BufferedReader, conn.makefile("rb", buffering=READ_CHUNK_BYTES))
         try:
             while True:
                 conn.settimeout(IDLE_SECONDS)

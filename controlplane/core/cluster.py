@@ -13,6 +13,7 @@ from __future__ import annotations
 import functools
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from enum import IntEnum
 from typing import NamedTuple, Protocol
@@ -215,8 +216,8 @@ class Cluster:
         self.events = EventBus(clock=clock)
         # roles and data-plane reports (free capacity, queues, link throughput) for Route
         self.dataplane = DataPlaneStates()
-        # callable(packed block hashes, now) told of every lookup (the policy's access stats)
-        self.on_lookup = None
+        # told (packed block hashes, now) of every lookup (the policy's access stats)
+        self.on_lookup: Callable[[bytes, float], None] | None = None
         # agents a lookup found holding part of a prefix below their fastest tier since the
         # tier policy last decided for them (its cue that promoting may pay)
         self._slow_hits: set[str] = set()

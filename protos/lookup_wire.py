@@ -13,7 +13,7 @@ MAX_FRAME_BYTES = 8 << 20
 MAX_REPLY_BYTES = 64 << 20
 
 
-def split_address(address: str) -> tuple[int, object]:
+def split_address(address: str) -> tuple[int, str | tuple[str, int]]:
     """'unix:/path' or 'HOST:PORT' -> (address family, socket address)."""
     if address.startswith("unix:"):
         path = address[len("unix:") :]

@@ -140,11 +140,11 @@ class DataPlane(HandoffPaths):
         self.engine = engine
         self.config = config or DataPlaneConfig()
         self.tier = Tier.CPU if Tier.CPU in pool.store_of else pool.top.tier
-        self.store = pool.store_of[self.tier]
         quarantine = self.config.quarantine_seconds or (getattr(engine, "timeout_seconds", 5) + 2.0)
         self.reservations = Reservations(
             pool, self.tier, self.config.max_inbound, quarantine, writer_alive=process_alive
         )
+        self.store = self.reservations.store  # pool.store_of[self.tier]: a slab (Reservations refuses others)
         self.links = Links(self.config.link_max_concurrent, self.config.link_bytes_per_second)
         self._peer_info = peer_info  # callable(agent_id) -> AgentInfo | None (etcd)
         self.metrics = metrics  # agent.metrics.AgentMetrics (record_transfer), optional
@@ -163,7 +163,7 @@ class DataPlane(HandoffPaths):
         self._closing = False  # close() began: executors refuse work, handoffs under way end
         self._refresher = cf.ThreadPoolExecutor(max_workers=2, thread_name_prefix="peer-read")
         self._refreshing: dict[str, cf.Future] = {}  # agent id -> its record's read under way
-        self.tls = None  # protos.security.TLSConfig of this agent: peers' listeners use the same
+        self.tls: security.TLSConfig | None = None  # this agent's: peers' listeners use the same
         self.token = ""  # the agent token, which peers' DataPlane listeners ask for
         self.shared = getattr(self.store, "shared_slab", None)  # agent.store.shm.SharedSlab, or None
         self._peer_slabs: dict[str, tuple[PeerSlab, float]] = {}  # agent id -> (mapped slab, last used)
@@ -698,6 +698,7 @@ class DataPlane(HandoffPaths):
             if path == ENGINE:
                 sent_bytes = self._send_engine(stub, peer, resp, metas, deadline, left)
             elif path == SHM:
+                assert target is not None  # mapped above for this path
                 sent_bytes = self._send_shm(stub, target, peer, resp, metas, deadline, left)
             else:
                 sent_bytes = self._send_grpc(stub, peer, rid, metas, p, deadline, left)

@@ -6,7 +6,7 @@ fallback: a chunked client stream). Each fills a reservation the caller made on 
 and raises PathError (or Stalled) for the caller's retries; the caller commits.
 
 `HandoffPaths` is mixed into DataPlane, whose state (config, pool, engine, links, copy
-threads, mapped peer slabs) it uses."""
+threads, mapped peer slabs) it uses (declared below)."""
 
 from __future__ import annotations
 
@@ -18,6 +18,7 @@ import queue
 import threading
 import time
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import grpc
 import torch
@@ -34,6 +35,13 @@ from agent.core.tier_store import BlockUnreadable, is_slab
 from agent.store.shm import PeerSlab, host_id
 from agent.store.transfer_engine import TransferFailed
 from protos.kvcp.v1 import agent_pb2
+
+if TYPE_CHECKING:
+    from agent.core.block_pool import BlockPool
+    from agent.core.handoff import Links
+    from agent.core.tier_store import SlabStore
+    from agent.dataplane import DataPlaneConfig
+    from agent.store.transfer_engine import TransferBackend
 
 log = logging.getLogger(__name__)
 
@@ -78,6 +86,19 @@ class PathError(Exception):
 
 class HandoffPaths:
     """The paths of a handoff, mixed into DataPlane (see the module docstring)."""
+
+    # the data plane's state the paths use (agent.dataplane.DataPlane sets it)
+    config: DataPlaneConfig
+    pool: BlockPool
+    store: SlabStore  # the slab handoffs land in and leave from
+    engine: TransferBackend
+    links: Links
+    copier: cf.ThreadPoolExecutor  # threads copying one shm handoff side by side
+    _writers: cf.ThreadPoolExecutor  # one engine-writer thread per handoff
+    _lock: threading.Lock
+    _aborts: set  # Abort calls still on the wire
+    _peer_slabs: dict[str, tuple[PeerSlab, float]]  # agent id -> (mapped slab, last used)
+    _shm_refused: dict[tuple, float]  # slab key -> monotonic time to try it again
 
     def _commit_seconds(self, num_bytes: int) -> float:
         """Time for a Commit (or a verify) of `num_bytes`: one RPC's, or hashing them."""

@@ -18,6 +18,7 @@ from __future__ import annotations
 import itertools
 import threading
 from collections.abc import Mapping
+from typing import TYPE_CHECKING
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, ProcessCollector
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
@@ -30,6 +31,9 @@ from protos.metrics import (
     RpcMetricsInterceptor,
 )
 from protos.tier import Tier
+
+if TYPE_CHECKING:
+    from agent.dataplane import DataPlane
 
 MEMORY_AND_DISK = (Tier.GPU, Tier.CPU, Tier.DISK)
 TRANSFER_KINDS = ("handoff", "replicate", "migrate")
@@ -197,7 +201,7 @@ class AgentCollector:
         self.link = link
         self.mover = mover
         self.vllm = vllm  # a VllmEventSubscriber, when the agent indexes a vLLM engine's events
-        self.dataplane = None  # agent.dataplane.DataPlane, set once made (it takes these metrics)
+        self.dataplane: DataPlane | None = None  # set once made (it takes these metrics)
         self._durations = _OperationDurations(agent_id)
         if mover is not None and hasattr(mover, "finish_listeners"):
             mover.finish_listeners.append(self._durations.observe)
@@ -384,6 +388,7 @@ class AgentCollector:
 
     def _collect_handoffs(self, f) -> None:
         aid, dp = self.agent_id, self.dataplane
+        assert dp is not None  # called only with a data plane (collect)
         res = dp.reservations
         f["kvcp_handoff_reservations"].add_metric([aid], res.open_count())
         f["kvcp_handoff_reserved_bytes"].add_metric([aid], res.reserved_bytes())

@@ -39,7 +39,7 @@ from protos import etcd_keys
 from protos.etcd_keys import EtcdAuth
 from protos.grpc_errors import ErrorMappingInterceptor
 from protos.kvcp.v1 import agent_pb2, agent_pb2_grpc, types_pb2
-from protos.metrics import InstrumentedEtcd, serve_metrics
+from protos.metrics import InstrumentedEtcd, MetricsServer, serve_metrics
 from protos.security import PEER_METHODS, TLSConfig, TokenAuthInterceptor, add_port
 from protos.tier import Tier
 
@@ -103,11 +103,11 @@ class Agent:
         self.config = config
         self._log_fn = log_fn or (lambda msg: log.warning(msg))
         page = config.page_bytes or max(1024, min(m.block_bytes for m in config.models) // 16)
-        tiers = []
+        tiers: list[MemoryTier | DiskTier] = []
         if config.gpu_capacity_bytes and cuda_available():
             tiers.append(MemoryTier(Tier.GPU, config.gpu_capacity_bytes, page))
         tiers.append(MemoryTier(Tier.CPU, config.cpu_capacity_bytes, page, shared=config.shm_handoff))
-        self.disk = None
+        self.disk: DiskTier | None = None
         self.pin_file: PinFile | None = None
         if config.disk_dir:
             self.disk = DiskTier(config.disk_dir, config.disk_capacity_bytes or 1 << 30, fsync=config.disk_fsync)
@@ -136,7 +136,7 @@ class Agent:
         self._threads: list[threading.Thread] = []
         self.server: grpc.Server | None = None
         self.registration: EtcdRegistration | None = None
-        self.etcd = None
+        self.etcd: InstrumentedEtcd | None = None
         self.port = 0
         self.link = ControlPlaneLink(
             self.info, self.pool, self.engine, self._controlplane_address, config.stats_interval_seconds, self.mover
@@ -177,7 +177,7 @@ class Agent:
         self.metrics = AgentMetrics(
             self.registry, config.agent_id, self.pool, self.engine, self.link, self.mover, vllm=self.vllm_events
         )
-        self.metrics_server = None
+        self.metrics_server: MetricsServer | None = None
         host = (config.advertise or config.listen).rpartition(":")[0] or "127.0.0.1"
         backend = open_engine(config.transfer_engine, host, config.transfer_protocol, config.transfer_metadata)
         if not backend.available:
@@ -235,6 +235,7 @@ class Agent:
         with self.pool.lock:
             pins = list(self.pool.pins.pins.values())
             monotonic_now, unix_now = self.pool.pins.clock(), time.time()
+        assert self.pin_file is not None  # saved only by an agent with a pin file (a disk tier)
         self.pin_file.save(pins, monotonic_now, unix_now)
 
     def info(self) -> types_pb2.AgentInfo:
@@ -263,6 +264,7 @@ class Agent:
     def _controlplane_address(self) -> str:
         if self.config.controlplane:
             return self.config.controlplane
+        assert self.registration is not None  # start() registers before the link asks
         return self.registration.leader_address()
 
     def _etcd_leader(self) -> tuple[str, int]:

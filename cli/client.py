@@ -15,6 +15,7 @@ import threading
 import time
 import uuid
 from dataclasses import dataclass, field
+from typing import cast
 
 import grpc
 from google.protobuf.message import DecodeError
@@ -101,6 +102,7 @@ class LookupSocket:
 
     def _connect(self) -> socket.socket:
         deadline = time.monotonic() + self._timeout_seconds
+        sock: socket.socket  # set by the loop, which ends connected or raises
         while True:
             sock = socket.socket(self._family, socket.SOCK_STREAM)
             sock.settimeout(self._timeout_seconds)
@@ -164,7 +166,7 @@ class LookupSocket:
             )
             for attempt in (0, 1):
                 fresh = self._sock is None
-                if fresh:
+                if self._sock is None:  # fresh
                     self._sock = self._connect()
                 try:
                     self._sock.sendall(out)
@@ -205,6 +207,7 @@ class LookupSocket:
     def _receive(self, buf: bytearray, got: int, at_least: int) -> int:
         """Receive into buf[got:] until it holds `at_least` bytes; returns how many it holds."""
         view = memoryview(buf)
+        assert self._sock is not None  # read by call(), on the connection it just wrote to
         while got < at_least:
             k = self._sock.recv_into(view[got:])
             if not k:
@@ -454,6 +457,12 @@ def _op_view(o) -> OperationView:
         dry_run=o.dry_run,
         result=o.result,
     )
+
+
+def _proto_tier(tier: int) -> types_pb2.Tier:
+    """A tier for a kvcp.v1.Tier field, which takes the enum's int value (protos.tier.Tier
+    equals kvcp.v1.Tier); the generated stubs' Tier class admits no plain int."""
+    return cast(types_pb2.Tier, tier)
 
 
 def _tier_name(value: int) -> str:
@@ -715,7 +724,7 @@ class ControlPlaneClient:
             raise ClientError("INVALID_ARGUMENT", f"min_tier: {exc}") from None
         req = admin_pb2.PinRequest(
             scope=_scope(model_id, token_ids, block_hashes, extra_keys, namespace, agent_id),
-            min_tier=tier,
+            min_tier=_proto_tier(tier),
             ttl_seconds=ttl_seconds,
             owner=owner,
             owner_lease_id=owner_lease_id,
@@ -765,7 +774,9 @@ class ControlPlaneClient:
         except ValueError as exc:
             raise ClientError("INVALID_ARGUMENT", f"to_tier: {exc}") from None
         req = admin_pb2.MoveRequest(
-            scope=_scope(model_id, token_ids, block_hashes, extra_keys, namespace, agent_id), to_tier=tier, codec=codec
+            scope=_scope(model_id, token_ids, block_hashes, extra_keys, namespace, agent_id),
+            to_tier=_proto_tier(tier),
+            codec=codec,
         )
         return _op_view(self._call("Move", req))
 
@@ -804,7 +815,7 @@ class ControlPlaneClient:
         req = admin_pb2.CompressRequest(
             scope=_scope(model_id, token_ids, block_hashes, extra_keys, namespace, agent_id),
             codec=codec,
-            tier=tier_value,
+            tier=_proto_tier(tier_value),
         )
         return _op_view(self._call("Compress", req))
 

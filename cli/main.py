@@ -10,6 +10,7 @@ import re
 import ssl
 import sys
 from pathlib import Path
+from typing import NoReturn
 
 import click
 
@@ -21,7 +22,7 @@ from protos.lookup_wire import split_address
 from protos.security import TLSConfig, read_secret
 
 
-def fail(message: str, code: int = 2):
+def fail(message: str, code: int = 2) -> NoReturn:
     click.echo(f"kvctl: {message}", err=True)
     sys.exit(code)
 
@@ -119,7 +120,9 @@ class _Group(click.Group):
         except click.NoSuchOption as exc:
             # `kvctl pins -o json`: a global option after the command is no option there
             if exc.option_name in GLOBAL_OPTIONS:
-                exc.message = (
+                # click's stubs make `message` Final, but it is a plain attribute that
+                # format_message reads when the error is shown: this is how the hint gets there
+                exc.message = (  # type: ignore[misc]
                     f"{exc.option_name} is an option of kvctl itself: put it before the command "
                     f"(kvctl {exc.option_name} ... {ctx.invoked_subcommand or 'COMMAND'} ...)"
                 )

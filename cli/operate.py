@@ -158,7 +158,7 @@ def wait_and_print(
 
         started = op
 
-        def wait(c):
+        def wait_for(c):
             try:
                 return c.wait_operation(started.op_id, timeout_seconds, on_progress=progress)
             except ClientError as exc:  # the operation goes on: say which one it is
@@ -168,7 +168,7 @@ def wait_and_print(
                     f"`kvctl op {started.op_id} --wait` waits again)",
                 ) from None
 
-        op = ctx.call(wait)
+        op = ctx.call(wait_for)
         if tty:
             click.echo("", err=True)
     print_op(ctx, op)

@@ -13,6 +13,7 @@ import time
 import uuid
 from collections import OrderedDict
 from collections.abc import Callable
+from typing import TYPE_CHECKING, cast
 
 import grpc
 
@@ -21,11 +22,15 @@ from agent.core.engine_api import KVEngineAPI
 from agent.core.journal import STORED
 from agent.core.mover import FAILED, PENDING, SUCCEEDED, TERMINAL, MoveOp, Mover
 from agent.core.pins import AgentPin
+from agent.core.vllm_events import ExternalBlocks
 from protos.block_hash import split_hashes
 from protos.kvcp.v1 import agent_pb2, agent_pb2_grpc, types_pb2
+from protos.security import TLSConfig, token_metadata
 from protos.security import channel as secure_channel
-from protos.security import token_metadata
 from protos.tier import Tier
+
+if TYPE_CHECKING:
+    from agent.dataplane import DataPlane
 
 log = logging.getLogger(__name__)
 
@@ -70,10 +75,16 @@ def op_update_pb(op: MoveOp) -> agent_pb2.AgentMessage:
     )
 
 
+def _proto_tier(tier: int) -> types_pb2.Tier:
+    """A tier for a kvcp.v1.Tier field, which takes the enum's int value (protos.tier.Tier
+    equals kvcp.v1.Tier); the generated stubs' Tier class admits no plain int."""
+    return cast(types_pb2.Tier, int(tier))
+
+
 def tier_usage_pb(pool: BlockPool) -> list[types_pb2.TierUsage]:
     return [
         types_pb2.TierUsage(
-            tier=int(u.tier),
+            tier=_proto_tier(u.tier),
             capacity_bytes=u.capacity_bytes,
             used_bytes=u.used_bytes,
             num_blocks=u.num_blocks,
@@ -121,14 +132,15 @@ class ControlPlaneLink:
         self._outgoing_finished = threading.Event()
         self._connected_to = ""
         self.token = ""  # agent token the control plane asks for (never logged)
-        self.tls = None  # protos.security.TLSConfig for the control-plane channel
-        self.on_pins_changed = None  # called after a pin or unpin command changed the pin table
+        self.tls: TLSConfig | None = None  # for the control-plane channel
+        # called after a pin or unpin command changed the pin table
+        self.on_pins_changed: Callable[[], None] | None = None
         self.epoch = 0
         self.connections_total = 0
         self.resyncs_total = 0
         # blocks the engine holds and reports itself (agent.core.vllm_events.ExternalBlocks)
-        self.external = None
-        self.dataplane = None  # agent.dataplane.DataPlane: runs TRANSFER commands, reports link stats
+        self.external: ExternalBlocks | None = None
+        self.dataplane: DataPlane | None = None  # runs TRANSFER commands, reports link stats
 
     def _on_op_update(self, op: MoveOp) -> None:
         if op.kind == "promote":
@@ -210,8 +222,8 @@ class ControlPlaneLink:
             for h in reversed(hashes) if by_namespace else hashes:
                 if pool.drop(h):
                     done += 1
-                elif tier := pool.pin_tier_of(h):
-                    pinned.append((h, tier))
+                elif pin_tier := pool.pin_tier_of(h):
+                    pinned.append((h, pin_tier))
             self._reply(
                 cmd.op_id,
                 SUCCEEDED,
@@ -254,7 +266,8 @@ class ControlPlaneLink:
                 num_total_blocks=result.num_blocks,
                 num_skipped_pinned_blocks=result.num_skipped_pinned_blocks,
                 freed=[
-                    types_pb2.TierUsage(tier=int(t), num_blocks=n, used_bytes=b) for t, (n, b) in result.freed.items()
+                    types_pb2.TierUsage(tier=_proto_tier(t), num_blocks=n, used_bytes=b)
+                    for t, (n, b) in result.freed.items()
                 ],
             )
         elif kind == agent_pb2.COMMAND_KIND_TRANSFER and self.dataplane is not None:
@@ -284,7 +297,7 @@ class ControlPlaneLink:
                 chunk.append(
                     agent_pb2.BlockGroup(
                         model_id=g.model_id,
-                        tier=int(g.tier),
+                        tier=_proto_tier(g.tier),
                         block_hashes=g.block_hashes[start * 16 : end * 16],
                         parent_hashes=g.parent_hashes[start * 16 : end * 16],
                     )
@@ -360,7 +373,7 @@ class ControlPlaneLink:
                         groups=[
                             agent_pb2.BlockGroup(
                                 model_id=g.model_id,
-                                tier=int(g.tier),
+                                tier=_proto_tier(g.tier),
                                 block_hashes=bytes(g.block_hashes),
                                 parent_hashes=bytes(g.parent_hashes),
                             )

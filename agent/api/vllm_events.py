@@ -83,7 +83,7 @@ class VllmEventSubscriber:
         self._down_since: float | None = None  # monotonic time the publisher's connection dropped
         self.stats = VllmEventStats()
         self.connected = threading.Event()
-        self._ctx = zmq.Context.instance()
+        self._ctx: zmq.Context = zmq.Context.instance()
         self._dealer: zmq.Socket | None = None
         self._started = False
         self._reconnected = False  # the publisher's connection came back since the last batch

@@ -22,8 +22,9 @@ class TierStore(Protocol):
     """Where one tier keeps bytes (implemented in agent.store)."""
 
     tier: Tier
-    capacity_bytes: int
 
+    @property
+    def capacity_bytes(self) -> int: ...  # read-only: the disk tier's shrinks with its file system
     @property
     def used_bytes(self) -> int: ...
     def footprint(self, num_bytes: int) -> int: ...

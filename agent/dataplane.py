@@ -84,9 +84,11 @@ class DataPlaneConfig:
     rpc_timeout_seconds: float = 3.0  # one control RPC to a peer (Reserve, Commit, Abort)
     chunk_bytes: int = 8 << 20  # engine writes go in batches of about this much, each verified once it landed
     engine_window: int = 4  # engine batches on the wire at once (they travel side by side)
-    # the receiver verifies each batch that landed while later ones travel: worth it where
-    # cores are to spare; on a small host the hashing slows the transfer more than it saves
-    verify_while_sending: bool = (os.cpu_count() or 1) > 4
+    # the receiver verifies batches that landed while later ones travel (on threads of lower
+    # priority: they take the cycles the transfer leaves), so the last Commit hashes about
+    # one batch; a verify covers at least a batch and at most this much (fewer round trips)
+    verify_while_sending: bool = True
+    engine_verify_group_bytes: int = 32 << 20
     # threads copying one shm handoff side by side (one core's copy is bound by its own
     # cache misses: two copy about twice as fast)
     shm_copy_threads: int = max(1, min(4, os.cpu_count() or 1))

@@ -45,6 +45,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
+ENGINE_VERIFY_GROUPS = 4  # a handoff's bytes verified in about this many groups while they travel
 ENGINE_POLL_SECONDS = 0.0002  # how often the writer asks the engine whether a batch landed
 SHM_REFUSED_SECONDS = 60.0  # a peer slab that could not be mapped is not tried again for this long
 SHM_VERIFY_GROUPS = 8  # verify groups of a large shm handoff (each group at most 4x shm_verify_group_bytes)
@@ -304,9 +305,10 @@ class HandoffPaths:
 
     def _send_engine(self, stub, peer: Peer, resp, metas: list[BlockMeta], deadline: float, left) -> int:
         """Engine writes of the blocks in batches of about `chunk_bytes`, back to back from
-        one writer thread (the engine never waits for Python between batches); each batch
-        that has landed is verified by the peer (Commit) while later ones travel, and the
-        last Commit makes the prefix visible."""
+        one writer thread (the engine never waits for Python between batches); batches that
+        have landed are verified by the peer in groups (a Commit that does not close, hashed
+        there on background threads) while later ones travel, and the last Commit verifies
+        the rest and makes the prefix visible."""
         p = resp.num_present_blocks
         endpoint = resp.transfer_endpoint or peer.endpoint
         rid = resp.reservation_id
@@ -316,8 +318,16 @@ class HandoffPaths:
             chunk_bytes = min(chunk_bytes, int(link.bytes_per_second * 0.1))
         chunks = [[p + j for j in b] for b in batches_of([m.stored_bytes for m in metas[p:]], chunk_bytes)]
         verifies = []
-        unverified: list[int] = []  # checksums kept for the last Commit (verify_while_sending off)
-        unverified_bytes = [0]  # what the last Commit then verifies
+        # landed batches not yet verified go to the peer as one verify (a Commit that does not
+        # close) once they reach `group_bytes`, while a window of batches is still to travel
+        # (the peer hashes them meanwhile); the rest, and without verify_while_sending all of
+        # them, are verified by the last Commit
+        window = max(1, self.config.engine_window)
+        wanted = sum(m.stored_bytes for m in metas[p:])
+        group_bytes = max(chunk_bytes, min(self.config.engine_verify_group_bytes, wanted // ENGINE_VERIFY_GROUPS))
+        unverified: list[int] = []
+        unverified_first = [p]
+        unverified_bytes = [0]
         total = 0
         bounces: list[torch.Tensor] = []
         inflight: list[tuple[int, list[int], cf.Future, int, list[int]]] = []
@@ -339,13 +349,21 @@ class HandoffPaths:
                 ) from None
             total += nbytes
             last = k == len(chunks) - 1
-            if not self.config.verify_while_sending:  # every block is verified by the last Commit
-                unverified.extend(sums)
-                unverified_bytes[0] += nbytes
-                if not last:
-                    return
-                sums, chunk, nbytes = unverified, [p], unverified_bytes[0]  # its time: for all of them
-            request = agent_pb2.CommitRequest(reservation_id=rid, checksums=sums, first_block=chunk[0], last=last)
+            if not unverified:
+                unverified_first[0] = chunk[0]
+            unverified.extend(sums)
+            unverified_bytes[0] += nbytes
+            # the last window's batches land together: no travel is left to hide a verify behind
+            travel_left = k < len(chunks) - window
+            if not last and not (
+                self.config.verify_while_sending and travel_left and unverified_bytes[0] >= group_bytes
+            ):
+                return
+            # one verify (or the last Commit) for every landed block not verified yet, with time for all of them
+            sums, first, nbytes = list(unverified), unverified_first[0], unverified_bytes[0]
+            unverified.clear()
+            unverified_bytes[0] = 0
+            request = agent_pb2.CommitRequest(reservation_id=rid, checksums=sums, first_block=first, last=last)
             if not last:  # one RPC's time, or what hashing its bytes takes
                 verifies.append(stub.Commit.future(request, timeout=left(self._commit_seconds(nbytes))))
                 return
@@ -355,7 +373,6 @@ class HandoffPaths:
 
         slots = list(zip(resp.slots.addresses, resp.slots.lengths, strict=True))
         reserved = sum(n for _, n in slots)
-        wanted = sum(m.stored_bytes for m in metas[p:])
         if reserved != wanted:
             raise PathError(f"the peer reserved {reserved} B for {wanted} B of blocks", path_off=True)
         dst = RunCursor(slots)

@@ -55,22 +55,49 @@ MAX_TTL_SECONDS = 600.0  # a reservation outlives no sender longer than this
 
 VERIFY_THREADS = max(1, min(4, os.cpu_count() or 1))  # xxh3 lets go of the GIL: blocks hash side by side
 VERIFY_PARALLEL_BYTES = 4 << 20  # a batch smaller than this is hashed in the calling thread
-_verify_pool: cf.ThreadPoolExecutor | None = None
+# a verify while later bytes are still on the wire hashes at this niceness: on a host whose
+# cores the transfer itself keeps busy (the engine's TCP copies on both ends) it takes the
+# cycles the transfer leaves, not the transfer's; the last Commit hashes at the caller's
+BACKGROUND_VERIFY_NICE = 10
+_verify_pools: dict[bool, cf.ThreadPoolExecutor] = {}
 _verify_pool_lock = threading.Lock()
 
 
-def checksums_of(blocks: list) -> list[int]:
-    """`checksum` of each block (a list of segments each), on up to VERIFY_THREADS threads
-    when there is enough to hash: verifying what landed is a pass over every byte."""
-    global _verify_pool
-    total = sum(seg.numel() if hasattr(seg, "numel") else len(seg) for segs in blocks for seg in segs)
-    if VERIFY_THREADS == 1 or len(blocks) < 2 or total < VERIFY_PARALLEL_BYTES:
-        return [checksum(segs) for segs in blocks]
-    if _verify_pool is None:
+def _lower_priority() -> None:
+    """A background verify thread's start: a higher niceness for this thread alone (a
+    Linux thread is its own task); where that is not allowed it stays as it is."""
+    try:
+        tid = threading.get_native_id()
+        if os.getpriority(os.PRIO_PROCESS, tid) < BACKGROUND_VERIFY_NICE:  # never raised above the process's
+            os.setpriority(os.PRIO_PROCESS, tid, BACKGROUND_VERIFY_NICE)
+    except (AttributeError, OSError):
+        pass
+
+
+def _pool(background: bool) -> cf.ThreadPoolExecutor:
+    pool = _verify_pools.get(background)
+    if pool is None:
         with _verify_pool_lock:
-            if _verify_pool is None:
-                _verify_pool = cf.ThreadPoolExecutor(VERIFY_THREADS, thread_name_prefix="verify")
-    return list(_verify_pool.map(checksum, blocks))
+            pool = _verify_pools.get(background)
+            if pool is None:
+                pool = _verify_pools[background] = cf.ThreadPoolExecutor(
+                    VERIFY_THREADS,
+                    thread_name_prefix="verify-background" if background else "verify",
+                    initializer=_lower_priority if background else None,
+                )
+    return pool
+
+
+def checksums_of(blocks: list, background: bool = False) -> list[int]:
+    """`checksum` of each block (a list of segments each), on up to VERIFY_THREADS threads
+    when there is enough to hash: verifying what landed is a pass over every byte.
+    `background`: on the lower-priority threads (BACKGROUND_VERIFY_NICE), whatever the size."""
+    total = sum(seg.numel() if hasattr(seg, "numel") else len(seg) for segs in blocks for seg in segs)
+    if not blocks:
+        return []
+    if not background and (VERIFY_THREADS == 1 or len(blocks) < 2 or total < VERIFY_PARALLEL_BYTES):
+        return [checksum(segs) for segs in blocks]
+    return list(_pool(background).map(checksum, blocks))
 
 
 def checksum(segments) -> int:
@@ -355,7 +382,9 @@ class Reservations:
                 )
             # a block an earlier verify matched with the same checksum is not hashed again
             todo = [(first_block + k, c) for k, c in enumerate(checksums) if r.verified.get(first_block + k) != c]
-            got = checksums_of([self.views(r, i) for i, _ in todo])
+            # a verify while engine writes still travel takes the cycles the transfer leaves; a
+            # same-host sender's group is hashed at once, while its bytes are still in cache
+            got = checksums_of([self.views(r, i) for i, _ in todo], background=not committing and r.writer is None)
             for (i, expected), g in zip(todo, got, strict=True):
                 if g == expected:
                     r.verified[i] = g

@@ -78,7 +78,9 @@ def test_a_commit_with_every_checksum_hashes_only_what_no_verify_matched(monkeyp
 
     hashed = []
     real = handoff.checksums_of
-    monkeypatch.setattr(handoff, "checksums_of", lambda blocks: (hashed.append(len(blocks)), real(blocks))[1])
+    monkeypatch.setattr(
+        handoff, "checksums_of", lambda blocks, background=False: (hashed.append(len(blocks)), real(blocks))[1]
+    )
     pool, res, _ = make()
     _, kv, hashes = prompt(SMALL, 6)
     r = reserve(res, hashes)
@@ -313,7 +315,56 @@ def test_a_large_batch_is_hashed_on_several_threads_to_the_same_sums(monkeypatch
     blocks = [[torch.randint(0, 256, (1 << 20,), dtype=torch.uint8, generator=g)] for _ in range(6)]
     blocks[2] = [blocks[2][0][: 1 << 19], blocks[2][0][1 << 19 :]]  # a block in two runs of the slab
     assert handoff.checksums_of(blocks) == [handoff.checksum(b) for b in blocks]
-    assert handoff._verify_pool is not None  # 6 MiB: over the bar, hashed side by side
+    assert handoff._verify_pools.get(False) is not None  # 6 MiB: over the bar, hashed side by side
+
+
+def test_engine_verifies_hash_in_the_background_commits_and_same_host_groups_at_once(monkeypatch):
+    """A verify of an engine handoff (no same-host writer) runs on the background threads;
+    the last Commit, and each group of a same-host (shm) sender, hash at the caller's
+    priority (the shm group while its bytes are still in cache)."""
+    import os
+
+    import agent.core.handoff as handoff
+
+    seen = []
+    real = handoff.checksums_of
+    monkeypatch.setattr(
+        handoff, "checksums_of", lambda blocks, background=False: (seen.append(background), real(blocks))[1]
+    )
+    pool, res, _ = make()
+    _, kv, hashes = prompt(SMALL, 4)
+    r = reserve(res, hashes)
+    sums = fill(res, r, kv)
+    res.verify(r.reservation_id, 0, sums[:2])
+    res.commit(r.reservation_id, 0, sums)
+    assert seen == [True, False] and pool.num_leading(hashes) == 4
+    seen.clear()
+    _, kv2, hashes2 = prompt(SMALL, 2, seed=9)
+    shm = res.reserve(SMALL.model_id, hashes2, [BLOCK] * 2, ["none"] * 2, ttl_seconds=5, writer=(os.getpid(), 1))
+    sums2 = fill(res, shm, kv2)
+    res.verify(shm.reservation_id, 0, sums2[:1])
+    res.commit(shm.reservation_id, 0, sums2)
+    assert seen == [False, False] and pool.num_leading(hashes2) == 2
+
+
+def test_a_background_verify_hashes_the_same_on_threads_of_lower_priority():
+    """A verify while the rest of a handoff is still on the wire runs at a higher
+    niceness (the cycles the transfer leaves); its sums are the same."""
+    import os
+    import threading
+
+    import torch
+
+    from agent.core import handoff
+
+    g = torch.Generator().manual_seed(6)
+    blocks = [[torch.randint(0, 256, (1 << 16,), dtype=torch.uint8, generator=g)] for _ in range(3)]
+    assert handoff.checksums_of(blocks, background=True) == [handoff.checksum(b) for b in blocks]
+    assert handoff.checksums_of([], background=True) == []
+    here = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+    there = handoff._pool(True).submit(lambda: os.getpriority(os.PRIO_PROCESS, threading.get_native_id())).result()
+    assert there == max(here, handoff.BACKGROUND_VERIFY_NICE)
+    assert os.getpriority(os.PRIO_PROCESS, threading.get_native_id()) == here  # the caller's own is untouched
 
 
 def test_pages_a_same_host_writer_copies_into_wait_for_it_not_for_a_timer():

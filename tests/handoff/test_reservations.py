@@ -70,24 +70,34 @@ def test_reserved_blocks_are_invisible_until_the_last_commit():
     assert res.open_count() == 0
 
 
+def watch_hashing(monkeypatch) -> list[tuple[int, bool]]:
+    """Each batch the receiver hashes from now on: (number of blocks, in the background)."""
+    import agent.core.handoff as handoff
+
+    calls: list[tuple[int, bool]] = []
+    real = handoff.checksums_of
+
+    def checksums_of(blocks, background=False):
+        calls.append((len(blocks), background))
+        return real(blocks, background)
+
+    monkeypatch.setattr(handoff, "checksums_of", checksums_of)
+    return calls
+
+
 def test_a_commit_with_every_checksum_hashes_only_what_no_verify_matched(monkeypatch):
     """The shm sender's last Commit carries all checksums while earlier verifies may still
     run: blocks they matched are not hashed again, the rest are, and a mismatch anywhere
     still makes nothing visible."""
-    import agent.core.handoff as handoff
-
-    hashed = []
-    real = handoff.checksums_of
-    monkeypatch.setattr(
-        handoff, "checksums_of", lambda blocks, background=False: (hashed.append(len(blocks)), real(blocks))[1]
-    )
+    calls = watch_hashing(monkeypatch)
     pool, res, _ = make()
     _, kv, hashes = prompt(SMALL, 6)
     r = reserve(res, hashes)
     sums = fill(res, r, kv)
     res.verify(r.reservation_id, 0, sums[:4])
     res.commit(r.reservation_id, 0, sums)
-    assert hashed == [4, 2] and pool.num_leading(hashes) == 6
+    # the verify hashed in the background (engine writes may still travel), the Commit at once
+    assert calls == [(4, True), (2, False)] and pool.num_leading(hashes) == 6
     # a verified block sent with another checksum in the Commit is hashed again: a mismatch
     _, kv2, hashes2 = prompt(SMALL, 3, seed=5)
     r2 = reserve(res, hashes2)
@@ -318,33 +328,19 @@ def test_a_large_batch_is_hashed_on_several_threads_to_the_same_sums(monkeypatch
     assert handoff._verify_pools.get(False) is not None  # 6 MiB: over the bar, hashed side by side
 
 
-def test_engine_verifies_hash_in_the_background_commits_and_same_host_groups_at_once(monkeypatch):
-    """A verify of an engine handoff (no same-host writer) runs on the background threads;
-    the last Commit, and each group of a same-host (shm) sender, hash at the caller's
-    priority (the shm group while its bytes are still in cache)."""
+def test_a_same_host_senders_groups_hash_at_once(monkeypatch):
+    """A verify for a same-host (shm) sender hashes at the caller's priority, while the
+    group's bytes are still in cache (an engine handoff's verify: in the background)."""
     import os
 
-    import agent.core.handoff as handoff
-
-    seen = []
-    real = handoff.checksums_of
-    monkeypatch.setattr(
-        handoff, "checksums_of", lambda blocks, background=False: (seen.append(background), real(blocks))[1]
-    )
+    calls = watch_hashing(monkeypatch)
     pool, res, _ = make()
-    _, kv, hashes = prompt(SMALL, 4)
-    r = reserve(res, hashes)
-    sums = fill(res, r, kv)
-    res.verify(r.reservation_id, 0, sums[:2])
-    res.commit(r.reservation_id, 0, sums)
-    assert seen == [True, False] and pool.num_leading(hashes) == 4
-    seen.clear()
-    _, kv2, hashes2 = prompt(SMALL, 2, seed=9)
-    shm = res.reserve(SMALL.model_id, hashes2, [BLOCK] * 2, ["none"] * 2, ttl_seconds=5, writer=(os.getpid(), 1))
-    sums2 = fill(res, shm, kv2)
-    res.verify(shm.reservation_id, 0, sums2[:1])
-    res.commit(shm.reservation_id, 0, sums2)
-    assert seen == [False, False] and pool.num_leading(hashes2) == 2
+    _, kv, hashes = prompt(SMALL, 2, seed=9)
+    shm = res.reserve(SMALL.model_id, hashes, [BLOCK] * 2, ["none"] * 2, ttl_seconds=5, writer=(os.getpid(), 1))
+    sums = fill(res, shm, kv)
+    res.verify(shm.reservation_id, 0, sums[:1])
+    res.commit(shm.reservation_id, 0, sums)
+    assert calls == [(1, False), (1, False)] and pool.num_leading(hashes) == 2
 
 
 def test_a_background_verify_hashes_the_same_on_threads_of_lower_priority():

@@ -85,8 +85,9 @@ class DataPlaneConfig:
     chunk_bytes: int = 8 << 20  # engine writes go in batches of about this much, each verified once it landed
     engine_window: int = 4  # engine batches on the wire at once (they travel side by side)
     # the receiver verifies batches that landed while later ones travel (on threads of lower
-    # priority: they take the cycles the transfer leaves), so the last Commit hashes about
-    # one batch; a verify covers at least a batch and at most this much (fewer round trips)
+    # priority: they take the cycles the transfer leaves), so the last Commit hashes the last
+    # window; a verify goes once its landed batches reach this much (or a quarter of the
+    # handoff, or one batch; agent.core.handoff.LandedGroups), one at a time per handoff
     verify_while_sending: bool = True
     engine_verify_group_bytes: int = 32 << 20
     # threads copying one shm handoff side by side (one core's copy is bound by its own

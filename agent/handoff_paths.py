@@ -26,6 +26,7 @@ import torch
 from agent.core.block_moves import pair_runs
 from agent.core.blocks import BlockMeta
 from agent.core.handoff import (
+    LandedGroups,
     RunCursor,
     batches_of,
     checksum,
@@ -317,17 +318,14 @@ class HandoffPaths:
         if link.bytes_per_second > 0:  # a limited link is paced chunk by chunk: keep them small
             chunk_bytes = min(chunk_bytes, int(link.bytes_per_second * 0.1))
         chunks = [[p + j for j in b] for b in batches_of([m.stored_bytes for m in metas[p:]], chunk_bytes)]
-        verifies = []
-        # landed batches not yet verified go to the peer as one verify (a Commit that does not
-        # close) once they reach `group_bytes`, while a window of batches is still to travel
-        # (the peer hashes them meanwhile); the rest, and without verify_while_sending all of
-        # them, are verified by the last Commit
-        window = max(1, self.config.engine_window)
+        verifies: list[grpc.Future] = []
         wanted = sum(m.stored_bytes for m in metas[p:])
-        group_bytes = max(chunk_bytes, min(self.config.engine_verify_group_bytes, wanted // ENGINE_VERIFY_GROUPS))
-        unverified: list[int] = []
-        unverified_first = [p]
-        unverified_bytes = [0]
+        groups = LandedGroups(
+            len(chunks),
+            self.config.engine_window,
+            max(chunk_bytes, min(self.config.engine_verify_group_bytes, wanted // ENGINE_VERIFY_GROUPS)),
+            self.config.verify_while_sending,
+        )
         total = 0
         bounces: list[torch.Tensor] = []
         inflight: list[tuple[int, list[int], cf.Future, int, list[int]]] = []
@@ -349,20 +347,11 @@ class HandoffPaths:
                 ) from None
             total += nbytes
             last = k == len(chunks) - 1
-            if not unverified:
-                unverified_first[0] = chunk[0]
-            unverified.extend(sums)
-            unverified_bytes[0] += nbytes
-            # the last window's batches land together: no travel is left to hide a verify behind
-            travel_left = k < len(chunks) - window
-            if not last and not (
-                self.config.verify_while_sending and travel_left and unverified_bytes[0] >= group_bytes
-            ):
+            _raise_failed(verifies)  # a group the peer refused (a mismatch aborted it all): stop here
+            group = groups.landed(k, chunk[0], sums, nbytes, verify_pending=bool(verifies) and not verifies[-1].done())
+            if group is None:
                 return
-            # one verify (or the last Commit) for every landed block not verified yet, with time for all of them
-            sums, first, nbytes = list(unverified), unverified_first[0], unverified_bytes[0]
-            unverified.clear()
-            unverified_bytes[0] = 0
+            first, sums, nbytes = group  # a verify (or the last Commit) of every landed block not verified yet
             request = agent_pb2.CommitRequest(reservation_id=rid, checksums=sums, first_block=first, last=last)
             if not last:  # one RPC's time, or what hashing its bytes takes
                 verifies.append(stub.Commit.future(request, timeout=left(self._commit_seconds(nbytes))))

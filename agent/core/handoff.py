@@ -30,6 +30,7 @@ import math
 import os
 import random
 import re
+import sys
 import threading
 import time
 import uuid
@@ -65,7 +66,10 @@ _verify_pool_lock = threading.Lock()
 
 def _lower_priority() -> None:
     """A background verify thread's start: a higher niceness for this thread alone (a
-    Linux thread is its own task); where that is not allowed it stays as it is."""
+    Linux thread is its own task; elsewhere the call would name a process, so it is not
+    made); where that is not allowed it stays as it is."""
+    if not sys.platform.startswith("linux"):
+        return
     try:
         tid = threading.get_native_id()
         if os.getpriority(os.PRIO_PROCESS, tid) < BACKGROUND_VERIFY_NICE:  # never raised above the process's
@@ -713,6 +717,51 @@ def batches_of(sizes: Sequence[int], batch_bytes: int) -> list[list[int]]:
         out[-1].append(j)
         size += n
     return out
+
+
+class LandedGroups:
+    """Which landed engine batches of one handoff the sender asks the receiver to verify
+    together while later ones travel, and what is left for the last Commit.
+
+    Batches land in order (`landed`, k = 0, 1, ...). Those landed before the last window
+    (the last `window` batches are on the wire together and land together: nothing is left
+    to travel behind their verify) go out as groups of at least `group_bytes`, and the
+    batch just before the last window closes a group whatever its size, so the last
+    Commit verifies the last window only. While the previous verify has not answered
+    (`verify_pending`) no new one goes: the group grows instead (at most one verify of a
+    handoff waits on the receiver's background threads and its gRPC workers); what cannot
+    go before the last window goes with the last Commit. With `while_sending` off, all of
+    it does. Every batch is in exactly one verify or the last Commit, in order.
+    """
+
+    def __init__(self, num_batches: int, window: int, group_bytes: int, while_sending: bool = True):
+        self.num_batches = num_batches
+        self.window = max(1, window)
+        self.group_bytes = group_bytes
+        self.while_sending = while_sending
+        self._first = -1
+        self._sums: list[int] = []
+        self._bytes = 0
+
+    def landed(
+        self, k: int, first_block: int, checksums: Sequence[int], num_bytes: int, verify_pending: bool = False
+    ) -> tuple[int, list[int], int] | None:
+        """Batch k landed (its first block, its blocks' checksums, its bytes): (first block,
+        checksums, bytes) to verify now (or, for the last batch, to send with the last
+        Commit), else None (kept for a later group)."""
+        if not self._sums:
+            self._first = first_block
+        self._sums.extend(checksums)
+        self._bytes += num_bytes
+        last = k == self.num_batches - 1
+        if not last:
+            travel_left = k < self.num_batches - self.window
+            closes = self._bytes >= self.group_bytes or k == self.num_batches - self.window - 1
+            if not (self.while_sending and travel_left and closes and not verify_pending):
+                return None
+        out = (self._first, self._sums, self._bytes)
+        self._sums, self._bytes = [], 0
+        return out
 
 
 class RunCursor:

@@ -11,6 +11,7 @@ from hypothesis import strategies as st
 from agent.core.block_moves import pair_runs
 from agent.core.block_pool import BlockPool
 from agent.core.handoff import (
+    LandedGroups,
     Link,
     ReservationError,
     Reservations,
@@ -292,6 +293,58 @@ def test_engine_batches_cover_every_block_once_in_order(sizes, batch):
     assert all(sum(sizes[i] for i in b[:-1]) < batch <= sum(sizes[i] for i in b) for b in batches[:-1])
 
 
+def land(groups: LandedGroups, batch_bytes: list[int], pending=lambda k: False):
+    """Each batch (one block each, numbered from 0) landing in order: the verifies sent
+    (first block, number of blocks, bytes) and what the last Commit carries."""
+    verifies, last = [], None
+    for k, n in enumerate(batch_bytes):
+        out = groups.landed(k, k, [k], n, verify_pending=pending(k))
+        if out is not None and k < len(batch_bytes) - 1:
+            verifies.append((out[0], len(out[1]), out[2]))
+        elif out is not None:
+            last = (out[0], len(out[1]), out[2])
+    return verifies, last
+
+
+@given(st.integers(1, 80), st.integers(1, 8), st.integers(1, 40), st.booleans(), st.lists(st.booleans(), max_size=80))
+def test_landed_batches_are_each_verified_once_in_order(n, window, group, while_sending, busy):
+    """Every batch is in exactly one verify or the last Commit, in order; the last Commit
+    carries the last window when verifies answer in time (else what could not go)."""
+    groups = LandedGroups(n, window, group, while_sending)
+    verifies, last = land(groups, [1] * n, lambda k: k < len(busy) and busy[k])
+    assert last is not None
+    covered = [b for first, count, _ in verifies for b in range(first, first + count)]
+    covered += list(range(last[0], last[0] + last[1]))
+    assert covered == list(range(n))
+    if not while_sending:
+        assert verifies == [] and last == (0, n, n)
+    elif not any(busy):
+        assert last[1] == min(window, n)  # the last window only
+        assert all(
+            count >= group for _, count, _ in verifies[:-1]
+        )  # groups reach the size, but the one closing before the last window
+
+
+def test_the_group_size_caps_a_verify_and_a_pending_verify_grows_the_next():
+    # 10 batches of 4 MiB, two on the wire at once, groups of 6 MiB: batches 0-1, 2-3,
+    # 4-5, 6-7 (the one before the last window), then the last window 8-9 with the Commit
+    mib = 1 << 20
+    verifies, last = land(LandedGroups(10, 2, 6 * mib), [4 * mib] * 10)
+    assert verifies == [(0, 2, 8 * mib), (2, 2, 8 * mib), (4, 2, 8 * mib), (6, 2, 8 * mib)]
+    assert last == (8, 2, 8 * mib)
+    # the first verify still unanswered when batches 2-5 land: they wait and go as one
+    verifies, last = land(LandedGroups(10, 2, 6 * mib), [4 * mib] * 10, lambda k: 2 <= k <= 4)
+    assert verifies == [(0, 2, 8 * mib), (2, 4, 16 * mib), (6, 2, 8 * mib)] and last == (8, 2, 8 * mib)
+    # a verify pending through the batch before the last window: the rest goes with the Commit
+    verifies, last = land(LandedGroups(10, 2, 6 * mib), [4 * mib] * 10, lambda k: k >= 2)
+    assert verifies == [(0, 2, 8 * mib)] and last == (2, 8, 32 * mib)
+    # 5 batches in a window of 4 (33-40 MiB of 8 MiB batches): the first alone, the rest with the Commit
+    verifies, last = land(LandedGroups(5, 4, 10 * mib), [8 * mib] * 5)
+    assert verifies == [(0, 1, 8 * mib)] and last == (1, 4, 32 * mib)
+    # everything on the wire at once (a 16 MiB handoff): no verify, one Commit
+    assert land(LandedGroups(2, 4, 8 * mib), [8 * mib] * 2) == ([], (0, 2, 16 * mib))
+
+
 def _trim(lens, total):
     out, left = [], total
     for n in lens:
@@ -316,6 +369,9 @@ def test_link_concurrency_queues_and_bandwidth_paces():
 
 
 def test_a_large_batch_is_hashed_on_several_threads_to_the_same_sums(monkeypatch):
+    import os
+    import threading
+
     import torch
 
     from agent.core import handoff
@@ -326,6 +382,9 @@ def test_a_large_batch_is_hashed_on_several_threads_to_the_same_sums(monkeypatch
     blocks[2] = [blocks[2][0][: 1 << 19], blocks[2][0][1 << 19 :]]  # a block in two runs of the slab
     assert handoff.checksums_of(blocks) == [handoff.checksum(b) for b in blocks]
     assert handoff._verify_pools.get(False) is not None  # 6 MiB: over the bar, hashed side by side
+    here = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+    there = handoff._pool(False).submit(lambda: os.getpriority(os.PRIO_PROCESS, threading.get_native_id())).result()
+    assert there == here  # the foreground threads hash at the caller's priority
 
 
 def test_a_same_host_senders_groups_hash_at_once(monkeypatch):
@@ -360,7 +419,6 @@ def test_a_background_verify_hashes_the_same_on_threads_of_lower_priority():
     here = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
     there = handoff._pool(True).submit(lambda: os.getpriority(os.PRIO_PROCESS, threading.get_native_id())).result()
     assert there == max(here, handoff.BACKGROUND_VERIFY_NICE)
-    assert os.getpriority(os.PRIO_PROCESS, threading.get_native_id()) == here  # the caller's own is untouched
 
 
 def test_pages_a_same_host_writer_copies_into_wait_for_it_not_for_a_timer():

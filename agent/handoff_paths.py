@@ -348,7 +348,7 @@ class HandoffPaths:
             total += nbytes
             last = k == len(chunks) - 1
             _raise_failed(verifies)  # a group the peer refused (a mismatch aborted it all): stop here
-            group = groups.landed(k, chunk[0], sums, nbytes, verify_pending=bool(verifies) and not verifies[-1].done())
+            group = groups.landed(k, chunk[0], sums, nbytes, num_pending=sum(not v.done() for v in verifies))
             if group is None:
                 return
             first, sums, nbytes = group  # a verify (or the last Commit) of every landed block not verified yet

@@ -25,6 +25,7 @@ from agent.api.sync_client import ControlPlaneLink, tier_usage_pb
 from agent.api.vllm_events import VllmEventSubscriber
 from agent.core.block_pool import BlockPool
 from agent.core.engine_api import ENGINE_MESSAGE_BYTES, KVEngineAPI
+from agent.core.handoff import VERIFIES_PER_HANDOFF
 from agent.core.model_spec import ModelSpec
 from agent.core.mover import Mover
 from agent.core.vllm_events import ExternalBlocks
@@ -48,6 +49,7 @@ PIN_SAVE_SPACING_SECONDS = 0.2  # pin-table saves are at most this often (a burs
 
 DEMO_MODEL = ModelSpec("demo-model", block_size=16, num_layers=2, num_kv_heads=2, head_dim=32, dtype="float16")
 MAX_MESSAGE_BYTES = ENGINE_MESSAGE_BYTES
+RPC_WORKERS = 16  # gRPC workers for the engine's and peers' calls (handoff verifies get their own on top)
 
 
 @dataclass
@@ -277,8 +279,12 @@ class Agent:
         auth = TokenAuthInterceptor(
             None, self.config.controlplane_token, agent_services=PEER_METHODS, engine_token=self.config.engine_token
         )
+        # the engine's and peers' calls, plus room for the verifies of every handoff arriving
+        # at once (each holds up to LandedGroups.max_pending workers while its bytes hash at
+        # low priority): those never take the workers the engine's lookups and loads need
+        workers = RPC_WORKERS + VERIFIES_PER_HANDOFF * self.dataplane.config.max_inbound
         self.server = grpc.server(
-            futures.ThreadPoolExecutor(max_workers=16, thread_name_prefix="agent-rpc"),
+            futures.ThreadPoolExecutor(max_workers=workers, thread_name_prefix="agent-rpc"),
             interceptors=[auth, ErrorMappingInterceptor(), self.metrics.rpc],
             options=[
                 ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),

@@ -719,6 +719,9 @@ def batches_of(sizes: Sequence[int], batch_bytes: int) -> list[list[int]]:
     return out
 
 
+VERIFIES_PER_HANDOFF = 2  # a sender's verifies of one handoff unanswered at once, at most
+
+
 class LandedGroups:
     """Which landed engine batches of one handoff the sender asks the receiver to verify
     together while later ones travel, and what is left for the last Commit.
@@ -727,28 +730,37 @@ class LandedGroups:
     (the last `window` batches are on the wire together and land together: nothing is left
     to travel behind their verify) go out as groups of at least `group_bytes`, and the
     batch just before the last window closes a group whatever its size, so the last
-    Commit verifies the last window only. While the previous verify has not answered
-    (`verify_pending`) no new one goes: the group grows instead (at most one verify of a
-    handoff waits on the receiver's background threads and its gRPC workers); what cannot
-    go before the last window goes with the last Commit. With `while_sending` off, all of
-    it does. Every batch is in exactly one verify or the last Commit, in order.
+    Commit verifies the last window only. While `max_pending` verifies have not answered
+    no new one goes: the group grows instead (a handoff's verifies hold at most that many
+    of the receiver's gRPC workers while its background threads hash); what cannot go
+    before the last window goes with the last Commit. With `while_sending` off, all of it
+    does. Every batch is in exactly one verify or the last Commit, in order.
     """
 
-    def __init__(self, num_batches: int, window: int, group_bytes: int, while_sending: bool = True):
+    def __init__(
+        self,
+        num_batches: int,
+        window: int,
+        group_bytes: int,
+        while_sending: bool = True,
+        max_pending: int = VERIFIES_PER_HANDOFF,
+    ):
         self.num_batches = num_batches
         self.window = max(1, window)
         self.group_bytes = group_bytes
         self.while_sending = while_sending
+        self.max_pending = max(1, max_pending)
         self._first = -1
         self._sums: list[int] = []
         self._bytes = 0
 
     def landed(
-        self, k: int, first_block: int, checksums: Sequence[int], num_bytes: int, verify_pending: bool = False
+        self, k: int, first_block: int, checksums: Sequence[int], num_bytes: int, num_pending: int = 0
     ) -> tuple[int, list[int], int] | None:
-        """Batch k landed (its first block, its blocks' checksums, its bytes): (first block,
-        checksums, bytes) to verify now (or, for the last batch, to send with the last
-        Commit), else None (kept for a later group)."""
+        """Batch k landed (its first block, its blocks' checksums, its bytes; `num_pending`
+        verifies of the handoff not answered yet): (first block, checksums, bytes) to
+        verify now (or, for the last batch, to send with the last Commit), else None (kept
+        for a later group)."""
         if not self._sums:
             self._first = first_block
         self._sums.extend(checksums)
@@ -757,7 +769,7 @@ class LandedGroups:
         if not last:
             travel_left = k < self.num_batches - self.window
             closes = self._bytes >= self.group_bytes or k == self.num_batches - self.window - 1
-            if not (self.while_sending and travel_left and closes and not verify_pending):
+            if not (self.while_sending and travel_left and closes and num_pending < self.max_pending):
                 return None
         out = (self._first, self._sums, self._bytes)
         self._sums, self._bytes = [], 0

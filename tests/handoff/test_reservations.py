@@ -293,12 +293,12 @@ def test_engine_batches_cover_every_block_once_in_order(sizes, batch):
     assert all(sum(sizes[i] for i in b[:-1]) < batch <= sum(sizes[i] for i in b) for b in batches[:-1])
 
 
-def land(groups: LandedGroups, batch_bytes: list[int], pending=lambda k: False):
+def land(groups: LandedGroups, batch_bytes: list[int], pending=lambda k: 0):
     """Each batch (one block each, numbered from 0) landing in order: the verifies sent
     (first block, number of blocks, bytes) and what the last Commit carries."""
     verifies, last = [], None
     for k, n in enumerate(batch_bytes):
-        out = groups.landed(k, k, [k], n, verify_pending=pending(k))
+        out = groups.landed(k, k, [k], n, num_pending=pending(k))
         if out is not None and k < len(batch_bytes) - 1:
             verifies.append((out[0], len(out[1]), out[2]))
         elif out is not None:
@@ -311,7 +311,7 @@ def test_landed_batches_are_each_verified_once_in_order(n, window, group, while_
     """Every batch is in exactly one verify or the last Commit, in order; the last Commit
     carries the last window when verifies answer in time (else what could not go)."""
     groups = LandedGroups(n, window, group, while_sending)
-    verifies, last = land(groups, [1] * n, lambda k: k < len(busy) and busy[k])
+    verifies, last = land(groups, [1] * n, lambda k: 2 * (k < len(busy) and busy[k]))
     assert last is not None
     covered = [b for first, count, _ in verifies for b in range(first, first + count)]
     covered += list(range(last[0], last[0] + last[1]))
@@ -325,18 +325,21 @@ def test_landed_batches_are_each_verified_once_in_order(n, window, group, while_
         )  # groups reach the size, but the one closing before the last window
 
 
-def test_the_group_size_caps_a_verify_and_a_pending_verify_grows_the_next():
+def test_the_group_size_caps_a_verify_and_pending_verifies_grow_the_next():
     # 10 batches of 4 MiB, two on the wire at once, groups of 6 MiB: batches 0-1, 2-3,
     # 4-5, 6-7 (the one before the last window), then the last window 8-9 with the Commit
     mib = 1 << 20
     verifies, last = land(LandedGroups(10, 2, 6 * mib), [4 * mib] * 10)
     assert verifies == [(0, 2, 8 * mib), (2, 2, 8 * mib), (4, 2, 8 * mib), (6, 2, 8 * mib)]
     assert last == (8, 2, 8 * mib)
-    # the first verify still unanswered when batches 2-5 land: they wait and go as one
-    verifies, last = land(LandedGroups(10, 2, 6 * mib), [4 * mib] * 10, lambda k: 2 <= k <= 4)
+    # one verify unanswered: the next may go; two (the most) unanswered when batches 2-5
+    # land: they wait and go as one
+    verifies, last = land(LandedGroups(10, 2, 6 * mib), [4 * mib] * 10, lambda k: 1)
+    assert verifies == [(0, 2, 8 * mib), (2, 2, 8 * mib), (4, 2, 8 * mib), (6, 2, 8 * mib)]
+    verifies, last = land(LandedGroups(10, 2, 6 * mib), [4 * mib] * 10, lambda k: 2 if 2 <= k <= 4 else 0)
     assert verifies == [(0, 2, 8 * mib), (2, 4, 16 * mib), (6, 2, 8 * mib)] and last == (8, 2, 8 * mib)
-    # a verify pending through the batch before the last window: the rest goes with the Commit
-    verifies, last = land(LandedGroups(10, 2, 6 * mib), [4 * mib] * 10, lambda k: k >= 2)
+    # verifies pending through the batch before the last window: the rest goes with the Commit
+    verifies, last = land(LandedGroups(10, 2, 6 * mib, max_pending=1), [4 * mib] * 10, lambda k: int(k >= 2))
     assert verifies == [(0, 2, 8 * mib)] and last == (2, 8, 32 * mib)
     # 5 batches in a window of 4 (33-40 MiB of 8 MiB batches): the first alone, the rest with the Commit
     verifies, last = land(LandedGroups(5, 4, 10 * mib), [8 * mib] * 5)

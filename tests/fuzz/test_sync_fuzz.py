@@ -37,14 +37,26 @@ SYNTHETIC = [bytes([i]) * 16 for i in range(1, 40)]
 
 
 def register_fake(live, etcd: str) -> object:
-    """A fake agent as the control plane sees one: a lease-bound key, then Register."""
+    """A fake agent as the control plane sees one: a lease-bound key, then Register,
+    tried again as a real agent would while the control plane is not serving as the
+    leader (an etcd stall of a loaded machine can lapse its leadership for a moment)."""
     client = etcd_keys.connect(etcd)
     lease = client.lease(120)
     client.put(etcd_keys.agent_key(FAKE), "{}", lease=lease)
-    live.sync.Register(
-        agent_pb2.RegisterRequest(agent=types_pb2.AgentInfo(agent_id=FAKE, address="127.0.0.1:9", models=[model_pb()])),
-        timeout=10,
+    request = agent_pb2.RegisterRequest(
+        agent=types_pb2.AgentInfo(agent_id=FAKE, address="127.0.0.1:9", models=[model_pb()])
     )
+
+    def registered() -> bool:
+        try:
+            live.sync.Register(request, timeout=10)
+        except grpc.RpcError as exc:
+            if exc.code() not in (grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.UNAVAILABLE):
+                raise
+            return False
+        return True
+
+    wait_for(registered, 30, 0.2, "the fake agent registered with the leader")
     return client
 
 

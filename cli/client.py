@@ -15,7 +15,6 @@ import threading
 import time
 import uuid
 from dataclasses import dataclass, field
-from typing import cast
 
 import grpc
 from google.protobuf.message import DecodeError
@@ -24,6 +23,7 @@ from protos.block_hash import BLOCK_HASH_BYTES
 from protos.grpc_errors import ERROR_KIND_METADATA_KEY, LEADER_METADATA_KEY
 from protos.kvcp.v1 import admin_pb2, admin_pb2_grpc, types_pb2
 from protos.lookup_wire import HEADER_BYTES, MAX_REPLY_BYTES, frame, split_address
+from protos.pb_enums import tier_pb
 from protos.security import TLSConfig, client_ssl_context, token_metadata
 from protos.security import channel as secure_channel
 from protos.tier import Tier
@@ -459,12 +459,6 @@ def _op_view(o) -> OperationView:
     )
 
 
-def _proto_tier(tier: int) -> types_pb2.Tier:
-    """A tier for a kvcp.v1.Tier field, which takes the enum's int value (protos.tier.Tier
-    equals kvcp.v1.Tier); the generated stubs' Tier class admits no plain int."""
-    return cast(types_pb2.Tier, tier)
-
-
 def _tier_name(value: int) -> str:
     try:
         return Tier(value).label
@@ -724,7 +718,7 @@ class ControlPlaneClient:
             raise ClientError("INVALID_ARGUMENT", f"min_tier: {exc}") from None
         req = admin_pb2.PinRequest(
             scope=_scope(model_id, token_ids, block_hashes, extra_keys, namespace, agent_id),
-            min_tier=_proto_tier(tier),
+            min_tier=tier_pb(tier),
             ttl_seconds=ttl_seconds,
             owner=owner,
             owner_lease_id=owner_lease_id,
@@ -775,7 +769,7 @@ class ControlPlaneClient:
             raise ClientError("INVALID_ARGUMENT", f"to_tier: {exc}") from None
         req = admin_pb2.MoveRequest(
             scope=_scope(model_id, token_ids, block_hashes, extra_keys, namespace, agent_id),
-            to_tier=_proto_tier(tier),
+            to_tier=tier_pb(tier),
             codec=codec,
         )
         return _op_view(self._call("Move", req))
@@ -815,7 +809,7 @@ class ControlPlaneClient:
         req = admin_pb2.CompressRequest(
             scope=_scope(model_id, token_ids, block_hashes, extra_keys, namespace, agent_id),
             codec=codec,
-            tier=_proto_tier(tier_value),
+            tier=tier_pb(tier_value),
         )
         return _op_view(self._call("Compress", req))
 

@@ -13,7 +13,7 @@ import time
 import uuid
 from collections import OrderedDict
 from collections.abc import Callable
-from typing import TYPE_CHECKING, cast
+from typing import TYPE_CHECKING
 
 import grpc
 
@@ -25,6 +25,7 @@ from agent.core.pins import AgentPin
 from agent.core.vllm_events import ExternalBlocks
 from protos.block_hash import split_hashes
 from protos.kvcp.v1 import agent_pb2, agent_pb2_grpc, types_pb2
+from protos.pb_enums import tier_pb
 from protos.security import TLSConfig, token_metadata
 from protos.security import channel as secure_channel
 from protos.tier import Tier
@@ -75,16 +76,10 @@ def op_update_pb(op: MoveOp) -> agent_pb2.AgentMessage:
     )
 
 
-def _proto_tier(tier: int) -> types_pb2.Tier:
-    """A tier for a kvcp.v1.Tier field, which takes the enum's int value (protos.tier.Tier
-    equals kvcp.v1.Tier); the generated stubs' Tier class admits no plain int."""
-    return cast(types_pb2.Tier, int(tier))
-
-
 def tier_usage_pb(pool: BlockPool) -> list[types_pb2.TierUsage]:
     return [
         types_pb2.TierUsage(
-            tier=_proto_tier(u.tier),
+            tier=tier_pb(u.tier),
             capacity_bytes=u.capacity_bytes,
             used_bytes=u.used_bytes,
             num_blocks=u.num_blocks,
@@ -266,7 +261,7 @@ class ControlPlaneLink:
                 num_total_blocks=result.num_blocks,
                 num_skipped_pinned_blocks=result.num_skipped_pinned_blocks,
                 freed=[
-                    types_pb2.TierUsage(tier=_proto_tier(t), num_blocks=n, used_bytes=b)
+                    types_pb2.TierUsage(tier=tier_pb(t), num_blocks=n, used_bytes=b)
                     for t, (n, b) in result.freed.items()
                 ],
             )
@@ -297,7 +292,7 @@ class ControlPlaneLink:
                 chunk.append(
                     agent_pb2.BlockGroup(
                         model_id=g.model_id,
-                        tier=_proto_tier(g.tier),
+                        tier=tier_pb(g.tier),
                         block_hashes=g.block_hashes[start * 16 : end * 16],
                         parent_hashes=g.parent_hashes[start * 16 : end * 16],
                     )
@@ -373,7 +368,7 @@ class ControlPlaneLink:
                         groups=[
                             agent_pb2.BlockGroup(
                                 model_id=g.model_id,
-                                tier=_proto_tier(g.tier),
+                                tier=tier_pb(g.tier),
                                 block_hashes=bytes(g.block_hashes),
                                 parent_hashes=bytes(g.parent_hashes),
                             )

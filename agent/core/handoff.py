@@ -74,8 +74,8 @@ def _lower_priority() -> None:
         tid = threading.get_native_id()
         if os.getpriority(os.PRIO_PROCESS, tid) < BACKGROUND_VERIFY_NICE:  # never raised above the process's
             os.setpriority(os.PRIO_PROCESS, tid, BACKGROUND_VERIFY_NICE)
-    except (AttributeError, OSError):
-        pass
+    except (AttributeError, OSError):  # no getpriority here, or refused (a locked-down sandbox)
+        return  # the thread hashes at the process's priority: slower handoffs on a busy host, nothing wrong
 
 
 def _pool(background: bool) -> cf.ThreadPoolExecutor:

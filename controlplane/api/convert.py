@@ -3,23 +3,12 @@
 from __future__ import annotations
 
 import time
-from typing import cast
 
 from controlplane.core import cluster as core
 from controlplane.core import events
 from protos.kvcp.v1 import admin_pb2, agent_pb2, types_pb2
+from protos.pb_enums import agent_state_pb, tier_pb
 from protos.tier import Tier
-
-
-# An enum field takes its value's number (protobuf checks it). The generated stubs (.pyi) type
-# it as the enum, a subclass of int there only, or a value's name: these tell the type checker
-# that the number is one, and return it unchanged.
-def _pb_tier(value: int) -> types_pb2.Tier:
-    return cast(types_pb2.Tier, value)
-
-
-def _pb_agent_state(value: int) -> types_pb2.AgentState:
-    return cast(types_pb2.AgentState, value)
 
 
 def tier_usage_from_pb(t: types_pb2.TierUsage) -> core.TierUsage:
@@ -45,7 +34,7 @@ def tier_usage_to_pb(t: core.TierUsage) -> types_pb2.TierUsage:
     # sums over agents of what agents report can exceed uint64 (a buggy or hostile agent):
     # saturate rather than fail every GetStats
     return types_pb2.TierUsage(
-        tier=_pb_tier(int(t.tier)),
+        tier=tier_pb(int(t.tier)),
         capacity_bytes=min(t.capacity_bytes, _UINT64_MAX),
         used_bytes=min(t.used_bytes, _UINT64_MAX),
         num_blocks=min(t.num_blocks, _UINT64_MAX),
@@ -106,7 +95,7 @@ def agent_status_to_pb(rec: core.AgentRecord, num_blocks: int) -> admin_pb2.Agen
             transfer_engine_status=rec.transfer_engine_status,
             shm_path="shm" if rec.shm_handoff else "",  # said, not given: peers read the path from etcd
         ),
-        state=_pb_agent_state(int(rec.state)),
+        state=agent_state_pb(int(rec.state)),
         num_blocks=num_blocks,
         last_seen_unix_seconds=rec.last_seen_unix_seconds,
         lookups_total=rec.lookups_total,
@@ -184,13 +173,13 @@ def command_to_pb(c: core.AgentCommand, epoch: int, now: float | None = None) ->
             op_id=c.op_id,
             kind=_COMMAND_KINDS[c.kind],
             block_hashes=c.block_hashes,
-            tier=_pb_tier(c.tier),
+            tier=tier_pb(c.tier),
             codec=c.codec,
             namespace=c.namespace,
             model_id=c.model_id,
             older_than_seconds=c.older_than_seconds,
             dry_run=c.dry_run,
-            only_tier=_pb_tier(c.only_tier),
+            only_tier=tier_pb(c.only_tier),
             pin_id=c.pin_id,
             pin_version=c.pin_version,
             expires_unix_seconds=c.expires_unix_seconds,
@@ -221,7 +210,7 @@ def pin_to_pb(p) -> admin_pb2.PinInfo:
         scope=admin_pb2.Scope(
             model_id=p.model_id, block_hashes=p.block_hashes, namespace=p.namespace, agent_id=p.agent_id
         ),
-        min_tier=_pb_tier(int(p.min_tier)),
+        min_tier=tier_pb(int(p.min_tier)),
         created_unix_seconds=p.created_unix_seconds,
         expires_unix_seconds=p.expires_unix_seconds,
         owner=p.owner,
@@ -252,7 +241,7 @@ def op_to_pb(op) -> admin_pb2.Operation:
         num_skipped_pinned_blocks=op.num_skipped_pinned_blocks,
         moved_bytes=op.moved_bytes,
         freed=[
-            types_pb2.TierUsage(tier=_pb_tier(int(t)), num_blocks=n, used_bytes=b) for t, (n, b) in op.freed().items()
+            types_pb2.TierUsage(tier=tier_pb(int(t)), num_blocks=n, used_bytes=b) for t, (n, b) in op.freed().items()
         ],
         error=op.error,
         created_unix_seconds=op.created_unix_seconds,

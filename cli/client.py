@@ -19,10 +19,10 @@ from dataclasses import dataclass, field
 import grpc
 from google.protobuf.message import DecodeError
 
-from protos.block_hash import BLOCK_HASH_BYTES
+from protos.block_hash import BLOCK_HASH_BYTES, MAX_PROMPT_TOKENS
 from protos.grpc_errors import ERROR_KIND_METADATA_KEY, LEADER_METADATA_KEY
 from protos.kvcp.v1 import admin_pb2, admin_pb2_grpc, types_pb2
-from protos.lookup_wire import HEADER_BYTES, MAX_REPLY_BYTES, frame, split_address
+from protos.lookup_wire import HEADER_BYTES, MAX_FRAME_BYTES, MAX_REPLY_BYTES, frame, split_address
 from protos.pb_enums import tier_pb
 from protos.security import TLSConfig, client_ssl_context, token_metadata
 from protos.security import channel as secure_channel
@@ -161,9 +161,14 @@ class LookupSocket:
         with self._lock:
             self._next_id += 1
             request_id = self._next_id
-            out = frame(
-                admin_pb2.LookupFrame(request=request, token=self._token, request_id=request_id).SerializeToString()
-            )
+            body = admin_pb2.LookupFrame(request=request, token=self._token, request_id=request_id).SerializeToString()
+            if len(body) > MAX_FRAME_BYTES:  # the server would refuse it and close while this still sends
+                raise ClientError(
+                    "INVALID_ARGUMENT",
+                    f"token_ids: a lookup of {len(request.token_ids)} tokens is {len(body)} bytes, over the lookup "
+                    f"socket's frame of {MAX_FRAME_BYTES} bytes (a lookup takes at most {MAX_PROMPT_TOKENS} tokens)",
+                )
+            out = frame(body)
             for attempt in (0, 1):
                 fresh = self._sock is None
                 if self._sock is None:  # fresh
@@ -597,14 +602,25 @@ class ControlPlaneClient:
         # naming its kind; gRPC's own (no connection) is ours to explain
         kind = dict(exc.trailing_metadata() or ()).get(ERROR_KIND_METADATA_KEY, "")
         answered = bool(kind)
-        if not answered and (
-            code == grpc.StatusCode.DEADLINE_EXCEEDED
-            or (code == grpc.StatusCode.UNAVAILABLE and "connect" in details.lower())
-        ):
+        if not answered and code == grpc.StatusCode.DEADLINE_EXCEEDED:
+            # a slow answer or no route: either way a change asked for may have been made
+            return ClientError(
+                code.name,
+                f"no answer from the kvcp control plane at {self.endpoint} within {self.timeout_seconds:g} s "
+                "(deadline_exceeded): it is unreachable or busy (a longer --timeout?); a change asked for may "
+                "still have been made: kvctl ops / kvctl pins list them",
+            )
+        if not answered and code == grpc.StatusCode.UNAVAILABLE and "connect" in details.lower():
             return ClientError(
                 code.name,
                 f"cannot reach the kvcp control plane at {self.endpoint} ({code.name.lower()}); "
                 "start one with `make demo` or `kvcp-controlplane`, or pass --endpoint / KVCTL_ENDPOINT",
+            )
+        if not answered and code == grpc.StatusCode.UNIMPLEMENTED:
+            return ClientError(
+                code.name,
+                f"{self.endpoint} does not serve the kvcp admin API ({details or 'method not found'}): "
+                "an agent's or another service's port? give the control plane's address (--endpoint)",
             )
         return ClientError(code.name, exc.details() or code.name, kind)
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 import errno
 import json
 import math
+import os
 import re
 import ssl
 import sys
@@ -47,7 +48,9 @@ class Context:
     def client(self) -> ControlPlaneClient:
         return ControlPlaneClient(self.endpoint, self.timeout_seconds, self.token, self.tls, self.lookup_endpoint)
 
-    def call(self, fn):
+    def call(self, fn, flags: dict[str, str] | None = None):
+        """`fn(client)`; an error is one line naming the flag (`flags`: this command's own
+        names for request fields, e.g. its PIN_ID argument) and exit 1."""
         try:
             client = self.client()
         except ValueError as exc:  # a TLS file that went away since main() checked it
@@ -56,7 +59,7 @@ class Context:
             with client as c:
                 return fn(c)
         except ClientError as exc:
-            fail(flag_named(str(exc)), 1)
+            fail(flag_named(str(exc), flags), 1)
 
 
 # the request fields a server's error may start with, and the kvctl flag that sets each
@@ -88,11 +91,11 @@ FLAG_OF_FIELD = {
 }
 
 
-def flag_named(message: str) -> str:
+def flag_named(message: str, flags: dict[str, str] | None = None) -> str:
     """A server error about a request field, said with the flag that set it:
     `to_tier: unknown tier 'tape'` -> `--to (to_tier): unknown tier 'tape'`."""
     field, sep, rest = message.partition(": ")
-    flag = FLAG_OF_FIELD.get(field) if sep else None
+    flag = ((flags or {}).get(field) or FLAG_OF_FIELD.get(field)) if sep else None
     return f"{flag} ({field}): {rest}" if flag else message
 
 
@@ -189,7 +192,10 @@ def main(ctx, endpoint, output_format, timeout, token_file, tls_ca, tls_cert, tl
         fail(f"--timeout: {timeout_seconds:g} is not a positive number of seconds (e.g. --timeout 5)")
     if timeout_seconds > MAX_TIMEOUT_SECONDS:  # gRPC's deadline overflows far beyond this
         fail(f"--timeout: {timeout_seconds:g} s is longer than {MAX_TIMEOUT_SECONDS:.0f} s (one day)")
-    check_endpoint(endpoint)
+    from_env = ctx.get_parameter_source("endpoint") != click.core.ParameterSource.COMMANDLINE
+    if from_env and os.environ.get("KVCTL_ENDPOINT") == "":  # click reads an empty variable as unset
+        fail("KVCTL_ENDPOINT: set but empty (give HOST:PORT, or unset it for the default 127.0.0.1:50051)")
+    check_endpoint(endpoint, from_env and "KVCTL_ENDPOINT" in os.environ)
     try:
         token = read_secret(token_file, "KVCTL_TOKEN")
     except ValueError as exc:
@@ -203,9 +209,18 @@ def main(ctx, endpoint, output_format, timeout, token_file, tls_ca, tls_cert, tl
     ctx.obj = Context(endpoint, output_format, timeout_seconds, token, tls, lookup_endpoint)
 
 
-def check_endpoint(endpoint: str) -> None:
-    if not [e for e in endpoint.split(",") if e.strip()]:  # an unset shell variable must not mean the default
-        fail("--endpoint: empty (give HOST:PORT, or leave it out for the default 127.0.0.1:50051)")
+def check_endpoint(endpoint: str, from_env: bool = False) -> None:
+    """Each control-plane address HOST:PORT (a port 1-65535; [v6]:PORT), or gRPC's unix:PATH;
+    an empty one (an unset shell variable) must not mean the default."""
+    where = "KVCTL_ENDPOINT" if from_env else "--endpoint"
+    if not [e for e in endpoint.split(",") if e.strip()]:
+        fail(f"{where}: empty (give HOST:PORT, or leave it out for the default 127.0.0.1:50051)")
+    for e in (e.strip() for e in endpoint.split(",") if e.strip()):
+        if e.startswith("unix:"):
+            continue
+        host, sep, port = e.rpartition(":")
+        if "/" in e or not sep or not host.strip("[]") or not port.isdigit() or not 0 < int(port) < 65536:
+            fail(f"{where}: {e!r} is not HOST:PORT (e.g. 127.0.0.1:50051)")
 
 
 def tls_config(ca_file: str, cert_file: str, key_file: str) -> TLSConfig | None:

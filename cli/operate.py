@@ -27,7 +27,11 @@ def scope_options(fn):
     return fn
 
 
-def scope_kwargs(model_id, tokens, tokens_file, hashes, extra_keys, namespace, agent_id) -> dict:
+NO_SCOPE = "give a prefix (--tokens, --tokens-file, --hashes) or --namespace"
+
+
+def scope_kwargs(model_id, tokens, tokens_file, hashes, extra_keys, namespace, agent_id, missing=NO_SCOPE) -> dict:
+    """The scope options as the client takes them; `missing`: what to say when none is given."""
     token_ids = read_tokens(tokens, tokens_file)
     packed = parse_hashes(hashes) if hashes else b""
     if token_ids is not None and packed:
@@ -35,7 +39,7 @@ def scope_kwargs(model_id, tokens, tokens_file, hashes, extra_keys, namespace, a
     if (token_ids is not None or packed) and not model_id:
         fail("--model is needed with --tokens, --tokens-file or --hashes")
     if token_ids is None and not packed and not namespace:
-        fail("give a prefix (--tokens, --tokens-file, --hashes) or --namespace")
+        fail(missing)
     return dict(
         model_id=model_id,
         token_ids=token_ids,
@@ -255,7 +259,7 @@ def pin(
 @pass_ctx
 def unpin(ctx: Context, pin_id):
     """Remove a pin."""
-    p = ctx.call(lambda c: c.unpin(pin_id))
+    p = ctx.call(lambda c: c.unpin(pin_id), {"pin_id": "PIN_ID"})
     click.echo(output.dumps(p) if ctx.output == "json" else f"unpinned {p.pin_id}")
 
 
@@ -364,9 +368,16 @@ def transfer(
     wait_timeout,
 ):
     """Hand a prefix's KV from one agent to another (prefill -> decode handoff)."""
-    scope = scope_kwargs(model_id, tokens, tokens_file, hashes, extra_keys, "", "")
-    if scope["token_ids"] is None and not scope["block_hashes"]:
-        fail("give the prefix: --tokens, --tokens-file or --hashes")
+    scope = scope_kwargs(
+        model_id,
+        tokens,
+        tokens_file,
+        hashes,
+        extra_keys,
+        "",
+        "",
+        "give the prefix: --tokens, --tokens-file or --hashes",
+    )
     seconds = parse_duration(deadline, "--deadline") if deadline else 0.0
     wait_timeout_seconds(wait_timeout)
     op = ctx.call(
@@ -394,9 +405,16 @@ def transfer(
 @pass_ctx
 def route(ctx: Context, model_id, tokens, tokens_file, hashes, extra_keys, role, prefill_agent_id):
     """Where a router would send a request: prefill agent, decode agent, and whether to split."""
-    scope = scope_kwargs(model_id, tokens, tokens_file, hashes, extra_keys, "", "")
-    if scope["token_ids"] is None and not scope["block_hashes"]:
-        fail("give the request: --tokens, --tokens-file or --hashes")
+    scope = scope_kwargs(
+        model_id,
+        tokens,
+        tokens_file,
+        hashes,
+        extra_keys,
+        "",
+        "",
+        "give the request: --tokens, --tokens-file or --hashes",
+    )
     if prefill_agent_id and role != "decode":
         fail(f"--prefill-agent: only with --role decode (--role {role} chooses the prefill agent itself)")
     r = ctx.call(
@@ -478,11 +496,11 @@ def op(ctx: Context, op_id, wait, wait_timeout):
     """One operation (with --wait: until it finishes)."""
     seconds = wait_timeout_seconds(wait_timeout)
     if not wait:
-        print_op(ctx, ctx.call(lambda c: c.get_operation(op_id)))
+        print_op(ctx, ctx.call(lambda c: c.get_operation(op_id), {"op_id": "OP_ID"}))
         return
     # patient from the first poll (a failover may be under way), one --wait-timeout in all
     start = time.monotonic()
-    first = ctx.call(lambda c: c.wait_operation(op_id, seconds, until_finished=False))
+    first = ctx.call(lambda c: c.wait_operation(op_id, seconds, until_finished=False), {"op_id": "OP_ID"})
     wait_and_print(ctx, first, wait, wait_timeout, seconds_left=max(0.0, seconds - (time.monotonic() - start)))
 
 
@@ -491,7 +509,7 @@ def op(ctx: Context, op_id, wait, wait_timeout):
 @pass_ctx
 def cancel(ctx: Context, op_id):
     """Cancel a running operation."""
-    op = ctx.call(lambda c: c.cancel_operation(op_id))
+    op = ctx.call(lambda c: c.cancel_operation(op_id), {"op_id": "OP_ID"})
     print_op(ctx, op)
     if ctx.output != "json" and not op.finished:  # agents stop at their next batch
         click.echo(f"  cancel requested: `kvctl op {op.op_id} --wait` shows where it stopped")

@@ -23,7 +23,7 @@ from controlplane.core import operations as ops
 from controlplane.core.access_stats import AccessStats
 from controlplane.core.clock import SteadyWallClock
 from controlplane.core.cluster import Cluster, ModelInfo
-from controlplane.core.pins import Pin
+from controlplane.core.pins import Pin, one_per_id
 from controlplane.core.scope import Scope
 from controlplane.core.tuning import CreditTuner
 from controlplane.manager_ops import OperationControl
@@ -31,7 +31,7 @@ from controlplane.manager_pins import PinControl
 from controlplane.manager_policy import PolicyControl
 from controlplane.store.durable import DurableStore, pin_key, pin_to_json
 from protos import errors, etcd_keys
-from protos.block_hash import BLOCK_HASH_BYTES, hash_prefix
+from protos.block_hash import BLOCK_HASH_BYTES, MAX_PROMPT_BLOCKS, check_prompt_size, hash_prefix
 from protos.namespaces import check_namespace
 from protos.tier import Tier
 
@@ -39,6 +39,7 @@ log = logging.getLogger(__name__)
 
 # after taking over: how long operations wait (Unavailable) for agents etcd lists to be back
 AGENTS_BACK_GRACE_SECONDS = 15.0
+OP_WRITE_LOCKS = 64  # operations written to etcd one write at a time per stripe (see _persist_op)
 
 
 class Manager(PinControl, OperationControl, PolicyControl):
@@ -90,6 +91,9 @@ class Manager(PinControl, OperationControl, PolicyControl):
         # op ids whose latest change etcd has not taken (an outage): retried every pass, and
         # load() keeps the in-memory op over the older stored one
         self._dirty: set[str] = set()
+        # one write of an operation at a time (striped by op id): two agents' reports of one
+        # operation, written from their stream threads, reach etcd in the order they were taken
+        self._op_write_locks = [threading.Lock() for _ in range(OP_WRITE_LOCKS)]
         self._lock_threads: set[str] = set()  # cleanups with a thread waiting for or holding their lock
         self._next_reload = 0.0
         # the watch on the pin keys (durable.watch_deletes): the generation of the one open
@@ -186,7 +190,7 @@ class Manager(PinControl, OperationControl, PolicyControl):
         values, revision = self.durable.load_policy()
         requeue, adopted = [], []
         with self._lock:
-            self.pins = {p.pin_id: p for p in pins}
+            self.pins, stale_pins = one_per_id(pins)
             merged: dict[str, ops.Operation] = {}
             kept: set[str] = set()  # held here: not adopted as another leader's
             for stored in loaded_ops:
@@ -219,6 +223,7 @@ class Manager(PinControl, OperationControl, PolicyControl):
                     adopted.append(op)
             self.policy = self._valid_stored_policy(values)
             self.policy_revision = revision
+        self._delete_stale_pins(stale_pins)
         holders = [op for op in adopted if op.kind == "cleanup" and not op.dry_run and not op.finished]
         if holders:
             with self._lock:
@@ -313,15 +318,32 @@ class Manager(PinControl, OperationControl, PolicyControl):
     def _model(self, model_id: str) -> ModelInfo:
         return self.cluster.model(model_id)
 
-    def resolve(self, scope: Scope, field: str = "scope") -> tuple[bytes, str]:
-        """-> (packed block hashes, namespace); hashes empty means the whole namespace."""
+    @staticmethod
+    def check_scope_form(scope: Scope, field: str = "scope") -> None:
+        """What `resolve` refuses without knowing the cluster (the model aside): checked
+        first, so bad input is said as such whatever the agents' state."""
         if scope.token_ids and scope.block_hashes:
             raise errors.InvalidArgument(f"{field}.token_ids", "give token_ids or block_hashes, not both")
         if scope.token_ids or scope.block_hashes:
             if not scope.model_id:
                 raise errors.InvalidArgument(f"{field}.model_id", "a prefix needs its model")
+            if len(scope.block_hashes) % BLOCK_HASH_BYTES:
+                raise errors.InvalidArgument(
+                    f"{field}.block_hashes",
+                    f"length {len(scope.block_hashes)} is not a multiple of {BLOCK_HASH_BYTES}",
+                )
+        elif not scope.namespace:
+            raise errors.InvalidArgument(f"{field}.namespace", "give a prefix (tokens or hashes) or a namespace")
+        check_namespace(scope.namespace, f"{field}.namespace")
+
+    def resolve(self, scope: Scope, field: str = "scope", per: str = "request") -> tuple[bytes, str]:
+        """-> (packed block hashes, namespace); hashes empty means the whole namespace.
+        `per`: what the size limit is said of (pin, transfer...)."""
+        self.check_scope_form(scope, field)
+        if scope.token_ids or scope.block_hashes:
             model = self._model(scope.model_id)
             if scope.token_ids:
+                check_prompt_size(len(scope.token_ids), model.block_size, per, f"{field}.token_ids")
                 try:
                     packed = hash_prefix(scope.model_id, list(scope.token_ids), model.block_size, scope.extra_keys)
                 except ValueError as exc:
@@ -331,15 +353,13 @@ class Manager(PinControl, OperationControl, PolicyControl):
                         f"{field}.token_ids", f"fewer tokens than one block ({model.block_size}) of {scope.model_id}"
                     )
             else:
-                if len(scope.block_hashes) % BLOCK_HASH_BYTES:
+                packed = scope.block_hashes
+                if len(packed) // BLOCK_HASH_BYTES > MAX_PROMPT_BLOCKS:
                     raise errors.InvalidArgument(
                         f"{field}.block_hashes",
-                        f"length {len(scope.block_hashes)} is not a multiple of {BLOCK_HASH_BYTES}",
+                        f"at most {MAX_PROMPT_BLOCKS} blocks per {per}; got {len(packed) // BLOCK_HASH_BYTES}",
                     )
-                packed = scope.block_hashes
             return packed, check_namespace(scope.namespace, f"{field}.namespace")
-        if not scope.namespace:
-            raise errors.InvalidArgument(f"{field}.namespace", "give a prefix (tokens or hashes) or a namespace")
         return b"", check_namespace(scope.namespace, f"{field}.namespace")
 
     def _check_agents_back(self, agent_ids: tuple[str, ...] = (), indexed: bool = False) -> None:
@@ -361,6 +381,7 @@ class Manager(PinControl, OperationControl, PolicyControl):
             )
 
     def _check_scope_agents_back(self, scope: Scope) -> None:
+        self.check_scope_form(scope)  # bad input is said as such, not "try again"
         self._check_agents_back(
             (scope.agent_id,) if scope.agent_id else (), indexed=bool(scope.token_ids or scope.block_hashes)
         )

@@ -11,6 +11,7 @@ import logging
 import math
 import threading
 import time
+import zlib
 
 from controlplane.core import operations as ops
 from controlplane.core.cluster import AgentCommand
@@ -42,6 +43,7 @@ class OperationControl(ManagerState):
     # ---- operations -----------------------------------------------------------------
     def _register_op(self, op: ops.Operation) -> None:
         self._persist_op(op)
+        trimmed = []
         with self._lock:
             self.ops[op.op_id] = op
             self._op_done[op.op_id] = threading.Event()
@@ -53,13 +55,19 @@ class OperationControl(ManagerState):
                 self._op_done.pop(old_id, None)
                 self._op_said.pop(old_id, None)
                 self._cancel_asked.pop(old_id, None)
-                try:
-                    self.durable.delete(etcd_keys.OPS_PREFIX + old_id)
-                except errors.KvcpError:  # etcd away: the record stays; a leader that loads it trims it again
-                    continue
+                trimmed.append(old_id)
+        for old_id in trimmed:  # outside the lock: a slow etcd holds up no agent's progress report
+            try:
+                self.durable.delete(etcd_keys.OPS_PREFIX + old_id)
+            except errors.KvcpError:  # etcd away: the record stays; a leader that loads it trims it again
+                break
 
     def _persist_op(self, op: ops.Operation) -> None:
-        self.durable.put(etcd_keys.OPS_PREFIX + op.op_id, op_to_json(op))
+        """Write the operation as it is when this write's turn comes: one write of an
+        operation at a time, so a slower write of an older state never lands after a
+        newer one (etcd would keep RUNNING after SUCCEEDED was answered)."""
+        with self._op_write_locks[zlib.crc32(op.op_id.encode()) % len(self._op_write_locks)]:
+            self.durable.put(etcd_keys.OPS_PREFIX + op.op_id, op_to_json(op))
 
     def _op_changed(self, op: ops.Operation) -> None:
         try:
@@ -128,7 +136,9 @@ class OperationControl(ManagerState):
         if codec and codec not in CODECS:
             raise errors.InvalidArgument("codec", f"unknown codec {codec!r}; expected one of {'|'.join(CODECS)}")
         self._check_scope_agents_back(scope)  # (before the model: a new leader may not know it yet)
-        packed, namespace = self.resolve(scope)
+        packed, namespace = self.resolve(scope, per="move")
+        if scope.model_id and not packed:
+            self._model(scope.model_id)  # a namespace's blocks of one model: a model it knows
         targets = self._targets(scope, packed)
         params = {"to": to_tier.label, "namespace": namespace if not packed else "", "blocks": str(len(packed) // 16)}
         if codec:
@@ -161,8 +171,9 @@ class OperationControl(ManagerState):
         # bad input is said as such, whatever the agents' state (not "try again")
         if not math.isfinite(deadline_seconds) or deadline_seconds < 0:
             raise errors.InvalidArgument("deadline_seconds", f"must be a finite number >= 0, got {deadline_seconds}")
+        self.check_scope_form(scope)
         self._check_agents_back(tuple(a for a in (from_agent_id, to_agent_id) if a), indexed=True)
-        packed, _ = self.resolve(scope)
+        packed, _ = self.resolve(scope, per="transfer")
         if not packed:
             raise errors.InvalidArgument("scope", "a transfer needs a prefix of a model (token_ids or block_hashes)")
         agents = {r.agent_id: r for r, _ in self.cluster.agents()}
@@ -209,7 +220,9 @@ class OperationControl(ManagerState):
         if codec not in CODECS:
             raise errors.InvalidArgument("codec", f"unknown codec {codec!r}; expected one of {'|'.join(CODECS)}")
         self._check_scope_agents_back(scope)
-        packed, namespace = self.resolve(scope)
+        packed, namespace = self.resolve(scope, per="compress")
+        if scope.model_id and not packed:
+            self._model(scope.model_id)  # a namespace's blocks of one model: a model it knows
         targets = self._targets(scope, packed)
         params = {"codec": codec, "namespace": namespace if not packed else "", "tier": tier.label if tier else ""}
         op = ops.new_operation("compress", params, list(targets), now=self.clock())
@@ -223,6 +236,7 @@ class OperationControl(ManagerState):
                     block_hashes=h,
                     codec=codec,
                     namespace=namespace if not h else "",
+                    model_id=scope.model_id if not h else "",  # a namespace's blocks of this model only
                     only_tier=int(tier) if tier else 0,
                 )
                 for a, h in targets.items()

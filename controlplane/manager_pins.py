@@ -10,10 +10,10 @@ import time
 from functools import partial
 
 from controlplane.core.cluster import AgentCommand
-from controlplane.core.pins import Pin, check_quota, new_pin, same_request
+from controlplane.core.pins import Pin, check_quota, new_pin, one_per_id, same_request
 from controlplane.core.scope import Scope, block_bytes
 from controlplane.manager_state import ManagerState
-from controlplane.store.durable import pin_from_json, pin_key, pin_to_json
+from controlplane.store.durable import LeaseNotFound, pin_from_json, pin_key, pin_to_json
 from protos import errors, etcd_keys
 from protos.block_hash import BLOCK_HASH_BYTES
 from protos.namespaces import check_namespace
@@ -47,7 +47,7 @@ class PinControl(ManagerState):
         try's answer was lost after etcd took it) and another request under that id is
         ALREADY_EXISTS."""
         self.ensure_loaded()
-        packed, namespace = self.resolve(scope)
+        packed, namespace = self.resolve(scope, per="pin")
         if not packed and scope.model_id:  # agents hold a namespace pin over every model's blocks in it
             raise errors.InvalidArgument(
                 "scope.model_id", "a namespace pin covers every model's blocks in it; give a prefix to pin one model's"
@@ -60,9 +60,7 @@ class PinControl(ManagerState):
             pinned_bytes = self.cluster.namespace_bytes(namespace, scope.agent_id)
         # etcd lease ids are int64: a larger one names no lease (and etcd's client cannot send it)
         if owner_lease_id and (owner_lease_id >= 1 << 63 or not self.durable.lease_alive(owner_lease_id)):
-            raise errors.InvalidArgument(
-                "owner_lease_id", f"lease {owner_lease_id} (0x{owner_lease_id:x}) does not exist or has expired"
-            )
+            raise self._lease_gone(owner_lease_id)
         pin = new_pin(
             namespace,
             scope.model_id,
@@ -99,7 +97,10 @@ class PinControl(ManagerState):
         key, value = pin_key(pin), pin_to_json(pin)
         lease_id = pin.owner_lease_id
         # an expired pin of ours under this id is simply replaced; else create only if free
-        held = self.durable.create(key, value, lease_id) if earlier is None else b""
+        try:
+            held = self.durable.create(key, value, lease_id) if earlier is None else b""
+        except LeaseNotFound:  # the owner's lease ended since it was checked
+            raise self._lease_gone(lease_id) from None
         if held:
             try:
                 stored = pin_from_json(held)
@@ -109,10 +110,20 @@ class PinControl(ManagerState):
                 self.pins[stored.pin_id] = stored
                 return self._same_pin(stored, pin)
         if held is not None:  # a pin past its TTL under this id, or none that parses: replaced
-            self.durable.put(key, value, lease_id)
+            # (an expired one of ours in another namespace: its key goes in the same write)
+            try:
+                self.durable.put(key, value, lease_id, replacing=pin_key(earlier) if earlier is not None else "")
+            except LeaseNotFound:
+                raise self._lease_gone(lease_id) from None
         self.pins[pin.pin_id] = pin
         self._unpinned.pop(pin.pin_id, None)  # made again under its id: the reload may list it
         return None
+
+    @staticmethod
+    def _lease_gone(lease_id: int) -> errors.InvalidArgument:
+        return errors.InvalidArgument(
+            "owner_lease_id", f"lease {lease_id} (0x{lease_id:x}) does not exist or has expired"
+        )
 
     @staticmethod
     def _same_pin(earlier: Pin, pin: Pin) -> Pin:
@@ -210,15 +221,26 @@ class PinControl(ManagerState):
             expired = [p for p in self.pins.values() if not p.active(now)]
         for p in expired:
             try:
-                self.durable.delete(pin_key(p))
+                self.durable.delete_pin(p)  # not a pin made again under its id meanwhile
             except errors.KvcpError as exc:
                 log.warning("could not delete expired pin %s yet: %s", p.pin_id, exc)
                 continue  # agents stop honouring it at its expiry anyway; retried next pass
             with self._lock:
-                self.pins.pop(p.pin_id, None)
+                if self.pins.get(p.pin_id) is not p:
+                    continue  # made again under its id while this pass swept: the new one stays
+                del self.pins[p.pin_id]
                 self._pin_refusals.clear()  # a lifted pin may free what an agent refused
             self.pins_expired_total += 1
             self.cluster.events.publish("pin_expired", f"pin {p.pin_id} expired (TTL)", pin_id=p.pin_id)
+
+    def _delete_stale_pins(self, stale: list[Pin]) -> None:
+        """Older pins under an id that a newer pin holds (in another namespace): deleted
+        (each only while it is the version read), so no load prefers them."""
+        for p in stale:
+            try:
+                self.durable.delete_pin(p)
+            except errors.KvcpError as exc:
+                log.warning("could not delete pin %s's older copy in namespace %s yet: %s", p.pin_id, p.namespace, exc)
 
     def _watch_pins(self) -> None:
         """A pin key deleted in etcd (its owner's lease ended) brings the reload forward to
@@ -259,7 +281,8 @@ class PinControl(ManagerState):
         """Level-triggered: etcd is the truth (a pin tied to an owner lease vanishes with it)."""
         with self._lock:
             before = dict(self.pins)  # a pin created (or made again) after the read below is not 'gone'
-        stored = {p.pin_id: p for p in self.durable.load_pins()}
+        stored, stale = one_per_id(self.durable.load_pins())
+        self._delete_stale_pins(stale)
         with self._lock:
             gone = [pid for pid, p in before.items() if self.pins.get(pid) is p and pid not in stored]
             for pid in gone:

@@ -140,16 +140,16 @@ def external_block_hash(h: int | bytes | bytearray | memoryview) -> bytes:
     raise ValueError(f"a block hash must be an int or bytes, not {type(h).__name__}")
 
 
-def check_prompt_size(num_tokens: int, block_size: int, per: str) -> None:
-    """Refuse (InvalidArgument on token_ids) a prompt of more full blocks than
+def check_prompt_size(num_tokens: int, block_size: int, per: str, field: str = "token_ids") -> None:
+    """Refuse (InvalidArgument on `field`) a prompt of more full blocks than
     min(MAX_PROMPT_BLOCKS, MAX_PROMPT_TOKENS // block_size): hashing it would hold the
-    caller's server up (a 20M-token one took 9 s). `per`: "lookup", "call"."""
+    caller's server up (a 20M-token one took 9 s). `per`: "lookup", "call", "pin"..."""
     from protos import errors
 
     most = min(MAX_PROMPT_BLOCKS, MAX_PROMPT_TOKENS // block_size)
     if num_tokens // block_size > most:
         raise errors.InvalidArgument(
-            "token_ids",
+            field,
             f"at most {most} blocks ({most * block_size} tokens, and a partial block after them) per {per}; "
             f"got {num_tokens} tokens",
         )

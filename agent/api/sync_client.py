@@ -112,6 +112,7 @@ class ControlPlaneLink:
         self._outbox: queue.Queue[agent_pb2.AgentMessage] = queue.Queue(maxsize=10_000)
         self._final: OrderedDict[str, tuple[float, agent_pb2.AgentMessage]] = OrderedDict()
         self._final_lock = threading.Lock()
+        self._cleanups_running: set[str] = set()  # op ids of cleanups this agent is running (pinged RUNNING)
         self.highest_epoch = 0
         # () -> (address, epoch) etcd names as leader; lets a lower epoch through when etcd
         # itself says so (etcd was reset: its revisions started again)
@@ -253,7 +254,11 @@ class ControlPlaneLink:
             self._pins_changed()
             self._reply(cmd.op_id, SUCCEEDED)
         elif kind == agent_pb2.COMMAND_KIND_CLEANUP:
-            result = pool.cleanup(cmd.older_than_seconds, cmd.namespace or None, cmd.model_id, cmd.dry_run)
+            self._cleanups_running.add(cmd.op_id)  # said RUNNING by the pings while it runs
+            try:
+                result = pool.cleanup(cmd.older_than_seconds, cmd.namespace or None, cmd.model_id, cmd.dry_run)
+            finally:
+                self._cleanups_running.discard(cmd.op_id)
             self._reply(
                 cmd.op_id,
                 SUCCEEDED,
@@ -404,8 +409,11 @@ class ControlPlaneLink:
             return [msg for _, msg in self._final.values()]
 
     def _queued_op_pings(self):
-        """A PENDING update for each control-plane operation still queued behind another:
-        the control plane would otherwise fail it for silence, then see it run anyway."""
+        """A PENDING update for each control-plane operation still queued behind another,
+        and a RUNNING one for a cleanup still under way: the control plane would otherwise
+        fail it for silence (and let the next cleanup of its scope in), then see it run."""
+        for op_id in list(self._cleanups_running):
+            yield agent_pb2.AgentMessage(op_update=agent_pb2.OpUpdate(op_id=op_id, state="RUNNING"))
         if self._mover is None:
             return
         for op in self._mover.ops():

@@ -136,6 +136,22 @@ def same_request(a: Pin, b: Pin) -> bool:
     ) and abs(ttl_a - ttl_b) <= 1e-6 * max(ttl_a, ttl_b, 1.0)
 
 
+def one_per_id(pins: list[Pin]) -> tuple[dict[str, Pin], list[Pin]]:
+    """The pins etcd holds, one per id: the newest made (a pin id made again in another
+    namespace, where the old key could not be deleted), and the others, to be deleted."""
+    chosen: dict[str, Pin] = {}
+    others: list[Pin] = []
+    for p in pins:
+        held = chosen.get(p.pin_id)
+        if held is None or p.created_unix_seconds > held.created_unix_seconds:
+            chosen[p.pin_id] = p
+            if held is not None:
+                others.append(held)
+        else:
+            others.append(p)
+    return chosen, others
+
+
 def pinned_bytes_of(pins: list[Pin], namespace: str, now: float, namespace_bytes: Callable[[str], int]) -> int:
     """What the namespace's live pins hold, a namespace's own blocks once. A whole-namespace
     pin covers whatever the namespace holds now on the agents it applies to

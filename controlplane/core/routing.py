@@ -218,6 +218,16 @@ def route(
             agents, num_blocks, block_bytes, params, prefill_agent_id, p.dataplane if p is not None else None
         )
         if not scores:
+            if p is not None and p.role == BOTH:  # the prefill agent decodes too: no handoff
+                return RouteDecision(
+                    role,
+                    p.agent_id,
+                    prefill_agent_id=p.agent_id,
+                    decode_agent_id=p.agent_id,
+                    reason=f"no other decode agent: decode stays on {p.agent_id} (role both), no handoff",
+                )
+            if p is not None and p.role == DECODE:
+                return RouteDecision(role, reason=f"no decode agent besides the prefill agent {p.agent_id}")
             return RouteDecision(role, reason="no agent takes decode (roles decode or both)")
         best = scores[0]
         return RouteDecision(

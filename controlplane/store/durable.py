@@ -168,6 +168,15 @@ def op_from_json(raw: bytes) -> Operation:
 _NEVER_SENT = ("failed to connect", "connection refused", "no route to host", "dns resolution", "name resolution")
 
 
+class LeaseNotFound(Exception):
+    """etcd refused a write tied to a lease it does not have (expired or revoked)."""
+
+
+def _lease_not_found(exc: Exception) -> bool:
+    details = getattr(exc, "details", None)
+    return "lease not found" in f"{details() if callable(details) else ''} {exc}"
+
+
 def _timed_out(exc: Exception) -> bool:
     """A call that may have reached etcd and got no answer (maybe applied): a timeout, or
     a connection that broke mid-call ("Socket closed", a reset: etcd killed while the
@@ -219,6 +228,8 @@ class DurableStore:
                 failure=[c.transactions.get(etcd_keys.LEADER_KEY), *failure] if compare else [],
             )
         except Exception as exc:  # noqa: BLE001 - any other etcd failure is "unavailable"
+            if _lease_not_found(exc):  # an owner's lease that ended since it was checked: etcd is fine
+                raise LeaseNotFound() from None
             refusal = etcd_keys.refusal_reason(exc)
             if refusal == etcd_keys.NOSPACE_ADVICE:  # answered: nothing applied; deletes (unpin) still go
                 self.errors_total += 1
@@ -244,9 +255,12 @@ class DurableStore:
             return False, responses[1:]
         return True, []
 
-    def put(self, key: str, value: str, lease_id: int = 0) -> None:
+    def put(self, key: str, value: str, lease_id: int = 0, replacing: str = "") -> None:
+        """Write `key`; `replacing`: another key deleted in the same transaction (a pin id
+        made again in another namespace leaves no copy under the old one)."""
         c = self._client
-        self._fenced([c.transactions.put(key, value, lease_id or None)])
+        gone = [c.transactions.delete(replacing)] if replacing and replacing != key else []
+        self._fenced([*gone, c.transactions.put(key, value, lease_id or None)])
 
     def create(self, key: str, value: str, lease_id: int = 0) -> bytes | None:
         """Put `key` only if it does not exist: None when written, else the value etcd
@@ -272,6 +286,28 @@ class DurableStore:
 
     def delete(self, key: str) -> None:
         self._fenced([self._client.transactions.delete(key)])
+
+    def delete_pin(self, pin: Pin) -> None:
+        """Delete `pin`'s key only while it holds this version of the pin: a pin made again
+        under its id meanwhile (a client renewing it as it expires) stays."""
+        c = self._client
+        key = pin_key(pin)
+        for _ in range(3):  # the key changed between the read and the delete: read it again
+            try:
+                raw, meta = c.get(key)
+            except Exception as exc:  # noqa: BLE001
+                raise self._unavailable(exc) from None
+            if raw is None:
+                return
+            try:
+                if pin_from_json(raw).version != pin.version:
+                    return  # another pin under this id now: not ours to delete
+            except (ValueError, KeyError):
+                pass  # a record that does not parse under our pin's key: it goes with it
+            ok, _ = self._fenced([c.transactions.delete(key)], compare=[c.transactions.mod(key) == meta.mod_revision])
+            if ok:
+                return
+        raise errors.Unavailable(f"pin {pin.pin_id}'s key kept changing while it was being deleted; retried later")
 
     def _prefix(self, prefix: str) -> list[bytes]:
         try:

@@ -144,7 +144,16 @@ def test_pin_move_cleanup_from_kvctl(cluster, tmp_path):
 @pytest.mark.parametrize(
     "args, needle",
     [
-        (["unpin", "no-such-pin"], "no pin 'no-such-pin'"),
+        (["unpin", "no-such-pin"], "PIN_ID (pin_id): no pin 'no-such-pin'"),  # its argument, not --pin-id
+        (["--endpoint", "garbage", "pins"], "--endpoint: 'garbage' is not HOST:PORT"),
+        (["--endpoint", "127.0.0.1", "pins"], "--endpoint: '127.0.0.1' is not HOST:PORT"),  # not gRPC's port 443
+        (["--endpoint", "http://127.0.0.1:1", "pins"], "is not HOST:PORT"),
+        (["--endpoint", "127.0.0.1:99999", "pins"], "is not HOST:PORT"),
+        (["transfer", "--model", M.model_id, "--from", "agent-d", "--to", "x"], "give the prefix: --tokens"),
+        (["route", "--model", M.model_id], "give the request: --tokens"),  # neither has --namespace
+        # a namespace's blocks of one model: a model the cluster knows (compress re-encoded every model's)
+        (["compress", "--codec", "int8", "--namespace", "kb", "--model", "nope"], "unknown model 'nope'"),
+        (["move", "--namespace", "kb", "--model", "nope", "--to", "disk"], "unknown model 'nope'"),
         (["pin", "--namespace", "kb", "--ttl", "soon"], "--ttl: 'soon' is not a duration"),
         (
             ["pin", "--namespace", "kb", "--model", M.model_id, "--ttl", "1h"],
@@ -166,7 +175,7 @@ def test_pin_move_cleanup_from_kvctl(cluster, tmp_path):
         (["compress", "--codec", "lz4", "--namespace", "kb"], "unknown codec 'lz4'"),
         (["policy", "set", "quota.kb=lots"], "quota.kb"),
         (["policy", "set", "nonsense"], "is not key=value"),
-        (["op", "nope"], "no operation 'nope'"),
+        (["op", "nope"], "OP_ID (op_id): no operation 'nope'"),
         (["op", "nope", "--wait", "--wait-timeout", "0"], "--wait-timeout"),
         (["cleanup", "--wait", "--wait-timeout", "soon"], "--wait-timeout: 'soon' is not a duration"),
         # an empty prefix is no prefix: it must not turn into "the whole namespace"
@@ -221,12 +230,53 @@ def test_wait_gives_up_after_wait_timeout(cluster, etcd_server):
 def test_route_without_an_agent_fails_in_both_formats(cluster):
     """No agent to route to: non-zero for scripts (-o json, the decision still printed)
     as for people."""
-    args = ("route", "--model", M.model_id, "--tokens", "1,2,3", "--role", "decode", "--prefill-agent", "agent-d")
+    args = ("route", "--model", "nobody-serves-it", "--tokens", "1,2,3", "--role", "prefill")
     table = kvctl(cluster.endpoint, *args, check=False)
-    assert table.returncode != 0 and "no agent to route to" in table.stderr, table
+    assert table.returncode != 0, table
     js = kvctl(cluster.endpoint, "-o", "json", *args, check=False)
     assert js.returncode == table.returncode, js
-    assert json.loads(js.stdout)["agent_id"] == "" and "no agent to route to" in js.stderr
+
+
+def test_decode_for_a_prefill_agent_of_role_both_stays_on_it(cluster):
+    """The only agent (role both) prefilled: --role decode said "no agent takes decode"
+    and exited 2, though pair mode puts decode there (an operator's review)."""
+    args = ("route", "--model", M.model_id, "--tokens", "1,2,3", "--role", "decode", "--prefill-agent", "agent-d")
+    r = j(cluster, *args)
+    assert r["agent_id"] == r["decode_agent_id"] == "agent-d" and not r["disaggregate"], r
+    assert "no other decode agent" in r["reason"]
+
+
+def test_kvctl_names_what_is_wrong_with_where_it_was_sent(cluster, tmp_path):
+    """An empty KVCTL_ENDPOINT went to the default address (someone else's cluster on a
+    shared host); an agent's port gave "Method not found!"; a prompt over the limit blamed
+    --hashes, which the user never gave (an operator's review)."""
+    import os
+    import subprocess
+
+    from tests.helpers import script
+
+    env = dict(os.environ, KVCTL_ENDPOINT="")
+    proc = subprocess.run([script("kvctl"), "pins"], capture_output=True, text=True, timeout=30, env=env)
+    assert proc.returncode == 2 and "KVCTL_ENDPOINT: set but empty" in proc.stderr, proc
+    env["KVCTL_ENDPOINT"] = "127.0.0.1"
+    proc = subprocess.run([script("kvctl"), "pins"], capture_output=True, text=True, timeout=30, env=env)
+    assert proc.returncode == 2 and "KVCTL_ENDPOINT: '127.0.0.1' is not HOST:PORT" in proc.stderr, proc
+
+    agent = f"127.0.0.1:{cluster.agent_ports['agent-d']}"
+    proc = kvctl(agent, "stats", check=False)
+    assert proc.returncode == 1 and f"{agent} does not serve the kvcp admin API" in proc.stderr, proc
+
+    huge = tmp_path / "huge.txt"
+    huge.write_text(",".join(map(str, range(1_100_000))))
+    for args in (
+        ("pin", "--model", M.model_id, "--tokens-file", str(huge), "--ttl", "1m"),
+        ("transfer", "--model", M.model_id, "--tokens-file", str(huge), "--from", "agent-d", "--to", "x"),
+        ("move", "--model", M.model_id, "--tokens-file", str(huge), "--to", "disk"),
+    ):
+        proc = kvctl(cluster.endpoint, *args, check=False)
+        assert proc.returncode == 1, proc
+        assert "--tokens/--tokens-file (scope.token_ids): at most" in proc.stderr, proc.stderr
+        assert f"per {args[0]}; got 1100000 tokens" in proc.stderr, proc.stderr
 
 
 def test_a_server_error_about_a_field_names_the_flag_that_set_it():

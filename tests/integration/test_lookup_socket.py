@@ -347,3 +347,19 @@ def test_a_burst_of_routers_connecting_at_once_all_get_answers(tmp_path):
     finally:
         server.stop()
     assert failures == [], failures[:3]
+
+
+def test_a_lookup_over_the_frame_limit_is_refused_before_it_is_sent(tmp_path):
+    """3M token ids are over the socket's 8 MiB frame: the server refused and closed while
+    the client still wrote, and kvctl printed "[Errno 32] Broken pipe" (an operator's
+    review). Refused here, naming the field, without a connection."""
+    import pytest
+
+    from cli.client import ClientError, LookupSocket
+    from protos.kvcp.v1 import admin_pb2
+
+    client = LookupSocket(f"unix:{tmp_path}/nobody.sock", timeout_seconds=1)
+    request = admin_pb2.LookupRequest(model_id="m", token_ids=[1 << 20] * 3_000_000)
+    with pytest.raises(ClientError, match="token_ids: a lookup of 3000000 tokens") as info:
+        client.call(request)
+    assert info.value.code == "INVALID_ARGUMENT"

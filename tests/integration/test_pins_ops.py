@@ -704,6 +704,8 @@ def test_a_pin_made_again_under_its_id_during_a_reload_stays_listed(controlplane
 
     m = controlplane.manager
     m.ensure_loaded()
+    m.run_once = lambda now=None: None  # the loop's own reload would take the racing read first
+    time.sleep(0.5)  # a pass under way ends
     m.pin(Scope(namespace="ns"), Tier.CPU, 600, pin_id="X")
     real = m.durable.load_pins
     calls = []

@@ -411,3 +411,33 @@ def test_a_final_update_lost_with_its_stream_or_a_full_outbox_is_sent_again(agen
     ]
     assert [(u.op_id, u.state) for u in finals] == [("op-lost", SUCCEEDED), ("op-dropped", SUCCEEDED)]
     assert finals[0].num_done_blocks == 1 and finals[1].num_done_blocks == 1
+
+
+def test_a_long_cleanup_is_said_running_while_it_runs(agent):
+    """A cleanup runs on the command loop and said nothing until it ended: one longer
+    than the control plane's silence timeout (a large disk tier) was failed, and its scope
+    lock let the next cleanup in (a review). The link's pings say it is RUNNING."""
+    import threading
+
+    store(agent, 3)
+    entered, release = threading.Event(), threading.Event()
+    real = agent.pool.cleanup
+
+    def slow_cleanup(*args, **kwargs):
+        entered.set()
+        release.wait(10)
+        return real(*args, **kwargs)
+
+    agent.pool.cleanup = slow_cleanup
+    cmd = command(agent_pb2.COMMAND_KIND_CLEANUP, "op-slow-cleanup", older_than_seconds=0.0)
+    t = threading.Thread(target=agent.link.handle_command, args=(1, cmd))
+    t.start()
+    try:
+        assert entered.wait(10)
+        pings = [m.op_update for m in agent.link._queued_op_pings()]
+        assert [(u.op_id, u.state) for u in pings] == [("op-slow-cleanup", RUNNING)]
+    finally:
+        release.set()
+        t.join(10)
+    assert [u.state for u in updates(agent)] == [SUCCEEDED]
+    assert list(agent.link._queued_op_pings()) == []  # ended: no more pings

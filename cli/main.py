@@ -227,6 +227,8 @@ def tls_config(ca_file: str, cert_file: str, key_file: str) -> TLSConfig | None:
     """The TLS files, checked now: a file that cannot be read or is not PEM gets one line
     naming its option here, not a traceback when the first channel (or the dashboard) opens."""
     if not ca_file:
+        if cert_file or key_file:  # mTLS asked for, plain text would be used: say so
+            fail("--tls-cert/--tls-key need --tls-ca (the CA of the control plane's certificate) to use TLS")
         return None
     try:
         context = ssl.create_default_context(cafile=ca_file)
@@ -336,7 +338,7 @@ def lookup(ctx: Context, model_id, tokens, tokens_file, hashes, extra_keys):
         click.echo(output.dumps(view))
         return
     click.echo(
-        f"model {view.model_id}: {view.num_tokens} tokens, {view.num_blocks} full blocks; "
+        f"model {view.model_id}: {view.num_tokens} tokens, {view.num_blocks} full block{'' if view.num_blocks == 1 else 's'}; "
         f"best agent: {view.best_agent_id or '(none: nothing cached)'}"
     )
     if view.agents:

@@ -70,8 +70,13 @@ def _duration(seconds: float) -> str:
         return str(seconds)
     for unit, size in (("d", 86400), ("h", 3600), ("m", 60), ("s", 1)):
         if abs(seconds) >= size:
-            return f"{seconds / size:.4g}{unit}"
-    return f"{seconds * 1000:.4g}ms"
+            return f"{_short(seconds / size)}{unit}"
+    return f"{_short(seconds * 1000)}ms"
+
+
+def _short(value: float) -> str:
+    """100000 as 100000 (not 1e+05), 1.5 as 1.5, 1/3 as 0.3333."""
+    return f"{value:.0f}" if value >= 1e4 else f"{value:.4g}"
 
 
 def new_pin(

@@ -166,6 +166,8 @@ def test_pin_move_cleanup_from_kvctl(cluster, tmp_path):
         (["dashboard", "--endpoint", ",,"], "--endpoint: empty"),  # and showed ',,' as its title
         (["pin", "--namespace", "kb", "--ttl", "0.5ms"], "--ttl (ttl_seconds): 0.5ms is under the 1s minimum"),
         (["pin", "--namespace", "kb", "--ttl", "400d"], "--ttl (ttl_seconds): 400d is not between 1s and 365d"),
+        (["pin", "--namespace", "kb", "--ttl", "100000d"], "100000d is not between"),  # not 1e+05d
+        (["--tls-key", "client.key", "pins"], "--tls-cert/--tls-key need --tls-ca"),  # not plain text unsaid
         (["pin", "--namespace", "kb", "--ttl", "1h", "--tier", "ssd"], "unknown tier 'ssd'"),
         (["pin", "--namespace", "kb"], "needs a TTL"),
         (["pin", "--namespace", "kb", "--tier", "ssd"], "--tier: unknown tier 'ssd'"),  # said before the TTL

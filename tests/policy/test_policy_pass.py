@@ -317,8 +317,17 @@ class PinsInMemory:
     def __init__(self):
         self.kv = {}
 
-    def put(self, key, value, lease=0):
+    def put(self, key, value, lease=0, replacing=""):
+        if replacing:
+            self.kv.pop(replacing, None)
         self.kv[key] = value
+
+    def delete_pin(self, pin):  # only the version it names, as DurableStore.delete_pin
+        from controlplane.store.durable import pin_from_json, pin_key
+
+        held = self.kv.get(pin_key(pin))
+        if held is not None and pin_from_json(held).version == pin.version:
+            del self.kv[pin_key(pin)]
 
     def create(self, key, value, lease=0):
         if key in self.kv:

@@ -725,8 +725,11 @@ class DataPlane(HandoffPaths):
             self._abort(stub, rid, str(exc), True, deadline)
             raise
         except (RuntimeError, cf.CancelledError) as exc:
-            if not self._closing:
-                raise
+            if not self._closing:  # a fault on this side (a torch read of the source, say): the
+                # engine still gets an answer, and the peer's pages wait out a quarantine
+                log.exception("handoff attempt to %s failed on this agent", peer.agent_id)
+                self._abort(stub, rid, f"sender error: {type(exc).__name__}", False, deadline)
+                raise PathError(f"this attempt failed on the sending agent ({type(exc).__name__}: {exc})") from None
             # the agent is stopping: its copy and write threads take no more work
             self._abort(stub, rid, "the sending agent is stopping", False, deadline)
             raise PathError(f"this agent is stopping ({exc or type(exc).__name__})", permanent=True) from None

@@ -34,7 +34,7 @@ from agent.core.handoff import (
 )
 from agent.core.tier_store import BlockUnreadable, is_slab
 from agent.store.shm import PeerSlab, host_id
-from agent.store.transfer_engine import TransferFailed
+from agent.store.transfer_engine import TransferFailed, TransferTimedOut
 from protos.kvcp.v1 import agent_pb2
 
 if TYPE_CHECKING:
@@ -326,13 +326,21 @@ class HandoffPaths:
             max(chunk_bytes, min(self.config.engine_verify_group_bytes, wanted // ENGINE_VERIFY_GROUPS)),
             self.config.verify_while_sending,
         )
+        try:
+            slots = list(zip(resp.slots.addresses, resp.slots.lengths, strict=True))
+        except ValueError:
+            raise PathError(
+                "the peer's reservation gives addresses and lengths that do not pair", path_off=True
+            ) from None
+        reserved = sum(n for _, n in slots)
+        if reserved != wanted:  # (before the writer starts: only the finally below stops it)
+            raise PathError(f"the peer reserved {reserved} B for {wanted} B of blocks", path_off=True)
         total = 0
         bounces: list[torch.Tensor] = []
         inflight: list[tuple[int, list[int], cf.Future, int, list[int]]] = []
         futures: list[cf.Future] = []
         batches: queue.SimpleQueue = queue.SimpleQueue()
         stop = threading.Event()
-        self._writers.submit(self._write_chain, endpoint, batches, stop)
         stalled = False
 
         def finish(k: int, chunk: list[int], fut: cf.Future, nbytes: int, sums: list[int]) -> None:
@@ -360,12 +368,9 @@ class HandoffPaths:
                 v.result()
             stub.Commit(request, timeout=left(self._commit_seconds(nbytes)))
 
-        slots = list(zip(resp.slots.addresses, resp.slots.lengths, strict=True))
-        reserved = sum(n for _, n in slots)
-        if reserved != wanted:
-            raise PathError(f"the peer reserved {reserved} B for {wanted} B of blocks", path_off=True)
         dst = RunCursor(slots)
         bounced: dict[int, torch.Tensor] = {}
+        self._writers.submit(self._write_chain, endpoint, batches, stop)
         try:
             for k, chunk in enumerate(chunks):
                 src_runs: list[tuple[int, int]] = []
@@ -420,6 +425,10 @@ class HandoffPaths:
                 self.engine.unregister(b.data_ptr())
             if pending and not stalled:
                 raise Stalled(f"engine writes to {peer.agent_id} did not end after an error") from None
+            if not stalled and any(_may_still_land(f) for f in futures):
+                # whatever error came first (another batch's failure, a verify's), a batch
+                # the engine gave up on may land later: its pages go to quarantine, not free
+                raise Stalled(f"an engine write to {peer.agent_id} timed out and may still land") from None
         return total
 
     def _hold_until_done(self, futures: list[cf.Future], held: list[BlockMeta], bounces: list[torch.Tensor]) -> None:
@@ -472,6 +481,11 @@ class HandoffPaths:
             timeout=left(self._commit_seconds(sent[0])),
         )
         return sent[0]
+
+
+def _may_still_land(fut: cf.Future) -> bool:
+    """A batch's future that ended with the engine not saying the write ended."""
+    return fut.done() and not fut.cancelled() and isinstance(fut.exception(), TransferTimedOut)
 
 
 def _raise_failed(calls: list, wait_seconds: float = 0.0) -> None:

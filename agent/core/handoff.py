@@ -202,6 +202,7 @@ class Reservations:
         # it existed (an Abort that raced the Reserve, its commit, its expiry): their pages
         # wait out the plain quarantine, not the writer
         self._writer_done: OrderedDict[str, None] = OrderedDict()
+        self._aborted_while_reserving: set[str] = set()  # Aborts that came while their Reserve found pages
         self.committed_total = 0
         self.aborted_total = 0
         self.expired_total = 0
@@ -290,10 +291,18 @@ class Reservations:
             with self._lock:
                 self._open.pop(rid, None)
             raise
+        with self._lock:
+            aborted = rid in self._aborted_while_reserving
+            self._aborted_while_reserving.discard(rid)
+            if aborted or not handles:
+                self._open.pop(rid, None)
+        if aborted:  # its sender gave up on this Reserve while pages were found: none was written
+            self.pool.release_reserved(handles, self.tier)
+            self.pool.release_chain(present)
+            self.aborted_total += 1
+            raise errors.FailedPrecondition(f"reservation_id: {rid!r} was aborted by its sender while it was made")
         if not handles:  # all present: nothing to write or commit, so nothing is kept open
             self.pool.release_chain(present)
-            with self._lock:
-                self._open.pop(rid, None)
         now = self.clock()
         r = Reservation(
             rid,
@@ -453,6 +462,10 @@ class Reservations:
     def abort(self, reservation_id: str, quiesced: bool = False) -> bool:
         held: list[_Held] = []
         with self._lock:
+            if reservation_id in self._open and self._open[reservation_id] is None:
+                # its Reserve is still finding pages: it keeps the slot, and lets them go when done
+                self._aborted_while_reserving.add(reservation_id)
+                return True
             r = self._open.pop(reservation_id, None)
             # read with the pop: a writer attaches only to an open reservation (attach_writer)
             free_now = quiesced and r is not None and not r.writers

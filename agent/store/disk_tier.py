@@ -52,6 +52,7 @@ import struct
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import wait as wait_all
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -829,8 +830,11 @@ class DiskTier:
                 futures.append(io.submit(self._read_runs, g, items, out, pad))
             except RuntimeError:  # the pool is shutting down: read it here
                 inline.append(g)
-        for g in inline:
-            self._read_runs(g, items, out, pad)
+        try:
+            for g in inline:
+                self._read_runs(g, items, out, pad)
+        finally:  # an error here still waits for the reads into the caller's pages (it may free them)
+            wait_all(futures)
         for f in futures:
             f.result()
         return out

@@ -5,6 +5,8 @@ from __future__ import annotations
 import dataclasses
 import json
 
+from protos.units import human_bytes
+
 STALE_NOTE = "possibly stale: answered from memory (etcd unreachable) or while agents resync"
 
 
@@ -32,15 +34,6 @@ def table(headers: list[str], rows: list[list[object]]) -> str:
     for row in cells:
         lines.append("  ".join(c.ljust(widths[i]) for i, c in enumerate(row)).rstrip())
     return "\n".join(lines)
-
-
-def human_bytes(n: int) -> str:
-    value = float(n)
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if value < 1024 or unit == "TiB":
-            return f"{value:.0f} {unit}" if unit == "B" else f"{value:.1f} {unit}"
-        value /= 1024
-    return f"{n} B"
 
 
 def usage_cell(used: int, capacity: int) -> str:

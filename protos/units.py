@@ -1,5 +1,6 @@
 """Sizes as people write them, one parser for every flag and policy value:
-'4096', '64MiB' / '64Mi' / '64M' (binary), '64MB' (decimal), up to TiB/TB."""
+'4096', '64MiB' / '64Mi' / '64M' (binary), '64MB' (decimal), up to TiB/TB; and one
+way to show them (`human_bytes`)."""
 
 from __future__ import annotations
 
@@ -23,3 +24,13 @@ def parse_size(text: str) -> int:
     if unit not in _UNITS or not math.isfinite(value) or value < 0:
         raise ValueError(f"{text!r} is not a size (examples: 4096, 64MiB, 2GiB, 500MB)")
     return int(value * _UNITS[unit])
+
+
+def human_bytes(n: int) -> str:
+    """1536 -> '1.5 KiB' (binary units, as sizes are given)."""
+    value = float(n)
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if value < 1024 or unit == "TiB":
+            return f"{value:.0f} {unit}" if unit == "B" else f"{value:.1f} {unit}"
+        value /= 1024
+    return f"{n} B"

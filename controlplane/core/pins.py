@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from protos import errors
 from protos.namespaces import check_namespace
 from protos.tier import Tier
+from protos.units import human_bytes
 
 _PIN_ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
 MAX_PIN_BLOCKS = 1 << 16
@@ -211,6 +212,7 @@ def check_quota(pins: list[Pin], new: Pin, quota_bytes: int | None, namespace_by
     after = pinned_bytes_of([*pins, new], new.namespace, now, namespace_bytes)
     if after > quota_bytes and after > before:
         raise errors.ResourceExhausted(
-            f"pin quota of namespace {new.namespace!r} exceeded: {before} B pinned + {after - before} B asked "
-            f"> quota {quota_bytes} B; unpin something or raise quota.{new.namespace}"
+            f"pin quota of namespace {new.namespace!r} exceeded: {human_bytes(before)} pinned + "
+            f"{human_bytes(after - before)} asked > quota {human_bytes(quota_bytes)}; "
+            f"unpin something or raise quota.{new.namespace}"
         )

@@ -15,6 +15,7 @@ from cli.client import ClientError, ControlPlaneClient
 from protos import etcd_keys
 from protos.block_hash import hash_prefix, split_hashes
 from protos.tier import Tier
+from protos.units import human_bytes
 from tests.helpers import wait_for
 
 M = DEMO_MODEL
@@ -147,9 +148,8 @@ def test_namespace_pins_are_charged_each_byte_once_and_on_their_agent(client, ma
         client.unpin("cq-all")
         with pytest.raises(ClientError) as info:  # outside agent-2's pin: it adds its 2 blocks
             client.pin(model_id=M.model_id, token_ids=tokens(2, start=900), namespace="cq", ttl_seconds=60)
-        assert info.value.code == "RESOURCE_EXHAUSTED" and f"{size} B pinned + {2 * M.block_bytes} B asked" in str(
-            info.value
-        )
+        asked = f"{human_bytes(size)} pinned + {human_bytes(2 * M.block_bytes)} asked"
+        assert info.value.code == "RESOURCE_EXHAUSTED" and asked in str(info.value)
     finally:
         client.set_policy({"quota.cq": "none"})
         for p in client.list_pins("cq"):

@@ -87,7 +87,8 @@ class VllmEventSubscriber:
         self._dealer: zmq.Socket | None = None
         self._started = False
         self._reconnected = False  # the publisher's connection came back since the last batch
-        self._read_at_start = False  # the replay buffer was read at start: no live batch seen yet
+        self._read_at_start = False  # the replay buffer was read at start: no live batch past it seen yet
+        self._read_until = -1  # ... up to this batch
         self._said_block_size = False
 
     # ---- applying -------------------------------------------------------------------
@@ -97,10 +98,15 @@ class VllmEventSubscriber:
         try:
             batch = decode_batch(payload, self.group)
             stored, removed = self.external.apply(batch)
-        except MalformedBatch as exc:
+        except Exception as exc:  # noqa: BLE001 - MalformedBatch, or what no check foresaw: never raised on
             st.malformed_total += 1
             # what it stored or removed is unknown: nothing of the engine's is claimed
             dropped = self.external.clear()
+            if not isinstance(exc, MalformedBatch):
+                log.exception(
+                    "vLLM KV event batch %d could not be applied; forgot the engine's %d blocks", seq, dropped
+                )
+                return
             loud = isinstance(exc, BlockSizeMismatch) and not self._said_block_size
             self._said_block_size |= loud  # (said once as an error: every batch after repeats it)
             level = log.error if loud else log.debug if isinstance(exc, BlockSizeMismatch) else log.warning
@@ -122,20 +128,12 @@ class VllmEventSubscriber:
             log.warning("vLLM KV event message with %d frames skipped (want [topic, seq, payload])", len(frames))
             return
         seq = int.from_bytes(frames[1], "big")
-        if self._reconnected and self._started:
-            # the publisher's connection dropped and came back: the engine behind it may be a
-            # new one whose numbers passed the old one's (a gap would then be filled from the
-            # wrong engine, and the old engine's blocks claimed for good): start over from
-            # its replay buffer, as at start
-            log.info("vLLM KV event publisher %s is back: reading its blocks again", self.endpoint)
-            self.external.clear()
-            st.last_seq = -1
-            self._started = False
-        self._reconnected = False
+        if self._reconnected:
+            self.publisher_back()
         if self._read_at_start:
-            self._read_at_start = False
-            if self._started and seq <= st.last_seq:
+            if self._started and seq <= self._read_until:
                 return  # published while the buffer was read at start: applied from it already
+            self._read_at_start = False
         if not self._started:
             self._started = True
             if seq > 0:
@@ -175,7 +173,21 @@ class VllmEventSubscriber:
         self._replay(0, 1 << 62, initial=True)
         if st.last_seq >= 0:
             self._started = self._read_at_start = True
+            self._read_until = st.last_seq
             log.info("vLLM KV events: read the engine's replay buffer up to batch %d", st.last_seq)
+
+    def publisher_back(self) -> None:
+        """The publisher's connection dropped and came back: the engine behind it may be a
+        new one whose numbers passed the old one's (a gap would then be filled from the
+        wrong engine, and the old engine's blocks claimed for good): start over from its
+        replay buffer at once, as at start (an idle new engine holds nothing of the old's)."""
+        self._reconnected = False
+        if self._started:
+            log.info("vLLM KV event publisher %s is back: reading its blocks again", self.endpoint)
+        self.external.clear()
+        self.stats.last_seq = -1
+        self._started = self._read_at_start = False
+        self.read_buffer_at_start()
 
     def _replay_from_start(self, until: int) -> None:
         """The engine's history before live batch `until`, from wherever its replay buffer
@@ -199,6 +211,14 @@ class VllmEventSubscriber:
         `replay_timeout_seconds` of the one before (a full buffer takes as long as it takes)."""
         if not self.replay_endpoint or self._dealer is None:
             return
+        try:
+            self._replay_answer(start, until, initial)
+        except BaseException:
+            self._reset_dealer()  # the rest of this answer must not be read as the next one's
+            raise
+
+    def _replay_answer(self, start: int, until: int, initial: bool) -> None:
+        assert self._dealer is not None
         st = self.stats
         self._dealer.send_multipart([b"", start.to_bytes(8, "big")])
         while True:
@@ -258,6 +278,16 @@ class VllmEventSubscriber:
         st.last_seq = -1
 
     # ---- loop -----------------------------------------------------------------------
+    def _guarded(self, step, *args) -> None:
+        """One step of the loop; whatever it raises, the subscriber goes on, claiming
+        nothing of the engine's it may have got wrong."""
+        try:
+            step(*args)
+        except Exception:  # noqa: BLE001 - one bad message never stops the subscriber
+            self.stats.malformed_total += 1
+            dropped = self.external.clear()
+            log.exception("vLLM KV events could not be applied; forgot the engine's %d blocks", dropped)
+
     def run_forever(self, stop: threading.Event) -> None:
         sub = self._ctx.socket(zmq.SUB)
         sub.setsockopt(zmq.RCVHWM, self.rcvhwm)
@@ -269,7 +299,7 @@ class VllmEventSubscriber:
         sub.connect(self.endpoint)
         if self.replay_endpoint:
             self._reset_dealer()
-            self.read_buffer_at_start()
+            self._guarded(self.read_buffer_at_start)
         self.connected.set()
         log.info("subscribed to vLLM KV events at %s (replay %s)", self.endpoint, self.replay_endpoint or "none")
         try:
@@ -278,17 +308,15 @@ class VllmEventSubscriber:
                 while monitor.poll(0):
                     self.on_connection_event(recv_monitor_message(monitor)["event"], time.monotonic())
                 self.check_lost(time.monotonic())
+                if self._reconnected:  # now, not at its next batch: an idle new engine is known too
+                    self._guarded(self.publisher_back)
                 if sub not in ready:
                     continue
                 try:
                     frames = sub.recv_multipart(zmq.NOBLOCK)
                 except zmq.Again:
                     continue
-                try:
-                    self.handle(frames)
-                except Exception:  # noqa: BLE001 - one bad message never stops the subscriber
-                    self.stats.malformed_total += 1
-                    log.exception("vLLM KV event message could not be applied")
+                self._guarded(self.handle, frames)
         finally:
             sub.disable_monitor()
             monitor.close(linger=0)

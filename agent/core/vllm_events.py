@@ -108,9 +108,12 @@ def _hashes(value) -> list[bytes]:
     if len(value) > MAX_BLOCKS_PER_EVENT:
         raise MalformedBatch(f"{len(value)} block hashes in one event (at most {MAX_BLOCKS_PER_EVENT})")
     try:
-        return [external_block_hash(h) for h in value]
+        out = [external_block_hash(h) for h in value]
     except ValueError as exc:
         raise MalformedBatch(str(exc)) from None
+    if len(set(out)) != len(out):  # one block twice in one event: which copy a removal means is unknown
+        raise MalformedBatch("a block hash repeats within one event")
+    return out
 
 
 def _fields(event, names: tuple[str, ...]) -> tuple[str, list]:
@@ -203,7 +206,7 @@ def decode_batch(payload: bytes, group: int = 0) -> DecodedBatch:
     Events of another KV cache group than `group` are left out (counted)."""
     try:
         raw = _decoder.decode(payload)
-    except (msgspec.DecodeError, ValueError, TypeError) as exc:
+    except (msgspec.DecodeError, ValueError, TypeError, RecursionError) as exc:  # (nested past the stack)
         raise MalformedBatch(f"not msgpack: {exc}") from None
     if isinstance(raw, list | tuple):
         if len(raw) < 2:
@@ -224,7 +227,7 @@ def decode_batch(payload: bytes, group: int = 0) -> DecodedBatch:
         decoded = [_event(e) for e in events]
     except MalformedBatch:
         raise
-    except (ValueError, TypeError, AttributeError) as exc:  # a shape no check above foresaw
+    except (ValueError, TypeError, AttributeError, RecursionError) as exc:  # a shape no check above foresaw
         raise MalformedBatch(f"an event does not decode: {exc}") from None
     known = [e for e in decoded if e is not None]
     ours = [e for e in known if getattr(e, "group", None) in (None, group)]

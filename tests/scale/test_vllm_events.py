@@ -686,3 +686,133 @@ def test_an_agent_indexing_a_vllm_engine_serves_its_one_model(etcd):
     other = ModelSpec("other-model", block_size=16, num_layers=2, num_kv_heads=2, head_dim=32, dtype="float16")
     with pytest.raises(ValueError, match="serves that engine's one model"):
         Agent(AgentConfig("two-models", etcd=etcd, models=[M, other], vllm_kv_events="tcp://127.0.0.1:1"))
+
+
+# ---- found by a review (twelfth session) ------------------------------------------------
+# a KVEventBatch array whose events list is nested 200k deep: msgspec raises RecursionError
+DEEP_BATCH = b"\x92\xcb" + b"\x00" * 8 + b"\x91" * 200_000 + b"\xc0"
+
+
+def test_every_live_batch_the_start_up_read_applied_is_skipped_not_taken_for_a_restart():
+    """Batches 3 and 4 came live and in the replay buffer read at start: only the first
+    was skipped, the second counted as an engine restart (every block forgotten, then
+    the whole buffer replayed again)."""
+    pub = VllmPublisher()
+    ext = ExternalBlocks(_Pool(), "m", index_by="vllm")
+    sub = VllmEventSubscriber(pub.endpoint, ext, replay_endpoint=pub.replay_endpoint)
+    try:
+        for i in range(5):
+            pub.publish(batch(stored([10 + i])), send=False)
+        sub._reset_dealer()
+        sub.read_buffer_at_start()
+        assert sub.stats.last_seq == 4
+        ext._pool.journal.drain()
+        sub.handle(_message(3, [13]))
+        sub.handle(_message(4, [14]))
+        assert sub.stats.engine_restarts_total == 0 and ext._pool.journal.drain() == []
+        sub.handle(_message(5, [15]))  # the first new one is applied
+        assert external_block_hash(15) in _claimed(ext) and sub.stats.last_seq == 5
+    finally:
+        if sub._dealer is not None:
+            sub._dealer.close(linger=0)
+        pub.close()
+
+
+def test_a_batch_nested_too_deep_is_malformed_and_forgets_the_engine():
+    """msgspec's RecursionError was no MalformedBatch: the engine's blocks stayed claimed."""
+    with pytest.raises(MalformedBatch):
+        decode_batch(DEEP_BATCH)
+    ext = ExternalBlocks(_Pool(), "m", index_by="vllm")
+    sub = VllmEventSubscriber("tcp://127.0.0.1:1", ext)
+    sub.handle(_message(0, [1, 2]))
+    sub.handle([b"", (1).to_bytes(8, "big"), DEEP_BATCH])
+    assert sub.stats.malformed_total == 1 and _claimed(ext) == set()
+
+
+def test_a_bad_batch_in_the_replay_buffer_at_start_does_not_stop_the_subscriber():
+    """It killed the subscriber's thread: the agent ran on, never applying another event."""
+    pub = VllmPublisher()
+    stop = threading.Event()
+    ext = ExternalBlocks(_Pool(), "m", index_by="vllm")
+    sub = VllmEventSubscriber(pub.endpoint, ext, replay_endpoint=pub.replay_endpoint)
+    t = threading.Thread(target=sub.run_forever, args=(stop,), daemon=True)
+    try:
+        pub.publish(batch(stored([1])), send=False)
+        pub.publish(DEEP_BATCH, send=False)
+        t.start()
+        assert sub.connected.wait(10)
+        time.sleep(0.3)  # the SUB socket joins
+        deadline = time.monotonic() + 10
+        while external_block_hash(7) not in _claimed(ext) and time.monotonic() < deadline:
+            pub.publish(batch(stored([7])))
+            time.sleep(0.1)
+        assert t.is_alive() and external_block_hash(7) in _claimed(ext)
+    finally:
+        stop.set()
+        t.join(5)
+        pub.close()
+
+
+def test_a_replay_that_failed_leaves_no_answer_for_the_next_replay_to_read():
+    """The replay of gap 1 stopped at a bad batch with the rest of its answer unread; the
+    next gap's replay read that stale answer and declared a replayable gap (4) lost."""
+    pub = VllmPublisher()
+    ext = ExternalBlocks(_Pool(), "m", index_by="vllm")
+    sub = VllmEventSubscriber(pub.endpoint, ext, replay_endpoint=pub.replay_endpoint)
+    sub._reset_dealer()
+    try:
+
+        def live(seq, hashes, send=True):
+            assert pub.publish(batch(stored(hashes)) if hashes else DEEP_BATCH, send=False) == seq
+            if send:
+                sub.handle([b"", seq.to_bytes(8, "big"), pub.buffer[seq][1]])
+                time.sleep(0.3)  # the publisher answers each replay before the next batch
+
+        live(0, [100])
+        live(1, None, send=False)  # lost on PUB; in the buffer, and bad
+        live(2, [102])  # a gap: its replay meets the bad batch
+        live(3, [103])
+        live(4, [104], send=False)  # lost on PUB, replayable
+        live(5, [105])  # a gap: replayed
+        live(6, [106])
+        assert sub.stats.unrecovered_gaps_total <= 1
+        assert {external_block_hash(h) for h in (104, 105, 106)} <= _claimed(ext)
+    finally:
+        sub._dealer.close(linger=0)
+        pub.close()
+
+
+def test_an_engine_restarted_within_the_grace_and_idle_holds_nothing_of_the_old_one():
+    """The reconnect was acted on at the next live batch only: an idle new engine on the
+    same endpoint left the old engine's blocks claimed indefinitely."""
+    pub = VllmPublisher()
+    stop = threading.Event()
+    ext = ExternalBlocks(_Pool(), "m", index_by="vllm")
+    sub = VllmEventSubscriber(pub.endpoint, ext, replay_endpoint=pub.replay_endpoint, disconnect_grace_seconds=30)
+    t = threading.Thread(target=sub.run_forever, args=(stop,), daemon=True)
+    try:
+        t.start()
+        assert sub.connected.wait(10)
+        time.sleep(0.5)
+        pub.publish(batch(stored([1, 2])))
+        wait_for(lambda: ext.num_blocks == 2, 5, 0.05, "the engine's blocks indexed")
+        pub.drop_pub()
+        time.sleep(0.5)
+        with pub._lock:  # a new engine: an empty replay buffer, numbers from 0
+            pub.buffer.clear()
+            pub.seq = 0
+        pub.rebind_pub()
+        wait_for(lambda: ext.num_blocks == 0, 10, 0.1, "the old engine's blocks forgotten")
+        pub.publish(batch(stored([3])))  # the new engine's batches are applied
+        wait_for(lambda: ext.num_blocks == 1, 10, 0.1, "the new engine's block indexed")
+    finally:
+        stop.set()
+        t.join(5)
+        pub.close()
+
+
+def test_a_block_hash_twice_in_one_event_is_malformed():
+    """Both copies were indexed (by tokens) and a removal reached only one: the other
+    stayed claimed for good."""
+    with pytest.raises(MalformedBatch, match="repeats"):
+        decode_batch(msgspec.msgpack.encode(batch(BlockStored([5, 5], None, list(range(32)), 16, None, "GPU"))))

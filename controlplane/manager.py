@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import logging
 import math
+import re
 import threading
 import time
 import uuid
@@ -305,6 +306,17 @@ class Manager(PinControl, OperationControl, PolicyControl):
             return self.policy_validator(values)
         except errors.InvalidArgument as exc:
             log.warning("the stored policy does not validate (%s); loading the keys that do", exc)
+        # the key each refusal names goes, the others stay together (checked one by one
+        # against the defaults, a lowered high watermark failed beside its own low one)
+        kept = dict(values)
+        while True:
+            try:
+                return self.policy_validator(kept)
+            except errors.InvalidArgument as exc:
+                named = re.search(r"\[(.+)\]$", exc.field)
+                if named is None or named.group(1) not in kept:
+                    break
+                log.warning("ignoring the stored policy key %s=%s: %s", named.group(1), kept.pop(named.group(1)), exc)
         good: dict[str, str] = {}
         for key, value in values.items():
             try:

@@ -139,10 +139,15 @@ class PolicyControl(ManagerState):
         if not policy.uses_tuner or capacity_blocks <= 0:
             self.tuner = None
             return TunedChoice(None, False)
-        if self.tuner is None or abs(self.tuner.capacity_blocks - capacity_blocks) > 0.2 * self.tuner.capacity_blocks:
+        if (
+            self.tuner is None
+            or abs(self.tuner.capacity_blocks - capacity_blocks) > 0.2 * self.tuner.capacity_blocks
+            or self.tuner.max_reuse_credits != policy.max_reuse_credits  # its shadows score by the cap
+        ):
             self.tuner = CreditTuner(
                 capacity_blocks, default=policy.reuse_credit_turnovers, max_reuse_credits=policy.max_reuse_credits
             )
+        self.tuner.default = policy.reuse_credit_turnovers  # set live (it is what a tie or no evidence gives)
         return self.tuner.choose(policy.tune_reuse_credits, policy.scan_resistance)
 
     def tier_policy(self) -> Policy:
@@ -247,6 +252,7 @@ class PolicyControl(ManagerState):
                     recent_first=recent_first,
                 )
                 decided = tier_policy.decide(view, policy, now)
+                tier_policy.copies_dropped(replicas, decided)  # the next agent keeps what this one drops
                 # a pass that had nothing to do for a tier over its watermark (pins or
                 # loads hold it) is not brought forward again by the agent's next report
                 self._policy_idle[agent_view.agent_id] = not decided
@@ -264,13 +270,14 @@ class PolicyControl(ManagerState):
                 cmd = AgentCommand(
                     op_id, "move", block_hashes=packed, tier=int(action.to_tier), codec="" if codec == "none" else codec
                 )
-            session_id = sessions.get(action.agent_id, "")
+            inflight = self._policy_inflight.setdefault(action.agent_id, {})
+            # recorded before it goes: an answer that comes back before the record would find
+            # nothing to clear, and the record would shut the agent out until its deadline
+            inflight[op_id] = (now + self.op_timeout_seconds, sessions.get(action.agent_id, ""))
             if self.cluster.send(action.agent_id, cmd):
-                self._policy_inflight.setdefault(action.agent_id, {})[op_id] = (
-                    now + self.op_timeout_seconds,
-                    session_id,
-                )
                 self.policy_actions_total += 1
+            else:
+                inflight.pop(op_id, None)
         return len(actions)
 
     @staticmethod

@@ -20,6 +20,7 @@ from prometheus_client import CollectorRegistry
 from controlplane.api.admin_service import AdminServicer
 from controlplane.api.agent_service import AgentServicer
 from controlplane.api.lookup_socket import LookupSocketServer
+from controlplane.core.clock import SteadyWallClock
 from controlplane.core.cluster import Cluster
 from controlplane.core.pins import pinned_bytes_of
 from controlplane.manager import Manager
@@ -80,7 +81,10 @@ class ControlPlane:
     def __init__(self, config: ControlPlaneConfig, log_fn=None, registry: CollectorRegistry | None = None):
         self.config = config
         self._log_fn = log_fn or (lambda msg: log.warning(msg))
-        self.cluster = Cluster(expected_blocks=config.expected_blocks)
+        # one clock for lookups, store stamps and the policy's `now` (a step of the host's
+        # clock moves none of them: mixed, a step back ranked the blocks in use as the oldest)
+        self.clock = SteadyWallClock()
+        self.cluster = Cluster(clock=self.clock, expected_blocks=config.expected_blocks)
         self.registry = registry if registry is not None else CollectorRegistry()
         self.metrics = ControlPlaneMetrics(self.registry, self.cluster)
         self.metrics_server: MetricsServer | None = None
@@ -147,6 +151,7 @@ class ControlPlane:
             self.etcd,
             op_timeout_seconds=self.config.op_timeout_seconds,
             policy_validator=validate_policy,
+            clock=self.clock,
         )
         self.manager.on_finished = self.metrics.observe_operation
         self.manager.policy_enabled = self.config.policy_enabled

@@ -193,7 +193,8 @@ def _format(v: object) -> str:
     if isinstance(v, bool):
         return "true" if v else "false"
     if isinstance(v, float):
-        return f"{v:g}"
+        short = f"{v:g}"
+        return short if float(short) == v else repr(v)  # short, but never rounded (0.9999999 is not 1)
     return str(v)
 
 
@@ -395,7 +396,7 @@ def decide(view: ClusterView, policy: Policy, now: float) -> list[Action]:
         policy = replace(policy, reuse_credit_turnovers=view.reuse_credit_turnovers)
     actions: list[Action] = []
     turnover: float | None = view.turnover_seconds
-    replicas = view.replicas
+    replicas = dict(view.replicas) if view.replicas is not None else None
     for agent in view.agents:
         tiers = sorted((tv for tv in agent.tiers if tv.tier in MANAGED_TIERS), key=lambda tv: int(tv.tier))
         if not tiers:
@@ -406,9 +407,23 @@ def decide(view: ClusterView, policy: Policy, now: float) -> list[Action]:
         if turnover is None:
             turnover = view.stats.turnover_seconds(total_capacity_blocks(view.agents))
         if replicas is None:
-            replicas = _replica_counts(view.agents) if len(view.agents) > 1 else {}
-        actions.extend(_AgentPass(agent, tiers, view, policy, now, turnover, replicas).run())
+            replicas = dict(_replica_counts(view.agents)) if len(view.agents) > 1 else {}
+        decided = _AgentPass(agent, tiers, view, policy, now, turnover, replicas).run()
+        copies_dropped(replicas, decided)
+        actions.extend(decided)
     return actions
+
+
+def copies_dropped(replicas: dict[bytes, int], actions: Iterable[Action]) -> None:
+    """Count the copies `actions` drop out of `replicas`: a block another agent holds is
+    cheaper to lose only while that copy stays, so the next agent of the same pass no
+    longer discounts a block whose other copy was just dropped (each holder dropping it
+    as held elsewhere lost every copy of a hot shared prefix at once)."""
+    for a in actions:
+        if isinstance(a, Evict):
+            for h in a.block_hashes:
+                if h in replicas:
+                    replicas[h] -= 1
 
 
 def _may_promote(tiers: list[TierView], policy: Policy, pins: Pins) -> bool:
@@ -590,9 +605,17 @@ class _AgentPass:
                     wanted[h] = max((k for k, tv in enumerate(tiers) if tv.tier <= pin), default=0)
             for h in _parents_first(list(wanted), self.parent):
                 target = wanted[h]
-                if room(target) > 0:
-                    budget[target] -= 1
-                    self._move_up(h, j, target)
+                # with its ancestors held slower than the target: a parent left below its
+                # child could never leave its tier (not a tail), which would then overflow
+                chain = []
+                b = h
+                while (k := self._level(b)) is not None and k > target:
+                    chain.append((b, k))
+                    b = self.parent.get(b, ROOT_PARENT_HASH)
+                if chain and room(target) >= len(chain):
+                    budget[target] -= len(chain)
+                    for b, k in reversed(chain):  # parents first
+                        self._move_up(b, k, target)
 
     def _promote_hot(self) -> None:
         """Top up each faster tier below its low watermark with the highest-priority

@@ -125,6 +125,7 @@ class AgentServicer(agent_pb2_grpc.AgentServiceServicer):
                     if reply is not None:
                         outbox.put(reply)
             except errors.KvcpError as exc:
+                session["failed"] = True  # what this stream queued is not applied after its refusal
                 outbox.put(exc)
             except Exception as exc:  # noqa: BLE001 - stream broken by the peer
                 log.debug("sync stream of %s ended: %s", session["agent_id"], exc)
@@ -145,12 +146,24 @@ class AgentServicer(agent_pb2_grpc.AgentServiceServicer):
                     item = convert.command_to_pb(item, self._leadership.epoch, self._clock())
                 yield item
         finally:
+            # nothing this stream queued is applied after it closed (a last inventory chunk
+            # would make the agent READY again with no stream): drop it, wait for the one
+            # being applied, then close
+            session["failed"] = True
+            self._applier.wait_idle(session)
             if session["agent_id"]:
                 self._cluster.stream_closed(session["agent_id"], session["session_id"])
 
     def _handle(self, msg: agent_pb2.AgentMessage, session: dict, epoch: int):
         kind = msg.WhichOneof("body")
         if kind == "hello":
+            if session["agent_id"] and (session["agent_id"], session["session_id"]) != (
+                msg.hello.agent_id,
+                msg.hello.session_id,
+            ):  # the first identity would stay attached to this stream after it ends
+                raise errors.FailedPrecondition(
+                    f"this Sync stream is {session['agent_id']!r}'s; a stream says Hello once (open another)"
+                )
             held = {p.pin_id: p.version for p in msg.hello.pins}
             self._cluster.hello(msg.hello.agent_id, msg.hello.session_id, held, msg.hello.incarnation)
             session["agent_id"], session["session_id"] = msg.hello.agent_id, msg.hello.session_id
@@ -184,9 +197,12 @@ class AgentServicer(agent_pb2_grpc.AgentServiceServicer):
                 st.lookup_tokens_total,
                 st.lookup_hit_tokens_total,
                 st.tier_moved_bytes_total,
+                session["session_id"],  # a superseded stream's figures are refused, as its events are
             )
             self._cluster.update_namespaces(
-                agent_id, {n.namespace: (n.num_blocks, n.uncompressed_bytes) for n in st.namespaces}
+                agent_id,
+                {n.namespace: (n.num_blocks, n.uncompressed_bytes) for n in st.namespaces},
+                session["session_id"],
             )
             if st.HasField("dataplane"):
                 self._cluster.dataplane.update(agent_id, convert.dataplane_from_pb(st.dataplane))

@@ -415,6 +415,21 @@ class Cluster:
             rec.staging = []
             rec.next_chunk = 0
             rec.last_seen_unix_seconds = self._clock()
+            self._rebuilding = (0.0, False)  # syncing: lookups say possibly stale from now
+
+    @staticmethod
+    def _check_models(rec: AgentRecord, groups: list[BlockGroup]) -> None:
+        """Blocks only of the models the agent registered (another model's would answer
+        that model's lookups)."""
+        served = {m.model_id for m in rec.models}
+        if not served:
+            return  # (a record without models: nothing of it is looked up)
+        for g in groups:
+            if g.block_hashes and g.model_id not in served:
+                raise errors.InvalidArgument(
+                    "groups.model_id",
+                    f"agent {rec.agent_id!r} registered no model {g.model_id!r} (it serves {', '.join(sorted(served))})",
+                )
 
     def _current(self, agent_id: str, session_id: str | None) -> AgentRecord:
         """The agent's record; FailedPrecondition when `session_id` (None: not checked) is
@@ -438,9 +453,12 @@ class Cluster:
         """Stage one chunk; at the last one swap it in. Returns a resync reason on error."""
         with self._lock:
             rec = self._current(agent_id, session_id)
-            if chunk_index != rec.next_chunk:
+            self._check_models(rec, groups)
+            if rec.next_chunk < 0 and chunk_index > 0:
+                return None  # the rest of an inventory already given up (its resync is asked for)
+            if chunk_index != max(rec.next_chunk, 0):
                 reason = f"inventory chunk {chunk_index} arrived, expected {rec.next_chunk}"
-                rec.staging, rec.next_chunk = [], 0
+                rec.staging, rec.next_chunk = [], -1  # until a chunk 0 starts the next inventory
                 rec.awaiting_inventory = True
                 self.resyncs_total += 1
                 self.events.publish("agent_state", f"{agent_id} resyncing: {reason}", "warning", agent_id=agent_id)
@@ -455,7 +473,7 @@ class Cluster:
                         "inventory.groups", f"an inventory of more than {MAX_INVENTORY_BLOCKS} blocks"
                     )
                 rec.staging.append((g.block_hashes, int(g.tier), g.parent_hashes))
-            rec.next_chunk += 1
+            rec.next_chunk = max(rec.next_chunk, 0) + 1
             if last_chunk:
                 self.index.set_clock(self._clock())
                 self.index.replace_agent_packed(agent_id, rec.staging)
@@ -480,12 +498,14 @@ class Cluster:
             if seq != rec.last_seq + 1:
                 rec.awaiting_inventory = True
                 rec.state = AgentState.SYNCING
+                self._rebuilding = (0.0, False)
                 self.resyncs_total += 1
                 reason = f"event batch seq {seq} arrived, expected {rec.last_seq + 1}"
                 self.events.publish("agent_state", f"{agent_id} resyncing: {reason}", "warning", agent_id=agent_id)
                 return reason
             for g in groups:  # validated before anything is applied: a bad batch changes nothing
                 g.validate()
+            self._check_models(rec, groups)
             rec.last_seq = seq
             self.index.set_clock(rec.last_seen_unix_seconds)  # stamps blocks newly stored
             for g in groups:  # packed digests go into the index as they came off the wire
@@ -504,9 +524,13 @@ class Cluster:
         lookup_tokens: int,
         hit_tokens: int,
         tier_moved_bytes: int = 0,
+        session_id: str | None = None,
     ) -> None:
+        """`session_id`: the reporting stream's (None: not checked); a superseded one is
+        refused (FailedPrecondition), as its events are: it must not overwrite the
+        current session's figures."""
         with self._lock:
-            rec = self.agent(agent_id)
+            rec = self._current(agent_id, session_id)
             rec.tiers = tiers
             rec.tier_moved_bytes_total = tier_moved_bytes
             rec.stats_reports += 1
@@ -595,10 +619,12 @@ class Cluster:
                 if not agent_id or r.agent_id == agent_id
             )
 
-    def update_namespaces(self, agent_id: str, namespaces: dict[str, tuple[int, int]]) -> None:
+    def update_namespaces(
+        self, agent_id: str, namespaces: dict[str, tuple[int, int]], session_id: str | None = None
+    ) -> None:
         with self._lock:
             rec = self._agents.get(agent_id)
-            if rec is not None:
+            if rec is not None and (session_id is None or rec.session_id == session_id):
                 rec.namespaces = namespaces
 
     def stream_closed(self, agent_id: str, session_id: str) -> None:
@@ -608,6 +634,8 @@ class Cluster:
             if rec is not None and rec.session_id == session_id:
                 rec.state = AgentState.DISCONNECTED
                 rec.outbox = None
+                rec.staging, rec.next_chunk = [], 0  # a half inventory no stream will finish
+                self._rebuilding = (0.0, False)  # lookups say possibly stale from now, not in 0.1 s
                 self.events.publish(
                     "agent_state", f"{agent_id} disconnected (sync stream closed)", "warning", agent_id=agent_id
                 )

@@ -644,7 +644,9 @@ class BlockIndex:
 
     def _set_parents(self, ent: np.ndarray, parents: np.ndarray | None) -> None:
         if parents is not None:
-            self._parents.view(_V16).reshape(-1)[ent] = parents.view(_V16).reshape(-1)
+            told = parents.view(_V16).reshape(-1)
+            known = told != np.zeros((), _V16)  # a parent "not told" (zero) keeps one another agent told
+            self._parents.view(_V16).reshape(-1)[ent[known]] = told[known]
 
     def _set_bits(self, ent: np.ndarray, slot: int, code: int) -> None:
         w, bit = self._word_bit(slot)

@@ -185,7 +185,7 @@ int64_t kv_add(kv_index *x, const uint64_t *keys, const uint64_t *parents, int64
             e = insert_one(x, k);
             if (e < 0) return i;
         }
-        if (parents) {
+        if (parents && (parents[2 * i] | parents[2 * i + 1])) { /* a parent "not told" (zero) keeps one known */
             x->parents[2 * e] = parents[2 * i];
             x->parents[2 * e + 1] = parents[2 * i + 1];
         }

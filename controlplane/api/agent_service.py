@@ -15,6 +15,8 @@ from protos.kvcp.v1 import agent_pb2, agent_pb2_grpc
 
 log = logging.getLogger(__name__)
 
+FINAL_OP_STATES = frozenset({"SUCCEEDED", "FAILED", "CANCELLED"})
+
 
 class _Applier:
     """One thread applies every stream's hello, inventory chunks and event batches, in the
@@ -115,6 +117,10 @@ class AgentServicer(agent_pb2_grpc.AgentServiceServicer):
                         if kind == "hello":
                             self._applier.wait_idle(session)  # what follows needs the session
                         continue
+                    if kind == "op_update" and msg.op_update.state in FINAL_OP_STATES:
+                        # the block events the agent sent before it are in the index first: a
+                        # policy pass that sees the command answered must see what it did
+                        self._applier.wait_idle(session)
                     try:
                         reply = self._handle(msg, session, epoch)
                     except errors.KvcpError:

@@ -201,3 +201,36 @@ def test_lookups_are_flagged_stale_as_soon_as_an_agent_resyncs():
     assert c.rebuilding() is False
     assert c.apply_events("a", 9, False, [BlockGroup("m", Tier.CPU, packed(2))], "s")  # a gap: removals lost
     assert c.rebuilding() is True
+
+
+def test_an_operations_final_update_is_handled_after_the_events_sent_before_it():
+    """Events went to the shared applier and op updates were handled at once: a pass
+    that saw its command answered could read the block where it was and send it again."""
+    cluster = cluster_of("a")
+    seen = {}
+
+    def on_op_update(agent_id, update):  # the block's tier in the index as the manager hears
+        seen[update.op_id] = int(cluster.tiers_held(agent_id, packed(1))[0])
+
+    s = Stream(AgentServicer(cluster, Leadership(), on_op_update=on_op_update))
+    s.send(hello=agent_pb2.Hello(agent_id="a", session_id="s1"))
+    one = agent_pb2.BlockGroup(model_id="m", tier=1, block_hashes=packed(1))
+    s.send(inventory=agent_pb2.Inventory(seq=0, chunk_index=0, last_chunk=True, groups=[one]))
+    wait(lambda: cluster.index.num_agent_blocks("a") == 1, "the inventory")
+    gate = threading.Event()
+    real = cluster.apply_events
+
+    def busy_applier(*args, **kwargs):
+        gate.wait(5)
+        return real(*args, **kwargs)
+
+    cluster.apply_events = busy_applier  # type: ignore[method-assign]
+    moved = agent_pb2.BlockGroup(model_id="m", tier=3, block_hashes=packed(1))
+    s.send(events=agent_pb2.BlockEventBatch(seq=1, kind=agent_pb2.BLOCK_EVENT_KIND_STORED, groups=[moved]))
+    s.send(op_update=agent_pb2.OpUpdate(op_id="policy-1", state="SUCCEEDED", num_done_blocks=1, num_total_blocks=1))
+    time.sleep(0.3)
+    assert "policy-1" not in seen  # waits for the events before it
+    gate.set()
+    wait(lambda: "policy-1" in seen, "the op update")
+    assert seen["policy-1"] == int(Tier.DISK)
+    s.end()

@@ -187,9 +187,9 @@ class ClusterScreen(DashboardScreen):
                 + Text(f" {render.bytes_text(t.used_bytes)}" + render.parked_suffix(t))
                 for t in a.tiers
             )
-            table.add_row(
-                a.agent_id,
-                a.address,
+            table.add_row(  # data as Text: a plain str cell is read as markup ('[fd00::5]:1' lost its host)
+                Text(a.agent_id),
+                Text(a.address),
                 render.styled(a.state),
                 tiers if a.tiers else Text("-", style="dim"),
                 str(a.num_blocks),
@@ -377,7 +377,7 @@ class PinsScreen(DashboardScreen):
 
     def _show_pins(self) -> None:
         note = self._note()
-        self.query_one("#pins-note", Static).update(note)
+        self.query_one("#pins-note", Static).update(Text(note))  # (a server's error text in it)
         self.query_one("#pins-note", Static).display = bool(note)
         table = self.query_one("#pins", DataTable)
         table.display = self.state.pins_feature.available is not False
@@ -388,14 +388,14 @@ class PinsScreen(DashboardScreen):
             scope = "namespace" if p.whole_namespace else "prefix"
             if p.agent_id:
                 scope += f"@{p.agent_id}"
-            table.add_row(
-                render.short_id(p.pin_id, 12),
-                render.short_id(p.namespace, 12),
-                render.short_id(scope, 16),
-                p.min_tier,
+            table.add_row(  # data as Text: an owner '[/x]' was markup that crashed the screen
+                Text(render.short_id(p.pin_id, 12)),
+                Text(render.short_id(p.namespace, 12)),
+                Text(render.short_id(scope, 16)),
+                Text(p.min_tier),
                 render.bytes_text(p.pinned_bytes),
                 self._ttl(p, now),
-                render.short_id(p.owner or "-", 12),
+                Text(render.short_id(p.owner or "-", 12)),
                 key=p.pin_id,
             )
         ids = [p.pin_id for p in self.state.pins]
@@ -519,7 +519,7 @@ class PinForm(ModalScreen[dict | None]):
         try:
             request = self.request()
         except ValueError as exc:
-            self.query_one("#pin-error", Label).update(str(exc))
+            self.query_one("#pin-error", Label).update(Text(str(exc)))  # (it quotes what was typed)
             return
         self.dismiss(request)
 
@@ -541,9 +541,9 @@ class ConfirmScreen(ModalScreen[bool]):
 
     def compose(self) -> ComposeResult:
         with Vertical(classes="dialog confirm"):
-            yield Label(self.question, classes="dialog-title")
+            yield Label(Text(self.question), classes="dialog-title")
             if self.detail:
-                yield Label(self.detail)
+                yield Label(Text(self.detail))
             with Horizontal(classes="buttons"):
                 yield Button("Yes (y)", variant="error", id="yes")
                 yield Button("No (n)", id="no")
@@ -609,7 +609,7 @@ class OperationsScreen(DashboardScreen):
 
     def _show_ops(self) -> None:
         note = self._note()
-        self.query_one("#ops-note", Static).update(note)
+        self.query_one("#ops-note", Static).update(Text(note))
         self.query_one("#ops-note", Static).display = bool(note)
         table = self.query_one("#ops", DataTable)
         table.display = self.state.operations_feature.available is not False
@@ -619,8 +619,8 @@ class OperationsScreen(DashboardScreen):
             progress = render.bar(op.progress, 10, style="cyan") + Text(f" {op.progress:>4.0%}")
             done = Text(f"{op.num_done_blocks}/{op.num_total_blocks}", style="red" if op.num_failed_blocks else "")
             table.add_row(
-                render.short_id(op.op_id, 16),
-                op.kind + ("*" if op.dry_run else ""),
+                Text(render.short_id(op.op_id, 16)),
+                Text(op.kind + ("*" if op.dry_run else "")),
                 render.styled(op.state),
                 progress,
                 done,

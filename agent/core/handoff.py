@@ -25,6 +25,7 @@ Nothing here imports gRPC or the engine; agent.api and agent.store bring those.
 
 from __future__ import annotations
 
+import collections
 import concurrent.futures as cf
 import math
 import os
@@ -603,6 +604,8 @@ class HandoffResult:
 
 
 SMALL_TRANSFER_BYTES = 1 << 16  # transfers this small are their fixed cost, whatever the link's speed
+BYTES_BOUND_TRANSFER_BYTES = 8 << 20  # transfers this large are mostly their bytes on a GB/s link
+FIXED_COST_MAX_SECONDS = 0.05  # a transfer's fixed cost (round trips, a verify) is well under this
 
 
 class Link:
@@ -624,6 +627,7 @@ class Link:
         self._cond = threading.Condition()
         self.inflight = 0
         self.queued = 0
+        self._waiting: collections.deque[object] = collections.deque()  # queued transfers, oldest first
         self._tokens = 0.0
         self._tokens_at = clock()
         self.throughput_bytes_per_second = 0.0  # the link's capacity for bytes (0: unknown)
@@ -636,11 +640,14 @@ class Link:
         self.last_unix_seconds = 0.0
 
     def acquire(self, deadline_monotonic: float) -> bool:
-        """Wait for a slot on the link (queued meanwhile); False at the deadline."""
+        """Wait for a slot on the link (queued meanwhile, first come first served: a later
+        transfer never takes a slot one queued before it waits for); False at the deadline."""
+        me = object()
         with self._cond:
             self.queued += 1
+            self._waiting.append(me)
             try:
-                while self.inflight >= self.max_concurrent:
+                while self.inflight >= self.max_concurrent or self._waiting[0] is not me:
                     left = deadline_monotonic - self.clock()
                     if left <= 0:
                         return False
@@ -648,12 +655,14 @@ class Link:
                 self.inflight += 1
                 return True
             finally:
+                self._waiting.remove(me)
                 self.queued -= 1
+                self._cond.notify_all()  # the next in line may be first now
 
     def release(self) -> None:
         with self._cond:
             self.inflight -= 1
-            self._cond.notify()
+            self._cond.notify_all()
 
     def pace(self, num_bytes: int, deadline_monotonic: float) -> bool:
         """Token bucket: wait until `num_bytes` may go (False when that passes the deadline)."""
@@ -693,10 +702,14 @@ class Link:
             slope = cov / var if var > (0.1 * mx) ** 2 else 0.0  # sizes too alike to tell the two apart
             if slope > 0 and my - slope * mx >= 0:
                 self.throughput_bytes_per_second, self.latency_seconds = 1 / slope, my - slope * mx
-            elif mx < SMALL_TRANSFER_BYTES:  # small ones only: they measure the fixed cost, not the link
-                self.throughput_bytes_per_second, self.latency_seconds = 0.0, my
-            else:  # all of it as rate: right for transfers of the sizes seen
+            elif mx >= BYTES_BOUND_TRANSFER_BYTES or my >= FIXED_COST_MAX_SECONDS:  # time mostly bytes
                 self.throughput_bytes_per_second, self.latency_seconds = mx / my, 0.0
+            elif self.throughput_bytes_per_second > 0 and mx >= SMALL_TRANSFER_BYTES:
+                # sizes the fixed cost dominates, jitter hiding the slope: the rate known
+                # stays, the rest is latency (all of it as rate said a 4 GB/s link was 0.1)
+                self.latency_seconds = max(0.0, my - mx / self.throughput_bytes_per_second)
+            else:  # they measure the fixed cost, not the link
+                self.throughput_bytes_per_second, self.latency_seconds = 0.0, my
 
 
 class Links:

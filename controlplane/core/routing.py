@@ -230,6 +230,16 @@ def route(
                 return RouteDecision(role, reason=f"no decode agent besides the prefill agent {p.agent_id}")
             return RouteDecision(role, reason="no agent takes decode (roles decode or both)")
         best = scores[0]
+        if best.behind and p is not None and p.role == BOTH:  # as a pair Route decides: no handoff
+            return RouteDecision(
+                role,
+                p.agent_id,
+                prefill_agent_id=p.agent_id,
+                decode_agent_id=p.agent_id,
+                reason=f"every decode agent is behind: decode stays on {p.agent_id} (role both), no handoff",
+                candidates=tuple(scores),
+                backpressure=True,
+            )
         return RouteDecision(
             role,
             best.agent_id,
@@ -283,7 +293,7 @@ def route(
             backpressure=True,
         )
     d = usable[0]
-    if can_colocate and d.transfer_seconds > saved:
+    if can_colocate and d.transfer_seconds >= saved:  # (nothing to save, as a prompt of no full block: stay)
         return RouteDecision(
             role,
             p.agent_id,

@@ -146,3 +146,24 @@ def test_prefill_ties_go_to_the_agent_the_lookup_ranks_first():
     in_cpu = Candidate("agent-2", "a2:1", "both", 4, DataPlaneView(), lookup_rank=0)
     decision = route("prefill", [on_disk, in_cpu], 4, 16, 1024, RouteParams())
     assert decision.agent_id == "agent-2"
+
+
+def test_decode_for_a_prefill_agent_of_role_both_stays_on_it_when_every_other_is_behind():
+    """The pair Route kept the request on its role-both prefill agent; the decode step of
+    the two-step flow named an agent that was behind (a review)."""
+    agents = [
+        Candidate("p", "a:0", "both", dataplane=dp()),
+        Candidate("d", "a:1", "decode", dataplane=dp(free=10 * MIB)),  # under the watermark
+    ]
+    pair = route("pair", agents, 64, 16, MIB, P)
+    decode = route("decode", agents, 64, 16, MIB, P, prefill_agent_id="p")
+    assert pair.decode_agent_id == decode.decode_agent_id == "p" and not decode.disaggregate
+    assert decode.backpressure and "every decode agent is behind" in decode.reason
+
+
+def test_a_prompt_of_no_full_block_is_not_split():
+    """0 s of handoff against 0 s saved was a split: the decode agent got nothing to
+    reuse and recomputed the prompt (a review)."""
+    agents = [Candidate("p", "a:0", "both", dataplane=dp()), Candidate("d", "a:1", "decode", dataplane=dp())]
+    r = route("pair", agents, 0, 16, MIB, P)
+    assert r.decode_agent_id == "p" and not r.disaggregate

@@ -70,6 +70,11 @@ def _not_leader(exc: grpc.RpcError) -> bool:
     return exc.code() in codes and any(k == LEADER_METADATA_KEY for k, _ in (exc.trailing_metadata() or ()))
 
 
+def _cut_off_from_etcd(exc: grpc.RpcError) -> bool:
+    """The replica refused the change because it cannot reach etcd (nothing applied)."""
+    return dict(exc.trailing_metadata() or ()).get(ERROR_KIND_METADATA_KEY, "") == "EtcdUnreachable"
+
+
 def _refused_by_etcd(exc: ClientError) -> bool:
     """Did the control plane refuse the change because etcd is unreachable (not applied)?
     Its etcd client refuses every call for a second after one timed out, so a busy etcd's
@@ -574,8 +579,10 @@ class ControlPlaneClient:
                     tried.add(leader)
                     continue
                 # never reached this replica, or it is not the leader and names none
-                # other (or, stale, itself): the call was not applied; another may take it
-                if _not_connected(exc) or _not_leader(exc):
+                # other (or, stale, itself), or it is cut off from etcd (a leader that lost
+                # etcd alone while another was elected): the call was not applied; another
+                # replica may take it
+                if _not_connected(exc) or _not_leader(exc) or _cut_off_from_etcd(exc):
                     other = next((e for e in self._endpoints if e not in tried), "")
                     if other:
                         tried.add(other)

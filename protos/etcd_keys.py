@@ -91,6 +91,10 @@ class EtcdAuth:
         certificate without the CA would quietly reach etcd in plain text."""
         if (self.cert_file or self.key_file) and not self.ca_file:
             return "--etcd-cert/--etcd-key need --etcd-ca (TLS to etcd)"
+        if (self.user or self.password) and not self.ca_file:
+            # gRPC sends no per-call credentials (etcd's auth token) over plain text: every
+            # call would fail, and the wait end in "etcd is not reachable"
+            return "--etcd-user/--etcd-password-file need --etcd-ca (etcd's auth token goes over TLS only)"
         return ""
 
 

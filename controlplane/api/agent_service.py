@@ -149,6 +149,12 @@ class AgentServicer(agent_pb2_grpc.AgentServiceServicer):
                 if isinstance(item, Exception):
                     raise item
                 if isinstance(item, AgentCommand):
+                    if not self._leadership.is_leader:
+                        # deposed since it was queued: stamped now it would carry the new
+                        # leader's epoch (a follower knows it) and pass the agents' fence
+                        if getattr(self._leadership, "serving_from_memory", False):
+                            continue  # cut off from etcd: nothing goes out; the passes after resend
+                        raise errors.not_leader(self._leadership.leader_address)
                     item = convert.command_to_pb(item, self._leadership.epoch, self._clock())
                 yield item
         finally:

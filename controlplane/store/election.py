@@ -17,6 +17,10 @@ from protos.etcd_keys import LEADER_KEY, is_unreachable, refusal_reason
 log = logging.getLogger(__name__)
 
 
+class LeadershipLost(RuntimeError):
+    """etcd answered: our leader key is gone or held under another lease, or our lease ran out."""
+
+
 class LeaderElection:
     def __init__(self, client, address: str, ttl_seconds: int = 5, key: str = LEADER_KEY):
         self._client = client
@@ -53,7 +57,11 @@ class LeaderElection:
                 self.refusal = ""
             except Exception as exc:  # noqa: BLE001 - sorted below: outage or lost leadership
                 self._note_refusal(exc)
-                if not is_unreachable(exc):
+                # leadership is lost only when etcd says so (our key gone, or our lease out):
+                # another failure of a call (UNKNOWN, too many requests...) is like an outage,
+                # not a reason to drop a lease that still holds the key (no leader for a TTL,
+                # then a new epoch, a reload and every agent resyncing)
+                if isinstance(exc, LeadershipLost) or (not self.is_leader and not is_unreachable(exc)):
                     if self.is_leader:
                         log.warning("lost leadership (epoch %d): %s", self.epoch, exc)
                     self.is_leader = False
@@ -90,11 +98,11 @@ class LeaderElection:
     def _refresh(self) -> None:
         lease = self._lease
         if lease is None:
-            raise RuntimeError("no leader lease")
+            raise LeadershipLost("no leader lease")
         ttl = lease.refresh()[0].TTL
         value, meta = self._client.get(self.key)
         if ttl <= 0 or meta is None or meta.lease_id != lease.id:
-            raise RuntimeError("leader lease expired")
+            raise LeadershipLost("leader lease expired")
 
     def _campaign(self) -> None:
         client = self._client

@@ -121,13 +121,59 @@ def _client(targets, timeout_seconds: float, auth: EtcdAuth):
         Endpoint(h, p, secure=creds is not None, creds=creds, time_retry=1.0, opts=ETCD_CHANNEL_OPTIONS)
         for h, p in targets
     ]
-    return MultiEndpointEtcd3Client(
+    client = MultiEndpointEtcd3Client(
         endpoints=eps,
         timeout=timeout_seconds,
         user=auth.user or None,
         password=auth.password or None,
         failover=len(eps) > 1,
     )
+    if auth.user and client.metadata:
+        # pyetcd logs in once and keeps that token; etcd keeps its simple tokens in memory,
+        # so after etcd restarts every call is "invalid auth token" for good: the token
+        # is ours to replace (reauthenticate), the credentials reading it at each call
+        token = _Token(dict(client.metadata)["token"])
+        client.call_credentials = grpc.metadata_call_credentials(token)
+        client.kvcp_token, client.kvcp_auth = token, auth
+    return client
+
+
+class _Token:
+    """etcd's auth token as call credentials, read at each call (grpc.AuthMetadataPlugin)."""
+
+    def __init__(self, value: str):
+        self.value = value
+
+    def __call__(self, context, callback) -> None:
+        callback((("token", self.value),), None)
+
+
+def invalid_token(exc: BaseException) -> bool:
+    """Did etcd refuse the call's auth token (expired, or etcd restarted since it was given)?"""
+    details = getattr(exc, "details", None)
+    return "invalid auth token" in f"{details() if callable(details) else ''} {exc}"
+
+
+def reauthenticate(client) -> bool:
+    """Log in again with the client's user and password, and use the new token from the
+    next call on; False for a client without them (or when etcd refuses)."""
+    from pyetcd.etcdrpc import rpc_pb2
+
+    token, auth = getattr(client, "kvcp_token", None), getattr(client, "kvcp_auth", None)
+    if token is None or auth is None:
+        return False
+    try:
+        resp = client.authstub.Authenticate(
+            rpc_pb2.AuthenticateRequest(name=auth.user, password=auth.password), client.timeout
+        )
+    except Exception:  # noqa: BLE001 - etcd away or the user gone: the call's own error stands
+        return False
+    token.value = resp.token
+    client.metadata = (("token", resp.token),)
+    watcher = getattr(client, "_stubs", {}).get("watcher")
+    if watcher is not None and hasattr(watcher, "_metadata"):  # a watch stream made again sends it
+        watcher._metadata = client.metadata
+    return True
 
 
 def connect(

@@ -21,7 +21,7 @@ import grpc
 from prometheus_client import CollectorRegistry, Counter, Histogram, disable_created_metrics, start_http_server
 from prometheus_client.core import GaugeMetricFamily
 
-from protos import errors
+from protos import errors, etcd_keys
 from protos.grpc_errors import status_code_of
 
 log = logging.getLogger(__name__)
@@ -161,7 +161,13 @@ class InstrumentedEtcd:
                 args, kwargs = self._wrap_watch_callback(args, kwargs)
             start = time.perf_counter()
             try:
-                result = attr(*args, **kwargs)
+                try:
+                    result = attr(*args, **kwargs)
+                except Exception as exc:
+                    # etcd restarted and forgot our login: log in again and try once more
+                    if not (etcd_keys.invalid_token(exc) and etcd_keys.reauthenticate(self._client)):
+                        raise
+                    result = attr(*args, **kwargs)
                 if name in _ETCD_LAZY:
                     result = list(result)
             except Exception:

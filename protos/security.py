@@ -142,7 +142,9 @@ class TokenAuthInterceptor(grpc.ServerInterceptor):
                 return grpc.StatusCode.UNAUTHENTICATED, (
                     "missing bearer token: pass kvctl --token-file FILE (or KVCTL_TOKEN)"
                 )
-            role = next((r for t, r in self.admin_tokens.items() if _same_secret(t, token)), None)
+            # every entry compared (no early exit): the time taken tells nothing of which matched
+            matched = [r for t, r in self.admin_tokens.items() if _same_secret(t, token)]
+            role = matched[0] if matched else None
             if role is None:
                 return grpc.StatusCode.UNAUTHENTICATED, "invalid bearer token"
             if role == "viewer" and method not in READ_METHODS:

@@ -45,6 +45,9 @@ class LeaderElection:
     def run_once(self) -> bool:
         """One step: refresh our lease if leading, else try to win. Returns is_leader."""
         with self._lock:
+            # the lease was refreshed no earlier than the call went out: the time it still has
+            # is counted from then, not from a slow answer (the window below is a lease's)
+            sent = time.monotonic()
             try:
                 if self.is_leader:
                     self._refresh()
@@ -53,7 +56,7 @@ class LeaderElection:
                 if self.serving_from_memory:
                     log.info("etcd is reachable again (leader: %s)", self.is_leader)
                 self.serving_from_memory = False
-                self._last_ok = time.monotonic()
+                self._last_ok = sent
                 self.refusal = ""
             except Exception as exc:  # noqa: BLE001 - sorted below: outage or lost leadership
                 self._note_refusal(exc)

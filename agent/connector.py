@@ -41,7 +41,12 @@ def layers_to_blocks(kv: Sequence[LayerKV], spec: ModelSpec, first_block: int, n
                 )
             if shape[2] < end:
                 raise ValueError(f"kv layer {layer} {'kv'[which]}: {shape[2]} tokens, {end} needed for the full blocks")
-            seg = t[0, :, start:end, :].to("cpu", spec.torch_dtype)  # [H, n*bs, D]
+            if t.dtype != spec.torch_dtype:  # converted quietly, float32 overflowed float16 to inf in a shared cache
+                raise ValueError(
+                    f"kv layer {layer} {'kv'[which]}: dtype {str(t.dtype).removeprefix('torch.')}, "
+                    f"model {spec.model_id} stores {spec.dtype} (convert it, or give the spec its dtype)"
+                )
+            seg = t[0, :, start:end, :].to("cpu")  # [H, n*bs, D]
             out[:, layer, which] = seg.reshape(spec.num_kv_heads, num_blocks, bs, spec.head_dim).permute(1, 2, 0, 3)
     return out
 

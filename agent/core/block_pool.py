@@ -58,6 +58,7 @@ from protos.tier import Tier
 log = logging.getLogger(__name__)
 NOTICE_EVERY_SECONDS = 10.0  # a repeated notice kind (write_error, ...) is said at most this often
 PARKED_SECONDS = 600.0  # recovered blocks whose prefix was lost wait this long for it to be stored again
+OTHER_WRITER_WAIT_SECONDS = 2.0  # a store waits this long at most for a block another store is writing
 
 
 class BlockPool(BlockMoves):
@@ -188,6 +189,18 @@ class BlockPool(BlockMoves):
         return self.models[model_id]
 
     # ---- writes ---------------------------------------------------------------------
+    def _await_other_writer(self, block_hash: bytes) -> None:
+        """A block another caller is writing (two engines storing one system prompt at
+        once): wait a little for it, so this caller's longer chain goes on after it
+        instead of stopping there (its tail was lost, its reply saying nothing stored)."""
+        deadline = time.monotonic() + OTHER_WRITER_WAIT_SECONDS
+        while True:
+            with self.lock:
+                meta = self.blocks.get(block_hash)
+                if meta is None or meta.ready or time.monotonic() >= deadline:
+                    return  # absent, written (readable or not: no wait helps), or waited enough
+            time.sleep(0.0005)
+
     def insert_chain(
         self,
         model_id: str,
@@ -216,11 +229,12 @@ class BlockPool(BlockMoves):
         try:
             parent = ROOT_PARENT_HASH
             for i, h in enumerate(block_hashes):
+                self._await_other_writer(h)
                 with self.lock:
                     meta = self.blocks.get(h)
                     if meta is not None:
                         if not meta.visible:
-                            break  # being written by another caller, or unreadable
+                            break  # still being written by another caller (past the wait), or unreadable
                         meta.ref_count += 1
                         if parent_meta is not None:
                             parent_meta.ref_count -= 1

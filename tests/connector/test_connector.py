@@ -36,6 +36,14 @@ def test_kv_in_another_layout_is_refused_by_name(heads, dim, tokens, error):
         layers_to_blocks(layer_kv(M, tokens, heads, dim), M, 0, 4)
 
 
+def test_kv_of_another_dtype_is_refused_not_converted():
+    """float32 KV went into a float16 model's cache converted, values past 65504 as inf,
+    shared by every engine of the model (a review)."""
+    kv = [(k.float() * 1e5, v.float()) for k, v in layer_kv(M, 16)]
+    with pytest.raises(ValueError, match="dtype float32, model conn-m stores float16"):
+        layers_to_blocks(kv, M, 0, 4)
+
+
 def test_a_batch_of_two_is_refused():
     kv = [(torch.zeros(2, 2, 8, 8, dtype=torch.float16),) * 2 for _ in range(2)]
     with pytest.raises(ValueError, match="shape \\[2, 2, 8, 8\\]"):

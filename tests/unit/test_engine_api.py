@@ -246,3 +246,34 @@ def test_eviction_keeps_loads_consistent():
         assert torch.equal(res.kv, kv[:n])
     assert engine.lookup("tiny", stored[5][0]) == 2 * BS
     assert engine.lookup("tiny", stored[0][0]) == 0
+
+
+def test_two_stores_of_one_prefix_at_once_keep_the_longer_ones_tail(monkeypatch):
+    """Engine B stored a prompt two blocks longer while engine A still wrote block 0: B
+    stopped there, answered (0, 0), and its tail was never cached (a review)."""
+    import threading
+
+    engine = make_engine()
+    bs = SPEC.block_size
+    tokens, kv = list(range(4 * bs)), kv_for(4)
+    writing, release = threading.Event(), threading.Event()
+    real_write = MemoryTier.write
+
+    def slow_first_write(self, handle, payload, meta=None):
+        if threading.current_thread().name == "engine-a" and not writing.is_set():
+            writing.set()
+            release.wait(5)  # A's write of block 0 takes a while
+        return real_write(self, handle, payload, meta)
+
+    monkeypatch.setattr(MemoryTier, "write", slow_first_write)
+    done = {}
+    a = threading.Thread(target=lambda: done.setdefault("a", engine.store(SPEC.model_id, tokens[: 2 * bs], kv[:2])))
+    a.name = "engine-a"
+    a.start()
+    assert writing.wait(5)
+    threading.Timer(0.2, release.set).start()  # A finishes while B waits for block 0
+    b = engine.store(SPEC.model_id, tokens, kv)
+    a.join(5)
+    assert done["a"].num_stored_blocks == 2
+    assert b.num_present_blocks == 2 and b.num_stored_blocks == 2
+    assert engine.lookup(SPEC.model_id, tokens) == 4 * bs

@@ -242,6 +242,7 @@ class BlockMoves:
     lock: threading.RLock
     blocks: dict[bytes, BlockMeta]
     store_of: dict[Tier, TierStore]
+    tiers: list[TierStore]  # fastest first
     models: dict[str, ModelSpec]
     codec_threads: int
     _codec_pool: ThreadPoolExecutor | None
@@ -750,11 +751,12 @@ class BlockMoves:
         even one finds room (every block that could go is the batch's), the last of them
         goes down to the tier below first, as it is, and comes back re-encoded at the end,
         once the others freed their space (each takes less than it gave back); with no
-        tier below, it is dropped (as the tier's safety net would). A block no room can be
-        made for fails by name (PoolFull) and stays where it was. Jobs leave `deferred` as
-        they are taken: those left there are the caller's to release."""
+        tier below (the disk), up to a faster tier with room instead; with none either, it
+        is dropped (as the tier's safety net would). A block no room can be made for fails
+        by name (PoolFull) and stays where it was. Jobs leave `deferred` as they are taken:
+        those left there are the caller's to release."""
         out: dict[int, MoveOutcome] = {}
-        lower = self.lower_of(dst.tier)
+        lower = self.lower_of(dst.tier) or self._faster_with_room(dst)
         parked: _Recode | None = None  # sent down to make room, back at the end
         parking_tried = False
         failed: list[BlockMeta] = []  # kept from the room made for the others until the end
@@ -767,6 +769,8 @@ class BlockMoves:
                 if not result.ok and result.reason.startswith("PoolFull") and not parking_tried and deferred:
                     parking_tried = True
                     last = deferred.pop()
+                    with self.lock:
+                        last.meta.moving = False  # taken from the batch: kept below, if it stays
                     if self._send_down(last.meta, dst, lower):
                         if lower is None:
                             out[last.k] = self._move_failed("dropped to make room for the others")
@@ -787,20 +791,32 @@ class BlockMoves:
                     meta.moving = False
         return out
 
-    def _send_down(self, meta: BlockMeta, store: TierStore, lower: TierStore | None) -> bool:
-        """Free a held block's space in `store` (it is let go first): moved to the tier
-        below as it is, or, with none, dropped if it may be (an unpinned leaf no one
-        reads). Whether its space is free now."""
+    def _send_down(self, meta: BlockMeta, store: TierStore, other: TierStore | None) -> bool:
+        """Free a held block's space in `store` (it is let go first): moved as it is to
+        `other` (the tier below, or a faster one with room), or, with none (a single tier,
+        or every other one full), dropped if it may be (an unpinned leaf no one reads).
+        Whether its space is free now."""
         with self.lock:
             meta.moving = False
-            if lower is None:
+            if other is None:
                 if meta.block_hash not in self.blocks or meta.num_children or meta.ref_count or self.pin_tier(meta):
                     return False
                 self._drop_subtree(meta.block_hash)
                 self.evictions_total[store.tier] += 1
                 return True
-        down = self.move_blocks([meta.block_hash], lower.tier, reader_wait_seconds=0.0)[0]
-        return down.ok and down.moved_bytes > 0
+        moved = self.move_blocks([meta.block_hash], other.tier, reader_wait_seconds=0.0)[0]
+        return moved.ok and moved.moved_bytes > 0
+
+    def _faster_with_room(self, store: TierStore) -> TierStore | None:
+        """The slowest tier faster than `store` with a free page for a raw block (a block
+        parked there for a while), or None."""
+        i = self.tiers.index(store)
+        for faster in reversed(self.tiers[:i]):
+            if faster.capacity_bytes - faster.used_bytes >= max(
+                (m.block_bytes for m in self.models.values()), default=0
+            ):
+                return faster
+        return None
 
     def _keep(self, meta: BlockMeta, kept: list[BlockMeta]) -> None:
         """Mark a block that stayed where it was moving again, so the room its batch makes

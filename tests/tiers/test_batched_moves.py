@@ -1167,6 +1167,39 @@ def test_a_compress_in_place_of_full_tiers_loses_nothing_and_moves_one_block_at_
     check_pool(pool)
 
 
+@pytest.mark.parametrize("cpu_room", [True, False])
+def test_a_compress_in_place_of_a_full_disk_drops_nothing(tmp_path, cpu_room):
+    """The disk (no tier below) full of nothing but the batch: its last block was dropped
+    to make room for the first though the CPU tier above had room (a review). It waits
+    there instead and comes back compressed; with no room anywhere one block still goes
+    (said: "dropped to make room for the others"), as in a single-tier pool."""
+    from agent.core.model_spec import ModelSpec
+
+    n = 4
+    big = ModelSpec("big", block_size=4, num_layers=2, num_kv_heads=2, head_dim=64, dtype="float16")  # int8 saves pages
+    footprint = DiskTier(tmp_path / "probe", 1 << 20).allocate(big.block_bytes).footprint_bytes
+    cpu = MemoryTier(Tier.CPU, n * big.block_bytes, big.block_bytes // 16, device="cpu")
+    pool = BlockPool([cpu, DiskTier(tmp_path / "disk", n * footprint)], [big])
+    data = torch.randn((2 * n, *big.block_shape), generator=torch.Generator().manual_seed(3)).half()
+    hashes = [os.urandom(16) for _ in range(2 * n)]
+    for i, h in enumerate(hashes):  # the first n are pushed down to the disk by the last n
+        assert pool.insert_chain(big.model_id, [h], lambda _i, i=i: data[i]) == (1, 0)
+    on_disk, in_cpu = hashes[:n], hashes[n:]
+    assert [pool.tier_of(h) for h in hashes] == [Tier.DISK] * n + [Tier.CPU] * n
+    if cpu_room:
+        assert pool.drop(in_cpu[0])
+    outcomes = pool.move_blocks(on_disk, None, "int8")
+    kept = [h for h in on_disk if h in pool.blocks]
+    assert all(pool.tier_of(h) == Tier.DISK and pool.blocks[h].codec == "int8" for h in kept)
+    if cpu_room:
+        assert kept == on_disk and all(o.ok for o in outcomes), outcomes  # nothing dropped
+        assert sum(pool.evictions_total.values()) == 0
+    else:
+        assert len(kept) == n - 1 and sum(pool.evictions_total.values()) == 1
+        assert [o.reason for o in outcomes if not o.ok] == ["dropped to make room for the others"]
+    check_pool(pool)
+
+
 def test_a_reservation_in_a_full_tier_makes_its_room_in_one_batch_outside_the_lock(tmp_path, monkeypatch):
     """A handoff's reservation on a decode agent whose CPU slab is full: the blocks it
     pushes out go to the disk in one vectored write while the pool lock stays free for the

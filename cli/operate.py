@@ -50,6 +50,12 @@ def scope_kwargs(model_id, tokens, tokens_file, hashes, extra_keys, namespace, a
     )
 
 
+def prefix_kwargs(model_id, tokens, tokens_file, hashes, extra_keys, what: str) -> dict:
+    """A prefix's options, for commands that take no namespace (`what` it is, when missing)."""
+    missing = f"give {what}: --tokens, --tokens-file or --hashes"
+    return scope_kwargs(model_id, tokens, tokens_file, hashes, extra_keys, "", "", missing)
+
+
 def _ttl(p: PinView, now: float) -> str:
     left = p.ttl_left_seconds(now)
     if left is None:
@@ -368,16 +374,7 @@ def transfer(
     wait_timeout,
 ):
     """Hand a prefix's KV from one agent to another (prefill -> decode handoff)."""
-    scope = scope_kwargs(
-        model_id,
-        tokens,
-        tokens_file,
-        hashes,
-        extra_keys,
-        "",
-        "",
-        "give the prefix: --tokens, --tokens-file or --hashes",
-    )
+    scope = prefix_kwargs(model_id, tokens, tokens_file, hashes, extra_keys, "the prefix")
     seconds = parse_duration(deadline, "--deadline") if deadline else 0.0
     wait_timeout_seconds(wait_timeout)
     op = ctx.call(
@@ -405,16 +402,7 @@ def transfer(
 @pass_ctx
 def route(ctx: Context, model_id, tokens, tokens_file, hashes, extra_keys, role, prefill_agent_id):
     """Where a router would send a request: prefill agent, decode agent, and whether to split."""
-    scope = scope_kwargs(
-        model_id,
-        tokens,
-        tokens_file,
-        hashes,
-        extra_keys,
-        "",
-        "",
-        "give the request: --tokens, --tokens-file or --hashes",
-    )
+    scope = prefix_kwargs(model_id, tokens, tokens_file, hashes, extra_keys, "the request")
     if prefill_agent_id and role != "decode":
         fail(f"--prefill-agent: only with --role decode (--role {role} chooses the prefill agent itself)")
     r = ctx.call(

@@ -186,6 +186,20 @@ def decode_scores(
     return sorted(out, key=lambda s: (s.behind, s.score, -s.free_bytes, s.agent_id))
 
 
+def _decode_stays(role: str, p: Candidate, why: str, behind: tuple[Score, ...] = ()) -> RouteDecision:
+    """Decode on the prefill agent `p` itself (role both): no handoff. `behind`: the decode
+    agents there were, all behind (backpressure)."""
+    return RouteDecision(
+        role,
+        p.agent_id,
+        prefill_agent_id=p.agent_id,
+        decode_agent_id=p.agent_id,
+        reason=f"{why}: decode stays on {p.agent_id} (role both), no handoff",
+        candidates=behind,
+        backpressure=bool(behind),
+    )
+
+
 def route(
     role: str,
     agents: Sequence[Candidate],
@@ -219,27 +233,13 @@ def route(
         )
         if not scores:
             if p is not None and p.role == BOTH:  # the prefill agent decodes too: no handoff
-                return RouteDecision(
-                    role,
-                    p.agent_id,
-                    prefill_agent_id=p.agent_id,
-                    decode_agent_id=p.agent_id,
-                    reason=f"no other decode agent: decode stays on {p.agent_id} (role both), no handoff",
-                )
+                return _decode_stays(role, p, "no other decode agent")
             if p is not None and p.role == DECODE:
                 return RouteDecision(role, reason=f"no decode agent besides the prefill agent {p.agent_id}")
             return RouteDecision(role, reason="no agent takes decode (roles decode or both)")
         best = scores[0]
         if best.behind and p is not None and p.role == BOTH:  # as a pair Route decides: no handoff
-            return RouteDecision(
-                role,
-                p.agent_id,
-                prefill_agent_id=p.agent_id,
-                decode_agent_id=p.agent_id,
-                reason=f"every decode agent is behind: decode stays on {p.agent_id} (role both), no handoff",
-                candidates=tuple(scores),
-                backpressure=True,
-            )
+            return _decode_stays(role, p, "every decode agent is behind", tuple(scores))
         return RouteDecision(
             role,
             best.agent_id,

@@ -10,7 +10,6 @@ from __future__ import annotations
 import queue
 import threading
 import time
-from dataclasses import dataclass
 
 import pytest
 
@@ -21,17 +20,10 @@ from protos import errors
 from protos.block_hash import ROOT_PARENT_HASH, hash_prefix
 from protos.kvcp.v1 import agent_pb2, types_pb2
 from protos.tier import Tier
+from tests.metrics.test_controlplane_metrics import Leadership
 
 BS = 4
 _END = object()
-
-
-@dataclass
-class Leadership:
-    is_leader: bool = True
-    epoch: int = 7
-    leader_address: str = "127.0.0.1:1"
-    serving_from_memory: bool = False
 
 
 def packed(n_blocks: int, start: int = 0, model_id: str = "m") -> bytes:

@@ -243,8 +243,9 @@ class Manager(PinControl, OperationControl, PolicyControl):
                     if part.state not in ops.TERMINAL:
                         part.updated_unix_seconds = now
                 op.updated_unix_seconds = now
-                if op in holders:
-                    self._op_done.setdefault(op.op_id, threading.Event())
+                # followed here to its end: set when it finishes, and timed then
+                # (kvcp_operation_duration_seconds missed every operation a failover adopted)
+                self._op_done.setdefault(op.op_id, threading.Event())
             self._op_changed(op)
             if op in holders:
                 # its scope lock lapsed with the old leader's lease: held again here until

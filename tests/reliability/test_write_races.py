@@ -170,3 +170,19 @@ def test_bad_input_right_after_a_takeover_is_invalid_argument_not_unavailable(co
     # a well-formed request still waits for the agent: Unavailable, try again
     with pytest.raises(errors.Unavailable, match="not back"):
         m.move(Scope(namespace="ok"), Tier.CPU)
+
+
+def test_an_operation_a_takeover_adopted_is_timed_when_it_finishes(m):
+    """kvcp_operation_duration_seconds missed every operation a new leader adopted: only
+    the ones it started or requeued had the event its end is timed at (a review)."""
+    op = ops.new_operation("move", {"to": "cpu"}, ["a"], now=m.clock())
+    op.commands_sent = True
+    m._register_op(op)
+    with m._lock:  # another replica's memory: what it knows of the operation is in etcd
+        m.ops = OrderedDict()
+        m._op_done.clear()
+    m.load()
+    timed = []
+    m.on_finished = lambda kind, state, seconds: timed.append((kind, state))
+    m.on_op_update("a", op.op_id, ops.SUCCEEDED, 4, 4, 0, 0, "")
+    assert timed == [("move", ops.SUCCEEDED)]

@@ -581,7 +581,8 @@ def simulate(cfg: SimConfig, backpressure: bool) -> dict:
             push(prefill_free_at[k], "prefilled", (req, k, blocks))
         elif kind == "prefilled":
             req, k, blocks = data
-            if not try_send(now, k, req, blocks):
+            # behind those already queued on its agent: it goes only when they have
+            if queued[k] or not try_send(now, k, req, blocks):
                 queued[k].append((now, req, blocks))
         elif kind == "arrived":
             req, j, blocks = data
@@ -603,7 +604,9 @@ def simulate(cfg: SimConfig, backpressure: bool) -> dict:
                 first = now + b * cfg.block_size / cfg.prefill_tokens_per_second  # recompute its evicted KV
                 ttft.append(first - arrival[req])
                 push(first + cfg.output_tokens / cfg.decode_tokens_per_second, "done", (j, b))
-            for k in range(cfg.num_prefill):  # room freed: queued handoffs go, oldest first
+            # room freed: each prefill agent's queue goes in order (the oldest head's first);
+            # a head that does not fit holds its agent's queue, not the other agents'
+            for k in sorted((k for k in range(cfg.num_prefill) if queued[k]), key=lambda k: queued[k][0][0]):
                 while queued[k] and try_send(now, k, queued[k][0][1], queued[k][0][2]):
                     queued[k].pop(0)
         queue_samples.append(sum(len(q) for q in queued))

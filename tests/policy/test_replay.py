@@ -50,6 +50,26 @@ def test_hit_tokens_count_leading_blocks_and_the_partial_last_one():
     assert sum(rp.block_tokens(long, p) for p in range(3)) == rp.hit_tokens(long, 3)
 
 
+def test_a_trace_whose_block_ids_are_not_prefix_chains_replays_tiered_to_the_end():
+    """Block 4 starts a prompt after it followed block 3 in another: its parent sat in a
+    slower tier than it, decide found no tail, and the tiered replay ended on an
+    AssertionError (a review). The agent's own safety net trims such a tier now, counted."""
+    trace = [req([1, 2, 3, 4, 5]), req([1, 2, 3, 4, 5]), req([1, 2, 3]), req([1, 2, 3, 4, 5]), req([4, 5]), req([5])]
+    result = rp.replay("not-chains", tiers=[(Tier.GPU, 2), (Tier.CPU, 2)], trace=trace)
+    assert result.safety_net_blocks > 0
+    assert 0 < result.policy_hit_ratio <= result.infinite_hit_ratio
+    assert sum(result.tier_hit_ratio.values()) == pytest.approx(result.policy_hit_ratio, abs=1e-9)
+    consistent = [req([1, 2, 3, 4, 5]), req([1, 2, 3]), req([1, 2, 3, 4, 5]), req([1, 6]), req([1, 2])]
+    assert rp.replay("chains", tiers=[(Tier.GPU, 2), (Tier.CPU, 2)], trace=consistent).safety_net_blocks == 0
+
+
+def test_belady_trims_after_a_request_is_admitted_whole():
+    """Trimmed block by block, block 2 of request 3 still said "next use: now" and could
+    not go, though it is never used again (MIN: 2 of 6 blocks' tokens hit; was 1: a review)."""
+    trace = [req([2]), req([3]), req([1, 2]), req([1]), req([3])]
+    assert rp.belady_hit_ratio(trace, 2) == 1024 / 3072
+
+
 def test_lru_belady_and_infinite_on_a_hand_made_trace():
     # capacity 2: [1,2] twice, a one-off [3], then [1,2] again
     trace = [req([1, 2]), req([1, 2]), req([3], input_length=100), req([1, 2])]

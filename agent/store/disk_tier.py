@@ -404,6 +404,7 @@ class DiskTier:
         # there, instead of demoting into it writes that fail with ENOSPC
         self.configured_capacity_bytes = self._capacity_bytes = self.num_granules * GRANULE_BYTES
         self._fitted_monotonic = 0.0
+        self._enospc_monotonic = -math.inf  # when a write last found the file system full
         self.fsync = fsync
         # model_id -> its KV layout (ModelSpec.layout), written into each block's header
         # so that a restart under another layout does not adopt bytes of the old one
@@ -508,7 +509,11 @@ class DiskTier:
         file system's blocks, and the capacity is fitted again. A second ENOSPC soon after
         a fit (the free runs are too fragmented for what is written) counts the tier as
         full at what it holds, until the next look a few seconds on."""
-        again = time.monotonic() - self._fitted_monotonic < REFIT_SECONDS
+        # soon after the last ENOSPC (not after any fit: the one at start made the first
+        # ENOSPC of a run count as a second, and cut the tier to the batch that failed)
+        now = time.monotonic()
+        again = now - self._enospc_monotonic < REFIT_SECONDS
+        self._enospc_monotonic = now
         with self._lock:
             spans = _whole_pages(self._free_runs())
         self._punch(spans)

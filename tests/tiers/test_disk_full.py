@@ -120,3 +120,30 @@ def test_fragmented_free_space_does_not_fail_write_after_write(small_fs: Path):
     assert results.count("ENOSPC") <= 2, results  # 25 of 30 failed before
     assert disk.write_errors_total <= 2 and "full" in results
     disk.close()
+
+
+def test_a_first_write_error_for_space_just_after_start_does_not_shrink_the_tier(tmp_path, monkeypatch):
+    """One ENOSPC within seconds of the tier's start (its first fit) was taken for a second
+    one soon after an ENOSPC: the tier was cut to the bytes the failed batch counted (a
+    review). A first one only refits it to its file system."""
+    import errno
+
+    from protos.tier import Tier
+
+    pool = make_pool(tmp_path / "disk", cpu_blocks=8)
+    engine = make_engine(pool)
+    toks = tokens(6)
+    engine.store(SPEC.model_id, toks, kv(6))
+    disk = disk_of(pool)
+    real = os.pwritev
+
+    def full(fd, bufs, offset):
+        if fd == disk.fd:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real(fd, bufs, offset)
+
+    monkeypatch.setattr(os, "pwritev", full)
+    pool.move_blocks(hashes(engine, toks), Tier.DISK)
+    monkeypatch.setattr(os, "pwritev", real)
+    disk.drain()
+    assert disk.capacity_bytes == disk.configured_capacity_bytes  # the file system has room

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import dataclasses
 import threading
+import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
@@ -34,6 +35,7 @@ from protos import errors
 from protos.kv_format import kv_block_bytes
 
 PREFILL, DECODE, BOTH = "prefill", "decode", "both"
+ROUTED_HOLD_SECONDS = 2.0  # a Route's bytes count against its decode agent this long (about two reports)
 ROLES = ("prefill", "decode", "pair")
 
 
@@ -376,6 +378,10 @@ def route_request(
                 reason=f"{decision.reason}: {', '.join(sorted(silent))} silent for over "
                 f"{params.max_silence_seconds:g}s (hung or stalled?)",
             )
+    if decision.disaggregate and decision.decode_agent_id:  # its bytes count against it until reported
+        d = next((c for c in candidates if c.agent_id == decision.decode_agent_id), None)
+        if d is not None:
+            states.note_routed(d.agent_id, max(0, result.num_blocks - d.num_cached_blocks) * block_bytes)
     address = next((c.address for c in candidates if c.agent_id == decision.agent_id), "")
     return dataclasses.replace(decision, address=address)
 
@@ -383,10 +389,15 @@ def route_request(
 class DataPlaneStates:
     """Roles and the last data-plane report of each agent (thread-safe; the leader's memory)."""
 
-    def __init__(self) -> None:
+    def __init__(self, clock=time.monotonic) -> None:
         self._lock = threading.Lock()
         self._roles: dict[str, tuple[str, str]] = {}  # agent_id -> (role, transfer_engine)
         self._views: dict[str, DataPlaneView] = {}
+        # bytes Route sent to each decode agent lately, (monotonic time, bytes): a burst of
+        # Routes within one report all saw the same free bytes and picked one agent past
+        # its room (its Reserve then refused the rest: recompute)
+        self._routed: dict[str, list[tuple[float, int]]] = {}
+        self._clock = clock
 
     def register(self, agent_id: str, role: str, transfer_engine: str = "") -> None:
         with self._lock:
@@ -405,10 +416,25 @@ class DataPlaneStates:
             return self._roles.get(agent_id, (BOTH, ""))[1]
 
     def view(self, agent_id: str) -> DataPlaneView | None:
+        """Its last report, less what Route sent it in the last ROUTED_HOLD_SECONDS."""
         with self._lock:
-            return self._views.get(agent_id)
+            view = self._views.get(agent_id)
+            routed = self._routed.get(agent_id)
+            if view is None or not routed:
+                return view
+            since = self._clock() - ROUTED_HOLD_SECONDS
+            routed[:] = [(t, n) for t, n in routed if t > since]
+            pending = sum(n for _, n in routed)
+        return dataclasses.replace(view, handoff_free_bytes=max(0, view.handoff_free_bytes - pending))
+
+    def note_routed(self, agent_id: str, num_bytes: int) -> None:
+        """Route sent a handoff of `num_bytes` to the decode agent `agent_id`."""
+        if num_bytes > 0:
+            with self._lock:
+                self._routed.setdefault(agent_id, []).append((self._clock(), num_bytes))
 
     def forget(self, agent_id: str) -> None:
         with self._lock:
             self._roles.pop(agent_id, None)
             self._views.pop(agent_id, None)
+            self._routed.pop(agent_id, None)

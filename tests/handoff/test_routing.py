@@ -176,7 +176,7 @@ def test_a_burst_of_routes_within_one_report_counts_what_it_sent():
     import queue
 
     from controlplane.core.cluster import AgentRecord, Cluster, ModelInfo
-    from controlplane.core.routing import ROUTED_HOLD_SECONDS, DataPlaneStates, route_request
+    from controlplane.core.routing import ROUTED_HOLD_SECONDS, DataPlaneStates, RouteDecision, route_request
     from protos.block_hash import hash_prefix
 
     cluster = Cluster(clock=lambda: 100.0)
@@ -184,16 +184,26 @@ def test_a_burst_of_routes_within_one_report_counts_what_it_sent():
     cluster.dataplane = DataPlaneStates(clock=lambda: t[0])
     model = ModelInfo("m", 16, num_layers=2, num_kv_heads=2, head_dim=128, dtype="float16")  # 32 KiB blocks
     block = 2 * 2 * 16 * 2 * 128 * 2
-    for agent_id, role, free in (("p", "prefill", 0), ("d1", "decode", 300), ("d2", "decode", 200)):
+    for agent_id, role, free, capacity in (
+        ("p", "prefill", 0, 0),
+        ("d1", "decode", 300, 400),
+        ("d2", "decode", 200, 300),
+    ):
         cluster.register(AgentRecord(agent_id, f"{agent_id}:1", [model], []))
         cluster.hello(agent_id, "s")
         cluster.apply_inventory_chunk(agent_id, 0, 0, True, [])
         cluster.attach_outbox(agent_id, "s", queue.Queue())
         cluster.dataplane.register(agent_id, role)
-        cluster.dataplane.update(agent_id, DataPlaneView(free * block, 10_000 * block, 0, 8))
+        cluster.dataplane.update(agent_id, DataPlaneView(free * block, capacity * block, 0, 8))
     prompt = hash_prefix("m", range(100 * 16), 16)  # 100 blocks each
-    picks = [route_request(cluster, "m", block_hashes=prompt, role="decode", prefill_agent_id="p") for _ in range(5)]
-    sent = {a: sum(100 for r in picks if r.decode_agent_id == a and r.disaggregate) for a in ("d1", "d2")}
-    assert sent["d1"] <= 300 and sent["d2"] <= 200, [r.decode_agent_id for r in picks]
+
+    def route() -> RouteDecision:
+        return route_request(cluster, "m", block_hashes=prompt, role="decode", prefill_agent_id="p")
+
+    picks = [route() for _ in range(5)]
+    assert not any(r.backpressure for r in picks)  # each had room when it was routed
+    assert sorted(r.decode_agent_id for r in picks) == ["d1"] * 3 + ["d2"] * 2  # 300 + 200 blocks
+    assert route().backpressure  # a sixth finds neither with room: it waits
     t[0] += ROUTED_HOLD_SECONDS + 0.1  # reported since: the report is what counts again
-    assert route_request(cluster, "m", block_hashes=prompt, role="decode", prefill_agent_id="p").decode_agent_id == "d1"
+    again = route()
+    assert again.decode_agent_id == "d1" and not again.backpressure

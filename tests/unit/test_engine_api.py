@@ -274,6 +274,7 @@ def test_two_stores_of_one_prefix_at_once_keep_the_longer_ones_tail(monkeypatch)
     threading.Timer(0.2, release.set).start()  # A finishes while B waits for block 0
     b = engine.store(SPEC.model_id, tokens, kv)
     a.join(5)
-    assert done["a"].num_stored_blocks == 2
-    assert b.num_present_blocks == 2 and b.num_stored_blocks == 2
+    # block 1 is A's or B's, whichever came first once block 0 was written; B stored the rest
+    assert done["a"].num_stored_blocks in (1, 2) and b.num_present_blocks >= 1
+    assert b.num_present_blocks + b.num_stored_blocks == 4  # nothing of B's tail lost
     assert engine.lookup(SPEC.model_id, tokens) == 4 * bs

@@ -52,7 +52,7 @@ SHM_REFUSED_SECONDS = 60.0  # a peer slab that could not be mapped is not tried 
 SHM_VERIFY_GROUPS = 8  # verify groups of a large shm handoff (each group at most 4x shm_verify_group_bytes)
 SHM_SLICE_BYTES = 16 << 20  # copies between checks that the reservation is still open
 SHM_EXPIRY_MARGIN_SECONDS = 0.5  # no copy this close to the reservation's expiry
-ABORT_CALL_SECONDS = 5.0  # an Abort goes on in the background this long (the handoff waits 0.5 s of it)
+ABORT_CALL_SECONDS = 0.5  # an Abort's own timeout (5 s held a handoff to an unanswering peer 9 s)
 
 
 @dataclass(frozen=True)
@@ -222,8 +222,9 @@ class HandoffPaths:
         never past the handoff's deadline. The call itself goes on for up to
         ABORT_CALL_SECONDS after that (held here until it ends: a call nobody holds is
         cancelled), so the peer frees the pages now rather than after the reservation's
-        TTL and quarantine, or, for a same-host writer's pages, its long hold (a peer
-        stalled for 0.5 s, as on a loaded machine, lost an Abort given only that)."""
+        TTL and quarantine. A peer stalled longer than that loses the Abort: a same-host
+        writer's pages then wait out their hold (a longer timeout held a handoff to an
+        unanswering peer up to 9 s in a CI run; not kept)."""
         try:
             call = stub.Abort.future(
                 agent_pb2.AbortRequest(reservation_id=rid, reason=reason[:200], writes_quiesced=quiesced),

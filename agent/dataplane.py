@@ -225,6 +225,7 @@ class DataPlane(HandoffPaths):
             num_outbound_inflight_handoffs=sum(link.inflight for link in links),
             num_outbound_queued_handoffs=sum(link.queued for link in links),
             max_inbound_handoffs=self.reservations.max_inbound,
+            handoff_tier=int(self.tier),
         )
 
     # ---- receiving ----------------------------------------------------------------

@@ -133,6 +133,9 @@ class Manager(PinControl, OperationControl, PolicyControl):
         # does not know a block's namespace): agent -> {block: (pin tier, until)}; forgotten
         # when any pin goes, or after PIN_REFUSAL_SECONDS
         self._pin_refusals: dict[str, dict[bytes, tuple[Tier, float]]] = {}
+        # prefix pins by block, for Route (built again when the pins change): (ids of
+        # the pins it was built from, those pins, block -> pins naming it)
+        self._pinned_by_block: tuple[list[int], list[Pin], dict[bytes, list[Pin]]] | None = None
         self._policy_ops = 0
         # policy commands carry "policy-<leader epoch>-<n>" (a random tag without an
         # election): a new leader's ids never repeat a deposed one's that an agent may

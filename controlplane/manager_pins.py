@@ -7,6 +7,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
+from collections.abc import Sequence
 from functools import partial
 
 from controlplane.core.cluster import AgentCommand
@@ -184,6 +185,32 @@ class PinControl(ManagerState):
             else p
             for p in found
         ]
+
+    def pinned_blocks(self, agent_id: str, block_hashes: Sequence[bytes]) -> set[bytes]:
+        """Which of these blocks an active prefix pin holds on `agent_id` (Route: a decode
+        agent's pinned blocks are not in its free bytes). A namespace pin's blocks are
+        known to the agents alone: not counted here."""
+        if not block_hashes:
+            return set()
+        now = self.clock()
+        with self._lock:
+            pins = list(self.pins.values())
+            by_block = self._pinned_by_block
+            if by_block is None or by_block[0] != [id(p) for p in pins]:
+                index: dict[bytes, list[Pin]] = {}
+                for p in pins:
+                    for i in range(0, len(p.block_hashes), BLOCK_HASH_BYTES):
+                        index.setdefault(p.block_hashes[i : i + BLOCK_HASH_BYTES], []).append(p)
+                # the pins themselves are kept with their ids, so no id is reused meanwhile
+                by_block = self._pinned_by_block = ([id(p) for p in pins], pins, index)
+            refused = self._pin_refusals.get(agent_id, {})  # what its own pins (namespaces too) kept
+            index = by_block[2]
+            return {
+                h
+                for h in block_hashes
+                if any(p.active(now) and p.applies_to(agent_id) for p in index.get(h, ()))
+                or (h in refused and refused[h][1] > now)
+            }
 
     def _apply_pins(self, now: float) -> None:
         """Send every connected agent the pins it should hold and lacks (or holds in another

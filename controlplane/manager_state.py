@@ -72,6 +72,7 @@ class ManagerState:
     policy_recent_first: bool
     _policy_inflight: dict[str, dict[str, tuple[float, str]]]
     _pin_refusals: dict[str, dict[bytes, tuple[Tier, float]]]
+    _pinned_by_block: tuple[list[int], list[Pin], dict[bytes, list[Pin]]] | None
     _policy_ops: int
     _policy_op_tag: str
     policy_actions_total: int

@@ -207,6 +207,8 @@ class AdminServicer(admin_pb2_grpc.AdminServiceServicer):
             extra_keys=tuple(request.extra_keys),
             role=request.role,
             prefill_agent_id=request.prefill_agent_id,
+            # pins as this replica knows them now (Route answers from memory)
+            pinned=self.manager.pinned_blocks if self.manager is not None else None,
         )
         response = convert.route_to_pb(decision)
         response.possibly_stale = self._stale or self._cluster.rebuilding()

@@ -272,6 +272,7 @@ def dataplane_from_pb(d: agent_pb2.DataPlaneStats):
         handoff_capacity_bytes=d.handoff_capacity_bytes,
         inbound_reservations=d.num_inbound_handoffs,
         max_inbound=d.max_inbound_handoffs or 8,
+        handoff_tier=d.handoff_tier,
         outbound_inflight=d.num_outbound_inflight_handoffs,
         outbound_queued=d.num_outbound_queued_handoffs,
         links={

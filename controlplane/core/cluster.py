@@ -162,6 +162,7 @@ class LookupResult:
     block_size: int
     holders: PrefixHolders
     possibly_stale: bool = False
+    block_hashes: bytes = b""  # the prefix looked up, packed
 
     @functools.cached_property
     def matches(self) -> list[AgentMatch]:
@@ -704,7 +705,7 @@ class Cluster:
                 self.lookup_hit_tokens_total += hit_tokens
         if record and self.on_lookup is not None:  # future-reuse evidence for the tier policy
             self.on_lookup(packed, self._clock())
-        return LookupResult(model_id, num_tokens, num_blocks, model.block_size, holders)
+        return LookupResult(model_id, num_tokens, num_blocks, model.block_size, holders, block_hashes=packed)
 
     # ---- stats ----------------------------------------------------------------------
     def stats(self) -> ClusterStats:

@@ -28,10 +28,11 @@ from __future__ import annotations
 import dataclasses
 import threading
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from protos import errors
+from protos.block_hash import BLOCK_HASH_BYTES
 from protos.kv_format import kv_block_bytes
 
 PREFILL, DECODE, BOTH = "prefill", "decode", "both"
@@ -59,6 +60,7 @@ class DataPlaneView:
     outbound_inflight: int = 0
     outbound_queued: int = 0
     links: Mapping[str, LinkView] = field(default_factory=dict)
+    handoff_tier: int = 0  # the tier handoffs land in (0: not told)
 
 
 @dataclass(frozen=True)
@@ -69,6 +71,10 @@ class Candidate:
     num_cached_blocks: int = 0
     dataplane: DataPlaneView | None = None
     lookup_rank: int = 0  # its place in the lookup's answer (longest, then fastest tiers first)
+    # of its cached prefix blocks, those its handoff_free_bytes counts (held in the handoff
+    # tier, not pinned): a handoff keeps them, so they are no room for it (None: not known,
+    # every cached block is taken to count)
+    num_counted_cached_blocks: int | None = None
 
 
 @dataclass(frozen=True)
@@ -153,9 +159,11 @@ def decode_scores(
             continue
         dp = a.dataplane or DataPlaneView()
         need = max(0, num_blocks - a.num_cached_blocks) * block_bytes
-        # the blocks of the prefix it holds count in its free bytes (they could be evicted),
-        # but a handoff keeps them: what it can take is what is free besides them
-        usable = max(0, dp.handoff_free_bytes - min(num_blocks, a.num_cached_blocks) * block_bytes)
+        # the blocks of the prefix it holds in the handoff tier, unpinned, count in its free
+        # bytes (they could be evicted), but a handoff keeps them: what it can take is what
+        # is free besides them
+        counted = a.num_cached_blocks if a.num_counted_cached_blocks is None else a.num_counted_cached_blocks
+        usable = max(0, dp.handoff_free_bytes - min(num_blocks, a.num_cached_blocks, counted) * block_bytes)
         link = (prefill_view.links.get(a.agent_id) if prefill_view is not None else None) or LinkView(a.agent_id)
         rate = link.throughput_bytes_per_second or params.default_link_bytes_per_second
         busy = link.inflight + link.queued
@@ -331,9 +339,12 @@ def route_request(
     role: str = "",
     prefill_agent_id: str = "",
     params: RouteParams | None = None,
+    pinned: Callable[[str, Sequence[bytes]], Collection[bytes]] | None = None,
 ) -> RouteDecision:
     """Route one request against the cluster's state (controlplane.core.cluster.Cluster):
-    its index lookup gives each agent's cached prefix; its data-plane states the rest."""
+    its index lookup gives each agent's cached prefix; its data-plane states the rest.
+    `pinned(agent_id, hashes)`: which of these blocks the control plane's pins hold on
+    that agent (None: no pins known)."""
     if role and role not in ROLES:
         raise errors.InvalidArgument("role", f"unknown role {role!r}; expected prefill, decode or pair")
     # a request's decode Route follows its prefill Route: one request, one lookup counted
@@ -344,8 +355,20 @@ def route_request(
     block_bytes = kv_block_bytes(model.num_layers, model.block_size, model.num_kv_heads, model.head_dim, model.dtype)
     hits = {m.agent_id: m.num_hit_blocks for m in result.matches}
     ranks = {m.agent_id: k for k, m in enumerate(result.matches)}
+    held_tiers = {m.agent_id: m.tiers for m in result.matches}
     states = cluster.dataplane
     params = params or RouteParams()
+    step = BLOCK_HASH_BYTES
+    hashes = [result.block_hashes[i : i + step] for i in range(0, len(result.block_hashes), step)]
+
+    def counted(agent_id: str, view: DataPlaneView | None) -> int | None:
+        tiers = held_tiers.get(agent_id, b"")
+        if view is None or not view.handoff_tier or not tiers:
+            return None if tiers else 0
+        held = [i for i, t in enumerate(tiers) if t == view.handoff_tier]
+        locked = set(pinned(agent_id, [hashes[i] for i in held])) if pinned is not None and held else set()
+        return sum(1 for i in held if hashes[i] not in locked)
+
     # only agents with an open stream that were heard from lately: one that died or hangs
     # keeps its registration (and its blocks indexed) until its lease goes
     candidates = [
@@ -354,11 +377,13 @@ def route_request(
             rec.address,
             states.role(rec.agent_id),
             hits.get(rec.agent_id, 0),
-            states.view(rec.agent_id),
+            view,
             ranks.get(rec.agent_id, len(ranks)),
+            counted(rec.agent_id, view),
         )
         for rec in cluster.connected_agents(params.max_silence_seconds)
         if any(m.model_id == model_id for m in rec.models)
+        for view in (states.view(rec.agent_id),)
     ]
     if prefill_agent_id and prefill_agent_id not in {c.agent_id for c in candidates}:
         raise errors.NotFound(

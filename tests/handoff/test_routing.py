@@ -207,3 +207,62 @@ def test_a_burst_of_routes_within_one_report_counts_what_it_sent():
     t[0] += ROUTED_HOLD_SECONDS + 0.1  # reported since: the report is what counts again
     again = route()
     assert again.decode_agent_id == "d1" and not again.backpressure
+
+
+def test_a_decode_agent_holding_the_prefix_pinned_or_in_another_tier_is_not_behind():
+    """Its free bytes (the agent's reclaimable bytes of the handoff tier) never counted
+    its pinned blocks, nor those in another tier, yet Route took all its cached blocks off
+    them: the agent holding most of a pinned system prompt looked full (a review)."""
+    import queue
+
+    from controlplane.core.cluster import AgentRecord, BlockGroup, Cluster, ModelInfo
+    from controlplane.core.pins import Pin
+    from controlplane.core.routing import route_request
+    from controlplane.manager import Manager
+    from protos.block_hash import ROOT_PARENT_HASH, hash_prefix
+    from protos.tier import Tier
+
+    now = [100.0]  # the pins' clock
+    cluster = Cluster(clock=lambda: 100.0)
+    model = ModelInfo("m", 16, num_layers=2, num_kv_heads=2, head_dim=128, dtype="float16")
+    block = 2 * 2 * 16 * 2 * 128 * 2
+    prompt = hash_prefix("m", range(12 * 16), 16)
+    chain = [prompt[i : i + 16] for i in range(0, len(prompt), 16)]
+    held = b"".join(chain[:10])
+    parents = ROOT_PARENT_HASH + b"".join(chain[:9])
+    for agent_id, role, tier in (
+        ("p", "prefill", Tier.CPU),
+        ("cpu", "decode", Tier.CPU),
+        ("disk", "decode", Tier.DISK),
+    ):
+        cluster.register(AgentRecord(agent_id, f"{agent_id}:1", [model], []))
+        cluster.hello(agent_id, "s")
+        groups = [] if agent_id == "p" else [BlockGroup("m", tier, held, parents)]
+        cluster.apply_inventory_chunk(agent_id, 0, 0, True, groups)
+        cluster.attach_outbox(agent_id, "s", queue.Queue())
+        cluster.dataplane.register(agent_id, role)
+        # 16 blocks, 10 held: 6 free pages (its pinned or disk blocks are not reclaimable)
+        view = DataPlaneView(6 * block, 16 * block, 0, 8, handoff_tier=int(Tier.CPU))
+        cluster.dataplane.update(agent_id, view)
+    manager = Manager(cluster, durable=None, election=None, clock=lambda: now[0])
+    manager.pins["sys"] = Pin("sys", "ns", "m", held, Tier.CPU, 0.0, now[0] + 60, agent_id="cpu")
+
+    def decode(pinned=manager.pinned_blocks):
+        d = route_request(cluster, "m", block_hashes=prompt, role="decode", prefill_agent_id="p", pinned=pinned)
+        return {c.agent_id: c for c in d.candidates}, d
+
+    scores, decision = decode()
+    assert not scores["cpu"].behind and not scores["disk"].behind, (scores["cpu"].note, scores["disk"].note)
+    assert decision.decode_agent_id in ("cpu", "disk") and not decision.backpressure
+    # unpinned blocks of the handoff tier are in its free bytes: a handoff keeps them
+    scores, _ = decode(pinned=None)
+    assert scores["cpu"].behind and "besides the prefix" in scores["cpu"].note
+    assert not scores["disk"].behind
+    # the pin ends: counted again
+    now[0] += 61
+    scores, _ = decode()
+    assert scores["cpu"].behind
+    assert manager.pinned_blocks("cpu", chain) == set()
+    now[0] -= 61
+    assert manager.pinned_blocks("cpu", chain) == set(chain[:10])
+    assert manager.pinned_blocks("disk", chain) == set()  # the pin is the other agent's

@@ -150,7 +150,7 @@ class LinkStats(_message.Message):
     def __init__(self, peer_agent_id: _Optional[str] = ..., throughput_bytes_per_second: _Optional[float] = ..., num_inflight_transfers: _Optional[int] = ..., num_queued_transfers: _Optional[int] = ..., transfers_total: _Optional[int] = ..., failures_total: _Optional[int] = ..., bytes_total: _Optional[int] = ..., last_path: _Optional[str] = ..., last_unix_seconds: _Optional[float] = ..., latency_seconds: _Optional[float] = ...) -> None: ...
 
 class DataPlaneStats(_message.Message):
-    __slots__ = ("links", "num_inbound_handoffs", "reserved_bytes", "handoff_free_bytes", "handoff_capacity_bytes", "num_outbound_inflight_handoffs", "num_outbound_queued_handoffs", "max_inbound_handoffs")
+    __slots__ = ("links", "num_inbound_handoffs", "reserved_bytes", "handoff_free_bytes", "handoff_capacity_bytes", "num_outbound_inflight_handoffs", "num_outbound_queued_handoffs", "max_inbound_handoffs", "handoff_tier")
     LINKS_FIELD_NUMBER: _ClassVar[int]
     NUM_INBOUND_HANDOFFS_FIELD_NUMBER: _ClassVar[int]
     RESERVED_BYTES_FIELD_NUMBER: _ClassVar[int]
@@ -159,6 +159,7 @@ class DataPlaneStats(_message.Message):
     NUM_OUTBOUND_INFLIGHT_HANDOFFS_FIELD_NUMBER: _ClassVar[int]
     NUM_OUTBOUND_QUEUED_HANDOFFS_FIELD_NUMBER: _ClassVar[int]
     MAX_INBOUND_HANDOFFS_FIELD_NUMBER: _ClassVar[int]
+    HANDOFF_TIER_FIELD_NUMBER: _ClassVar[int]
     links: _containers.RepeatedCompositeFieldContainer[LinkStats]
     num_inbound_handoffs: int
     reserved_bytes: int
@@ -167,7 +168,8 @@ class DataPlaneStats(_message.Message):
     num_outbound_inflight_handoffs: int
     num_outbound_queued_handoffs: int
     max_inbound_handoffs: int
-    def __init__(self, links: _Optional[_Iterable[_Union[LinkStats, _Mapping]]] = ..., num_inbound_handoffs: _Optional[int] = ..., reserved_bytes: _Optional[int] = ..., handoff_free_bytes: _Optional[int] = ..., handoff_capacity_bytes: _Optional[int] = ..., num_outbound_inflight_handoffs: _Optional[int] = ..., num_outbound_queued_handoffs: _Optional[int] = ..., max_inbound_handoffs: _Optional[int] = ...) -> None: ...
+    handoff_tier: _types_pb2.Tier
+    def __init__(self, links: _Optional[_Iterable[_Union[LinkStats, _Mapping]]] = ..., num_inbound_handoffs: _Optional[int] = ..., reserved_bytes: _Optional[int] = ..., handoff_free_bytes: _Optional[int] = ..., handoff_capacity_bytes: _Optional[int] = ..., num_outbound_inflight_handoffs: _Optional[int] = ..., num_outbound_queued_handoffs: _Optional[int] = ..., max_inbound_handoffs: _Optional[int] = ..., handoff_tier: _Optional[_Union[_types_pb2.Tier, str]] = ...) -> None: ...
 
 class Hello(_message.Message):
     __slots__ = ("agent_id", "session_id", "pins", "incarnation")

@@ -61,6 +61,7 @@ from agent.store.transfer_engine import TransferBackend, TransferFailed, Transfe
 from protos import errors, etcd_keys, security
 from protos.kvcp.v1 import agent_pb2, agent_pb2_grpc, types_pb2
 from protos.namespaces import check_namespace
+from protos.pb_enums import tier_pb
 from protos.tier import Tier
 
 log = logging.getLogger(__name__)
@@ -225,7 +226,7 @@ class DataPlane(HandoffPaths):
             num_outbound_inflight_handoffs=sum(link.inflight for link in links),
             num_outbound_queued_handoffs=sum(link.queued for link in links),
             max_inbound_handoffs=self.reservations.max_inbound,
-            handoff_tier=int(self.tier),
+            handoff_tier=tier_pb(self.tier),
         )
 
     # ---- receiving ----------------------------------------------------------------

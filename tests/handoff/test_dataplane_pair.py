@@ -274,6 +274,16 @@ def test_route_does_not_send_a_prefix_to_a_decode_agent_whose_free_room_is_that_
         assert "besides the prefix" in next(c.note for c in decision.candidates if c.agent_id == "dec")
         r = p.send.handoff(SMALL.model_id, hashes, "dec", 5.0, paths=("grpc",))
         assert r.outcome == RECOMPUTE and "room" in r.reason  # what Route foresaw
+        # those 6 pinned (as Route counts them: none in its free bytes): its 2 free pages
+        # are room for an 8-block prefix, not taken off again
+        p.recv.pool.set_pin(hashes[:6], Tier.CPU)
+        view = dataplane_from_pb(p.recv.stats())
+        assert view.handoff_tier == int(p.recv.tier) and view.handoff_free_bytes == 2 * SMALL.block_bytes
+        dec = Candidate("dec", "a:1", "decode", 6, view, num_counted_cached_blocks=0)
+        decision = route("pair", [candidates[0], dec], 8, SMALL.block_size, SMALL.block_bytes)
+        assert not decision.backpressure and decision.decode_agent_id == "dec", decision.reason
+        r = p.send.handoff(SMALL.model_id, hashes[:8], "dec", 5.0, paths=("grpc",))
+        assert r.outcome == TRANSFERRED, r.reason  # its Reserve agreed
     finally:
         p.close()
 

@@ -50,9 +50,11 @@ def test_an_ipv6_agent_address_keeps_its_host():
         app.apply_agents([replace(sample.agents()[0], address="[fd00::5]:50061")])
         await pilot.pause()
         shown["address"] = str(app.screen.query_one("#agents", DataTable).get_row_at(0)[1])
+        shown["screen"] = app.export_screenshot()  # as drawn: a markup string loses "[fd00::5]" there
 
     assert run(steps) is None
     assert shown["address"] == "[fd00::5]:50061"
+    assert "[fd00::5]:50061" in shown["screen"].replace("&#160;", " ")
 
 
 def test_tokens_typed_with_brackets_are_an_error_not_a_crash():

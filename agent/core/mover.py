@@ -44,6 +44,7 @@ class MoveOp:
     pinned: list[tuple[bytes, int]] = field(default_factory=list)  # (block, pin tier) left where a pin holds it
     num_gone_blocks: int = 0  # blocks no longer held when their batch came (neither done nor failed)
     finish_told: bool = False  # the mover's finish listeners have seen it end
+    num_kept_blocks: int = 0  # blocks a compress left in their codec (the new one would not shrink them)
 
     @property
     def num_total_blocks(self) -> int:
@@ -145,31 +146,17 @@ class Mover:
         else:
             op.state = RUNNING
             self._update(op)
-            last = time.monotonic()
             landed: list[bytes] = []  # the blocks this move put (or found) in its tier
-            kept = 0  # blocks a compress left in their codec (the new one would not shrink them)
-            for start, outcomes in self._outcomes(op):
-                for k, outcome in enumerate(outcomes, start):
-                    if outcome is None or outcome.gone:  # not held (evicted meanwhile): nothing to move
-                        op.num_gone_blocks += 1
-                    elif outcome.ok:
-                        op.num_done_blocks += 1
-                        op.moved_bytes += outcome.moved_bytes
-                        landed.append(op.block_hashes[k])
-                        kept += outcome.kept
-                    elif outcome.pinned_tier:  # where a pin holds it: skipped, as a cleanup skips it
-                        op.pinned.append((op.block_hashes[k], outcome.pinned_tier))
-                    else:
-                        op.num_failed_blocks += 1
-                        op.error = outcome.reason
-                        if op.kind == "promote" and outcome.reason.startswith("PoolFull"):
-                            with self._lock:
-                                self._no_room_until = time.monotonic() + PROMOTE_BACKOFF_SECONDS
-                if time.monotonic() - last > 0.2:
-                    last = time.monotonic()
-                    self._update(op)
-            if op.kind == "move" and op.to_tier is not None:
-                self._count_pushed_out(op, landed)
+            # ... referenced until it ends: a later batch making room must not push them out
+            # again (its done count went down at the end; now the blocks that find no room fail)
+            held: list = []
+            try:
+                self._move_batches(op, landed, held)
+                if op.kind == "move" and op.to_tier is not None:
+                    self._count_pushed_out(op, landed)
+            finally:
+                self.pool.release_chain(held)
+            kept = op.num_kept_blocks
             if kept and not op.error:
                 op.error = f"{kept} block(s) kept in their codec: {op.codec} would free none of their room"
             if op.num_gone_blocks and not op.error:
@@ -188,6 +175,38 @@ class Mover:
         op.finished_unix_seconds = time.time()
         self._update(op)
         return op
+
+    def _move_batches(self, op: MoveOp, landed: list[bytes], held: list) -> None:
+        """Move the blocks batch by batch, counting each outcome (and updating the control
+        plane at most every 0.2 s). A move's landed blocks are referenced into `held`."""
+        last = time.monotonic()
+        for start, outcomes in self._outcomes(op):
+            for k, outcome in enumerate(outcomes, start):
+                if outcome is None or outcome.gone:  # not held (evicted meanwhile): nothing to move
+                    op.num_gone_blocks += 1
+                elif outcome.ok:
+                    op.num_done_blocks += 1
+                    op.moved_bytes += outcome.moved_bytes
+                    landed.append(op.block_hashes[k])
+                    op.num_kept_blocks += outcome.kept
+                    if op.kind == "move" and op.to_tier is not None:
+                        held += self.pool.acquire_chain(op.block_hashes[k : k + 1])
+                elif outcome.pinned_tier:  # where a pin holds it: skipped, as a cleanup skips it
+                    op.pinned.append((op.block_hashes[k], outcome.pinned_tier))
+                else:
+                    op.num_failed_blocks += 1
+                    op.error = outcome.reason
+                    if held and op.to_tier is not None and outcome.reason.startswith("PoolFull"):
+                        op.error = (
+                            f"PoolFull: the {op.to_tier.label} tier cannot hold them all: it is full of the "
+                            f"{len(held)} block(s) this move put there and of pinned, in-use or moving ones"
+                        )
+                    if op.kind == "promote" and outcome.reason.startswith("PoolFull"):
+                        with self._lock:
+                            self._no_room_until = time.monotonic() + PROMOTE_BACKOFF_SECONDS
+            if time.monotonic() - last > 0.2:
+                last = time.monotonic()
+                self._update(op)
 
     def _count_pushed_out(self, op: MoveOp, landed: list[bytes]) -> None:
         """A move of more than its tier holds: each batch makes room by demoting the least

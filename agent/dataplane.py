@@ -157,6 +157,7 @@ class DataPlane(HandoffPaths):
         self._channels: dict[str, grpc.Channel] = {}
         self._channel_users: dict[grpc.Channel, int] = {}  # handoffs on each channel now
         self._aborts: set = set()  # Abort calls still on the wire (a call nobody holds is cancelled)
+        self.aborts_retried_total = 0
         self._lock = threading.Lock()
         # one writer thread per handoff on the engine path (it holds it while the handoff runs)
         self._writers = cf.ThreadPoolExecutor(max_workers=16, thread_name_prefix="te-write")

@@ -53,6 +53,12 @@ SHM_VERIFY_GROUPS = 8  # verify groups of a large shm handoff (each group at mos
 SHM_SLICE_BYTES = 16 << 20  # copies between checks that the reservation is still open
 SHM_EXPIRY_MARGIN_SECONDS = 0.5  # no copy this close to the reservation's expiry
 ABORT_CALL_SECONDS = 0.5  # an Abort's own timeout (5 s held a handoff to an unanswering peer 9 s)
+# an Abort the peer did not answer in time (stalled, or a loaded machine) is sent again in
+# the background, this often at most, ABORT_RETRY_SECONDS apart: a lost one held a same-host
+# writer's pages for their whole long hold
+ABORT_RETRIES = 4
+ABORT_RETRY_SECONDS = 1.0
+_ABORT_RETRY_CODES = (grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.UNAVAILABLE)
 
 
 @dataclass(frozen=True)
@@ -100,6 +106,8 @@ class HandoffPaths:
     _writers: cf.ThreadPoolExecutor  # one engine-writer thread per handoff
     _lock: threading.Lock
     _aborts: set  # Abort calls still on the wire
+    aborts_retried_total: int  # Aborts sent again after the peer did not answer in time
+    _closing: bool
     _peer_slabs: dict[str, tuple[PeerSlab, float]]  # agent id -> (mapped slab, last used)
     _shm_refused: dict[tuple, float]  # slab key -> monotonic time to try it again
 
@@ -222,27 +230,40 @@ class HandoffPaths:
         never past the handoff's deadline. The call itself goes on for up to
         ABORT_CALL_SECONDS after that (held here until it ends: a call nobody holds is
         cancelled), so the peer frees the pages now rather than after the reservation's
-        TTL and quarantine. A peer stalled longer than that loses the Abort: a same-host
-        writer's pages then wait out their hold (a longer timeout held a handoff to an
-        unanswering peer up to 9 s in a CI run; not kept)."""
-        try:
-            call = stub.Abort.future(
-                agent_pb2.AbortRequest(reservation_id=rid, reason=reason[:200], writes_quiesced=quiesced),
-                timeout=ABORT_CALL_SECONDS,
-            )
-        except (grpc.RpcError, ValueError):  # the peer is gone, or the channel closed (ValueError)
-            return  # its reservation expires by itself
-        with self._lock:
-            self._aborts.add(call)
-        call.add_done_callback(self._abort_done)
+        TTL and quarantine. One the peer did not answer in time (stalled, or slow on a
+        loaded machine) is sent again in the background, up to ABORT_RETRIES times
+        ABORT_RETRY_SECONDS apart (a late Abort still frees a same-host writer's pages
+        held past its reservation); the handoff never waits for those."""
+        request = agent_pb2.AbortRequest(reservation_id=rid, reason=reason[:200], writes_quiesced=quiesced)
+        call = self._send_abort(stub, request, ABORT_RETRIES)
+        if call is None:
+            return  # the peer is gone or the channel closed: its reservation expires by itself
         try:
             call.result(timeout=max(0.0, min(0.5, deadline - time.monotonic())))
         except (grpc.RpcError, grpc.FutureTimeoutError):
-            pass  # the peer is gone or slow: its reservation expires by itself
+            pass  # the peer is gone or slow: sent again in the background, or it expires by itself
 
-    def _abort_done(self, call) -> None:
+    def _send_abort(self, stub, request: agent_pb2.AbortRequest, retries: int):
+        if self._closing and retries < ABORT_RETRIES:  # (a closing agent's own handoffs still abort)
+            return None
+        try:
+            call = stub.Abort.future(request, timeout=ABORT_CALL_SECONDS)
+        except (grpc.RpcError, ValueError):  # the peer is gone, or the channel closed (ValueError)
+            return None
+        with self._lock:
+            self._aborts.add(call)
+        call.add_done_callback(lambda c: self._abort_done(c, stub, request, retries))
+        return call
+
+    def _abort_done(self, call, stub, request: agent_pb2.AbortRequest, retries: int) -> None:
         with self._lock:
             self._aborts.discard(call)
+        if retries <= 0 or self._closing or call.cancelled() or call.code() not in _ABORT_RETRY_CODES:
+            return
+        self.aborts_retried_total += 1
+        timer = threading.Timer(ABORT_RETRY_SECONDS, self._send_abort, (stub, request, retries - 1))
+        timer.daemon = True
+        timer.start()
 
     def _source(self, meta: BlockMeta) -> tuple[list[torch.Tensor], torch.Tensor | None]:
         """Segments of a block's stored payload in registered memory; a block elsewhere

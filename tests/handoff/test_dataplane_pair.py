@@ -478,3 +478,32 @@ def test_a_control_plane_transfer_says_it_is_alive_while_a_slow_handoff_runs(mon
         assert len(replies) == len(states)  # no beat after the answer
     finally:
         p.close()
+
+
+def test_an_abort_the_peer_did_not_answer_in_time_is_sent_again(pair, monkeypatch):
+    """A peer slow for a moment (a loaded machine) let the Abort's own 0.5 s pass: the
+    Abort was lost and a same-host writer's pages waited out their long hold (a CI run).
+    It is sent again in the background; the handoff does not wait for it."""
+    import agent.handoff_paths as handoff_paths
+
+    monkeypatch.setattr(handoff_paths, "ABORT_RETRY_SECONDS", 0.1)
+    hashes = store(pair.send.pool, 4)
+    real_abort, calls = pair.recv.abort, []
+
+    def slow_first(request):
+        calls.append(request.reservation_id)
+        if len(calls) == 1:
+            time.sleep(1.0)  # past ABORT_CALL_SECONDS: the sender's call ends unanswered
+        return real_abort(request)
+
+    def refused(_request):
+        raise RuntimeError("the commit fails: the sender aborts")
+
+    monkeypatch.setattr(pair.recv, "commit", refused)
+    monkeypatch.setattr(pair.recv, "abort", slow_first)
+    t0 = time.monotonic()
+    r = pair.send.handoff(SMALL.model_id, hashes, "dec", 1.0, paths=("grpc",))
+    assert r.outcome == RECOMPUTE and time.monotonic() - t0 < 1.3
+    # the first reservation's Abort again (a second attempt's, answered at once, is not)
+    wait_for(lambda: pair.send.aborts_retried_total >= 1 and calls.count(calls[0]) >= 2, 5, what="Abort sent again")
+    wait_for(lambda: pair.recv.reservations.open_count() == 0, 5, what="the reservation let go")

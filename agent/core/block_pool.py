@@ -971,10 +971,16 @@ class BlockPool(BlockMoves):
 
     def _tier_codec(self, tier: Tier, model_id: str) -> str:
         """The codec a block of `model_id` takes on entering `tier`: the tier's, unless it
-        is lossy and the model's KV is not floating point (an int8 KV cache): then none."""
+        is lossy and the model's KV is not floating point (an int8 KV cache), or its
+        payload would be no smaller than the raw block (int8 or fp8 of an fp8 KV cache: a
+        byte a value plus the scales, and precision lost): then none."""
         codec = self.tier_codecs[tier]
-        if codec in codecs.LOSSY and not self.models[model_id].torch_dtype.is_floating_point:
-            return "none"
+        if codec in codecs.LOSSY:
+            spec = self.models[model_id]
+            if not spec.torch_dtype.is_floating_point:
+                return "none"
+            if codecs.payload_bytes(codec, spec.block_shape, spec.torch_dtype) >= spec.block_bytes:
+                return "none"
         return codec
 
     def _entry_codec(self, tier: Tier, model_id: str, current: str) -> str:

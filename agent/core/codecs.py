@@ -211,9 +211,10 @@ def _groups(n: int) -> int:
     return max(1, math.ceil(n / INT4_GROUP))
 
 
-def _quant4(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """x: [n, ..., G, g], a batch grouped on the last axis -> (nibbles packed two a byte
-    [n, bytes], scale fp16, min fp16)."""
+def _quant4(x: torch.Tensor, fp16_block: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """x: [n, ..., G, g], a batch grouped on the last axis (in fp32) -> (nibbles packed two
+    a byte [n, bytes], scale fp16, min fp16). `fp16_block`: the blocks were fp16, whose
+    decode must not pass 65504 (x itself is their fp32 copy)."""
     n = x.shape[0]
     lo = x.amin(dim=-1, keepdim=True) + 0.0  # -0 -> +0: which zero amin returns depends on its order
     hi = x.amax(dim=-1, keepdim=True)
@@ -223,7 +224,7 @@ def _quant4(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         q = torch.cat([q, q.new_zeros(n, 1)], dim=1)
     packed = q[:, 0::2] | (q[:, 1::2] << 4)
     scale16, lo16 = scale.to(torch.float16), lo.to(torch.float16)
-    _decodable(_largest(scale16, 15.0, lo16), x.dtype == torch.float16)
+    _decodable(_largest(scale16, 15.0, lo16), fp16_block)
     return packed, scale16, lo16
 
 
@@ -291,7 +292,7 @@ def _int4_batch(x: torch.Tensor) -> torch.Tensor:
     vg, _ = _pad_groups(vals, vals.shape[-1])
     parts = []
     for grouped in (kg, vg):
-        packed, scale, lo = _quant4(grouped)
+        packed, scale, lo = _quant4(grouped, x.dtype == torch.float16)
         parts += [_rows_u8(scale), _rows_u8(lo), packed]
     return torch.cat(parts, dim=1)
 
@@ -489,4 +490,13 @@ def decode(codec: str, payload: torch.Tensor, shape, dtype: torch.dtype) -> torc
         if payload.numel() != payload_bytes("none", shape, dtype):
             raise CodecError("payload has the wrong size")
         return payload.view(dtype).reshape(shape)
+    if codec in LOSSY and (codec != "int4" or len(shape) == 5):
+        # a fixed size: a longer payload is another layout's (its leading bytes would decode
+        # as this one's, wrong values and no error)
+        if payload.numel() != payload_bytes(codec, shape, dtype):
+            raise CodecError(
+                "payload is truncated"
+                if payload.numel() < payload_bytes(codec, shape, dtype)
+                else "payload has the wrong size"
+            )
     return CODECS[codec][1](payload, tuple(shape), dtype)

@@ -499,3 +499,59 @@ def test_an_fp16_block_at_the_top_of_its_range_is_refused_not_decoded_to_inf(cod
         codecs.encode(codec, x)
     x[0, 0, 0, 0, 0], x[0, 1, 1, 0, 1] = 60000.0, -60000.0
     assert torch.isfinite(roundtrip(codec, x).float()).all()
+
+
+# ---- a review's edge cases (2026-12-06) --------------------------------------------------
+@pytest.mark.parametrize("path", ["c", "torch"])
+def test_int4_refuses_an_fp16_group_that_would_decode_to_inf_on_both_paths(path, monkeypatch):
+    """A value group [65504, 0, ...]: its scale 65504/15 rounds up in fp16 to 4368, and
+    15 x 4368 = 65520 is inf in fp16. The C loop refused it; the torch path (GPU blocks,
+    encode_batch, agents without a C compiler) checked the fp32 copy's dtype and let it
+    through, to load as inf."""
+    if path == "torch":
+        monkeypatch.setattr(codecs, "_native", lambda: None)
+    x = torch.zeros((1, 2, 4, 1, 8), dtype=torch.float16)
+    x[0, 1, 0, 0, 0] = 65504.0
+    with pytest.raises(codecs.CodecError, match="fp16 scales"):
+        codecs.encode("int4", x)
+    with pytest.raises(codecs.CodecError, match="fp16 scales"):
+        codecs.BATCHED["int4"](x[None])
+
+
+@pytest.mark.parametrize("codec", ["int8", "fp8", "int4"])
+def test_a_lossy_payload_of_another_size_is_refused_not_decoded(codec):
+    """decode() promises a CodecError for a payload that does not fit the shape: the lossy
+    codecs checked only that it was not short, and read a longer one's leading bytes."""
+    big = torch.randn((1, 2, 4, 1, 16)).half()
+    payload = codecs.encode(codec, big)
+    with pytest.raises(codecs.CodecError, match="wrong size"):
+        codecs.decode(codec, payload, (1, 2, 4, 1, 8), torch.float16)
+    with pytest.raises(codecs.CodecError, match="truncated"):
+        codecs.decode(codec, payload[:-1], (1, 2, 4, 1, 16), torch.float16)
+    assert codecs.decode(codec, payload, (1, 2, 4, 1, 16), torch.float16).shape == big.shape
+
+
+@pytest.mark.skipif(getattr(torch, "float8_e4m3fn", None) is None, reason="no float8_e4m3fn")
+@pytest.mark.parametrize("codec", ["int8", "fp8"])
+def test_a_tier_codec_no_smaller_than_an_fp8_kv_block_is_not_used(codec):
+    """--cpu-codec int8|fp8 on an fp8 KV cache stored a byte a value plus the scales:
+    bigger than the raw block (saved bytes negative) and re-quantized. Such a block enters
+    the tier as it is, bit-exact."""
+    from agent.core.block_pool import BlockPool
+    from agent.core.engine_api import KVEngineAPI
+    from agent.core.model_spec import ModelSpec
+    from agent.store.memory_tier import MemoryTier
+    from protos.tier import Tier
+
+    spec = ModelSpec("m", block_size=16, num_layers=1, num_kv_heads=2, head_dim=64, dtype="float8_e4m3fn")
+    cpu = MemoryTier(Tier.CPU, 8 * spec.block_bytes, spec.block_bytes // 16, device="cpu")
+    pool = BlockPool([cpu], [spec], tier_codecs={Tier.CPU: codec})
+    e = KVEngineAPI(pool, [spec])
+    kv = (torch.randn((2, *spec.block_shape), generator=torch.Generator().manual_seed(0)) * 4).to(torch.float8_e4m3fn)
+    toks = list(range(2 * spec.block_size))
+    assert e.store("m", toks, kv).num_stored_blocks == 2
+    metas = [pool.blocks[h] for h in e.hashes(spec, toks)]
+    assert [m.codec for m in metas] == ["none", "none"]
+    assert all(m.stored_bytes == m.num_bytes for m in metas)
+    assert next(u for u in pool.usage() if u.tier is Tier.CPU).saved_bytes == 0
+    assert torch.equal(e.load("m", toks).kv.view(torch.uint8), kv.view(torch.uint8))

@@ -20,6 +20,7 @@ from __future__ import annotations
 import ctypes
 import functools
 import math
+import threading
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -67,13 +68,18 @@ def _take(buf: torch.Tensor, offset: int, n: int, dtype: torch.dtype, shape) -> 
 
 # ---- int8 ---------------------------------------------------------------------------
 _NATIVE_SOURCE = Path(__file__).with_name("codec_kernel.c")
+_NATIVE_SETUP = threading.Lock()
 
 
 def _native():
     """The C int8, int4 and fp8 loops (codec_kernel.c), or None: torch then does the same
     arithmetic."""
     lib: Any = native.load(_NATIVE_SOURCE, "KVCP_CODEC_KERNEL")  # its signatures are set here
-    if lib is not None and not hasattr(lib, "_kvcp_ready"):
+    if lib is None or hasattr(lib, "_kvcp_ready"):
+        return lib
+    with _NATIVE_SETUP:  # codec threads' first calls at once: none calls a loop before its signature is set
+        if hasattr(lib, "_kvcp_ready"):
+            return lib
         p, i = ctypes.c_void_p, ctypes.c_int64
         lib.int8_encode.argtypes = [p, i, i, p, p]
         lib.int8_decode.argtypes = [p, p, i, i, p]

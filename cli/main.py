@@ -9,6 +9,7 @@ import math
 import os
 import re
 import ssl
+import string
 import sys
 from pathlib import Path
 from typing import NoReturn
@@ -95,6 +96,8 @@ def flag_named(message: str, flags: dict[str, str] | None = None) -> str:
     """A server error about a request field, said with the flag that set it:
     `to_tier: unknown tier 'tape'` -> `--to (to_tier): unknown tier 'tape'`."""
     field, sep, rest = message.partition(": ")
+    if sep and field.startswith("values[") and field.endswith("]"):  # `policy set KEY=VALUE`'s KEY
+        return f"{field[7:-1]}: {rest}"
     flag = ((flags or {}).get(field) or FLAG_OF_FIELD.get(field)) if sep else None
     return f"{flag} ({field}): {rest}" if flag else message
 
@@ -305,15 +308,14 @@ def parse_hashes(hashes: tuple[str, ...]) -> bytes:
     out = bytearray()
     for h in hashes:
         for part in h.replace(",", " ").split():
-            try:
-                raw = bytes.fromhex(part)
-            except ValueError:
-                fail(f"--hashes: {part!r} is not hexadecimal")
-            if not raw or len(raw) % BLOCK_HASH_BYTES:  # one hash, or several packed together
+            if any(c not in string.hexdigits for c in part):
+                fail(f"--hashes: {part[:40]!r} is not hexadecimal")
+            if len(part) % (2 * BLOCK_HASH_BYTES):  # one hash, or several packed together
                 fail(
-                    f"--hashes: {part[:40]!r} is {len(raw)} bytes; block hashes are {BLOCK_HASH_BYTES} bytes "
+                    f"--hashes: {part[:40]!r} is {len(part)} hex digits; block hashes are {BLOCK_HASH_BYTES} bytes "
                     f"({2 * BLOCK_HASH_BYTES} hex digits) each"
                 )
+            raw = bytes.fromhex(part)
             out += raw
     return bytes(out)
 

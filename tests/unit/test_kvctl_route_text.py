@@ -53,3 +53,28 @@ def test_route_says_split_or_not_once(monkeypatch, answer, first_line):
     result = CliRunner().invoke(cli_main.main, ["route", "--model", "m", "--tokens", "1,2,3"])
     assert result.exit_code == 0, result.output
     assert result.output.splitlines()[0] == first_line
+
+
+@pytest.mark.parametrize(
+    "given, said",
+    [
+        ("0123456789abcdef0123456789abcde", "is 31 hex digits; block hashes are 16 bytes (32 hex digits) each"),
+        ("abc", "is 3 hex digits"),
+        ("abcd", "is 4 hex digits"),
+        ("0123456789abcdef0123456789abcdeg", "is not hexadecimal"),
+    ],
+)
+def test_hashes_of_the_wrong_length_say_so(given, said, capsys):
+    """An odd count of hex digits was called 'not hexadecimal' (a review)."""
+    from cli.main import parse_hashes
+
+    with pytest.raises(SystemExit) as exit_info:
+        parse_hashes((given,))
+    assert exit_info.value.code == 2 and said in capsys.readouterr().err
+
+
+def test_hashes_packed_or_separated_parse():
+    from cli.main import parse_hashes
+
+    one = "0123456789abcdef0123456789ABCDEF"
+    assert parse_hashes((one + one.lower(), f"{one},{one}")) == bytes.fromhex(one) * 4

@@ -2,9 +2,9 @@
    F16C where the compiler targets them, plain C otherwise). Bit for bit what the torch
    path computes on finite blocks. A NaN anywhere in a row (or int4 group) makes its scale
    NaN, as an infinity makes it infinite, so codecs.py refuses the block from its stored
-   scales. int8: per row of head_dim values, scale = max(absmax, 1e-8) / 127 in fp32, q = round half to
-   even of x / scale (a true division, as torch does), clamped to [-127, 127]; the scale
-   is stored as fp16. Decode: q * fp16 scale in fp32, rounded to fp16. int4 (KIVI) and
+   scales. int8: per row of head_dim values, scale = max(absmax, 1e-8) / 127 in fp32, as the fp16 it
+   is stored as (half_up), q = round half to even of x / scale (a true division, as torch
+   does), clamped to [-127, 127]. Decode: q * fp16 scale in fp32, rounded to fp16. int4 (KIVI) and
    fp8: see their sections. Built and loaded by protos.native. */
 
 #include <stdint.h>
@@ -49,12 +49,29 @@ static inline float row_absmax(const _Float16 *v, int64_t d) {
     return m;
 }
 
-/* a row's scale, max(absmax, 1e-8) / qmax in fp32, stored as fp16 */
+/* s (> 0, or NaN: kept) as the fp16 a scale is stored as: the nearest, or, where that is
+   an fp16 subnormal below s, the next one up (there its rounding error is a large part of
+   it, and values quantized with it would clamp) */
+static inline _Float16 half_up(float s) {
+    _Float16 h = (_Float16)s;
+    if ((float)h < s && (float)h < 0x1p-14f) {
+        uint16_t bits;
+        memcpy(&bits, &h, 2);
+        bits++;
+        memcpy(&h, &bits, 2);
+    }
+    return h;
+}
+
+/* a row's scale, max(absmax, 1e-8) / qmax in fp32, as the fp16 it is stored as
+   (half_up); values are quantized with that stored scale, the one decode multiplies by
+   (an fp16 subnormal scale is far from the fp32 one: quantizing with the latter cost up
+   to qmax steps of its rounding error) */
 static inline float row_scale(const _Float16 *v, int64_t d, float qmax, _Float16 *stored) {
     float m = row_absmax(v, d);
     float s = (m > 1e-8f || m != m ? m : 1e-8f) / qmax;
-    *stored = (_Float16)s;
-    return s;
+    *stored = half_up(s);
+    return (float)*stored;
 }
 
 #ifdef VEC
@@ -82,13 +99,19 @@ static inline __m256 rows8_absmax(const _Float16 *v, int64_t d) {
 #endif
 
 #ifdef VEC
-/* the fp32 scales max(absmax, 1e-8) / qmax of 8 rows (d a multiple of 8), stored as fp16
-   too: row_scale's arithmetic, one division and one conversion for the 8 */
+/* the scales max(absmax, 1e-8) / qmax of 8 rows (d a multiple of 8), as the fp16 they are
+   stored as: row_scale's arithmetic, one division and one conversion for the 8 */
 static inline __m256 rows8_scale(const _Float16 *v, int64_t d, float qmax, _Float16 *stored) {
     /* max_ps answers its second operand when either is NaN: a NaN absmax stays NaN */
     __m256 sv = _mm256_div_ps(_mm256_max_ps(_mm256_set1_ps(1e-8f), rows8_absmax(v, d)), _mm256_set1_ps(qmax));
-    _mm_storeu_si128((__m128i *)stored, _mm256_cvtps_ph(sv, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
-    return sv;
+    __m128i h = _mm256_cvtps_ph(sv, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    /* a subnormal below s: one up (the lanes' -1 masks, packed to 16 bits, subtracted) */
+    __m256 back = _mm256_cvtph_ps(h);
+    __m256i below = _mm256_castps_si256(_mm256_and_ps(_mm256_cmp_ps(back, sv, _CMP_LT_OQ),
+                                                      _mm256_cmp_ps(back, _mm256_set1_ps(0x1p-14f), _CMP_LT_OQ)));
+    h = _mm_sub_epi16(h, _mm_packs_epi32(_mm256_castsi256_si128(below), _mm256_extracti128_si256(below, 1)));
+    _mm_storeu_si128((__m128i *)stored, h);
+    return _mm256_cvtph_ps(h);
 }
 #endif
 

@@ -156,12 +156,25 @@ def _largest_np(scales: np.ndarray, qmax: float, lows: np.ndarray | None = None)
     return float(top.max()) if top.size else 0.0
 
 
+def _half_up(scale: torch.Tensor) -> torch.Tensor:
+    """fp32 scales (> 0, or NaN) as the fp16 they are stored as: the nearest, or, where
+    that is an fp16 subnormal below the scale, the next one up (its rounding error is a
+    large part of it there, and values quantized with it would clamp). Values are
+    quantized with the stored scale, the one decode multiplies by: quantizing with the
+    fp32 one cost a row of amax 1e-4 3.7 % in int8. The C loops' half_up."""
+    s16 = scale.to(torch.float16)
+    back = s16.float()
+    below = (back < scale) & (back < 2.0**-14)
+    if bool(below.any()):
+        s16 = torch.where(below, (s16.view(torch.int16) + 1).view(torch.float16), s16)
+    return s16
+
+
 def _int8_batch(x: torch.Tensor) -> torch.Tensor:
     """int8 of blocks [n, ...] on their device -> payloads [n, bytes]: the C loops' bytes."""
     xf = x.float()
-    scale = _div(xf.abs().amax(dim=-1, keepdim=True).clamp_min(1e-8), 127.0)
-    q = torch.round(xf / scale).clamp_(-127, 127).to(torch.int8)
-    scale16 = scale.to(torch.float16)
+    scale16 = _half_up(_div(xf.abs().amax(dim=-1, keepdim=True).clamp_min(1e-8), 127.0))
+    q = torch.round(xf / scale16.float()).clamp_(-127, 127).to(torch.int8)
     _decodable(_largest(scale16, 127.0), x.dtype == torch.float16)
     return torch.cat([_rows_u8(scale16), _rows_u8(q)], dim=1)
 
@@ -186,9 +199,8 @@ def _fp8_batch(x: torch.Tensor) -> torch.Tensor:
     if FP8 is None:
         raise CodecError("this torch build has no float8_e4m3fn")
     xf = x.float()
-    scale = _div(xf.abs().amax(dim=-1, keepdim=True).clamp_min(1e-8), FP8_MAX)
-    q = (xf / scale).to(FP8)
-    scale16 = scale.to(torch.float16)
+    scale16 = _half_up(_div(xf.abs().amax(dim=-1, keepdim=True).clamp_min(1e-8), FP8_MAX))
+    q = (xf / scale16.float()).to(FP8)
     _decodable(_largest(scale16, FP8_MAX), x.dtype == torch.float16)
     return torch.cat([_rows_u8(scale16), _rows_u8(q)], dim=1)
 

@@ -187,11 +187,11 @@ def roundtrip(codec: str, x: torch.Tensor) -> torch.Tensor:
 
 def int8_bound(x: torch.Tensor) -> torch.Tensor:
     """Per element: half the scale of its (layer, k/v, token, head) row, the scale
-    being amax / 127 (plus its fp16 rounding, times at most 127 steps), plus the output
-    dtype's rounding."""
+    being amax / 127 as the fp16 it is stored as (and quantized with: at most one fp16
+    step above), plus the output dtype's rounding."""
     xf = x.float()
     scale = xf.abs().amax(dim=-1, keepdim=True) / 127.0
-    return scale / 2 + 127 * fp16_err(scale) + out_err(x) + 1e-7
+    return (scale + fp16_err(scale)) / 2 + out_err(x) + 1e-7
 
 
 def int4_group_len(n: int) -> int:
@@ -221,10 +221,11 @@ def int4_bound(x: torch.Tensor) -> torch.Tensor:
 
 def fp8_bound(x: torch.Tensor) -> torch.Tensor:
     """e4m3 keeps 3 mantissa bits: relative error 2^-4 for normal values; below the
-    smallest normal (2^-6, in units of the row scale amax / 448) the spacing is 2^-9."""
+    smallest normal (2^-6, in units of the row scale amax / 448, as the fp16 it is
+    stored as and quantized with) the spacing is 2^-9."""
     xf = x.float()
     scale = xf.abs().amax(dim=-1, keepdim=True) / 448.0
-    return xf.abs() * 2.0**-4 + 448 * fp16_err(scale) + scale * 2.0**-10 + out_err(x) + 1e-7
+    return xf.abs() * 2.0**-4 + (scale + fp16_err(scale)) * 2.0**-10 + out_err(x) + 1e-7
 
 
 def error_bound(codec: str, x: torch.Tensor) -> torch.Tensor:

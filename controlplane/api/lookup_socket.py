@@ -115,13 +115,25 @@ class LookupSocketServer:
     def _accept_loop(self) -> None:
         sock = self._sock
         assert sock is not None  # start() sets it before it starts this loop, and nothing unsets it
+        failures = 0
         while not self._stopped.is_set():
             try:
                 conn, _ = sock.accept()
-            except OSError:
-                return
+            except OSError as exc:
+                if self._stopped.is_set():
+                    return  # stop() closed it
+                # out of file descriptors or buffers, a connection reset before it was
+                # taken: the socket itself still listens, and returning left it taking
+                # connections no one served until a restart
+                failures += 1
+                if failures == 1 or failures % 1000 == 0:
+                    log.warning("lookup socket: accept failed (%s, %d times so far); retrying", exc, failures)
+                self._stopped.wait(min(1.0, 0.01 * failures))
+                continue
+            failures = 0
             if self._family != socket.AF_UNIX:
-                conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+                with contextlib.suppress(OSError):  # (a peer already gone: its reads say so)
+                    conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             with self._lock:
                 full = len(self._conns) >= self._max_connections
                 if not full:
@@ -129,15 +141,21 @@ class LookupSocketServer:
             if full:
                 self._refuse(conn)
                 continue
-            threading.Thread(target=self._serve, args=(conn,), name="lookup-conn", daemon=True).start()
+            try:
+                threading.Thread(target=self._serve, args=(conn,), name="lookup-conn", daemon=True).start()
+            except RuntimeError:  # no thread to be had: this one connection is refused
+                with self._lock:
+                    self._conns.discard(conn)
+                self._refuse(conn, "the control plane cannot start a thread for this connection now")
 
-    def _refuse(self, conn: socket.socket) -> None:
+    def _refuse(self, conn: socket.socket, why: str = "") -> None:
         self._counted("RESOURCE_EXHAUSTED")
         if self._ssl is not None:  # a plain-text answer would read as a TLS error: just close
             conn.close()
             return
         reply = admin_pb2.LookupFrameReply(
-            code="RESOURCE_EXHAUSTED", message=f"the lookup socket serves at most {self._max_connections} connections"
+            code="RESOURCE_EXHAUSTED",
+            message=why or f"the lookup socket serves at most {self._max_connections} connections",
         )
         with contextlib.suppress(OSError):  # the client may be gone already
             conn.sendall(frame(reply.SerializeToString()))

@@ -4,7 +4,10 @@ bad frames, tokens, a replica that does not lead, a full listener; nothing break
 
 from __future__ import annotations
 
+import os
+import resource
 import socket
+import threading
 import time
 
 import pytest
@@ -363,3 +366,55 @@ def test_a_lookup_over_the_frame_limit_is_refused_before_it_is_sent(tmp_path):
     with pytest.raises(ClientError, match="token_ids: a lookup of 3000000 tokens") as info:
         client.call(request)
     assert info.value.code == "INVALID_ARGUMENT"
+
+
+def _answer(r):  # a lookup answer naming the model asked for
+    return admin_pb2.LookupResponse(model_id=r.model_id)
+
+
+def test_the_accept_loop_survives_running_out_of_file_descriptors(tmp_path):
+    """accept() failing once (EMFILE: out of descriptors) ended the accept loop for good,
+    without a word: the socket still listened, and every new client waited for an answer
+    until the control plane restarted (a review)."""
+    from cli.client import LookupSocket
+    from controlplane.api.lookup_socket import LookupSocketServer
+
+    server = LookupSocketServer(f"unix:{tmp_path}/l.sock", answer=_answer).start()
+    try:
+        ok = LookupSocket(server.address, timeout_seconds=2)
+        assert ok.call(admin_pb2.LookupRequest(model_id="m", token_ids=[1])).model_id == "m"
+        ok.close()
+        soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+        # their fds exist before the limit
+        victims = [socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) for _ in range(2)]
+        hog: list[int] = []
+        resource.setrlimit(resource.RLIMIT_NOFILE, (256, hard))
+        try:
+            # use every descriptor the process may have: accept() will fail with EMFILE
+            try:
+                while True:
+                    hog.append(os.open("/dev/null", os.O_RDONLY))
+            except OSError:
+                pass
+            # the accept() already waiting holds its fd (Linux reserves it before waiting): the
+            # first connection is accepted; the loop's next accept() fails with EMFILE
+            for v in victims:
+                v.connect(server.address[len("unix:") :])
+            time.sleep(0.5)
+        finally:
+            for fd in hog:
+                os.close(fd)
+            resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+        for v in victims:
+            v.close()
+        alive = [t for t in threading.enumerate() if t.name == "lookup-accept"]
+        # descriptors are back: a new client must be served again
+        client = LookupSocket(server.address, timeout_seconds=2)
+        try:
+            reply = client.call(admin_pb2.LookupRequest(model_id="m2", token_ids=[1]))
+        finally:
+            client.close()
+        assert reply.model_id == "m2"
+        assert alive, "the accept thread is gone"
+    finally:
+        server.stop()

@@ -337,11 +337,11 @@ class Cluster:
         now = time.monotonic()
         if now - at < 0.1:
             return value
-        with self._lock:
+        with self._lock:  # cached under the lock: a reset (hello, a closed stream) is never overwritten
             agents = self._agents
             expected = self._expected_agents or ()
             value = any((r := agents.get(a)) is None or r.state != AgentState.READY for a in expected)
-        self._rebuilding = (now, value)
+            self._rebuilding = (now, value)
         return value
 
     def reconcile_membership(self, live_agent_ids: set[str], listed_at_unix_seconds: float) -> list[str]:

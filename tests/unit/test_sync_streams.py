@@ -226,3 +226,45 @@ def test_an_operations_final_update_is_handled_after_the_events_sent_before_it()
     wait(lambda: "policy-1" in seen, "the op update")
     assert seen["policy-1"] == int(Tier.DISK)
     s.end()
+
+
+class _HookedLock:
+    """An RLock that runs `after_release` once, right after a release (as another thread
+    taking the lock at that moment would)."""
+
+    def __init__(self):
+        self._lock = threading.RLock()
+        self.after_release = None
+
+    def __enter__(self):
+        return self._lock.__enter__()
+
+    def __exit__(self, *exc):
+        r = self._lock.__exit__(*exc)
+        hook, self.after_release = self.after_release, None
+        if hook is not None:
+            hook()
+        return r
+
+
+def test_a_stream_closed_as_rebuilding_lets_go_of_the_lock_is_not_overwritten():
+    """rebuilding() cached its answer after letting go of the lock: a stream closed just
+    then was overwritten by the old answer, and lookups said not stale for 0.1 s (a review)."""
+    c = Cluster()
+    c.register(AgentRecord("a", "a:1", [ModelInfo("m", 4)], []))
+    c.hello("a", "s")
+    c.attach_outbox("a", "s", outbox=type("Q", (), {"put": lambda self, x: None})())
+    assert (
+        c.apply_inventory_chunk("a", 0, 0, True, [BlockGroup("m", Tier.GPU, hash_prefix("m", range(8), 4))], "s")
+        is None
+    )
+    c.reconcile_membership({"a"}, 0.0)
+    assert c.rebuilding() is False
+    c._rebuilding = (0.0, False)  # let the next call compute
+    lock = _HookedLock()
+    c._lock = lock
+    # the agent's stream closes just as a lookup's rebuilding() let go of the lock
+    lock.after_release = lambda: c.stream_closed("a", "s")
+    c.rebuilding()
+    assert c.agent("a").state == AgentState.DISCONNECTED
+    assert c.rebuilding() is True, "an agent is disconnected, yet lookups are not flagged possibly stale"

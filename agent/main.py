@@ -69,10 +69,11 @@ def _metrics_listen(ctx, param, value: str) -> str:
 )
 @click.option(
     "--transfer-engine",
-    default="mooncake",
+    default="auto",
     show_default=True,
-    type=click.Choice(["mooncake", "none"]),
-    help="Data plane of handoffs; none: the gRPC fallback path only.",
+    type=click.Choice(["auto", "mooncake", "none"]),
+    help="Data plane of handoffs; none: shared memory and the gRPC fallback only; auto: mooncake, "
+    "unless the agent has --token-file (the engine's own port takes no token).",
 )
 @click.option("--transfer-protocol", default="tcp", show_default=True, help="The engine's transport: tcp | rdma.")
 @click.option(

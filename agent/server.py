@@ -84,7 +84,9 @@ class AgentConfig:
     vllm_kv_group: int = 0  # the engine's KV cache group indexed (hybrid models: others are left out)
     vllm_index_by: str = "tokens"  # the hash its blocks are indexed under (agent.core.vllm_events.INDEX_BY)
     role: str = ""  # prefill | decode | both ("" = both): what a router may send here
-    transfer_engine: str = "mooncake"  # data plane for handoffs: mooncake | none (gRPC fallback only)
+    # data plane for handoffs: mooncake | none (shm and the gRPC fallback only) | auto:
+    # mooncake, unless the agent has an agent token (the engine's own port takes none)
+    transfer_engine: str = "auto"
     transfer_protocol: str = "tcp"  # the engine's transport: tcp | rdma
     transfer_metadata: str = "P2PHANDSHAKE"  # or etcd://host:port (the engine's own metadata)
     shm_handoff: bool = True  # the CPU slab in shared memory for same-host handoff (pinned in place with CUDA)
@@ -181,7 +183,22 @@ class Agent:
         )
         self.metrics_server: MetricsServer | None = None
         host = (config.advertise or config.listen).rpartition(":")[0] or "127.0.0.1"
-        backend = open_engine(config.transfer_engine, host, config.transfer_protocol, config.transfer_metadata)
+        engine_kind = config.transfer_engine
+        if engine_kind == "auto":
+            engine_kind = "none" if config.controlplane_token else "mooncake"
+        if config.controlplane_token and engine_kind == "mooncake":
+            self._log_fn(
+                f"agent {config.agent_id}: --transfer-engine mooncake: the engine's own port takes no token "
+                "and reaches this agent's whole CPU slab (reads and writes): give it a network only the agents reach"
+            )
+        if config.transfer_engine == "auto" and engine_kind == "none":
+            backend = open_engine(
+                "none",
+                reason="the agent has an agent token and the Mooncake engine's port takes none "
+                "(--transfer-engine mooncake to use it anyway, on a network only the agents reach)",
+            )
+        else:
+            backend = open_engine(engine_kind, host, config.transfer_protocol, config.transfer_metadata)
         if not backend.available:
             self._log_fn(f"agent {config.agent_id}: handoffs use the gRPC fallback path only: {backend.status}")
         self.dataplane = DataPlane(

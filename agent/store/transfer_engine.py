@@ -244,10 +244,12 @@ def open_engine(
     metadata_server: str = "P2PHANDSHAKE",
     device_name: str = "",
     timeout_seconds: int = 5,
+    reason: str = "",
 ) -> TransferBackend:
-    """The engine to use, or NoEngine with the reason (never raises)."""
+    """The engine to use, or NoEngine with the reason (never raises). `reason`: why it is
+    off, for kind none chosen by the agent rather than asked for."""
     if kind in ("", "none", "off"):
-        return NoEngine("disabled by configuration (--transfer-engine none)")
+        return NoEngine(reason or "disabled by configuration (--transfer-engine none)")
     if kind != "mooncake":
         return NoEngine(f"unknown transfer engine {kind!r} (known: mooncake, none)")
     try:

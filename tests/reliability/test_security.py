@@ -446,3 +446,24 @@ def test_kvcp_agent_takes_its_engine_token_from_a_file(tmp_path, etcd):
     finally:
         proc.terminate()
         proc.wait(30)
+
+
+def test_an_agent_with_a_token_keeps_the_transfer_engines_open_port_off_unless_asked(make_agent, caplog):
+    """The Mooncake engine's own port takes no token and reaches the whole CPU slab: a
+    process without any token read an agent's KV through it and overwrote it (a review).
+    With an agent token the agent starts without it, saying why; asked for it explicitly,
+    it warns."""
+    from agent.store.transfer_engine import open_engine
+
+    guarded = make_agent("guarded", controlplane_token=AGENT)
+    assert not guarded.dataplane.engine.available
+    assert "takes none" in guarded.dataplane.engine.status
+    probe = open_engine("mooncake")
+    probe.close()
+    if not probe.available:
+        pytest.skip("the Mooncake Transfer Engine does not start here")
+    with caplog.at_level("WARNING"):
+        asked = make_agent("asked", controlplane_token=AGENT, transfer_engine="mooncake")
+    assert asked.dataplane.engine.available
+    assert "takes no token" in caplog.text
+    assert make_agent("open").dataplane.engine.available  # no token: the engine, as before

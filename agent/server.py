@@ -106,6 +106,12 @@ class Agent:
             )
         self.config = config
         self._log_fn = log_fn or (lambda msg: log.warning(msg))
+        if config.controlplane_token and not config.engine_token:
+            # its handoffs carry the agent token: KV anyone stores here reaches guarded peers
+            self._log_fn(
+                f"agent {config.agent_id}: an agent token and no engine token (--engine-token-file): its engine "
+                "API is open, and what anyone stores here its handoffs carry to agents that guard theirs"
+            )
         page = config.page_bytes or max(1024, min(m.block_bytes for m in config.models) // 16)
         tiers: list[MemoryTier | DiskTier] = []
         if config.gpu_capacity_bytes and cuda_available():

@@ -199,7 +199,10 @@ class ControlPlane:
 
         def check_token(token: str):
             denial = self.auth.check(lookup_method, token)
-            return None if denial is None else (denial[0].name, denial[1])
+            if denial is None:
+                return None
+            self.auth.denied_total += 1  # kvcp_auth_denied_total, as the gRPC services' refusals
+            return denial[0].name, denial[1]
 
         frames = self.metrics.lookup_socket_frames
         return LookupSocketServer(

@@ -14,6 +14,7 @@ Tokens are compared in constant time and never logged or exported as metrics.
 from __future__ import annotations
 
 import hmac
+import logging
 import os
 import ssl
 from dataclasses import dataclass
@@ -44,6 +45,18 @@ READ_METHODS = frozenset(
     )
 )
 
+log = logging.getLogger(__name__)
+
+
+def _warn_if_readable_by_others(path: str) -> None:
+    """A secret file others may read (group or world bits) works, with a warning."""
+    try:
+        mode = os.stat(path).st_mode
+    except OSError:
+        return
+    if mode & 0o077:
+        log.warning("secret file %s is readable or writable by others (mode %o): chmod 600 it", path, mode & 0o777)
+
 
 def read_secret(path: str = "", env: str = "") -> str:
     """A token from a file (first line) or an environment variable; '' when neither. A
@@ -57,6 +70,7 @@ def read_secret(path: str = "", env: str = "") -> str:
             raise ValueError(f"cannot read token file {path}: {exc.strerror}") from None
         if not token:
             raise ValueError(f"token file {path} is empty (its first line is the token)")
+        _warn_if_readable_by_others(path)
         return token
     return os.environ.get(env, "").strip() if env else ""
 
@@ -79,6 +93,7 @@ def load_tokens(path: str) -> dict[str, str]:
         tokens[parts[1]] = parts[0]
     if not tokens:
         raise ValueError(f"{path}: no tokens")
+    _warn_if_readable_by_others(path)
     return tokens
 
 
@@ -195,7 +210,11 @@ class TLSConfig:
 
 
 def add_port(server: grpc.Server, address: str, tls: TLSConfig | None, require_client_cert: bool = False) -> int:
-    """Listen plain, or with TLS when a certificate is configured."""
+    """Listen plain, or with TLS when a certificate is configured. Client certificates
+    asked for without one of its own are refused: they ride on TLS, and listening plain
+    would serve anyone (the command lines refuse it too; this covers embedders)."""
+    if require_client_cert and (tls is None or not tls.cert_file):
+        raise ValueError("client certificates (a client CA) need this server's own --tls-cert and --tls-key")
     if tls is None or not tls.cert_file:
         return server.add_insecure_port(address)
     creds = grpc.ssl_server_credentials(
@@ -207,14 +226,15 @@ def add_port(server: grpc.Server, address: str, tls: TLSConfig | None, require_c
 
 
 def channel(target: str, tls: TLSConfig | None = None, options=None, token: str = "") -> grpc.Channel:
-    """A channel to a kvcp server: TLS when a CA is configured (with our certificate for
-    mTLS when one is given), plain otherwise; `token`: sent as the bearer token of every
-    call on it."""
-    if tls is None or not tls.ca_file:
+    """A channel to a kvcp server: TLS when a CA or a certificate of ours is configured
+    (with our certificate for mTLS when one is given; no CA: the system's roots verify the
+    server), plain otherwise; `token`: sent as the bearer token of every call on it. (A
+    certificate without a CA went plain, the agent token in clear: a review.)"""
+    if tls is None or not (tls.ca_file or tls.cert_file or tls.key_file):
         ch = grpc.insecure_channel(target, options=options)
     else:
         creds = grpc.ssl_channel_credentials(
-            _read(tls.ca_file),
+            _read(tls.ca_file) if tls.ca_file else None,
             _read(tls.key_file) if tls.key_file else None,
             _read(tls.cert_file) if tls.cert_file else None,
         )

@@ -176,6 +176,15 @@ def test_tokens_and_addresses(etcd, tmp_path):
                 with pytest.raises(ClientError) as info:
                     c.lookup("no-such-model", tokens(1))  # past the token check: NOT_FOUND
                 assert info.value.code == code
+        # refusals here count in kvcp_auth_denied_total too (a token scan went unseen there)
+        from cli.client import LookupSocket
+
+        before = cp.metrics.registry.get_sample_value("kvcp_auth_denied_total")
+        scan = LookupSocket(address, token="wrong-token-guess-000000")
+        with pytest.raises(ClientError):
+            scan.call(admin_pb2.LookupRequest(model_id="m", token_ids=[1]))
+        scan.close()
+        assert cp.metrics.registry.get_sample_value("kvcp_auth_denied_total") == before + 1
     finally:
         cp.stop()
     with pytest.raises(ValueError, match="HOST:PORT or unix:PATH"):

@@ -467,3 +467,60 @@ def test_an_agent_with_a_token_keeps_the_transfer_engines_open_port_off_unless_a
     assert asked.dataplane.engine.available
     assert "takes no token" in caplog.text
     assert make_agent("open").dataplane.engine.available  # no token: the engine, as before
+
+
+def test_a_certificate_without_a_ca_never_sends_the_token_in_plain_text(tmp_path):
+    """An agent given --tls-cert/--tls-key and no --tls-ca made plain-text channels: its
+    agent token went in clear to whatever listened at the control plane's address (a
+    review). With a certificate of its own the channel is TLS (the system's roots verify
+    the server), so a plain listener hears no call."""
+    from concurrent import futures
+
+    import grpc
+
+    from protos.kvcp.v1 import agent_pb2, agent_pb2_grpc
+    from protos.security import TLSConfig, add_port, channel
+
+    ca, cert, key = make_certs(tmp_path)
+    seen: list = []
+
+    class Recorder(grpc.GenericRpcHandler):
+        def service(self, details):
+            seen.append(dict(details.invocation_metadata))
+            return None
+
+    plain = grpc.server(futures.ThreadPoolExecutor(1), handlers=[Recorder()])
+    port = plain.add_insecure_port("127.0.0.1:0")
+    plain.start()
+    try:
+        ch = channel(f"127.0.0.1:{port}", TLSConfig(str(cert), str(key), ""), token=AGENT)
+        with pytest.raises(grpc.RpcError):
+            agent_pb2_grpc.AgentServiceStub(ch).Register(agent_pb2.RegisterRequest(), timeout=3)
+        ch.close()
+        assert not seen, seen
+    finally:
+        plain.stop(0)
+    # a server asked for client certificates with none of its own: refused, not served plain
+    server = grpc.server(futures.ThreadPoolExecutor(1))
+    with pytest.raises(ValueError, match="client certificates"):
+        add_port(server, "127.0.0.1:0", TLSConfig("", "", str(ca)), require_client_cert=True)
+    server.stop(0)
+
+
+def test_a_secret_file_others_may_read_is_used_with_a_warning(tmp_path, caplog):
+    from protos.security import load_tokens, read_secret
+
+    token, tokens = tmp_path / "token", tmp_path / "tokens"
+    token.write_text(AGENT + "\n")
+    tokens.write_text("operator o-token-0123456789abcdef\n")
+    for path in (token, tokens):
+        path.chmod(0o600)
+    with caplog.at_level("WARNING"):
+        assert read_secret(str(token)) == AGENT and load_tokens(str(tokens))
+    assert "readable" not in caplog.text
+    for path in (token, tokens):
+        path.chmod(0o644)
+    with caplog.at_level("WARNING"):
+        read_secret(str(token))
+        load_tokens(str(tokens))
+    assert caplog.text.count("chmod 600") == 2

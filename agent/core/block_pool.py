@@ -621,7 +621,21 @@ class BlockPool(BlockMoves):
                 acc[1] += self.store_of[meta.tier].footprint(meta.stored_bytes)
                 if not dry_run and self._drop_subtree(meta.block_hash):
                     self.cleanup_evictions_total[meta.tier] += 1
-            return CleanupResult({t: (n, b) for t, (n, b) in freed.items()}, skipped, len(order))
+            # blocks a restart found on disk that wait for their prefix count too: left,
+            # they came back once it was stored again, though the cleanup had said done
+            parked = self._free_parked_where(
+                lambda m: (
+                    (namespace is None or m.namespace == namespace)
+                    and (not model_id or m.model_id == model_id)
+                    and m.last_access_unix_seconds <= cutoff
+                ),
+                dry_run=dry_run,
+            )
+            for meta in parked:
+                acc = freed.setdefault(meta.tier, [0, 0])
+                acc[0] += 1
+                acc[1] += self.store_of[meta.tier].footprint(meta.stored_bytes)
+            return CleanupResult({t: (n, b) for t, (n, b) in freed.items()}, skipped, len(order) + len(parked))
 
     # ---- recovery and inventory -----------------------------------------------------
     def recover(self, store, found: list) -> int:
@@ -635,9 +649,26 @@ class BlockPool(BlockMoves):
         Returns the number adopted now."""
         with self.lock:
             candidates = {b.block_hash: b for b in found if self._adoptable(b)}
+            dropped: dict[str, list[int]] = {}  # model -> [blocks, bytes] it cannot read as it is served now
             for b in found:
                 if b.block_hash not in candidates or candidates[b.block_hash] is not b:
                     store.free(b.handle)
+                    if not self._adoptable(b):
+                        acc = dropped.setdefault(b.model_id, [0, 0])
+                        acc[0] += 1
+                        acc[1] += b.stored_bytes
+            for model_id, (n, nbytes) in dropped.items():
+                spec = self.models.get(model_id)
+                log.warning(
+                    "%s tier: removed %d recovered blocks (%d bytes) of model %r: %s",
+                    store.tier.label,
+                    n,
+                    nbytes,
+                    model_id,
+                    "this agent does not serve it (--model)"
+                    if spec is None
+                    else "its block size or KV layout differs from the one served now",
+                )
             children: dict[bytes, list[bytes]] = {}
             for h, b in candidates.items():
                 children.setdefault(b.parent_hash, []).append(h)
@@ -683,7 +714,7 @@ class BlockPool(BlockMoves):
 
     @staticmethod
     def _recovered_meta(store, b) -> BlockMeta:
-        return BlockMeta(
+        meta = BlockMeta(
             b.block_hash,
             b.parent_hash,
             b.model_id,
@@ -695,6 +726,11 @@ class BlockPool(BlockMoves):
             namespace=getattr(b, "namespace", ""),
             checksum=getattr(b.handle, "checksum", 0),
         )
+        # when it was last used, as its header says (older slabs: now): a parked block's age
+        # for a cleanup by age (recover() sets the adopted ones' again, in order)
+        accessed, now = getattr(b, "last_access_unix_seconds", 0.0), time.time()
+        meta.last_access_unix_seconds = accessed if 0 < accessed <= now else now
+        return meta
 
     @property
     def num_parked_blocks(self) -> int:
@@ -721,25 +757,35 @@ class BlockPool(BlockMoves):
 
     def free_parked(self, tier: Tier | None = None, expired_only: bool = False) -> int:
         """Free parked blocks (of `tier`, or all; only once PARKED_SECONDS passed since
-        recovery when `expired_only`); returns how many."""
+        recovery when `expired_only`) but those a pin holds (a pin restored from the pin
+        file protects its blocks found on disk: freed, the pin held nothing); returns how
+        many."""
         with self.lock:
             if not self._parked or (expired_only and time.monotonic() < self._parked_until):
                 return 0
-            freed = 0
-            for parent in list(self._parked):
-                keep = []
-                for meta in self._parked[parent]:
-                    if tier is None or meta.tier is tier:
-                        self.store_of[meta.tier].free(meta.handle)
-                        freed += 1
-                    else:
-                        keep.append(meta)
-                if keep:
-                    self._parked[parent] = keep
-                else:
-                    del self._parked[parent]
+            freed = len(self._free_parked_where(lambda m: tier is None or m.tier is tier))
         if freed:
             log.info("freed %d parked blocks whose prefix was not stored again", freed)
+        return freed
+
+    def _free_parked_where(self, chosen: Callable[[BlockMeta], bool], dry_run: bool = False) -> list[BlockMeta]:
+        """Free the parked blocks `chosen` says, but pinned ones (lock held); the freed."""
+        freed: list[BlockMeta] = []
+        for parent in list(self._parked):
+            keep = []
+            for meta in self._parked[parent]:
+                if chosen(meta) and not self.pin_tier(meta):
+                    if not dry_run:
+                        self.store_of[meta.tier].free(meta.handle)
+                    freed.append(meta)
+                    if dry_run:
+                        keep.append(meta)
+                else:
+                    keep.append(meta)
+            if keep:
+                self._parked[parent] = keep
+            else:
+                del self._parked[parent]
         return freed
 
     def _adoptable(self, found) -> bool:

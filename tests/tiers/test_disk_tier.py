@@ -452,7 +452,8 @@ def test_a_restart_keeps_how_long_disk_blocks_were_idle(tmp_path):
     assert pool2.cleanup(60.0, dry_run=True).num_blocks == 0
 
 
-def test_restart_drops_blocks_of_models_no_longer_served(tmp_path):
+def test_restart_drops_blocks_of_models_no_longer_served(tmp_path, caplog):
+    """... and says so, with the model and why (a review: only 'recovered 0 blocks' was said)."""
     d = tmp_path / "disk"
     pool, *_ = spill(tmp_path)
     disk_of(pool).close()
@@ -461,8 +462,11 @@ def test_restart_drops_blocks_of_models_no_longer_served(tmp_path):
     pool2 = BlockPool([MemoryTier(Tier.CPU, 2 * BLOCK_BYTES, BLOCK_BYTES, device="cpu"), disk2], [other])
     found, _ = disk2.scan()
     assert len(found) == 3
-    assert pool2.recover(disk2, found) == 0
+    with caplog.at_level("WARNING"):
+        assert pool2.recover(disk2, found) == 0
     assert blocks_on_disk(disk2) == [] and disk2.used_bytes == 0
+    assert f"removed 3 recovered blocks ({3 * BLOCK_BYTES} bytes) of model {SPEC.model_id!r}" in caplog.text
+    assert "does not serve it" in caplog.text
 
 
 @pytest.mark.parametrize(

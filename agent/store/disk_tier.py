@@ -82,7 +82,9 @@ HEADER_SLOT_BYTES = 512  # model id, namespace and KV layout up to 408 bytes tog
 ALIGNED_FROM_BYTES = 64 << 10  # extents at least this big keep their payload 4 KiB-aligned
 _ALIGN_GRANULES = 4096 // GRANULE_BYTES
 _SCAN_CHUNK_BYTES = 8 << 20
-_OK, _DEAD_BLOCK, _CORRUPT = "ok", "dead", "corrupt"  # states of a header the restart walk finds
+# states of a header the restart walk finds (BEYOND: a whole block past this capacity's
+# end, a slab written under a bigger --disk-capacity)
+_OK, _DEAD_BLOCK, _CORRUPT, _BEYOND = "ok", "dead", "corrupt", "beyond"
 _MAGIC_U64 = np.frombuffer(MAGIC, dtype=np.uint64)[0]
 
 
@@ -948,7 +950,7 @@ class DiskTier:
         OK: later blocks may have reused it."""
         self.drain()
         dead = self._dead()
-        size = min(os.fstat(self.fd).st_size, self.slab_bytes)
+        size = os.fstat(self.fd).st_size  # the whole file: past the capacity too (a smaller one now)
         out: list[tuple[int, Header | None, str]] = []
         pos = 0
         while pos < size:
@@ -978,9 +980,11 @@ class DiskTier:
                     continue
                 footprint = self.footprint(header.payload_bytes)
                 handle = DiskHandle(offset, footprint, header.seq, header.checksum)
+                if offset + footprint > self.slab_bytes:  # not read: it cannot be held at this capacity
+                    out.append((offset, header, _BEYOND))
+                    skip_to = offset + footprint
+                    continue
                 try:
-                    if offset + footprint > self.slab_bytes:
-                        raise CorruptBlock(f"{self.path} at {offset}: lies beyond the capacity")
                     self._read(handle, [np.empty(header.payload_bytes, dtype=np.uint8)], header.block_hash)
                 except CorruptBlock as exc:
                     log.warning("disk tier: %s", exc)
@@ -996,12 +1000,19 @@ class DiskTier:
         Returns (blocks, number of corrupt blocks removed)."""
         found: dict[bytes, RecoveredBlock] = {}
         corrupt = 0
+        beyond = [0, 0]  # blocks, bytes past a smaller --disk-capacity than the slab was written with
         seq_max = max((seq for _, seq in self._dead()), default=0)
         for offset, header, state in self._walk():
             if header is not None:
                 seq_max = max(seq_max, header.seq)
             if state == _DEAD_BLOCK:  # freed before the restart: its header goes now, its record below
                 self._clear(offset)
+                continue
+            if state == _BEYOND:  # removed, said below: kept hidden, it came back with a bigger capacity
+                assert header is not None
+                self._clear(offset)
+                beyond[0] += 1
+                beyond[1] += header.payload_bytes
                 continue
             if state == _CORRUPT:
                 self._clear(offset)
@@ -1038,15 +1049,15 @@ class DiskTier:
             else:
                 found[header.block_hash] = block
         self._seq = itertools.count(seq_max + 1)
-        # the walk read no further than this capacity's slab: a dead header past it (a
-        # restart with a smaller --disk-capacity) is cleared here, else it would come back
-        # at a later restart with the bigger one once its record went below
-        walked = min(os.fstat(self.fd).st_size, self.slab_bytes) // GRANULE_BYTES * GRANULE_BYTES
-        for offset, seq in self._dead():
-            if offset >= walked:
-                head = os.pread(self.fd, _FIXED_SEQ_END, offset)
-                if head[:8] == MAGIC and _SEQ.unpack_from(head, _FIXED_SEQ_AT)[0] == seq:
-                    self._clear(offset)
+        if beyond[0]:
+            log.warning(
+                "disk tier %s: removed %d blocks (%d bytes) that lie past --disk-capacity %d bytes (the slab "
+                "was written with a bigger one)",
+                self.path,
+                beyond[0],
+                beyond[1],
+                self.slab_bytes,
+            )
         os.fdatasync(self.fd)  # the clears are on disk before the records that stood for them go
         os.ftruncate(self._dead_fd, 0)  # every dead header is cleared: the log starts empty
         self._dead_records = 0

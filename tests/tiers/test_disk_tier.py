@@ -679,6 +679,27 @@ def test_freed_blocks_past_a_smaller_capacity_do_not_come_back_at_the_old_one(tm
     assert again.used_bytes == 0
 
 
+def test_live_blocks_past_a_smaller_capacity_are_removed_and_said_not_hidden(tmp_path, caplog):
+    """A restart with a smaller --disk-capacity took a block across its end for corrupt and
+    left those wholly past it hidden: nothing could free them under the small capacity, and
+    a later restart at the old one brought back blocks the agent had emptied (a review).
+    They are removed at that start, with a warning."""
+    disk = DiskTier(tmp_path, 1 << 20)
+    blocks = [_raw_block(disk, bytes([i]) * 16, 3000, i) for i in range(1, 4)]  # 3584 B extents
+    disk.close()
+    smaller = DiskTier(tmp_path, GRANULE_BYTES)  # 4 KiB: the first block and half the second
+    assert blocks[2][0].offset >= smaller.slab_bytes
+    with caplog.at_level("WARNING"):
+        found, corrupt = smaller.scan()
+    assert [b.block_hash for b in found] == [b"\x01" * 16] and corrupt == 0
+    assert "removed 2 blocks (6000 bytes) that lie past --disk-capacity" in caplog.text
+    for b in found:  # the agent empties its tier
+        smaller.free(b.handle)
+    smaller.close()
+    again = DiskTier(tmp_path, 1 << 20)
+    assert again.scan() == ([], 0)
+
+
 def test_a_dead_extent_reused_at_another_offset_recovers_only_the_new_block(tmp_path):
     disk = DiskTier(tmp_path, 1 << 20)
     big, _ = _raw_block(disk, b"\x03" * 16, 8000, 3)  # 17 granules at offset 0

@@ -137,9 +137,21 @@ class Agent:
             )
             # the pins held before the restart protect what the disk kept from the first store on
             self.pin_file = PinFile(config.disk_dir)
-            with self.pool.lock:
-                for pin in self.pin_file.load():
-                    self.pool.pins.add(pin)
+            before = self.disk.claim(config.agent_id)
+            if before and before != config.agent_id:
+                # its blocks are content-addressed and checked (kept); its pins were another
+                # agent's (some scoped to it), so the control plane sends this one its own
+                log.warning(
+                    "disk tier %s was used by agent %r: %d of its blocks adopted, its pins file not loaded",
+                    config.disk_dir,
+                    before,
+                    adopted + self.pool.num_parked_blocks,
+                )
+                self.pin_file.save([], time.monotonic(), time.time())  # nor at this agent's next start
+            else:
+                with self.pool.lock:
+                    for pin in self.pin_file.load():
+                        self.pool.pins.add(pin)
         self.mover = Mover(self.pool)
         self.engine = KVEngineAPI(self.pool, config.models, self.mover)
         self._stop = threading.Event()

@@ -40,6 +40,7 @@ two agents cannot share a directory.
 from __future__ import annotations
 
 import bisect
+import contextlib
 import ctypes
 import ctypes.util
 import errno
@@ -70,6 +71,7 @@ MAGIC = b"KVCPSLB1"
 GRANULE_BYTES = 512
 SLAB_NAME = "blocks.kvslab"
 DEAD_LOG_NAME = "blocks.kvslab.dead"  # (offset, write seq) of freed blocks, appended
+OWNER_NAME = "owner"  # the id of the agent that last used the directory
 DEAD_LOG_COMPACT_RECORDS = 1 << 16
 _DEAD = struct.Struct("<QQ")
 _SEQ = struct.Struct("<Q")
@@ -994,6 +996,29 @@ class DiskTier:
                 skip_to = offset + footprint
             pos = max(pos + usable, skip_to)
         return out
+
+    def claim(self, agent_id: str) -> str:
+        """Record `agent_id` as the directory's user (an owner file beside the slab, written
+        whole); returns the one before it ('' for none, or an unreadable file): an agent
+        started on another's directory (a wrong --disk-dir, a volume moved to another pod)
+        is then said, not silent."""
+        path = self.directory / OWNER_NAME
+        try:
+            before = path.read_text().strip()
+        except (OSError, UnicodeDecodeError):
+            before = ""
+        if before != agent_id:
+            tmp = path.with_suffix(".tmp")
+            try:
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(tmp)
+                fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+                with os.fdopen(fd, "w") as f:
+                    f.write(agent_id + "\n")
+                os.replace(tmp, path)
+            except OSError as exc:
+                log.warning("disk tier %s: could not record its owner: %s", self.directory, exc)
+        return before
 
     def scan(self) -> tuple[list[RecoveredBlock], int]:
         """Blocks found in the slab whose checksums verify; corrupt ones are cleared.

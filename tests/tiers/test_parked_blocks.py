@@ -4,6 +4,7 @@ review, 2026-12-06)."""
 
 from __future__ import annotations
 
+import dataclasses
 import time
 
 from agent.core.block_pool import BlockPool
@@ -108,3 +109,32 @@ def test_a_cleanup_after_a_restart_also_removes_parked_blocks(tmp_path):
         f"came back from disk when their prefix was stored (stored={stored})"
     )
     disk2.close()
+
+
+def test_another_agents_disk_dir_is_said_and_its_pins_are_not_loaded(tmp_path, caplog):
+    """An agent started on the directory another agent left (a wrong --disk-dir, a volume
+    moved to another pod) adopted its blocks and enforced its pins without a word (a
+    review). The blocks are content-addressed and checked: kept; the pins were the other
+    agent's: not loaded, then or at the next start; and it is said."""
+    d = tmp_path / "disk"
+    config = AgentConfig(
+        agent_id="gpu-0", models=[SPEC], cpu_capacity_bytes=2 * BLOCK_BYTES, disk_dir=str(d), transfer_engine="none"
+    )
+    first = Agent(config)
+    first.engine.store(SPEC.model_id, tokens(5), kv(5))
+    PinFile(d).save([AgentPin("gpu0-only", 3, 0.0, "", frozenset({b"\x01" * 16}), "v")], time.monotonic(), time.time())
+    first.disk.close()
+    with caplog.at_level("WARNING"):
+        other = Agent(dataclasses.replace(config, agent_id="gpu-1", cpu_capacity_bytes=4 * BLOCK_BYTES))
+    try:
+        assert "was used by agent 'gpu-0'" in caplog.text and "pins file not loaded" in caplog.text
+        assert other.pool.num_parked_blocks + len(other.pool.blocks) == 4 and not other.pool.pins.pins
+    finally:
+        other.disk.close()
+    caplog.clear()
+    with caplog.at_level("WARNING"):
+        again = Agent(dataclasses.replace(config, agent_id="gpu-1", cpu_capacity_bytes=4 * BLOCK_BYTES))
+    try:
+        assert "was used by agent" not in caplog.text and not again.pool.pins.pins  # its own now
+    finally:
+        again.disk.close()

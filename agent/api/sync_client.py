@@ -257,6 +257,8 @@ class ControlPlaneLink:
             self._cleanups_running.add(cmd.op_id)  # said RUNNING by the pings while it runs
             try:
                 result = pool.cleanup(cmd.older_than_seconds, cmd.namespace or None, cmd.model_id, cmd.dry_run)
+                if not cmd.dry_run:
+                    pool.record_frees()  # in the disk's dead log before SUCCEEDED: a crash then keeps them gone
             finally:
                 self._cleanups_running.discard(cmd.op_id)
             self._reply(

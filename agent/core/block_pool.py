@@ -788,6 +788,14 @@ class BlockPool(BlockMoves):
                 del self._parked[parent]
         return freed
 
+    def record_frees(self) -> None:
+        """Make the frees so far durable: a disk tier records its freed extents in its dead
+        log now rather than on its background thread (a restart would bring them back)."""
+        for store in self.store_of.values():
+            drain = getattr(store, "drain", None)
+            if drain is not None:
+                drain()
+
     def _adoptable(self, found) -> bool:
         spec = self.models.get(found.model_id)
         if spec is None or found.num_bytes != spec.block_bytes:

@@ -350,6 +350,12 @@ class Manager(PinControl, OperationControl, PolicyControl):
                 )
         elif not scope.namespace:
             raise errors.InvalidArgument(f"{field}.namespace", "give a prefix (tokens or hashes) or a namespace")
+        if scope.extra_keys and not scope.token_ids:
+            # they go into the hashes of tokens: beside hashes or a namespace they were ignored,
+            # and a LoRA's prefix meant became the whole namespace
+            raise errors.InvalidArgument(
+                f"{field}.extra_keys", "extra keys go with token_ids (they are hashed with them)"
+            )
         check_namespace(scope.namespace, f"{field}.namespace")
 
     def resolve(self, scope: Scope, field: str = "scope", per: str = "request") -> tuple[bytes, str]:

@@ -172,6 +172,10 @@ class OperationControl(ManagerState):
         if not math.isfinite(deadline_seconds) or deadline_seconds < 0:
             raise errors.InvalidArgument("deadline_seconds", f"must be a finite number >= 0, got {deadline_seconds}")
         self.check_scope_form(scope)
+        if scope.agent_id:  # (ignored before: a transfer names its agents itself)
+            raise errors.InvalidArgument(
+                "scope.agent_id", "a transfer names its agents in from_agent_id and to_agent_id"
+            )
         self._check_agents_back(tuple(a for a in (from_agent_id, to_agent_id) if a), indexed=True)
         packed, _ = self.resolve(scope, per="transfer")
         if not packed:

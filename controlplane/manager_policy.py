@@ -33,15 +33,16 @@ def _check_quota_entry(key: str, value: str) -> None:
     """`quota.<namespace>=<size>`: the namespace must be named (`quota.` alone would be
     stored and never read: a pin's namespace is never empty)."""
     namespace = key.removeprefix("quota.")
+    field = f"values[{key[:80]}{'...' if len(key) > 80 else ''}]"
     if not namespace:
-        raise errors.InvalidArgument(f"values[{key}]", "name the namespace: quota.<namespace>=<size>")
-    check_namespace(namespace, f"values[{key}]")
+        raise errors.InvalidArgument(field, "name the namespace: quota.<namespace>=<size>")
+    check_namespace(namespace, field)
     if value in QUOTA_REMOVED:
         return
     try:
         parse_size(value)
     except ValueError as exc:
-        raise errors.InvalidArgument(f"values[{key}]", str(exc)) from None
+        raise errors.InvalidArgument(field, str(exc)) from None
 
 
 def validate_policy(values: dict[str, str]) -> dict[str, str]:

@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING
 from controlplane.api import convert
 from controlplane.core import routing
 from controlplane.core.cluster import Cluster
+from controlplane.core.events import EVENT_KINDS
 from protos import errors
 from protos.kvcp.v1 import admin_pb2, admin_pb2_grpc
 from protos.tier import Tier
@@ -108,6 +109,11 @@ class AdminServicer(admin_pb2_grpc.AdminServiceServicer):
         worker thread stays parked on a stream nobody reads. A read: a leader cut off from
         etcd keeps streaming what it sees."""
         self._require_leader(read=True)
+        unknown = sorted(set(request.kinds) - set(EVENT_KINDS))
+        if unknown:  # (a stream of a kind that never comes held a slot until the client gave up)
+            raise errors.InvalidArgument(
+                "kinds", f"unknown event kind {unknown[0][:80]!r} (known: {', '.join(EVENT_KINDS)})"
+            )
         with self._watch_lock:
             if self._watch_streams >= self.max_watch_streams:
                 raise errors.ResourceExhausted(
@@ -122,7 +128,7 @@ class AdminServicer(admin_pb2_grpc.AdminServiceServicer):
                 self._watch_streams -= 1
 
     def _stream_events(self, request, context):
-        sub = self._cluster.events.subscribe(tuple(request.kinds), replay_recent=request.replay_recent)
+        sub = self._cluster.events.subscribe(tuple(set(request.kinds)), replay_recent=request.replay_recent)
         context.add_callback(sub.close)
         try:
             while context.is_active():

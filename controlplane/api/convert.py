@@ -216,7 +216,7 @@ def pin_to_pb(p) -> admin_pb2.PinInfo:
         owner=p.owner,
         owner_lease_id=p.owner_lease_id,
         num_blocks=p.num_blocks,
-        pinned_bytes=p.pinned_bytes,
+        pinned_bytes=min(p.pinned_bytes, (1 << 64) - 1),  # an answer, whatever a stored pin says
     )
 
 

@@ -23,6 +23,7 @@ from controlplane.core.index import AgentMatch, BlockIndex, PrefixHolders
 from controlplane.core.routing import DataPlaneStates
 from protos import errors
 from protos.block_hash import BLOCK_HASH_BYTES, MAX_PROMPT_BLOCKS, MAX_PROMPT_TOKENS, check_prompt_size, hash_prefix
+from protos.kv_format import DTYPE_BYTES, kv_block_bytes
 from protos.tier import Tier
 
 MAX_LOOKUP_TOKENS, MAX_LOOKUP_BLOCKS = MAX_PROMPT_TOKENS, MAX_PROMPT_BLOCKS
@@ -59,6 +60,28 @@ class ModelInfo:
     num_kv_heads: int = 0
     head_dim: int = 0
     dtype: str = ""
+
+
+MAX_MODEL_DIMENSION = 1 << 20  # layers, KV heads, head_dim, block_size: far past any model
+MAX_BLOCK_BYTES = 1 << 40
+
+
+def _check_model(m: ModelInfo) -> None:
+    """A model an agent registers: a name, and a layout whose sizes are sane (0: not told).
+    An absurd one (2^32-1 layers) made a pin's bytes overflow its answer: the pin was
+    written, and every ListPins failed until it expired (a review)."""
+    if not m.model_id or len(m.model_id) > 256 or not m.model_id.isprintable():
+        raise errors.InvalidArgument("agent.models.model_id", f"{m.model_id[:80]!r} is not a model id")
+    for name in ("block_size", "num_layers", "num_kv_heads", "head_dim"):
+        value = getattr(m, name)
+        if not 0 <= value <= MAX_MODEL_DIMENSION:
+            raise errors.InvalidArgument(f"agent.models.{name}", f"{value} is out of range [0, {MAX_MODEL_DIMENSION}]")
+    if m.dtype and m.dtype not in DTYPE_BYTES:
+        raise errors.InvalidArgument(
+            "agent.models.dtype", f"unknown dtype {m.dtype!r} (known: {', '.join(DTYPE_BYTES)})"
+        )
+    if kv_block_bytes(m.num_layers, m.block_size, m.num_kv_heads, m.head_dim, m.dtype) > MAX_BLOCK_BYTES:
+        raise errors.InvalidArgument("agent.models", f"model {m.model_id!r}: a block of over {MAX_BLOCK_BYTES} bytes")
 
 
 @dataclass(frozen=True)
@@ -237,6 +260,7 @@ class Cluster:
             }
             mine: dict[str, int] = {}
             for m in record.models:
+                _check_model(m)
                 if m.block_size <= 0:
                     raise errors.InvalidArgument("agent.models.block_size", "must be positive")
                 if mine.get(m.model_id, m.block_size) != m.block_size:

@@ -98,7 +98,7 @@ def new_pin(
     ns = check_namespace(namespace)
     if len(owner) > MAX_OWNER_CHARS:
         raise errors.InvalidArgument("owner", f"at most {MAX_OWNER_CHARS} characters")
-    if pin_id and not _PIN_ID_RE.match(pin_id):
+    if pin_id and not _PIN_ID_RE.fullmatch(pin_id):
         raise errors.InvalidArgument("pin_id", f"{pin_id!r} is not a pin id (letters, digits, . _ -; at most 64)")
     if not math.isfinite(ttl_seconds) or ttl_seconds < 0 or ttl_seconds > MAX_TTL_SECONDS:
         raise errors.InvalidArgument("ttl_seconds", f"{_duration(ttl_seconds)} is not between 1s and 365d")

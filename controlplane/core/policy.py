@@ -137,7 +137,7 @@ class Policy:
         top: dict[str, Any] = {}
         known = set(cls.keys())
         for key, raw in values.items():
-            name = f"{field}[{key}]"
+            name = f"{field}[{key[:80]}{'...' if len(key) > 80 else ''}]"  # (a long key cut off why)
             if key not in known:
                 raise errors.InvalidArgument(name, f"unknown policy key (known: {', '.join(sorted(known))})")
             if "." in key:

@@ -111,6 +111,7 @@ PEER_REFRESH_WAIT_SECONDS = 1.0  # a retry waits at most this long (and half its
 PEER_LAPSE_GRACE_SECONDS = 10.0  # a peer whose key vanished is still tried at its last address this long
 PEER_SLAB_IDLE_SECONDS = 60.0  # a peer's mapped slab unused this long is let go (it may be gone)
 TRANSFER_HEARTBEAT_SECONDS = 5.0  # a control-plane transfer says RUNNING this often while it runs
+MAX_HANDOFF_DEADLINE_SECONDS = 3600.0  # a handoff that would take longer is recomputed sooner
 
 
 def _rpc_error(exc: grpc.RpcError, what: str) -> PathError:
@@ -232,6 +233,10 @@ class DataPlane(HandoffPaths):
 
     # ---- receiving ----------------------------------------------------------------
     def reserve(self, request: agent_pb2.ReserveRequest) -> agent_pb2.ReserveResponse:
+        if request.path and request.path not in PATHS:
+            raise errors.InvalidArgument("path", f"unknown path {request.path[:40]!r}; expected {', '.join(PATHS)}")
+        if request.ttl_seconds < 0:  # (it became 0.1 s quietly)
+            raise errors.InvalidArgument("ttl_seconds", f"must not be negative, got {request.ttl_seconds}")
         if request.path == ENGINE and not self.engine_up:
             raise errors.InvalidArgument("path", f"this agent takes no engine writes: {self.engine.status}")
         if request.path == SHM and not self.shm_up:
@@ -269,6 +274,8 @@ class DataPlane(HandoffPaths):
         try:
             for chunk in chunks:
                 if r is None:
+                    if not chunk.reservation_id:
+                        raise errors.InvalidArgument("reservation_id", "must not be empty")
                     r = self.reservations.attach_writer(chunk.reservation_id)
                 if chunk.data:
                     self.reservations.write(r, chunk.block_index, chunk.offset, chunk.data)
@@ -290,6 +297,8 @@ class DataPlane(HandoffPaths):
         )
 
     def abort(self, request: agent_pb2.AbortRequest) -> None:
+        if not request.reservation_id:
+            raise errors.InvalidArgument("reservation_id", "must not be empty")
         if self.reservations.abort(request.reservation_id, request.writes_quiesced):
             log.info("handoff reservation %s aborted: %s", request.reservation_id, request.reason or "no reason")
 
@@ -483,6 +492,10 @@ class DataPlane(HandoffPaths):
         answer comes within the deadline: transferred, present, or recompute (with why).
         Raises InvalidArgument / NotFound for bad input (unknown agent or model, a
         prefix this agent does not hold)."""
+        if not 0 <= deadline_seconds <= MAX_HANDOFF_DEADLINE_SECONDS:  # also NaN (a huge one overflowed timeouts)
+            raise errors.InvalidArgument(
+                "deadline_seconds", f"must be in [0, {MAX_HANDOFF_DEADLINE_SECONDS:g}] seconds, got {deadline_seconds}"
+            )
         start = time.monotonic()
         deadline = start + (deadline_seconds or self.config.deadline_seconds)
         if model_id not in self.pool.models:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from agent.core.engine_api import KVEngineAPI
-from agent.dataplane import DataPlane, result_to_pb
+from agent.dataplane import MAX_HANDOFF_DEADLINE_SECONDS, DataPlane, result_to_pb
 from protos import errors
 from protos.kvcp.v1 import agent_pb2, agent_pb2_grpc
 
@@ -33,6 +33,13 @@ class DataPlaneServicer(agent_pb2_grpc.DataPlaneServicer):
             raise errors.InvalidArgument("destination_agent_id", "must not be empty")
         if not 0 <= request.deadline_seconds < float("inf"):  # also NaN
             raise errors.InvalidArgument("deadline_seconds", "must be finite and not negative")
+        deadline_seconds = request.deadline_seconds
+        remaining = context.time_remaining()
+        if remaining is not None and deadline_seconds <= MAX_HANDOFF_DEADLINE_SECONDS:
+            # no later than the caller's own deadline (less the answer's way back): one that
+            # gave up left it holding a worker (waiting for a link, polling a busy peer)
+            # until its deadline_seconds
+            deadline_seconds = min(deadline_seconds or self._dp.config.deadline_seconds, max(0.001, remaining - 0.1))
         model = self._engine.model(request.model_id)
         if request.token_ids and request.block_hashes:
             raise errors.InvalidArgument("token_ids", "give token_ids or block_hashes, not both")
@@ -48,7 +55,7 @@ class DataPlaneServicer(agent_pb2_grpc.DataPlaneServicer):
             request.model_id,
             hashes,
             request.destination_agent_id,
-            request.deadline_seconds,
+            deadline_seconds,
             request.namespace,
             tuple(request.paths),
         )

@@ -382,3 +382,38 @@ def test_the_agent_refuses_a_copy_thread_count_out_of_range():
 
     result = CliRunner().invoke(main, ["--agent-id", "x", "--shm-copy-threads", "0"], catch_exceptions=False)
     assert result.exit_code == 2 and "--shm-copy-threads" in result.output and "Traceback" not in result.output
+
+
+def test_handoffs_whose_callers_gave_up_do_not_starve_the_engine_api(controlplane, make_agent):
+    """A Handoff ran to its deadline_seconds after its caller's own deadline passed: 40
+    engines that gave up after 0.3 s held the agent's workers waiting for a busy peer,
+    and the engine's own Lookup then timed out (a review). It ends by the caller's deadline."""
+    import time
+
+    import grpc
+
+    from agent.client import EngineClient
+    from protos.kvcp.v1 import agent_pb2, agent_pb2_grpc
+
+    pre = make_agent("pre", models=[BIG], transfer_engine="none", shm_handoff=False)
+    dec = make_agent("dec", models=[BIG], transfer_engine="none", shm_handoff=False)
+    tokens, kv, _ = prompt(BIG, 2, seed=51)
+    pre.engine.store(BIG.model_id, tokens, kv)
+    dec.dataplane.reservations.max_inbound = 0  # busy: every handoff to it waits
+    client = EngineClient(pre.address, timeout_seconds=3)
+    ch = grpc.insecure_channel(pre.address)
+    try:
+        request = agent_pb2.HandoffRequest(
+            model_id=BIG.model_id, token_ids=tokens, destination_agent_id="dec", deadline_seconds=8.0, paths=["grpc"]
+        )
+        calls = [agent_pb2_grpc.DataPlaneStub(ch).Handoff.future(request, timeout=0.3) for _ in range(40)]
+        for c in calls:  # each answered recompute by its caller's deadline, or that deadline passed
+            assert c.exception() is not None or c.result().outcome == agent_pb2.HANDOFF_OUTCOME_RECOMPUTE
+        time.sleep(0.5)  # every caller is gone
+        t0 = time.monotonic()
+        assert client.lookup(BIG.model_id, tokens) == len(tokens)
+        assert time.monotonic() - t0 < 2.0
+    finally:
+        dec.dataplane.reservations.max_inbound = 8
+        ch.close()
+        client.close()

@@ -507,3 +507,27 @@ def test_an_abort_the_peer_did_not_answer_in_time_is_sent_again(pair, monkeypatc
     # the first reservation's Abort again (a second attempt's, answered at once, is not)
     wait_for(lambda: pair.send.aborts_retried_total >= 1 and calls.count(calls[0]) >= 2, 5, what="Abort sent again")
     wait_for(lambda: pair.recv.reservations.open_count() == 0, 5, what="the reservation let go")
+
+
+def test_reserve_push_abort_and_handoff_refuse_fields_out_of_range(pair):
+    """A negative ttl became 0.1 s quietly, an unknown path was taken, an empty reservation
+    id was FAILED_PRECONDITION on Push and fine on Abort, and a deadline of 1e10 s
+    overflowed a timeout (INTERNAL, or a good handoff failed): all INVALID_ARGUMENT naming
+    the field now (a review's fuzzing); nothing is reserved."""
+    hashes = store(pair.send.pool, 2, seed=21)
+    bad = reserve_request(hashes, -5.0)
+    with pytest.raises(errors.InvalidArgument, match="ttl_seconds"):
+        pair.recv.reserve(bad)
+    bad = reserve_request(hashes, 5.0)
+    bad.path = "carrier-pigeon"
+    with pytest.raises(errors.InvalidArgument, match="path"):
+        pair.recv.reserve(bad)
+    with pytest.raises(errors.InvalidArgument, match="reservation_id"):
+        pair.recv.push(iter([agent_pb2.PushChunk(reservation_id="")]))
+    with pytest.raises(errors.InvalidArgument, match="reservation_id"):
+        pair.recv.abort(agent_pb2.AbortRequest(reservation_id=""))
+    for deadline in (1e10, 1e300, float("nan"), -1.0):
+        with pytest.raises(errors.InvalidArgument, match="deadline_seconds"):
+            pair.send.handoff(SMALL.model_id, hashes, "dec", deadline, paths=("grpc",))
+    assert pair.recv.reservations.open_count() == 0
+    assert pair.send.handoff(SMALL.model_id, hashes, "dec", 3600.0, paths=("grpc",)).outcome == TRANSFERRED

@@ -17,20 +17,21 @@ from protos.tier import Tier
 from tests.tiers.support import BLOCK_BYTES, SPEC, disk_of, hashes, kv, make_engine, make_pool, tokens
 
 
-def _crash_with_pinned_tail_on_disk(d, pin_tier=Tier.DISK):
-    """A 4-block chain, pinned (prefix pin, kept at disk or faster, as `kvctl pin
-    --min-tier disk`); its first two blocks in memory, its last two on disk; the pin table
-    saved next to the slab (as the agent's pin-saver does); then kill -9."""
+def _crash_with_tail_on_disk(d, pin_tier: Tier | None = Tier.DISK):
+    """A 4-block chain, its first two blocks in memory, its last two on disk, then kill -9.
+    With `pin_tier`: pinned (a prefix pin, kept at that tier or faster, as `kvctl pin
+    --min-tier disk`), the pin table saved next to the slab (as the agent's pin-saver does)."""
     pool = make_pool(d, cpu_blocks=8)
     engine = make_engine(pool)
     toks, data = tokens(4), kv(4, seed=7)
     engine.store(SPEC.model_id, toks, data)
     hs = hashes(engine, toks)
-    pin = AgentPin("keep", int(pin_tier), 0.0, "", frozenset(hs), "v1")
+    pins = [AgentPin("keep", int(pin_tier), 0.0, "", frozenset(hs), "v1")] if pin_tier else []
     with pool.lock:
-        pool.pins.add(pin)
+        for pin in pins:
+            pool.pins.add(pin)
     assert pool.move_block(hs[3], Tier.DISK).ok and pool.move_block(hs[2], Tier.DISK).ok
-    PinFile(d).save([pin], time.monotonic(), time.time())
+    PinFile(d).save(pins, time.monotonic(), time.time())
     disk_of(pool).close()  # kill -9: the CPU tier (hs[0], hs[1]) is gone
     return toks, data, hs
 
@@ -40,7 +41,7 @@ def test_pinned_parked_blocks_are_not_freed_to_make_room(tmp_path):
     pins.json brings its pin back; the first store that wanted disk room freed it anyway
     (a review)."""
     d = tmp_path / "disk"
-    toks, data, hs = _crash_with_pinned_tail_on_disk(d)
+    toks, data, hs = _crash_with_tail_on_disk(d)
     probe = DiskTier(tmp_path / "probe", 1 << 20)
     footprint = probe.footprint(BLOCK_BYTES)
     probe.close()
@@ -68,7 +69,7 @@ def test_pinned_parked_blocks_are_not_freed_to_make_room(tmp_path):
 def test_pinned_parked_blocks_are_not_freed_when_parking_expires(tmp_path):
     """... nor after PARKED_SECONDS, while the pin holds."""
     d = tmp_path / "disk"
-    toks, data, hs = _crash_with_pinned_tail_on_disk(d)
+    toks, data, hs = _crash_with_tail_on_disk(d)
     disk2 = DiskTier(d, 1 << 20)
     pool2 = BlockPool([MemoryTier(Tier.CPU, 8 * BLOCK_BYTES, BLOCK_BYTES, device="cpu"), disk2], [SPEC])
     found, _ = disk2.scan()
@@ -86,14 +87,7 @@ def test_a_cleanup_after_a_restart_also_removes_parked_blocks(tmp_path):
     it found; the parked blocks were not looked at, and came back (adopted, served) as soon
     as an engine stored their prefix again (a review). They count in what it freed."""
     d = tmp_path / "disk"
-    pool = make_pool(d, cpu_blocks=8)
-    engine = make_engine(pool)
-    toks, data = tokens(4), kv(4, seed=3)
-    engine.store(SPEC.model_id, toks, data)
-    hs = hashes(engine, toks)
-    assert pool.move_block(hs[3], Tier.DISK).ok and pool.move_block(hs[2], Tier.DISK).ok
-    disk_of(pool).close()  # kill -9
-
+    toks, data, hs = _crash_with_tail_on_disk(d, pin_tier=None)
     disk2 = DiskTier(d, 1 << 20)
     pool2 = BlockPool([MemoryTier(Tier.CPU, 8 * BLOCK_BYTES, BLOCK_BYTES, device="cpu"), disk2], [SPEC])
     found, _ = disk2.scan()

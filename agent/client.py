@@ -9,6 +9,7 @@ import numpy as np
 
 from agent.core.engine_api import ENGINE_MESSAGE_BYTES, StoreResult
 from protos import security
+from protos.block_hash import check_extra_keys, token_array
 from protos.kvcp.v1 import agent_pb2, agent_pb2_grpc, types_pb2
 from protos.security import TLSConfig
 
@@ -88,9 +89,16 @@ class EngineClient:
         )
         return StoreResult(r.num_stored_blocks, r.num_present_blocks)
 
-    def lookup(self, model_id: str, token_ids, extra_keys=()) -> int:
+    def lookup(self, model_id: str, token_ids, extra_keys=(), spec=None) -> int:
+        """`spec`: the caller's KV layout (a types_pb2.ModelSpec), refused by an agent that
+        holds the model in another (as a load refuses it)."""
         r = self._stub.Lookup(
-            agent_pb2.EngineLookupRequest(model_id=model_id, token_ids=list(token_ids), extra_keys=list(extra_keys)),
+            agent_pb2.EngineLookupRequest(
+                model_id=model_id,
+                token_ids=token_array(token_ids).tolist(),
+                extra_keys=list(check_extra_keys(extra_keys)),
+                spec=spec,
+            ),
             timeout=self.timeout_seconds,
         )
         return r.num_cached_tokens

@@ -18,6 +18,7 @@ import torch
 
 from agent.core.engine_api import blocks_in_store_message, blocks_per_message
 from agent.core.model_spec import ModelSpec
+from protos.block_hash import check_extra_keys, token_array
 
 LayerKV = tuple[torch.Tensor, torch.Tensor]
 
@@ -34,6 +35,8 @@ def layers_to_blocks(kv: Sequence[LayerKV], spec: ModelSpec, first_block: int, n
     out = torch.empty((num_blocks, *spec.block_shape), dtype=spec.torch_dtype)
     for layer, (k, v) in enumerate(kv):
         for which, t in ((0, k), (1, v)):
+            if not isinstance(t, torch.Tensor):  # (numpy's float16 read as "float16 != float16")
+                raise ValueError(f"kv layer {layer} {'kv'[which]}: a torch tensor, not {type(t).__name__}")
             shape = tuple(t.shape)
             if len(shape) != 4 or shape[0] != 1 or shape[1] != spec.num_kv_heads or shape[3] != spec.head_dim:
                 raise ValueError(
@@ -69,7 +72,7 @@ class KVConnector:
         """`engine`: a KVEngineAPI (in process) or an agent.client.EngineClient (gRPC)."""
         self.spec = spec
         self.engine = engine
-        self.extra_keys = tuple(extra_keys)
+        self.extra_keys = check_extra_keys(extra_keys)  # one string is one key; int ids in decimal
         self._remote = not hasattr(engine, "pool")
         if self._remote:  # told to the agent with every call: a different layout is refused
             from protos.kvcp.v1 import types_pb2
@@ -90,10 +93,17 @@ class KVConnector:
                 raise ValueError(f"model {spec.model_id}: the agent's KV layout differs ({'; '.join(diff)})")
 
     def lookup(self, token_ids: Sequence[int]) -> int:
-        return self.engine.lookup(self.spec.model_id, list(token_ids), self.extra_keys)
+        tokens = _tokens(token_ids)
+        if len(tokens) < self.spec.block_size:  # no full block: nothing to look up, in process or not
+            return 0
+        if self._remote:  # its layout said, as a load says it: a lookup must not promise what a load refuses
+            return self.engine.lookup(self.spec.model_id, tokens, self.extra_keys, spec=self._spec_pb)
+        return self.engine.lookup(self.spec.model_id, tokens, self.extra_keys)
 
     def load(self, token_ids: Sequence[int], device="cpu", dtype=None) -> tuple[int, list[LayerKV]]:
-        tokens = list(token_ids)
+        tokens = _tokens(token_ids)
+        if len(tokens) < self.spec.block_size:
+            return 0, []
         if self._remote:
             blocks = self._load_remote(tokens)
             num_tokens = blocks.shape[0] * self.spec.block_size
@@ -128,7 +138,7 @@ class KVConnector:
     def store(self, token_ids: Sequence[int], kv: Sequence[LayerKV], first_block: int = 0) -> int:
         """Store the full blocks of `token_ids` from per-layer KV covering at least them;
         blocks before `first_block` are assumed cached already (not sent)."""
-        tokens = list(token_ids)
+        tokens = _tokens(token_ids)
         if first_block < 0:
             raise ValueError(f"first_block must be >= 0, got {first_block}")
         n = len(tokens) // self.spec.block_size - first_block
@@ -153,3 +163,9 @@ class KVConnector:
             stored += r.num_stored_blocks
             first += count
         return stored
+
+
+def _tokens(token_ids) -> list[int]:
+    """An engine's token ids (a list, a numpy array or a torch tensor, [T] or [1, T]) as
+    one prompt's list; ValueError for anything else ([B, T] is several prompts)."""
+    return token_array(token_ids).tolist()

@@ -45,7 +45,25 @@ _PERSON = b"kvcp.v1.block"
 _MAX_TOKEN_ID = 2**32 - 1
 
 
+def check_extra_keys(extra_keys) -> tuple[str, ...]:
+    """Extra hash keys (a LoRA adapter, a multimodal input) as the strings hashed: ints
+    (as vLLM's LoRA ids) are said in decimal, one string is one key (not its characters:
+    "ab" hashed as ["a", "b"], another adapter's cache); anything else is a ValueError."""
+    if isinstance(extra_keys, str):
+        return (extra_keys,)
+    out = []
+    for key in extra_keys:
+        if isinstance(key, str):
+            out.append(key)
+        elif isinstance(key, int) and not isinstance(key, bool):
+            out.append(str(key))
+        else:
+            raise ValueError(f"extra keys must be strings (or integer ids), got {type(key).__name__}")
+    return tuple(out)
+
+
 def _header(model_id: str, extra_keys: Sequence[str]) -> bytes:
+    extra_keys = check_extra_keys(extra_keys)
     parts = [struct.pack("<I", len(model_id.encode())), model_id.encode()]
     parts.append(struct.pack("<I", len(extra_keys)))
     for key in extra_keys:
@@ -57,7 +75,13 @@ def _header(model_id: str, extra_keys: Sequence[str]) -> bytes:
 
 def token_array(token_ids: Iterable[int]) -> np.ndarray:
     """Token ids as a little-endian uint32 array; raises ValueError on a bad id."""
+    if hasattr(token_ids, "tolist") and not isinstance(token_ids, np.ndarray):  # a torch tensor: at once
+        token_ids = token_ids.tolist()
     arr = np.asarray(list(token_ids) if not isinstance(token_ids, np.ndarray) else token_ids)
+    if arr.ndim == 2 and arr.shape[0] == 1:  # an engine's input_ids [1, T]: one prompt
+        arr = arr[0]
+    if arr.ndim != 1:  # (a [1, T] list of one tensor was one token; [B, T] rows hashed as blocks)
+        raise ValueError(f"token ids must be one prompt: a sequence or [1, T], not shape {list(arr.shape)}")
     if arr.size == 0:
         return np.zeros(0, dtype="<u4")
     if arr.dtype.kind not in "iu":

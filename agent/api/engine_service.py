@@ -73,6 +73,7 @@ class EngineServicer(agent_pb2_grpc.EngineServiceServicer):
 
     def Lookup(self, request, context):
         tokens = self._tokens(request)
+        self._model(request)  # a caller's other layout: refused, as its load would be
         n = self._engine.lookup(request.model_id, tokens, tuple(request.extra_keys))
         return agent_pb2.EngineLookupResponse(num_cached_tokens=n)
 

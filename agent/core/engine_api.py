@@ -14,13 +14,22 @@ import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from agent.core.block_pool import BlockPool
 from agent.core.model_spec import TORCH_DTYPES, ModelSpec
 from agent.core.mover import Mover
 from protos import errors
-from protos.block_hash import MAX_PROMPT_BLOCKS, MAX_PROMPT_TOKENS, check_prompt_size, hash_prefix, split_hashes
+from protos.block_hash import (
+    MAX_PROMPT_BLOCKS,
+    MAX_PROMPT_TOKENS,
+    check_extra_keys,
+    check_prompt_size,
+    hash_prefix,
+    split_hashes,
+    token_array,
+)
 from protos.namespaces import check_namespace
 from protos.tier import Tier
 
@@ -86,11 +95,16 @@ class KVEngineAPI:
         return m
 
     def hashes(self, model: ModelSpec, token_ids, extra_keys: Sequence[str] = ()) -> list[bytes]:
-        check_prompt_size(len(token_ids), model.block_size, "call")
         try:
-            return split_hashes(hash_prefix(model.model_id, token_ids, model.block_size, tuple(extra_keys)))
+            keys = check_extra_keys(extra_keys)
+        except ValueError as exc:
+            raise errors.InvalidArgument("extra_keys", str(exc)) from None
+        try:
+            tokens = token_array(token_ids)
         except ValueError as exc:
             raise errors.InvalidArgument("token_ids", str(exc)) from None
+        check_prompt_size(len(tokens), model.block_size, "call")
+        return split_hashes(hash_prefix(model.model_id, tokens, model.block_size, keys))
 
     def store(
         self,
@@ -125,7 +139,7 @@ class KVEngineAPI:
         model = self.model(model_id)
         hashes = self.hashes(model, token_ids, extra_keys)
         n = self.pool.num_leading(hashes)
-        self._count(len(token_ids), n * model.block_size)
+        self._count(_num_tokens(token_ids), n * model.block_size)
         return n * model.block_size
 
     def load(
@@ -158,7 +172,7 @@ class KVEngineAPI:
         truncated = loaded_to == end < len(hashes) and self.pool.num_leading(hashes[end : end + 1]) == 1
         if first_block == 0:  # one engine load = one lookup, however many messages it takes
             hit_blocks = self.pool.num_leading(hashes) if truncated else len(blocks)
-            self._count(len(token_ids), hit_blocks * model.block_size)
+            self._count(_num_tokens(token_ids), hit_blocks * model.block_size)
         num_cached = loaded_to * model.block_size if blocks else 0
         return LoadResult(num_cached, kv, tuple(tiers), truncated)
 
@@ -167,3 +181,9 @@ class KVEngineAPI:
             self.lookups_total += 1
             self.lookup_tokens_total += num_tokens
             self.lookup_hit_tokens_total += hit_tokens
+
+
+def _num_tokens(token_ids) -> int:
+    """Tokens of a prompt given as a sequence, or an array or tensor ([T] or [1, T])."""
+    shape = getattr(token_ids, "shape", None)
+    return int(np.prod(shape)) if shape is not None else len(token_ids)

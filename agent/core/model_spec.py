@@ -74,7 +74,7 @@ class ModelSpec:
     @classmethod
     def parse(cls, text: str) -> ModelSpec:
         """'MODEL:block_size=16,num_layers=2,num_kv_heads=2,head_dim=64,dtype=float16'."""
-        model_id, sep, rest = text.partition(":")
+        model_id, sep, rest = text.rpartition(":")  # the last ':': a model id may hold one (org:name)
         if not sep:
             raise ValueError(f"model spec {text!r} must look like NAME:block_size=16,num_layers=2,...")
         fields: dict[str, object] = {}
@@ -82,6 +82,8 @@ class ModelSpec:
             key, eq, value = part.partition("=")
             if not eq or key not in {"block_size", "num_layers", "num_kv_heads", "head_dim", "dtype"}:
                 raise ValueError(f"model spec {text!r}: bad field {part!r}")
+            if key in fields:  # (the later one won quietly)
+                raise ValueError(f"model spec {text!r}: {key} given twice")
             if key == "dtype":
                 fields[key] = value
             else:

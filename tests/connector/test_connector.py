@@ -71,6 +71,11 @@ def test_remote_connector_with_another_layout_is_refused_and_caches_nothing(make
         with pytest.raises(grpc.RpcError) as e:
             KVConnector(other, client).load(tokens)
         assert e.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+        # nor does a lookup promise what the load refuses (it reported the agent's hits)
+        KVConnector(M, client).store(tokens, layer_kv(M, 16))
+        with pytest.raises(grpc.RpcError) as e:
+            KVConnector(other, client).lookup(tokens)
+        assert e.value.code() == grpc.StatusCode.FAILED_PRECONDITION
     finally:
         client.close()
 
@@ -159,3 +164,49 @@ def test_store_messages_deep_into_a_long_prompt_carry_fewer_blocks():
     assert blocks_in_store_message(bb, bs, first) < full
     with pytest.raises(ValueError, match="does not fit"):
         blocks_in_store_message(bb, bs, ENGINE_MESSAGE_BYTES // bs)
+
+
+# ---- engine-style input (a review, 2026-12-06) --------------------------------------------
+@pytest.mark.parametrize("remote", [False, True])
+def test_engine_style_token_ids_and_keys_are_one_prompt_or_refused(make_agent, remote):
+    """input_ids shaped [1, T] (as Hugging Face gives them) were one token: nothing stored,
+    a cached prompt missed; [B, T] rows were hashed as blocks; an int LoRA id failed with
+    AttributeError; the string "ab" was the keys "a", "b"; numpy KV was refused as
+    "float16 != float16"; an empty prompt was 0 in process and INVALID_ARGUMENT remotely."""
+    import numpy as np
+
+    from protos import errors
+
+    agent = make_agent(models=[M])
+    client = EngineClient(agent.address) if remote else None
+    engine = client if remote else agent.engine
+    try:
+        flat = list(range(3 * M.block_size))
+        conn = KVConnector(M, engine)
+        assert conn.store(torch.tensor([flat]), layer_kv(M, len(flat))) == 3
+        assert conn.lookup(np.array([flat])) == len(flat) and conn.lookup(torch.tensor(flat)) == len(flat)
+        assert conn.load(torch.tensor([flat]))[0] == len(flat)
+        refused = (grpc.RpcError, ValueError, errors.InvalidArgument)
+        with pytest.raises(refused, match="one prompt"):
+            conn.lookup(np.arange(32).reshape(8, 4))
+        assert conn.lookup([]) == 0 and conn.load([]) == (0, [])
+        lora = KVConnector(M, engine, extra_keys=(7,))  # vLLM's int LoRA id: "7"
+        assert lora.lookup(flat) == 0  # another adapter's cache
+        assert lora.store(flat, layer_kv(M, len(flat))) == 3
+        assert KVConnector(M, engine, extra_keys=("7",)).lookup(flat) == len(flat)
+        assert KVConnector(M, engine, extra_keys="ab").extra_keys == ("ab",)
+        with pytest.raises(ValueError, match="extra keys must be strings"):
+            KVConnector(M, engine, extra_keys=(b"x",))
+        numpy_kv = [(k.numpy(), v.numpy()) for k, v in layer_kv(M, len(flat))]
+        with pytest.raises(ValueError, match="a torch tensor, not ndarray"):
+            KVConnector(M, engine).store(list(range(100, 100 + len(flat))), numpy_kv)
+    finally:
+        if client is not None:
+            client.close()
+
+
+def test_a_model_id_with_a_colon_parses_and_a_field_twice_is_refused():
+    spec = ModelSpec("org:llama", block_size=16, num_layers=2, num_kv_heads=2, head_dim=64, dtype="float16")
+    assert ModelSpec.parse(spec.format()) == spec
+    with pytest.raises(ValueError, match="block_size given twice"):
+        ModelSpec.parse("m:block_size=16,block_size=8,num_layers=2,num_kv_heads=2,head_dim=64")

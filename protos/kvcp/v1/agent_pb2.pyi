@@ -324,14 +324,16 @@ class StoreResponse(_message.Message):
     def __init__(self, num_stored_blocks: _Optional[int] = ..., num_present_blocks: _Optional[int] = ...) -> None: ...
 
 class EngineLookupRequest(_message.Message):
-    __slots__ = ("model_id", "token_ids", "extra_keys")
+    __slots__ = ("model_id", "token_ids", "extra_keys", "spec")
     MODEL_ID_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     EXTRA_KEYS_FIELD_NUMBER: _ClassVar[int]
+    SPEC_FIELD_NUMBER: _ClassVar[int]
     model_id: str
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     extra_keys: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, model_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., extra_keys: _Optional[_Iterable[str]] = ...) -> None: ...
+    spec: _types_pb2.ModelSpec
+    def __init__(self, model_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., extra_keys: _Optional[_Iterable[str]] = ..., spec: _Optional[_Union[_types_pb2.ModelSpec, _Mapping]] = ...) -> None: ...
 
 class EngineLookupResponse(_message.Message):
     __slots__ = ("num_cached_tokens",)

@@ -49,13 +49,13 @@ class PathResult:
     payload_bytes: int
     path: str  # engine | grpc
     gbps: float
-    raw_engine_gbps: float
-    ratio: float
+    raw_engine_gbps: float | None  # None (JSON null): no engine here to measure
+    ratio: float | None
     seconds: float
     num_blocks: int
     median_gbps: float = 0.0
-    median_raw_engine_gbps: float = 0.0
-    median_ratio: float = 0.0
+    median_raw_engine_gbps: float | None = None
+    median_ratio: float | None = None
     raw_memcpy_gbps: float = 0.0  # shm rows: the same bytes with one memcpy into the mapped slab
     memcpy_ratio: float = 0.0
     # raw_engine_gbps is the better of these two ways of driving the engine alone (best of repeats)
@@ -359,13 +359,13 @@ def run(
                         nbytes,
                         path,
                         round(gbps, 3),
-                        round(raw, 3),
-                        round(gbps / raw, 3) if raw else 0.0,
+                        round(raw, 3) if raw else None,  # (0.0 read as "0x the engine")
+                        round(gbps / raw, 3) if raw else None,
                         round(min(times[path]), 4),
                         n,
                         round(med, 3),
-                        round(raw_med, 3),
-                        round(med / raw_med, 3) if raw_med else 0.0,
+                        round(raw_med, 3) if raw_med else None,
+                        round(med / raw_med, 3) if raw_med else None,
                         round(memcpy, 3) if is_shm else 0.0,
                         round(gbps / memcpy, 3) if is_shm and memcpy else 0.0,
                         round(raw_sync, 3),
@@ -437,10 +437,14 @@ def format_table(result: dict) -> str:
             if r.get("raw_memcpy_gbps")
             else ""
         )
+
+        def num(v, width: int, places: int) -> str:
+            return f"{v:>{width}.{places}f}" if v is not None else f"{'n/a':>{width}s}"
+
         lines.append(
-            f"{r['payload_bytes'] >> 20:>5d}MiB {r['path']:6s} {r['gbps']:>7.3f} {r['raw_engine_gbps']:>16.3f} "
-            f"{r['ratio']:>6.2f}   {r['median_gbps']:>11.3f} {r['median_raw_engine_gbps']:>6.3f} {r['median_ratio']:>6.2f}"
-            + memcpy
+            f"{r['payload_bytes'] >> 20:>5d}MiB {r['path']:6s} {r['gbps']:>7.3f} {num(r['raw_engine_gbps'], 16, 3)} "
+            f"{num(r['ratio'], 6, 2)}   {r['median_gbps']:>11.3f} {num(r['median_raw_engine_gbps'], 6, 3)} "
+            f"{num(r['median_ratio'], 6, 2)}" + memcpy
         )
     f = result.get("fault") or {}
     if f:

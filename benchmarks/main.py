@@ -27,6 +27,13 @@ def _json(data) -> str:
     return json.dumps(finite(data), indent=2, allow_nan=False)
 
 
+def _finite(ctx, param, value):
+    """A number option that is a number (click's ranges let NaN through)."""
+    if value is not None and not math.isfinite(value):
+        raise click.BadParameter(f"{value} is not a finite number")
+    return value
+
+
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
 def main():
     """kvcp benchmarks (figures are ratios against baselines measured in the same run)."""
@@ -39,10 +46,17 @@ def main():
     "rate_per_second",
     default=10.0,
     show_default=True,
-    type=float,
+    type=click.FloatRange(min=0),
+    callback=_finite,
     help="Requests per second (0: as fast as possible).",
 )
-@click.option("--duration", "duration_seconds", default=0.0, type=float, help="Seconds to run (0: until Ctrl-C).")
+@click.option(
+    "--duration",
+    "duration_seconds",
+    default=0.0,
+    type=click.FloatRange(min=0),
+    help="Seconds to run (0: until Ctrl-C).",
+)
 @click.option("--seed", default=0, show_default=True, type=int)
 @click.option("-o", "--output", "output_format", type=click.Choice(["table", "json"]), default="table")
 def workload(controlplane, rate_per_second, duration_seconds, seed, output_format):
@@ -52,6 +66,7 @@ def workload(controlplane, rate_per_second, duration_seconds, seed, output_forma
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
     w = Workload(controlplane, rate_per_second, WorkloadConfig(seed=seed))
     stats = w.run(stop, duration_seconds or None, report=lambda m: click.echo(m, err=True))
+    failed = stats.errors_total and not stats.requests_total  # nothing served: no control plane?
     data = {
         "requests": stats.requests_total,
         "prompt_tokens": stats.prompt_tokens_total,
@@ -67,19 +82,28 @@ def workload(controlplane, rate_per_second, duration_seconds, seed, output_forma
     else:
         for k, v in data.items():
             click.echo(f"{k:20s} {v}")
+    if failed:  # (it said 0 with every request failed)
+        click.echo(
+            f"kvcp-bench workload: no request was served ({stats.errors_total} failed): is a control plane at "
+            f"{controlplane}? (--controlplane HOST:PORT)",
+            err=True,
+        )
+        raise SystemExit(1)
 
 
 @main.command()
-@click.option("--block-mib", "block_mibs", multiple=True, type=int, default=[1, 4], show_default=True)
+@click.option(
+    "--block-mib", "block_mibs", multiple=True, type=click.IntRange(1, 1024), default=[1, 4], show_default=True
+)
 @click.option(
     "--blocks",
     "num_blocks",
     default=32,
     show_default=True,
-    type=int,
+    type=click.IntRange(1),
     help="Blocks of 1 MiB per run (fewer when larger).",
 )
-@click.option("--repeats", default=3, show_default=True, type=int)
+@click.option("--repeats", default=3, show_default=True, type=click.IntRange(1, 1000))
 @click.option("--fsync/--no-fsync", default=False, show_default=True, help="Durability of disk writes (baseline too).")
 @click.option(
     "--torch-threads", default=1, show_default=True, type=click.IntRange(1, 256), help="As kvcp-agent --torch-threads."
@@ -187,7 +211,14 @@ def replay(trace, capacities, fractions, tiers_text, settings, oracles, evidence
     type=click.IntRange(1),
     help="Processes the agents are spread over.",
 )
-@click.option("--lookup-rate", default=200.0, show_default=True, type=float, help="Offered lookups per second.")
+@click.option(
+    "--lookup-rate",
+    default=200.0,
+    show_default=True,
+    type=click.FloatRange(min=0, min_open=True, max=1e7),
+    callback=_finite,
+    help="Offered lookups per second.",
+)
 @click.option(
     "--lookup-seconds", default=10.0, show_default=True, type=float, help="Duration of the lookup phase after ingest."
 )
@@ -258,7 +289,15 @@ def controlplane(output_format, **kwargs):
 @click.option("--simulate", is_flag=True, help="Instead: N prefill / M decode agents under a request stream.")
 @click.option("--prefill", "num_prefill", default=2, show_default=True, type=click.IntRange(1, 64))
 @click.option("--decode", "num_decode", default=2, show_default=True, type=click.IntRange(1, 64))
-@click.option("--rate", "requests_per_second", default=6.0, show_default=True, type=float, help="Simulated requests/s.")
+@click.option(
+    "--rate",
+    "requests_per_second",
+    default=6.0,
+    show_default=True,
+    type=click.FloatRange(min=0, min_open=True, max=1e6),
+    callback=_finite,
+    help="Simulated requests/s.",
+)
 @click.option("--requests", "num_requests", default=2000, show_default=True, type=click.IntRange(1))
 @click.option("-o", "--output", "output_format", type=click.Choice(["table", "json"]), default="table")
 def handoff(
@@ -293,8 +332,10 @@ def handoff(
     try:
         size_list = tuple(int(x) for x in sizes.split(",") if x.strip())
     except ValueError:
+        size_list = ()
+    if not size_list or min(size_list) < 1 or max(size_list) > 65536:
         raise click.BadParameter(
-            f"{sizes!r} is not a list of MiB sizes (example: 1,16,256)", param_hint="--sizes"
+            f"{sizes!r} is not a list of MiB sizes from 1 to 65536 (example: 1,16,256)", param_hint="--sizes"
         ) from None
     try:
         result = bench.run(size_list, block_mib, repeats, etcd, fault, chunk_mib)

@@ -68,36 +68,75 @@ class Request:
 
 
 def load_trace(path: str | Path) -> list[Request]:
+    """The requests of a Mooncake-format trace (JSON lines; gzipped or not, told by its
+    first bytes). TraceError names the line (or the file) of anything else."""
     out: list[Request] = []
-    opener = gzip.open if str(path).endswith(".gz") else open
-    with opener(path, "rt", encoding="utf-8-sig") as f:  # a byte-order mark is tolerated
-        for lineno, line in enumerate(f, 1):
-            line = line.strip()
-            if not line:
-                continue
-            try:
-                obj = json.loads(line)
-                ids = obj["hash_ids"]
-                req = Request(float(obj.get("timestamp", 0)), int(obj["input_length"]), tuple(int(x) for x in ids))
-            except (ValueError, KeyError, TypeError) as exc:
-                raise TraceError(
-                    f"{path}:{lineno}: not a Mooncake request (need timestamp, input_length, hash_ids): {exc}"
-                ) from None
-            except UnicodeDecodeError as exc:
-                raise TraceError(f"{path}:{lineno}: not UTF-8 text: {exc}") from None
-            if req.input_length < 0:
-                raise TraceError(f"{path}:{lineno}: input_length must not be negative")
-            if not math.isfinite(req.timestamp_ms):
-                raise TraceError(f"{path}:{lineno}: timestamp must be a finite number, got {req.timestamp_ms}")
-            if any(not -_ID_LIMIT <= x < _ID_LIMIT for x in req.hash_ids):
-                raise TraceError(f"{path}:{lineno}: hash_ids must be integers of at most 128 bits")
-            out.append(req)
+    gzipped = False
+    try:
+        with open(path, "rb") as probe:
+            gzipped = probe.read(2) == b"\x1f\x8b"
+        opener = gzip.open if gzipped else open
+        with opener(path, "rt", encoding="utf-8-sig") as f:  # a byte-order mark is tolerated
+            lineno = 0
+            for lineno, line in enumerate(f, 1):
+                line = line.strip()
+                if line:
+                    out.append(_request(_json_line(line, path, lineno), path, lineno))
+    except UnicodeDecodeError as exc:
+        raise TraceError(f"{path}: not UTF-8 text{' (gzipped)' if gzipped else ''}: {exc}") from None
+    except (OSError, EOFError) as exc:  # unreadable, a corrupt or truncated gzip
+        raise TraceError(f"{path}: cannot be read{' as gzip' if gzipped else ''}: {exc}") from None
     if not out:
         raise TraceError(f"{path}: no requests")
     return out
 
 
+def _json_line(line: str, path, lineno: int) -> dict:
+    try:
+        obj = json.loads(line)
+    except ValueError as exc:
+        raise TraceError(f"{path}:{lineno}: not JSON: {exc}") from None
+    if not isinstance(obj, dict):
+        raise TraceError(f"{path}:{lineno}: not a JSON object")
+    return obj
+
+
+def _integer(value, what: str, path, lineno: int) -> int:
+    """An integer field as written (1.7, true or "123" are not quietly made one)."""
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise TraceError(f"{path}:{lineno}: {what} must be an integer, got {value!r}"[:300])
+    if isinstance(value, float) and not value.is_integer():
+        raise TraceError(f"{path}:{lineno}: {what} must be an integer, got {value!r}")
+    return int(value)
+
+
+def _request(obj: dict, path, lineno: int) -> Request:
+    missing = [k for k in ("input_length", "hash_ids") if k not in obj]
+    if missing:
+        raise TraceError(
+            f"{path}:{lineno}: not a Mooncake request (need timestamp, input_length, hash_ids): no {', '.join(missing)}"
+        )
+    ids = obj["hash_ids"]
+    if not isinstance(ids, list):
+        raise TraceError(f"{path}:{lineno}: hash_ids must be a list of integers, got {type(ids).__name__}")
+    stamp = obj.get("timestamp", 0)
+    if isinstance(stamp, bool) or not isinstance(stamp, int | float) or not math.isfinite(stamp):
+        raise TraceError(f"{path}:{lineno}: timestamp must be a finite number, got {stamp!r}"[:300])
+    req = Request(
+        float(stamp),
+        _integer(obj["input_length"], "input_length", path, lineno),
+        tuple(_integer(x, "hash_ids", path, lineno) for x in ids),
+    )
+    if req.input_length < 0:
+        raise TraceError(f"{path}:{lineno}: input_length must not be negative")
+    if any(not -_ID_LIMIT <= x < _ID_LIMIT for x in req.hash_ids):
+        raise TraceError(f"{path}:{lineno}: hash_ids must be integers of at most 128 bits")
+    return req
+
+
 def hit_tokens(req: Request, hit_blocks: int) -> int:
+    if not req.hash_ids:  # no block to hit (all blocks of none "hit" on an empty cache)
+        return 0
     if hit_blocks >= len(req.hash_ids):
         return req.input_length
     return min(req.input_length, BLOCK_TOKENS * hit_blocks)

@@ -424,6 +424,11 @@ def _fault(sender: Worker, etcd: str, block_mib: int, capacity: int, size_mib: i
     }
 
 
+def _num(v: float | None, width: int, places: int) -> str:
+    """A figure right-aligned, or n/a where it was not measured."""
+    return f"{v:>{width}.{places}f}" if v is not None else f"{'n/a':>{width}s}"
+
+
 def format_table(result: dict) -> str:
     lines = [
         f"handoff between two agent processes (blocks of {result['block_bytes'] >> 20} MiB, "
@@ -438,13 +443,10 @@ def format_table(result: dict) -> str:
             else ""
         )
 
-        def num(v, width: int, places: int) -> str:
-            return f"{v:>{width}.{places}f}" if v is not None else f"{'n/a':>{width}s}"
-
         lines.append(
-            f"{r['payload_bytes'] >> 20:>5d}MiB {r['path']:6s} {r['gbps']:>7.3f} {num(r['raw_engine_gbps'], 16, 3)} "
-            f"{num(r['ratio'], 6, 2)}   {r['median_gbps']:>11.3f} {num(r['median_raw_engine_gbps'], 6, 3)} "
-            f"{num(r['median_ratio'], 6, 2)}" + memcpy
+            f"{r['payload_bytes'] >> 20:>5d}MiB {r['path']:6s} {r['gbps']:>7.3f} {_num(r['raw_engine_gbps'], 16, 3)} "
+            f"{_num(r['ratio'], 6, 2)}   {r['median_gbps']:>11.3f} {_num(r['median_raw_engine_gbps'], 6, 3)} "
+            f"{_num(r['median_ratio'], 6, 2)}" + memcpy
         )
     f = result.get("fault") or {}
     if f:

@@ -704,7 +704,7 @@ class DataPlane(HandoffPaths):
             )
         except grpc.RpcError as exc:
             if exc.code() == grpc.StatusCode.DEADLINE_EXCEEDED:  # it may have been made there: nothing was written
-                self._abort(stub, rid, "reserve: no answer in time", True, deadline)
+                self._abort(stub, peer.address, rid, "reserve: no answer in time", True, deadline)
             if path == SHM:
                 self._drop_peer_slab(peer.agent_id)
             raise _rpc_error(exc, "reserve") from None
@@ -724,33 +724,35 @@ class DataPlane(HandoffPaths):
             done = True
             return p, len(metas) - p, sent_bytes
         except Stalled as exc:
-            self._abort(stub, rid, str(exc), False, deadline)  # a late write may still land: quarantine its pages
+            self._abort(
+                stub, peer.address, rid, str(exc), False, deadline
+            )  # a late write may still land: quarantine its pages
             raise PathError(str(exc)) from None
         except grpc.RpcError as exc:
             # a commit that timed out may still run there; a shm copy runs in this thread: it ended
             quiesced = path == SHM or exc.code() != grpc.StatusCode.DEADLINE_EXCEEDED
-            self._abort(stub, rid, f"{exc.code().name}", quiesced, deadline)
+            self._abort(stub, peer.address, rid, f"{exc.code().name}", quiesced, deadline)
             raise _rpc_error(exc, "push/commit" if path == GRPC else "commit") from None
         except TransferTimedOut as exc:  # the engine never said it ended: it may still land
-            self._abort(stub, rid, str(exc), False, deadline)
+            self._abort(stub, peer.address, rid, str(exc), False, deadline)
             raise PathError(str(exc)) from None
         except TransferFailed as exc:
-            self._abort(stub, rid, str(exc), True, deadline)
+            self._abort(stub, peer.address, rid, str(exc), True, deadline)
             raise PathError(str(exc)) from None
         except PathError as exc:
-            self._abort(stub, rid, str(exc), True, deadline)
+            self._abort(stub, peer.address, rid, str(exc), True, deadline)
             raise
         except (RuntimeError, cf.CancelledError) as exc:
             if not self._closing:  # a fault on this side (a torch read of the source, say): the
                 # engine still gets an answer, and the peer's pages wait out a quarantine
                 log.exception("handoff attempt to %s failed on this agent", peer.agent_id)
-                self._abort(stub, rid, f"sender error: {type(exc).__name__}", False, deadline)
+                self._abort(stub, peer.address, rid, f"sender error: {type(exc).__name__}", False, deadline)
                 raise PathError(f"this attempt failed on the sending agent ({type(exc).__name__}: {exc})") from None
             # the agent is stopping: its copy and write threads take no more work
-            self._abort(stub, rid, "the sending agent is stopping", False, deadline)
+            self._abort(stub, peer.address, rid, "the sending agent is stopping", False, deadline)
             raise PathError(f"this agent is stopping ({exc or type(exc).__name__})", permanent=True) from None
         except OSError as exc:  # reading a source block (disk): nothing of this attempt is in flight
-            self._abort(stub, rid, f"source read failed: {exc}", True, deadline)
+            self._abort(stub, peer.address, rid, f"source read failed: {exc}", True, deadline)
             raise PathError(f"reading the prefix here failed ({exc})") from None
         finally:
             if path == SHM and not done:

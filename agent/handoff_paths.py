@@ -111,6 +111,13 @@ class HandoffPaths:
     _peer_slabs: dict[str, tuple[PeerSlab, float]]  # agent id -> (mapped slab, last used)
     _shm_refused: dict[tuple, float]  # slab key -> monotonic time to try it again
 
+    def _stub(self, address: str) -> tuple:
+        """A peer's DataPlane stub and its channel, held until `_let_go` (DataPlane's)."""
+        raise NotImplementedError
+
+    def _let_go(self, ch: grpc.Channel) -> None:
+        raise NotImplementedError
+
     def _commit_seconds(self, num_bytes: int) -> float:
         """Time for a Commit (or a verify) of `num_bytes`: one RPC's, or hashing them."""
         return max(self.config.rpc_timeout_seconds, 0.1 + num_bytes / 1e9)
@@ -225,17 +232,18 @@ class HandoffPaths:
                 v.cancel()  # one still under way when the copy stopped early: its answer is not wanted
         return sent
 
-    def _abort(self, stub, rid: str, reason: str, quiesced: bool, deadline: float) -> None:
+    def _abort(self, stub, address: str, rid: str, reason: str, quiesced: bool, deadline: float) -> None:
         """Tell the peer to let the reservation go, waiting for the answer at most 0.5 s and
         never past the handoff's deadline. The call itself goes on for up to
         ABORT_CALL_SECONDS after that (held here until it ends: a call nobody holds is
         cancelled), so the peer frees the pages now rather than after the reservation's
         TTL and quarantine. One the peer did not answer in time (stalled, or slow on a
         loaded machine) is sent again in the background, up to ABORT_RETRIES times
-        ABORT_RETRY_SECONDS apart (a late Abort still frees a same-host writer's pages
-        held past its reservation); the handoff never waits for those."""
+        ABORT_RETRY_SECONDS apart, each on the peer's channel of the moment, held while
+        it is on the wire (a late Abort still frees a same-host writer's pages held past
+        its reservation); the handoff never waits for those."""
         request = agent_pb2.AbortRequest(reservation_id=rid, reason=reason[:200], writes_quiesced=quiesced)
-        call = self._send_abort(stub, request, ABORT_RETRIES)
+        call = self._send_abort(stub, None, address, request, ABORT_RETRIES)
         if call is None:
             return  # the peer is gone or the channel closed: its reservation expires by itself
         try:
@@ -243,27 +251,39 @@ class HandoffPaths:
         except (grpc.RpcError, grpc.FutureTimeoutError):
             pass  # the peer is gone or slow: sent again in the background, or it expires by itself
 
-    def _send_abort(self, stub, request: agent_pb2.AbortRequest, retries: int):
-        if self._closing and retries < ABORT_RETRIES:  # (a closing agent's own handoffs still abort)
-            return None
+    def _send_abort(self, stub, channel, address: str, request: agent_pb2.AbortRequest, retries: int):
+        """One Abort call on `stub` (`channel`: the reference taken for it, let go when the
+        call ends; None: the caller's own)."""
         try:
             call = stub.Abort.future(request, timeout=ABORT_CALL_SECONDS)
         except (grpc.RpcError, ValueError):  # the peer is gone, or the channel closed (ValueError)
+            if channel is not None:
+                self._let_go(channel)
             return None
         with self._lock:
             self._aborts.add(call)
-        call.add_done_callback(lambda c: self._abort_done(c, stub, request, retries))
+        call.add_done_callback(lambda c: self._abort_done(c, channel, address, request, retries))
         return call
 
-    def _abort_done(self, call, stub, request: agent_pb2.AbortRequest, retries: int) -> None:
+    def _retry_abort(self, address: str, request: agent_pb2.AbortRequest, retries: int) -> None:
+        if self._closing:
+            return
+        stub, channel = self._stub(address)  # the channel of the moment (the handoff's may be closed)
+        self._send_abort(stub, channel, address, request, retries)
+
+    def _abort_done(self, call, channel, address: str, request: agent_pb2.AbortRequest, retries: int) -> None:
         with self._lock:
             self._aborts.discard(call)
-        if retries <= 0 or self._closing or call.cancelled() or call.code() not in _ABORT_RETRY_CODES:
-            return
-        self.aborts_retried_total += 1
-        timer = threading.Timer(ABORT_RETRY_SECONDS, self._send_abort, (stub, request, retries - 1))
-        timer.daemon = True
-        timer.start()
+            if not (retries <= 0 or self._closing or call.cancelled() or call.code() not in _ABORT_RETRY_CODES):
+                self.aborts_retried_total += 1
+            else:
+                retries = 0
+        if channel is not None:
+            self._let_go(channel)
+        if retries:
+            timer = threading.Timer(ABORT_RETRY_SECONDS, self._retry_abort, (address, request, retries - 1))
+            timer.daemon = True
+            timer.start()
 
     def _source(self, meta: BlockMeta) -> tuple[list[torch.Tensor], torch.Tensor | None]:
         """Segments of a block's stored payload in registered memory; a block elsewhere

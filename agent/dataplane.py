@@ -59,6 +59,7 @@ from agent.handoff_paths import HandoffPaths, PathError, Peer, Stalled
 from agent.store.shm import PeerSlab, host_id, own_start_ticks, process_alive
 from agent.store.transfer_engine import TransferBackend, TransferFailed, TransferTimedOut
 from protos import errors, etcd_keys, security
+from protos.kv_format import MAX_HANDOFF_DEADLINE_SECONDS
 from protos.kvcp.v1 import agent_pb2, agent_pb2_grpc, types_pb2
 from protos.namespaces import check_namespace
 from protos.pb_enums import tier_pb
@@ -111,7 +112,6 @@ PEER_REFRESH_WAIT_SECONDS = 1.0  # a retry waits at most this long (and half its
 PEER_LAPSE_GRACE_SECONDS = 10.0  # a peer whose key vanished is still tried at its last address this long
 PEER_SLAB_IDLE_SECONDS = 60.0  # a peer's mapped slab unused this long is let go (it may be gone)
 TRANSFER_HEARTBEAT_SECONDS = 5.0  # a control-plane transfer says RUNNING this often while it runs
-MAX_HANDOFF_DEADLINE_SECONDS = 3600.0  # a handoff that would take longer is recomputed sooner
 
 
 def _rpc_error(exc: grpc.RpcError, what: str) -> PathError:

@@ -153,8 +153,16 @@ def _metrics_listen(ctx, param, value: str) -> str:
     default="",
     help="Token the inference engine must present on this agent's engine API (else env KVCP_ENGINE_TOKEN; none: open).",
 )
-@click.option("--tls-ca", default="", help="CA of the control plane's certificate: TLS to it.")
-@click.option("--tls-cert", default="", help="This agent's certificate: TLS on its listener, mTLS to the CP.")
+@click.option(
+    "--tls-ca",
+    default="",
+    help="CA of the control plane's and peers' certificates: TLS to them (with --tls-cert alone: the system's roots).",
+)
+@click.option(
+    "--tls-cert",
+    default="",
+    help="This agent's certificate: TLS on its listener, mTLS to the CP; its calls out are TLS then, never plain.",
+)
 @click.option("--tls-key", default="", help="This agent's private key.")
 @click.option(
     "--tls-client-ca",

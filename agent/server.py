@@ -142,10 +142,12 @@ class Agent:
                 # its blocks are content-addressed and checked (kept); its pins were another
                 # agent's (some scoped to it), so the control plane sends this one its own
                 log.warning(
-                    "disk tier %s was used by agent %r: %d of its blocks adopted, its pins file not loaded",
+                    "disk tier %s was used by agent %r: %d of its blocks adopted (%d more wait for their prefix), "
+                    "its pins file not loaded",
                     config.disk_dir,
                     before,
-                    adopted + self.pool.num_parked_blocks,
+                    adopted,
+                    self.pool.num_parked_blocks,
                 )
                 self.pin_file.save([], time.monotonic(), time.time())  # nor at this agent's next start
             else:
@@ -218,7 +220,8 @@ class Agent:
         else:
             backend = open_engine(engine_kind, host, config.transfer_protocol, config.transfer_metadata)
         if not backend.available:
-            self._log_fn(f"agent {config.agent_id}: handoffs use the gRPC fallback path only: {backend.status}")
+            paths = "shared memory (same host) and the gRPC path" if config.shm_handoff else "the gRPC path only"
+            self._log_fn(f"agent {config.agent_id}: handoffs use {paths}, no transfer engine: {backend.status}")
         self.dataplane = DataPlane(
             config.agent_id, self.pool, backend, config.dataplane, lambda a: etcd_peer_info(self.etcd)(a), self.metrics
         )

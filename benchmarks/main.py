@@ -55,6 +55,7 @@ def main():
     "duration_seconds",
     default=0.0,
     type=click.FloatRange(min=0),
+    callback=_finite,
     help="Seconds to run (0: until Ctrl-C).",
 )
 @click.option("--seed", default=0, show_default=True, type=int)

@@ -30,6 +30,7 @@ import heapq
 import json
 import math
 import random
+import zlib
 from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field, replace
@@ -84,7 +85,7 @@ def load_trace(path: str | Path) -> list[Request]:
                     out.append(_request(_json_line(line, path, lineno), path, lineno))
     except UnicodeDecodeError as exc:
         raise TraceError(f"{path}: not UTF-8 text{' (gzipped)' if gzipped else ''}: {exc}") from None
-    except (OSError, EOFError) as exc:  # unreadable, a corrupt or truncated gzip
+    except (OSError, EOFError, zlib.error) as exc:  # unreadable, a corrupt or truncated gzip
         raise TraceError(f"{path}: cannot be read{' as gzip' if gzipped else ''}: {exc}") from None
     if not out:
         raise TraceError(f"{path}: no requests")

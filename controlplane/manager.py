@@ -136,6 +136,7 @@ class Manager(PinControl, OperationControl, PolicyControl):
         # prefix pins by block, for Route (built again when the pins change): (ids of
         # the pins it was built from, those pins, block -> pins naming it)
         self._pinned_by_block: tuple[list[int], list[Pin], dict[bytes, list[Pin]]] | None = None
+        self._pinned_index_lock = threading.Lock()  # that index's own: no etcd call is made under it
         self._policy_ops = 0
         # policy commands carry "policy-<leader epoch>-<n>" (a random tag without an
         # election): a new leader's ids never repeat a deposed one's that an agent may

@@ -20,7 +20,7 @@ from controlplane.manager_state import ManagerState
 from controlplane.store.durable import op_to_json
 from controlplane.store.locks import EtcdLock
 from protos import errors, etcd_keys
-from protos.kv_format import CODECS
+from protos.kv_format import CODECS, MAX_HANDOFF_DEADLINE_SECONDS
 from protos.namespaces import check_namespace
 from protos.tier import Tier
 
@@ -169,8 +169,10 @@ class OperationControl(ManagerState):
         (agent.dataplane) and reports the outcome: engine, fallback path, or recompute."""
         self.ensure_loaded()
         # bad input is said as such, whatever the agents' state (not "try again")
-        if not math.isfinite(deadline_seconds) or deadline_seconds < 0:
-            raise errors.InvalidArgument("deadline_seconds", f"must be a finite number >= 0, got {deadline_seconds}")
+        if not 0 <= deadline_seconds <= MAX_HANDOFF_DEADLINE_SECONDS:  # also NaN; the agents refuse more
+            raise errors.InvalidArgument(
+                "deadline_seconds", f"must be in [0, {MAX_HANDOFF_DEADLINE_SECONDS:g}] seconds, got {deadline_seconds}"
+            )
         self.check_scope_form(scope)
         if scope.agent_id:  # (ignored before: a transfer names its agents itself)
             raise errors.InvalidArgument(

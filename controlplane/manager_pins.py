@@ -189,28 +189,33 @@ class PinControl(ManagerState):
     def pinned_blocks(self, agent_id: str, block_hashes: Sequence[bytes]) -> set[bytes]:
         """Which of these blocks an active prefix pin holds on `agent_id` (Route: a decode
         agent's pinned blocks are not in its free bytes). A namespace pin's blocks are
-        known to the agents alone: not counted here."""
+        known only where an agent's own pins kept them from a policy pass. Never takes
+        the manager's lock (Pin and Unpin hold it across etcd writes; Route answers from
+        memory): the pins are read as one snapshot, their index rebuilt when they change."""
         if not block_hashes:
             return set()
         now = self.clock()
-        with self._lock:
-            pins = list(self.pins.values())
-            by_block = self._pinned_by_block
-            if by_block is None or by_block[0] != [id(p) for p in pins]:
+        pins = list(self.pins.values())  # (one C call: a consistent snapshot under the GIL)
+        ids = [id(p) for p in pins]
+        with self._pinned_index_lock:
+            cached = self._pinned_by_block
+            if cached is None or cached[0] != ids:
                 index: dict[bytes, list[Pin]] = {}
                 for p in pins:
                     for i in range(0, len(p.block_hashes), BLOCK_HASH_BYTES):
                         index.setdefault(p.block_hashes[i : i + BLOCK_HASH_BYTES], []).append(p)
                 # the pins themselves are kept with their ids, so no id is reused meanwhile
-                by_block = self._pinned_by_block = ([id(p) for p in pins], pins, index)
-            refused = self._pin_refusals.get(agent_id, {})  # what its own pins (namespaces too) kept
-            index = by_block[2]
-            return {
-                h
-                for h in block_hashes
-                if any(p.active(now) and p.applies_to(agent_id) for p in index.get(h, ()))
-                or (h in refused and refused[h][1] > now)
-            }
+                cached = self._pinned_by_block = (ids, pins, index)
+        index = cached[2]
+        refused = self._pin_refusals.get(agent_id, {})  # what its own pins (namespaces too) kept
+        out = set()
+        for h in block_hashes:
+            kept = refused.get(h)
+            if (kept is not None and kept[1] > now) or any(
+                p.active(now) and p.applies_to(agent_id) for p in index.get(h, ())
+            ):
+                out.add(h)
+        return out
 
     def _apply_pins(self, now: float) -> None:
         """Send every connected agent the pins it should hold and lacks (or holds in another

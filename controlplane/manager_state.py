@@ -73,6 +73,7 @@ class ManagerState:
     _policy_inflight: dict[str, dict[str, tuple[float, str]]]
     _pin_refusals: dict[str, dict[bytes, tuple[Tier, float]]]
     _pinned_by_block: tuple[list[int], list[Pin], dict[bytes, list[Pin]]] | None
+    _pinned_index_lock: threading.Lock
     _policy_ops: int
     _policy_op_tag: str
     policy_actions_total: int

@@ -31,6 +31,7 @@ own digests; the two never collide in practice (different functions over 128 bit
 from __future__ import annotations
 
 import hashlib
+import numbers
 import struct
 from collections.abc import Iterable, Sequence
 
@@ -51,12 +52,14 @@ def check_extra_keys(extra_keys) -> tuple[str, ...]:
     "ab" hashed as ["a", "b"], another adapter's cache); anything else is a ValueError."""
     if isinstance(extra_keys, str):
         return (extra_keys,)
+    if isinstance(extra_keys, bytes | bytearray):  # (its bytes would be taken for integer ids)
+        raise ValueError("extra keys must be strings (or integer ids), got bytes")
     out = []
     for key in extra_keys:
         if isinstance(key, str):
             out.append(key)
-        elif isinstance(key, int) and not isinstance(key, bool):
-            out.append(str(key))
+        elif isinstance(key, numbers.Integral) and not isinstance(key, bool):
+            out.append(str(int(key)))
         else:
             raise ValueError(f"extra keys must be strings (or integer ids), got {type(key).__name__}")
     return tuple(out)

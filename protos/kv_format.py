@@ -11,3 +11,8 @@ CODECS = ("none", "int8", "int4", "fp8", "zstd")  # agent/core/codecs.py impleme
 def kv_block_bytes(num_layers: int, block_size: int, num_kv_heads: int, head_dim: int, dtype: str) -> int:
     """Bytes of one uncompressed block; an unknown or unset dtype counts 2 bytes (fp16)."""
     return num_layers * 2 * block_size * num_kv_heads * head_dim * DTYPE_BYTES.get(dtype, 2)
+
+
+# the longest a handoff (or a control plane's transfer) may be given: one that would take
+# longer is better recomputed (a deadline of 1e10 s overflowed timeouts)
+MAX_HANDOFF_DEADLINE_SECONDS = 3600.0

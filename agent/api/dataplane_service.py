@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 from agent.core.engine_api import KVEngineAPI
-from agent.dataplane import MAX_HANDOFF_DEADLINE_SECONDS, DataPlane, result_to_pb
+from agent.dataplane import DataPlane, result_to_pb
 from protos import errors
+from protos.kv_format import MAX_HANDOFF_DEADLINE_SECONDS
 from protos.kvcp.v1 import agent_pb2, agent_pb2_grpc
 
 

@@ -184,6 +184,10 @@ class KVEngineAPI:
 
 
 def _num_tokens(token_ids) -> int:
-    """Tokens of a prompt given as a sequence, or an array or tensor ([T] or [1, T])."""
+    """Tokens of a prompt given as a sequence, an array or a tensor, [T] or [1, T]."""
     shape = getattr(token_ids, "shape", None)
-    return int(np.prod(shape)) if shape is not None else len(token_ids)
+    if shape is not None:
+        return int(np.prod(shape))
+    if len(token_ids) == 1 and isinstance(token_ids[0], Sequence | np.ndarray):  # [[t0, ..., tN]]
+        return len(token_ids[0])
+    return len(token_ids)

@@ -197,6 +197,9 @@ def test_engine_style_token_ids_and_keys_are_one_prompt_or_refused(make_agent, r
         assert KVConnector(M, engine, extra_keys="ab").extra_keys == ("ab",)
         with pytest.raises(ValueError, match="extra keys must be strings"):
             KVConnector(M, engine, extra_keys=(b"x",))
+        with pytest.raises(ValueError, match="got bytes"):  # (its bytes were taken for integer ids)
+            KVConnector(M, engine, extra_keys=b"ab")
+        assert KVConnector(M, engine, extra_keys=(np.int64(7),)).extra_keys == ("7",)
         numpy_kv = [(k.numpy(), v.numpy()) for k, v in layer_kv(M, len(flat))]
         with pytest.raises(ValueError, match="a torch tensor, not ndarray"):
             KVConnector(M, engine).store(list(range(100, 100 + len(flat))), numpy_kv)
@@ -210,3 +213,11 @@ def test_a_model_id_with_a_colon_parses_and_a_field_twice_is_refused():
     assert ModelSpec.parse(spec.format()) == spec
     with pytest.raises(ValueError, match="block_size given twice"):
         ModelSpec.parse("m:block_size=16,block_size=8,num_layers=2,num_kv_heads=2,head_dim=64")
+
+
+def test_an_engines_lookup_counts_the_tokens_of_a_nested_prompt():
+    """[[t0, ..., tN]] is one prompt of N+1 tokens: it was counted as 1 in the lookup
+    tokens, and hit tokens could exceed them (a review)."""
+    from agent.core.engine_api import _num_tokens
+
+    assert _num_tokens([[1, 2, 3]]) == 3 and _num_tokens([1, 2, 3]) == 3 and _num_tokens([]) == 0

@@ -155,3 +155,16 @@ def test_transfer_with_unknown_scope_agent_is_refused(controlplane, make_agent, 
 def test_long_unknown_policy_key_error_says_why(stub):
     code, details, _ = call(stub, "SetPolicy", A.SetPolicyRequest(values={"k" * 100_000: "1"}))
     assert code == "INVALID_ARGUMENT" and "unknown policy key" in details, (code, details[:120], details[-80:])
+
+
+def test_a_transfer_deadline_past_what_agents_take_is_refused_at_once(controlplane, make_agent, stub, etcd):
+    """Agents refuse a handoff deadline past 3600 s: the control plane took one, gave an op
+    id, and the agent failed it later (a review)."""
+    live = start_cluster(controlplane, make_agent)
+    a1, a2 = live.agent_ids
+    before = ops_keys(etcd)
+    req = A.TransferRequest(
+        scope=A.Scope(model_id=M.model_id, token_ids=tokens(4)), from_agent_id=a1, to_agent_id=a2, deadline_seconds=7200
+    )
+    code, details, _ = call(stub, "Transfer", req)
+    assert code == "INVALID_ARGUMENT" and "deadline_seconds" in details and ops_keys(etcd) == before, (code, details)

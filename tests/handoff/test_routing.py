@@ -266,3 +266,25 @@ def test_a_decode_agent_holding_the_prefix_pinned_or_in_another_tier_is_not_behi
     now[0] -= 61
     assert manager.pinned_blocks("cpu", chain) == set(chain[:10])
     assert manager.pinned_blocks("disk", chain) == set()  # the pin is the other agent's
+    # Route answers from memory: it never waits for the manager's lock, which Pin and
+    # Unpin hold across etcd writes (a review)
+    import threading
+    import time
+
+    held, release = threading.Event(), threading.Event()
+
+    def hold() -> None:
+        with manager._lock:
+            held.set()
+            release.wait(5)
+
+    holder = threading.Thread(target=hold)
+    holder.start()
+    held.wait(5)
+    try:
+        t0 = time.monotonic()
+        assert manager.pinned_blocks("cpu", chain) == set(chain[:10])
+        assert time.monotonic() - t0 < 1.0
+    finally:
+        release.set()
+        holder.join()

@@ -441,3 +441,28 @@ def test_a_long_cleanup_is_said_running_while_it_runs(agent):
         t.join(10)
     assert [u.state for u in updates(agent)] == [SUCCEEDED]
     assert list(agent.link._queued_op_pings()) == []  # ended: no more pings
+
+
+def test_a_cleanup_is_in_the_disk_dead_log_before_it_answers(agent):
+    """A freed extent reached the dead log from the disk's background thread: a kill -9
+    between a cleanup answered SUCCEEDED and that write brought the blocks back at the
+    next start (a review). The command records them itself before answering."""
+    import threading
+
+    _, _, hs = store(agent, 3)
+    for h in reversed(hs):
+        assert agent.pool.move_block(h, Tier.DISK).ok
+    disk = agent.disk
+    assert disk is not None
+    on_command_thread: list[bool] = []
+    real = disk.drain
+
+    def watched() -> None:
+        on_command_thread.append(threading.current_thread() is threading.main_thread())
+        real()
+
+    disk.drain = watched
+    agent.link.handle_command(1, command(agent_pb2.COMMAND_KIND_CLEANUP, "op-durable", older_than_seconds=0.0))
+    [done] = updates(agent)
+    assert done.state == SUCCEEDED and done.num_done_blocks == 3
+    assert any(on_command_thread)  # drained by the command itself, before its answer

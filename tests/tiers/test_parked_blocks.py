@@ -132,19 +132,3 @@ def test_another_agents_disk_dir_is_said_and_its_pins_are_not_loaded(tmp_path, c
         assert "was used by agent" not in caplog.text and not again.pool.pins.pins  # its own now
     finally:
         again.disk.close()
-
-
-def test_a_cleanup_is_in_the_dead_log_when_it_is_answered(tmp_path):
-    """A freed extent reached the dead log from a background thread: a kill -9 between a
-    cleanup answered SUCCEEDED and that write brought the blocks back (a review)."""
-    pool = make_pool(tmp_path / "disk", cpu_blocks=2)
-    engine = make_engine(pool)
-    engine.store(SPEC.model_id, tokens(5), kv(5))
-    disk = disk_of(pool)
-    assert disk.used_bytes
-    pool.cleanup(0.0)
-    pool.record_frees()
-    assert not disk._to_clear  # nothing waits for the background thread
-    disk.close()
-    again = DiskTier(tmp_path / "disk", 1 << 20)
-    assert again.scan() == ([], 0)

@@ -27,6 +27,7 @@ GOOD = '{"timestamp": 0, "input_length": 1024, "output_length": 1, "hash_ids": [
         (["tiers", "--blocks", "-2"], "--blocks"),  # quietly 4
         (["controlplane", "--lookup-rate", "0"], "--lookup-rate"),  # a child's traceback, then a hang
         (["workload", "--rate", "nan"], "--rate"),
+        (["workload", "--duration", "nan"], "--duration"),
     ],
 )
 def test_an_option_out_of_range_is_refused_by_name(args, said):
@@ -43,6 +44,7 @@ def test_an_option_out_of_range_is_refused_by_name(args, said):
         (b'{"timestamp": 0, "input_length": true, "hash_ids": [1]}\n', "input_length must be an integer"),
         (b"[1, 2]\n", "not a JSON object"),
         (gzip.compress(GOOD.encode())[:-12], "cannot be read as gzip"),  # a truncated gzip
+        (gzip.compress(GOOD.encode() * 50)[:20] + b"\xff" * 40, "cannot be read as gzip"),  # a corrupt one
     ],
 )
 def test_a_bad_trace_line_or_file_is_named(tmp_path, content, said):

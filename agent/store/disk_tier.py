@@ -1084,6 +1084,8 @@ class DiskTier:
                 self.slab_bytes,
             )
         os.fdatasync(self.fd)  # the clears are on disk before the records that stood for them go
+        if beyond[0] or os.fstat(self.fd).st_size > self.slab_bytes:
+            os.ftruncate(self.fd, self.slab_bytes)  # a smaller capacity gives the file system its space back
         os.ftruncate(self._dead_fd, 0)  # every dead header is cleared: the log starts empty
         self._dead_records = 0
         return list(found.values()), corrupt

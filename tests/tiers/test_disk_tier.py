@@ -693,6 +693,7 @@ def test_live_blocks_past_a_smaller_capacity_are_removed_and_said_not_hidden(tmp
         found, corrupt = smaller.scan()
     assert [b.block_hash for b in found] == [b"\x01" * 16] and corrupt == 0
     assert "removed 2 blocks (6000 bytes) that lie past --disk-capacity" in caplog.text
+    assert os.path.getsize(smaller.path) <= smaller.slab_bytes  # the space given back
     for b in found:  # the agent empties its tier
         smaller.free(b.handle)
     smaller.close()

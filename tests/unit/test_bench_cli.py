@@ -14,6 +14,12 @@ from benchmarks.main import main
 GOOD = '{"timestamp": 0, "input_length": 1024, "output_length": 1, "hash_ids": [1, 2]}\n'
 
 
+def _corrupt_deflate() -> bytes:
+    data = bytearray(gzip.compress(GOOD.encode() * 50, mtime=0))
+    data[30:50] = b"\xff" * 20  # inside the compressed stream
+    return bytes(data)
+
+
 @pytest.mark.parametrize(
     "args, said",
     [
@@ -43,8 +49,9 @@ def test_an_option_out_of_range_is_refused_by_name(args, said):
         (b'{"timestamp": 0, "input_length": 10, "hash_ids": [1.7]}\n', "hash_ids must be an integer"),
         (b'{"timestamp": 0, "input_length": true, "hash_ids": [1]}\n', "input_length must be an integer"),
         (b"[1, 2]\n", "not a JSON object"),
-        (gzip.compress(GOOD.encode())[:-12], "cannot be read as gzip"),  # a truncated gzip
-        (gzip.compress(GOOD.encode() * 50)[:20] + b"\xff" * 40, "cannot be read as gzip"),  # a corrupt one
+        (gzip.compress(GOOD.encode(), mtime=0)[:-12], "cannot be read as gzip"),  # a truncated gzip
+        (gzip.compress(GOOD.encode() * 50, mtime=0)[:20] + b"\xff" * 40, "cannot be read as gzip"),  # a corrupt one
+        (_corrupt_deflate(), "cannot be read as gzip"),  # zlib.error, not an OSError
     ],
 )
 def test_a_bad_trace_line_or_file_is_named(tmp_path, content, said):

@@ -17,8 +17,9 @@ import logging
 import queue
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import grpc
 import torch
@@ -110,13 +111,8 @@ class HandoffPaths:
     _closing: bool
     _peer_slabs: dict[str, tuple[PeerSlab, float]]  # agent id -> (mapped slab, last used)
     _shm_refused: dict[tuple, float]  # slab key -> monotonic time to try it again
-
-    def _stub(self, address: str) -> tuple:
-        """A peer's DataPlane stub and its channel, held until `_let_go` (DataPlane's)."""
-        raise NotImplementedError
-
-    def _let_go(self, ch: grpc.Channel) -> None:
-        raise NotImplementedError
+    _stub: Callable[[str], tuple[Any, grpc.Channel]]  # a peer's stub and channel, held until _let_go
+    _let_go: Callable[[grpc.Channel], None]
 
     def _commit_seconds(self, num_bytes: int) -> float:
         """Time for a Commit (or a verify) of `num_bytes`: one RPC's, or hashing them."""

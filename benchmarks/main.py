@@ -34,6 +34,12 @@ def _finite(ctx, param, value):
     return value
 
 
+def _positive_rate(*names: str, default: float, limit: float, help: str):
+    """A rate option: a finite number above 0, at most `limit`."""
+    kind = click.FloatRange(min=0, min_open=True, max=limit)
+    return click.option(*names, default=default, show_default=True, type=kind, callback=_finite, help=help)
+
+
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
 def main():
     """kvcp benchmarks (figures are ratios against baselines measured in the same run)."""
@@ -212,14 +218,7 @@ def replay(trace, capacities, fractions, tiers_text, settings, oracles, evidence
     type=click.IntRange(1),
     help="Processes the agents are spread over.",
 )
-@click.option(
-    "--lookup-rate",
-    default=200.0,
-    show_default=True,
-    type=click.FloatRange(min=0, min_open=True, max=1e7),
-    callback=_finite,
-    help="Offered lookups per second.",
-)
+@_positive_rate("--lookup-rate", default=200.0, limit=1e7, help="Offered lookups per second.")
 @click.option(
     "--lookup-seconds", default=10.0, show_default=True, type=float, help="Duration of the lookup phase after ingest."
 )
@@ -290,15 +289,7 @@ def controlplane(output_format, **kwargs):
 @click.option("--simulate", is_flag=True, help="Instead: N prefill / M decode agents under a request stream.")
 @click.option("--prefill", "num_prefill", default=2, show_default=True, type=click.IntRange(1, 64))
 @click.option("--decode", "num_decode", default=2, show_default=True, type=click.IntRange(1, 64))
-@click.option(
-    "--rate",
-    "requests_per_second",
-    default=6.0,
-    show_default=True,
-    type=click.FloatRange(min=0, min_open=True, max=1e6),
-    callback=_finite,
-    help="Simulated requests/s.",
-)
+@_positive_rate("--rate", "requests_per_second", default=6.0, limit=1e6, help="Simulated requests/s.")
 @click.option("--requests", "num_requests", default=2000, show_default=True, type=click.IntRange(1))
 @click.option("-o", "--output", "output_format", type=click.Choice(["table", "json"]), default="table")
 def handoff(

@@ -14,7 +14,6 @@ import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-import numpy as np
 import torch
 
 from agent.core.block_pool import BlockPool
@@ -95,6 +94,11 @@ class KVEngineAPI:
         return m
 
     def hashes(self, model: ModelSpec, token_ids, extra_keys: Sequence[str] = ()) -> list[bytes]:
+        return self._prompt(model, token_ids, extra_keys)[1]
+
+    def _prompt(self, model: ModelSpec, token_ids, extra_keys: Sequence[str] = ()) -> tuple[int, list[bytes]]:
+        """(its number of tokens, its full blocks' hashes): token ids as a sequence, an
+        array or a tensor, [T] or an engine's [1, T]."""
         try:
             keys = check_extra_keys(extra_keys)
         except ValueError as exc:
@@ -104,7 +108,7 @@ class KVEngineAPI:
         except ValueError as exc:
             raise errors.InvalidArgument("token_ids", str(exc)) from None
         check_prompt_size(len(tokens), model.block_size, "call")
-        return split_hashes(hash_prefix(model.model_id, tokens, model.block_size, keys))
+        return len(tokens), split_hashes(hash_prefix(model.model_id, tokens, model.block_size, keys))
 
     def store(
         self,
@@ -137,9 +141,9 @@ class KVEngineAPI:
 
     def lookup(self, model_id: str, token_ids, extra_keys: Sequence[str] = ()) -> int:
         model = self.model(model_id)
-        hashes = self.hashes(model, token_ids, extra_keys)
+        num_tokens, hashes = self._prompt(model, token_ids, extra_keys)
         n = self.pool.num_leading(hashes)
-        self._count(_num_tokens(token_ids), n * model.block_size)
+        self._count(num_tokens, n * model.block_size)
         return n * model.block_size
 
     def load(
@@ -153,7 +157,7 @@ class KVEngineAPI:
         """The cached prefix's blocks from `first_block` on (at most `max_blocks`); blocks
         before `first_block` must be cached here, else nothing is loaded."""
         model = self.model(model_id)
-        hashes = self.hashes(model, token_ids, extra_keys)
+        num_tokens, hashes = self._prompt(model, token_ids, extra_keys)
         if first_block < 0 or first_block > len(hashes):
             raise errors.InvalidArgument("first_block", f"must be in [0, {len(hashes)}]")
         if max_blocks is not None and max_blocks < 1:
@@ -172,7 +176,7 @@ class KVEngineAPI:
         truncated = loaded_to == end < len(hashes) and self.pool.num_leading(hashes[end : end + 1]) == 1
         if first_block == 0:  # one engine load = one lookup, however many messages it takes
             hit_blocks = self.pool.num_leading(hashes) if truncated else len(blocks)
-            self._count(_num_tokens(token_ids), hit_blocks * model.block_size)
+            self._count(num_tokens, hit_blocks * model.block_size)
         num_cached = loaded_to * model.block_size if blocks else 0
         return LoadResult(num_cached, kv, tuple(tiers), truncated)
 
@@ -181,13 +185,3 @@ class KVEngineAPI:
             self.lookups_total += 1
             self.lookup_tokens_total += num_tokens
             self.lookup_hit_tokens_total += hit_tokens
-
-
-def _num_tokens(token_ids) -> int:
-    """Tokens of a prompt given as a sequence, an array or a tensor, [T] or [1, T]."""
-    shape = getattr(token_ids, "shape", None)
-    if shape is not None:
-        return int(np.prod(shape))
-    if len(token_ids) == 1 and isinstance(token_ids[0], Sequence | np.ndarray):  # [[t0, ..., tN]]
-        return len(token_ids[0])
-    return len(token_ids)

@@ -215,9 +215,11 @@ def test_a_model_id_with_a_colon_parses_and_a_field_twice_is_refused():
         ModelSpec.parse("m:block_size=16,block_size=8,num_layers=2,num_kv_heads=2,head_dim=64")
 
 
-def test_an_engines_lookup_counts_the_tokens_of_a_nested_prompt():
+def test_an_engines_lookup_counts_the_tokens_of_a_nested_prompt(make_agent):
     """[[t0, ..., tN]] is one prompt of N+1 tokens: it was counted as 1 in the lookup
     tokens, and hit tokens could exceed them (a review)."""
-    from agent.core.engine_api import _num_tokens
-
-    assert _num_tokens([[1, 2, 3]]) == 3 and _num_tokens([1, 2, 3]) == 3 and _num_tokens([]) == 0
+    engine = make_agent(models=[M]).engine
+    for prompt in ([[1, 2, 3]], [1, 2, 3]):
+        before = engine.lookup_tokens_total
+        engine.lookup(M.model_id, prompt)
+        assert engine.lookup_tokens_total - before == 3

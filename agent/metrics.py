@@ -152,6 +152,13 @@ HANDOFF_FAMILIES = (
         (),
     ),
     (
+        CounterMetricFamily,
+        "kvcp_handoff_aborts_retried_total",
+        "Aborts of failed outbound handoffs sent again because the peer did not answer in time "
+        "(its reserved pages wait for an Abort or their expiry).",
+        (),
+    ),
+    (
         GaugeMetricFamily,
         "kvcp_handoff_quarantined_bytes",
         "Pages of aborted or expired handoffs held until no late write can land in them.",
@@ -399,6 +406,7 @@ class AgentCollector:
         ):
             f["kvcp_handoff_reservations_ended_total"].add_metric([aid, outcome], n)
         f["kvcp_handoff_checksum_failures_total"].add_metric([aid], res.checksum_failures_total)
+        f["kvcp_handoff_aborts_retried_total"].add_metric([aid], dp.aborts_retried_total)
         page = getattr(dp.store, "page_bytes", 1)
         f["kvcp_handoff_quarantined_bytes"].add_metric([aid], res.quarantined_pages() * page)
         f["kvcp_handoff_held_for_writers"].add_metric([aid], res.held_for_writers())

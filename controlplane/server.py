@@ -201,7 +201,7 @@ class ControlPlane:
             denial = self.auth.check(lookup_method, token)
             if denial is None:
                 return None
-            self.auth.denied_total += 1  # kvcp_auth_denied_total, as the gRPC services' refusals
+            self.auth.count_denial()  # kvcp_auth_denied_total, as the gRPC services' refusals
             return denial[0].name, denial[1]
 
         frames = self.metrics.lookup_socket_frames

@@ -17,6 +17,7 @@ import hmac
 import logging
 import os
 import ssl
+import threading
 from dataclasses import dataclass
 
 import grpc
@@ -149,7 +150,12 @@ class TokenAuthInterceptor(grpc.ServerInterceptor):
         self.agent_token = agent_token
         self.agent_services = agent_services
         self.engine_token = engine_token
-        self.denied_total = 0
+        self.denied_total = 0  # kvcp_auth_denied_total
+        self._denied_lock = threading.Lock()
+
+    def count_denial(self) -> None:
+        with self._denied_lock:  # refusals come from many server threads at once
+            self.denied_total += 1
 
     def check(self, method: str, token: str) -> tuple[grpc.StatusCode, str] | None:
         if method.startswith(ADMIN_SERVICE) and self.admin_tokens is not None:
@@ -183,7 +189,7 @@ class TokenAuthInterceptor(grpc.ServerInterceptor):
         denial = self.check(handler_call_details.method, bearer(handler_call_details.invocation_metadata))
         if denial is None:
             return handler
-        self.denied_total += 1
+        self.count_denial()
         return _deny(handler, *denial)
 
 

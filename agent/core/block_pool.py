@@ -98,6 +98,10 @@ class BlockPool(BlockMoves):
         # again, freed first when their tier needs room and after PARKED_SECONDS
         self._parked: dict[bytes, list[BlockMeta]] = {}
         self._parked_until = 0.0  # monotonic
+        # tier -> (pin changes, parked changes, first pin expiry) when a scan of its parked
+        # blocks found all of them pinned: room-making skips the scan until one differs
+        self._parked_held: dict[Tier, tuple[int, int, float]] = {}
+        self._parked_changes = 0
         self.parked_adopted_total = 0
         self.pins = PinTable()  # pins from the control plane (by hash or namespace)
         # by the tier a block left: for room (capacity), as commanded (a move, the control
@@ -623,6 +627,7 @@ class BlockPool(BlockMoves):
                     self.cleanup_evictions_total[meta.tier] += 1
             # blocks a restart found on disk that wait for their prefix count too: left,
             # they came back once it was stored again, though the cleanup had said done
+            pinned_parked: list[BlockMeta] = []
             parked = self._free_parked_where(
                 lambda m: (
                     (namespace is None or m.namespace == namespace)
@@ -630,7 +635,9 @@ class BlockPool(BlockMoves):
                     and m.last_access_unix_seconds <= cutoff
                 ),
                 dry_run=dry_run,
+                pinned=pinned_parked,
             )
+            skipped += len(pinned_parked)
             for meta in parked:
                 acc = freed.setdefault(meta.tier, [0, 0])
                 acc[0] += 1
@@ -688,6 +695,7 @@ class BlockPool(BlockMoves):
                 parked += 1
             if parked:
                 self._parked_until = time.monotonic() + PARKED_SECONDS
+                self._parked_changes += 1
                 log.info(
                     "%s tier: %d recovered blocks wait for their prefix (lost from a faster tier) to be stored again",
                     store.tier.label,
@@ -763,13 +771,27 @@ class BlockPool(BlockMoves):
         with self.lock:
             if not self._parked or (expired_only and time.monotonic() < self._parked_until):
                 return 0
+            if tier is not None and not expired_only and self._parked_held.get(tier) == self._parked_key():
+                return 0  # all pinned when last scanned, and nothing changed since
             freed = len(self._free_parked_where(lambda m: tier is None or m.tier is tier))
+            if tier is not None and not freed:
+                self._parked_held[tier] = self._parked_key()
         if freed:
             log.info("freed %d parked blocks whose prefix was not stored again", freed)
         return freed
 
-    def _free_parked_where(self, chosen: Callable[[BlockMeta], bool], dry_run: bool = False) -> list[BlockMeta]:
-        """Free the parked blocks `chosen` says, but pinned ones (lock held); the freed."""
+    def _parked_key(self) -> tuple[int, int, float]:
+        """What a scan of parked blocks depends on (lock held): the pins, the parked blocks,
+        and when the first pin expires (pins past it leave the table first: a change)."""
+        if time.monotonic() >= self.pins.next_expiry():
+            self.pins.expire()
+        return (self.pins.changes, self._parked_changes, self.pins.next_expiry())
+
+    def _free_parked_where(
+        self, chosen: Callable[[BlockMeta], bool], dry_run: bool = False, pinned: list[BlockMeta] | None = None
+    ) -> list[BlockMeta]:
+        """Free the parked blocks `chosen` says, but pinned ones (lock held, appended to
+        `pinned` when given); the freed."""
         freed: list[BlockMeta] = []
         for parent in list(self._parked):
             keep = []
@@ -781,11 +803,15 @@ class BlockPool(BlockMoves):
                     if dry_run:
                         keep.append(meta)
                 else:
+                    if pinned is not None and chosen(meta):
+                        pinned.append(meta)
                     keep.append(meta)
             if keep:
                 self._parked[parent] = keep
             else:
                 del self._parked[parent]
+        if freed and not dry_run:
+            self._parked_changes += 1
         return freed
 
     def record_frees(self) -> None:

@@ -8,6 +8,7 @@ agent lists its pins to the control plane."""
 
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import dataclass
 
@@ -34,11 +35,13 @@ class PinTable:
         self.pins: dict[str, AgentPin] = {}
         self._by_hash: dict[bytes, set[str]] = {}
         self._by_namespace: dict[str, set[str]] = {}
+        self.changes = 0  # counts adds and removals: who cached an answer knows when it may differ
 
     def add(self, pin: AgentPin) -> None:
         self.expire()
         self.remove(pin.pin_id)
         self.pins[pin.pin_id] = pin
+        self.changes += 1
         if pin.block_hashes:
             for h in pin.block_hashes:
                 self._by_hash.setdefault(h, set()).add(pin.pin_id)
@@ -49,6 +52,7 @@ class PinTable:
         pin = self.pins.pop(pin_id, None)
         if pin is None:
             return None
+        self.changes += 1
         if pin.block_hashes:
             for h in pin.block_hashes:
                 ids = self._by_hash.get(h)
@@ -75,6 +79,12 @@ class PinTable:
                 if pin.active(now) and (best == 0 or pin.tier < best):
                     best = pin.tier
         return best
+
+    def next_expiry(self) -> float:
+        """The monotonic time the first pin with a TTL expires (inf: none has one)."""
+        return min(
+            (p.expires_monotonic_seconds for p in self.pins.values() if p.expires_monotonic_seconds), default=math.inf
+        )
 
     def expire(self, now: float | None = None) -> list[str]:
         """Drop the pins past their expiry; returns their ids."""

@@ -250,3 +250,7 @@ def test_handoff_state_is_exported(agent):
     assert v("kvcp_handoff_reservations_ended_total", {**aid, "outcome": "aborted"}) == 1
     assert v("kvcp_handoff_reservations_ended_total", {**aid, "outcome": "expired"}) == 0
     assert v("kvcp_handoff_quarantined_bytes", aid) == 2 * M.block_bytes
+    assert v("kvcp_handoff_aborts_retried_total", aid) == 0
+    with a.dataplane._lock:
+        a.dataplane.aborts_retried_total += 2  # as _abort_done counts an Abort sent again
+    assert v("kvcp_handoff_aborts_retried_total", aid) == 2

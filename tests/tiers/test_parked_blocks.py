@@ -105,6 +105,66 @@ def test_a_cleanup_after_a_restart_also_removes_parked_blocks(tmp_path):
     disk2.close()
 
 
+def _restart(d):
+    """The restart's scan and recovery, then the pins of pins.json, as kvcp-agent does."""
+    disk2 = DiskTier(d, 1 << 20)
+    pool2 = BlockPool([MemoryTier(Tier.CPU, 8 * BLOCK_BYTES, BLOCK_BYTES, device="cpu"), disk2], [SPEC])
+    found, _ = disk2.scan()
+    pool2.recover(disk2, found)
+    with pool2.lock:
+        for pin in PinFile(d).load():
+            pool2.pins.add(pin)
+    return pool2, disk2
+
+
+def test_a_cleanup_counts_the_pinned_parked_blocks_it_skipped(tmp_path):
+    """A cleanup skips pinned parked blocks and counts them as skipped, as it counts
+    pinned held ones (they were neither freed nor counted: `kvctl cleanup` said 0 pinned
+    blocks skipped while a pin kept two on disk)."""
+    d = tmp_path / "disk"
+    _crash_with_tail_on_disk(d)
+    pool2, disk2 = _restart(d)
+    try:
+        time.sleep(0.05)
+        result = pool2.cleanup(0.0, dry_run=True)
+        assert result.num_skipped_pinned_blocks == 2 and result.num_blocks == 0, result
+        result = pool2.cleanup(0.0)
+        assert result.num_skipped_pinned_blocks == 2 and pool2.num_parked_blocks == 2, result
+    finally:
+        disk2.close()
+
+
+def test_room_making_does_not_rescan_parked_blocks_all_pinned_until_a_pin_changes(tmp_path):
+    """Room-making frees parked blocks first; when a scan found every one pinned, later
+    ones skip the scan (it ran under the pool lock, over every parked block, once per
+    block stored) until a pin or the parked set changes, or a pin's expiry passes."""
+    d = tmp_path / "disk"
+    _crash_with_tail_on_disk(d)
+    pool2, disk2 = _restart(d)
+    try:
+        scans = []
+        real = pool2._free_parked_where
+
+        def counted(*args, **kwargs):
+            scans.append(1)
+            return real(*args, **kwargs)
+
+        pool2._free_parked_where = counted
+        assert pool2.free_parked(Tier.DISK) == 0 and len(scans) == 1
+        assert pool2.free_parked(Tier.DISK) == 0 and len(scans) == 1, "scanned again with nothing changed"
+        with pool2.lock:
+            pool2.pins.add(AgentPin("short", int(Tier.DISK), time.monotonic() + 0.2, "other-ns"))
+        assert pool2.free_parked(Tier.DISK) == 0 and len(scans) == 2  # a pin was added
+        assert pool2.free_parked(Tier.DISK) == 0 and len(scans) == 2
+        time.sleep(0.25)  # the short pin's expiry passed: the answer may differ
+        assert pool2.free_parked(Tier.DISK) == 0 and len(scans) == 3
+        with pool2.lock:
+            pool2.pins.remove("keep")
+        assert pool2.free_parked(Tier.DISK) == 2 and pool2.num_parked_blocks == 0, "unpinned parked blocks stayed"
+    finally:
+        disk2.close()
+
+
 def test_another_agents_disk_dir_is_said_and_its_pins_are_not_loaded(tmp_path, caplog):
     """An agent started on the directory another agent left (a wrong --disk-dir, a volume
     moved to another pod) adopted its blocks and enforced its pins without a word (a

@@ -12,6 +12,14 @@ from pathlib import Path
 from agent.core import codecs
 
 
+def consistent(ratio: float, num: float, den: float, step: float = 5e-4) -> bool:
+    """`ratio` is num / den up to the rounding of all three to 3 decimals (a slow, loaded
+    machine's small GB/s figures make that rounding more than 0.01 of the ratio)."""
+    low = (num - step) / (den + step)
+    high = (num + step) / max(den - step, 1e-12)
+    return low - step <= ratio <= high + step
+
+
 def test_tiers_benchmark_json_has_moves_codecs_and_demotions():
     exe = Path(sys.executable).with_name("kvcp-bench")
     run = subprocess.run(
@@ -31,12 +39,12 @@ def test_tiers_benchmark_json_has_moves_codecs_and_demotions():
     assert [p["codec"] for p in data["promotions"]] == decoded_on_gpu
     for d in data["demotions"] + data["promotions"]:
         assert d["block_bytes"] == 1 << 20 and d["gbps"] > 0 and d["raw_move_gbps"] > 0
-        assert abs(d["ratio"] - d["gbps"] / d["raw_move_gbps"]) < 0.01
+        assert consistent(d["ratio"], d["gbps"], d["raw_move_gbps"]), d
     # into a full tier: a promotion, a handoff's reservation, an engine's stores; the lock wait
     assert [f["path"] for f in data["full_tier"]] == ["disk->cpu (full)", "reserve (full)", "store (full)"]
     for f in data["full_tier"]:
         assert f["gbps"] > 0 and f["sequential_gbps"] > 0 and 0 <= f["lock_wait_p50_ms"] <= f["lock_wait_p99_ms"]
-        assert abs(f["ratio"] - f["gbps"] / f["sequential_gbps"]) < 0.01
+        assert consistent(f["ratio"], f["gbps"], f["sequential_gbps"]), f
     table = subprocess.run(
         [str(exe), "tiers", "--block-mib", "1", "--blocks", "4", "--repeats", "1"],
         capture_output=True,
@@ -54,4 +62,4 @@ def test_the_full_tier_rows_run_over_a_gpu_tier_too(tmp_path):
     rows = bench_full_tier(1, 4, 1, False, str(tmp_path), gpu_device="cpu")
     assert [r.path for r in rows] == ["cpu->gpu (full)", "reserve gpu (full)", "store gpu (full)"]
     for r in rows:
-        assert r.gbps > 0 and r.sequential_gbps > 0 and abs(r.ratio - r.gbps / r.sequential_gbps) < 0.01
+        assert r.gbps > 0 and r.sequential_gbps > 0 and consistent(r.ratio, r.gbps, r.sequential_gbps), r

@@ -75,7 +75,13 @@ def _metrics_listen(ctx, param, value: str) -> str:
     help="Data plane of handoffs; none: shared memory and the gRPC fallback only; auto: mooncake, "
     "unless the agent has --token-file (the engine's own port takes no token).",
 )
-@click.option("--transfer-protocol", default="tcp", show_default=True, help="The engine's transport: tcp | rdma.")
+@click.option(
+    "--transfer-protocol",
+    default="tcp",
+    show_default=True,
+    type=click.Choice(["tcp", "rdma"]),
+    help="The engine's transport (rdma: memlock limits must cover the whole CPU slab, which is registered).",
+)
 @click.option(
     "--transfer-metadata",
     default="P2PHANDSHAKE",
@@ -117,6 +123,13 @@ def _metrics_listen(ctx, param, value: str) -> str:
 @click.option("--disk-capacity", default="1GiB", show_default=True, type=SizeType(), help="Disk tier size.")
 @click.option(
     "--disk-fsync/--no-disk-fsync", default=False, show_default=True, help="fsync every block written to disk."
+)
+@click.option(
+    "--gpu-device",
+    default=0,
+    show_default=True,
+    type=click.IntRange(0),
+    help="CUDA device of this agent's GPU tier, pinned memory and CUDA context (one agent per GPU).",
 )
 @click.option("--gpu-codec", default="none", show_default=True, type=click.Choice(available_codecs()))
 @click.option(
@@ -241,6 +254,7 @@ def main(
     models,
     cpu_capacity,
     gpu_capacity,
+    gpu_device,
     disk_dir,
     disk_capacity,
     disk_fsync,
@@ -290,6 +304,15 @@ def main(
     if etcd_auth.problem():
         click.echo(f"kvcp-agent: {etcd_auth.problem()}", err=True)
         sys.exit(2)
+    if listen.rpartition(":")[0].strip("[]") in ("0.0.0.0", "::") and not advertise:
+        # the address registered with the control plane, and the engine's endpoint, would
+        # be the wildcard: no peer reaches it
+        click.echo(
+            f"kvcp-agent: --listen {listen} binds every interface: give --advertise HOST:PORT, "
+            "the address peers and the control plane reach this agent at",
+            err=True,
+        )
+        sys.exit(2)
     if bool(tls_cert) != bool(tls_key):
         click.echo("kvcp-agent: --tls-cert and --tls-key go together", err=True)
         sys.exit(2)
@@ -300,6 +323,15 @@ def main(
         )
         sys.exit(2)
     tls = TLSConfig(tls_cert, tls_key, tls_ca) if (tls_ca or tls_cert) else None
+    if torch.cuda.is_available():  # before any CUDA call: the context, pinned memory and tier on this GPU
+        if gpu_device >= torch.cuda.device_count():
+            click.echo(
+                f"kvcp-agent: --gpu-device {gpu_device}: this process sees {torch.cuda.device_count()} CUDA "
+                "device(s) (CUDA_VISIBLE_DEVICES renumbers them from 0)",
+                err=True,
+            )
+            sys.exit(2)
+        torch.cuda.set_device(gpu_device)
     config = AgentConfig(
         controlplane_token=token,
         engine_token=engine_token,
@@ -326,6 +358,7 @@ def main(
         models=list(models) or [DEMO_MODEL],
         cpu_capacity_bytes=cpu_capacity,
         gpu_capacity_bytes=gpu_capacity,
+        gpu_device=gpu_device,
         disk_dir=disk_dir,
         disk_capacity_bytes=disk_capacity,
         disk_fsync=disk_fsync,

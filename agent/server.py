@@ -14,6 +14,7 @@ from concurrent import futures
 from dataclasses import dataclass, field
 
 import grpc
+import torch
 from google.protobuf import json_format
 from grpc_health.v1 import health, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
@@ -61,6 +62,7 @@ class AgentConfig:
     advertise: str = ""
     models: list[ModelSpec] = field(default_factory=lambda: [DEMO_MODEL])
     gpu_capacity_bytes: int = 0  # used only when CUDA is present
+    gpu_device: int = 0  # the CUDA device of this agent's GPU tier (one agent per GPU)
     cpu_capacity_bytes: int = 64 * 1024 * 1024
     disk_dir: str = ""  # empty: no disk tier
     disk_capacity_bytes: int = 0
@@ -115,7 +117,13 @@ class Agent:
         page = config.page_bytes or max(1024, min(m.block_bytes for m in config.models) // 16)
         tiers: list[MemoryTier | DiskTier] = []
         if config.gpu_capacity_bytes and cuda_available():
-            tiers.append(MemoryTier(Tier.GPU, config.gpu_capacity_bytes, page))
+            try:
+                tiers.append(MemoryTier(Tier.GPU, config.gpu_capacity_bytes, page, device=f"cuda:{config.gpu_device}"))
+            except torch.OutOfMemoryError as exc:
+                raise ValueError(
+                    f"--gpu-capacity {config.gpu_capacity_bytes} B does not fit on cuda:{config.gpu_device}: "
+                    f"{str(exc).splitlines()[0]}"
+                ) from None
         tiers.append(MemoryTier(Tier.CPU, config.cpu_capacity_bytes, page, shared=config.shm_handoff))
         self.disk: DiskTier | None = None
         self.pin_file: PinFile | None = None

@@ -165,14 +165,17 @@ def _issue_copies(moves: list[tuple[SlabStore, object, SlabStore, object, int]])
     return cuda
 
 
-def gpu_quiet(stores) -> bool:
-    """Whether no copy is still running into these stores' memory: True at once when none
-    is on a GPU, else after waiting for the GPU (False, logged, if that fails: the space
-    those copies write must not be reused)."""
-    if all(getattr(s, "device", "cpu") == "cpu" for s in stores) or not torch.cuda.is_initialized():
+def gpu_quiet(stores, data: tuple[torch.Tensor, ...] = ()) -> bool:
+    """Whether no copy is still running into these stores' memory (from them, or from
+    `data`): True at once when none is on a GPU, else after waiting for each GPU involved
+    (False, logged, if that fails: the space those copies write must not be reused)."""
+    devices = {torch.device(s.device) for s in stores if getattr(s, "device", "cpu") != "cpu"}
+    devices |= {t.device for t in data if t.device.type == "cuda"}
+    if not devices or not torch.cuda.is_initialized():
         return True
     try:
-        torch.cuda.synchronize()
+        for dev in devices:
+            torch.cuda.synchronize(dev)
     except Exception as exc:  # noqa: BLE001 - a broken GPU: keep the space out of use
         log.error("waiting for the GPU's copies after a failed move failed (%s); their space is not reused", exc)
         return False
@@ -183,7 +186,13 @@ def _copy_many(moves: list[tuple[SlabStore, object, SlabStore, object, int]]) ->
     """_issue_copies, then one synchronize if a GPU took part: every block is copied
     before any is switched or its source freed."""
     if _issue_copies(moves):
-        torch.cuda.synchronize()
+        for dev in _cuda_devices(moves):
+            torch.cuda.synchronize(dev)
+
+
+def _cuda_devices(moves) -> set:
+    """The CUDA devices of the slabs a batch of copies touches."""
+    return {s.slab.device for m in moves for s in (m[0], m[2]) if s.slab.is_cuda}
 
 
 RECODE_WRITE_BYTES = 4 << 20  # re-encoded payload written per write_many
@@ -348,9 +357,11 @@ class BlockMoves:
         except (PoolFull, OSError, codecs.CodecError) as exc:
             return self._move_failed(f"{type(exc).__name__}: {exc}")
         finally:
+            # a write that failed part way may have GPU copies still landing in its pages
+            quiet = new_handle is None or gpu_quiet([src, dst])
             with self.lock:
                 meta.moving = kept
-                if new_handle is not None:
+                if new_handle is not None and quiet:
                     dst.free(new_handle)
                 if not kept:
                     self._drop_corrupt()
@@ -582,9 +593,14 @@ class BlockMoves:
                                 size += meta.stored_bytes
                     if chunk:
                         issued.append([chunk, None])  # before queuing: a failure there abandons it
-                        if _issue_copies([(src, old, dst, new, m.stored_bytes) for _, m, src, old, new in chunk]):
-                            issued[-1][1] = torch.cuda.Event()
-                            issued[-1][1].record()
+                        moves = [(src, old, dst, new, m.stored_bytes) for _, m, src, old, new in chunk]
+                        if _issue_copies(moves):
+                            event = issued[-1][1] = torch.cuda.Event()
+                            devices = _cuda_devices(moves)  # one GPU tier per agent: its device
+                            if devices:  # on the stream the copies went to, not the current device's
+                                event.record(torch.cuda.current_stream(next(iter(devices))))
+                            else:
+                                event.record()
                         n_chunks += 1
                 # switch the chunks whose copies are done: all of them once nothing is left
                 # to queue (waiting on each in turn), else those already finished
@@ -980,7 +996,12 @@ class BlockMoves:
         its own), others from a verified read (raises BlockUnreadable)."""
         spec = self.models[model_id]
         if _off_host(src) and codec == "none":
-            block = _raw_block(src, handle, stored_bytes, spec)  # a lossy target quantizes it on the GPU
+            try:  # a lossy target quantizes it on the GPU
+                data = codecs.encode(target, _raw_block(src, handle, stored_bytes, spec))
+                return data, payload_checksum(data)
+            except torch.OutOfMemoryError as exc:  # the same bytes on the host (the C loops), not a failed move
+                log.warning("encoding a block on the GPU ran out of its memory (%s); encoding it on the host", exc)
+            block = codecs.decode("none", src.read(handle, stored_bytes), spec.block_shape, spec.torch_dtype)
         elif is_host_slab(src):
             block = codecs.decode(codec, _slab_payload(src, handle, stored_bytes), spec.block_shape, spec.torch_dtype)
         else:

@@ -319,13 +319,16 @@ class BlockPool(BlockMoves):
                 chain.append(h)
                 parent = h
         finally:
+            # a write that failed part way may have GPU copies still landing in its pages
+            quiet = pending is None or block_moves.gpu_quiet([self.store_of[pending.tier]], (payload,))
             with self.lock:
                 if parent_meta is not None:
                     parent_meta.ref_count -= 1
                 if pending is not None:  # a write failed: undo the reservation
                     del self.blocks[pending.block_hash]
                     self._account(pending, -1)
-                    self.store_of[pending.tier].free(pending.handle)
+                    if quiet:
+                        self.store_of[pending.tier].free(pending.handle)
                 self.touch(chain)
         if no_room_at is not None:
             refused = len(block_hashes) - no_room_at

@@ -45,7 +45,7 @@ import xxhash
 from agent.core import codecs as codec_names
 from agent.core.block_pool import BlockPool
 from agent.core.blocks import BlockMeta, PoolFull
-from agent.core.tier_store import SlabStore, is_slab
+from agent.core.tier_store import SlabStore, is_host_slab
 from protos import errors
 from protos.tier import Tier
 
@@ -186,8 +186,8 @@ class Reservations:
         self.pool = pool
         self.tier = tier
         store = pool.store_of[tier]
-        if not is_slab(store):
-            raise ValueError(f"handoffs land in a memory tier, not the {tier.label} tier")
+        if not is_host_slab(store):
+            raise ValueError(f"handoffs land in a host memory tier, not the {tier.label} tier")
         self.store: SlabStore = store
         self.max_inbound = max_inbound
         self.quarantine_seconds = quarantine_seconds

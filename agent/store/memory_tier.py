@@ -49,7 +49,11 @@ def _pin_in_place(t: torch.Tensor) -> str:
     try:
         cudart = torch.cuda.cudart()
         torch.cuda.check_error(cudart.cudaHostRegister(t.data_ptr(), t.numel() * t.element_size(), 0))
-    except (RuntimeError, AttributeError) as exc:  # torch.cuda.CudaError is a RuntimeError
+    except (
+        RuntimeError,
+        AttributeError,
+        AssertionError,
+    ) as exc:  # CudaError is a RuntimeError; no CUDA build: AssertionError
         _clear_cuda_error()
         return str(exc) or type(exc).__name__
     weakref.finalize(t, cudart.cudaHostUnregister, t.data_ptr())
@@ -88,7 +92,7 @@ class MemoryTier:
         self.num_pages = capacity_bytes // page_bytes
         self.capacity_bytes = self.num_pages * page_bytes
         if device is None:
-            device = "cuda" if tier == Tier.GPU else "cpu"
+            device = f"cuda:{torch.cuda.current_device()}" if tier == Tier.GPU else "cpu"
         self.device = device
         pin = device == "cpu" and cuda_available()
         self.shared_slab: SharedSlab | None = None
@@ -106,7 +110,12 @@ class MemoryTier:
         if self.shared_slab is not None:
             self.slab = self.shared_slab.tensor
         else:
-            self.slab = torch.empty(self.num_pages * page_bytes, dtype=torch.uint8, device=device, pin_memory=pin)
+            # never torch.empty(pin_memory=True): the caching host allocator rounds a pinned
+            # request up to a power of two (a 65 GiB slab would lock 128 GiB)
+            self.slab = torch.empty(self.num_pages * page_bytes, dtype=torch.uint8, device=device)
+            why = _pin_in_place(self.slab) if pin else ""
+            if why:
+                log.warning("the %s slab is not pinned (copies to the GPU are synchronous): %s", tier.label, why)
         self._base = self.slab.data_ptr()
         self._free = list(range(self.num_pages - 1, -1, -1))  # a stack: pops ascend
 
@@ -172,16 +181,17 @@ class MemoryTier:
         """write() of several blocks, [(handle, data, meta)]: every copy queued, then one
         synchronize if a GPU took part (each block is readable, and its source reusable,
         once this returns). A memory write has no per-block failure: [None] each."""
-        cuda = self.device != "cpu"
+        devices = {torch.device(self.device)} if self.device != "cpu" else set()
         for handle, data, _ in items:
             data = data.reshape(-1)
             offset = 0
             for seg in self.views(handle, data.numel()):
                 seg.copy_(data[offset : offset + seg.numel()], non_blocking=True)
                 offset += seg.numel()
-            cuda = cuda or data.device.type != "cpu"
-        if cuda:
-            torch.cuda.synchronize()
+            if data.device.type != "cpu":
+                devices.add(data.device)
+        for dev in devices:
+            torch.cuda.synchronize(dev)
         return [None] * len(items)
 
     def read(self, handle, num_bytes: int) -> torch.Tensor:
@@ -189,4 +199,9 @@ class MemoryTier:
         segs = self.views(handle, num_bytes)
         if len(segs) == 1:
             return segs[0].to("cpu", copy=True)
-        return torch.cat(segs).to("cpu")
+        out = torch.empty(sum(seg.numel() for seg in segs), dtype=torch.uint8)  # no GPU temporary (torch.cat)
+        at = 0
+        for seg in segs:
+            out[at : at + seg.numel()].copy_(seg)
+            at += seg.numel()
+        return out

@@ -384,6 +384,29 @@ def test_the_agent_refuses_a_copy_thread_count_out_of_range():
     assert result.exit_code == 2 and "--shm-copy-threads" in result.output and "Traceback" not in result.output
 
 
+@pytest.mark.parametrize("listen", ["0.0.0.0:0", "[::]:0"])
+def test_the_agent_refuses_a_wildcard_listen_without_an_address_to_advertise(listen):
+    """An agent bound to every interface registered that wildcard as its address, and
+    published it as its transfer engine's endpoint: no peer reached either (a review)."""
+    from click.testing import CliRunner
+
+    from agent.main import main
+
+    result = CliRunner().invoke(main, ["--agent-id", "x", "--listen", listen], catch_exceptions=False)
+    assert result.exit_code == 2 and "--advertise" in result.output and "Traceback" not in result.output
+
+
+def test_the_agent_refuses_an_unknown_transfer_protocol():
+    """A typo ("rmda") was found only when the engine failed to start, and the agent went
+    on without it (a review)."""
+    from click.testing import CliRunner
+
+    from agent.main import main
+
+    result = CliRunner().invoke(main, ["--agent-id", "x", "--transfer-protocol", "rmda"], catch_exceptions=False)
+    assert result.exit_code == 2 and "--transfer-protocol" in result.output and "rdma" in result.output
+
+
 def test_handoffs_whose_callers_gave_up_do_not_starve_the_engine_api(controlplane, make_agent):
     """A Handoff ran to its deadline_seconds after its caller's own deadline passed: 40
     engines that gave up after 0.3 s held the agent's workers waiting for a busy peer,

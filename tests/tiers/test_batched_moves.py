@@ -1043,7 +1043,7 @@ def test_a_copy_that_fails_while_making_room_leaks_no_page(monkeypatch):
         monkeypatch.setattr(block_moves, "_issue_copies", lambda moves, real=real_issue: real(moves) or True)
         monkeypatch.setattr(torch.cuda, "Event", _SlowEvent)
         monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)
-        monkeypatch.setattr(block_moves, "gpu_quiet", lambda stores: True)
+        monkeypatch.setattr(block_moves, "gpu_quiet", lambda stores, data=(): True)
         pool, cold, hot, data = _cold_under_hot(cpu_blocks=4, seed=6)
         _fail_copy(monkeypatch, nth)
         try:

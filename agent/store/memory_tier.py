@@ -49,11 +49,8 @@ def _pin_in_place(t: torch.Tensor) -> str:
     try:
         cudart = torch.cuda.cudart()
         torch.cuda.check_error(cudart.cudaHostRegister(t.data_ptr(), t.numel() * t.element_size(), 0))
-    except (
-        RuntimeError,
-        AttributeError,
-        AssertionError,
-    ) as exc:  # CudaError is a RuntimeError; no CUDA build: AssertionError
+    # torch.cuda.CudaError is a RuntimeError; a torch without CUDA raises AssertionError
+    except (RuntimeError, AttributeError, AssertionError) as exc:
         _clear_cuda_error()
         return str(exc) or type(exc).__name__
     weakref.finalize(t, cudart.cudaHostUnregister, t.data_ptr())
@@ -181,14 +178,14 @@ class MemoryTier:
         """write() of several blocks, [(handle, data, meta)]: every copy queued, then one
         synchronize if a GPU took part (each block is readable, and its source reusable,
         once this returns). A memory write has no per-block failure: [None] each."""
-        devices = {torch.device(self.device)} if self.device != "cpu" else set()
+        devices = {torch.device(self.device)} if torch.device(self.device).type == "cuda" else set()
         for handle, data, _ in items:
             data = data.reshape(-1)
             offset = 0
             for seg in self.views(handle, data.numel()):
                 seg.copy_(data[offset : offset + seg.numel()], non_blocking=True)
                 offset += seg.numel()
-            if data.device.type != "cpu":
+            if data.device.type == "cuda":
                 devices.add(data.device)
         for dev in devices:
             torch.cuda.synchronize(dev)

@@ -33,7 +33,7 @@ from agent.core.handoff import (
     checksum,
     slices,
 )
-from agent.core.tier_store import BlockUnreadable, is_slab
+from agent.core.tier_store import BlockUnreadable, is_file, is_slab
 from agent.store.shm import PeerSlab, host_id
 from agent.store.transfer_engine import TransferFailed, TransferTimedOut
 from protos.kvcp.v1 import agent_pb2
@@ -302,6 +302,47 @@ class HandoffPaths:
         segs, bounce = self._source(meta)
         return [(seg.data_ptr(), seg.numel()) for seg in segs], bounce
 
+    def _batch_sources(self, batch: list[BlockMeta]) -> tuple[list[tuple[int, int]], torch.Tensor | None, dict]:
+        """(address, length) runs of a batch's payloads in memory the engine may read: blocks
+        in the CPU slab where they lie, the others (disk, the GPU tier) read into one bounce
+        buffer for the whole batch, which the caller registers with the engine once (a
+        registration per block is a memory registration per block on RDMA). Also the
+        bounce's view of each block read into it, by its index in the batch."""
+        away = [k for k, m in enumerate(batch) if not self._in_slab(m)]
+        bounce = torch.empty(sum(batch[k].stored_bytes for k in away), dtype=torch.uint8) if away else None
+        views: dict[int, torch.Tensor] = {}
+        at = 0
+        for k in away:
+            assert bounce is not None
+            meta = batch[k]
+            views[k] = view = bounce[at : at + meta.stored_bytes]
+            at += meta.stored_bytes
+            store = self.pool.store_of[meta.tier]
+            try:
+                if is_slab(store):  # the GPU tier: its pages copied out one run at a time
+                    done = 0
+                    for seg in store.views(meta.handle, meta.stored_bytes):
+                        view[done : done + seg.numel()].copy_(seg)
+                        done += seg.numel()
+                elif is_file(store):  # straight into the bounce, verified there
+                    store.read_into(meta.handle, [view])
+                else:
+                    view.copy_(store.read(meta.handle, meta.stored_bytes))
+            except BlockUnreadable as exc:  # a miss: removed once released, reported, counted
+                self.pool._mark_corrupt(meta, str(exc))
+                raise OSError(errno.EIO, str(exc)) from None
+        runs: list[tuple[int, int]] = []
+        for k, meta in enumerate(batch):
+            if k in views:
+                runs.append((views[k].data_ptr(), meta.stored_bytes))
+            else:
+                runs += self.store.byte_runs(meta.handle, meta.stored_bytes)
+        return runs, bounce, views
+
+    def _in_slab(self, meta: BlockMeta) -> bool:
+        store = self.pool.store_of[meta.tier]
+        return store is self.store and is_slab(store)
+
     def _write_chain(self, endpoint: str, batches: queue.SimpleQueue, stop: threading.Event) -> None:
         """The engine writes of one handoff, from this one thread: up to `engine_window`
         batches on the wire at once (submitted without waiting, so the engine never waits
@@ -414,16 +455,12 @@ class HandoffPaths:
         self._writers.submit(self._write_chain, endpoint, batches, stop)
         try:
             for k, chunk in enumerate(chunks):
-                src_runs: list[tuple[int, int]] = []
-                nbytes = 0
-                for i in chunk:
-                    runs, bounce = self._source_runs(metas[i])
-                    if bounce is not None:
-                        self.engine.register(bounce.data_ptr(), bounce.numel())
-                        bounces.append(bounce)
-                        bounced[i] = bounce
-                    src_runs += runs
-                    nbytes += metas[i].stored_bytes
+                src_runs, bounce, views = self._batch_sources([metas[i] for i in chunk])
+                if bounce is not None:
+                    self.engine.register(bounce.data_ptr(), bounce.numel())
+                    bounces.append(bounce)
+                    bounced.update((chunk[j], view) for j, view in views.items())
+                nbytes = sum(metas[i].stored_bytes for i in chunk)
                 # one piece per stretch contiguous on both sides: blocks laid out in order
                 # on both slabs go as a few large writes, not one per block
                 pieces = pair_runs(src_runs, dst.take(nbytes))

@@ -244,9 +244,18 @@ def test_blocks_on_disk_go_through_one_bounce_buffer(controlplane, make_agent, t
     a.engine.store(BIG.model_id, tokens, kv)
     for h in hashes[2:]:
         assert a.pool.move_block(h, Tier.DISK).ok
+    real_register, registered = a.dataplane.engine.register, []
+
+    def counted(address, num_bytes):
+        registered.append(num_bytes)
+        return real_register(address, num_bytes)
+
+    a.dataplane.engine.register = counted
     r = a.dataplane.handoff(BIG.model_id, hashes, "dec", 20)
     assert (r.outcome, r.path, r.num_sent_blocks) == ("transferred", "engine", 4), r
     assert torch.equal(b.engine.load(BIG.model_id, tokens).kv, kv)
+    # the two disk blocks of the one batch: one buffer, registered once (not once a block)
+    assert registered == [2 * BIG.block_bytes], registered
 
 
 def test_an_engine_that_does_not_import_leaves_the_grpc_path(monkeypatch):
@@ -316,7 +325,11 @@ def test_a_source_read_error_is_an_answer_not_an_exception(controlplane, make_ag
     def bad_read(handle, n):
         raise OSError(5, "Input/output error")
 
+    def bad_read_into(handle, segments):  # the engine path reads into its batch's buffer
+        raise OSError(5, "Input/output error")
+
     a.pool.store_of[Tier.DISK].read = bad_read
+    a.pool.store_of[Tier.DISK].read_into = bad_read_into
     r = a.dataplane.handoff(BIG.model_id, hashes, "dec", 5.0)
     assert r.outcome == "recompute" and "shm: reading the prefix here failed" in r.reason, r
     # nothing of it stays reserved: the sender's Abort lets it go at once, or, where the

@@ -9,8 +9,8 @@ Sending, it runs each handoff through its paths, within the caller's deadline:
    (one memcpy per run: no socket, no engine) -> Commit, which verifies every block.
 1. **engine**: Reserve on the peer (gRPC) -> one-sided engine writes of each block's
    stored payload from this agent's CPU slab straight into the reserved pages (no
-   staging copy; a block elsewhere, on disk or in the GPU tier, is first read into a
-   host bounce buffer registered with the engine for that handoff: the GPU slab is not
+   staging copy; blocks elsewhere, on disk or in the GPU tier, are first read into one
+   host bounce buffer per batch, registered with the engine once: the GPU slab is not
    registered) -> Commit with an xxh3 checksum per block. Chunks
    are verified by the peer while the next chunk is on the wire; the last Commit
    makes the whole prefix visible at once.

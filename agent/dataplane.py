@@ -112,6 +112,8 @@ PEER_CACHE_SECONDS = 2.0  # a peer's etcd record is read again after this long
 PEER_REFRESH_WAIT_SECONDS = 1.0  # a retry waits at most this long (and half its time left) for the peer's record
 PEER_LAPSE_GRACE_SECONDS = 10.0  # a peer whose key vanished is still tried at its last address this long
 PEER_SLAB_IDLE_SECONDS = 60.0  # a peer's mapped slab unused this long is let go (it may be gone)
+LINK_FORGET_IDLE_SECONDS = 60.0  # a link unused this long to a peer etcd no longer names is forgotten
+DEPARTED_CHECK_SECONDS = 30.0  # how often idle links' peers are looked up in etcd
 TRANSFER_HEARTBEAT_SECONDS = 5.0  # a control-plane transfer says RUNNING this often while it runs
 
 
@@ -304,15 +306,43 @@ class DataPlane(HandoffPaths):
             log.info("handoff reservation %s aborted: %s", request.reservation_id, request.reason or "no reason")
 
     def run_forever(self, stop: threading.Event) -> None:
+        next_departed_check = time.monotonic() + DEPARTED_CHECK_SECONDS
         while not stop.is_set():
             try:
                 n = self.reservations.run_once()
                 if n:
                     log.warning("%d handoff reservation(s) expired before their commit; pages quarantined", n)
                 self._forget_idle_peer_slabs()
+                if time.monotonic() >= next_departed_check:
+                    next_departed_check = time.monotonic() + DEPARTED_CHECK_SECONDS
+                    self._forget_departed_peers()
             except Exception:  # noqa: BLE001 - keep sweeping
                 log.exception("reservation sweep failed")
             stop.wait(0.2)
+
+    def _forget_departed_peers(self) -> None:
+        """A link (its fitted throughput, its two metric series, its line in every stats
+        report) and the channel to a peer that left: forgotten once the link has been idle
+        LINK_FORGET_IDLE_SECONDS and etcd no longer names the peer. Agents that come back
+        under new ids (pods of a rollout) would otherwise grow them without end."""
+        if self._peer_info is None:
+            return
+        cutoff = time.time() - LINK_FORGET_IDLE_SECONDS
+        for link in self.links.all():
+            if link.inflight or link.queued or link.last_unix_seconds > cutoff:
+                continue
+            try:
+                registered = self._peer_info(link.peer_agent_id) is not None
+            except Exception as exc:  # noqa: BLE001 - etcd unreachable: nothing is known gone
+                log.debug("cannot tell which peers left (%s)", exc)
+                return
+            if registered or not self.links.forget(link.peer_agent_id):
+                continue
+            with self._lock:
+                cached = self._peers.pop(link.peer_agent_id, None)
+            if cached is not None:
+                self._drop_channel(cached[1].address)
+            log.info("forgot the link to %s: it left the cluster", link.peer_agent_id)
 
     def _forget_idle_peer_slabs(self, now: float | None = None) -> None:
         """A mapped peer slab keeps the peer's memory alive even after it exits: let go of

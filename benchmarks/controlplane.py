@@ -573,6 +573,7 @@ def _mooncake_main(cfg_dict: dict, out) -> None:
         return
     rpc, http, metrics = _free_port(), _free_port(), _free_port()
     log = tempfile.NamedTemporaryFile(prefix="kvcp-bench-mooncake-", suffix=".log", delete=False)  # noqa: SIM115
+    keep_log = False
     master = subprocess.Popen(
         [
             binary,
@@ -600,6 +601,7 @@ def _mooncake_main(cfg_dict: dict, out) -> None:
             if rc == 0:
                 break
         if rc != 0:
+            keep_log = True  # named in the answer
             out.put({"unavailable": f"mooncake store client setup failed (rc {rc}); master log {log.name}"})
             return
         n = cfg.mooncake_keys
@@ -636,6 +638,9 @@ def _mooncake_main(cfg_dict: dict, out) -> None:
             master.wait(5)
         except subprocess.TimeoutExpired:
             master.kill()
+        log.close()
+        if not keep_log:  # a run that measured leaves no file behind
+            os.unlink(log.name)
 
 
 def _run_peer(ctx, target, cfg: BenchConfig, timeout_seconds: float = 600) -> dict:

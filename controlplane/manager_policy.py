@@ -206,6 +206,12 @@ class PolicyControl(ManagerState):
             return out
 
         connected = self.cluster.connected_agents()
+        # what the passes kept for an agent goes with it (agents that come back under new
+        # ids, pods of a rollout, would grow these without end); one back starts afresh
+        present = {rec.agent_id for rec in connected}
+        for per_agent_state in (self._policy_last, self._policy_report_seen, self._policy_idle, self._policy_inflight):
+            for agent_id in [a for a in per_agent_state if a not in present]:
+                per_agent_state.pop(agent_id, None)
         due = []
         for rec in connected:
             inflight = self._policy_inflight.get(rec.agent_id, {})

@@ -730,6 +730,15 @@ class Links:
         with self._lock:
             return list(self._links.values())
 
+    def forget(self, peer_agent_id: str) -> bool:
+        """Drop an idle link (no transfer running or queued on it); whether it went."""
+        with self._lock:
+            link = self._links.get(peer_agent_id)
+            if link is None or link.inflight or link.queued:
+                return False
+            del self._links[peer_agent_id]
+            return True
+
 
 def batches_of(sizes: Sequence[int], batch_bytes: int) -> list[list[int]]:
     """Indices of `sizes` (bytes per block, in order) in consecutive batches, each closed

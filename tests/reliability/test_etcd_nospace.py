@@ -43,6 +43,7 @@ def small_etcd():
     server = EtcdServer(extra_args=("--quota-backend-bytes", str(4 << 20))).start()
     yield server
     server.stop()
+    server.cleanup()  # its data dir is in /dev/shm (memory) where there is one
 
 
 def test_writes_refused_for_space_say_so_and_unpin_still_works(small_etcd):

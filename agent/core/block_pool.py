@@ -100,9 +100,17 @@ class BlockPool(BlockMoves):
         self._parked_until = 0.0  # monotonic
         # tier -> (pin changes, parked changes, first pin expiry) when a scan of its parked
         # blocks found all of them pinned: room-making skips the scan until one differs
-        self._parked_held: dict[Tier, tuple[int, int, float]] = {}
+        self._parked_held: dict[Tier, tuple[int, int, float, int]] = {}
         self._parked_changes = 0
         self.parked_adopted_total = 0
+        # eviction-order entries of blocks their pins keep where they are (neither dropped
+        # nor demoted): set aside by a victim search, which would otherwise pop and push
+        # them all again on every search (a pinned namespace older than the rest of a full
+        # tier made each new block's search O(pinned)); back in the order when a pin
+        # changes or expires (the key)
+        self._pinned_aside: dict[Tier, list[tuple[int, bytes]]] = {t.tier: [] for t in self.tiers}
+        self._pinned_aside_key: tuple[int, int, float] | None = None
+        self._local_pin_changes = 0
         self.pins = PinTable()  # pins from the control plane (by hash or namespace)
         # by the tier a block left: for room (capacity), as commanded (a move, the control
         # plane's policy, an evict command), or by a cleanup
@@ -531,6 +539,7 @@ class BlockPool(BlockMoves):
                 if meta is not None:
                     meta.pin_tier = int(pin_tier) if pin_tier is not None else 0
                     n += 1
+            self._local_pin_changes += 1
             return n
 
     def drop(self, block_hash: bytes) -> bool:
@@ -783,12 +792,16 @@ class BlockPool(BlockMoves):
             log.info("freed %d parked blocks whose prefix was not stored again", freed)
         return freed
 
-    def _parked_key(self) -> tuple[int, int, float]:
-        """What a scan of parked blocks depends on (lock held): the pins, the parked blocks,
-        and when the first pin expires (pins past it leave the table first: a change)."""
+    def _pins_key(self) -> tuple[int, int, float]:
+        """What whether a block is pinned depends on (lock held): the pin table, the local
+        pins, and when the first pin expires (pins past it leave the table first: a change)."""
         if time.monotonic() >= self.pins.next_expiry():
             self.pins.expire()
-        return (self.pins.changes, self._parked_changes, self.pins.next_expiry())
+        return (self.pins.changes, self._local_pin_changes, self.pins.next_expiry())
+
+    def _parked_key(self) -> tuple[int, int, float, int]:
+        """What a scan of parked blocks depends on (lock held): the pins and the parked blocks."""
+        return (*self._pins_key(), self._parked_changes)
 
     def _free_parked_where(
         self, chosen: Callable[[BlockMeta], bool], dry_run: bool = False, pinned: list[BlockMeta] | None = None
@@ -959,6 +972,21 @@ class BlockPool(BlockMoves):
         heap = [(m.last_access, m.block_hash) for m in self.blocks.values() if m.tier == tier]
         heapq.heapify(heap)
         self._lru[tier] = heap
+        self._pinned_aside[tier] = []  # every block is in the order again
+
+    def _check_pinned_aside(self) -> None:
+        """Put the entries set aside for their pins back in the eviction order when a pin
+        may have changed since (lock held)."""
+        key = self._pins_key()
+        if key == self._pinned_aside_key:
+            return
+        self._pinned_aside_key = key
+        for tier, aside in self._pinned_aside.items():
+            if aside:
+                heap = self._lru[tier]
+                heap.extend(aside)
+                heapq.heapify(heap)
+                self._pinned_aside[tier] = []
 
     def _allocate(self, store: TierStore, num_bytes: int, block_hash: bytes):
         if store.footprint(num_bytes) > store.capacity_bytes:
@@ -979,7 +1007,10 @@ class BlockPool(BlockMoves):
         dropped when None) whose footprints there add up to num_bytes; fewer when no
         more may go (lock held)."""
         store = self.store_of[tier]
+        self._check_pinned_aside()
         heap = self._lru[tier]
+        lower = self.lower_of(tier)
+        aside = self._pinned_aside[tier]
         skipped = []
         victims: list[BlockMeta] = []
         chosen: set[bytes] = set()
@@ -988,15 +1019,17 @@ class BlockPool(BlockMoves):
             meta = self.blocks.get(h)
             if meta is None or meta.tier != tier or meta.last_access != tick:
                 continue  # stale entry
+            pinned = self.pin_tier(meta)
+            if pinned and (lower is None or int(lower.tier) > pinned):
+                aside.append((tick, h))  # its pin keeps it here: not looked at again until a pin changes
+                continue
             skipped.append((tick, h))
             if meta.ref_count or meta.moving or not meta.ready or h in chosen:  # (an entry twice in the heap)
                 continue
-            if demote_to is None and (meta.num_children or self.pin_tier(meta)):
+            if demote_to is None and (meta.num_children or pinned):
                 continue
-            if demote_to is not None:
-                pinned = self.pin_tier(meta)
-                if pinned and int(demote_to) > pinned:
-                    continue
+            if demote_to is not None and pinned and int(demote_to) > pinned:
+                continue
             victims.append(meta)
             chosen.add(h)
             num_bytes -= store.footprint(meta.stored_bytes)

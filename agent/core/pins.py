@@ -36,12 +36,15 @@ class PinTable:
         self._by_hash: dict[bytes, set[str]] = {}
         self._by_namespace: dict[str, set[str]] = {}
         self.changes = 0  # counts adds and removals: who cached an answer knows when it may differ
+        self._next_expiry = math.inf
 
     def add(self, pin: AgentPin) -> None:
         self.expire()
         self.remove(pin.pin_id)
         self.pins[pin.pin_id] = pin
         self.changes += 1
+        if pin.expires_monotonic_seconds:
+            self._next_expiry = min(self._next_expiry, pin.expires_monotonic_seconds)
         if pin.block_hashes:
             for h in pin.block_hashes:
                 self._by_hash.setdefault(h, set()).add(pin.pin_id)
@@ -53,6 +56,11 @@ class PinTable:
         if pin is None:
             return None
         self.changes += 1
+        if pin.expires_monotonic_seconds == self._next_expiry:
+            self._next_expiry = min(
+                (p.expires_monotonic_seconds for p in self.pins.values() if p.expires_monotonic_seconds),
+                default=math.inf,
+            )
         if pin.block_hashes:
             for h in pin.block_hashes:
                 ids = self._by_hash.get(h)
@@ -82,9 +90,7 @@ class PinTable:
 
     def next_expiry(self) -> float:
         """The monotonic time the first pin with a TTL expires (inf: none has one)."""
-        return min(
-            (p.expires_monotonic_seconds for p in self.pins.values() if p.expires_monotonic_seconds), default=math.inf
-        )
+        return self._next_expiry
 
     def expire(self, now: float | None = None) -> list[str]:
         """Drop the pins past their expiry; returns their ids."""

@@ -112,7 +112,14 @@ def check_pool(pool: BlockPool) -> None:
             assert meta.parent_hash == ROOT_PARENT_HASH or meta.parent_hash in blocks, "a held block lost its parent"
             assert meta.num_children == sum(1 for m in blocks.values() if m.parent_hash == h and m.ready)
             assert meta.ready and meta.ref_count == 0 and not meta.moving and not meta.corrupt
-            assert (meta.last_access, h) in pool._lru[meta.tier], "a block is missing from its tier's eviction order"
+            entry = (meta.last_access, h)
+            # in the order, or set aside while a pin keeps it where it is (until the next
+            # victim search, after a pin changed)
+            aside = entry in pool._pinned_aside[meta.tier]
+            current = pool._pinned_aside_key == pool._pins_key()
+            assert entry in pool._lru[meta.tier] or (aside and (not current or pool.pin_tier(meta))), (
+                "a block is missing from its tier's eviction order"
+            )
         usage = {u.tier: u for u in pool.usage()}
         for store in pool.tiers:
             metas = [m for m in blocks.values() if m.tier == store.tier]

@@ -315,6 +315,8 @@ class PolicyControl(ManagerState):
             self.policy_credit_turnovers,
             self.policy_recent_first,
             self.lookups_dropped_total,
+            len(self.access),
+            tuner.num_blocks() if (tuner := self.tuner) is not None else 0,
         )
 
     def _over_high(self, rec, policy: Policy) -> bool:

@@ -52,6 +52,8 @@ class PolicyStats:
     reuse_credit_turnovers: float = 0.0
     recent_first: bool = False
     lookups_dropped_total: int = 0
+    lookup_history_blocks: int = 0  # blocks whose lookups the policy remembers (AccessStats)
+    shadow_cache_blocks: int = 0  # blocks in the credit tuner's shadow caches, all of them
 
 
 class ClusterCollector:
@@ -142,6 +144,13 @@ class ClusterCollector:
             ),
             (
                 g,
+                "kvcp_policy_evidence_blocks",
+                "Blocks the tier policy keeps evidence for, by kind: lookup_history (at most 2,097,152, "
+                "~250 B each) and shadow_caches (the credit tuner's five, each at most 262,144, ~460 B a block).",
+                ["kind"],
+            ),
+            (
+                g,
                 "kvcp_policy_recent_first",
                 "1 while passes evict the most recently used first (lookups loop over more than the cache holds).",
                 [],
@@ -204,6 +213,8 @@ class ClusterCollector:
         f["kvcp_auth_denied_total"].add_metric([], self.auth_denied_source() if self.auth_denied_source else 0)
         f["kvcp_policy_reuse_credit_turnovers"].add_metric([], policy.reuse_credit_turnovers)
         f["kvcp_policy_recent_first"].add_metric([], 1 if policy.recent_first else 0)
+        f["kvcp_policy_evidence_blocks"].add_metric(["lookup_history"], policy.lookup_history_blocks)
+        f["kvcp_policy_evidence_blocks"].add_metric(["shadow_caches"], policy.shadow_cache_blocks)
         return list(f.values())
 
 

@@ -148,6 +148,10 @@ class CreditTuner:
         self.scan = _Shadow(0.0, self.shadow_blocks, recent_first=True)
         self._keep = 0.5 ** (1.0 / half_life_lookups)
 
+    def num_blocks(self) -> int:
+        """Blocks held by all the shadows (each ~460 B): for the metrics."""
+        return sum(len(shadow.key) for shadow in (*self.shadows, self.scan))
+
     def observe(self, block_hashes: Sequence[bytes], now: float, stats: AccessStats) -> None:
         """One lookup, after `stats.record_lookup(block_hashes, now)`."""
         turnover = stats.turnover_seconds(self.shadow_blocks)

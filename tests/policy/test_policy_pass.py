@@ -187,6 +187,15 @@ def test_pass_statistics_reach_the_metrics():
     for _ in range(f.manager._lookups.maxlen + 3):
         f.manager.note_lookup(b"\x01" * 16, 100.5)
     assert v("kvcp_policy_lookups_dropped_total") == 3
+    # the evidence the policy keeps, for sizing the control plane's memory (a soak test
+    # saw it grow for hours toward its caps, with nothing exporting it)
+    lookups = [b"".join(chain(10 + i, 4)) for i in range(5)]
+    for packed in lookups:
+        f.manager.note_lookup(packed, 101.0)
+    f.manager.policy_pass(102.0)  # drains them into the history (and the tuner's shadows)
+    assert v("kvcp_policy_evidence_blocks", {"kind": "lookup_history"}) == len(f.manager.access) >= 20
+    shadows = v("kvcp_policy_evidence_blocks", {"kind": "shadow_caches"})
+    assert shadows == (f.manager.tuner.num_blocks() if f.manager.tuner is not None else 0)
 
 
 @pytest.mark.parametrize("use_kernel", [True, False], ids=["c-loops", "numpy"])

@@ -21,6 +21,9 @@ BIG = ModelSpec("big", block_size=32, num_layers=8, num_kv_heads=8, head_dim=128
 
 def test_policy_sizes_a_tier_by_the_blocks_it_holds(controlplane, make_agent):
     m = DEMO_MODEL
+    # passes every 0.5 s instead of 2 s (the pass is the same): the few passes below are
+    # counted, not slept for
+    controlplane.manager.policy_interval_seconds = 0.5
     a = make_agent("two-models", models=[m, BIG], cpu_capacity_bytes=4 << 20)
     n = 25
     for i in range(8):  # 200 small blocks: 1.6 MiB of 4 MiB, far under the watermarks
@@ -31,5 +34,7 @@ def test_policy_sizes_a_tier_by_the_blocks_it_holds(controlplane, make_agent):
         return next(t.num_blocks for t in a.pool.usage() if t.tier == Tier.CPU)
 
     wait_for(lambda: controlplane.cluster.index.num_agent_blocks("two-models") == 8 * n, 15, 0.2, "indexed")
-    time.sleep(3 * controlplane.manager.policy_interval_seconds)  # a few policy passes
+    passes = controlplane.manager.policy_passes_total
+    wait_for(lambda: controlplane.manager.policy_passes_total >= passes + 3, 15, 0.05, "a few policy passes")
+    time.sleep(0.5)  # what the last pass sent has landed on the agent
     assert cpu_blocks() == 8 * n

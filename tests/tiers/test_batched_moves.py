@@ -1112,13 +1112,14 @@ def test_room_making_leaves_alone_a_victim_moved_or_read_since_it_was_chosen(tmp
     cold, hot = hashes[:4], hashes[4:]
     assert all(o.ok for o in pool.move_blocks(cold, Tier.DISK))
     assert all(o.ok for o in pool.move_blocks(hot, Tier.CPU))
-    real, seen = BlockPool.move_blocks, []
+    real, seen, letting_go = BlockPool.move_blocks, [], []
 
     def racing(self, block_hashes, to_tier, codec=None, **kwargs):
         if kwargs.get("from_tier") is Tier.CPU and not seen:  # the room-making batch
             seen.append(self.move_block(block_hashes[0], Tier.GPU).ok)
             reader = self.acquire_chain(block_hashes[1:2])
-            threading.Timer(3.0, self.release_chain, [reader]).start()
+            letting_go.append(threading.Timer(3.0, self.release_chain, [reader]))
+            letting_go[0].start()
         return real(self, block_hashes, to_tier, codec, **kwargs)
 
     monkeypatch.setattr(BlockPool, "move_blocks", racing)
@@ -1131,7 +1132,8 @@ def test_room_making_leaves_alone_a_victim_moved_or_read_since_it_was_chosen(tmp
     assert pool.tier_of(hot[1]) == Tier.CPU  # read while chosen: left where it was
     assert [o.ok for o in outcomes].count(True) >= 3
     assert all("PoolFull" in o.reason for o in outcomes if not o.ok)
-    time.sleep(3.1)  # the reader lets go
+    letting_go[0].join(10)  # the reader lets go (3 s after it took the block)
+    assert not letting_go[0].is_alive()
     for i, h in enumerate(hashes):
         assert torch.equal(decoded(pool, h), data[i])
     check_pool(pool)

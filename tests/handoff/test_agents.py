@@ -24,19 +24,19 @@ def lookup_blocks(cp, agent_id, hashes) -> int:
     return next((m.num_hit_blocks for m in r.matches if m.agent_id == agent_id), 0)
 
 
-def watch_verifies(agent) -> list[tuple[int, int, str]]:
+def watch_verifies(agent) -> list[tuple[int, int, str, str]]:
     """Each verify (Commit of a batch or group) the agent receives from now on, as
-    (first block, number of blocks, its error or "")."""
-    calls: list[tuple[int, int, str]] = []
+    (first block, number of blocks, its error or "", its reservation)."""
+    calls: list[tuple[int, int, str, str]] = []
     real = agent.dataplane.reservations.verify
 
     def verify(reservation_id, first_block, checksums):
         try:
             out = real(reservation_id, first_block, checksums)
         except Exception as exc:
-            calls.append((first_block, len(checksums), str(exc)))
+            calls.append((first_block, len(checksums), str(exc), reservation_id))
             raise
-        calls.append((first_block, len(checksums), ""))
+        calls.append((first_block, len(checksums), "", reservation_id))
         return out
 
     agent.dataplane.reservations.verify = verify
@@ -92,8 +92,12 @@ def test_engine_batches_verified_as_they_land_or_all_at_the_commit(controlplane,
     r = a.dataplane.handoff(BIG.model_id, hashes, "dec", 20, paths=("engine",))
     assert (r.outcome, r.path, r.num_sent_blocks) == ("transferred", "engine", 20), r
     assert torch.equal(b.engine.load(BIG.model_id, tokens).kv, kv)
-    got = [(f, n) for f, n, _ in verifies]
-    assert got in ([(0, 8)], [(0, 8), (8, 4)]) if verify_while_sending else got == []
+    # the attempt that carried it (a loaded machine may have failed an earlier one, whose
+    # verifies are counted here too: a CI run's [(0, 8), (0, 8), (8, 4)]-like lists)
+    carried = verifies[-1][3] if verifies else ""
+    got = [(f, n) for f, n, _, rid in verifies if rid == carried]
+    expected = ([(0, 8)], [(0, 8), (8, 4)]) if verify_while_sending else ([],)
+    assert got in expected, (verifies, r)
 
 
 def test_grpc_fallback_when_the_destination_has_no_engine(controlplane, make_agent):
@@ -150,7 +154,7 @@ def test_a_large_shm_handoff_is_verified_in_groups_while_it_copies(controlplane,
     r = a.dataplane.handoff(BIG.model_id, hashes, "dec", 20, paths=("shm",))
     assert (r.outcome, r.path, r.num_sent_blocks) == ("transferred", "shm", 12), r
     assert torch.equal(b.engine.load(BIG.model_id, tokens).kv, kv)
-    assert sorted(n for _, n, _ in verifies) == [2] * 5  # the sixth group: with the Commit
+    assert sorted(n for _, n, _, _ in verifies) == [2] * 5  # the sixth group: with the Commit
     tokens2, kv2, hashes2 = prompt(BIG, 12, seed=24)
     a.engine.store(BIG.model_id, tokens2, kv2)
     a.pool.blocks[hashes2[1]].checksum ^= 1  # as if block 1 arrived damaged
@@ -158,7 +162,7 @@ def test_a_large_shm_handoff_is_verified_in_groups_while_it_copies(controlplane,
     r = a.dataplane.handoff(BIG.model_id, hashes2, "dec", 20, paths=("shm",))
     assert r.outcome == "recompute" and "checksum mismatch on block 1" in r.reason, r
     # the first group's verify found it (each of the two attempts), not the last Commit
-    assert [first for first, _, why in verifies if "checksum mismatch on block 1" in why] == [0, 0], verifies
+    assert [first for first, _, why, _ in verifies if "checksum mismatch on block 1" in why] == [0, 0], verifies
     assert b.pool.num_leading(hashes2) == 0
     wait_for(lambda: b.dataplane.reservations.open_count() == 0, 10, what="reservations closed")
 

@@ -466,3 +466,19 @@ def test_a_cleanup_is_in_the_disk_dead_log_before_it_answers(agent):
     [done] = updates(agent)
     assert done.state == SUCCEEDED and done.num_done_blocks == 3
     assert any(on_command_thread)  # drained by the command itself, before its answer
+
+
+def test_a_pin_past_its_expiry_protects_nothing_on_a_machine_just_booted(agent):
+    """A pin sent with an expiry already past protects nothing, also on a machine booted
+    moments ago (its monotonic clock is small: the time left, negative, must not become
+    "no expiry")."""
+    toks = tokens(1)
+    assert agent.engine.store(SPEC.model_id, toks, kv(1)).num_stored_blocks == 1
+    h = agent.engine.hashes(SPEC, toks)[0]
+    agent.pool.pins.clock = lambda: 5.0  # booted 5 s ago
+    past = time.time() - 60  # expired a minute ago (a control plane sending only its absolute expiry)
+    cmd = agent_pb2.Command(
+        op_id="op-p", kind=PIN, block_hashes=h, tier=int(Tier.CPU), pin_id="old", expires_unix_seconds=past
+    )
+    agent.link.handle_command(1, cmd)
+    assert agent.pool.pin_tier(agent.pool.blocks[h]) == 0, "a pin past its expiry holds (for ever)"

@@ -8,33 +8,16 @@ from __future__ import annotations
 
 import time
 
-import torch
-
 from agent.core.block_pool import BlockPool
-from agent.core.model_spec import ModelSpec
 from agent.core.pins import AgentPin
 from agent.store.disk_tier import DiskTier
 from agent.store.memory_tier import MemoryTier
-from protos.block_hash import hash_prefix, split_hashes
 from protos.tier import Tier
-
-SPEC = ModelSpec("m", block_size=1, num_layers=1, num_kv_heads=1, head_dim=8, dtype="int8")
-PAGE = SPEC.block_bytes
+from tests.unit.tiny_blocks import PAGE, SPEC, chain, insert
 
 
 def make_pool(pages: int = 32) -> BlockPool:
     return BlockPool([MemoryTier(Tier.CPU, pages * PAGE, PAGE, device="cpu")], [SPEC])
-
-
-def chain(tokens) -> list[bytes]:
-    return split_hashes(hash_prefix("m", list(tokens), 1))
-
-
-def insert(pool: BlockPool, hs: list[bytes], namespace: str = "") -> None:
-    def block(i: int) -> torch.Tensor:
-        return torch.frombuffer(bytearray(hs[i]), dtype=torch.int8).reshape(SPEC.block_shape)
-
-    assert pool.insert_chain("m", hs, block, namespace=namespace).num_stored == len(hs)
 
 
 def test_only_blocks_idle_for_longer_than_the_cut_off_go():

@@ -5,33 +5,16 @@ its expiry."""
 
 from __future__ import annotations
 
-import torch
-
 from agent.core.block_pool import BlockPool
-from agent.core.model_spec import ModelSpec
 from agent.core.pins import AgentPin, PinTable
 from agent.store.memory_tier import MemoryTier
 from controlplane.core.pins import new_pin, pinned_bytes_of
-from protos.block_hash import hash_prefix, split_hashes
 from protos.tier import Tier
-
-SPEC = ModelSpec("m", block_size=1, num_layers=1, num_kv_heads=1, head_dim=8, dtype="int8")
-PAGE = SPEC.block_bytes
+from tests.unit.tiny_blocks import PAGE, SPEC, chain, insert
 
 
 def mem(kind: Tier, num_pages: int) -> MemoryTier:
     return MemoryTier(kind, num_pages * PAGE, PAGE, device="cpu")
-
-
-def chain(tokens) -> list[bytes]:
-    return split_hashes(hash_prefix("m", list(tokens), 1))
-
-
-def insert(pool: BlockPool, hs: list[bytes], namespace: str = "") -> None:
-    def block(i: int) -> torch.Tensor:
-        return torch.frombuffer(bytearray(hs[i]), dtype=torch.int8).reshape(SPEC.block_shape)
-
-    assert pool.insert_chain("m", hs, block, namespace=namespace).num_stored == len(hs)
 
 
 # ---- TTL: not an instant longer ---------------------------------------------------------

@@ -107,7 +107,8 @@ class BlockPool(BlockMoves):
         # nor demoted): set aside by a victim search, which would otherwise pop and push
         # them all again on every search (a pinned namespace older than the rest of a full
         # tier made each new block's search O(pinned)); back in the order when a pin
-        # changes or expires (the key)
+        # changes or expires (the key). Bounded as the order is: a block read again enters
+        # the order anew, which _touch rebuilds (clearing these) at 4x the tier's blocks
         self._pinned_aside: dict[Tier, list[tuple[int, bytes]]] = {t.tier: [] for t in self.tiers}
         self._pinned_aside_key: tuple[int, int, float] | None = None
         self._local_pin_changes = 0

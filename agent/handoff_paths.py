@@ -284,21 +284,18 @@ class HandoffPaths:
     def _source(self, meta: BlockMeta) -> tuple[list[torch.Tensor], torch.Tensor | None]:
         """Segments of a block's stored payload in registered memory; a block elsewhere
         (disk, or a GPU the engine cannot reach) is read into a bounce buffer once."""
-        store = self.pool.store_of[meta.tier]
-        if store is self.store and is_slab(store):
-            return store.views(meta.handle, meta.stored_bytes), None
+        if self._in_slab(meta):
+            return self.store.views(meta.handle, meta.stored_bytes), None
         try:
-            bounce = store.read(meta.handle, meta.stored_bytes).contiguous()
-        except BlockUnreadable as exc:  # a miss: removed once released, reported, counted
-            self.pool._mark_corrupt(meta, str(exc))
-            raise OSError(errno.EIO, str(exc)) from None
+            bounce = self.pool.store_of[meta.tier].read(meta.handle, meta.stored_bytes).contiguous()
+        except BlockUnreadable as exc:
+            raise self._unreadable(meta, exc) from None
         return [bounce], bounce
 
     def _source_runs(self, meta: BlockMeta) -> tuple[list[tuple[int, int]], torch.Tensor | None]:
         """As _source, as (address, length) runs; no tensors for a block in the slab."""
-        store = self.pool.store_of[meta.tier]
-        if store is self.store and is_slab(store):
-            return store.byte_runs(meta.handle, meta.stored_bytes), None
+        if self._in_slab(meta):
+            return self.store.byte_runs(meta.handle, meta.stored_bytes), None
         segs, bounce = self._source(meta)
         return [(seg.data_ptr(), seg.numel()) for seg in segs], bounce
 
@@ -328,9 +325,8 @@ class HandoffPaths:
                     store.read_into(meta.handle, [view])
                 else:
                     view.copy_(store.read(meta.handle, meta.stored_bytes))
-            except BlockUnreadable as exc:  # a miss: removed once released, reported, counted
-                self.pool._mark_corrupt(meta, str(exc))
-                raise OSError(errno.EIO, str(exc)) from None
+            except BlockUnreadable as exc:
+                raise self._unreadable(meta, exc) from None
         runs: list[tuple[int, int]] = []
         for k, meta in enumerate(batch):
             if k in views:
@@ -342,6 +338,12 @@ class HandoffPaths:
     def _in_slab(self, meta: BlockMeta) -> bool:
         store = self.pool.store_of[meta.tier]
         return store is self.store and is_slab(store)
+
+    def _unreadable(self, meta: BlockMeta, exc: BlockUnreadable) -> OSError:
+        """A source block that failed its read: a miss (removed once released, reported,
+        counted), and the handoff's read error."""
+        self.pool._mark_corrupt(meta, str(exc))
+        return OSError(errno.EIO, str(exc))
 
     def _write_chain(self, endpoint: str, batches: queue.SimpleQueue, stop: threading.Event) -> None:
         """The engine writes of one handoff, from this one thread: up to `engine_window`

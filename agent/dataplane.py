@@ -172,6 +172,7 @@ class DataPlane(HandoffPaths):
         self._closing = False  # close() began: executors refuse work, handoffs under way end
         self._refresher = cf.ThreadPoolExecutor(max_workers=2, thread_name_prefix="peer-read")
         self._refreshing: dict[str, cf.Future] = {}  # agent id -> its record's read under way
+        self._departed_check: cf.Future | None = None  # _forget_departed_peers under way (sweep thread only)
         self.tls: security.TLSConfig | None = None  # this agent's: peers' listeners use the same
         self.token = ""  # the agent token, which peers' DataPlane listeners ask for
         self.shared = getattr(self.store, "shared_slab", None)  # agent.store.shm.SharedSlab, or None
@@ -315,10 +316,23 @@ class DataPlane(HandoffPaths):
                 self._forget_idle_peer_slabs()
                 if time.monotonic() >= next_departed_check:
                     next_departed_check = time.monotonic() + DEPARTED_CHECK_SECONDS
-                    self._forget_departed_peers()
+                    self._check_departed_peers()
             except Exception:  # noqa: BLE001 - keep sweeping
                 log.exception("reservation sweep failed")
             stop.wait(0.2)
+
+    def _check_departed_peers(self) -> None:
+        """Starts `_forget_departed_peers` on the peer-read executor unless one is still
+        under way: it reads etcd, and an etcd stall must not hold up the reservation sweep
+        (an expired reservation's pages wait on it)."""
+        if self._departed_check is not None and not self._departed_check.done():
+            return
+        try:
+            check = self._refresher.submit(self._forget_departed_peers)
+        except RuntimeError:  # the agent is stopping
+            return
+        check.add_done_callback(_log_failure)
+        self._departed_check = check
 
     def _forget_departed_peers(self) -> None:
         """A link (its fitted throughput, its two metric series, its line in every stats
@@ -788,6 +802,12 @@ class DataPlane(HandoffPaths):
         finally:
             if path == SHM and not done:
                 self._drop_peer_slab(peer.agent_id)
+
+
+def _log_failure(done: cf.Future) -> None:
+    """A background task's exception, logged (nobody waits on its future)."""
+    if not done.cancelled() and done.exception() is not None:
+        log.error("background task failed", exc_info=done.exception())
 
 
 def _note(reasons: list[str], text: str) -> None:

@@ -83,3 +83,39 @@ def test_policy_state_of_departed_agents_is_dropped(controlplane, make_agent):
 
     wait_for(lambda: not m.cluster.connected_agents(), 20, what="the control plane forgot the departed agents")
     wait_for(lambda: not any(leftovers().values()), 10, what="their policy state dropped")
+
+
+def test_a_stalled_etcd_holds_up_neither_the_reservation_sweep_nor_a_second_check(make_agent, monkeypatch):
+    """The check for departed peers reads etcd; it ran on the reservation sweep's thread,
+    so an etcd stall held up the sweep that frees expired reservations' pages. It runs
+    on the peer-read executor now, one check at a time."""
+    import threading
+
+    import agent.dataplane as dataplane
+
+    monkeypatch.setattr(dataplane, "LINK_FORGET_IDLE_SECONDS", 0.0)
+    monkeypatch.setattr(dataplane, "DEPARTED_CHECK_SECONDS", 0.0)
+    a = make_agent("sweeper", models=[SMALL])
+    dp = a.dataplane
+    dp.links.get("idle-peer")  # a link idle long enough to be looked up
+    release = threading.Event()
+    reads = []
+
+    def stalled_etcd(agent_id):
+        reads.append(agent_id)
+        release.wait(30)
+        return object()  # still registered: nothing is forgotten
+
+    sweeps = []
+    run_once = dp.reservations.run_once
+    monkeypatch.setattr(dp, "_peer_info", stalled_etcd)
+    monkeypatch.setattr(dp.reservations, "run_once", lambda: sweeps.append(1) or run_once())
+    try:
+        wait_for(lambda: reads, 10, what="a departed-peer check reading etcd")
+        n = len(sweeps)
+        wait_for(lambda: len(sweeps) >= n + 5, 10, what="the sweep going on while etcd stalls")
+        assert reads == ["idle-peer"], reads  # no second check piled up behind the first
+    finally:
+        release.set()
+    wait_for(lambda: len(reads) >= 2, 10, what="the next check once etcd answered")
+    assert [link.peer_agent_id for link in dp.links.all()] == ["idle-peer"]

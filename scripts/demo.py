@@ -212,6 +212,7 @@ class Demo:
             ],
         )
         self.wait_port("controlplane", cp, a.controlplane_port)
+        agents = []  # started together: each spends most of its start importing torch
         for i, port in enumerate(a.agent_ports, start=1):
             name = f"agent-{i}"
             proc = self.spawn(
@@ -236,6 +237,8 @@ class Demo:
                     "prefill" if i == 1 else "both",
                 ],
             )
+            agents.append((name, proc, port))
+        for name, proc, port in agents:
             self.wait_port(name, proc, port)
         with ControlPlaneClient(cp_addr) as c:
             deadline = time.monotonic() + 20

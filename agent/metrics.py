@@ -16,6 +16,7 @@ cause keys its count by (tier, reason) and shows up without a change here."""
 from __future__ import annotations
 
 import itertools
+import logging
 import threading
 from collections.abc import Mapping
 from typing import TYPE_CHECKING
@@ -24,6 +25,8 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, ProcessColl
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 from prometheus_client.utils import floatToGoString
 
+from agent.core.tier_store import is_slab
+from agent.store import memory_tier
 from protos.metrics import (
     DURATION_BUCKETS_SECONDS,
     BuildInfoCollector,
@@ -34,6 +37,8 @@ from protos.tier import Tier
 
 if TYPE_CHECKING:
     from agent.dataplane import DataPlane
+
+log = logging.getLogger(__name__)
 
 MEMORY_AND_DISK = (Tier.GPU, Tier.CPU, Tier.DISK)
 TRANSFER_KINDS = ("handoff", "replicate", "migrate")
@@ -210,6 +215,11 @@ class AgentCollector:
         self.vllm = vllm  # a VllmEventSubscriber, when the agent indexes a vLLM engine's events
         self.dataplane: DataPlane | None = None  # set once made (it takes these metrics)
         self._durations = _OperationDurations(agent_id)
+        # the CUDA devices of the pool's GPU tiers ("cuda:N"): their memory is read at scrape time
+        self._gpu_devices = sorted(
+            {str(t.device) for t in getattr(pool, "tiers", ()) if t.tier == Tier.GPU and is_slab(t)}
+        )
+        self._gpu_memory_failed: set[str] = set()  # devices whose read failed (said once)
         if mover is not None and hasattr(mover, "finish_listeners"):
             mover.finish_listeners.append(self._durations.observe)
 
@@ -294,6 +304,16 @@ class AgentCollector:
                 [*a, "kind", "state"],
             ),
         ]
+        if self._gpu_devices:
+            specs.append(
+                (
+                    g,
+                    "kvcp_gpu_memory_bytes",
+                    "Memory of each GPU this agent's GPU tier is on: free and total on the device (every "
+                    "process's use counts), reserved and allocated by this agent's torch allocator.",
+                    [*a, "device", "kind"],
+                )
+            )
         if self.vllm is not None:
             specs.extend((c, name, doc, a) for name, doc, _ in VLLM_EVENT_COUNTERS)
             specs.append(
@@ -391,6 +411,16 @@ class AgentCollector:
             f["kvcp_vllm_blocks_indexed_total"].add_metric([aid, "engine_hash"], ext.indexed_by_engine_hash_total)
         if self.dataplane is not None:
             self._collect_handoffs(f)
+        for device in self._gpu_devices:
+            try:
+                memory = memory_tier.gpu_memory_bytes(device)
+            except Exception as exc:  # noqa: BLE001 - a CUDA error costs these series, not the scrape
+                if device not in self._gpu_memory_failed:
+                    self._gpu_memory_failed.add(device)
+                    log.warning("cannot read the memory of %s for metrics: %s", device, exc)
+                continue
+            for kind, n in memory.items():
+                f["kvcp_gpu_memory_bytes"].add_metric([aid, device, kind], n)
         return [*f.values(), self._durations.family()]
 
     def _collect_handoffs(self, f) -> None:

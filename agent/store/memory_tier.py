@@ -31,6 +31,20 @@ def cuda_available() -> bool:
     return torch.cuda.is_available()
 
 
+def gpu_memory_bytes(device: str) -> dict[str, int]:
+    """A GPU's memory: `free` and `total` as the driver sees the device (every process's
+    use counts against free: an engine's KV cache, other agents), `reserved` and
+    `allocated` by this process's torch caching allocator (the GPU tier's slab is
+    allocated; transient codec buffers come and go; reserved minus allocated is cached)."""
+    free, total = torch.cuda.mem_get_info(device)
+    return {
+        "free": int(free),
+        "total": int(total),
+        "reserved": int(torch.cuda.memory_reserved(device)),
+        "allocated": int(torch.cuda.memory_allocated(device)),
+    }
+
+
 def _clear_cuda_error() -> None:
     """Reset the CUDA runtime's last error after a failed call we handled: torch checks it
     after its own calls and would raise it there (torch binds no cudaGetLastError)."""

@@ -254,3 +254,39 @@ def test_handoff_state_is_exported(agent):
     with a.dataplane._lock:
         a.dataplane.aborts_retried_total += 2  # as _abort_done counts an Abort sent again
     assert v("kvcp_handoff_aborts_retried_total", aid) == 2
+
+
+def test_gpu_memory_of_the_gpu_tiers_device_and_a_failed_read_costs_only_its_series(monkeypatch, caplog):
+    """The GPU's memory (free and total on the device, this agent's reserved and allocated)
+    for each device a GPU tier is on; none on an agent without one. CUDA is simulated: a
+    meta slab stands in for the cuda:1 tier, and the read is monkeypatched."""
+    import logging
+
+    from agent.core.block_pool import BlockPool
+    from agent.store import memory_tier as mt
+
+    cpu_only = CollectorRegistry()
+    cpu_only.register(AgentCollector("c1", BlockPool([mt.MemoryTier(Tier.CPU, 1 << 20, 4096)], [M])))
+    assert not [m for m in cpu_only.collect() if m.name == "kvcp_gpu_memory_bytes"]
+
+    gpu = mt.MemoryTier(Tier.GPU, 1 << 20, 4096, device="meta")
+    gpu.device = "cuda:1"
+    read = {"free": 30 << 30, "total": 80 << 30, "reserved": 2 << 30, "allocated": 1 << 30}
+    asked = []
+    monkeypatch.setattr(mt, "gpu_memory_bytes", lambda device: asked.append(device) or dict(read))
+    registry = CollectorRegistry()
+    registry.register(AgentCollector("g1", BlockPool([gpu, mt.MemoryTier(Tier.CPU, 1 << 20, 4096)], [M])))
+    v = registry.get_sample_value
+    for kind, n in read.items():
+        assert v("kvcp_gpu_memory_bytes", {"agent_id": "g1", "device": "cuda:1", "kind": kind}) == n
+    assert set(asked) == {"cuda:1"}
+
+    def cuda_error(device):
+        raise RuntimeError("CUDA error: an illegal memory access was encountered")
+
+    monkeypatch.setattr(mt, "gpu_memory_bytes", cuda_error)
+    with caplog.at_level(logging.WARNING, logger="agent.metrics"):
+        for _ in range(2):
+            assert v("kvcp_gpu_memory_bytes", {"agent_id": "g1", "device": "cuda:1", "kind": "free"}) is None
+            assert v("kvcp_tier_capacity_bytes", {"agent_id": "g1", "tier": "gpu"}) == 1 << 20  # the scrape goes on
+    assert len([r for r in caplog.records if "cuda:1" in r.getMessage()]) == 1  # said once

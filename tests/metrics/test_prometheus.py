@@ -146,6 +146,12 @@ def test_every_dashboard_and_alert_expression_returns_series(cluster, tmp_path):
     exported_links = {name for _, name, _, _ in HANDOFF_FAMILIES}
     assert {m for _, e in link_only for m in re.findall(r"kvcp_link_\w+", e)} <= exported_links
     vllm_only += link_only
+    # GPU memory exists only on agents with a GPU tier (none here): checked for validity
+    # and for naming the metric the agent exports (tests/metrics/test_agent_metrics.py)
+    gpu_only = [(n, e) for n, e in queries if "kvcp_gpu_memory" in e]
+    assert gpu_only
+    assert {m for _, e in gpu_only for m in re.findall(r"kvcp_gpu_memory\w*", e)} == {"kvcp_gpu_memory_bytes"}
+    vllm_only += gpu_only
     panels = [(n, e) for n, e in queries if (n, e) not in vllm_only]
     assert len(panels) >= 30 and len(rules) >= 10
     checks = panels + [(f"rule {n}", prom.with_bool(e)) for n, e in rules if (n, e) not in vllm_only]
@@ -255,6 +261,7 @@ def test_every_kvcp_metric_is_on_a_dashboard_panel(cluster):
         exported |= set(re.findall(r"^# TYPE (kvcp_\w+) ", scrape(address), re.M))
     exported |= {name for name, _, _ in VLLM_EVENT_COUNTERS} | {"kvcp_vllm_blocks_indexed_total"}
     exported |= {name for _, name, _, _ in HANDOFF_FAMILIES}
+    exported |= {"kvcp_gpu_memory_bytes"}  # agents with a GPU tier only
     assert len(exported) > 60
     named = " ".join(e for _, e in prom.dashboard_queries())
     # a counter's TYPE line names it without _total; a histogram's without _bucket

@@ -132,3 +132,25 @@ def test_a_chunked_move_from_the_second_gpu_switches_after_its_copies():
         meta = pool.blocks[h]
         got = cpu.read(meta.handle, meta.stored_bytes).view(torch.float16).reshape(SPEC.block_shape)
         assert meta.tier is Tier.CPU and torch.equal(got, data[i]), f"block {i}"
+
+
+def test_gpu_memory_metric_counts_the_gpu_tier():
+    """kvcp_gpu_memory_bytes on a real device: the GPU tier's slab is allocated by this
+    process, within what is reserved, within the device's total."""
+    from prometheus_client import CollectorRegistry
+
+    from agent.metrics import AgentCollector
+
+    tier = MemoryTier(Tier.GPU, 64 << 20, 1 << 20)
+    registry = CollectorRegistry()
+    registry.register(AgentCollector("gpu-agent", BlockPool([tier], [SPEC])))
+
+    def v(kind: str) -> float:
+        value = registry.get_sample_value(
+            "kvcp_gpu_memory_bytes", {"agent_id": "gpu-agent", "device": str(tier.device), "kind": kind}
+        )
+        assert value is not None, kind
+        return value
+
+    assert 64 << 20 <= v("allocated") <= v("reserved") < v("total")
+    assert 0 < v("free") < v("total")

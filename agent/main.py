@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import re
 import signal
 import sys
 import threading
@@ -54,6 +55,17 @@ def _metrics_listen(ctx, param, value: str) -> str:
     return value
 
 
+def _rdma_devices(ctx, param, value: str) -> str:
+    """NIC names as `ibv_devices` lists them, comma separated (the transport is checked in main)."""
+    if not value:
+        return ""
+    names = [n.strip() for n in value.split(",")]
+    for name in names:
+        if not re.fullmatch(r"[A-Za-z0-9_.:-]{1,64}", name):
+            raise click.BadParameter(f"{name!r} is not an RDMA device name (as ibv_devices lists them)")
+    return ",".join(names)
+
+
 @click.command(context_settings={"auto_envvar_prefix": "KVCP_AGENT", "help_option_names": ["-h", "--help"]})
 @click.option("--agent-id", required=True, help="Unique id of this agent (env KVCP_AGENT_AGENT_ID).")
 @click.option("--listen", default="127.0.0.1:50061", show_default=True, help="gRPC listen address of the engine API.")
@@ -81,6 +93,13 @@ def _metrics_listen(ctx, param, value: str) -> str:
     show_default=True,
     type=click.Choice(["tcp", "rdma"]),
     help="The engine's transport (rdma: memlock limits must cover the whole CPU slab, which is registered).",
+)
+@click.option(
+    "--rdma-devices",
+    default="",
+    callback=_rdma_devices,
+    help="RDMA NICs the engine uses, comma separated (mlx5_0,mlx5_1: those nearest the agent's GPU); "
+    "empty: the engine discovers them. Only with --transfer-protocol rdma.",
 )
 @click.option(
     "--transfer-metadata",
@@ -241,6 +260,7 @@ def main(
     role,
     transfer_engine,
     transfer_protocol,
+    rdma_devices,
     transfer_metadata,
     shm_handoff,
     handoff_deadline_seconds,
@@ -304,6 +324,11 @@ def main(
     if etcd_auth.problem():
         click.echo(f"kvcp-agent: {etcd_auth.problem()}", err=True)
         sys.exit(2)
+    if rdma_devices and transfer_protocol != "rdma":
+        click.echo(
+            "kvcp-agent: --rdma-devices needs --transfer-protocol rdma (the TCP transport picks no NIC)", err=True
+        )
+        sys.exit(2)
     if listen.rpartition(":")[0].strip("[]") in ("0.0.0.0", "::") and not advertise:
         # the address registered with the control plane, and the engine's endpoint, would
         # be the wildcard: no peer reaches it
@@ -341,6 +366,7 @@ def main(
         role=role,
         transfer_engine=transfer_engine,
         transfer_protocol=transfer_protocol,
+        rdma_devices=rdma_devices,
         transfer_metadata=transfer_metadata,
         shm_handoff=shm_handoff,
         codec_threads=codec_threads,

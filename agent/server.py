@@ -90,6 +90,7 @@ class AgentConfig:
     # mooncake, unless the agent has an agent token (the engine's own port takes none)
     transfer_engine: str = "auto"
     transfer_protocol: str = "tcp"  # the engine's transport: tcp | rdma
+    rdma_devices: str = ""  # the RDMA NICs the engine uses, comma separated ("": it discovers them)
     transfer_metadata: str = "P2PHANDSHAKE"  # or etcd://host:port (the engine's own metadata)
     shm_handoff: bool = True  # the CPU slab in shared memory for same-host handoff (pinned in place with CUDA)
     codec_threads: int = 2  # threads that encode blocks while a move writes the ones before
@@ -226,7 +227,9 @@ class Agent:
                 "(--transfer-engine mooncake to use it anyway, on a network only the agents reach)",
             )
         else:
-            backend = open_engine(engine_kind, host, config.transfer_protocol, config.transfer_metadata)
+            backend = open_engine(
+                engine_kind, host, config.transfer_protocol, config.transfer_metadata, config.rdma_devices
+            )
         if not backend.available:
             paths = "shared memory (same host) and the gRPC path" if config.shm_handoff else "the gRPC path only"
             self._log_fn(f"agent {config.agent_id}: handoffs use {paths}, no transfer engine: {backend.status}")

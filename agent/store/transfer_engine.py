@@ -151,12 +151,14 @@ class MooncakeEngine:
         rc = self._engine.initialize(hostname, metadata_server, protocol, device_name)
         if rc != 0:
             raise TransferFailed(
-                f"TransferEngine.initialize({hostname!r}, {metadata_server!r}, {protocol!r}) returned {rc}"
+                f"TransferEngine.initialize({hostname!r}, {metadata_server!r}, {protocol!r}, {device_name!r}) "
+                f"returned {rc}"
+                + (" (are those RDMA devices on this host? ibv_devices lists them)" if device_name else "")
             )
         self.protocol = protocol
         self.endpoint = f"{hostname}:{self._engine.get_rpc_port()}"
         self.available = True
-        self.status = f"mooncake {protocol} at {self.endpoint}"
+        self.status = f"mooncake {protocol} at {self.endpoint}" + (f" on {device_name}" if device_name else "")
         self._lock = threading.Lock()
         self._registered: dict[int, int] = {}
         # writes given up (timed out) that the engine still holds: checked again before

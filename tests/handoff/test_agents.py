@@ -424,6 +424,52 @@ def test_the_agent_refuses_an_unknown_transfer_protocol():
     assert result.exit_code == 2 and "--transfer-protocol" in result.output and "rdma" in result.output
 
 
+@pytest.mark.parametrize(
+    ("args", "needle"),
+    [
+        (["--rdma-devices", "mlx5_0"], "--transfer-protocol rdma"),  # the TCP transport picks no NIC
+        (["--transfer-protocol", "rdma", "--rdma-devices", "mlx5_0,mlx5 1"], "--rdma-devices"),
+        (["--transfer-protocol", "rdma", "--rdma-devices", "mlx5_0,"], "--rdma-devices"),
+    ],
+)
+def test_the_agent_refuses_rdma_devices_it_cannot_use(args, needle):
+    from click.testing import CliRunner
+
+    from agent.main import main
+
+    result = CliRunner().invoke(main, ["--agent-id", "x", *args], catch_exceptions=False)
+    assert result.exit_code == 2 and needle in result.output and "Traceback" not in result.output
+
+
+def test_the_rdma_devices_reach_the_engine(monkeypatch):
+    """--rdma-devices mlx5_0,mlx5_1 becomes the engine's device_name (its NICs); before
+    the flag the engine was always left to discover them."""
+    from click.testing import CliRunner
+
+    import agent.main
+    import agent.server
+    from agent.store.transfer_engine import NoEngine
+
+    opened = []
+
+    def open_engine(kind, host="", protocol="tcp", metadata="", device_name="", **kw):
+        opened.append((kind, protocol, device_name))
+        return NoEngine("not started in this test")
+
+    class Started(Exception):
+        pass
+
+    def start(self):
+        raise Started
+
+    monkeypatch.setattr(agent.server, "open_engine", open_engine)
+    monkeypatch.setattr(agent.server.Agent, "start", start)
+    argv = ["--agent-id", "x", "--transfer-engine", "mooncake", "--transfer-protocol", "rdma"]
+    result = CliRunner().invoke(agent.main.main, [*argv, "--rdma-devices", " mlx5_0, mlx5_1"])
+    assert isinstance(result.exception, Started), result.output
+    assert opened == [("mooncake", "rdma", "mlx5_0,mlx5_1")]
+
+
 def test_handoffs_whose_callers_gave_up_do_not_starve_the_engine_api(controlplane, make_agent):
     """A Handoff ran to its deadline_seconds after its caller's own deadline passed: 40
     engines that gave up after 0.3 s held the agent's workers waiting for a busy peer,

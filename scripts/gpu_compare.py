@@ -1,4 +1,4 @@
-"""Same-run comparisons on a CUDA machine (the README's chunk and promotion tables):
+"""Same-run comparisons on a CUDA machine (the chunk and promotion tables of docs/tiers.md):
 
 1. GPU<->CPU moves of 32 x 1 MiB and 8 x 4 MiB blocks through the agent's Mover, for
    several chunkings of a batch (first chunk, largest chunk), against one bulk `copy_` of

@@ -3,7 +3,7 @@ and whether to split them at all. Pure functions over what agents report
 (AgentStats.dataplane: free capacity, handoffs in flight and queued, each link's fitted
 latency and capacity) and what the index knows (cached prefix per agent).
 
-The rule (README, "Prefill->decode handoff"):
+The rule (README, "Prefill->decode handoff"; in full in docs/handoff.md):
 
 - prefill agent: least estimated time to first byte of KV, i.e. the tokens it must
   still compute (prompt minus its cached prefix) at `prefill_tokens_per_second`, plus

@@ -20,6 +20,7 @@ import grpc
 from google.protobuf.message import DecodeError
 
 from protos.block_hash import BLOCK_HASH_BYTES, MAX_PROMPT_TOKENS
+from protos.etcd_keys import CORDON_POLICY_PREFIX
 from protos.grpc_errors import ERROR_KIND_METADATA_KEY, LEADER_METADATA_KEY
 from protos.kvcp.v1 import admin_pb2, admin_pb2_grpc, types_pb2
 from protos.lookup_wire import HEADER_BYTES, MAX_FRAME_BYTES, MAX_REPLY_BYTES, frame, split_address
@@ -252,6 +253,7 @@ class AgentView:
     transfer_engine: str = ""  # "mooncake" when its engine is up
     transfer_engine_status: str = ""  # the engine's endpoint, or why it is off
     shm_handoff: bool = False  # same-host handoffs through its shared-memory slab
+    cordon_reason: str = ""  # non-empty: cordoned (kvctl cordon): routers are not sent there
 
     @property
     def handoff_paths(self) -> list[str]:
@@ -649,6 +651,7 @@ class ControlPlaneClient:
                 transfer_engine=a.info.transfer_engine,
                 transfer_engine_status=a.info.transfer_engine_status,
                 shm_handoff=bool(a.info.shm_path),
+                cordon_reason=a.cordon_reason,
             )
             for a in resp.agents
         ]
@@ -958,6 +961,19 @@ class ControlPlaneClient:
 
     def set_policy(self, values: dict[str, str]) -> dict[str, str]:
         return dict(self._change("SetPolicy", admin_pb2.SetPolicyRequest(values=values)).values)
+
+    def cordon(self, agent_id: str, reason: str) -> str:
+        """No new work for the agent (Lookup and Route leave it out) until uncordoned: the
+        policy key cordon.<agent_id>, durable in etcd. Returns the reason stored."""
+        key = CORDON_POLICY_PREFIX + agent_id
+        return self.set_policy({key: reason}).get(key, "")
+
+    def uncordon(self, agent_id: str) -> bool:
+        """Back in rotation. Returns whether it was cordoned."""
+        key = CORDON_POLICY_PREFIX + agent_id
+        was = key in self.get_policy()
+        self.set_policy({key: "none"})
+        return was
 
     # ---- watch ----------------------------------------------------------------------
     def watch(self, kinds: tuple[str, ...] = (), replay_recent: bool = True):

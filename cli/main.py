@@ -265,8 +265,12 @@ def agents(ctx: Context):
     rows = []
     for a in views:
         tiers = " ".join(f"{t.tier}:{output.tier_cell(t)}" for t in a.tiers)
-        rows.append([a.agent_id, a.address, a.state, a.num_blocks, f"{a.hit_ratio:.1%}", tiers])
+        state = f"{a.state},cordoned" if a.cordon_reason else a.state
+        rows.append([a.agent_id, a.address, state, a.num_blocks, f"{a.hit_ratio:.1%}", tiers])
     click.echo(output.table(["AGENT", "ADDRESS", "STATE", "BLOCKS", "HIT", "TIERS (used/capacity)"], rows))
+    for a in views:
+        if a.cordon_reason:
+            click.echo(f"{a.agent_id}: cordoned ({a.cordon_reason}): no new work goes to it (kvctl uncordon)")
     for a in views:  # an engine that did not start: handoffs go the slower ways, said once here
         if not a.transfer_engine and a.transfer_engine_status:
             click.echo(

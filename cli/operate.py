@@ -538,3 +538,32 @@ def policy_set(ctx: Context, assignments):
         click.echo(json.dumps(values, indent=2, sort_keys=True))
     else:
         click.echo(output.table(["KEY", "VALUE"], [[k, v] for k, v in sorted(values.items())]))
+
+
+@main.command()
+@click.argument("agent_id")
+@click.option("--reason", default="cordoned with kvctl", show_default=True, help="Why (shown by kvctl agents).")
+@pass_ctx
+def cordon(ctx: Context, agent_id, reason):
+    """Take an agent out of rotation: Lookup and Route leave it out (routers send it no new
+    requests, handoffs do not go to it) until `kvctl uncordon`. It keeps its blocks, and a
+    transfer can still move them out. Durable in etcd (the policy key cordon.<agent_id>)."""
+    if not agent_id or not agent_id.isprintable():
+        fail(f"AGENT_ID: {agent_id!r} is not an agent id (kvctl agents lists them)")
+    stored = ctx.call(lambda c: c.cordon(agent_id, reason), {f"values[cordon.{agent_id}]": "--reason"})
+    if ctx.output == "json":
+        click.echo(json.dumps({"agent_id": agent_id, "cordon_reason": stored}))
+    else:
+        click.echo(f"cordoned {agent_id} ({stored}): no new work goes to it; kvctl uncordon {agent_id} undoes it")
+
+
+@main.command()
+@click.argument("agent_id")
+@pass_ctx
+def uncordon(ctx: Context, agent_id):
+    """Put a cordoned agent back in rotation."""
+    was = ctx.call(lambda c: c.uncordon(agent_id))
+    if ctx.output == "json":
+        click.echo(json.dumps({"agent_id": agent_id, "was_cordoned": was}))
+    else:
+        click.echo(f"uncordoned {agent_id}" if was else f"{agent_id} was not cordoned")

@@ -29,7 +29,7 @@ from controlplane.core.scope import Scope
 from controlplane.core.tuning import CreditTuner
 from controlplane.manager_ops import OperationControl
 from controlplane.manager_pins import PinControl
-from controlplane.manager_policy import PolicyControl
+from controlplane.manager_policy import PolicyControl, cordons
 from controlplane.store.durable import DurableStore, pin_key, pin_to_json
 from protos import errors, etcd_keys
 from protos.block_hash import BLOCK_HASH_BYTES, MAX_PROMPT_BLOCKS, check_prompt_size, hash_prefix
@@ -74,7 +74,7 @@ class Manager(PinControl, OperationControl, PolicyControl):
         self._adopted_locks_pending = 0
         self._adopted_locks_settled = threading.Event()
         self._adopted_locks_settled.set()
-        self.policy: dict[str, str] = {}
+        self.policy = {}
         self.policy_revision = 0
         self._loaded_epoch = 0  # the epoch whose state load() read from etcd; 0: none yet
         # the epoch whose state memory holds as its leader's: kept while no other replica
@@ -148,6 +148,18 @@ class Manager(PinControl, OperationControl, PolicyControl):
         self._lookups: deque[tuple[bytes, float]] = deque(maxlen=100_000)
         self.lookups_dropped_total = 0
         self.on_finished = None  # callable(kind, state, seconds) when an operation finishes (metrics)
+
+    # ---- the policy's values ---------------------------------------------------------
+    @property
+    def policy(self) -> dict[str, str]:
+        return self._policy_values
+
+    @policy.setter
+    def policy(self, values: dict[str, str]) -> None:
+        """Every policy that takes effect (set, reloaded, loaded on winning) tells the
+        cluster its cordoned agents, which lookups and Route then leave out."""
+        self._policy_values = values
+        self.cluster.set_cordoned(cordons(values))
 
     # ---- leadership -----------------------------------------------------------------
     @property

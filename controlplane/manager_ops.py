@@ -190,9 +190,16 @@ class OperationControl(ManagerState):
                 raise errors.NotFound(f"{field_name}: no agent {agent_id!r} is registered (kvctl agents lists them)")
         if from_agent_id == to_agent_id:
             raise errors.InvalidArgument("to_agent_id", "is the source; a transfer goes to another agent")
+        cordoned = self.cluster.cordon_reason(to_agent_id)
+        if cordoned:  # out of rotation: KV sent there would serve nobody (the source may be one)
+            raise errors.FailedPrecondition(
+                f"to_agent_id: agent {to_agent_id} is cordoned ({cordoned}); kvctl uncordon {to_agent_id} first"
+            )
         hits = {
             m.agent_id: m.num_hit_blocks
-            for m in self.cluster.lookup(scope.model_id, block_hashes=packed, record=False).matches
+            for m in self.cluster.lookup(
+                scope.model_id, block_hashes=packed, record=False, include_cordoned=True
+            ).matches
         }
         held = hits.get(from_agent_id, 0)
         if not held:

@@ -26,6 +26,8 @@ from protos.units import parse_size
 log = logging.getLogger(__name__)
 
 QUOTA_REMOVED = ("", "none")  # `kvctl policy set quota.<ns>=none` (or empty) lifts a namespace's quota
+CORDON_PREFIX = etcd_keys.CORDON_POLICY_PREFIX  # cordon.<agent_id>=<reason>: no new work for it (none: uncordoned)
+MAX_CORDON_REASON_CHARS = 200
 POLICY_WRITE_TRIES = 5  # SetPolicy merges into a policy written meanwhile, at most this often
 
 
@@ -45,15 +47,37 @@ def _check_quota_entry(key: str, value: str) -> None:
         raise errors.InvalidArgument(field, str(exc)) from None
 
 
+def _check_cordon_entry(key: str, value: str) -> None:
+    """`cordon.<agent_id>=<reason>` (kvctl cordon): the agent must be named, the reason
+    one printable line; none (or empty) uncordons."""
+    agent_id = key.removeprefix(CORDON_PREFIX)
+    field = f"values[{key[:80]}{'...' if len(key) > 80 else ''}]"
+    if not agent_id or len(agent_id) > 256 or not agent_id.isprintable():
+        raise errors.InvalidArgument(field, "name the agent: cordon.<agent_id>=<reason>")
+    if len(value) > MAX_CORDON_REASON_CHARS or not value.isprintable():
+        raise errors.InvalidArgument(
+            field, f"the reason must be one printable line of at most {MAX_CORDON_REASON_CHARS} characters"
+        )
+
+
+def cordons(values: dict[str, str]) -> dict[str, str]:
+    """The cordoned agents a policy names: agent id -> reason."""
+    return {k.removeprefix(CORDON_PREFIX): v for k, v in values.items() if k.startswith(CORDON_PREFIX)}
+
+
 def validate_policy(values: dict[str, str]) -> dict[str, str]:
-    """Effective policy from stored/changed values: quota.<namespace> sizes here, the
-    tier policy's keys by its own validator (controlplane.core.policy)."""
+    """Effective policy from stored/changed values: quota.<namespace> sizes and
+    cordon.<agent_id> reasons here, the tier policy's keys by its own validator
+    (controlplane.core.policy)."""
     quotas = {k: v for k, v in values.items() if k.startswith("quota.")}
     for key, value in quotas.items():
         _check_quota_entry(key, value)
-    rest = {k: v for k, v in values.items() if not k.startswith("quota.")}
+    cordoned = {k: v for k, v in values.items() if k.startswith(CORDON_PREFIX)}
+    for key, value in cordoned.items():
+        _check_cordon_entry(key, value)
+    rest = {k: v for k, v in values.items() if k not in quotas and k not in cordoned}
     policy = tier_policy.Policy.from_mapping(rest)
-    return {**policy.to_mapping(), **quotas}
+    return {**policy.to_mapping(), **quotas, **cordoned}
 
 
 class PolicyControl(ManagerState):
@@ -70,12 +94,18 @@ class PolicyControl(ManagerState):
         for key, value in changes.items():
             if key.startswith("quota."):
                 _check_quota_entry(key, value)
+            elif key.startswith(CORDON_PREFIX):
+                _check_cordon_entry(key, value)
+                agent_id = key.removeprefix(CORDON_PREFIX)
+                if value not in QUOTA_REMOVED and agent_id not in {r.agent_id for r, _ in self.cluster.agents()}:
+                    # a typo would cordon nothing (uncordoning one that left is fine)
+                    raise errors.NotFound(f"{key}: no agent {agent_id!r} is registered (kvctl agents lists them)")
         with self._lock:
             for _ in range(POLICY_WRITE_TRIES):
                 values = {**self.policy, **changes}
                 for key, value in changes.items():
-                    if key.startswith("quota.") and value in QUOTA_REMOVED:
-                        del values[key]
+                    if key.startswith(("quota.", CORDON_PREFIX)) and value in QUOTA_REMOVED:
+                        values.pop(key, None)
                 merged = self.policy_validator(values)
                 if self.durable.replace(etcd_keys.POLICY_KEY, json.dumps(merged, sort_keys=True), self.policy_revision):
                     break

@@ -190,7 +190,7 @@ class ClusterScreen(DashboardScreen):
             table.add_row(  # data as Text: a plain str cell is read as markup ('[fd00::5]:1' lost its host)
                 Text(a.agent_id),
                 Text(a.address),
-                render.styled(a.state),
+                render.styled(a.state) + (Text(" cordoned", style="yellow") if a.cordon_reason else Text()),
                 tiers if a.tiers else Text("-", style="dim"),
                 str(a.num_blocks),
                 f"{a.hit_ratio:.1%}",
@@ -253,6 +253,8 @@ class AgentScreen(DashboardScreen):
             return
         text.append("  ")
         text.append_text(render.styled(a.state))
+        if a.cordon_reason:  # Text, not markup: the reason is an operator's free text
+            text.append(f"  cordoned ({a.cordon_reason}): no new work goes to it", style="yellow")
         text.append(f"  {a.address}")
         if a.last_seen_unix_seconds:
             text.append(f"  last seen {render.duration(self.dash.now() - a.last_seen_unix_seconds)} ago", style="dim")

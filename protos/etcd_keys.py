@@ -3,7 +3,7 @@ process connects. Everything durable lives here; the block index never does.
 
     /kvcp/v1/agents/<agent_id>          AgentInfo (JSON), attached to the agent's lease
     /kvcp/v1/pins/<namespace>/<pin_id>  Pin
-    /kvcp/v1/config/policy              Policy
+    /kvcp/v1/config/policy              Policy (tier settings, quota.<ns>, cordon.<agent_id>)
     /kvcp/v1/ops/<op_id>                Operation
     /kvcp/v1/election/leader            leader address, under the leader's lease;
                                         its create_revision is the epoch
@@ -19,6 +19,9 @@ ROOT = "/kvcp/v1/"
 AGENTS_PREFIX = ROOT + "agents/"
 PINS_PREFIX = ROOT + "pins/"
 POLICY_KEY = ROOT + "config/policy"
+# keys of the policy's values that are not tier-policy settings: quota.<namespace>=<size>,
+# cordon.<agent_id>=<reason> (kvctl cordon: no new work for that agent)
+CORDON_POLICY_PREFIX = "cordon."
 OPS_PREFIX = ROOT + "ops/"
 LEADER_KEY = ROOT + "election/leader"
 # written by each leader once it has loaded its state: an etcd without it holds no

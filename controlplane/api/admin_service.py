@@ -57,7 +57,10 @@ class AdminServicer(admin_pb2_grpc.AdminServiceServicer):
     def ListAgents(self, request, context):
         self._require_leader(read=True)
         return admin_pb2.ListAgentsResponse(
-            agents=[convert.agent_status_to_pb(rec, n) for rec, n in self._cluster.agents()]
+            agents=[
+                convert.agent_status_to_pb(rec, n, self._cluster.cordon_reason(rec.agent_id))
+                for rec, n in self._cluster.agents()
+            ]
         )
 
     def Lookup(self, request, context):

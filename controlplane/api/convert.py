@@ -83,7 +83,7 @@ def groups_from_pb(groups) -> list[core.BlockGroup]:
     return out
 
 
-def agent_status_to_pb(rec: core.AgentRecord, num_blocks: int) -> admin_pb2.AgentStatus:
+def agent_status_to_pb(rec: core.AgentRecord, num_blocks: int, cordon_reason: str = "") -> admin_pb2.AgentStatus:
     return admin_pb2.AgentStatus(
         info=types_pb2.AgentInfo(
             agent_id=rec.agent_id,
@@ -101,6 +101,7 @@ def agent_status_to_pb(rec: core.AgentRecord, num_blocks: int) -> admin_pb2.Agen
         lookups_total=rec.lookups_total,
         lookup_tokens_total=rec.lookup_tokens_total,
         lookup_hit_tokens_total=rec.lookup_hit_tokens_total,
+        cordon_reason=cordon_reason,
     )
 
 

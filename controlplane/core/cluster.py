@@ -245,6 +245,21 @@ class Cluster:
         # agents a lookup found holding part of a prefix below their fastest tier since the
         # tier policy last decided for them (its cue that promoting may pay)
         self._slow_hits: set[str] = set()
+        # agent -> reason: cordoned by an operator (policy keys cordon.<agent_id>, kvctl
+        # cordon): routers are not sent there (Lookup and Route leave it out); it keeps its
+        # blocks, its policy passes, and can still be a transfer's source
+        self._cordoned: dict[str, str] = {}
+
+    # ---- cordons --------------------------------------------------------------------
+    def set_cordoned(self, reasons: dict[str, str]) -> None:
+        """The cordoned agents as the policy now says (agent id -> reason)."""
+        with self._lock:
+            self._cordoned = dict(reasons)
+
+    def cordon_reason(self, agent_id: str) -> str:
+        """Why the agent is cordoned; "" when it is not."""
+        with self._lock:
+            return self._cordoned.get(agent_id, "")
 
     # ---- membership -----------------------------------------------------------------
     def register(self, record: AgentRecord) -> None:
@@ -681,10 +696,12 @@ class Cluster:
         block_hashes: bytes = b"",
         extra_keys: tuple[str, ...] = (),
         record: bool = True,
+        include_cordoned: bool = False,
     ) -> LookupResult:
         """Who holds the longest cached prefix. `record`: count it as a router's lookup and
         as reuse evidence for the tier policy (False for the control plane's own lookups:
-        a transfer's, the second Route of one request)."""
+        a transfer's, the second Route of one request). Cordoned agents are no holders
+        unless `include_cordoned` (a transfer's source may be one: it is being emptied)."""
         if not model_id:
             raise errors.InvalidArgument("model_id", "must not be empty")
         if token_ids and block_hashes:
@@ -715,6 +732,8 @@ class Cluster:
         with self._lock:
             holders = self.index.prefix_holders(packed)
             serving = self._serving.get(model_id, frozenset())
+            if self._cordoned and not include_cordoned:
+                serving = serving.difference(self._cordoned)
             if any(a not in serving for a in holders.agent_ids):
                 # the index keys blocks by hash alone: an engine's own hashes (vLLM's) need not
                 # tell models apart, so an agent serving another model is no holder

@@ -382,9 +382,13 @@ def route_request(
             counted(rec.agent_id, view),
         )
         for rec in cluster.connected_agents(params.max_silence_seconds)
-        if any(m.model_id == model_id for m in rec.models)
+        if any(m.model_id == model_id for m in rec.models) and not cluster.cordon_reason(rec.agent_id)
         for view in (states.view(rec.agent_id),)
     ]
+    if prefill_agent_id and cluster.cordon_reason(prefill_agent_id):
+        raise errors.FailedPrecondition(
+            f"prefill_agent_id: agent {prefill_agent_id!r} is cordoned ({cluster.cordon_reason(prefill_agent_id)})"
+        )
     if prefill_agent_id and prefill_agent_id not in {c.agent_id for c in candidates}:
         raise errors.NotFound(
             f"prefill_agent_id: no connected agent {prefill_agent_id!r} serves {model_id!r} "
@@ -392,17 +396,21 @@ def route_request(
         )
     decision = route(role, candidates, result.num_blocks, result.block_size, block_bytes, params, prefill_agent_id)
     if not decision.agent_id and decision.reason.startswith("no agent takes"):
-        silent = [
+        left_out = [
             rec.agent_id
             for rec in cluster.connected_agents()
             if any(m.model_id == model_id for m in rec.models) and rec.agent_id not in {c.agent_id for c in candidates}
         ]
+        cordoned = [a for a in left_out if cluster.cordon_reason(a)]
+        silent = [a for a in left_out if a not in cordoned]
         if silent:  # they take the role, but have not reported lately (hung, or a stalled machine)
             decision = dataclasses.replace(
                 decision,
-                reason=f"{decision.reason}: {', '.join(sorted(silent))} silent for over "
+                reason=f"{decision.reason}: {', '.join(silent)} silent for over "
                 f"{params.max_silence_seconds:g}s (hung or stalled?)",
             )
+        if cordoned:
+            decision = dataclasses.replace(decision, reason=f"{decision.reason}; cordoned: {', '.join(cordoned)}")
     if decision.disaggregate and decision.decode_agent_id:  # its bytes count against it until reported
         d = next((c for c in candidates if c.agent_id == decision.decode_agent_id), None)
         if d is not None:

@@ -57,6 +57,18 @@ def test_an_ipv6_agent_address_keeps_its_host():
     assert "[fd00::5]:50061" in shown["screen"].replace("&#160;", " ")
 
 
+def test_a_cordoned_agent_is_shown_so_with_its_reason_as_written():
+    shown = {}
+
+    async def steps(app, pilot):
+        app.apply_agents([replace(sample.agents()[0], cordon_reason="GPU [Xid 79] fell off the bus")])
+        await pilot.pause()
+        shown["state"] = str(app.screen.query_one("#agents", DataTable).get_row_at(0)[2])
+
+    assert run(steps) is None
+    assert shown["state"] == "ready cordoned"
+
+
 def test_tokens_typed_with_brackets_are_an_error_not_a_crash():
     async def steps(app, pilot):
         form = PinForm()

@@ -333,3 +333,22 @@ def test_the_store_prompt_script_stores_a_prompt_the_control_plane_then_finds(cl
         timeout=60,
     )
     assert bad.returncode == 1 and "--model: unknown model 'nope'" in bad.stderr
+
+
+def test_kvctl_cordon_and_uncordon(cluster):
+    """kvctl cordon takes the agent out of rotation (kvctl agents says so and why),
+    kvctl uncordon puts it back; an unknown agent is one line and exit 1."""
+    out = kvctl(cluster.endpoint, "cordon", "agent-d", "--reason", "kernel upgrade").stdout
+    assert out.strip() == "cordoned agent-d (kernel upgrade): no new work goes to it; kvctl uncordon agent-d undoes it"
+    try:
+        table = kvctl(cluster.endpoint, "agents").stdout
+        assert "ready,cordoned" in table and "agent-d: cordoned (kernel upgrade)" in table, table
+        assert [a["cordon_reason"] for a in j(cluster, "agents")] == ["kernel upgrade"]
+        assert j(cluster, "policy", "get")["cordon.agent-d"] == "kernel upgrade"
+        bad = kvctl(cluster.endpoint, "cordon", "agent-typo", check=False)
+        assert bad.returncode == 1 and "no agent 'agent-typo'" in bad.stderr, bad.stderr
+        assert len(bad.stderr.strip().splitlines()) == 1 and "Traceback" not in bad.stderr
+    finally:
+        assert j(cluster, "uncordon", "agent-d") == {"agent_id": "agent-d", "was_cordoned": True}
+    assert kvctl(cluster.endpoint, "uncordon", "agent-d").stdout.strip() == "agent-d was not cordoned"
+    assert [a["cordon_reason"] for a in j(cluster, "agents")] == [""]

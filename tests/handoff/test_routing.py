@@ -139,6 +139,51 @@ def test_route_sends_no_work_to_an_agent_without_a_stream_or_silent():
     assert not decision.agent_id and "holder silent for over 5s" in decision.reason, decision.reason
 
 
+def test_a_cordoned_agent_gets_no_new_work_but_stays_a_transfer_source():
+    """kvctl cordon: an agent out of rotation (a rolling upgrade, a bad GPU) is no holder
+    to a router's Lookup and no candidate to Route, whatever it holds; its blocks stay
+    indexed (a transfer may still empty it) and uncordoning puts it back."""
+    import queue
+
+    import numpy as np
+
+    from controlplane.core.cluster import AgentRecord, BlockGroup, Cluster, ModelInfo
+    from controlplane.core.routing import route_request
+    from protos import errors
+    from protos.block_hash import ROOT_PARENT_HASH
+    from protos.tier import Tier
+
+    cluster = Cluster()
+    model = ModelInfo("m", 16, num_layers=2, num_kv_heads=2, head_dim=128, dtype="float16")
+    chain = [np.random.default_rng(2).bytes(16) for _ in range(4)]
+    packed = b"".join(chain)
+    for agent_id in ("holder", "other"):
+        cluster.register(AgentRecord(agent_id, f"{agent_id}:1", [model], []))
+        cluster.hello(agent_id, "s")
+        held = [BlockGroup("m", Tier.CPU, packed, ROOT_PARENT_HASH + b"".join(chain[:-1]))]
+        cluster.apply_inventory_chunk(agent_id, 0, 0, True, held if agent_id == "holder" else [])
+        cluster.attach_outbox(agent_id, "s", queue.Queue())
+    assert route_request(cluster, "m", block_hashes=packed, role="prefill").agent_id == "holder"
+
+    cluster.set_cordoned({"holder": "kernel upgrade"})
+    assert cluster.lookup("m", block_hashes=packed).matches == []
+    source = cluster.lookup("m", block_hashes=packed, record=False, include_cordoned=True)
+    assert [(m.agent_id, m.num_hit_blocks) for m in source.matches] == [("holder", 4)]
+    for role in ("prefill", "decode", "pair"):
+        decision = route_request(cluster, "m", block_hashes=packed, role=role)
+        assert {c.agent_id for c in decision.candidates} == {"other"}, role
+        assert decision.agent_id == "other" or decision.decode_agent_id == "other", (role, decision)
+    with pytest.raises(errors.FailedPrecondition, match="'holder' is cordoned .kernel upgrade."):
+        route_request(cluster, "m", block_hashes=packed, role="decode", prefill_agent_id="holder")
+    cluster.set_cordoned({"holder": "kernel upgrade", "other": "drained"})
+    decision = route_request(cluster, "m", block_hashes=packed, role="prefill")
+    assert not decision.agent_id and "cordoned: holder, other" in decision.reason, decision.reason
+
+    cluster.set_cordoned({})
+    assert route_request(cluster, "m", block_hashes=packed, role="prefill").agent_id == "holder"
+    assert [m.agent_id for m in cluster.lookup("m", block_hashes=packed).matches] == ["holder"]
+
+
 def test_prefill_ties_go_to_the_agent_the_lookup_ranks_first():
     """Two agents hold as long a prefix, one in CPU memory, one on disk: the lookup ranks
     the faster copy first and Route follows it (it went by agent id)."""

@@ -28,7 +28,7 @@ class ListAgentsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class AgentStatus(_message.Message):
-    __slots__ = ("info", "state", "num_blocks", "last_seen_unix_seconds", "lookups_total", "lookup_hit_tokens_total", "lookup_tokens_total")
+    __slots__ = ("info", "state", "num_blocks", "last_seen_unix_seconds", "lookups_total", "lookup_hit_tokens_total", "lookup_tokens_total", "cordon_reason")
     INFO_FIELD_NUMBER: _ClassVar[int]
     STATE_FIELD_NUMBER: _ClassVar[int]
     NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
@@ -36,6 +36,7 @@ class AgentStatus(_message.Message):
     LOOKUPS_TOTAL_FIELD_NUMBER: _ClassVar[int]
     LOOKUP_HIT_TOKENS_TOTAL_FIELD_NUMBER: _ClassVar[int]
     LOOKUP_TOKENS_TOTAL_FIELD_NUMBER: _ClassVar[int]
+    CORDON_REASON_FIELD_NUMBER: _ClassVar[int]
     info: _types_pb2.AgentInfo
     state: _types_pb2.AgentState
     num_blocks: int
@@ -43,7 +44,8 @@ class AgentStatus(_message.Message):
     lookups_total: int
     lookup_hit_tokens_total: int
     lookup_tokens_total: int
-    def __init__(self, info: _Optional[_Union[_types_pb2.AgentInfo, _Mapping]] = ..., state: _Optional[_Union[_types_pb2.AgentState, str]] = ..., num_blocks: _Optional[int] = ..., last_seen_unix_seconds: _Optional[float] = ..., lookups_total: _Optional[int] = ..., lookup_hit_tokens_total: _Optional[int] = ..., lookup_tokens_total: _Optional[int] = ...) -> None: ...
+    cordon_reason: str
+    def __init__(self, info: _Optional[_Union[_types_pb2.AgentInfo, _Mapping]] = ..., state: _Optional[_Union[_types_pb2.AgentState, str]] = ..., num_blocks: _Optional[int] = ..., last_seen_unix_seconds: _Optional[float] = ..., lookups_total: _Optional[int] = ..., lookup_hit_tokens_total: _Optional[int] = ..., lookup_tokens_total: _Optional[int] = ..., cordon_reason: _Optional[str] = ...) -> None: ...
 
 class ListAgentsResponse(_message.Message):
     __slots__ = ("agents",)

@@ -1,0 +1,67 @@
+"""kvctl cordon / uncordon: an agent taken out of rotation (a rolling upgrade, a failing
+GPU) gets no new work - Lookup and Route leave it out, no transfer goes to it - while it
+keeps its blocks and can still be a transfer's source; the cordon is durable (the policy
+key cordon.<agent_id> in etcd) across a control-plane restart."""
+
+from __future__ import annotations
+
+import pytest
+
+from agent.server import DEMO_MODEL
+from cli.client import ClientError, ControlPlaneClient
+from tests.helpers import wait_for
+
+M = DEMO_MODEL
+
+
+def tokens(n_blocks: int, start: int = 0) -> list[int]:
+    return list(range(start, start + n_blocks * M.block_size))
+
+
+def test_a_cordoned_agent_gets_no_new_work_keeps_its_blocks_and_stays_cordoned_across_a_restart(etcd, make_agent):
+    import torch
+
+    from controlplane.server import ControlPlane, ControlPlaneConfig
+
+    prompt = tokens(3, start=70_000)
+    cp = ControlPlane(ControlPlaneConfig(listen="127.0.0.1:0", etcd=etcd, election_ttl_seconds=2)).start()
+    port = cp.port
+    try:
+        old = make_agent("c-old", lease_ttl_seconds=3)
+        make_agent("c-new", lease_ttl_seconds=3)
+        old.engine.store(M.model_id, prompt, torch.ones((3, *M.block_shape), dtype=torch.float16))
+        with ControlPlaneClient(cp.address) as c:
+            wait_for(lambda: c.lookup(M.model_id, token_ids=prompt).best_agent_id == "c-old", what="indexed")
+            assert c.cordon("c-old", "kernel upgrade") == "kernel upgrade"
+            assert {a.agent_id: a.cordon_reason for a in c.list_agents()} == {"c-old": "kernel upgrade", "c-new": ""}
+            assert c.lookup(M.model_id, token_ids=prompt).agents == []
+            for role in ("prefill", "decode"):
+                route = c.route(M.model_id, token_ids=prompt, role=role)
+                assert route.agent_id == "c-new" and "c-old" not in {x.agent_id for x in route.candidates}, route
+            with pytest.raises(ClientError, match="cordoned"):
+                c.transfer(M.model_id, "c-new", "c-old", token_ids=prompt)
+            # the cordoned agent is emptied into one in rotation: it is still a source
+            op = c.wait_operation(c.transfer(M.model_id, "c-old", "c-new", token_ids=prompt).op_id, 30)
+            assert op.state == "SUCCEEDED", op
+            with pytest.raises(ClientError, match="no agent 'c-typo'"):
+                c.cordon("c-typo", "a typo would cordon nothing")
+            with pytest.raises(ClientError, match="reason"):
+                c.cordon("c-new", "two\nlines")
+    finally:
+        cp.stop()
+    cp2 = ControlPlane(ControlPlaneConfig(listen=f"127.0.0.1:{port}", etcd=etcd, election_ttl_seconds=2)).start()
+    try:
+        with ControlPlaneClient(cp2.address) as c:
+            wait_for(
+                lambda: {a.agent_id: a.cordon_reason for a in c.list_agents()}.get("c-old") == "kernel upgrade",
+                15,
+                what="the cordon loaded by the next control plane",
+            )
+            wait_for(lambda: c.lookup(M.model_id, token_ids=prompt).best_agent_id == "c-new", 15, what="c-new synced")
+            assert [m.agent_id for m in c.lookup(M.model_id, token_ids=prompt).agents] == ["c-new"]
+            assert c.uncordon("c-old") is True
+            assert c.uncordon("c-old") is False
+            assert {m.agent_id for m in c.lookup(M.model_id, token_ids=prompt).agents} == {"c-old", "c-new"}
+            assert all(not a.cordon_reason for a in c.list_agents())
+    finally:
+        cp2.stop()

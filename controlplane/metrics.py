@@ -96,6 +96,12 @@ class ClusterCollector:
                 "Sync state of each registered agent (1 for its current state).",
                 ["agent_id", "state"],
             ),
+            (
+                g,
+                "kvcp_agent_cordoned",
+                "1 while the agent is cordoned (kvctl cordon: Lookup and Route leave it out), else 0.",
+                ["agent_id"],
+            ),
             (g, "kvcp_agent_indexed_blocks", "Blocks the index holds for each agent.", ["agent_id"]),
             (
                 g,
@@ -183,6 +189,7 @@ class ClusterCollector:
                 continue
             for s in AGENT_STATES:
                 f["kvcp_agent_state"].add_metric([rec.agent_id, s], 1 if s == state else 0)
+            f["kvcp_agent_cordoned"].add_metric([rec.agent_id], 1 if self._cluster.cordon_reason(rec.agent_id) else 0)
             f["kvcp_agent_indexed_blocks"].add_metric([rec.agent_id], num_blocks)
             f["kvcp_agent_last_seen_timestamp_seconds"].add_metric([rec.agent_id], rec.last_seen_unix_seconds)
         for s, n in by_state.items():

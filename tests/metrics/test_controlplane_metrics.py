@@ -174,3 +174,15 @@ def test_operation_and_pin_hooks(setup):
     assert v("kvcp_operation_duration_seconds_bucket", {**move, "le": "0.5"}) == 1
     assert v("kvcp_operation_duration_seconds_bucket", {**move, "le": "10.0"}) == 2
     assert v("kvcp_operation_duration_seconds_bucket", {"kind": "cleanup", "state": "failed", "le": "0.01"}) == 1
+
+
+def test_a_cordoned_agent_is_exported_as_such(setup):
+    registry, cluster, _ = setup
+    for agent_id in ("a1", "a2"):
+        cluster.register(record(agent_id))
+    cluster.set_cordoned({"a2": "kernel upgrade"})
+    v = registry.get_sample_value
+    assert v("kvcp_agent_cordoned", {"agent_id": "a1"}) == 0
+    assert v("kvcp_agent_cordoned", {"agent_id": "a2"}) == 1
+    cluster.set_cordoned({})
+    assert v("kvcp_agent_cordoned", {"agent_id": "a2"}) == 0

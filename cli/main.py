@@ -279,6 +279,15 @@ def agents(ctx: Context):
             )
 
 
+def _cordoned_agents(ctx: Context) -> list[str]:
+    """The agents out of rotation, for a lookup that found nothing ([] if it cannot tell)."""
+    try:
+        with ctx.client() as c:
+            return [a.agent_id for a in c.list_agents() if a.cordon_reason]
+    except (ClientError, ValueError):
+        return []
+
+
 def parse_tokens(text: str, source: str) -> list[int]:
     try:
         return parse_token_ids(text)
@@ -343,9 +352,17 @@ def lookup(ctx: Context, model_id, tokens, tokens_file, hashes, extra_keys):
     if ctx.output == "json":
         click.echo(output.dumps(view))
         return
+    best = view.best_agent_id
+    if not best:
+        cordoned = _cordoned_agents(ctx)  # they may hold it: lookups leave them out
+        best = (
+            f"(none in rotation; cordoned, not looked at: {', '.join(cordoned)})"
+            if cordoned
+            else "(none: nothing cached)"
+        )
     click.echo(
         f"model {view.model_id}: {view.num_tokens} tokens, {view.num_blocks} full block{'' if view.num_blocks == 1 else 's'}; "
-        f"best agent: {view.best_agent_id or '(none: nothing cached)'}"
+        f"best agent: {best}"
     )
     if view.agents:
         rows = [[m.agent_id, m.num_hit_blocks, m.num_hit_tokens, output.tier_runs(m.tiers)] for m in view.agents]

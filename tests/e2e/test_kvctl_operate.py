@@ -345,6 +345,8 @@ def test_kvctl_cordon_and_uncordon(cluster):
         assert "ready,cordoned" in table and "agent-d: cordoned (kernel upgrade)" in table, table
         assert [a["cordon_reason"] for a in j(cluster, "agents")] == ["kernel upgrade"]
         assert j(cluster, "policy", "get")["cordon.agent-d"] == "kernel upgrade"
+        lookup = kvctl(cluster.endpoint, "lookup", "--model", M.model_id, "--tokens", "1,2,3,4").stdout
+        assert "best agent: (none in rotation; cordoned, not looked at: agent-d)" in lookup, lookup
         bad = kvctl(cluster.endpoint, "cordon", "agent-typo", check=False)
         assert bad.returncode == 1 and "no agent 'agent-typo'" in bad.stderr, bad.stderr
         assert len(bad.stderr.strip().splitlines()) == 1 and "Traceback" not in bad.stderr

@@ -220,7 +220,7 @@ class Workload:
                         agents = {
                             a.agent_id: (a.address, self._model_of(cp, a.models[0]))
                             for a in cp.list_agents()
-                            if a.state == "ready" and a.models
+                            if a.state == "ready" and a.models and not a.cordon_reason  # a router's view
                         }
                         refreshed = t0
                     if agents:

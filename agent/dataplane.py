@@ -150,7 +150,7 @@ class DataPlane(HandoffPaths):
         self.tier = Tier.CPU if Tier.CPU in pool.store_of else pool.top.tier
         quarantine = self.config.quarantine_seconds or (getattr(engine, "timeout_seconds", 5) + 2.0)
         self.reservations = Reservations(
-            pool, self.tier, self.config.max_inbound, quarantine, writer_alive=process_alive
+            pool, self.tier, self.config.max_inbound, quarantine, writer_alive=process_alive, agent_id=agent_id
         )
         self.store = self.reservations.store  # pool.store_of[self.tier]: a slab (Reservations refuses others)
         self.links = Links(self.config.link_max_concurrent, self.config.link_bytes_per_second)

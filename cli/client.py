@@ -61,7 +61,16 @@ def _not_connected(exc: grpc.RpcError) -> bool:
     """gRPC's own UNAVAILABLE for a replica it could not connect to (the call never left;
     a connection reset mid-call is not this: the replica may have acted on it)."""
     details = (exc.details() or "").lower()
-    return exc.code() == grpc.StatusCode.UNAVAILABLE and ("failed to connect" in details or "refused" in details)
+    return exc.code() == grpc.StatusCode.UNAVAILABLE and (
+        "failed to connect" in details or "refused" in details or _unresolved(details)
+    )
+
+
+def _unresolved(details: str) -> bool:
+    """gRPC could not resolve the replica's host name ("errors resolving HOST: ...", "DNS
+    resolution failed"): a retired host or a typo, skipped like a replica that refuses."""
+    details = details.lower()
+    return "resolving" in details or "resolution failed" in details
 
 
 def _not_leader(exc: grpc.RpcError) -> bool:
@@ -618,6 +627,12 @@ class ControlPlaneClient:
                 f"no answer from the kvcp control plane at {self.endpoint} within {self.timeout_seconds:g} s "
                 "(deadline_exceeded): it is unreachable or busy (a longer --timeout?); a change asked for may "
                 "still have been made: kvctl ops / kvctl pins list them",
+            )
+        if not answered and code == grpc.StatusCode.UNAVAILABLE and _unresolved(details):
+            return ClientError(
+                code.name,
+                f"cannot reach the kvcp control plane at {self.endpoint}: its host name does not resolve; "
+                "check --endpoint / KVCTL_ENDPOINT",
             )
         if not answered and code == grpc.StatusCode.UNAVAILABLE and "connect" in details.lower():
             return ClientError(

@@ -320,6 +320,8 @@ HASHES_HELP = "Block hashes as hex, 32 digits each (comma separated, repeated, o
 def parse_hashes(hashes: tuple[str, ...]) -> bytes:
     out = bytearray()
     for h in hashes:
+        if "," in h and any(not field.strip() for field in h.split(",")):
+            fail('--hashes: no empty field ("A,,B" is a slip: a hash lost in a paste names another chain)')
         for part in h.replace(",", " ").split():
             if any(c not in string.hexdigits for c in part):
                 fail(f"--hashes: {part[:40]!r} is not hexadecimal")

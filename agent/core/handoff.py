@@ -182,9 +182,12 @@ class Reservations:
         clock=time.monotonic,
         writer_alive=None,
         writer_hold_max_seconds: float = 600.0,
+        agent_id: str = "",
     ):
         self.pool = pool
         self.tier = tier
+        # named in refusals: a sender relays them prefixed with its own id
+        self.where = f"agent {agent_id}" if agent_id else "this agent"
         store = pool.store_of[tier]
         if not is_host_slab(store):
             raise ValueError(f"handoffs land in a host memory tier, not the {tier.label} tier")
@@ -242,7 +245,7 @@ class Reservations:
         ResourceExhausted when too many handoffs are arriving (retry later), and
         FailedPrecondition when the blocks cannot fit (pinned/in-use blocks fill the tier)."""
         if model_id not in self.pool.models:
-            raise errors.NotFound(f"model_id: this agent serves no model {model_id!r}")
+            raise errors.NotFound(f"model_id: {self.where} serves no model {model_id!r}")
         if reservation_id and not _RESERVATION_ID.fullmatch(reservation_id):
             raise errors.InvalidArgument("reservation_id", "16 to 64 letters, digits, - or _")
         if len(stored_bytes) != len(block_hashes) or len(codecs) != len(block_hashes):
@@ -270,7 +273,8 @@ class Reservations:
         with self._lock:
             if len(self._open) >= self.max_inbound:
                 raise errors.ResourceExhausted(
-                    f"{len(self._open)} handoffs are arriving here already (limit {self.max_inbound}); retry shortly"
+                    f"{len(self._open)} handoffs are arriving at {self.where} already (limit {self.max_inbound}); "
+                    "retry shortly"
                 )
             rid = reservation_id or uuid.uuid4().hex[:16]  # the sender's own: it can abort a Reserve it lost
             if rid in self._writer_done:
@@ -286,7 +290,7 @@ class Reservations:
             with self._lock:
                 self._open.pop(rid, None)
             raise errors.FailedPrecondition(
-                f"no room for the handoff in the {self.tier.label} tier of this agent: {exc}"
+                f"no room for the handoff in the {self.tier.label} tier of {self.where}: {exc}"
             ) from None
         except BaseException:
             with self._lock:

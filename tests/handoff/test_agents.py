@@ -503,3 +503,20 @@ def test_handoffs_whose_callers_gave_up_do_not_starve_the_engine_api(controlplan
         dec.dataplane.reservations.max_inbound = 8
         ch.close()
         client.close()
+
+
+def test_a_handoff_refused_for_room_names_the_destination(controlplane, make_agent):
+    """The receiver's refusal said "no room ... in the cpu tier of this agent", relayed by
+    the sender under its own id ("pre: recompute: ... of this agent"): an operator read
+    that the source was full (an operator walkthrough). It names the destination."""
+    a = make_agent("pre", models=[SMALL, BIG], cpu_capacity_bytes=8 << 20)
+    make_agent("tiny", models=[SMALL, BIG], cpu_capacity_bytes=4 << 20, transfer_engine="none")
+    tokens, kv, _ = prompt(BIG, 6, seed=2)
+    a.engine.store(BIG.model_id, tokens, kv)
+    client = EngineClient(a.address)
+    try:
+        r = client.handoff(BIG.model_id, "tiny", token_ids=tokens, deadline_seconds=5)  # 6 MiB into 4
+    finally:
+        client.close()
+    assert r.outcome == "recompute" and "no room" in r.reason, r
+    assert "of agent tiny" in r.reason and "this agent" not in r.reason, r.reason

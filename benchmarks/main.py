@@ -341,7 +341,13 @@ main.add_command(handoff, name="transfer")  # the issue's name for the same benc
 
 
 @main.command()
-@click.option("--seconds", default=120.0, show_default=True, type=click.FloatRange(min=10), help="Length of the run.")
+@click.option(
+    "--seconds",
+    default=120.0,
+    show_default=True,
+    type=click.FloatRange(min=10),
+    help="How long the load runs; the faults are spread over it, and their own pauses (etcd stopped and restarted, a leader paused, the recoveries) make a run last about a minute at least.",
+)
 @click.option("--rate", "rate_per_second", default=8.0, show_default=True, type=click.FloatRange(min=0.1))
 @click.option("--seed", default=0, show_default=True, type=int)
 @click.option("--log-dir", default="", help="Where the processes' logs go (default: a new temporary directory).")

@@ -153,7 +153,7 @@ def parse_duration(text: str, option: str) -> float:
     """'30m' -> 1800.0; a sentence naming the option when it does not parse."""
     m = _DURATION.match(text.strip().lower())
     if not m:
-        fail(f"{option}: {text!r} is not a duration (examples: 90s, 30m, 2h, 1d)")
+        fail(f"{option}: {text!r} is not a duration (examples: 5, 500ms, 90s, 30m, 2h, 1d; a bare number is seconds)")
     return float(m.group(1)) * _UNITS[m.group(2)]
 
 

@@ -301,7 +301,7 @@ def move(
     """Move a prefix or a namespace to a tier, on every agent that holds it (or --agent)."""
     scope = scope_kwargs(model_id, tokens, tokens_file, hashes, extra_keys, namespace, agent_id)
     wait_timeout_seconds(wait_timeout)  # bad input is told before anything starts
-    wait_and_print(ctx, ctx.call(lambda c: c.move(to_tier, codec=codec, **scope)), wait, wait_timeout)
+    wait_and_print(ctx, ctx.call(lambda c: c.move(to_tier, codec=codec.lower(), **scope)), wait, wait_timeout)
 
 
 @main.command()
@@ -345,7 +345,7 @@ def compress(
     """Re-encode blocks in place with a codec (transparent on load)."""
     scope = scope_kwargs(model_id, tokens, tokens_file, hashes, extra_keys, namespace, agent_id)
     wait_timeout_seconds(wait_timeout)
-    wait_and_print(ctx, ctx.call(lambda c: c.compress(codec, tier=tier, **scope)), wait, wait_timeout)
+    wait_and_print(ctx, ctx.call(lambda c: c.compress(codec.lower(), tier=tier, **scope)), wait, wait_timeout)
 
 
 @main.command()

@@ -23,10 +23,13 @@ DEFAULT_MAX_TRACKED_BLOCKS = 1 << 21
 DEFAULT_RATE_HALF_LIFE_SECONDS = 3600.0
 
 
-@dataclass
+@dataclass(slots=True)
 class BlockStats:
     """One block's lookup history. Invariant: `first_seen_seconds <= last_access_seconds`
-    and `num_lookups >= 1` (an entry exists only once a lookup named the block)."""
+    and `num_lookups >= 1` (an entry exists only once a lookup named the block).
+
+    Slots, not a `__dict__`: 72 B an entry instead of 104 (tracemalloc), at up to
+    2,097,152 entries (with the OrderedDict's ~90 B and the hash's 65 B, ~230 B a block)."""
 
     first_seen_seconds: float
     last_access_seconds: float
@@ -34,6 +37,10 @@ class BlockStats:
     # AccessStats.lookups_total at the last lookup naming the block: the order of
     # lookups, for blocks whose clock times tie (traces with coarse or no timestamps)
     last_lookup: int = 0
+    # the bytes object AccessStats keys the block by: the shadow caches
+    # (controlplane.core.tuning) keep this one rather than the lookup's own copy, so a
+    # block's 32-byte hash is stored once however many structures track it
+    block_hash: bytes = b""
 
     @property
     def num_reuses(self) -> int:
@@ -79,7 +86,8 @@ class AccessStats:
         for h in block_hashes:
             s = blocks.get(h)
             if s is None:
-                blocks[h] = BlockStats(now, now, last_lookup=self.lookups_total)
+                # positional: keywords cost ~5 % of record_lookup
+                blocks[h] = BlockStats(now, now, 1, self.lookups_total, h)
                 new += 1
             else:
                 s.num_lookups += 1

@@ -34,7 +34,6 @@ Pure and single-threaded like AccessStats: the lookup path calls `observe` after
 from __future__ import annotations
 
 import heapq
-from collections import Counter
 from collections.abc import Sequence
 from typing import NamedTuple
 
@@ -43,73 +42,168 @@ from protos.block_hash import ROOT_PARENT_HASH
 
 DEFAULT_CANDIDATES = (0.0, 1.0, 2.0, 4.0)
 DEFAULT_HALF_LIFE_LOOKUPS = 2000.0
-# a shadow holds ~460 B a block (tracemalloc, hashes included): ~120 MiB each at most, five
-# shadows (four credits, one recent-first) ~600 MiB for a cluster of 262,144 blocks or more
+# a shadow holds 117-147 B a block (tracemalloc; the hash is AccessStats' object, counted
+# there): ~37 MiB each at most, five shadows (four credits, one recent-first) ~185 MiB for
+# a cluster of 262,144 blocks or more (scripts/evidence_memory.py; 400-740 B a block before
+# the shadows kept slots and runs, not a heap of tuples)
 DEFAULT_MAX_SHADOW_BLOCKS = 1 << 18
 SCAN_MARGIN = 3.0
+_ROOT_SLOT = 0
 
 
 class _Shadow:
     """A cache of `capacity_blocks` that evicts tails by the policy's priority with one
     candidate credit (`recent_first`: the most recently used tails first, no credits).
-    Invariant: `nchild[h]` counts cached blocks whose parent is h; a block is evicted
-    only when it has none. Keys are fixed when a block is used, so a heap with stale
-    entries (skipped on pop) orders the victims."""
 
-    def __init__(self, credit_turnovers: float, capacity_blocks: int, recent_first: bool = False) -> None:
+    Victims go in the order of a min-heap of (key, tick, -position, hash) entries, one
+    pushed per block each time a lookup names it (`tick` counts admissions, `position` is
+    the block's place in that lookup): the oldest admission first at equal priority, then
+    the deepest block. An entry whose block was named again since is stale and skipped;
+    when stale entries outnumber the live ones 3 to 1 the heap is rebuilt from the live
+    blocks, each entry's position then 0 (the hash breaks ties). A popped block that
+    still has children waits aside until its last child goes, or until the eviction ends.
+
+    Stored compactly, in that same order: a block has a slot (`slot_of`), and per slot
+    lists hold its hash (the caller's object: AccessStats' own), parent slot, number of
+    cached children, key and tick. The entries of one admission with one key are a run
+    in the order, so the heap holds one `(key, tick, slots)` group per run, `slots` a
+    stack whose top is the run's next entry; `num_entries` counts the entries the heap
+    of single entries would hold, which says when to rebuild. 117-147 B a block
+    (tracemalloc, the hash not included: AccessStats holds it) instead of 400-740 B.
+
+    Invariant: `num_children[s]` counts the cached blocks whose parent is s; a block is
+    evicted only when it has none."""
+
+    def __init__(
+        self,
+        credit_turnovers: float,
+        capacity_blocks: int,
+        recent_first: bool = False,
+        numbers: list[int] | None = None,
+    ) -> None:
         self.credit_turnovers = credit_turnovers
         self.recent_first = recent_first
         self.capacity_blocks = capacity_blocks
-        self.key: dict[bytes, tuple[float, int]] = {}  # priority, then admission order
-        self.parent: dict[bytes, bytes] = {}
-        self.nchild: Counter[bytes] = Counter()
-        self.heap: list[tuple[float, int, int, bytes]] = []
+        self.slot_of: dict[bytes, int] = {}
+        # per slot; slot 0 is the root's, the parent of a lookup's first block
+        self.block: list[bytes] = [ROOT_PARENT_HASH]
+        self.parent: list[int] = [_ROOT_SLOT]
+        self.num_children: list[int] = [0]
+        self.key: list[float] = [0.0]  # priority
+        self.tick: list[int] = [-1]  # the admission that set the key; -1: slot not cached
+        self.free: list[int] = []
+        # slot numbers, shared by the tuner's shadows: one int object (28 B) for all five
+        self.numbers = numbers if numbers is not None else []
+        self.heap: list[tuple[float, int, list[int]]] = []
+        self.num_entries = 0
         self.score = 0.0
         self.ticks = 0  # admissions so far: at equal priority the older admission goes first
+
+    def __len__(self) -> int:
+        return len(self.slot_of)
 
     def hits(self, hashes: Sequence[bytes]) -> int:
         n = 0
         for h in hashes:
-            if h not in self.key:
+            if h not in self.slot_of:
                 break
             n += 1
         return n
 
     def admit(self, hashes: Sequence[bytes], now: float, credit_seconds: list[float]) -> None:
-        key, heap = self.key, self.heap
+        slot_of, parent, num_children, key, tick = self.slot_of, self.parent, self.num_children, self.key, self.tick
         self.ticks += 1
-        tick = self.ticks
-        parent = ROOT_PARENT_HASH
-        for pos, (h, c) in enumerate(zip(hashes, credit_seconds, strict=True)):
+        t = self.ticks
+        runs: dict[float, tuple[float, list[int]]] = {}  # key -> (that key's one float object, its run)
+        up = _ROOT_SLOT
+        for h, c in zip(hashes, credit_seconds, strict=True):
             k = -now if self.recent_first else now + self.credit_turnovers * c
-            if h not in key:
-                self.parent[h] = parent
-                self.nchild[parent] += 1
-            key[h] = (k, tick)
-            heapq.heappush(heap, (k, tick, -pos, h))  # equal keys: oldest, then deepest first
-            parent = h
-        waiting: dict[bytes, tuple[float, int, int, bytes]] = {}  # popped while holding children
-        while len(key) > self.capacity_blocks and heap:
-            item = heapq.heappop(heap)
-            k, t, _, h = item
-            if key.get(h) != (k, t) or h in waiting:
-                continue
-            if self.nchild[h]:
-                waiting[h] = item
-                continue
-            del key[h]
-            p = self.parent.pop(h)
-            self.nchild[p] -= 1
-            if not self.nchild[p]:
-                del self.nchild[p]
-                back = waiting.pop(p, None)
-                if back is not None:
-                    heapq.heappush(heap, back)
-        for item in waiting.values():
-            heapq.heappush(heap, item)
-        if len(heap) > 4 * max(len(key), 1024):
-            self.heap = [(k, t, 0, h) for h, (k, t) in key.items()]
-            heapq.heapify(self.heap)
+            s = slot_of.get(h)
+            if s is None:
+                s = self._new_slot(h)
+                slot_of[h] = s
+                parent[s] = up
+                num_children[up] += 1
+            run = runs.get(k)
+            if run is None:
+                run = runs[k] = (k, [])
+            key[s] = run[0]
+            tick[s] = t
+            run[1].append(s)  # deeper blocks later: popped first
+            up = s
+        for k, slots in runs.values():
+            heapq.heappush(self.heap, (k, t, slots))
+        self.num_entries += len(hashes)
+        self._evict()
+        if self.num_entries > 4 * max(len(slot_of), 1024):
+            self._rebuild()
+
+    def _new_slot(self, h: bytes) -> int:
+        if h == ROOT_PARENT_HASH:  # a block whose hash is the root's shares its count of children
+            return _ROOT_SLOT
+        if self.free:
+            s = self.free.pop()
+            self.block[s] = h
+            return s
+        n = len(self.block)
+        while len(self.numbers) <= n:
+            self.numbers.append(len(self.numbers))
+        self.block.append(h)
+        self.parent.append(_ROOT_SLOT)
+        self.num_children.append(0)
+        self.key.append(0.0)
+        self.tick.append(-1)
+        return self.numbers[n]
+
+    def _evict(self) -> None:
+        slot_of, parent, num_children, tick, heap = self.slot_of, self.parent, self.num_children, self.tick, self.heap
+        waiting: dict[int, tuple[float, int, list[int]]] = {}  # popped while holding children, by slot
+        # a waiting block whose last child just went: put back, it is the smallest entry (all
+        # others were larger when it was popped), so it is the next one popped while the
+        # eviction goes on; when the eviction ends there, it goes back with the others
+        nxt = -1
+        while len(slot_of) > self.capacity_blocks:
+            if nxt >= 0:
+                s, nxt = nxt, -1
+            else:
+                if not heap:
+                    break
+                run = heap[0]
+                s = run[2].pop()
+                if not run[2]:
+                    heapq.heappop(heap)
+                self.num_entries -= 1
+                if tick[s] != run[1] or s in waiting:
+                    continue  # stale: named again since, or evicted
+                if num_children[s]:
+                    waiting[s] = run
+                    continue
+            del slot_of[self.block[s]]
+            tick[s] = -1
+            if s != _ROOT_SLOT:
+                self.free.append(s)
+            p = parent[s]
+            num_children[p] -= 1
+            if not num_children[p] and p in waiting and len(slot_of) > self.capacity_blocks:
+                del waiting[p]
+                nxt = p
+        # back in the order: each one is smaller than every entry not popped yet, so it goes
+        # on top of its run's stack, the ones popped later (larger) first
+        for s, run in reversed(waiting.items()):
+            if not run[2]:
+                heapq.heappush(heap, run)
+            run[2].append(s)
+        self.num_entries += len(waiting)
+
+    def _rebuild(self) -> None:
+        """Drop the stale entries: one per cached block, ties broken by hash."""
+        runs: dict[tuple[float, int], list[int]] = {}
+        for s in self.slot_of.values():
+            runs.setdefault((self.key[s], self.tick[s]), []).append(s)
+        block = self.block
+        self.heap = [(k, t, sorted(slots, key=block.__getitem__, reverse=True)) for (k, t), slots in runs.items()]
+        heapq.heapify(self.heap)
+        self.num_entries = len(self.slot_of)
 
 
 class TunedChoice(NamedTuple):
@@ -144,26 +238,33 @@ class CreditTuner:
         self.max_reuse_credits = max_reuse_credits
         self.capacity_blocks = capacity_blocks
         self.shadow_blocks = min(capacity_blocks, max_shadow_blocks)
-        self.shadows = [_Shadow(float(c), self.shadow_blocks) for c in candidates]
-        self.scan = _Shadow(0.0, self.shadow_blocks, recent_first=True)
+        numbers: list[int] = []
+        self.shadows = [_Shadow(float(c), self.shadow_blocks, numbers=numbers) for c in candidates]
+        self.scan = _Shadow(0.0, self.shadow_blocks, recent_first=True, numbers=numbers)
         self._keep = 0.5 ** (1.0 / half_life_lookups)
 
     def num_blocks(self) -> int:
-        """Blocks held by all the shadows (each ~460 B): for the metrics."""
-        return sum(len(shadow.key) for shadow in (*self.shadows, self.scan))
+        """Blocks held by all the shadows (each ~120-150 B): for the metrics."""
+        return sum(len(shadow) for shadow in (*self.shadows, self.scan))
 
     def observe(self, block_hashes: Sequence[bytes], now: float, stats: AccessStats) -> None:
         """One lookup, after `stats.record_lookup(block_hashes, now)`."""
         turnover = stats.turnover_seconds(self.shadow_blocks)
         cap = self.max_reuse_credits
+        hashes = []  # AccessStats' objects: shadows keep these, not the lookup's copies
         credit_seconds = []
         for h in block_hashes:
             s = stats.get(h)
-            credit_seconds.append(turnover * min(s.num_reuses, cap) if s is not None else 0.0)
+            if s is None:
+                hashes.append(h)
+                credit_seconds.append(0.0)
+            else:
+                hashes.append(s.block_hash)
+                credit_seconds.append(turnover * min(s.num_reuses, cap))
         keep = self._keep
         for sh in (*self.shadows, self.scan):
-            sh.score = sh.score * keep + sh.hits(block_hashes)
-            sh.admit(block_hashes, now, credit_seconds)
+            sh.score = sh.score * keep + sh.hits(hashes)
+            sh.admit(hashes, now, credit_seconds)
 
     def scores(self) -> dict[float, float]:
         return {sh.credit_turnovers: sh.score for sh in self.shadows}

@@ -43,7 +43,7 @@ def test_shadows_of_a_big_cluster_are_capped_and_still_choose(sample):
     chat = tune(conversation_trace(num_requests=600, seed=2), 1 / 24, sample)
     for tuner in (docs, chat):
         assert tuner.shadow_blocks == max(1, int(tuner.capacity_blocks * sample))
-        assert all(len(sh.key) <= sh.capacity_blocks == tuner.shadow_blocks for sh in tuner.shadows)
+        assert all(len(sh) <= sh.capacity_blocks == tuner.shadow_blocks for sh in tuner.shadows)
     assert docs.best() > chat.best()  # documents want credits, chat (next to) none
 
 

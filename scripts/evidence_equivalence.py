@@ -1,0 +1,110 @@
+"""Differential check: the old AccessStats and CreditTuner (from another checkout) and the
+ones on PYTHONPATH, fed the same random lookups, must agree after every lookup: the
+blocks each shadow caches, each shadow's score, `best()`, `recent_first()`, and every
+block's stats.
+
+The streams are harder than real hash chains: chains that share prefixes and branch,
+blocks named twice in one lookup, lists that are not prefixes of earlier ones, the root's
+own hash as a block, a clock that stalls or steps back, and shadows of a few blocks,
+so that the order of eviction, the blocks set aside while they hold children and the
+rebuilds of the heap all matter.
+
+    PYTHONPATH=<new checkout> python scripts/evidence_equivalence.py <old checkout> --streams 200
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import random
+import sys
+from pathlib import Path
+
+from controlplane.core.access_stats import AccessStats
+from controlplane.core.tuning import CreditTuner
+from protos.block_hash import ROOT_PARENT_HASH
+
+
+def load(path: Path, name: str):
+    spec = importlib.util.spec_from_file_location(name, path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+def stream(rng: random.Random, num_lookups: int, num_blocks: int):
+    pool = [rng.randbytes(rng.choice([16, 32])) for _ in range(num_blocks)] + [ROOT_PARENT_HASH]
+    chains: list[list[bytes]] = []
+    now = 0.0
+    for _ in range(num_lookups):
+        r = rng.random()
+        if chains and r < 0.5:  # extend or cut an earlier chain (a shared prefix, a branch)
+            base = rng.choice(chains)
+            chain = base[: rng.randint(0, len(base))] + rng.sample(pool, rng.randint(0, 6))
+        elif r < 0.9:
+            chain = rng.sample(pool, rng.randint(1, min(12, len(pool))))
+        else:  # repeats inside one lookup
+            chain = [rng.choice(pool) for _ in range(rng.randint(1, 12))]
+        if not chain:
+            chain = [rng.choice(pool)]
+        chains.append(chain)
+        if len(chains) > 30:
+            chains.pop(rng.randrange(len(chains)))
+        step = rng.random()
+        now += 0.0 if step < 0.3 else (-rng.random() if step < 0.35 else rng.expovariate(1.0))
+        # a fresh copy of every hash, as the lookup path slices them
+        yield [bytes(bytearray(h)) for h in chain], now
+
+
+def check(seed: int, old_stats_mod, old_tuning_mod, num_lookups: int) -> int:
+    rng = random.Random(seed)
+    capacity = rng.choice([1, 2, 3, 5, 8, 20, 60, 400, 1500])
+    max_shadow = rng.choice([capacity, max(1, capacity // 2)])
+    max_tracked = rng.choice([10, 50, 1 << 21])
+    half_life = rng.choice([5.0, 3600.0])
+    new_stats = AccessStats(max_tracked, half_life)
+    old_stats = old_stats_mod.AccessStats(max_tracked, half_life)
+    lookups_half_life = rng.choice([3.0, 2000.0])
+    new = CreditTuner(capacity, max_shadow_blocks=max_shadow, half_life_lookups=lookups_half_life)
+    old = old_tuning_mod.CreditTuner(capacity, max_shadow_blocks=max_shadow, half_life_lookups=lookups_half_life)
+    steps = 0
+    for hashes, now in stream(rng, num_lookups, rng.choice([10, 40, 200, 3000])):
+        new_stats.record_lookup(hashes, now)
+        old_stats.record_lookup(list(hashes), now)
+        new.observe(hashes, now, new_stats)
+        old.observe(list(hashes), now, old_stats)
+        steps += 1
+        for a, b in zip((*new.shadows, new.scan), (*old.shadows, old.scan), strict=True):
+            assert set(a.slot_of) == set(b.key), (seed, steps, "cached blocks differ")
+            assert a.score == b.score, (seed, steps, "scores differ")
+            assert len(a) == len(b.key)
+        assert new.best() == old.best() and new.recent_first() == old.recent_first(), (seed, steps)
+        assert list(new_stats._blocks) == list(old_stats._blocks), (seed, steps, "stats order differs")
+        for h, s in new_stats._blocks.items():
+            o = old_stats._blocks[h]
+            assert (s.first_seen_seconds, s.last_access_seconds, s.num_lookups, s.last_lookup) == (
+                o.first_seen_seconds,
+                o.last_access_seconds,
+                o.num_lookups,
+                o.last_lookup,
+            ), (seed, steps)
+        assert new_stats.turnover_seconds(capacity) == old_stats.turnover_seconds(capacity)
+    return steps
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("old", type=Path, help="checkout of the old code")
+    p.add_argument("--streams", type=int, default=200)
+    p.add_argument("--lookups", type=int, default=400)
+    args = p.parse_args()
+    old_stats = load(args.old / "controlplane/core/access_stats.py", "old_access_stats")
+    old_tuning = load(args.old / "controlplane/core/tuning.py", "old_tuning")
+    total = sum(check(seed, old_stats, old_tuning, args.lookups) for seed in range(args.streams))
+    print(f"{args.streams} streams, {total} lookups: identical")
+
+
+if __name__ == "__main__":
+    main()

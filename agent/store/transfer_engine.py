@@ -19,12 +19,64 @@ from __future__ import annotations
 
 import logging
 import os
+import socket
+import struct
 import threading
 import time
 from collections.abc import Sequence
 from typing import Protocol
 
 log = logging.getLogger(__name__)
+
+# The engine's handshake listener is a thread waiting in accept() on the engine's port with
+# a 1 s timeout (SO_RCVTIMEO), and the engine's destructor joins that thread with the GIL
+# held: freeing an engine stalled every thread of the process for up to a second. A short
+# timeout on that socket bounds the stall. An accept already waiting when it is set keeps
+# its 1 s, so an engine closed younger than that is freed once that second has passed.
+HANDSHAKE_ACCEPT_TIMEOUT_SECONDS = 0.05
+ENGINE_FIRST_ACCEPT_SECONDS = 1.0
+
+
+def shorten_accept_timeout(port: int, seconds: float) -> bool:
+    """Set the receive timeout (which bounds accept()) of this process's listening TCP
+    socket on `port`, found through /proc/self/fd. False where there is none (or no /proc)."""
+    try:
+        fds = os.listdir("/proc/self/fd")
+    except OSError:
+        return False
+    timeval = struct.pack("ll", int(seconds), int(seconds % 1 * 1_000_000))
+    for name in fds:
+        try:
+            if not os.readlink(f"/proc/self/fd/{name}").startswith("socket:"):
+                continue
+            s = socket.socket(fileno=os.dup(int(name)))  # a duplicate: closing it leaves the engine's
+        except (OSError, ValueError):
+            continue
+        with s:
+            try:
+                if (
+                    s.family in (socket.AF_INET, socket.AF_INET6)
+                    and s.type == socket.SOCK_STREAM
+                    and s.getsockopt(socket.SOL_SOCKET, socket.SO_ACCEPTCONN)
+                    and s.getsockname()[1] == port
+                ):
+                    s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, timeval)
+                    return True
+            except OSError:
+                continue
+    return False
+
+
+def _free_later(engine, delay_seconds: float) -> None:
+    """Drop this reference to `engine` after `delay_seconds`, from a thread of its own."""
+    box = [engine]
+    del engine
+
+    def run() -> None:
+        time.sleep(delay_seconds)
+        box.clear()  # the engine's destructor runs here, unless a pending write still holds it
+
+    threading.Thread(target=run, name="mooncake-free", daemon=True).start()
 
 
 class TransferFailed(Exception):
@@ -155,6 +207,8 @@ class MooncakeEngine:
                 f"returned {rc}"
                 + (" (are those RDMA devices on this host? ibv_devices lists them)" if device_name else "")
             )
+        self._first_accept_ends = time.monotonic() + ENGINE_FIRST_ACCEPT_SECONDS
+        shorten_accept_timeout(self._engine.get_rpc_port(), HANDSHAKE_ACCEPT_TIMEOUT_SECONDS)
         self.protocol = protocol
         self.endpoint = f"{hostname}:{self._engine.get_rpc_port()}"
         self.available = True
@@ -166,8 +220,14 @@ class MooncakeEngine:
         # it end (completed or failed)
         self._abandoned: list[int] = []
 
+    def _live(self):
+        engine = self._engine
+        if engine is None:
+            raise TransferFailed("the transfer engine is closed")
+        return engine
+
     def register(self, address: int, num_bytes: int) -> None:
-        rc = self._engine.register_memory(address, num_bytes)
+        rc = self._live().register_memory(address, num_bytes)
         if rc != 0:
             raise TransferFailed(f"register_memory({address:#x}, {num_bytes}) returned {rc}")
         with self._lock:
@@ -177,20 +237,23 @@ class MooncakeEngine:
         with self._lock:
             if self._registered.pop(address, None) is None:
                 return
-        self._engine.unregister_memory(address)
+            engine = self._engine
+        if engine is not None:
+            engine.unregister_memory(address)
 
     def write(self, endpoint: str, pieces: Sequence[tuple[int, int, int]]) -> None:
         """Blocking write of [(src_address, dst_address, length)] to `endpoint`, in one
         engine batch. The engine releases the GIL while it works."""
         if not pieces:
             return
+        engine = self._live()
         srcs = [p[0] for p in pieces]
         dsts = [p[1] for p in pieces]
         lens = [p[2] for p in pieces]
         if len(pieces) == 1:
-            rc = self._engine.transfer_sync_write(endpoint, srcs[0], dsts[0], lens[0])
+            rc = engine.transfer_sync_write(endpoint, srcs[0], dsts[0], lens[0])
         else:
-            rc = self._engine.batch_transfer_sync_write(endpoint, srcs, dsts, lens)
+            rc = engine.batch_transfer_sync_write(endpoint, srcs, dsts, lens)
         if rc != 0:
             raise TransferFailed(f"engine write of {sum(lens)} B to {endpoint} failed (rc {rc})")
 
@@ -200,12 +263,13 @@ class MooncakeEngine:
         connections and worker threads) where one blocking write keeps one at a time and
         spins a core polling for it. A piece the engine refuses to take fails the write
         once the pieces it took have ended."""
+        engine = self._live()
         self.reap()
         w = PendingWrite(
-            self._engine.transfer_check_status, sum(p[2] for p in pieces), endpoint, self.timeout_seconds, self._abandon
+            engine.transfer_check_status, sum(p[2] for p in pieces), endpoint, self.timeout_seconds, self._abandon
         )
         for src, dst, n in pieces:
-            t = self._engine.transfer_submit_write(endpoint, src, dst, n)
+            t = engine.transfer_submit_write(endpoint, src, dst, n)
             if t <= 0:  # -1 (or a null batch): not taken, nothing of it is on the wire
                 w.error = f"engine refused a write of {n} B to {endpoint} (rc {t})"
                 break
@@ -221,22 +285,32 @@ class MooncakeEngine:
         the engine and forgotten here. Returns how many the engine still holds."""
         with self._lock:
             ids, self._abandoned = self._abandoned, []
-        if not ids:
+            engine = self._engine
+        if not ids or engine is None:
             return 0
-        left = [t for t in ids if self._engine.transfer_check_status(t) in (0, -2)]
+        left = [t for t in ids if engine.transfer_check_status(t) in (0, -2)]
         with self._lock:
             self._abandoned.extend(left)
             return len(self._abandoned)
 
     def close(self) -> None:
+        """Unregister the memory and free the engine: its port and threads end with the
+        agent, not whenever the garbage collector reaches this object (a write still being
+        polled keeps it until that write is dropped)."""
         with self._lock:
             addresses = list(self._registered)
             self._registered.clear()
+            engine, self._engine = self._engine, None
+        if engine is None:
+            return
         for a in addresses:
             try:
-                self._engine.unregister_memory(a)
+                engine.unregister_memory(a)
             except Exception:  # noqa: BLE001 - shutting down
                 pass
+        young = self._first_accept_ends - time.monotonic()
+        if young > 0:
+            _free_later(engine, young + HANDSHAKE_ACCEPT_TIMEOUT_SECONDS)
 
 
 def open_engine(

@@ -5,6 +5,8 @@ half-written prefix."""
 
 from __future__ import annotations
 
+import os
+
 import grpc
 import pytest
 import torch
@@ -270,6 +272,70 @@ def test_an_engine_that_does_not_import_leaves_the_grpc_path(monkeypatch):
     monkeypatch.setitem(sys.modules, "mooncake.engine", None)  # import fails as with missing libraries
     e = open_engine()
     assert not e.available and "does not import" in e.status and "libibverbs1" in e.status
+
+
+@needs_engine
+@pytest.mark.parametrize("age_seconds", [0.0, 1.2])
+def test_a_closed_engine_frees_its_port_and_a_freed_engine_waits_little_on_its_listener(age_seconds):
+    """close() frees the Mooncake engine: its handshake port stops listening then (an engine
+    closed in its first second, a moment later), not whenever the collector gets to it. The
+    engine's destructor joins its listener thread with the GIL held, and that thread waits in
+    accept() with the listening socket's timeout: the engine's 1 s is cut short (the join
+    stalled the whole process for up to a second each time an engine was freed)."""
+    import socket
+    import struct
+    import time
+
+    from agent.store.transfer_engine import HANDSHAKE_ACCEPT_TIMEOUT_SECONDS, open_engine
+
+    e = open_engine()
+    port = int(e.endpoint.rsplit(":", 1)[1])
+    listening = [s for s in (socket.socket(fileno=os.dup(int(fd))) for fd in _socket_fds()) if _listens_on(s, port)]
+    assert len(listening) == 1, "the engine's handshake listener not found"
+    with listening[0] as s:
+        sec, usec = struct.unpack("ll", s.getsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, struct.calcsize("ll")))
+    # as set, give or take the kernel's rounding to its clock tick: not the engine's 1 s
+    assert HANDSHAKE_ACCEPT_TIMEOUT_SECONDS <= sec + usec / 1e6 < HANDSHAKE_ACCEPT_TIMEOUT_SECONDS + 0.02
+    time.sleep(age_seconds)
+    e.close()
+    e.close()  # twice is harmless
+
+    def refused() -> bool:
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=5).close()
+        except ConnectionRefusedError:
+            return True
+        return False
+
+    if age_seconds > 1:
+        assert refused()  # freed by close() itself
+    else:
+        wait_for(refused, 30, what="the young engine freed after its first second")
+    with pytest.raises(Exception, match="closed"):
+        e.write("127.0.0.1:1", [(0, 0, 1)])
+
+
+def _socket_fds() -> list[str]:
+    out = []
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            if os.readlink(f"/proc/self/fd/{fd}").startswith("socket:"):
+                out.append(fd)
+        except OSError:
+            pass
+    return out
+
+
+def _listens_on(s, port: int) -> bool:
+    import socket
+
+    try:
+        ok = bool(s.getsockopt(socket.SOL_SOCKET, socket.SO_ACCEPTCONN)) and s.getsockname()[1] == port
+    except OSError:
+        ok = False
+    if not ok:
+        s.close()
+    return ok
 
 
 def test_a_stalled_shm_sender_never_writes_after_its_reservation_expired(controlplane, make_agent, tmp_path):

@@ -30,7 +30,8 @@ def tokens(n_blocks: int, start: int = 0) -> list[int]:
 def agent():
     registry = CollectorRegistry()
     a = Agent(AgentConfig(agent_id="m1", cpu_capacity_bytes=6 * M.block_bytes), registry=registry)
-    return a, registry
+    yield a, registry
+    a.stop()  # frees its transfer engine now, not in a later test's garbage collection
 
 
 def test_pool_and_engine_values_are_read_at_scrape_time(agent):
@@ -192,7 +193,7 @@ def test_commanded_moves_compresses_cleanups_and_evicts_are_counted(tmp_path):
         assert v("kvcp_evictions_total", {"agent_id": "m2", "tier": "disk", "reason": "cleanup"}) == 4
         assert v("kvcp_evictions_total", {"agent_id": "m2", "tier": "cpu", "reason": "cleanup"}) == 3
     finally:
-        a.disk.close()
+        a.stop()  # closes its disk tier and frees its transfer engine
 
 
 def test_every_operation_that_ended_between_two_scrapes_is_observed(tmp_path):

@@ -21,9 +21,11 @@ PIN, UNPIN, CANCEL = agent_pb2.COMMAND_KIND_PIN, agent_pb2.COMMAND_KIND_UNPIN, a
 
 
 @pytest.fixture
-def agent(tmp_path) -> Agent:
-    """Built, not started: nothing listens and nothing talks to etcd."""
-    return Agent(
+def agent(tmp_path):
+    """Built, not started: nothing listens and nothing talks to etcd. Stopped after the test,
+    which frees its transfer engine (left to the garbage collector, an engine's destructor
+    stalled whichever later test the collection ran in)."""
+    a = Agent(
         AgentConfig(
             agent_id="cmd",
             models=[SPEC],
@@ -33,6 +35,8 @@ def agent(tmp_path) -> Agent:
             disk_capacity_bytes=1 << 20,
         )
     )
+    yield a
+    a.stop()
 
 
 def store(agent: Agent, n: int = 3, start: int = 0, seed: int = 0):

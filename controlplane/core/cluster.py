@@ -633,9 +633,11 @@ class Cluster:
             self._slow_hits.discard(agent_id)
 
     def agent_chains(self, agent_id: str):
-        """BlockIndex.agent_chains under the lock."""
+        """BlockIndex.agent_chains under the lock. A cordoned agent's copy is no replica:
+        routers are not sent there, so the tier policy must not evict the copy in
+        rotation for having one."""
         with self._lock:
-            return self.index.agent_chains(agent_id)
+            return self.index.agent_chains(agent_id, not_replicas=self._cordoned.keys() - {agent_id})
 
     def tiers_held(self, agent_id: str, block_hashes: bytes):
         with self._lock:

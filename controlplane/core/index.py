@@ -33,7 +33,7 @@ from __future__ import annotations
 
 import ctypes
 import os
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Collection, Iterable, Iterator, Sequence
 from typing import Any, NamedTuple
 
 import numpy as np
@@ -880,12 +880,13 @@ class BlockIndex:
         tiers = self._tiers_of(ent, slot).tolist()
         return {raw[16 * i : 16 * i + 16]: t for i, t in enumerate(tiers)}
 
-    def agent_chains(self, agent_id: str) -> AgentChains:
+    def agent_chains(self, agent_id: str, not_replicas: Collection[str] = ()) -> AgentChains:
         """What `agent_id` holds, copied out (safe to use once the lock is let go): its
         digests and their parents' (ROOT_PARENT_HASH where none is known) as 16-byte
         void arrays (`.tolist()` gives `bytes`), tier values (uint8), whether another
-        agent holds each too (bool), and when each was last newly held by an agent
-        (seconds on the `set_clock` clock, float64; NaN where not known)."""
+        agent holds each too (bool; the copies of agents in `not_replicas` do not count),
+        and when each was last newly held by an agent (seconds on the `set_clock` clock,
+        float64; NaN where not known)."""
         slot = self._slot_of.get(agent_id)
         if slot is None or not self._counts[slot]:
             empty = np.zeros(0, _V16)
@@ -894,6 +895,11 @@ class BlockIndex:
         w, bit = self._word_bit(slot)
         others = np.take(self._mask, ent, axis=1)
         others[w] &= ~bit
+        for other in not_replicas:
+            other_slot = self._slot_of.get(other)
+            if other_slot is not None:
+                ow, obit = self._word_bit(other_slot)
+                others[ow] &= ~obit
         replicated = (others != 0).any(axis=0)
         keys = self._keys[ent].view(_V16).reshape(-1)
         parents = self._parents[ent].view(_V16).reshape(-1)

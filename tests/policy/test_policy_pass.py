@@ -28,6 +28,33 @@ def parents_of(c: list[bytes]) -> bytes:
     return ROOT_PARENT_HASH + b"".join(c[:-1])
 
 
+def test_a_cordoned_agents_copy_is_no_replica():
+    """The policy prefers victims with a replica elsewhere; a copy on a cordoned agent
+    (routers are not sent there) must not make the copy in rotation look expendable:
+    draining an agent would then evict what the cluster still serves from."""
+    from controlplane.core.cluster import AgentRecord, BlockGroup, Cluster, ModelInfo
+
+    cluster = Cluster()
+    c = chain(0, 4)
+    for agent_id in ("a", "b", "c"):
+        cluster.register(AgentRecord(agent_id, f"{agent_id}:1", [ModelInfo("m", 16)], []))
+        cluster.hello(agent_id, "s")
+    cluster.apply_inventory_chunk("a", 0, 0, True, [BlockGroup("m", Tier.CPU, b"".join(c), parents_of(c))])
+    cluster.apply_inventory_chunk("b", 0, 0, True, [BlockGroup("m", Tier.CPU, b"".join(c[:2]), parents_of(c[:2]))])
+    cluster.apply_inventory_chunk("c", 0, 0, True, [BlockGroup("m", Tier.CPU, b"".join(c[:1]), parents_of(c[:1]))])
+
+    def replicated(agent_id: str) -> set[bytes]:
+        chains = cluster.agent_chains(agent_id)
+        return set(chains.keys[chains.replicated].tolist())
+
+    assert replicated("a") == set(c[:2])
+    cluster.set_cordoned({"b": "drained"})
+    assert replicated("a") == set(c[:1])  # c still holds the first block; b's copies no longer count
+    assert replicated("b") == set(c[:2])  # the cordoned agent's own copies have replicas in rotation
+    cluster.set_cordoned({"b": "drained", "c": "drained"})
+    assert replicated("a") == set()
+
+
 def test_index_keeps_parents_per_block_and_forgets_them_with_the_block():
     idx = BlockIndex()
     c = chain(0, 5)

@@ -550,6 +550,8 @@ def cordon(ctx: Context, agent_id, reason):
     transfer can still move them out. Durable in etcd (the policy key cordon.<agent_id>)."""
     if not agent_id or not agent_id.isprintable():
         fail(f"AGENT_ID: {agent_id!r} is not an agent id (kvctl agents lists them)")
+    if reason.strip().lower() in ("", "none"):  # the values that uncordon (policy set cordon.<agent_id>=none)
+        fail(f"--reason: {reason!r} would uncordon the agent; say why it is cordoned")
     stored = ctx.call(lambda c: c.cordon(agent_id, reason), {f"values[cordon.{agent_id}]": "--reason"})
     if ctx.output == "json":
         click.echo(json.dumps({"agent_id": agent_id, "cordon_reason": stored}))

@@ -61,8 +61,13 @@ def _check_cordon_entry(key: str, value: str) -> None:
 
 
 def cordons(values: dict[str, str]) -> dict[str, str]:
-    """The cordoned agents a policy names: agent id -> reason."""
-    return {k.removeprefix(CORDON_PREFIX): v for k, v in values.items() if k.startswith(CORDON_PREFIX)}
+    """The cordoned agents a policy names: agent id -> reason (an empty reason, or none, as
+    written in etcd by hand, is no cordon: SetPolicy takes those values as uncordoning)."""
+    return {
+        k.removeprefix(CORDON_PREFIX): v
+        for k, v in values.items()
+        if k.startswith(CORDON_PREFIX) and v not in QUOTA_REMOVED
+    }
 
 
 def validate_policy(values: dict[str, str]) -> dict[str, str]:
@@ -183,7 +188,7 @@ class PolicyControl(ManagerState):
 
     def tier_policy(self) -> Policy:
         with self._lock:
-            values = {k: v for k, v in self.policy.items() if not k.startswith("quota.")}
+            values = {k: v for k, v in self.policy.items() if not k.startswith(("quota.", CORDON_PREFIX))}
         return tier_policy.Policy.from_mapping(values)
 
     def policy_pass(self, now: float) -> int:

@@ -382,10 +382,13 @@ def route_request(
             counted(rec.agent_id, view),
         )
         for rec in cluster.connected_agents(params.max_silence_seconds)
-        if any(m.model_id == model_id for m in rec.models) and not cluster.cordon_reason(rec.agent_id)
+        if any(m.model_id == model_id for m in rec.models)
+        # the decode of a request prefilled on an agent cordoned since is no new work for it:
+        # it stays the handoff's source (decode_scores never picks the prefill agent)
+        and (not cluster.cordon_reason(rec.agent_id) or (role == "decode" and rec.agent_id == prefill_agent_id))
         for view in (states.view(rec.agent_id),)
     ]
-    if prefill_agent_id and cluster.cordon_reason(prefill_agent_id):
+    if prefill_agent_id and role != "decode" and cluster.cordon_reason(prefill_agent_id):
         raise errors.FailedPrecondition(
             f"prefill_agent_id: agent {prefill_agent_id!r} is cordoned ({cluster.cordon_reason(prefill_agent_id)})"
         )

@@ -173,8 +173,11 @@ def test_a_cordoned_agent_gets_no_new_work_but_stays_a_transfer_source():
         decision = route_request(cluster, "m", block_hashes=packed, role=role)
         assert {c.agent_id for c in decision.candidates} == {"other"}, role
         assert decision.agent_id == "other" or decision.decode_agent_id == "other", (role, decision)
+    # a request prefilled there before the cordon: its decode goes elsewhere, holder the source
+    decision = route_request(cluster, "m", block_hashes=packed, role="decode", prefill_agent_id="holder")
+    assert (decision.prefill_agent_id, decision.decode_agent_id) == ("holder", "other"), decision
     with pytest.raises(errors.FailedPrecondition, match="'holder' is cordoned .kernel upgrade."):
-        route_request(cluster, "m", block_hashes=packed, role="decode", prefill_agent_id="holder")
+        route_request(cluster, "m", block_hashes=packed, role="prefill", prefill_agent_id="holder")
     cluster.set_cordoned({"holder": "kernel upgrade", "other": "drained"})
     decision = route_request(cluster, "m", block_hashes=packed, role="prefill")
     assert not decision.agent_id and "cordoned: holder, other" in decision.reason, decision.reason

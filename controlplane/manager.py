@@ -97,6 +97,7 @@ class Manager(PinControl, OperationControl, PolicyControl):
         self._op_write_locks = [threading.Lock() for _ in range(OP_WRITE_LOCKS)]
         self._lock_threads: set[str] = set()  # cleanups with a thread waiting for or holding their lock
         self._next_reload = 0.0
+        self._next_follow = 0.0  # when a follower next reads the stored policy
         # the watch on the pin keys (durable.watch_deletes): the generation of the one open
         # or opening (None: none; an old one's end does not end a newer one), and its id
         self._pins_watch: int | None = None
@@ -444,6 +445,7 @@ class Manager(PinControl, OperationControl, PolicyControl):
                 self._state_epoch = 0  # another replica leads: what memory holds is not the newest
             if self._pins_watch is not None:
                 self._unwatch_pins()
+            self._follow_policy(self.clock() if now is None else now)
             return
         now = self.clock() if now is None else now
         self.ensure_loaded()
@@ -466,6 +468,18 @@ class Manager(PinControl, OperationControl, PolicyControl):
             spacing = 2 * (time.perf_counter() - started)
             self._next_policy = now + max(self.policy_interval_seconds, spacing)
             self._next_urgent = now + max(self.policy_urgent_min_seconds, spacing)
+
+    def _follow_policy(self, now: float) -> None:
+        """A follower reads the stored policy every resync, so that when it takes over its
+        cordons already keep lookups and Route away from those agents (load() reads it
+        again; until then a new leader answers from memory)."""
+        if now < self._next_follow:
+            return
+        self._next_follow = now + self.resync_seconds
+        try:
+            self._reload_policy()
+        except errors.KvcpError as exc:  # etcd away: the leader's load reads it when it is back
+            log.debug("cannot read the policy while following: %s", exc)
 
     def run_forever(self, stop: threading.Event, interval_seconds: float = 0.2) -> None:
         while not stop.is_set():

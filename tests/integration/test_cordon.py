@@ -65,3 +65,30 @@ def test_a_cordoned_agent_gets_no_new_work_keeps_its_blocks_and_stays_cordoned_a
             assert all(not a.cordon_reason for a in c.list_agents())
     finally:
         cp2.stop()
+
+
+def test_a_follower_knows_the_cordons_before_it_takes_over(etcd, make_agent):
+    """Cordons reach a replica's lookups with its policy. A new leader loads the policy at
+    its first reconcile pass, and answers lookups from memory before that: a follower
+    that had not read the policy would route to a cordoned agent meanwhile (a review).
+    Followers read the stored policy every resync."""
+    from controlplane.server import ControlPlane, ControlPlaneConfig
+
+    config = ControlPlaneConfig(listen="127.0.0.1:0", etcd=etcd, election_ttl_seconds=2)
+    leader = ControlPlane(config).start()
+    follower = None
+    try:
+        with ControlPlaneClient(leader.address) as c:
+            wait_for(lambda: c.stats().leader_address == leader.address, 10, what="the first replica leads")
+        follower = ControlPlane(config).start()
+        make_agent("c-f", lease_ttl_seconds=3)
+        with ControlPlaneClient(leader.address) as c:
+            wait_for(lambda: "c-f" in {a.agent_id for a in c.list_agents()}, what="registered")
+            c.cordon("c-f", "kernel upgrade")
+            wait_for(lambda: follower.cluster.cordon_reason("c-f") == "kernel upgrade", 10, what="the follower knows")
+            c.uncordon("c-f")
+            wait_for(lambda: follower.cluster.cordon_reason("c-f") == "", 10, what="the follower knows it lifted")
+    finally:
+        if follower is not None:
+            follower.stop()
+        leader.stop()

@@ -29,6 +29,7 @@ class LeaderElection:
         self.key = key
         self._lease = None
         self._lock = threading.Lock()
+        self._resigned = False  # resign() was called: no step stands for election again
         self.is_leader = False
         # True while we led and etcd became unreachable: nobody can be elected meanwhile,
         # so this replica keeps answering reads from memory (flagged possibly stale) and
@@ -45,6 +46,8 @@ class LeaderElection:
     def run_once(self) -> bool:
         """One step: refresh our lease if leading, else try to win. Returns is_leader."""
         with self._lock:
+            if self._resigned:
+                return False
             # the lease was refreshed no earlier than the call went out: the time it still has
             # is counted from then, not from a slow answer (the window below is a lease's)
             sent = time.monotonic()
@@ -70,6 +73,8 @@ class LeaderElection:
                     self.is_leader = False
                     self.serving_from_memory = False
                     self._lease = None
+                    if self._resigned:
+                        return False
                     # name the leader now (a deposed leader went on naming itself until its
                     # next step, and clients could not follow): read the key, or stand again
                     try:
@@ -147,13 +152,24 @@ class LeaderElection:
         log.info("became leader at %s, epoch %d", self.address, self.epoch)
 
     def resign(self) -> None:
-        with self._lock:
+        """Give up the leadership (the lease revoked: another replica may win at once). A
+        step stuck in an etcd call holds the lock: the lease is revoked without it after a
+        TTL (a CI run saw a lease refresh never return while etcd restarted), so that a
+        stop never hangs on etcd."""
+        self._resigned = True  # a step under way stands no more
+        locked = self._lock.acquire(timeout=self.ttl_seconds)
+        try:
             if self.is_leader and self._lease is not None:
                 try:
                     self._lease.revoke()
                 except Exception:  # noqa: BLE001 - best effort on shutdown
                     pass
             self.is_leader = False
+        finally:
+            if locked:
+                self._lock.release()
+            else:
+                log.warning("resigned without the election lock: a step is stuck in an etcd call")
 
     def run_forever(self, stop: threading.Event) -> None:
         while not stop.is_set():

@@ -136,3 +136,50 @@ def test_a_change_refused_by_a_replica_cut_off_from_etcd_goes_to_the_next_endpoi
 def test_etcd_user_and_password_without_tls_to_etcd_are_refused_at_start():
     assert "need --etcd-ca" in EtcdAuth(user="root", password="x").problem()
     assert EtcdAuth(user="root", password="x", ca_file="ca.pem").problem() == ""
+
+
+class _StuckRefresh:
+    """A lease whose keep-alive call does not come back until released."""
+
+    def __init__(self, lease, release: threading.Event):
+        self._lease, self._release = lease, release
+        self.entered = threading.Event()
+
+    def __getattr__(self, name):
+        return getattr(self._lease, name)
+
+    def refresh(self):
+        self.entered.set()
+        self._release.wait(30)
+        return self._lease.refresh()
+
+
+def test_resign_does_not_wait_for_a_step_stuck_in_etcd(etcd):
+    """A CI run hung for good in a control plane's stop: its election step sat in a lease
+    refresh that never returned (etcd restarting) holding the election lock, and resign()
+    waited for that lock. It revokes the lease without the lock after a TTL."""
+    import time
+
+    client = etcd_keys.connect(etcd)
+    a = LeaderElection(client, "a:1", ttl_seconds=1)
+    release = threading.Event()
+    try:
+        assert a.run_once()
+        real = a._lease
+        stuck = a._lease = _StuckRefresh(real, release)
+        step = threading.Thread(target=a.run_once, daemon=True)
+        step.start()
+        assert stuck.entered.wait(5)
+        started = time.monotonic()
+        a.resign()
+        assert time.monotonic() - started < 5
+        assert not a.is_leader
+        value, _ = client.get(etcd_keys.LEADER_KEY)
+        assert value is None  # the lease was revoked: another replica may lead at once
+        release.set()  # the stuck step comes back: a resigned replica does not stand again
+        step.join(10)
+        assert not step.is_alive() and not a.is_leader
+        assert client.get(etcd_keys.LEADER_KEY)[0] is None
+    finally:
+        release.set()
+        client.close()

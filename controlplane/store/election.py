@@ -21,6 +21,30 @@ class LeadershipLost(RuntimeError):
     """etcd answered: our leader key is gone or held under another lease, or our lease ran out."""
 
 
+def _within(call, seconds: float):
+    """`call()`'s result, or TimeoutError after `seconds` (the call goes on in its thread).
+    A lease keep-alive is a stream, and one was seen not to return at all while a TLS etcd
+    with auth restarted, its deadline notwithstanding: the step, and the lock it holds,
+    must not wait for it longer than a lease lives."""
+    done: list = []
+
+    def run() -> None:
+        try:
+            done.append((True, call()))
+        except BaseException as exc:  # noqa: BLE001 - handed to the caller
+            done.append((False, exc))
+
+    t = threading.Thread(target=run, name="etcd-keepalive", daemon=True)
+    t.start()
+    t.join(seconds)
+    if not done:
+        raise TimeoutError(f"etcd keep-alive did not return within {seconds:g} s")
+    ok, value = done[0]
+    if not ok:
+        raise value
+    return value
+
+
 class LeaderElection:
     def __init__(self, client, address: str, ttl_seconds: int = 5, key: str = LEADER_KEY):
         self._client = client
@@ -107,7 +131,7 @@ class LeaderElection:
         lease = self._lease
         if lease is None:
             raise LeadershipLost("no leader lease")
-        ttl = lease.refresh()[0].TTL
+        ttl = _within(lambda: lease.refresh()[0].TTL, max(float(self.ttl_seconds), 2.0))
         value, meta = self._client.get(self.key)
         if ttl <= 0 or meta is None or meta.lease_id != lease.id:
             raise LeadershipLost("leader lease expired")

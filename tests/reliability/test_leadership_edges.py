@@ -183,3 +183,25 @@ def test_resign_does_not_wait_for_a_step_stuck_in_etcd(etcd):
     finally:
         release.set()
         client.close()
+
+
+def test_a_keep_alive_that_never_returns_is_an_outage_not_a_hang(etcd):
+    """The same stuck lease refresh held the election step (and its lock) for good: the
+    replica neither led nor stood again. The step gives up on it after a lease's time
+    and goes on as in an etcd outage: serving from memory, then standing again."""
+    import time
+
+    client = etcd_keys.connect(etcd)
+    a = LeaderElection(client, "a:1", ttl_seconds=1)
+    release = threading.Event()
+    try:
+        assert a.run_once()
+        a._lease = _StuckRefresh(a._lease, release)
+        started = time.monotonic()
+        leading = a.run_once()
+        assert time.monotonic() - started < 5
+        assert not leading and a.serving_from_memory
+    finally:
+        release.set()
+        a.resign()
+        client.close()

@@ -12,6 +12,7 @@ process connects. Everything durable lives here; the block index never does.
 
 from __future__ import annotations
 
+import threading
 import time
 from dataclasses import dataclass
 
@@ -48,6 +49,31 @@ def parse_endpoints(text: str) -> list[tuple[str, int]]:
     if not out:
         raise ValueError("no etcd endpoint given")
     return out
+
+
+def refresh_within(lease, seconds: float) -> int:
+    """One keep-alive of `lease`: its TTL left, or TimeoutError after `seconds` (the call
+    goes on in its own thread). A keep-alive is a stream, and one was seen not to return
+    at all while a TLS etcd with auth restarted, its deadline notwithstanding: an election
+    step (and the lock it holds) or an agent's registration must not wait for it longer
+    than a lease lives."""
+    done: list = []
+
+    def run() -> None:
+        try:
+            done.append((True, lease.refresh()[0].TTL))
+        except BaseException as exc:  # noqa: BLE001 - handed to the caller
+            done.append((False, exc))
+
+    t = threading.Thread(target=run, name="etcd-keepalive", daemon=True)
+    t.start()
+    t.join(seconds)
+    if not done:
+        raise TimeoutError(f"etcd keep-alive did not return within {seconds:g} s")
+    ok, value = done[0]
+    if not ok:
+        raise value
+    return value
 
 
 def is_unreachable(exc: BaseException) -> bool:

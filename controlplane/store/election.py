@@ -12,37 +12,13 @@ import logging
 import threading
 import time
 
-from protos.etcd_keys import LEADER_KEY, is_unreachable, refusal_reason
+from protos.etcd_keys import LEADER_KEY, is_unreachable, refresh_within, refusal_reason
 
 log = logging.getLogger(__name__)
 
 
 class LeadershipLost(RuntimeError):
     """etcd answered: our leader key is gone or held under another lease, or our lease ran out."""
-
-
-def _within(call, seconds: float):
-    """`call()`'s result, or TimeoutError after `seconds` (the call goes on in its thread).
-    A lease keep-alive is a stream, and one was seen not to return at all while a TLS etcd
-    with auth restarted, its deadline notwithstanding: the step, and the lock it holds,
-    must not wait for it longer than a lease lives."""
-    done: list = []
-
-    def run() -> None:
-        try:
-            done.append((True, call()))
-        except BaseException as exc:  # noqa: BLE001 - handed to the caller
-            done.append((False, exc))
-
-    t = threading.Thread(target=run, name="etcd-keepalive", daemon=True)
-    t.start()
-    t.join(seconds)
-    if not done:
-        raise TimeoutError(f"etcd keep-alive did not return within {seconds:g} s")
-    ok, value = done[0]
-    if not ok:
-        raise value
-    return value
 
 
 class LeaderElection:
@@ -131,7 +107,7 @@ class LeaderElection:
         lease = self._lease
         if lease is None:
             raise LeadershipLost("no leader lease")
-        ttl = _within(lambda: lease.refresh()[0].TTL, max(float(self.ttl_seconds), 2.0))
+        ttl = refresh_within(lease, max(float(self.ttl_seconds), 2.0))
         value, meta = self._client.get(self.key)
         if ttl <= 0 or meta is None or meta.lease_id != lease.id:
             raise LeadershipLost("leader lease expired")
@@ -140,7 +116,11 @@ class LeaderElection:
         client = self._client
         value, meta = client.get(self.key)
         if meta is not None:
-            if self._lease is not None and meta.lease_id == self._lease.id and self._lease.refresh()[0].TTL > 0:
+            if (
+                self._lease is not None
+                and meta.lease_id == self._lease.id
+                and refresh_within(self._lease, max(float(self.ttl_seconds), 2.0)) > 0
+            ):
                 # etcd came back before our lease ran out: we still lead, same epoch
                 self.is_leader = True
                 self.leader_address = self.address

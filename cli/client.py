@@ -20,7 +20,7 @@ import grpc
 from google.protobuf.message import DecodeError
 
 from protos.block_hash import BLOCK_HASH_BYTES, MAX_PROMPT_TOKENS
-from protos.etcd_keys import CORDON_POLICY_PREFIX
+from protos.etcd_keys import CORDON_POLICY_PREFIX, POLICY_ENTRY_REMOVED
 from protos.grpc_errors import ERROR_KIND_METADATA_KEY, LEADER_METADATA_KEY
 from protos.kvcp.v1 import admin_pb2, admin_pb2_grpc, types_pb2
 from protos.lookup_wire import HEADER_BYTES, MAX_FRAME_BYTES, MAX_REPLY_BYTES, frame, split_address
@@ -987,7 +987,7 @@ class ControlPlaneClient:
         """Back in rotation. Returns whether it was cordoned."""
         key = CORDON_POLICY_PREFIX + agent_id
         was = key in self.get_policy()
-        self.set_policy({key: "none"})
+        self.set_policy({key: POLICY_ENTRY_REMOVED[-1]})
         return was
 
     # ---- watch ----------------------------------------------------------------------

@@ -13,6 +13,7 @@ import click
 from cli import output
 from cli.client import ClientError, OperationView, PinList, PinView
 from cli.main import HASHES_HELP, Context, fail, main, parse_duration, parse_hashes, pass_ctx, read_tokens
+from protos.etcd_keys import POLICY_ENTRY_REMOVED
 from protos.tier import Tier
 
 
@@ -550,7 +551,7 @@ def cordon(ctx: Context, agent_id, reason):
     transfer can still move them out. Durable in etcd (the policy key cordon.<agent_id>)."""
     if not agent_id or not agent_id.isprintable():
         fail(f"AGENT_ID: {agent_id!r} is not an agent id (kvctl agents lists them)")
-    if reason.strip().lower() in ("", "none"):  # the values that uncordon (policy set cordon.<agent_id>=none)
+    if reason.strip().lower() in POLICY_ENTRY_REMOVED:  # the values that uncordon
         fail(f"--reason: {reason!r} would uncordon the agent; say why it is cordoned")
     stored = ctx.call(lambda c: c.cordon(agent_id, reason), {f"values[cordon.{agent_id}]": "--reason"})
     if ctx.output == "json":

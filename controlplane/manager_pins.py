@@ -31,7 +31,7 @@ class PinControl(ManagerState):
 
     # ---- pins -----------------------------------------------------------------------
     def quota_of(self, namespace: str) -> int | None:
-        raw = self.policy.get(f"quota.{namespace}")
+        raw = self.policy.get(f"{etcd_keys.QUOTA_POLICY_PREFIX}{namespace}")
         return parse_size(raw) if raw else None
 
     def pin(

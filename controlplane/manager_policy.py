@@ -25,8 +25,9 @@ from protos.units import parse_size
 
 log = logging.getLogger(__name__)
 
-QUOTA_REMOVED = ("", "none")  # `kvctl policy set quota.<ns>=none` (or empty) lifts a namespace's quota
-CORDON_PREFIX = etcd_keys.CORDON_POLICY_PREFIX  # cordon.<agent_id>=<reason>: no new work for it (none: uncordoned)
+QUOTA_PREFIX = etcd_keys.QUOTA_POLICY_PREFIX  # quota.<namespace>=<size>
+CORDON_PREFIX = etcd_keys.CORDON_POLICY_PREFIX  # cordon.<agent_id>=<reason>: no new work for it
+ENTRY_REMOVED = etcd_keys.POLICY_ENTRY_REMOVED  # `kvctl policy set quota.<ns>=none` (or empty) lifts either
 MAX_CORDON_REASON_CHARS = 200
 POLICY_WRITE_TRIES = 5  # SetPolicy merges into a policy written meanwhile, at most this often
 
@@ -34,12 +35,12 @@ POLICY_WRITE_TRIES = 5  # SetPolicy merges into a policy written meanwhile, at m
 def _check_quota_entry(key: str, value: str) -> None:
     """`quota.<namespace>=<size>`: the namespace must be named (`quota.` alone would be
     stored and never read: a pin's namespace is never empty)."""
-    namespace = key.removeprefix("quota.")
-    field = f"values[{key[:80]}{'...' if len(key) > 80 else ''}]"
+    namespace = key.removeprefix(QUOTA_PREFIX)
+    field = _field(key)
     if not namespace:
         raise errors.InvalidArgument(field, "name the namespace: quota.<namespace>=<size>")
     check_namespace(namespace, field)
-    if value in QUOTA_REMOVED:
+    if value in ENTRY_REMOVED:
         return
     try:
         parse_size(value)
@@ -51,7 +52,7 @@ def _check_cordon_entry(key: str, value: str) -> None:
     """`cordon.<agent_id>=<reason>` (kvctl cordon): the agent must be named, the reason
     one printable line; none (or empty) uncordons."""
     agent_id = key.removeprefix(CORDON_PREFIX)
-    field = f"values[{key[:80]}{'...' if len(key) > 80 else ''}]"
+    field = _field(key)
     if not agent_id or len(agent_id) > 256 or not agent_id.isprintable():
         raise errors.InvalidArgument(field, "name the agent: cordon.<agent_id>=<reason>")
     if len(value) > MAX_CORDON_REASON_CHARS or not value.isprintable():
@@ -60,29 +61,48 @@ def _check_cordon_entry(key: str, value: str) -> None:
         )
 
 
+def _check_entry(key: str, value: str) -> None:
+    """A quota or cordon entry of the policy (is_entry)."""
+    if key.startswith(QUOTA_PREFIX):
+        _check_quota_entry(key, value)
+    elif key.startswith(CORDON_PREFIX):
+        _check_cordon_entry(key, value)
+
+
 def cordons(values: dict[str, str]) -> dict[str, str]:
     """The cordoned agents a policy names: agent id -> reason (an empty reason, or none, as
     written in etcd by hand, is no cordon: SetPolicy takes those values as uncordoning)."""
     return {
         k.removeprefix(CORDON_PREFIX): v
         for k, v in values.items()
-        if k.startswith(CORDON_PREFIX) and v not in QUOTA_REMOVED
+        if k.startswith(CORDON_PREFIX) and v not in ENTRY_REMOVED
     }
+
+
+def is_entry(key: str) -> bool:
+    """A quota or cordon entry, not a tier-policy setting."""
+    return key.startswith((QUOTA_PREFIX, CORDON_PREFIX))
+
+
+def tier_settings(values: dict[str, str]) -> dict[str, str]:
+    """The policy's values that are the tier policy's settings (not quotas, not cordons):
+    what controlplane.core.policy.Policy.from_mapping is given."""
+    return {k: v for k, v in values.items() if not is_entry(k)}
+
+
+def _field(key: str) -> str:
+    return f"values[{key[:80]}{'...' if len(key) > 80 else ''}]"
 
 
 def validate_policy(values: dict[str, str]) -> dict[str, str]:
     """Effective policy from stored/changed values: quota.<namespace> sizes and
     cordon.<agent_id> reasons here, the tier policy's keys by its own validator
     (controlplane.core.policy)."""
-    quotas = {k: v for k, v in values.items() if k.startswith("quota.")}
-    for key, value in quotas.items():
-        _check_quota_entry(key, value)
-    cordoned = {k: v for k, v in values.items() if k.startswith(CORDON_PREFIX)}
-    for key, value in cordoned.items():
-        _check_cordon_entry(key, value)
-    rest = {k: v for k, v in values.items() if k not in quotas and k not in cordoned}
-    policy = tier_policy.Policy.from_mapping(rest)
-    return {**policy.to_mapping(), **quotas, **cordoned}
+    settings = tier_settings(values)
+    entries = {k: v for k, v in values.items() if is_entry(k)}
+    for key, value in entries.items():
+        _check_entry(key, value)
+    return {**tier_policy.Policy.from_mapping(settings).to_mapping(), **entries}
 
 
 class PolicyControl(ManagerState):
@@ -97,19 +117,19 @@ class PolicyControl(ManagerState):
     def set_policy(self, changes: dict[str, str]) -> dict[str, str]:
         self.ensure_loaded()
         for key, value in changes.items():
-            if key.startswith("quota."):
-                _check_quota_entry(key, value)
-            elif key.startswith(CORDON_PREFIX):
-                _check_cordon_entry(key, value)
+            if not is_entry(key):
+                continue  # checked with the rest of the tier policy's settings below
+            _check_entry(key, value)
+            if key.startswith(CORDON_PREFIX) and value not in ENTRY_REMOVED:
                 agent_id = key.removeprefix(CORDON_PREFIX)
-                if value not in QUOTA_REMOVED and agent_id not in {r.agent_id for r, _ in self.cluster.agents()}:
+                if agent_id not in {r.agent_id for r, _ in self.cluster.agents()}:
                     # a typo would cordon nothing (uncordoning one that left is fine)
                     raise errors.NotFound(f"{key}: no agent {agent_id!r} is registered (kvctl agents lists them)")
         with self._lock:
             for _ in range(POLICY_WRITE_TRIES):
                 values = {**self.policy, **changes}
                 for key, value in changes.items():
-                    if key.startswith(("quota.", CORDON_PREFIX)) and value in QUOTA_REMOVED:
+                    if is_entry(key) and value in ENTRY_REMOVED:
                         values.pop(key, None)
                 merged = self.policy_validator(values)
                 if self.durable.replace(etcd_keys.POLICY_KEY, json.dumps(merged, sort_keys=True), self.policy_revision):
@@ -188,7 +208,7 @@ class PolicyControl(ManagerState):
 
     def tier_policy(self) -> Policy:
         with self._lock:
-            values = {k: v for k, v in self.policy.items() if not k.startswith(("quota.", CORDON_PREFIX))}
+            values = tier_settings(self.policy)
         return tier_policy.Policy.from_mapping(values)
 
     def policy_pass(self, now: float) -> int:

@@ -21,8 +21,11 @@ AGENTS_PREFIX = ROOT + "agents/"
 PINS_PREFIX = ROOT + "pins/"
 POLICY_KEY = ROOT + "config/policy"
 # keys of the policy's values that are not tier-policy settings: quota.<namespace>=<size>,
-# cordon.<agent_id>=<reason> (kvctl cordon: no new work for that agent)
+# cordon.<agent_id>=<reason> (kvctl cordon: no new work for that agent); either is lifted
+# by one of POLICY_ENTRY_REMOVED (`kvctl policy set quota.legal-kb=none`)
+QUOTA_POLICY_PREFIX = "quota."
 CORDON_POLICY_PREFIX = "cordon."
+POLICY_ENTRY_REMOVED = ("", "none")
 OPS_PREFIX = ROOT + "ops/"
 LEADER_KEY = ROOT + "election/leader"
 # written by each leader once it has loaded its state: an etcd without it holds no
@@ -51,12 +54,13 @@ def parse_endpoints(text: str) -> list[tuple[str, int]]:
     return out
 
 
-def refresh_within(lease, seconds: float) -> int:
-    """One keep-alive of `lease`: its TTL left, or TimeoutError after `seconds` (the call
-    goes on in its own thread). A keep-alive is a stream, and one was seen not to return
-    at all while a TLS etcd with auth restarted, its deadline notwithstanding: an election
-    step (and the lock it holds) or an agent's registration must not wait for it longer
-    than a lease lives."""
+def refresh_within(lease, ttl_seconds: float) -> int:
+    """One keep-alive of `lease` (granted for `ttl_seconds`): its TTL left, or TimeoutError
+    after that TTL, 2 s at least (the call goes on in its own thread). A keep-alive is a
+    stream, and one was seen not to return at all while a TLS etcd with auth restarted,
+    its deadline notwithstanding: an election step (and the lock it holds) or an agent's
+    registration must not wait for it longer than a lease lives."""
+    seconds = max(float(ttl_seconds), 2.0)
     done: list = []
 
     def run() -> None:

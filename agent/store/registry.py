@@ -50,7 +50,7 @@ class EtcdRegistration:
         if self.lease is None:
             self.register()
             return
-        ttl = etcd_keys.refresh_within(self.lease, max(float(self.ttl_seconds), 2.0))
+        ttl = etcd_keys.refresh_within(self.lease, self.ttl_seconds)
         if ttl <= 0 or self._client.get(self.key)[0] is None:
             log.warning("lease of %s was lost; registering again", self.agent_id)
             self.register()

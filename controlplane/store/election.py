@@ -107,7 +107,7 @@ class LeaderElection:
         lease = self._lease
         if lease is None:
             raise LeadershipLost("no leader lease")
-        ttl = refresh_within(lease, max(float(self.ttl_seconds), 2.0))
+        ttl = refresh_within(lease, self.ttl_seconds)
         value, meta = self._client.get(self.key)
         if ttl <= 0 or meta is None or meta.lease_id != lease.id:
             raise LeadershipLost("leader lease expired")
@@ -119,7 +119,7 @@ class LeaderElection:
             if (
                 self._lease is not None
                 and meta.lease_id == self._lease.id
-                and refresh_within(self._lease, max(float(self.ttl_seconds), 2.0)) > 0
+                and refresh_within(self._lease, self.ttl_seconds) > 0
             ):
                 # etcd came back before our lease ran out: we still lead, same epoch
                 self.is_leader = True

@@ -105,7 +105,7 @@ class EtcdLock:
             if lease is None:  # released meanwhile
                 return
             try:
-                if etcd_keys.refresh_within(lease, max(float(self.ttl_seconds), 2.0)) > 0:
+                if etcd_keys.refresh_within(lease, self.ttl_seconds) > 0:
                     continue
             except Exception as exc:  # noqa: BLE001 - etcd away: the lease may lapse meanwhile
                 log.debug("refreshing the lease of lock %s: %s", self.key, exc)

@@ -29,6 +29,7 @@ and each link's achieved throughput is measured and reported to the control plan
 from __future__ import annotations
 
 import concurrent.futures as cf
+import json
 import logging
 import math
 import os
@@ -142,6 +143,7 @@ class DataPlane(HandoffPaths):
         config: DataPlaneConfig | None = None,
         peer_info=None,
         metrics=None,
+        cordons=None,
     ):
         self.agent_id = agent_id
         self.pool = pool
@@ -155,6 +157,7 @@ class DataPlane(HandoffPaths):
         self.store = self.reservations.store  # pool.store_of[self.tier]: a slab (Reservations refuses others)
         self.links = Links(self.config.link_max_concurrent, self.config.link_bytes_per_second)
         self._peer_info = peer_info  # callable(agent_id) -> AgentInfo | None (etcd)
+        self._cordons = cordons  # callable() -> {agent id: reason} of the cordoned agents (etcd's policy)
         self.metrics = metrics  # agent.metrics.AgentMetrics (record_transfer), optional
         self._peers: dict[str, tuple[float, Peer]] = {}  # agent id -> (when etcd last named it, its record)
         self._etcd_failed_at = -math.inf  # monotonic time of the last etcd read that failed
@@ -474,10 +477,23 @@ class DataPlane(HandoffPaths):
             info.shm_inode,
             info.transfer_buffer_address,
             info.transfer_buffer_bytes,
+            self._cordon_of(agent_id, cached[1] if cached is not None else None),
         )
         with self._lock:
             self._peers[agent_id] = (now, p)
         return p
+
+    def _cordon_of(self, agent_id: str, known: Peer | None) -> str:
+        """Why etcd's policy says the peer is cordoned ("": it is not); read with the peer's
+        record, so it is as fresh as the peer's address (PEER_CACHE_SECONDS). A policy that
+        cannot be read keeps what was known."""
+        if self._cordons is None:
+            return ""
+        try:
+            return self._cordons().get(agent_id, "")
+        except Exception as exc:  # noqa: BLE001 - etcd away: the last word stands
+            log.debug("cannot read the cordons from etcd (%s)", exc)
+            return known.cordoned if known is not None else ""
 
     def _stub(self, address: str) -> tuple[agent_pb2_grpc.DataPlaneStub, grpc.Channel]:
         """A stub on the peer's channel, which stays open until `_let_go(channel)`: a
@@ -553,6 +569,11 @@ class DataPlane(HandoffPaths):
             if p not in PATHS:
                 raise errors.InvalidArgument("paths", f"unknown path {p!r}; expected {', '.join(PATHS)}")
         peer = self._peer_by(destination_agent_id, deadline)
+        if peer.cordoned:  # as the control plane's Transfer and Route: no new work for it
+            raise errors.FailedPrecondition(
+                f"destination_agent_id: agent {destination_agent_id} is cordoned ({peer.cordoned}); "
+                f"kvctl uncordon {destination_agent_id} first, or hand off to another agent"
+            )
         metas = self.pool.acquire_chain(block_hashes)
         if not metas:
             raise errors.FailedPrecondition(
@@ -834,6 +855,19 @@ def etcd_peer_info(etcd):
             return None
         raw = value.decode() if isinstance(value, bytes) else value
         return json_format.Parse(raw, types_pb2.AgentInfo(), ignore_unknown_fields=True)
+
+    return get
+
+
+def etcd_cordons(etcd):
+    """The cordoned agents (id -> reason) named by the policy stored in etcd."""
+
+    def get() -> dict[str, str]:
+        value, _ = etcd.get(etcd_keys.POLICY_KEY)
+        if value is None:
+            return {}
+        stored = json.loads(value)
+        return etcd_keys.cordoned_agents(stored) if isinstance(stored, dict) else {}
 
     return get
 

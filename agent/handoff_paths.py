@@ -73,6 +73,7 @@ class Peer:
     shm_inode: int = 0
     buffer_address: int = 0
     buffer_bytes: int = 0
+    cordoned: str = ""  # why the peer is cordoned (kvctl cordon), "" while it is in rotation
 
     @property
     def same_host_shm(self) -> bool:

@@ -30,7 +30,7 @@ from agent.core.handoff import VERIFIES_PER_HANDOFF
 from agent.core.model_spec import ModelSpec
 from agent.core.mover import Mover
 from agent.core.vllm_events import ExternalBlocks
-from agent.dataplane import DataPlane, DataPlaneConfig, etcd_peer_info
+from agent.dataplane import DataPlane, DataPlaneConfig, etcd_cordons, etcd_peer_info
 from agent.metrics import AgentMetrics
 from agent.store.disk_tier import DiskTier
 from agent.store.memory_tier import MemoryTier, cuda_available
@@ -234,7 +234,13 @@ class Agent:
             paths = "shared memory (same host) and the gRPC path" if config.shm_handoff else "the gRPC path only"
             self._log_fn(f"agent {config.agent_id}: handoffs use {paths}, no transfer engine: {backend.status}")
         self.dataplane = DataPlane(
-            config.agent_id, self.pool, backend, config.dataplane, lambda a: etcd_peer_info(self.etcd)(a), self.metrics
+            config.agent_id,
+            self.pool,
+            backend,
+            config.dataplane,
+            lambda a: etcd_peer_info(self.etcd)(a),
+            self.metrics,
+            lambda: etcd_cordons(self.etcd)(),
         )
         self.dataplane.tls = config.tls
         self.dataplane.token = config.controlplane_token

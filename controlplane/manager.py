@@ -29,7 +29,7 @@ from controlplane.core.scope import Scope
 from controlplane.core.tuning import CreditTuner
 from controlplane.manager_ops import OperationControl
 from controlplane.manager_pins import PinControl
-from controlplane.manager_policy import PolicyControl, cordons
+from controlplane.manager_policy import PolicyControl
 from controlplane.store.durable import DurableStore, pin_key, pin_to_json
 from protos import errors, etcd_keys
 from protos.block_hash import BLOCK_HASH_BYTES, MAX_PROMPT_BLOCKS, check_prompt_size, hash_prefix
@@ -160,7 +160,7 @@ class Manager(PinControl, OperationControl, PolicyControl):
         """Every policy that takes effect (set, reloaded, loaded on winning) tells the
         cluster its cordoned agents, which lookups and Route then leave out."""
         self._policy_values = values
-        self.cluster.set_cordoned(cordons(values))
+        self.cluster.set_cordoned(etcd_keys.cordoned_agents(values))
 
     # ---- leadership -----------------------------------------------------------------
     @property

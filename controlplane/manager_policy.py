@@ -69,16 +69,6 @@ def _check_entry(key: str, value: str) -> None:
         _check_cordon_entry(key, value)
 
 
-def cordons(values: dict[str, str]) -> dict[str, str]:
-    """The cordoned agents a policy names: agent id -> reason (an empty reason, or none, as
-    written in etcd by hand, is no cordon: SetPolicy takes those values as uncordoning)."""
-    return {
-        k.removeprefix(CORDON_PREFIX): v
-        for k, v in values.items()
-        if k.startswith(CORDON_PREFIX) and v not in ENTRY_REMOVED
-    }
-
-
 def is_entry(key: str) -> bool:
     """A quota or cordon entry, not a tier-policy setting."""
     return key.startswith((QUOTA_PREFIX, CORDON_PREFIX))

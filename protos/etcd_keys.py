@@ -26,6 +26,20 @@ POLICY_KEY = ROOT + "config/policy"
 QUOTA_POLICY_PREFIX = "quota."
 CORDON_POLICY_PREFIX = "cordon."
 POLICY_ENTRY_REMOVED = ("", "none")
+
+
+def cordoned_agents(policy_values: dict[str, str]) -> dict[str, str]:
+    """The cordoned agents a stored policy names: agent id -> reason (an empty reason, or
+    none, as written in etcd by hand, is no cordon: SetPolicy takes those values as
+    uncordoning). Read by the leader and by each agent (a handoff to a cordoned agent is
+    refused at its source)."""
+    return {
+        k.removeprefix(CORDON_POLICY_PREFIX): v
+        for k, v in policy_values.items()
+        if k.startswith(CORDON_POLICY_PREFIX) and isinstance(v, str) and v not in POLICY_ENTRY_REMOVED
+    }
+
+
 OPS_PREFIX = ROOT + "ops/"
 LEADER_KEY = ROOT + "election/leader"
 # written by each leader once it has loaded its state: an etcd without it holds no

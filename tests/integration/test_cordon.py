@@ -92,3 +92,43 @@ def test_a_follower_knows_the_cordons_before_it_takes_over(etcd, make_agent):
         if follower is not None:
             follower.stop()
         leader.stop()
+
+
+def test_an_engine_handoff_to_a_cordoned_agent_is_refused_at_its_source(controlplane, make_agent):
+    """An engine that names a cordoned agent in its own Handoff (a router's stale choice)
+    is refused by the source agent, as the control plane's Transfer is: the source reads
+    the cordons from etcd's policy with the peer's record. Nothing is written there, and
+    once uncordoned the same handoff goes through."""
+    import grpc
+    import torch
+
+    from agent.client import EngineClient
+    from agent.dataplane import PEER_CACHE_SECONDS
+
+    src = make_agent("h-src")
+    dst = make_agent("h-dst")
+    prompt = tokens(2, start=90_000)
+    src.engine.store(M.model_id, prompt, torch.ones((2, *M.block_shape), dtype=torch.float16))
+    engine = EngineClient(src.address)
+    with ControlPlaneClient(controlplane.address) as c:
+        wait_for(lambda: "h-dst" in {a.agent_id for a in c.list_agents()}, what="registered")
+        c.cordon("h-dst", "GPU Xid 79")
+        # the source reads it with the peer's record, at most PEER_CACHE_SECONDS old: read now
+        assert src.dataplane.peer("h-dst", refresh=True).cordoned == "GPU Xid 79"
+        with pytest.raises(grpc.RpcError) as refused:
+            engine.handoff(M.model_id, "h-dst", token_ids=prompt, deadline_seconds=5)
+        assert refused.value.code() == grpc.StatusCode.FAILED_PRECONDITION, refused.value
+        assert "h-dst is cordoned (GPU Xid 79)" in refused.value.details(), refused.value.details()
+        assert "kvctl uncordon h-dst" in refused.value.details()
+        assert dst.engine.load(M.model_id, prompt).num_cached_tokens == 0
+        # the control plane's transfer from the source is refused as well (its own check)
+        with pytest.raises(ClientError, match="cordoned"):
+            c.transfer(M.model_id, "h-src", "h-dst", token_ids=prompt)
+        c.uncordon("h-dst")
+        wait_for(
+            lambda: engine.handoff(M.model_id, "h-dst", token_ids=prompt, deadline_seconds=5).outcome
+            in ("transferred", "present"),
+            PEER_CACHE_SECONDS + 10,
+            what="handed off once uncordoned",
+        )
+    assert dst.engine.load(M.model_id, prompt).num_cached_tokens == len(prompt)

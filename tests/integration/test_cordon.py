@@ -126,8 +126,10 @@ def test_an_engine_handoff_to_a_cordoned_agent_is_refused_at_its_source(controlp
             c.transfer(M.model_id, "h-src", "h-dst", token_ids=prompt)
         c.uncordon("h-dst")
         wait_for(
-            lambda: engine.handoff(M.model_id, "h-dst", token_ids=prompt, deadline_seconds=5).outcome
-            in ("transferred", "present"),
+            lambda: (
+                engine.handoff(M.model_id, "h-dst", token_ids=prompt, deadline_seconds=5).outcome
+                in ("transferred", "present")
+            ),
             PEER_CACHE_SECONDS + 10,
             what="handed off once uncordoned",
         )

@@ -44,6 +44,7 @@ from google.protobuf import json_format
 
 from agent.core.block_pool import BlockPool
 from agent.core.blocks import BlockMeta
+from agent.core.drain import DrainPlan, drain_chains
 from agent.core.handoff import (
     ENGINE,
     GRPC,
@@ -175,6 +176,7 @@ class DataPlane(HandoffPaths):
         self._closing = False  # close() began: executors refuse work, handoffs under way end
         self._refresher = cf.ThreadPoolExecutor(max_workers=2, thread_name_prefix="peer-read")
         self._refreshing: dict[str, cf.Future] = {}  # agent id -> its record's read under way
+        self._drains: dict[str, threading.Event] = {}  # drain op id -> its cancel flag
         self._departed_check: cf.Future | None = None  # _forget_departed_peers under way (sweep thread only)
         self.tls: security.TLSConfig | None = None  # this agent's: peers' listeners use the same
         self.token = ""  # the agent token, which peers' DataPlane listeners ask for
@@ -439,6 +441,114 @@ class DataPlane(HandoffPaths):
             )
 
         threading.Thread(target=run, name=f"transfer {op_id}", daemon=True).start()
+
+    def run_drain(
+        self, op_id: str, model_id: str, destinations: list[str], free_bytes: list[int], deadline_seconds, reply
+    ) -> None:
+        """A control-plane DRAIN (kvctl drain): hand every prefix held here (of `model_id`,
+        or every model) to the destinations, in the background (agent.core.drain says in
+        which order and to whom), reporting progress through `reply`; `cancel(op_id)`
+        stops it between two prefixes. The blocks stay here too."""
+        cancelled = threading.Event()
+        with self._lock:
+            self._drains[op_id] = cancelled
+
+        def run() -> None:
+            try:
+                self._drain(op_id, model_id, destinations, free_bytes, deadline_seconds, reply, cancelled)
+            except Exception as exc:  # noqa: BLE001 - the operation gets its answer whatever went wrong
+                log.exception("drain %s failed", op_id)
+                reply(op_id, "FAILED", error=f"internal error on the agent ({type(exc).__name__}: {exc}); see its log")
+            finally:
+                with self._lock:
+                    self._drains.pop(op_id, None)
+
+        threading.Thread(target=run, name=f"drain {op_id}", daemon=True).start()
+
+    def cancel(self, op_id: str) -> bool:
+        """Stop a drain between two prefixes (it answers CANCELLED); False: none runs."""
+        with self._lock:
+            flag = self._drains.get(op_id)
+        if flag is not None:
+            flag.set()
+        return flag is not None
+
+    def _drain(self, op_id, model_id, destinations, free_bytes, deadline_seconds, reply, cancelled) -> None:
+        with self.pool.lock:
+            chains = drain_chains(self.pool.blocks.values(), model_id)
+        total = len({h for c in chains for h in c.block_hashes})
+        plan = DrainPlan(list(destinations), list(free_bytes))
+        done: set[bytes] = set()
+        moved_bytes = 0
+        skipped: list[str] = []  # why chains were left behind
+        progress = {"at": 0.0}
+
+        def say(state: str, **fields) -> None:
+            progress["at"] = time.monotonic()
+            reply(op_id, state, num_done_blocks=len(done), num_total_blocks=total, moved_bytes=moved_bytes, **fields)
+
+        say("RUNNING")
+        beat_done = threading.Event()
+
+        def beat() -> None:  # a long handoff must not look like a silent agent
+            while not beat_done.wait(TRANSFER_HEARTBEAT_SECONDS):
+                if time.monotonic() - progress["at"] >= TRANSFER_HEARTBEAT_SECONDS:
+                    say("RUNNING")
+
+        threading.Thread(target=beat, name=f"drain {op_id} beat", daemon=True).start()
+        try:
+            for chain in chains:
+                if cancelled.is_set() or self._closing or plan.exhausted:
+                    break
+                new_bytes = sum(n for h, n in zip(chain.block_hashes, chain.stored_bytes, strict=True) if h not in done)
+                if not new_bytes:
+                    continue  # every block of it went with chains before
+                order = plan.order(chain, new_bytes)
+                if not order:
+                    skipped.append(f"no destination has room for {new_bytes} B more")
+                    continue
+                for destination in order:
+                    try:
+                        r = self.handoff(
+                            chain.model_id, list(chain.block_hashes), destination, deadline_seconds, chain.namespace
+                        )
+                    except errors.FailedPrecondition as exc:
+                        if "holds no block" in str(exc):  # dropped here meanwhile: nothing to send
+                            break
+                        plan.failed(destination, str(exc), permanent=True)  # cordoned since, or gone
+                        continue
+                    except errors.KvcpError as exc:
+                        plan.failed(destination, str(exc), permanent=True)
+                        continue
+                    if r.outcome in (TRANSFERRED, PRESENT):
+                        done.update(chain.block_hashes[: r.num_blocks])
+                        moved_bytes += r.sent_bytes
+                        plan.took(destination, chain, r.sent_bytes)
+                        break
+                    plan.failed(destination, r.reason)
+                else:
+                    skipped.append("every destination failed it")
+                say("RUNNING")
+        finally:
+            beat_done.set()
+        result = ", ".join(f"{d}: {n} B" for d, n in plan.sent_bytes.items() if n) or "nothing sent"
+        left = total - len(done)
+        why = "; ".join(
+            [f"{d} given up: {reason}" for d, reason in plan.given_up.items()]
+            + sorted(set(skipped))
+            + (["destinations full"] if plan.exhausted and left and not plan.given_up else [])
+        )
+        if cancelled.is_set():
+            say("CANCELLED", num_failed_blocks=left, result=result)
+        elif left and not done:
+            say("FAILED", num_failed_blocks=left, error=f"no block of {total} handed off: {why or 'no destination'}")
+        else:
+            say(
+                "SUCCEEDED",
+                num_failed_blocks=left,
+                result=result,
+                error=f"{left} of {total} blocks not handed off: {why}" if left else "",
+            )
 
     # ---- peers ----------------------------------------------------------------------
     def peer(self, agent_id: str, refresh: bool = False) -> Peer:

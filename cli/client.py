@@ -873,6 +873,25 @@ class ControlPlaneClient:
         )
         return _op_view(self._call("Transfer", req))
 
+    def drain(
+        self,
+        agent_id: str,
+        to_agent_ids=(),
+        model_id: str = "",
+        deadline_seconds: float = 0.0,
+        reason: str = "",
+    ) -> OperationView:
+        """Cordon an agent and hand every prefix it holds to agents in rotation (operation
+        kind "drain")."""
+        req = admin_pb2.DrainRequest(
+            agent_id=agent_id,
+            to_agent_ids=list(to_agent_ids),
+            model_id=model_id,
+            deadline_seconds=deadline_seconds,
+            reason=reason,
+        )
+        return _op_view(self._call("Drain", req))
+
     def route(
         self,
         model_id: str,

@@ -562,6 +562,38 @@ def cordon(ctx: Context, agent_id, reason):
 
 @main.command()
 @click.argument("agent_id")
+@click.option(
+    "--to", "to_agent_ids", default="", help="Destinations, comma separated (default: every agent in rotation)."
+)
+@click.option("--model", "model_id", default="", help="Only this model's blocks (default: every model).")
+@click.option("--reason", default="drained with kvctl", show_default=True, help="The cordon's reason.")
+@click.option("--deadline", default="", help="Each handoff's answer time (10s, 1m); default: the agent's.")
+@click.option("--wait", is_flag=True, help="Wait until the drain finishes.")
+@wait_timeout_option
+@pass_ctx
+def drain(ctx: Context, agent_id, to_agent_ids, model_id, reason, deadline, wait, wait_timeout):
+    """Before maintenance: cordon an agent (as `kvctl cordon`) and hand every prefix it holds
+    to agents in rotation, most recently used first, into the room they have free (none of
+    their own blocks is pushed out), so that taking it down costs no hits. Its blocks stay
+    where they are too; `kvctl uncordon` puts it back in rotation."""
+    if not agent_id or not agent_id.isprintable():
+        fail(f"AGENT_ID: {agent_id!r} is not an agent id (kvctl agents lists them)")
+    if reason.strip().lower() in POLICY_ENTRY_REMOVED:
+        fail(f"--reason: {reason!r} would uncordon the agent; say why it is drained")
+    targets = [t.strip() for t in to_agent_ids.split(",")] if to_agent_ids else []
+    if any(not t for t in targets):
+        fail(f"--to: {to_agent_ids!r} has an empty agent id")
+    seconds = parse_duration(deadline, "--deadline") if deadline else 0.0
+    wait_timeout_seconds(wait_timeout)
+    op = ctx.call(
+        lambda c: c.drain(agent_id, targets, model_id, seconds, reason),
+        {"agent_id": "AGENT_ID", "to_agent_ids": "--to", "model_id": "--model", "reason": "--reason"},
+    )
+    wait_and_print(ctx, op, wait, wait_timeout)
+
+
+@main.command()
+@click.argument("agent_id")
 @pass_ctx
 def uncordon(ctx: Context, agent_id):
     """Put a cordoned agent back in rotation."""

@@ -14,8 +14,9 @@ import time
 import zlib
 
 from controlplane.core import operations as ops
-from controlplane.core.cluster import AgentCommand
+from controlplane.core.cluster import AgentCommand, AgentState
 from controlplane.core.scope import Scope, block_bytes
+from controlplane.manager_policy import MAX_CORDON_REASON_CHARS
 from controlplane.manager_state import ManagerState
 from controlplane.store.durable import op_to_json
 from controlplane.store.locks import EtcdLock
@@ -226,6 +227,93 @@ class OperationControl(ManagerState):
             deadline_seconds=deadline_seconds,
         )
         self._fan_out(op, {from_agent_id: command})
+        return op
+
+    def drain(
+        self,
+        agent_id: str,
+        to_agent_ids: tuple[str, ...] = (),
+        model_id: str = "",
+        deadline_seconds: float = 0.0,
+        reason: str = "",
+    ) -> ops.Operation:
+        """Maintenance (a rolling upgrade): cordon the agent (unless it is) and have it hand
+        every prefix it holds to agents in rotation, most recently used first, so that its
+        restart costs the cluster no hits (operation kind "drain"; the agent runs it,
+        agent.dataplane.run_drain). Destinations: those named, or every ready agent in
+        rotation serving the model, the roomiest (free CPU tier) first."""
+        self.ensure_loaded()
+        if not 0 <= deadline_seconds <= MAX_HANDOFF_DEADLINE_SECONDS:  # also NaN; the agents refuse more
+            raise errors.InvalidArgument(
+                "deadline_seconds", f"must be in [0, {MAX_HANDOFF_DEADLINE_SECONDS:g}] seconds, got {deadline_seconds}"
+            )
+        if not agent_id:
+            raise errors.InvalidArgument("agent_id", "must not be empty")
+        if reason.strip().lower() in etcd_keys.POLICY_ENTRY_REMOVED[1:] or (
+            reason and (len(reason) > MAX_CORDON_REASON_CHARS or not reason.isprintable())
+        ):
+            raise errors.InvalidArgument(
+                "reason", f"must be one printable line of at most {MAX_CORDON_REASON_CHARS} characters, not 'none'"
+            )
+        if len(set(to_agent_ids)) != len(to_agent_ids) or "" in to_agent_ids:
+            raise errors.InvalidArgument("to_agent_ids", "names an agent twice, or an empty one")
+        self._check_agents_back((agent_id, *to_agent_ids))
+        agents = {r.agent_id: r for r, _ in self.cluster.agents()}
+        if agent_id not in agents:
+            raise errors.NotFound(f"agent_id: no agent {agent_id!r} is registered (kvctl agents lists them)")
+        if model_id and model_id not in {m.model_id for m in agents[agent_id].models}:
+            raise errors.InvalidArgument("model_id", f"agent {agent_id} serves no model {model_id!r}")
+        models = {model_id} if model_id else {m.model_id for m in agents[agent_id].models}
+        for to in to_agent_ids:
+            if to == agent_id:
+                raise errors.InvalidArgument("to_agent_ids", f"names {to}, the agent drained")
+            if to not in agents:
+                raise errors.NotFound(f"to_agent_ids: no agent {to!r} is registered (kvctl agents lists them)")
+            if self.cluster.cordon_reason(to):
+                raise errors.FailedPrecondition(
+                    f"to_agent_ids: agent {to} is cordoned ({self.cluster.cordon_reason(to)}); "
+                    f"kvctl uncordon {to} first, or drain to another agent"
+                )
+        candidates = [
+            r
+            for a, r in agents.items()
+            if a != agent_id
+            and (a in to_agent_ids if to_agent_ids else not self.cluster.cordon_reason(a))
+            and r.state == AgentState.READY
+            and models & {m.model_id for m in r.models}
+        ]
+        if not candidates:
+            named = f" among {', '.join(to_agent_ids)}" if to_agent_ids else ""
+            raise errors.FailedPrecondition(
+                f"no ready agent in rotation{named} serves {' or '.join(sorted(models)) or 'its models'}: "
+                f"nothing to drain {agent_id} to"
+            )
+
+        def free_bytes(r) -> int:  # all tiers: a block landing in CPU pushes a colder one down, not out
+            return sum(max(0, t.capacity_bytes - t.used_bytes) for t in r.tiers)
+
+        ranked = sorted(candidates, key=lambda r: (-free_bytes(r), r.agent_id))
+        destinations = tuple(r.agent_id for r in ranked)
+        if not any(free_bytes(r) for r in ranked):
+            raise errors.FailedPrecondition(
+                f"no room: {', '.join(destinations)} have no free bytes in any tier (kvctl agents), "
+                "and a drain pushes out none of their own blocks"
+            )
+        if not self.cluster.cordon_reason(agent_id):
+            why = reason or "drained with kvctl"
+            self.set_policy({etcd_keys.CORDON_POLICY_PREFIX + agent_id: why})
+        params = {"agent": agent_id, "to": ",".join(destinations), "model": model_id}
+        op = ops.new_operation("drain", params, [agent_id], now=self.clock())
+        self._register_op(op)
+        command = AgentCommand(
+            op.op_id,
+            "drain",
+            model_id=model_id,
+            peer_agent_ids=destinations,
+            peer_free_bytes=tuple(free_bytes(r) for r in ranked),
+            deadline_seconds=deadline_seconds,
+        )
+        self._fan_out(op, {agent_id: command})
         return op
 
     def compress(self, scope: Scope, codec: str, tier: Tier | None = None) -> ops.Operation:

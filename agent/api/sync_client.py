@@ -210,7 +210,9 @@ class ControlPlaneLink:
                 op_id=cmd.op_id,
             )
         elif kind == agent_pb2.COMMAND_KIND_CANCEL:
-            if self._mover is not None:
+            if self.dataplane is not None and self.dataplane.cancel(cmd.op_id):
+                pass  # a drain: it answers CANCELLED between two prefixes
+            elif self._mover is not None:
                 self._mover.cancel(cmd.op_id)
         elif kind == agent_pb2.COMMAND_KIND_EVICT:
             done, pinned = 0, []
@@ -275,6 +277,15 @@ class ControlPlaneLink:
         elif kind == agent_pb2.COMMAND_KIND_TRANSFER and self.dataplane is not None:
             self.dataplane.run_command(
                 cmd.op_id, cmd.model_id, hashes, cmd.peer_agent_id, cmd.deadline_seconds, self._reply
+            )
+        elif kind == agent_pb2.COMMAND_KIND_DRAIN and self.dataplane is not None:
+            self.dataplane.run_drain(
+                cmd.op_id,
+                cmd.model_id,
+                list(cmd.peer_agent_ids),
+                list(cmd.peer_free_bytes),
+                cmd.deadline_seconds,
+                self._reply,
             )
         else:
             self._reply(cmd.op_id, FAILED, error=f"unknown command kind {kind}")

@@ -206,6 +206,16 @@ class AdminServicer(admin_pb2_grpc.AdminServiceServicer):
         )
         return convert.op_to_pb(op)
 
+    def Drain(self, request, context):
+        op = self._manager().drain(
+            request.agent_id,
+            tuple(request.to_agent_ids),
+            request.model_id,
+            request.deadline_seconds,
+            request.reason,
+        )
+        return convert.op_to_pb(op)
+
     def Route(self, request, context):
         self._require_leader(read=True)  # from memory, as lookups are, while etcd is away
         decision = routing.route_request(

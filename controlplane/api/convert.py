@@ -161,6 +161,7 @@ _COMMAND_KINDS = {
     "cancel": agent_pb2.COMMAND_KIND_CANCEL,
     "cleanup": agent_pb2.COMMAND_KIND_CLEANUP,
     "transfer": agent_pb2.COMMAND_KIND_TRANSFER,
+    "drain": agent_pb2.COMMAND_KIND_DRAIN,
 }
 
 
@@ -185,6 +186,8 @@ def command_to_pb(c: core.AgentCommand, epoch: int, now: float | None = None) ->
             pin_version=c.pin_version,
             expires_unix_seconds=c.expires_unix_seconds,
             peer_agent_id=c.peer_agent_id,
+            peer_agent_ids=list(c.peer_agent_ids),
+            peer_free_bytes=list(c.peer_free_bytes),
             deadline_seconds=c.deadline_seconds,
             ttl_seconds=ttl if c.kind == "pin" else 0.0,
         ),

@@ -136,7 +136,7 @@ class AgentCommand:
     """A command for one agent (the API layer turns it into a ControlMessage)."""
 
     op_id: str
-    kind: str  # move | evict | compress | pin | unpin | cancel | cleanup | transfer
+    kind: str  # move | evict | compress | pin | unpin | cancel | cleanup | transfer | drain
     block_hashes: bytes = b""
     tier: int = 0
     codec: str = ""
@@ -150,6 +150,8 @@ class AgentCommand:
     expires_unix_seconds: float = 0.0
     peer_agent_id: str = ""  # transfer: the destination
     deadline_seconds: float = 0.0  # transfer: answer within this (0: the agent's default)
+    peer_agent_ids: tuple[str, ...] = ()  # drain: the destinations, the roomiest first
+    peer_free_bytes: tuple[int, ...] = ()  # drain: what each has free (all tiers), the most it is sent
 
 
 @dataclass(frozen=True)

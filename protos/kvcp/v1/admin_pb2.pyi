@@ -370,6 +370,20 @@ class TransferRequest(_message.Message):
     deadline_seconds: float
     def __init__(self, scope: _Optional[_Union[Scope, _Mapping]] = ..., from_agent_id: _Optional[str] = ..., to_agent_id: _Optional[str] = ..., deadline_seconds: _Optional[float] = ...) -> None: ...
 
+class DrainRequest(_message.Message):
+    __slots__ = ("agent_id", "to_agent_ids", "model_id", "deadline_seconds", "reason")
+    AGENT_ID_FIELD_NUMBER: _ClassVar[int]
+    TO_AGENT_IDS_FIELD_NUMBER: _ClassVar[int]
+    MODEL_ID_FIELD_NUMBER: _ClassVar[int]
+    DEADLINE_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    agent_id: str
+    to_agent_ids: _containers.RepeatedScalarFieldContainer[str]
+    model_id: str
+    deadline_seconds: float
+    reason: str
+    def __init__(self, agent_id: _Optional[str] = ..., to_agent_ids: _Optional[_Iterable[str]] = ..., model_id: _Optional[str] = ..., deadline_seconds: _Optional[float] = ..., reason: _Optional[str] = ...) -> None: ...
+
 class RouteRequest(_message.Message):
     __slots__ = ("model_id", "token_ids", "block_hashes", "extra_keys", "role", "prefill_agent_id")
     MODEL_ID_FIELD_NUMBER: _ClassVar[int]

@@ -99,6 +99,11 @@ class AdminServiceStub:
                 request_serializer=protos_dot_kvcp_dot_v1_dot_admin__pb2.TransferRequest.SerializeToString,
                 response_deserializer=protos_dot_kvcp_dot_v1_dot_admin__pb2.Operation.FromString,
                 _registered_method=True)
+        self.Drain = channel.unary_unary(
+                '/kvcp.v1.AdminService/Drain',
+                request_serializer=protos_dot_kvcp_dot_v1_dot_admin__pb2.DrainRequest.SerializeToString,
+                response_deserializer=protos_dot_kvcp_dot_v1_dot_admin__pb2.Operation.FromString,
+                _registered_method=True)
         self.Route = channel.unary_unary(
                 '/kvcp.v1.AdminService/Route',
                 request_serializer=protos_dot_kvcp_dot_v1_dot_admin__pb2.RouteRequest.SerializeToString,
@@ -205,6 +210,14 @@ class AdminServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Drain(self, request, context):
+        """Maintenance: cordon an agent and hand every prefix it holds to agents in rotation,
+        most recently used first (operation kind "drain"; its blocks stay where they are too).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def Route(self, request, context):
         """For a router: which agent prefills and which decodes a request, and whether to split them.
         """
@@ -298,6 +311,11 @@ def add_AdminServiceServicer_to_server(servicer, server):
             'Transfer': grpc.unary_unary_rpc_method_handler(
                     servicer.Transfer,
                     request_deserializer=protos_dot_kvcp_dot_v1_dot_admin__pb2.TransferRequest.FromString,
+                    response_serializer=protos_dot_kvcp_dot_v1_dot_admin__pb2.Operation.SerializeToString,
+            ),
+            'Drain': grpc.unary_unary_rpc_method_handler(
+                    servicer.Drain,
+                    request_deserializer=protos_dot_kvcp_dot_v1_dot_admin__pb2.DrainRequest.FromString,
                     response_serializer=protos_dot_kvcp_dot_v1_dot_admin__pb2.Operation.SerializeToString,
             ),
             'Route': grpc.unary_unary_rpc_method_handler(
@@ -671,6 +689,33 @@ class AdminService:
             target,
             '/kvcp.v1.AdminService/Transfer',
             protos_dot_kvcp_dot_v1_dot_admin__pb2.TransferRequest.SerializeToString,
+            protos_dot_kvcp_dot_v1_dot_admin__pb2.Operation.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Drain(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvcp.v1.AdminService/Drain',
+            protos_dot_kvcp_dot_v1_dot_admin__pb2.DrainRequest.SerializeToString,
             protos_dot_kvcp_dot_v1_dot_admin__pb2.Operation.FromString,
             options,
             channel_credentials,

@@ -25,6 +25,7 @@ class CommandKind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     COMMAND_KIND_CANCEL: _ClassVar[CommandKind]
     COMMAND_KIND_CLEANUP: _ClassVar[CommandKind]
     COMMAND_KIND_TRANSFER: _ClassVar[CommandKind]
+    COMMAND_KIND_DRAIN: _ClassVar[CommandKind]
 
 class HandoffOutcome(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
@@ -44,6 +45,7 @@ COMMAND_KIND_UNPIN: CommandKind
 COMMAND_KIND_CANCEL: CommandKind
 COMMAND_KIND_CLEANUP: CommandKind
 COMMAND_KIND_TRANSFER: CommandKind
+COMMAND_KIND_DRAIN: CommandKind
 HANDOFF_OUTCOME_UNSPECIFIED: HandoffOutcome
 HANDOFF_OUTCOME_TRANSFERRED: HandoffOutcome
 HANDOFF_OUTCOME_PRESENT: HandoffOutcome
@@ -252,7 +254,7 @@ class ResyncRequest(_message.Message):
     def __init__(self, reason: _Optional[str] = ...) -> None: ...
 
 class Command(_message.Message):
-    __slots__ = ("op_id", "kind", "block_hashes", "tier", "codec", "namespace", "model_id", "older_than_seconds", "dry_run", "only_tier", "pin_id", "expires_unix_seconds", "peer_agent_id", "deadline_seconds", "ttl_seconds", "pin_version")
+    __slots__ = ("op_id", "kind", "block_hashes", "tier", "codec", "namespace", "model_id", "older_than_seconds", "dry_run", "only_tier", "pin_id", "expires_unix_seconds", "peer_agent_id", "deadline_seconds", "ttl_seconds", "pin_version", "peer_agent_ids", "peer_free_bytes")
     OP_ID_FIELD_NUMBER: _ClassVar[int]
     KIND_FIELD_NUMBER: _ClassVar[int]
     BLOCK_HASHES_FIELD_NUMBER: _ClassVar[int]
@@ -269,6 +271,8 @@ class Command(_message.Message):
     DEADLINE_SECONDS_FIELD_NUMBER: _ClassVar[int]
     TTL_SECONDS_FIELD_NUMBER: _ClassVar[int]
     PIN_VERSION_FIELD_NUMBER: _ClassVar[int]
+    PEER_AGENT_IDS_FIELD_NUMBER: _ClassVar[int]
+    PEER_FREE_BYTES_FIELD_NUMBER: _ClassVar[int]
     op_id: str
     kind: CommandKind
     block_hashes: bytes
@@ -285,7 +289,9 @@ class Command(_message.Message):
     deadline_seconds: float
     ttl_seconds: float
     pin_version: str
-    def __init__(self, op_id: _Optional[str] = ..., kind: _Optional[_Union[CommandKind, str]] = ..., block_hashes: _Optional[bytes] = ..., tier: _Optional[_Union[_types_pb2.Tier, str]] = ..., codec: _Optional[str] = ..., namespace: _Optional[str] = ..., model_id: _Optional[str] = ..., older_than_seconds: _Optional[float] = ..., dry_run: _Optional[bool] = ..., only_tier: _Optional[_Union[_types_pb2.Tier, str]] = ..., pin_id: _Optional[str] = ..., expires_unix_seconds: _Optional[float] = ..., peer_agent_id: _Optional[str] = ..., deadline_seconds: _Optional[float] = ..., ttl_seconds: _Optional[float] = ..., pin_version: _Optional[str] = ...) -> None: ...
+    peer_agent_ids: _containers.RepeatedScalarFieldContainer[str]
+    peer_free_bytes: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, op_id: _Optional[str] = ..., kind: _Optional[_Union[CommandKind, str]] = ..., block_hashes: _Optional[bytes] = ..., tier: _Optional[_Union[_types_pb2.Tier, str]] = ..., codec: _Optional[str] = ..., namespace: _Optional[str] = ..., model_id: _Optional[str] = ..., older_than_seconds: _Optional[float] = ..., dry_run: _Optional[bool] = ..., only_tier: _Optional[_Union[_types_pb2.Tier, str]] = ..., pin_id: _Optional[str] = ..., expires_unix_seconds: _Optional[float] = ..., peer_agent_id: _Optional[str] = ..., deadline_seconds: _Optional[float] = ..., ttl_seconds: _Optional[float] = ..., pin_version: _Optional[str] = ..., peer_agent_ids: _Optional[_Iterable[str]] = ..., peer_free_bytes: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class ControlMessage(_message.Message):
     __slots__ = ("epoch", "resync", "command")

@@ -1,0 +1,105 @@
+"""What a drained agent hands off, in which order, and to whom (agent.dataplane runs it:
+`kvctl drain`, before a rolling upgrade takes the agent down).
+
+A prefix is a chain of blocks from a root (a block whose parent is not held here) to a
+leaf (a block no block held here names as its parent); one handoff carries it, and the
+blocks it shares with a chain sent before are found present at the destination and not
+sent again. Chains go most recently used first (by their leaf's last access), so a drain
+cut short (no room left, a cancel) has moved what serves most. The chains of one root go
+to one destination, so a shared prefix (a system prompt) travels once; roots are dealt to
+the destinations in turn, the roomiest first, and a chain whose destination is full or
+failing goes to the next one with room. A destination is sent at most the bytes it had
+free: a drain fills free space and pushes out none of the destination's own blocks."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+
+from agent.core.blocks import BlockMeta
+
+# a destination that failed this many chains in a row (each after the handoff's own
+# retries and fallback path) is given up for the rest of the drain
+MAX_FAILED_CHAINS_IN_A_ROW = 3
+
+
+@dataclass(frozen=True)
+class DrainChain:
+    model_id: str
+    namespace: str  # the leaf's: the destination stores the chain under it (quotas, cleanups)
+    block_hashes: tuple[bytes, ...]  # root first
+    stored_bytes: tuple[int, ...]  # each block's, as stored here (what a handoff sends)
+    last_access: int  # the leaf's (the pool's access clock)
+
+
+def drain_chains(blocks: Iterable[BlockMeta], model_id: str = "") -> list[DrainChain]:
+    """The chains of the visible blocks (of `model_id`, or every model), most recently
+    used first. Every visible block is in at least one chain (but blocks on a cycle of
+    parents, which chained digests never make)."""
+    held = {m.block_hash: m for m in blocks if m.visible and (not model_id or m.model_id == model_id)}
+    parents = {m.parent_hash for m in held.values()}
+    chains = []
+    for leaf in held.values():
+        if leaf.block_hash in parents:
+            continue
+        chain, seen = [leaf], {leaf.block_hash}
+        while (parent := held.get(chain[-1].parent_hash)) is not None and parent.block_hash not in seen:
+            chain.append(parent)  # (a parent cycle, which digests never make, ends the walk)
+            seen.add(parent.block_hash)
+        chain.reverse()
+        chains.append(
+            DrainChain(
+                leaf.model_id,
+                leaf.namespace,
+                tuple(m.block_hash for m in chain),
+                tuple(m.stored_bytes for m in chain),
+                leaf.last_access,
+            )
+        )
+    chains.sort(key=lambda c: (-c.last_access, c.block_hashes))
+    return chains
+
+
+@dataclass
+class DrainPlan:
+    """Where each chain goes, and what each destination has taken so far. `destinations`
+    come roomiest first, with the bytes each had free."""
+
+    destinations: Sequence[str]
+    free_bytes: Sequence[int]
+    sent_bytes: dict[str, int] = field(default_factory=dict)
+    given_up: dict[str, str] = field(default_factory=dict)  # destination -> why
+    _failed_in_a_row: dict[str, int] = field(default_factory=dict)
+    _by_root: dict[bytes, str] = field(default_factory=dict)
+    _next: int = 0
+
+    def order(self, chain: DrainChain, new_bytes: int) -> list[str]:
+        """The destinations to try for a chain that sends `new_bytes` it has not sent yet:
+        its root's first (dealt in turn on the root's first chain), then the others, each
+        only while it has room for them and is not given up."""
+        first = self._by_root.get(chain.block_hashes[0])
+        if first is None and self.destinations:
+            first = self.destinations[self._next % len(self.destinations)]
+            self._next += 1
+            self._by_root[chain.block_hashes[0]] = first
+        ordered = [first] + [d for d in self.destinations if d != first] if first else []
+        return [d for d in ordered if d not in self.given_up and self.room(d) >= new_bytes]
+
+    def room(self, destination: str) -> int:
+        free = dict(zip(self.destinations, self.free_bytes, strict=False)).get(destination, 0)
+        return free - self.sent_bytes.get(destination, 0)
+
+    def took(self, destination: str, chain: DrainChain, sent_bytes: int) -> None:
+        self._by_root[chain.block_hashes[0]] = destination  # its siblings follow it there
+        self.sent_bytes[destination] = self.sent_bytes.get(destination, 0) + sent_bytes
+        self._failed_in_a_row[destination] = 0
+
+    def failed(self, destination: str, reason: str, permanent: bool = False) -> None:
+        n = self._failed_in_a_row[destination] = self._failed_in_a_row.get(destination, 0) + 1
+        if permanent or n >= MAX_FAILED_CHAINS_IN_A_ROW:
+            self.given_up[destination] = reason
+
+    @property
+    def exhausted(self) -> bool:
+        """No destination is left to try (each given up, or full)."""
+        return all(d in self.given_up or self.room(d) <= 0 for d in self.destinations)

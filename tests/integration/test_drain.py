@@ -1,0 +1,156 @@
+"""kvctl drain: before maintenance, an agent is cordoned and hands every prefix it holds to
+agents in rotation (real etcd, control plane and agents; handoffs over their real paths),
+most recently used first, into the room the destinations have free. Checked byte for byte
+where the blocks land, with the refusals that change nothing."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from agent.server import DEMO_MODEL
+from cli.client import ClientError, ControlPlaneClient
+from tests.helpers import wait_for
+
+M = DEMO_MODEL
+
+
+def tokens(n_blocks: int, start: int) -> list[int]:
+    return list(range(start, start + n_blocks * M.block_size))
+
+
+def kv(n_blocks: int, seed: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn((n_blocks, *M.block_shape), generator=g).to(torch.float16)
+
+
+def registered(c: ControlPlaneClient, *agent_ids: str) -> bool:
+    ready = {a.agent_id for a in c.list_agents() if a.state == "ready"}
+    return set(agent_ids) <= ready
+
+
+def test_a_drained_agent_hands_every_prefix_to_agents_in_rotation_byte_exact(controlplane, make_agent):
+    src = make_agent("d-src")
+    agents = {a.config.agent_id: a for a in (make_agent("d-one"), make_agent("d-two"))}
+    system = tokens(2, start=100_000)  # a shared system prompt: two prompts continue it
+    prompts = {
+        "chat-a": system + tokens(2, start=110_000),
+        "chat-b": system + tokens(3, start=120_000),
+        "doc": tokens(4, start=130_000),
+    }
+    kvs = {}
+    for i, (name, prompt) in enumerate(prompts.items()):
+        n = len(prompt) // M.block_size
+        kvs[name] = kv(n, seed=i)
+        if name == "chat-b":  # the shared prefix is stored once, with the KV chat-a gave it
+            kvs[name][:2] = kvs["chat-a"][:2]
+        src.engine.store(M.model_id, prompt, kvs[name])
+    with ControlPlaneClient(controlplane.address) as c:
+        wait_for(lambda: registered(c, "d-src", "d-one", "d-two"), what="agents ready")
+        wait_for(
+            lambda: all(c.lookup(M.model_id, token_ids=p).best_agent_id == "d-src" for p in prompts.values()),
+            what="indexed",
+        )
+        op = c.drain("d-src", reason="kernel upgrade")
+        assert op.kind == "drain" and op.params["agent"] == "d-src", op
+        assert set(op.params["to"].split(",")) == {"d-one", "d-two"}
+        # cordoned at once: lookups and Route leave it out from now on
+        assert {a.agent_id: a.cordon_reason for a in c.list_agents()}["d-src"] == "kernel upgrade"
+        op = c.wait_operation(op.op_id, 60)
+        assert op.state == "SUCCEEDED", op
+        assert (op.num_done_blocks, op.num_total_blocks, op.num_failed_blocks) == (11, 11, 0), op
+        assert op.moved_bytes == 11 * M.block_bytes, op  # the shared prefix went once
+        holders = {}
+        for name, prompt in prompts.items():
+            wait_for(lambda p=prompt: c.lookup(M.model_id, token_ids=p).best_agent_id, 10, what=f"{name} indexed")
+            best = c.lookup(M.model_id, token_ids=prompt)
+            assert best.best_agent_id in ("d-one", "d-two"), best  # the cordoned one is left out
+            assert best.agents[0].num_hit_tokens == len(prompt), best
+            holders[name] = best.best_agent_id
+        # the prompts sharing a root went to one agent (the prefix travels once); the other root elsewhere
+        assert holders["chat-a"] == holders["chat-b"] != holders["doc"], holders
+    for name, prompt in prompts.items():
+        got = agents[holders[name]].engine.load(M.model_id, prompt)
+        assert got.num_cached_tokens == len(prompt) and torch.equal(got.kv, kvs[name]), name
+        # and the drained agent still holds them (a drain copies; the agent goes down after)
+        assert src.engine.load(M.model_id, prompt).num_cached_tokens == len(prompt)
+
+
+def test_a_drain_fills_only_the_room_a_destination_has_free(controlplane, make_agent):
+    """The destination's own blocks are not pushed out: what does not fit is left, said,
+    and the drain still succeeds with what it moved, the most recent prefixes first."""
+    room_blocks = 4
+    src = make_agent("r-src")
+    dst = make_agent("r-dst", cpu_capacity_bytes=(room_blocks + 2) * M.block_bytes)
+    own = tokens(2, start=200_000)
+    dst.engine.store(M.model_id, own, kv(2, seed=9))  # the destination's own: 2 of its 6 blocks
+    old, new = tokens(3, start=210_000), tokens(3, start=220_000)
+    src.engine.store(M.model_id, old, kv(3, seed=1))
+    src.engine.store(M.model_id, new, kv(3, seed=2))  # used last: goes first
+    with ControlPlaneClient(controlplane.address) as c:
+        wait_for(lambda: registered(c, "r-src", "r-dst"), what="agents ready")
+        wait_for(lambda: c.lookup(M.model_id, token_ids=own).best_agent_id == "r-dst", what="indexed")
+
+        def free_reported() -> bool:
+            tiers = {a.agent_id: a for a in c.list_agents()}["r-dst"].tiers
+            return sum(t.capacity_bytes - t.used_bytes for t in tiers) == room_blocks * M.block_bytes
+
+        wait_for(free_reported, 10, what="the destination's usage reported")
+        op = c.wait_operation(c.drain("r-src").op_id, 60)
+        assert op.state == "SUCCEEDED", op
+        assert (op.num_done_blocks, op.num_total_blocks, op.num_failed_blocks) == (3, 6, 3), op
+        assert "3 of 6 blocks not handed off" in op.error and "room" in op.error, op.error
+    assert dst.engine.load(M.model_id, new).num_cached_tokens == len(new)
+    assert dst.engine.load(M.model_id, old).num_cached_tokens == 0
+    assert dst.engine.load(M.model_id, own).num_cached_tokens == len(own)  # nothing of its own pushed out
+
+
+def test_drain_refusals_name_the_field_and_change_nothing(controlplane, make_agent):
+    make_agent("x-src")
+    with ControlPlaneClient(controlplane.address) as c:
+        wait_for(lambda: registered(c, "x-src"), what="agent ready")
+        with pytest.raises(ClientError, match="no ready agent in rotation"):
+            c.drain("x-src")  # nowhere to drain to
+        make_agent("x-dst")
+        wait_for(lambda: registered(c, "x-src", "x-dst"), what="agents ready")
+        with pytest.raises(ClientError, match="agent_id: no agent 'x-typo'"):
+            c.drain("x-typo")
+        with pytest.raises(ClientError, match="to_agent_ids: names x-src"):
+            c.drain("x-src", to_agent_ids=["x-src"])
+        with pytest.raises(ClientError, match="to_agent_ids: no agent 'x-nope'"):
+            c.drain("x-src", to_agent_ids=["x-nope"])
+        with pytest.raises(ClientError, match="model_id"):
+            c.drain("x-src", model_id="other-model")
+        with pytest.raises(ClientError, match="deadline_seconds"):
+            c.drain("x-src", deadline_seconds=-1)
+        with pytest.raises(ClientError, match="reason"):
+            c.drain("x-src", reason="two\nlines")
+        c.cordon("x-dst", "maintenance")
+        with pytest.raises(ClientError, match="to_agent_ids: agent x-dst is cordoned"):
+            c.drain("x-src", to_agent_ids=["x-dst"])
+        with pytest.raises(ClientError, match="no ready agent in rotation"):
+            c.drain("x-src")  # the only other one is cordoned
+        # nothing changed: not cordoned, no operation
+        assert {a.agent_id: a.cordon_reason for a in c.list_agents()}["x-src"] == ""
+        assert [o for o in c.list_operations() if o.kind == "drain"] == []
+
+
+def test_a_drain_cancelled_stops_between_two_prefixes(controlplane, make_agent):
+    """kvctl cancel: the agent stops before its next prefix and answers CANCELLED with how
+    far it got (a paced link makes the drain last long enough to cancel it)."""
+    from agent.dataplane import DataPlaneConfig
+
+    paced = DataPlaneConfig(link_bytes_per_second=4 * M.block_bytes)  # about 4 one-block prefixes a second
+    src = make_agent("k-src", dataplane=paced)
+    make_agent("k-dst")
+    for i in range(30):
+        src.engine.store(M.model_id, tokens(1, start=300_000 + 100 * i), kv(1, seed=i))
+    with ControlPlaneClient(controlplane.address) as c:
+        wait_for(lambda: registered(c, "k-src", "k-dst"), what="agents ready")
+        wait_for(lambda: {a.agent_id: a.num_blocks for a in c.list_agents()}.get("k-src") == 30, what="indexed")
+        op = c.drain("k-src")
+        wait_for(lambda: c.get_operation(op.op_id).num_done_blocks >= 1, 20, what="the drain under way")
+        c.cancel_operation(op.op_id)
+        op = c.wait_operation(op.op_id, 30)
+        assert op.state == "CANCELLED", op
+        assert 1 <= op.num_done_blocks < 30 and op.num_total_blocks == 30, op

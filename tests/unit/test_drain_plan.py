@@ -1,0 +1,111 @@
+"""agent.core.drain: the chains a drained agent hands off (every visible block in one,
+most recently used first), and where each goes (one destination per root, the next one
+with room when it is full or failing, never past a destination's free bytes)."""
+
+from __future__ import annotations
+
+from hypothesis import given
+from hypothesis import strategies as st
+
+from agent.core.blocks import BlockMeta
+from agent.core.drain import MAX_FAILED_CHAINS_IN_A_ROW, DrainChain, DrainPlan, drain_chains
+from protos.tier import Tier
+
+ROOT_PARENT = b"\0" * 16
+
+
+def meta(name: str, parent: str = "", last_access: int = 0, model: str = "m", visible: bool = True) -> BlockMeta:
+    return BlockMeta(
+        name.encode().ljust(16, b"."),
+        parent.encode().ljust(16, b".") if parent else ROOT_PARENT,
+        model,
+        100,
+        Tier.CPU,
+        None,
+        stored_bytes=100,
+        last_access=last_access,
+        ready=visible,
+    )
+
+
+def names(chain: DrainChain) -> list[str]:
+    return [h.rstrip(b".").decode() for h in chain.block_hashes]
+
+
+def test_chains_run_root_to_leaf_most_recent_leaf_first():
+    blocks = [
+        meta("sys", last_access=9),
+        meta("a1", "sys", 5),
+        meta("a2", "a1", 6),
+        meta("b1", "sys", 8),
+        meta("doc", last_access=7),
+        meta("other", model="m2", last_access=10),
+    ]
+    chains = drain_chains(blocks, "m")
+    assert [names(c) for c in chains] == [["sys", "b1"], ["doc"], ["sys", "a1", "a2"]]
+    assert len(drain_chains(blocks)) == 4  # every model
+
+
+def test_a_block_being_written_is_not_sent_and_ends_no_chain():
+    chains = drain_chains([meta("p"), meta("c", "p", visible=False)])
+    assert [names(c) for c in chains] == [["p"]]
+
+
+@given(st.lists(st.tuples(st.integers(0, 30), st.integers(-1, 30), st.integers(0, 100)), max_size=40))
+def test_every_visible_block_is_in_a_chain_that_starts_at_a_root(specs):
+    blocks = {}
+    for i, parent, access in specs:  # parents may be missing, or form a cycle
+        blocks[str(i)] = meta(str(i), str(parent) if parent >= 0 else "", access)
+    chains = drain_chains(blocks.values())
+    for c in chains:  # a walk ends, and never repeats a block
+        assert len(set(c.block_hashes)) == len(c.block_hashes)
+    assert [c.last_access for c in chains] == sorted((c.last_access for c in chains), reverse=True)
+    acyclic = {k: m for k, m in blocks.items() if not _on_cycle(blocks, k)}
+    covered = {h for c in chains for h in c.block_hashes}
+    assert {m.block_hash for m in acyclic.values()} <= covered
+
+
+def _on_cycle(blocks: dict[str, BlockMeta], start: str) -> bool:
+    by_hash = {m.block_hash: m for m in blocks.values()}
+    seen, m = set(), blocks[start]
+    while m is not None and m.block_hash not in seen:
+        seen.add(m.block_hash)
+        m = by_hash.get(m.parent_hash)
+    return m is not None  # came back to a block seen: its ancestry loops
+
+
+def chain(*hashes: str) -> DrainChain:
+    return DrainChain("m", "", tuple(h.encode() for h in hashes), tuple(100 for _ in hashes), 0)
+
+
+def test_roots_are_dealt_in_turn_and_siblings_follow_their_root():
+    plan = DrainPlan(["big", "small"], [1000, 500])
+    assert plan.order(chain("r1", "x"), 200) == ["big", "small"]
+    plan.took("big", chain("r1", "x"), 200)
+    assert plan.order(chain("r2", "y"), 200) == ["small", "big"]
+    assert plan.order(chain("r1", "z"), 100) == ["big", "small"]  # its root went to big
+
+
+def test_a_destination_is_never_sent_past_its_free_bytes():
+    plan = DrainPlan(["a", "b"], [300, 100])
+    plan.took("a", chain("r"), 250)
+    assert plan.order(chain("r", "s"), 100) == ["b"]  # a has 50 B left
+    plan.took("b", chain("r", "s"), 100)
+    assert plan.order(chain("q"), 60) == [] and plan.exhausted is False
+    plan.took("a", chain("q"), 50)
+    assert plan.exhausted
+
+
+def test_a_failing_destination_is_given_up_after_some_chains_in_a_row():
+    plan = DrainPlan(["a", "b"], [10_000, 10_000])
+    for _ in range(MAX_FAILED_CHAINS_IN_A_ROW - 1):
+        plan.failed("a", "recompute: peer stalled")
+    plan.took("a", chain("r"), 100)  # one that went through starts the count again
+    for _ in range(MAX_FAILED_CHAINS_IN_A_ROW - 1):
+        plan.failed("a", "recompute: peer stalled")
+    assert "a" not in plan.given_up
+    plan.failed("a", "recompute: peer stalled")
+    assert plan.given_up == {"a": "recompute: peer stalled"}
+    assert plan.order(chain("r", "s"), 100) == ["b"]
+    plan.failed("b", "destination_agent_id: agent b is cordoned", permanent=True)
+    assert plan.exhausted

@@ -32,7 +32,7 @@ from controlplane.manager_pins import PinControl
 from controlplane.manager_policy import PolicyControl
 from controlplane.store.durable import DurableStore, pin_key, pin_to_json
 from protos import errors, etcd_keys
-from protos.block_hash import BLOCK_HASH_BYTES, MAX_PROMPT_BLOCKS, check_prompt_size, hash_prefix
+from protos.block_hash import BLOCK_HASH_BYTES, MAX_PROMPT_BLOCKS, check_extra_keys, check_prompt_size, hash_prefix
 from protos.namespaces import check_namespace
 from protos.tier import Tier
 
@@ -370,6 +370,10 @@ class Manager(PinControl, OperationControl, PolicyControl):
             raise errors.InvalidArgument(
                 f"{field}.extra_keys", "extra keys go with token_ids (they are hashed with them)"
             )
+        try:  # their size too: each block hashes them again (a big one held a pin or move for minutes)
+            check_extra_keys(scope.extra_keys)
+        except ValueError as exc:
+            raise errors.InvalidArgument(f"{field}.extra_keys", str(exc)) from None
         check_namespace(scope.namespace, f"{field}.namespace")
 
     def resolve(self, scope: Scope, field: str = "scope", per: str = "request") -> tuple[bytes, str]:

@@ -26,6 +26,11 @@ zero-padded to 16 bytes (`external_block_hash`):
 so a client that knows vLLM's block hashes looks them up by packing these 16-byte forms
 (AdminService Lookup with block_hashes). Such hashes live in the same index as kvcp's
 own digests; the two never collide in practice (different functions over 128 bits).
+
+Every block's digest hashes the extra keys again (they follow its parent's digest, so no
+hashing state can be shared between blocks): a prompt's hashing costs its blocks times
+its extra keys' size. The keys, as hashed (each key's 4-byte length and UTF-8 bytes),
+take at most MAX_EXTRA_KEYS_BYTES, as a prompt takes at most MAX_PROMPT_TOKENS.
 """
 
 from __future__ import annotations
@@ -41,6 +46,9 @@ BLOCK_HASH_BYTES = 16
 # the most of one prompt a lookup or an engine call may name (a partial block after them aside)
 MAX_PROMPT_BLOCKS = 1 << 16
 MAX_PROMPT_TOKENS = 1 << 20
+# the most bytes a prompt's extra keys take as hashed: ~0.15 s more for a prompt at the
+# cap (one 70,000-character key made a lookup at the cap take 12 s, 300,000 one 46 s)
+MAX_EXTRA_KEYS_BYTES = 1024
 ROOT_PARENT_HASH = bytes(BLOCK_HASH_BYTES)
 _PERSON = b"kvcp.v1.block"
 _MAX_TOKEN_ID = 2**32 - 1
@@ -49,19 +57,27 @@ _MAX_TOKEN_ID = 2**32 - 1
 def check_extra_keys(extra_keys) -> tuple[str, ...]:
     """Extra hash keys (a LoRA adapter, a multimodal input) as the strings hashed: ints
     (as vLLM's LoRA ids) are said in decimal, one string is one key (not its characters:
-    "ab" hashed as ["a", "b"], another adapter's cache); anything else is a ValueError."""
+    "ab" hashed as ["a", "b"], another adapter's cache); anything else is a ValueError,
+    as are keys past MAX_EXTRA_KEYS_BYTES (each block hashes them: see the module)."""
     if isinstance(extra_keys, str):
-        return (extra_keys,)
-    if isinstance(extra_keys, bytes | bytearray):  # (its bytes would be taken for integer ids)
+        out = [extra_keys]
+    elif isinstance(extra_keys, bytes | bytearray):  # (its bytes would be taken for integer ids)
         raise ValueError("extra keys must be strings (or integer ids), got bytes")
-    out = []
-    for key in extra_keys:
-        if isinstance(key, str):
-            out.append(key)
-        elif isinstance(key, numbers.Integral) and not isinstance(key, bool):
-            out.append(str(int(key)))
-        else:
-            raise ValueError(f"extra keys must be strings (or integer ids), got {type(key).__name__}")
+    else:
+        out = []
+        for key in extra_keys:
+            if isinstance(key, str):
+                out.append(key)
+            elif isinstance(key, numbers.Integral) and not isinstance(key, bool):
+                out.append(str(int(key)))
+            else:
+                raise ValueError(f"extra keys must be strings (or integer ids), got {type(key).__name__}")
+    size = sum(4 + len(key.encode()) for key in out)
+    if size > MAX_EXTRA_KEYS_BYTES:
+        raise ValueError(
+            f"extra keys take at most {MAX_EXTRA_KEYS_BYTES} bytes as hashed (each key's UTF-8 and 4 bytes "
+            f"of length), got {size}: every block's digest hashes them again"
+        )
     return tuple(out)
 
 

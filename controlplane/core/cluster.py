@@ -22,7 +22,14 @@ from controlplane.core.events import EventBus
 from controlplane.core.index import AgentMatch, BlockIndex, PrefixHolders
 from controlplane.core.routing import DataPlaneStates
 from protos import errors
-from protos.block_hash import BLOCK_HASH_BYTES, MAX_PROMPT_BLOCKS, MAX_PROMPT_TOKENS, check_prompt_size, hash_prefix
+from protos.block_hash import (
+    BLOCK_HASH_BYTES,
+    MAX_PROMPT_BLOCKS,
+    MAX_PROMPT_TOKENS,
+    check_extra_keys,
+    check_prompt_size,
+    hash_prefix,
+)
 from protos.kv_format import DTYPE_BYTES, kv_block_bytes
 from protos.tier import Tier
 
@@ -717,6 +724,10 @@ class Cluster:
             # full blocks are what is looked up: a partial one after the last is ignored,
             # here as everywhere (it was refused at exactly the cap plus one token)
             check_prompt_size(len(token_ids), model.block_size, "lookup")
+            try:  # their size too: each block hashes them again (a big one held a lookup for minutes)
+                extra_keys = check_extra_keys(extra_keys)
+            except ValueError as exc:
+                raise errors.InvalidArgument("extra_keys", str(exc)) from None
             try:
                 packed = hash_prefix(model_id, token_ids, model.block_size, extra_keys)
             except ValueError as exc:

@@ -1,6 +1,7 @@
 """Messages the servicers never see: bytes that do not parse as the request type (random,
 truncated, invalid UTF-8 in a string field) sent to every AdminService and AgentService
-method with raw stubs, and a message above the server's receive limit."""
+method with raw stubs, and a message above the server's receive limit; and extra hash
+keys past their cap, refused before they are hashed into every block."""
 
 from __future__ import annotations
 
@@ -9,8 +10,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from controlplane.server import MAX_MESSAGE_BYTES
-from protos.kvcp.v1 import admin_pb2, agent_pb2
-from tests.fuzz.support import ALLOWED, FUZZ, M
+from protos.block_hash import MAX_EXTRA_KEYS_BYTES, MAX_PROMPT_TOKENS
+from protos.kvcp.v1 import admin_pb2, admin_pb2_grpc, agent_pb2, agent_pb2_grpc
+from tests.fuzz.support import ALLOWED, FUZZ, M, code_of, tokens
+from tests.helpers import wait_for
 
 ADMIN = admin_pb2.DESCRIPTOR.services_by_name["AdminService"]
 AGENT = agent_pb2.DESCRIPTOR.services_by_name["AgentService"]
@@ -98,3 +101,49 @@ def test_an_error_quoting_huge_input_keeps_its_code(controlplane):
             except grpc.RpcError as exc:
                 assert exc.code() == grpc.StatusCode.NOT_FOUND, exc.details()[:200]
                 assert len(exc.details().encode()) <= 2000
+
+
+def test_extra_keys_past_their_cap_are_refused_before_hashing(controlplane, make_agent):
+    """Each block's digest hashes the extra keys again: one 70,000-character key made a
+    Lookup of 2^20 tokens take 11-14 s, 300,000 characters 46 s, and the server went on
+    hashing after the caller's deadline (the admin fuzz drew one: two DEADLINE_EXCEEDED
+    in a row on a loaded CI machine). Keys past MAX_EXTRA_KEYS_BYTES (as hashed: each
+    key's UTF-8 and 4 bytes) are INVALID_ARGUMENT on every call that hashes tokens, the
+    control plane's and an agent's engine API, and a prompt at both caps is answered."""
+    agent = make_agent("keys-a1")
+    at_cap = ["k" * (MAX_EXTRA_KEYS_BYTES - 4)]
+    over = ["k" * (MAX_EXTRA_KEYS_BYTES - 3)]
+    small = tokens(1)
+    with grpc.insecure_channel(controlplane.address) as ch, grpc.insecure_channel(agent.address) as ach:
+        admin = admin_pb2_grpc.AdminServiceStub(ch)
+        engine = agent_pb2_grpc.EngineServiceStub(ach)
+
+        def lookup(token_ids, keys, timeout=10.0) -> grpc.StatusCode:
+            request = admin_pb2.LookupRequest(model_id=M.model_id, token_ids=token_ids, extra_keys=keys)
+            return code_of(admin.Lookup, request, timeout)
+
+        wait_for(lambda: lookup(small, at_cap) == grpc.StatusCode.OK, 20, 0.1, "the agent's model known")
+        scope = admin_pb2.Scope(model_id=M.model_id, token_ids=small, extra_keys=over)
+        refused = [
+            (admin.Lookup, admin_pb2.LookupRequest(model_id=M.model_id, token_ids=small, extra_keys=over)),
+            (admin.Lookup, admin_pb2.LookupRequest(model_id=M.model_id, token_ids=small, extra_keys=[""] * 257)),
+            (admin.Route, admin_pb2.RouteRequest(model_id=M.model_id, token_ids=small, extra_keys=over)),
+            (admin.Pin, admin_pb2.PinRequest(scope=scope, ttl_seconds=60)),
+            (admin.Move, admin_pb2.MoveRequest(scope=scope, to_tier=2)),
+            (admin.Compress, admin_pb2.CompressRequest(scope=scope, codec="int8")),
+            (engine.Lookup, agent_pb2.EngineLookupRequest(model_id=M.model_id, token_ids=small, extra_keys=over)),
+            (engine.Load, agent_pb2.LoadRequest(model_id=M.model_id, token_ids=small, extra_keys=over)),
+        ]
+        for call, request in refused:
+            try:
+                call(request, timeout=10)
+                raise AssertionError(f"{type(request).__name__}: extra keys past the cap were taken")
+            except grpc.RpcError as exc:
+                assert exc.code() == grpc.StatusCode.INVALID_ARGUMENT, (type(request).__name__, exc.details())
+                assert "extra_keys" in exc.details() and str(MAX_EXTRA_KEYS_BYTES) in exc.details(), exc.details()
+        assert admin.ListPins(admin_pb2.ListPinsRequest(), timeout=10).pins == []
+        assert admin.ListOperations(admin_pb2.ListOperationsRequest(), timeout=10).operations == []
+        # what the fuzz drew, within its deadline: refused, not hashed for most of a minute
+        most = [2**32 - 1] * MAX_PROMPT_TOKENS
+        assert lookup(most, ["n" * 300_000], timeout=15) == grpc.StatusCode.INVALID_ARGUMENT
+        assert lookup(most, at_cap, timeout=15) == grpc.StatusCode.OK  # ~0.4 s (0.27 s without keys)

@@ -15,7 +15,9 @@ from hypothesis import strategies as st
 
 from protos.block_hash import (
     BLOCK_HASH_BYTES,
+    MAX_EXTRA_KEYS_BYTES,
     ROOT_PARENT_HASH,
+    check_extra_keys,
     hash_block,
     hash_prefix,
     parents_of,
@@ -84,6 +86,20 @@ def test_extra_keys_change_digest():
     assert hash_prefix("m", range(16), 16, ("ab",)) != hash_prefix("m", range(16), 16, ("a", "b"))
     # an empty key is still a key
     assert hash_prefix("m", range(16), 16, ("",)) != base
+
+
+def test_extra_keys_are_capped_as_hashed():
+    """Every block hashes them again: their size, each key's UTF-8 and 4 bytes of length,
+    is capped (one string is one key; many empty keys count too)."""
+    at_cap = "k" * (MAX_EXTRA_KEYS_BYTES - 4)
+    assert check_extra_keys([at_cap]) == (at_cap,) and check_extra_keys(at_cap) == (at_cap,)
+    assert len(check_extra_keys([""] * (MAX_EXTRA_KEYS_BYTES // 4))) == MAX_EXTRA_KEYS_BYTES // 4
+    assert len(hash_prefix("m", range(32), 16, (at_cap,))) == 2 * BLOCK_HASH_BYTES
+    for over in ([at_cap + "k"], at_cap + "k", [at_cap[:-1] + "ä"], [""] * (MAX_EXTRA_KEYS_BYTES // 4 + 1)):
+        with pytest.raises(ValueError, match=str(MAX_EXTRA_KEYS_BYTES)):
+            check_extra_keys(over)
+        with pytest.raises(ValueError, match=str(MAX_EXTRA_KEYS_BYTES)):
+            hash_prefix("m", range(32), 16, over)
 
 
 def test_parent_changes_digest():

@@ -46,9 +46,10 @@ BLOCK_HASH_BYTES = 16
 # the most of one prompt a lookup or an engine call may name (a partial block after them aside)
 MAX_PROMPT_BLOCKS = 1 << 16
 MAX_PROMPT_TOKENS = 1 << 20
-# the most bytes a prompt's extra keys take as hashed: ~0.15 s more for a prompt at the
-# cap (one 70,000-character key made a lookup at the cap take 12 s, 300,000 one 46 s)
-MAX_EXTRA_KEYS_BYTES = 1024
+# the most bytes a prompt's extra keys take as hashed (room for ~60 multimodal hashes of 64
+# hex digits): a prompt at MAX_PROMPT_TOKENS hashes in 0.77 s with keys at this cap, 0.24 s
+# without (one 70,000-character key made a lookup at the cap take 12 s, 300,000 one 46 s)
+MAX_EXTRA_KEYS_BYTES = 4096
 ROOT_PARENT_HASH = bytes(BLOCK_HASH_BYTES)
 _PERSON = b"kvcp.v1.block"
 _MAX_TOKEN_ID = 2**32 - 1

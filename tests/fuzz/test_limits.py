@@ -126,7 +126,12 @@ def test_extra_keys_past_their_cap_are_refused_before_hashing(controlplane, make
         scope = admin_pb2.Scope(model_id=M.model_id, token_ids=small, extra_keys=over)
         refused = [
             (admin.Lookup, admin_pb2.LookupRequest(model_id=M.model_id, token_ids=small, extra_keys=over)),
-            (admin.Lookup, admin_pb2.LookupRequest(model_id=M.model_id, token_ids=small, extra_keys=[""] * (MAX_EXTRA_KEYS_BYTES // 4 + 1))),
+            (
+                admin.Lookup,
+                admin_pb2.LookupRequest(
+                    model_id=M.model_id, token_ids=small, extra_keys=[""] * (MAX_EXTRA_KEYS_BYTES // 4 + 1)
+                ),
+            ),
             (admin.Route, admin_pb2.RouteRequest(model_id=M.model_id, token_ids=small, extra_keys=over)),
             (admin.Pin, admin_pb2.PinRequest(scope=scope, ttl_seconds=60)),
             (admin.Move, admin_pb2.MoveRequest(scope=scope, to_tier=2)),

@@ -67,6 +67,7 @@ from protos.kvcp.v1 import agent_pb2, agent_pb2_grpc, types_pb2
 from protos.namespaces import check_namespace
 from protos.pb_enums import tier_pb
 from protos.tier import Tier
+from protos.units import human_bytes
 
 log = logging.getLogger(__name__)
 
@@ -531,7 +532,7 @@ class DataPlane(HandoffPaths):
                 say("RUNNING")
         finally:
             beat_done.set()
-        result = ", ".join(f"{d}: {n} B" for d, n in plan.sent_bytes.items() if n) or "nothing sent"
+        result = ", ".join(f"{d}: {human_bytes(n)}" for d, n in plan.sent_bytes.items() if n) or "nothing sent"
         left = total - len(done)
         why = "; ".join(
             [f"{d} given up: {reason}" for d, reason in plan.given_up.items()]

@@ -475,8 +475,9 @@ class DataPlane(HandoffPaths):
         return flag is not None
 
     def _drain(self, op_id, model_id, destinations, free_bytes, deadline_seconds, reply, cancelled) -> None:
-        with self.pool.lock:
-            chains = drain_chains(self.pool.blocks.values(), model_id)
+        with self.pool.lock:  # (a copy of the references: the walk runs without the engine's lock)
+            held = list(self.pool.blocks.values())
+        chains = drain_chains(held, model_id)
         total = len({h for c in chains for h in c.block_hashes})
         plan = DrainPlan(list(destinations), list(free_bytes))
         done: set[bytes] = set()

@@ -154,3 +154,23 @@ def test_a_drain_cancelled_stops_between_two_prefixes(controlplane, make_agent):
         op = c.wait_operation(op.op_id, 30)
         assert op.state == "CANCELLED", op
         assert 1 <= op.num_done_blocks < 30 and op.num_total_blocks == 30, op
+
+
+def test_a_pinned_prefix_drained_is_pinned_where_it_lands(controlplane, make_agent):
+    """A prefix pin (no agent named) holds on every agent that holds its blocks: the
+    destination of a drain enforces it on the copies it got, so the upgrade does not leave
+    the pinned prefix evictable."""
+    from protos.block_hash import hash_prefix, split_hashes
+
+    src = make_agent("p-src")
+    dst = make_agent("p-dst")
+    prompt = tokens(3, start=400_000)
+    src.engine.store(M.model_id, prompt, kv(3, seed=4))
+    hashes = split_hashes(hash_prefix(M.model_id, prompt, M.block_size))
+    with ControlPlaneClient(controlplane.address) as c:
+        wait_for(lambda: registered(c, "p-src", "p-dst"), what="agents ready")
+        wait_for(lambda: c.lookup(M.model_id, token_ids=prompt).best_agent_id == "p-src", what="indexed")
+        c.pin(M.model_id, token_ids=prompt, min_tier="cpu", ttl_seconds=3600)
+        wait_for(lambda: all(src.pool.pin_tier_of(h) for h in hashes), 10, what="pinned on the source")
+        assert c.wait_operation(c.drain("p-src").op_id, 60).state == "SUCCEEDED"
+        wait_for(lambda: all(dst.pool.pin_tier_of(h) for h in hashes), 15, what="pinned where it landed")

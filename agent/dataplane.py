@@ -479,7 +479,7 @@ class DataPlane(HandoffPaths):
             held = list(self.pool.blocks.values())
         chains = drain_chains(held, model_id)
         total = len({h for c in chains for h in c.block_hashes})
-        plan = DrainPlan(list(destinations), list(free_bytes))
+        plan = DrainPlan(list(destinations), list(free_bytes), self._models_of(destinations))
         done: set[bytes] = set()
         moved_bytes = 0
         skipped: list[str] = []  # why chains were left behind
@@ -502,12 +502,14 @@ class DataPlane(HandoffPaths):
             for chain in chains:
                 if cancelled.is_set() or self._closing or plan.exhausted:
                     break
-                new_bytes = sum(n for h, n in zip(chain.block_hashes, chain.stored_bytes, strict=True) if h not in done)
-                if not new_bytes:
-                    continue  # every block of it went with chains before
-                order = plan.order(chain, new_bytes)
+                if all(h in done for h in chain.block_hashes):
+                    continue  # its leaf went with it before: the whole chain is at one destination
+                order = plan.order(chain)
                 if not order:
-                    skipped.append(f"no destination has room for {new_bytes} B more")
+                    if not any(plan.takes(d, chain.model_id) for d in plan.destinations):
+                        skipped.append(f"no destination serves model {chain.model_id!r}")
+                    else:
+                        skipped.append("no destination has room for a chain")
                     continue
                 for destination in order:
                     try:
@@ -525,7 +527,7 @@ class DataPlane(HandoffPaths):
                     if r.outcome in (TRANSFERRED, PRESENT):
                         done.update(chain.block_hashes[: r.num_blocks])
                         moved_bytes += r.sent_bytes
-                        plan.took(destination, chain, r.sent_bytes)
+                        plan.took(destination, chain, r.sent_bytes, r.num_blocks)
                         break
                     plan.failed(destination, r.reason)
                 else:
@@ -551,6 +553,20 @@ class DataPlane(HandoffPaths):
                 result=result,
                 error=f"{left} of {total} blocks not handed off: {why}" if left else "",
             )
+
+    def _models_of(self, agent_ids) -> dict[str, frozenset[str]]:
+        """The models each agent registered, where its record says (a drain sends a chain
+        only to agents serving its model: one that does not would fail it, and be given
+        up for the chains of the models it does serve)."""
+        out = {}
+        for a in agent_ids:
+            try:
+                known = self.peer(a).model_ids
+            except errors.KvcpError:
+                continue  # its handoffs say why
+            if known is not None:
+                out[a] = known
+        return out
 
     # ---- peers ----------------------------------------------------------------------
     def peer(self, agent_id: str, refresh: bool = False) -> Peer:
@@ -590,6 +606,7 @@ class DataPlane(HandoffPaths):
             info.transfer_buffer_address,
             info.transfer_buffer_bytes,
             self._cordon_of(agent_id, cached[1] if cached is not None else None),
+            frozenset(m.model_id for m in info.models) if info.models else None,
         )
         with self._lock:
             self._peers[agent_id] = (now, p)

@@ -74,6 +74,7 @@ class Peer:
     buffer_address: int = 0
     buffer_bytes: int = 0
     cordoned: str = ""  # why the peer is cordoned (kvctl cordon), "" while it is in rotation
+    model_ids: frozenset[str] | None = None  # the models it registered (None: not known)
 
     @property
     def same_host_shm(self) -> bool:

@@ -95,6 +95,7 @@ class Manager(PinControl, OperationControl, PolicyControl):
         # one write of an operation at a time (striped by op id): two agents' reports of one
         # operation, written from their stream threads, reach etcd in the order they were taken
         self._op_write_locks = [threading.Lock() for _ in range(OP_WRITE_LOCKS)]
+        self._drain_start = threading.Lock()  # drain(): one starts at a time
         self._lock_threads: set[str] = set()  # cleanups with a thread waiting for or holding their lock
         self._next_reload = 0.0
         self._next_follow = 0.0  # when a follower next reads the stored policy

@@ -15,6 +15,7 @@ import zlib
 
 from controlplane.core import operations as ops
 from controlplane.core.cluster import AgentCommand, AgentState
+from controlplane.core.policy import room_without_drops_bytes
 from controlplane.core.scope import Scope, block_bytes
 from controlplane.manager_policy import MAX_CORDON_REASON_CHARS
 from controlplane.manager_state import ManagerState
@@ -241,7 +242,9 @@ class OperationControl(ManagerState):
         every prefix it holds to agents in rotation, most recently used first, so that its
         restart costs the cluster no hits (operation kind "drain"; the agent runs it,
         agent.dataplane.run_drain). Destinations: those named, or every ready agent in
-        rotation serving the model, the roomiest (free CPU tier) first."""
+        rotation serving the model, the roomiest first: the room of their CPU and disk tiers
+        up to where the tier policy would drop blocks (policy.room_without_drops_bytes),
+        less what the drains under way were given there."""
         self.ensure_loaded()
         if not 0 <= deadline_seconds <= MAX_HANDOFF_DEADLINE_SECONDS:  # also NaN; the agents refuse more
             raise errors.InvalidArgument(
@@ -257,60 +260,93 @@ class OperationControl(ManagerState):
             )
         if len(set(to_agent_ids)) != len(to_agent_ids) or "" in to_agent_ids:
             raise errors.InvalidArgument("to_agent_ids", "names an agent twice, or an empty one")
-        self._check_agents_back((agent_id, *to_agent_ids))
-        agents = {r.agent_id: r for r, _ in self.cluster.agents()}
-        if agent_id not in agents:
-            raise errors.NotFound(f"agent_id: no agent {agent_id!r} is registered (kvctl agents lists them)")
-        if model_id and model_id not in {m.model_id for m in agents[agent_id].models}:
-            raise errors.InvalidArgument("model_id", f"agent {agent_id} serves no model {model_id!r}")
-        models = {model_id} if model_id else {m.model_id for m in agents[agent_id].models}
-        for to in to_agent_ids:
-            if to == agent_id:
-                raise errors.InvalidArgument("to_agent_ids", f"names {to}, the agent drained")
-            if to not in agents:
-                raise errors.NotFound(f"to_agent_ids: no agent {to!r} is registered (kvctl agents lists them)")
-            if self.cluster.cordon_reason(to):
+        # one drain starts at a time: each sees the ones before it (the room they were given,
+        # the agent being drained already)
+        with self._drain_start:
+            self._check_agents_back((agent_id, *to_agent_ids))
+            agents = {r.agent_id: r for r, _ in self.cluster.agents()}
+            if agent_id not in agents:
+                raise errors.NotFound(f"agent_id: no agent {agent_id!r} is registered (kvctl agents lists them)")
+            with self._lock:
+                running = [o for o in self.ops.values() if o.kind == "drain" and not o.finished]
+            for o in running:
+                if o.params.get("agent") == agent_id:  # two would run side by side, each with all the room
+                    raise errors.FailedPrecondition(
+                        f"agent_id: agent {agent_id} is being drained already ({o.op_id}); "
+                        f"kvctl op {o.op_id} --wait waits for it, kvctl cancel {o.op_id} stops it"
+                    )
+            if model_id and model_id not in {m.model_id for m in agents[agent_id].models}:
+                raise errors.InvalidArgument("model_id", f"agent {agent_id} serves no model {model_id!r}")
+            models = {model_id} if model_id else {m.model_id for m in agents[agent_id].models}
+            for to in to_agent_ids:
+                if to == agent_id:
+                    raise errors.InvalidArgument("to_agent_ids", f"names {to}, the agent drained")
+                if to not in agents:
+                    raise errors.NotFound(f"to_agent_ids: no agent {to!r} is registered (kvctl agents lists them)")
+                if self.cluster.cordon_reason(to):
+                    raise errors.FailedPrecondition(
+                        f"to_agent_ids: agent {to} is cordoned ({self.cluster.cordon_reason(to)}); "
+                        f"kvctl uncordon {to} first, or drain to another agent"
+                    )
+            candidates = [
+                r
+                for a, r in agents.items()
+                if a != agent_id
+                and (a in to_agent_ids if to_agent_ids else not self.cluster.cordon_reason(a))
+                and r.state == AgentState.READY
+                and models & {m.model_id for m in r.models}
+            ]
+            if not candidates:
+                named = f" among {', '.join(to_agent_ids)}" if to_agent_ids else ""
                 raise errors.FailedPrecondition(
-                    f"to_agent_ids: agent {to} is cordoned ({self.cluster.cordon_reason(to)}); "
-                    f"kvctl uncordon {to} first, or drain to another agent"
+                    f"no ready agent in rotation{named} serves {' or '.join(sorted(models)) or 'its models'}: "
+                    f"nothing to drain {agent_id} to"
                 )
-        candidates = [
-            r
-            for a, r in agents.items()
-            if a != agent_id
-            and (a in to_agent_ids if to_agent_ids else not self.cluster.cordon_reason(a))
-            and r.state == AgentState.READY
-            and models & {m.model_id for m in r.models}
-        ]
-        if not candidates:
-            named = f" among {', '.join(to_agent_ids)}" if to_agent_ids else ""
-            raise errors.FailedPrecondition(
-                f"no ready agent in rotation{named} serves {' or '.join(sorted(models)) or 'its models'}: "
-                f"nothing to drain {agent_id} to"
-            )
 
-        def free_bytes(r) -> int:  # all tiers: a block landing in CPU pushes a colder one down, not out
-            return sum(max(0, t.capacity_bytes - t.used_bytes) for t in r.tiers)
+            # the room the drains under way were given is theirs until they end (their blocks
+            # landing show in the reports only as they land): counted as taken, never twice
+            promised: dict[str, int] = {}
+            for o in running:
+                given_to = zip(o.params.get("to", "").split(","), o.params.get("room", "").split(","), strict=False)
+                for to, given in given_to:
+                    if to and given.isdigit():
+                        promised[to] = promised.get(to, 0) + int(given)
 
-        ranked = sorted(candidates, key=lambda r: (-free_bytes(r), r.agent_id))
-        destinations = tuple(r.agent_id for r in ranked)
-        if not any(free_bytes(r) for r in ranked):
-            raise errors.FailedPrecondition(
-                f"no room: {', '.join(destinations)} have no free bytes in any tier (kvctl agents), "
-                "and a drain pushes out none of their own blocks"
-            )
-        if not self.cluster.cordon_reason(agent_id):
-            why = reason or "drained with kvctl"
-            self.set_policy({etcd_keys.CORDON_POLICY_PREFIX + agent_id: why})
-        params = {"agent": agent_id, "to": ",".join(destinations), "model": model_id}
-        op = ops.new_operation("drain", params, [agent_id], now=self.clock())
-        self._register_op(op)
+            policy = self.tier_policy()
+
+            def free_bytes(r) -> int:  # CPU and below, to where a pass would start dropping
+                return max(0, room_without_drops_bytes(r.tiers, policy) - promised.get(r.agent_id, 0))
+
+            ranked = sorted(candidates, key=lambda r: (-free_bytes(r), r.agent_id))
+            destinations = tuple(r.agent_id for r in ranked)
+            if not any(free_bytes(r) for r in ranked):
+                under_way = sorted(
+                    {o.op_id for o in running if set(o.params.get("to", "").split(",")) & set(destinations)}
+                )
+                raise errors.FailedPrecondition(
+                    f"no room: {', '.join(destinations)} have no room below the policy's watermarks "
+                    "in their cpu or disk tiers (kvctl agents)"
+                    + (f" that the drains under way ({', '.join(under_way)}) were not given" if under_way else "")
+                    + ", and a drain pushes out none of their own blocks"
+                )
+            if not self.cluster.cordon_reason(agent_id):
+                why = reason or "drained with kvctl"
+                self.set_policy({etcd_keys.CORDON_POLICY_PREFIX + agent_id: why})
+            room = tuple(free_bytes(r) for r in ranked)
+            params = {
+                "agent": agent_id,
+                "to": ",".join(destinations),
+                "room": ",".join(str(n) for n in room),
+                "model": model_id,
+            }
+            op = ops.new_operation("drain", params, [agent_id], now=self.clock())
+            self._register_op(op)
         command = AgentCommand(
             op.op_id,
             "drain",
             model_id=model_id,
             peer_agent_ids=destinations,
-            peer_free_bytes=tuple(free_bytes(r) for r in ranked),
+            peer_free_bytes=room,
             deadline_seconds=deadline_seconds,
         )
         self._fan_out(op, {agent_id: command})

@@ -14,6 +14,7 @@ from controlplane.core.access_stats import AccessStats
 from controlplane.core.cluster import Cluster, ModelInfo
 from controlplane.core.operations import Operation
 from controlplane.core.pins import Pin
+from controlplane.core.policy import Policy
 from controlplane.core.scope import Scope
 from controlplane.core.tuning import CreditTuner
 from controlplane.store.durable import DurableStore
@@ -53,6 +54,7 @@ class ManagerState:
     _adopted_locks_settled: threading.Event
     _dirty: set[str]
     _op_write_locks: list[threading.Lock]
+    _drain_start: threading.Lock
     _lock_threads: set[str]
     on_finished: Callable[[str, str, float], None] | None
     # policy
@@ -93,3 +95,4 @@ class ManagerState:
         def _check_scope_agents_back(self, scope: Scope) -> None: ...
         def _targets(self, scope: Scope, packed: bytes) -> dict[str, bytes]: ...
         def set_policy(self, changes: dict[str, str]) -> dict[str, str]: ...
+        def tier_policy(self) -> Policy: ...

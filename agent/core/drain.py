@@ -63,35 +63,54 @@ def drain_chains(blocks: Iterable[BlockMeta], model_id: str = "") -> list[DrainC
 @dataclass
 class DrainPlan:
     """Where each chain goes, and what each destination has taken so far. `destinations`
-    come roomiest first, with the bytes each had free."""
+    come roomiest first, with the bytes each had free; `serves`: the models each one
+    serves, where known (a destination left out is tried with every model).
+
+    A chain's cost at a destination is what that destination was not sent yet: a chain
+    that follows its root elsewhere (the root's destination full or failing) carries its
+    shared prefix again, and that counts against the second destination's room."""
 
     destinations: Sequence[str]
     free_bytes: Sequence[int]
+    serves: dict[str, frozenset[str]] = field(default_factory=dict)
     sent_bytes: dict[str, int] = field(default_factory=dict)
     given_up: dict[str, str] = field(default_factory=dict)  # destination -> why
     _failed_in_a_row: dict[str, int] = field(default_factory=dict)
     _by_root: dict[bytes, str] = field(default_factory=dict)
+    _sent: dict[str, set[bytes]] = field(default_factory=dict)  # destination -> blocks it was sent
     _next: int = 0
 
-    def order(self, chain: DrainChain, new_bytes: int) -> list[str]:
-        """The destinations to try for a chain that sends `new_bytes` it has not sent yet:
-        its root's first (dealt in turn on the root's first chain), then the others, each
-        only while it has room for them and is not given up."""
+    def takes(self, destination: str, model_id: str) -> bool:
+        known = self.serves.get(destination)
+        return known is None or model_id in known
+
+    def need(self, destination: str, chain: DrainChain) -> int:
+        """Bytes of `chain` a handoff to `destination` sends: those it was not sent yet."""
+        sent = self._sent.get(destination, set())
+        return sum(n for h, n in zip(chain.block_hashes, chain.stored_bytes, strict=True) if h not in sent)
+
+    def order(self, chain: DrainChain) -> list[str]:
+        """The destinations to try for a chain: its root's first (dealt in turn, among
+        those serving its model, on the root's first chain), then the others serving it,
+        each only while it has room for what the chain would send it and is not given up."""
+        serving = [d for d in self.destinations if self.takes(d, chain.model_id)]
         first = self._by_root.get(chain.block_hashes[0])
-        if first is None and self.destinations:
-            first = self.destinations[self._next % len(self.destinations)]
+        if first is None and serving:
+            first = serving[self._next % len(serving)]
             self._next += 1
             self._by_root[chain.block_hashes[0]] = first
-        ordered = [first] + [d for d in self.destinations if d != first] if first else []
-        return [d for d in ordered if d not in self.given_up and self.room(d) >= new_bytes]
+        ordered = [first] + [d for d in serving if d != first] if first else []
+        return [d for d in ordered if d not in self.given_up and self.room(d) >= self.need(d, chain)]
 
     def room(self, destination: str) -> int:
         free = dict(zip(self.destinations, self.free_bytes, strict=False)).get(destination, 0)
         return free - self.sent_bytes.get(destination, 0)
 
-    def took(self, destination: str, chain: DrainChain, sent_bytes: int) -> None:
+    def took(self, destination: str, chain: DrainChain, sent_bytes: int, num_blocks: int | None = None) -> None:
+        """`destination` holds the chain's first `num_blocks` (all of it: None) now."""
         self._by_root[chain.block_hashes[0]] = destination  # its siblings follow it there
         self.sent_bytes[destination] = self.sent_bytes.get(destination, 0) + sent_bytes
+        self._sent.setdefault(destination, set()).update(chain.block_hashes[:num_blocks])
         self._failed_in_a_row[destination] = 0
 
     def failed(self, destination: str, reason: str, permanent: bool = False) -> None:

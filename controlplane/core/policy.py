@@ -384,6 +384,24 @@ def total_capacity_blocks(agents: Iterable[AgentView]) -> int:
     return sum(tv.capacity_blocks for a in agents for tv in a.tiers)
 
 
+def room_without_drops_bytes(tiers: Iterable[Any], policy: Policy) -> int:
+    """What an agent can take in through handoffs (they land in its CPU tier; `tiers`: its
+    reported usage, each with tier, capacity_bytes and used_bytes) before a pass drops any
+    of its blocks: a pass brings a tier over its high watermark down to its low one by
+    demoting into the tier below, and only the slowest tier drops. So the CPU tier and
+    the tiers below it hold, without a drop, up to the low watermark of each but the
+    slowest and the high watermark of that one. A GPU tier's room is none of it."""
+    landing = sorted((t for t in tiers if Tier(t.tier) >= Tier.CPU and t.capacity_bytes > 0), key=lambda t: t.tier)
+    if not landing:
+        return 0
+    room = 0
+    for t in landing:
+        tp = policy.tier(Tier(t.tier))
+        fraction = tp.high_watermark if t is landing[-1] else tp.low_watermark
+        room += math.floor(fraction * t.capacity_bytes + 1e-9) - t.used_bytes
+    return max(0, room)
+
+
 def _threshold(fraction: float, capacity_blocks: int) -> int:
     return int(math.floor(fraction * capacity_blocks + 1e-9))
 

@@ -80,20 +80,41 @@ def chain(*hashes: str) -> DrainChain:
 
 def test_roots_are_dealt_in_turn_and_siblings_follow_their_root():
     plan = DrainPlan(["big", "small"], [1000, 500])
-    assert plan.order(chain("r1", "x"), 200) == ["big", "small"]
+    assert plan.order(chain("r1", "x")) == ["big", "small"]
     plan.took("big", chain("r1", "x"), 200)
-    assert plan.order(chain("r2", "y"), 200) == ["small", "big"]
-    assert plan.order(chain("r1", "z"), 100) == ["big", "small"]  # its root went to big
+    assert plan.order(chain("r2", "y")) == ["small", "big"]
+    assert plan.order(chain("r1", "z")) == ["big", "small"]  # its root went to big
 
 
 def test_a_destination_is_never_sent_past_its_free_bytes():
-    plan = DrainPlan(["a", "b"], [300, 100])
+    plan = DrainPlan(["a", "b"], [300, 200])
     plan.took("a", chain("r"), 250)
-    assert plan.order(chain("r", "s"), 100) == ["b"]  # a has 50 B left
-    plan.took("b", chain("r", "s"), 100)
-    assert plan.order(chain("q"), 60) == [] and plan.exhausted is False
+    assert plan.need("a", chain("r", "s")) == 100 and plan.order(chain("r", "s")) == ["b"]  # a has 50 B left
+    plan.took("b", chain("r", "s"), 200)
+    assert plan.order(chain("q")) == [] and plan.exhausted is False
     plan.took("a", chain("q"), 50)
     assert plan.exhausted
+
+
+def test_a_chain_that_follows_its_root_elsewhere_counts_its_shared_prefix_there():
+    """Review: the shared prefix went to `a` with the first chain; a sibling chain that goes
+    to `b` (a full) carries it again, and b's room must cover that, not only the new leaf."""
+    plan = DrainPlan(["a", "b"], [400, 300])
+    plan.took("a", chain("sys1", "sys2", "x1", "x2"), 400)
+    sibling = chain("sys1", "sys2", "y1", "y2")
+    assert plan.need("a", sibling) == 200 and plan.need("b", sibling) == 400
+    assert plan.order(sibling) == []  # a is full, b has 300 B: the chain is 400 B there
+    plan.took("a", chain("sys1"), 0, 1)  # a block held already costs nothing
+    assert plan.need("a", chain("sys1", "q")) == 100
+
+
+def test_a_chain_goes_only_to_destinations_serving_its_model():
+    plan = DrainPlan(["a", "b"], [1000, 1000], serves={"a": frozenset({"m"}), "b": frozenset({"m2"})})
+    assert plan.order(chain("r1")) == ["a"]
+    assert plan.order(chain("r2")) == ["a"]  # b is not dealt a root of a model it does not serve
+    other = DrainChain("m2", "", (b"o",), (100,), 0)
+    assert plan.order(other) == ["b"]
+    assert DrainPlan(["c"], [1000]).order(other) == ["c"]  # models not known: tried
 
 
 def test_a_failing_destination_is_given_up_after_some_chains_in_a_row():
@@ -106,6 +127,23 @@ def test_a_failing_destination_is_given_up_after_some_chains_in_a_row():
     assert "a" not in plan.given_up
     plan.failed("a", "recompute: peer stalled")
     assert plan.given_up == {"a": "recompute: peer stalled"}
-    assert plan.order(chain("r", "s"), 100) == ["b"]
+    assert plan.order(chain("r", "s")) == ["b"]
     plan.failed("b", "destination_agent_id: agent b is cordoned", permanent=True)
     assert plan.exhausted
+
+
+def test_a_destinations_room_is_its_cpu_and_disk_below_where_the_policy_drops():
+    """Review: the budget was the free bytes of every tier, a GPU tier's included (no
+    handoff lands there), and up to the last byte (a pass over the high watermark drops)."""
+    from types import SimpleNamespace as T
+
+    from controlplane.core.policy import Policy, room_without_drops_bytes
+
+    policy = Policy.from_mapping({})  # watermarks 0.90 / 0.95
+    gpu = T(tier=Tier.GPU, capacity_bytes=1000, used_bytes=0)
+    cpu = T(tier=Tier.CPU, capacity_bytes=1000, used_bytes=500)
+    disk = T(tier=Tier.DISK, capacity_bytes=2000, used_bytes=0)
+    assert room_without_drops_bytes([gpu, cpu], policy) == 950 - 500  # cpu the slowest: its high watermark
+    assert room_without_drops_bytes([gpu, cpu, disk], policy) == 900 + 1900 - 500  # cpu down to low, disk to high
+    assert room_without_drops_bytes([gpu], policy) == 0
+    assert room_without_drops_bytes([T(tier=Tier.CPU, capacity_bytes=1000, used_bytes=990)], policy) == 0

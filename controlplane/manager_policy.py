@@ -338,7 +338,11 @@ class PolicyControl(ManagerState):
         the largest model's would make a tier of small blocks look overfull); 0 when it
         cannot be told (no capacity reported, or no block size known): such a tier is left
         to the agent's own safety net."""
-        size = t.used_bytes // t.num_blocks if t.num_blocks and t.used_bytes else 0
+        # by what the blocks themselves take: pages reserved for handoffs still arriving (or
+        # parked blocks) in used_bytes made a decode agent's blocks look bigger, its tier
+        # fuller than it was, and a pass dropped its own blocks while a handoff landed
+        held = t.blocks_used_bytes or t.used_bytes
+        size = held // t.num_blocks if t.num_blocks and held else 0
         if size <= 0:
             size = max(block_bytes(m) for m in rec.models)
         return t.capacity_bytes // size if size > 0 and t.capacity_bytes > 0 else 0

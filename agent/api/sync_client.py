@@ -86,6 +86,7 @@ def tier_usage_pb(pool: BlockPool) -> list[types_pb2.TierUsage]:
             uncompressed_bytes=u.uncompressed_bytes,
             stored_bytes=u.stored_bytes,
             num_parked_blocks=u.num_parked_blocks,
+            blocks_used_bytes=u.blocks_used_bytes,
         )
         for u in pool.usage()
     ]

@@ -87,6 +87,7 @@ class BlockPool(BlockMoves):
         self._clock = 0
         self._lru: dict[Tier, list[tuple[int, bytes]]] = {t.tier: [] for t in self.tiers}
         self._count: dict[Tier, int] = {t.tier: 0 for t in self.tiers}
+        self._held: dict[Tier, int] = {t.tier: 0 for t in self.tiers}  # the blocks' footprint
         self._logical: dict[Tier, int] = {t.tier: 0 for t in self.tiers}
         self._saved: dict[Tier, int] = {t.tier: 0 for t in self.tiers}
         self._stored: dict[Tier, int] = {t.tier: 0 for t in self.tiers}
@@ -175,6 +176,7 @@ class BlockPool(BlockMoves):
                     self._stored[t.tier],
                     self._saved[t.tier],
                     parked[t.tier],
+                    self._held[t.tier],
                 )
                 for t in self.tiers
             ]
@@ -940,8 +942,9 @@ class BlockPool(BlockMoves):
         self._count[meta.tier] += sign
         self._logical[meta.tier] += sign * meta.num_bytes
         self._stored[meta.tier] += sign * meta.stored_bytes
+        store = self.store_of[meta.tier]
+        self._held[meta.tier] += sign * store.footprint(meta.stored_bytes)
         if meta.stored_bytes != meta.num_bytes:
-            store = self.store_of[meta.tier]
             self._saved[meta.tier] += sign * (store.footprint(meta.num_bytes) - store.footprint(meta.stored_bytes))
 
     def _switch(

@@ -91,6 +91,9 @@ class TierUsage:
     # recovered after a restart and waiting for their prefix to be stored again: their
     # bytes are in used_bytes, the blocks not in num_blocks (invisible until adopted)
     num_parked_blocks: int = 0
+    # what the blocks themselves take in the tier's units: used_bytes less the pages
+    # reserved for handoffs arriving and parked blocks (the control plane sizes blocks by it)
+    blocks_used_bytes: int = 0
 
 
 @dataclass(frozen=True)

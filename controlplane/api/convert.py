@@ -24,6 +24,7 @@ def tier_usage_from_pb(t: types_pb2.TierUsage) -> core.TierUsage:
         t.uncompressed_bytes,
         t.stored_bytes,
         t.num_parked_blocks,
+        t.blocks_used_bytes,
     )
 
 
@@ -41,6 +42,7 @@ def tier_usage_to_pb(t: core.TierUsage) -> types_pb2.TierUsage:
         uncompressed_bytes=min(t.uncompressed_bytes, _UINT64_MAX),
         stored_bytes=min(t.stored_bytes, _UINT64_MAX),
         num_parked_blocks=min(t.num_parked_blocks, _UINT64_MAX),
+        blocks_used_bytes=min(t.blocks_used_bytes, _UINT64_MAX),
     )
 
 

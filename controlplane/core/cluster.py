@@ -103,6 +103,9 @@ class TierUsage:
     uncompressed_bytes: int = 0
     stored_bytes: int = 0
     num_parked_blocks: int = 0  # recovered after a restart, in used_bytes, not in num_blocks
+    # the blocks' own footprint: used_bytes less reserved pages (handoffs arriving) and
+    # parked blocks; 0 when not reported (an older agent)
+    blocks_used_bytes: int = 0
 
 
 @dataclass

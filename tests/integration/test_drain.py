@@ -236,11 +236,10 @@ def test_a_destination_that_serves_another_model_is_not_given_up_for_its_own(con
 def test_two_drains_at_once_share_a_destinations_room(controlplane, make_agent):
     """Review: a rolling upgrade two agents at a time. Each drain was promised the whole
     room the destination reported, so together they sent it twice that and pushed out its
-    own blocks. (The tier policy is off here: with handoffs in flight it misjudges a
-    nearly full tier's block size, a finding of its own.)"""
+    own blocks. (With the policy on: it sizes blocks by what they take, not by used bytes
+    that include the pages reserved for the handoffs arriving.)"""
     from agent.dataplane import DataPlaneConfig
 
-    controlplane.manager.policy_enabled = False
     paced = DataPlaneConfig(link_bytes_per_second=2 * M.block_bytes)  # both drains under way at once
     s1, s2 = make_agent("t-s1", dataplane=paced), make_agent("t-s2", dataplane=paced)
     dst = make_agent("t-dst", cpu_capacity_bytes=10 * M.block_bytes)

@@ -129,6 +129,8 @@ def check_pool(pool: BlockPool) -> None:
             assert u.stored_bytes == sum(m.stored_bytes for m in metas)
             assert u.saved_bytes == sum(store.footprint(m.num_bytes) - store.footprint(m.stored_bytes) for m in metas)
             assert u.used_bytes <= u.capacity_bytes
+            # what the blocks themselves take: every held block's pages or extent, exactly
+            assert u.blocks_used_bytes == sum(store.footprint(m.stored_bytes) for m in metas)
             if isinstance(store, MemoryTier):
                 used: list[int] = []
                 for m in metas:
@@ -151,6 +153,7 @@ def check_pool(pool: BlockPool) -> None:
                 )
                 assert all(end <= store.slab_bytes for _, end in extents)
                 assert store.used_bytes == sum(m.handle.footprint_bytes for m in metas)
+                assert u.blocks_used_bytes == sum(m.handle.footprint_bytes for m in metas if m not in parked)
                 free = store._extents.free_granules * GRANULE_BYTES
                 assert free + store.used_bytes == store.slab_bytes, "slab space leaked"
     if Tier.DISK in pool.store_of:

@@ -95,6 +95,7 @@ def check_invariants(pool: BlockPool, mid_write: bool = False) -> None:
         u = usage[store.tier]
         assert u.num_blocks == len(metas)
         assert u.used_bytes == len(used) * store.page_bytes
+        assert u.blocks_used_bytes == u.used_bytes  # nothing reserved or parked here
         assert u.capacity_bytes == store.num_pages * store.page_bytes
         assert u.uncompressed_bytes == sum(m.num_bytes for m in metas)
         assert u.stored_bytes == sum(m.stored_bytes for m in metas)

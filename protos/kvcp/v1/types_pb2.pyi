@@ -48,7 +48,7 @@ class ModelSpec(_message.Message):
     def __init__(self, model_id: _Optional[str] = ..., block_size: _Optional[int] = ..., num_layers: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., dtype: _Optional[str] = ...) -> None: ...
 
 class TierUsage(_message.Message):
-    __slots__ = ("tier", "capacity_bytes", "used_bytes", "num_blocks", "uncompressed_bytes", "stored_bytes", "num_parked_blocks")
+    __slots__ = ("tier", "capacity_bytes", "used_bytes", "num_blocks", "uncompressed_bytes", "stored_bytes", "num_parked_blocks", "blocks_used_bytes")
     TIER_FIELD_NUMBER: _ClassVar[int]
     CAPACITY_BYTES_FIELD_NUMBER: _ClassVar[int]
     USED_BYTES_FIELD_NUMBER: _ClassVar[int]
@@ -56,6 +56,7 @@ class TierUsage(_message.Message):
     UNCOMPRESSED_BYTES_FIELD_NUMBER: _ClassVar[int]
     STORED_BYTES_FIELD_NUMBER: _ClassVar[int]
     NUM_PARKED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    BLOCKS_USED_BYTES_FIELD_NUMBER: _ClassVar[int]
     tier: Tier
     capacity_bytes: int
     used_bytes: int
@@ -63,7 +64,8 @@ class TierUsage(_message.Message):
     uncompressed_bytes: int
     stored_bytes: int
     num_parked_blocks: int
-    def __init__(self, tier: _Optional[_Union[Tier, str]] = ..., capacity_bytes: _Optional[int] = ..., used_bytes: _Optional[int] = ..., num_blocks: _Optional[int] = ..., uncompressed_bytes: _Optional[int] = ..., stored_bytes: _Optional[int] = ..., num_parked_blocks: _Optional[int] = ...) -> None: ...
+    blocks_used_bytes: int
+    def __init__(self, tier: _Optional[_Union[Tier, str]] = ..., capacity_bytes: _Optional[int] = ..., used_bytes: _Optional[int] = ..., num_blocks: _Optional[int] = ..., uncompressed_bytes: _Optional[int] = ..., stored_bytes: _Optional[int] = ..., num_parked_blocks: _Optional[int] = ..., blocks_used_bytes: _Optional[int] = ...) -> None: ...
 
 class AgentInfo(_message.Message):
     __slots__ = ("agent_id", "address", "models", "tiers", "metrics_address", "lease_id", "role", "transfer_engine", "transfer_endpoint", "transfer_protocol", "transfer_buffer_address", "transfer_buffer_bytes", "transfer_engine_status", "shm_path", "shm_host_id", "shm_inode")

@@ -477,7 +477,8 @@ class DataPlane(HandoffPaths):
     def _drain(self, op_id, model_id, destinations, free_bytes, deadline_seconds, reply, cancelled) -> None:
         with self.pool.lock:  # (a copy of the references: the walk runs without the engine's lock)
             held = list(self.pool.blocks.values())
-        chains = drain_chains(held, model_id)
+            pinned = frozenset(m.block_hash for m in held if self.pool.pin_tier(m))
+        chains = drain_chains(held, model_id, pinned)
         total = len({h for c in chains for h in c.block_hashes})
         plan = DrainPlan(list(destinations), list(free_bytes), self._models_of(destinations))
         done: set[bytes] = set()

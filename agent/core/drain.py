@@ -4,8 +4,8 @@
 A prefix is a chain of blocks from a root (a block whose parent is not held here) to a
 leaf (a block no block held here names as its parent); one handoff carries it, and the
 blocks it shares with a chain sent before are found present at the destination and not
-sent again. Chains go most recently used first (by their leaf's last access), so a drain
-cut short (no room left, a cancel) has moved what serves most. The chains of one root go
+sent again. Chains holding a pinned block go first, then the most recently used (by their
+leaf's last access), so a drain cut short (no room left, a cancel) has moved what serves most. The chains of one root go
 to one destination, so a shared prefix (a system prompt) travels once; roots are dealt to
 the destinations in turn, the roomiest first, and a chain whose destination is full or
 failing goes to the next one with room. A destination is sent at most the bytes it had
@@ -30,12 +30,16 @@ class DrainChain:
     block_hashes: tuple[bytes, ...]  # root first
     stored_bytes: tuple[int, ...]  # each block's, as stored here (what a handoff sends)
     last_access: int  # the leaf's (the pool's access clock)
+    pinned: bool = False  # holds a pinned block: goes first
 
 
-def drain_chains(blocks: Iterable[BlockMeta], model_id: str = "") -> list[DrainChain]:
-    """The chains of the visible blocks (of `model_id`, or every model), most recently
-    used first. Every visible block is in at least one chain (but blocks on a cycle of
-    parents, which chained digests never make)."""
+def drain_chains(
+    blocks: Iterable[BlockMeta], model_id: str = "", pinned: frozenset[bytes] = frozenset()
+) -> list[DrainChain]:
+    """The chains of the visible blocks (of `model_id`, or every model): those holding a
+    pinned block first (an operator said they matter), then most recently used first.
+    Every visible block is in at least one chain (but blocks on a cycle of parents, which
+    chained digests never make)."""
     held = {m.block_hash: m for m in blocks if m.visible and (not model_id or m.model_id == model_id)}
     parents = {m.parent_hash for m in held.values()}
     chains = []
@@ -54,9 +58,10 @@ def drain_chains(blocks: Iterable[BlockMeta], model_id: str = "") -> list[DrainC
                 tuple(m.block_hash for m in chain),
                 tuple(m.stored_bytes for m in chain),
                 leaf.last_access,
+                any(m.block_hash in pinned for m in chain),
             )
         )
-    chains.sort(key=lambda c: (-c.last_access, c.block_hashes))
+    chains.sort(key=lambda c: (not c.pinned, -c.last_access, c.block_hashes))
     return chains
 
 

@@ -147,3 +147,10 @@ def test_a_destinations_room_is_its_cpu_and_disk_below_where_the_policy_drops():
     assert room_without_drops_bytes([gpu, cpu, disk], policy) == 900 + 1900 - 500  # cpu down to low, disk to high
     assert room_without_drops_bytes([gpu], policy) == 0
     assert room_without_drops_bytes([T(tier=Tier.CPU, capacity_bytes=1000, used_bytes=990)], policy) == 0
+
+
+def test_chains_holding_a_pinned_block_go_first():
+    blocks = [meta("hot", last_access=9), meta("kb", last_access=1), meta("kb-q", "kb", 2)]
+    pinned = frozenset({blocks[1].block_hash})  # the pinned parent: its chain goes first
+    assert [names(c) for c in drain_chains(blocks, "m", pinned)] == [["kb", "kb-q"], ["hot"]]
+    assert [names(c) for c in drain_chains(blocks, "m")] == [["hot"], ["kb", "kb-q"]]

@@ -45,6 +45,16 @@ def _start_time(pid: int) -> str:
     return stat[stat.rindex(")") + 2 :].split()[19]
 
 
+def _exited(pid: int) -> bool:
+    """The process is gone, or has ended and only waits for its parent to reap it (a
+    zombie: /proc still lists it, and no signal ends it any further)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return True
+    return stat[stat.rindex(")") + 2] in "ZX"
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -89,7 +99,7 @@ class Demo:
             with contextlib.suppress(OSError):  # gone meanwhile
                 os.killpg(pid, signal.SIGTERM)
             for _ in range(50):
-                if not Path(f"/proc/{pid}").exists():
+                if _exited(pid):
                     break
                 time.sleep(0.1)
             else:

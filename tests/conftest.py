@@ -1,14 +1,77 @@
 """Shared fixtures: one real etcd per session (KVCP_TEST_ETCD when CI started one),
-a clean key space per test, and an in-process control plane on port 0."""
+a clean key space per test, and an in-process control plane on port 0; and a check that
+every Mooncake transfer engine the tests made was closed."""
 
 from __future__ import annotations
 
 import os
 import uuid
+import weakref
 
 import pytest
 
 from tests.helpers import EtcdServer, ExternalEtcd, wait_for
+
+# ---- every Mooncake engine is closed -----------------------------------------------------
+# An engine left to the garbage collector stalls the whole run: its destructor joins the
+# engine's listener thread with the GIL held, in whichever later test the collection falls
+# (about 100 s of a full run, before the tests that left engines open stopped their
+# agents). A run that otherwise passes fails here, naming the tests that made such engines.
+_engines: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # engine -> [test that made it, closed]
+_engines_left_open: list[str] = []
+_running = ["(collection)"]
+
+
+def pytest_configure(config):
+    import functools
+
+    from agent.store.transfer_engine import MooncakeEngine
+
+    init, close = MooncakeEngine.__init__, MooncakeEngine.close
+
+    def freed(state: list) -> None:
+        if not state[1]:
+            _engines_left_open.append(f"{state[0]} (freed by the garbage collector in {_running[0]})")
+
+    @functools.wraps(init)
+    def tracked_init(self, *args, **kwargs):
+        init(self, *args, **kwargs)
+        _engines[self] = state = [_running[0], False]
+        weakref.finalize(self, freed, state)
+
+    @functools.wraps(close)
+    def tracked_close(self):
+        if self in _engines:
+            _engines[self][1] = True
+        close(self)
+
+    MooncakeEngine.__init__, MooncakeEngine.close = tracked_init, tracked_close
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_protocol(item, nextitem):
+    _running[0] = item.nodeid
+
+
+def pytest_sessionfinish(session, exitstatus):
+    import gc
+
+    _running[0] = "the final collection"
+    gc.collect()
+    _engines_left_open.extend(
+        f"{made_in} (still open at the end)" for made_in, closed in _engines.values() if not closed
+    )
+    if _engines_left_open and session.exitstatus == pytest.ExitCode.OK:
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED
+
+
+def pytest_terminal_summary(terminalreporter):
+    if _engines_left_open:
+        terminalreporter.section(
+            "Mooncake engines never closed: the run fails (stop the agent, or close the engine)", red=True
+        )
+        for line in _engines_left_open:
+            terminalreporter.line(line)
 
 
 @pytest.fixture(scope="session")

@@ -175,6 +175,7 @@ class _Replayer:
         port = self.sock.bind_to_random_port("tcp://127.0.0.1")
         self.endpoint = f"tcp://127.0.0.1:{port}"
         self.batches, self.delay = batches, delay
+        self._closing = threading.Event()
         self.thread = threading.Thread(target=self._serve, daemon=True)
         self.thread.start()
 
@@ -184,11 +185,13 @@ class _Replayer:
         except zmq.ZMQError:
             return
         for seq in range(int.from_bytes(start, "big"), len(self.batches)):
-            time.sleep(self.delay)
+            if self._closing.wait(self.delay):  # the test is done: the answers left go unsent
+                return
             self.sock.send_multipart([ident, b"", seq.to_bytes(8, "big", signed=True), self.batches[seq]])
         self.sock.send_multipart([ident, b"", (-1).to_bytes(8, "big", signed=True), b""])
 
     def close(self):
+        self._closing.set()
         self.thread.join(10)
         self.sock.close(linger=0)
 

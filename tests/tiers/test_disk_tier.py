@@ -502,10 +502,13 @@ def test_agent_recovers_its_disk_tier_at_start(tmp_path):
     flip_byte(at.path, at.last_payload_byte)
     disk_of(pool).close()
     agent = Agent(AgentConfig(agent_id="r", models=[SPEC], cpu_capacity_bytes=4 * BLOCK_BYTES, disk_dir=str(d)))
-    assert set(agent.pool.blocks) == set(hs[:2])
-    assert agent.pool.corrupt_blocks_total == 1
-    res = agent.engine.load(SPEC.model_id, toks)
-    assert res.num_cached_tokens == 2 * BS and torch.equal(res.kv, data[:2])
+    try:
+        assert set(agent.pool.blocks) == set(hs[:2])
+        assert agent.pool.corrupt_blocks_total == 1
+        res = agent.engine.load(SPEC.model_id, toks)
+        assert res.num_cached_tokens == 2 * BS and torch.equal(res.kv, data[:2])
+    finally:
+        agent.stop()  # closes its disk tier and frees its transfer engine
 
 
 # ---- unusable directories -----------------------------------------------------------

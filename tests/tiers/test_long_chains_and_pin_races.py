@@ -122,7 +122,7 @@ def test_a_pin_arriving_while_its_blocks_go_down_keeps_them_up(tmp_path, monkeyp
         assert [agent.pool.tier_of(h) for h in hs] == [Tier.CPU, Tier.CPU]
         check_invariants(agent.pool)
     finally:
-        agent.disk.close()
+        agent.stop()  # closes its disk tier and frees its transfer engine
 
 
 def test_a_namespace_that_could_not_reach_the_disk_is_refused_at_store_and_the_longest_names_fit(tmp_path):

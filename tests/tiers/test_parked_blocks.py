@@ -63,7 +63,7 @@ def test_pinned_parked_blocks_are_not_freed_to_make_room(tmp_path):
         agent.engine.store(SPEC.model_id, tokens(4, start=70_000), kv(4, seed=5))
         assert pool.num_parked_blocks == 2, "pinned parked blocks were freed to make room for unpinned ones"
     finally:
-        agent.disk.close()
+        agent.stop()  # closes its disk tier and frees its transfer engine
 
 
 def test_pinned_parked_blocks_are_not_freed_when_parking_expires(tmp_path):

@@ -4,9 +4,7 @@ from __future__ import annotations
 
 import logging
 import re
-import signal
 import sys
-import threading
 
 import click
 import torch
@@ -18,6 +16,7 @@ from agent.server import DEMO_MODEL, Agent, AgentConfig
 from protos.etcd_keys import EtcdAuth
 from protos.metrics import parse_listen
 from protos.security import TLSConfig, read_secret
+from protos.signals import wait_for_stop_signal
 from protos.tier import Tier
 from protos.units import parse_size
 
@@ -408,10 +407,7 @@ def main(
         sys.exit(2)
     metrics = f", metrics on http://{agent.metrics_address}/metrics" if agent.metrics_address else ""
     click.echo(f"kvcp-agent {agent_id} serving on {agent.address}{metrics}", err=True)
-    done = threading.Event()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, lambda *_: done.set())
-    done.wait()
+    wait_for_stop_signal()
     agent.stop()
 
 

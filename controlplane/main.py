@@ -3,9 +3,7 @@
 from __future__ import annotations
 
 import logging
-import signal
 import sys
-import threading
 
 import click
 
@@ -13,6 +11,7 @@ from controlplane.server import ControlPlane, ControlPlaneConfig
 from protos.etcd_keys import EtcdAuth
 from protos.metrics import parse_listen
 from protos.security import TLSConfig, read_secret
+from protos.signals import wait_for_stop_signal
 
 
 def _metrics_listen(ctx, param, value: str) -> str:
@@ -160,10 +159,7 @@ def main(
         + (f", lookups on {cp.lookup_socket.address}" if cp.lookup_socket is not None else ""),
         err=True,
     )
-    done = threading.Event()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, lambda *_: done.set())
-    done.wait()
+    wait_for_stop_signal()
     cp.stop()
 
 

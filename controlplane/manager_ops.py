@@ -30,7 +30,10 @@ log = logging.getLogger(__name__)
 
 MAX_OPS_KEPT = 500
 PIN_REFUSAL_SECONDS = 60.0  # how long the policy leaves alone a block an agent's pin held
-CANCEL_RESEND_SECONDS = 1.0  # a cancel no agent answered yet is sent again this often
+CANCEL_RESEND_SECONDS = 1.0
+# a drain that ended keeps the room it was given at most this long, until its destinations
+# have reported their usage since (their reports come every second by default)
+DRAIN_REPORT_WAIT_SECONDS = 10.0  # a cancel no agent answered yet is sent again this often
 
 
 def _exact(seconds: float) -> str:
@@ -268,7 +271,8 @@ class OperationControl(ManagerState):
             if agent_id not in agents:
                 raise errors.NotFound(f"agent_id: no agent {agent_id!r} is registered (kvctl agents lists them)")
             with self._lock:
-                running = [o for o in self.ops.values() if o.kind == "drain" and not o.finished]
+                drains = [o for o in self.ops.values() if o.kind == "drain"]
+            running = [o for o in drains if not o.finished]
             for o in running:
                 if o.params.get("agent") == agent_id:  # two would run side by side, each with all the room
                     raise errors.FailedPrecondition(
@@ -304,13 +308,27 @@ class OperationControl(ManagerState):
                 )
 
             # the room the drains under way were given is theirs until they end (their blocks
-            # landing show in the reports only as they land): counted as taken, never twice
+            # landing show in the reports only as they land): counted as taken, never twice;
+            # and a drain that just ended keeps what it sent until each destination reported
+            # after it
             promised: dict[str, int] = {}
-            for o in running:
+            promised_by: dict[str, set[str]] = {}  # destination -> the drains holding room there
+            now = self.clock()
+            for o in drains:
                 given_to = zip(o.params.get("to", "").split(","), o.params.get("room", "").split(","), strict=False)
+                ends = o.params.get("reports_at_end", "").split(",")
+                seen = dict(zip(o.params.get("to", "").split(","), ends, strict=False))
                 for to, given in given_to:
-                    if to and given.isdigit():
-                        promised[to] = promised.get(to, 0) + int(given)
+                    if not to or not given.isdigit():
+                        continue
+                    if o.finished and not self._landing_unreported(to, seen.get(to, ""), now - o.updated_unix_seconds):
+                        continue
+                    # an ended drain holds what it sent at most (all of it may have gone to any one)
+                    held = min(int(given), o.moved_bytes) if o.finished else int(given)
+                    if not held:
+                        continue
+                    promised[to] = promised.get(to, 0) + held
+                    promised_by.setdefault(to, set()).add(o.op_id)
 
             policy = self.tier_policy()
 
@@ -320,13 +338,16 @@ class OperationControl(ManagerState):
             ranked = sorted(candidates, key=lambda r: (-free_bytes(r), r.agent_id))
             destinations = tuple(r.agent_id for r in ranked)
             if not any(free_bytes(r) for r in ranked):
-                under_way = sorted(
-                    {o.op_id for o in running if set(o.params.get("to", "").split(",")) & set(destinations)}
-                )
+                under_way = sorted({op_id for d in destinations for op_id in promised_by.get(d, ())})
                 raise errors.FailedPrecondition(
                     f"no room: {', '.join(destinations)} have no room below the policy's watermarks "
                     "in their cpu or disk tiers (kvctl agents)"
-                    + (f" that the drains under way ({', '.join(under_way)}) were not given" if under_way else "")
+                    + (
+                        f" that drains under way or just ended ({', '.join(under_way)}) were not given "
+                        "(theirs until the destinations report what landed: try again in a few seconds)"
+                        if under_way
+                        else ""
+                    )
                     + ", and a drain pushes out none of their own blocks"
                 )
             if not self.cluster.cordon_reason(agent_id):
@@ -351,6 +372,15 @@ class OperationControl(ManagerState):
         )
         self._fan_out(op, {agent_id: command})
         return op
+
+    def _landing_unreported(self, destination: str, reports_at_end: str, seconds_since_end: float) -> bool:
+        """Has `destination` not reported its usage since a drain into it ended? Its last
+        report may predate the blocks that landed: the next drain must not count that room
+        again. Two reports after the end (one may have been on its way), and at most
+        DRAIN_REPORT_WAIT_SECONDS (the counts are this replica's: a new leader's start at 0)."""
+        if seconds_since_end > DRAIN_REPORT_WAIT_SECONDS or not reports_at_end.isdigit():
+            return False
+        return self.cluster.stats_reports(destination) < int(reports_at_end) + 2
 
     def compress(self, scope: Scope, codec: str, tier: Tier | None = None) -> ops.Operation:
         self.ensure_loaded()
@@ -585,6 +615,11 @@ class OperationControl(ManagerState):
                 self.clock(),
                 result,
             )
+            if changed and op.kind == "drain" and op.finished and "reports_at_end" not in op.params:
+                # where each destination's usage reports stood: the next drain waits for newer ones
+                op.params["reports_at_end"] = ",".join(
+                    str(self.cluster.stats_reports(to)) for to in op.params.get("to", "").split(",")
+                )
         if changed:
             self._op_changed(op)
 

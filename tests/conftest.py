@@ -133,7 +133,7 @@ def make_agent(etcd):
             listen="127.0.0.1:0",
             etcd=etcd,
             lease_ttl_seconds=kwargs.pop("lease_ttl_seconds", 2),
-            stats_interval_seconds=0.2,
+            stats_interval_seconds=kwargs.pop("stats_interval_seconds", 0.2),
             **kwargs,
         )
         a = Agent(cfg).start()

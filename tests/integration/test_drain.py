@@ -304,3 +304,27 @@ def test_a_drain_leaves_a_destination_below_the_watermark_where_the_policy_drops
         held = sum(u.num_blocks for u in dst.pool.usage())
         assert held == 2 + op.num_done_blocks, (held, op)
     assert dst.engine.load(M.model_id, own).num_cached_tokens == len(own)
+
+
+def test_a_drain_right_after_another_does_not_count_the_room_the_first_filled(controlplane, make_agent):
+    """A rolling upgrade, one agent after the other: the second drain starts as the first
+    ends, before the destination has reported the blocks that landed. What the first sent
+    stays counted until the destination reported twice since it ended, so the second gets
+    only what is left. Neither pushes out the destination's own blocks."""
+    s1, s2 = make_agent("q-s1"), make_agent("q-s2")
+    dst = make_agent("q-dst", cpu_capacity_bytes=10 * M.block_bytes, stats_interval_seconds=2.0)
+    own = tokens(2, start=700_000)
+    dst.engine.store(M.model_id, own, kv(2, seed=80))  # 7.5 blocks of room below the high watermark
+    for i, s in enumerate((s1, s2)):
+        for j in range(5):
+            s.engine.store(M.model_id, tokens(1, start=710_000 + 1000 * i + 100 * j), kv(1, seed=81 + 10 * i + j))
+    with ControlPlaneClient(controlplane.address) as c:
+        wait_for(lambda: registered(c, "q-s1", "q-s2", "q-dst"), what="agents ready")
+        wait_for(lambda: own_blocks_reported(c, "q-dst", 8), 10, what="usage")
+        first = c.wait_operation(c.drain("q-s1", to_agent_ids=["q-dst"]).op_id, 60)
+        assert first.state == "SUCCEEDED" and first.num_done_blocks == 5, first
+        # its last report still says 8 blocks free: 5 of them are the first drain's
+        second = c.wait_operation(c.drain("q-s2", to_agent_ids=["q-dst"]).op_id, 60)
+        assert second.state == "SUCCEEDED" and second.num_done_blocks == 2, second  # 2.5 blocks were left
+    assert dst.engine.load(M.model_id, own).num_cached_tokens == len(own)
+    assert dst.pool.usage()[0].num_blocks == 2 + 5 + 2

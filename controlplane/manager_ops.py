@@ -30,10 +30,10 @@ log = logging.getLogger(__name__)
 
 MAX_OPS_KEPT = 500
 PIN_REFUSAL_SECONDS = 60.0  # how long the policy leaves alone a block an agent's pin held
-CANCEL_RESEND_SECONDS = 1.0
+CANCEL_RESEND_SECONDS = 1.0  # a cancel no agent answered yet is sent again this often
 # a drain that ended keeps the room it was given at most this long, until its destinations
 # have reported their usage since (their reports come every second by default)
-DRAIN_REPORT_WAIT_SECONDS = 10.0  # a cancel no agent answered yet is sent again this often
+DRAIN_REPORT_WAIT_SECONDS = 10.0
 
 
 def _exact(seconds: float) -> str:

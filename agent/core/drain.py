@@ -13,7 +13,7 @@ free: a drain fills free space and pushes out none of the destination's own bloc
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 
 from agent.core.blocks import BlockMeta
@@ -26,7 +26,6 @@ MAX_FAILED_CHAINS_IN_A_ROW = 3
 @dataclass(frozen=True)
 class DrainChain:
     model_id: str
-    namespace: str  # the leaf's: the destination stores the chain under it (quotas, cleanups)
     block_hashes: tuple[bytes, ...]  # root first
     stored_bytes: tuple[int, ...]  # each block's, as stored here (what a handoff sends)
     last_access: int  # the leaf's (the pool's access clock)
@@ -54,7 +53,6 @@ def drain_chains(
         chains.append(
             DrainChain(
                 leaf.model_id,
-                leaf.namespace,
                 tuple(m.block_hash for m in chain),
                 tuple(m.stored_bytes for m in chain),
                 leaf.last_access,
@@ -65,11 +63,17 @@ def drain_chains(
     return chains
 
 
+def _as_is(num_bytes: int) -> int:
+    return num_bytes
+
+
 @dataclass
 class DrainPlan:
     """Where each chain goes, and what each destination has taken so far. `destinations`
     come roomiest first, with the bytes each had free; `serves`: the models each one
-    serves, where known (a destination left out is tried with every model).
+    serves, where known (a destination left out is tried with every model); `footprint`:
+    what a block of so many stored bytes takes where it lands (whole pages of a slab: a
+    compressed block's payload may end inside its last page), which is what it is charged.
 
     A chain's cost at a destination is what that destination was not sent yet: a chain
     that follows its root elsewhere (the root's destination full or failing) carries its
@@ -78,6 +82,7 @@ class DrainPlan:
     destinations: Sequence[str]
     free_bytes: Sequence[int]
     serves: dict[str, frozenset[str]] = field(default_factory=dict)
+    footprint: Callable[[int], int] = _as_is
     sent_bytes: dict[str, int] = field(default_factory=dict)
     given_up: dict[str, str] = field(default_factory=dict)  # destination -> why
     _failed_in_a_row: dict[str, int] = field(default_factory=dict)
@@ -90,9 +95,17 @@ class DrainPlan:
         return known is None or model_id in known
 
     def need(self, destination: str, chain: DrainChain) -> int:
-        """Bytes of `chain` a handoff to `destination` sends: those it was not sent yet."""
+        """What the blocks of `chain` a handoff to `destination` sends take there: those
+        it was not sent yet."""
         sent = self._sent.get(destination, set())
-        return sum(n for h, n in zip(chain.block_hashes, chain.stored_bytes, strict=True) if h not in sent)
+        return sum(
+            self.footprint(n) for h, n in zip(chain.block_hashes, chain.stored_bytes, strict=True) if h not in sent
+        )
+
+    def landed(self, chain: DrainChain, num_present: int, num_blocks: int) -> int:
+        """What a handoff of `chain` that found its first `num_present` blocks there and
+        sent those up to `num_blocks` takes at its destination (took's `sent_bytes`)."""
+        return sum(self.footprint(n) for n in chain.stored_bytes[num_present:num_blocks])
 
     def order(self, chain: DrainChain) -> list[str]:
         """The destinations to try for a chain: its root's first (dealt in turn, among

@@ -161,7 +161,7 @@ class AgentCommand:
     peer_agent_id: str = ""  # transfer: the destination
     deadline_seconds: float = 0.0  # transfer: answer within this (0: the agent's default)
     peer_agent_ids: tuple[str, ...] = ()  # drain: the destinations, the roomiest first
-    peer_free_bytes: tuple[int, ...] = ()  # drain: what each has free (all tiers), the most it is sent
+    peer_free_bytes: tuple[int, ...] = ()  # drain: the most each is sent (policy.room_without_drops_bytes)
 
 
 @dataclass(frozen=True)

@@ -328,3 +328,81 @@ def test_a_drain_right_after_another_does_not_count_the_room_the_first_filled(co
         assert second.state == "SUCCEEDED" and second.num_done_blocks == 2, second  # 2.5 blocks were left
     assert dst.engine.load(M.model_id, own).num_cached_tokens == len(own)
     assert dst.pool.usage()[0].num_blocks == 2 + 5 + 2
+
+
+def test_a_drained_block_keeps_its_own_namespace_where_it_lands(controlplane, make_agent):
+    """Review: a chain's blocks may belong to several namespaces (tenant B's prompt
+    continues a system prompt tenant A stored first: those blocks stay A's). The drain
+    handed each chain off under its leaf's namespace, so the shared prefix landed as B's
+    and fell out of A's pins, cleanups and quota on the destination; a handoff with no
+    namespace keeps each block's own."""
+    from protos.block_hash import hash_prefix, split_hashes
+
+    src = make_agent("n-src")
+    dst = make_agent("n-dst")
+    system = tokens(2, start=1_000_000)
+    chat = system + tokens(2, start=1_010_000)
+    data = kv(4, seed=100)
+    src.engine.store(M.model_id, system, data[:2], namespace="tenant-a")
+    src.engine.store(M.model_id, chat, data, namespace="tenant-b")  # its first two blocks are held: A's
+    by_namespace = {ns: u.num_blocks for ns, u in src.pool.namespace_usage().items()}
+    assert by_namespace == {"tenant-a": 2, "tenant-b": 2}, by_namespace
+    shared = split_hashes(hash_prefix(M.model_id, system, M.block_size))
+    with ControlPlaneClient(controlplane.address) as c:
+        wait_for(lambda: registered(c, "n-src", "n-dst"), what="agents ready")
+        wait_for(lambda: c.lookup(M.model_id, token_ids=chat).best_agent_id == "n-src", what="indexed")
+        c.pin(namespace="tenant-a", min_tier="cpu", ttl_seconds=3600)  # A's blocks, wherever they are
+        wait_for(lambda: all(src.pool.pin_tier_of(h) for h in shared), 10, what="pinned on the source")
+        op = c.wait_operation(c.drain("n-src").op_id, 60)
+        assert op.state == "SUCCEEDED" and op.num_done_blocks == 4, op
+    got = dst.engine.load(M.model_id, chat)
+    assert got.num_cached_tokens == len(chat) and torch.equal(got.kv, data)
+    by_namespace = {ns: u.num_blocks for ns, u in dst.pool.namespace_usage().items()}
+    assert by_namespace == {"tenant-a": 2, "tenant-b": 2}, by_namespace
+    wait_for(lambda: all(dst.pool.pin_tier_of(h) for h in shared), 10, what="A's pin holds where they landed")
+
+
+def test_a_drain_says_why_blocks_dropped_here_meanwhile_were_not_handed_off(controlplane, make_agent):
+    """Review: blocks the drained agent dropped while the drain ran (a cleanup, its own
+    LRU) cannot be sent; the drain left them without a word, its error ending in an empty
+    reason ("N of M blocks not handed off: ")."""
+    from agent.dataplane import DataPlaneConfig
+
+    src = make_agent("c-src", dataplane=DataPlaneConfig(link_bytes_per_second=4 * M.block_bytes))
+    make_agent("c-dst")
+    for i in range(30):
+        src.engine.store(M.model_id, tokens(1, start=1_100_000 + 100 * i), kv(1, seed=200 + i))
+    with ControlPlaneClient(controlplane.address) as c:
+        wait_for(lambda: registered(c, "c-src", "c-dst"), what="agents ready")
+        wait_for(lambda: {a.agent_id: a.num_blocks for a in c.list_agents()}.get("c-src") == 30, what="indexed")
+        op = c.drain("c-src")
+        wait_for(lambda: c.get_operation(op.op_id).num_done_blocks >= 1, 20, what="the drain under way")
+        assert c.wait_operation(c.cleanup(agent_id="c-src").op_id, 30).state == "SUCCEEDED"
+        op = c.wait_operation(op.op_id, 60)
+        assert op.state == "SUCCEEDED" and 1 <= op.num_done_blocks < 30, op
+        left = 30 - op.num_done_blocks
+        assert f"{left} of 30 blocks not handed off: " in op.error, op.error
+        assert "dropped" in op.error.split("not handed off: ", 1)[1], op.error
+
+
+def test_a_drain_of_compressed_blocks_counts_the_pages_they_take_where_they_land(controlplane, make_agent):
+    """Review: a destination's room is charged for what a block takes there, whole pages
+    of its slab, not the payload's bytes: an int8 block of the demo model (4,352 B) takes
+    5 pages of 1 KiB (5,120 B), 18 % more. Counted by payload, the drain sent 17 blocks
+    into the room of 15 and the destination dropped blocks it had just been sent."""
+    from protos.tier import Tier
+
+    src = make_agent("f-src", tier_codecs={Tier.CPU: "int8"})
+    dst = make_agent("f-dst", cpu_capacity_bytes=10 * M.block_bytes)  # 16 int8 blocks; 15 below 0.95
+    for i in range(20):
+        src.engine.store(M.model_id, tokens(1, start=1_200_000 + 100 * i), kv(1, seed=300 + i))
+    assert {u.stored_bytes for u in src.pool.usage()} == {20 * 4352}
+    with ControlPlaneClient(controlplane.address) as c:
+        wait_for(lambda: registered(c, "f-src", "f-dst"), what="agents ready")
+        wait_for(lambda: own_blocks_reported(c, "f-dst", 10), 10, what="usage")
+        wait_for(lambda: {a.agent_id: a.num_blocks for a in c.list_agents()}.get("f-src") == 20, what="indexed")
+        op = c.wait_operation(c.drain("f-src").op_id, 60)
+        assert op.state == "SUCCEEDED", op
+        time.sleep(3)  # the policy's passes (an urgent one follows a report over a high watermark)
+        held = sum(u.num_blocks for u in dst.pool.usage())
+        assert (held, op.num_done_blocks) == (15, 15), (held, op)

@@ -555,6 +555,13 @@ class DataPlane(HandoffPaths):
         )
         if cancelled.is_set():
             say("CANCELLED", num_failed_blocks=left, result=result)
+        elif self._closing and left:  # (not a drain that did all it could: one cut short)
+            say(
+                "FAILED",
+                num_failed_blocks=left,
+                result=result,
+                error=f"the agent stopped with {left} of {total} blocks left",
+            )
         elif left and not done:
             say("FAILED", num_failed_blocks=left, error=f"no block of {total} handed off: {why or 'no destination'}")
         else:

@@ -279,6 +279,11 @@ class OperationControl(ManagerState):
                         f"agent_id: agent {agent_id} is being drained already ({o.op_id}); "
                         f"kvctl op {o.op_id} --wait waits for it, kvctl cancel {o.op_id} stops it"
                     )
+            if agents[agent_id].state != AgentState.READY:  # (before cordoning it: nothing changes)
+                raise errors.FailedPrecondition(
+                    f"agent_id: agent {agent_id} is {agents[agent_id].state.name.lower()}, not ready: it cannot hand "
+                    "its prefixes off now (kvctl cordon takes it out of rotation meanwhile)"
+                )
             if model_id and model_id not in {m.model_id for m in agents[agent_id].models}:
                 raise errors.InvalidArgument("model_id", f"agent {agent_id} serves no model {model_id!r}")
             models = {model_id} if model_id else {m.model_id for m in agents[agent_id].models}

@@ -774,13 +774,14 @@ class Cluster:
             totals: dict[Tier, list[int]] = {}
             for rec in self._agents.values():
                 for t in rec.tiers:
-                    acc = totals.setdefault(t.tier, [0, 0, 0, 0, 0, 0])
+                    acc = totals.setdefault(t.tier, [0, 0, 0, 0, 0, 0, 0])
                     acc[0] += t.capacity_bytes
                     acc[1] += t.used_bytes
                     acc[2] += t.num_blocks
                     acc[3] += t.uncompressed_bytes
                     acc[4] += t.stored_bytes
                     acc[5] += t.num_parked_blocks
+                    acc[6] += t.blocks_used_bytes
             return ClusterStats(
                 num_agents=len(self._agents),
                 num_blocks=self.index.num_blocks,

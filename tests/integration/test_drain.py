@@ -406,3 +406,18 @@ def test_a_drain_of_compressed_blocks_counts_the_pages_they_take_where_they_land
         time.sleep(3)  # the policy's passes (an urgent one follows a report over a high watermark)
         held = sum(u.num_blocks for u in dst.pool.usage())
         assert (held, op.num_done_blocks) == (15, 15), (held, op)
+
+
+def test_a_drain_of_an_agent_whose_stream_is_down_is_refused_and_cordons_nothing(controlplane, make_agent):
+    """Registered (its lease lives) but not on its Sync stream: it cannot be sent the
+    drain, so the drain is refused before the cordon (kvctl cordon does that alone)."""
+    make_agent("y-src")
+    make_agent("y-dst")
+    with ControlPlaneClient(controlplane.address) as c:
+        wait_for(lambda: registered(c, "y-src", "y-dst"), what="agents ready")
+        cluster = controlplane.cluster
+        cluster.stream_closed("y-src", cluster._agents["y-src"].session_id)  # as a broken stream does
+        with pytest.raises(ClientError, match="agent_id: agent y-src is disconnected, not ready"):
+            c.drain("y-src")
+        assert {a.agent_id: a.cordon_reason for a in c.list_agents()}["y-src"] == ""
+        assert [o for o in c.list_operations() if o.kind == "drain"] == []

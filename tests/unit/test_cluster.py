@@ -332,11 +332,12 @@ def test_stream_closed_marks_disconnected_and_keeps_blocks(cluster):
 def test_stats(cluster):
     ready_agent(cluster, "a", [BlockGroup("m", Tier.GPU, packed(2))])
     ready_agent(cluster, "b", [BlockGroup("m", Tier.GPU, packed(1))])
-    cluster.update_stats("a", [TierUsage(Tier.GPU, 100, 40, 2), TierUsage(Tier.CPU, 1000, 0, 0)], 0, 0, 0)
-    cluster.update_stats("b", [TierUsage(Tier.GPU, 100, 20, 1)], 0, 0, 0)
+    gpu_a = TierUsage(Tier.GPU, 100, 40, 2, blocks_used_bytes=30)  # 10 B reserved for a handoff arriving
+    cluster.update_stats("a", [gpu_a, TierUsage(Tier.CPU, 1000, 0, 0)], 0, 0, 0)
+    cluster.update_stats("b", [TierUsage(Tier.GPU, 100, 20, 1, blocks_used_bytes=20)], 0, 0, 0)
     s = cluster.stats()
     assert (s.num_agents, s.num_blocks, s.num_block_replicas) == (2, 2, 3)
-    assert s.tiers == [TierUsage(Tier.GPU, 200, 60, 3), TierUsage(Tier.CPU, 1000, 0, 0)]
+    assert s.tiers == [TierUsage(Tier.GPU, 200, 60, 3, blocks_used_bytes=50), TierUsage(Tier.CPU, 1000, 0, 0)]
     assert [m.model_id for m in s.models] == ["m"]
 
 

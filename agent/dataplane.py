@@ -84,6 +84,11 @@ def transfer_result(r: HandoffResult) -> str:
     return said
 
 
+class PrefixNotHeld(errors.FailedPrecondition):
+    """A handoff's source holds no block of the prefix (a drain takes it as a prefix dropped
+    there meanwhile, not as the destination failing)."""
+
+
 @dataclass
 class DataPlaneConfig:
     deadline_seconds: float = 10.0  # default answer time of a handoff
@@ -522,13 +527,10 @@ class DataPlane(HandoffPaths):
                         # no namespace for all: each block keeps its own there (a chain may
                         # continue another namespace's prefix: its pins, cleanups and quota)
                         r = self.handoff(chain.model_id, list(chain.block_hashes), destination, deadline_seconds)
-                    except errors.FailedPrecondition as exc:
-                        if "holds no block" in str(exc):  # dropped here meanwhile: nothing to send
-                            skipped.append(DROPPED_MEANWHILE)
-                            break
-                        plan.failed(destination, str(exc), permanent=True)  # cordoned since, or gone
-                        continue
-                    except errors.KvcpError as exc:
+                    except PrefixNotHeld:  # dropped here meanwhile: nothing to send
+                        skipped.append(DROPPED_MEANWHILE)
+                        break
+                    except errors.KvcpError as exc:  # cordoned since, or gone
                         plan.failed(destination, str(exc), permanent=True)
                         continue
                     if r.outcome in (TRANSFERRED, PRESENT):
@@ -723,7 +725,7 @@ class DataPlane(HandoffPaths):
             )
         metas = self.pool.acquire_chain(block_hashes)
         if not metas:
-            raise errors.FailedPrecondition(
+            raise PrefixNotHeld(
                 f"this agent ({self.agent_id}) holds no block of the prefix (first block {block_hashes[0].hex()[:12]})"
                 if block_hashes
                 else "the prefix has no full block"

@@ -21,6 +21,6 @@ def wait_for_stop_signal(poll_seconds: float = 0.5) -> int:
 
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, on_signal)
-    while not done.wait(poll_seconds):
-        pass
+    while not done.is_set():
+        done.wait(poll_seconds)
     return got[0]

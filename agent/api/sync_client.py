@@ -211,9 +211,9 @@ class ControlPlaneLink:
                 op_id=cmd.op_id,
             )
         elif kind == agent_pb2.COMMAND_KIND_CANCEL:
-            if self.dataplane is not None and self.dataplane.cancel(cmd.op_id):
-                pass  # a drain: it answers CANCELLED between two prefixes
-            elif self._mover is not None:
+            # a drain answers CANCELLED between two prefixes; moves and compressions in the mover
+            drain = self.dataplane is not None and self.dataplane.cancel(cmd.op_id)
+            if not drain and self._mover is not None:
                 self._mover.cancel(cmd.op_id)
         elif kind == agent_pb2.COMMAND_KIND_EVICT:
             done, pinned = 0, []

@@ -90,6 +90,9 @@ class DrainPlan:
     _sent: dict[str, set[bytes]] = field(default_factory=dict)  # destination -> blocks it was sent
     _next: int = 0
 
+    def __post_init__(self) -> None:
+        self._free = dict(zip(self.destinations, self.free_bytes, strict=False))
+
     def takes(self, destination: str, model_id: str) -> bool:
         known = self.serves.get(destination)
         return known is None or model_id in known
@@ -121,8 +124,7 @@ class DrainPlan:
         return [d for d in ordered if d not in self.given_up and self.room(d) >= self.need(d, chain)]
 
     def room(self, destination: str) -> int:
-        free = dict(zip(self.destinations, self.free_bytes, strict=False)).get(destination, 0)
-        return free - self.sent_bytes.get(destination, 0)
+        return self._free.get(destination, 0) - self.sent_bytes.get(destination, 0)
 
     def took(self, destination: str, chain: DrainChain, sent_bytes: int, num_blocks: int | None = None) -> None:
         """`destination` holds the chain's first `num_blocks` (all of it: None) now."""

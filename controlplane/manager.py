@@ -199,7 +199,8 @@ class Manager(PinControl, OperationControl, PolicyControl):
         Operations this replica already holds (it led before, e.g. its lease lapsed and it
         won again) are kept over the stored copy while that is unfinished, and always when
         their latest change is not stored yet: its own commands may be out, and a cancel or
-        result it answered must not be undone. The epoch counts as loaded only at the end,
+        result it answered must not be undone (but an unstored change short of an end gives
+        way to a stored end: another leader got the result meanwhile). The epoch counts as loaded only at the end,
         so a load cut short is done again."""
         epoch = self.election.epoch
         if 0 < epoch < self._state_epoch and not self.durable.exists(etcd_keys.LOADED_KEY):
@@ -215,10 +216,15 @@ class Manager(PinControl, OperationControl, PolicyControl):
             for stored in loaded_ops:
                 held = self.ops.get(stored.op_id)
                 # stored finished, or started by another leader since: the stored copy is newer
+                # (an unstored change here is kept over a stored end only when it is an end
+                # too: progress this replica could not store is older than another leader's
+                # record of the result, which its agent's final answer gave it)
                 mine = held is not None and (
-                    stored.op_id in self._dirty
+                    (stored.op_id in self._dirty and (held.finished or not stored.finished))
                     or not (stored.finished or (held.waiting_for_lock and not stored.waiting_for_lock))
                 )
+                if held is not None and not mine:
+                    self._dirty.discard(stored.op_id)
                 merged[stored.op_id] = held if mine and held is not None else stored  # (mine: it is held)
                 if mine:
                     kept.add(stored.op_id)

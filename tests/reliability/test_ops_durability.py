@@ -515,3 +515,47 @@ def test_a_cancel_is_asked_again_until_the_agent_answers_and_survives_a_reload(e
         assert cp.manager.get_op(op.op_id).state == "CANCELLED"
     finally:
         cp.stop()
+
+
+def test_a_result_another_leader_stored_is_not_undone_by_progress_this_one_could_not_store(etcd, monkeypatch):
+    """A leader cut off from etcd keeps an agent's progress report unstored (to be written
+    later); meanwhile another leader records the operation's end (the agent's final answer
+    went to it). When the first wins again, its load kept its own RUNNING copy over the
+    stored SUCCEEDED and wrote it back into etcd (then failed the part for silence,
+    unless its agent sent its final answer again)."""
+    cp = start_cp(etcd, op_timeout_seconds=60)
+    try:
+        agent = StandInAgent(cp)
+        wait_for(lambda: cp.manager._loaded_epoch == cp.election.epoch, 5, 0.02, "loaded")
+        op = cp.manager.move(Scope(namespace="ns1"), Tier.DISK)
+        key = etcd_keys.OPS_PREFIX + op.op_id
+        real_put = cp.manager.durable.put
+
+        def refused(k, *args, **kwargs):
+            if k == key:
+                raise errors.Unavailable("etcd is unreachable (test)")
+            return real_put(k, *args, **kwargs)
+
+        monkeypatch.setattr(cp.manager.durable, "put", refused)
+        agent.report(op.op_id, "RUNNING", 1, 5)  # not stored: kept to be written later
+        assert op.op_id in cp.manager._dirty
+        # another leader got the agent's final answer and stored it
+        client = etcd_keys.connect(etcd)
+        done = stored_op(etcd, op.op_id)
+        done["state"] = "SUCCEEDED"
+        for part in done["parts"]:
+            part.update(state="SUCCEEDED", num_done_blocks=5, num_total_blocks=5)
+        client.put(key, json.dumps(done))
+        # this replica's lease lapses and it wins again: a new epoch, state loaded again
+        epoch = cp.election.epoch
+        _, meta = client.get(etcd_keys.LEADER_KEY)
+        client.revoke_lease(meta.lease_id)
+        wait_for(lambda: cp.election.is_leader and cp.election.epoch != epoch, 10, 0.01, "won again")
+        wait_for(lambda: cp.manager._loaded_epoch == cp.election.epoch, 5, 0.02, "reloaded")
+        monkeypatch.setattr(cp.manager.durable, "put", real_put)
+        time.sleep(0.6)  # the reconcile passes that write what was not stored
+        assert cp.manager.get_op(op.op_id).state == "SUCCEEDED"
+        assert stored_op(etcd, op.op_id)["state"] == "SUCCEEDED"
+        client.close()
+    finally:
+        cp.stop()

@@ -272,7 +272,8 @@ class AgentCollector:
             (
                 g,
                 "kvcp_parked_blocks",
-                "Blocks recovered from disk after a restart that wait for their prefix to be stored again.",
+                "Blocks recovered from disk after a restart that wait for their prefix to be stored again, "
+                "or whose model is not served as they were written.",
                 a,
             ),
             (

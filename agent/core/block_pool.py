@@ -58,6 +58,9 @@ from protos.tier import Tier
 log = logging.getLogger(__name__)
 NOTICE_EVERY_SECONDS = 10.0  # a repeated notice kind (write_error, ...) is said at most this often
 PARKED_SECONDS = 600.0  # recovered blocks whose prefix was lost wait this long for it to be stored again
+# the parent under which recovered blocks this agent cannot read as it serves now (a model
+# not served, another KV layout) are parked: no block's hash, so none is ever adopted here
+UNSERVED_PARENT = b"unserved"
 OTHER_WRITER_WAIT_SECONDS = 2.0  # a store waits this long at most for a block another store is writing
 
 
@@ -663,7 +666,11 @@ class BlockPool(BlockMoves):
     def recover(self, store, found: list) -> int:
         """Adopt blocks a tier found after a restart (verified by their checksums).
         Blocks of unknown models and of a model whose KV layout changed since they were
-        written (their bytes would be read in the wrong shape) are removed. Blocks whose
+        written (their bytes would be read in the wrong shape) are never adopted, but
+        parked like the others (under UNSERVED_PARENT): a restart with a mistyped or
+        missing `--model` must not wipe the cache, and one with the right model finds
+        them again. They go first when their tier needs room, after PARKED_SECONDS and
+        in a cleanup. Blocks whose
         chain does not reach the root or a held block (its first blocks were in a faster
         tier, lost with the process: the usual state of a disk tier, which holds tails)
         are parked: kept, invisible, until that prefix is stored again, when they are
@@ -671,18 +678,21 @@ class BlockPool(BlockMoves):
         Returns the number adopted now."""
         with self.lock:
             candidates = {b.block_hash: b for b in found if self._adoptable(b)}
-            dropped: dict[str, list[int]] = {}  # model -> [blocks, bytes] it cannot read as it is served now
+            unserved: dict[str, list[int]] = {}  # model -> [blocks, bytes] it cannot read as it is served now
             for b in found:
-                if b.block_hash not in candidates or candidates[b.block_hash] is not b:
-                    store.free(b.handle)
-                    if not self._adoptable(b):
-                        acc = dropped.setdefault(b.model_id, [0, 0])
-                        acc[0] += 1
-                        acc[1] += b.stored_bytes
-            for model_id, (n, nbytes) in dropped.items():
+                if not self._adoptable(b):
+                    self._parked.setdefault(UNSERVED_PARENT, []).append(self._recovered_meta(store, b))
+                    acc = unserved.setdefault(b.model_id, [0, 0])
+                    acc[0] += 1
+                    acc[1] += b.stored_bytes
+                elif candidates[b.block_hash] is not b:
+                    store.free(b.handle)  # an older copy of a block (the later write wins)
+            for model_id, (n, nbytes) in unserved.items():
                 spec = self.models.get(model_id)
                 log.warning(
-                    "%s tier: removed %d recovered blocks (%d bytes) of model %r: %s",
+                    "%s tier: %d recovered blocks (%d bytes) of model %r cannot be used: %s; they are kept "
+                    "(freed first when the tier needs room, and after %d s): restart with the model as it "
+                    "was served to use them",
                     store.tier.label,
                     n,
                     nbytes,
@@ -690,6 +700,7 @@ class BlockPool(BlockMoves):
                     "this agent does not serve it (--model)"
                     if spec is None
                     else "its block size or KV layout differs from the one served now",
+                    PARKED_SECONDS,
                 )
             children: dict[bytes, list[bytes]] = {}
             for h, b in candidates.items():
@@ -703,18 +714,19 @@ class BlockPool(BlockMoves):
                     if c not in reachable:
                         reachable.add(c)
                         stack.append(c)
-            parked = 0
+            waiting = 0
             for h in [h for h in candidates if h not in reachable]:
                 b = candidates.pop(h)
                 self._parked.setdefault(b.parent_hash, []).append(self._recovered_meta(store, b))
-                parked += 1
-            if parked:
+                waiting += 1
+            if waiting or unserved:
                 self._parked_until = time.monotonic() + PARKED_SECONDS
                 self._parked_changes += 1
+            if waiting:
                 log.info(
                     "%s tier: %d recovered blocks wait for their prefix (lost from a faster tier) to be stored again",
                     store.tier.label,
-                    parked,
+                    waiting,
                 )
             for b in candidates.values():
                 meta = self._recovered_meta(store, b)
@@ -792,7 +804,7 @@ class BlockPool(BlockMoves):
             if tier is not None and not freed:
                 self._parked_held[tier] = self._parked_key()
         if freed:
-            log.info("freed %d parked blocks whose prefix was not stored again", freed)
+            log.info("freed %d parked blocks (their prefix was not stored again, or their model is not served)", freed)
         return freed
 
     def _pins_key(self) -> tuple[int, int, float]:

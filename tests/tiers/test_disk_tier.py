@@ -452,10 +452,14 @@ def test_a_restart_keeps_how_long_disk_blocks_were_idle(tmp_path):
     assert pool2.cleanup(60.0, dry_run=True).num_blocks == 0
 
 
-def test_restart_drops_blocks_of_models_no_longer_served(tmp_path, caplog):
-    """... and says so, with the model and why (a review: only 'recovered 0 blocks' was said)."""
+def test_a_restart_without_the_model_keeps_its_disk_blocks_for_a_restart_with_it(tmp_path, caplog):
+    """A restart with a mistyped or missing --model must not wipe the cache (a review:
+    the blocks were freed for good, and a restart with the right model found none). They
+    are parked, invisible, said with the model and why; the next restart with the model
+    adopts them, byte for byte."""
     d = tmp_path / "disk"
-    pool, *_ = spill(tmp_path)
+    pool, engine, toks, data, hs = spill(tmp_path)
+    originals = {h: decoded(pool, h) for h in hs[:3]}
     disk_of(pool).close()
     disk2 = DiskTier(d, 1 << 20)
     other = SPEC.__class__("other", 4, 2, 2, 8, "float16")
@@ -464,9 +468,43 @@ def test_restart_drops_blocks_of_models_no_longer_served(tmp_path, caplog):
     assert len(found) == 3
     with caplog.at_level("WARNING"):
         assert pool2.recover(disk2, found) == 0
-    assert blocks_on_disk(disk2) == [] and disk2.used_bytes == 0
-    assert f"removed 3 recovered blocks ({3 * BLOCK_BYTES} bytes) of model {SPEC.model_id!r}" in caplog.text
-    assert "does not serve it" in caplog.text
+    assert pool2.blocks == {} and pool2.inventory()[1] == []  # nothing visible, nothing reported
+    assert pool2.num_parked_blocks == 3 and len(blocks_on_disk(disk2)) == 3
+    assert f"3 recovered blocks ({3 * BLOCK_BYTES} bytes) of model {SPEC.model_id!r} cannot be used" in caplog.text
+    assert "does not serve it" in caplog.text and "they are kept" in caplog.text
+    disk2.close()
+    disk3 = DiskTier(d, 1 << 20)
+    pool3 = BlockPool([MemoryTier(Tier.CPU, 2 * BLOCK_BYTES, BLOCK_BYTES, device="cpu"), disk3], [SPEC])
+    found, _ = disk3.scan()
+    assert pool3.recover(disk3, found) == 3
+    for h, t in originals.items():
+        assert torch.equal(decoded(pool3, h), t)
+    disk3.close()
+
+
+def test_blocks_of_a_model_not_served_go_first_for_room_and_in_a_cleanup(tmp_path):
+    from agent.core.engine_api import KVEngineAPI
+
+    d = tmp_path / "disk"
+    pool, *_ = spill(tmp_path)
+    footprint = disk_of(pool).footprint(BLOCK_BYTES)
+    disk_of(pool).close()
+    other = SPEC.__class__("other", 4, 2, 2, 8, "float16")
+    disk2 = DiskTier(d, 3 * footprint)  # full of the old model's blocks
+    pool2 = BlockPool([MemoryTier(Tier.CPU, 2 * BLOCK_BYTES, BLOCK_BYTES, device="cpu"), disk2], [other])
+    found, _ = disk2.scan()
+    assert pool2.recover(disk2, found) == 0 and pool2.num_parked_blocks == 3
+    assert pool2.cleanup(60.0, dry_run=True).num_blocks == 0  # used a moment ago
+    assert pool2.cleanup(0.0, model_id=SPEC.model_id, dry_run=True).num_blocks == 3
+    assert pool2.num_parked_blocks == 3
+    assert pool2.free_parked(expired_only=True) == 0  # kept for PARKED_SECONDS
+    # the model served now needs the disk: the unserved blocks make room, none of its own goes
+    engine2 = KVEngineAPI(pool2, [other])
+    toks = tokens(4, start=1000)
+    assert engine2.store(other.model_id, toks, kv(4, spec=other)).num_stored_blocks == 4
+    assert pool2.num_parked_blocks == 0 and len(pool2.blocks) == 4 and len(blocks_on_disk(disk2)) == 2
+    check_pool(pool2)
+    disk2.close()
 
 
 @pytest.mark.parametrize(
@@ -477,7 +515,7 @@ def test_restart_drops_blocks_of_models_no_longer_served(tmp_path, caplog):
         dict(head_dim=16),  # another size
     ],
 )
-def test_restart_under_another_kv_layout_of_the_model_drops_its_blocks(tmp_path, layout):
+def test_restart_under_another_kv_layout_of_the_model_never_adopts_its_blocks(tmp_path, layout):
     import dataclasses
 
     d = tmp_path / "disk"
@@ -489,6 +527,9 @@ def test_restart_under_another_kv_layout_of_the_model_drops_its_blocks(tmp_path,
     found, _ = disk2.scan()
     assert len(found) == 3 and {b.layout for b in found} == {SPEC.layout}
     assert pool2.recover(disk2, found) == 0
+    assert pool2.blocks == {} and pool2.num_parked_blocks == 3  # never read in the wrong shape
+    assert pool2.cleanup(0.0, model_id=SPEC.model_id).num_blocks == 3  # kvctl cleanup --model tiny frees them
+    assert pool2.num_parked_blocks == 0
     assert blocks_on_disk(disk2) == [] and disk2.used_bytes == 0
     disk2.close()
     disk3 = DiskTier(d, 1 << 20)  # the freed blocks stay gone; the same layout again finds none

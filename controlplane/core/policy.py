@@ -390,11 +390,20 @@ def room_without_drops_bytes(tiers: Iterable[Any], policy: Policy) -> int:
     of its blocks: a pass brings a tier over its high watermark down to its low one by
     demoting into the tier below, and only the slowest tier drops. So the CPU tier and
     the tiers below it hold, without a drop, up to the low watermark of each but the
-    slowest and the high watermark of that one. A GPU tier's room is none of it."""
+    slowest and the high watermark of that one. A GPU tier's room is none of it; a GPU tier
+    over its high watermark takes from it what the next pass demotes (down to its low one),
+    which lands in the same CPU tier. (One under its high moves nothing until the engine
+    fills it further: the workload's own growth is no drain's to foresee.)"""
+    tiers = list(tiers)
     landing = sorted((t for t in tiers if Tier(t.tier) >= Tier.CPU and t.capacity_bytes > 0), key=lambda t: t.tier)
     if not landing:
         return 0
     room = 0
+    for t in tiers:
+        if Tier(t.tier) < Tier.CPU and t.capacity_bytes > 0:
+            tp = policy.tier(Tier(t.tier))
+            if t.used_bytes > math.floor(tp.high_watermark * t.capacity_bytes + 1e-9):
+                room -= t.used_bytes - math.floor(tp.low_watermark * t.capacity_bytes + 1e-9)
     for t in landing:
         tp = policy.tier(Tier(t.tier))
         fraction = tp.high_watermark if t is landing[-1] else tp.low_watermark

@@ -166,3 +166,22 @@ def test_a_destination_is_charged_what_a_block_takes_where_it_lands():
     pages.took("a", chain("q"), pages.landed(chain("q"), 0, 1), 1)
     assert pages.room("a") == 1024 - 256
     assert DrainPlan(["a"], [1024]).need("a", c) == 900  # (the default: as stored)
+
+
+def test_a_gpu_tier_over_its_high_watermark_takes_its_excess_out_of_the_room():
+    """Review: a destination's GPU tier over its high watermark is brought down to its low
+    one by the next pass, and what it demotes lands in the CPU tier the drain was promised:
+    that room was counted twice (the drain's blocks and the GPU's pushed out the CPU's own
+    blocks). A GPU tier under its high watermark moves nothing and takes nothing."""
+    from types import SimpleNamespace as T
+
+    from controlplane.core.policy import Policy, room_without_drops_bytes
+
+    policy = Policy.from_mapping({})  # watermarks 0.90 / 0.95
+    cpu = T(tier=Tier.CPU, capacity_bytes=1000, used_bytes=500)
+    over = T(tier=Tier.GPU, capacity_bytes=1000, used_bytes=980)
+    assert room_without_drops_bytes([over, cpu], policy) == 950 - 500 - (980 - 900)
+    under = T(tier=Tier.GPU, capacity_bytes=1000, used_bytes=940)
+    assert room_without_drops_bytes([under, cpu], policy) == 950 - 500
+    full = T(tier=Tier.GPU, capacity_bytes=10_000, used_bytes=10_000)
+    assert room_without_drops_bytes([full, cpu], policy) == 0

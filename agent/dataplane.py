@@ -219,6 +219,7 @@ class DataPlane(HandoffPaths):
         info.transfer_engine_status = self.engine.status
         if self.shared is not None:
             info.shm_path, info.shm_inode, info.shm_host_id = self.shared.path, self.shared.inode, host_id()
+        info.handoff_page_bytes = self.store.page_bytes  # what a drain into this agent charges a block
 
     def stats(self) -> agent_pb2.DataPlaneStats:
         links = self.links.all()
@@ -487,9 +488,16 @@ class DataPlane(HandoffPaths):
             pinned = frozenset(m.block_hash for m in held if self.pool.pin_tier(m))
         chains = drain_chains(held, model_id, pinned)
         total = len({h for c in chains for h in c.block_hashes})
-        # a destination is charged the pages a block takes in its slab, as in this agent's
-        # own (alike where configured alike), not its payload: an int8 block took 18 % more
-        plan = DrainPlan(list(destinations), list(free_bytes), self._models_of(destinations), self.store.footprint)
+        # a destination is charged the pages a block takes in its own slab, not its payload
+        # (an int8 block took 18 % more) nor this agent's pages (another --page-size)
+        serves, page_bytes = self._destinations_of(destinations)
+        own = self.store.footprint
+
+        def footprint(destination: str, num_bytes: int) -> int:
+            page = page_bytes.get(destination)  # (an older agent does not say: charged as here)
+            return max(1, -(-num_bytes // page)) * page if page else own(num_bytes)
+
+        plan = DrainPlan(list(destinations), list(free_bytes), serves, footprint)
         sent_to: dict[str, int] = {}  # destination -> payload bytes sent there (the result)
         done: set[bytes] = set()
         moved_bytes = 0
@@ -537,7 +545,7 @@ class DataPlane(HandoffPaths):
                         done.update(chain.block_hashes[: r.num_blocks])
                         moved_bytes += r.sent_bytes
                         sent_to[destination] = sent_to.get(destination, 0) + r.sent_bytes
-                        landed = plan.landed(chain, r.num_blocks - r.num_sent_blocks, r.num_blocks)
+                        landed = plan.landed(destination, chain, r.num_blocks - r.num_sent_blocks, r.num_blocks)
                         plan.took(destination, chain, landed, r.num_blocks)
                         if r.num_blocks < len(chain.block_hashes):  # its tail was dropped here meanwhile
                             skipped.append(DROPPED_MEANWHILE)
@@ -574,19 +582,22 @@ class DataPlane(HandoffPaths):
                 error=f"{left} of {total} blocks not handed off: {why}" if left else "",
             )
 
-    def _models_of(self, agent_ids) -> dict[str, frozenset[str]]:
-        """The models each agent registered, where its record says (a drain sends a chain
-        only to agents serving its model: one that does not would fail it, and be given
-        up for the chains of the models it does serve)."""
-        out = {}
+    def _destinations_of(self, agent_ids) -> tuple[dict[str, frozenset[str]], dict[str, int]]:
+        """The models each agent registered and the page of its handoff slab, where its
+        record says (a drain sends a chain only to agents serving its model: one that does
+        not would fail it, and be given up for the chains of the models it does serve; and
+        charges each the pages a block takes there)."""
+        models, pages = {}, {}
         for a in agent_ids:
             try:
-                known = self.peer(a).model_ids
+                peer = self.peer(a)
             except errors.KvcpError:
                 continue  # its handoffs say why
-            if known is not None:
-                out[a] = known
-        return out
+            if peer.model_ids is not None:
+                models[a] = peer.model_ids
+            if peer.page_bytes:
+                pages[a] = peer.page_bytes
+        return models, pages
 
     # ---- peers ----------------------------------------------------------------------
     def peer(self, agent_id: str, refresh: bool = False) -> Peer:
@@ -627,6 +638,7 @@ class DataPlane(HandoffPaths):
             info.transfer_buffer_bytes,
             self._cordon_of(agent_id, cached[1] if cached is not None else None),
             frozenset(m.model_id for m in info.models) if info.models else None,
+            info.handoff_page_bytes,
         )
         with self._lock:
             self._peers[agent_id] = (now, p)

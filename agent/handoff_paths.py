@@ -75,6 +75,7 @@ class Peer:
     buffer_bytes: int = 0
     cordoned: str = ""  # why the peer is cordoned (kvctl cordon), "" while it is in rotation
     model_ids: frozenset[str] | None = None  # the models it registered (None: not known)
+    page_bytes: int = 0  # the page of the slab its handoffs land in (0: not said, an older agent)
 
     @property
     def same_host_shm(self) -> bool:

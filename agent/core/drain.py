@@ -63,7 +63,7 @@ def drain_chains(
     return chains
 
 
-def _as_is(num_bytes: int) -> int:
+def _as_is(destination: str, num_bytes: int) -> int:
     return num_bytes
 
 
@@ -72,8 +72,9 @@ class DrainPlan:
     """Where each chain goes, and what each destination has taken so far. `destinations`
     come roomiest first, with the bytes each had free; `serves`: the models each one
     serves, where known (a destination left out is tried with every model); `footprint`:
-    what a block of so many stored bytes takes where it lands (whole pages of a slab: a
-    compressed block's payload may end inside its last page), which is what it is charged.
+    what a block of so many stored bytes takes at a destination (whole pages of its slab,
+    each its own size: a compressed block's payload may end inside its last page), which
+    is what that destination is charged.
 
     A chain's cost at a destination is what that destination was not sent yet: a chain
     that follows its root elsewhere (the root's destination full or failing) carries its
@@ -82,7 +83,7 @@ class DrainPlan:
     destinations: Sequence[str]
     free_bytes: Sequence[int]
     serves: dict[str, frozenset[str]] = field(default_factory=dict)
-    footprint: Callable[[int], int] = _as_is
+    footprint: Callable[[str, int], int] = _as_is  # (destination, stored bytes) -> bytes taken there
     sent_bytes: dict[str, int] = field(default_factory=dict)
     given_up: dict[str, str] = field(default_factory=dict)  # destination -> why
     _failed_in_a_row: dict[str, int] = field(default_factory=dict)
@@ -102,13 +103,15 @@ class DrainPlan:
         it was not sent yet."""
         sent = self._sent.get(destination, set())
         return sum(
-            self.footprint(n) for h, n in zip(chain.block_hashes, chain.stored_bytes, strict=True) if h not in sent
+            self.footprint(destination, n)
+            for h, n in zip(chain.block_hashes, chain.stored_bytes, strict=True)
+            if h not in sent
         )
 
-    def landed(self, chain: DrainChain, num_present: int, num_blocks: int) -> int:
-        """What a handoff of `chain` that found its first `num_present` blocks there and
-        sent those up to `num_blocks` takes at its destination (took's `sent_bytes`)."""
-        return sum(self.footprint(n) for n in chain.stored_bytes[num_present:num_blocks])
+    def landed(self, destination: str, chain: DrainChain, num_present: int, num_blocks: int) -> int:
+        """What a handoff of `chain` to `destination` that found its first `num_present`
+        blocks there and sent those up to `num_blocks` takes there (took's `sent_bytes`)."""
+        return sum(self.footprint(destination, n) for n in chain.stored_bytes[num_present:num_blocks])
 
     def order(self, chain: DrainChain) -> list[str]:
         """The destinations to try for a chain: its root's first (dealt in turn, among

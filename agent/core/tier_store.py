@@ -41,6 +41,7 @@ class SlabStore(TierStore, Protocol):
 
     device: str
     slab: torch.Tensor
+    page_bytes: int  # a block takes whole pages: footprint(n) is ceil(n / page_bytes) of them
 
     def views(self, handle, num_bytes: int) -> list[torch.Tensor]: ...
     def byte_runs(self, handle, num_bytes: int) -> list[tuple[int, int]]: ...

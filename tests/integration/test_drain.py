@@ -421,3 +421,25 @@ def test_a_drain_of_an_agent_whose_stream_is_down_is_refused_and_cordons_nothing
             c.drain("y-src")
         assert {a.agent_id: a.cordon_reason for a in c.list_agents()}["y-src"] == ""
         assert [o for o in c.list_operations() if o.kind == "drain"] == []
+
+
+def test_a_destination_with_larger_pages_is_charged_its_own_pages(controlplane, make_agent):
+    """Review: a destination was charged what a block takes in the SOURCE's slab (pages of
+    1 KiB here). One whose slab has pages of 6 KiB (--page-size, or a model of its own that
+    sets it) holds a block of the demo model (8 KiB) in 2 pages, 12 KiB, 50 % more: the
+    drain sent 14 blocks into the room of 9, and the destination dropped what it was sent.
+    Each agent says its handoff page in its record (AgentInfo.handoff_page_bytes)."""
+    page = 6 * 1024
+    src = make_agent("g-src")
+    dst = make_agent("g-dst", cpu_capacity_bytes=20 * page, page_bytes=page)  # 10 blocks; 9 below 0.95
+    for i in range(16):
+        src.engine.store(M.model_id, tokens(1, start=1_300_000 + 100 * i), kv(1, seed=400 + i))
+    with ControlPlaneClient(controlplane.address) as c:
+        wait_for(lambda: registered(c, "g-src", "g-dst"), what="agents ready")
+        wait_for(lambda: own_blocks_reported(c, "g-dst", 15), 10, what="usage")
+        wait_for(lambda: {a.agent_id: a.num_blocks for a in c.list_agents()}.get("g-src") == 16, what="indexed")
+        op = c.wait_operation(c.drain("g-src").op_id, 60)
+        assert op.state == "SUCCEEDED", op
+        time.sleep(3)  # the policy's passes (an urgent one follows a report over a high watermark)
+        held = sum(u.num_blocks for u in dst.pool.usage())
+        assert (held, op.num_done_blocks) == (9, 9), (held, op)

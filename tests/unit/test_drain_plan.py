@@ -159,11 +159,11 @@ def test_chains_holding_a_pinned_block_go_first():
 def test_a_destination_is_charged_what_a_block_takes_where_it_lands():
     """Review: a compressed block's payload may end inside a page of the destination's
     slab; its room is charged the whole pages (an int8 block took 18 % more than counted)."""
-    pages = DrainPlan(["a", "b"], [1024, 1024], footprint=lambda n: -(-n // 256) * 256)
+    pages = DrainPlan(["a", "b"], [1024, 1024], footprint=lambda d, n: -(-n // 256) * 256)
     c = DrainChain("m", (b"r", b"s", b"t"), (300, 300, 300), 0)
     assert pages.need("a", c) == 3 * 512 and pages.order(c) == []  # 900 B of payload, 1,536 B of pages
-    assert pages.landed(c, 1, 3) == 2 * 512  # the first was there already
-    pages.took("a", chain("q"), pages.landed(chain("q"), 0, 1), 1)
+    assert pages.landed("a", c, 1, 3) == 2 * 512  # the first was there already
+    pages.took("a", chain("q"), pages.landed("a", chain("q"), 0, 1), 1)
     assert pages.room("a") == 1024 - 256
     assert DrainPlan(["a"], [1024]).need("a", c) == 900  # (the default: as stored)
 

@@ -68,7 +68,7 @@ class TierUsage(_message.Message):
     def __init__(self, tier: _Optional[_Union[Tier, str]] = ..., capacity_bytes: _Optional[int] = ..., used_bytes: _Optional[int] = ..., num_blocks: _Optional[int] = ..., uncompressed_bytes: _Optional[int] = ..., stored_bytes: _Optional[int] = ..., num_parked_blocks: _Optional[int] = ..., blocks_used_bytes: _Optional[int] = ...) -> None: ...
 
 class AgentInfo(_message.Message):
-    __slots__ = ("agent_id", "address", "models", "tiers", "metrics_address", "lease_id", "role", "transfer_engine", "transfer_endpoint", "transfer_protocol", "transfer_buffer_address", "transfer_buffer_bytes", "transfer_engine_status", "shm_path", "shm_host_id", "shm_inode")
+    __slots__ = ("agent_id", "address", "models", "tiers", "metrics_address", "lease_id", "role", "transfer_engine", "transfer_endpoint", "transfer_protocol", "transfer_buffer_address", "transfer_buffer_bytes", "transfer_engine_status", "shm_path", "shm_host_id", "shm_inode", "handoff_page_bytes")
     AGENT_ID_FIELD_NUMBER: _ClassVar[int]
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
     MODELS_FIELD_NUMBER: _ClassVar[int]
@@ -85,6 +85,7 @@ class AgentInfo(_message.Message):
     SHM_PATH_FIELD_NUMBER: _ClassVar[int]
     SHM_HOST_ID_FIELD_NUMBER: _ClassVar[int]
     SHM_INODE_FIELD_NUMBER: _ClassVar[int]
+    HANDOFF_PAGE_BYTES_FIELD_NUMBER: _ClassVar[int]
     agent_id: str
     address: str
     models: _containers.RepeatedCompositeFieldContainer[ModelSpec]
@@ -101,4 +102,5 @@ class AgentInfo(_message.Message):
     shm_path: str
     shm_host_id: str
     shm_inode: int
-    def __init__(self, agent_id: _Optional[str] = ..., address: _Optional[str] = ..., models: _Optional[_Iterable[_Union[ModelSpec, _Mapping]]] = ..., tiers: _Optional[_Iterable[_Union[TierUsage, _Mapping]]] = ..., metrics_address: _Optional[str] = ..., lease_id: _Optional[int] = ..., role: _Optional[str] = ..., transfer_engine: _Optional[str] = ..., transfer_endpoint: _Optional[str] = ..., transfer_protocol: _Optional[str] = ..., transfer_buffer_address: _Optional[int] = ..., transfer_buffer_bytes: _Optional[int] = ..., transfer_engine_status: _Optional[str] = ..., shm_path: _Optional[str] = ..., shm_host_id: _Optional[str] = ..., shm_inode: _Optional[int] = ...) -> None: ...
+    handoff_page_bytes: int
+    def __init__(self, agent_id: _Optional[str] = ..., address: _Optional[str] = ..., models: _Optional[_Iterable[_Union[ModelSpec, _Mapping]]] = ..., tiers: _Optional[_Iterable[_Union[TierUsage, _Mapping]]] = ..., metrics_address: _Optional[str] = ..., lease_id: _Optional[int] = ..., role: _Optional[str] = ..., transfer_engine: _Optional[str] = ..., transfer_endpoint: _Optional[str] = ..., transfer_protocol: _Optional[str] = ..., transfer_buffer_address: _Optional[int] = ..., transfer_buffer_bytes: _Optional[int] = ..., transfer_engine_status: _Optional[str] = ..., shm_path: _Optional[str] = ..., shm_host_id: _Optional[str] = ..., shm_inode: _Optional[int] = ..., handoff_page_bytes: _Optional[int] = ...) -> None: ...

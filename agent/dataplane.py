@@ -506,7 +506,15 @@ class DataPlane(HandoffPaths):
 
         def say(state: str, **fields) -> None:
             progress["at"] = time.monotonic()
-            reply(op_id, state, num_done_blocks=len(done), num_total_blocks=total, moved_bytes=moved_bytes, **fields)
+            reply(
+                op_id,
+                state,
+                num_done_blocks=len(done),
+                num_total_blocks=total,
+                moved_bytes=moved_bytes,
+                peer_taken_bytes=[plan.sent_bytes.get(d, 0) for d in destinations],
+                **fields,
+            )
 
         say("RUNNING")
         beat_done = threading.Event()

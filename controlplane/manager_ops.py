@@ -323,13 +323,18 @@ class OperationControl(ManagerState):
                 given_to = zip(o.params.get("to", "").split(","), o.params.get("room", "").split(","), strict=False)
                 ends = o.params.get("reports_at_end", "").split(",")
                 seen = dict(zip(o.params.get("to", "").split(","), ends, strict=False))
+                taken = dict(zip(o.params.get("to", "").split(","), o.params.get("taken", "").split(","), strict=False))
                 for to, given in given_to:
                     if not to or not given.isdigit():
                         continue
                     if o.finished and not self._landing_unreported(to, seen.get(to, ""), now - o.updated_unix_seconds):
                         continue
-                    # an ended drain holds what it sent at most (all of it may have gone to any one)
-                    held = min(int(given), o.moved_bytes) if o.finished else int(given)
+                    # an ended drain holds what its blocks take there, as its agent said (the
+                    # pages: a block's payload may end inside its last one); from an agent that
+                    # did not say, its payload, all of which may have gone to any one of them
+                    there = taken.get(to, "")
+                    sent = int(there) if there.isdigit() else o.moved_bytes
+                    held = min(int(given), sent) if o.finished else int(given)
                     if not held:
                         continue
                     promised[to] = promised.get(to, 0) + held
@@ -584,6 +589,7 @@ class OperationControl(ManagerState):
         freed=None,
         pinned: list[tuple[bytes, int]] | None = None,
         result: str = "",
+        peer_taken_bytes: list[int] | None = None,
     ) -> None:
         if op_id.startswith("policy-") and state in ops.TERMINAL:
             self._policy_inflight.get(agent_id, {}).pop(op_id, None)
@@ -620,6 +626,11 @@ class OperationControl(ManagerState):
                 self.clock(),
                 result,
             )
+            if op.kind == "drain" and peer_taken_bytes and agent_id == op.params.get("agent"):
+                # what each destination's blocks take there (pages), which an ended drain keeps
+                taken = ",".join(str(n) for n in peer_taken_bytes)
+                changed = changed or op.params.get("taken") != taken
+                op.params["taken"] = taken
             if changed and op.kind == "drain" and op.finished and "reports_at_end" not in op.params:
                 # where each destination's usage reports stood: the next drain waits for newer ones
                 op.params["reports_at_end"] = ",".join(

@@ -237,6 +237,7 @@ class ControlPlane:
             {t.tier: (t.num_blocks, t.used_bytes) for t in u.freed},
             _pinned_blocks(u),
             u.result,
+            list(u.peer_taken_bytes),
         )
 
     def _agent_key_exists(self, agent_id: str) -> bool:

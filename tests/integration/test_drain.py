@@ -443,3 +443,32 @@ def test_a_destination_with_larger_pages_is_charged_its_own_pages(controlplane, 
         time.sleep(3)  # the policy's passes (an urgent one follows a report over a high watermark)
         held = sum(u.num_blocks for u in dst.pool.usage())
         assert (held, op.num_done_blocks) == (9, 9), (held, op)
+
+
+def test_a_drain_right_after_another_counts_the_pages_the_first_filled(controlplane, make_agent):
+    """Review: an ended drain kept against its destination's room only the payload it sent
+    (moved_bytes), not the pages those blocks take there, until the destination reported.
+    Ten int8 blocks (4,352 B each) take 50 KiB of 1 KiB pages, not 42.5 KiB: the second
+    drain, started before the destination reported, was given a block's room too many and
+    the destination's policy dropped a block it had been sent. The agent reports what each
+    destination was charged (OpUpdate.peer_taken_bytes), and that is what an ended drain keeps."""
+    from protos.tier import Tier
+
+    s1 = make_agent("u-s1", tier_codecs={Tier.CPU: "int8"})
+    s2 = make_agent("u-s2", tier_codecs={Tier.CPU: "int8"})
+    dst = make_agent("u-dst", cpu_capacity_bytes=10 * M.block_bytes, stats_interval_seconds=2.0)  # 16 int8 blocks
+    for i, s in enumerate((s1, s2)):
+        for j in range(10):
+            s.engine.store(M.model_id, tokens(1, start=1_400_000 + 1000 * i + 100 * j), kv(1, seed=500 + 10 * i + j))
+    with ControlPlaneClient(controlplane.address) as c:
+        wait_for(lambda: registered(c, "u-s1", "u-s2", "u-dst"), what="agents ready")
+        wait_for(lambda: own_blocks_reported(c, "u-dst", 10), 10, what="usage")
+        for a in ("u-s1", "u-s2"):
+            wait_for(lambda a=a: {x.agent_id: x.num_blocks for x in c.list_agents()}.get(a) == 10, what="indexed")
+        first = c.wait_operation(c.drain("u-s1", to_agent_ids=["u-dst"]).op_id, 60)
+        assert first.state == "SUCCEEDED" and first.num_done_blocks == 10, first
+        # its last report still says 76 KiB free below the high watermark: 50 KiB are the first drain's
+        second = c.wait_operation(c.drain("u-s2", to_agent_ids=["u-dst"]).op_id, 60)
+        assert second.state == "SUCCEEDED" and second.num_done_blocks == 5, second  # 26 KiB were left
+        time.sleep(3)  # the policy's passes (an urgent one follows a report over a high watermark)
+    assert sum(u.num_blocks for u in dst.pool.usage()) == 15

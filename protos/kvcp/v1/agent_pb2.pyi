@@ -204,7 +204,7 @@ class Notice(_message.Message):
     def __init__(self, kind: _Optional[str] = ..., message: _Optional[str] = ..., unix_seconds: _Optional[float] = ...) -> None: ...
 
 class OpUpdate(_message.Message):
-    __slots__ = ("op_id", "state", "num_done_blocks", "num_total_blocks", "num_failed_blocks", "moved_bytes", "error", "num_skipped_pinned_blocks", "freed", "pinned_block_hashes", "pinned_tiers", "result")
+    __slots__ = ("op_id", "state", "num_done_blocks", "num_total_blocks", "num_failed_blocks", "moved_bytes", "error", "num_skipped_pinned_blocks", "freed", "pinned_block_hashes", "pinned_tiers", "result", "peer_taken_bytes")
     OP_ID_FIELD_NUMBER: _ClassVar[int]
     STATE_FIELD_NUMBER: _ClassVar[int]
     NUM_DONE_BLOCKS_FIELD_NUMBER: _ClassVar[int]
@@ -217,6 +217,7 @@ class OpUpdate(_message.Message):
     PINNED_BLOCK_HASHES_FIELD_NUMBER: _ClassVar[int]
     PINNED_TIERS_FIELD_NUMBER: _ClassVar[int]
     RESULT_FIELD_NUMBER: _ClassVar[int]
+    PEER_TAKEN_BYTES_FIELD_NUMBER: _ClassVar[int]
     op_id: str
     state: str
     num_done_blocks: int
@@ -229,7 +230,8 @@ class OpUpdate(_message.Message):
     pinned_block_hashes: bytes
     pinned_tiers: _containers.RepeatedScalarFieldContainer[int]
     result: str
-    def __init__(self, op_id: _Optional[str] = ..., state: _Optional[str] = ..., num_done_blocks: _Optional[int] = ..., num_total_blocks: _Optional[int] = ..., num_failed_blocks: _Optional[int] = ..., moved_bytes: _Optional[int] = ..., error: _Optional[str] = ..., num_skipped_pinned_blocks: _Optional[int] = ..., freed: _Optional[_Iterable[_Union[_types_pb2.TierUsage, _Mapping]]] = ..., pinned_block_hashes: _Optional[bytes] = ..., pinned_tiers: _Optional[_Iterable[int]] = ..., result: _Optional[str] = ...) -> None: ...
+    peer_taken_bytes: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, op_id: _Optional[str] = ..., state: _Optional[str] = ..., num_done_blocks: _Optional[int] = ..., num_total_blocks: _Optional[int] = ..., num_failed_blocks: _Optional[int] = ..., moved_bytes: _Optional[int] = ..., error: _Optional[str] = ..., num_skipped_pinned_blocks: _Optional[int] = ..., freed: _Optional[_Iterable[_Union[_types_pb2.TierUsage, _Mapping]]] = ..., pinned_block_hashes: _Optional[bytes] = ..., pinned_tiers: _Optional[_Iterable[int]] = ..., result: _Optional[str] = ..., peer_taken_bytes: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class AgentMessage(_message.Message):
     __slots__ = ("hello", "inventory", "events", "stats", "notice", "op_update")

@@ -89,6 +89,15 @@ class PrefixNotHeld(errors.FailedPrecondition):
     there meanwhile, not as the destination failing)."""
 
 
+def cordoned(agent_id: str, why: str, since: str = "") -> errors.FailedPrecondition:
+    """The refusal of a handoff to a cordoned agent: at its start, or at a retry once the
+    record read again says it was cordoned since (`since`: how far the handoff got)."""
+    return errors.FailedPrecondition(
+        f"destination_agent_id: agent {agent_id} is cordoned ({why}){since}; "
+        f"kvctl uncordon {agent_id} first, or hand off to another agent"
+    )
+
+
 @dataclass
 class DataPlaneConfig:
     deadline_seconds: float = 10.0  # default answer time of a handoff
@@ -739,10 +748,7 @@ class DataPlane(HandoffPaths):
                 raise errors.InvalidArgument("paths", f"unknown path {p!r}; expected {', '.join(PATHS)}")
         peer = self._peer_by(destination_agent_id, deadline)
         if peer.cordoned:  # as the control plane's Transfer and Route: no new work for it
-            raise errors.FailedPrecondition(
-                f"destination_agent_id: agent {destination_agent_id} is cordoned ({peer.cordoned}); "
-                f"kvctl uncordon {destination_agent_id} first, or hand off to another agent"
-            )
+            raise cordoned(destination_agent_id, peer.cordoned)
         metas = self.pool.acquire_chain(block_hashes)
         if not metas:
             raise PrefixNotHeld(
@@ -813,6 +819,7 @@ class DataPlane(HandoffPaths):
                     _note(reasons, f"{path}: {exc}")
                     if exc.busy:  # the destination is behind: queue (wait), do not burn an attempt
                         self._sleep(policy.busy_backoff_seconds * (0.5 + self._rng.random()), deadline)
+                        peer = self._still_in_rotation(self._recent(peer, deadline), attempts, reasons)
                         continue
                     link.record(False, 0, time.monotonic() - t0, path)
                     if exc.permanent:
@@ -820,7 +827,7 @@ class DataPlane(HandoffPaths):
                     if exc.path_off:
                         break
                     tries += 1
-                    peer = self._refresh(peer, deadline)
+                    peer = self._still_in_rotation(self._refresh(peer, deadline), attempts, reasons)
                     self._sleep(policy.backoff(tries - 1, self._rng), deadline)
                     continue
                 seconds = time.monotonic() - t0
@@ -840,6 +847,30 @@ class DataPlane(HandoffPaths):
         if time.monotonic() >= deadline:
             reasons.append("deadline passed")
         return HandoffResult(RECOMPUTE, attempts=attempts, reason="; ".join(reasons + skipped) or "no path to try")
+
+    @staticmethod
+    def _still_in_rotation(peer: Peer, attempts: int, reasons: list[str]) -> Peer:
+        """A peer cordoned since the handoff began gets no more tries (nor the next path):
+        the answer is the refusal a handoff begun after the cordon gets, so an engine
+        recomputes and a drain goes on to its next destination, not into one taken out of
+        rotation. Nothing of the failed tries landed there (each aborted its reservation)."""
+        if peer.cordoned:
+            since = f" since this handoff began, {attempts} attempt(s) ago ({'; '.join(reasons)})"
+            raise cordoned(peer.agent_id, peer.cordoned, since)
+        return peer
+
+    def _recent(self, peer: Peer, deadline: float) -> Peer:
+        """The peer's record while a busy peer is polled: the cached one while fresh, else
+        read again (as `_refresh` without a new channel); etcd not naming it keeps this one
+        (a poll of a peer that went away fails on its own)."""
+        with self._lock:
+            cached = self._peers.get(peer.agent_id)
+        if cached is not None and time.monotonic() - cached[0] < PEER_CACHE_SECONDS:
+            return cached[1]
+        try:
+            return self._refresh(peer, deadline, retry=False)
+        except errors.KvcpError:
+            return peer
 
     def _peer_by(self, agent_id: str, deadline: float) -> Peer:
         """The peer for a handoff: from the cache while fresh; a stale record is read again

@@ -531,3 +531,33 @@ def test_reserve_push_abort_and_handoff_refuse_fields_out_of_range(pair):
             pair.send.handoff(SMALL.model_id, hashes, "dec", deadline, paths=("grpc",))
     assert pair.recv.reservations.open_count() == 0
     assert pair.send.handoff(SMALL.model_id, hashes, "dec", 3600.0, paths=("grpc",)).outcome == TRANSFERRED
+
+
+@pytest.mark.parametrize("busy", [False, True], ids=["failed", "busy"])
+def test_a_destination_cordoned_while_a_handoff_retries_gets_no_more_tries(pair, monkeypatch, busy):
+    """Review: the cordon was checked once, when the handoff began; a destination cordoned
+    after its first try failed (or while it was polled as busy) kept getting the retries and
+    the fallback path, and took the prefix. The record read again before each retry says so,
+    and the handoff stops with the same FAILED_PRECONDITION a handoff begun after the cordon
+    gets (a drain gives that destination up and goes on to the next)."""
+    import agent.dataplane as dataplane_module
+    from agent.handoff_paths import PathError
+
+    monkeypatch.setattr(dataplane_module, "PEER_CACHE_SECONDS", 0.0)  # a busy poll reads the record too
+    hashes = store(pair.send.pool, 3, seed=7)
+    cordons: dict[str, str] = {}
+    pair.send._cordons = lambda: dict(cordons)
+    real, calls = pair.send._attempt, []
+
+    def first_try_fails(path, *args):
+        calls.append(path)
+        if len(calls) == 1:
+            cordons["dec"] = "kernel upgrade"  # kvctl cordon dec, meanwhile
+            raise PathError("reserve: destination busy (test)" if busy else "reserve: unreachable (test)", busy=busy)
+        return real(path, *args)
+
+    monkeypatch.setattr(pair.send, "_attempt", first_try_fails)
+    with pytest.raises(errors.FailedPrecondition, match="agent dec is cordoned .kernel upgrade."):
+        pair.send.handoff(SMALL.model_id, hashes, "dec", 5.0, paths=("grpc",))
+    assert calls == ["grpc"], calls
+    assert pair.recv.pool.read_chain(hashes)[0] == []  # nothing of it landed there

@@ -290,6 +290,21 @@ class AgentCollector:
             ),
             (
                 c,
+                "kvcp_disk_compactions_total",
+                "Compactions of the disk tier's free space that relocated blocks (a block of mixed sizes found no "
+                "free run long enough although the tier's bytes had room).",
+                a,
+            ),
+            (c, "kvcp_disk_relocated_bytes_total", "Bytes of disk blocks compaction relocated within the slab.", a),
+            (
+                g,
+                "kvcp_disk_largest_free_run_bytes",
+                "The longest free run of the disk tier's slab: the biggest block it can place without compaction.",
+                a,
+            ),
+            (g, "kvcp_disk_free_bytes", "Free bytes of the disk tier's slab, in runs of any length.", a),
+            (
+                c,
                 "kvcp_gpu_codec_blocks_total",
                 "Blocks a move encoded or decoded on the GPU in batches (path batch), and those whose batch"
                 " failed (out of GPU memory, say) and went one by one on the host (path one_by_one).",
@@ -387,6 +402,12 @@ class AgentCollector:
         f["kvcp_store_refused_blocks_total"].add_metric([aid], int(getattr(pool, "store_refused_blocks_total", 0)))
         disk_errors = sum(getattr(t, "write_errors_total", 0) for t in getattr(pool, "tiers", ()))
         f["kvcp_disk_write_errors_total"].add_metric([aid], int(disk_errors))
+        disks = [t for t in getattr(pool, "tiers", ()) if hasattr(t, "fragmentation")]
+        f["kvcp_disk_compactions_total"].add_metric([aid], sum(int(t.compactions_total) for t in disks))
+        f["kvcp_disk_relocated_bytes_total"].add_metric([aid], sum(int(t.relocated_bytes_total) for t in disks))
+        runs = [t.fragmentation() for t in disks]
+        f["kvcp_disk_largest_free_run_bytes"].add_metric([aid], max((r[0] for r in runs), default=0))
+        f["kvcp_disk_free_bytes"].add_metric([aid], sum(r[1] for r in runs))
         gpu_codec = dict.fromkeys(GPU_CODEC_SERIES, 0) | dict(getattr(pool, "gpu_codec_blocks_total", None) or {})
         for (op, path), n in sorted(gpu_codec.items()):
             f["kvcp_gpu_codec_blocks_total"].add_metric([aid, op, path], n)

@@ -47,6 +47,7 @@ from protos.tier import Tier
 
 log = logging.getLogger(__name__)
 PIN_SAVE_SPACING_SECONDS = 0.2  # pin-table saves are at most this often (a burst of commands is one)
+COMPACT_IDLE_SECONDS = 1.0  # the disk tier's fragmentation is looked at this often while no compaction runs
 
 DEMO_MODEL = ModelSpec("demo-model", block_size=16, num_layers=2, num_kv_heads=2, head_dim=32, dtype="float16")
 MAX_MESSAGE_BYTES = ENGINE_MESSAGE_BYTES
@@ -270,6 +271,17 @@ class Agent:
         while self.pool.num_parked_blocks and not stop.wait(10.0):
             self.pool.free_parked(expired_only=True)
 
+    def _compact_disk(self, stop: threading.Event) -> None:
+        """Compact the disk tier's free space in bounded steps while its longest free run
+        is shorter than its biggest block (agent.core.compaction): a step right after one
+        that moved blocks, else a look every COMPACT_IDLE_SECONDS."""
+        while not stop.wait(COMPACT_IDLE_SECONDS):
+            try:
+                while self.pool.compact_disk() and not stop.wait(0.01):
+                    pass
+            except Exception:  # noqa: BLE001 - a failed step leaves every block where it was; tried again later
+                log.exception("disk tier compaction failed")
+
     def _pin_saver(self, stop: threading.Event) -> None:
         """Save the pin table after pin commands, at most every PIN_SAVE_SPACING_SECONDS: a
         burst of commands (a thousand pins re-sent after a restart) is one write, where a
@@ -394,6 +406,8 @@ class Agent:
             self._spawn("pin-saver", self._pin_saver)
         if self.pool.num_parked_blocks:
             self._spawn("parked-expiry", self._expire_parked)
+        if Tier.DISK in self.pool.store_of:
+            self._spawn("disk-compaction", self._compact_disk)
         self._spawn("dataplane", self.dataplane.run_forever)
         log.info("agent %s serving on %s", self.agent_id, self.address)
         return self

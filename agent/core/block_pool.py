@@ -48,6 +48,7 @@ from agent.core.blocks import (
     payload_checksum,
     stored_as,
 )
+from agent.core.compaction import COMPACT_TRIES_PER_ALLOCATION, DiskCompaction
 from agent.core.journal import REMOVED, STORED, EventBatch, EventJournal
 from agent.core.model_spec import ModelSpec
 from agent.core.pins import PinTable
@@ -64,7 +65,7 @@ UNSERVED_PARENT = b"unserved"
 OTHER_WRITER_WAIT_SECONDS = 2.0  # a store waits this long at most for a block another store is writing
 
 
-class BlockPool(BlockMoves):
+class BlockPool(BlockMoves, DiskCompaction):
     def __init__(
         self,
         tiers: Sequence[TierStore],
@@ -1008,8 +1009,14 @@ class BlockPool(BlockMoves):
         if store.footprint(num_bytes) > store.capacity_bytes:
             raise PoolFull(f"a {num_bytes} B block does not fit the {store.tier.label} tier at all")
         handle = store.allocate(num_bytes, block_hash)
+        compactions = 0
         while handle is None:
-            self._make_room(store)
+            # room by bytes but no free run long enough (a fragmented disk tier): blocks
+            # move aside before any is pushed out for it
+            if compactions < COMPACT_TRIES_PER_ALLOCATION and self._compact_for(store, num_bytes):
+                compactions += 1
+            else:
+                self._make_room(store)
             handle = store.allocate(num_bytes, block_hash)
         return handle
 

@@ -57,6 +57,24 @@ class FileStore(TierStore, Protocol):
     def read_into(self, handle, segments: list) -> None: ...
 
 
+class CompactingStore(FileStore, Protocol):
+    """A file tier whose free space can be compacted (agent.store.disk_tier): it plans
+    which blocks leave a window of its file, copies each block to its new extent, and the
+    pool switches the block and frees its old extent (agent.core.compaction)."""
+
+    largest_footprint_bytes: int
+
+    def fragmented(self, footprint_bytes: int) -> bool: ...
+    def plan_compaction(self, footprint_bytes: int, movable, max_move_bytes: int): ...
+    def copy_extent(self, old, new) -> None: ...
+    def sync(self) -> None: ...
+    def finish_compaction(self, plan, relocated: list) -> None: ...
+
+
+def is_compacting(store: TierStore | None) -> TypeIs[CompactingStore]:
+    return hasattr(store, "plan_compaction")
+
+
 def is_slab(store: TierStore | None) -> TypeIs[SlabStore]:
     return hasattr(store, "views")
 

@@ -35,6 +35,18 @@ punched out of the file (fallocate PUNCH_HOLE) before it can be allocated again,
 cleanup frees the file system's space, not only the tier's (while the tier is at most
 3/4 full: one kept near its capacity reuses what it frees at once). It is locked (flock) so that
 two agents cannot share a directory.
+
+Blocks of mixed sizes (raw and compressed, several models) freed out of order split the
+free space into runs too short for a block while the tier's bytes have room: compaction
+(driven by agent.core.compaction) empties one window of the slab big enough for it.
+`plan_compaction` chooses the window that moves the fewest bytes (only blocks the pool
+says may move: held, not being read or moved), holds its free runs out of the allocator
+and takes the blocks' new extents, first fit; `copy_extent` copies each block whole,
+header rewritten under a new write sequence, and reads it back verified; the pool makes
+the copies durable (`sync`), points each block at its new extent and frees the old one
+like any other, through the dead log. A crash before a dead record is on disk leaves two
+copies, and the later write (the relocated one) wins; after it, the old copy is dead: a
+restart finds each block once and never a freed copy.
 """
 
 from __future__ import annotations
@@ -45,6 +57,7 @@ import ctypes
 import ctypes.util
 import errno
 import fcntl
+import heapq
 import itertools
 import logging
 import math
@@ -52,6 +65,7 @@ import os
 import struct
 import threading
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from concurrent.futures import wait as wait_all
 from dataclasses import dataclass
@@ -104,6 +118,7 @@ PUNCH_BELOW = 0.75
 PUNCH_SWEEP_REARM = 0.85  # the sweep of every free run comes again once the tier was this full
 REFIT_SECONDS = 5.0  # a tier cut to its file system's room looks at the room again this often
 FS_MARGIN_BYTES = 1 << 20  # of the file system's free space, left to the dead log and headers' growth
+COMPACT_CANDIDATES = 32  # windows a compaction weighs: from the longest free runs, and runs just before them
 
 
 def _load_fallocate():
@@ -142,6 +157,40 @@ class DiskHandle:
     footprint_bytes: int
     seq: int = 0
     checksum: int = 0  # xxh3-64 of the payload written
+
+
+@dataclass
+class Relocation:
+    """One block a compaction moves: the hash its extent was taken for, where the extent
+    is (`old_offset`), and the extent it gets (written by copy_extent)."""
+
+    block_hash: bytes
+    old_offset: int
+    new: DiskHandle
+
+
+@dataclass
+class CompactionPlan:
+    """A window [start, end) of the slab (bytes) to empty, its free runs held out of the
+    allocator (granules: start, length) and the blocks to move out of it."""
+
+    start: int
+    end: int
+    claimed: list[tuple[int, int]]
+    moves: list[Relocation]
+
+
+@dataclass(frozen=True)
+class _HeaderFields:
+    """What encode_header reads of a block, for a copy whose header is rewritten."""
+
+    block_hash: bytes
+    parent_hash: bytes
+    codec: str
+    num_bytes: int
+    model_id: str
+    namespace: str
+    last_access_unix_seconds: float
 
 
 @dataclass(frozen=True)
@@ -337,6 +386,14 @@ class ExtentAllocator:
     def runs(self) -> list[tuple[int, int]]:
         return [(s, self._lengths[s]) for s in self._starts]
 
+    def largest_run(self) -> int:
+        """Granules of the longest free run (0 when none is free)."""
+        return max(self._lengths.values(), default=0)
+
+    def run_at(self, start: int) -> int:
+        """Length of the free run that starts at granule `start`; 0 if none starts there."""
+        return self._lengths.get(start, 0)
+
     def run_around(self, granule: int) -> tuple[int, int]:
         """(start, length) of the free run holding `granule`; (granule, 0) if it is used."""
         i = bisect.bisect_right(self._starts, granule) - 1
@@ -362,6 +419,13 @@ def _whole_pages(spans: list[tuple[int, int]]) -> list[tuple[int, int]]:
         else:
             merged.append((lo, hi))
     return merged
+
+
+def _starts_before(runs: list[tuple[int, int]], run_start: int, n: int) -> list[int]:
+    """Starts of the free runs (sorted `runs`) before `run_start` that a window of n
+    granules reaching it could begin at (at most COMPACT_CANDIDATES)."""
+    i = bisect.bisect_left(runs, (run_start, 0))
+    return [s for s, _ in runs[max(0, i - COMPACT_CANDIDATES) : i] if s + n > run_start]
 
 
 class DiskTier:
@@ -418,6 +482,13 @@ class DiskTier:
         # before it): the slab has those granules spare, so N big blocks fit in N footprints
         self.slab_bytes = (self.num_granules + _ALIGN_GRANULES - 1) * GRANULE_BYTES
         self._extents = ExtentAllocator(self.slab_bytes // GRANULE_BYTES)
+        # every extent not back in the allocator (written or not, freed but not drained yet):
+        # first granule -> (granules, the block hash it was taken for); compaction walks it
+        self._extent_at: dict[int, tuple[int, bytes]] = {}
+        self.largest_footprint_bytes = 0  # the biggest extent the tier was asked for
+        self.compactions_total = 0  # compaction steps that relocated at least one block
+        self.relocated_blocks_total = 0
+        self.relocated_bytes_total = 0  # footprints of the extents relocated
         self._used = 0
         self._seq = itertools.count(1)
         self._checked_at = -1.0
@@ -497,15 +568,20 @@ class DiskTier:
     def allocate(self, num_bytes: int, block_hash: bytes = b""):
         size = self.footprint(num_bytes)
         n = size // GRANULE_BYTES
-        # a big block's header slot ends where a 4 KiB page of the file begins
-        phase = _ALIGN_GRANULES - HEADER_SLOT_BYTES // GRANULE_BYTES if size >= ALIGNED_FROM_BYTES else None
-        start = self._take_extent(n, phase)
+        phase = self._phase(size)
+        start = self._take_extent(n, phase, block_hash)
         if start is None:  # freed space may still be on its way to the allocator: bring it now
             self.drain()
-            start = self._take_extent(n, phase)
+            start = self._take_extent(n, phase, block_hash)
         if start is None:
             return None
         return DiskHandle(start * GRANULE_BYTES, n * GRANULE_BYTES)
+
+    @staticmethod
+    def _phase(footprint_bytes: int) -> int | None:
+        """Where a big block's extent must start within a 4 KiB page (its header slot ends
+        where a page of the file begins); None for small ones."""
+        return _ALIGN_GRANULES - HEADER_SLOT_BYTES // GRANULE_BYTES if footprint_bytes >= ALIGNED_FROM_BYTES else None
 
     def _out_of_space(self) -> None:
         """A write found the file system full. Freed space kept in the slab for reuse
@@ -527,12 +603,14 @@ class DiskTier:
                 self._capacity_bytes = min(fitted, max(GRANULE_BYTES, -(-self._used // GRANULE_BYTES) * GRANULE_BYTES))
                 self._fitted_monotonic = time.monotonic()
 
-    def _take_extent(self, n: int, phase: int | None) -> int | None:
+    def _take_extent(self, n: int, phase: int | None, block_hash: bytes = b"") -> int | None:
         with self._lock:
+            self.largest_footprint_bytes = max(self.largest_footprint_bytes, n * GRANULE_BYTES)
             if self._used + n * GRANULE_BYTES > self._capacity_bytes:
                 return None
             start = self._extents.allocate(n, phase)
             if start is not None:
+                self._extent_at[start] = (n, block_hash)
                 self._used += n * GRANULE_BYTES
                 if self._used > PUNCH_SWEEP_REARM * self._capacity_bytes:
                     self._swept = False  # seen here too: it may fall back before the next drain
@@ -580,6 +658,7 @@ class DiskTier:
                         self._clear(offset)
             with self._lock:
                 for offset, footprint, _ in batch:
+                    self._extent_at.pop(offset // GRANULE_BYTES, None)
                     self._extents.free(offset // GRANULE_BYTES, footprint // GRANULE_BYTES)
                 spans = self._spans_to_punch(batch)
             self._punch(spans)
@@ -641,6 +720,168 @@ class DiskTier:
                         exc.strerror or exc,
                     )
                     return
+
+    # ---- compaction -----------------------------------------------------------------------
+    def fragmentation(self) -> tuple[int, int]:
+        """(bytes of the longest free run, free bytes) of the slab: a tier whose longest run
+        is short of its biggest block while its free bytes are not is fragmented. Freed
+        extents still on their way to the allocator count in neither."""
+        with self._lock:
+            return self._extents.largest_run() * GRANULE_BYTES, self._extents.free_granules * GRANULE_BYTES
+
+    def fragmented(self, footprint_bytes: int) -> bool:
+        """Whether an extent of `footprint_bytes` finds no free run while the tier's bytes
+        have room for it (what compaction can mend)."""
+        largest, free = self.fragmentation()
+        return largest < footprint_bytes <= free and self._used + footprint_bytes <= self._capacity_bytes
+
+    def plan_compaction(
+        self, footprint_bytes: int, movable: Callable[[bytes, int], bool], max_move_bytes: int
+    ) -> CompactionPlan | None:
+        """Choose a window of the slab that would hold an extent of `footprint_bytes` once
+        the blocks inside it were moved out, moving at most `max_move_bytes`, and take
+        their new extents (first fit: the lowest free runs outside the window). The
+        window's free runs are held out of the allocator until finish_compaction, so that
+        nothing else is placed there meanwhile. `movable(block_hash, offset)` says whether
+        the block the extent at `offset` was taken for may move now (the block pool's
+        view: held there, not read, not moving). None when no window qualifies."""
+        n = footprint_bytes // GRANULE_BYTES
+        phase = self._phase(footprint_bytes)
+        self.drain()  # freed extents join their runs first
+        with self._lock:
+            if self._extents.free_granules < n:
+                return None
+            runs = self._extents.runs()
+            best: tuple[int, int, int, list[tuple[int, int, bytes]]] | None = None  # cost, start, end, extents
+            for run_start, _ in heapq.nlargest(COMPACT_CANDIDATES, runs, key=lambda r: r[1]):
+                for first in (run_start, *_starts_before(runs, run_start, n)):
+                    window = self._window(first, n, phase, movable, max_move_bytes)
+                    if window is not None and (best is None or window[0] < best[0]):
+                        best = (window[0], first, window[1], window[2])
+            if best is None:
+                return None
+            _, first, end, inside = best
+            claimed: list[tuple[int, int]] = []
+            at = first
+            while at < end:  # the window's free runs: held out of the allocator
+                length = self._extents.run_at(at)
+                if length:
+                    take = min(length, end - at)
+                    self._extents.claim(at, take)
+                    claimed.append((at, take))
+                    at += take
+                else:
+                    at += self._extent_at[at][0]
+            moves: list[Relocation] = []
+            for start, length, tag in inside:
+                new = self._extents.allocate(length, self._phase(length * GRANULE_BYTES))
+                if new is None:  # the blocks do not fit elsewhere: nothing is taken
+                    for m in moves:
+                        self._extents.free(m.new.offset // GRANULE_BYTES, m.new.footprint_bytes // GRANULE_BYTES)
+                        del self._extent_at[m.new.offset // GRANULE_BYTES]
+                    for at, take in claimed:
+                        self._extents.free(at, take)
+                    return None
+                self._extent_at[new] = (length, tag)
+                moves.append(
+                    Relocation(
+                        tag,
+                        start * GRANULE_BYTES,
+                        DiskHandle(new * GRANULE_BYTES, length * GRANULE_BYTES),
+                    )
+                )
+            self._used += sum(m.new.footprint_bytes for m in moves)  # until the old extents are freed
+            return CompactionPlan(first * GRANULE_BYTES, end * GRANULE_BYTES, claimed, moves)
+
+    def _window(
+        self, first: int, n: int, phase: int | None, movable: Callable[[bytes, int], bool], max_move_bytes: int
+    ) -> tuple[int, int, list[tuple[int, int, bytes]]] | None:
+        """(bytes to move, end granule, extents to move) of the window from granule `first`
+        (a free run's or an extent's start) that holds n granules at `phase`; None when it
+        runs past the slab's end, into an extent that may not move, or past max_move_bytes
+        (lock held)."""
+        s = first if phase is None else first + (phase - first) % _ALIGN_GRANULES
+        if s + n > self._extents.num_granules:
+            return None
+        at, cost = first, 0
+        inside: list[tuple[int, int, bytes]] = []
+        while at < s + n:
+            length = self._extents.run_at(at)
+            if length:
+                at += length
+                continue
+            extent = self._extent_at.get(at)
+            if extent is None or not movable(extent[1], at * GRANULE_BYTES):
+                return None
+            cost += extent[0] * GRANULE_BYTES
+            if cost > max_move_bytes:
+                return None
+            inside.append((at, extent[0], extent[1]))
+            at += extent[0]
+        if not inside:  # a free run holds it already (the caller found none: raced)
+            return None
+        last_end = inside[-1][0] + inside[-1][1]  # an extent reaching past the window moves whole
+        return cost, max(s + n, last_end), inside
+
+    def sync(self) -> None:
+        """Make what was written durable (fdatasync): relocated copies before the dead
+        records of the extents they leave, which must never reach the disk first."""
+        os.fdatasync(self.fd)
+
+    def copy_extent(self, old: DiskHandle, new: DiskHandle) -> None:
+        """Copy a block from its extent `old` into `new` (taken by plan_compaction) as a
+        later write: its header again under a new write sequence (so that, of the two
+        copies a crash may leave, a restart keeps this one), the payload as it is; then
+        read it back verified. `new` learns its sequence and checksum. The caller calls
+        sync() before it frees `old`. Raises CorruptBlock (the old copy is unreadable) or
+        OSError (the write failed; `new` stays unwritten)."""
+        head = decode_header(os.pread(self.fd, HEADER_SLOT_BYTES, old.offset))
+        payload = np.empty(head.payload_bytes, dtype=np.uint8)
+        self._read(old, [payload], head.block_hash)  # its seq and checksum are the handle's
+        seq = next(self._seq)
+        meta = _HeaderFields(
+            head.block_hash,
+            head.parent_hash,
+            head.codec,
+            head.num_bytes,
+            head.model_id,
+            head.namespace,
+            head.last_access_unix_seconds,
+        )
+        raw = encode_header(seq, meta, head.payload_bytes, head.checksum, head.layout).ljust(HEADER_SLOT_BYTES, b"\0")
+        used = HEADER_SLOT_BYTES + head.payload_bytes
+        if used > new.footprint_bytes:
+            raise OSError(
+                errno.EINVAL, f"a {head.payload_bytes} B block does not fit its {new.footprint_bytes} B extent"
+            )
+        bufs = [memoryview(raw), payload.data.cast("B")]
+        if new.footprint_bytes > used:
+            bufs.append(_ZEROS[: new.footprint_bytes - used])
+        try:
+            self._check_file()
+            _pwritev_all(self.fd, bufs, new.offset)
+        except OSError as exc:
+            self.write_errors_total += 1
+            if exc.errno in (errno.ENOSPC, errno.EDQUOT):
+                self._out_of_space()
+            raise
+        check = DiskHandle(new.offset, new.footprint_bytes, seq, head.checksum)
+        self._read(check, [payload], head.block_hash)
+        new.seq, new.checksum = seq, head.checksum
+
+    def finish_compaction(self, plan: CompactionPlan, relocated: list[Relocation]) -> None:
+        """Give the window's held runs back and bring the extents freed since into the
+        allocator (their dead records first), so the window is one free run again when
+        every block inside it moved. `relocated`: the moves the caller switched (their
+        old extents freed, the others' new ones)."""
+        with self._lock:
+            for at, take in plan.claimed:
+                self._extents.free(at, take)
+            if relocated:
+                self.compactions_total += 1
+                self.relocated_blocks_total += len(relocated)
+                self.relocated_bytes_total += sum(m.new.footprint_bytes for m in relocated)
+        self.drain()
 
     def allocated_bytes(self) -> int:
         """Bytes of the file system the slab takes now (its sparse size)."""
@@ -1051,6 +1292,8 @@ class DiskTier:
                 corrupt += 1
                 continue
             self._used += handle.footprint_bytes
+            self._extent_at[offset // GRANULE_BYTES] = (n, header.block_hash)
+            self.largest_footprint_bytes = max(self.largest_footprint_bytes, handle.footprint_bytes)
             seq_max = max(seq_max, header.seq)
             block = RecoveredBlock(
                 header.model_id,
@@ -1069,6 +1312,7 @@ class DiskTier:
                 stale = older if older.handle.seq < header.seq else block
                 found[header.block_hash] = block if stale is older else older
                 self._clear(stale.handle.offset)
+                self._extent_at.pop(stale.handle.offset // GRANULE_BYTES, None)
                 self._extents.free(stale.handle.offset // GRANULE_BYTES, stale.handle.footprint_bytes // GRANULE_BYTES)
                 self._used -= stale.handle.footprint_bytes
             else:

@@ -1013,9 +1013,10 @@ class BlockPool(BlockMoves, DiskCompaction):
         while handle is None:
             # room by bytes but no free run long enough (a fragmented disk tier): blocks
             # move aside before any is pushed out for it
-            if compactions < COMPACT_TRIES_PER_ALLOCATION and self._compact_for(store, num_bytes):
-                compactions += 1
-            else:
+            # (a failed try counts too: each plans over all the slab's free runs, under the
+            # lock, and one that found no window would be tried again after every eviction)
+            compactions += 1
+            if compactions > COMPACT_TRIES_PER_ALLOCATION or not self._compact_for(store, num_bytes):
                 self._make_room(store)
             handle = store.allocate(num_bytes, block_hash)
         return handle

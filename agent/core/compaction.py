@@ -34,6 +34,9 @@ COMPACT_FACTOR = 4  # ... this many times the extent it needs, if more
 COMPACT_TRIES_PER_ALLOCATION = 4
 COMPACT_STEP_BYTES = 8 << 20  # a background step moves at most this much
 READER_WAIT_SECONDS = 0.5  # a background switch waits this long for a block's readers
+# a background step that found no window to empty waits before it plans again, twice as
+# long after each such step, up to this (a plan walks every free run under the lock)
+COMPACT_BACKOFF_MAX_SECONDS = 64.0
 
 
 class DiskCompaction:
@@ -43,6 +46,8 @@ class DiskCompaction:
     lock: threading.RLock
     blocks: dict[bytes, BlockMeta]
     tiers: list[TierStore]
+    _compact_backoff: float = 0.0  # seconds the background step waits after a plan found nothing
+    _compact_retry_at: float = 0.0  # monotonic: no background plan before it
 
     if TYPE_CHECKING:  # the pool's own methods compaction calls (BlockPool defines them)
 
@@ -105,12 +110,15 @@ class DiskCompaction:
         if store is None:
             return 0
         need = store.largest_footprint_bytes
-        if not need or not store.fragmented(need):
+        if not need or time.monotonic() < self._compact_retry_at or not store.fragmented(need):
             return 0
         with self.lock:
             plan = store.plan_compaction(need, self._movable_in(store), max_move_bytes)
-            if plan is None:
+            if plan is None:  # no window qualifies (its blocks read, parked, too big to move): not again at once
+                self._compact_backoff = min(max(2 * self._compact_backoff, 1.0), COMPACT_BACKOFF_MAX_SECONDS)
+                self._compact_retry_at = time.monotonic() + self._compact_backoff
                 return 0
+            self._compact_backoff = self._compact_retry_at = 0.0
             metas = [self.blocks[move.block_hash] for move in plan.moves]
             for meta in metas:
                 meta.moving = True  # neither dropped, evicted nor moved meanwhile; readers still read it

@@ -61,6 +61,7 @@ import heapq
 import itertools
 import logging
 import math
+import operator
 import os
 import struct
 import threading
@@ -386,6 +387,17 @@ class ExtentAllocator:
     def runs(self) -> list[tuple[int, int]]:
         return [(s, self._lengths[s]) for s in self._starts]
 
+    def longest_runs(self, k: int) -> list[int]:
+        """Starts of the k longest free runs (one pass over the runs, at C speed: a
+        fragmented slab has hundreds of thousands of them)."""
+        return [s for s, _ in heapq.nlargest(k, self._lengths.items(), key=operator.itemgetter(1))]
+
+    def starts_before(self, run_start: int, n: int, k: int) -> list[int]:
+        """Starts of the (at most k) free runs just before the one at `run_start` that a
+        window of n granules reaching it could begin at."""
+        i = bisect.bisect_left(self._starts, run_start)
+        return [s for s in self._starts[max(0, i - k) : i] if s + n > run_start]
+
     def largest_run(self) -> int:
         """Granules of the longest free run (0 when none is free)."""
         return max(self._lengths.values(), default=0)
@@ -419,13 +431,6 @@ def _whole_pages(spans: list[tuple[int, int]]) -> list[tuple[int, int]]:
         else:
             merged.append((lo, hi))
     return merged
-
-
-def _starts_before(runs: list[tuple[int, int]], run_start: int, n: int) -> list[int]:
-    """Starts of the free runs (sorted `runs`) before `run_start` that a window of n
-    granules reaching it could begin at (at most COMPACT_CANDIDATES)."""
-    i = bisect.bisect_left(runs, (run_start, 0))
-    return [s for s, _ in runs[max(0, i - COMPACT_CANDIDATES) : i] if s + n > run_start]
 
 
 class DiskTier:
@@ -732,8 +737,10 @@ class DiskTier:
     def fragmented(self, footprint_bytes: int) -> bool:
         """Whether an extent of `footprint_bytes` finds no free run while the tier's bytes
         have room for it (what compaction can mend)."""
+        if self._used + footprint_bytes > self._capacity_bytes:  # full by bytes: no walk of the runs
+            return False
         largest, free = self.fragmentation()
-        return largest < footprint_bytes <= free and self._used + footprint_bytes <= self._capacity_bytes
+        return largest < footprint_bytes <= free
 
     def plan_compaction(
         self, footprint_bytes: int, movable: Callable[[bytes, int], bool], max_move_bytes: int
@@ -751,10 +758,11 @@ class DiskTier:
         with self._lock:
             if self._extents.free_granules < n:
                 return None
-            runs = self._extents.runs()
+            # the pool's lock is held here: no list of every free run is built (a slab of
+            # a million extents took 0.2 s a plan for it)
             best: tuple[int, int, int, list[tuple[int, int, bytes]]] | None = None  # cost, start, end, extents
-            for run_start, _ in heapq.nlargest(COMPACT_CANDIDATES, runs, key=lambda r: r[1]):
-                for first in (run_start, *_starts_before(runs, run_start, n)):
+            for run_start in self._extents.longest_runs(COMPACT_CANDIDATES):
+                for first in (run_start, *self._extents.starts_before(run_start, n, COMPACT_CANDIDATES)):
                     window = self._window(first, n, phase, movable, max_move_bytes)
                     if window is not None and (best is None or window[0] < best[0]):
                         best = (window[0], first, window[1], window[2])
@@ -834,7 +842,8 @@ class DiskTier:
         copies a crash may leave, a restart keeps this one), the payload as it is; then
         read it back verified. `new` learns its sequence and checksum. The caller calls
         sync() before it frees `old`. Raises CorruptBlock (the old copy is unreadable) or
-        OSError (the write failed; `new` stays unwritten)."""
+        OSError (the write failed, or the copy did not read back: `new` stays unwritten,
+        its magic cleared when it is freed)."""
         head = decode_header(os.pread(self.fd, HEADER_SLOT_BYTES, old.offset))
         payload = np.empty(head.payload_bytes, dtype=np.uint8)
         self._read(old, [payload], head.block_hash)  # its seq and checksum are the handle's
@@ -866,7 +875,11 @@ class DiskTier:
                 self._out_of_space()
             raise
         check = DiskHandle(new.offset, new.footprint_bytes, seq, head.checksum)
-        self._read(check, [payload], head.block_hash)
+        try:
+            self._read(check, [payload], head.block_hash)
+        except CorruptBlock as exc:  # the new copy, not the block: it stays where it is, intact
+            self.write_errors_total += 1
+            raise OSError(errno.EIO, f"the relocated copy does not read back: {exc}") from None
         new.seq, new.checksum = seq, head.checksum
 
     def finish_compaction(self, plan: CompactionPlan, relocated: list[Relocation]) -> None:

@@ -11,12 +11,14 @@ import threading
 import pytest
 import torch
 
+from agent.core import compaction
 from agent.core.block_pool import BlockPool
+from agent.core.compaction import COMPACT_TRIES_PER_ALLOCATION
 from agent.core.model_spec import ModelSpec
-from agent.store.disk_tier import GRANULE_BYTES, DiskTier
+from agent.store.disk_tier import GRANULE_BYTES, CorruptBlock, DiskTier
 from protos.block_hash import ROOT_PARENT_HASH, hash_block
 from protos.tier import Tier
-from tests.tiers.support import SPEC
+from tests.tiers.support import SPEC, check_pool
 
 BIG = ModelSpec("big", block_size=4, num_layers=2, num_kv_heads=2, head_dim=64, dtype="float16")  # 4096 B
 SMALL_GRANULES = 2  # a 512 B block and its header slot
@@ -185,5 +187,99 @@ def test_reads_racing_relocations_read_the_right_bytes(tmp_path, background):
     assert pool.corrupt_blocks_total == 0
     assert_intact(pool, kept)
     assert disk.compactions_total >= 1
+    pool.close()
+    disk.close()
+
+
+def test_a_relocated_copy_that_does_not_read_back_leaves_the_block_where_it_was(tmp_path):
+    """The read-back of a copy failing (an EIO on the new extent) is a failed write: the
+    block keeps its intact old extent; it was marked corrupt and dropped."""
+    pool, disk, kept = fragmented(tmp_path)
+    disk.largest_footprint_bytes = BIG_GRANULES * GRANULE_BYTES
+    real_read = disk._read
+    held = {m.handle.offset for m in pool.blocks.values()}
+
+    def read(handle, segments, expect_hash):
+        if handle.offset not in held:  # a relocated copy, read back
+            raise CorruptBlock(f"{disk.path} at {handle.offset}: read failed: Input/output error")
+        real_read(handle, segments, expect_hash)
+
+    disk._read = read
+    assert pool.compact_disk() == 0  # nothing moved
+    disk._read = real_read
+    assert pool.corrupt_blocks_total == 0
+    assert set(pool.blocks) == set(kept)
+    assert_intact(pool, kept)
+    check_pool(pool)
+    pool.close()
+    disk.close()
+    again = DiskTier(tmp_path, CAPACITY)
+    found, corrupt = again.scan()
+    assert corrupt == 0 and sorted(b.block_hash for b in found) == sorted(kept)
+    again.close()
+
+
+def test_an_allocation_plans_a_compaction_a_bounded_number_of_times(tmp_path):
+    """Big blocks with a small one between each two, in holes of a small block: every
+    window holds a big block, which fits no free run, so no plan finds one and the
+    allocation makes room by eviction (the small blocks, least recently used, first).
+    Each plan walks every free run under the lock: it is tried at most
+    COMPACT_TRIES_PER_ALLOCATION times, not again after every eviction."""
+    groups = 20
+    disk = DiskTier(tmp_path, groups * (3 * SMALL_GRANULES + BIG_GRANULES) * GRANULE_BYTES)
+    pool = BlockPool([disk], [SPEC, BIG])
+    bigs, holes = {}, []
+    for g in range(groups):  # hole, small, hole, big: the slab full
+        holes.append(store(pool, SPEC, 3 * g)[0])
+        store(pool, SPEC, 3 * g + 1)
+        holes.append(store(pool, SPEC, 3 * g + 2)[0])
+        h, data = store(pool, BIG, 100 + g)
+        bigs[h] = data
+    assert all(pool.drop(h) for h in holes)
+    assert_intact(pool, bigs)  # read after the small ones: these go last
+    disk.drain()
+    assert disk.fragmented(BIG_GRANULES * GRANULE_BYTES)
+    plans = [0]
+    real_plan = disk.plan_compaction
+
+    def plan(*args):
+        plans[0] += 1
+        return real_plan(*args)
+
+    disk.plan_compaction = plan
+    h, data = store(pool, BIG, 1000)
+    assert pool.evictions_total[Tier.DISK] > COMPACT_TRIES_PER_ALLOCATION
+    assert plans[0] <= COMPACT_TRIES_PER_ALLOCATION
+    assert_intact(pool, {h: data})
+    check_pool(pool)
+    pool.close()
+    disk.close()
+
+
+def test_background_compaction_that_finds_no_window_backs_off(tmp_path, monkeypatch):
+    """No window can be emptied (every kept block is being read): the background step
+    does not plan again every second (a plan walks every free run under the pool lock),
+    but after a growing pause; once blocks may move it compacts again."""
+    pool, disk, kept = fragmented(tmp_path)
+    disk.largest_footprint_bytes = BIG_GRANULES * GRANULE_BYTES
+    now = [1000.0]
+    monkeypatch.setattr(compaction.time, "monotonic", lambda: now[0])
+    plans = [0]
+    real_plan = disk.plan_compaction
+
+    def plan(*args):
+        plans[0] += 1
+        return real_plan(*args)
+
+    disk.plan_compaction = plan
+    readers = pool.acquire_chain(list(kept))
+    for _ in range(10):  # the agent's thread: a step a second
+        assert pool.compact_disk() == 0
+        now[0] += 1.0
+    assert plans[0] < 10
+    pool.release_chain(readers)
+    now[0] += compaction.COMPACT_BACKOFF_MAX_SECONDS
+    assert pool.compact_disk() > 0
+    assert_intact(pool, kept)
     pool.close()
     disk.close()

@@ -23,7 +23,7 @@ from collections import OrderedDict, deque
 from controlplane.core import operations as ops
 from controlplane.core.access_stats import AccessStats
 from controlplane.core.clock import SteadyWallClock
-from controlplane.core.cluster import Cluster, ModelInfo
+from controlplane.core.cluster import AgentCommand, Cluster, ModelInfo
 from controlplane.core.pins import Pin, one_per_id
 from controlplane.core.scope import Scope
 from controlplane.core.tuning import CreditTuner
@@ -69,6 +69,9 @@ class Manager(PinControl, OperationControl, PolicyControl):
         self.ops: OrderedDict[str, ops.Operation] = OrderedDict()
         self._op_said: dict[str, tuple[str, str]] = {}  # op id -> the (state, error) its last event said
         self._cancel_asked: dict[str, float] = {}  # op id -> when its cancel was last sent to agents
+        # (op id, agent id) -> its command and the session of the stream it went down, until
+        # the agent first answers: one lost with its stream is sent again on the next
+        self._unheard: dict[tuple[str, str], tuple[AgentCommand, str]] = {}
         self._op_done: dict[str, threading.Event] = {}
         # adopted cleanups taking their scope locks again: queued ones wait for that first
         self._adopted_locks_pending = 0

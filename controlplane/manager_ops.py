@@ -128,10 +128,12 @@ class OperationControl(ManagerState):
                 part.updated_unix_seconds = now  # silence is counted from when commands go out
             op.commands_sent = True  # from here a cancel waits for the agents' own answers
             for agent_id, cmd in commands.items():
-                if not self.cluster.send(agent_id, cmd):
+                session = self.cluster.send_on_stream(agent_id, cmd)
+                if not session:
                     ops.fail_part(op, agent_id, "agent has no open stream to the control plane")
                 elif agent_id in op.parts:
                     op.parts[agent_id].incarnation = self.cluster.incarnation_of(agent_id)
+                    self._unheard[(op.op_id, agent_id)] = (cmd, session)
         self._op_changed(op)
 
     def move(self, scope: Scope, to_tier: Tier, codec: str = "") -> ops.Operation:
@@ -609,6 +611,7 @@ class OperationControl(ManagerState):
             freed = {t: v for t, v in freed.items() if t in valid}  # an unknown tier would break listings
         self.ensure_loaded()  # an update folded into a follower's copy would be lost to load()
         with self._lock:
+            self._unheard.pop((op_id, agent_id), None)  # it has the command: none is sent again
             op = self.ops.get(op_id)
             if op is None:
                 return  # pin/unpin acknowledgements and local operations
@@ -710,6 +713,38 @@ class OperationControl(ManagerState):
         for agent_id in agent_ids:
             self.cluster.send(agent_id, AgentCommand(op.op_id, "cancel"))
 
+    def _resend_lost_commands(self, now: float) -> None:
+        """Send again each command whose agent has not answered it and has a stream other
+        than the one it went down: a command still queued when that stream closed (a
+        reset, a reconnect) is lost with it, and the agent, unaware of the operation, would
+        leave its part silent until the operation timeout. An agent that had the command
+        after all answers the repeat with what it knows and does not run it twice
+        (agent.api.sync_client); a cancel asked meanwhile follows it. Commands of another
+        agent process are not sent: the restart check fails those parts."""
+        with self._lock:
+            for key, (command, session) in list(self._unheard.items()):
+                op_id, agent_id = key
+                op = self.ops.get(op_id)
+                part = op.parts.get(agent_id) if op is not None else None
+                if op is None or part is None or op.finished or part.state in ops.TERMINAL:
+                    del self._unheard[key]
+                    continue
+                stream = self.cluster.stream_of(agent_id)
+                if stream in ("", session) or not self._owns(op):
+                    continue
+                if part.incarnation and self.cluster.incarnation_of(agent_id) not in ("", part.incarnation):
+                    del self._unheard[key]
+                    continue
+                sent = self.cluster.send_on_stream(agent_id, command)
+                if not sent:
+                    continue
+                log.info("sending %s's command to %s again: the stream it went down closed", op_id, agent_id)
+                self._unheard[key] = (command, sent)
+                part.updated_unix_seconds = now  # silence is counted from when the command goes out
+                if op.cancel_requested:
+                    self.cluster.send(agent_id, AgentCommand(op_id, "cancel"))
+                    self._cancel_asked[op_id] = now
+
     def _expire_ops(self, now: float) -> None:
         # an agent with a key in etcd is alive though not yet back on this leader's stream;
         # before the first membership listing nobody is known to have left
@@ -737,6 +772,7 @@ class OperationControl(ManagerState):
                 with self._lock:
                     self._op_done.setdefault(op.op_id, threading.Event())
                 self._start_locked(op)
+        self._resend_lost_commands(now)
         for op in running:
             asked = self._cancel_asked.get(op.op_id, 0.0)
             if op.cancel_requested and op.commands_sent and self._owns(op) and now - asked >= CANCEL_RESEND_SECONDS:

@@ -11,7 +11,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from controlplane.core.access_stats import AccessStats
-from controlplane.core.cluster import Cluster, ModelInfo
+from controlplane.core.cluster import AgentCommand, Cluster, ModelInfo
 from controlplane.core.operations import Operation
 from controlplane.core.pins import Pin
 from controlplane.core.policy import Policy
@@ -49,6 +49,7 @@ class ManagerState:
     ops: OrderedDict[str, Operation]
     _op_said: dict[str, tuple[str, str]]
     _cancel_asked: dict[str, float]
+    _unheard: dict[tuple[str, str], tuple[AgentCommand, str]]
     _op_done: dict[str, threading.Event]
     _adopted_locks_pending: int
     _adopted_locks_settled: threading.Event

@@ -57,6 +57,20 @@ QUEUED_OP_PING_SECONDS = 10.0
 # operation that ran (a repeat of a final update changes nothing there)
 RESEND_FINAL_SECONDS = 600.0
 RESEND_FINAL_MAX = 1024
+# the control plane sends a command again when the stream it went down closed before the
+# agent answered (it may have come through all the same): the op ids of the latest commands
+# of these kinds are kept, and a repeat is answered with what the agent knows, never run
+# twice. Far more than could arrive between a command and the agent's first answer.
+RUN_ONCE_KINDS = frozenset(
+    {
+        agent_pb2.COMMAND_KIND_MOVE,
+        agent_pb2.COMMAND_KIND_COMPRESS,
+        agent_pb2.COMMAND_KIND_CLEANUP,
+        agent_pb2.COMMAND_KIND_TRANSFER,
+        agent_pb2.COMMAND_KIND_DRAIN,
+    }
+)
+ACCEPTED_OPS_MAX = 65536
 
 
 def op_update_pb(op: MoveOp) -> agent_pb2.AgentMessage:
@@ -113,6 +127,9 @@ class ControlPlaneLink:
         self._outbox: queue.Queue[agent_pb2.AgentMessage] = queue.Queue(maxsize=10_000)
         self._final: OrderedDict[str, tuple[float, agent_pb2.AgentMessage]] = OrderedDict()
         self._final_lock = threading.Lock()
+        # op ids of the RUN_ONCE_KINDS commands this process took, oldest first (handle_command's thread only)
+        self._accepted: OrderedDict[str, None] = OrderedDict()
+        self.repeated_commands_total = 0
         self._cleanups_running: set[str] = set()  # op ids of cleanups this agent is running (pinged RUNNING)
         self.highest_epoch = 0
         # () -> (address, epoch) etcd names as leader; lets a lower epoch through when etcd
@@ -183,12 +200,19 @@ class ControlPlaneLink:
             self._reply(cmd.op_id, FAILED, error=f"stale epoch {epoch} < {self.highest_epoch}")
             return
         self.highest_epoch = epoch
+        kind = cmd.kind
+        if kind in RUN_ONCE_KINDS:
+            if cmd.op_id in self._accepted:
+                self._answer_again(cmd.op_id)
+                return
+            self._accepted[cmd.op_id] = None
+            while len(self._accepted) > ACCEPTED_OPS_MAX:
+                self._accepted.popitem(last=False)
         try:
             hashes = split_hashes(cmd.block_hashes)
         except ValueError as exc:
             self._reply(cmd.op_id, FAILED, error=str(exc))
             return
-        kind = cmd.kind
         tier = Tier(cmd.tier) if cmd.tier in (t.value for t in Tier) else None
         only_tier = Tier(cmd.only_tier) if cmd.only_tier in (t.value for t in Tier) else None
         pool = self._pool
@@ -290,6 +314,20 @@ class ControlPlaneLink:
             )
         else:
             self._reply(cmd.op_id, FAILED, error=f"unknown command kind {kind}")
+
+    def _answer_again(self, op_id: str) -> None:
+        """A command for an operation this agent has already: its final answer again, or
+        where it stands (a move or compression in the mover); a transfer or drain still
+        running reports on its own. Nothing runs a second time."""
+        self.repeated_commands_total += 1
+        with self._final_lock:
+            final = self._final.get(op_id)
+        op = self._mover.get(op_id) if final is None and self._mover is not None else None
+        log.info("command for operation %s came again; answered, not run again", op_id)
+        if final is not None:
+            self._send(final[1])
+        elif op is not None:
+            self._send(op_update_pb(op))
 
     def request_reconnect(self) -> None:
         self._reconnect.set()

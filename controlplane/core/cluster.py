@@ -137,6 +137,7 @@ class AgentRecord:
     namespaces: dict[str, tuple[int, int]] = field(default_factory=dict)  # ns -> (blocks, bytes)
     # commands go down the agent's current Sync stream; pins applied on this stream
     outbox: Outbox | None = None
+    outbox_session: str = ""  # the session of the stream `outbox` feeds ("" none)
     applied_pins: dict[str, str] = field(default_factory=dict)  # pin id -> version sent on this stream
     reported_pins: dict[str, str] = field(default_factory=dict)  # what the agent's Hello said it holds
 
@@ -595,20 +596,31 @@ class Cluster:
         with self._lock:
             rec = self.agent(agent_id)
             if rec.session_id == session_id:
-                rec.outbox = outbox
+                rec.outbox, rec.outbox_session = outbox, session_id
                 # a new stream starts from the pins the agent said it holds: those the
                 # control plane no longer has are unpinned, the ones it lacks sent
                 rec.applied_pins = dict(rec.reported_pins)
 
     def send(self, agent_id: str, command: AgentCommand) -> bool:
         """Queue a command for an agent; False when it has no open stream."""
+        return bool(self.send_on_stream(agent_id, command))
+
+    def send_on_stream(self, agent_id: str, command: AgentCommand) -> str:
+        """Queue a command for an agent; the session id of the stream it went to ("" when
+        it has none). A command still queued when that stream closes is lost with it: a
+        later stream of the agent has another session id."""
         with self._lock:
             rec = self._agents.get(agent_id)
-            outbox = rec.outbox if rec is not None else None
-        if outbox is None:
-            return False
-        outbox.put(command)
-        return True
+            if rec is None or rec.outbox is None:
+                return ""
+            rec.outbox.put(command)  # (an unbounded queue: never blocks)
+            return rec.outbox_session
+
+    def stream_of(self, agent_id: str) -> str:
+        """The session id of the agent's open stream ("" none)."""
+        with self._lock:
+            rec = self._agents.get(agent_id)
+            return rec.outbox_session if rec is not None and rec.outbox is not None else ""
 
     def connected_agents(self, max_silence_seconds: float | None = None) -> list[AgentRecord]:
         """Agents with an open Sync stream (a command would reach them), by agent id; with
@@ -687,7 +699,7 @@ class Cluster:
             rec = self._agents.get(agent_id)
             if rec is not None and rec.session_id == session_id:
                 rec.state = AgentState.DISCONNECTED
-                rec.outbox = None
+                rec.outbox, rec.outbox_session = None, ""
                 rec.staging, rec.next_chunk = [], 0  # a half inventory no stream will finish
                 self._rebuilding = (0.0, False)  # lookups say possibly stale from now, not in 0.1 s
                 self.events.publish(

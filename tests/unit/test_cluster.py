@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 
 from controlplane.core.cluster import (
+    AgentCommand,
     AgentRecord,
     AgentState,
     BlockGroup,
@@ -370,6 +371,28 @@ def test_an_agent_that_leaves_has_its_stream_ended_and_its_data_plane_state_forg
     ended = outbox.get_nowait()
     assert isinstance(ended, errors.NotFound) and "register again" in str(ended)
     assert cluster.dataplane.role("a") != "decode"
+
+
+def test_a_command_is_tied_to_the_stream_it_went_down(cluster):
+    """send_on_stream names the session of the stream a command went into: one queued there
+    when that stream closed is lost with it, and the agent's next stream has another."""
+    import queue
+
+    ready_agent(cluster, "a", [BlockGroup("m", Tier.CPU, packed(1))], seq=1, session="s1")
+    cmd = AgentCommand("move-1", "move", tier=int(Tier.DISK))
+    assert cluster.send_on_stream("a", cmd) == "" and cluster.stream_of("a") == ""  # no stream yet
+    old: queue.Queue = queue.Queue()
+    cluster.attach_outbox("a", "s1", old)
+    assert cluster.send_on_stream("a", cmd) == "s1" == cluster.stream_of("a")
+    assert old.get_nowait() is cmd
+    cluster.hello("a", "s2")  # a new stream says Hello; until its outbox is attached, commands go to the old one
+    assert cluster.send_on_stream("a", cmd) == "s1"
+    new: queue.Queue = queue.Queue()
+    cluster.attach_outbox("a", "s2", new)
+    cluster.stream_closed("a", "s1")  # the old stream's late teardown leaves the new one
+    assert cluster.stream_of("a") == "s2" and cluster.send_on_stream("a", cmd) == "s2"
+    cluster.stream_closed("a", "s2")
+    assert cluster.stream_of("a") == "" and not cluster.send("a", cmd)
 
 
 def test_a_lookup_names_only_agents_serving_its_model():

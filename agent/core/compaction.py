@@ -105,7 +105,9 @@ class DiskCompaction:
             ]
             done = self._switch_relocated(store, copied)
         finally:
-            self._settle_plan(store, plan, done)
+            # the blocks found corrupt stay (invisible) until a later step drops them: the
+            # allocation's caller may hold one of their descendants, a block it is demoting
+            self._settle_plan(store, plan, done, drop_corrupt=False)
         return len(done) == len(plan.moves)
 
     def compact_disk(self, max_move_bytes: int = COMPACT_STEP_BYTES) -> int:
@@ -143,17 +145,18 @@ class DiskCompaction:
             self._settle_plan(store, plan, done)
         return sum(move.new.footprint_bytes for move in done)
 
-    def _settle_plan(self, store: CompactingStore, plan, done: list) -> None:
+    def _settle_plan(self, store: CompactingStore, plan, done: list, drop_corrupt: bool = True) -> None:
         """Free the new extent of every move not switched (no block points at it: one never
         written has its magic cleared, a copy gets its dead record), give the window back
-        and drop the blocks found corrupt on the way."""
+        and (`drop_corrupt`) drop the blocks found corrupt, here or elsewhere, that may go."""
         switched = {id(move) for move in done}
         for move in plan.moves:
             if id(move) not in switched:
                 store.free(move.new)
         store.finish_compaction(plan, done)
-        with self.lock:
-            self._drop_corrupt()
+        if drop_corrupt:
+            with self.lock:
+                self._drop_corrupt()
 
     def _copy(self, store: CompactingStore, meta: BlockMeta, move) -> bool:
         """Copy one block to its new extent (the caller frees it when this fails); a block

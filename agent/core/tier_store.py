@@ -62,7 +62,8 @@ class CompactingStore(FileStore, Protocol):
     which blocks leave a window of its file, copies each block to its new extent, and the
     pool switches the block and frees its old extent (agent.core.compaction)."""
 
-    largest_footprint_bytes: int
+    @property
+    def largest_footprint_bytes(self) -> int: ...
 
     def fragmented(self, footprint_bytes: int) -> bool: ...
     def plan_compaction(self, footprint_bytes: int, movable, max_move_bytes: int): ...

@@ -40,7 +40,8 @@ Blocks of mixed sizes (raw and compressed, several models) freed out of order sp
 free space into runs too short for a block while the tier's bytes have room: compaction
 (driven by agent.core.compaction) empties one window of the slab big enough for it.
 `plan_compaction` chooses the window that moves the fewest bytes (only blocks the pool
-says may move: held, not being read or moved), holds its free runs out of the allocator
+says may move: held, not being read or moved; the next cheapest when its blocks find no
+room outside it), holds its free runs out of the allocator
 and takes the blocks' new extents, first fit; `copy_extent` copies each block whole,
 header rewritten under a new write sequence, and reads it back verified; the pool makes
 the copies durable (`sync`), points each block at its new extent and frees the old one
@@ -120,6 +121,10 @@ PUNCH_SWEEP_REARM = 0.85  # the sweep of every free run comes again once the tie
 REFIT_SECONDS = 5.0  # a tier cut to its file system's room looks at the room again this often
 FS_MARGIN_BYTES = 1 << 20  # of the file system's free space, left to the dead log and headers' growth
 COMPACT_CANDIDATES = 32  # windows a compaction weighs: from the longest free runs, and runs just before them
+# the biggest extent asked for drives background compaction this long (to twice it) after
+# it was last asked for: a model no longer served stops moving blocks for its size
+FOOTPRINT_SECONDS = 600.0
+COMPACT_WINDOW_TRIES = 4  # of them, the cheapest a plan tries to take before it gives up
 
 
 def _load_fallocate():
@@ -398,6 +403,12 @@ class ExtentAllocator:
         i = bisect.bisect_left(self._starts, run_start)
         return [s for s in self._starts[max(0, i - k) : i] if s + n > run_start]
 
+    def fits(self, n: int, phase: int) -> bool:
+        """Whether some free run holds n granules from a start g with g % 8 == phase."""
+        return any(
+            length >= n and (phase - start) % _ALIGN_GRANULES + n <= length for start, length in self._lengths.items()
+        )
+
     def largest_run(self) -> int:
         """Granules of the longest free run (0 when none is free)."""
         return max(self._lengths.values(), default=0)
@@ -490,7 +501,10 @@ class DiskTier:
         # every extent not back in the allocator (written or not, freed but not drained yet):
         # first granule -> (granules, the block hash it was taken for); compaction walks it
         self._extent_at: dict[int, tuple[int, bytes]] = {}
-        self.largest_footprint_bytes = 0  # the biggest extent the tier was asked for
+        # the biggest extent the tier was asked for in this period and the one before
+        # (largest_footprint_bytes): one no longer asked for stops driving compaction
+        self._footprints = [0, 0]
+        self._footprints_since = time.monotonic()
         self.compactions_total = 0  # compaction steps that relocated at least one block
         self.relocated_blocks_total = 0
         self.relocated_bytes_total = 0  # footprints of the extents relocated
@@ -610,7 +624,7 @@ class DiskTier:
 
     def _take_extent(self, n: int, phase: int | None, block_hash: bytes = b"") -> int | None:
         with self._lock:
-            self.largest_footprint_bytes = max(self.largest_footprint_bytes, n * GRANULE_BYTES)
+            self._note_footprint(n * GRANULE_BYTES)
             if self._used + n * GRANULE_BYTES > self._capacity_bytes:
                 return None
             start = self._extents.allocate(n, phase)
@@ -620,6 +634,31 @@ class DiskTier:
                 if self._used > PUNCH_SWEEP_REARM * self._capacity_bytes:
                     self._swept = False  # seen here too: it may fall back before the next drain
             return start
+
+    @property
+    def largest_footprint_bytes(self) -> int:
+        """The biggest extent the tier was asked for lately (in the last FOOTPRINT_SECONDS
+        to twice that), what background compaction makes a free run for. Blocks a restart
+        found do not count (of a model not served, they are never written again)."""
+        with self._lock:
+            self._roll_footprints()
+            return max(self._footprints)
+
+    def note_footprint(self, footprint_bytes: int) -> None:
+        """An extent of `footprint_bytes` was asked for."""
+        with self._lock:
+            self._note_footprint(footprint_bytes)
+
+    def _note_footprint(self, footprint_bytes: int) -> None:
+        self._roll_footprints()
+        self._footprints[0] = max(self._footprints[0], footprint_bytes)
+
+    def _roll_footprints(self) -> None:
+        now = time.monotonic()
+        elapsed = now - self._footprints_since
+        if elapsed >= FOOTPRINT_SECONDS:
+            self._footprints = [0, self._footprints[0] if elapsed < 2 * FOOTPRINT_SECONDS else 0]
+            self._footprints_since = now
 
     def free(self, handle: DiskHandle) -> None:
         """Give the extent back: its magic is cleared (so that a restart does not bring the
@@ -743,8 +782,17 @@ class DiskTier:
         3,000 requests, the workload twice as slow), so the eviction goes on as it would."""
         if self._used + 2 * footprint_bytes > self._capacity_bytes:  # about full: no walk of the runs
             return False
-        largest, free = self.fragmentation()
-        return largest < footprint_bytes <= free
+        n = footprint_bytes // GRANULE_BYTES
+        phase = self._phase(footprint_bytes)
+        with self._lock:
+            largest, free = self._extents.largest_run(), self._extents.free_granules
+            if free < n:
+                return False
+            if largest < n:
+                return True
+            # a big block's extent starts at one granule of each 4 KiB page: a run of up to
+            # 7 granules more than it may still not hold it
+            return phase is not None and largest < n + _ALIGN_GRANULES - 1 and not self._extents.fits(n, phase)
 
     def plan_compaction(
         self, footprint_bytes: int, movable: Callable[[bytes, int], bool], max_move_bytes: int
@@ -755,7 +803,8 @@ class DiskTier:
         window's free runs are held out of the allocator until finish_compaction, so that
         nothing else is placed there meanwhile. `movable(block_hash, offset)` says whether
         the block the extent at `offset` was taken for may move now (the block pool's
-        view: held there, not read, not moving). None when no window qualifies."""
+        view: held there, not read, not moving). Of the windows weighed, the cheapest whose
+        blocks all find room outside it; None when none qualifies."""
         n = footprint_bytes // GRANULE_BYTES
         phase = self._phase(footprint_bytes)
         self.drain()  # freed extents join their runs first
@@ -764,46 +813,54 @@ class DiskTier:
                 return None
             # the pool's lock is held here: no list of every free run is built (a slab of
             # a million extents took 0.2 s a plan for it)
-            best: tuple[int, int, int, list[tuple[int, int, bytes]]] | None = None  # cost, start, end, extents
+            windows: dict[int, tuple[int, int, list[tuple[int, int, bytes]]] | None] = {}  # first -> cost, end, extents
             for run_start in self._extents.longest_runs(COMPACT_CANDIDATES):
                 for first in (run_start, *self._extents.starts_before(run_start, n, COMPACT_CANDIDATES)):
-                    window = self._window(first, n, phase, movable, max_move_bytes)
-                    if window is not None and (best is None or window[0] < best[0]):
-                        best = (window[0], first, window[1], window[2])
-            if best is None:
+                    if first not in windows:
+                        windows[first] = self._window(first, n, phase, movable, max_move_bytes)
+            # the cheapest windows first: one whose blocks find no room elsewhere gives way to the next
+            found = [(first, window) for first, window in windows.items() if window is not None]
+            for first, (_, end, inside) in heapq.nsmallest(COMPACT_WINDOW_TRIES, found, key=lambda item: item[1][0]):
+                plan = self._take_window(first, end, inside)
+                if plan is not None:
+                    return plan
+            return None
+
+    def _take_window(self, first: int, end: int, inside: list[tuple[int, int, bytes]]) -> CompactionPlan | None:
+        """Hold the free runs of the window [first, end) out of the allocator and take a new
+        extent (first fit, outside it) for each block inside; None, with nothing taken, when
+        one finds none (lock held)."""
+        claimed: list[tuple[int, int]] = []
+        at = first
+        while at < end:  # the window's free runs: held out of the allocator
+            length = self._extents.run_at(at)
+            if length:
+                take = min(length, end - at)
+                self._extents.claim(at, take)
+                claimed.append((at, take))
+                at += take
+            else:
+                at += self._extent_at[at][0]
+        moves: list[Relocation] = []
+        for start, length, tag in inside:
+            new = self._extents.allocate(length, self._phase(length * GRANULE_BYTES))
+            if new is None:  # the blocks do not fit elsewhere: nothing is taken
+                for m in moves:
+                    self._extents.free(m.new.offset // GRANULE_BYTES, m.new.footprint_bytes // GRANULE_BYTES)
+                    del self._extent_at[m.new.offset // GRANULE_BYTES]
+                for at, take in claimed:
+                    self._extents.free(at, take)
                 return None
-            _, first, end, inside = best
-            claimed: list[tuple[int, int]] = []
-            at = first
-            while at < end:  # the window's free runs: held out of the allocator
-                length = self._extents.run_at(at)
-                if length:
-                    take = min(length, end - at)
-                    self._extents.claim(at, take)
-                    claimed.append((at, take))
-                    at += take
-                else:
-                    at += self._extent_at[at][0]
-            moves: list[Relocation] = []
-            for start, length, tag in inside:
-                new = self._extents.allocate(length, self._phase(length * GRANULE_BYTES))
-                if new is None:  # the blocks do not fit elsewhere: nothing is taken
-                    for m in moves:
-                        self._extents.free(m.new.offset // GRANULE_BYTES, m.new.footprint_bytes // GRANULE_BYTES)
-                        del self._extent_at[m.new.offset // GRANULE_BYTES]
-                    for at, take in claimed:
-                        self._extents.free(at, take)
-                    return None
-                self._extent_at[new] = (length, tag)
-                moves.append(
-                    Relocation(
-                        tag,
-                        start * GRANULE_BYTES,
-                        DiskHandle(new * GRANULE_BYTES, length * GRANULE_BYTES),
-                    )
+            self._extent_at[new] = (length, tag)
+            moves.append(
+                Relocation(
+                    tag,
+                    start * GRANULE_BYTES,
+                    DiskHandle(new * GRANULE_BYTES, length * GRANULE_BYTES),
                 )
-            self._used += sum(m.new.footprint_bytes for m in moves)  # until the old extents are freed
-            return CompactionPlan(first * GRANULE_BYTES, end * GRANULE_BYTES, claimed, moves)
+            )
+        self._used += sum(m.new.footprint_bytes for m in moves)  # until the old extents are freed
+        return CompactionPlan(first * GRANULE_BYTES, end * GRANULE_BYTES, claimed, moves)
 
     def _window(
         self, first: int, n: int, phase: int | None, movable: Callable[[bytes, int], bool], max_move_bytes: int
@@ -1317,7 +1374,6 @@ class DiskTier:
                 continue
             self._used += handle.footprint_bytes
             self._extent_at[offset // GRANULE_BYTES] = (n, header.block_hash)
-            self.largest_footprint_bytes = max(self.largest_footprint_bytes, handle.footprint_bytes)
             seq_max = max(seq_max, header.seq)
             block = RecoveredBlock(
                 header.model_id,

@@ -85,7 +85,7 @@ def test_a_fragmented_tier_places_a_big_block_by_compaction_not_eviction(tmp_pat
 
 def test_background_compaction_makes_a_run_for_the_biggest_block(tmp_path):
     pool, disk, kept = fragmented(tmp_path)
-    disk.largest_footprint_bytes = BIG_GRANULES * GRANULE_BYTES  # as if a big block had been placed before
+    disk.note_footprint(BIG_GRANULES * GRANULE_BYTES)  # as if a big block had been placed before
     moved = 0
     for _ in range(10):
         step = pool.compact_disk(max_move_bytes=4 * SMALL_GRANULES * GRANULE_BYTES)
@@ -172,7 +172,7 @@ def test_reads_racing_relocations_read_the_right_bytes(tmp_path, background):
         t.start()
     try:
         if background:
-            disk.largest_footprint_bytes = BIG_GRANULES * GRANULE_BYTES
+            disk.note_footprint(BIG_GRANULES * GRANULE_BYTES)
             for _ in range(50):  # steps of one small block each, interleaved with the reads
                 if not pool.compact_disk(max_move_bytes=SMALL_GRANULES * GRANULE_BYTES):
                     break
@@ -195,7 +195,7 @@ def test_a_relocated_copy_that_does_not_read_back_leaves_the_block_where_it_was(
     """The read-back of a copy failing (an EIO on the new extent) is a failed write: the
     block keeps its intact old extent; it was marked corrupt and dropped."""
     pool, disk, kept = fragmented(tmp_path)
-    disk.largest_footprint_bytes = BIG_GRANULES * GRANULE_BYTES
+    disk.note_footprint(BIG_GRANULES * GRANULE_BYTES)
     real_read = disk._read
     held = {m.handle.offset for m in pool.blocks.values()}
 
@@ -287,7 +287,7 @@ def test_background_compaction_that_finds_no_window_backs_off(tmp_path, monkeypa
     does not plan again every second (a plan walks every free run under the pool lock),
     but after a growing pause; once blocks may move it compacts again."""
     pool, disk, kept = fragmented(tmp_path)
-    disk.largest_footprint_bytes = BIG_GRANULES * GRANULE_BYTES
+    disk.note_footprint(BIG_GRANULES * GRANULE_BYTES)
     now = [1000.0]
     monkeypatch.setattr(compaction.time, "monotonic", lambda: now[0])
     plans = [0]
@@ -307,5 +307,170 @@ def test_background_compaction_that_finds_no_window_backs_off(tmp_path, monkeypa
     now[0] += compaction.COMPACT_BACKOFF_MAX_SECONDS
     assert pool.compact_disk() > 0
     assert_intact(pool, kept)
+    pool.close()
+    disk.close()
+
+
+def small_extents(disk: DiskTier, count: int, granules: int = 2) -> list:
+    """`count` extents of `granules` each, first fit, tagged by their index."""
+    return [disk.allocate((granules - 1) * GRANULE_BYTES, i.to_bytes(4, "big")) for i in range(count)]
+
+
+def test_a_run_long_enough_but_not_4k_aligned_counts_as_fragmented(tmp_path):
+    # a 64 KiB block's payload starts on a 4 KiB boundary: its 136-granule extent fits a
+    # run of 136 granules only when the run starts at granule 7 of a page
+    disk = DiskTier(tmp_path, 4 << 20)
+    big = disk.footprint(64 << 10)
+    n = big // GRANULE_BYTES
+    handles = small_extents(disk, disk.capacity_bytes // (2 * GRANULE_BYTES))
+    for h in handles[8 : 8 + n // 2]:  # granules [16, 16 + n): long enough, misaligned
+        disk.free(h)
+    for h in handles[100::2]:  # half the rest, in holes of 2 granules
+        disk.free(h)
+    disk.drain()
+    assert disk.fragmentation()[0] == big
+    assert disk.allocate(64 << 10) is None  # no run holds it
+    assert disk.fragmented(big)  # what compaction mends (the defect: False, so it evicted)
+    plan = disk.plan_compaction(big, lambda tag, offset: True, 1 << 20)
+    assert plan is not None
+    disk.close()
+
+
+def test_a_plan_tries_the_next_window_when_the_cheapest_ones_blocks_fit_nowhere(tmp_path):
+    # granules: holes of 2 at 0, 4, 8 (fillers between), [12, 18) free, X (4) at 18,
+    # filler, [24, 27) free, Y, Z, W (2 each) at 27-33, filler to the end. For 9 granules
+    # the cheapest window is [12, 22) (X moves), but X finds no run of 4 elsewhere; the
+    # next, [24, 33), moves Y, Z and W into the holes
+    disk = DiskTier(tmp_path, 64 * GRANULE_BYTES)
+
+    def take(granules: int, tag: bytes):
+        return disk.allocate((granules - 1) * GRANULE_BYTES, tag)
+
+    layout = [(2, b"h"), (2, b"F"), (2, b"h"), (2, b"F"), (2, b"h"), (2, b"F"), (6, b"h"), (4, b"X")]
+    layout += [(2, b"F"), (3, b"h"), (2, b"Y"), (2, b"Z"), (2, b"W")]
+    handles = [(take(g, tag), tag) for g, tag in layout]
+    assert [h.offset // GRANULE_BYTES for h, _ in handles][-6:] == [18, 22, 24, 27, 29, 31]
+    for h, tag in handles:
+        if tag == b"h":
+            disk.free(h)
+    disk.drain()
+    assert take(disk.slab_bytes // GRANULE_BYTES - 33, b"F").offset == 33 * GRANULE_BYTES  # the rest
+    plan = disk.plan_compaction(9 * GRANULE_BYTES, lambda tag, offset: tag in (b"X", b"Y", b"Z", b"W"), 1 << 20)
+    assert plan is not None  # the defect: None, the cheapest window was the only one tried
+    assert sorted(m.block_hash for m in plan.moves) == [b"W", b"Y", b"Z"]
+    disk.finish_compaction(plan, [])
+    disk.close()
+
+
+def test_recovered_blocks_of_a_model_not_served_do_not_drive_background_compaction(tmp_path):
+    pool, disk, kept = fragmented(tmp_path)
+    h, _ = store(pool, BIG, 1000)  # placed by compaction
+    pool.close()
+    disk.close()
+
+    again = DiskTier(tmp_path, CAPACITY)
+    found, _ = again.scan()
+    pool2 = BlockPool([again], [SPEC])  # BIG is not served now: its block is parked
+    pool2.recover(again, found)
+    assert pool2.num_parked_blocks == 1
+    for h2 in list(kept)[::2]:  # fragmented again, for a block nobody stores now
+        assert pool2.drop(h2)
+    again.drain()
+    assert again.largest_footprint_bytes < BIG_GRANULES * GRANULE_BYTES  # the defect: BIG's
+    assert pool2.compact_disk() == 0
+    assert again.relocated_blocks_total == 0
+    pool2.close()
+    again.close()
+
+
+def test_the_biggest_footprint_asked_for_is_forgotten_once_not_asked_for(tmp_path, monkeypatch):
+    from agent.store import disk_tier
+
+    disk = DiskTier(tmp_path, CAPACITY)
+    now = [1000.0]
+    monkeypatch.setattr(disk_tier.time, "monotonic", lambda: now[0])
+    disk._footprints_since = now[0]
+    disk.note_footprint(BIG_GRANULES * GRANULE_BYTES)
+    disk.note_footprint(SMALL_GRANULES * GRANULE_BYTES)
+    now[0] += disk_tier.FOOTPRINT_SECONDS
+    disk.note_footprint(SMALL_GRANULES * GRANULE_BYTES)
+    assert disk.largest_footprint_bytes == BIG_GRANULES * GRANULE_BYTES  # asked for in the last period
+    now[0] += disk_tier.FOOTPRINT_SECONDS
+    assert disk.largest_footprint_bytes == SMALL_GRANULES * GRANULE_BYTES
+    now[0] += 2 * disk_tier.FOOTPRINT_SECONDS
+    assert disk.largest_footprint_bytes == 0
+    disk.close()
+
+
+def test_an_allocation_compacting_while_a_background_step_settles_leaves_the_demoted_block_whole(tmp_path, monkeypatch):
+    # A (big, on disk) is found corrupt by a background step; between the step letting its
+    # blocks go and dropping A, a demotion of A's child C (big, on the CPU) compacts the
+    # disk for itself. Dropping A there took C, which the demotion then switched and freed
+    # a second time.
+    from agent.store.memory_tier import MemoryTier
+
+    disk = DiskTier(tmp_path, 128 * GRANULE_BYTES)
+    pool = BlockPool([disk], [SPEC, BIG])
+    seeds = iter(range(10_000))
+
+    def small() -> bytes:
+        return store(pool, SPEC, next(seeds))[0]
+
+    holes = [small() for _ in range(3)]  # [0, 6): free
+    small()  # s1 at [6, 8): moves for the background step
+    a_hash, _ = store(pool, BIG, 1)  # [8, 17)
+    fillers = []
+    for _ in range(12):  # holes of 2
+        holes.append(small())
+        fillers.append(small())
+    holes.append(store(pool, BIG, 2)[0])  # [65, 74): a hole of 9
+    fillers.append(small())
+    holes += [small() for _ in range(3)]  # [76, 82): free
+    small(), small()  # s2, s3 at [82, 86): move for C's allocation
+    while disk.used_bytes < disk.capacity_bytes:
+        fillers.append(small())
+    assert pool.blocks[a_hash].handle.offset == 8 * GRANULE_BYTES
+    for h in holes:
+        assert pool.drop(h)
+    pool.close()
+    disk.close()
+
+    disk = DiskTier(tmp_path, 128 * GRANULE_BYTES)
+    found, _ = disk.scan()
+    cpu = MemoryTier(Tier.CPU, BIG.block_bytes, BIG.block_bytes // 16, device="cpu")
+    pool = BlockPool([cpu, disk], [SPEC, BIG])
+    pool.recover(disk, found)
+    held = pool.acquire_chain(fillers[:1]) + [m for f in fillers[1:] for m in pool.acquire_chain([f])]
+    assert len(held) == len(fillers)  # they stay where they are
+    c_hash = hash_block(a_hash, [7] * BIG.block_size, BIG.model_id)
+    assert pool.insert_chain(BIG.model_id, [a_hash, c_hash], lambda i: block(BIG, 3)).num_stored == 1
+    assert pool.blocks[c_hash].tier is Tier.CPU and pool.blocks[a_hash].tier is Tier.DISK
+    assert disk.allocate(8192) is None  # a 17-granule block asked for: the background's aim
+
+    copy = disk.copy_extent
+
+    def copy_extent(old, new):
+        if old.offset == 8 * GRANULE_BYTES:
+            raise CorruptBlock("bit rot")  # A's old copy
+        copy(old, new)
+
+    real_free = disk.free
+    demoted = []
+
+    def free(handle):
+        if not handle.seq and not demoted:  # the step gives A's unwritten new extent back
+            demoted.append(True)
+            with pool.lock:
+                pool._make_room(cpu)  # an allocation in the CPU tier demotes C
+        real_free(handle)
+
+    monkeypatch.setattr(disk, "copy_extent", copy_extent)
+    monkeypatch.setattr(disk, "free", free)
+    pool.compact_disk()
+    assert demoted
+    monkeypatch.undo()
+    pool.release_chain(held)
+    assert a_hash not in pool.blocks and c_hash not in pool.blocks  # A was corrupt: its subtree went
+    check_pool(pool)
     pool.close()
     disk.close()

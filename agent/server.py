@@ -137,12 +137,14 @@ class Agent:
             found, corrupt = self.disk.scan()
             adopted = self.pool.recover(self.disk, found)
             self.pool.corrupt_blocks_total += corrupt
+            unserved = self.pool.num_unserved_parked_blocks
             log.info(
-                "disk tier %s: recovered %d blocks, %d more waiting for their prefix to be stored again "
-                "(%d corrupt removed)",
+                "disk tier %s: recovered %d blocks, %d more waiting for their prefix to be stored again, "
+                "%d parked for their model (not served as they were written) (%d corrupt removed)",
                 config.disk_dir,
                 adopted,
-                self.pool.num_parked_blocks,
+                self.pool.num_parked_blocks - unserved,
+                unserved,
                 corrupt,
             )
             # the pins held before the restart protect what the disk kept from the first store on
@@ -152,12 +154,13 @@ class Agent:
                 # its blocks are content-addressed and checked (kept); its pins were another
                 # agent's (some scoped to it), so the control plane sends this one its own
                 log.warning(
-                    "disk tier %s was used by agent %r: %d of its blocks adopted (%d more wait for their prefix), "
-                    "its pins file not loaded",
+                    "disk tier %s was used by agent %r: %d of its blocks adopted (%d more wait for their prefix, "
+                    "%d parked for their model), its pins file not loaded",
                     config.disk_dir,
                     before,
                     adopted,
-                    self.pool.num_parked_blocks,
+                    self.pool.num_parked_blocks - unserved,
+                    unserved,
                 )
                 self.pin_file.save([], time.monotonic(), time.time())  # nor at this agent's next start
             else:

@@ -773,6 +773,13 @@ class BlockPool(BlockMoves, DiskCompaction):
         with self.lock:
             return sum(len(v) for v in self._parked.values())
 
+    @property
+    def num_unserved_parked_blocks(self) -> int:
+        """Of the parked blocks, those of a model not served as they were written (no
+        prefix adopts them: a restart with the model as it was served does)."""
+        with self.lock:
+            return len(self._parked.get(UNSERVED_PARENT, ()))
+
     def _adopt_parked(self, h: bytes) -> None:
         """`h` is held and visible now: the recovered blocks that waited for it (and theirs)
         are adopted, as stored in their tier (lock held)."""

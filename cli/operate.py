@@ -553,7 +553,10 @@ def cordon(ctx: Context, agent_id, reason):
         fail(f"AGENT_ID: {agent_id!r} is not an agent id (kvctl agents lists them)")
     if reason.strip().lower() in POLICY_ENTRY_REMOVED:  # the values that uncordon
         fail(f"--reason: {reason!r} would uncordon the agent; say why it is cordoned")
-    stored = ctx.call(lambda c: c.cordon(agent_id, reason), {f"values[cordon.{agent_id}]": "--reason"})
+    stored = ctx.call(
+        lambda c: c.cordon(agent_id, reason),
+        {f"values[cordon.{agent_id}]": "--reason", f"cordon.{agent_id}": "AGENT_ID"},  # (the policy key: internal)
+    )
     if ctx.output == "json":
         click.echo(json.dumps({"agent_id": agent_id, "cordon_reason": stored}))
     else:
@@ -598,6 +601,9 @@ def drain(ctx: Context, agent_id, to_agent_ids, model_id, reason, deadline, wait
 def uncordon(ctx: Context, agent_id):
     """Put a cordoned agent back in rotation."""
     was = ctx.call(lambda c: c.uncordon(agent_id))
+    if not was and agent_id not in {a.agent_id for a in ctx.call(lambda c: c.list_agents())}:
+        # a typo must not read as done while the agent meant stays out of rotation
+        fail(f"AGENT_ID: no agent {agent_id!r} is registered, and none of that name is cordoned", 1)
     if ctx.output == "json":
         click.echo(json.dumps({"agent_id": agent_id, "was_cordoned": was}))
     else:

@@ -350,6 +350,9 @@ def test_kvctl_cordon_and_uncordon(cluster):
         bad = kvctl(cluster.endpoint, "cordon", "agent-typo", check=False)
         assert bad.returncode == 1 and "no agent 'agent-typo'" in bad.stderr, bad.stderr
         assert len(bad.stderr.strip().splitlines()) == 1 and "Traceback" not in bad.stderr
+        assert bad.stderr.startswith("kvctl: AGENT_ID"), bad.stderr  # not the policy key it is stored under
+        typo = kvctl(cluster.endpoint, "uncordon", "agent-typo", check=False)  # not "was not cordoned", exit 0
+        assert typo.returncode == 1 and "no agent 'agent-typo' is registered" in typo.stderr, typo
     finally:
         assert j(cluster, "uncordon", "agent-d") == {"agent_id": "agent-d", "was_cordoned": True}
     assert kvctl(cluster.endpoint, "uncordon", "agent-d").stdout.strip() == "agent-d was not cordoned"

@@ -824,7 +824,8 @@ class DataPlane(HandoffPaths):
                     link.record(False, 0, time.monotonic() - t0, path)
                     if exc.permanent:
                         return HandoffResult(RECOMPUTE, attempts=attempts, reason="; ".join(reasons))
-                    if exc.path_off:
+                    if exc.path_off:  # the next path is a new try: not into one cordoned meanwhile
+                        peer = self._still_in_rotation(self._recent(peer, deadline), attempts, reasons)
                         break
                     tries += 1
                     peer = self._still_in_rotation(self._refresh(peer, deadline), attempts, reasons)

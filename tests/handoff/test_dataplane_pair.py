@@ -561,3 +561,36 @@ def test_a_destination_cordoned_while_a_handoff_retries_gets_no_more_tries(pair,
         pair.send.handoff(SMALL.model_id, hashes, "dec", 5.0, paths=("grpc",))
     assert calls == ["grpc"], calls
     assert pair.recv.pool.read_chain(hashes)[0] == []  # nothing of it landed there
+
+
+def test_a_destination_cordoned_while_a_path_fails_for_good_gets_no_next_path(monkeypatch):
+    """Review: a failed try that turns its path off (a slab that cannot be mapped, a
+    reservation that does not fit) went on to the next path without reading the
+    destination's record again: one cordoned meanwhile got the prefix over gRPC, although
+    a destination cordoned while a handoff retries is to get "no more tries nor the next
+    path" (docs/handoff.md)."""
+    import agent.dataplane as dataplane_module
+    from agent.handoff_paths import PathError
+
+    monkeypatch.setattr(dataplane_module, "PEER_CACHE_SECONDS", 0.0)
+    p = Pair(shared=True)
+    try:
+        hashes = store(p.send.pool, 3, seed=9)
+        cordons: dict[str, str] = {}
+        p.send._cordons = lambda: dict(cordons)
+        real, calls = p.send._attempt, []
+
+        def shm_fails_for_good(path, *args):
+            calls.append(path)
+            if path == "shm":
+                cordons["dec"] = "kernel upgrade"  # kvctl cordon dec, meanwhile
+                raise PathError("cannot map dec's slab (test)", path_off=True)
+            return real(path, *args)
+
+        monkeypatch.setattr(p.send, "_attempt", shm_fails_for_good)
+        with pytest.raises(errors.FailedPrecondition, match="agent dec is cordoned .kernel upgrade."):
+            p.send.handoff(SMALL.model_id, hashes, "dec", 5.0, paths=("shm", "grpc"))
+        assert calls == ["shm"], calls
+        assert p.recv.pool.read_chain(hashes)[0] == []  # nothing of it landed there
+    finally:
+        p.close()

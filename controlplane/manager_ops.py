@@ -719,8 +719,9 @@ class OperationControl(ManagerState):
         reset, a reconnect) is lost with it, and the agent, unaware of the operation, would
         leave its part silent until the operation timeout. An agent that had the command
         after all answers the repeat with what it knows and does not run it twice
-        (agent.api.sync_client); a cancel asked meanwhile follows it. Commands of another
-        agent process are not sent: the restart check fails those parts."""
+        (agent.api.sync_client; it says so in its Hello, and an agent that does not is sent
+        nothing again); a cancel asked meanwhile follows it. Commands of another agent
+        process are not sent: the restart check fails those parts."""
         with self._lock:
             for key, (command, session) in list(self._unheard.items()):
                 op_id, agent_id = key
@@ -733,6 +734,11 @@ class OperationControl(ManagerState):
                 if stream in ("", session) or not self._owns(op):
                     continue
                 if part.incarnation and self.cluster.incarnation_of(agent_id) not in ("", part.incarnation):
+                    del self._unheard[key]
+                    continue
+                if not self.cluster.runs_commands_once(agent_id):
+                    # an older agent would run it twice (a drain twice at once): its part
+                    # waits for the operation timeout, as before
                     del self._unheard[key]
                     continue
                 sent = self.cluster.send_on_stream(agent_id, command)

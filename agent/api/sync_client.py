@@ -390,7 +390,11 @@ class ControlPlaneLink:
             held = [agent_pb2.HeldPin(pin_id=p.pin_id, version=p.version) for p in self._pool.pins.pins.values()]
         yield agent_pb2.AgentMessage(
             hello=agent_pb2.Hello(
-                agent_id=agent_id, session_id=self.session_id, pins=held, incarnation=self.incarnation
+                agent_id=agent_id,
+                session_id=self.session_id,
+                pins=held,
+                incarnation=self.incarnation,
+                runs_commands_once=True,  # (RUN_ONCE_KINDS: a repeat is answered, not run)
             )
         )
         yield from self._inventory_messages()

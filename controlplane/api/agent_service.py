@@ -177,7 +177,13 @@ class AgentServicer(agent_pb2_grpc.AgentServiceServicer):
                     f"this Sync stream is {session['agent_id']!r}'s; a stream says Hello once (open another)"
                 )
             held = {p.pin_id: p.version for p in msg.hello.pins}
-            self._cluster.hello(msg.hello.agent_id, msg.hello.session_id, held, msg.hello.incarnation)
+            self._cluster.hello(
+                msg.hello.agent_id,
+                msg.hello.session_id,
+                held,
+                msg.hello.incarnation,
+                runs_commands_once=msg.hello.runs_commands_once,
+            )
             session["agent_id"], session["session_id"] = msg.hello.agent_id, msg.hello.session_id
             self._cluster.attach_outbox(msg.hello.agent_id, msg.hello.session_id, session["outbox"])
             return None

@@ -122,6 +122,7 @@ class AgentRecord:
     state: AgentState = AgentState.SYNCING
     session_id: str = ""
     incarnation: str = ""  # the agent process behind the current session ("" from older agents)
+    runs_commands_once: bool = False  # a repeated command is answered, not run again (older agents: False)
     last_seq: int = 0
     awaiting_inventory: bool = True
     last_seen_unix_seconds: float = 0.0
@@ -365,6 +366,13 @@ class Cluster:
         with self._lock:
             return any(a not in self._agents for a in self._expected_agents or ())
 
+    def runs_commands_once(self, agent_id: str) -> bool:
+        """Whether the agent said, on its current stream, that it never runs a repeated
+        command twice (an older agent does not: no command is sent it again)."""
+        with self._lock:
+            rec = self._agents.get(agent_id)
+            return rec is not None and rec.runs_commands_once
+
     def incarnation_of(self, agent_id: str) -> str:
         """The process id the agent's current session said ('' unknown or not here)."""
         with self._lock:
@@ -453,14 +461,23 @@ class Cluster:
             ]
 
     # ---- sync -----------------------------------------------------------------------
-    def hello(self, agent_id: str, session_id: str, pins: dict[str, str] | None = None, incarnation: str = "") -> None:
+    def hello(
+        self,
+        agent_id: str,
+        session_id: str,
+        pins: dict[str, str] | None = None,
+        incarnation: str = "",
+        runs_commands_once: bool = False,
+    ) -> None:
         """A Sync stream opened: the agent sends a full inventory next. `pins`: the
         control plane's pins it holds, id -> version (the new stream starts from them).
-        `incarnation`: the agent process's id (another one: it restarted)."""
+        `incarnation`: the agent process's id (another one: it restarted).
+        `runs_commands_once`: a repeated command is answered, not run (Hello's field)."""
         with self._lock:
             rec = self.agent(agent_id)
             rec.session_id = session_id
             rec.incarnation = incarnation
+            rec.runs_commands_once = runs_commands_once
             rec.reported_pins = dict(pins or {})
             rec.state = AgentState.SYNCING
             self.events.publish("agent_state", f"{agent_id} connected; syncing its inventory", agent_id=agent_id)

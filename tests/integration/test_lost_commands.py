@@ -60,6 +60,35 @@ def test_a_move_lost_with_its_stream_is_sent_again_on_the_next(controlplane, mak
     assert lost == [op.op_id]
     assert done.state == "SUCCEEDED" and done.num_done_blocks == 4, (done.state, done.error)
     assert {a.pool.tier_of(h) for h in split_hashes(hash_prefix(M.model_id, prompt, M.block_size))} == {Tier.DISK}
+    assert controlplane.cluster.runs_commands_once("lost1")  # its Hello says so
+
+
+def test_an_agent_that_does_not_say_it_runs_commands_once_is_sent_nothing_again(
+    controlplane, make_agent, tmp_path, monkeypatch
+):
+    """An agent of an earlier release (its Hello without runs_commands_once) would run a
+    repeated command a second time (a drain twice at once): its lost command is left to
+    the operation timeout, as before, and never sent again."""
+    a = make_agent("lost-old", disk_dir=str(tmp_path / "disk"), disk_capacity_bytes=1 << 24)
+    prompt = tokens(4, start=44_000)
+    a.engine.store(M.model_id, prompt, kv(4))
+    hello = controlplane.cluster.hello
+
+    def older_hello(*args, **kw):
+        kw["runs_commands_once"] = False  # what an older agent's Hello reads as
+        return hello(*args, **kw)
+
+    monkeypatch.setattr(controlplane.cluster, "hello", older_hello)
+    with ControlPlaneClient(controlplane.address) as c:
+        wait_for(lambda: indexed(c, "lost-old") == 4, what="indexed")
+        assert not controlplane.cluster.runs_commands_once("lost-old")
+        lost = lose_first_command(monkeypatch, a, "move")
+        op = c.move("disk", model_id=M.model_id, token_ids=prompt)
+        wait_for(lambda: lost == [op.op_id], what="the command lost")
+        time.sleep(1.5)  # several of the manager's passes (0.2 s apart) on the new stream
+        assert a.link._mover.get(op.op_id) is None and a.link.repeated_commands_total == 0
+        assert c.get_operation(op.op_id).state == "PENDING"
+        assert not controlplane.manager._unheard  # given up on: nothing left to send again
 
 
 def test_a_cleanup_lost_with_its_stream_is_sent_again_on_the_next(controlplane, make_agent, monkeypatch):

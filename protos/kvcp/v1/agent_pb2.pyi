@@ -174,16 +174,18 @@ class DataPlaneStats(_message.Message):
     def __init__(self, links: _Optional[_Iterable[_Union[LinkStats, _Mapping]]] = ..., num_inbound_handoffs: _Optional[int] = ..., reserved_bytes: _Optional[int] = ..., handoff_free_bytes: _Optional[int] = ..., handoff_capacity_bytes: _Optional[int] = ..., num_outbound_inflight_handoffs: _Optional[int] = ..., num_outbound_queued_handoffs: _Optional[int] = ..., max_inbound_handoffs: _Optional[int] = ..., handoff_tier: _Optional[_Union[_types_pb2.Tier, str]] = ...) -> None: ...
 
 class Hello(_message.Message):
-    __slots__ = ("agent_id", "session_id", "pins", "incarnation")
+    __slots__ = ("agent_id", "session_id", "pins", "incarnation", "runs_commands_once")
     AGENT_ID_FIELD_NUMBER: _ClassVar[int]
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     PINS_FIELD_NUMBER: _ClassVar[int]
     INCARNATION_FIELD_NUMBER: _ClassVar[int]
+    RUNS_COMMANDS_ONCE_FIELD_NUMBER: _ClassVar[int]
     agent_id: str
     session_id: str
     pins: _containers.RepeatedCompositeFieldContainer[HeldPin]
     incarnation: str
-    def __init__(self, agent_id: _Optional[str] = ..., session_id: _Optional[str] = ..., pins: _Optional[_Iterable[_Union[HeldPin, _Mapping]]] = ..., incarnation: _Optional[str] = ...) -> None: ...
+    runs_commands_once: bool
+    def __init__(self, agent_id: _Optional[str] = ..., session_id: _Optional[str] = ..., pins: _Optional[_Iterable[_Union[HeldPin, _Mapping]]] = ..., incarnation: _Optional[str] = ..., runs_commands_once: _Optional[bool] = ...) -> None: ...
 
 class HeldPin(_message.Message):
     __slots__ = ("pin_id", "version")

@@ -509,6 +509,7 @@ class DataPlane(HandoffPaths):
         plan = DrainPlan(list(destinations), list(free_bytes), serves, footprint)
         sent_to: dict[str, int] = {}  # destination -> payload bytes sent there (the result)
         done: set[bytes] = set()
+        tried: set[bytes] = set()  # blocks of the chains taken up (a cancel leaves the rest untried, not failed)
         moved_bytes = 0
         skipped: list[str] = []  # why chains were left behind
         progress = {"at": 0.0}
@@ -540,6 +541,7 @@ class DataPlane(HandoffPaths):
                     break
                 if all(h in done for h in chain.block_hashes):
                     continue  # its leaf went with it before: the whole chain is at one destination
+                tried.update(chain.block_hashes)
                 order = plan.order(chain)
                 if not order:
                     if not any(plan.takes(d, chain.model_id) for d in plan.destinations):
@@ -580,8 +582,8 @@ class DataPlane(HandoffPaths):
             + sorted(set(skipped))
             + (["destinations full"] if plan.exhausted and left and not plan.given_up else [])
         )
-        if cancelled.is_set():
-            say("CANCELLED", num_failed_blocks=left, result=result)
+        if cancelled.is_set():  # failed: what was tried and left behind; the blocks not tried are neither
+            say("CANCELLED", num_failed_blocks=len(tried - done), result=result)
         elif self._closing and left:  # (not a drain that did all it could: one cut short)
             say(
                 "FAILED",

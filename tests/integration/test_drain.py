@@ -157,6 +157,7 @@ def test_a_drain_cancelled_stops_between_two_prefixes(controlplane, make_agent):
         op = c.wait_operation(op.op_id, 30)
         assert op.state == "CANCELLED", op
         assert 1 <= op.num_done_blocks < 30 and op.num_total_blocks == 30, op
+        assert op.num_failed_blocks == 0, op  # the prefixes not tried did not fail (an operator read "N failed")
 
 
 def test_a_pinned_prefix_drained_is_pinned_where_it_lands(controlplane, make_agent):

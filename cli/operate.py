@@ -604,7 +604,15 @@ def uncordon(ctx: Context, agent_id):
     if not was and agent_id not in {a.agent_id for a in ctx.call(lambda c: c.list_agents())}:
         # a typo must not read as done while the agent meant stays out of rotation
         fail(f"AGENT_ID: no agent {agent_id!r} is registered, and none of that name is cordoned", 1)
+    # a drain of it still running goes on handing its prefixes away: said, with how to stop it
+    draining = [
+        o.op_id
+        for o in ctx.call(lambda c: c.list_operations())
+        if o.kind == "drain" and not o.finished and o.params.get("agent") == agent_id
+    ]
     if ctx.output == "json":
-        click.echo(json.dumps({"agent_id": agent_id, "was_cordoned": was}))
+        click.echo(json.dumps({"agent_id": agent_id, "was_cordoned": was, "running_drains": draining}))
     else:
         click.echo(f"uncordoned {agent_id}" if was else f"{agent_id} was not cordoned")
+        for op_id in draining:
+            click.echo(f"drain {op_id} of {agent_id} is still running: kvctl cancel {op_id} stops it")

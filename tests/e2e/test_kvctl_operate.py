@@ -354,6 +354,6 @@ def test_kvctl_cordon_and_uncordon(cluster):
         typo = kvctl(cluster.endpoint, "uncordon", "agent-typo", check=False)  # not "was not cordoned", exit 0
         assert typo.returncode == 1 and "no agent 'agent-typo' is registered" in typo.stderr, typo
     finally:
-        assert j(cluster, "uncordon", "agent-d") == {"agent_id": "agent-d", "was_cordoned": True}
+        assert j(cluster, "uncordon", "agent-d") == {"agent_id": "agent-d", "was_cordoned": True, "running_drains": []}
     assert kvctl(cluster.endpoint, "uncordon", "agent-d").stdout.strip() == "agent-d was not cordoned"
     assert [a["cordon_reason"] for a in j(cluster, "agents")] == [""]

@@ -153,6 +153,14 @@ def test_a_drain_cancelled_stops_between_two_prefixes(controlplane, make_agent):
         wait_for(lambda: {a.agent_id: a.num_blocks for a in c.list_agents()}.get("k-src") == 30, what="indexed")
         op = c.drain("k-src")
         wait_for(lambda: c.get_operation(op.op_id).num_done_blocks >= 1, 20, what="the drain under way")
+        # kvctl uncordon while it runs says so: the drain would go on handing the prefixes away
+        from click.testing import CliRunner
+
+        from cli.main import main as kvctl_main
+
+        said = CliRunner().invoke(kvctl_main, ["--endpoint", controlplane.address, "uncordon", "k-src"])
+        assert said.exit_code == 0, said.output
+        assert f"drain {op.op_id} of k-src is still running: kvctl cancel {op.op_id} stops it" in said.output
         c.cancel_operation(op.op_id)
         op = c.wait_operation(op.op_id, 30)
         assert op.state == "CANCELLED", op

@@ -212,6 +212,7 @@ class Manager(PinControl, OperationControl, PolicyControl):
         loaded_ops = self.durable.load_ops()
         values, revision = self.durable.load_policy()
         requeue, adopted = [], []
+        ended_elsewhere: list[ops.Operation] = []  # held here unfinished, stored finished by another leader
         with self._lock:
             self.pins, stale_pins = one_per_id(pins)
             merged: dict[str, ops.Operation] = {}
@@ -228,6 +229,8 @@ class Manager(PinControl, OperationControl, PolicyControl):
                 )
                 if held is not None and not mine:
                     self._dirty.discard(stored.op_id)
+                    if stored.finished and not held.finished:
+                        ended_elsewhere.append(stored)
                 merged[stored.op_id] = held if mine and held is not None else stored  # (mine: it is held)
                 if mine:
                     kept.add(stored.op_id)
@@ -251,6 +254,8 @@ class Manager(PinControl, OperationControl, PolicyControl):
                     adopted.append(op)
             self.policy = self._valid_stored_policy(values)
             self.policy_revision = revision
+        for op in ended_elsewhere:  # its waiters (a scope lock held until it ends) and its timing
+            self._signal_finished(op)
         self._delete_stale_pins(stale_pins)
         holders = [op for op in adopted if op.kind == "cleanup" and not op.dry_run and not op.finished]
         if holders:

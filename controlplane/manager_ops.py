@@ -98,11 +98,16 @@ class OperationControl(ManagerState):
                 op_id=op.op_id,
             )
         if op.finished:
-            ev = self._op_done.get(op.op_id)
-            if ev is not None and not ev.is_set():
-                ev.set()
-                if self.on_finished is not None:
-                    self.on_finished(op.kind, op.state, op.updated_unix_seconds - op.created_unix_seconds)
+            self._signal_finished(op)
+
+    def _signal_finished(self, op: ops.Operation) -> None:
+        """Wake whoever waits for the finished operation (its thread, a scope lock held
+        until it ends) and time it, once."""
+        ev = self._op_done.get(op.op_id)
+        if ev is not None and not ev.is_set():
+            ev.set()
+            if self.on_finished is not None:
+                self.on_finished(op.kind, op.state, op.updated_unix_seconds - op.created_unix_seconds)
 
     def _flush_dirty(self) -> None:
         """Write the operations whose latest change etcd did not take (level-triggered)."""

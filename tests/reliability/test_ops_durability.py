@@ -527,6 +527,8 @@ def test_a_result_another_leader_stored_is_not_undone_by_progress_this_one_could
     try:
         agent = StandInAgent(cp)
         wait_for(lambda: cp.manager._loaded_epoch == cp.election.epoch, 5, 0.02, "loaded")
+        timed: list[tuple[str, str]] = []
+        cp.manager.on_finished = lambda kind, state, seconds: timed.append((kind, state))
         op = cp.manager.move(Scope(namespace="ns1"), Tier.DISK)
         key = etcd_keys.OPS_PREFIX + op.op_id
         real_put = cp.manager.durable.put
@@ -555,6 +557,7 @@ def test_a_result_another_leader_stored_is_not_undone_by_progress_this_one_could
         monkeypatch.setattr(cp.manager.durable, "put", real_put)
         time.sleep(0.6)  # the reconcile passes that write what was not stored
         assert cp.manager.get_op(op.op_id).state == "SUCCEEDED"
+        assert cp.manager._op_done[op.op_id].is_set() and timed == [("move", "SUCCEEDED")]  # its waiters woken
         assert stored_op(etcd, op.op_id)["state"] == "SUCCEEDED"
         client.close()
     finally:

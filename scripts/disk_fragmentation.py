@@ -3,12 +3,13 @@ pool (a small CPU slab over a real disk slab in a temporary directory) serving t
 whose blocks differ in size, prompts drawn from a Zipf popularity; every request loads
 its cached prefix and stores the rest, as an engine does. Reports, per mode, the hit
 ratio (blocks found over blocks asked), the disk tier's mean fill (the extents its blocks
-take over its capacity, sampled every request after warm-up) and the blocks pushed out of it.
+take over its capacity, sampled every request after warm-up once the tier first had to
+push a block out) and the blocks pushed out of it.
 
     python scripts/disk_fragmentation.py --requests 6000 [-o json]
 
 "off" disables compaction (allocations push blocks out until a free run fits, as before
-it was built); `--cleanup-every N` drops every block of the small model each N requests
+it was built); `--cleanup-every N` drops every block of the first model each N requests
 (an operator's `kvctl cleanup --model`), leaving holes among the large model's blocks;
 "on" is the pool as it ships, with the background step run every
 `--step-every` requests as the agent's thread would.
@@ -32,8 +33,13 @@ from agent.store.disk_tier import DiskTier
 from agent.store.memory_tier import MemoryTier
 from protos.tier import Tier
 
-SMALL = ModelSpec("small", block_size=16, num_layers=2, num_kv_heads=2, head_dim=8, dtype="float16")  # 2 KiB
-LARGE = ModelSpec("large", block_size=16, num_layers=2, num_kv_heads=2, head_dim=200, dtype="float16")  # 50 KiB
+
+def models(head_dims: list[int]) -> list[ModelSpec]:
+    """One model per head_dim (a block of 16 tokens, 2 layers, 2 KV heads: 256 B per unit
+    of head_dim), named m<head_dim>; the first is the one --cleanup-every drops."""
+    return [
+        ModelSpec(f"m{d}", block_size=16, num_layers=2, num_kv_heads=2, head_dim=d, dtype="float16") for d in head_dims
+    ]
 
 
 def run(mode: str, a: argparse.Namespace) -> dict:
@@ -45,12 +51,10 @@ def run(mode: str, a: argparse.Namespace) -> dict:
         with tempfile.TemporaryDirectory() as d:
             disk = DiskTier(d, a.disk_mib << 20)
             cpu = MemoryTier(Tier.CPU, a.cpu_mib << 20, 512, device="cpu")
-            pool = BlockPool([cpu, disk], [SMALL, LARGE])
-            engine = KVEngineAPI(pool, [SMALL, LARGE])
-            kv = {
-                m.model_id: torch.zeros((a.blocks_per_prompt, *m.block_shape), dtype=m.torch_dtype)
-                for m in (SMALL, LARGE)
-            }
+            specs = models(a.head_dims)
+            pool = BlockPool([cpu, disk], specs)
+            engine = KVEngineAPI(pool, specs)
+            kv = {m.model_id: torch.zeros((a.blocks_per_prompt, *m.block_shape), dtype=m.torch_dtype) for m in specs}
             ranks = np.arange(1, a.prompts + 1, dtype=np.float64)
             p = ranks**-a.zipf
             p /= p.sum()
@@ -60,7 +64,7 @@ def run(mode: str, a: argparse.Namespace) -> dict:
             t0 = time.perf_counter()
             for i in range(a.requests):
                 prompt = int(rng.choice(a.prompts, p=p))
-                model = SMALL if prompt % 2 else LARGE
+                model = specs[prompt % len(specs)]
                 toks = list(range(prompt * 100_000, prompt * 100_000 + a.blocks_per_prompt * model.block_size))
                 hit = engine.lookup(model.model_id, toks) // model.block_size
                 if hit:
@@ -70,7 +74,7 @@ def run(mode: str, a: argparse.Namespace) -> dict:
                     data.fill_(float(i % 7))
                     engine.store(model.model_id, toks, data, first_block=hit)
                 if a.cleanup_every and i % a.cleanup_every == a.cleanup_every - 1:
-                    pool.cleanup(0.0, model_id=SMALL.model_id)  # an operator's cleanup of one model: holes
+                    pool.cleanup(0.0, model_id=specs[0].model_id)  # an operator's cleanup of one model: holes
                 if a.step_every and mode == "on" and i % a.step_every == 0:
                     pool.compact_disk()
                 if i == a.warmup:
@@ -78,8 +82,9 @@ def run(mode: str, a: argparse.Namespace) -> dict:
                 if i >= a.warmup:
                     asked += a.blocks_per_prompt
                     found += hit
-                    usage = {u.tier: u for u in pool.usage()}[Tier.DISK]
-                    fills.append(usage.used_bytes / disk.capacity_bytes)
+                    if pool.evictions_total[Tier.DISK]:  # full once: what it holds from then on
+                        usage = {u.tier: u for u in pool.usage()}[Tier.DISK]
+                        fills.append(usage.used_bytes / disk.capacity_bytes)
             seconds = time.perf_counter() - t0
             out = {
                 "mode": mode,
@@ -107,7 +112,13 @@ def main() -> None:
     p.add_argument("--disk-mib", type=int, default=16)
     p.add_argument("--step-every", type=int, default=50, help="requests between background steps (0: none)")
     p.add_argument(
-        "--cleanup-every", type=int, default=0, help="requests between cleanups of the small model (0: none)"
+        "--head-dims",
+        type=lambda v: [int(x) for x in v.split(",")],
+        default=[8, 200],
+        help="one model per head_dim, comma separated: blocks of 256 B x head_dim (default 8,200: 2 and 50 KiB)",
+    )
+    p.add_argument(
+        "--cleanup-every", type=int, default=0, help="requests between cleanups of the first model (0: none)"
     )
     p.add_argument("--seed", type=int, default=1)
     p.add_argument("-o", "--output", choices=["table", "json"], default="table")

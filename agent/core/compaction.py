@@ -40,7 +40,7 @@ COMPACT_BACKOFF_MAX_SECONDS = 64.0
 # an allocation whose plan found no window lets the allocations of this long after it
 # evict as they would without planning: in a tier kept full by evictions the holes are
 # mostly too small for the blocks a window would move, and a failed plan costs ~1 ms under
-# the pool's lock (scripts/disk_fragmentation.py: 2,500 plans for 12 compactions in 3,000
+# the pool's lock (scripts/disk_fragmentation.py: 2,474 plans for 12 compactions in 3,000
 # requests without it)
 ALLOCATION_PLAN_BACKOFF_SECONDS = 0.25
 

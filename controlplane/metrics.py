@@ -29,7 +29,7 @@ from protos.metrics import (
 )
 
 AGENT_STATES = tuple(s.name.lower() for s in AgentState)
-OPERATION_KINDS = ("move", "cleanup", "compress", "transfer")
+OPERATION_KINDS = ("move", "cleanup", "compress", "transfer", "drain")
 OPERATION_STATES = ("pending", "running", "succeeded", "failed", "cancelled")
 # what a lookup-socket frame is answered with (others, rarer, appear when they happen)
 LOOKUP_SOCKET_CODES = ("OK", "INVALID_ARGUMENT", "NOT_FOUND", "UNAVAILABLE", "UNAUTHENTICATED", "FAILED_PRECONDITION")

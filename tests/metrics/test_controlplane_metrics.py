@@ -156,6 +156,8 @@ def test_operation_and_pin_hooks(setup):
     assert v("kvcp_pins") == 0 and v("kvcp_pinned_bytes") == 0
     assert v("kvcp_operations", {"kind": "cleanup", "state": "running"}) == 0
     assert v("kvcp_operation_duration_seconds_count", {"kind": "move", "state": "succeeded"}) == 0
+    assert v("kvcp_operations", {"kind": "drain", "state": "running"}) == 0  # (left out when drains came)
+    assert v("kvcp_operation_duration_seconds_count", {"kind": "drain", "state": "failed"}) == 0
 
     metrics.collector.pins_source = lambda: PinStats(num_pins=3, pinned_bytes=3 << 20)
     metrics.collector.operations_source = lambda: {("move", "running"): 2, ("replicate", "pending"): 1}

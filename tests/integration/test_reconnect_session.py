@@ -30,7 +30,9 @@ def test_reconnect_under_applier_backlog_keeps_outbox(monkeypatch, etcd, make_ag
     ).start()
     try:
         orig_hello = cp.cluster.hello
-        monkeypatch.setattr(cp.cluster, "hello", lambda a, s, *rest: (hellos.append(s), orig_hello(a, s, *rest))[1])
+        monkeypatch.setattr(
+            cp.cluster, "hello", lambda a, s, *rest, **kw: (hellos.append(s), orig_hello(a, s, *rest, **kw))[1]
+        )
         a = make_agent("blip", lease_ttl_seconds=5)
         a.engine.store(M.model_id, tokens(3), kv(3))
         wait_for(lambda: cp.cluster.index.num_agent_blocks("blip") == 3 and cp.cluster.agent("blip").outbox is not None)

@@ -103,11 +103,13 @@ class OperationControl(ManagerState):
     def _signal_finished(self, op: ops.Operation) -> None:
         """Wake whoever waits for the finished operation (its thread, a scope lock held
         until it ends) and time it, once."""
-        ev = self._op_done.get(op.op_id)
-        if ev is not None and not ev.is_set():
+        with self._lock:  # the check and the set as one: load() and a progress report may both end it
+            ev = self._op_done.get(op.op_id)
+            if ev is None or ev.is_set():
+                return
             ev.set()
-            if self.on_finished is not None:
-                self.on_finished(op.kind, op.state, op.updated_unix_seconds - op.created_unix_seconds)
+        if self.on_finished is not None:
+            self.on_finished(op.kind, op.state, op.updated_unix_seconds - op.created_unix_seconds)
 
     def _flush_dirty(self) -> None:
         """Write the operations whose latest change etcd did not take (level-triggered)."""

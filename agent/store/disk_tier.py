@@ -44,10 +44,12 @@ says may move: held, not being read or moved; the next cheapest when its blocks 
 room outside it), holds its free runs out of the allocator
 and takes the blocks' new extents, first fit; `copy_extent` copies each block whole,
 header rewritten under a new write sequence, and reads it back verified; the pool makes
-the copies durable (`sync`), points each block at its new extent and frees the old one
-like any other, through the dead log. A crash before a dead record is on disk leaves two
-copies, and the later write (the relocated one) wins; after it, the old copy is dead: a
-restart finds each block once and never a freed copy.
+the copies durable (`sync`, with `fsync` only), points each block at its new extent and
+frees the old one like any other, through the dead log. A crash before a dead record is on
+disk leaves two copies, and the later write (the relocated one) wins; after it, the old
+copy is dead: a restart finds each block once and never a freed copy. Without `fsync` that
+holds for a process that dies (the page cache keeps the order written); a power loss may
+persist the dead record without the copy and lose the block (never serve a corrupt one).
 """
 
 from __future__ import annotations

@@ -74,3 +74,34 @@ def test_kvctl_cordon_refuses_a_reason_that_would_uncordon(monkeypatch):
         result = CliRunner().invoke(cli_main.main, ["cordon", "a1", "--reason", reason])
         assert result.exit_code == 2 and "--reason" in result.output, result.output
     assert asked == []
+
+
+def test_kvctl_uncordon_that_took_says_so_when_the_drain_listing_fails(monkeypatch):
+    """uncordon then lists operations to name a drain of the agent still running: a
+    listing that failed (a failover, a timeout) exited 1 with the listing's error and no
+    word of the uncordon, which had taken (a second try then says 'was not cordoned')."""
+    from click.testing import CliRunner
+
+    from cli import main as cli_main
+    from cli.client import ClientError
+
+    class FakeClient:
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            return False
+
+        def uncordon(self, agent_id):
+            return True
+
+        def list_operations(self, *args, **kw):
+            raise ClientError("UNAVAILABLE", "no leader: the control plane is electing one")
+
+    monkeypatch.setattr(cli_main.Context, "client", lambda self: FakeClient())
+    result = CliRunner().invoke(cli_main.main, ["uncordon", "a1"])
+    assert result.exit_code == 0, result.output
+    assert "uncordoned a1" in result.output and "no leader" in result.output, result.output
+    result = CliRunner().invoke(cli_main.main, ["-o", "json", "uncordon", "a1"])
+    assert result.exit_code == 0, result.output
+    assert '"was_cordoned": true' in result.output and '"running_drains": null' in result.output, result.output

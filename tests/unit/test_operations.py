@@ -163,3 +163,37 @@ def test_a_record_an_earlier_release_stored_loads_and_is_stored_under_the_new_na
     del part["done"]
     with pytest.raises(KeyError):
         op_from_json(json.dumps(old).encode())
+
+
+def test_an_operation_ended_here_and_elsewhere_at_once_is_timed_once():
+    """Manager.load signals an operation another leader ended (outside its lock) while a
+    progress report may end the same operation here: the check of its event and the set
+    were two steps, so both could pass the check and on_finished counted it twice."""
+    import threading
+
+    from controlplane.core.cluster import Cluster
+    from controlplane.manager import Manager
+
+    manager = Manager(Cluster(), durable=None, election=None)
+    op = ops.new_operation("move", {"to": "disk"}, ["a1"], now=0.0)
+    ops.apply_update(op, "a1", ops.SUCCEEDED, 8, 8, 0, 0, "", now=1.0)
+    both_checked = threading.Barrier(2, timeout=1.0)
+
+    class SlowCheck(threading.Event):
+        def is_set(self) -> bool:  # both callers between the check and the set, if they can be
+            seen = super().is_set()
+            try:
+                both_checked.wait()
+            except threading.BrokenBarrierError:
+                pass
+            return seen
+
+    manager._op_done[op.op_id] = SlowCheck()
+    timed = []
+    manager.on_finished = lambda kind, state, seconds: timed.append(state)
+    threads = [threading.Thread(target=manager._signal_finished, args=(op,)) for _ in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert timed == [ops.SUCCEEDED]

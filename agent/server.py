@@ -280,8 +280,9 @@ class Agent:
         that moved blocks, else a look every COMPACT_IDLE_SECONDS."""
         while not stop.wait(COMPACT_IDLE_SECONDS):
             try:
-                while self.pool.compact_disk() and not stop.wait(0.01):
-                    pass
+                moved_bytes = self.pool.compact_disk()
+                while moved_bytes and not stop.wait(0.01):  # more to do: the next step at once
+                    moved_bytes = self.pool.compact_disk()
             except Exception:  # noqa: BLE001 - a failed step leaves every block where it was; tried again later
                 log.exception("disk tier compaction failed")
 

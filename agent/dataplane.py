@@ -59,6 +59,7 @@ from agent.core.handoff import (
     RetryPolicy,
 )
 from agent.handoff_paths import HandoffPaths, PathError, Peer, Stalled
+from agent.store.memory_tier import paged_bytes
 from agent.store.shm import PeerSlab, host_id, own_start_ticks, process_alive
 from agent.store.transfer_engine import TransferBackend, TransferFailed, TransferTimedOut
 from protos import errors, etcd_keys, security
@@ -504,7 +505,7 @@ class DataPlane(HandoffPaths):
 
         def footprint(destination: str, num_bytes: int) -> int:
             page = page_bytes.get(destination)  # (an older agent does not say: charged as here)
-            return max(1, -(-num_bytes // page)) * page if page else own(num_bytes)
+            return paged_bytes(num_bytes, page) if page else own(num_bytes)
 
         plan = DrainPlan(list(destinations), list(free_bytes), serves, footprint)
         sent_to: dict[str, int] = {}  # destination -> payload bytes sent there (the result)

@@ -100,9 +100,7 @@ class DiskCompaction:
         done: list = []
         try:
             metas = [self.blocks[move.block_hash] for move in plan.moves]
-            copied = [
-                (move, meta) for move, meta in zip(plan.moves, metas, strict=True) if self._copy(store, meta, move)
-            ]
+            copied = self._copy_moves(store, plan, metas)
             done = self._switch_relocated(store, copied)
         finally:
             # the blocks found corrupt stay (invisible) until a later step drops them: the
@@ -134,9 +132,7 @@ class DiskCompaction:
                 meta.moving = True  # neither dropped, evicted nor moved meanwhile; readers still read it
         done: list = []
         try:
-            copied = [
-                (move, meta) for move, meta in zip(plan.moves, metas, strict=True) if self._copy(store, meta, move)
-            ]
+            copied = self._copy_moves(store, plan, metas)
             done = self._switch_relocated(store, copied, wait_seconds=READER_WAIT_SECONDS)
         finally:
             with self.lock:
@@ -157,6 +153,10 @@ class DiskCompaction:
         if drop_corrupt:
             with self.lock:
                 self._drop_corrupt()
+
+    def _copy_moves(self, store: CompactingStore, plan, metas: list[BlockMeta]) -> list:
+        """The (move, block) pairs of the plan whose block was copied to its new extent."""
+        return [(move, meta) for move, meta in zip(plan.moves, metas, strict=True) if self._copy(store, meta, move)]
 
     def _copy(self, store: CompactingStore, meta: BlockMeta, move) -> bool:
         """Copy one block to its new extent (the caller frees it when this fails); a block

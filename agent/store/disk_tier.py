@@ -169,36 +169,20 @@ class DiskHandle:
 
 @dataclass
 class Relocation:
-    """One block a compaction moves: the hash its extent was taken for, where the extent
-    is (`old_offset`), and the extent it gets (written by copy_extent)."""
+    """One block a compaction moves: the hash its extent was taken for and the extent it
+    gets (written by copy_extent)."""
 
     block_hash: bytes
-    old_offset: int
     new: DiskHandle
 
 
 @dataclass
 class CompactionPlan:
-    """A window [start, end) of the slab (bytes) to empty, its free runs held out of the
-    allocator (granules: start, length) and the blocks to move out of it."""
+    """The free runs of the window to empty, held out of the allocator (granules: start,
+    length), and the blocks to move out of it."""
 
-    start: int
-    end: int
     claimed: list[tuple[int, int]]
     moves: list[Relocation]
-
-
-@dataclass(frozen=True)
-class _HeaderFields:
-    """What encode_header reads of a block, for a copy whose header is rewritten."""
-
-    block_hash: bytes
-    parent_hash: bytes
-    codec: str
-    num_bytes: int
-    model_id: str
-    namespace: str
-    last_access_unix_seconds: float
 
 
 @dataclass(frozen=True)
@@ -844,7 +828,7 @@ class DiskTier:
             else:
                 at += self._extent_at[at][0]
         moves: list[Relocation] = []
-        for start, length, tag in inside:
+        for _, length, tag in inside:
             new = self._extents.allocate(length, self._phase(length * GRANULE_BYTES))
             if new is None:  # the blocks do not fit elsewhere: nothing is taken
                 for m in moves:
@@ -854,15 +838,9 @@ class DiskTier:
                     self._extents.free(at, take)
                 return None
             self._extent_at[new] = (length, tag)
-            moves.append(
-                Relocation(
-                    tag,
-                    start * GRANULE_BYTES,
-                    DiskHandle(new * GRANULE_BYTES, length * GRANULE_BYTES),
-                )
-            )
+            moves.append(Relocation(tag, DiskHandle(new * GRANULE_BYTES, length * GRANULE_BYTES)))
         self._used += sum(m.new.footprint_bytes for m in moves)  # until the old extents are freed
-        return CompactionPlan(first * GRANULE_BYTES, end * GRANULE_BYTES, claimed, moves)
+        return CompactionPlan(claimed, moves)
 
     def _window(
         self, first: int, n: int, phase: int | None, movable: Callable[[bytes, int], bool], max_move_bytes: int
@@ -918,16 +896,9 @@ class DiskTier:
         payload = np.empty(head.payload_bytes, dtype=np.uint8)
         self._read(old, [payload], head.block_hash)  # its seq and checksum are the handle's
         seq = next(self._seq)
-        meta = _HeaderFields(
-            head.block_hash,
-            head.parent_hash,
-            head.codec,
-            head.num_bytes,
-            head.model_id,
-            head.namespace,
-            head.last_access_unix_seconds,
-        )
-        raw = encode_header(seq, meta, head.payload_bytes, head.checksum, head.layout).ljust(HEADER_SLOT_BYTES, b"\0")
+        # the header read names the block as encode_header wants it (hashes, codec, model,
+        # namespace, last access): written again as it was, under the new sequence
+        raw = encode_header(seq, head, head.payload_bytes, head.checksum, head.layout).ljust(HEADER_SLOT_BYTES, b"\0")
         used = HEADER_SLOT_BYTES + head.payload_bytes
         if used > new.footprint_bytes:
             raise OSError(

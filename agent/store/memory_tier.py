@@ -90,6 +90,12 @@ def _one_run(pages: list[int]) -> bool:
     return last - first == len(pages) - 1 and pages == list(range(first, last + 1))
 
 
+def paged_bytes(num_bytes: int, page_bytes: int) -> int:
+    """What a block of `num_bytes` takes in a slab of `page_bytes` pages: whole pages, one
+    at least (a compressed block's payload may end inside its last)."""
+    return max(1, -(-num_bytes // page_bytes)) * page_bytes
+
+
 class MemoryTier:
     def __init__(
         self, tier: Tier, capacity_bytes: int, page_bytes: int, device: str | None = None, shared: bool = False
@@ -139,7 +145,7 @@ class MemoryTier:
         return (self.num_pages - len(self._free)) * self.page_bytes
 
     def footprint(self, num_bytes: int) -> int:
-        return max(1, -(-num_bytes // self.page_bytes)) * self.page_bytes
+        return paged_bytes(num_bytes, self.page_bytes)
 
     def allocate(self, num_bytes: int, block_hash: bytes = b""):
         n = max(1, -(-num_bytes // self.page_bytes))

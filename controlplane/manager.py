@@ -27,7 +27,7 @@ from controlplane.core.cluster import AgentCommand, Cluster, ModelInfo
 from controlplane.core.pins import Pin, one_per_id
 from controlplane.core.scope import Scope
 from controlplane.core.tuning import CreditTuner
-from controlplane.manager_ops import OperationControl
+from controlplane.manager_ops import ANOTHER_LEADERS_STREAM, OperationControl
 from controlplane.manager_pins import PinControl
 from controlplane.manager_policy import PolicyControl
 from controlplane.store.durable import DurableStore, pin_key, pin_to_json
@@ -72,6 +72,8 @@ class Manager(PinControl, OperationControl, PolicyControl):
         # (op id, agent id) -> its command and the session of the stream it went down, until
         # the agent first answers: one lost with its stream is sent again on the next
         self._unheard: dict[tuple[str, str], tuple[AgentCommand, str]] = {}
+        # op ids whose commands are stored in etcd (for a next leader): deleted at their end
+        self._stored_commands: set[str] = set()
         self._op_done: dict[str, threading.Event] = {}
         # adopted cleanups taking their scope locks again: queued ones wait for that first
         self._adopted_locks_pending = 0
@@ -210,6 +212,7 @@ class Manager(PinControl, OperationControl, PolicyControl):
             self._restore_after_etcd_reset(epoch)
         pins = self.durable.load_pins()
         loaded_ops = self.durable.load_ops()
+        stored_commands = self.durable.load_op_commands()
         values, revision = self.durable.load_policy()
         requeue, adopted = [], []
         ended_elsewhere: list[ops.Operation] = []  # held here unfinished, stored finished by another leader
@@ -252,6 +255,13 @@ class Manager(PinControl, OperationControl, PolicyControl):
                         requeue.append(op)
                 elif op_id not in kept:
                     adopted.append(op)
+                    for agent_id, command in stored_commands.get(op_id, {}).items() if op.commands_sent else ():
+                        part = op.parts.get(agent_id)
+                        if part is not None and part.state not in ops.TERMINAL:
+                            # sent again once the agent has a stream here (_resend_lost_commands)
+                            self._unheard[(op_id, agent_id)] = (command, ANOTHER_LEADERS_STREAM)
+            # deleted when their operations end; those of ended ones by the next pass
+            self._stored_commands.update(stored_commands)
             self.policy = self._valid_stored_policy(values)
             self.policy_revision = revision
         for op in ended_elsewhere:  # its waiters (a scope lock held until it ends) and its timing
@@ -267,8 +277,10 @@ class Manager(PinControl, OperationControl, PolicyControl):
         for op in adopted:
             # another leader sent its commands: its agents run them to the end and report
             # on their new streams (progress, or the final answer they send again), so it
-            # is followed from here; a part whose agent never reports (it never got the
-            # command, or left) fails after the operation timeout like any silent part
+            # is followed from here. A command lost with that leader's stream is sent again
+            # from its copy in etcd (an agent that had it answers the repeat with where it
+            # stands); a part whose agent never reports (its command was not kept, or it
+            # left) fails after the operation timeout like any silent part
             with self._lock:
                 now = self.clock()
                 for part in op.parts.values():

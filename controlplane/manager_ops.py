@@ -19,7 +19,7 @@ from controlplane.core.policy import room_without_drops_bytes
 from controlplane.core.scope import Scope, block_bytes
 from controlplane.manager_policy import MAX_CORDON_REASON_CHARS
 from controlplane.manager_state import ManagerState
-from controlplane.store.durable import op_to_json
+from controlplane.store.durable import MAX_OP_COMMANDS_BYTES, op_commands_to_json, op_to_json
 from controlplane.store.locks import EtcdLock
 from protos import errors, etcd_keys
 from protos.kv_format import CODECS, MAX_HANDOFF_DEADLINE_SECONDS
@@ -34,6 +34,9 @@ CANCEL_RESEND_SECONDS = 1.0  # a cancel no agent answered yet is sent again this
 # a drain that ended keeps the room it was given at most this long, until its destinations
 # have reported their usage since (their reports come every second by default)
 DRAIN_REPORT_WAIT_SECONDS = 10.0
+# the session an adopted operation's commands went down: another leader's stream, never
+# one of this leader's (they are sent again once their agent has a stream here)
+ANOTHER_LEADERS_STREAM = ""
 
 
 def _exact(seconds: float) -> str:
@@ -99,6 +102,7 @@ class OperationControl(ManagerState):
             )
         if op.finished:
             self._signal_finished(op)
+            self._drop_stored_commands(op.op_id)
 
     def _signal_finished(self, op: ops.Operation) -> None:
         """Wake whoever waits for the finished operation (its thread, a scope lock held
@@ -125,23 +129,64 @@ class OperationControl(ManagerState):
                 self._dirty.discard(op.op_id)
 
     def _fan_out(self, op: ops.Operation, commands: dict[str, AgentCommand]) -> None:
+        self._store_commands(op, commands)
         # under the lock: a cancel that came meanwhile (since the op was registered, or while
         # its start was being recorded) is seen, and none can slip in between check and send
         with self._lock:
-            if op.finished or op.cancel_requested:
-                return
-            now = self.clock()
-            for part in op.parts.values():
-                part.updated_unix_seconds = now  # silence is counted from when commands go out
-            op.commands_sent = True  # from here a cancel waits for the agents' own answers
-            for agent_id, cmd in commands.items():
-                session = self.cluster.send_on_stream(agent_id, cmd)
-                if not session:
-                    ops.fail_part(op, agent_id, "agent has no open stream to the control plane")
-                elif agent_id in op.parts:
-                    op.parts[agent_id].incarnation = self.cluster.incarnation_of(agent_id)
-                    self._unheard[(op.op_id, agent_id)] = (cmd, session)
+            unsent = op.finished or op.cancel_requested
+            if not unsent:
+                self._send_commands(op, commands)
+        if unsent:
+            self._drop_stored_commands(op.op_id)
+            return
         self._op_changed(op)
+
+    def _send_commands(self, op: ops.Operation, commands: dict[str, AgentCommand]) -> None:
+        """(Under the lock.)"""
+        now = self.clock()
+        for part in op.parts.values():
+            part.updated_unix_seconds = now  # silence is counted from when commands go out
+        op.commands_sent = True  # from here a cancel waits for the agents' own answers
+        for agent_id, cmd in commands.items():
+            session = self.cluster.send_on_stream(agent_id, cmd)
+            if not session:
+                ops.fail_part(op, agent_id, "agent has no open stream to the control plane")
+            elif agent_id in op.parts:
+                op.parts[agent_id].incarnation = self.cluster.incarnation_of(agent_id)
+                self._unheard[(op.op_id, agent_id)] = (cmd, session)
+
+    def _store_commands(self, op: ops.Operation, commands: dict[str, AgentCommand]) -> None:
+        """Keep the operation's commands in etcd until it ends: a command still on its way
+        when this leader dies is lost with its stream, and the next leader, which adopts
+        the operation, sends it again (agents run each once). Best effort: etcd refusing
+        it (or an operation of more blocks than a request holds) leaves such a part to the
+        operation timeout, as before."""
+        if op.finished or op.cancel_requested or not commands:
+            return
+        value = op_commands_to_json({a: c for a, c in commands.items() if a in op.parts})
+        if len(value) > MAX_OP_COMMANDS_BYTES:
+            log.info("operation %s's commands (%d bytes) are not kept for a next leader", op.op_id, len(value))
+            return
+        try:
+            self.durable.put(etcd_keys.OP_COMMANDS_PREFIX + op.op_id, value)
+        except errors.KvcpError as exc:
+            log.warning("could not keep operation %s's commands for a next leader: %s", op.op_id, exc)
+            return
+        with self._lock:
+            self._stored_commands.add(op.op_id)
+
+    def _drop_stored_commands(self, op_id: str) -> None:
+        """Delete a finished operation's stored commands (etcd away: the next pass tries
+        again, and a next leader's load deletes those of ended operations)."""
+        with self._lock:
+            if op_id not in self._stored_commands:
+                return
+        try:
+            self.durable.delete(etcd_keys.OP_COMMANDS_PREFIX + op_id)
+        except errors.KvcpError:
+            return
+        with self._lock:
+            self._stored_commands.discard(op_id)
 
     def move(self, scope: Scope, to_tier: Tier, codec: str = "") -> ops.Operation:
         self.ensure_loaded()
@@ -785,6 +830,10 @@ class OperationControl(ManagerState):
                 with self._lock:
                     self._op_done.setdefault(op.op_id, threading.Event())
                 self._start_locked(op)
+        with self._lock:
+            ended = [i for i in self._stored_commands if i not in self.ops or self.ops[i].finished]
+        for op_id in ended:  # (their deletes at the end found etcd away)
+            self._drop_stored_commands(op_id)
         self._resend_lost_commands(now)
         for op in running:
             asked = self._cancel_asked.get(op.op_id, 0.0)

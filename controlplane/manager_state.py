@@ -50,6 +50,7 @@ class ManagerState:
     _op_said: dict[str, tuple[str, str]]
     _cancel_asked: dict[str, float]
     _unheard: dict[tuple[str, str], tuple[AgentCommand, str]]
+    _stored_commands: set[str]
     _op_done: dict[str, threading.Event]
     _adopted_locks_pending: int
     _adopted_locks_settled: threading.Event

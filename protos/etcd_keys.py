@@ -5,6 +5,8 @@ process connects. Everything durable lives here; the block index never does.
     /kvcp/v1/pins/<namespace>/<pin_id>  Pin
     /kvcp/v1/config/policy              Policy (tier settings, quota.<ns>, cordon.<agent_id>)
     /kvcp/v1/ops/<op_id>                Operation
+    /kvcp/v1/opcommands/<op_id>         the commands an unfinished operation sent its agents
+                                        (a next leader sends a lost one again); deleted at its end
     /kvcp/v1/election/leader            leader address, under the leader's lease;
                                         its create_revision is the epoch
     /kvcp/v1/locks/<name>               distributed locks
@@ -41,6 +43,7 @@ def cordoned_agents(policy_values: dict[str, str]) -> dict[str, str]:
 
 
 OPS_PREFIX = ROOT + "ops/"
+OP_COMMANDS_PREFIX = ROOT + "opcommands/"
 LEADER_KEY = ROOT + "election/leader"
 # written by each leader once it has loaded its state: an etcd without it holds no
 # leader's state (new, or emptied), which is when a leader may restore its own from memory

@@ -9,10 +9,12 @@ etcd being unreachable becomes `Unavailable` with a sentence saying so.
 from __future__ import annotations
 
 import base64
+import dataclasses
 import json
 import logging
 from collections.abc import Callable
 
+from controlplane.core.cluster import AgentCommand
 from controlplane.core.operations import AgentPart, Operation
 from controlplane.core.pins import Pin
 from protos import errors, etcd_keys
@@ -162,6 +164,35 @@ def op_from_json(raw: bytes) -> Operation:
             p.get("result", ""),
         )
     return op
+
+
+# the most an operation's stored commands take (etcd refuses requests over 1.5 MiB by
+# default): an operation of more blocks than that is not sent again by a next leader
+MAX_OP_COMMANDS_BYTES = 1 << 20
+
+
+def op_commands_to_json(commands: dict[str, AgentCommand]) -> str:
+    """The commands one operation sent, by agent: what a next leader sends again to an
+    agent whose command was lost with this leader's stream."""
+    out = {}
+    for agent_id, cmd in commands.items():
+        d = dataclasses.asdict(cmd)
+        d["block_hashes"] = base64.b64encode(cmd.block_hashes).decode()
+        out[agent_id] = d
+    return json.dumps(out)
+
+
+def op_commands_from_json(raw: bytes) -> dict[str, AgentCommand]:
+    """Commands stored by op_commands_to_json; fields a later release added are left out."""
+    known = {f.name for f in dataclasses.fields(AgentCommand)}
+    out = {}
+    for agent_id, d in json.loads(raw).items():
+        fields = {k: v for k, v in d.items() if k in known}
+        fields["block_hashes"] = base64.b64decode(fields.get("block_hashes", ""))
+        for name in ("peer_agent_ids", "peer_free_bytes"):
+            fields[name] = tuple(fields.get(name, ()))
+        out[agent_id] = AgentCommand(**fields)
+    return out
 
 
 # how gRPC says a call never left (no connection was made): a refusal, nothing applied
@@ -360,6 +391,22 @@ class DurableStore:
                 out.append(op_from_json(raw))
             except (ValueError, KeyError) as exc:
                 log.warning("ignoring a malformed operation in etcd: %s", exc)
+        return out
+
+    def load_op_commands(self) -> dict[str, dict[str, AgentCommand]]:
+        """op id -> agent id -> the command it was sent (unfinished operations only)."""
+        try:
+            records = [
+                (meta.key.decode(), value) for value, meta in self._client.get_prefix(etcd_keys.OP_COMMANDS_PREFIX)
+            ]
+        except Exception as exc:  # noqa: BLE001
+            raise self._unavailable(exc) from None
+        out = {}
+        for key, raw in records:
+            try:
+                out[key.removeprefix(etcd_keys.OP_COMMANDS_PREFIX)] = op_commands_from_json(raw)
+            except (ValueError, KeyError, TypeError) as exc:
+                log.warning("ignoring malformed stored commands at %s: %s", key, exc)
         return out
 
     def load_policy(self) -> tuple[dict[str, str], int]:

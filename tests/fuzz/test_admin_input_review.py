@@ -13,7 +13,13 @@ from protos.kvcp.v1 import admin_pb2_grpc, agent_pb2, types_pb2
 from tests.fuzz.support import BS, M, start_cluster, tokens
 from tests.helpers import wait_for
 
-DURABLE = (etcd_keys.PINS_PREFIX, etcd_keys.POLICY_KEY, etcd_keys.OPS_PREFIX, etcd_keys.LOCKS_PREFIX)
+DURABLE = (
+    etcd_keys.PINS_PREFIX,
+    etcd_keys.POLICY_KEY,
+    etcd_keys.OPS_PREFIX,
+    etcd_keys.OP_COMMANDS_PREFIX,
+    etcd_keys.LOCKS_PREFIX,
+)
 
 
 def snapshot(etcd_endpoint: str) -> dict[str, bytes]:

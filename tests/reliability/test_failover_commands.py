@@ -1,0 +1,203 @@
+"""A command on its way when its leader died was lost with that leader's stream: the next
+leader adopted the operation but not its commands, so the agent never heard of it and its
+part failed at the operation timeout. Each operation's commands are now kept in etcd until
+it ends, and the next leader sends a part still unanswered again once its agent is on a
+stream there (agents run a command once: a repeat is answered with where it stands).
+Real etcd, two control-plane replicas in process, stand-in and real agents."""
+
+from __future__ import annotations
+
+import threading
+
+from agent.server import DEMO_MODEL
+from controlplane.api import convert
+from controlplane.core.scope import Scope
+from controlplane.server import ControlPlane, ControlPlaneConfig
+from controlplane.store.durable import op_commands_from_json
+from protos import errors, etcd_keys
+from protos.block_hash import hash_prefix, split_hashes
+from protos.tier import Tier
+from tests.helpers import wait_for
+from tests.integration.test_pins_ops import kv, tokens
+from tests.reliability.test_ops_durability import StandInAgent, start_cp
+
+M = DEMO_MODEL
+
+
+def stored_commands(etcd: str, op_id: str):
+    client = etcd_keys.connect(etcd)
+    try:
+        raw, _ = client.get(etcd_keys.OP_COMMANDS_PREFIX + op_id)
+        return op_commands_from_json(raw) if raw else None
+    finally:
+        client.close()
+
+
+def follower(etcd: str) -> ControlPlane:
+    config = ControlPlaneConfig(
+        listen="127.0.0.1:0",
+        etcd=etcd,
+        election_ttl_seconds=3,
+        metrics_listen="",
+        policy_enabled=False,
+        op_timeout_seconds=60,
+    )
+    return ControlPlane(config).start()
+
+
+def on_stream(cp: ControlPlane, agent_id: str, session: str, runs_commands_once: bool = True) -> StandInAgent:
+    """The stand-in agent `agent_id` on a stream of `cp` (its Hello as this release's)."""
+    agent = StandInAgent(cp, agent_id)
+    cp.cluster.hello(agent_id, session, runs_commands_once=runs_commands_once)
+    cp.cluster.attach_outbox(agent_id, session, agent.outbox)
+    return agent
+
+
+def take_over(old: ControlPlane, new: ControlPlane) -> None:
+    old.stop()  # resigns: the follower wins at once
+    wait_for(lambda: new.election.is_leader, 15, 0.02, "the follower leads")
+    wait_for(lambda: new.manager._loaded_epoch == new.election.epoch, 10, 0.02, "its state loaded")
+
+
+def test_a_command_lost_with_a_dead_leader_is_sent_again_by_the_next(etcd):
+    a = start_cp(etcd, op_timeout_seconds=60)
+    b = None
+    try:
+        first1, first2 = on_stream(a, "a1", "s1"), on_stream(a, "a2", "s1")
+        op = a.manager.move(Scope(namespace="ns1"), Tier.DISK, codec="int8")
+        # a1's went down a's stream and was lost with it; a2 had its own and is running it
+        [sent] = first1.commands("move", op.op_id)
+        assert sent.codec == "int8" and sent.namespace == "ns1"
+        assert stored_commands(etcd, op.op_id) == {"a1": sent, "a2": first2.commands("move", op.op_id)[0]}
+        b = follower(etcd)
+        take_over(a, b)
+        a1, a2 = on_stream(b, "a1", "t1"), on_stream(b, "a2", "t1")
+        b.manager.run_once()
+        assert a1.commands("move", op.op_id) == [sent]  # the same command: codec and all
+        assert len(a2.commands("move", op.op_id)) == 1  # it had it: it answers the repeat
+        a1.report(op.op_id, "SUCCEEDED", 3, 3)
+        a2.report(op.op_id, "SUCCEEDED", 2, 2)
+        done = b.manager.get_op(op.op_id)
+        assert done.state == "SUCCEEDED" and done.num_done_blocks == 5, (done.state, done.error)
+        assert stored_commands(etcd, op.op_id) is None  # gone with the operation's end
+        b.manager.run_once()
+        assert a1.commands("move", op.op_id) == [sent]  # answered: not sent again
+    finally:
+        a.stop()
+        if b is not None:
+            b.stop()
+
+
+def test_a_next_leader_sends_nothing_to_an_agent_that_answered_or_restarted_or_is_older(etcd):
+    a = start_cp(etcd, op_timeout_seconds=60)
+    b = None
+    try:
+        for agent_id in ("done", "restarted", "older"):
+            on_stream(a, agent_id, "s1")
+            a.cluster.hello(agent_id, "s1", incarnation="proc-1", runs_commands_once=True)
+        op = a.manager.move(Scope(namespace="ns1"), Tier.DISK)
+        StandInAgent.report(on_stream(a, "done", "s2"), op.op_id, "SUCCEEDED", 1, 1)
+        b = follower(etcd)
+        take_over(a, b)
+        done = on_stream(b, "done", "t1")
+        restarted = StandInAgent(b, "restarted")
+        b.cluster.hello("restarted", "t1", incarnation="proc-2", runs_commands_once=True)
+        b.cluster.attach_outbox("restarted", "t1", restarted.outbox)
+        older = on_stream(b, "older", "t1", runs_commands_once=False)  # it would run a repeat again
+        b.manager.run_once()
+        assert not done.commands("move") and not restarted.commands("move") and not older.commands("move")
+        got = b.manager.get_op(op.op_id)
+        assert got.parts["restarted"].state == "FAILED" and "restarted" in got.parts["restarted"].error
+        assert got.parts["older"].state not in ("SUCCEEDED", "FAILED")  # left to the operation timeout
+    finally:
+        a.stop()
+        if b is not None:
+            b.stop()
+
+
+def test_commands_of_an_operation_that_ended_are_deleted_by_the_next_leader(etcd):
+    """A leader that could not delete an ended operation's commands (etcd away at its end,
+    or it died just then) leaves them; the next leader deletes them and sends none."""
+    a = start_cp(etcd, op_timeout_seconds=60)
+    b = None
+    try:
+        agent = on_stream(a, "a1", "s1")
+        op = a.manager.move(Scope(namespace="ns1"), Tier.DISK)
+        raw = etcd_keys.connect(etcd)
+        value, _ = raw.get(etcd_keys.OP_COMMANDS_PREFIX + op.op_id)
+        agent.report(op.op_id, "SUCCEEDED", 1, 1)
+        raw.put(etcd_keys.OP_COMMANDS_PREFIX + op.op_id, value)  # as if its delete never happened
+        raw.close()
+        b = follower(etcd)
+        take_over(a, b)
+        again = on_stream(b, "a1", "t1")
+        b.manager.run_once()
+        assert stored_commands(etcd, op.op_id) is None
+        assert not again.commands("move")
+    finally:
+        a.stop()
+        if b is not None:
+            b.stop()
+
+
+def test_a_real_agent_runs_a_move_its_dead_leader_never_delivered(etcd, make_agent, tmp_path, monkeypatch):
+    """End to end: the leader dies with the move's command still on its way to a real
+    agent; the agent follows the next leader, which sends it again, and the move is done
+    well within the operation timeout (60 s)."""
+    a = start_cp(etcd, op_timeout_seconds=60)
+    b = None
+    try:
+        agent = make_agent("follower-agent", disk_dir=str(tmp_path / "disk"), disk_capacity_bytes=1 << 24)
+        prompt = tokens(4, start=52_000)
+        agent.engine.store(M.model_id, prompt, kv(4))
+        wait_for(lambda: a.cluster.stream_of("follower-agent"), 20, 0.05, "agent on a's stream")
+        hashes = split_hashes(hash_prefix(M.model_id, prompt, M.block_size))
+        held = lambda: [m.num_hit_blocks for m in a.cluster.lookup(M.model_id, prompt, record=False).matches]  # noqa: E731
+        wait_for(lambda: held() == [4], 20, 0.05, "indexed")
+        released, lost = threading.Event(), []
+        real = convert.command_to_pb
+
+        def command_to_pb(cmd, epoch, now=None):
+            if cmd.kind == "move" and not lost:
+                lost.append(cmd.op_id)
+                released.wait(15)  # on its way while the leader dies: it goes into a dead stream
+            return real(cmd, epoch, now)
+
+        monkeypatch.setattr(convert, "command_to_pb", command_to_pb)
+        b = follower(etcd)
+        op = a.manager.move(Scope(model_id=M.model_id, token_ids=tuple(prompt)), Tier.DISK)
+        wait_for(lambda: lost, 10, 0.02, "the command on its way")
+        take_over(a, b)
+        released.set()
+        wait_for(lambda: b.manager.get_op(op.op_id).finished, 20, 0.1, "the move done by the next leader")
+        done = b.manager.get_op(op.op_id)
+        assert lost == [op.op_id]
+        assert done.state == "SUCCEEDED" and done.num_done_blocks == 4, (done.state, done.error)
+        assert {agent.pool.tier_of(h) for h in hashes} == {Tier.DISK}
+    finally:
+        a.stop()
+        if b is not None:
+            b.stop()
+
+
+def test_an_operation_whose_commands_etcd_refuses_still_runs(etcd, monkeypatch):
+    """Keeping the commands is for a next leader only: etcd refusing that write (over its
+    request size, away a moment) neither stops the operation nor leaves anything stored."""
+    a = start_cp(etcd, op_timeout_seconds=60)
+    try:
+        agent = on_stream(a, "a1", "s1")
+        real_put = a.manager.durable.put
+
+        def refused(key, *args, **kwargs):
+            if key.startswith(etcd_keys.OP_COMMANDS_PREFIX):
+                raise errors.InvalidArgument("request", "etcd refused to store it: request is too large (test)")
+            return real_put(key, *args, **kwargs)
+
+        monkeypatch.setattr(a.manager.durable, "put", refused)
+        op = a.manager.move(Scope(namespace="ns1"), Tier.DISK)
+        assert len(agent.commands("move", op.op_id)) == 1
+        assert stored_commands(etcd, op.op_id) is None and op.op_id not in a.manager._stored_commands
+        agent.report(op.op_id, "SUCCEEDED", 1, 1)
+        assert a.manager.get_op(op.op_id).state == "SUCCEEDED"
+    finally:
+        a.stop()

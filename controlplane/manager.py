@@ -255,6 +255,10 @@ class Manager(PinControl, OperationControl, PolicyControl):
                         requeue.append(op)
                 elif op_id not in kept:
                     adopted.append(op)
+                    if stored_commands.get(op_id) and not op.cancel_requested:
+                        # stored before they went out: they may be on their way though etcd
+                        # says unsent (the leader died before recording it), or about to be
+                        op.commands_sent = True
                     for agent_id, command in stored_commands.get(op_id, {}).items() if op.commands_sent else ():
                         part = op.parts.get(agent_id)
                         if part is not None and part.state not in ops.TERMINAL:

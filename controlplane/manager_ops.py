@@ -175,18 +175,20 @@ class OperationControl(ManagerState):
         with self._lock:
             self._stored_commands.add(op.op_id)
 
-    def _drop_stored_commands(self, op_id: str) -> None:
+    def _drop_stored_commands(self, op_id: str) -> bool:
         """Delete a finished operation's stored commands (etcd away: the next pass tries
-        again, and a next leader's load deletes those of ended operations)."""
+        again, and a next leader's load deletes those of ended operations). False when
+        etcd did not take the delete."""
         with self._lock:
             if op_id not in self._stored_commands:
-                return
+                return True
         try:
             self.durable.delete(etcd_keys.OP_COMMANDS_PREFIX + op_id)
         except errors.KvcpError:
-            return
+            return False
         with self._lock:
             self._stored_commands.discard(op_id)
+        return True
 
     def move(self, scope: Scope, to_tier: Tier, codec: str = "") -> ops.Operation:
         self.ensure_loaded()
@@ -833,7 +835,8 @@ class OperationControl(ManagerState):
         with self._lock:
             ended = [i for i in self._stored_commands if i not in self.ops or self.ops[i].finished]
         for op_id in ended:  # (their deletes at the end found etcd away)
-            self._drop_stored_commands(op_id)
+            if not self._drop_stored_commands(op_id):
+                break  # etcd still away: the next pass tries again (one wait a pass, not one an operation)
         self._resend_lost_commands(now)
         for op in running:
             asked = self._cancel_asked.get(op.op_id, 0.0)

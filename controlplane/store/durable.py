@@ -395,14 +395,19 @@ class DurableStore:
 
     def load_op_commands(self) -> dict[str, dict[str, AgentCommand]]:
         """op id -> agent id -> the command it was sent (unfinished operations only)."""
+        # one key at a time: the operations under way may hold many MiB of commands (up to
+        # MAX_OP_COMMANDS_BYTES each), more than one answer may carry (gRPC's 4 MiB)
         try:
-            records = [
-                (meta.key.decode(), value) for value, meta in self._client.get_prefix(etcd_keys.OP_COMMANDS_PREFIX)
+            keys = [
+                meta.key.decode() for _, meta in self._client.get_prefix(etcd_keys.OP_COMMANDS_PREFIX, keys_only=True)
             ]
+            records = [(key, self._client.get(key)[0]) for key in keys]
         except Exception as exc:  # noqa: BLE001
             raise self._unavailable(exc) from None
         out = {}
         for key, raw in records:
+            if raw is None:
+                continue  # deleted since it was listed: its operation ended
             try:
                 out[key.removeprefix(etcd_keys.OP_COMMANDS_PREFIX)] = op_commands_from_json(raw)
             except (ValueError, KeyError, TypeError) as exc:

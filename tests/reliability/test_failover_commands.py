@@ -11,9 +11,10 @@ import threading
 
 from agent.server import DEMO_MODEL
 from controlplane.api import convert
+from controlplane.core.cluster import AgentCommand
 from controlplane.core.scope import Scope
 from controlplane.server import ControlPlane, ControlPlaneConfig
-from controlplane.store.durable import op_commands_from_json
+from controlplane.store.durable import MAX_OP_COMMANDS_BYTES, op_commands_from_json, op_commands_to_json
 from protos import errors, etcd_keys
 from protos.block_hash import hash_prefix, split_hashes
 from protos.tier import Tier
@@ -201,3 +202,89 @@ def test_an_operation_whose_commands_etcd_refuses_still_runs(etcd, monkeypatch):
         assert a.manager.get_op(op.op_id).state == "SUCCEEDED"
     finally:
         a.stop()
+
+
+def test_a_next_leader_loads_the_commands_of_operations_past_one_etcd_answer(etcd):
+    """Each operation keeps up to 1 MiB of commands: a few large ones under way pass what
+    one etcd answer carries (gRPC's 4 MiB), and a next leader that read them all at once
+    could never load its state (every call UNAVAILABLE, for good)."""
+    raw = etcd_keys.connect(etcd)
+    try:
+        for i in range(5):
+            big = AgentCommand(f"op-big-{i}", "move", block_hashes=bytes(16 * 45_000), tier=int(Tier.DISK))
+            value = op_commands_to_json({"a1": big})
+            assert len(value) <= MAX_OP_COMMANDS_BYTES  # each one kept
+            raw.put(etcd_keys.OP_COMMANDS_PREFIX + big.op_id, value)
+    finally:
+        raw.close()
+    a = start_cp(etcd)
+    try:
+        a.manager.ensure_loaded()
+        assert a.manager.ready
+        assert {f"op-big-{i}" for i in range(5)} <= a.manager._stored_commands
+        a.manager.run_once()  # no such operations: deleted
+        assert all(stored_commands(etcd, f"op-big-{i}") is None for i in range(5))
+    finally:
+        a.stop()
+
+
+def test_a_pass_with_etcd_away_tries_one_delete_of_ended_commands_not_one_each(etcd, monkeypatch):
+    """Deletes of ended operations' commands that etcd did not take are tried again by the
+    next passes; with etcd still away a pass stops at the first (each may wait the etcd
+    timeout: one per operation would hold up the pass, its expiries and resends)."""
+    a = start_cp(etcd, op_timeout_seconds=60)
+    try:
+        a.manager.ensure_loaded()
+        tried = []
+
+        def away(key, *args, **kwargs):
+            tried.append(key)
+            raise errors.Unavailable("etcd is unreachable (test)")
+
+        with a.manager._lock:
+            a.manager._stored_commands.update({"ended-1", "ended-2", "ended-3"})
+        monkeypatch.setattr(a.manager.durable, "delete", away)
+        a.manager._expire_ops(a.manager.clock())
+        assert len(tried) == 1
+        assert a.manager._stored_commands >= {"ended-1", "ended-2", "ended-3"}  # left for the next passes
+        monkeypatch.undo()
+        a.manager._expire_ops(a.manager.clock())
+        assert not a.manager._stored_commands & {"ended-1", "ended-2", "ended-3"}
+    finally:
+        a.stop()
+
+
+def test_a_command_sent_just_before_its_leader_died_unrecorded_is_sent_again(etcd, monkeypatch):
+    """The leader sent the command, then died before etcd recorded that it had (the write
+    after the send): the next leader adopts the operation as unsent, yet its commands are
+    stored, so one may be on its way. It is sent again (and the operation counts as sent:
+    a cancel then waits for the agent) instead of the part failing at the timeout."""
+    a = start_cp(etcd, op_timeout_seconds=60)
+    b = None
+    try:
+        first = on_stream(a, "a1", "s1")
+        real_persist = a.manager._persist_op
+
+        def dies_before_recording(op):
+            if op.commands_sent:
+                raise errors.Unavailable("etcd is unreachable (test: the leader died)")
+            real_persist(op)
+
+        monkeypatch.setattr(a.manager, "_persist_op", dies_before_recording)
+        op = a.manager.move(Scope(namespace="ns1"), Tier.DISK)
+        [sent] = first.commands("move", op.op_id)
+        b = follower(etcd)
+        take_over(a, b)
+        adopted = b.manager.get_op(op.op_id)
+        assert not adopted.finished
+        again = on_stream(b, "a1", "t1")
+        b.manager.run_once()
+        assert again.commands("move", op.op_id) == [sent]
+        assert b.manager.get_op(op.op_id).commands_sent
+        again.report(op.op_id, "SUCCEEDED", 1, 1)
+        assert b.manager.get_op(op.op_id).state == "SUCCEEDED"
+        assert stored_commands(etcd, op.op_id) is None
+    finally:
+        a.stop()
+        if b is not None:
+            b.stop()

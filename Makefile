@@ -2,6 +2,9 @@
 # Both bootstrap a fresh machine first (scripts/bootstrap.sh).
 VENV := .venv
 PY := $(VENV)/bin/python
+# pytest-xdist workers: most tests wait on processes, etcd and timers, so two share two
+# cores well (each worker has its own etcd; `TEST_WORKERS=0` runs the suite in one process)
+TEST_WORKERS ?= 2
 
 .PHONY: bootstrap demo test lint typecheck format protos bench clean
 
@@ -16,7 +19,7 @@ test: bootstrap
 	$(VENV)/bin/ruff format --check .
 	$(VENV)/bin/lint-imports
 	$(VENV)/bin/mypy
-	$(VENV)/bin/pytest -q
+	$(VENV)/bin/pytest -q -n $(TEST_WORKERS)
 
 lint: bootstrap
 	$(VENV)/bin/ruff check .

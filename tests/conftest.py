@@ -1,4 +1,5 @@
-"""Shared fixtures: one real etcd per session (KVCP_TEST_ETCD when CI started one),
+"""Shared fixtures: one real etcd per session (KVCP_TEST_ETCD when CI started one; one
+per pytest-xdist worker),
 a clean key space per test, and an in-process control plane on port 0; and a check that
 every Mooncake transfer engine the tests made was closed."""
 
@@ -53,30 +54,32 @@ def pytest_runtest_protocol(item, nextitem):
     _running[0] = item.nodeid
 
 
-def pytest_sessionfinish(session, exitstatus):
+@pytest.fixture(scope="session", autouse=True)
+def _every_engine_closed():
+    """Fails the run (an error at the teardown of the session's last test, which reaches
+    the report from a pytest-xdist worker too) when any engine was left open."""
     import gc
 
+    yield
     _running[0] = "the final collection"
     gc.collect()
     _engines_left_open.extend(
         f"{made_in} (still open at the end)" for made_in, closed in _engines.values() if not closed
     )
-    if _engines_left_open and session.exitstatus == pytest.ExitCode.OK:
-        session.exitstatus = pytest.ExitCode.TESTS_FAILED
-
-
-def pytest_terminal_summary(terminalreporter):
     if _engines_left_open:
-        terminalreporter.section(
-            "Mooncake engines never closed: the run fails (stop the agent, or close the engine)", red=True
+        pytest.fail(
+            "Mooncake engines never closed: the run fails (stop the agent, or close the engine):\n"
+            + "\n".join(_engines_left_open),
+            pytrace=False,
         )
-        for line in _engines_left_open:
-            terminalreporter.line(line)
 
 
 @pytest.fixture(scope="session")
 def etcd_server():
-    endpoint = os.environ.get("KVCP_TEST_ETCD")
+    # tests share their etcd's key space (each clears it): under pytest-xdist (`make test`
+    # runs two workers) the first worker takes the one CI started, the others start their own
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "")
+    endpoint = os.environ.get("KVCP_TEST_ETCD") if worker in ("", "gw0") else ""
     server = ExternalEtcd(endpoint) if endpoint else EtcdServer().start()
     yield server
     server.cleanup()

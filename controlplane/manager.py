@@ -27,7 +27,12 @@ from controlplane.core.cluster import AgentCommand, Cluster, ModelInfo
 from controlplane.core.pins import Pin, one_per_id
 from controlplane.core.scope import Scope
 from controlplane.core.tuning import CreditTuner
-from controlplane.manager_ops import ANOTHER_LEADERS_STREAM, OperationControl
+from controlplane.manager_ops import (
+    ANOTHER_LEADERS_STREAM,
+    COMMAND_LOST_WITH_LEADER,
+    COMMAND_LOST_WITH_STREAM,
+    OperationControl,
+)
 from controlplane.manager_pins import PinControl
 from controlplane.manager_policy import PolicyControl
 from controlplane.store.durable import DurableStore, pin_key, pin_to_json
@@ -74,6 +79,9 @@ class Manager(PinControl, OperationControl, PolicyControl):
         self._unheard: dict[tuple[str, str], tuple[AgentCommand, str]] = {}
         # op ids whose commands are stored in etcd (for a next leader): deleted at their end
         self._stored_commands: set[str] = set()
+        # commands sent again, by why they were lost: with the agent's stream that closed
+        # under this leader, or with another leader's (kvcp_commands_resent_total)
+        self.commands_resent_total = {COMMAND_LOST_WITH_STREAM: 0, COMMAND_LOST_WITH_LEADER: 0}
         self._op_done: dict[str, threading.Event] = {}
         # adopted cleanups taking their scope locks again: queued ones wait for that first
         self._adopted_locks_pending = 0

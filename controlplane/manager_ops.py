@@ -37,6 +37,9 @@ DRAIN_REPORT_WAIT_SECONDS = 10.0
 # the session an adopted operation's commands went down: another leader's stream, never
 # one of this leader's (they are sent again once their agent has a stream here)
 ANOTHER_LEADERS_STREAM = ""
+# why a command was sent again (kvcp_commands_resent_total's cause)
+COMMAND_LOST_WITH_STREAM = "stream_closed"
+COMMAND_LOST_WITH_LEADER = "leader_changed"
 
 
 def _exact(seconds: float) -> str:
@@ -800,6 +803,8 @@ class OperationControl(ManagerState):
                     continue
                 log.info("sending %s's command to %s again: the stream it went down closed", op_id, agent_id)
                 self._unheard[key] = (command, sent)
+                cause = COMMAND_LOST_WITH_LEADER if session == ANOTHER_LEADERS_STREAM else COMMAND_LOST_WITH_STREAM
+                self.commands_resent_total[cause] += 1
                 part.updated_unix_seconds = now  # silence is counted from when the command goes out
                 if op.cancel_requested:
                     self.cluster.send(agent_id, AgentCommand(op_id, "cancel"))

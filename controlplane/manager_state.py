@@ -51,6 +51,7 @@ class ManagerState:
     _cancel_asked: dict[str, float]
     _unheard: dict[tuple[str, str], tuple[AgentCommand, str]]
     _stored_commands: set[str]
+    commands_resent_total: dict[str, int]
     _op_done: dict[str, threading.Event]
     _adopted_locks_pending: int
     _adopted_locks_settled: threading.Event

@@ -31,6 +31,7 @@ from protos.metrics import (
 AGENT_STATES = tuple(s.name.lower() for s in AgentState)
 OPERATION_KINDS = ("move", "cleanup", "compress", "transfer", "drain")
 OPERATION_STATES = ("pending", "running", "succeeded", "failed", "cancelled")
+RESEND_CAUSES = ("stream_closed", "leader_changed")  # controlplane.manager_ops COMMAND_LOST_WITH_*
 # what a lookup-socket frame is answered with (others, rarer, appear when they happen)
 LOOKUP_SOCKET_CODES = ("OK", "INVALID_ARGUMENT", "NOT_FOUND", "UNAVAILABLE", "UNAUTHENTICATED", "FAILED_PRECONDITION")
 
@@ -74,6 +75,8 @@ class ClusterCollector:
         self.policy_source = policy_source
         self.etcd_data_lost_source: Callable[[], int] | None = None  # Manager.etcd_resets_total
         self.auth_denied_source: Callable[[], int] | None = None  # TokenAuthInterceptor.denied_total
+        # Manager.commands_resent_total: cause -> commands sent again
+        self.commands_resent_source: Callable[[], Mapping[str, int]] | None = None
 
     @staticmethod
     def _families() -> dict[str, GaugeMetricFamily | CounterMetricFamily]:
@@ -130,6 +133,14 @@ class ClusterCollector:
                 [],
             ),
             (g, "kvcp_pinned_bytes", "Bytes of KV cache held by pins.", []),
+            (
+                c,
+                "kvcp_commands_resent_total",
+                "Operation commands this replica sent an agent again because they were lost before the agent "
+                "answered: with the agent's stream that closed (stream_closed), or with the leader that sent them "
+                "(leader_changed: an adopted operation's command, kept in etcd).",
+                ["cause"],
+            ),
             (g, "kvcp_operations", "Operations known to the control plane by kind and state.", ["kind", "state"]),
             (c, "kvcp_policy_passes_total", "Tier-policy passes run by this replica.", []),
             (c, "kvcp_policy_agents_decided_total", "Agents the tier-policy passes decided for.", []),
@@ -205,6 +216,9 @@ class ClusterCollector:
         f["kvcp_pins"].add_metric([], pins.num_pins)
         f["kvcp_etcd_data_lost_total"].add_metric([], self.etcd_data_lost_source() if self.etcd_data_lost_source else 0)
         f["kvcp_pinned_bytes"].add_metric([], pins.pinned_bytes)
+        resent = dict(self.commands_resent_source()) if self.commands_resent_source else {}
+        for cause in RESEND_CAUSES:
+            f["kvcp_commands_resent_total"].add_metric([cause], resent.get(cause, 0))
         ops = dict(self.operations_source()) if self.operations_source else {}
         for kind in OPERATION_KINDS:
             for state in OPERATION_STATES:

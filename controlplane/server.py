@@ -161,6 +161,7 @@ class ControlPlane:
         self.metrics.collector.operations_source = self.manager.operation_counts
         self.metrics.collector.policy_source = self.manager.policy_stats
         self.metrics.collector.etcd_data_lost_source = lambda: self.manager.etcd_resets_total
+        self.metrics.collector.commands_resent_source = lambda: dict(self.manager.commands_resent_total)
         self.metrics.collector.auth_denied_source = lambda: self.auth.denied_total
         admin = self.admin = AdminServicer(self.cluster, self.election, self.metrics.lookup_duration)
         admin.manager = self.manager

@@ -61,6 +61,10 @@ def test_a_move_lost_with_its_stream_is_sent_again_on_the_next(controlplane, mak
     assert done.state == "SUCCEEDED" and done.num_done_blocks == 4, (done.state, done.error)
     assert {a.pool.tier_of(h) for h in split_hashes(hash_prefix(M.model_id, prompt, M.block_size))} == {Tier.DISK}
     assert controlplane.cluster.runs_commands_once("lost1")  # its Hello says so
+    resent = controlplane.registry.get_sample_value("kvcp_commands_resent_total", {"cause": "stream_closed"})
+    assert resent == 1 and not controlplane.registry.get_sample_value(
+        "kvcp_commands_resent_total", {"cause": "leader_changed"}
+    )
 
 
 def test_an_agent_that_does_not_say_it_runs_commands_once_is_sent_nothing_again(

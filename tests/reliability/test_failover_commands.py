@@ -23,6 +23,7 @@ from tests.integration.test_pins_ops import kv, tokens
 from tests.reliability.test_ops_durability import StandInAgent, start_cp
 
 M = DEMO_MODEL
+CAUSES = ("leader_changed", "stream_closed")
 
 
 def stored_commands(etcd: str, op_id: str):
@@ -75,6 +76,8 @@ def test_a_command_lost_with_a_dead_leader_is_sent_again_by_the_next(etcd):
         a1, a2 = on_stream(b, "a1", "t1"), on_stream(b, "a2", "t1")
         b.manager.run_once()
         assert a1.commands("move", op.op_id) == [sent]  # the same command: codec and all
+        resent = {c: b.registry.get_sample_value("kvcp_commands_resent_total", {"cause": c}) for c in CAUSES}
+        assert resent == {"leader_changed": 2, "stream_closed": 0}  # a1's and a2's
         assert len(a2.commands("move", op.op_id)) == 1  # it had it: it answers the repeat
         a1.report(op.op_id, "SUCCEEDED", 3, 3)
         a2.report(op.op_id, "SUCCEEDED", 2, 2)

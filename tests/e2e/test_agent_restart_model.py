@@ -10,8 +10,6 @@ import subprocess
 import sys
 from pathlib import Path
 
-import pytest
-
 from agent.server import DEMO_MODEL
 from tests.e2e.test_console_scripts import Cluster, kvctl
 from tests.helpers import wait_for
@@ -21,7 +19,6 @@ STORE_PROMPT = Path(__file__).resolve().parents[2] / "scripts" / "store_prompt.p
 OTHER = "other-model:block_size=16,num_layers=2,num_kv_heads=2,head_dim=32,dtype=float16"
 
 
-@pytest.mark.slow  # three agent starts (~28 s): tests/tiers/test_disk_tier.py covers the behaviour in the default run
 def test_a_restart_with_a_wrong_model_parks_its_disk_blocks_and_says_why(etcd, tmp_path):
     c = Cluster(etcd, tmp_path)
     disk = ["--disk-dir", str(tmp_path / "disk"), "--disk-capacity", "64MiB", "--transfer-engine", "none"]

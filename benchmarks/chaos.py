@@ -19,12 +19,22 @@ etcd's return for the etcd pause); `back_seconds` is the time until the faulted 
 in service again. A few pins with TTLs longer than the run are checked at the end
 (`pins_lost`), and the blocks they protect on an agent that is never killed too.
 
+All the while, tier moves run across the faults: one `move` every `move_interval_seconds`
+of a small prefix (namespace "moved") on the agent that is never killed, to disk and
+back to cpu by turns (that agent has a disk tier for it), asked through the facade and
+each followed to its end for up to `op_wait_seconds` (past the control plane's operation
+timeout, 60 s: a command lost with a leader or a stream ends its part by then). A start
+the control plane refuses (UNAVAILABLE during a failover, etcd away) is counted apart
+(`ops_refused`), not as a failure; an operation it accepted must end, SUCCEEDED or
+FAILED/CANCELLED with a reason: `ops_unfinished` (no end within the wait) must be 0.
+
 Every process started here is stopped on the way out, on an error or Ctrl-C too (and
 the kernel kills them should this process die first, where util-linux setpriv exists)."""
 
 from __future__ import annotations
 
 import contextlib
+import itertools
 import random
 import shutil
 import signal
@@ -44,7 +54,7 @@ import numpy as np
 from agent.client import EngineClient
 from benchmarks.etcd import EtcdServer, free_ports
 from benchmarks.workload import DTYPES, PromptGenerator, WorkloadConfig, block_fill
-from cli.client import ClientError, ControlPlaneClient
+from cli.client import ClientError, ControlPlaneClient, OperationView
 from protos.block_hash import hash_prefix, split_hashes
 
 WORKLOAD_MODEL = "demo-model:block_size=16,num_layers=2,num_kv_heads=2,head_dim=32,dtype=float16"
@@ -53,6 +63,8 @@ RETRYABLE = {"UNAVAILABLE", "DEADLINE_EXCEEDED", "FAILED_PRECONDITION", "CANCELL
 AGENTS = ("agent-1", "agent-2", "agent-3")
 REPLICAS = ("cp-a", "cp-b")
 HANDOFF_SOURCE, VICTIM, KEEPER = "agent-1", "agent-2", "agent-3"  # KEEPER is never killed: it holds the pins
+MOVED_NAMESPACE = "moved"  # KEEPER's prefix that the tier moves carry to disk and back
+ERROR_CHARS = 120  # an operation's error as the report keeps it
 
 
 @dataclass(frozen=True)
@@ -74,6 +86,12 @@ class ChaosConfig:
     handoff_blocks: int = 20
     handoff_link_bandwidth: str = "4MiB"
     num_pins: int = 3
+    move_interval_seconds: float = 0.75
+    moved_blocks: int = 8
+    # the control plane's operation timeout (60 s: its default, which the cluster keeps,
+    # no flag sets it) and a failover on top
+    op_wait_seconds: float = 90.0
+    keeper_disk_capacity: str = "64MiB"
 
 
 @dataclass
@@ -100,6 +118,13 @@ class ChaosResult:
     hit_tokens: int
     prompt_tokens: int
     log_dir: str
+    ops_started: int = 0  # tier moves the control plane accepted
+    ops_succeeded: int = 0
+    ops_failed: int = 0  # FAILED or CANCELLED, with their errors in ops_failed_errors
+    ops_refused: int = 0  # starts refused (by code in ops_refused_codes): not failures
+    ops_unfinished: int = 0  # accepted, and no end within op_wait_seconds (must be 0)
+    ops_failed_errors: dict[str, int] = field(default_factory=dict)
+    ops_refused_codes: dict[str, int] = field(default_factory=dict)
     stats: dict = field(default_factory=dict)
 
     def to_json(self) -> dict:
@@ -393,6 +418,97 @@ class Load:
         self._count(requests_failed=1)
 
 
+@dataclass
+class MoveStats:
+    started: int = 0
+    succeeded: int = 0
+    failed: int = 0
+    refused: int = 0
+    unfinished: int = 0
+    moved_blocks: int = 0  # by the operations that ended (0: no move found anything to carry)
+    failed_errors: dict[str, int] = field(default_factory=dict)
+    refused_codes: dict[str, int] = field(default_factory=dict)
+    unfinished_op_ids: list[str] = field(default_factory=list)
+
+
+class Moves:
+    """One thread that asks for a tier move of KEEPER's prefix in MOVED_NAMESPACE every
+    `move_interval_seconds`, to disk and to cpu by turns, and follows each to its end.
+    stop: no more starts, the running ones followed until they end or their wait is
+    up; abandon: none followed any more (the cluster is going away)."""
+
+    def __init__(self, cfg: ChaosConfig, endpoints: list[str], model: Model, engine_address: str, tokens: list[int]):
+        self.cfg = cfg
+        self.endpoints = endpoints
+        self.model = model
+        self.engine_address = engine_address
+        self.tokens = tokens
+        self.stats = MoveStats()
+        self.stop = threading.Event()
+        self.abandon = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="chaos-moves", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def join(self) -> None:
+        self.stop.set()
+        self._thread.join(self.cfg.op_wait_seconds + 30)
+
+    def _run(self) -> None:
+        facade = Facade(self.endpoints)
+        engine = EngineClient(self.engine_address, timeout_seconds=5.0)
+        waits: dict[str, float] = {}  # op_id -> monotonic end of its wait
+        tiers = itertools.cycle(("disk", "cpu"))
+        next_start = time.monotonic()
+        try:
+            while not self.abandon.is_set() and (waits or not self.stop.is_set()):
+                if not self.stop.is_set() and time.monotonic() >= next_start:
+                    next_start = time.monotonic() + self.cfg.move_interval_seconds
+                    self._start(facade, engine, next(tiers), waits)
+                self._follow(facade, waits)
+                time.sleep(0.25)
+        finally:
+            facade.close()
+            engine.close()
+
+    def _start(self, facade: Facade, engine: EngineClient, to_tier: str, waits: dict[str, float]) -> None:
+        m = self.model
+        with contextlib.suppress(grpc.RpcError):  # stored again where evicted: each move has blocks to carry
+            engine.store(m.model_id, self.tokens, m.kv(m.hashes(self.tokens)), namespace=MOVED_NAMESPACE)
+        try:
+            op = facade.call(lambda c: c.move(to_tier, namespace=MOVED_NAMESPACE, agent_id=KEEPER), 5.0)
+        except ClientError as exc:
+            self.stats.refused += 1
+            self.stats.refused_codes[exc.code] = self.stats.refused_codes.get(exc.code, 0) + 1
+            return
+        self.stats.started += 1
+        waits[op.op_id] = time.monotonic() + self.cfg.op_wait_seconds
+
+    def _follow(self, facade: Facade, waits: dict[str, float]) -> None:
+        for op_id, wait_end in list(waits.items()):
+            with contextlib.suppress(ClientError):  # not answered now (a failover, etcd away): asked again
+                op = facade.call(lambda c, i=op_id: c.get_operation(i), 2.0)
+                if op.finished:
+                    del waits[op_id]
+                    self._ended(op)
+                    continue
+            if time.monotonic() >= wait_end:
+                del waits[op_id]
+                self.stats.unfinished += 1
+                self.stats.unfinished_op_ids.append(op_id)
+
+    def _ended(self, op: OperationView) -> None:
+        self.stats.moved_blocks += op.num_done_blocks
+        if op.state == "SUCCEEDED":
+            self.stats.succeeded += 1
+            return
+        self.stats.failed += 1
+        error = op.error[:ERROR_CHARS] + ("..." if len(op.error) > ERROR_CHARS else "") or "(no reason given)"
+        key = error if op.state == "FAILED" else f"{op.state}: {error}"
+        self.stats.failed_errors[key] = self.stats.failed_errors.get(key, 0) + 1
+
+
 # ---- the run --------------------------------------------------------------------------
 
 
@@ -457,6 +573,8 @@ class Chaos:
                 "--model",
                 HANDOFF_MODEL,
             ]
+            if name == KEEPER:  # where the tier moves go
+                argv += ["--disk-dir", str(self._keeper_disk()), "--disk-capacity", self.cfg.keeper_disk_capacity]
             if name == HANDOFF_SOURCE and handoff_available():
                 argv += ["--link-bandwidth", self.cfg.handoff_link_bandwidth]
             self.procs.start(name, argv)
@@ -465,6 +583,9 @@ class Chaos:
         self.model = Model(models[WORKLOAD_MODEL.partition(":")[0]])
         self.big = Model(models[HANDOFF_MODEL.partition(":")[0]])
         self.report(f"chaos: 2 control-plane replicas, 3 agents up; model {self.model.model_id}")
+
+    def _keeper_disk(self) -> Path:
+        return self.log_dir / f"{KEEPER}-disk"
 
     def _ready_agents(self) -> set[str]:
         try:
@@ -747,6 +868,7 @@ class Chaos:
         cfg = self.cfg
         self.handoff_wrong = 0
         load: Load | None = None
+        moves: Moves | None = None
         try:
             self._start_cluster()
             self._probe_tokens = self._tokens(2, salt=7)
@@ -761,9 +883,15 @@ class Chaos:
             pin_ttl = cfg.seconds + len(faults) * cfg.recovery_timeout_seconds * 2 + 600
             pins = self._make_pins(pin_ttl)
             load = Load(cfg, self.endpoints, self.model, {a: f"127.0.0.1:{p}" for a, p in self.agent_ports.items()})
+            keeper_address = f"127.0.0.1:{self.agent_ports[KEEPER]}"
+            moves = Moves(cfg, self.endpoints, self.model, keeper_address, self._tokens(cfg.moved_blocks, salt=11))
             self.t_start = time.monotonic()
             load.start(fill_agent=KEEPER)
-            self.report(f"chaos: load started ({cfg.rate_per_second:g} requests/s); {len(pins)} pins held")
+            moves.start()
+            self.report(
+                f"chaos: load started ({cfg.rate_per_second:g} requests/s); {len(pins)} pins held; "
+                f"a tier move every {cfg.move_interval_seconds:g}s"
+            )
             results: list[FaultResult] = []
             for i, fault in enumerate(faults):
                 at = self.t_start + cfg.seconds * (i + 1) / (len(faults) + 1.5)
@@ -783,6 +911,7 @@ class Chaos:
             time.sleep(max(0.0, self.t_start + cfg.seconds - time.monotonic()))
             load.join()
             elapsed = time.monotonic() - self.t_start
+            moves.join()  # the operations still running, followed to their end
             held = {p.pin_id for p in self.facade.call(lambda c: c.list_pins(), 60)}
             pins_lost = sum(1 for pin_id, _ in pins if pin_id not in held)
             evicted = 0
@@ -797,7 +926,7 @@ class Chaos:
             # the pins were under pressure only if the tier that holds them was full
             keeper = next(a for a in self.facade.call(lambda c: c.list_agents(), 30) if a.agent_id == KEEPER)
             cpu = next((t for t in keeper.tiers if t.tier == "cpu"), None)
-            s = load.stats
+            s, ms = load.stats, moves.stats
             return ChaosResult(
                 seconds=round(elapsed, 1),
                 requests=s.requests,
@@ -811,22 +940,36 @@ class Chaos:
                 hit_tokens=s.hit_tokens,
                 prompt_tokens=s.prompt_tokens,
                 log_dir=str(self.log_dir),
+                ops_started=ms.started,
+                ops_succeeded=ms.succeeded,
+                ops_failed=ms.failed,
+                ops_refused=ms.refused,
+                ops_unfinished=ms.unfinished,
+                ops_failed_errors=ms.failed_errors,
+                ops_refused_codes=ms.refused_codes,
                 stats={
                     "engine_errors": s.engine_errors,
                     "stored_blocks": s.stored_blocks,
                     "pin_holder_cpu_used_fraction": round(cpu.used_bytes / cpu.capacity_bytes, 3) if cpu else None,
+                    "ops_moved_blocks": ms.moved_blocks,
+                    "ops_unfinished_op_ids": ms.unfinished_op_ids,
                 },
             )
         finally:
             if load is not None:
                 load.stop.set()
+            if moves is not None:
+                moves.abandon.set()
             self.facade.close()
             self.procs.stop_all()
             if self.etcd is not None:
                 self.etcd.stop()
                 shutil.rmtree(self.log_dir / "etcd" / "data", ignore_errors=True)
+            shutil.rmtree(self._keeper_disk(), ignore_errors=True)
             if load is not None:
                 load.join()
+            if moves is not None:
+                moves.join()
 
 
 def handoff_available() -> bool:
@@ -858,6 +1001,9 @@ def format_table(r: ChaosResult) -> str:
     def secs(v):
         return "-" if v is None else f"{v:.1f}"
 
+    def counted(reasons: dict[str, int]) -> str:
+        return " (" + "; ".join(f"{n}x {why}" for why, n in sorted(reasons.items())) + ")" if reasons else ""
+
     hit = r.hit_tokens / r.prompt_tokens if r.prompt_tokens else 0.0
     lines = [
         f"{'FIELD':22s} VALUE",
@@ -869,6 +1015,11 @@ def format_table(r: ChaosResult) -> str:
         f"{'pinned_blocks_evicted':22s} {r.pinned_blocks_evicted} (their agent's cpu tier "
         f"{(r.stats.get('pin_holder_cpu_used_fraction') or 0):.0%} full)",
         f"{'hit ratio':22s} {hit:.1%}",
+        f"{'ops_started':22s} {r.ops_started} (tier moves accepted)",
+        f"{'ops_succeeded':22s} {r.ops_succeeded} ({r.stats.get('ops_moved_blocks', 0)} blocks moved in all)",
+        f"{'ops_failed':22s} {r.ops_failed}{counted(r.ops_failed_errors)}",
+        f"{'ops_refused':22s} {r.ops_refused}{counted(r.ops_refused_codes)}",
+        f"{'ops_unfinished':22s} {r.ops_unfinished}",
         "",
         f"{'FAULT':18s} {'AT':>6s} {'RECOVERED':9s} {'RECOVERY_S':>10s} {'BACK_S':>7s}  DETAIL",
     ]

@@ -354,7 +354,8 @@ main.add_command(handoff, name="transfer")  # the issue's name for the same benc
 @click.option("-o", "--output", "output_format", type=click.Choice(["table", "json"]), default="table")
 def chaos(seconds, rate_per_second, seed, log_dir, output_format):
     """A loopback cluster (etcd, 2 control planes, 3 agents) under load while agents, the leader,
-    etcd and a handoff are killed or paused: wrong KV served and pins lost (both must be 0)."""
+    etcd and a handoff are killed or paused, tier moves running across it all: wrong KV served, pins
+    lost and moves accepted but never ended (all must be 0)."""
     from benchmarks import chaos as bench
 
     cfg = bench.ChaosConfig(seconds=seconds, rate_per_second=rate_per_second, seed=seed, log_dir=log_dir)

@@ -1,5 +1,6 @@
-"""`kvcp-bench chaos` as a user runs it: a short run serves no wrong KV and loses no pin,
-and Ctrl-C in the middle leaves none of the processes it started behind."""
+"""`kvcp-bench chaos` as a user runs it: a short run serves no wrong KV, loses no pin and
+leaves no tier move it accepted unfinished, and Ctrl-C in the middle leaves none of the
+processes it started behind."""
 
 from __future__ import annotations
 
@@ -32,7 +33,7 @@ def processes_using(endpoint: str) -> list[int]:
 
 @pytest.mark.slow  # about a minute of load and faults, plus startup
 @pytest.mark.timeout(600)
-def test_a_short_chaos_run_serves_no_wrong_kv_and_loses_no_pin(tmp_path):
+def test_a_short_chaos_run_serves_no_wrong_kv_loses_no_pin_and_ends_every_operation(tmp_path):
     run = subprocess.run(
         [script("kvcp-bench"), "chaos", "--seconds", "40", "-o", "json", "--log-dir", str(tmp_path / "logs")],
         capture_output=True,
@@ -44,6 +45,14 @@ def test_a_short_chaos_run_serves_no_wrong_kv_and_loses_no_pin(tmp_path):
     assert result["wrong_kv_served"] == 0
     assert result["pins_lost"] == 0
     assert result["requests"] > 0 and result["served"] > 0
+    # tier moves across the faults: every one the control plane accepted ended, a failed
+    # one with its reason
+    assert result["ops_unfinished"] == 0, result["stats"]["ops_unfinished_op_ids"]
+    assert result["ops_started"] > 0
+    assert result["ops_succeeded"] + result["ops_failed"] == result["ops_started"]
+    assert result["ops_refused"] == sum(result["ops_refused_codes"].values())
+    assert result["ops_failed"] == sum(result["ops_failed_errors"].values())
+    assert not any("(no reason given)" in why for why in result["ops_failed_errors"]), result["ops_failed_errors"]
     faults = {f["fault"]: f for f in result["faults"]}
     expected = {
         "agent_sigkill",

@@ -82,6 +82,14 @@ def _metrics_listen(ctx, param, value: str) -> str:
     "kvcp.v1.LookupFrame): a router's lookup without gRPC's round trip. Same admin tokens; TLS over TCP "
     "when --tls-cert is given.",
 )
+@click.option(
+    "--op-timeout-seconds",
+    default=60.0,
+    show_default=True,
+    type=click.FloatRange(15.0, 86400.0),
+    help="An operation's part fails when its agent says nothing of it for this long (agents report "
+    "progress, an operation queued behind another every 10 s, a transfer every 5 s).",
+)
 @click.option("--log-level", default="INFO", show_default=True)
 def main(
     listen,
@@ -104,6 +112,7 @@ def main(
     expected_blocks,
     gil_switch_interval_ms,
     lookup_listen,
+    op_timeout_seconds,
     log_level,
 ):
     """Run a kvcp control-plane replica (global block index, lookup, policy)."""
@@ -144,6 +153,7 @@ def main(
         metrics_listen=metrics_listen,
         expected_blocks=expected_blocks,
         lookup_listen=lookup_listen,
+        op_timeout_seconds=op_timeout_seconds,
     )
     cp = ControlPlane(config, log_fn=lambda m: click.echo(m, err=True))
     try:

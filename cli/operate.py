@@ -441,7 +441,7 @@ def route(ctx: Context, model_id, tokens, tokens_file, hashes, extra_keys, role,
             output.human_bytes(c.free_bytes),
             f"{c.link_bytes_per_second / 1e9:.2f}" if c.link_bytes_per_second else "-",
             "behind" if c.behind else "",
-            c.note[:60],
+            c.note,  # whole (the last column): cut at 60 characters, it lost digits of a byte count
         ]
         for c in r.candidates
     ]

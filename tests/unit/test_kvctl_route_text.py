@@ -7,7 +7,7 @@ import pytest
 from click.testing import CliRunner
 
 from cli import main as cli_main
-from cli.client import RouteView
+from cli.client import RouteCandidateView, RouteView
 
 
 def view(disaggregate: bool, reason: str) -> RouteView:
@@ -78,3 +78,23 @@ def test_hashes_packed_or_separated_parse():
 
     one = "0123456789abcdef0123456789ABCDEF"
     assert parse_hashes((one + one.lower(), f"{one},{one}")) == bytes.fromhex(one) * 4
+
+
+def test_route_table_shows_each_note_whole(monkeypatch):
+    """The NOTE column was cut at 60 characters: a decode agent's 'behind' reason lost the
+    end of its byte count ('< 1310720 B needed' read '< 13'), a link's note its count of
+    transfers on it. It is the last column, so a long note misaligns nothing."""
+    behind = "decode: free 33554432 B besides the prefix's own blocks < 1310720 B needed"
+    link = "decode: 1310720 B over a 0.34 GB/s link (measured) + 4.0 ms a transfer, 0 on it"
+    answer = RouteView(
+        "pair", "a1", "127.0.0.1:1", "a1", "a2", True, 0, 0.0, 0.0, "split: prefill on a1, decode on a2", False,
+        [
+            RouteCandidateView("a2", 0.0079, 0, 0.0, 1 << 25, 0.34e9, 0.0079, False, link),
+            RouteCandidateView("a3", 0.0079, 0, 0.0, 1 << 25, 0.34e9, 0.0079, True, behind),
+        ],
+    )  # fmt: skip
+    monkeypatch.setattr(cli_main.Context, "client", lambda self: FakeClient(answer))
+    result = CliRunner().invoke(cli_main.main, ["route", "--model", "m", "--tokens", "1,2,3"])
+    assert result.exit_code == 0, result.output
+    rows = result.output.splitlines()[2:]
+    assert rows[0].endswith("  " + link) and rows[1].endswith("  " + behind), result.output

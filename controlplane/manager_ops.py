@@ -777,8 +777,10 @@ class OperationControl(ManagerState):
         leave its part silent until the operation timeout. An agent that had the command
         after all answers the repeat with what it knows and does not run it twice
         (agent.api.sync_client; it says so in its Hello, and an agent that does not is sent
-        nothing again); a cancel asked meanwhile follows it. Commands of another agent
-        process are not sent: the restart check fails those parts."""
+        nothing again); a cancel asked meanwhile follows it. The commands of an operation
+        adopted from another leader (load() takes them from etcd) are sent again the same
+        way, once their agent has a stream here. Commands of another agent process are not
+        sent: the restart check fails those parts."""
         with self._lock:
             for key, (command, session) in list(self._unheard.items()):
                 op_id, agent_id = key
@@ -801,10 +803,15 @@ class OperationControl(ManagerState):
                 sent = self.cluster.send_on_stream(agent_id, command)
                 if not sent:
                     continue
-                log.info("sending %s's command to %s again: the stream it went down closed", op_id, agent_id)
                 self._unheard[key] = (command, sent)
                 cause = COMMAND_LOST_WITH_LEADER if session == ANOTHER_LEADERS_STREAM else COMMAND_LOST_WITH_STREAM
                 self.commands_resent_total[cause] += 1
+                why = (
+                    "it was sent by another leader"
+                    if cause == COMMAND_LOST_WITH_LEADER
+                    else "the stream it went down closed"
+                )
+                log.info("sending %s's command to %s again: %s", op_id, agent_id, why)
                 part.updated_unix_seconds = now  # silence is counted from when the command goes out
                 if op.cancel_requested:
                     self.cluster.send(agent_id, AgentCommand(op_id, "cancel"))

@@ -26,7 +26,9 @@ each followed to its end for up to `op_wait_seconds` (past the control plane's o
 timeout, 60 s: a command lost with a leader or a stream ends its part by then). A start
 the control plane refuses (UNAVAILABLE during a failover, etcd away) is counted apart
 (`ops_refused`), not as a failure; an operation it accepted must end, SUCCEEDED or
-FAILED/CANCELLED with a reason: `ops_unfinished` (no end within the wait) must be 0.
+FAILED/CANCELLED with a reason: `ops_unfinished` (no end within the wait) must be 0. A
+move accepted though its start was answered with an error (the leader died or stopped
+after taking it) is found in the operations list and followed too.
 
 Every process started here is stopped on the way out, on an error or Ctrl-C too (and
 the kernel kills them should this process die first, where util-linux setpriv exists)."""
@@ -65,6 +67,7 @@ REPLICAS = ("cp-a", "cp-b")
 HANDOFF_SOURCE, VICTIM, KEEPER = "agent-1", "agent-2", "agent-3"  # KEEPER is never killed: it holds the pins
 MOVED_NAMESPACE = "moved"  # KEEPER's prefix that the tier moves carry to disk and back
 ERROR_CHARS = 120  # an operation's error as the report keeps it
+MOVES_FIND_SECONDS = 5.0  # how often the moves accepted without an answer are looked for
 
 
 @dataclass(frozen=True)
@@ -429,6 +432,9 @@ class MoveStats:
     failed_errors: dict[str, int] = field(default_factory=dict)
     refused_codes: dict[str, int] = field(default_factory=dict)
     unfinished_op_ids: list[str] = field(default_factory=list)
+    # accepted though their start was answered with an error (a timeout as the leader
+    # died or stopped): found in the control plane's list, counted in started, followed
+    found_unanswered: int = 0
 
 
 class Moves:
@@ -446,6 +452,7 @@ class Moves:
         self.stats = MoveStats()
         self.stop = threading.Event()
         self.abandon = threading.Event()
+        self._seen: set[str] = set()  # op ids started or found, each followed once
         self._thread = threading.Thread(target=self._run, name="chaos-moves", daemon=True)
 
     def start(self) -> None:
@@ -460,12 +467,19 @@ class Moves:
         engine = EngineClient(self.engine_address, timeout_seconds=5.0)
         waits: dict[str, float] = {}  # op_id -> monotonic end of its wait
         tiers = itertools.cycle(("disk", "cpu"))
-        next_start = time.monotonic()
+        next_start = next_find = time.monotonic()
+        finds_after_stop = 0  # looked for once more after the last start (up to 3 tries)
         try:
-            while not self.abandon.is_set() and (waits or not self.stop.is_set()):
+            while not self.abandon.is_set() and (waits or not self.stop.is_set() or finds_after_stop < 3):
                 if not self.stop.is_set() and time.monotonic() >= next_start:
                     next_start = time.monotonic() + self.cfg.move_interval_seconds
                     self._start(facade, engine, next(tiers), waits)
+                if time.monotonic() >= next_find or (self.stop.is_set() and finds_after_stop < 3):
+                    stopped = self.stop.is_set()
+                    found = self._find_unanswered(facade, waits)
+                    if stopped:
+                        finds_after_stop = 3 if found else finds_after_stop + 1
+                    next_find = time.monotonic() + MOVES_FIND_SECONDS
                 self._follow(facade, waits)
                 time.sleep(0.25)
         finally:
@@ -483,7 +497,30 @@ class Moves:
             self.stats.refused_codes[exc.code] = self.stats.refused_codes.get(exc.code, 0) + 1
             return
         self.stats.started += 1
+        self._seen.add(op.op_id)
         waits[op.op_id] = time.monotonic() + self.cfg.op_wait_seconds
+
+    def _find_unanswered(self, facade: Facade, waits: dict[str, float]) -> bool:
+        """Follow the moves the control plane accepted though their start was answered
+        with an error: a leader killed or stopped after it took one (and sent its commands)
+        answers nothing, the start is retried or counted refused, and that very move (the
+        lost-command case across a failover) would otherwise never be checked. False when
+        the list could not be read."""
+        try:
+            listed = facade.call(lambda c: c.list_operations(1000), 5.0)
+        except ClientError:
+            return False
+        for op in listed:
+            if op.op_id in self._seen or op.kind != "move" or op.params.get("namespace") != MOVED_NAMESPACE:
+                continue
+            self._seen.add(op.op_id)
+            self.stats.started += 1
+            self.stats.found_unanswered += 1
+            if op.finished:
+                self._ended(op)
+            else:
+                waits[op.op_id] = time.monotonic() + self.cfg.op_wait_seconds
+        return True
 
     def _follow(self, facade: Facade, waits: dict[str, float]) -> None:
         for op_id, wait_end in list(waits.items()):
@@ -953,6 +990,7 @@ class Chaos:
                     "pin_holder_cpu_used_fraction": round(cpu.used_bytes / cpu.capacity_bytes, 3) if cpu else None,
                     "ops_moved_blocks": ms.moved_blocks,
                     "ops_unfinished_op_ids": ms.unfinished_op_ids,
+                    "ops_found_unanswered": ms.found_unanswered,
                 },
             )
         finally:

@@ -27,14 +27,10 @@ from controlplane.core.cluster import AgentCommand, Cluster, ModelInfo
 from controlplane.core.pins import Pin, one_per_id
 from controlplane.core.scope import Scope
 from controlplane.core.tuning import CreditTuner
-from controlplane.manager_ops import (
-    ANOTHER_LEADERS_STREAM,
-    COMMAND_LOST_WITH_LEADER,
-    COMMAND_LOST_WITH_STREAM,
-    OperationControl,
-)
+from controlplane.manager_ops import ANOTHER_LEADERS_STREAM, OperationControl
 from controlplane.manager_pins import PinControl
 from controlplane.manager_policy import PolicyControl
+from controlplane.metrics import RESEND_CAUSES
 from controlplane.store.durable import DurableStore, pin_key, pin_to_json
 from protos import errors, etcd_keys
 from protos.block_hash import BLOCK_HASH_BYTES, MAX_PROMPT_BLOCKS, check_extra_keys, check_prompt_size, hash_prefix
@@ -81,7 +77,7 @@ class Manager(PinControl, OperationControl, PolicyControl):
         self._stored_commands: set[str] = set()
         # commands sent again, by why they were lost: with the agent's stream that closed
         # under this leader, or with another leader's (kvcp_commands_resent_total)
-        self.commands_resent_total = {COMMAND_LOST_WITH_STREAM: 0, COMMAND_LOST_WITH_LEADER: 0}
+        self.commands_resent_total = dict.fromkeys(RESEND_CAUSES, 0)
         self._op_done: dict[str, threading.Event] = {}
         # adopted cleanups taking their scope locks again: queued ones wait for that first
         self._adopted_locks_pending = 0

@@ -19,6 +19,7 @@ from controlplane.core.policy import room_without_drops_bytes
 from controlplane.core.scope import Scope, block_bytes
 from controlplane.manager_policy import MAX_CORDON_REASON_CHARS
 from controlplane.manager_state import ManagerState
+from controlplane.metrics import COMMAND_LOST_WITH_LEADER, COMMAND_LOST_WITH_STREAM
 from controlplane.store.durable import MAX_OP_COMMANDS_BYTES, op_commands_to_json, op_to_json
 from controlplane.store.locks import EtcdLock
 from protos import errors, etcd_keys
@@ -37,9 +38,6 @@ DRAIN_REPORT_WAIT_SECONDS = 10.0
 # the session an adopted operation's commands went down: another leader's stream, never
 # one of this leader's (they are sent again once their agent has a stream here)
 ANOTHER_LEADERS_STREAM = ""
-# why a command was sent again (kvcp_commands_resent_total's cause)
-COMMAND_LOST_WITH_STREAM = "stream_closed"
-COMMAND_LOST_WITH_LEADER = "leader_changed"
 
 
 def _exact(seconds: float) -> str:

@@ -31,7 +31,10 @@ from protos.metrics import (
 AGENT_STATES = tuple(s.name.lower() for s in AgentState)
 OPERATION_KINDS = ("move", "cleanup", "compress", "transfer", "drain")
 OPERATION_STATES = ("pending", "running", "succeeded", "failed", "cancelled")
-RESEND_CAUSES = ("stream_closed", "leader_changed")  # controlplane.manager_ops COMMAND_LOST_WITH_*
+# why a command was sent again (kvcp_commands_resent_total's cause)
+COMMAND_LOST_WITH_STREAM = "stream_closed"
+COMMAND_LOST_WITH_LEADER = "leader_changed"
+RESEND_CAUSES = (COMMAND_LOST_WITH_STREAM, COMMAND_LOST_WITH_LEADER)
 # what a lookup-socket frame is answered with (others, rarer, appear when they happen)
 LOOKUP_SOCKET_CODES = ("OK", "INVALID_ARGUMENT", "NOT_FOUND", "UNAVAILABLE", "UNAUTHENTICATED", "FAILED_PRECONDITION")
 

@@ -73,16 +73,17 @@ def test_an_agent_that_does_not_say_it_runs_commands_once_is_sent_nothing_again(
     """An agent of an earlier release (its Hello without runs_commands_once) would run a
     repeated command a second time (a drain twice at once): its lost command is left to
     the operation timeout, as before, and never sent again."""
-    a = make_agent("lost-old", disk_dir=str(tmp_path / "disk"), disk_capacity_bytes=1 << 24)
-    prompt = tokens(4, start=44_000)
-    a.engine.store(M.model_id, prompt, kv(4))
     hello = controlplane.cluster.hello
 
     def older_hello(*args, **kw):
         kw["runs_commands_once"] = False  # what an older agent's Hello reads as
         return hello(*args, **kw)
 
+    # before the agent starts: its first Hello may come before make_agent returns
     monkeypatch.setattr(controlplane.cluster, "hello", older_hello)
+    a = make_agent("lost-old", disk_dir=str(tmp_path / "disk"), disk_capacity_bytes=1 << 24)
+    prompt = tokens(4, start=44_000)
+    a.engine.store(M.model_id, prompt, kv(4))
     with ControlPlaneClient(controlplane.address) as c:
         wait_for(lambda: indexed(c, "lost-old") == 4, what="indexed")
         assert not controlplane.cluster.runs_commands_once("lost-old")

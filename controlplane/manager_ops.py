@@ -20,7 +20,7 @@ from controlplane.core.scope import Scope, block_bytes
 from controlplane.manager_policy import MAX_CORDON_REASON_CHARS
 from controlplane.manager_state import ManagerState
 from controlplane.metrics import COMMAND_LOST_WITH_LEADER, COMMAND_LOST_WITH_STREAM
-from controlplane.store.durable import MAX_OP_COMMANDS_BYTES, op_commands_to_json, op_to_json
+from controlplane.store.durable import MAX_OP_COMMAND_BYTES, op_commands_to_json, op_to_json
 from controlplane.store.locks import EtcdLock
 from protos import errors, etcd_keys
 from protos.kv_format import CODECS, MAX_HANDOFF_DEADLINE_SECONDS
@@ -160,21 +160,33 @@ class OperationControl(ManagerState):
         """Keep the operation's commands in etcd until it ends: a command still on its way
         when this leader dies is lost with its stream, and the next leader, which adopts
         the operation, sends it again (agents run each once). Best effort: etcd refusing
-        it (or an operation of more blocks than a request holds) leaves such a part to the
-        operation timeout, as before."""
+        it (or a command larger than an etcd request holds) leaves such a part to the
+        operation timeout, as before. One key an agent, so an operation's size is not
+        bounded by one request's."""
         if op.finished or op.cancel_requested or not commands:
             return
-        value = op_commands_to_json({a: c for a, c in commands.items() if a in op.parts})
-        if len(value) > MAX_OP_COMMANDS_BYTES:
-            log.info("operation %s's commands (%d bytes) are not kept for a next leader", op.op_id, len(value))
+        items = []
+        for agent_id, cmd in commands.items():
+            if agent_id not in op.parts:
+                continue
+            value = op_commands_to_json({agent_id: cmd})
+            if len(value) > MAX_OP_COMMAND_BYTES:
+                log.info(
+                    "operation %s's command to %s (%d bytes) is not kept for a next leader",
+                    op.op_id,
+                    agent_id,
+                    len(value),
+                )
+                continue
+            items.append((etcd_keys.op_command_key(op.op_id, agent_id), value))
+        if not items:
             return
+        with self._lock:  # before the writes: one that fails may leave others (or itself) written
+            self._stored_commands.add(op.op_id)
         try:
-            self.durable.put(etcd_keys.OP_COMMANDS_PREFIX + op.op_id, value)
+            self.durable.put_all(items)
         except errors.KvcpError as exc:
             log.warning("could not keep operation %s's commands for a next leader: %s", op.op_id, exc)
-            return
-        with self._lock:
-            self._stored_commands.add(op.op_id)
 
     def _drop_stored_commands(self, op_id: str) -> bool:
         """Delete a finished operation's stored commands (etcd away: the next pass tries
@@ -184,7 +196,7 @@ class OperationControl(ManagerState):
             if op_id not in self._stored_commands:
                 return True
         try:
-            self.durable.delete(etcd_keys.OP_COMMANDS_PREFIX + op_id)
+            self.durable.delete_tree(etcd_keys.OP_COMMANDS_PREFIX + op_id)  # (and the one key of an earlier release)
         except errors.KvcpError:
             return False
         with self._lock:

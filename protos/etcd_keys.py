@@ -5,8 +5,8 @@ process connects. Everything durable lives here; the block index never does.
     /kvcp/v1/pins/<namespace>/<pin_id>  Pin
     /kvcp/v1/config/policy              Policy (tier settings, quota.<ns>, cordon.<agent_id>)
     /kvcp/v1/ops/<op_id>                Operation
-    /kvcp/v1/opcommands/<op_id>         the commands an unfinished operation sent its agents
-                                        (a next leader sends a lost one again); deleted at its end
+    /kvcp/v1/opcommands/<op_id>/<agent_id>  the command an unfinished operation sent one
+                                        agent (a next leader sends a lost one again); deleted at its end
     /kvcp/v1/election/leader            leader address, under the leader's lease;
                                         its create_revision is the epoch
     /kvcp/v1/locks/<name>               distributed locks
@@ -53,6 +53,18 @@ LOCKS_PREFIX = ROOT + "locks/"
 
 def agent_key(agent_id: str) -> str:
     return AGENTS_PREFIX + agent_id
+
+
+def op_command_key(op_id: str, agent_id: str) -> str:
+    """One agent's stored command of an operation (one key an agent: each fits an etcd
+    request, the largest scope's block hashes included)."""
+    return f"{OP_COMMANDS_PREFIX}{op_id}/{agent_id}"
+
+
+def op_id_of_command_key(key: str) -> str:
+    """The operation of a key under OP_COMMANDS_PREFIX: op_command_key's, or the one key an
+    operation had before (`<op_id>`, all its agents' commands in one value)."""
+    return key.removeprefix(OP_COMMANDS_PREFIX).split("/", 1)[0]
 
 
 def parse_endpoints(text: str) -> list[tuple[str, int]]:

@@ -166,9 +166,12 @@ def op_from_json(raw: bytes) -> Operation:
     return op
 
 
-# the most an operation's stored commands take (etcd refuses requests over 1.5 MiB by
-# default): an operation of more blocks than that is not sent again by a next leader
-MAX_OP_COMMANDS_BYTES = 1 << 20
+# the most one agent's stored command takes (etcd refuses requests over 1.5 MiB by
+# default): the largest scope, MAX_PROMPT_BLOCKS hashes, takes 1.40 MB in base64. Commands
+# are written in transactions of at most this many bytes and MAX_TXN_OPS keys (etcd's
+# --max-txn-ops default)
+MAX_OP_COMMAND_BYTES = (3 << 19) - (64 << 10)
+MAX_TXN_OPS = 128
 
 
 def op_commands_to_json(commands: dict[str, AgentCommand]) -> str:
@@ -318,6 +321,30 @@ class DurableStore:
     def delete(self, key: str) -> None:
         self._fenced([self._client.transactions.delete(key)])
 
+    def put_all(self, items: list[tuple[str, str]]) -> None:
+        """Write every (key, value), as few transactions as etcd's request limits allow
+        (MAX_OP_COMMAND_BYTES and MAX_TXN_OPS each); one that fails raises, and leaves
+        the transactions before it written."""
+        c = self._client
+        batch: list = []
+        size = 0
+        for key, value in items:
+            n = len(key) + len(value)
+            if batch and (size + n > MAX_OP_COMMAND_BYTES or len(batch) >= MAX_TXN_OPS):
+                self._fenced(batch)
+                batch, size = [], 0
+            batch.append(c.transactions.put(key, value))
+            size += n
+        if batch:
+            self._fenced(batch)
+
+    def delete_tree(self, key: str) -> None:
+        """Delete `key` and every key under `key/`, in one transaction."""
+        c = self._client
+        self._fenced(
+            [c.transactions.delete(key), c.transactions.delete(key + "/", range_end=key + "0")]
+        )  # "0": "/" + 1
+
     def delete_pin(self, pin: Pin) -> None:
         """Delete `pin`'s key only while it holds this version of the pin: a pin made again
         under its id meanwhile (a client renewing it as it expires) stays."""
@@ -396,7 +423,7 @@ class DurableStore:
     def load_op_commands(self) -> dict[str, dict[str, AgentCommand]]:
         """op id -> agent id -> the command it was sent (unfinished operations only)."""
         # one key at a time: the operations under way may hold many MiB of commands (up to
-        # MAX_OP_COMMANDS_BYTES each), more than one answer may carry (gRPC's 4 MiB)
+        # MAX_OP_COMMAND_BYTES an agent), more than one answer may carry (gRPC's 4 MiB)
         try:
             keys = [
                 meta.key.decode() for _, meta in self._client.get_prefix(etcd_keys.OP_COMMANDS_PREFIX, keys_only=True)
@@ -404,12 +431,13 @@ class DurableStore:
             records = [(key, self._client.get(key)[0]) for key in keys]
         except Exception as exc:  # noqa: BLE001
             raise self._unavailable(exc) from None
-        out = {}
+        out: dict[str, dict[str, AgentCommand]] = {}
         for key, raw in records:
             if raw is None:
                 continue  # deleted since it was listed: its operation ended
+            commands = out.setdefault(etcd_keys.op_id_of_command_key(key), {})  # (kept, to be deleted at its end)
             try:
-                out[key.removeprefix(etcd_keys.OP_COMMANDS_PREFIX)] = op_commands_from_json(raw)
+                commands.update(op_commands_from_json(raw))
             except (ValueError, KeyError, TypeError) as exc:
                 log.warning("ignoring malformed stored commands at %s: %s", key, exc)
         return out

@@ -427,3 +427,24 @@ def test_the_accept_loop_survives_running_out_of_file_descriptors(tmp_path):
         assert alive, "the accept thread is gone"
     finally:
         server.stop()
+
+
+def test_a_frame_without_a_valid_token_is_refused_before_its_lookup_is_parsed():
+    """The whole LookupFrame, lookup and all, was parsed before its token was checked: an
+    8 MiB frame of empty extra_keys parses into ~128 MiB, on each of 256 connections of
+    callers with no token (a review). The token is read first; the lookup only after."""
+    from controlplane.api.lookup_socket import LookupSocketServer
+
+    def check_token(token):
+        return None if token == "good-token-0123456789" else ("UNAUTHENTICATED", "invalid bearer token")
+
+    server = LookupSocketServer("127.0.0.1:0", lambda request: admin_pb2.LookupResponse(), check_token)
+    # a lookup that does not parse (a truncated field), under a wrong token and a request id
+    body = b"\x0a\x03\x0a\x05ab" + admin_pb2.LookupFrame(token="wrong", request_id=7).SerializeToString()
+    reply = admin_pb2.LookupFrameReply.FromString(server.handle(body))
+    assert (reply.code, reply.request_id) == ("UNAUTHENTICATED", 7), reply
+    reply = admin_pb2.LookupFrameReply.FromString(server.handle(body.replace(b"wrong", b"good-token-0123456789")))
+    assert reply.code == "INVALID_ARGUMENT", reply
+    ok = admin_pb2.LookupFrame(request=admin_pb2.LookupRequest(model_id="m"), token="good-token-0123456789")
+    assert admin_pb2.LookupFrameReply.FromString(server.handle(ok.SerializeToString())).code == ""
+    assert admin_pb2.LookupFrameReply.FromString(server.handle(b"\xff")).code == "INVALID_ARGUMENT"

@@ -11,12 +11,12 @@ import threading
 
 from agent.server import DEMO_MODEL
 from controlplane.api import convert
-from controlplane.core.cluster import AgentCommand
+from controlplane.core.cluster import AgentCommand, BlockGroup
 from controlplane.core.scope import Scope
 from controlplane.server import ControlPlane, ControlPlaneConfig
-from controlplane.store.durable import MAX_OP_COMMANDS_BYTES, op_commands_from_json, op_commands_to_json
+from controlplane.store.durable import MAX_OP_COMMAND_BYTES, op_commands_from_json, op_commands_to_json
 from protos import errors, etcd_keys
-from protos.block_hash import hash_prefix, split_hashes
+from protos.block_hash import MAX_PROMPT_BLOCKS, hash_prefix, split_hashes
 from protos.tier import Tier
 from tests.helpers import wait_for
 from tests.integration.test_pins_ops import kv, tokens
@@ -27,10 +27,13 @@ CAUSES = ("leader_changed", "stream_closed")
 
 
 def stored_commands(etcd: str, op_id: str):
+    """agent id -> its stored command of the operation (None: none stored)."""
     client = etcd_keys.connect(etcd)
     try:
-        raw, _ = client.get(etcd_keys.OP_COMMANDS_PREFIX + op_id)
-        return op_commands_from_json(raw) if raw else None
+        out = {}
+        for raw, _ in client.get_prefix(etcd_keys.OP_COMMANDS_PREFIX + op_id + "/"):
+            out.update(op_commands_from_json(raw))
+        return out or None
     finally:
         client.close()
 
@@ -128,9 +131,10 @@ def test_commands_of_an_operation_that_ended_are_deleted_by_the_next_leader(etcd
         agent = on_stream(a, "a1", "s1")
         op = a.manager.move(Scope(namespace="ns1"), Tier.DISK)
         raw = etcd_keys.connect(etcd)
-        value, _ = raw.get(etcd_keys.OP_COMMANDS_PREFIX + op.op_id)
+        key = etcd_keys.op_command_key(op.op_id, "a1")
+        value, _ = raw.get(key)
         agent.report(op.op_id, "SUCCEEDED", 1, 1)
-        raw.put(etcd_keys.OP_COMMANDS_PREFIX + op.op_id, value)  # as if its delete never happened
+        raw.put(key, value)  # as if its delete never happened
         raw.close()
         b = follower(etcd)
         take_over(a, b)
@@ -190,34 +194,32 @@ def test_an_operation_whose_commands_etcd_refuses_still_runs(etcd, monkeypatch):
     a = start_cp(etcd, op_timeout_seconds=60)
     try:
         agent = on_stream(a, "a1", "s1")
-        real_put = a.manager.durable.put
 
-        def refused(key, *args, **kwargs):
-            if key.startswith(etcd_keys.OP_COMMANDS_PREFIX):
-                raise errors.InvalidArgument("request", "etcd refused to store it: request is too large (test)")
-            return real_put(key, *args, **kwargs)
+        def refused(items):
+            raise errors.InvalidArgument("request", "etcd refused to store it: request is too large (test)")
 
-        monkeypatch.setattr(a.manager.durable, "put", refused)
+        monkeypatch.setattr(a.manager.durable, "put_all", refused)
         op = a.manager.move(Scope(namespace="ns1"), Tier.DISK)
         assert len(agent.commands("move", op.op_id)) == 1
-        assert stored_commands(etcd, op.op_id) is None and op.op_id not in a.manager._stored_commands
+        assert stored_commands(etcd, op.op_id) is None
         agent.report(op.op_id, "SUCCEEDED", 1, 1)
         assert a.manager.get_op(op.op_id).state == "SUCCEEDED"
+        assert op.op_id not in a.manager._stored_commands  # (its delete at the end found nothing)
     finally:
         a.stop()
 
 
 def test_a_next_leader_loads_the_commands_of_operations_past_one_etcd_answer(etcd):
-    """Each operation keeps up to 1 MiB of commands: a few large ones under way pass what
-    one etcd answer carries (gRPC's 4 MiB), and a next leader that read them all at once
-    could never load its state (every call UNAVAILABLE, for good)."""
+    """Each agent's command keeps up to 1.4 MiB: a few large ones under way pass what one
+    etcd answer carries (gRPC's 4 MiB), and a next leader that read them all at once could
+    never load its state (every call UNAVAILABLE, for good)."""
     raw = etcd_keys.connect(etcd)
     try:
         for i in range(5):
-            big = AgentCommand(f"op-big-{i}", "move", block_hashes=bytes(16 * 45_000), tier=int(Tier.DISK))
+            big = AgentCommand(f"op-big-{i}", "move", block_hashes=bytes(16 * MAX_PROMPT_BLOCKS), tier=int(Tier.DISK))
             value = op_commands_to_json({"a1": big})
-            assert len(value) <= MAX_OP_COMMANDS_BYTES  # each one kept
-            raw.put(etcd_keys.OP_COMMANDS_PREFIX + big.op_id, value)
+            assert len(value) <= MAX_OP_COMMAND_BYTES  # each one kept
+            raw.put(etcd_keys.op_command_key(big.op_id, "a1"), value)
     finally:
         raw.close()
     a = start_cp(etcd)
@@ -246,7 +248,7 @@ def test_a_pass_with_etcd_away_tries_one_delete_of_ended_commands_not_one_each(e
 
         with a.manager._lock:
             a.manager._stored_commands.update({"ended-1", "ended-2", "ended-3"})
-        monkeypatch.setattr(a.manager.durable, "delete", away)
+        monkeypatch.setattr(a.manager.durable, "delete_tree", away)
         a.manager._expire_ops(a.manager.clock())
         assert len(tried) == 1
         assert a.manager._stored_commands >= {"ended-1", "ended-2", "ended-3"}  # left for the next passes
@@ -287,6 +289,67 @@ def test_a_command_sent_just_before_its_leader_died_unrecorded_is_sent_again(etc
         again.report(op.op_id, "SUCCEEDED", 1, 1)
         assert b.manager.get_op(op.op_id).state == "SUCCEEDED"
         assert stored_commands(etcd, op.op_id) is None
+    finally:
+        a.stop()
+        if b is not None:
+            b.stop()
+
+
+def test_the_largest_operation_is_kept_for_a_next_leader(etcd):
+    """A move of a prompt at the size cap (MAX_PROMPT_BLOCKS blocks) held by two agents: its
+    commands (1.4 MB each) were over the 1 MiB an operation could keep, so a command lost
+    with its leader failed at the timeout. Each agent's is kept under its own key now, and
+    the next leader sends it again whole."""
+    a = start_cp(etcd, op_timeout_seconds=60)
+    b = None
+    try:
+        first1, first2 = on_stream(a, "a1", "s1"), on_stream(a, "a2", "s1")
+        prompt = list(range(MAX_PROMPT_BLOCKS * 16))
+        packed = hash_prefix("m", prompt, 16)
+        for agent_id in ("a1", "a2"):
+            assert a.cluster.apply_inventory_chunk(agent_id, 0, 0, True, [BlockGroup("m", Tier.CPU, packed)]) is None
+        op = a.manager.move(Scope(model_id="m", token_ids=tuple(prompt)), Tier.DISK)
+        [sent] = first1.commands("move", op.op_id)
+        assert sent.block_hashes == packed and len(first2.commands("move", op.op_id)) == 1
+        assert len(op_commands_to_json({"a1": sent})) > 1 << 20  # past the old bound on a whole operation
+        assert stored_commands(etcd, op.op_id) == {"a1": sent, "a2": first2.commands("move", op.op_id)[0]}
+        b = follower(etcd)
+        take_over(a, b)
+        a1 = on_stream(b, "a1", "t1")
+        b.manager.run_once()
+        assert a1.commands("move", op.op_id) == [sent]
+        a1.report(op.op_id, "SUCCEEDED", MAX_PROMPT_BLOCKS, MAX_PROMPT_BLOCKS)
+        StandInAgent.report(on_stream(b, "a2", "t1"), op.op_id, "SUCCEEDED", MAX_PROMPT_BLOCKS, MAX_PROMPT_BLOCKS)
+        assert b.manager.get_op(op.op_id).state == "SUCCEEDED"
+        assert stored_commands(etcd, op.op_id) is None
+    finally:
+        a.stop()
+        if b is not None:
+            b.stop()
+
+
+def test_commands_an_earlier_release_kept_in_one_key_are_loaded_and_deleted(etcd):
+    """An earlier release kept an operation's commands in one key (`opcommands/<op_id>`):
+    a leader of this release taking over mid-upgrade sends them again and deletes that key
+    at the operation's end."""
+    a = start_cp(etcd, op_timeout_seconds=60)
+    b = None
+    try:
+        first = on_stream(a, "a1", "s1")
+        op = a.manager.move(Scope(namespace="ns1"), Tier.DISK)
+        [sent] = first.commands("move", op.op_id)
+        raw = etcd_keys.connect(etcd)
+        raw.delete(etcd_keys.op_command_key(op.op_id, "a1"))
+        raw.put(etcd_keys.OP_COMMANDS_PREFIX + op.op_id, op_commands_to_json({"a1": sent}))  # as that release did
+        b = follower(etcd)
+        take_over(a, b)
+        again = on_stream(b, "a1", "t1")
+        b.manager.run_once()
+        assert again.commands("move", op.op_id) == [sent]
+        again.report(op.op_id, "SUCCEEDED", 1, 1)
+        assert b.manager.get_op(op.op_id).state == "SUCCEEDED"
+        assert raw.get(etcd_keys.OP_COMMANDS_PREFIX + op.op_id)[0] is None
+        raw.close()
     finally:
         a.stop()
         if b is not None:

@@ -97,7 +97,8 @@ def flag_named(message: str, flags: dict[str, str] | None = None) -> str:
     `to_tier: unknown tier 'tape'` -> `--to (to_tier): unknown tier 'tape'`."""
     field, sep, rest = message.partition(": ")
     if sep and field.startswith("values[") and field.endswith("]"):  # `policy set KEY=VALUE`'s KEY
-        return f"{field[7:-1]}: {rest}"
+        flag = (flags or {}).get(field)  # a command that sets the key itself (cordon's --reason)
+        return f"{flag} ({field[7:-1]}): {rest}" if flag else f"{field[7:-1]}: {rest}"
     flag = ((flags or {}).get(field) or FLAG_OF_FIELD.get(field)) if sep else None
     return f"{flag} ({field}): {rest}" if flag else message
 

@@ -1,0 +1,65 @@
+"""kvctl's answers to bad input found by an operator's review: each names the option the
+user typed (not an internal request field), exits non-zero and sends nothing it should not.
+Run through click as a user would, against a fake client (no cluster)."""
+
+from __future__ import annotations
+
+import pytest
+from click.testing import CliRunner
+
+from cli import main as cli_main
+from cli.client import ClientError
+
+
+class FakeClient:
+    """Records what kvctl asked; `fail` is the ClientError each call raises (else it answers)."""
+
+    def __init__(self, fail: ClientError | None = None):
+        self.fail = fail
+        self.calls: list[tuple[str, tuple, dict]] = []
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+    def _call(self, name, *args, **kw):
+        self.calls.append((name, args, kw))
+        if self.fail is not None:
+            raise self.fail
+        return {}
+
+    def cordon(self, agent_id, reason):
+        return self._call("cordon", agent_id, reason) or reason
+
+
+@pytest.fixture
+def fake(monkeypatch):
+    client = FakeClient()
+    monkeypatch.setattr(cli_main.Context, "client", lambda self: client)
+    return client
+
+
+def kvctl(*args: str):
+    return CliRunner().invoke(cli_main.main, list(args))
+
+
+def test_cordon_reason_the_control_plane_refuses_is_said_as_reason(fake):
+    """The control plane checks a cordon's reason as the policy value `cordon.<agent>`, and
+    its error starts `values[cordon.a1]: ...`; kvctl cordon passes a mapping of that field
+    to --reason, but the `values[...]` branch answered first and the user read of a policy
+    key `cordon.a1` they never typed."""
+    fake.fail = ClientError(
+        "INVALID_ARGUMENT", "values[cordon.a1]: the reason must be one printable line of at most 200 characters"
+    )
+    out = kvctl("cordon", "a1", "--reason", "x" * 300)
+    assert out.exit_code == 1, out.output
+    assert "kvctl: --reason (cordon.a1): the reason must be one printable line" in out.output, out.output
+
+
+def test_a_policy_key_error_still_names_the_key():
+    assert (
+        cli_main.flag_named("values[cpu.high_watermark]: must be a fraction in (0, 1], got 1.5")
+        == "cpu.high_watermark: must be a fraction in (0, 1], got 1.5"
+    )

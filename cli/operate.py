@@ -533,7 +533,10 @@ def policy_set(ctx: Context, assignments):
         key, eq, value = a.partition("=")
         if not eq or not key.strip():
             fail(f"{a!r} is not key=value")
-        changes[key.strip()] = value.strip()
+        key, value = key.strip(), value.strip()
+        if changes.get(key, value) != value:  # the later one must not win unsaid
+            fail(f"{key}: given twice ({changes[key]!r} and {value!r}); give it once")
+        changes[key] = value
     values = ctx.call(lambda c: c.set_policy(changes))
     if ctx.output == "json":
         click.echo(json.dumps(values, indent=2, sort_keys=True))

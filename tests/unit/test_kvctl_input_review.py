@@ -63,3 +63,17 @@ def test_a_policy_key_error_still_names_the_key():
         cli_main.flag_named("values[cpu.high_watermark]: must be a fraction in (0, 1], got 1.5")
         == "cpu.high_watermark: must be a fraction in (0, 1], got 1.5"
     )
+
+
+def test_policy_set_refuses_a_key_given_twice_with_two_values(fake, monkeypatch):
+    """`kvctl policy set cpu.high_watermark=0.8 cpu.high_watermark=0.99` set 0.99 and said
+    nothing: the later value silently won over the one the user may have meant."""
+    asked = []
+    monkeypatch.setattr(FakeClient, "set_policy", lambda self, changes: asked.append(changes) or changes, raising=False)
+    out = kvctl("policy", "set", "cpu.high_watermark=0.8", "cpu.high_watermark=0.99")
+    assert out.exit_code == 2, out.output
+    assert "cpu.high_watermark: given twice" in out.output and "'0.8'" in out.output and "'0.99'" in out.output
+    assert asked == []
+    out = kvctl("policy", "set", "quota.kb=1GiB", " quota.kb = 1GiB")  # the same value twice: one change
+    assert out.exit_code == 0, out.output
+    assert asked == [{"quota.kb": "1GiB"}]

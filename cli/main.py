@@ -301,8 +301,12 @@ def read_tokens(tokens: str | None, tokens_file: str | None) -> list[int] | None
         fail("give --tokens or --tokens-file, not both")
     if tokens_file is not None:
         path = Path(tokens_file)
-        if not path.is_file():
-            fail(f"--tokens-file: {tokens_file} does not exist or is not a file")
+        if not path.exists():
+            fail(f"--tokens-file: {tokens_file} does not exist")
+        if path.is_dir():
+            fail(f"--tokens-file: {tokens_file} is a directory")
+        if not (path.is_file() or path.is_fifo()):  # a pipe: `--tokens-file <(make_prompt)`
+            fail(f"--tokens-file: {tokens_file} is not a file or a pipe")
         try:
             text = path.read_text(encoding="utf-8")
         except UnicodeDecodeError:

@@ -77,3 +77,33 @@ def test_policy_set_refuses_a_key_given_twice_with_two_values(fake, monkeypatch)
     out = kvctl("policy", "set", "quota.kb=1GiB", " quota.kb = 1GiB")  # the same value twice: one change
     assert out.exit_code == 0, out.output
     assert asked == [{"quota.kb": "1GiB"}]
+
+
+def test_tokens_file_may_be_a_pipe_but_not_a_device(fake, monkeypatch):
+    """`--tokens-file <(python make_prompt.py)` (a pipe, /dev/fd/N) was refused as
+    "does not exist or is not a file"; a device that never ends (/dev/zero) stays refused,
+    as does a directory, each with what it is."""
+    import os
+
+    asked = []
+
+    def lookup(self, model_id, token_ids=None, **kw):
+        asked.append(token_ids)
+        raise ClientError("NOT_FOUND", "stop here")
+
+    monkeypatch.setattr(FakeClient, "lookup", lookup, raising=False)
+    r, w = os.pipe()
+    try:
+        os.write(w, b"1,2,3\n")
+        os.close(w)
+        out = kvctl("lookup", "--model", "m", "--tokens-file", f"/dev/fd/{r}")
+    finally:
+        os.close(r)
+    assert asked == [[1, 2, 3]], out.output
+    out = kvctl("lookup", "--model", "m", "--tokens-file", "/dev/zero")
+    assert out.exit_code == 2 and "--tokens-file: /dev/zero is not a file or a pipe" in out.output, out.output
+    out = kvctl("lookup", "--model", "m", "--tokens-file", "/")
+    assert out.exit_code == 2 and "--tokens-file: / is a directory" in out.output, out.output
+    out = kvctl("lookup", "--model", "m", "--tokens-file", "/nonexistent/prompt.txt")
+    assert out.exit_code == 2 and "--tokens-file: /nonexistent/prompt.txt does not exist" in out.output, out.output
+    assert len(asked) == 1

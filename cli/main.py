@@ -83,6 +83,8 @@ FLAG_OF_FIELD = {
     "scope.agent_id": "--agent",
     "scope.token_ids": "--tokens/--tokens-file",
     "scope.block_hashes": "--hashes",
+    "scope.extra_keys": "--extra-key",
+    "extra_keys": "--extra-key",
     "token_ids": "--tokens/--tokens-file",
     "namespace": "--namespace",
     "agent_id": "--agent",

@@ -107,3 +107,11 @@ def test_tokens_file_may_be_a_pipe_but_not_a_device(fake, monkeypatch):
     out = kvctl("lookup", "--model", "m", "--tokens-file", "/nonexistent/prompt.txt")
     assert out.exit_code == 2 and "--tokens-file: /nonexistent/prompt.txt does not exist" in out.output, out.output
     assert len(asked) == 1
+
+
+@pytest.mark.parametrize("field", ["extra_keys", "scope.extra_keys"])
+def test_extra_keys_the_control_plane_refuses_are_said_as_extra_key(field):
+    """Every other request field kvctl sets is said with its flag; too many --extra-key
+    bytes came back as `kvctl: scope.extra_keys: ...` (lookup: `extra_keys`)."""
+    said = cli_main.flag_named(f"{field}: extra keys take at most 4096 bytes as hashed")
+    assert said == f"--extra-key ({field}): extra keys take at most 4096 bytes as hashed"

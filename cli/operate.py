@@ -528,7 +528,7 @@ def policy_get(ctx: Context):
 def policy_set(ctx: Context, assignments):
     """kvctl policy set key=value ...: any key `kvctl policy get` lists (validated, applied
     live), and `quota.<namespace>=<size>` (e.g. 2GiB; `none` lifts it)."""
-    changes = {}
+    changes: dict[str, str] = {}
     for a in assignments:
         key, eq, value = a.partition("=")
         if not eq or not key.strip():

@@ -339,7 +339,16 @@ def parse_hashes(hashes: tuple[str, ...]) -> bytes:
                 )
             raw = bytes.fromhex(part)
             out += raw
+    if hashes and not out:
+        fail("--hashes: no hash given (an empty value)")
     return bytes(out)
+
+
+def check_extra_keys_use(extra_keys, packed: bytes) -> None:
+    """--extra-key goes into the hash of each block of tokens: block hashes given as they
+    are leave it nothing to change, and a key silently ignored would find another prefix."""
+    if extra_keys and packed:
+        fail("--extra-key: it is hashed with the tokens; with --hashes, give hashes computed with it instead")
 
 
 @main.command()
@@ -357,6 +366,7 @@ def lookup(ctx: Context, model_id, tokens, tokens_file, hashes, extra_keys):
         fail("give the prompt as --tokens, --tokens-file or --hashes")
     if token_ids is not None and packed:
         fail("give tokens or --hashes, not both")
+    check_extra_keys_use(extra_keys, packed)
     view = ctx.call(lambda c: c.lookup(model_id, token_ids=token_ids, block_hashes=packed, extra_keys=extra_keys))
     if ctx.output == "json":
         click.echo(output.dumps(view))

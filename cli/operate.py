@@ -12,7 +12,17 @@ import click
 
 from cli import output
 from cli.client import ClientError, OperationView, PinList, PinView
-from cli.main import HASHES_HELP, Context, fail, main, parse_duration, parse_hashes, pass_ctx, read_tokens
+from cli.main import (
+    HASHES_HELP,
+    Context,
+    check_extra_keys_use,
+    fail,
+    main,
+    parse_duration,
+    parse_hashes,
+    pass_ctx,
+    read_tokens,
+)
 from protos.etcd_keys import POLICY_ENTRY_REMOVED
 from protos.tier import Tier
 
@@ -37,6 +47,7 @@ def scope_kwargs(model_id, tokens, tokens_file, hashes, extra_keys, namespace, a
     packed = parse_hashes(hashes) if hashes else b""
     if token_ids is not None and packed:
         fail("give tokens or --hashes, not both")
+    check_extra_keys_use(extra_keys, packed)
     if (token_ids is not None or packed) and not model_id:
         fail("--model is needed with --tokens, --tokens-file or --hashes")
     if token_ids is None and not packed and not namespace:

@@ -115,3 +115,23 @@ def test_extra_keys_the_control_plane_refuses_are_said_as_extra_key(field):
     bytes came back as `kvctl: scope.extra_keys: ...` (lookup: `extra_keys`)."""
     said = cli_main.flag_named(f"{field}: extra keys take at most 4096 bytes as hashed")
     assert said == f"--extra-key ({field}): extra keys take at most 4096 bytes as hashed"
+
+
+@pytest.mark.parametrize("command", [["lookup"], ["route"], ["pin"], ["move", "--to", "disk"]])
+def test_extra_key_with_hashes_is_refused_not_ignored(fake, command):
+    """--extra-key changes how tokens are hashed; given with --hashes it was dropped without
+    a word, and the lookup (or pin, move) named another prefix than the user meant."""
+    out = kvctl(*command, "--model", "m", "--hashes", "ab" * 16, "--extra-key", "lora-7")
+    assert out.exit_code == 2, out.output
+    assert "--extra-key: it is hashed with the tokens" in out.output, out.output
+    assert not fake.calls
+
+
+@pytest.mark.parametrize("command", [["lookup"], ["pin"]])
+def test_an_empty_hashes_value_is_said_as_such(fake, command):
+    """`--hashes ''` (an unset shell variable) was answered "give the prompt as --tokens,
+    --tokens-file or --hashes", as if --hashes had not been given."""
+    out = kvctl(*command, "--model", "m", "--hashes", "")
+    assert out.exit_code == 2, out.output
+    assert "--hashes: no hash given" in out.output, out.output
+    assert not fake.calls

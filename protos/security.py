@@ -290,16 +290,18 @@ def server_ssl_context(tls: TLSConfig | None, require_client_cert: bool = False)
 
 
 def client_ssl_context(tls: TLSConfig | None) -> ssl.SSLContext | None:
-    """For a plain-socket client: verify the server against the CA (and present our
-    certificate for mTLS); None without a CA."""
-    if tls is None or not tls.ca_file:
+    """For a plain-socket client: verify the server against the CA, or the system's roots
+    when a certificate of ours comes without one (as channel() does: a certificate without
+    a CA went plain, the bearer token in clear), and present our certificate for mTLS;
+    None without any TLS file."""
+    if tls is None or not (tls.ca_file or tls.cert_file or tls.key_file):
         return None
     try:
-        ctx = ssl.create_default_context(cafile=tls.ca_file)
+        ctx = ssl.create_default_context(cafile=tls.ca_file or None)
         if tls.cert_file:
             ctx.load_cert_chain(tls.cert_file, tls.key_file or None)
     except (OSError, ssl.SSLError) as exc:  # ValueError, as _read() raises for gRPC channels
-        raise ValueError(f"cannot use {tls.ca_file} / {tls.cert_file or '-'}: {exc}") from None
+        raise ValueError(f"cannot use {tls.ca_file or 'the system CAs'} / {tls.cert_file or '-'}: {exc}") from None
     return ctx
 
 

@@ -524,3 +524,45 @@ def test_a_secret_file_others_may_read_is_used_with_a_warning(tmp_path, caplog):
         read_secret(str(token))
         load_tokens(str(tokens))
     assert caplog.text.count("chmod 600") == 2
+
+
+def test_a_lookup_socket_client_with_a_certificate_and_no_ca_never_sends_the_token_in_plain_text(tmp_path):
+    """The lookup socket's client went plain when given its own certificate and no CA
+    (client_ssl_context returned None), where the gRPC channel of the same facade speaks
+    TLS verified by the system's roots: the admin token went in clear to whatever
+    listened at the lookup address (a review). It now speaks TLS as the channel does."""
+    import socket
+    import threading
+
+    from cli.client import LookupSocket
+    from protos.kvcp.v1 import admin_pb2
+
+    _, cert, key = make_certs(tmp_path)
+    heard = bytearray()
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(1)
+    port = listener.getsockname()[1]
+
+    def record():
+        conn, _ = listener.accept()
+        conn.settimeout(3)
+        try:
+            while chunk := conn.recv(65536):
+                heard.extend(chunk)
+        except OSError:
+            pass
+        finally:
+            conn.close()
+
+    t = threading.Thread(target=record, daemon=True)
+    t.start()
+    client = LookupSocket(f"127.0.0.1:{port}", OPERATOR, 2.0, TLSConfig(str(cert), str(key), ""))
+    try:
+        with pytest.raises(ClientError):
+            client.call(admin_pb2.LookupRequest(model_id="m", token_ids=[1, 2, 3]))
+    finally:
+        client.close()
+        listener.close()
+    t.join(5)
+    assert OPERATOR.encode() not in heard

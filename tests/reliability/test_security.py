@@ -566,3 +566,29 @@ def test_a_lookup_socket_client_with_a_certificate_and_no_ca_never_sends_the_tok
         listener.close()
     t.join(5)
     assert OPERATOR.encode() not in heard
+
+
+def test_a_refused_call_is_not_parsed():
+    """A unary call refused for its token had its message parsed all the same (the refusal's
+    handler kept the method's deserializer): 64 MiB of empty extra_keys parse into ~1 GiB
+    over ~4 s, and 128 server threads took that many at once from callers with no token (a
+    review). The refusal now reads no message."""
+    import grpc
+
+    from protos.security import TokenAuthInterceptor
+
+    parsed: list[bytes] = []
+
+    def deserializer(raw: bytes):
+        parsed.append(raw)
+        return raw
+
+    handler = grpc.unary_unary_rpc_method_handler(lambda r, c: r, deserializer, None)
+    auth = TokenAuthInterceptor({OPERATOR: "operator"}, AGENT)
+    for method in ("/kvcp.v1.AdminService/Lookup", "/kvcp.v1.AgentService/Register"):
+        details = type("D", (), {"method": method, "invocation_metadata": ()})()
+        denied = auth.intercept_service(lambda d: handler, details)
+        assert denied is not handler
+        # not None either: gRPC answers a message that parsed to None INTERNAL, not the refusal
+        assert denied.request_deserializer(b"\x22\x00" * 1000) is not None
+    assert not parsed

@@ -224,16 +224,24 @@ class LookupSocketServer:
 
     def _reply(self, body: bytes) -> admin_pb2.LookupFrameReply:
         reply = admin_pb2.LookupFrameReply()
+        if self._check_token is not None:
+            # the token first, the lookup not parsed: a caller without one must not make us
+            # spend memory on it (8 MiB of repeated fields parse into ~128 MiB)
+            head = _token_and_id(body)
+            if head is None:
+                reply.code, reply.message = "INVALID_ARGUMENT", "frame: not a kvcp.v1.LookupFrame message"
+                return reply
+            denial = self._check_token(head[0])
+            if denial is not None:
+                reply.request_id = head[1]
+                reply.code, reply.message = denial
+                return reply
         try:
             request = admin_pb2.LookupFrame.FromString(body)
         except DecodeError:
             reply.code, reply.message = "INVALID_ARGUMENT", "frame: not a kvcp.v1.LookupFrame message"
             return reply
         reply.request_id = request.request_id
-        denial = self._check_token(request.token) if self._check_token is not None else None
-        if denial is not None:
-            reply.code, reply.message = denial
-            return reply
         try:
             reply.response.CopyFrom(self._answer(request.request))
         except errors.KvcpError as exc:
@@ -244,6 +252,52 @@ class LookupSocketServer:
             log.exception("internal error answering a lookup frame")
             reply.code, reply.message = "INTERNAL", f"internal error: {type(exc).__name__}"
         return reply
+
+
+def _varint(body: bytes, pos: int) -> tuple[int, int]:
+    value, shift = 0, 0
+    while True:
+        if pos >= len(body) or shift > 63:
+            raise ValueError("truncated varint")
+        b = body[pos]
+        pos += 1
+        value |= (b & 0x7F) << shift
+        if not b & 0x80:
+            return value, pos
+        shift += 7
+
+
+def _token_and_id(body: bytes) -> tuple[str, int] | None:
+    """A LookupFrame's token (field 2) and request id (field 3), its lookup (field 1)
+    skipped unparsed; the last of a repeated field wins, as in protobuf. None when the
+    frame's outer fields are not well formed."""
+    token, request_id, pos = b"", 0, 0
+    try:
+        while pos < len(body):
+            key, pos = _varint(body, pos)
+            number, wire = key >> 3, key & 7
+            if wire == 0:
+                value, pos = _varint(body, pos)
+                if number == 3:
+                    request_id = value & 0xFFFFFFFFFFFFFFFF
+            elif wire == 2:
+                n, pos = _varint(body, pos)
+                if pos + n > len(body):
+                    return None
+                if number == 2:
+                    token = body[pos : pos + n]
+                pos += n
+            elif wire in (1, 5):
+                pos += 8 if wire == 1 else 4
+                if pos > len(body):
+                    return None
+            else:
+                return None
+            if number == 0:
+                return None
+        return token.decode("utf-8"), request_id
+    except (ValueError, UnicodeDecodeError):
+        return None
 
 
 def _read_within(conn, rfile, size: int, deadline: float) -> bytes | None:

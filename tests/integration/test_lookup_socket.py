@@ -440,7 +440,7 @@ def test_a_frame_without_a_valid_token_is_refused_before_its_lookup_is_parsed():
 
     server = LookupSocketServer("127.0.0.1:0", lambda request: admin_pb2.LookupResponse(), check_token)
     # a lookup that does not parse (a truncated field), under a wrong token and a request id
-    body = b"\x0a\x03\x0a\x05ab" + admin_pb2.LookupFrame(token="wrong", request_id=7).SerializeToString()
+    body = b"\x0a\x04\x0a\x05ab" + admin_pb2.LookupFrame(token="wrong", request_id=7).SerializeToString()
     reply = admin_pb2.LookupFrameReply.FromString(server.handle(body))
     assert (reply.code, reply.request_id) == ("UNAUTHENTICATED", 7), reply
     reply = admin_pb2.LookupFrameReply.FromString(server.handle(body.replace(b"wrong", b"good-token-0123456789")))

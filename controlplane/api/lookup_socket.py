@@ -44,7 +44,12 @@ IDLE_SECONDS = 120.0
 # a frame, from its first byte, must arrive whole within this (a client trickling a byte
 # at a time, each within the idle time, held a slot for good: 256 of them, every slot)
 FRAME_SECONDS = 10.0
+# with tokens, a connection whose token has not been accepted yet gets this long for its
+# next frame, and one whose token is refused is closed after the answer: a caller with no
+# token held a slot for the idle time, and for good by sending a bad frame within each
+UNAUTHENTICATED_IDLE_SECONDS = FRAME_SECONDS
 READ_CHUNK_BYTES = 1 << 16
+DENIALS = ("UNAUTHENTICATED", "PERMISSION_DENIED")  # check_token's refusals
 
 
 class LookupSocketServer:
@@ -181,9 +186,10 @@ class LookupSocketServer:
             conn = tls_conn
         # typeshed says IOBase for an int buffering; "rb" with buffering > 0 makes a BufferedReader
         rfile = cast(io.BufferedReader, conn.makefile("rb", buffering=READ_CHUNK_BYTES))
+        authenticated = self._check_token is None
         try:
             while True:
-                conn.settimeout(IDLE_SECONDS)
+                conn.settimeout(IDLE_SECONDS if authenticated else UNAUTHENTICATED_IDLE_SECONDS)
                 first = rfile.read1(HEADER_BYTES)  # waits (idle) for the next frame to begin
                 if not first:
                     return  # the client went away between frames
@@ -203,7 +209,12 @@ class LookupSocketServer:
                 body = _read_within(conn, rfile, size, deadline)
                 if body is None:
                     return  # went away, or too slow: the frame did not arrive within FRAME_SECONDS
-                conn.sendall(frame(self.handle(body)))
+                reply, token_ok = self._reply(body)
+                self._counted(reply.code or "OK")
+                conn.sendall(frame(reply.SerializeToString()))
+                if reply.code in DENIALS:
+                    return  # answered, then closed: a refused caller keeps no slot
+                authenticated = authenticated or token_ok
         except OSError:
             return
         finally:
@@ -218,11 +229,12 @@ class LookupSocketServer:
 
     def handle(self, body: bytes) -> bytes:
         """One frame's bytes -> the reply's bytes."""
-        reply = self._reply(body)
+        reply, _ = self._reply(body)
         self._counted(reply.code or "OK")
         return reply.SerializeToString()
 
-    def _reply(self, body: bytes) -> admin_pb2.LookupFrameReply:
+    def _reply(self, body: bytes) -> tuple[admin_pb2.LookupFrameReply, bool]:
+        """The reply, and whether the frame's token was accepted (or none is asked for)."""
         reply = admin_pb2.LookupFrameReply()
         if self._check_token is not None:
             # the token first, the lookup not parsed: a caller without one must not make us
@@ -230,17 +242,17 @@ class LookupSocketServer:
             head = _token_and_id(body)
             if head is None:
                 reply.code, reply.message = "INVALID_ARGUMENT", "frame: not a kvcp.v1.LookupFrame message"
-                return reply
+                return reply, False
             denial = self._check_token(head[0])
             if denial is not None:
                 reply.request_id = head[1]
                 reply.code, reply.message = denial
-                return reply
+                return reply, False
         try:
             request = admin_pb2.LookupFrame.FromString(body)
         except DecodeError:
             reply.code, reply.message = "INVALID_ARGUMENT", "frame: not a kvcp.v1.LookupFrame message"
-            return reply
+            return reply, False
         reply.request_id = request.request_id
         try:
             reply.response.CopyFrom(self._answer(request.request))
@@ -251,7 +263,7 @@ class LookupSocketServer:
         except Exception as exc:  # noqa: BLE001 - one bad request never takes the listener down
             log.exception("internal error answering a lookup frame")
             reply.code, reply.message = "INTERNAL", f"internal error: {type(exc).__name__}"
-        return reply
+        return reply, True
 
 
 def _varint(body: bytes, pos: int) -> tuple[int, int]:

@@ -448,3 +448,51 @@ def test_a_frame_without_a_valid_token_is_refused_before_its_lookup_is_parsed():
     ok = admin_pb2.LookupFrame(request=admin_pb2.LookupRequest(model_id="m"), token="good-token-0123456789")
     assert admin_pb2.LookupFrameReply.FromString(server.handle(ok.SerializeToString())).code == ""
     assert admin_pb2.LookupFrameReply.FromString(server.handle(b"\xff")).code == "INVALID_ARGUMENT"
+
+
+def test_a_caller_without_a_valid_token_keeps_no_slot(monkeypatch):
+    """With tokens, a connection held a slot for the idle time (120 s) without ever sending
+    a token, and for good by sending a frame with a wrong one within each: 256 of them
+    took every slot from callers with no token at all (a review). A refused frame is now
+    answered and its connection closed, and a connection whose token has not been accepted
+    yet gets UNAUTHENTICATED_IDLE_SECONDS for its next frame; once accepted, the idle time."""
+    from controlplane.api import lookup_socket
+    from controlplane.api.lookup_socket import LookupSocketServer
+    from protos.lookup_wire import frame
+
+    monkeypatch.setattr(lookup_socket, "UNAUTHENTICATED_IDLE_SECONDS", 0.5)
+
+    def check_token(token):
+        return None if token == "good-token-0123456789" else ("UNAUTHENTICATED", "invalid bearer token")
+
+    server = LookupSocketServer("127.0.0.1:0", lambda request: admin_pb2.LookupResponse(), check_token).start()
+    try:
+        family, where = split_address(server.address)
+
+        def ask(s, token):
+            body = admin_pb2.LookupFrame(request=admin_pb2.LookupRequest(model_id="m"), token=token, request_id=3)
+            s.sendall(frame(body.SerializeToString()))
+            size = int.from_bytes(s.recv(4, socket.MSG_WAITALL), "little")
+            return admin_pb2.LookupFrameReply.FromString(s.recv(size, socket.MSG_WAITALL))
+
+        def closed_within(s, seconds):
+            s.settimeout(seconds)
+            try:
+                return s.recv(1) == b""
+            except TimeoutError:
+                return False
+
+        with socket.socket(family, socket.SOCK_STREAM) as s:
+            s.connect(where)
+            assert ask(s, "wrong").code == "UNAUTHENTICATED"
+            assert closed_within(s, 2), "a refused caller's connection stayed open"
+        with socket.socket(family, socket.SOCK_STREAM) as s:
+            s.connect(where)
+            assert closed_within(s, 2), "a silent connection with no token kept its slot past 0.5 s"
+        with socket.socket(family, socket.SOCK_STREAM) as s:
+            s.connect(where)
+            assert ask(s, "good-token-0123456789").code == ""
+            assert not closed_within(s, 1.0)  # accepted: the idle time (120 s) holds
+            assert ask(s, "good-token-0123456789").code == ""
+    finally:
+        server.stop()

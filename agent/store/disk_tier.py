@@ -450,8 +450,9 @@ class DiskTier:
         self.path = self.directory / SLAB_NAME
         self.fd = -1
         try:
-            self.directory.mkdir(parents=True, exist_ok=True)
-            self.fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+            self.directory.mkdir(mode=0o700, parents=True, exist_ok=True)  # owner-only, as its files
+            # never through a link planted there (a directory others can write, as under /tmp)
+            self.fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
         except OSError as exc:
             raise OSError(f"disk tier directory {self.directory} is not usable: {exc.strerror or exc}") from None
         try:
@@ -507,7 +508,9 @@ class DiskTier:
         # reading a block) and only then can they be reused
         self.dead_path = self.directory / DEAD_LOG_NAME
         try:
-            self._dead_fd = os.open(self.dead_path, os.O_RDWR | os.O_CREAT | os.O_APPEND | os.O_CLOEXEC, 0o600)
+            self._dead_fd = os.open(
+                self.dead_path, os.O_RDWR | os.O_CREAT | os.O_APPEND | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600
+            )
         except OSError as exc:
             os.close(self.fd)
             self.fd = -1
@@ -959,12 +962,14 @@ class DiskTier:
         # flight, its extent freed above) is on disk before the log that drops it
         os.fdatasync(self.fd)
         tmp = self.dead_path.with_suffix(".tmp")
-        fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_APPEND | os.O_CLOEXEC, 0o600)
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp)  # a leftover of a compaction cut short (never a link followed: O_EXCL)
+        fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_APPEND | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
         try:
             _write_all(fd, b"".join(kept))
             os.fdatasync(fd)
             os.replace(tmp, self.dead_path)
-            _fsync_dir(self.dead_path.parent)  # the rename survives a crash with the records after it
+            fsync_dir(self.dead_path.parent)  # the rename survives a crash with the records after it
         except OSError:
             os.close(fd)
             raise
@@ -1310,7 +1315,10 @@ class DiskTier:
                 fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
                 with os.fdopen(fd, "w") as f:
                     f.write(agent_id + "\n")
+                    f.flush()
+                    os.fsync(f.fileno())
                 os.replace(tmp, path)
+                fsync_dir(self.directory)  # the rename survives a power loss
             except OSError as exc:
                 log.warning("disk tier %s: could not record its owner: %s", self.directory, exc)
         return before
@@ -1433,7 +1441,7 @@ def _xxh3(arrays: list[np.ndarray]) -> int:
     return h.intdigest()
 
 
-def _fsync_dir(path) -> None:
+def fsync_dir(path) -> None:
     """Make a rename or a new file in `path` durable (fsync of the directory)."""
     fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
     try:

@@ -19,6 +19,7 @@ import time
 from pathlib import Path
 
 from agent.core.pins import AgentPin
+from agent.store.disk_tier import fsync_dir
 
 log = logging.getLogger(__name__)
 
@@ -53,6 +54,7 @@ class PinFile:
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, self.path)
+        fsync_dir(self.path.parent)  # the rename survives a power loss too
 
     def load(self, monotonic_now: float | None = None, unix_now: float | None = None) -> list[AgentPin]:
         """The pins still in force; [] when there is no file or it does not parse."""

@@ -16,7 +16,15 @@ from agent.core.block_pool import BlockPool
 from agent.core.blocks import BlockMeta
 from agent.core.journal import REMOVED
 from agent.server import Agent, AgentConfig
-from agent.store.disk_tier import GRANULE_BYTES, MAGIC, CorruptBlock, DiskTier, ExtentAllocator
+from agent.store.disk_tier import (
+    DEAD_LOG_NAME,
+    GRANULE_BYTES,
+    MAGIC,
+    SLAB_NAME,
+    CorruptBlock,
+    DiskTier,
+    ExtentAllocator,
+)
 from agent.store.memory_tier import MemoryTier
 from protos.block_hash import ROOT_PARENT_HASH, split_hashes
 from protos.tier import Tier
@@ -560,6 +568,27 @@ def test_directory_under_a_regular_file_is_refused(tmp_path):
         DiskTier(blocker / "kv", 1 << 20)
     with pytest.raises(OSError, match="not usable"):
         Agent(AgentConfig(agent_id="x", disk_dir=str(blocker / "kv")))
+
+
+@pytest.mark.parametrize("name", [SLAB_NAME, DEAD_LOG_NAME])
+def test_a_link_planted_in_the_directory_is_never_followed(tmp_path, name):
+    """The slab and its dead log were opened following a link at their names: in a
+    directory others can write (as under /tmp), a link planted there made the agent create
+    or append to a file of the planter's choosing. Refused now; the new directory is the
+    owner's only."""
+    victim = tmp_path / "victim"
+    victim.write_bytes(b"precious")
+    kv = tmp_path / "kv"
+    kv.mkdir()
+    (kv / name).symlink_to(victim)
+    with pytest.raises(OSError, match="not usable"):
+        DiskTier(kv, 1 << 20)
+    assert victim.read_bytes() == b"precious"
+    fresh = DiskTier(tmp_path / "new" / "kv", 1 << 20)
+    try:
+        assert (tmp_path / "new" / "kv").stat().st_mode & 0o777 == 0o700
+    finally:
+        fresh.close()
 
 
 def test_directory_that_is_a_file_is_refused(tmp_path):

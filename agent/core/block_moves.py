@@ -322,7 +322,9 @@ class BlockMoves:
                 meta.stored_bytes,
             )
         new_handle = None
-        kept = False  # switched and held for its batch
+        # the block is this move's to let go until the switch (or its refusal) let go of it:
+        # from then on another move may have it marked moving, and its mark is not ours to clear
+        released = False
         try:
             target = codec if codec is not None else self._entry_codec(to_tier, meta.model_id, src_codec)
             if target != src_codec:
@@ -349,10 +351,10 @@ class BlockMoves:
                 raise
             stored = (target, nbytes, getattr(new_handle, "checksum", 0) or digest)
             new, new_handle = new_handle, None  # switched, or given back if readers hold on too long
-            outcome = self._switch_when_unread(meta, src, src_handle, dst, new, wait_seconds, stored, held)
-            kept = outcome.ok and held is not None
-            return outcome
+            released = True  # the switch lets the block go (or keeps it marked for `held`, its batch)
+            return self._switch_when_unread(meta, src, src_handle, dst, new, wait_seconds, stored, held)
         except BlockUnreadable as exc:
+            released = True  # let go there (and removed unless read)
             return self._unreadable_source(meta, exc)
         except (PoolFull, OSError, codecs.CodecError) as exc:
             return self._move_failed(f"{type(exc).__name__}: {exc}")
@@ -360,11 +362,11 @@ class BlockMoves:
             # a write that failed part way may have GPU copies still landing in its pages
             quiet = new_handle is None or gpu_quiet([src, dst])
             with self.lock:
-                meta.moving = kept
+                if not released:
+                    meta.moving = False
                 if new_handle is not None and quiet:
                     dst.free(new_handle)
-                if not kept:
-                    self._drop_corrupt()
+                self._drop_corrupt()  # (skips blocks still read or moving)
 
     def move_blocks(
         self,

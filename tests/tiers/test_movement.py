@@ -199,6 +199,54 @@ def test_reads_during_moves_never_see_wrong_data(tmp_path):
     check_pool(pool)
 
 
+def test_a_move_that_ended_leaves_the_next_moves_mark_alone(tmp_path, monkeypatch):
+    """move_block let go of its block at the switch (the lock released): a move that took
+    the block then keeps it marked moving. The first move's cleanup cleared that mark, so
+    a third move took the block too, and both switched it: its old place freed twice and
+    another block's bytes served under its hash."""
+    pool, engine, toks, data, hs = stored(tmp_path, n=2)
+    h = hs[1]
+    disk = pool.store_of[Tier.DISK]
+    gate, reading = threading.Event(), threading.Event()
+    read_many = disk.read_many
+
+    def held_read_many(items):  # the second move waits in its disk read
+        if threading.current_thread().name == "second-move":
+            reading.set()
+            assert gate.wait(10)
+        return read_many(items)
+
+    monkeypatch.setattr(disk, "read_many", held_read_many)
+    second: list = []
+    switch = pool._switch_when_unread
+
+    def switch_then_another_move(*args, **kwargs):
+        outcome = switch(*args, **kwargs)
+        t = threading.Thread(
+            target=lambda: second.extend(pool.move_blocks([h], Tier.CPU)), name="second-move", daemon=True
+        )
+        t.start()
+        assert reading.wait(10)  # the second move has the block (marked moving) before the first one returns
+        second.append(t)
+        return outcome
+
+    monkeypatch.setattr(pool, "_switch_when_unread", switch_then_another_move)
+    try:
+        assert pool.move_block(h, Tier.DISK).ok
+        monkeypatch.setattr(pool, "_switch_when_unread", switch)
+        assert pool.blocks[h].moving, "the second move's mark was cleared by the first move"
+        third = pool.move_block(h, Tier.CPU)
+        assert not third.ok and third.reason == "already moving"
+    finally:
+        gate.set()
+        for t in [x for x in second if isinstance(x, threading.Thread)]:
+            t.join(10)
+    assert [o.ok for o in second if not isinstance(o, threading.Thread)] == [True]
+    assert pool.tier_of(h) is Tier.CPU
+    check_pool(pool)
+    assert torch.equal(engine.load(SPEC.model_id, toks).kv, data)
+
+
 # ---- pins ---------------------------------------------------------------------------
 def test_move_below_the_pin_tier_is_refused(tmp_path):
     pool, engine, toks, data, hs = stored(tmp_path, n=2)

@@ -1165,8 +1165,7 @@ class BlockPool(BlockMoves, DiskCompaction):
             if handle is not None:
                 dst.free(handle)
             self._mark_corrupt(meta, str(exc))
-            self._drop_subtree(meta.block_hash)
-            return True  # its space is free now
+            return self._drop_subtree(meta.block_hash)  # its space is free now (unless read or moved: not yet)
         except codecs.CodecError as exc:  # not this block's codec: it is dropped instead
             log.warning("demoting %s: %s", meta.block_hash.hex(), exc)
             return False

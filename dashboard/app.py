@@ -148,6 +148,7 @@ class DashboardApp(App):
         self.state = DashboardState()
         self._client: ControlPlaneClient | None = None
         self._client_lock = threading.Lock()
+        self._resume_endpoint = ""  # where a dropped client had moved on to, for the next one
         self._watch_client: ControlPlaneClient | None = None
         self._stopping = threading.Event()
         self._fetching = False
@@ -288,7 +289,11 @@ class DashboardApp(App):
     def _current_client(self) -> ControlPlaneClient:
         with self._client_lock:
             if self._client is None:
-                self._client = self._connect()
+                client = self._connect()
+                # a client that failed moved on to the next replica (past a hung leader,
+                # say): start there, not at the first one listed again
+                client.use_endpoint(self._resume_endpoint)
+                self._client = client
             return self._client
 
     def _drop_client(self, client: ControlPlaneClient) -> None:
@@ -297,6 +302,7 @@ class DashboardApp(App):
         with self._client_lock:
             if self._client is client:
                 self._client = None
+                self._resume_endpoint = client.endpoint
         client.close()
 
     def _fetch(self, topics: frozenset[str]) -> None:

@@ -299,3 +299,26 @@ def test_refresh_and_watch_go_on_after_a_client_cannot_be_made(cluster):
             await until(pilot, lambda: any(e.kind == "agent_joined" for e in app.state.events), "live events again")
 
     asyncio.run(scenario())
+
+
+def test_a_hung_replica_listed_first_is_left_for_the_next(controlplane):
+    """A replica that takes connections and never answers (a SIGSTOPped leader) listed first
+    in --endpoint: the client moves on to the next replica after its deadline, and the
+    dashboard keeps that move; it used to make each new client start at the hung replica
+    again, and said 'reconnecting' for as long as it hung while the next one led."""
+    import socket
+
+    hung = socket.socket()
+    hung.bind(("127.0.0.1", 0))
+    hung.listen(16)  # accepted by the kernel, never read: no HTTP/2 answer
+    endpoint = f"127.0.0.1:{hung.getsockname()[1]},{controlplane.address}"
+
+    async def scenario():
+        app = DashboardApp(endpoint, timeout_seconds=1.0, refresh_seconds=0.5)
+        async with app.run_test(size=SIZE) as pilot:
+            await until(pilot, on_screen(pilot, "● connected", "leader"), "the replica that answers", 15)
+
+    try:
+        asyncio.run(scenario())
+    finally:
+        hung.close()

@@ -593,6 +593,7 @@ class ControlPlaneClient:
                 # other (or, stale, itself), or it is cut off from etcd (a leader that lost
                 # etcd alone while another was elected): the call was not applied; another
                 # replica may take it
+                error = self._error(exc)  # naming the replica asked, not the one moved on to
                 if _not_connected(exc) or _not_leader(exc) or _cut_off_from_etcd(exc):
                     other = next((e for e in self._endpoints if e not in tried), "")
                     if other:
@@ -603,7 +604,6 @@ class ControlPlaneClient:
                     # it may have been applied there, so it is not sent again; the next call
                     # starts at another replica (a paused leader's successor, say)
                     self._use_next_endpoint()
-                error = self._error(exc)
                 if named_by and _not_connected(exc):
                     # not "start a control plane": one answered, naming a leader that is gone
                     error = ClientError(

@@ -132,3 +132,32 @@ def test_the_pin_form_reads_token_ids_as_kvctl_does():
     for bad in ("1_000, 2", "\u0663\u0664", "1,,2", "+7"):
         assert got[bad].startswith("tokens: token ids must be integers"), got[bad]
     assert got["4294967296"] == "tokens: token id 4294967296 is out of range [0, 2^32)"
+
+
+def test_the_top_line_names_the_replica_that_did_not_answer():
+    """The dashboard's top line shows the client's error: with several replicas, the one
+    that timed out is named, not the next one the client moves on to (it named the replica
+    that had taken over as leader as the one not answering)."""
+    import socket
+
+    from cli.client import ClientError, ControlPlaneClient
+
+    hung = socket.socket()
+    hung.bind(("127.0.0.1", 0))
+    hung.listen(16)  # takes the connection, never answers (a SIGSTOPped leader)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        other = f"127.0.0.1:{s.getsockname()[1]}"
+    hung_at = f"127.0.0.1:{hung.getsockname()[1]}"
+    try:
+        with ControlPlaneClient(f"{hung_at},{other}", timeout_seconds=0.5) as client:
+            try:
+                client.stats()
+            except ClientError as exc:
+                assert exc.code == "DEADLINE_EXCEEDED"
+                assert hung_at in str(exc) and other not in str(exc)
+            else:
+                raise AssertionError("a replica that never answers answered")
+            assert client.endpoint == other  # the next call starts at the next replica
+    finally:
+        hung.close()

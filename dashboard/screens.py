@@ -110,7 +110,7 @@ class ClusterScreen(DashboardScreen):
     def show_data(self, topics: frozenset[str]) -> None:
         if topics & {"stats", "connection", "agents"}:
             self._show_totals()
-        if "stats" in topics:
+        if topics & {"stats", "connection"}:
             self._show_sparks()
         if "agents" in topics:
             self._show_agents()
@@ -166,14 +166,18 @@ class ClusterScreen(DashboardScreen):
 
     def _show_sparks(self) -> None:
         series = {
-            "lookups": (self.state.lookup_rate_series(), lambda v: f"lookups/s {v:.1f}"),
-            "hit": (self.state.hit_ratio_series(), lambda v: f"hit ratio now {v:.0%}"),
-            "moved": (self.state.movement_series(), lambda v: f"moved {render.rate_bytes(v)}"),
+            "lookups": (self.state.lookup_rate_series(), "lookups/s", lambda v: f"{v:.1f}"),
+            "hit": (self.state.hit_ratio_series(), "hit ratio now", lambda v: f"{v:.0%}"),
+            "moved": (self.state.movement_series(), "moved", render.rate_bytes),
         }
-        for key, (data, label) in series.items():
+        # the control plane gone: its last rate is no current one (the line above says when
+        # it was known), so none is shown as if live
+        lost = self.state.connection != CONNECTED and bool(self.state.samples)
+        for key, (data, name, value) in series.items():
             # under two points there is no line to draw; one value alone fills the widget
             self.query_one(f"#spark-{key}", Sparkline).data = data if len(data) >= 2 else []
-            self.query_one(f"#spark-{key}-label", Label).update(label(data[-1] if data else 0.0))
+            shown = "-" if lost else value(data[-1] if data else 0.0)
+            self.query_one(f"#spark-{key}-label", Label).update(f"{name} {shown}")
 
     def _show_agents(self) -> None:
         table = self.query_one("#agents", DataTable)

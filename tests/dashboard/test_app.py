@@ -161,3 +161,30 @@ def test_the_top_line_names_the_replica_that_did_not_answer():
             assert client.endpoint == other  # the next call starts at the next replica
     finally:
         hung.close()
+
+
+def test_the_sparkline_labels_claim_no_current_rate_while_the_control_plane_is_lost():
+    """'lookups/s 5.0', 'hit ratio now 86%' stayed on screen as if live for as long as the
+    control plane was gone (the labels were redrawn only on new stats); the line above says
+    'last known at', and the labels say they have no current value."""
+    from textual.widgets import Label
+
+    from dashboard.state import RECONNECTING
+
+    async def scenario():
+        app = DashboardApp(live=False, clock=lambda: sample.NOW)
+        async with app.run_test(size=SIZE) as pilot:
+            sample.load(app)
+            await pilot.pause()
+
+            def labels() -> list[str]:
+                return [
+                    str(app.screen.query_one(f"#spark-{k}-label", Label).render()) for k in ("lookups", "hit", "moved")
+                ]
+
+            assert all(any(ch.isdigit() for ch in text) for text in labels()), labels()
+            app.apply_connection(RECONNECTING, "cannot reach the kvcp control plane at 127.0.0.1:50051 (unavailable)")
+            await pilot.pause()
+            assert not any(any(ch.isdigit() for ch in text) for text in labels()), labels()
+
+    asyncio.run(scenario())

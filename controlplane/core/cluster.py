@@ -530,6 +530,8 @@ class Cluster:
                 reason = f"inventory chunk {chunk_index} arrived, expected {rec.next_chunk}"
                 rec.staging, rec.next_chunk = [], -1  # until a chunk 0 starts the next inventory
                 rec.awaiting_inventory = True
+                rec.state = AgentState.SYNCING  # as for a gap in events: lookups say possibly stale
+                self._rebuilding = (0.0, False)
                 self.resyncs_total += 1
                 self.events.publish("agent_state", f"{agent_id} resyncing: {reason}", "warning", agent_id=agent_id)
                 return reason

@@ -169,6 +169,20 @@ def test_inventory_chunk_out_of_order_returns_a_reason(cluster):
     assert cluster.index.num_agent_blocks("a") == 3
 
 
+def test_a_ready_agent_given_a_chunk_out_of_order_is_syncing_until_its_next_inventory(cluster):
+    """The out-of-order branch waited for an inventory (its events ignored meanwhile) but
+    left the agent READY: lookups were not marked possibly stale, as they are after a gap
+    in its events (a review)."""
+    ready_agent(cluster, "a", [BlockGroup("m", Tier.CPU, packed(2))], seq=4)
+    cluster.reconcile_membership({"a"}, 0.0)  # its key in etcd: an agent expected back
+    assert not cluster.rebuilding()
+    assert cluster.apply_inventory_chunk("a", 5, 3, True, [BlockGroup("m", Tier.CPU, packed(3))]) is not None
+    assert cluster.agent("a").state is AgentState.SYNCING
+    assert cluster.rebuilding()
+    assert cluster.apply_inventory_chunk("a", 5, 0, True, [BlockGroup("m", Tier.CPU, packed(3))]) is None
+    assert cluster.agent("a").state is AgentState.READY
+
+
 def test_hello_discards_a_half_received_inventory(cluster):
     cluster.register(record("a"))
     cluster.hello("a", "s1")

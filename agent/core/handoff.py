@@ -289,12 +289,14 @@ class Reservations:
         except PoolFull as exc:
             with self._lock:
                 self._open.pop(rid, None)
+                self._aborted_while_reserving.discard(rid)  # an Abort meanwhile: nothing is left to abort
             raise errors.FailedPrecondition(
                 f"no room for the handoff in the {self.tier.label} tier of {self.where}: {exc}"
             ) from None
         except BaseException:
             with self._lock:
                 self._open.pop(rid, None)
+                self._aborted_while_reserving.discard(rid)
             raise
         with self._lock:
             aborted = rid in self._aborted_while_reserving

@@ -12,6 +12,7 @@ from hypothesis import strategies as st
 
 from agent.core.block_moves import pair_runs
 from agent.core.block_pool import BlockPool
+from agent.core.blocks import PoolFull
 from agent.core.handoff import (
     LandedGroups,
     Link,
@@ -594,3 +595,22 @@ def test_a_link_grants_its_slot_first_come_first_served():
     for t in threads:
         t.join(10)
     assert order == list(range(7))  # it queued behind the six
+
+
+@pytest.mark.parametrize("fails_with", [PoolFull, RuntimeError])
+def test_an_abort_during_a_reserve_that_fails_leaves_no_mark(monkeypatch, fails_with):
+    """An Abort that came while its Reserve was finding pages is noted for that Reserve;
+    one that then failed (no room, an error) took the note with it, else each such Abort
+    stayed in memory for good."""
+    pool, res, _ = make()
+    _, _, hashes = prompt(SMALL, 2)
+    rid = "c" * 16
+
+    def aborted_then_fails(*args):
+        assert res.abort(rid, quiesced=True)  # the sender gave up on the Reserve meanwhile
+        raise fails_with("no room")
+
+    monkeypatch.setattr(pool, "reserve_chain", aborted_then_fails)
+    with pytest.raises((errors.FailedPrecondition, RuntimeError)):
+        res.reserve(SMALL.model_id, hashes, [BLOCK] * 2, ["none"] * 2, reservation_id=rid)
+    assert res.open_count() == 0 and not res._aborted_while_reserving

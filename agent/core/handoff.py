@@ -306,7 +306,8 @@ class Reservations:
         if aborted:  # its sender gave up on this Reserve while pages were found: none was written
             self.pool.release_reserved(handles, self.tier)
             self.pool.release_chain(present)
-            self.aborted_total += 1
+            with self._lock:  # (counted from several threads at once)
+                self.aborted_total += 1
             raise errors.FailedPrecondition(f"reservation_id: {rid!r} was aborted by its sender while it was made")
         if not handles:  # all present: nothing to write or commit, so nothing is kept open
             self.pool.release_chain(present)
@@ -410,7 +411,8 @@ class Reservations:
                     r.verified[i] = g
         for (i, expected), g in zip(todo, got, strict=True):
             if g != expected:
-                self.checksum_failures_total += 1
+                with self._lock:  # (counted from several threads at once)
+                    self.checksum_failures_total += 1
                 return (
                     f"checksum mismatch on block {i} ({r.block_hashes[i].hex()[:12]}): "
                     f"sent {expected:016x}, received {g:016x}; nothing was made visible"
@@ -442,7 +444,8 @@ class Reservations:
         missing = [i for i in range(r.num_present, r.num_blocks) if i not in r.verified]
         if mismatch or missing:
             self._release(r, quiesced=not mismatch and not r.writers)
-            self.aborted_total += 1
+            with self._lock:  # (counted from several threads at once)
+                self.aborted_total += 1
             raise ReservationError(
                 mismatch or f"blocks {missing[:5]} of the reservation were never verified; nothing was made visible"
             )
@@ -463,7 +466,8 @@ class Reservations:
             raise ReservationError(f"cannot commit: {exc}; nothing was made visible") from None
         finally:
             self.pool.release_chain(r.present)
-        self.committed_total += 1
+        with self._lock:  # (counted from several threads at once)
+            self.committed_total += 1
         return r
 
     def abort(self, reservation_id: str, quiesced: bool = False) -> bool:
@@ -490,7 +494,8 @@ class Reservations:
             return False
         self._close(r)
         self._release(r, free_now)
-        self.aborted_total += 1
+        with self._lock:  # (counted from several threads at once)
+            self.aborted_total += 1
         return True
 
     def attach_writer(self, reservation_id: str) -> Reservation:
@@ -546,7 +551,8 @@ class Reservations:
         for r in stale:
             self._close(r)
             self._release(r, quiesced=False)
-            self.expired_total += 1
+            with self._lock:  # (counted from several threads at once)
+                self.expired_total += 1
         for h in due:
             self.pool.release_reserved(h.handles, self.tier)
         return len(stale)

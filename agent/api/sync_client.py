@@ -143,7 +143,6 @@ class ControlPlaneLink:
         self._resync = threading.Event()
         self._reconnect = threading.Event()
         self.connected = threading.Event()
-        self._outgoing_finished = threading.Event()
         self._connected_to = ""
         self.token = ""  # agent token the control plane asks for (never logged)
         self.tls: TLSConfig | None = None  # for the control-plane channel
@@ -334,9 +333,13 @@ class ControlPlaneLink:
         self._pool.journal.wake.set()
 
     # ---- messages -------------------------------------------------------------------
-    def _inventory_messages(self):
+    def _inventory_messages(self, generation: list[int] | None = None):
+        """The inventory as chunks; `generation[0]` is set to its journal generation (the
+        events after it are that stream's to send)."""
         with self._pool.lock:  # the engine's external blocks (vLLM events) share the pool's journal
             seq, groups = self._pool.inventory()
+            if generation is not None:
+                generation[0] = self._pool.journal.generation
             if self.external is not None:
                 groups = list(groups) + self.external.inventory_groups()
         chunk: list[agent_pb2.BlockGroup] = []
@@ -383,7 +386,10 @@ class ControlPlaneLink:
             )
         )
 
-    def _outgoing(self, stop: threading.Event, done: threading.Event):
+    def _outgoing(self, stop: threading.Event, done: threading.Event, finished: threading.Event | None = None):
+        """The stream's messages; `finished` is set when this stream has no more (its
+        call is then cancelled: a stream's own event, so a replaced stream ending late
+        never cancels the call of the one that replaced it)."""
         agent_id = self._agent_info().agent_id
         with self._pool.lock:
             self._pool.pins.expire()  # the control plane re-sends what still holds
@@ -397,7 +403,11 @@ class ControlPlaneLink:
                 runs_commands_once=True,  # (RUN_ONCE_KINDS: a repeat is answered, not run)
             )
         )
-        yield from self._inventory_messages()
+        # a stream replaced by a new one (its call dead) may run on a moment, past its loop's
+        # check: it drains nothing once the new stream's inventory was taken, so no batch
+        # after that inventory is lost with it (the new stream sends them)
+        generation = [0]
+        yield from self._inventory_messages(generation)
         yield from self._recent_final_updates()
         yield self._stats_message()
         next_stats = time.monotonic() + self.stats_interval_seconds
@@ -406,6 +416,8 @@ class ControlPlaneLink:
         wake = self._pool.journal.wake
         moved: cf.Future | None = None  # the leader check in flight (it reads etcd)
         while not (stop.is_set() or done.is_set() or self._reconnect.is_set()):
+            if generation[0] != self._pool.journal.generation:
+                break  # a newer stream's inventory: this one is replaced (nor may it take a resync's)
             # etcd is read off this loop: a slow or unreachable etcd (each read waits for
             # its timeout) held back the block events behind it, and lookups went stale
             if moved is not None and moved.done():
@@ -418,9 +430,9 @@ class ControlPlaneLink:
             if self._resync.is_set():
                 self._resync.clear()
                 self.resyncs_total += 1
-                yield from self._inventory_messages()
+                yield from self._inventory_messages(generation)
                 continue
-            for batch in self._pool.drain_events():
+            for batch in self._pool.drain_events(generation=generation[0]):
                 kind = agent_pb2.BLOCK_EVENT_KIND_STORED if batch.kind == STORED else agent_pb2.BLOCK_EVENT_KIND_REMOVED
                 yield agent_pb2.AgentMessage(
                     events=agent_pb2.BlockEventBatch(
@@ -454,7 +466,8 @@ class ControlPlaneLink:
                 next_queued_ping = now + QUEUED_OP_PING_SECONDS
                 yield from self._queued_op_pings()
             wake.wait(min(0.05, max(next_stats - now, 0.001)))
-        self._outgoing_finished.set()
+        if finished is not None:
+            finished.set()
 
     def _recent_final_updates(self) -> list[agent_pb2.AgentMessage]:
         """The final updates of the last RESEND_FINAL_SECONDS, oldest first."""
@@ -532,18 +545,17 @@ class ControlPlaneLink:
             self.highest_epoch = reply.epoch
             self._reconnect.clear()
             self._resync.clear()
-            self._outgoing_finished.clear()
             # every stream is its own session: the control plane tells a late teardown or
             # a late message of the previous stream from this one by it
             self.session_id = uuid.uuid4().hex
-            done = threading.Event()
+            done, finished = threading.Event(), threading.Event()
             self.connections_total += 1
             log.info("connected to control plane %s (epoch %d)", address, reply.epoch)
             self.connected.set()
-            call = stub.Sync(self._outgoing(stop, done), metadata=auth)
+            call = stub.Sync(self._outgoing(stop, done, finished), metadata=auth)
             # when our side is done (reconnect, leader moved, stop), cancel the call: a
             # paused or dead leader would otherwise keep the response side open forever
-            watchdog = threading.Thread(target=self._cancel_when_done, args=(call, done, stop), daemon=True)
+            watchdog = threading.Thread(target=self._cancel_when_done, args=(call, done, stop, finished), daemon=True)
             watchdog.start()
             try:
                 for msg in call:
@@ -558,9 +570,9 @@ class ControlPlaneLink:
                 done.set()
                 self.connected.clear()
 
-    def _cancel_when_done(self, call, done: threading.Event, stop: threading.Event) -> None:
+    def _cancel_when_done(self, call, done: threading.Event, stop: threading.Event, finished: threading.Event) -> None:
         while not done.wait(0.1):
-            if stop.is_set() or self._reconnect.is_set() or self._outgoing_finished.is_set():
+            if stop.is_set() or self._reconnect.is_set() or finished.is_set():
                 call.cancel()
                 return
 

@@ -892,9 +892,9 @@ class BlockPool(BlockMoves, DiskCompaction):
                 ps += meta.parent_hash
             return Inventory(seq, [InventoryGroup(m, t, bytes(h), bytes(p)) for (m, t), (h, p) in acc.items()])
 
-    def drain_events(self, max_blocks: int = 8192) -> list[EventBatch]:
+    def drain_events(self, max_blocks: int = 8192, generation: int | None = None) -> list[EventBatch]:
         with self.lock:
-            return self.journal.drain(max_blocks)
+            return self.journal.drain(max_blocks, generation)
 
     def drain_notices(self) -> list[Notice]:
         with self.lock:

@@ -42,6 +42,9 @@ class EventJournal:
     def __init__(self, max_pending: int = 200_000):
         self.max_pending = max_pending
         self.last_seq = 0
+        # one more each inventory: a stream drains events only while the latest inventory
+        # is its own (one replaced by a new stream, its call dead, took them into the void)
+        self.generation = 0
         self.overflowed = False
         self._pending: list[tuple[int, str, Tier, bytes, bytes]] = []
         self.wake = threading.Event()
@@ -73,11 +76,15 @@ class EventJournal:
         """Drop pending events (an inventory is being taken); returns its seq."""
         self._pending.clear()
         self.overflowed = False
+        self.generation += 1
         return self.last_seq
 
-    def drain(self, max_blocks: int = 8192) -> list[EventBatch]:
+    def drain(self, max_blocks: int = 8192, generation: int | None = None) -> list[EventBatch]:
         """Pending events as batches: one batch per run of one kind, groups per run of
-        (model, tier), so the order of events on one block is kept."""
+        (model, tier), so the order of events on one block is kept. `generation`: the
+        one of the caller's inventory; none when a later inventory was taken since."""
+        if generation is not None and generation != self.generation:
+            return []
         taken, self._pending = self._pending[:max_blocks], self._pending[max_blocks:]
         if not self._pending:
             self.wake.clear()

@@ -34,7 +34,7 @@ def binary(name: str) -> str:
 
 
 def promtool(*args: str, stdin: str | None = None) -> subprocess.CompletedProcess:
-    return subprocess.run([binary("promtool"), *args], input=stdin, capture_output=True, text=True, timeout=60)
+    return subprocess.run([binary("promtool"), *args], input=stdin, capture_output=True, text=True, timeout=300)
 
 
 def _panels(panels):

@@ -218,7 +218,8 @@ def test_alert_rules_fire_on_their_conditions():
     all), transfer failures, a hit-ratio drop, a full tier and etcd errors fire, not before
     their `for:` and with the labels and sentences an operator reads; an agent out of sync
     fires on the leader's series only, never on a deposed replica's."""
-    result = prom.promtool("test", "rules", str(Path(__file__).with_name("alerts_test.yml")))
+    tests = [str(Path(__file__).with_name(name)) for name in ("alerts_test.yml", "alerts_long_test.yml")]
+    result = prom.promtool("test", "rules", *tests)
     assert result.returncode == 0, result.stdout + result.stderr
 
 

@@ -486,3 +486,29 @@ def test_a_pin_past_its_expiry_protects_nothing_on_a_machine_just_booted(agent):
     )
     agent.link.handle_command(1, cmd)
     assert agent.pool.pin_tier(agent.pool.blocks[h]) == 0, "a pin past its expiry holds (for ever)"
+
+
+def test_a_replaced_stream_takes_no_events_from_the_new_one(agent):
+    """A stream replaced by a new one (its call dead, `done` not set yet) could pass its
+    loop's check and drain the events that followed the new stream's inventory into the
+    void: lost, and an agent idle after that left the index without those blocks until its
+    next event (a review, by reading). A stream drains only while the latest inventory is
+    its own, and ends once a newer one was taken."""
+    import threading
+
+    stop, old_done = threading.Event(), threading.Event()
+    old = agent.link._outgoing(stop, old_done)
+    _stream_until_stats(agent, old)
+    new = agent.link._outgoing(stop, threading.Event())
+    _stream_until_stats(agent, new)  # the new stream's inventory
+    _, _, hs = store(agent, n=2)
+    from_old: list = []
+    pump = threading.Thread(target=lambda: from_old.extend(old), daemon=True)
+    pump.start()
+    pump.join(2.0)
+    assert not pump.is_alive(), "the replaced stream did not end"
+    assert not [m for m in from_old if m.WhichOneof("body") == "events"]
+    events = next(m for m in new if m.WhichOneof("body") == "events")
+    sent = b"".join(g.block_hashes for g in events.events.groups)
+    assert set(hs) <= {sent[i : i + 16] for i in range(0, len(sent), 16)}
+    stop.set()

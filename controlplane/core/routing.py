@@ -369,55 +369,59 @@ def route_request(
         locked = set(pinned(agent_id, [hashes[i] for i in held])) if pinned is not None and held else set()
         return sum(1 for i in held if hashes[i] not in locked)
 
-    # only agents with an open stream that were heard from lately: one that died or hangs
-    # keeps its registration (and its blocks indexed) until its lease goes
-    candidates = [
-        Candidate(
-            rec.agent_id,
-            rec.address,
-            states.role(rec.agent_id),
-            hits.get(rec.agent_id, 0),
-            view,
-            ranks.get(rec.agent_id, len(ranks)),
-            counted(rec.agent_id, view),
-        )
-        for rec in cluster.connected_agents(params.max_silence_seconds)
-        if any(m.model_id == model_id for m in rec.models)
-        # the decode of a request prefilled on an agent cordoned since is no new work for it:
-        # it stays the handoff's source (decode_scores never picks the prefill agent)
-        and (not cluster.cordon_reason(rec.agent_id) or (role == "decode" and rec.agent_id == prefill_agent_id))
-        for view in (states.view(rec.agent_id),)
-    ]
-    if prefill_agent_id and role != "decode" and cluster.cordon_reason(prefill_agent_id):
-        raise errors.FailedPrecondition(
-            f"prefill_agent_id: agent {prefill_agent_id!r} is cordoned ({cluster.cordon_reason(prefill_agent_id)})"
-        )
-    if prefill_agent_id and prefill_agent_id not in {c.agent_id for c in candidates}:
-        raise errors.NotFound(
-            f"prefill_agent_id: no connected agent {prefill_agent_id!r} serves {model_id!r} "
-            f"(not connected, or silent for over {params.max_silence_seconds:g}s)"
-        )
-    decision = route(role, candidates, result.num_blocks, result.block_size, block_bytes, params, prefill_agent_id)
-    if not decision.agent_id and decision.reason.startswith("no agent takes"):
-        left_out = [
-            rec.agent_id
-            for rec in cluster.connected_agents()
-            if any(m.model_id == model_id for m in rec.models) and rec.agent_id not in {c.agent_id for c in candidates}
-        ]
-        cordoned = [a for a in left_out if cluster.cordon_reason(a)]
-        silent = [a for a in left_out if a not in cordoned]
-        if silent:  # they take the role, but have not reported lately (hung, or a stalled machine)
-            decision = dataclasses.replace(
-                decision,
-                reason=f"{decision.reason}: {', '.join(silent)} silent for over "
-                f"{params.max_silence_seconds:g}s (hung or stalled?)",
+    # read free bytes, decide and note what was sent as one step: two Routes at once both saw
+    # the same room and each took it (promised past the agent's free bytes; a review)
+    with states.deciding:
+        # only agents with an open stream that were heard from lately: one that died or hangs
+        # keeps its registration (and its blocks indexed) until its lease goes
+        candidates = [
+            Candidate(
+                rec.agent_id,
+                rec.address,
+                states.role(rec.agent_id),
+                hits.get(rec.agent_id, 0),
+                view,
+                ranks.get(rec.agent_id, len(ranks)),
+                counted(rec.agent_id, view),
             )
-        if cordoned:
-            decision = dataclasses.replace(decision, reason=f"{decision.reason}; cordoned: {', '.join(cordoned)}")
-    if decision.disaggregate and decision.decode_agent_id:  # its bytes count against it until reported
-        d = next((c for c in candidates if c.agent_id == decision.decode_agent_id), None)
-        if d is not None:
-            states.note_routed(d.agent_id, max(0, result.num_blocks - d.num_cached_blocks) * block_bytes)
+            for rec in cluster.connected_agents(params.max_silence_seconds)
+            if any(m.model_id == model_id for m in rec.models)
+            # the decode of a request prefilled on an agent cordoned since is no new work for it:
+            # it stays the handoff's source (decode_scores never picks the prefill agent)
+            and (not cluster.cordon_reason(rec.agent_id) or (role == "decode" and rec.agent_id == prefill_agent_id))
+            for view in (states.view(rec.agent_id),)
+        ]
+        if prefill_agent_id and role != "decode" and cluster.cordon_reason(prefill_agent_id):
+            raise errors.FailedPrecondition(
+                f"prefill_agent_id: agent {prefill_agent_id!r} is cordoned ({cluster.cordon_reason(prefill_agent_id)})"
+            )
+        if prefill_agent_id and prefill_agent_id not in {c.agent_id for c in candidates}:
+            raise errors.NotFound(
+                f"prefill_agent_id: no connected agent {prefill_agent_id!r} serves {model_id!r} "
+                f"(not connected, or silent for over {params.max_silence_seconds:g}s)"
+            )
+        decision = route(role, candidates, result.num_blocks, result.block_size, block_bytes, params, prefill_agent_id)
+        if not decision.agent_id and decision.reason.startswith("no agent takes"):
+            left_out = [
+                rec.agent_id
+                for rec in cluster.connected_agents()
+                if any(m.model_id == model_id for m in rec.models)
+                and rec.agent_id not in {c.agent_id for c in candidates}
+            ]
+            cordoned = [a for a in left_out if cluster.cordon_reason(a)]
+            silent = [a for a in left_out if a not in cordoned]
+            if silent:  # they take the role, but have not reported lately (hung, or a stalled machine)
+                decision = dataclasses.replace(
+                    decision,
+                    reason=f"{decision.reason}: {', '.join(silent)} silent for over "
+                    f"{params.max_silence_seconds:g}s (hung or stalled?)",
+                )
+            if cordoned:
+                decision = dataclasses.replace(decision, reason=f"{decision.reason}; cordoned: {', '.join(cordoned)}")
+        if decision.disaggregate and decision.decode_agent_id:  # its bytes count against it until reported
+            d = next((c for c in candidates if c.agent_id == decision.decode_agent_id), None)
+            if d is not None:
+                states.note_routed(d.agent_id, max(0, result.num_blocks - d.num_cached_blocks) * block_bytes)
     address = next((c.address for c in candidates if c.agent_id == decision.agent_id), "")
     return dataclasses.replace(decision, address=address)
 
@@ -434,6 +438,8 @@ class DataPlaneStates:
         # its room (its Reserve then refused the rest: recompute)
         self._routed: dict[str, list[tuple[float, int]]] = {}
         self._clock = clock
+        # held by a Route from reading the views to note_routed (routing.route_request)
+        self.deciding = threading.Lock()
 
     def register(self, agent_id: str, role: str, transfer_engine: str = "") -> None:
         with self._lock:

@@ -257,6 +257,53 @@ def test_a_burst_of_routes_within_one_report_counts_what_it_sent():
     assert again.decode_agent_id == "d1" and not again.backpressure
 
 
+def test_concurrent_routes_do_not_promise_a_decode_agent_past_its_free_bytes(monkeypatch):
+    """Two Routes at once both read the decode agent's free bytes before either noted what
+    it sent: both took the same room, promising it 200 blocks with 150 free (a review)."""
+    import queue
+    import threading
+    import time
+
+    from controlplane.core import routing
+    from controlplane.core.cluster import AgentRecord, Cluster, ModelInfo
+    from controlplane.core.routing import DataPlaneView, route_request
+    from protos.block_hash import hash_prefix
+
+    cluster = Cluster()
+    model = ModelInfo("m", 16, num_layers=2, num_kv_heads=2, head_dim=128, dtype="float16")  # 32 KiB blocks
+    block = 2 * 2 * 16 * 2 * 128 * 2
+    for agent_id, role, free in (("p", "prefill", 0), ("d", "decode", 150)):
+        cluster.register(AgentRecord(agent_id, f"{agent_id}:1", [model], []))
+        cluster.hello(agent_id, "s")
+        cluster.apply_inventory_chunk(agent_id, 0, 0, True, [])
+        cluster.attach_outbox(agent_id, "s", queue.Queue())
+        cluster.dataplane.register(agent_id, role)
+        cluster.dataplane.update(agent_id, DataPlaneView(free * block, 1000 * block, 0, 8))
+    decide = routing.route
+
+    def slow_route(*args, **kwargs):  # the decision takes a moment: another Route runs meanwhile
+        time.sleep(0.05)
+        return decide(*args, **kwargs)
+
+    monkeypatch.setattr(routing, "route", slow_route)
+    prompts = [hash_prefix("m", range(k * 10_000, k * 10_000 + 100 * 16), 16) for k in range(2)]  # 100 blocks
+    picks = []
+    threads = [
+        threading.Thread(
+            target=lambda h=h: picks.append(
+                route_request(cluster, "m", block_hashes=h, role="decode", prefill_agent_id="p")
+            )
+        )
+        for h in prompts
+    ]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    # room for one of the two 100-block handoffs: the other waits (backpressure)
+    assert sorted(r.backpressure for r in picks) == [False, True], [(r.decode_agent_id, r.reason) for r in picks]
+
+
 def test_a_decode_agent_holding_the_prefix_pinned_or_in_another_tier_is_not_behind():
     """Its free bytes (the agent's reclaimable bytes of the handoff tier) never counted
     its pinned blocks, nor those in another tier, yet Route took all its cached blocks off

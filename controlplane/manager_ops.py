@@ -625,10 +625,15 @@ class OperationControl(ManagerState):
             self._op_changed(op)
             return
         try:
-            with self._lock:
-                if op.finished or not self._owns(op):
-                    return
-                op.waiting_for_lock = False
+            while True:
+                with self._lock:
+                    if op.finished or not self._owns(op):
+                        return
+                    # a cancel being stored now (CANCELLED in etcd) must not find it started
+                    if op.op_id not in self._cancelling:
+                        op.waiting_for_lock = False
+                        break
+                time.sleep(0.02)
             try:
                 self._persist_op(op)  # a leader that takes over now must not send it again
             except errors.KvcpError as exc:
@@ -742,16 +747,22 @@ class OperationControl(ManagerState):
             self._check_cancellable(op)
             trial = copy.deepcopy(op)
             ops.cancel(trial, now)
+            # a queued cleanup whose lock comes free meanwhile waits for this cancel to end
+            self._cancelling.add(op.op_id)
         try:
-            self._persist_op(trial)
-        except errors.OutcomeUnknown:
-            # it may be stored: memory follows, and the next passes write memory's state
+            try:
+                self._persist_op(trial)
+            except errors.OutcomeUnknown:
+                # it may be stored: memory follows, and the next passes write memory's state
+                with self._lock:
+                    self._dirty.add(op.op_id)
+                with contextlib.suppress(errors.FailedPrecondition):
+                    self._cancel_now(op, now, persist=False)
+                raise
+            return self._cancel_now(op, now, persist=True)
+        finally:
             with self._lock:
-                self._dirty.add(op.op_id)
-            with contextlib.suppress(errors.FailedPrecondition):
-                self._cancel_now(op, now, persist=False)
-            raise
-        return self._cancel_now(op, now, persist=True)
+                self._cancelling.discard(op.op_id)
 
     def _check_cancellable(self, op: ops.Operation) -> None:
         if op.finished:

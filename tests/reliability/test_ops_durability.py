@@ -4,6 +4,7 @@ land in a queue (so an operation stays where the test leaves it until it answers
 
 from __future__ import annotations
 
+import contextlib
 import json
 import queue
 import threading
@@ -560,5 +561,42 @@ def test_a_result_another_leader_stored_is_not_undone_by_progress_this_one_could
         assert cp.manager._op_done[op.op_id].is_set() and timed == [("move", "SUCCEEDED")]  # its waiters woken
         assert stored_op(etcd, op.op_id)["state"] == "SUCCEEDED"
         client.close()
+    finally:
+        cp.stop()
+
+
+def test_a_cancel_being_recorded_keeps_a_queued_cleanup_from_starting(etcd):
+    """A cancel of a cleanup queued behind its scope lock is written to etcd before it is
+    answered; if the lock comes free meanwhile, the cleanup must not go out: etcd would
+    say CANCELLED while its agents clean (a leader dying then leaves a next one that
+    neither holds its lock nor knows it runs)."""
+    cp = start_cp(etcd, op_timeout_seconds=10)
+    try:
+        agent = StandInAgent(cp)
+        m = cp.manager
+        first = m.cleanup(0, namespace="ns1")
+        wait_for(lambda: agent.commands("cleanup", first.op_id), 5, 0.02, "first sent")
+        second = m.cleanup(0, namespace="ns1")
+        real = m._persist_op
+        seen = []
+
+        def persist(op):
+            if op.op_id == second.op_id and op.cancel_requested and not seen:
+                agent.report(first.op_id, "SUCCEEDED", 1, 1)  # the lock comes free as the cancel is stored
+                sent = False
+                with contextlib.suppress(AssertionError):
+                    sent = bool(wait_for(lambda: agent.commands("cleanup", second.op_id), 2, 0.02, "second sent"))
+                real(op)
+                seen.append((stored_op(etcd, second.op_id)["state"], sent))
+                return
+            real(op)
+
+        m._persist_op = persist
+        try:
+            got = m.cancel_op(second.op_id).state
+        except errors.FailedPrecondition:
+            got = "refused"
+        assert seen and not (seen[0][0] == "CANCELLED" and seen[0][1]), seen
+        assert got == "CANCELLED" and agent.commands("cleanup", second.op_id) == []
     finally:
         cp.stop()

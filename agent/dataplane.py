@@ -760,8 +760,8 @@ class DataPlane(HandoffPaths):
                 else "the prefix has no full block"
             )
         try:
-            link = self.links.get(destination_agent_id)
-            if not link.acquire(deadline):
+            link, got = self.links.acquire(destination_agent_id, deadline)
+            if not got:
                 result = HandoffResult(
                     RECOMPUTE,
                     seconds=time.monotonic() - start,

@@ -639,6 +639,7 @@ class Link:
         self._cond = threading.Condition()
         self.inflight = 0
         self.queued = 0
+        self.retired = False  # forgotten by its Links (idle): a transfer takes the new one
         self._waiting: collections.deque[object] = collections.deque()  # queued transfers, oldest first
         self._tokens = 0.0
         self._tokens_at = clock()
@@ -653,9 +654,12 @@ class Link:
 
     def acquire(self, deadline_monotonic: float) -> bool:
         """Wait for a slot on the link (queued meanwhile, first come first served: a later
-        transfer never takes a slot one queued before it waits for); False at the deadline."""
+        transfer never takes a slot one queued before it waits for); False at the deadline,
+        or at once when the link was forgotten (Links.acquire then takes the new one)."""
         me = object()
         with self._cond:
+            if self.retired:
+                return False
             self.queued += 1
             self._waiting.append(me)
             try:
@@ -738,16 +742,34 @@ class Links:
                 link = self._links[peer_agent_id] = Link(peer_agent_id, self.max_concurrent, self.bytes_per_second)
             return link
 
+    def acquire(self, peer_agent_id: str, deadline_monotonic: float) -> tuple[Link, bool]:
+        """The peer's link and whether a slot on it was taken by the deadline (Link.acquire).
+        A link forgotten between its lookup here and the transfer queueing on it is not
+        used: a transfer on it was one more than the new link's limit, and unseen in stats."""
+        while True:
+            link = self.get(peer_agent_id)
+            if link.acquire(deadline_monotonic):
+                return link, True  # (a link with a transfer on it is not forgotten)
+            if not link.retired:
+                return link, False
+            # forgotten meanwhile (it had no transfer): look the new one up
+
     def all(self) -> list[Link]:
         with self._lock:
             return list(self._links.values())
 
     def forget(self, peer_agent_id: str) -> bool:
-        """Drop an idle link (no transfer running or queued on it); whether it went."""
+        """Drop an idle link (no transfer running or queued on it); whether it went. Checked
+        under the link's own lock, with which a transfer queues on it: one that looked the
+        link up before finds it retired and takes the new one."""
         with self._lock:
             link = self._links.get(peer_agent_id)
-            if link is None or link.inflight or link.queued:
+            if link is None:
                 return False
+            with link._cond:
+                if link.inflight or link.queued:
+                    return False
+                link.retired = True
             del self._links[peer_agent_id]
             return True
 

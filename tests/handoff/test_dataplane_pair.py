@@ -17,7 +17,7 @@ import torch
 
 from agent.api.dataplane_service import DataPlaneServicer
 from agent.core.block_pool import BlockPool
-from agent.core.handoff import PRESENT, RECOMPUTE, TRANSFERRED, checksum
+from agent.core.handoff import PRESENT, RECOMPUTE, TRANSFERRED, HandoffResult, checksum
 from agent.dataplane import DataPlane, DataPlaneConfig
 from agent.store.memory_tier import MemoryTier
 from agent.store.transfer_engine import NoEngine
@@ -592,5 +592,56 @@ def test_a_destination_cordoned_while_a_path_fails_for_good_gets_no_next_path(mo
             p.send.handoff(SMALL.model_id, hashes, "dec", 5.0, paths=("shm", "grpc"))
         assert calls == ["shm"], calls
         assert p.recv.pool.read_chain(hashes)[0] == []  # nothing of it landed there
+    finally:
+        p.close()
+
+
+def test_a_link_forgotten_as_a_handoff_looks_it_up_lets_no_second_one_past_its_limit(monkeypatch):
+    """The sweep forgets an idle link to a peer etcd no longer names; one forgotten between
+    a handoff's lookup of it and its queueing on it let that handoff run on the forgotten
+    link, and the next on a new one: two transfers at once on a link of one, the first
+    unseen in the link's stats (a review)."""
+    p = Pair(DataPlaneConfig(link_max_concurrent=1))
+    try:
+        hashes = store(p.send.pool, 2)
+        links = p.send.links
+        get = links.get
+        swept: list[bool] = []
+
+        def get_then_swept(peer_agent_id):
+            link = get(peer_agent_id)
+            if not swept:  # the sweep runs just after the first lookup: the link is idle
+                swept.append(links.forget(peer_agent_id))
+            return link
+
+        monkeypatch.setattr(links, "get", get_then_swept)
+        lock = threading.Lock()
+        at_once, peak, seen = [0], [0], []
+
+        def run(peer, *args):
+            with lock:
+                at_once[0] += 1
+                peak[0] = max(peak[0], at_once[0])
+            seen.append(get(peer.agent_id).inflight)  # what the link's stats say meanwhile
+            time.sleep(0.3)
+            with lock:
+                at_once[0] -= 1
+            return HandoffResult(PRESENT, num_blocks=2)
+
+        monkeypatch.setattr(p.send, "_run", run)
+        results: list = []
+        threads = [
+            threading.Thread(target=lambda: results.append(p.send.handoff(SMALL.model_id, hashes, "dec", 5.0)))
+            for _ in range(2)
+        ]
+        for t in threads:
+            t.start()
+            time.sleep(0.05)
+        for t in threads:
+            t.join(10)
+        assert swept == [True]
+        assert [r.outcome for r in results] == [PRESENT, PRESENT]
+        assert peak[0] == 1  # the second queued behind the first
+        assert seen == [1, 1]  # each on the link its stats report
     finally:
         p.close()

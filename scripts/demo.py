@@ -204,7 +204,7 @@ class Demo:
         )
         self.wait_port("etcd", etcd, a.etcd_port)
         etcd_ep = f"127.0.0.1:{a.etcd_port}"
-        connect(etcd_ep, wait_seconds=20, log=self.say).close()
+        connect(etcd_ep, wait_seconds=45, log=self.say).close()
         cp_addr = f"127.0.0.1:{a.controlplane_port}"
         lookup_ep = f"unix:{self.run_dir / 'lookup.sock'}"  # the lookup socket, for routers
         cp = self.spawn(

@@ -10,7 +10,7 @@ import time
 from collections.abc import Sequence
 from functools import partial
 
-from controlplane.core.cluster import AgentCommand
+from controlplane.core.cluster import AgentCommand, AgentRecord
 from controlplane.core.pins import Pin, check_quota, new_pin, one_per_id, same_request
 from controlplane.core.scope import Scope, block_bytes
 from controlplane.manager_state import ManagerState
@@ -24,6 +24,14 @@ from protos.units import parse_size
 log = logging.getLogger(__name__)
 
 UNPINNED_REMEMBERED_SECONDS = 60.0  # far longer than a reload's read of etcd can take
+
+
+def _applied(rec: AgentRecord, pin_id: str, version: str) -> None:
+    rec.applied_pins[pin_id] = version
+
+
+def _unapplied(rec: AgentRecord, pin_id: str) -> None:
+    rec.applied_pins.pop(pin_id, None)
 
 
 class PinControl(ManagerState):
@@ -229,9 +237,15 @@ class PinControl(ManagerState):
         for rec in self.cluster.connected_agents():
             want = {p.pin_id: p for p in pins if p.applies_to(rec.agent_id)}
             # a copy: a new stream's Hello replaces the record's dict meanwhile
+            # what was sent is noted on the stream it went to only: a new stream's Hello
+            # between the send and the note (another thread) restarts the record from what
+            # the agent holds, which a note meant for the old stream must not change
             for pin_id in [i for i in list(rec.applied_pins) if i not in want]:
-                if self.cluster.send(rec.agent_id, AgentCommand(f"unpin-{pin_id}", "unpin", pin_id=pin_id)):
-                    rec.applied_pins.pop(pin_id, None)
+                sent = self.cluster.send_on_stream(
+                    rec.agent_id, AgentCommand(f"unpin-{pin_id}", "unpin", pin_id=pin_id)
+                )
+                if sent:
+                    self.cluster.note_on_stream(rec.agent_id, sent, partial(_unapplied, pin_id=pin_id))
             for pin_id, p in want.items():
                 if rec.applied_pins.get(pin_id) == p.version:
                     continue
@@ -245,8 +259,9 @@ class PinControl(ManagerState):
                     pin_version=p.version,
                     expires_unix_seconds=p.expires_unix_seconds,
                 )
-                if self.cluster.send(rec.agent_id, cmd):
-                    rec.applied_pins[pin_id] = p.version
+                sent = self.cluster.send_on_stream(rec.agent_id, cmd)
+                if sent:
+                    self.cluster.note_on_stream(rec.agent_id, sent, partial(_applied, pin_id=pin_id, version=p.version))
 
     def _expire_pins(self, now: float) -> None:
         with self._lock:

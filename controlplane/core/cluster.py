@@ -635,6 +635,17 @@ class Cluster:
             rec.outbox.put(command)  # (an unbounded queue: never blocks)
             return rec.outbox_session
 
+    def note_on_stream(self, agent_id: str, session_id: str, note: Callable[[AgentRecord], object]) -> bool:
+        """Call note(record) under the lock if the agent's open stream is still `session_id`
+        (the one a command went to, send_on_stream); False, without calling it, when a new
+        stream replaced it meanwhile (its record starts from what its Hello said)."""
+        with self._lock:
+            rec = self._agents.get(agent_id)
+            if rec is None or rec.outbox is None or rec.outbox_session != session_id:
+                return False
+            note(rec)
+            return True
+
     def stream_of(self, agent_id: str) -> str:
         """The session id of the agent's open stream ("" none)."""
         with self._lock:

@@ -510,3 +510,29 @@ def test_an_operation_says_its_state_once_not_at_every_progress_report():
         m._op_changed(op)
     said = [e.message for e in f.cluster.events.recent(("op_state",))]
     assert said == [f"cleanup {op.op_id}: RUNNING", f"cleanup {op.op_id}: SUCCEEDED"]
+
+
+def test_a_pin_sent_on_a_stream_replaced_meanwhile_is_sent_again_on_the_new_one():
+    """A new stream's Hello (another thread) landing between a pin command's queueing on
+    the old stream and its noting: the note must not go to the new stream's record, which
+    would then never be sent the pin (and, for an unpin, keep the agent's copy)."""
+    f = Fleet()
+    c = chain(5, 2)
+    f.agent("a", {Tier.CPU: (100, [c])})
+    m = f.manager
+    m.pins["p"] = _pin("p", c, Tier.CPU, 0)
+    new_outbox: queue.Queue = queue.Queue()
+    send = f.cluster.send_on_stream
+
+    def send_then_new_stream(agent_id, command):
+        out = send(agent_id, command)  # queued on the old stream, lost with it
+        f.cluster.hello(agent_id, "s2")  # the agent reconnected: it holds no pin
+        f.cluster.attach_outbox(agent_id, "s2", new_outbox)
+        f.cluster.send_on_stream = send
+        return out
+
+    f.cluster.send_on_stream = send_then_new_stream
+    m._apply_pins(100.0)
+    assert [cmd.kind for cmd in f.commands("a")] == ["pin"]  # the old stream's
+    m._apply_pins(100.0)
+    assert [new_outbox.get_nowait().kind for _ in range(new_outbox.qsize())] == ["pin"]

@@ -89,6 +89,9 @@ class VllmEventSubscriber:
         self._reconnected = False  # the publisher's connection came back since the last batch
         self._read_at_start = False  # the replay buffer was read at start: no live batch past it seen yet
         self._read_until = -1  # ... up to this batch
+        # seq -> hash of the payload of each batch that read applied: a live batch numbered
+        # within it is skipped only when it is that batch (a different one is a new engine's)
+        self._read_payloads: dict[int, int] | None = None
         self._said_block_size = False
 
     # ---- applying -------------------------------------------------------------------
@@ -131,9 +134,13 @@ class VllmEventSubscriber:
         if self._reconnected:
             self.publisher_back()
         if self._read_at_start:
-            if self._started and seq <= self._read_until:
+            read = self._read_payloads or {}
+            if self._started and seq <= self._read_until and read.get(seq) == hash(frames[2]):
                 return  # published while the buffer was read at start: applied from it already
+            # past what was read, or another batch under a number read: an engine that
+            # restarted since (seq from 0 again), whose connection drop was not seen
             self._read_at_start = False
+            self._read_payloads = None
         if not self._started:
             self._started = True
             if seq > 0:
@@ -170,10 +177,13 @@ class VllmEventSubscriber:
         st = self.stats
         if not self.replay_endpoint or self._started:
             return
+        self._read_payloads = {}
         self._replay(0, 1 << 62, initial=True)
         if st.last_seq >= 0:
             self._started = self._read_at_start = True
             self._read_until = st.last_seq
+        else:
+            self._read_payloads = None
             log.info("vLLM KV events: read the engine's replay buffer up to batch %d", st.last_seq)
 
     def publisher_back(self) -> None:
@@ -238,6 +248,8 @@ class VllmEventSubscriber:
             if seq >= until or seq != st.last_seq + 1:
                 continue  # past the gap, or not contiguous with what we applied
             st.replayed_batches_total += 1
+            if self._read_payloads is not None and not self._started:
+                self._read_payloads[seq] = hash(frames[2])  # (the read at start)
             self._apply(seq, frames[2])
 
     def _reset_dealer(self) -> None:

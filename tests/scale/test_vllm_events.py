@@ -710,11 +710,37 @@ def test_every_live_batch_the_start_up_read_applied_is_skipped_not_taken_for_a_r
         sub.read_buffer_at_start()
         assert sub.stats.last_seq == 4
         ext._pool.journal.drain()
-        sub.handle(_message(3, [13]))
-        sub.handle(_message(4, [14]))
+        for seq in (3, 4):  # live, the same payload as in the buffer (as vLLM's publisher sends)
+            sub.handle([b"", seq.to_bytes(8, "big"), pub.buffer[seq][1]])
         assert sub.stats.engine_restarts_total == 0 and ext._pool.journal.drain() == []
         sub.handle(_message(5, [15]))  # the first new one is applied
         assert external_block_hash(15) in _claimed(ext) and sub.stats.last_seq == 5
+    finally:
+        if sub._dealer is not None:
+            sub._dealer.close(linger=0)
+        pub.close()
+
+
+def test_an_engine_restarted_after_the_start_up_read_is_a_restart_not_batches_read_already():
+    """The engine restarted (seq from 0) after the buffer was read at start, its connection's
+    drop not seen (the SUB socket had not connected yet): its batches numbered within the
+    read were skipped as read already, the old engine's blocks claimed for good and the
+    new engine's first blocks never indexed."""
+    pub = VllmPublisher()
+    ext = ExternalBlocks(_Pool(), "m", index_by="vllm")
+    sub = VllmEventSubscriber(pub.endpoint, ext, replay_endpoint=pub.replay_endpoint)
+    try:
+        for i in range(5):
+            pub.publish(batch(stored([10 + i])), send=False)
+        sub._reset_dealer()
+        sub.read_buffer_at_start()
+        assert sub.stats.last_seq == 4
+        sub.handle([b"", (4).to_bytes(8, "big"), pub.buffer[4][1]])  # published while it was read: skipped
+        assert sub.stats.engine_restarts_total == 0
+        for seq, h in enumerate([20, 21, 22]):  # the new engine's first batches
+            sub.handle(_message(seq, [h]))
+        assert sub.stats.engine_restarts_total == 1
+        assert _claimed(ext) == {external_block_hash(h) for h in (20, 21, 22)}
     finally:
         if sub._dealer is not None:
             sub._dealer.close(linger=0)

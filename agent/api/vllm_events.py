@@ -81,6 +81,7 @@ class VllmEventSubscriber:
         self.rcvhwm = rcvhwm
         self.disconnect_grace_seconds = disconnect_grace_seconds
         self._down_since: float | None = None  # monotonic time the publisher's connection dropped
+        self._lost = False  # given up after the grace: its connection coming back is a reconnect too
         self.stats = VllmEventStats()
         self.connected = threading.Event()
         self._ctx: zmq.Context = zmq.Context.instance()
@@ -267,15 +268,17 @@ class VllmEventSubscriber:
                 self._down_since = now
                 log.info("vLLM KV event publisher %s disconnected", self.endpoint)
         elif event == zmq.EVENT_CONNECTED:
-            if self._down_since is not None:
+            if self._down_since is not None or self._lost:
                 self._reconnected = True
             self._down_since = None
+            self._lost = False
 
     def check_lost(self, now: float) -> None:
         """Forget the engine's blocks once its connection has been down past the grace."""
         if self._down_since is None or now - self._down_since < self.disconnect_grace_seconds:
             return
         self._down_since = None
+        self._lost = True  # (when it is back, its buffer is read at once: an idle engine is known too)
         st = self.stats
         st.engine_lost_total += 1
         dropped = self.external.clear()

@@ -840,6 +840,32 @@ def test_an_engine_restarted_within_the_grace_and_idle_holds_nothing_of_the_old_
         pub.close()
 
 
+def test_an_engine_back_after_the_grace_and_idle_is_read_again_at_once():
+    """Given up after the grace, the engine's connection coming back was not a reconnect
+    (the grace had cleared its drop): its replay buffer was read only at its next live
+    batch, so an idle engine's blocks went unclaimed meanwhile."""
+    pub = VllmPublisher()
+    stop = threading.Event()
+    ext = ExternalBlocks(_Pool(), "m", index_by="vllm")
+    sub = VllmEventSubscriber(pub.endpoint, ext, replay_endpoint=pub.replay_endpoint, disconnect_grace_seconds=1.0)
+    t = threading.Thread(target=sub.run_forever, args=(stop,), daemon=True)
+    try:
+        t.start()
+        assert sub.connected.wait(10)
+        time.sleep(0.5)
+        pub.publish(batch(stored([1, 2])))
+        wait_for(lambda: ext.num_blocks == 2, 5, 0.05, "the engine's blocks indexed")
+        pub.drop_pub()
+        wait_for(lambda: sub.stats.engine_lost_total == 1, 10, 0.05, "the engine given up")
+        assert ext.num_blocks == 0
+        pub.rebind_pub()  # the same engine, idle: nothing live comes
+        wait_for(lambda: ext.num_blocks == 2, 10, 0.1, "its replay buffer read again")
+    finally:
+        stop.set()
+        t.join(5)
+        pub.close()
+
+
 def test_a_block_hash_twice_in_one_event_is_malformed():
     """Both copies were indexed (by tokens) and a removal reached only one: the other
     stayed claimed for good."""

@@ -183,9 +183,9 @@ class VllmEventSubscriber:
         if st.last_seq >= 0:
             self._started = self._read_at_start = True
             self._read_until = st.last_seq
+            log.info("vLLM KV events: read the engine's replay buffer up to batch %d", st.last_seq)
         else:
             self._read_payloads = None
-            log.info("vLLM KV events: read the engine's replay buffer up to batch %d", st.last_seq)
 
     def publisher_back(self) -> None:
         """The publisher's connection dropped and came back: the engine behind it may be a

@@ -426,7 +426,10 @@ class ControlPlaneLink:
                 moved = None
             if moved is None and time.monotonic() >= next_leader_check:
                 next_leader_check = time.monotonic() + LEADER_CHECK_SECONDS
-                moved = self._leader_checks.submit(self._leader_moved)
+                try:
+                    moved = self._leader_checks.submit(self._leader_moved)
+                except RuntimeError:  # the link is stopping (its pool shut down): so is this stream
+                    break
             if self._resync.is_set():
                 self._resync.clear()
                 self.resyncs_total += 1

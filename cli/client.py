@@ -99,6 +99,11 @@ def _outcome_lost(exc: ClientError) -> bool:
     )
 
 
+class LookupSocketUnreachable(ClientError):
+    """UNAVAILABLE from the lookup socket itself: nothing listens there, or the connection
+    broke (again, once reconnected), so no replica answered."""
+
+
 class LookupSocket:
     """The client end of the lookup socket (controlplane.api.lookup_socket): one
     connection, frames in order, reconnected once when it broke (a lookup is a read)."""
@@ -112,6 +117,7 @@ class LookupSocket:
         self._timeout_seconds = timeout_seconds
         self._sock: socket.socket | None = None
         self._next_id = 0
+        self.answered = False  # a reply came from this endpoint once (it is, or was, a lookup socket)
         self._lock = threading.Lock()
         self._buf = bytearray(1 << 16)  # replies are read into this, header and body at once
 
@@ -132,12 +138,12 @@ class LookupSocket:
                     time.sleep(0.005)
                     continue
                 if exc.errno in (errno.EAGAIN, errno.EWOULDBLOCK):
-                    raise ClientError(
+                    raise LookupSocketUnreachable(
                         "UNAVAILABLE",
                         f"the lookup socket at {self.endpoint} is busy (its accept queue stayed full for "
                         f"{self._timeout_seconds:g} s); try again",
                     ) from None
-                raise ClientError(
+                raise LookupSocketUnreachable(
                     "UNAVAILABLE",
                     f"cannot reach the lookup socket at {self.endpoint} ({exc.strerror or exc}); "
                     "is kvcp-controlplane running with --lookup-listen?",
@@ -149,7 +155,7 @@ class LookupSocket:
                 sock = self._ssl.wrap_socket(sock, server_hostname=self._where[0])
             except (OSError, ssl.SSLError) as exc:
                 sock.close()
-                raise ClientError("UNAVAILABLE", f"lookup socket {self.endpoint}: TLS: {exc}") from None
+                raise LookupSocketUnreachable("UNAVAILABLE", f"lookup socket {self.endpoint}: TLS: {exc}") from None
         # connected: blocking calls with the kernel's own timeouts, so that a send and a
         # receive are one system call each, not a poll() and then the call (~20-50 us a
         # lookup here); where the kernel does not take them, Python's timeout stays
@@ -191,6 +197,7 @@ class LookupSocket:
                 try:
                     self._sock.sendall(out)
                     reply = admin_pb2.LookupFrameReply.FromString(self._read_frame())
+                    self.answered = True
                     break
                 except (TimeoutError, BlockingIOError, ssl.SSLWantReadError, ssl.SSLWantWriteError):
                     self._drop()  # a late reply would answer the next call: start afresh
@@ -200,9 +207,11 @@ class LookupSocket:
                 except (OSError, EOFError, DecodeError) as exc:
                     self._drop()
                     if fresh or attempt:  # a new connection failing is not a stale one
-                        raise ClientError("UNAVAILABLE", f"lookup socket {self.endpoint}: {exc or 'closed'}") from None
-        if reply.code:
-            raise ClientError(reply.code, reply.message)
+                        raise LookupSocketUnreachable(
+                            "UNAVAILABLE", f"lookup socket {self.endpoint}: {exc or 'closed'}"
+                        ) from None
+        if reply.code:  # a follower names the leader (its admin API address): kind NotLeader
+            raise ClientError(reply.code, reply.message, "NotLeader" if reply.leader_address else "")
         if reply.request_id != request_id:
             raise ClientError("INTERNAL", f"lookup socket {self.endpoint}: reply out of order")
         return reply.response
@@ -522,8 +531,44 @@ class ControlPlaneClient:
         self._endpoints = [e.strip() for e in endpoint.split(",") if e.strip()] or [DEFAULT_ENDPOINT]
         self.endpoint = self._endpoints[0]
         self.timeout_seconds = timeout_seconds
+        self._token = token
         self._lookups = LookupSocket(lookup_endpoint, token, timeout_seconds, tls) if lookup_endpoint else None
+        self._lookups_moving = threading.Lock()
         self._connect(self.endpoint)
+
+    @property
+    def lookup_endpoint(self) -> str:
+        """The lookup socket lookup() uses now ('' when it uses gRPC)."""
+        return self._lookups.endpoint if self._lookups is not None else ""
+
+    def _socket_lookup(self, request: admin_pb2.LookupRequest) -> admin_pb2.LookupResponse:
+        """A lookup over the socket; when that socket's replica does not lead, or answered
+        once and cannot be reached now (a leader change), the leader's socket is asked of
+        the admin API (which follows the leader across `endpoint`'s replicas) and the
+        lookup asked there, once."""
+        lookups = self._lookups
+        assert lookups is not None
+        try:
+            return lookups.call(request)
+        except ClientError as exc:
+            # gone after it answered (a leader that died): an address that never answered
+            # is a wrong one, said so rather than silently replaced
+            gone = isinstance(exc, LookupSocketUnreachable) and lookups.answered
+            if exc.kind != "NotLeader" and not gone:
+                raise
+            with self._lookups_moving:  # threads sharing this client move it once
+                if self._lookups is lookups:
+                    try:
+                        address = self._call("GetStats", admin_pb2.GetStatsRequest()).lookup_address
+                    except ClientError:
+                        raise exc from None  # the socket's own answer says more
+                    if not address or address == lookups.endpoint:
+                        raise
+                    self._lookups = LookupSocket(address, self._token, self.timeout_seconds, self._tls)
+                    lookups.close()
+                moved = self._lookups
+            assert moved is not None  # set in __init__, and only ever replaced
+            return moved.call(request)
 
     def _connect(self, endpoint: str) -> None:
         self.endpoint = endpoint
@@ -686,7 +731,7 @@ class ControlPlaneClient:
         request = admin_pb2.LookupRequest(
             model_id=model_id, token_ids=token_ids or [], block_hashes=block_hashes, extra_keys=list(extra_keys)
         )
-        resp = self._lookups.call(request) if self._lookups is not None else self._call("Lookup", request)
+        resp = self._socket_lookup(request) if self._lookups is not None else self._call("Lookup", request)
         return LookupView(
             model_id=resp.model_id,
             num_tokens=resp.num_tokens,

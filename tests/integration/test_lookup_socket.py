@@ -147,10 +147,18 @@ def test_a_replica_that_does_not_lead_names_the_leader(etcd):
     follower = start_cp(etcd, lookup_listen="127.0.0.1:0")
     try:
         assert leader.election.is_leader and not follower.election.is_leader
+        from cli.client import LookupSocket
+
+        with pytest.raises(ClientError) as info:
+            LookupSocket(follower.lookup_socket.address).call(admin_pb2.LookupRequest(model_id=M.model_id))
+        assert info.value.code == "FAILED_PRECONDITION" and leader.address in str(info.value)
+        assert info.value.kind == "NotLeader"
+        # the facade follows it: the leader's lookup socket, found through the admin API
         with ControlPlaneClient(follower.address, lookup_endpoint=follower.lookup_socket.address) as c:
             with pytest.raises(ClientError) as info:
-                c.lookup(M.model_id, tokens(1))
-        assert info.value.code == "FAILED_PRECONDITION" and leader.address in str(info.value)
+                c.lookup(M.model_id, tokens(1))  # no agent serves the model: the leader's own answer
+            assert info.value.code != "FAILED_PRECONDITION", info.value
+            assert c.lookup_endpoint == leader.lookup_socket.address
         request = admin_pb2.LookupRequest(model_id=M.model_id, token_ids=tokens(1))
         reply = raw_exchange(
             follower.lookup_socket.address, frame(admin_pb2.LookupFrame(request=request).SerializeToString())
@@ -159,6 +167,33 @@ def test_a_replica_that_does_not_lead_names_the_leader(etcd):
     finally:
         follower.stop()
         leader.stop()
+
+
+def test_a_router_follows_the_leader_change_to_the_new_leaders_lookup_socket(etcd, make_agent, tmp_path):
+    """A router's ControlPlaneClient(endpoints, lookup_endpoint=the leader's socket) got
+    UNAVAILABLE for every lookup once that leader died, and FAILED_PRECONDITION for good
+    once it came back as a follower: the socket's answers were never followed (a review's
+    driver: routers on one replica's socket failed from a failover on, never recovering).
+    The client now asks the admin API for the leader's lookup socket and moves to it."""
+    first = start_cp(etcd, lookup_listen="127.0.0.1:0")
+    second = start_cp(etcd, lookup_listen=f"unix:{tmp_path}/second.sock")
+    client = None
+    try:
+        assert first.election.is_leader and not second.election.is_leader
+        make_agent("ls-follow").engine.store(M.model_id, tokens(2), kv(2))
+        client = ControlPlaneClient(
+            f"{first.address},{second.address}", lookup_endpoint=first.lookup_socket.address, timeout_seconds=2
+        )
+        wait_for(lambda: client.lookup(M.model_id, tokens(2)).best_agent_id == "ls-follow", what="indexed")
+        first.stop()
+        wait_for(lambda: second.election.is_leader, 30, what="the second replica leads")
+        wait_for(lambda: client.lookup(M.model_id, tokens(2)).best_agent_id == "ls-follow", 30, what="followed")
+        assert client.lookup_endpoint == second.lookup_socket.address
+    finally:
+        if client is not None:
+            client.close()
+        second.stop()
+        first.stop()
 
 
 def test_tokens_and_addresses(etcd, tmp_path):

@@ -179,7 +179,15 @@ class LookupSocket:
             self._sock = None
 
     def call(self, request: admin_pb2.LookupRequest) -> admin_pb2.LookupResponse:
-        with self._lock:
+        # threads sharing this socket queue here: the wait counts against the call's own
+        # time (N threads behind a silent replica each waited out all the calls before)
+        if not self._lock.acquire(timeout=self._timeout_seconds):
+            raise ClientError(
+                "DEADLINE_EXCEEDED",
+                f"lookup socket {self.endpoint}: no answer in {self._timeout_seconds:g}s "
+                "(the lookups before this one on the connection took that long)",
+            )
+        try:
             self._next_id += 1
             request_id = self._next_id
             body = admin_pb2.LookupFrame(request=request, token=self._token, request_id=request_id).SerializeToString()
@@ -210,6 +218,8 @@ class LookupSocket:
                         raise LookupSocketUnreachable(
                             "UNAVAILABLE", f"lookup socket {self.endpoint}: {exc or 'closed'}"
                         ) from None
+        finally:
+            self._lock.release()
         if reply.code:  # a follower names the leader (its admin API address): kind NotLeader
             raise ClientError(reply.code, reply.message, "NotLeader" if reply.leader_address else "")
         if reply.request_id != request_id:

@@ -531,3 +531,42 @@ def test_a_caller_without_a_valid_token_keeps_no_slot(monkeypatch):
             assert ask(s, "good-token-0123456789").code == ""
     finally:
         server.stop()
+
+
+def test_threads_sharing_a_socket_get_their_answer_or_an_error_within_the_timeout():
+    """Threads sharing one client queued on its connection's lock with no limit: behind a
+    silent replica (a paused leader) the fourth of four waited out the three calls before
+    it and its own, 4x its timeout (a review's driver: 4-8 s calls with a 2 s timeout).
+    The wait for the connection now counts against the call's time."""
+    from cli.client import LookupSocket
+
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen()
+    held = []
+    threading.Thread(target=lambda: [held.append(listener.accept()[0]) for _ in range(8)], daemon=True).start()
+    client = LookupSocket(f"127.0.0.1:{listener.getsockname()[1]}", timeout_seconds=0.5)
+    took: list[tuple[str, float]] = []
+
+    def ask():
+        start = time.monotonic()
+        try:
+            client.call(admin_pb2.LookupRequest(model_id=M.model_id, token_ids=tokens(1)))
+            code = "OK"
+        except ClientError as exc:
+            code = exc.code
+        took.append((code, time.monotonic() - start))
+
+    try:
+        threads = [threading.Thread(target=ask) for _ in range(4)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(10)
+        assert len(took) == 4 and all(code == "DEADLINE_EXCEEDED" for code, _ in took), took
+        assert max(seconds for _, seconds in took) < 2 * 0.5 + 0.4, took
+    finally:
+        client.close()
+        listener.close()
+        for conn in held:
+            conn.close()

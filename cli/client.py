@@ -99,6 +99,18 @@ def _outcome_lost(exc: ClientError) -> bool:
     )
 
 
+def reachable_lookup_address(address: str, admin_endpoint: str) -> str:
+    """The leader's lookup socket as a client reaches it: one bound to every interface
+    (0.0.0.0, ::) is at the host its admin API was reached at; a Unix path, on this host."""
+    if not address or address.startswith("unix:"):
+        return address
+    host, _, port = address.rpartition(":")
+    if host.strip("[]") not in ("0.0.0.0", "::", ""):
+        return address
+    admin_host = admin_endpoint.rpartition(":")[0] or "127.0.0.1"
+    return f"{admin_host}:{port}"
+
+
 class LookupSocketUnreachable(ClientError):
     """UNAVAILABLE from the lookup socket itself: nothing listens there, or the connection
     broke (again, once reconnected), so no replica answered."""
@@ -572,6 +584,7 @@ class ControlPlaneClient:
                         address = self._call("GetStats", admin_pb2.GetStatsRequest()).lookup_address
                     except ClientError:
                         raise exc from None  # the socket's own answer says more
+                    address = reachable_lookup_address(address, self.endpoint)
                     if not address or address == lookups.endpoint:
                         raise
                     self._lookups = LookupSocket(address, self._token, self.timeout_seconds, self._tls)

@@ -570,3 +570,15 @@ def test_threads_sharing_a_socket_get_their_answer_or_an_error_within_the_timeou
         listener.close()
         for conn in held:
             conn.close()
+
+
+def test_a_leaders_lookup_socket_bound_to_every_interface_is_reached_at_its_admin_host():
+    """A router following a leader change asks the leader for its lookup socket; one bound
+    to 0.0.0.0 (or ::) was taken as is, and a remote router connected to its own host."""
+    from cli.client import reachable_lookup_address
+
+    assert reachable_lookup_address("0.0.0.0:7001", "10.0.0.5:50051") == "10.0.0.5:7001"
+    assert reachable_lookup_address("[::]:7001", "[fd00::5]:50051") == "[fd00::5]:7001"
+    assert reachable_lookup_address("10.0.0.6:7001", "10.0.0.5:50051") == "10.0.0.6:7001"
+    assert reachable_lookup_address("unix:/run/kvcp/lookup.sock", "10.0.0.5:50051") == "unix:/run/kvcp/lookup.sock"
+    assert reachable_lookup_address("", "10.0.0.5:50051") == ""

@@ -32,6 +32,8 @@ def test_a_cordoned_agent_gets_no_new_work_keeps_its_blocks_and_stays_cordoned_a
         old.engine.store(M.model_id, prompt, torch.ones((3, *M.block_shape), dtype=torch.float16))
         with ControlPlaneClient(cp.address) as c:
             wait_for(lambda: c.lookup(M.model_id, token_ids=prompt).best_agent_id == "c-old", what="indexed")
+            # Route takes only agents on a stream: c-new's first may come later on a busy machine
+            wait_for(lambda: cp.cluster.stream_of("c-new"), what="c-new on a stream")
             assert c.cordon("c-old", "kernel upgrade") == "kernel upgrade"
             assert {a.agent_id: a.cordon_reason for a in c.list_agents()} == {"c-old": "kernel upgrade", "c-new": ""}
             assert c.lookup(M.model_id, token_ids=prompt).agents == []

@@ -106,7 +106,9 @@ class Manager(PinControl, OperationControl, PolicyControl):
         self._op_write_locks = [threading.Lock() for _ in range(OP_WRITE_LOCKS)]
         self._drain_start = threading.Lock()  # drain(): one starts at a time
         self._lock_threads: set[str] = set()  # cleanups with a thread waiting for or holding their lock
-        self._cancelling: set[str] = set()  # operations whose cancel is being written to etcd
+        # operations whose cancel is being written to etcd -> how many cancels write it (a
+        # cancel asked again while one is written: the first to end must not end the wait)
+        self._cancelling: dict[str, int] = {}
         self._next_reload = 0.0
         self._next_follow = 0.0  # when a follower next reads the stored policy
         # the watch on the pin keys (durable.watch_deletes): the generation of the one open

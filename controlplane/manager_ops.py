@@ -748,7 +748,7 @@ class OperationControl(ManagerState):
             trial = copy.deepcopy(op)
             ops.cancel(trial, now)
             # a queued cleanup whose lock comes free meanwhile waits for this cancel to end
-            self._cancelling.add(op.op_id)
+            self._cancelling[op.op_id] = self._cancelling.get(op.op_id, 0) + 1
         try:
             try:
                 self._persist_op(trial)
@@ -762,7 +762,9 @@ class OperationControl(ManagerState):
             return self._cancel_now(op, now, persist=True)
         finally:
             with self._lock:
-                self._cancelling.discard(op.op_id)
+                left = self._cancelling.pop(op.op_id) - 1
+                if left:
+                    self._cancelling[op.op_id] = left
 
     def _check_cancellable(self, op: ops.Operation) -> None:
         if op.finished:

@@ -59,7 +59,7 @@ class ManagerState:
     _op_write_locks: list[threading.Lock]
     _drain_start: threading.Lock
     _lock_threads: set[str]
-    _cancelling: set[str]
+    _cancelling: dict[str, int]
     on_finished: Callable[[str, str, float], None] | None
     # policy
     policy: dict[str, str]

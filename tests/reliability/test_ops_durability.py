@@ -600,3 +600,57 @@ def test_a_cancel_being_recorded_keeps_a_queued_cleanup_from_starting(etcd):
         assert got == "CANCELLED" and agent.commands("cleanup", second.op_id) == []
     finally:
         cp.stop()
+
+
+def test_a_cancel_that_fails_beside_another_still_being_recorded_keeps_the_cleanup_queued(etcd):
+    """Two cancels of one queued cleanup at once (a retry while the first still waits on
+    etcd): the one etcd refused ended its guard for both, so the cleanup went out while
+    the other was storing CANCELLED (etcd then said CANCELLED while its agents cleaned)."""
+    cp = start_cp(etcd, op_timeout_seconds=10)
+    try:
+        agent = StandInAgent(cp)
+        m = cp.manager
+        first = m.cleanup(0, namespace="ns1")
+        wait_for(lambda: agent.commands("cleanup", first.op_id), 5, 0.02, "first sent")
+        second = m.cleanup(0, namespace="ns1")
+        real = m._persist_op
+        calls, seen = [], []
+        storing, refused_done = threading.Event(), threading.Event()
+
+        def persist(op):
+            if op.op_id != second.op_id or not op.cancel_requested or len(calls) >= 2:
+                return real(op)
+            calls.append(op)
+            if len(calls) == 2:  # the other cancel: etcd refuses it
+                storing.wait(5)
+                raise errors.Unavailable("etcd: refused (a test)")
+            storing.set()  # this one is being stored ...
+            refused_done.wait(5)  # ... as the other ends, refused
+            agent.report(first.op_id, "SUCCEEDED", 1, 1)  # and the lock comes free
+            sent = False
+            with contextlib.suppress(AssertionError):
+                sent = bool(wait_for(lambda: agent.commands("cleanup", second.op_id), 2, 0.02, "second sent"))
+            real(op)
+            seen.append((stored_op(etcd, second.op_id)["state"], sent))
+
+        m._persist_op = persist
+        outcomes: list = []
+
+        def cancel():
+            try:
+                outcomes.append(m.cancel_op(second.op_id).state)
+            except errors.KvcpError as exc:
+                outcomes.append(type(exc).__name__)
+                refused_done.set()
+
+        threads = [threading.Thread(target=cancel) for _ in range(2)]
+        for t in threads:
+            t.start()
+            storing.wait(5)  # the second cancel comes while the first is being stored
+        for t in threads:
+            t.join(15)
+        assert sorted(outcomes) == ["CANCELLED", "Unavailable"], outcomes
+        assert seen and not (seen[0][0] == "CANCELLED" and seen[0][1]), seen
+        assert agent.commands("cleanup", second.op_id) == []
+    finally:
+        cp.stop()

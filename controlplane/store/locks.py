@@ -54,19 +54,28 @@ class EtcdLock:
 
     def _take(self):
         """(lease, "") when the key (and none of `also_absent`) was absent and is now ours
-        under a new lease; (None, who holds it) otherwise."""
+        under a new lease; (None, who holds it) otherwise. The keys are read first: a
+        waiter that finds them taken asks etcd one read, not a lease granted, a write and a
+        revoke each time it looks (every 0.1 s while it waits)."""
         c = self._client
+        keys = (self.key, *self.also_absent)
+        _, responses = c.transaction(compare=[], success=[c.transactions.get(k) for k in keys], failure=[])
+        if held := self._holders_of(responses):
+            return None, held
         lease = c.lease(self.ttl_seconds)
         won, responses = c.transaction(
-            compare=[c.transactions.create(k) == 0 for k in (self.key, *self.also_absent)],
+            compare=[c.transactions.create(k) == 0 for k in keys],
             success=[c.transactions.put(self.key, self.holder, lease)],
-            failure=[c.transactions.get(k) for k in (self.key, *self.also_absent)],
+            failure=[c.transactions.get(k) for k in keys],
         )
         if won:
             return lease, ""
-        lease.revoke()
-        held = [r[0][0].decode(errors="replace") for r in responses if r]
-        return None, ", ".join(held) or "?"
+        lease.revoke()  # taken between the read and the write
+        return None, self._holders_of(responses) or "?"
+
+    @staticmethod
+    def _holders_of(responses) -> str:
+        return ", ".join(r[0][0].decode(errors="replace") for r in responses if r)
 
     def acquire(self, timeout_seconds: float, cancelled=lambda: False) -> bool:
         """Wait for the lock until the deadline or `cancelled()`; etcd unreachable meanwhile

@@ -757,3 +757,35 @@ def test_a_scope_lock_taken_again_says_when_a_sub_scope_started_meanwhile(etcd, 
     assert not EtcdLock(other, "cleanup/ns2", "ns2-op", also_absent=(all_key,)).try_acquire()  # no new one
     big.release()
     ns.release()
+
+
+def test_a_lock_waiter_only_reads_while_the_lock_is_taken(etcd):
+    """A waiter looks every 0.1 s: it reads the keys, and grants (then revokes) a lease
+    only when it finds them free, not at each look."""
+    from controlplane.store.locks import EtcdLock
+
+    class Counting:  # the real client, its lease grants counted
+        def __init__(self, client):
+            self._client, self.leases = client, 0
+
+        def __getattr__(self, name):
+            return getattr(self._client, name)
+
+        def lease(self, *args, **kwargs):
+            self.leases += 1
+            return self._client.lease(*args, **kwargs)
+
+    holder = EtcdLock(etcd_keys.connect(etcd), "cleanup/reads", "someone-else")
+    assert holder.try_acquire()
+    counting = Counting(etcd_keys.connect(etcd))
+    waiter = EtcdLock(counting, "cleanup/reads", "me")
+    try:
+        assert not waiter.acquire(1.0)
+        assert counting.leases == 0
+        assert etcd_keys.connect(etcd).get(waiter.key)[0] == b"someone-else"
+        holder.release()
+        assert waiter.acquire(5.0) and counting.leases == 1
+        assert etcd_keys.connect(etcd).get(waiter.key)[0] == b"me"
+    finally:
+        waiter.release()
+        holder.release()

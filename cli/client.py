@@ -128,17 +128,18 @@ class LookupSocket:
         self._token = token
         self._timeout_seconds = timeout_seconds
         self._sock: socket.socket | None = None
+        self._kernel_timeouts = True  # SO_RCVTIMEO / SO_SNDTIMEO taken (see _set_timeouts)
         self._next_id = 0
         self.answered = False  # a reply came from this endpoint once (it is, or was, a lookup socket)
         self._lock = threading.Lock()
         self._buf = bytearray(1 << 16)  # replies are read into this, header and body at once
 
-    def _connect(self) -> socket.socket:
-        deadline = time.monotonic() + self._timeout_seconds
+    def _connect(self, timeout_seconds: float) -> socket.socket:
+        deadline = time.monotonic() + timeout_seconds
         sock: socket.socket  # set by the loop, which ends connected or raises
         while True:
             sock = socket.socket(self._family, socket.SOCK_STREAM)
-            sock.settimeout(self._timeout_seconds)
+            sock.settimeout(timeout_seconds)
             try:
                 sock.connect(self._where)
                 break
@@ -168,18 +169,25 @@ class LookupSocket:
             except (OSError, ssl.SSLError) as exc:
                 sock.close()
                 raise LookupSocketUnreachable("UNAVAILABLE", f"lookup socket {self.endpoint}: TLS: {exc}") from None
-        # connected: blocking calls with the kernel's own timeouts, so that a send and a
-        # receive are one system call each, not a poll() and then the call (~20-50 us a
-        # lookup here); where the kernel does not take them, Python's timeout stays
-        try:
-            whole, frac = divmod(self._timeout_seconds, 1.0)
-            tv = struct.pack("ll", int(whole), int(frac * 1e6))
-            sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, tv)
-            sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, tv)
-            sock.settimeout(None)
-        except (OSError, struct.error):
-            sock.settimeout(self._timeout_seconds)
+        self._kernel_timeouts = True
+        self._set_timeouts(sock, self._timeout_seconds)
         return sock
+
+    def _set_timeouts(self, sock: socket.socket, seconds: float) -> None:
+        """Connected: blocking calls with the kernel's own timeouts, so that a send and a
+        receive are one system call each, not a poll() and then the call (~20-50 us a
+        lookup here); where the kernel does not take them, Python's timeout stays."""
+        if self._kernel_timeouts:
+            try:
+                whole, frac = divmod(max(seconds, 0.001), 1.0)
+                tv = struct.pack("ll", int(whole), int(frac * 1e6))
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, tv)
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, tv)
+                sock.settimeout(None)
+                return
+            except (OSError, struct.error):
+                self._kernel_timeouts = False
+        sock.settimeout(max(seconds, 0.001))
 
     def close(self) -> None:
         with self._lock:
@@ -191,14 +199,18 @@ class LookupSocket:
             self._sock = None
 
     def call(self, request: admin_pb2.LookupRequest) -> admin_pb2.LookupResponse:
-        # threads sharing this socket queue here: the wait counts against the call's own
-        # time (N threads behind a silent replica each waited out all the calls before)
+        """One lookup, answered or refused within the timeout: threads sharing this socket
+        queue for it, and the wait counts against each call's time (N threads behind a
+        silent replica each waited out all the calls before; then each its own whole
+        timeout on top)."""
+        deadline = time.monotonic() + self._timeout_seconds
         if not self._lock.acquire(timeout=self._timeout_seconds):
             raise ClientError(
                 "DEADLINE_EXCEEDED",
                 f"lookup socket {self.endpoint}: no answer in {self._timeout_seconds:g}s "
                 "(the lookups before this one on the connection took that long)",
             )
+        shortened: socket.socket | None = None  # the connection's timeouts cut to what is left
         try:
             self._next_id += 1
             request_id = self._next_id
@@ -212,8 +224,16 @@ class LookupSocket:
             out = frame(body)
             for attempt in (0, 1):
                 fresh = self._sock is None
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise ClientError(
+                        "DEADLINE_EXCEEDED", f"lookup socket {self.endpoint}: no answer in {self._timeout_seconds:g}s"
+                    )
                 if self._sock is None:  # fresh
-                    self._sock = self._connect()
+                    self._sock = self._connect(left)
+                if left < self._timeout_seconds - 0.001:  # (one system call each way; most calls waited for nothing)
+                    shortened = self._sock
+                    self._set_timeouts(shortened, left)
                 try:
                     self._sock.sendall(out)
                     reply = admin_pb2.LookupFrameReply.FromString(self._read_frame())
@@ -231,6 +251,8 @@ class LookupSocket:
                             "UNAVAILABLE", f"lookup socket {self.endpoint}: {exc or 'closed'}"
                         ) from None
         finally:
+            if shortened is not None and shortened is self._sock:
+                self._set_timeouts(shortened, self._timeout_seconds)
             self._lock.release()
         if reply.code:  # a follower names the leader (its admin API address): kind NotLeader
             raise ClientError(reply.code, reply.message, "NotLeader" if reply.leader_address else "")

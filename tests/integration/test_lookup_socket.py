@@ -537,7 +537,8 @@ def test_threads_sharing_a_socket_get_their_answer_or_an_error_within_the_timeou
     """Threads sharing one client queued on its connection's lock with no limit: behind a
     silent replica (a paused leader) the fourth of four waited out the three calls before
     it and its own, 4x its timeout (a review's driver: 4-8 s calls with a 2 s timeout).
-    The wait for the connection now counts against the call's time."""
+    The wait for the connection counted against the call's time, and then the call had its
+    whole timeout again (up to 2x); now the call has what is left of it."""
     from cli.client import LookupSocket
 
     listener = socket.socket()
@@ -545,7 +546,8 @@ def test_threads_sharing_a_socket_get_their_answer_or_an_error_within_the_timeou
     listener.listen()
     held = []
     threading.Thread(target=lambda: [held.append(listener.accept()[0]) for _ in range(8)], daemon=True).start()
-    client = LookupSocket(f"127.0.0.1:{listener.getsockname()[1]}", timeout_seconds=1.0)
+    timeout_seconds = 2.0
+    client = LookupSocket(f"127.0.0.1:{listener.getsockname()[1]}", timeout_seconds=timeout_seconds)
     took: list[tuple[str, float]] = []
 
     def ask():
@@ -559,14 +561,15 @@ def test_threads_sharing_a_socket_get_their_answer_or_an_error_within_the_timeou
 
     try:
         threads = [threading.Thread(target=ask) for _ in range(4)]
-        for t in threads:
+        for t in threads:  # each behind the one before, for less than its whole timeout
             t.start()
+            time.sleep(timeout_seconds / 4)
         for t in threads:
-            t.join(10)
+            t.join(20)
         assert len(took) == 4 and all(code == "DEADLINE_EXCEEDED" for code, _ in took), took
-        # at most its own wait plus its call (2 s), with 1 s to spare on a busy machine;
-        # before, the last of four took 4 s
-        assert max(seconds for _, seconds in took) < 2 * 1.0 + 1.0, took
+        # at most its timeout, with 1 s to spare on a busy machine; before, the second
+        # (0.5 s after the first) took 3.5 s: 1.5 s for the connection, then 2 s of its own
+        assert max(seconds for _, seconds in took) < timeout_seconds + 1.0, took
     finally:
         client.close()
         listener.close()

@@ -78,6 +78,15 @@ def _kept(codec: str, target: str, new_bytes: int, stored_bytes: int) -> MoveOut
     )
 
 
+def _shrinks_in_place(store: TierStore, handle, num_bytes: int) -> bool:
+    """Would `num_bytes` fit in fewer of a host memory block's own pages (its handle: a
+    list of page numbers)? A GPU slab's copies are asynchronous and a disk's are not
+    atomic: neither is rewritten in place."""
+    return (
+        is_host_slab(store) and isinstance(handle, list) and store.footprint(num_bytes) < len(handle) * store.page_bytes
+    )
+
+
 def _first_page(handle) -> int:
     """A memory slab handle's first page (a list of pages); 0 for other handles."""
     return handle[0] if isinstance(handle, list) else 0
@@ -335,7 +344,15 @@ class BlockMoves:
             else:
                 data, nbytes, digest = None, src_stored, meta.checksum
             with self.lock:
-                new_handle = self._allocate(dst, nbytes, block_hash)
+                try:
+                    new_handle = self._allocate(dst, nbytes, block_hash)
+                except PoolFull:  # no page free, none could be made (a tier full of pinned blocks)
+                    if dst is not src or data is None or not _shrinks_in_place(dst, src_handle, nbytes):
+                        raise
+            if new_handle is None:  # a compress in place that fits the block's own pages
+                assert data is not None and is_host_slab(dst) and isinstance(src_handle, list)
+                released = True  # let go there, as by the switch
+                return self._recode_in_place(meta, dst, src_handle, data, (target, nbytes, digest), wait_seconds, held)
             # what a disk header records; memory tiers take no header
             header = stored_as(meta, target, digest) if dst.tier is Tier.DISK else meta
             try:
@@ -1172,6 +1189,45 @@ class BlockMoves:
             self.demotions_total[src_tier] += 1
         else:
             self.commanded_demotions_total[src_tier] += 1
+
+    def _recode_in_place(
+        self,
+        meta: BlockMeta,
+        store: SlabStore,
+        old: list[int],
+        data: torch.Tensor,
+        stored: tuple[str, int, int],
+        wait_seconds: float,
+        held: _Held | None,
+    ) -> MoveOutcome:
+        """A compress in place of a host memory tier with no page free for the copy (every
+        block there pinned, say: nothing could make room, and compressing is how an
+        operator gets room back): once no one reads the block, its re-encoded bytes are
+        written over its own first pages under the lock (no reader starts meanwhile) and
+        its other pages freed. A write that failed part way leaves it corrupt: removed."""
+        pages = store.footprint(data.numel()) // store.page_bytes
+        if held is not None:
+            wait_seconds = held.reader_wait_seconds
+        deadline = time.monotonic() + wait_seconds
+        while True:
+            with self.lock:
+                if meta.handle is not old or meta.block_hash not in self.blocks:
+                    meta.moving = False
+                    return self._move_failed("the block changed while it was re-encoded")
+                if meta.ref_count == 0:
+                    try:
+                        store.write(old[:pages], data, meta)
+                    except BaseException as exc:
+                        meta.moving = False
+                        self._mark_corrupt(meta, f"re-encoding it in place failed: {exc}")
+                        self._drop_corrupt()
+                        raise
+                    self._finish_move(meta, store, old[pages:], store, old[:pages], stored, held)
+                    return MoveOutcome(True, meta.stored_bytes)
+                if time.monotonic() > deadline:
+                    meta.moving = False
+                    return self._move_failed("TimeoutError: readers held the block too long")
+            time.sleep(0.001)
 
     def _switch_when_unread(
         self, meta, src, old, dst, new, wait_seconds: float = 5.0, stored=None, held: _Held | None = None

@@ -114,6 +114,44 @@ def test_lossy_codec_loads_within_its_bound(tmp_path, codec, to_tier):
     check_pool(pool)
 
 
+@pytest.mark.parametrize("one_by_one", [False, True])
+def test_compressing_a_tier_full_of_pinned_blocks_compresses_them_where_they_are(tmp_path, one_by_one):
+    """Compressing is how an operator gets room back in a tier that pins filled: each
+    block's compressed copy took a free page first, and with none (every block pinned,
+    none could move down) nothing was compressed (a stress review's driver: 15 compress
+    operations failed with PoolFull). They are rewritten in their own pages now."""
+    pool, engine, toks, data, hs = stored(tmp_path, n=4, cpu_blocks=4)
+    assert [pool.tier_of(h) for h in hs] == [Tier.CPU] * 4
+    pool.set_pin(hs, Tier.CPU)
+    full = {u.tier: u for u in pool.usage()}[Tier.CPU].used_bytes
+    if one_by_one:
+        outcomes = [pool.move_block(h, Tier.CPU, "int8") for h in hs]
+    else:
+        outcomes = pool.move_blocks(hs, None, "int8")
+    assert all(o.ok for o in outcomes), outcomes
+    assert all(pool.blocks[h].codec == "int8" and pool.tier_of(h) is Tier.CPU for h in hs)
+    assert {u.tier: u for u in pool.usage()}[Tier.CPU].used_bytes < full / 1.5  # int8 of fp16: about half
+    res = engine.load(SPEC.model_id, toks)
+    assert res.num_cached_tokens == 4 * BS
+    for i in range(4):
+        assert torch.all((res.kv[i].float() - data[i].float()).abs() <= error_bound("int8", data[i]))
+    check_pool(pool)
+
+
+def test_a_block_compressed_in_its_own_pages_waits_for_its_readers(tmp_path):
+    pool, engine, toks, data, hs = stored(tmp_path, n=2, cpu_blocks=2)
+    pool.set_pin(hs, Tier.CPU)
+    with pool.lock:
+        pool.blocks[hs[1]].ref_count += 1  # a reader (a load, a handoff) has its pages
+    out = pool.move_blocks(hs, None, "int8", reader_wait_seconds=0.2)
+    assert out[0].ok and not out[1].ok and "readers held the block" in out[1].reason
+    assert pool.blocks[hs[1]].codec == "none" and torch.equal(decoded(pool, hs[1]), data[1])
+    with pool.lock:
+        pool.blocks[hs[1]].ref_count -= 1
+    assert pool.move_block(hs[1], Tier.CPU, "int8").ok
+    check_pool(pool)
+
+
 def test_tier_codec_applies_to_raw_blocks_entering_the_tier(tmp_path):
     pool, engine, toks, data, hs = stored(tmp_path, tier_codecs={Tier.DISK: "int8"})
     assert pool.move_block(hs[0], Tier.DISK).ok

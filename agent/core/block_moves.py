@@ -1130,7 +1130,7 @@ class BlockMoves:
         if to_tier is None:
             to_tier = meta.tier
         if meta.moving:
-            return MoveOutcome(False, reason="already moving")
+            return MoveOutcome(False, reason="already moving", busy=True)
         if meta.tier == to_tier and (codec is None or codec == meta.codec):
             return MoveOutcome(True)
         pinned = self.pin_tier(meta)

@@ -121,6 +121,7 @@ class MoveOutcome:
     pinned_tier: int = 0  # refused because a pin keeps the block at this tier or faster
     kept: bool = False  # a compress left it in its codec: the new one would free none of its room
     gone: bool = False  # not held (never, or evicted since it was named): nothing to move
+    busy: bool = False  # another move had it then (a store making room, compaction, a promotion)
 
 
 @dataclass(frozen=True)

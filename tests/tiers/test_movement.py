@@ -406,6 +406,41 @@ def test_mover_compress_op_keeps_the_tier(tmp_path):
     assert all(pool.tier_of(h) is Tier.CPU and pool.blocks[h].codec == "int8" for h in hs)
 
 
+@pytest.mark.parametrize("kind, to_tier, codec", [("move", Tier.DISK, None), ("compress", None, "int8")])
+def test_an_operations_block_another_move_has_is_tried_again(tmp_path, kind, to_tier, codec):
+    """A block the agent's own background work was moving (a store making room, the
+    disk's compaction) failed an operator's move or compress as "already moving" (a
+    stress review's driver: about 1 operation in 100). It is tried again once free."""
+    pool, engine, toks, data, hs = stored(tmp_path, n=2)
+    mover = Mover(pool)
+    with pool.lock:
+        pool.blocks[hs[1]].moving = True  # as a background move marks it
+
+    def background_move_ends():
+        time.sleep(0.3)
+        with pool.lock:
+            pool.blocks[hs[1]].moving = False
+
+    t = threading.Thread(target=background_move_ends)
+    t.start()
+    op = mover.run_op(mover.submit(hs, to_tier, codec=codec, kind=kind))
+    t.join()
+    assert op.state == SUCCEEDED and op.num_done_blocks == 2, op.error
+    assert all(pool.tier_of(h) is (to_tier or Tier.CPU) for h in hs)
+    assert all(pool.blocks[h].codec == (codec or "none") for h in hs)
+
+
+def test_an_operation_gives_up_on_a_block_moving_past_the_retry(tmp_path, monkeypatch):
+    monkeypatch.setattr(mover_module, "BUSY_RETRY_SECONDS", 0.2)
+    pool, engine, toks, data, hs = stored(tmp_path, n=2)
+    mover = Mover(pool)
+    with pool.lock:
+        pool.blocks[hs[1]].moving = True
+    op = mover.run_op(mover.submit(hs, Tier.DISK))
+    assert op.state == FAILED and op.num_done_blocks == 1 and op.error == "already moving"
+    assert pool.tier_of(hs[1]) is Tier.CPU
+
+
 def test_mover_forgets_old_finished_ops(tmp_path):
     pool, engine, toks, data, hs = stored(tmp_path, n=1)
     mover = Mover(pool, keep_finished=3)

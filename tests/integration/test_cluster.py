@@ -62,11 +62,18 @@ def test_two_agents_longest_prefix_per_agent(controlplane, make_agent):
 
 
 def test_evictions_reach_the_index(controlplane, make_agent):
+    # the agent's own evictions, checked alone: 6 of 6 blocks is over the tier's high
+    # watermark (0.95), and a policy pass rightly dropped one more (the old prefix's last
+    # block, its least recent) once the index had counted 6; a loaded machine's lookup
+    # below came after that pass (1 block hit, not 2)
+    controlplane.manager.policy_enabled = False
     cap = 6 * M.block_bytes
     a = make_agent("small", cpu_capacity_bytes=cap)
     a.engine.store(M.model_id, tokens(4), kv(4))
-    a.engine.store(M.model_id, tokens(4, start=90_000), kv(4, seed=2))  # evicts 2 old leaves
     with ControlPlaneClient(controlplane.address) as c:
+        # indexed first, so the evictions travel as events (not in the agent's first inventory)
+        wait_for(lambda: c.lookup(M.model_id, tokens(4)).num_blocks == 4, what="indexed")
+        a.engine.store(M.model_id, tokens(4, start=90_000), kv(4, seed=2))  # evicts 2 old leaves
         wait_for(lambda: indexed(c, "small") == 6, what="evictions indexed")
         assert c.lookup(M.model_id, tokens(4)).agents[0].num_hit_blocks == 2
         assert a.engine.lookup(M.model_id, tokens(4)) == 2 * BS

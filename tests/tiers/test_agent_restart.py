@@ -5,6 +5,7 @@ them to the control plane as disk-tier blocks and serves their original bytes.""
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from agent.server import DEMO_MODEL, Agent, AgentConfig
@@ -14,6 +15,17 @@ from tests.helpers import wait_for
 
 M = DEMO_MODEL
 BS = M.block_size
+
+
+@pytest.fixture
+def controlplane(controlplane):
+    """The control plane without its tier policy: these tests check where the agent itself
+    put the blocks. A CPU tier of 2 blocks holding 2 is over its high watermark (a pass
+    demoted one of them to disk: a lookup on a loaded machine saw ['cpu', 'disk']), and the
+    restarted agent's empty CPU tier is room a pass fills with the disk blocks the test's
+    lookups made hot."""
+    controlplane.manager.policy_enabled = False
+    return controlplane
 
 
 def kv(n_blocks: int, seed: int = 0) -> torch.Tensor:

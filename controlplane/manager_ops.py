@@ -316,7 +316,8 @@ class OperationControl(ManagerState):
         agent.dataplane.run_drain). Destinations: those named, or every ready agent in
         rotation serving the model, the roomiest first: the room of their CPU and disk tiers
         up to where the tier policy would drop blocks (policy.room_without_drops_bytes),
-        less what the drains under way were given there."""
+        less what the drains under way were given there and what Route sent there in the
+        last ROUTED_HOLD_SECONDS (handoffs its last report may not show yet)."""
         self.ensure_loaded()
         if not 0 <= deadline_seconds <= MAX_HANDOFF_DEADLINE_SECONDS:  # also NaN; the agents refuse more
             raise errors.InvalidArgument(
@@ -411,8 +412,13 @@ class OperationControl(ManagerState):
 
             policy = self.tier_policy()
 
+            # the handoffs Route sent a destination lately land in the same room, and its
+            # last report may not show them yet
+            routed = {r.agent_id: self.cluster.dataplane.routed_bytes(r.agent_id) for r in candidates}
+
             def free_bytes(r) -> int:  # CPU and below, to where a pass would start dropping
-                return max(0, room_without_drops_bytes(r.tiers, policy) - promised.get(r.agent_id, 0))
+                taken = promised.get(r.agent_id, 0) + routed[r.agent_id]
+                return max(0, room_without_drops_bytes(r.tiers, policy) - taken)
 
             ranked = sorted(candidates, key=lambda r: (-free_bytes(r), r.agent_id))
             destinations = tuple(r.agent_id for r in ranked)

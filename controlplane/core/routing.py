@@ -469,6 +469,13 @@ class DataPlaneStates:
             pending = sum(n for _, n in routed)
         return dataclasses.replace(view, handoff_free_bytes=max(0, view.handoff_free_bytes - pending))
 
+    def routed_bytes(self, agent_id: str) -> int:
+        """Bytes Route sent to `agent_id` in the last ROUTED_HOLD_SECONDS: handoffs that
+        its reports may not show yet (a drain counts them as taken)."""
+        with self._lock:
+            since = self._clock() - ROUTED_HOLD_SECONDS
+            return sum(n for t, n in self._routed.get(agent_id, ()) if t > since)
+
     def note_routed(self, agent_id: str, num_bytes: int) -> None:
         """Route sent a handoff of `num_bytes` to the decode agent `agent_id`."""
         if num_bytes > 0:

@@ -489,3 +489,42 @@ def test_a_drain_right_after_another_counts_the_pages_the_first_filled(controlpl
         assert second.state == "SUCCEEDED" and second.num_done_blocks == 5, second  # 26 KiB were left
         time.sleep(3)  # the policy's passes (an urgent one follows a report over a high watermark)
     assert sum(u.num_blocks for u in dst.pool.usage()) == 15
+
+
+def test_a_drain_counts_what_route_sent_a_destination_its_reports_do_not_show_yet(controlplane, make_agent):
+    """Review: Route sent a decode agent a handoff and a drain into that agent started
+    before the agent reported the blocks that landed. The drain was given the room the
+    handoff had taken (its last report still showed it free) and the destination dropped
+    blocks to take in what it was sent. What Route sent an agent lately is counted as
+    taken, as Route itself counts it."""
+    from protos.block_hash import hash_prefix, split_hashes
+
+    pre = make_agent("v-pre", role="prefill")
+    src = make_agent("v-src", role="prefill")
+    dst = make_agent("v-dst", role="decode", cpu_capacity_bytes=10 * M.block_bytes, stats_interval_seconds=3.0)
+    own = tokens(2, start=1_500_000)
+    dst.engine.store(M.model_id, own, kv(2, seed=600))  # 7.5 blocks of room below the high watermark
+    prompt = tokens(4, start=1_510_000)
+    pre.engine.store(M.model_id, prompt, kv(4, seed=601))
+    for j in range(8):
+        src.engine.store(M.model_id, tokens(1, start=1_520_000 + 100 * j), kv(1, seed=610 + j))
+    with ControlPlaneClient(controlplane.address) as c:
+        wait_for(lambda: registered(c, "v-pre", "v-src", "v-dst"), what="agents ready")
+        wait_for(lambda: {a.agent_id: a.num_blocks for a in c.list_agents()}.get("v-src") == 8, what="indexed")
+        wait_for(lambda: own_blocks_reported(c, "v-dst", 8), 10, what="usage")
+        wait_for(lambda: controlplane.cluster.dataplane.view("v-dst") is not None, 10, what="data plane reported")
+        # just after a report of the destination: the next one comes after the drain started
+        reports = controlplane.cluster.stats_reports("v-dst")
+        wait_for(lambda: controlplane.cluster.stats_reports("v-dst") > reports, 10, 0.01, what="a report")
+        routed = c.route(M.model_id, prompt, role="decode", prefill_agent_id="v-pre")
+        assert routed.decode_agent_id == "v-dst", routed
+        sent = pre.dataplane.handoff(M.model_id, split_hashes(hash_prefix(M.model_id, prompt, M.block_size)), "v-dst")
+        assert sent.outcome == "transferred", sent
+        op = c.wait_operation(c.drain("v-src", to_agent_ids=["v-dst"]).op_id, 60)
+        assert op.state == "SUCCEEDED" and op.num_done_blocks == 3, op  # 3.5 blocks were left
+        reports = controlplane.cluster.stats_reports("v-dst")
+        wait_for(lambda: controlplane.cluster.stats_reports("v-dst") >= reports + 1, 10, what="usage reported")
+        time.sleep(1)  # the policy's pass after it
+    assert sum(u.num_blocks for u in dst.pool.usage()) == 2 + 4 + 3
+    assert dst.engine.load(M.model_id, own).num_cached_tokens == len(own)
+    assert dst.engine.load(M.model_id, prompt).num_cached_tokens == len(prompt)

@@ -84,6 +84,10 @@ class RouteParams:
     interference_factor: float = 0.5
     free_watermark: float = 0.1
     queue_penalty_seconds: float = 0.05
+    # decode agents whose scores are within this fraction of the best (plus 1 ms) are as
+    # good a choice: the roomiest of them is taken (a link measured a little faster took
+    # every handoff while another agent had room, and its blocks were pushed out)
+    near_score_fraction: float = 0.25
     # an agent silent this long is not routed to (it reports every second when well)
     max_silence_seconds: float = 5.0
 
@@ -193,7 +197,24 @@ def decode_scores(
                 + (behind_why or f"{need} B over a {rate / 1e9:.2f} GB/s link ({measured}){fixed}, {busy} on it"),
             )
         )
-    return sorted(out, key=lambda s: (s.behind, s.score, -s.free_bytes, s.agent_id))
+    return _roomiest_of_the_best(sorted(out, key=lambda s: (s.behind, s.score, -s.free_bytes, s.agent_id)), params)
+
+
+def _roomiest_of_the_best(scores: list[Score], params: RouteParams) -> list[Score]:
+    """`scores` (best first) with those as good as the best, in the same class (behind or
+    not) and within `near_score_fraction` of its score plus 1 ms, put first, the roomiest
+    first: transfers that cost about the same land where they push out the fewest
+    blocks, and Route's own notes spread a burst across them."""
+    if len(scores) < 2:
+        return scores
+    best = scores[0]
+    bound = best.score * (1 + params.near_score_fraction) + 1e-3
+    near = [s for s in scores if s.behind == best.behind and s.score <= bound]
+    if len(near) < 2:
+        return scores
+    near.sort(key=lambda s: (-s.free_bytes, s.score, s.agent_id))
+    taken = {s.agent_id for s in near}
+    return near + [s for s in scores if s.agent_id not in taken]
 
 
 def _decode_stays(role: str, p: Candidate, why: str, behind: tuple[Score, ...] = ()) -> RouteDecision:

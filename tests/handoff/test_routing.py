@@ -47,6 +47,28 @@ def test_decode_prefers_a_fast_idle_link_and_skips_agents_behind():
     assert route("decode", agents, 64, 16, MIB, P, prefill_agent_id="p").agent_id == "d1"
 
 
+def test_decode_agents_with_about_as_fast_links_are_chosen_by_room():
+    """Links measured a little apart (1.1 and 1.0 GB/s between the same hosts) gave every
+    handoff to the slightly faster one while the other had room (a stress review's
+    driver: 28 of 32 handoffs to one decode agent, which pushed out 64 of its blocks).
+    Scores within near_score_fraction of the best go by room; a clearly faster link still
+    wins."""
+    pre = dp(links=[LinkView("d1", 1.1e9), LinkView("d2", 1.0e9), LinkView("d3", 0.5e9)])
+    agents = [
+        Candidate("p", "a:0", "prefill", dataplane=pre),
+        Candidate("d1", "a:1", "decode", dataplane=dp(free=300 * MIB)),
+        Candidate("d2", "a:2", "decode", dataplane=dp(free=600 * MIB)),
+        Candidate("d3", "a:3", "decode", dataplane=dp(free=900 * MIB)),  # twice as slow: not as good
+    ]
+    r = route("decode", agents, 64, 16, MIB, P, prefill_agent_id="p")
+    assert r.agent_id == "d2" and [c.agent_id for c in r.candidates] == ["d2", "d1", "d3"]
+    agents[2] = Candidate("d2", "a:2", "decode", dataplane=dp(free=200 * MIB))
+    assert route("decode", agents, 64, 16, MIB, P, prefill_agent_id="p").agent_id == "d1"
+    # an agent behind is never "as good" as one that is not, however roomy the rest
+    agents[1] = Candidate("d1", "a:1", "decode", dataplane=dp(free=300 * MIB, inbound=4))
+    assert route("decode", agents, 64, 16, MIB, P, prefill_agent_id="p").agent_id == "d2"
+
+
 def test_every_decode_agent_behind_is_backpressure():
     agents = [
         Candidate("p", "a:0", "prefill", dataplane=dp()),

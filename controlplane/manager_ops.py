@@ -534,8 +534,7 @@ class OperationControl(ManagerState):
             self._fan_out(op, self._cleanup_commands(op))
         return op
 
-    @staticmethod
-    def _cleanup_commands(op: ops.Operation) -> dict[str, AgentCommand]:
+    def _cleanup_commands(self, op: ops.Operation) -> dict[str, AgentCommand]:
         p = op.params
         command = AgentCommand(
             op.op_id,
@@ -544,6 +543,7 @@ class OperationControl(ManagerState):
             model_id=p["model"],
             older_than_seconds=float(p["older_than_seconds"]),
             dry_run=op.dry_run,
+            older_than_from_unix_seconds=self.clock(),  # (kept with the command for a next leader)
         )
         return dict.fromkeys(op.parts, command)
 

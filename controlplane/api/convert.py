@@ -171,6 +171,9 @@ def command_to_pb(c: core.AgentCommand, epoch: int, now: float | None = None) ->
     """`now`: the sender's clock when the message leaves (a pin's time left is taken then)."""
     now = time.time() if now is None else now
     ttl = max(c.expires_unix_seconds - now, 1e-6) if c.expires_unix_seconds else 0.0
+    # a cleanup sent late drops no block used since its commands first went out: the
+    # agent counts back from its own clock, so the wait is added to the idle time asked
+    late_seconds = max(now - c.older_than_from_unix_seconds, 0.0) if c.older_than_from_unix_seconds else 0.0
     return agent_pb2.ControlMessage(
         epoch=epoch,
         command=agent_pb2.Command(
@@ -181,7 +184,7 @@ def command_to_pb(c: core.AgentCommand, epoch: int, now: float | None = None) ->
             codec=c.codec,
             namespace=c.namespace,
             model_id=c.model_id,
-            older_than_seconds=c.older_than_seconds,
+            older_than_seconds=c.older_than_seconds + late_seconds,
             dry_run=c.dry_run,
             only_tier=tier_pb(c.only_tier),
             pin_id=c.pin_id,

@@ -8,6 +8,7 @@ Real etcd, two control-plane replicas in process, stand-in and real agents."""
 from __future__ import annotations
 
 import threading
+import time
 
 from agent.server import DEMO_MODEL
 from controlplane.api import convert
@@ -350,6 +351,51 @@ def test_commands_an_earlier_release_kept_in_one_key_are_loaded_and_deleted(etcd
         assert b.manager.get_op(op.op_id).state == "SUCCEEDED"
         assert raw.get(etcd_keys.OP_COMMANDS_PREFIX + op.op_id)[0] is None
         raw.close()
+    finally:
+        a.stop()
+        if b is not None:
+            b.stop()
+
+
+def test_a_cleanup_sent_again_by_the_next_leader_keeps_blocks_used_since_it_was_asked(
+    etcd, make_agent, tmp_path, monkeypatch
+):
+    """A cleanup's command lost with its dead leader reaches the agent seconds later, from
+    the next leader. The agent counted its `older_than_seconds` back from when it ran it,
+    so blocks stored after the cleanup was asked for (and idle for longer than that by the
+    time the command came again) were dropped; the command now counts back from when it
+    was asked for, whenever it arrives."""
+    a = start_cp(etcd, op_timeout_seconds=60)
+    b = None
+    try:
+        agent = make_agent("cleanup-agent", disk_dir=str(tmp_path / "disk"), disk_capacity_bytes=1 << 24)
+        old, fresh = tokens(3, start=61_000), tokens(3, start=62_000)
+        agent.engine.store(M.model_id, old, kv(3), namespace="stale")
+        wait_for(lambda: a.cluster.stream_of("cleanup-agent"), 20, 0.05, "agent on a's stream")
+        time.sleep(1.5)  # the old blocks are idle for longer than the cleanup's 1 s
+        released, lost = threading.Event(), []
+        real = convert.command_to_pb
+
+        def command_to_pb(cmd, epoch, now=None):
+            if cmd.kind == "cleanup" and not lost:
+                lost.append(cmd.op_id)
+                released.wait(15)  # on its way while the leader dies: it goes into a dead stream
+            return real(cmd, epoch, now)
+
+        monkeypatch.setattr(convert, "command_to_pb", command_to_pb)
+        b = follower(etcd)
+        op = a.manager.cleanup(1.0, namespace="stale")
+        wait_for(lambda: lost, 10, 0.02, "the command on its way")
+        agent.engine.store(M.model_id, fresh, kv(3, seed=1), namespace="stale")  # used after it was asked
+        time.sleep(1.5)  # ... and idle for longer than 1 s when the next leader sends it again
+        take_over(a, b)
+        released.set()
+        wait_for(lambda: b.manager.get_op(op.op_id).finished, 20, 0.1, "the cleanup done by the next leader")
+        done = b.manager.get_op(op.op_id)
+        assert lost == [op.op_id]
+        assert done.state == "SUCCEEDED" and done.num_done_blocks == 3, (done.state, done.num_done_blocks, done.error)
+        assert agent.engine.lookup(M.model_id, old) == 0
+        assert agent.engine.lookup(M.model_id, fresh) == len(fresh)
     finally:
         a.stop()
         if b is not None:

@@ -833,6 +833,10 @@ class OperationControl(ManagerState):
                 if not sent:
                     continue
                 self._unheard[key] = (command, sent)
+                if not part.incarnation:  # (a leader that died before it kept whom it sent it to)
+                    # the process sent it now: a restart of that one fails the part at once
+                    # (the restart check), and a new process is not sent it again to run twice
+                    part.incarnation = self.cluster.incarnation_of(agent_id)
                 cause = COMMAND_LOST_WITH_LEADER if session == ANOTHER_LEADERS_STREAM else COMMAND_LOST_WITH_STREAM
                 self.commands_resent_total[cause] += 1
                 why = (

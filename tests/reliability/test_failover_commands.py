@@ -123,6 +123,37 @@ def test_a_next_leader_sends_nothing_to_an_agent_that_answered_or_restarted_or_i
             b.stop()
 
 
+def test_a_command_sent_again_is_tied_to_the_process_it_went_to(etcd):
+    """A leader that died before it kept which agent process it sent a command to left the
+    part with none: the next leader sent it again without noting one, so a restart of that
+    process was not seen (the part waited for the operation timeout) and the new process
+    could be sent the command again and run it a second time (a stress review's reading)."""
+    a = start_cp(etcd, op_timeout_seconds=60)
+    b = None
+    try:
+        on_stream(a, "x", "s1")  # its Hello named no process: none kept with the part
+        op = a.manager.move(Scope(namespace="ns1"), Tier.DISK)
+        assert a.manager.get_op(op.op_id).parts["x"].incarnation == ""
+        b = follower(etcd)
+        take_over(a, b)
+        first = StandInAgent(b, "x")
+        b.cluster.hello("x", "t1", incarnation="proc-1", runs_commands_once=True)
+        b.cluster.attach_outbox("x", "t1", first.outbox)
+        b.manager.run_once()
+        assert len(first.commands("move", op.op_id)) == 1  # sent again, to proc-1
+        restarted = StandInAgent(b, "x")
+        b.cluster.hello("x", "t2", incarnation="proc-2", runs_commands_once=True)
+        b.cluster.attach_outbox("x", "t2", restarted.outbox)
+        b.manager.run_once()
+        assert not restarted.commands("move")  # a new process: not given it to run again
+        got = b.manager.get_op(op.op_id)
+        assert got.parts["x"].state == "FAILED" and "restarted" in got.parts["x"].error, got.parts["x"]
+    finally:
+        a.stop()
+        if b is not None:
+            b.stop()
+
+
 def test_commands_of_an_operation_that_ended_are_deleted_by_the_next_leader(etcd):
     """A leader that could not delete an ended operation's commands (etcd away at its end,
     or it died just then) leaves them; the next leader deletes them and sends none."""

@@ -260,16 +260,20 @@ class Manager(PinControl, OperationControl, PolicyControl):
                     if op_id not in self._lock_threads:
                         self._op_done.setdefault(op_id, threading.Event())
                         requeue.append(op)
-                elif op_id not in kept:
-                    adopted.append(op)
-                    if stored_commands.get(op_id) and not op.cancel_requested:
-                        # stored before they went out: they may be on their way though etcd
-                        # says unsent (the leader died before recording it), or about to be
-                        op.commands_sent = True
+                else:
+                    if op_id not in kept:
+                        adopted.append(op)
+                        if stored_commands.get(op_id) and not op.cancel_requested:
+                            # stored before they went out: they may be on their way though etcd
+                            # says unsent (the leader died before recording it), or about to be
+                            op.commands_sent = True
+                    # sent again once the agent has a stream here (_resend_lost_commands), and
+                    # to one this replica holds too: an agent may have given its answer (an
+                    # end) to a leader between that could not store it; a repeat is answered
+                    # with where the agent stands, never run twice
                     for agent_id, command in stored_commands.get(op_id, {}).items() if op.commands_sent else ():
                         part = op.parts.get(agent_id)
                         if part is not None and part.state not in ops.TERMINAL:
-                            # sent again once the agent has a stream here (_resend_lost_commands)
                             self._unheard[(op_id, agent_id)] = (command, ANOTHER_LEADERS_STREAM)
             # deleted when their operations end; those of ended ones by the next pass
             self._stored_commands.update(stored_commands)

@@ -154,6 +154,30 @@ def test_a_command_sent_again_is_tied_to_the_process_it_went_to(etcd):
             b.stop()
 
 
+def test_a_leader_that_wins_again_asks_its_agents_where_its_operations_stand(etcd):
+    """A replica that led, lost and won again keeps its own copy of an unfinished
+    operation. An agent had answered it (its command heard), then finished the part while
+    another leader led that could not store the end (etcd paused): that answer was lost,
+    and this replica, which had nothing unheard, never asked again (the part failed "no
+    progress" at the operation timeout: a chaos run). Winning again, it sends the
+    unfinished parts' commands once more; an agent answers a repeat with where it stands."""
+    a = start_cp(etcd, op_timeout_seconds=60)
+    try:
+        first = on_stream(a, "a1", "s1")
+        op = a.manager.move(Scope(namespace="ns1"), Tier.DISK)
+        first.report(op.op_id, "RUNNING", 1, 3)  # heard: nothing to send again
+        a.manager.run_once()
+        assert len(first.commands("move", op.op_id)) == 1
+        a.manager.load()  # as on winning an election again; the agent is back on a new stream
+        again = on_stream(a, "a1", "s2")
+        a.manager.run_once()
+        assert len(again.commands("move", op.op_id)) == 1
+        again.report(op.op_id, "SUCCEEDED", 3, 3)  # what it answers: it had finished
+        assert a.manager.get_op(op.op_id).state == "SUCCEEDED"
+    finally:
+        a.stop()
+
+
 def test_commands_of_an_operation_that_ended_are_deleted_by_the_next_leader(etcd):
     """A leader that could not delete an ended operation's commands (etcd away at its end,
     or it died just then) leaves them; the next leader deletes them and sends none."""

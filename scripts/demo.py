@@ -147,9 +147,9 @@ class Demo:
                 f"{', '.join(busy)} in use by another program (another demo still running?); "
                 "stop it or choose ports with --controlplane-port / --agent-ports"
             )
-        if not port_free(a.etcd_port) or not port_free(a.etcd_port + 1):
-            a.etcd_port = free_port()
-            self.say(f"demo: port 2379 is taken, using {a.etcd_port} for the demo's etcd")
+        if not port_free(a.etcd_port):  # (etcd's peer port is a free one, below)
+            taken, a.etcd_port = a.etcd_port, free_port()
+            self.say(f"demo: port {taken} is taken, using {a.etcd_port} for the demo's etcd")
         # /metrics ports: dashboard/grafana/prometheus.yml scrapes 9400-9402; others only if taken
         names = ["control plane", *(f"agent-{i}" for i in range(1, len(a.agent_metrics_ports) + 1))]
         ports = [a.controlplane_metrics_port, *a.agent_metrics_ports]

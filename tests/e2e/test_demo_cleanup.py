@@ -49,6 +49,30 @@ def test_only_the_process_a_pid_file_names_is_stopped(demo_module, tmp_path):
         other.wait()
 
 
+def test_a_taken_etcd_port_is_named_as_given(demo_module):
+    """`--etcd-port P` taken: the demo says P is taken (it said 2379 whatever was asked)."""
+    import argparse
+    import socket
+
+    said: list[str] = []
+    d = demo_module.Demo.__new__(demo_module.Demo)  # only the port checks: no cluster
+    d.say = said.append
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", 0))
+        taken = held.getsockname()[1]
+        cp, a1, a2, m0, m1, m2 = free_ports(6)
+        d.args = argparse.Namespace(
+            etcd_port=taken,
+            controlplane_port=cp,
+            agent_ports=[a1, a2],
+            controlplane_metrics_port=m0,
+            agent_metrics_ports=[m1, m2],
+        )
+        d.check_ports()
+    assert d.args.etcd_port != taken
+    assert said == [f"demo: port {taken} is taken, using {d.args.etcd_port} for the demo's etcd"]
+
+
 def test_a_killed_agent_is_started_again_and_the_demo_serves_on(tmp_path):
     import os
     import signal

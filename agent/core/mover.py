@@ -243,18 +243,31 @@ class Mover:
         to BUSY_RETRY_SECONDS: an operator's operation does not fail for the agent's own
         background work (a stress review's driver: about 1 operation in 100 did)."""
         outcomes = list(outcomes)
-        deadline = time.monotonic() + BUSY_RETRY_SECONDS
-        pause = 0.005
-        while not op.cancel_requested and time.monotonic() < deadline:
-            busy = [k for k, o in enumerate(outcomes) if o is not None and o.busy]
-            if not busy:
-                break
-            time.sleep(pause)
-            pause = min(2 * pause, 0.1)
-            for k, outcome in zip(
-                busy, self.pool.move_blocks([batch[k] for k in busy], op.to_tier, op.codec), strict=True
-            ):
-                outcomes[k] = outcome
+        if not any(o is not None and o.busy for o in outcomes):
+            return outcomes
+        # the blocks the batch put in the tier are referenced while the others are tried
+        # again, as _move_batches references them after: the room made meanwhile (for a
+        # busy block, or by a store) must not push them out again
+        landed: list = []
+        if op.kind == "move" and op.to_tier is not None:
+            for k, o in enumerate(outcomes):
+                if o is not None and o.ok:
+                    landed += self.pool.acquire_chain(batch[k : k + 1])
+        try:
+            deadline = time.monotonic() + BUSY_RETRY_SECONDS
+            pause = 0.005
+            while not op.cancel_requested and time.monotonic() < deadline:
+                busy = [k for k, o in enumerate(outcomes) if o is not None and o.busy]
+                if not busy:
+                    break
+                time.sleep(pause)
+                pause = min(2 * pause, 0.1)
+                for k, outcome in zip(
+                    busy, self.pool.move_blocks([batch[k] for k in busy], op.to_tier, op.codec), strict=True
+                ):
+                    outcomes[k] = outcome
+        finally:
+            self.pool.release_chain(landed)
         return outcomes
 
     def run_once(self, timeout_seconds: float = 0.1) -> MoveOp | None:

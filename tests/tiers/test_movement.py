@@ -441,6 +441,37 @@ def test_an_operation_gives_up_on_a_block_moving_past_the_retry(tmp_path, monkey
     assert pool.tier_of(hs[1]) is Tier.CPU
 
 
+def test_a_block_tried_again_does_not_push_out_the_ones_its_batch_moved(tmp_path):
+    """While an operation's busy block is tried again, the blocks its batch already put in
+    the tier were not referenced yet: the room made for the busy block (or by anyone
+    meanwhile) pushed out the least recently used of them, and the move failed as
+    "pushed out again by later ones" though the tier had another block to give up."""
+    pool = make_pool(tmp_path / "disk", cpu_blocks=2)
+    engine = make_engine(pool)
+    chains = [tokens(1, start=100 * i) for i in range(3)]
+    for i, toks in enumerate(chains[:2]):
+        assert engine.store(SPEC.model_id, toks, kv(1, seed=i)).num_stored_blocks == 1
+    a, b, c = (hashes(engine, toks)[0] for toks in chains)
+    assert pool.move_block(a, Tier.DISK).ok and pool.move_block(b, Tier.DISK).ok
+    assert engine.store(SPEC.model_id, chains[2], kv(1, seed=2)).num_stored_blocks == 1  # c: used last
+    mover = Mover(pool)
+    with pool.lock:
+        pool.blocks[b].moving = True  # as a background move marks it
+
+    def background_move_ends():
+        time.sleep(0.2)
+        with pool.lock:
+            pool.blocks[b].moving = False
+
+    t = threading.Thread(target=background_move_ends)
+    t.start()
+    op = mover.run_op(mover.submit([a, b], Tier.CPU))
+    t.join()
+    assert op.state == SUCCEEDED and op.num_done_blocks == 2, op.error
+    assert pool.tier_of(a) is Tier.CPU and pool.tier_of(b) is Tier.CPU and pool.tier_of(c) is Tier.DISK
+    check_pool(pool)
+
+
 def test_mover_forgets_old_finished_ops(tmp_path):
     pool, engine, toks, data, hs = stored(tmp_path, n=1)
     mover = Mover(pool, keep_finished=3)

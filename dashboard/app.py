@@ -7,8 +7,9 @@ work, both in thread workers so the UI loop never waits on the network:
   posts each event to the app; when the stream breaks it says so (the top line turns to
   "reconnecting") and retries with a capped backoff;
 - the fetch worker runs the unary calls (stats, agents, pins, operations), one batch at a
-  time: requests made while a batch is in flight are merged into the next one, so a burst
-  of events costs one refresh, not one per event.
+  time: requests made while a batch is in flight are merged into the next one, and a
+  batch that events ask for starts no sooner than `EVENT_FETCH_GAP_SECONDS` after the one
+  before, so a busy event stream costs one refresh a second, not one after another.
 
 Events say what changed (an agent joined: agents and stats; a pin expired: pins), so the
 app refreshes what they name, plus a slow periodic refresh of stats for the sparklines
@@ -25,6 +26,7 @@ from textual.app import App, ScreenStackError
 from textual.binding import Binding
 from textual.css.query import NoMatches
 from textual.message import Message
+from textual.timer import Timer
 from textual.worker import get_current_worker
 
 from cli.client import (
@@ -48,6 +50,12 @@ from dashboard.screens import (
 from dashboard.state import CONNECTED, RECONNECTING, DashboardState
 
 WATCH_BACKOFF_SECONDS = (0.25, 5.0)  # first retry, cap
+# a batch of refreshes that events ask for starts at least this long after the previous
+# batch started: on a busy fleet (agent_state, notice and op_state events by the dozen a
+# second) each batch's answer came back just as the next events asked again, and the
+# dashboard listed and redrew every agent back to back (a core's worth of CPU at 300 agents,
+# keys answered late, and as many ListAgents calls on the control plane)
+EVENT_FETCH_GAP_SECONDS = 1.0
 SLOW_REFRESH_EVERY = 5  # pins and operations not in view: every 5th periodic refresh
 FETCH_ORDER = ("operations", "pins", "agents", "stats")
 UNREACHABLE = {"UNAVAILABLE", "DEADLINE_EXCEEDED", "CANCELLED"}
@@ -153,6 +161,9 @@ class DashboardApp(App):
         self._stopping = threading.Event()
         self._fetching = False
         self._pending: set[str] = set()
+        self._pending_now = False  # something waiting was asked for by the operator or a timer, not by events
+        self._batch_started = float("-inf")  # time.monotonic() when the last batch started
+        self._paced: Timer | None = None  # starts the batch that events asked for, once the gap has passed
         self._ticks = 0
 
     def now(self) -> float:
@@ -278,13 +289,31 @@ class DashboardApp(App):
                 raise
 
     # ---- fetching ---------------------------------------------------------------------
-    def request_refresh(self, *topics: str) -> None:
-        """Ask for a refresh of `topics`; merged with any already waiting."""
+    def request_refresh(self, *topics: str, paced: bool = False) -> None:
+        """Ask for a refresh of `topics`; merged with any already waiting. `paced` (what
+        events ask for): the batch waits until `EVENT_FETCH_GAP_SECONDS` have passed since
+        the previous one started; anything else asked for meanwhile starts it at once."""
         self._pending.update(topics)
-        if self.live and not self._fetching and self._pending:
-            batch, self._pending = frozenset(self._pending), set()
-            self._fetching = True
-            self._fetch(batch)
+        if topics and not paced:
+            self._pending_now = True
+        if not self.live or self._fetching or not self._pending:
+            return
+        wait = self._batch_started + EVENT_FETCH_GAP_SECONDS - time.monotonic()
+        if not self._pending_now and wait > 0:
+            if self._paced is None:
+                self._paced = self.set_timer(wait, self._paced_due)
+            return
+        if self._paced is not None:
+            self._paced.stop()
+            self._paced = None
+        batch, self._pending, self._pending_now = frozenset(self._pending), set(), False
+        self._fetching = True
+        self._batch_started = time.monotonic()
+        self._fetch(batch)
+
+    def _paced_due(self) -> None:
+        self._paced = None
+        self.request_refresh()
 
     def _current_client(self) -> ControlPlaneClient:
         with self._client_lock:
@@ -411,7 +440,7 @@ class DashboardApp(App):
         self.state.watch_available = True
         self.apply_connection(CONNECTED)
         self.apply_event(message.event)
-        self.request_refresh(*EVENT_TOPICS.get(message.event.kind, ()))
+        self.request_refresh(*EVENT_TOPICS.get(message.event.kind, ()), paced=True)
 
     def on_watch_broken(self, message: WatchBroken) -> None:
         if message.unimplemented:

@@ -51,6 +51,7 @@ class DashboardState:
         self.operations_feature = Feature()
         self.events: deque[EventView] = deque(maxlen=EVENT_LOG_SIZE)
         self.samples: deque[Sample] = deque(maxlen=history)
+        self.events_added_total = 0  # every event ever added, the ones the log has since let go included
         self._last_event: tuple[int, float] = (0, 0.0)
 
     # ---- updates ----------------------------------------------------------------------
@@ -78,6 +79,7 @@ class DashboardState:
         if event.seq:
             self._last_event = (event.seq, event.unix_seconds)
         self.events.append(event)
+        self.events_added_total += 1
         return True
 
     # ---- derived ----------------------------------------------------------------------

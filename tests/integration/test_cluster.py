@@ -71,11 +71,17 @@ def test_evictions_reach_the_index(controlplane, make_agent):
     a = make_agent("small", cpu_capacity_bytes=cap)
     a.engine.store(M.model_id, tokens(4), kv(4))
     with ControlPlaneClient(controlplane.address) as c:
+
+        def hits(token_ids: list[int]) -> int:
+            found = c.lookup(M.model_id, token_ids).agents
+            return found[0].num_hit_blocks if found else 0
+
         # indexed first, so the evictions travel as events (not in the agent's first inventory)
-        wait_for(lambda: c.lookup(M.model_id, tokens(4)).num_blocks == 4, what="indexed")
+        wait_for(lambda: hits(tokens(4)) == 4, what="indexed")
         a.engine.store(M.model_id, tokens(4, start=90_000), kv(4, seed=2))  # evicts 2 old leaves
-        wait_for(lambda: indexed(c, "small") == 6, what="evictions indexed")
-        assert c.lookup(M.model_id, tokens(4)).agents[0].num_hit_blocks == 2
+        # (the count passes 6 on the way too: 4 old + 2 new before the first eviction)
+        wait_for(lambda: hits(tokens(4, start=90_000)) == 4 and hits(tokens(4)) == 2, what="evictions indexed")
+        assert indexed(c, "small") == 6
         assert a.engine.lookup(M.model_id, tokens(4)) == 2 * BS
 
 

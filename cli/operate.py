@@ -463,7 +463,8 @@ def route(ctx: Context, model_id, tokens, tokens_file, hashes, extra_keys, role,
 @click.option("--limit", default=20, show_default=True, type=click.IntRange(1, 1000))
 @pass_ctx
 def ops(ctx: Context, limit):
-    """Recent operations, newest first."""
+    """Recent operations, newest first; one still running is kept over newer ones that
+    ended."""
     views = ctx.call(lambda c: c.list_operations(max_operations=limit))
     if ctx.output == "json":
         click.echo(output.dumps(views))

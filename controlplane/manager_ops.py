@@ -738,9 +738,25 @@ class OperationControl(ManagerState):
         return op
 
     def list_ops(self, limit: int = 100) -> list[ops.Operation]:
+        """The newest `limit` operations, newest first; one still unfinished is never
+        left out for newer ones that ended (a long move behind a stream of finished
+        operations dropped off `kvctl ops` and the dashboard while it ran)."""
         self.ensure_loaded()
+        limit = limit or 100
         with self._lock:
-            return list(reversed(self.ops.values()))[: limit or 100]
+            newest_first = list(reversed(self.ops.values()))
+        unfinished = sum(1 for o in newest_first if not o.finished)
+        finished_left = max(0, limit - unfinished)
+        out: list[ops.Operation] = []
+        for o in newest_first:
+            if len(out) == limit:
+                break
+            if not o.finished:
+                out.append(o)
+            elif finished_left:
+                out.append(o)
+                finished_left -= 1
+        return out
 
     def cancel_op(self, op_id: str) -> ops.Operation:
         """Cancel an operation: recorded in etcd first, so a cancel answered is one a next

@@ -428,6 +428,26 @@ def test_one_failed_etcd_call_elsewhere_does_not_make_the_leader_read_only(etcd)
 # ---- agents' reports --------------------------------------------------------------------
 
 
+def test_a_listing_keeps_an_unfinished_operation_behind_newer_finished_ones(etcd):
+    """Listings are the newest first, 50 on the dashboard: a long move behind a stream of
+    newer operations that ended dropped off the list while it still ran."""
+    cp = start_cp(etcd)
+    try:
+        agent = StandInAgent(cp)
+        running = cp.manager.move(Scope(namespace="long"), Tier.DISK)
+        ended = []
+        for k in range(5):
+            op = cp.manager.move(Scope(namespace=f"ns{k}"), Tier.DISK)
+            agent.report(op.op_id, "SUCCEEDED", 1, 1)
+            ended.append(op.op_id)
+        with ControlPlaneClient(cp.address) as client:
+            listed = [o.op_id for o in client.list_operations(max_operations=3)]
+            assert listed == [ended[4], ended[3], running.op_id]  # newest first, the running one kept
+            assert [o.op_id for o in client.list_operations()] == [*reversed(ended), running.op_id]
+    finally:
+        cp.stop()
+
+
 def test_bad_op_update_does_not_break_listing(etcd):
     cp = start_cp(etcd)
     try:

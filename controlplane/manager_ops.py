@@ -853,6 +853,7 @@ class OperationControl(ManagerState):
                     # the process sent it now: a restart of that one fails the part at once
                     # (the restart check), and a new process is not sent it again to run twice
                     part.incarnation = self.cluster.incarnation_of(agent_id)
+                    self._dirty.add(op_id)  # stored by the next pass, for a leader after this one
                 cause = COMMAND_LOST_WITH_LEADER if session == ANOTHER_LEADERS_STREAM else COMMAND_LOST_WITH_STREAM
                 self.commands_resent_total[cause] += 1
                 why = (

@@ -21,7 +21,7 @@ from protos.block_hash import MAX_PROMPT_BLOCKS, hash_prefix, split_hashes
 from protos.tier import Tier
 from tests.helpers import wait_for
 from tests.integration.test_pins_ops import kv, tokens
-from tests.reliability.test_ops_durability import StandInAgent, start_cp
+from tests.reliability.test_ops_durability import StandInAgent, start_cp, stored_op
 
 M = DEMO_MODEL
 CAUSES = ("leader_changed", "stream_closed")
@@ -141,6 +141,8 @@ def test_a_command_sent_again_is_tied_to_the_process_it_went_to(etcd):
         b.cluster.attach_outbox("x", "t1", first.outbox)
         b.manager.run_once()
         assert len(first.commands("move", op.op_id)) == 1  # sent again, to proc-1
+        b.manager.run_once()  # ... and which process had it stored, for a leader after b
+        assert [p["incarnation"] for p in stored_op(etcd, op.op_id)["parts"]] == ["proc-1"]
         restarted = StandInAgent(b, "x")
         b.cluster.hello("x", "t2", incarnation="proc-2", runs_commands_once=True)
         b.cluster.attach_outbox("x", "t2", restarted.outbox)

@@ -857,7 +857,7 @@ class OperationControl(ManagerState):
                 cause = COMMAND_LOST_WITH_LEADER if session == ANOTHER_LEADERS_STREAM else COMMAND_LOST_WITH_STREAM
                 self.commands_resent_total[cause] += 1
                 why = (
-                    "it was sent by another leader"
+                    "the leadership changed since it went out (the command, or its answer, may be lost)"
                     if cause == COMMAND_LOST_WITH_LEADER
                     else "the stream it went down closed"
                 )

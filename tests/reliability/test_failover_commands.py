@@ -59,6 +59,22 @@ def on_stream(cp: ControlPlane, agent_id: str, session: str, runs_commands_once:
     return agent
 
 
+def hold_first_command(monkeypatch, kind: str) -> tuple[threading.Event, list[str]]:
+    """Hold the first command of `kind` on its way to the agent's stream until the event
+    is set (the leader dies meanwhile: it goes into a dead stream); its op id is listed."""
+    released, lost = threading.Event(), []
+    real = convert.command_to_pb
+
+    def command_to_pb(cmd, epoch, now=None):
+        if cmd.kind == kind and not lost:
+            lost.append(cmd.op_id)
+            released.wait(15)
+        return real(cmd, epoch, now)
+
+    monkeypatch.setattr(convert, "command_to_pb", command_to_pb)
+    return released, lost
+
+
 def take_over(old: ControlPlane, new: ControlPlane) -> None:
     old.stop()  # resigns: the follower wins at once
     wait_for(lambda: new.election.is_leader, 15, 0.02, "the follower leads")
@@ -220,16 +236,7 @@ def test_a_real_agent_runs_a_move_its_dead_leader_never_delivered(etcd, make_age
         hashes = split_hashes(hash_prefix(M.model_id, prompt, M.block_size))
         held = lambda: [m.num_hit_blocks for m in a.cluster.lookup(M.model_id, prompt, record=False).matches]  # noqa: E731
         wait_for(lambda: held() == [4], 20, 0.05, "indexed")
-        released, lost = threading.Event(), []
-        real = convert.command_to_pb
-
-        def command_to_pb(cmd, epoch, now=None):
-            if cmd.kind == "move" and not lost:
-                lost.append(cmd.op_id)
-                released.wait(15)  # on its way while the leader dies: it goes into a dead stream
-            return real(cmd, epoch, now)
-
-        monkeypatch.setattr(convert, "command_to_pb", command_to_pb)
+        released, lost = hold_first_command(monkeypatch, "move")
         b = follower(etcd)
         op = a.manager.move(Scope(model_id=M.model_id, token_ids=tuple(prompt)), Tier.DISK)
         wait_for(lambda: lost, 10, 0.02, "the command on its way")
@@ -430,16 +437,7 @@ def test_a_cleanup_sent_again_by_the_next_leader_keeps_blocks_used_since_it_was_
         agent.engine.store(M.model_id, old, kv(3), namespace="stale")
         wait_for(lambda: a.cluster.stream_of("cleanup-agent"), 20, 0.05, "agent on a's stream")
         time.sleep(1.5)  # the old blocks are idle for longer than the cleanup's 1 s
-        released, lost = threading.Event(), []
-        real = convert.command_to_pb
-
-        def command_to_pb(cmd, epoch, now=None):
-            if cmd.kind == "cleanup" and not lost:
-                lost.append(cmd.op_id)
-                released.wait(15)  # on its way while the leader dies: it goes into a dead stream
-            return real(cmd, epoch, now)
-
-        monkeypatch.setattr(convert, "command_to_pb", command_to_pb)
+        released, lost = hold_first_command(monkeypatch, "cleanup")
         b = follower(etcd)
         op = a.manager.cleanup(1.0, namespace="stale")
         wait_for(lambda: lost, 10, 0.02, "the command on its way")

@@ -482,20 +482,26 @@ class DataPlaneStates:
         """Its last report, less what Route sent it in the last ROUTED_HOLD_SECONDS."""
         with self._lock:
             view = self._views.get(agent_id)
-            routed = self._routed.get(agent_id)
-            if view is None or not routed:
-                return view
-            since = self._clock() - ROUTED_HOLD_SECONDS
-            routed[:] = [(t, n) for t, n in routed if t > since]
-            pending = sum(n for _, n in routed)
+            pending = self._routed_lately(agent_id)
+        if view is None or not pending:
+            return view
         return dataclasses.replace(view, handoff_free_bytes=max(0, view.handoff_free_bytes - pending))
+
+    def _routed_lately(self, agent_id: str) -> int:
+        """Bytes Route sent `agent_id` in the last ROUTED_HOLD_SECONDS; older notes are
+        forgotten (lock held)."""
+        routed = self._routed.get(agent_id)
+        if not routed:
+            return 0
+        since = self._clock() - ROUTED_HOLD_SECONDS
+        routed[:] = [(t, n) for t, n in routed if t > since]
+        return sum(n for _, n in routed)
 
     def routed_bytes(self, agent_id: str) -> int:
         """Bytes Route sent to `agent_id` in the last ROUTED_HOLD_SECONDS: handoffs that
         its reports may not show yet (a drain counts them as taken)."""
         with self._lock:
-            since = self._clock() - ROUTED_HOLD_SECONDS
-            return sum(n for t, n in self._routed.get(agent_id, ()) if t > since)
+            return self._routed_lately(agent_id)
 
     def note_routed(self, agent_id: str, num_bytes: int) -> None:
         """Route sent a handoff of `num_bytes` to the decode agent `agent_id`."""

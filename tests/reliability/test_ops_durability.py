@@ -585,6 +585,15 @@ def test_a_result_another_leader_stored_is_not_undone_by_progress_this_one_could
         cp.stop()
 
 
+def cleanup_queued_behind_another(cp: ControlPlane):
+    """(agent, first, second): a cleanup of ns1 sent to the stand-in agent, and a second
+    one queued behind its scope lock."""
+    agent = StandInAgent(cp)
+    first = cp.manager.cleanup(0, namespace="ns1")
+    wait_for(lambda: agent.commands("cleanup", first.op_id), 5, 0.02, "first sent")
+    return agent, first, cp.manager.cleanup(0, namespace="ns1")
+
+
 def test_a_cancel_being_recorded_keeps_a_queued_cleanup_from_starting(etcd):
     """A cancel of a cleanup queued behind its scope lock is written to etcd before it is
     answered; if the lock comes free meanwhile, the cleanup must not go out: etcd would
@@ -592,11 +601,8 @@ def test_a_cancel_being_recorded_keeps_a_queued_cleanup_from_starting(etcd):
     neither holds its lock nor knows it runs)."""
     cp = start_cp(etcd, op_timeout_seconds=10)
     try:
-        agent = StandInAgent(cp)
+        agent, first, second = cleanup_queued_behind_another(cp)
         m = cp.manager
-        first = m.cleanup(0, namespace="ns1")
-        wait_for(lambda: agent.commands("cleanup", first.op_id), 5, 0.02, "first sent")
-        second = m.cleanup(0, namespace="ns1")
         real = m._persist_op
         seen = []
 
@@ -628,11 +634,8 @@ def test_a_cancel_that_fails_beside_another_still_being_recorded_keeps_the_clean
     the other was storing CANCELLED (etcd then said CANCELLED while its agents cleaned)."""
     cp = start_cp(etcd, op_timeout_seconds=10)
     try:
-        agent = StandInAgent(cp)
+        agent, first, second = cleanup_queued_behind_another(cp)
         m = cp.manager
-        first = m.cleanup(0, namespace="ns1")
-        wait_for(lambda: agent.commands("cleanup", first.op_id), 5, 0.02, "first sent")
-        second = m.cleanup(0, namespace="ns1")
         real = m._persist_op
         calls, seen = [], []
         storing, refused_done = threading.Event(), threading.Event()

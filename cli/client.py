@@ -169,7 +169,6 @@ class LookupSocket:
             except (OSError, ssl.SSLError) as exc:
                 sock.close()
                 raise LookupSocketUnreachable("UNAVAILABLE", f"lookup socket {self.endpoint}: TLS: {exc}") from None
-        self._kernel_timeouts = True
         self._set_timeouts(sock, self._timeout_seconds)
         return sock
 

@@ -32,6 +32,7 @@ log = logging.getLogger(__name__)
 MAX_OPS_KEPT = 500
 PIN_REFUSAL_SECONDS = 60.0  # how long the policy leaves alone a block an agent's pin held
 CANCEL_RESEND_SECONDS = 1.0  # a cancel no agent answered yet is sent again this often
+SCOPE_LOCK_CHECK_SECONDS = 0.5  # how often a running cleanup checks its scope lock against the leadership
 # a drain that ended keeps the room it was given at most this long, until its destinations
 # have reported their usage since (their reports come every second by default)
 DRAIN_REPORT_WAIT_SECONDS = 10.0
@@ -584,13 +585,38 @@ class OperationControl(ManagerState):
         )
         return lock, lock_name
 
-    def _hold_until_done(self, op: ops.Operation) -> None:
-        """Wait while `op` runs and this replica leads (bounded by twice the op timeout)."""
+    def _keep_scope_lock(self, op: ops.Operation, lock: EtcdLock) -> None:
+        """Hold `op`'s scope lock while it runs (bounded by twice the op timeout), level-
+        triggered: let go while this replica does not lead (the leader that adopts the
+        operation takes it), taken again while it leads again with its own copy (a
+        re-won election keeps a running cleanup: it held no lock after the loss). Ends,
+        releasing what it holds, once the operation finishes or another copy replaces it."""
         done = self._op_done.get(op.op_id)
         deadline = time.monotonic() + self.op_timeout_seconds * 2
-        while done is not None and time.monotonic() < deadline and self._owns(op):
-            if done.wait(0.5):
-                break
+        held = lock
+        try:
+            while done is not None and time.monotonic() < deadline and self.ops.get(op.op_id) is op:
+                if self._owns(op):
+                    if not held.held:
+                        held = self._retake_scope_lock(op) or held
+                else:
+                    held.release()  # (idempotent: no etcd call once let go)
+                if done.wait(SCOPE_LOCK_CHECK_SECONDS):
+                    break
+        finally:
+            held.release()
+
+    def _retake_scope_lock(self, op: ops.Operation) -> EtcdLock | None:
+        """`op`'s scope lock taken again where it is free (a fresh lock: its lease is new),
+        else None (the next check tries again)."""
+        lock, lock_name = self._cleanup_lock(op)
+        try:
+            if lock.try_acquire():
+                log.warning("cleanup %s holds its scope lock %s again", op.op_id, lock_name)
+                return lock
+        except Exception as exc:  # noqa: BLE001 - etcd away: the next check tries again
+            log.debug("cleanup %s: scope lock %s not taken again yet: %s", op.op_id, lock_name, exc)
+        return None
 
     def _hold_adopted_lock(self, op: ops.Operation) -> None:
         """A cleanup another leader started: take its scope lock again (a cleanup that
@@ -605,12 +631,8 @@ class OperationControl(ManagerState):
             self._adopted_locks_pending -= 1
             if self._adopted_locks_pending <= 0:
                 self._adopted_locks_settled.set()
-        if not got:
-            return
-        try:
-            self._hold_until_done(op)
-        finally:
-            lock.release()
+        if got:
+            self._keep_scope_lock(op, lock)
 
     def _run_locked(self, op: ops.Operation) -> None:
         lock, lock_name = self._cleanup_lock(op)
@@ -651,7 +673,7 @@ class OperationControl(ManagerState):
                     self._op_changed(op)
                 return
             self._fan_out(op, self._cleanup_commands(op))
-            self._hold_until_done(op)  # the scope lock, until it finishes or this replica no longer leads
+            self._keep_scope_lock(op, lock)  # until it finishes (let go while another replica leads)
         finally:
             lock.release()
 

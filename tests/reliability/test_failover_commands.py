@@ -455,3 +455,40 @@ def test_a_cleanup_sent_again_by_the_next_leader_keeps_blocks_used_since_it_was_
         a.stop()
         if b is not None:
             b.stop()
+
+
+def test_a_cleanup_kept_over_a_lost_and_won_again_leadership_holds_its_scope_lock_again(etcd):
+    """A replica running a cleanup loses the leadership (another replica's key), so it
+    lets go of the cleanup's scope lock; winning again before anyone adopted it, it keeps
+    its own copy of the operation. It takes the lock again (it held none from then on, so
+    a cleanup of the same namespace started next ran beside it), and a cleanup queued now
+    waits behind it."""
+    a = start_cp(etcd, op_timeout_seconds=60)
+    client = etcd_keys.connect(etcd)
+    lock_key = etcd_keys.LOCKS_PREFIX + "cleanup/kb"
+    try:
+        agent = on_stream(a, "a1", "s1")
+        op = a.manager.cleanup(0.0, namespace="kb")
+        wait_for(lambda: agent.commands("cleanup", op.op_id), 10, 0.02, "the cleanup's command")
+        assert client.get(lock_key)[0] == op.op_id.encode()
+        # another replica leads: the leader key under its lease (the replica's next step sees it)
+        other = client.lease(30)
+        client.put(etcd_keys.LEADER_KEY, "127.0.0.1:9", other)
+        wait_for(lambda: not a.election.is_leader, 10, 0.02, "the leadership lost")
+        wait_for(lambda: client.get(lock_key)[0] is None, 5, 0.02, "the scope lock let go of")
+        epoch = a.election.epoch
+        other.revoke()  # that replica goes: this one wins again and keeps its running copy
+        wait_for(lambda: a.election.is_leader and a.manager._loaded_epoch > epoch, 15, 0.02, "won and loaded again")
+        assert a.manager.get_op(op.op_id) is op and not op.finished
+        wait_for(lambda: client.get(lock_key)[0] == op.op_id.encode(), 5, 0.02, "the scope lock taken again")
+        queued = a.manager.cleanup(0.0, namespace="kb")
+        time.sleep(1.0)
+        assert a.manager.get_op(queued.op_id).state == "PENDING"  # behind the kept one
+        assert not agent.commands("cleanup", queued.op_id)
+        a.manager.on_op_update("a1", op.op_id, "SUCCEEDED", 0, 0, 0, 0, "")
+        wait_for(
+            lambda: agent.commands("cleanup", queued.op_id), 15, 0.05, "the queued cleanup sent once the lock is free"
+        )
+    finally:
+        a.stop()
+        client.close()

@@ -135,7 +135,13 @@ class LookupSocket:
         self._buf = bytearray(1 << 16)  # replies are read into this, header and body at once
 
     def _connect(self, timeout_seconds: float) -> socket.socket:
+        """A connection made within `timeout_seconds`, what is left of the call's time. One
+        that cannot be made in it is UNAVAILABLE when it had the call's whole timeout (nothing
+        there takes connections: a router tries another replica), and DEADLINE_EXCEEDED, as a
+        slow answer is, when the call had spent part of it already (queued behind other calls,
+        or on a connection found dropped): that says only that the call's time is spent."""
         deadline = time.monotonic() + timeout_seconds
+        cut_short = self._cut_short(timeout_seconds)
         sock: socket.socket  # set by the loop, which ends connected or raises
         while True:
             sock = socket.socket(self._family, socket.SOCK_STREAM)
@@ -147,10 +153,13 @@ class LookupSocket:
                 sock.close()
                 # a Unix socket whose accept backlog is full refuses at once (EAGAIN) where
                 # TCP would wait: a burst of clients, not a missing server; wait as TCP does
-                if exc.errno in (errno.EAGAIN, errno.EWOULDBLOCK) and time.monotonic() < deadline:
+                busy = exc.errno in (errno.EAGAIN, errno.EWOULDBLOCK)
+                if busy and time.monotonic() < deadline:
                     time.sleep(0.005)
                     continue
-                if exc.errno in (errno.EAGAIN, errno.EWOULDBLOCK):
+                if cut_short and (busy or isinstance(exc, TimeoutError)):
+                    raise self._out_of_time("connecting") from None
+                if busy:
                     raise LookupSocketUnreachable(
                         "UNAVAILABLE",
                         f"the lookup socket at {self.endpoint} is busy (its accept queue stayed full for "
@@ -168,9 +177,23 @@ class LookupSocket:
                 sock = self._ssl.wrap_socket(sock, server_hostname=self._where[0])
             except (OSError, ssl.SSLError) as exc:
                 sock.close()
+                if cut_short and isinstance(exc, TimeoutError):
+                    raise self._out_of_time("in its TLS handshake") from None
                 raise LookupSocketUnreachable("UNAVAILABLE", f"lookup socket {self.endpoint}: TLS: {exc}") from None
         self._set_timeouts(sock, self._timeout_seconds)
         return sock
+
+    def _cut_short(self, seconds_left: float) -> bool:
+        """Whether a call has less than its whole timeout left (it waited, or tried once)."""
+        return seconds_left < self._timeout_seconds - 0.001
+
+    def _out_of_time(self, doing: str = "") -> ClientError:
+        """DEADLINE_EXCEEDED: the call's time ran out (`doing` says where, when not waiting
+        for the answer)."""
+        where = f" (its time ran out {doing})" if doing else ""
+        return ClientError(
+            "DEADLINE_EXCEEDED", f"lookup socket {self.endpoint}: no answer in {self._timeout_seconds:g}s{where}"
+        )
 
     def _set_timeouts(self, sock: socket.socket, seconds: float) -> None:
         """Connected: blocking calls with the kernel's own timeouts, so that a send and a
@@ -225,12 +248,13 @@ class LookupSocket:
                 fresh = self._sock is None
                 left = deadline - time.monotonic()
                 if left <= 0:
-                    raise ClientError(
-                        "DEADLINE_EXCEEDED", f"lookup socket {self.endpoint}: no answer in {self._timeout_seconds:g}s"
-                    )
+                    raise self._out_of_time()
                 if self._sock is None:  # fresh
                     self._sock = self._connect(left)
-                if left < self._timeout_seconds - 0.001:  # (one system call each way; most calls waited for nothing)
+                    left = deadline - time.monotonic()  # the connection took some of it
+                    if left <= 0:
+                        raise self._out_of_time("connecting")
+                if self._cut_short(left):  # (one system call each way; most calls waited for nothing)
                     shortened = self._sock
                     self._set_timeouts(shortened, left)
                 try:
@@ -240,9 +264,7 @@ class LookupSocket:
                     break
                 except (TimeoutError, BlockingIOError, ssl.SSLWantReadError, ssl.SSLWantWriteError):
                     self._drop()  # a late reply would answer the next call: start afresh
-                    raise ClientError(
-                        "DEADLINE_EXCEEDED", f"lookup socket {self.endpoint}: no answer in {self._timeout_seconds:g}s"
-                    ) from None
+                    raise self._out_of_time() from None
                 except (OSError, EOFError, DecodeError) as exc:
                     self._drop()
                     if fresh or attempt:  # a new connection failing is not a stale one

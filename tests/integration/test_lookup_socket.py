@@ -587,3 +587,56 @@ def test_a_leaders_lookup_socket_bound_to_every_interface_is_reached_at_its_admi
     assert reachable_lookup_address("10.0.0.6:7001", "10.0.0.5:50051") == "10.0.0.6:7001"
     assert reachable_lookup_address("unix:/run/kvcp/lookup.sock", "10.0.0.5:50051") == "unix:/run/kvcp/lookup.sock"
     assert reachable_lookup_address("", "10.0.0.5:50051") == ""
+
+
+def test_a_reconnect_that_runs_out_of_the_calls_time_is_deadline_exceeded(tmp_path):
+    """A call that spent most of its time on a connection that then dropped, and whose
+    reconnect the rest of its time could not finish, was UNAVAILABLE ("TLS: timed out"):
+    a router tried another replica when its budget was what had run out. It is now
+    DEADLINE_EXCEEDED, as a slow answer is, within the timeout. A connection that cannot
+    be made in the call's whole timeout is still UNAVAILABLE (nothing there takes one)."""
+    import ssl
+
+    from cli.client import LookupSocket
+    from controlplane.api.lookup_socket import LookupSocketServer
+    from protos.security import TLSConfig
+    from tests.reliability.test_security import make_certs
+
+    ca, cert, key = make_certs(tmp_path)
+    busy = threading.Event()  # the replica takes new connections slowly (loaded, restarting)
+
+    class SlowToShakeHands(ssl.SSLContext):
+        def wrap_socket(self, *args, **kwargs):
+            if busy.is_set():
+                time.sleep(2.0)
+            return super().wrap_socket(*args, **kwargs)
+
+    context = SlowToShakeHands(ssl.PROTOCOL_TLS_SERVER)
+    context.load_cert_chain(str(cert), str(key))
+
+    def answer(request):
+        if request.model_id == "slow":
+            time.sleep(0.6)  # most of the caller's second goes here...
+            busy.set()
+            for conn in list(server._conns):  # ...then its connection drops (a reset, a restart)
+                conn.shutdown(socket.SHUT_RDWR)
+        return admin_pb2.LookupResponse(model_id=request.model_id)
+
+    server = LookupSocketServer("127.0.0.1:0", answer, ssl_context=context).start()
+    timeout_seconds = 1.0
+    client = LookupSocket(server.address, timeout_seconds=timeout_seconds, tls=TLSConfig(ca_file=str(ca)))
+    try:
+        assert client.call(admin_pb2.LookupRequest(model_id="m")).model_id == "m"
+        start = time.monotonic()
+        with pytest.raises(ClientError) as info:
+            client.call(admin_pb2.LookupRequest(model_id="slow"))
+        took = time.monotonic() - start
+        assert info.value.code == "DEADLINE_EXCEEDED", info.value
+        assert took < timeout_seconds + 0.5, took
+        # the next call has its whole second for the connection, and gets none: nothing there
+        with pytest.raises(ClientError) as info:
+            client.call(admin_pb2.LookupRequest(model_id="m"))
+        assert info.value.code == "UNAVAILABLE" and "TLS" in str(info.value), info.value
+    finally:
+        client.close()
+        server.stop()

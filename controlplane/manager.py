@@ -27,7 +27,7 @@ from controlplane.core.cluster import AgentCommand, Cluster, ModelInfo
 from controlplane.core.pins import Pin, one_per_id
 from controlplane.core.scope import Scope
 from controlplane.core.tuning import CreditTuner
-from controlplane.manager_ops import ANOTHER_LEADERS_STREAM, OperationControl
+from controlplane.manager_ops import AN_EARLIER_TERMS_STREAM, ANOTHER_LEADERS_STREAM, OperationControl
 from controlplane.manager_pins import PinControl
 from controlplane.manager_policy import PolicyControl
 from controlplane.metrics import RESEND_CAUSES
@@ -270,11 +270,14 @@ class Manager(PinControl, OperationControl, PolicyControl):
                     # sent again once the agent has a stream here (_resend_lost_commands), and
                     # to one this replica holds too: an agent may have given its answer (an
                     # end) to a leader between that could not store it; a repeat is answered
-                    # with where the agent stands, never run twice
+                    # with where the agent stands, never run twice. Counted by who sent it
+                    # (kvcp_commands_resent_total): another leader (an adopted operation), or
+                    # this replica before it lost the leadership (one it kept: it won again)
+                    went_down = AN_EARLIER_TERMS_STREAM if op_id in kept else ANOTHER_LEADERS_STREAM
                     for agent_id, command in stored_commands.get(op_id, {}).items() if op.commands_sent else ():
                         part = op.parts.get(agent_id)
                         if part is not None and part.state not in ops.TERMINAL:
-                            self._unheard[(op_id, agent_id)] = (command, ANOTHER_LEADERS_STREAM)
+                            self._unheard[(op_id, agent_id)] = (command, went_down)
             # deleted when their operations end; those of ended ones by the next pass
             self._stored_commands.update(stored_commands)
             self.policy = self._valid_stored_policy(values)

@@ -19,7 +19,7 @@ from controlplane.core.policy import room_without_drops_bytes
 from controlplane.core.scope import Scope, block_bytes
 from controlplane.manager_policy import MAX_CORDON_REASON_CHARS
 from controlplane.manager_state import ManagerState
-from controlplane.metrics import COMMAND_LOST_WITH_LEADER, COMMAND_LOST_WITH_STREAM
+from controlplane.metrics import COMMAND_ASKED_ON_WINNING_AGAIN, COMMAND_LOST_WITH_LEADER, COMMAND_LOST_WITH_STREAM
 from controlplane.store.durable import MAX_OP_COMMAND_BYTES, op_commands_to_json, op_to_json
 from controlplane.store.locks import EtcdLock
 from protos import errors, etcd_keys
@@ -39,6 +39,21 @@ DRAIN_REPORT_WAIT_SECONDS = 10.0
 # the session an adopted operation's commands went down: another leader's stream, never
 # one of this leader's (they are sent again once their agent has a stream here)
 ANOTHER_LEADERS_STREAM = ""
+# the session of a command this replica sent before it lost the leadership and won it
+# again: a stream of its earlier term, never one of this term's (sent again the same way)
+AN_EARLIER_TERMS_STREAM = "(an earlier term)"
+# why a command whose last session was one of those is sent again; else its stream closed
+RESEND_CAUSE_OF_SESSION = {
+    ANOTHER_LEADERS_STREAM: COMMAND_LOST_WITH_LEADER,
+    AN_EARLIER_TERMS_STREAM: COMMAND_ASKED_ON_WINNING_AGAIN,
+}
+RESEND_WHY = {
+    COMMAND_LOST_WITH_STREAM: "the stream it went down closed",
+    COMMAND_LOST_WITH_LEADER: "the leadership changed since it went out (the command, or its answer, may be lost)",
+    COMMAND_ASKED_ON_WINNING_AGAIN: (
+        "this replica lost the leadership since it sent it and won it again (an answer given meanwhile may be lost)"
+    ),
+}
 
 
 def _exact(seconds: float) -> str:
@@ -846,8 +861,9 @@ class OperationControl(ManagerState):
         (agent.api.sync_client; it says so in its Hello, and an agent that does not is sent
         nothing again); a cancel asked meanwhile follows it. The commands of an operation
         adopted from another leader (load() takes them from etcd) are sent again the same
-        way, once their agent has a stream here. Commands of another agent process are not
-        sent: the restart check fails those parts."""
+        way, once their agent has a stream here, and so are those of its own unfinished
+        operations when this replica wins the leadership again. Commands of another agent
+        process are not sent: the restart check fails those parts."""
         with self._lock:
             for key, (command, session) in list(self._unheard.items()):
                 op_id, agent_id = key
@@ -876,14 +892,9 @@ class OperationControl(ManagerState):
                     # (the restart check), and a new process is not sent it again to run twice
                     part.incarnation = self.cluster.incarnation_of(agent_id)
                     self._dirty.add(op_id)  # stored by the next pass, for a leader after this one
-                cause = COMMAND_LOST_WITH_LEADER if session == ANOTHER_LEADERS_STREAM else COMMAND_LOST_WITH_STREAM
+                cause = RESEND_CAUSE_OF_SESSION.get(session, COMMAND_LOST_WITH_STREAM)
                 self.commands_resent_total[cause] += 1
-                why = (
-                    "the leadership changed since it went out (the command, or its answer, may be lost)"
-                    if cause == COMMAND_LOST_WITH_LEADER
-                    else "the stream it went down closed"
-                )
-                log.info("sending %s's command to %s again: %s", op_id, agent_id, why)
+                log.info("sending %s's command to %s again: %s", op_id, agent_id, RESEND_WHY[cause])
                 part.updated_unix_seconds = now  # silence is counted from when the command goes out
                 if op.cancel_requested:
                     self.cluster.send(agent_id, AgentCommand(op_id, "cancel"))

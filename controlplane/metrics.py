@@ -31,10 +31,14 @@ from protos.metrics import (
 AGENT_STATES = tuple(s.name.lower() for s in AgentState)
 OPERATION_KINDS = ("move", "cleanup", "compress", "transfer", "drain")
 OPERATION_STATES = ("pending", "running", "succeeded", "failed", "cancelled")
-# why a command was sent again (kvcp_commands_resent_total's cause)
+# why a command was sent again (kvcp_commands_resent_total's cause): lost with the agent's
+# stream that closed under this leader; lost with the leader that sent it (an operation
+# adopted from another replica); or sent by this replica before it lost the leadership and
+# won it again (the agent's answer may have gone to a leader between, which kept none)
 COMMAND_LOST_WITH_STREAM = "stream_closed"
 COMMAND_LOST_WITH_LEADER = "leader_changed"
-RESEND_CAUSES = (COMMAND_LOST_WITH_STREAM, COMMAND_LOST_WITH_LEADER)
+COMMAND_ASKED_ON_WINNING_AGAIN = "leader_won_again"
+RESEND_CAUSES = (COMMAND_LOST_WITH_STREAM, COMMAND_LOST_WITH_LEADER, COMMAND_ASKED_ON_WINNING_AGAIN)
 # what a lookup-socket frame is answered with (others, rarer, appear when they happen)
 LOOKUP_SOCKET_CODES = ("OK", "INVALID_ARGUMENT", "NOT_FOUND", "UNAVAILABLE", "UNAUTHENTICATED", "FAILED_PRECONDITION")
 
@@ -141,7 +145,8 @@ class ClusterCollector:
                 "kvcp_commands_resent_total",
                 "Operation commands this replica sent an agent again because they were lost before the agent "
                 "answered: with the agent's stream that closed (stream_closed), or with the leader that sent them "
-                "(leader_changed: an adopted operation's command, kept in etcd).",
+                "(leader_changed: an adopted operation's command, kept in etcd); or sent by this replica before it "
+                "lost the leadership and won it again, an answer given meanwhile possibly lost (leader_won_again).",
                 ["cause"],
             ),
             (g, "kvcp_operations", "Operations known to the control plane by kind and state.", ["kind", "state"]),

@@ -24,7 +24,7 @@ from tests.integration.test_pins_ops import kv, tokens
 from tests.reliability.test_ops_durability import StandInAgent, start_cp, stored_op
 
 M = DEMO_MODEL
-CAUSES = ("leader_changed", "stream_closed")
+CAUSES = ("leader_changed", "leader_won_again", "stream_closed")
 
 
 def stored_commands(etcd: str, op_id: str):
@@ -97,7 +97,7 @@ def test_a_command_lost_with_a_dead_leader_is_sent_again_by_the_next(etcd):
         b.manager.run_once()
         assert a1.commands("move", op.op_id) == [sent]  # the same command: codec and all
         resent = {c: b.registry.get_sample_value("kvcp_commands_resent_total", {"cause": c}) for c in CAUSES}
-        assert resent == {"leader_changed": 2, "stream_closed": 0}  # a1's and a2's
+        assert resent == {"leader_changed": 2, "leader_won_again": 0, "stream_closed": 0}  # a1's and a2's
         assert len(a2.commands("move", op.op_id)) == 1  # it had it: it answers the repeat
         a1.report(op.op_id, "SUCCEEDED", 3, 3)
         a2.report(op.op_id, "SUCCEEDED", 2, 2)
@@ -178,7 +178,9 @@ def test_a_leader_that_wins_again_asks_its_agents_where_its_operations_stand(etc
     another leader led that could not store the end (etcd paused): that answer was lost,
     and this replica, which had nothing unheard, never asked again (the part failed "no
     progress" at the operation timeout: a chaos run). Winning again, it sends the
-    unfinished parts' commands once more; an agent answers a repeat with where it stands."""
+    unfinished parts' commands once more; an agent answers a repeat with where it stands.
+    Those are counted as sent again on winning again (leader_won_again), not as lost with
+    another leader (leader_changed), which they were counted as: no other leader sent them."""
     a = start_cp(etcd, op_timeout_seconds=60)
     try:
         first = on_stream(a, "a1", "s1")
@@ -190,6 +192,8 @@ def test_a_leader_that_wins_again_asks_its_agents_where_its_operations_stand(etc
         again = on_stream(a, "a1", "s2")
         a.manager.run_once()
         assert len(again.commands("move", op.op_id)) == 1
+        resent = {c: a.registry.get_sample_value("kvcp_commands_resent_total", {"cause": c}) for c in CAUSES}
+        assert resent == {"leader_changed": 0, "leader_won_again": 1, "stream_closed": 0}
         again.report(op.op_id, "SUCCEEDED", 3, 3)  # what it answers: it had finished
         assert a.manager.get_op(op.op_id).state == "SUCCEEDED"
     finally:

@@ -63,6 +63,7 @@ from agent.store.memory_tier import paged_bytes
 from agent.store.shm import PeerSlab, host_id, own_start_ticks, process_alive
 from agent.store.transfer_engine import TransferBackend, TransferFailed, TransferTimedOut
 from protos import errors, etcd_keys, security
+from protos.grpc_errors import ERROR_KIND_METADATA_KEY
 from protos.kv_format import MAX_HANDOFF_DEADLINE_SECONDS
 from protos.kvcp.v1 import agent_pb2, agent_pb2_grpc, types_pb2
 from protos.namespaces import check_namespace
@@ -137,9 +138,17 @@ DEPARTED_CHECK_SECONDS = 30.0  # how often idle links' peers are looked up in et
 TRANSFER_HEARTBEAT_SECONDS = 5.0  # a control-plane transfer says RUNNING this often while it runs
 
 
+def _error_kind(exc: grpc.RpcError) -> str:
+    """The kvcp error kind the peer named (protos.grpc_errors); "": none."""
+    trailing = getattr(exc, "trailing_metadata", None)
+    return dict((trailing() if callable(trailing) else None) or ()).get(ERROR_KIND_METADATA_KEY, "")
+
+
 def _rpc_error(exc: grpc.RpcError, what: str) -> PathError:
     code = exc.code()
     details = exc.details() or code.name
+    if _error_kind(exc) == errors.FillLimitReached.__name__:  # a drain's blocks past the destination's line
+        return PathError(f"{what}: {details}", permanent=True, full=True)
     if code == grpc.StatusCode.RESOURCE_EXHAUSTED:
         return PathError(f"{what}: destination busy ({details})", busy=True)
     if code == grpc.StatusCode.INVALID_ARGUMENT:
@@ -285,6 +294,7 @@ class DataPlane(HandoffPaths):
             # a same-host sender copies into the pages itself: they wait for it, not a timer
             (request.writer_pid, request.writer_start_ticks) if request.path == SHM and request.writer_pid else None,
             request.reservation_id,
+            request.fill_limit_bytes,
         )
         slots = self.reservations.slots(r)
         return agent_pb2.ReserveResponse(
@@ -462,19 +472,30 @@ class DataPlane(HandoffPaths):
         threading.Thread(target=run, name=f"transfer {op_id}", daemon=True).start()
 
     def run_drain(
-        self, op_id: str, model_id: str, destinations: list[str], free_bytes: list[int], deadline_seconds, reply
+        self,
+        op_id: str,
+        model_id: str,
+        destinations: list[str],
+        free_bytes: list[int],
+        deadline_seconds,
+        reply,
+        fill_limit_bytes: list[int] | None = None,
     ) -> None:
         """A control-plane DRAIN (kvctl drain): hand every prefix held here (of `model_id`,
         or every model) to the destinations, in the background (agent.core.drain says in
         which order and to whom), reporting progress through `reply`; `cancel(op_id)`
-        stops it between two prefixes. The blocks stay here too."""
+        stops it between two prefixes. The blocks stay here too. `fill_limit_bytes`: each
+        destination's drop line, which its Reserves hold the drain's blocks to as its tiers
+        stand then (none: a control plane that did not say; the room alone holds them)."""
         cancelled = threading.Event()
         with self._lock:
             self._drains[op_id] = cancelled
 
         def run() -> None:
             try:
-                self._drain(op_id, model_id, destinations, free_bytes, deadline_seconds, reply, cancelled)
+                self._drain(
+                    op_id, model_id, destinations, free_bytes, deadline_seconds, reply, cancelled, fill_limit_bytes
+                )
             except Exception as exc:  # noqa: BLE001 - the operation gets its answer whatever went wrong
                 log.exception("drain %s failed", op_id)
                 reply(op_id, "FAILED", error=f"internal error on the agent ({type(exc).__name__}: {exc}); see its log")
@@ -492,7 +513,9 @@ class DataPlane(HandoffPaths):
             flag.set()
         return flag is not None
 
-    def _drain(self, op_id, model_id, destinations, free_bytes, deadline_seconds, reply, cancelled) -> None:
+    def _drain(
+        self, op_id, model_id, destinations, free_bytes, deadline_seconds, reply, cancelled, fill_limit_bytes=None
+    ) -> None:
         with self.pool.lock:  # (a copy of the references: the walk runs without the engine's lock)
             held = list(self.pool.blocks.values())
             pinned = frozenset(m.block_hash for m in held if self.pool.pin_tier(m))
@@ -508,6 +531,9 @@ class DataPlane(HandoffPaths):
             return paged_bytes(num_bytes, page) if page else own(num_bytes)
 
         plan = DrainPlan(list(destinations), list(free_bytes), serves, footprint)
+        # the room was each one's when the drain began; Route's handoffs landing there since
+        # take some of it, and the destination refuses the drain's blocks past its drop line
+        lines = dict(zip(destinations, fill_limit_bytes or (), strict=False))
         sent_to: dict[str, int] = {}  # destination -> payload bytes sent there (the result)
         done: set[bytes] = set()
         tried: set[bytes] = set()  # blocks of the chains taken up (a cancel leaves the rest untried, not failed)
@@ -550,16 +576,28 @@ class DataPlane(HandoffPaths):
                     else:
                         skipped.append("no destination has room for a chain")
                     continue
+                failed = False  # (one full since is no failure: the chain found no room)
                 for destination in order:
                     try:
                         # no namespace for all: each block keeps its own there (a chain may
                         # continue another namespace's prefix: its pins, cleanups and quota)
-                        r = self.handoff(chain.model_id, list(chain.block_hashes), destination, deadline_seconds)
+                        r = self.handoff(
+                            chain.model_id,
+                            list(chain.block_hashes),
+                            destination,
+                            deadline_seconds,
+                            fill_limit_bytes=lines.get(destination, 0),
+                        )
                     except PrefixNotHeld:  # dropped here meanwhile: nothing to send
                         skipped.append(DROPPED_MEANWHILE)
                         break
+                    except errors.FillLimitReached:  # handoffs since the drain began took the rest
+                        plan.full(destination)
+                        skipped.append(f"{destination} full: other handoffs took its room since the drain began")
+                        continue
                     except errors.KvcpError as exc:  # cordoned since, or gone
                         plan.failed(destination, str(exc), permanent=True)
+                        failed = True
                         continue
                     if r.outcome in (TRANSFERRED, PRESENT):
                         done.update(chain.block_hashes[: r.num_blocks])
@@ -571,8 +609,9 @@ class DataPlane(HandoffPaths):
                             skipped.append(DROPPED_MEANWHILE)
                         break
                     plan.failed(destination, r.reason)
+                    failed = True
                 else:
-                    skipped.append("every destination failed it")
+                    skipped.append("every destination failed it" if failed else "no destination has room for a chain")
                 say("RUNNING")
         finally:
             beat_done.set()
@@ -729,11 +768,13 @@ class DataPlane(HandoffPaths):
         deadline_seconds: float = 0.0,
         namespace: str = "",
         paths: tuple[str, ...] = (),
+        fill_limit_bytes: int = 0,
     ) -> HandoffResult:
         """Send the leading blocks of `block_hashes` held here to the destination; the
         answer comes within the deadline: transferred, present, or recompute (with why).
         Raises InvalidArgument / NotFound for bad input (unknown agent or model, a
-        prefix this agent does not hold)."""
+        prefix this agent does not hold). `fill_limit_bytes` (a drain's): the destination
+        takes the blocks only while its tiers stay within it, else FillLimitReached."""
         if not 0 <= deadline_seconds <= MAX_HANDOFF_DEADLINE_SECONDS:  # also NaN (a huge one overflowed timeouts)
             raise errors.InvalidArgument(
                 "deadline_seconds", f"must be in [0, {MAX_HANDOFF_DEADLINE_SECONDS:g}] seconds, got {deadline_seconds}"
@@ -770,7 +811,13 @@ class DataPlane(HandoffPaths):
             else:
                 try:
                     result = self._run(
-                        peer, model_id, metas, namespace, tuple(paths) or self.config.retry.paths, deadline
+                        peer,
+                        model_id,
+                        metas,
+                        namespace,
+                        tuple(paths) or self.config.retry.paths,
+                        deadline,
+                        fill_limit_bytes,
                     )
                 finally:
                     link.release()
@@ -791,7 +838,14 @@ class DataPlane(HandoffPaths):
         return result
 
     def _run(
-        self, peer: Peer, model_id: str, metas: list[BlockMeta], namespace: str, paths: tuple[str, ...], deadline: float
+        self,
+        peer: Peer,
+        model_id: str,
+        metas: list[BlockMeta],
+        namespace: str,
+        paths: tuple[str, ...],
+        deadline: float,
+        fill_limit_bytes: int = 0,
     ) -> HandoffResult:
         policy = self.config.retry
         reasons: list[str] = []
@@ -817,8 +871,12 @@ class DataPlane(HandoffPaths):
                 link = self.links.get(peer.agent_id)
                 t0 = time.monotonic()
                 try:
-                    num_present, sent, sent_bytes = self._attempt(path, peer, model_id, metas, namespace, deadline)
+                    num_present, sent, sent_bytes = self._attempt(
+                        path, peer, model_id, metas, namespace, deadline, fill_limit_bytes
+                    )
                 except PathError as exc:
+                    if exc.full:  # no room for it there, by any path: not the link's failure
+                        raise errors.FillLimitReached(f"{peer.agent_id}: {exc}") from None
                     _note(reasons, f"{path}: {exc}")
                     if exc.busy:  # the destination is behind: queue (wait), do not burn an attempt
                         self._sleep(policy.busy_backoff_seconds * (0.5 + self._rng.random()), deadline)
@@ -932,17 +990,32 @@ class DataPlane(HandoffPaths):
         time.sleep(max(0.0, min(seconds, deadline - time.monotonic())))
 
     def _attempt(
-        self, path: str, peer: Peer, model_id: str, metas: list[BlockMeta], namespace: str, deadline: float
+        self,
+        path: str,
+        peer: Peer,
+        model_id: str,
+        metas: list[BlockMeta],
+        namespace: str,
+        deadline: float,
+        fill_limit_bytes: int = 0,
     ) -> tuple[int, int, int]:
         """One try over one path -> (num_present, blocks sent, bytes sent); raises PathError."""
         stub, channel = self._stub(peer.address)
         try:
-            return self._try_path(stub, path, peer, model_id, metas, namespace, deadline)
+            return self._try_path(stub, path, peer, model_id, metas, namespace, deadline, fill_limit_bytes)
         finally:
             self._let_go(channel)
 
     def _try_path(
-        self, stub, path: str, peer: Peer, model_id: str, metas: list[BlockMeta], namespace: str, deadline: float
+        self,
+        stub,
+        path: str,
+        peer: Peer,
+        model_id: str,
+        metas: list[BlockMeta],
+        namespace: str,
+        deadline: float,
+        fill_limit_bytes: int = 0,
     ) -> tuple[int, int, int]:
         target = self._peer_slab(peer) if path == SHM else None  # mapped before anything is reserved
         rid = uuid.uuid4().hex  # ours: a Reserve that got no answer can still be aborted
@@ -969,6 +1042,7 @@ class DataPlane(HandoffPaths):
                     writer_pid=os.getpid() if path == SHM else 0,
                     writer_start_ticks=own_start_ticks() if path == SHM else 0,
                     reservation_id=rid,
+                    fill_limit_bytes=fill_limit_bytes,
                 ),
                 timeout=left(),
             )

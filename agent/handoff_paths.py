@@ -90,11 +90,14 @@ class Stalled(Exception):
 
 
 class PathError(Exception):
-    """One attempt failed; `permanent` means no other attempt can help."""
+    """One attempt failed; `permanent` means no other attempt can help; `full`: the
+    destination refused blocks past the fill limit the handoff gave (a drain's)."""
 
-    def __init__(self, message: str, permanent: bool = False, busy: bool = False, path_off: bool = False):
+    def __init__(
+        self, message: str, permanent: bool = False, busy: bool = False, path_off: bool = False, full: bool = False
+    ):
         super().__init__(message)
-        self.permanent, self.busy, self.path_off = permanent, busy, path_off
+        self.permanent, self.busy, self.path_off, self.full = permanent, busy, path_off, full
 
 
 class HandoffPaths:

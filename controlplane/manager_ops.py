@@ -15,7 +15,7 @@ import zlib
 
 from controlplane.core import operations as ops
 from controlplane.core.cluster import AgentCommand, AgentState
-from controlplane.core.policy import room_without_drops_bytes
+from controlplane.core.policy import drop_line_bytes, room_without_drops_bytes
 from controlplane.core.scope import Scope, block_bytes
 from controlplane.manager_policy import MAX_CORDON_REASON_CHARS
 from controlplane.manager_state import ManagerState
@@ -333,7 +333,10 @@ class OperationControl(ManagerState):
         rotation serving the model, the roomiest first: the room of their CPU and disk tiers
         up to where the tier policy would drop blocks (policy.room_without_drops_bytes),
         less what the drains under way were given there and what Route sent there in the
-        last ROUTED_HOLD_SECONDS (handoffs its last report may not show yet)."""
+        last ROUTED_HOLD_SECONDS (handoffs its last report may not show yet). Each is told
+        its drop line too (policy.drop_line_bytes): Route goes on sending handoffs there
+        while the drain runs, and the destination refuses the drain's blocks past that line
+        as its tiers stand at each one, so they take the room the handoffs left."""
         self.ensure_loaded()
         if not 0 <= deadline_seconds <= MAX_HANDOFF_DEADLINE_SECONDS:  # also NaN; the agents refuse more
             raise errors.InvalidArgument(
@@ -455,6 +458,7 @@ class OperationControl(ManagerState):
                 why = reason or "drained with kvctl"
                 self.set_policy({etcd_keys.CORDON_POLICY_PREFIX + agent_id: why})
             room = tuple(free_bytes(r) for r in ranked)
+            lines = tuple(drop_line_bytes(r.tiers, policy) for r in ranked)
             params = {
                 "agent": agent_id,
                 "to": ",".join(destinations),
@@ -469,6 +473,7 @@ class OperationControl(ManagerState):
             model_id=model_id,
             peer_agent_ids=destinations,
             peer_free_bytes=room,
+            peer_fill_limit_bytes=lines,
             deadline_seconds=deadline_seconds,
         )
         self._fan_out(op, {agent_id: command})

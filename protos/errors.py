@@ -31,6 +31,12 @@ class FailedPrecondition(KvcpError):
     pass
 
 
+class FillLimitReached(FailedPrecondition):
+    """A drain's handoff refused by its destination: its blocks would take the tiers they
+    land in past the line the drain was given (where the tier policy starts dropping
+    blocks), the room taken since by other handoffs. The drain sends it no more."""
+
+
 class NotLeader(FailedPrecondition):
     """This control-plane replica is not the leader; `leader_address` says who is."""
 

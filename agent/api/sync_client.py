@@ -310,6 +310,7 @@ class ControlPlaneLink:
                 list(cmd.peer_free_bytes),
                 cmd.deadline_seconds,
                 self._reply,
+                list(cmd.peer_fill_limit_bytes),
             )
         else:
             self._reply(cmd.op_id, FAILED, error=f"unknown command kind {kind}")

@@ -43,6 +43,7 @@ from agent.core.blocks import (
     MoveOutcome,
     NamespaceUsage,
     Notice,
+    PastFillLimit,
     PoolFull,
     TierUsage,
     payload_checksum,
@@ -430,18 +431,32 @@ class BlockPool(BlockMoves, DiskCompaction):
             self._drop_corrupt()
 
     def reserve_chain(
-        self, model_id: str, block_hashes: Sequence[bytes], stored_bytes: Sequence[int], tier: Tier
+        self,
+        model_id: str,
+        block_hashes: Sequence[bytes],
+        stored_bytes: Sequence[int],
+        tier: Tier,
+        fill_limit_bytes: int = 0,
     ) -> ChainReserved:
         """Pages in `tier` for the blocks after the leading ones held here, making room
         as a store does. The held leading blocks are referenced (release_chain them).
         The pages belong to no block: invisible until commit_reserved. Raises PoolFull
-        (and holds nothing) when they cannot all be found. The room is made at once
-        first, outside the lock (_room_in_bulk): a decode agent's engine is not held up
-        by one demotion per reserved block."""
+        (and holds nothing) when they cannot all be found, PastFillLimit when they would
+        take the used bytes of `tier` and the tiers below it past `fill_limit_bytes` (0: no
+        limit). The room is made at once first, outside the lock (_room_in_bulk): a decode
+        agent's engine is not held up by one demotion per reserved block."""
         store = self.store_of[tier]
         present = self.acquire_chain(block_hashes)  # referenced from here: never the room made
         try:
             need = sum(store.footprint(int(n)) for n in stored_bytes[len(present) :])
+            if fill_limit_bytes:
+                with self.lock:
+                    used = sum(t.used_bytes for t in self.tiers if t.tier >= tier)
+                if used + need > fill_limit_bytes:
+                    raise PastFillLimit(
+                        f"{need} B would take the {store.tier.label} tier and those below it to "
+                        f"{used + need} B used, past the {fill_limit_bytes} B asked for"
+                    )
             if need > self.reclaimable_bytes(tier):  # before anything is demoted for it
                 raise PoolFull(f"{need} B do not fit: the {store.tier.label} tier can free less than that")
             self._room_in_bulk(store, [(None, None, int(n)) for n in stored_bytes[len(present) :]])

@@ -154,3 +154,8 @@ def stored_as(meta: BlockMeta, codec: str, checksum: int) -> BlockMeta:
 
 class PoolFull(Exception):
     """No room can be made (everything left is pinned, in use or moving)."""
+
+
+class PastFillLimit(PoolFull):
+    """Room could be made, but not within the fill limit asked for (a drain's blocks fill
+    room without pushing out the agent's own)."""

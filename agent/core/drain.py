@@ -9,7 +9,10 @@ leaf's last access), so a drain cut short (no room left, a cancel) has moved wha
 to one destination, so a shared prefix (a system prompt) travels once; roots are dealt to
 the destinations in turn, the roomiest first, and a chain whose destination is full or
 failing goes to the next one with room. A destination is sent at most the bytes it had
-free: a drain fills free space and pushes out none of the destination's own blocks."""
+free: a drain fills free space and pushes out none of the destination's own blocks. Nor
+more than it has free when each chain arrives: the handoffs Route sends it meanwhile take
+room too, and it refuses the drain's blocks past the line where its tier policy would drop
+blocks (the drain sends it no more)."""
 
 from __future__ import annotations
 
@@ -135,6 +138,11 @@ class DrainPlan:
         self.sent_bytes[destination] = self.sent_bytes.get(destination, 0) + sent_bytes
         self._sent.setdefault(destination, set()).update(chain.block_hashes[:num_blocks])
         self._failed_in_a_row[destination] = 0
+
+    def full(self, destination: str) -> None:
+        """`destination` refused a chain past its drop line: other handoffs took the room it
+        had left. It is sent nothing more."""
+        self._free[destination] = self.sent_bytes.get(destination, 0)
 
     def failed(self, destination: str, reason: str, permanent: bool = False) -> None:
         n = self._failed_in_a_row[destination] = self._failed_in_a_row.get(destination, 0) + 1

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import collections
 import concurrent.futures as cf
+import contextlib
 import math
 import os
 import random
@@ -44,7 +45,7 @@ import xxhash
 
 from agent.core import codecs as codec_names
 from agent.core.block_pool import BlockPool
-from agent.core.blocks import BlockMeta, PoolFull
+from agent.core.blocks import BlockMeta, PastFillLimit, PoolFull
 from agent.core.tier_store import SlabStore, is_host_slab
 from protos import errors
 from protos.tier import Tier
@@ -196,6 +197,9 @@ class Reservations:
         self.quarantine_seconds = quarantine_seconds
         self.clock = clock
         self._lock = threading.Lock()
+        # held by a Reserve with a fill limit from its check to its pages: two drains into
+        # this agent at once must not both see the same room free below the line
+        self._filling = threading.Lock()
         self._open: dict[str, Reservation] = {}
         self._quarantine: list[_Held] = []
         # callable(pid, start ticks) -> whether that process still runs (None: none is
@@ -240,10 +244,14 @@ class Reservations:
         source_agent_id: str = "",
         writer: tuple[int, int] | None = None,
         reservation_id: str = "",
+        fill_limit_bytes: int = 0,
     ) -> Reservation:
         """Reserve pages for the blocks after the leading ones held here. Raises
         ResourceExhausted when too many handoffs are arriving (retry later), and
-        FailedPrecondition when the blocks cannot fit (pinned/in-use blocks fill the tier)."""
+        FailedPrecondition when the blocks cannot fit (pinned/in-use blocks fill the tier),
+        FillLimitReached when they would take the handoff tier and those below it past
+        `fill_limit_bytes` (a drain's: it fills room, it pushes out none of this agent's
+        blocks; 0: no limit)."""
         if model_id not in self.pool.models:
             raise errors.NotFound(f"model_id: {self.where} serves no model {model_id!r}")
         if reservation_id and not _RESERVATION_ID.fullmatch(reservation_id):
@@ -283,9 +291,15 @@ class Reservations:
                 raise errors.AlreadyExists(f"reservation_id: {rid!r} is in use here")
             self._open[rid] = None  # type: ignore[assignment]  # holds the slot while pages are found
         try:
-            num_present, present, handles = self.pool.reserve_chain(
-                model_id, list(block_hashes), list(stored_bytes), self.tier
-            )
+            with self._filling if fill_limit_bytes else contextlib.nullcontext():
+                num_present, present, handles = self.pool.reserve_chain(
+                    model_id, list(block_hashes), list(stored_bytes), self.tier, fill_limit_bytes
+                )
+        except PastFillLimit as exc:
+            with self._lock:
+                self._open.pop(rid, None)
+                self._aborted_while_reserving.discard(rid)
+            raise errors.FillLimitReached(f"no room for the drain's blocks in {self.where}: {exc}") from None
         except PoolFull as exc:
             with self._lock:
                 self._open.pop(rid, None)

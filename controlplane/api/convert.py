@@ -193,6 +193,7 @@ def command_to_pb(c: core.AgentCommand, epoch: int, now: float | None = None) ->
             peer_agent_id=c.peer_agent_id,
             peer_agent_ids=list(c.peer_agent_ids),
             peer_free_bytes=list(c.peer_free_bytes),
+            peer_fill_limit_bytes=list(c.peer_fill_limit_bytes),
             deadline_seconds=c.deadline_seconds,
             ttl_seconds=ttl if c.kind == "pin" else 0.0,
         ),

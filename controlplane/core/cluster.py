@@ -164,6 +164,8 @@ class AgentCommand:
     deadline_seconds: float = 0.0  # transfer: answer within this (0: the agent's default)
     peer_agent_ids: tuple[str, ...] = ()  # drain: the destinations, the roomiest first
     peer_free_bytes: tuple[int, ...] = ()  # drain: the most each is sent (policy.room_without_drops_bytes)
+    # drain: each one's drop line (policy.drop_line_bytes), which its Reserves hold the drain's blocks to
+    peer_fill_limit_bytes: tuple[int, ...] = ()
     # cleanup: the control plane's time its commands first went out, which older_than_seconds
     # counts back from however late the command arrives (sent again after a failover, or
     # on a new stream); 0: from when the agent runs it

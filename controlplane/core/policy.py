@@ -387,28 +387,39 @@ def total_capacity_blocks(agents: Iterable[AgentView]) -> int:
 def room_without_drops_bytes(tiers: Iterable[Any], policy: Policy) -> int:
     """What an agent can take in through handoffs (they land in its CPU tier; `tiers`: its
     reported usage, each with tier, capacity_bytes and used_bytes) before a pass drops any
-    of its blocks: a pass brings a tier over its high watermark down to its low one by
-    demoting into the tier below, and only the slowest tier drops. So the CPU tier and
-    the tiers below it hold, without a drop, up to the low watermark of each but the
-    slowest and the high watermark of that one. A GPU tier's room is none of it; a GPU tier
-    over its high watermark takes from it what the next pass demotes (down to its low one),
-    which lands in the same CPU tier. (One under its high moves nothing until the engine
-    fills it further: the workload's own growth is no drain's to foresee.)"""
+    of its blocks: its drop line (drop_line_bytes) less what its CPU tier and the tiers
+    below it hold."""
+    tiers = list(tiers)
+    used = sum(t.used_bytes for t in tiers if Tier(t.tier) >= Tier.CPU and t.capacity_bytes > 0)
+    return max(0, drop_line_bytes(tiers, policy) - used)
+
+
+def drop_line_bytes(tiers: Iterable[Any], policy: Policy) -> int:
+    """The used bytes of an agent's CPU tier and the tiers below it, summed, past which a
+    pass drops some of its blocks (0: it has no such tier). A pass brings a tier over its
+    high watermark down to its low one by demoting into the tier below, and only the
+    slowest tier drops. So those tiers hold, without a drop, up to the low watermark of
+    each but the slowest and the high watermark of that one. A GPU tier's room is none of
+    it; a GPU tier over its high watermark takes from it what the next pass demotes (down
+    to its low one), which lands in the same CPU tier. (One under its high moves nothing
+    until the engine fills it further: the workload's own growth is no drain's to
+    foresee.) The agent itself holds a drain's blocks to it as its tiers stand at each
+    handoff (ReserveRequest.fill_limit_bytes)."""
     tiers = list(tiers)
     landing = sorted((t for t in tiers if Tier(t.tier) >= Tier.CPU and t.capacity_bytes > 0), key=lambda t: t.tier)
     if not landing:
         return 0
-    room = 0
+    line = 0
     for t in tiers:
         if Tier(t.tier) < Tier.CPU and t.capacity_bytes > 0:
             tp = policy.tier(Tier(t.tier))
             if t.used_bytes > math.floor(tp.high_watermark * t.capacity_bytes + 1e-9):
-                room -= t.used_bytes - math.floor(tp.low_watermark * t.capacity_bytes + 1e-9)
+                line -= t.used_bytes - math.floor(tp.low_watermark * t.capacity_bytes + 1e-9)
     for t in landing:
         tp = policy.tier(Tier(t.tier))
         fraction = tp.high_watermark if t is landing[-1] else tp.low_watermark
-        room += math.floor(fraction * t.capacity_bytes + 1e-9) - t.used_bytes
-    return max(0, room)
+        line += math.floor(fraction * t.capacity_bytes + 1e-9)
+    return max(0, line)
 
 
 def _threshold(fraction: float, capacity_blocks: int) -> int:

@@ -192,7 +192,7 @@ def op_commands_from_json(raw: bytes) -> dict[str, AgentCommand]:
     for agent_id, d in json.loads(raw).items():
         fields = {k: v for k, v in d.items() if k in known}
         fields["block_hashes"] = base64.b64decode(fields.get("block_hashes", ""))
-        for name in ("peer_agent_ids", "peer_free_bytes"):
+        for name in ("peer_agent_ids", "peer_free_bytes", "peer_fill_limit_bytes"):
             fields[name] = tuple(fields.get(name, ()))
         out[agent_id] = AgentCommand(**fields)
     return out

@@ -227,6 +227,35 @@ def test_a_prefix_that_can_never_fit_evicts_nothing():
     assert pool.num_leading(cached) == 6  # refused before making room, not after
 
 
+def test_a_drains_reserve_is_refused_past_its_fill_limit_as_the_tiers_stand_and_pushes_out_nothing():
+    """A drain's Reserve (fill_limit_bytes) takes blocks only while the handoff tier and the
+    tiers below it stay within the limit, counted as they stand at that Reserve: a handoff
+    of the engines' own that came meanwhile (no limit) took room, and the drain's blocks
+    that would go past the line are refused, nothing of the agent's own pushed out for them."""
+    pool = BlockPool([MemoryTier(Tier.CPU, 6 * BLOCK, BLOCK), MemoryTier(Tier.DISK, 8 * BLOCK, BLOCK)], [SMALL])
+    res = Reservations(pool, Tier.CPU, clock=Clock())
+
+    def used() -> int:
+        return sum(u.used_bytes for u in pool.usage())
+
+    _, kv, own = prompt(SMALL, 4, seed=1)
+    pool.insert_chain(SMALL.model_id, own, lambda i: kv[i])
+    limited = {"fill_limit_bytes": 10 * BLOCK, "ttl_seconds": 5}  # of the 14 the two tiers hold
+    _, _, drained = prompt(SMALL, 3, seed=2)
+    first = res.reserve(SMALL.model_id, drained, [BLOCK] * 3, ["none"] * 3, **limited)  # 4 + 3 <= 10
+    assert len(first.handles) == 3 and used() == 7 * BLOCK  # a block of its own moved down to disk for it
+    routed = reserve(res, prompt(SMALL, 2, seed=3)[2])  # Route's, with no limit: 9 used now
+    _, _, more = prompt(SMALL, 2, seed=4)
+    with pytest.raises(errors.FillLimitReached, match=f"past the {10 * BLOCK} B"):
+        res.reserve(SMALL.model_id, more, [BLOCK] * 2, ["none"] * 2, **limited)  # 9 + 2 > 10
+    assert res.open_count() == 2 and used() == 9 * BLOCK and pool.num_leading(own) == 4
+    res.abort(routed.reservation_id, True)
+    # a chain whose leading blocks are held counts only what it adds: 7 + 1, not 7 + 5
+    _, _, longer = prompt(SMALL, 5, seed=1)
+    r = res.reserve(SMALL.model_id, longer, [BLOCK] * 5, ["none"] * 5, **limited)
+    assert (r.num_present, len(r.handles)) == (4, 1)
+
+
 @pytest.mark.parametrize("ttl", [float("inf"), float("nan")])
 def test_a_reservation_ttl_is_finite_and_capped(ttl):
     pool, res, clock = make()

@@ -528,3 +528,46 @@ def test_a_drain_counts_what_route_sent_a_destination_its_reports_do_not_show_ye
     assert sum(u.num_blocks for u in dst.pool.usage()) == 2 + 4 + 3
     assert dst.engine.load(M.model_id, own).num_cached_tokens == len(own)
     assert dst.engine.load(M.model_id, prompt).num_cached_tokens == len(prompt)
+
+
+def test_route_handoffs_landing_while_a_drain_runs_take_its_room_not_the_destinations_own_blocks(
+    controlplane, make_agent
+):
+    """Review: a drain was given its destinations' room when it started, and sent all of it
+    however long it ran; the handoffs Route sent there meanwhile took part of that room, so
+    the destination pushed out its own blocks to take in what the drain still sent (a
+    driver with 4 Route threads saw destinations drop 116-136 blocks). The destination
+    refuses a drain's blocks past the line where its tier policy would drop blocks, as it
+    stands at each Reserve: the drain stops there, and Route's handoffs still land."""
+    from agent.dataplane import DataPlaneConfig
+    from protos.block_hash import hash_prefix, split_hashes
+
+    pre = make_agent("w-pre", role="prefill")
+    # the drain's link is paced (2 blocks a second): it runs while Route's handoff lands
+    src = make_agent("w-src", role="prefill", dataplane=DataPlaneConfig(link_bytes_per_second=2 * M.block_bytes))
+    dst = make_agent("w-dst", role="decode", cpu_capacity_bytes=10 * M.block_bytes)
+    own = tokens(2, start=1_600_000)
+    dst.engine.store(M.model_id, own, kv(2, seed=700))  # 7.5 blocks of room below the high watermark
+    prompt = tokens(4, start=1_610_000)
+    pre.engine.store(M.model_id, prompt, kv(4, seed=701))
+    for j in range(8):
+        src.engine.store(M.model_id, tokens(1, start=1_620_000 + 100 * j), kv(1, seed=710 + j))
+    with ControlPlaneClient(controlplane.address) as c:
+        wait_for(lambda: registered(c, "w-pre", "w-src", "w-dst"), what="agents ready")
+        wait_for(lambda: {a.agent_id: a.num_blocks for a in c.list_agents()}.get("w-src") == 8, what="indexed")
+        wait_for(lambda: own_blocks_reported(c, "w-dst", 8), 10, what="usage")
+        op = c.drain("w-src", to_agent_ids=["w-dst"])
+        assert op.params["room"] == str(7 * M.block_bytes + M.block_bytes // 2), op.params
+        wait_for(lambda: c.get_operation(op.op_id).num_done_blocks >= 1, 10, 0.01, what="the drain's first block")
+        routed = c.route(M.model_id, prompt, role="decode", prefill_agent_id="w-pre")
+        assert routed.decode_agent_id == "w-dst", routed
+        sent = pre.dataplane.handoff(M.model_id, split_hashes(hash_prefix(M.model_id, prompt, M.block_size)), "w-dst")
+        assert sent.outcome == "transferred", sent
+        op = c.wait_operation(op.op_id, 60)
+        # 2 own + 4 Route's leave 3.5 blocks below the line: 3 of the drain's (before: all 7 it was given)
+        assert op.state == "SUCCEEDED" and op.num_done_blocks == 3, op
+        assert "w-dst full: other handoffs took its room" in op.error, op.error
+        time.sleep(1)  # the policy's passes after the destination's reports
+    assert dst.engine.load(M.model_id, own).num_cached_tokens == len(own)  # nothing of its own pushed out
+    assert dst.engine.load(M.model_id, prompt).num_cached_tokens == len(prompt)
+    assert sum(u.num_blocks for u in dst.pool.usage()) == 2 + 4 + 3

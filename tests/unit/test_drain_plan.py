@@ -137,7 +137,7 @@ def test_a_destinations_room_is_its_cpu_and_disk_below_where_the_policy_drops():
     handoff lands there), and up to the last byte (a pass over the high watermark drops)."""
     from types import SimpleNamespace as T
 
-    from controlplane.core.policy import Policy, room_without_drops_bytes
+    from controlplane.core.policy import Policy, drop_line_bytes, room_without_drops_bytes
 
     policy = Policy.from_mapping({})  # watermarks 0.90 / 0.95
     gpu = T(tier=Tier.GPU, capacity_bytes=1000, used_bytes=0)
@@ -147,6 +147,20 @@ def test_a_destinations_room_is_its_cpu_and_disk_below_where_the_policy_drops():
     assert room_without_drops_bytes([gpu, cpu, disk], policy) == 900 + 1900 - 500  # cpu down to low, disk to high
     assert room_without_drops_bytes([gpu], policy) == 0
     assert room_without_drops_bytes([T(tier=Tier.CPU, capacity_bytes=1000, used_bytes=990)], policy) == 0
+    # the line each destination holds the drain's blocks to as its tiers stand (used bytes, summed)
+    assert drop_line_bytes([gpu, cpu, disk], policy) == 900 + 1900
+    assert drop_line_bytes([T(tier=Tier.GPU, capacity_bytes=1000, used_bytes=980), cpu], policy) == 950 - 80
+    assert drop_line_bytes([gpu], policy) == 0
+
+
+def test_a_destination_that_refused_a_chain_past_its_line_is_sent_no_more():
+    """Route's handoffs took the room it had left: the chain goes to the next one."""
+    plan = DrainPlan(["a", "b"], [1000, 1000])
+    plan.took("a", chain("p"), 100)
+    plan.full("a")
+    assert plan.room("a") == 0 and plan.order(chain("q")) == ["b"] and not plan.exhausted
+    plan.full("b")
+    assert plan.exhausted and not plan.given_up
 
 
 def test_chains_holding_a_pinned_block_go_first():

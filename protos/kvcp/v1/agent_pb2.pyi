@@ -258,7 +258,7 @@ class ResyncRequest(_message.Message):
     def __init__(self, reason: _Optional[str] = ...) -> None: ...
 
 class Command(_message.Message):
-    __slots__ = ("op_id", "kind", "block_hashes", "tier", "codec", "namespace", "model_id", "older_than_seconds", "dry_run", "only_tier", "pin_id", "expires_unix_seconds", "peer_agent_id", "deadline_seconds", "ttl_seconds", "pin_version", "peer_agent_ids", "peer_free_bytes")
+    __slots__ = ("op_id", "kind", "block_hashes", "tier", "codec", "namespace", "model_id", "older_than_seconds", "dry_run", "only_tier", "pin_id", "expires_unix_seconds", "peer_agent_id", "deadline_seconds", "ttl_seconds", "pin_version", "peer_agent_ids", "peer_free_bytes", "peer_fill_limit_bytes")
     OP_ID_FIELD_NUMBER: _ClassVar[int]
     KIND_FIELD_NUMBER: _ClassVar[int]
     BLOCK_HASHES_FIELD_NUMBER: _ClassVar[int]
@@ -277,6 +277,7 @@ class Command(_message.Message):
     PIN_VERSION_FIELD_NUMBER: _ClassVar[int]
     PEER_AGENT_IDS_FIELD_NUMBER: _ClassVar[int]
     PEER_FREE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    PEER_FILL_LIMIT_BYTES_FIELD_NUMBER: _ClassVar[int]
     op_id: str
     kind: CommandKind
     block_hashes: bytes
@@ -295,7 +296,8 @@ class Command(_message.Message):
     pin_version: str
     peer_agent_ids: _containers.RepeatedScalarFieldContainer[str]
     peer_free_bytes: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, op_id: _Optional[str] = ..., kind: _Optional[_Union[CommandKind, str]] = ..., block_hashes: _Optional[bytes] = ..., tier: _Optional[_Union[_types_pb2.Tier, str]] = ..., codec: _Optional[str] = ..., namespace: _Optional[str] = ..., model_id: _Optional[str] = ..., older_than_seconds: _Optional[float] = ..., dry_run: _Optional[bool] = ..., only_tier: _Optional[_Union[_types_pb2.Tier, str]] = ..., pin_id: _Optional[str] = ..., expires_unix_seconds: _Optional[float] = ..., peer_agent_id: _Optional[str] = ..., deadline_seconds: _Optional[float] = ..., ttl_seconds: _Optional[float] = ..., pin_version: _Optional[str] = ..., peer_agent_ids: _Optional[_Iterable[str]] = ..., peer_free_bytes: _Optional[_Iterable[int]] = ...) -> None: ...
+    peer_fill_limit_bytes: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, op_id: _Optional[str] = ..., kind: _Optional[_Union[CommandKind, str]] = ..., block_hashes: _Optional[bytes] = ..., tier: _Optional[_Union[_types_pb2.Tier, str]] = ..., codec: _Optional[str] = ..., namespace: _Optional[str] = ..., model_id: _Optional[str] = ..., older_than_seconds: _Optional[float] = ..., dry_run: _Optional[bool] = ..., only_tier: _Optional[_Union[_types_pb2.Tier, str]] = ..., pin_id: _Optional[str] = ..., expires_unix_seconds: _Optional[float] = ..., peer_agent_id: _Optional[str] = ..., deadline_seconds: _Optional[float] = ..., ttl_seconds: _Optional[float] = ..., pin_version: _Optional[str] = ..., peer_agent_ids: _Optional[_Iterable[str]] = ..., peer_free_bytes: _Optional[_Iterable[int]] = ..., peer_fill_limit_bytes: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class ControlMessage(_message.Message):
     __slots__ = ("epoch", "resync", "command")
@@ -378,7 +380,7 @@ class LoadResponse(_message.Message):
     def __init__(self, num_cached_tokens: _Optional[int] = ..., kv: _Optional[bytes] = ..., truncated: _Optional[bool] = ...) -> None: ...
 
 class ReserveRequest(_message.Message):
-    __slots__ = ("model_id", "block_hashes", "stored_bytes", "codecs", "namespace", "ttl_seconds", "source_agent_id", "path", "namespaces", "writer_pid", "writer_start_ticks", "reservation_id")
+    __slots__ = ("model_id", "block_hashes", "stored_bytes", "codecs", "namespace", "ttl_seconds", "source_agent_id", "path", "namespaces", "writer_pid", "writer_start_ticks", "reservation_id", "fill_limit_bytes")
     MODEL_ID_FIELD_NUMBER: _ClassVar[int]
     BLOCK_HASHES_FIELD_NUMBER: _ClassVar[int]
     STORED_BYTES_FIELD_NUMBER: _ClassVar[int]
@@ -391,6 +393,7 @@ class ReserveRequest(_message.Message):
     WRITER_PID_FIELD_NUMBER: _ClassVar[int]
     WRITER_START_TICKS_FIELD_NUMBER: _ClassVar[int]
     RESERVATION_ID_FIELD_NUMBER: _ClassVar[int]
+    FILL_LIMIT_BYTES_FIELD_NUMBER: _ClassVar[int]
     model_id: str
     block_hashes: bytes
     stored_bytes: _containers.RepeatedScalarFieldContainer[int]
@@ -403,7 +406,8 @@ class ReserveRequest(_message.Message):
     writer_pid: int
     writer_start_ticks: int
     reservation_id: str
-    def __init__(self, model_id: _Optional[str] = ..., block_hashes: _Optional[bytes] = ..., stored_bytes: _Optional[_Iterable[int]] = ..., codecs: _Optional[_Iterable[str]] = ..., namespace: _Optional[str] = ..., ttl_seconds: _Optional[float] = ..., source_agent_id: _Optional[str] = ..., path: _Optional[str] = ..., namespaces: _Optional[_Iterable[str]] = ..., writer_pid: _Optional[int] = ..., writer_start_ticks: _Optional[int] = ..., reservation_id: _Optional[str] = ...) -> None: ...
+    fill_limit_bytes: int
+    def __init__(self, model_id: _Optional[str] = ..., block_hashes: _Optional[bytes] = ..., stored_bytes: _Optional[_Iterable[int]] = ..., codecs: _Optional[_Iterable[str]] = ..., namespace: _Optional[str] = ..., ttl_seconds: _Optional[float] = ..., source_agent_id: _Optional[str] = ..., path: _Optional[str] = ..., namespaces: _Optional[_Iterable[str]] = ..., writer_pid: _Optional[int] = ..., writer_start_ticks: _Optional[int] = ..., reservation_id: _Optional[str] = ..., fill_limit_bytes: _Optional[int] = ...) -> None: ...
 
 class BlockSlots(_message.Message):
     __slots__ = ("addresses", "lengths")

@@ -171,7 +171,7 @@ class ClusterCollector:
                 g,
                 "kvcp_policy_evidence_blocks",
                 "Blocks the tier policy keeps evidence for, by kind: lookup_history (at most 2,097,152, "
-                "~230 B each) and shadow_caches (the credit tuner's five, each at most 262,144, ~130 B a block).",
+                "~230 B each) and shadow_caches (the credit tuner's five, each at most 262,144, ~110 B a block).",
                 ["kind"],
             ),
             (

@@ -10,6 +10,10 @@ so that the order of eviction, the blocks set aside while they hold children and
 rebuilds of the heap all matter.
 
     PYTHONPATH=<new checkout> python scripts/evidence_equivalence.py <old checkout> --streams 200
+
+`--trace-lookups N` also feeds both the realistic workload of scripts/evidence_memory.py
+(N lookups, shadows of `--trace-shadow-blocks`, so that they evict), comparing scores,
+`best()` and `recent_first()` after every lookup and the cached blocks every 1,000.
 """
 
 from __future__ import annotations
@@ -25,11 +29,13 @@ from controlplane.core.tuning import CreditTuner
 from protos.block_hash import ROOT_PARENT_HASH
 
 
-def _cached(shadow):
-    """The blocks a shadow caches: its slot map (since shadows kept slots), or its dict
-    of keys (before)."""
+def _cached(shadow) -> set[bytes]:
+    """The blocks a shadow caches: `cached()` (since the shadows shared one id table), its
+    slot map (since shadows kept slots), or its dict of keys (before)."""
+    if hasattr(shadow, "cached"):
+        return shadow.cached()
     slot_of = getattr(shadow, "slot_of", None)
-    return slot_of if slot_of is not None else shadow.key
+    return set(slot_of if slot_of is not None else shadow.key)
 
 
 def load(path: Path, name: str):
@@ -85,7 +91,7 @@ def check(seed: int, old_stats_mod, old_tuning_mod, num_lookups: int) -> int:
         steps += 1
         for a, b in zip((*new.shadows, new.scan), (*old.shadows, old.scan), strict=True):
             cached = _cached(b)
-            assert set(_cached(a)) == set(cached), (seed, steps, "cached blocks differ")
+            assert _cached(a) == cached, (seed, steps, "cached blocks differ")
             assert a.score == b.score, (seed, steps, "scores differ")
             assert len(a) == len(cached)
         assert new.best() == old.best() and new.recent_first() == old.recent_first(), (seed, steps)
@@ -102,16 +108,47 @@ def check(seed: int, old_stats_mod, old_tuning_mod, num_lookups: int) -> int:
     return steps
 
 
+def check_trace(old_stats_mod, old_tuning_mod, num_lookups: int, shadow_blocks: int) -> None:
+    sys.path.insert(0, str(Path(__file__).parent))
+    from evidence_memory import block_hashes, make_trace, packed, sliced
+
+    lookups, num_blocks = make_trace(num_lookups, 1)
+    hashes = block_hashes(num_blocks)
+    new_stats, old_stats = AccessStats(), old_stats_mod.AccessStats()
+    new, old = CreditTuner(shadow_blocks), old_tuning_mod.CreditTuner(shadow_blocks)
+    choices = set()
+    for n, lookup in enumerate(lookups, 1):
+        keys = sliced(packed(lookup, hashes))
+        new_stats.record_lookup(keys, n * 0.1)
+        old_stats.record_lookup(list(keys), n * 0.1)
+        new.observe(keys, n * 0.1, new_stats)
+        old.observe(list(keys), n * 0.1, old_stats)
+        for a, b in zip((*new.shadows, new.scan), (*old.shadows, old.scan), strict=True):
+            assert a.score == b.score and len(a) == len(b), (n, "scores differ")
+            if n % 1000 == 0:
+                assert _cached(a) == _cached(b), (n, "cached blocks differ")
+        choice = (new.best(), new.recent_first())
+        assert choice == (old.best(), old.recent_first()), n
+        choices.add(choice)
+    print(
+        f"trace: {len(lookups)} lookups, shadows of {shadow_blocks} blocks: identical (choices seen: {sorted(choices)})"
+    )
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("old", type=Path, help="checkout of the old code")
     p.add_argument("--streams", type=int, default=200)
     p.add_argument("--lookups", type=int, default=400)
+    p.add_argument("--trace-lookups", type=int, default=0)
+    p.add_argument("--trace-shadow-blocks", type=int, default=1 << 14)
     args = p.parse_args()
     old_stats = load(args.old / "controlplane/core/access_stats.py", "old_access_stats")
     old_tuning = load(args.old / "controlplane/core/tuning.py", "old_tuning")
     total = sum(check(seed, old_stats, old_tuning, args.lookups) for seed in range(args.streams))
     print(f"{args.streams} streams, {total} lookups: identical")
+    if args.trace_lookups:
+        check_trace(old_stats, old_tuning, args.trace_lookups, args.trace_shadow_blocks)
 
 
 if __name__ == "__main__":

@@ -162,6 +162,23 @@ class AccessStats:
             self._hash[s],
         )
 
+    def lookups_of(self, block_hashes: Sequence[bytes]) -> tuple[list[bytes], list[int]]:
+        """Each block's hash as stored here (the caller's own where the block is not
+        tracked) and its number of lookups (0: not tracked): `get`'s two figures the credit
+        tuner reads, for a whole lookup without a BlockStats a block."""
+        blocks, stored, counts = self._blocks, self._hash, self._num_lookups
+        hashes = []
+        num_lookups = []
+        for h in block_hashes:
+            s = blocks.get(h)
+            if s is None:
+                hashes.append(h)
+                num_lookups.append(0)
+            else:
+                hashes.append(stored[s])
+                num_lookups.append(counts[s])
+        return hashes, num_lookups
+
     def __len__(self) -> int:
         return len(self._blocks)
 

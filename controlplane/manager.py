@@ -79,8 +79,11 @@ class Manager(PinControl, OperationControl, PolicyControl):
         # under this leader, or with another leader's (kvcp_commands_resent_total)
         self.commands_resent_total = dict.fromkeys(RESEND_CAUSES, 0)
         self._op_done: dict[str, threading.Event] = {}
-        # adopted cleanups taking their scope locks again: queued ones wait for that first
+        # adopted cleanups taking their scope locks again, and kept running ones (a lost
+        # leadership won again) trying theirs (_locks_to_retake): queued ones wait for that first
         self._adopted_locks_pending = 0
+        self._locks_to_retake: set[str] = set()
+        self._lock_keepers: set[str] = set()  # running cleanups whose scope lock a thread keeps
         self._adopted_locks_settled = threading.Event()
         self._adopted_locks_settled.set()
         self.policy = {}
@@ -286,9 +289,13 @@ class Manager(PinControl, OperationControl, PolicyControl):
             self._signal_finished(op)
         self._delete_stale_pins(stale_pins)
         holders = [op for op in adopted if op.kind == "cleanup" and not op.dry_run and not op.finished]
-        if holders:
-            with self._lock:
-                self._adopted_locks_pending += len(holders)
+        with self._lock:
+            # kept running cleanups take their locks again at their keeper's next check: the
+            # cleanups queued again below must not take one first and run beside them
+            retaking = [i for i in kept if i in self._lock_keepers and i not in self._locks_to_retake]
+            self._locks_to_retake.update(retaking)
+            if holders or retaking:
+                self._adopted_locks_pending += len(holders) + len(retaking)
                 self._adopted_locks_settled.clear()
         for op in requeue:
             self._start_locked(op)

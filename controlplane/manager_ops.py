@@ -609,22 +609,41 @@ class OperationControl(ManagerState):
         """Hold `op`'s scope lock while it runs (bounded by twice the op timeout), level-
         triggered: let go while this replica does not lead (the leader that adopts the
         operation takes it), taken again while it leads again with its own copy (a
-        re-won election keeps a running cleanup: it held no lock after the loss). Ends,
-        releasing what it holds, once the operation finishes or another copy replaces it."""
+        re-won election keeps a running cleanup: it held no lock after the loss; the
+        cleanups load() queues again wait for that try). Ends, releasing what it holds,
+        once the operation finishes or another copy replaces it."""
         done = self._op_done.get(op.op_id)
         deadline = time.monotonic() + self.op_timeout_seconds * 2
         held = lock
+        with self._lock:
+            self._lock_keepers.add(op.op_id)
         try:
             while done is not None and time.monotonic() < deadline and self.ops.get(op.op_id) is op:
                 if self._owns(op):
                     if not held.held:
                         held = self._retake_scope_lock(op) or held
+                    self._lock_settled(op.op_id)
                 else:
                     held.release()  # (idempotent: no etcd call once let go)
                 if done.wait(SCOPE_LOCK_CHECK_SECONDS):
                     break
         finally:
             held.release()
+            with self._lock:
+                self._lock_keepers.discard(op.op_id)
+            self._lock_settled(op.op_id)
+
+    def _lock_settled(self, op_id: str = "") -> None:
+        """A cleanup load() counted in `_adopted_locks_pending` tried its scope lock (""
+        an adopted one; otherwise a kept one, counted once while in `_locks_to_retake`)."""
+        with self._lock:
+            if op_id:
+                if op_id not in self._locks_to_retake:
+                    return
+                self._locks_to_retake.discard(op_id)
+            self._adopted_locks_pending -= 1
+            if self._adopted_locks_pending <= 0:
+                self._adopted_locks_settled.set()
 
     def _retake_scope_lock(self, op: ops.Operation) -> EtcdLock | None:
         """`op`'s scope lock taken again where it is free (a fresh lock: its lease is new),
@@ -647,10 +666,7 @@ class OperationControl(ManagerState):
         except Exception:  # noqa: BLE001 - the operation goes on; its lock is best kept, not required
             log.warning("could not take the scope lock of adopted cleanup %s again", op.op_id, exc_info=True)
             got = False
-        with self._lock:
-            self._adopted_locks_pending -= 1
-            if self._adopted_locks_pending <= 0:
-                self._adopted_locks_settled.set()
+        self._lock_settled()
         if got:
             self._keep_scope_lock(op, lock)
 

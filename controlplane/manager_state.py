@@ -55,6 +55,8 @@ class ManagerState:
     _op_done: dict[str, threading.Event]
     _adopted_locks_pending: int
     _adopted_locks_settled: threading.Event
+    _locks_to_retake: set[str]
+    _lock_keepers: set[str]
     _dirty: set[str]
     _op_write_locks: list[threading.Lock]
     _drain_start: threading.Lock

@@ -11,6 +11,7 @@ import threading
 import time
 
 from agent.server import DEMO_MODEL
+from controlplane import manager_ops
 from controlplane.api import convert
 from controlplane.core.cluster import AgentCommand, BlockGroup
 from controlplane.core.scope import Scope
@@ -493,6 +494,40 @@ def test_a_cleanup_kept_over_a_lost_and_won_again_leadership_holds_its_scope_loc
         wait_for(
             lambda: agent.commands("cleanup", queued.op_id), 15, 0.05, "the queued cleanup sent once the lock is free"
         )
+    finally:
+        a.stop()
+        client.close()
+
+
+def test_a_cleanup_queued_behind_a_kept_one_waits_for_it_to_take_its_lock_again(etcd, monkeypatch):
+    """A cleanup queued behind a running one of the same namespace when the replica loses
+    the leadership is queued again when it wins again (load), while the running one, kept,
+    takes its scope lock again only at its next check: the queued one must not take the
+    lock in between and run beside it (its checks are spaced out here to show the window
+    every time)."""
+    monkeypatch.setattr(manager_ops, "SCOPE_LOCK_CHECK_SECONDS", 2.0)
+    a = start_cp(etcd, op_timeout_seconds=60)
+    client = etcd_keys.connect(etcd)
+    lock_key = etcd_keys.LOCKS_PREFIX + "cleanup/kb"
+    try:
+        agent = on_stream(a, "a1", "s1")
+        op = a.manager.cleanup(0.0, namespace="kb")
+        wait_for(lambda: agent.commands("cleanup", op.op_id), 10, 0.02, "the cleanup's command")
+        queued = a.manager.cleanup(0.0, namespace="kb")
+        other = client.lease(30)
+        client.put(etcd_keys.LEADER_KEY, "127.0.0.1:9", other)
+        wait_for(lambda: not a.election.is_leader, 10, 0.02, "the leadership lost")
+        wait_for(lambda: client.get(lock_key)[0] is None, 5, 0.02, "the scope lock let go of")
+        epoch = a.election.epoch
+        other.revoke()
+        wait_for(lambda: a.election.is_leader and a.manager._loaded_epoch > epoch, 15, 0.02, "won and loaded again")
+        wait_for(lambda: client.get(lock_key)[0] is not None, 5, 0.02, "the scope lock taken again")
+        time.sleep(0.5)
+        assert client.get(lock_key)[0] == op.op_id.encode()  # the running one's, not the queued one's
+        assert a.manager.get_op(queued.op_id).state == "PENDING"
+        assert not agent.commands("cleanup", queued.op_id)
+        a.manager.on_op_update("a1", op.op_id, "SUCCEEDED", 0, 0, 0, 0, "")
+        wait_for(lambda: agent.commands("cleanup", queued.op_id), 15, 0.05, "the queued one sent once it is free")
     finally:
         a.stop()
         client.close()

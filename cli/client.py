@@ -134,14 +134,14 @@ class LookupSocket:
         self._lock = threading.Lock()
         self._buf = bytearray(1 << 16)  # replies are read into this, header and body at once
 
-    def _connect(self, timeout_seconds: float) -> socket.socket:
+    def _connect(self, timeout_seconds: float, cut_short: bool) -> socket.socket:
         """A connection made within `timeout_seconds`, what is left of the call's time. One
         that cannot be made in it is UNAVAILABLE when it had the call's whole timeout (nothing
         there takes connections: a router tries another replica), and DEADLINE_EXCEEDED, as a
-        slow answer is, when the call had spent part of it already (queued behind other calls,
-        or on a connection found dropped): that says only that the call's time is spent."""
+        slow answer is, when the call had spent part of it already (`cut_short`: queued behind
+        other calls, or on a connection found dropped): that says only that the call's time is
+        spent."""
         deadline = time.monotonic() + timeout_seconds
-        cut_short = self._cut_short(timeout_seconds)
         sock: socket.socket  # set by the loop, which ends connected or raises
         while True:
             sock = socket.socket(self._family, socket.SOCK_STREAM)
@@ -234,6 +234,7 @@ class LookupSocket:
             )
         shortened: socket.socket | None = None  # the connection's timeouts cut to what is left
         try:
+            framing = time.monotonic()
             self._next_id += 1
             request_id = self._next_id
             body = admin_pb2.LookupFrame(request=request, token=self._token, request_id=request_id).SerializeToString()
@@ -244,13 +245,15 @@ class LookupSocket:
                     f"socket's frame of {MAX_FRAME_BYTES} bytes (a lookup takes at most {MAX_PROMPT_TOKENS} tokens)",
                 )
             out = frame(body)
+            # the call's own work, not time spent elsewhere (a long prompt's frame: milliseconds)
+            framed_seconds = time.monotonic() - framing
             for attempt in (0, 1):
                 fresh = self._sock is None
                 left = deadline - time.monotonic()
                 if left <= 0:
                     raise self._out_of_time()
                 if self._sock is None:  # fresh
-                    self._sock = self._connect(left)
+                    self._sock = self._connect(left, self._cut_short(left + framed_seconds))
                     left = deadline - time.monotonic()  # the connection took some of it
                     if left <= 0:
                         raise self._out_of_time("connecting")

@@ -640,3 +640,37 @@ def test_a_reconnect_that_runs_out_of_the_calls_time_is_deadline_exceeded(tmp_pa
     finally:
         client.close()
         server.stop()
+
+
+def test_a_first_connection_that_cannot_be_made_in_the_whole_timeout_is_unavailable_for_a_long_prompt(tmp_path):
+    """A fresh call's connection had the call's whole timeout, less the few milliseconds
+    building a long prompt's frame takes (64k tokens: several): one that cannot be made
+    in it is UNAVAILABLE (nothing there takes one: a router moves to another replica), not
+    DEADLINE_EXCEEDED as a reconnect whose call had spent its time elsewhere."""
+    import ssl
+
+    from cli.client import LookupSocket
+    from controlplane.api.lookup_socket import LookupSocketServer
+    from protos.security import TLSConfig
+    from tests.reliability.test_security import make_certs
+
+    ca, cert, key = make_certs(tmp_path)
+
+    class NeverShakesHands(ssl.SSLContext):
+        def wrap_socket(self, *args, **kwargs):
+            time.sleep(2.0)
+            return super().wrap_socket(*args, **kwargs)
+
+    context = NeverShakesHands(ssl.PROTOCOL_TLS_SERVER)
+    context.load_cert_chain(str(cert), str(key))
+    server = LookupSocketServer(
+        "127.0.0.1:0", lambda r: admin_pb2.LookupResponse(model_id=r.model_id), ssl_context=context
+    ).start()
+    client = LookupSocket(server.address, timeout_seconds=0.5, tls=TLSConfig(ca_file=str(ca)))
+    try:
+        with pytest.raises(ClientError) as info:
+            client.call(admin_pb2.LookupRequest(model_id="m", token_ids=list(range(1 << 16))))
+        assert info.value.code == "UNAVAILABLE" and "TLS" in str(info.value), info.value
+    finally:
+        client.close()
+        server.stop()

@@ -462,6 +462,19 @@ def test_a_cleanup_sent_again_by_the_next_leader_keeps_blocks_used_since_it_was_
             b.stop()
 
 
+def lose_and_win_again(cp: ControlPlane, client, lock_key: str) -> None:
+    """Another replica leads for a while (the leader key under a lease of the test's, which
+    the replica's next step sees), long enough for `cp` to let go of the scope lock
+    `lock_key`; then it goes, and `cp` wins again and loads."""
+    other = client.lease(30)
+    client.put(etcd_keys.LEADER_KEY, "127.0.0.1:9", other)
+    wait_for(lambda: not cp.election.is_leader, 10, 0.02, "the leadership lost")
+    wait_for(lambda: client.get(lock_key)[0] is None, 5, 0.02, "the scope lock let go of")
+    epoch = cp.election.epoch
+    other.revoke()
+    wait_for(lambda: cp.election.is_leader and cp.manager._loaded_epoch > epoch, 15, 0.02, "won and loaded again")
+
+
 def test_a_cleanup_kept_over_a_lost_and_won_again_leadership_holds_its_scope_lock_again(etcd):
     """A replica running a cleanup loses the leadership (another replica's key), so it
     lets go of the cleanup's scope lock; winning again before anyone adopted it, it keeps
@@ -476,14 +489,7 @@ def test_a_cleanup_kept_over_a_lost_and_won_again_leadership_holds_its_scope_loc
         op = a.manager.cleanup(0.0, namespace="kb")
         wait_for(lambda: agent.commands("cleanup", op.op_id), 10, 0.02, "the cleanup's command")
         assert client.get(lock_key)[0] == op.op_id.encode()
-        # another replica leads: the leader key under its lease (the replica's next step sees it)
-        other = client.lease(30)
-        client.put(etcd_keys.LEADER_KEY, "127.0.0.1:9", other)
-        wait_for(lambda: not a.election.is_leader, 10, 0.02, "the leadership lost")
-        wait_for(lambda: client.get(lock_key)[0] is None, 5, 0.02, "the scope lock let go of")
-        epoch = a.election.epoch
-        other.revoke()  # that replica goes: this one wins again and keeps its running copy
-        wait_for(lambda: a.election.is_leader and a.manager._loaded_epoch > epoch, 15, 0.02, "won and loaded again")
+        lose_and_win_again(a, client, lock_key)  # no other replica adopted it meanwhile: it keeps its copy
         assert a.manager.get_op(op.op_id) is op and not op.finished
         wait_for(lambda: client.get(lock_key)[0] == op.op_id.encode(), 5, 0.02, "the scope lock taken again")
         queued = a.manager.cleanup(0.0, namespace="kb")
@@ -514,13 +520,7 @@ def test_a_cleanup_queued_behind_a_kept_one_waits_for_it_to_take_its_lock_again(
         op = a.manager.cleanup(0.0, namespace="kb")
         wait_for(lambda: agent.commands("cleanup", op.op_id), 10, 0.02, "the cleanup's command")
         queued = a.manager.cleanup(0.0, namespace="kb")
-        other = client.lease(30)
-        client.put(etcd_keys.LEADER_KEY, "127.0.0.1:9", other)
-        wait_for(lambda: not a.election.is_leader, 10, 0.02, "the leadership lost")
-        wait_for(lambda: client.get(lock_key)[0] is None, 5, 0.02, "the scope lock let go of")
-        epoch = a.election.epoch
-        other.revoke()
-        wait_for(lambda: a.election.is_leader and a.manager._loaded_epoch > epoch, 15, 0.02, "won and loaded again")
+        lose_and_win_again(a, client, lock_key)
         wait_for(lambda: client.get(lock_key)[0] is not None, 5, 0.02, "the scope lock taken again")
         time.sleep(0.5)
         assert client.get(lock_key)[0] == op.op_id.encode()  # the running one's, not the queued one's

@@ -58,28 +58,59 @@ def _same_cell(a: object, b: object) -> bool:
 
 
 def sync_rows(table: DataTable, rows: list[tuple[str, tuple, int]]) -> None:
-    """Show `rows` (key, cells, height) in `table`. When the same keys come in the same order
-    with the same heights (a refresh of a fleet that neither grew nor shrank), only the cells
-    that changed are updated: the cursor and the scroll position stay where the operator left
-    them, and a refresh that changed nothing redraws nothing. Otherwise the table is rebuilt,
-    with the cursor on the row it was on when that row is still there."""
-    ordered = table.ordered_rows
-    if [r.key.value for r in ordered] == [key for key, _, _ in rows] and all(
-        r.height == height for r, (_, _, height) in zip(ordered, rows, strict=True)
-    ):
-        columns = [c.key for c in table.ordered_columns]
-        for key, cells, _ in rows:
-            for column, new, old in zip(columns, cells, table.get_row(key), strict=True):
-                if not _same_cell(new, old):
-                    table.update_cell(key, column, new)
-        return
+    """Show `rows` (key, cells, height) in `table`. The rows already shown stay when the
+    keys still listed come in the same order with the same heights (a refresh, agents that
+    joined or left): the rows no longer listed are removed, only the cells that changed are
+    updated and new rows are added in their places. The cursor stays on its row and the view
+    where the operator scrolled it; a refresh that changed nothing redraws nothing, and a
+    join or leave in a fleet of hundreds lays out one row, not all of them. Otherwise (rows
+    re-ordered, a height changed) the table is rebuilt, with the cursor on the row it was
+    on when that row is still there."""
+    listed = {key for key, _, _ in rows}
+    kept = [(r.key.value, r.height) for r in table.ordered_rows if r.key.value in listed]
     selected = table.coordinate_to_cell_key(table.cursor_coordinate).row_key.value if table.row_count else None
+    if kept == [(key, height) for key, _, height in rows if key in table.rows] and _sync_in_place(table, rows):
+        if selected in listed and table.get_row_index(selected) != table.cursor_row:
+            # rows above it came or went: the cursor follows its row, and the view stays
+            # (a moved cursor is scrolled into view after the next refresh; undone after it)
+            x, y = table.scroll_x, table.scroll_y
+            table.move_cursor(row=table.get_row_index(selected), animate=False, scroll=False)
+            table.call_after_refresh(table.scroll_to, x, y, animate=False)
+        return
     table.clear()
     for key, cells, height in rows:
         table.add_row(*cells, key=key, height=height)
-    keys = [key for key, _, _ in rows]
-    if selected in keys:
-        table.move_cursor(row=keys.index(selected), animate=False)
+    if selected in listed:
+        table.move_cursor(row=table.get_row_index(selected), animate=False)
+
+
+def _sync_in_place(table: DataTable, rows: list[tuple[str, tuple, int]]) -> bool:
+    """`sync_rows` when the rows still listed keep their order and heights. False when
+    the new rows could not be put in their places (the caller rebuilds the table)."""
+    listed = {key for key, _, _ in rows}
+    for row in table.ordered_rows:
+        if row.key.value not in listed:
+            table.remove_row(row.key)
+    columns = [c.key for c in table.ordered_columns]
+    added = False
+    for key, cells, height in rows:
+        if key in table.rows:
+            for column, new, old in zip(columns, cells, table.get_row(key), strict=True):
+                if not _same_cell(new, old):
+                    table.update_cell(key, column, new)
+        else:
+            table.add_row(*cells, key=key, height=height)
+            added = True
+    if not added or [r.key.value for r in table.ordered_rows] == [key for key, _, _ in rows]:
+        return True
+    # add_row appends and DataTable has no insert, but its sort only re-indexes the rows
+    # it has. Its key function is given a row's cells, not its key: a row is told apart
+    # by its first cell, the very object stored in it, unless rows share that object.
+    position = {id(table.get_row(key)[0]): index for index, (key, _, _) in enumerate(rows)}
+    if len(position) < len(rows):
+        return False
+    table.sort(key=lambda cells: position[id(cells[0])])
+    return True
 
 
 class DashboardScreen(Screen):

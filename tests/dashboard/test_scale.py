@@ -113,6 +113,59 @@ def test_agents_that_leave_are_gone_from_the_table_and_the_cursor_stays_on_its_a
     asyncio.run(scenario())
 
 
+def test_agents_joining_or_leaving_keep_the_other_rows_and_the_cursor_on_its_agent():
+    """A join or leave changed the list of keys, and the whole table was cleared and its
+    300 rows added and laid out again (0.2 s a join on a 2-core host, the view sent back to
+    the cursor). The rows that stay are kept, the rows that left are removed and the new
+    ones go in their places, at the top, in the middle or at the end; the cursor stays on
+    its agent and the view where it was. Only rows that change order rebuild the table."""
+
+    async def scenario():
+        app = DashboardApp(live=False, clock=lambda: sample.NOW)
+        async with app.run_test(size=SIZE) as pilot:
+            ids = list(range(2, 600, 2))  # even ids: odd ones join in between
+            app.apply_agents(fleet(0, ids=ids))
+            await pilot.pause()
+            table = app.screen.query_one("#agents", DataTable)
+            table.move_cursor(row=100)  # agent-0202
+            table.scroll_to(y=150, animate=False)
+            await pilot.pause()
+            cleared = counting(table, "clear")
+
+            def shown() -> list[str]:
+                return [r.key.value for r in table.ordered_rows]
+
+            def at_cursor() -> str:
+                return table.coordinate_to_cell_key(table.cursor_coordinate).row_key.value
+
+            for step in (
+                [0] + ids,  # one joins at the top
+                ids[1:],  # one leaves at the top
+                sorted([*ids, 151]),  # joins in the middle, above the cursor
+                [i for i in ids if i != 150],  # leaves in the middle, above the cursor
+                sorted([*ids, 403, 405]),  # two join below the cursor
+                [*ids, 601],  # joins at the end
+                ids[:-1],  # leaves at the end
+                sorted([*ids[:-2], 1, 301, 599]),  # some leave and some join at once
+            ):
+                before = {r.key.value: r for r in table.ordered_rows}
+                app.apply_agents(fleet(0, ids=step))
+                await pilot.pause()
+                assert shown() == [f"agent-{i:04d}" for i in step]
+                assert at_cursor() == "agent-0202" and table.scroll_y == 150
+                assert all(table.rows[key] is row for key, row in before.items() if key in table.rows)
+                assert table.get_row("agent-0202")[0].plain == "agent-0202"
+            assert cleared[0] == 0
+
+            app.apply_agents(fleet(0, ids=[*reversed(ids)]))  # the order changed: rebuilt
+            await pilot.pause()
+            assert cleared[0] == 1
+            assert shown() == [f"agent-{i:04d}" for i in reversed(ids)]
+            assert at_cursor() == "agent-0202"
+
+    asyncio.run(scenario())
+
+
 def test_a_cell_that_only_changes_colour_is_updated():
     """Rich's Text compares characters and spans, not the style: an operation's
     'done/total' turning red when blocks fail must still be redrawn."""

@@ -63,7 +63,7 @@ from agent.store.memory_tier import paged_bytes
 from agent.store.shm import PeerSlab, host_id, own_start_ticks, process_alive
 from agent.store.transfer_engine import TransferBackend, TransferFailed, TransferTimedOut
 from protos import errors, etcd_keys, security
-from protos.grpc_errors import ERROR_KIND_METADATA_KEY
+from protos.grpc_errors import error_kind_of
 from protos.kv_format import MAX_HANDOFF_DEADLINE_SECONDS
 from protos.kvcp.v1 import agent_pb2, agent_pb2_grpc, types_pb2
 from protos.namespaces import check_namespace
@@ -138,16 +138,10 @@ DEPARTED_CHECK_SECONDS = 30.0  # how often idle links' peers are looked up in et
 TRANSFER_HEARTBEAT_SECONDS = 5.0  # a control-plane transfer says RUNNING this often while it runs
 
 
-def _error_kind(exc: grpc.RpcError) -> str:
-    """The kvcp error kind the peer named (protos.grpc_errors); "": none."""
-    trailing = getattr(exc, "trailing_metadata", None)
-    return dict((trailing() if callable(trailing) else None) or ()).get(ERROR_KIND_METADATA_KEY, "")
-
-
 def _rpc_error(exc: grpc.RpcError, what: str) -> PathError:
     code = exc.code()
     details = exc.details() or code.name
-    if _error_kind(exc) == errors.FillLimitReached.__name__:  # a drain's blocks past the destination's line
+    if error_kind_of(exc) == errors.FillLimitReached.__name__:  # a drain's blocks past the destination's line
         return PathError(f"{what}: {details}", permanent=True, full=True)
     if code == grpc.StatusCode.RESOURCE_EXHAUSTED:
         return PathError(f"{what}: destination busy ({details})", busy=True)

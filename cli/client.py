@@ -21,7 +21,7 @@ from google.protobuf.message import DecodeError
 
 from protos.block_hash import BLOCK_HASH_BYTES, MAX_PROMPT_TOKENS
 from protos.etcd_keys import CORDON_POLICY_PREFIX, POLICY_ENTRY_REMOVED
-from protos.grpc_errors import ERROR_KIND_METADATA_KEY, LEADER_METADATA_KEY
+from protos.grpc_errors import LEADER_METADATA_KEY, error_kind_of
 from protos.kvcp.v1 import admin_pb2, admin_pb2_grpc, types_pb2
 from protos.lookup_wire import HEADER_BYTES, MAX_FRAME_BYTES, MAX_REPLY_BYTES, frame, split_address
 from protos.pb_enums import tier_pb
@@ -82,7 +82,7 @@ def _not_leader(exc: grpc.RpcError) -> bool:
 
 def _cut_off_from_etcd(exc: grpc.RpcError) -> bool:
     """The replica refused the change because it cannot reach etcd (nothing applied)."""
-    return dict(exc.trailing_metadata() or ()).get(ERROR_KIND_METADATA_KEY, "") == "EtcdUnreachable"
+    return error_kind_of(exc) == "EtcdUnreachable"
 
 
 def _refused_by_etcd(exc: ClientError) -> bool:
@@ -732,7 +732,7 @@ class ControlPlaneClient:
         details = exc.details() or ""
         # the control plane's own UNAVAILABLE (etcd unreachable, no leader, ...) is its answer,
         # naming its kind; gRPC's own (no connection) is ours to explain
-        kind = dict(exc.trailing_metadata() or ()).get(ERROR_KIND_METADATA_KEY, "")
+        kind = error_kind_of(exc)
         answered = bool(kind)
         if not answered and code == grpc.StatusCode.DEADLINE_EXCEEDED:
             # a slow answer or no route: either way a change asked for may have been made

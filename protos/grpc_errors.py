@@ -1,4 +1,5 @@
-"""The one place where kvcp error kinds become gRPC status codes (server side).
+"""The one place where kvcp error kinds become gRPC status codes (server side), and where a
+client reads the kind back from an answer (`error_kind_of`).
 
 Servicers raise `protos.errors.KvcpError` subclasses; `ErrorMappingInterceptor` turns
 them into the matching status with the error's sentence as details, and turns any other
@@ -24,6 +25,14 @@ ERROR_KIND_METADATA_KEY = "kvcp-error-kind"
 # metadata, which clients cap (8 KiB soft, 16 KiB hard): a longer one reaches them as
 # RESOURCE_EXHAUSTED instead of its own code. 2000 UTF-8 bytes encode to at most 6000.
 MAX_DETAILS_BYTES = 2000
+
+
+def error_kind_of(exc: grpc.RpcError) -> str:
+    """The kvcp error kind a server named in its answer's trailing metadata (client side);
+    "": none (gRPC's own error, or a server of no kvcp kind)."""
+    trailing = getattr(exc, "trailing_metadata", None)
+    return dict((trailing() if callable(trailing) else None) or ()).get(ERROR_KIND_METADATA_KEY, "")
+
 
 _CODES: list[tuple[type[errors.KvcpError], grpc.StatusCode]] = [
     (errors.InvalidArgument, grpc.StatusCode.INVALID_ARGUMENT),

@@ -94,7 +94,9 @@ def test_an_unanswering_destination_still_gets_an_answer_by_the_deadline(pair, m
     t0 = time.monotonic()
     r = pair.send.handoff(SMALL.model_id, hashes, "dec", 1.0, paths=("grpc",))
     assert r.outcome == RECOMPUTE
-    assert time.monotonic() - t0 < 1.3  # the abort it sends is not waited for
+    # the stalled Commit and Abort (3 s each) are not waited for: answered about the 1 s
+    # deadline (a clean-clone CI run beside the other worker took 1.67 s: slack for that)
+    assert time.monotonic() - t0 < 2.0
 
 
 def test_a_paced_link_that_runs_out_of_time_says_so(tmp_path):

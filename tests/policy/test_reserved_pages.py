@@ -33,6 +33,9 @@ def test_a_handoff_arriving_does_not_make_the_policy_drop_the_destinations_block
     src.engine.store(M.model_id, prompt, torch.ones((incoming, *M.block_shape), dtype=torch.float16))
     with ControlPlaneClient(controlplane.address) as c:
         wait_for(lambda: c.lookup(M.model_id, token_ids=own).best_agent_id == "rp-dst", what="indexed")
+        # the source's prompt too (a Transfer asked before its blocks were indexed is refused:
+        # "holds no block of this prefix", a clean-clone CI run's failure)
+        wait_for(lambda: c.lookup(M.model_id, token_ids=prompt).best_agent_id == "rp-src", what="prompt indexed")
         op = c.transfer(M.model_id, "rp-src", "rp-dst", token_ids=prompt, deadline_seconds=60)
 
         def reserved() -> bool:  # the destination reports the reservation's pages as used

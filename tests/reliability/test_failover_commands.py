@@ -7,6 +7,7 @@ Real etcd, two control-plane replicas in process, stand-in and real agents."""
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 
@@ -475,19 +476,29 @@ def lose_and_win_again(cp: ControlPlane, client, lock_key: str) -> None:
     wait_for(lambda: cp.election.is_leader and cp.manager._loaded_epoch > epoch, 15, 0.02, "won and loaded again")
 
 
+@contextlib.contextmanager
+def a_running_cleanup(etcd: str):
+    """A leader running a cleanup of namespace kb on a stand-in agent that does not answer:
+    (the replica, an etcd client, the scope lock's key, the agent, the operation)."""
+    a = start_cp(etcd, op_timeout_seconds=60)
+    client = etcd_keys.connect(etcd)
+    try:
+        agent = on_stream(a, "a1", "s1")
+        op = a.manager.cleanup(0.0, namespace="kb")
+        wait_for(lambda: agent.commands("cleanup", op.op_id), 10, 0.02, "the cleanup's command")
+        yield a, client, etcd_keys.LOCKS_PREFIX + "cleanup/kb", agent, op
+    finally:
+        a.stop()
+        client.close()
+
+
 def test_a_cleanup_kept_over_a_lost_and_won_again_leadership_holds_its_scope_lock_again(etcd):
     """A replica running a cleanup loses the leadership (another replica's key), so it
     lets go of the cleanup's scope lock; winning again before anyone adopted it, it keeps
     its own copy of the operation. It takes the lock again (it held none from then on, so
     a cleanup of the same namespace started next ran beside it), and a cleanup queued now
     waits behind it."""
-    a = start_cp(etcd, op_timeout_seconds=60)
-    client = etcd_keys.connect(etcd)
-    lock_key = etcd_keys.LOCKS_PREFIX + "cleanup/kb"
-    try:
-        agent = on_stream(a, "a1", "s1")
-        op = a.manager.cleanup(0.0, namespace="kb")
-        wait_for(lambda: agent.commands("cleanup", op.op_id), 10, 0.02, "the cleanup's command")
+    with a_running_cleanup(etcd) as (a, client, lock_key, agent, op):
         assert client.get(lock_key)[0] == op.op_id.encode()
         lose_and_win_again(a, client, lock_key)  # no other replica adopted it meanwhile: it keeps its copy
         assert a.manager.get_op(op.op_id) is op and not op.finished
@@ -500,9 +511,6 @@ def test_a_cleanup_kept_over_a_lost_and_won_again_leadership_holds_its_scope_loc
         wait_for(
             lambda: agent.commands("cleanup", queued.op_id), 15, 0.05, "the queued cleanup sent once the lock is free"
         )
-    finally:
-        a.stop()
-        client.close()
 
 
 def test_a_cleanup_queued_behind_a_kept_one_waits_for_it_to_take_its_lock_again(etcd, monkeypatch):
@@ -512,13 +520,7 @@ def test_a_cleanup_queued_behind_a_kept_one_waits_for_it_to_take_its_lock_again(
     lock in between and run beside it (its checks are spaced out here to show the window
     every time)."""
     monkeypatch.setattr(manager_ops, "SCOPE_LOCK_CHECK_SECONDS", 2.0)
-    a = start_cp(etcd, op_timeout_seconds=60)
-    client = etcd_keys.connect(etcd)
-    lock_key = etcd_keys.LOCKS_PREFIX + "cleanup/kb"
-    try:
-        agent = on_stream(a, "a1", "s1")
-        op = a.manager.cleanup(0.0, namespace="kb")
-        wait_for(lambda: agent.commands("cleanup", op.op_id), 10, 0.02, "the cleanup's command")
+    with a_running_cleanup(etcd) as (a, client, lock_key, agent, op):
         queued = a.manager.cleanup(0.0, namespace="kb")
         lose_and_win_again(a, client, lock_key)
         wait_for(lambda: client.get(lock_key)[0] is not None, 5, 0.02, "the scope lock taken again")
@@ -528,6 +530,3 @@ def test_a_cleanup_queued_behind_a_kept_one_waits_for_it_to_take_its_lock_again(
         assert not agent.commands("cleanup", queued.op_id)
         a.manager.on_op_update("a1", op.op_id, "SUCCEEDED", 0, 0, 0, 0, "")
         wait_for(lambda: agent.commands("cleanup", queued.op_id), 15, 0.05, "the queued one sent once it is free")
-    finally:
-        a.stop()
-        client.close()

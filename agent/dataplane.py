@@ -125,6 +125,12 @@ class DataPlaneConfig:
     max_inbound: int = 8
     quarantine_seconds: float = 0.0  # 0: the engine's timeout + 2 s
     retry: RetryPolicy = field(default_factory=RetryPolicy)
+    # how long a drain goes on trying, in all, the destinations that refused its blocks past
+    # their drop line (Route's handoffs took the room), for the chains they left: their room
+    # frees as the tier policy's passes drop blocks, a cleanup runs or decodes end, within
+    # seconds (the policy passes every few; Route's handoffs are held 2 s), so half a minute
+    # covers a few of each and keeps a rolling upgrade's step short. 0: no retry
+    drain_full_wait_seconds: float = 30.0
 
 
 # why a drain left blocks that this agent no longer held when their turn came
@@ -136,6 +142,11 @@ PEER_SLAB_IDLE_SECONDS = 60.0  # a peer's mapped slab unused this long is let go
 LINK_FORGET_IDLE_SECONDS = 60.0  # a link unused this long to a peer etcd no longer names is forgotten
 DEPARTED_CHECK_SECONDS = 30.0  # how often idle links' peers are looked up in etcd
 TRANSFER_HEARTBEAT_SECONDS = 5.0  # a control-plane transfer says RUNNING this often while it runs
+# a drain tries the destinations that refused its blocks past their drop line again after
+# this long, doubling up to the cap (a try costs one Reserve round trip; one that moved a
+# chain starts again at the first: room is freeing), for DataPlaneConfig.drain_full_wait_seconds
+DRAIN_FULL_RETRY_FIRST_SECONDS = 0.5
+DRAIN_FULL_RETRY_MAX_SECONDS = 4.0
 
 
 def _rpc_error(exc: grpc.RpcError, what: str) -> PathError:
@@ -198,6 +209,7 @@ class DataPlane(HandoffPaths):
         self._refresher = cf.ThreadPoolExecutor(max_workers=2, thread_name_prefix="peer-read")
         self._refreshing: dict[str, cf.Future] = {}  # agent id -> its record's read under way
         self._drains: dict[str, threading.Event] = {}  # drain op id -> its cancel flag
+        self._drain_wake = threading.Condition(self._lock)  # a cancel or close(): drains waiting for room stop
         self._departed_check: cf.Future | None = None  # _forget_departed_peers under way (sweep thread only)
         self.tls: security.TLSConfig | None = None  # this agent's: peers' listeners use the same
         self.token = ""  # the agent token, which peers' DataPlane listeners ask for
@@ -400,6 +412,8 @@ class DataPlane(HandoffPaths):
 
     def close(self) -> None:
         self._closing = True
+        with self._drain_wake:
+            self._drain_wake.notify_all()
         self._writers.shutdown(wait=False, cancel_futures=True)
         self._refresher.shutdown(wait=False, cancel_futures=True)
         self.copier.shutdown(wait=False, cancel_futures=True)
@@ -501,11 +515,17 @@ class DataPlane(HandoffPaths):
 
     def cancel(self, op_id: str) -> bool:
         """Stop a drain between two prefixes (it answers CANCELLED); False: none runs."""
-        with self._lock:
+        with self._drain_wake:
             flag = self._drains.get(op_id)
-        if flag is not None:
-            flag.set()
+            if flag is not None:
+                flag.set()
+                self._drain_wake.notify_all()  # one waiting for room stops waiting
         return flag is not None
+
+    def _drain_stopped(self, cancelled: threading.Event, seconds: float) -> bool:
+        """Wait up to `seconds`, ending at once on a cancel or close(); True: one came."""
+        with self._drain_wake:
+            return self._drain_wake.wait_for(lambda: cancelled.is_set() or self._closing, max(0.0, seconds))
 
     def _drain(
         self, op_id, model_id, destinations, free_bytes, deadline_seconds, reply, cancelled, fill_limit_bytes=None
@@ -532,11 +552,15 @@ class DataPlane(HandoffPaths):
         done: set[bytes] = set()
         tried: set[bytes] = set()  # blocks of the chains taken up (a cancel leaves the rest untried, not failed)
         moved_bytes = 0
+        num_tries = 0  # chains handed off, or tried
         skipped: list[str] = []  # why chains were left behind
         progress = {"at": 0.0}
+        note = {"result": ""}  # what a RUNNING drain says it is doing (waiting for room)
 
         def say(state: str, **fields) -> None:
             progress["at"] = time.monotonic()
+            if state == "RUNNING" and note["result"]:
+                fields.setdefault("result", note["result"])
             reply(
                 op_id,
                 state,
@@ -556,65 +580,126 @@ class DataPlane(HandoffPaths):
                     say("RUNNING")
 
         threading.Thread(target=beat, name=f"drain {op_id} beat", daemon=True).start()
+
+        def send(chain) -> bool:
+            """Hand `chain` off to the first destination of its order that takes it; False:
+            it waits for room (each destination that could take it is full)."""
+            nonlocal moved_bytes, num_tries
+            order = plan.order(chain)
+            if not order and plan.waits_for_room(chain):
+                return False  # (not tried: a cancel does not count it failed)
+            tried.update(chain.block_hashes)
+            num_tries += 1
+            if not order:
+                if not any(plan.takes(d, chain.model_id) for d in plan.destinations):
+                    skipped.append(f"no destination serves model {chain.model_id!r}")
+                else:
+                    skipped.append("no destination has room for a chain")
+                return True
+            failed = False  # (one full since is no failure: the chain waits for room)
+            for destination in order:
+                try:
+                    # no namespace for all: each block keeps its own there (a chain may
+                    # continue another namespace's prefix: its pins, cleanups and quota)
+                    r = self.handoff(
+                        chain.model_id,
+                        list(chain.block_hashes),
+                        destination,
+                        deadline_seconds,
+                        fill_limit_bytes=lines.get(destination, 0),
+                    )
+                except PrefixNotHeld:  # dropped here meanwhile: nothing to send
+                    skipped.append(DROPPED_MEANWHILE)
+                    return True
+                except errors.FillLimitReached:  # handoffs since the drain began took the rest
+                    plan.full(destination)
+                    continue
+                except errors.KvcpError as exc:  # cordoned since, or gone
+                    plan.failed(destination, str(exc), permanent=True)
+                    failed = True
+                    continue
+                if r.outcome in (TRANSFERRED, PRESENT):
+                    done.update(chain.block_hashes[: r.num_blocks])
+                    moved_bytes += r.sent_bytes
+                    sent_to[destination] = sent_to.get(destination, 0) + r.sent_bytes
+                    landed = plan.landed(destination, chain, r.num_blocks - r.num_sent_blocks, r.num_blocks)
+                    plan.took(destination, chain, landed, r.num_blocks)
+                    if r.num_blocks < len(chain.block_hashes):  # its tail was dropped here meanwhile
+                        skipped.append(DROPPED_MEANWHILE)
+                    return True
+                plan.failed(destination, r.reason)
+                failed = True
+            if plan.waits_for_room(chain):
+                return False
+            skipped.append("every destination failed it" if failed else "no destination has room for a chain")
+            return True
+
+        def stopping() -> bool:
+            return cancelled.is_set() or self._closing
+
+        waiting: list = []  # the chains every destination that could take them refused, full
+        retries, waited = 0, 0.0
         try:
             for chain in chains:
-                if cancelled.is_set() or self._closing or plan.exhausted:
+                if stopping() or (plan.exhausted and not plan.full_destinations):
                     break
                 if all(h in done for h in chain.block_hashes):
                     continue  # its leaf went with it before: the whole chain is at one destination
-                tried.update(chain.block_hashes)
-                order = plan.order(chain)
-                if not order:
-                    if not any(plan.takes(d, chain.model_id) for d in plan.destinations):
-                        skipped.append(f"no destination serves model {chain.model_id!r}")
-                    else:
-                        skipped.append("no destination has room for a chain")
-                    continue
-                failed = False  # (one full since is no failure: the chain found no room)
-                for destination in order:
-                    try:
-                        # no namespace for all: each block keeps its own there (a chain may
-                        # continue another namespace's prefix: its pins, cleanups and quota)
-                        r = self.handoff(
-                            chain.model_id,
-                            list(chain.block_hashes),
-                            destination,
-                            deadline_seconds,
-                            fill_limit_bytes=lines.get(destination, 0),
-                        )
-                    except PrefixNotHeld:  # dropped here meanwhile: nothing to send
-                        skipped.append(DROPPED_MEANWHILE)
-                        break
-                    except errors.FillLimitReached:  # handoffs since the drain began took the rest
-                        plan.full(destination)
-                        skipped.append(f"{destination} full: other handoffs took its room since the drain began")
-                        continue
-                    except errors.KvcpError as exc:  # cordoned since, or gone
-                        plan.failed(destination, str(exc), permanent=True)
-                        failed = True
-                        continue
-                    if r.outcome in (TRANSFERRED, PRESENT):
-                        done.update(chain.block_hashes[: r.num_blocks])
-                        moved_bytes += r.sent_bytes
-                        sent_to[destination] = sent_to.get(destination, 0) + r.sent_bytes
-                        landed = plan.landed(destination, chain, r.num_blocks - r.num_sent_blocks, r.num_blocks)
-                        plan.took(destination, chain, landed, r.num_blocks)
-                        if r.num_blocks < len(chain.block_hashes):  # its tail was dropped here meanwhile
-                            skipped.append(DROPPED_MEANWHILE)
-                        break
-                    plan.failed(destination, r.reason)
-                    failed = True
-                else:
-                    skipped.append("every destination failed it" if failed else "no destination has room for a chain")
+                n = num_tries
+                if not send(chain):
+                    waiting.append(chain)
+                if num_tries > n:  # (not for each chain set aside without a try)
+                    say("RUNNING")
+            # room frees at a full destination as its policy drops blocks, a cleanup runs or
+            # decodes end: its waiting chains are tried again, backing off, for a bounded time
+            began = time.monotonic()
+            give_up_at = began + self.config.drain_full_wait_seconds
+            pause = DRAIN_FULL_RETRY_FIRST_SECONDS
+            while waiting and not stopping() and time.monotonic() < give_up_at:
+                left = give_up_at - time.monotonic()
+                note["result"] = (
+                    f"waiting for room at {', '.join(plan.full_destinations)} (full past the drop line): "
+                    f"{len(waiting)} prefixes to try again, for up to {left:.0f} s more"
+                )
                 say("RUNNING")
+                if self._drain_stopped(cancelled, min(pause, left)):
+                    break
+                plan.reopen()
+                retries += 1
+                before, still = len(done), []
+                for i, chain in enumerate(waiting):
+                    if stopping():
+                        still.extend(waiting[i:])
+                        break
+                    if all(h in done for h in chain.block_hashes):
+                        continue
+                    n = len(done)
+                    if not send(chain):
+                        still.append(chain)
+                    if len(done) > n:
+                        say("RUNNING")
+                waiting = still
+                pause = (
+                    DRAIN_FULL_RETRY_FIRST_SECONDS
+                    if len(done) > before
+                    else min(2 * pause, DRAIN_FULL_RETRY_MAX_SECONDS)
+                )
+            waited = time.monotonic() - began
+            note["result"] = ""
         finally:
             beat_done.set()
+        if waiting:  # (a cancel or a stop says otherwise)
+            full = plan.full_destinations
+            tries = f", and it stayed full through {retries} retries in {waited:.1f} s" if retries else ""
+            skipped.extend(f"{d} full: other handoffs took its room since the drain began{tries}" for d in full)
+            if not full:  # (every destination that could take them failed or was given up last)
+                skipped.append("no destination has room for a chain")
         result = ", ".join(f"{d}: {human_bytes(n)}" for d, n in sent_to.items() if n) or "nothing sent"
         left = total - len(done)
         why = "; ".join(
             [f"{d} given up: {reason}" for d, reason in plan.given_up.items()]
             + sorted(set(skipped))
-            + (["destinations full"] if plan.exhausted and left and not plan.given_up else [])
+            + (["destinations full"] if plan.exhausted and left and not plan.given_up and not waiting else [])
         )
         if cancelled.is_set():  # failed: what was tried and left behind; the blocks not tried are neither
             say("CANCELLED", num_failed_blocks=len(tried - done), result=result)

@@ -336,7 +336,9 @@ class OperationControl(ManagerState):
         last ROUTED_HOLD_SECONDS (handoffs its last report may not show yet). Each is told
         its drop line too (policy.drop_line_bytes): Route goes on sending handoffs there
         while the drain runs, and the destination refuses the drain's blocks past that line
-        as its tiers stand at each one, so they take the room the handoffs left."""
+        as its tiers stand at each one, so they take the room the handoffs left (the agent
+        tries a destination that refused again as room frees there, for a bounded time,
+        within the room it was given: that stays the drain's while it runs)."""
         self.ensure_loaded()
         if not 0 <= deadline_seconds <= MAX_HANDOFF_DEADLINE_SECONDS:  # also NaN; the agents refuse more
             raise errors.InvalidArgument(

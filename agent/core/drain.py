@@ -12,7 +12,9 @@ failing goes to the next one with room. A destination is sent at most the bytes 
 free: a drain fills free space and pushes out none of the destination's own blocks. Nor
 more than it has free when each chain arrives: the handoffs Route sends it meanwhile take
 room too, and it refuses the drain's blocks past the line where its tier policy would drop
-blocks (the drain sends it no more)."""
+blocks. Such a destination is full (sent nothing more) until the drain reopens it: the
+chains that found every destination that could take them full wait, and are tried again
+(agent.dataplane backs off between tries, for a bounded time) as room frees there."""
 
 from __future__ import annotations
 
@@ -93,6 +95,7 @@ class DrainPlan:
     _by_root: dict[bytes, str] = field(default_factory=dict)
     _sent: dict[str, set[bytes]] = field(default_factory=dict)  # destination -> blocks it was sent
     _next: int = 0
+    _refused: set[str] = field(default_factory=set)  # full past their drop line, until reopen()
 
     def __post_init__(self) -> None:
         self._free = dict(zip(self.destinations, self.free_bytes, strict=False))
@@ -130,6 +133,11 @@ class DrainPlan:
         return [d for d in ordered if d not in self.given_up and self.room(d) >= self.need(d, chain)]
 
     def room(self, destination: str) -> int:
+        """What `destination` may be sent yet: none while it is full, else what it had free
+        less what it was sent."""
+        return 0 if destination in self._refused else self._budget(destination)
+
+    def _budget(self, destination: str) -> int:
         return self._free.get(destination, 0) - self.sent_bytes.get(destination, 0)
 
     def took(self, destination: str, chain: DrainChain, sent_bytes: int, num_blocks: int | None = None) -> None:
@@ -141,8 +149,31 @@ class DrainPlan:
 
     def full(self, destination: str) -> None:
         """`destination` refused a chain past its drop line: other handoffs took the room it
-        had left. It is sent nothing more."""
-        self._free[destination] = self.sent_bytes.get(destination, 0)
+        had left (what it had free when the drain began overstates it now, by how much only
+        it knows). It is sent nothing more until `reopen`."""
+        self._refused.add(destination)
+
+    @property
+    def full_destinations(self) -> list[str]:
+        """Those full (refused past their line) and not given up, in the plan's order."""
+        return [d for d in self.destinations if d in self._refused and d not in self.given_up]
+
+    def waits_for_room(self, chain: DrainChain) -> bool:
+        """Might `chain` go once room frees? A destination serving its model is full, and
+        what it had free less what it was sent would still take the chain."""
+        return any(
+            self.takes(d, chain.model_id) and self._budget(d) >= self.need(d, chain) for d in self.full_destinations
+        )
+
+    def reopen(self) -> list[str]:
+        """Try the full destinations again (room may have freed there), each up to what it
+        had free less what it was sent, as before it refused: that is the room the control
+        plane holds for this drain there, and no more; the destination's next Reserve says
+        whether the chain fits as its tiers stand then (a refusal costs that round trip,
+        nothing is written). Returns those reopened."""
+        reopened = self.full_destinations
+        self._refused.clear()
+        return reopened
 
     def failed(self, destination: str, reason: str, permanent: bool = False) -> None:
         n = self._failed_in_a_row[destination] = self._failed_in_a_row.get(destination, 0) + 1
@@ -151,5 +182,5 @@ class DrainPlan:
 
     @property
     def exhausted(self) -> bool:
-        """No destination is left to try (each given up, or full)."""
+        """No destination is left to try now (each given up, out of room, or full)."""
         return all(d in self.given_up or self.room(d) <= 0 for d in self.destinations)

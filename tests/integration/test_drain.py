@@ -530,6 +530,45 @@ def test_a_drain_counts_what_route_sent_a_destination_its_reports_do_not_show_ye
     assert dst.engine.load(M.model_id, prompt).num_cached_tokens == len(prompt)
 
 
+def route_takes_a_drains_room(c, controlplane, make_agent, n: int, wait_seconds: float):
+    """A drain of `n` one-block prefixes of w-src into w-dst (7.5 blocks of room below its
+    high watermark, 2 its own), and Route's handoff of 4 blocks from w-pre landing there
+    while it runs (in namespace "routed": a cleanup drops them alone). The drain's link is
+    paced (2 blocks a second): it runs while Route's handoff lands, and gets 3 blocks in
+    before the destination refuses the next past its drop line. Returns the operation
+    (running), the source, the destination and the two prompts (its own, Route's)."""
+    from agent.dataplane import DataPlaneConfig
+    from protos.block_hash import hash_prefix, split_hashes
+
+    pre = make_agent("w-pre", role="prefill")
+    paced = DataPlaneConfig(link_bytes_per_second=2 * M.block_bytes, drain_full_wait_seconds=wait_seconds)
+    src = make_agent("w-src", role="prefill", dataplane=paced)
+    dst = make_agent("w-dst", role="decode", cpu_capacity_bytes=10 * M.block_bytes)
+    own = tokens(2, start=1_600_000)
+    dst.engine.store(M.model_id, own, kv(2, seed=700))  # 7.5 blocks of room below the high watermark
+    prompt = tokens(4, start=1_610_000)
+    pre.engine.store(M.model_id, prompt, kv(4, seed=701), namespace="routed")
+    for j in range(n):
+        src.engine.store(M.model_id, tokens(1, start=1_620_000 + 100 * j), kv(1, seed=710 + j))
+    wait_for(lambda: registered(c, "w-pre", "w-src", "w-dst"), what="agents ready")
+    wait_for(lambda: {a.agent_id: a.num_blocks for a in c.list_agents()}.get("w-src") == n, what="indexed")
+    wait_for(lambda: own_blocks_reported(c, "w-dst", 8), 10, what="usage")
+    op = c.drain("w-src", to_agent_ids=["w-dst"])
+    assert op.params["room"] == str(7 * M.block_bytes + M.block_bytes // 2), op.params
+    wait_for(lambda: c.get_operation(op.op_id).num_done_blocks >= 1, 10, 0.01, what="the drain's first block")
+    routed = c.route(M.model_id, prompt, role="decode", prefill_agent_id="w-pre")
+    assert routed.decode_agent_id == "w-dst", routed
+    sent = pre.dataplane.handoff(M.model_id, split_hashes(hash_prefix(M.model_id, prompt, M.block_size)), "w-dst")
+    assert sent.outcome == "transferred", sent
+    return op, src, dst, own, prompt
+
+
+def waiting_for_room(c, op_id: str) -> bool:
+    op = c.get_operation(op_id)
+    assert op.state == "RUNNING", op  # (before: the drain ended at the destination's first refusal)
+    return "waiting for room at w-dst" in op.result
+
+
 def test_route_handoffs_landing_while_a_drain_runs_take_its_room_not_the_destinations_own_blocks(
     controlplane, make_agent
 ):
@@ -538,36 +577,84 @@ def test_route_handoffs_landing_while_a_drain_runs_take_its_room_not_the_destina
     the destination pushed out its own blocks to take in what the drain still sent (a
     driver with 4 Route threads saw destinations drop 116-136 blocks). The destination
     refuses a drain's blocks past the line where its tier policy would drop blocks, as it
-    stands at each Reserve: the drain stops there, and Route's handoffs still land."""
-    from agent.dataplane import DataPlaneConfig
-    from protos.block_hash import hash_prefix, split_hashes
-
-    pre = make_agent("w-pre", role="prefill")
-    # the drain's link is paced (2 blocks a second): it runs while Route's handoff lands
-    src = make_agent("w-src", role="prefill", dataplane=DataPlaneConfig(link_bytes_per_second=2 * M.block_bytes))
-    dst = make_agent("w-dst", role="decode", cpu_capacity_bytes=10 * M.block_bytes)
-    own = tokens(2, start=1_600_000)
-    dst.engine.store(M.model_id, own, kv(2, seed=700))  # 7.5 blocks of room below the high watermark
-    prompt = tokens(4, start=1_610_000)
-    pre.engine.store(M.model_id, prompt, kv(4, seed=701))
-    for j in range(8):
-        src.engine.store(M.model_id, tokens(1, start=1_620_000 + 100 * j), kv(1, seed=710 + j))
+    stands at each Reserve: the drain stops there, and Route's handoffs still land. It
+    tries that destination again for a while (drain_full_wait_seconds, 2 s here), and
+    ends within it when no room frees, saying the destination stayed full."""
+    wait = 2.0
     with ControlPlaneClient(controlplane.address) as c:
-        wait_for(lambda: registered(c, "w-pre", "w-src", "w-dst"), what="agents ready")
-        wait_for(lambda: {a.agent_id: a.num_blocks for a in c.list_agents()}.get("w-src") == 8, what="indexed")
-        wait_for(lambda: own_blocks_reported(c, "w-dst", 8), 10, what="usage")
-        op = c.drain("w-src", to_agent_ids=["w-dst"])
-        assert op.params["room"] == str(7 * M.block_bytes + M.block_bytes // 2), op.params
-        wait_for(lambda: c.get_operation(op.op_id).num_done_blocks >= 1, 10, 0.01, what="the drain's first block")
-        routed = c.route(M.model_id, prompt, role="decode", prefill_agent_id="w-pre")
-        assert routed.decode_agent_id == "w-dst", routed
-        sent = pre.dataplane.handoff(M.model_id, split_hashes(hash_prefix(M.model_id, prompt, M.block_size)), "w-dst")
-        assert sent.outcome == "transferred", sent
+        op, _src, dst, own, prompt = route_takes_a_drains_room(c, controlplane, make_agent, 8, wait)
+        t0 = time.monotonic()
+        wait_for(lambda: waiting_for_room(c, op.op_id), 10, 0.01, what="the drain waiting for room")
+        refused_at = time.monotonic()
         op = c.wait_operation(op.op_id, 60)
+        ended = time.monotonic()
         # 2 own + 4 Route's leave 3.5 blocks below the line: 3 of the drain's (before: all 7 it was given)
         assert op.state == "SUCCEEDED" and op.num_done_blocks == 3, op
-        assert "w-dst full: other handoffs took its room" in op.error, op.error
+        assert "5 of 8 blocks not handed off: w-dst full: other handoffs took its room" in op.error, op.error
+        assert "stayed full through" in op.error, op.error
+        # it waited for room, and no longer than it was told (its last retry at the end)
+        assert wait - 0.5 <= ended - t0 and ended - refused_at <= wait + 2.0, (ended - t0, ended - refused_at)
         time.sleep(1)  # the policy's passes after the destination's reports
     assert dst.engine.load(M.model_id, own).num_cached_tokens == len(own)  # nothing of its own pushed out
     assert dst.engine.load(M.model_id, prompt).num_cached_tokens == len(prompt)
     assert sum(u.num_blocks for u in dst.pool.usage()) == 2 + 4 + 3
+
+
+def test_a_drain_refused_by_a_full_destination_finishes_once_room_frees_there(controlplane, make_agent):
+    """Review: a destination that refused the drain's blocks past its drop line was sent
+    nothing more for the rest of the drain, even once room freed there (a cleanup, the
+    policy dropping, decodes ending): the operation ended with chains left behind. The
+    drain keeps them and tries that destination again, backing off, while it says
+    RUNNING; a cleanup of Route's blocks there frees the room and the drain moves all."""
+    with ControlPlaneClient(controlplane.address) as c:
+        op, _src, dst, own, prompt = route_takes_a_drains_room(c, controlplane, make_agent, 6, 60.0)
+        wait_for(lambda: waiting_for_room(c, op.op_id), 10, 0.01, what="the drain waiting for room")
+        assert c.get_operation(op.op_id).num_done_blocks == 3
+        assert c.wait_operation(c.cleanup(namespace="routed", agent_id="w-dst").op_id, 30).state == "SUCCEEDED"
+        op = c.wait_operation(op.op_id, 30)
+        assert op.state == "SUCCEEDED", op
+        assert (op.num_done_blocks, op.num_total_blocks, op.num_failed_blocks) == (6, 6, 0), op
+        assert op.error == "", op.error
+        assert op.params["taken"] == str(6 * M.block_bytes), op.params  # what it was charged there
+    assert dst.engine.load(M.model_id, own).num_cached_tokens == len(own)  # nothing of its own pushed out
+    assert dst.engine.load(M.model_id, prompt).num_cached_tokens == 0  # the cleanup's
+    for j in range(6):
+        assert dst.engine.load(M.model_id, tokens(1, start=1_620_000 + 100 * j)).num_cached_tokens == M.block_size
+    assert sum(u.num_blocks for u in dst.pool.usage()) == 2 + 6
+
+
+def test_a_drain_cancelled_while_it_waits_for_room_ends_at_once(controlplane, make_agent):
+    """kvctl cancel stops the wait for a full destination at once (not at its next retry,
+    nor at the end of the time it would wait), counting as failed only the prefix the
+    destination refused."""
+    with ControlPlaneClient(controlplane.address) as c:
+        op, _src, _dst, _own, _prompt = route_takes_a_drains_room(c, controlplane, make_agent, 6, 60.0)
+        wait_for(lambda: waiting_for_room(c, op.op_id), 10, 0.01, what="the drain waiting for room")
+        time.sleep(4.0)  # into its 4 s wait between two retries (after those of 0.5, 1 and 2 s)
+        t0 = time.monotonic()
+        c.cancel_operation(op.op_id)
+        op = c.wait_operation(op.op_id, 30)
+        took = time.monotonic() - t0
+        assert op.state == "CANCELLED", op
+        assert (op.num_done_blocks, op.num_total_blocks, op.num_failed_blocks) == (3, 6, 1), op
+        assert took < 1.5, took
+
+
+def test_a_drain_waiting_for_room_ends_at_once_when_its_agent_stops(controlplane, make_agent):
+    """The agent going down (its data plane closing) stops the wait for a full destination
+    at once: the drain's thread is not left sleeping out its retries."""
+    import threading
+
+    with ControlPlaneClient(controlplane.address) as c:
+        op, src, _dst, _own, _prompt = route_takes_a_drains_room(c, controlplane, make_agent, 6, 60.0)
+        wait_for(lambda: waiting_for_room(c, op.op_id), 10, 0.01, what="the drain waiting for room")
+        time.sleep(4.0)  # into its 4 s wait between two retries (after those of 0.5, 1 and 2 s)
+
+        def draining() -> bool:
+            return any(t.name == f"drain {op.op_id}" for t in threading.enumerate())
+
+        assert draining()
+        src.dataplane.close()
+        t0 = time.monotonic()
+        wait_for(lambda: not draining(), 5, 0.01, what="the drain's thread to end")
+        assert time.monotonic() - t0 < 1.0

@@ -163,6 +163,34 @@ def test_a_destination_that_refused_a_chain_past_its_line_is_sent_no_more():
     assert plan.exhausted and not plan.given_up
 
 
+def test_a_full_destination_reopened_is_sent_up_to_the_room_it_was_given_less_what_it_took():
+    """Review: a destination that refused past its line was full for the rest of the drain,
+    even once room freed there. Its chains wait (waits_for_room) and it is tried again
+    (reopen), up to what it had free less what it was sent: the room the control plane
+    holds for the drain there; whether a chain fits now is the destination's to say."""
+    plan = DrainPlan(["a"], [1000])
+    plan.took("a", chain("p"), 300)
+    plan.full("a")
+    assert plan.room("a") == 0 and plan.order(chain("q")) == [] and plan.exhausted
+    assert plan.full_destinations == ["a"] and plan.waits_for_room(chain("q"))
+    assert not plan.waits_for_room(chain(*"abcdefgh"))  # 800 B: more than the 700 B it was given
+    assert plan.reopen() == ["a"] and plan.full_destinations == []
+    assert plan.room("a") == 700 and plan.order(chain("q")) == ["a"] and not plan.exhausted
+    plan.took("a", chain("q"), 700)
+    assert plan.room("a") == 0 and not plan.waits_for_room(chain("r"))  # out of room, not full: no wait
+    assert plan.sent_bytes == {"a": 1000}
+
+
+def test_a_chain_waits_for_room_only_at_a_full_destination_that_could_take_it():
+    plan = DrainPlan(["a", "b"], [1000, 1000], serves={"a": frozenset({"m"}), "b": frozenset({"m2"})})
+    plan.full("b")
+    assert not plan.waits_for_room(chain("r"))  # b serves another model
+    assert plan.waits_for_room(DrainChain("m2", (b"o",), (100,), 0))
+    plan.failed("b", "destination_agent_id: agent b is cordoned", permanent=True)
+    assert plan.full_destinations == [] and not plan.waits_for_room(DrainChain("m2", (b"o",), (100,), 0))
+    assert plan.reopen() == [] and plan.order(DrainChain("m2", (b"o",), (100,), 0)) == []  # given up stays so
+
+
 def test_chains_holding_a_pinned_block_go_first():
     blocks = [meta("hot", last_access=9), meta("kb", last_access=1), meta("kb-q", "kb", 2)]
     pinned = frozenset({blocks[1].block_hash})  # the pinned parent: its chain goes first

@@ -139,6 +139,8 @@ def print_op(ctx: Context, op: OperationView) -> None:
 
 
 DEFAULT_WAIT_TIMEOUT = "300"
+# `kvctl drain --wait`: it ended SUCCEEDED but left blocks behind (1: it failed, 2: bad input)
+DRAIN_LEFT_BLOCKS_EXIT = 3
 
 
 def wait_timeout_option(fn):
@@ -164,8 +166,9 @@ def wait_and_print(
     wait: bool,
     wait_timeout: str = DEFAULT_WAIT_TIMEOUT,
     seconds_left: float | None = None,
-) -> None:
-    """`seconds_left`: what is left of --wait-timeout (part of it went on the first answer)."""
+) -> OperationView:
+    """`seconds_left`: what is left of --wait-timeout (part of it went on the first answer).
+    Exits 1 for an operation that ended other than SUCCEEDED; returns it otherwise."""
     timeout_seconds = wait_timeout_seconds(wait_timeout) if seconds_left is None else seconds_left
     if wait and not op.finished:
         tty = sys.stderr.isatty() and ctx.output != "json"
@@ -202,6 +205,7 @@ def wait_and_print(
         )
     if op.finished and op.state != "SUCCEEDED":
         sys.exit(1)
+    return op
 
 
 def parse_lease_id(text: str) -> int:
@@ -586,7 +590,9 @@ def cordon(ctx: Context, agent_id, reason):
 @click.option("--model", "model_id", default="", help="Only this model's blocks (default: every model).")
 @click.option("--reason", default="drained with kvctl", show_default=True, help="The cordon's reason.")
 @click.option("--deadline", default="", help="Each handoff's answer time (10s, 1m); default: the agent's.")
-@click.option("--wait", is_flag=True, help="Wait until the drain finishes.")
+@click.option(
+    "--wait", is_flag=True, help="Wait until the drain finishes; exit 3 if it left blocks behind (no room for them)."
+)
 @wait_timeout_option
 @pass_ctx
 def drain(ctx: Context, agent_id, to_agent_ids, model_id, reason, deadline, wait, wait_timeout):
@@ -607,7 +613,13 @@ def drain(ctx: Context, agent_id, to_agent_ids, model_id, reason, deadline, wait
         lambda c: c.drain(agent_id, targets, model_id, seconds, reason),
         {"agent_id": "AGENT_ID", "to_agent_ids": "--to", "model_id": "--model", "reason": "--reason"},
     )
-    wait_and_print(ctx, op, wait, wait_timeout)
+    op = wait_and_print(ctx, op, wait, wait_timeout)
+    if op.finished and op.num_failed_blocks:  # SUCCEEDED, yet not empty: taking it down loses those
+        fail(
+            f"drain {op.op_id} left {op.num_failed_blocks} of {op.num_total_blocks} blocks on {agent_id} "
+            f"(why: `kvctl op {op.op_id}`); taking it down now loses their hits",
+            DRAIN_LEFT_BLOCKS_EXIT,
+        )
 
 
 @main.command()

@@ -69,7 +69,6 @@ from protos.kvcp.v1 import agent_pb2, agent_pb2_grpc, types_pb2
 from protos.namespaces import check_namespace
 from protos.pb_enums import tier_pb
 from protos.tier import Tier
-from protos.units import human_bytes
 
 log = logging.getLogger(__name__)
 
@@ -133,8 +132,6 @@ class DataPlaneConfig:
     drain_full_wait_seconds: float = 30.0
 
 
-# why a drain left blocks that this agent no longer held when their turn came
-DROPPED_MEANWHILE = "dropped here before they were sent (a cleanup, eviction or corruption)"
 PEER_CACHE_SECONDS = 2.0  # a peer's etcd record is read again after this long
 PEER_REFRESH_WAIT_SECONDS = 1.0  # a retry waits at most this long (and half its time left) for the peer's record
 PEER_LAPSE_GRACE_SECONDS = 10.0  # a peer whose key vanished is still tried at its last address this long
@@ -142,11 +139,6 @@ PEER_SLAB_IDLE_SECONDS = 60.0  # a peer's mapped slab unused this long is let go
 LINK_FORGET_IDLE_SECONDS = 60.0  # a link unused this long to a peer etcd no longer names is forgotten
 DEPARTED_CHECK_SECONDS = 30.0  # how often idle links' peers are looked up in etcd
 TRANSFER_HEARTBEAT_SECONDS = 5.0  # a control-plane transfer says RUNNING this often while it runs
-# a drain tries the destinations that refused its blocks past their drop line again after
-# this long, doubling up to the cap (a try costs one Reserve round trip; one that moved a
-# chain starts again at the first: room is freeing), for DataPlaneConfig.drain_full_wait_seconds
-DRAIN_FULL_RETRY_FIRST_SECONDS = 0.5
-DRAIN_FULL_RETRY_MAX_SECONDS = 4.0
 
 
 def _rpc_error(exc: grpc.RpcError, what: str) -> PathError:
@@ -530,11 +522,12 @@ class DataPlane(HandoffPaths):
     def _drain(
         self, op_id, model_id, destinations, free_bytes, deadline_seconds, reply, cancelled, fill_limit_bytes=None
     ) -> None:
+        from agent.drain_run import DrainRun  # (here, not above: it imports this module)
+
         with self.pool.lock:  # (a copy of the references: the walk runs without the engine's lock)
             held = list(self.pool.blocks.values())
             pinned = frozenset(m.block_hash for m in held if self.pool.pin_tier(m))
         chains = drain_chains(held, model_id, pinned)
-        total = len({h for c in chains for h in c.block_hashes})
         # a destination is charged the pages a block takes in its own slab, not its payload
         # (an int8 block took 18 % more) nor this agent's pages (another --page-size)
         serves, page_bytes = self._destinations_of(destinations)
@@ -545,180 +538,7 @@ class DataPlane(HandoffPaths):
             return paged_bytes(num_bytes, page) if page else own(num_bytes)
 
         plan = DrainPlan(list(destinations), list(free_bytes), serves, footprint)
-        # the room was each one's when the drain began; Route's handoffs landing there since
-        # take some of it, and the destination refuses the drain's blocks past its drop line
-        lines = dict(zip(destinations, fill_limit_bytes or (), strict=False))
-        sent_to: dict[str, int] = {}  # destination -> payload bytes sent there (the result)
-        done: set[bytes] = set()
-        tried: set[bytes] = set()  # blocks of the chains taken up (a cancel leaves the rest untried, not failed)
-        moved_bytes = 0
-        num_tries = 0  # chains handed off, or tried
-        skipped: list[str] = []  # why chains were left behind
-        progress = {"at": 0.0}
-        note = {"result": ""}  # what a RUNNING drain says it is doing (waiting for room)
-
-        def say(state: str, **fields) -> None:
-            progress["at"] = time.monotonic()
-            if state == "RUNNING" and note["result"]:
-                fields.setdefault("result", note["result"])
-            reply(
-                op_id,
-                state,
-                num_done_blocks=len(done),
-                num_total_blocks=total,
-                moved_bytes=moved_bytes,
-                peer_taken_bytes=[plan.sent_bytes.get(d, 0) for d in destinations],
-                **fields,
-            )
-
-        say("RUNNING")
-        beat_done = threading.Event()
-
-        def beat() -> None:  # a long handoff must not look like a silent agent
-            while not beat_done.wait(TRANSFER_HEARTBEAT_SECONDS):
-                if time.monotonic() - progress["at"] >= TRANSFER_HEARTBEAT_SECONDS:
-                    say("RUNNING")
-
-        threading.Thread(target=beat, name=f"drain {op_id} beat", daemon=True).start()
-
-        def send(chain) -> bool:
-            """Hand `chain` off to the first destination of its order that takes it; False:
-            it waits for room (each destination that could take it is full)."""
-            nonlocal moved_bytes, num_tries
-            order = plan.order(chain)
-            if not order and plan.waits_for_room(chain):
-                return False  # (not tried: a cancel does not count it failed)
-            tried.update(chain.block_hashes)
-            num_tries += 1
-            if not order:
-                if not any(plan.takes(d, chain.model_id) for d in plan.destinations):
-                    skipped.append(f"no destination serves model {chain.model_id!r}")
-                else:
-                    skipped.append("no destination has room for a chain")
-                return True
-            failed = False  # (one full since is no failure: the chain waits for room)
-            for destination in order:
-                try:
-                    # no namespace for all: each block keeps its own there (a chain may
-                    # continue another namespace's prefix: its pins, cleanups and quota)
-                    r = self.handoff(
-                        chain.model_id,
-                        list(chain.block_hashes),
-                        destination,
-                        deadline_seconds,
-                        fill_limit_bytes=lines.get(destination, 0),
-                    )
-                except PrefixNotHeld:  # dropped here meanwhile: nothing to send
-                    skipped.append(DROPPED_MEANWHILE)
-                    return True
-                except errors.FillLimitReached:  # handoffs since the drain began took the rest
-                    plan.full(destination)
-                    continue
-                except errors.KvcpError as exc:  # cordoned since, or gone
-                    plan.failed(destination, str(exc), permanent=True)
-                    failed = True
-                    continue
-                if r.outcome in (TRANSFERRED, PRESENT):
-                    done.update(chain.block_hashes[: r.num_blocks])
-                    moved_bytes += r.sent_bytes
-                    sent_to[destination] = sent_to.get(destination, 0) + r.sent_bytes
-                    landed = plan.landed(destination, chain, r.num_blocks - r.num_sent_blocks, r.num_blocks)
-                    plan.took(destination, chain, landed, r.num_blocks)
-                    if r.num_blocks < len(chain.block_hashes):  # its tail was dropped here meanwhile
-                        skipped.append(DROPPED_MEANWHILE)
-                    return True
-                plan.failed(destination, r.reason)
-                failed = True
-            if plan.waits_for_room(chain):
-                return False
-            skipped.append("every destination failed it" if failed else "no destination has room for a chain")
-            return True
-
-        def stopping() -> bool:
-            return cancelled.is_set() or self._closing
-
-        waiting: list = []  # the chains every destination that could take them refused, full
-        retries, waited = 0, 0.0
-        try:
-            for chain in chains:
-                if stopping() or (plan.exhausted and not plan.full_destinations):
-                    break
-                if all(h in done for h in chain.block_hashes):
-                    continue  # its leaf went with it before: the whole chain is at one destination
-                n = num_tries
-                if not send(chain):
-                    waiting.append(chain)
-                if num_tries > n:  # (not for each chain set aside without a try)
-                    say("RUNNING")
-            # room frees at a full destination as its policy drops blocks, a cleanup runs or
-            # decodes end: its waiting chains are tried again, backing off, for a bounded time
-            began = time.monotonic()
-            give_up_at = began + self.config.drain_full_wait_seconds
-            pause = DRAIN_FULL_RETRY_FIRST_SECONDS
-            while waiting and not stopping() and time.monotonic() < give_up_at:
-                left = give_up_at - time.monotonic()
-                note["result"] = (
-                    f"waiting for room at {', '.join(plan.full_destinations)} (full past the drop line): "
-                    f"{len(waiting)} prefixes to try again, for up to {left:.0f} s more"
-                )
-                say("RUNNING")
-                if self._drain_stopped(cancelled, min(pause, left)):
-                    break
-                plan.reopen()
-                retries += 1
-                before, still = len(done), []
-                for i, chain in enumerate(waiting):
-                    if stopping():
-                        still.extend(waiting[i:])
-                        break
-                    if all(h in done for h in chain.block_hashes):
-                        continue
-                    n = len(done)
-                    if not send(chain):
-                        still.append(chain)
-                    if len(done) > n:
-                        say("RUNNING")
-                waiting = still
-                pause = (
-                    DRAIN_FULL_RETRY_FIRST_SECONDS
-                    if len(done) > before
-                    else min(2 * pause, DRAIN_FULL_RETRY_MAX_SECONDS)
-                )
-            waited = time.monotonic() - began
-            note["result"] = ""
-        finally:
-            beat_done.set()
-        if waiting:  # (a cancel or a stop says otherwise)
-            full = plan.full_destinations
-            tries = f", and it stayed full through {retries} retries in {waited:.1f} s" if retries else ""
-            skipped.extend(f"{d} full: other handoffs took its room since the drain began{tries}" for d in full)
-            if not full:  # (every destination that could take them failed or was given up last)
-                skipped.append("no destination has room for a chain")
-        result = ", ".join(f"{d}: {human_bytes(n)}" for d, n in sent_to.items() if n) or "nothing sent"
-        left = total - len(done)
-        why = "; ".join(
-            [f"{d} given up: {reason}" for d, reason in plan.given_up.items()]
-            + sorted(set(skipped))
-            + (["destinations full"] if plan.exhausted and left and not plan.given_up and not waiting else [])
-        )
-        if cancelled.is_set():  # failed: what was tried and left behind; the blocks not tried are neither
-            say("CANCELLED", num_failed_blocks=len(tried - done), result=result)
-        elif self._closing and left:  # (not a drain that did all it could: one cut short)
-            say(
-                "FAILED",
-                num_failed_blocks=left,
-                result=result,
-                error=f"the agent stopped with {left} of {total} blocks left",
-            )
-        elif left and not done:
-            say("FAILED", num_failed_blocks=left, error=f"no block of {total} handed off: {why or 'no destination'}")
-        else:
-            say(
-                "SUCCEEDED",
-                num_failed_blocks=left,
-                result=result,
-                error=f"{left} of {total} blocks not handed off: {why}" if left else "",
-            )
+        DrainRun(self, op_id, destinations, chains, plan, fill_limit_bytes, deadline_seconds, reply, cancelled).run()
 
     def _destinations_of(self, agent_ids) -> tuple[dict[str, frozenset[str]], dict[str, int]]:
         """The models each agent registered and the page of its handoff slab, where its

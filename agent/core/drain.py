@@ -1,4 +1,4 @@
-"""What a drained agent hands off, in which order, and to whom (agent.dataplane runs it:
+"""What a drained agent hands off, in which order, and to whom (agent.drain_run runs it:
 `kvctl drain`, before a rolling upgrade takes the agent down).
 
 A prefix is a chain of blocks from a root (a block whose parent is not held here) to a
@@ -14,7 +14,7 @@ more than it has free when each chain arrives: the handoffs Route sends it meanw
 room too, and it refuses the drain's blocks past the line where its tier policy would drop
 blocks. Such a destination is full (sent nothing more) until the drain reopens it: the
 chains that found every destination that could take them full wait, and are tried again
-(agent.dataplane backs off between tries, for a bounded time) as room frees there."""
+(agent.drain_run backs off between tries, for a bounded time) as room frees there."""
 
 from __future__ import annotations
 

@@ -53,7 +53,8 @@ class DrainRun:
         self.op_id = op_id
         self.destinations = destinations
         self.chains = chains
-        self.total = len({h for c in chains for h in c.block_hashes})
+        self.hashes = {h for c in chains for h in c.block_hashes}
+        self.total = len(self.hashes)
         self.plan = plan
         # the room was each one's when the drain began; Route's handoffs landing there since
         # take some of it, and the destination refuses the drain's blocks past its drop line
@@ -215,6 +216,14 @@ class DrainRun:
                 self.say("RUNNING")
         self.waiting = still
 
+    def held_left(self) -> int:
+        """The blocks not handed off that this agent still holds: a SUCCEEDED drain's failed
+        ones (`kvctl drain --wait` exits 3 on them: taking the agent down loses them). Those
+        it dropped meanwhile (a cleanup, eviction or corruption) are lost to no one."""
+        pool = self.dataplane.pool
+        with pool.lock:
+            return sum(1 for h in self.hashes - self.done if (m := pool.blocks.get(h)) is not None and m.visible)
+
     def report(self) -> None:
         """The drain's final answer: CANCELLED, FAILED or SUCCEEDED, with what was left and why."""
         plan, done, total = self.plan, self.done, self.total
@@ -250,7 +259,7 @@ class DrainRun:
         else:
             self.say(
                 "SUCCEEDED",
-                num_failed_blocks=left,
+                num_failed_blocks=self.held_left() if left else 0,
                 result=result,
                 error=f"{left} of {total} blocks not handed off: {why}" if left else "",
             )

@@ -30,23 +30,28 @@ starts with the same system prompt the sample is all requests or none.)
 Pure and single-threaded like AccessStats: the lookup path calls `observe` after
 `AccessStats.record_lookup` for the same lookup; the reconcile loop reads `best()`.
 
-Cost: 6.1-6.3 µs a looked-up block for the five shadows (`scripts/evidence_memory.py speed
---lookups 20000` on a shared 2-core host; 10.0-10.8 µs in the same session with a dict per
+Cost: 3.4-4.5 µs a looked-up block for the five shadows where the C loop builds
+(`scripts/evidence_memory.py speed --lookups 20000` on a loaded shared 2-core host; 6.2-7.4
+µs in the same session with numpy admission, 10.0-10.8 µs in an earlier one with a dict per
 shadow and a Python loop a block per shadow). The shadows share one table of block ids, so
-a lookup's hashes are looked up once, and admit a lookup of distinct blocks with a few
-numpy calls; evictions stay a Python loop (the order of the lazy heap is what the policy's
-figures depend on, and `scripts/evidence_equivalence.py` checks it against older code).
+a lookup's hashes are looked up once, and admit a lookup with one call of a C loop
+(tuning_kernel.c; without a C compiler, a lookup of distinct blocks with a few numpy
+calls); the heap and the evictions stay Python (the order of the lazy heap is what the
+policy's figures depend on, and `scripts/evidence_equivalence.py` checks it against older
+code).
 """
 
 from __future__ import annotations
 
+import ctypes
 import heapq
 from array import array
 from collections.abc import Sequence
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import numpy as np
 
+from controlplane.core import tuning_kernel
 from controlplane.core.access_stats import AccessStats
 from protos.block_hash import ROOT_PARENT_HASH
 
@@ -101,12 +106,12 @@ class _BlockIds:
 
     def _grow(self, n: int) -> None:
         n = max(n, len(self.holders) + max(1024, len(self.holders) >> 3))
-        for shadow in self.shadows:
-            shadow.grow(n)
         dtype = self.holders_v.dtype
         del self.holders_v
         self.holders.extend(array(self.typecode, [0]) * (n - len(self.holders)))
         self.holders_v = np.frombuffer(self.holders, dtype=dtype)
+        for shadow in self.shadows:  # after the holders: their C view takes its address
+            shadow.grow(n)
 
     def release(self) -> None:
         holders, block, of = self.holders, self.block, self.of
@@ -122,19 +127,37 @@ class _BlockIds:
 
 class _Lookup:
     """One lookup as the shadows admit it: its blocks' ids, their reuse levels (how many
-    credits each earns; `missing` for a block the history does not track) and, when no
-    block repeats and none is the root's, what the vectorised admission needs."""
+    credits each earns, up to `cap`; `missing` for a block the history does not track)
+    and what its admission needs: for the C loop (`native`), the blocks' lookup counts and
+    scratch columns by level; otherwise, when no block repeats and none is the root's,
+    what the vectorised admission needs."""
 
-    __slots__ = ("ids", "levels", "missing", "simple", "np_ids", "np_prev", "group_levels", "group_ids", "group_of")
+    __slots__ = (
+        *("ids", "levels", "cap", "missing", "simple", "np_ids", "np_prev", "group_levels", "group_ids", "group_of"),
+        *("counts", "c", "c_at"),
+    )
 
-    def __init__(self, ids: array, levels: list[int], missing: int) -> None:
+    def __init__(self, ids: array, num_lookups: list[int], cap: int, native: bool = False) -> None:
         self.ids = ids
-        self.levels = levels
-        self.missing = missing
-        self.simple = bool(ids) and _ROOT_SLOT not in ids and len(set(ids)) == len(ids)
+        self.cap = cap
+        self.missing = missing = max(cap, 0) + 1  # no credit
         self.np_prev: np.ndarray | None = None
-        # the lookup's distinct levels in the order they first appear; when there are
-        # several, each one's blocks (in lookup order) and each block's index among them
+        self.counts: array | None = None
+        # group_levels: the lookup's distinct levels in the order they first appear; for
+        # the vectorised admission, when there are several, each one's blocks (in lookup
+        # order, group_ids) and each block's index among them (group_of)
+        if native:  # the C loop reads each block's level off its count
+            self.simple = False
+            self.levels: list[int] = []
+            self.group_levels = list(
+                dict.fromkeys(min(n - 1, cap) if n else missing for n in dict.fromkeys(num_lookups))
+            )
+            self.counts = array("q", num_lookups)  # each block's lookups in AccessStats (0: not tracked)
+            self.c = tuning_kernel.Lookup(ids.buffer_info()[0], self.counts.buffer_info()[0], len(ids), cap, missing)
+            self.c_at = ctypes.addressof(self.c)
+            return
+        self.levels = levels = [min(n - 1, cap) if n else missing for n in num_lookups]
+        self.simple = bool(ids) and _ROOT_SLOT not in ids and len(set(ids)) == len(ids)
         self.group_levels = list(dict.fromkeys(levels))
         if self.simple:
             self.np_ids = np.frombuffer(ids, dtype=np.int64)
@@ -166,9 +189,10 @@ class _Shadow:
     one admission with one key are a run in the order, so the heap holds one
     `(key, tick, ids)` group per run, `ids` a typed stack whose top is the run's next
     entry; `num_entries` counts the entries the heap of single entries would hold, which
-    says when to rebuild. A lookup whose blocks are distinct is admitted with a few numpy
-    calls on views of the columns; one that repeats a block (or names the root's hash)
-    block by block, with the same result. 80-107 B a block (tracemalloc, the hash not
+    says when to rebuild. A lookup is admitted by one call of the C loop
+    (tuning_kernel.c) where it builds; otherwise one whose blocks are distinct with a few
+    numpy calls on views of the columns, and one that repeats a block (or names the
+    root's hash) block by block: all three with the same result. 80-107 B a block (tracemalloc, the hash not
     included: AccessStats holds it; the columns are sized by the ids of all the shadows,
     ~2x one shadow's blocks), 117-156 B with a dict and lists per shadow.
 
@@ -181,6 +205,7 @@ class _Shadow:
         capacity_blocks: int,
         recent_first: bool = False,
         ids: _BlockIds | None = None,
+        kernel: Any = None,  # tuning_kernel.load()'s library (ctypes: typed there)
     ) -> None:
         self.credit_turnovers = credit_turnovers
         self.recent_first = recent_first
@@ -194,6 +219,14 @@ class _Shadow:
         self.num_children = array(code, [0]) * n
         self.key = array("d", [0.0]) * n  # priority
         self.tick = array("q", [-1]) * n  # the admission that set the key; -1: not cached
+        # the C loop for this typecode, or None (numpy, or block by block), and its view of
+        # the columns and of this admission's tables by reuse level (sized by the tuner)
+        self.admit_c = None if kernel is None else kernel.tn_admit_i32 if code == "i" else kernel.tn_admit_i64
+        self.c = tuning_kernel.Shadow()
+        self.c_at = ctypes.addressof(self.c)
+        self.level_key = array("d")  # by level: its key in this admission
+        self.run_of_level = array("q")  # by level: the run its blocks go in (by key)
+        self.run_counts = array("q")  # by run: its number of blocks
         self._views()
         self.size = 0
         self.heap: list[tuple[float, int, array]] = []
@@ -206,6 +239,11 @@ class _Shadow:
         self.num_children_v = np.frombuffer(self.num_children, dtype=self.dtype)
         self.key_v = np.frombuffer(self.key, dtype=np.float64)
         self.tick_v = np.frombuffer(self.tick, dtype=np.int64)
+        c = self.c  # the C loop's view: the columns move as they grow
+        c.parent, c.num_children, c.holders = (
+            a.buffer_info()[0] for a in (self.parent, self.num_children, self.ids.holders)
+        )
+        c.key, c.tick = self.key.buffer_info()[0], self.tick.buffer_info()[0]
 
     def grow(self, n: int) -> None:
         """Columns for ids up to n (the views let go first: a viewed array cannot grow)."""
@@ -240,14 +278,51 @@ class _Shadow:
     def admit(self, lookup: _Lookup, now: float, turnover: float) -> int:
         """Admit the lookup's blocks; returns its prefix hits (the blocks cached before)."""
         self.ticks += 1
-        hits = (
-            self._admit_vectorised(lookup, now, turnover) if lookup.simple else self._admit_each(lookup, now, turnover)
-        )
+        if lookup.counts is not None:
+            hits = self._admit_native(lookup, now, turnover)
+        elif lookup.simple:
+            hits = self._admit_vectorised(lookup, now, turnover)
+        else:
+            hits = self._admit_each(lookup, now, turnover)
         self.num_entries += len(lookup.ids)
         self._evict()
         if self.num_entries > 4 * max(self.size, 1024):
             self._rebuild()
         return hits
+
+    def _admit_native(self, lookup: _Lookup, now: float, turnover: float) -> int:
+        """With the C loop (tuning_kernel.c): what `_admit_each` does, any lookup."""
+        n = len(lookup.ids)
+        if not n:
+            return 0
+        assert self.admit_c is not None
+        runs = self._keys(lookup, now, turnover)
+        levels, c = lookup.group_levels, self.c
+        if len(self.level_key) <= lookup.missing:  # the tables by level (their size never changes)
+            size = lookup.missing + 1
+            self.level_key = array("d", [0.0]) * size
+            self.run_of_level = array("q", [0]) * size
+            self.run_counts = array("q", [0]) * size
+            c.level_key, c.run_of_level, c.run_counts = (
+                a.buffer_info()[0] for a in (self.level_key, self.run_of_level, self.run_counts)
+            )
+        level_key, run_of_level = self.level_key, self.run_of_level
+        for r, (k, groups) in enumerate(runs.items()):
+            for g in groups:
+                level_key[levels[g]] = k
+                run_of_level[levels[g]] = r
+        out = lookup.ids[:]  # the blocks by run: the runs' stacks
+        c.num_runs, c.t, c.out = len(runs), self.ticks, out.buffer_info()[0]
+        self.admit_c(self.c_at, lookup.c_at)
+        self.size += c.added
+        if len(runs) == 1:
+            heapq.heappush(self.heap, (next(iter(runs)), self.ticks, out))
+            return c.hits
+        start = 0
+        for k, num in zip(runs, self.run_counts, strict=False):
+            heapq.heappush(self.heap, (k, self.ticks, out[start : start + num]))  # deeper blocks later: popped first
+            start += num
+        return c.hits
 
     def _admit_vectorised(self, lookup: _Lookup, now: float, turnover: float) -> int:
         ids, t = lookup.np_ids, self.ticks
@@ -402,6 +477,7 @@ class CreditTuner:
         max_reuse_credits: int = 3,
         half_life_lookups: float = DEFAULT_HALF_LIFE_LOOKUPS,
         max_shadow_blocks: int = DEFAULT_MAX_SHADOW_BLOCKS,
+        use_kernel: bool = True,
     ) -> None:
         if capacity_blocks <= 0:
             raise ValueError("capacity_blocks must be positive")
@@ -415,8 +491,11 @@ class CreditTuner:
         self.shadow_blocks = min(capacity_blocks, max_shadow_blocks)
         # int32 ids and columns unless the shadows could hold more blocks than that counts
         self.ids = _BlockIds("i" if (len(candidates) + 2) * self.shadow_blocks < 1 << 30 else "q")
-        self.shadows = [_Shadow(float(c), self.shadow_blocks, ids=self.ids) for c in candidates]
-        self.scan = _Shadow(0.0, self.shadow_blocks, recent_first=True, ids=self.ids)
+        # the C loop admits where it builds (tuning_kernel), and the levels index its tables
+        kernel = tuning_kernel.load() if use_kernel and max_reuse_credits >= 0 else None
+        self.native = kernel is not None
+        self.shadows = [_Shadow(float(c), self.shadow_blocks, ids=self.ids, kernel=kernel) for c in candidates]
+        self.scan = _Shadow(0.0, self.shadow_blocks, recent_first=True, ids=self.ids, kernel=kernel)
         self._keep = 0.5 ** (1.0 / half_life_lookups)
 
     def num_blocks(self) -> int:
@@ -429,9 +508,7 @@ class CreditTuner:
         cap = self.max_reuse_credits
         # AccessStats' objects: shadows keep these, not the lookup's copies
         hashes, num_lookups = stats.lookups_of(block_hashes)
-        missing = max(cap, 0) + 1  # the level of a block the history does not track: no credit
-        levels = [min(n - 1, cap) if n else missing for n in num_lookups]
-        lookup = _Lookup(self.ids.intern(hashes), levels, missing)
+        lookup = _Lookup(self.ids.intern(hashes), num_lookups, cap, self.native)
         keep = self._keep
         for sh in (*self.shadows, self.scan):
             sh.score = sh.score * keep + sh.admit(lookup, now, turnover)

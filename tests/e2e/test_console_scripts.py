@@ -36,9 +36,12 @@ class Cluster:
         self.endpoint = f"127.0.0.1:{self.cp_port}"
         self.agent_ports: dict[str, int] = {}
         self.lookup_endpoint = f"unix:{tmp_path}/lookup.sock"
+        self.log_offsets: dict[str, int] = {}
 
     def spawn(self, name: str, argv: list[str]) -> subprocess.Popen:
-        log = open(self.tmp / f"{name}.log", "ab")  # noqa: SIM115
+        path = self.tmp / f"{name}.log"
+        self.log_offsets[name] = path.stat().st_size if path.exists() else 0  # a restart appends to its log
+        log = open(path, "ab")  # noqa: SIM115
         proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT)
         self.procs[name] = proc
         return proc
@@ -81,6 +84,23 @@ class Cluster:
             ],
         )
 
+    def wait_serving(self, *agent_ids: str) -> None:
+        """Until each agent process (the last one started under its id) says it serves (once
+        started, registered in etcd). Its start is mostly importing torch, 3.5 s of CPU: 25 s
+        on a 2-core machine far over its cores (two agents at once took 31 s to show in
+        kvctl agents, failing a 30 s wait), so the start gets its own bound and the waits
+        after it measure the cluster, not the import."""
+        for agent_id in agent_ids:
+            path, proc = self.tmp / f"{agent_id}.log", self.procs[agent_id]
+
+            def serving(agent_id=agent_id, path=path, proc=proc) -> bool:
+                said = path.read_bytes()[self.log_offsets[agent_id] :].decode(errors="replace")
+                if proc.poll() is not None:
+                    raise AssertionError(f"kvcp-agent {agent_id} exited with {proc.returncode}: {said}")
+                return f"kvcp-agent {agent_id} serving on" in said
+
+            wait_for(serving, 120, 0.2, f"kvcp-agent {agent_id} serving")
+
     def agents(self) -> dict[str, dict]:
         return {a["agent_id"]: a for a in json.loads(kvctl(self.endpoint, "-o", "json", "agents").stdout)}
 
@@ -106,6 +126,7 @@ def test_cluster_from_console_scripts(cluster, tmp_path):
     cluster.start_controlplane()
     cluster.start_agent("agent-a")
     cluster.start_agent("agent-b", None, 3, "--transfer-engine", "none")
+    cluster.wait_serving("agent-a", "agent-b")
     wait_for(lambda: set(cluster.agents()) == {"agent-a", "agent-b"}, 30, 0.3, "two agents")
     # an agent without its transfer engine says so, and which ways its handoffs go
     table = kvctl(cluster.endpoint, "agents").stdout
@@ -197,6 +218,7 @@ def test_cluster_from_console_scripts(cluster, tmp_path):
 
     # restarted with the same id, it registers again and resyncs (its memory tier is empty)
     cluster.start_agent("agent-b")
+    cluster.wait_serving("agent-b")
     wait_for(lambda: cluster.agents().get("agent-b", {}).get("state") == "ready", 20, 0.2, "agent-b back")
     assert cluster.agents()["agent-b"]["num_blocks"] == 0
 
@@ -208,6 +230,7 @@ def test_restart_before_lease_expiry_replaces_stale_blocks(cluster):
     lease = 60
     cluster.start_controlplane()
     cluster.start_agent("agent-r", lease_ttl_seconds=lease)
+    cluster.wait_serving("agent-r")
     wait_for(lambda: "agent-r" in cluster.agents(), 30, 0.2, "agent up")
     engine = EngineClient(f"127.0.0.1:{cluster.agent_ports['agent-r']}")
     engine.store(M.model_id, list(range(4 * M.block_size)), bytes(4 * M.block_bytes))
@@ -217,6 +240,7 @@ def test_restart_before_lease_expiry_replaces_stale_blocks(cluster):
     cluster.procs["agent-r"].wait()
     killed = time.monotonic()
     cluster.start_agent("agent-r", lease_ttl_seconds=lease)  # same id, new process, old lease still alive
+    cluster.wait_serving("agent-r")
     wait_for(
         lambda: cluster.agents()["agent-r"]["num_blocks"] == 0, 40, 0.2, "stale blocks replaced by the new inventory"
     )
@@ -286,6 +310,7 @@ def test_kvctl_bad_files_one_line_nonzero(tmp_path):
 def test_kvctl_unknown_model_is_not_found(cluster):
     cluster.start_controlplane()
     cluster.start_agent("agent-m")
+    cluster.wait_serving("agent-m")
     wait_for(lambda: "agent-m" in cluster.agents(), 20, 0.2, "agent up")
     proc = kvctl(cluster.endpoint, "lookup", "--model", "no-such-model", "--tokens", "1,2,3", check=False)
     assert proc.returncode == 1

@@ -26,6 +26,7 @@ def test_a_restart_with_a_wrong_model_parks_its_disk_blocks_and_says_why(etcd, t
     try:
         c.start_controlplane()
         c.start_agent("agent-p", None, 3, *disk)
+        c.wait_serving("agent-p")
         wait_for(lambda: c.agents().get("agent-p", {}).get("state") == "ready", 30, 0.3, "agent ready")
         prompt = tmp_path / "prompt.txt"
         store = [sys.executable, str(STORE_PROMPT), "--agent", f"127.0.0.1:{c.agent_ports['agent-p']}"]
@@ -50,7 +51,7 @@ def test_a_restart_with_a_wrong_model_parks_its_disk_blocks_and_says_why(etcd, t
             c.procs["agent-p"].wait(20)
             start = len(log.read_text())
             c.start_agent("agent-p", None, 3, *disk, *model)
-            wait_for(lambda: "serving on" in log.read_text()[start:], 30, 0.2, "agent serving again")
+            c.wait_serving("agent-p")
             wait_for(lambda: c.agents().get("agent-p", {}).get("state") == "ready", 30, 0.3, "agent ready again")
             return log.read_text()[start:]
 

@@ -24,6 +24,7 @@ def test_kvctl_drain_moves_an_agents_prefixes_before_maintenance(etcd, tmp_path)
         c.start_controlplane()
         c.start_agent("agent-a")
         c.start_agent("agent-b")
+        c.wait_serving("agent-a", "agent-b")
         wait_for(lambda: {a["state"] for a in c.agents().values()} == {"ready"} and len(c.agents()) == 2, 30, 0.3)
         prompt = tmp_path / "prompt.txt"
         store = [sys.executable, str(STORE_PROMPT), "--agent", f"127.0.0.1:{c.agent_ports['agent-a']}"]

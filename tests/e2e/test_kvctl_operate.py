@@ -52,6 +52,7 @@ def cluster(etcd_server, tmp_path_factory):
             "3",
         ],
     )
+    c.wait_serving("agent-d")
     wait_for(lambda: "agent-d" in c.agents(), 30, 0.3, "agent up")
     yield c
     c.stop()

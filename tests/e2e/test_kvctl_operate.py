@@ -30,32 +30,34 @@ def cluster(etcd_server, tmp_path_factory):
     client.delete_prefix(ROOT)
     tmp = tmp_path_factory.mktemp("operate")
     c = Cluster(etcd_server.endpoint, tmp)
-    c.start_controlplane()
-    port = c.agent_ports.setdefault("agent-d", free_port())
-    c.spawn(
-        "agent-d",
-        [
-            script("kvcp-agent"),
-            "--agent-id",
+    try:
+        c.start_controlplane()
+        port = c.agent_ports.setdefault("agent-d", free_port())
+        c.spawn(
             "agent-d",
-            "--listen",
-            f"127.0.0.1:{port}",
-            "--etcd",
-            etcd_server.endpoint,
-            "--cpu-capacity",
-            "8MiB",
-            "--disk-dir",
-            str(tmp / "disk"),
-            "--disk-capacity",
-            "64MiB",
-            "--lease-ttl-seconds",
-            "3",
-        ],
-    )
-    c.wait_serving("agent-d")
-    wait_for(lambda: "agent-d" in c.agents(), 30, 0.3, "agent up")
-    yield c
-    c.stop()
+            [
+                script("kvcp-agent"),
+                "--agent-id",
+                "agent-d",
+                "--listen",
+                f"127.0.0.1:{port}",
+                "--etcd",
+                etcd_server.endpoint,
+                "--cpu-capacity",
+                "8MiB",
+                "--disk-dir",
+                str(tmp / "disk"),
+                "--disk-capacity",
+                "64MiB",
+                "--lease-ttl-seconds",
+                "3",
+            ],
+        )
+        c.wait_serving("agent-d")
+        wait_for(lambda: "agent-d" in c.agents(), 30, 0.3, "agent up")
+        yield c
+    finally:  # a failed wait above stops them too: they would go on registering in the worker's etcd
+        c.stop()
     client.delete_prefix(ROOT)
     client.close()
 

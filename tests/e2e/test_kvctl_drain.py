@@ -68,6 +68,7 @@ def test_kvctl_drain_wait_exits_3_naming_the_blocks_it_left_when_the_destination
         c.start_controlplane()
         c.start_agent("agent-a")
         c.start_agent("agent-b", None, 3, "--cpu-capacity", "64KiB")  # 8 blocks of 8 KiB
+        c.wait_serving("agent-a", "agent-b")
         wait_for(lambda: {a["state"] for a in c.agents().values()} == {"ready"} and len(c.agents()) == 2, 30, 0.3)
         engine = EngineClient(f"127.0.0.1:{c.agent_ports['agent-a']}")
         for k in range(4):  # four prompts of 6 blocks: agent-b has room for one

@@ -88,6 +88,8 @@ class _BlockIds:
     def intern(self, hashes: Sequence[bytes]) -> array:
         """The blocks' ids (int64: numpy indexes with them without a conversion)."""
         of, block, free = self.of, self.block, self.free
+        if len(block) + len(hashes) > len(self.holders):  # room for all of them new, first: a
+            self._grow(len(block) + len(hashes))  # growth that fails (no memory) interns none
         out = array("q")
         for h in hashes:
             i = of.get(h)
@@ -98,20 +100,26 @@ class _BlockIds:
                 else:
                     i = len(block)
                     block.append(h)
-                    if i >= len(self.holders):
-                        self._grow(i + 1)
                 of[h] = i
             out.append(i)
         return out
 
     def _grow(self, n: int) -> None:
+        """Columns for ids up to n: the shadows' first, then the holders, so that a growth
+        that fails part way (no memory) leaves every column the C loop indexes alive (its
+        views refreshed) and at least as long as the holders, which bound the ids."""
         n = max(n, len(self.holders) + max(1024, len(self.holders) >> 3))
+        n = max([n, *(shadow.longest() for shadow in self.shadows)])  # after a failed growth
+        for shadow in self.shadows:
+            shadow.grow(n)
         dtype = self.holders_v.dtype
         del self.holders_v
-        self.holders.extend(array(self.typecode, [0]) * (n - len(self.holders)))
-        self.holders_v = np.frombuffer(self.holders, dtype=dtype)
-        for shadow in self.shadows:  # after the holders: their C view takes its address
-            shadow.grow(n)
+        try:
+            self.holders.extend(array(self.typecode, [0]) * (n - len(self.holders)))
+        finally:
+            self.holders_v = np.frombuffer(self.holders, dtype=dtype)
+            for shadow in self.shadows:  # the holders may have moved
+                shadow.c.holders = self.holders.buffer_info()[0]
 
     def release(self) -> None:
         holders, block, of = self.holders, self.block, self.of
@@ -235,26 +243,32 @@ class _Shadow:
         self.ticks = 0  # admissions so far: at equal priority the older admission goes first
 
     def _views(self) -> None:
-        self.parent_v = np.frombuffer(self.parent, dtype=self.dtype)
-        self.num_children_v = np.frombuffer(self.num_children, dtype=self.dtype)
-        self.key_v = np.frombuffer(self.key, dtype=np.float64)
-        self.tick_v = np.frombuffer(self.tick, dtype=np.int64)
-        c = self.c  # the C loop's view: the columns move as they grow
+        c = self.c  # the C loop's view, first: the columns move as they grow
         c.parent, c.num_children, c.holders = (
             a.buffer_info()[0] for a in (self.parent, self.num_children, self.ids.holders)
         )
         c.key, c.tick = self.key.buffer_info()[0], self.tick.buffer_info()[0]
+        self.parent_v = np.frombuffer(self.parent, dtype=self.dtype)
+        self.num_children_v = np.frombuffer(self.num_children, dtype=self.dtype)
+        self.key_v = np.frombuffer(self.key, dtype=np.float64)
+        self.tick_v = np.frombuffer(self.tick, dtype=np.int64)
 
     def grow(self, n: int) -> None:
-        """Columns for ids up to n (the views let go first: a viewed array cannot grow)."""
+        """Columns for ids up to n (the views let go first: a viewed array cannot grow; and
+        taken again whatever happens: the C loop must never hold a column's old address)."""
         del self.parent_v, self.num_children_v, self.key_v, self.tick_v
-        more = n - len(self.tick)
         code = self.ids.typecode
-        self.parent.extend(array(code, [_ROOT_SLOT]) * more)
-        self.num_children.extend(array(code, [0]) * more)
-        self.key.extend(array("d", [0.0]) * more)
-        self.tick.extend(array("q", [-1]) * more)
-        self._views()
+        try:  # each to n: a column a failed growth left longer is not grown twice
+            self.parent.extend(array(code, [_ROOT_SLOT]) * (n - len(self.parent)))
+            self.num_children.extend(array(code, [0]) * (n - len(self.num_children)))
+            self.key.extend(array("d", [0.0]) * (n - len(self.key)))
+            self.tick.extend(array("q", [-1]) * (n - len(self.tick)))
+        finally:
+            self._views()
+
+    def longest(self) -> int:
+        """The longest column (they differ only after a growth that failed part way)."""
+        return max(len(self.parent), len(self.num_children), len(self.key), len(self.tick))
 
     def __len__(self) -> int:
         return self.size

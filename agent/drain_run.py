@@ -29,6 +29,9 @@ DROPPED_MEANWHILE = "dropped here before they were sent (a cleanup, eviction or 
 # chain starts again at the first: room is freeing), for DataPlaneConfig.drain_full_wait_seconds
 DRAIN_FULL_RETRY_FIRST_SECONDS = 0.5
 DRAIN_FULL_RETRY_MAX_SECONDS = 4.0
+# the blocks a partial drain left are counted under the pool's lock this many at a time
+# (the engine's store, lookup and load wait on that lock)
+HELD_LEFT_CHUNK = 4096
 
 
 class DrainRun:
@@ -220,9 +223,13 @@ class DrainRun:
         """The blocks not handed off that this agent still holds: a SUCCEEDED drain's failed
         ones (`kvctl drain --wait` exits 3 on them: taking the agent down loses them). Those
         it dropped meanwhile (a cleanup, eviction or corruption) are lost to no one."""
-        pool = self.dataplane.pool
-        with pool.lock:
-            return sum(1 for h in self.hashes - self.done if (m := pool.blocks.get(h)) is not None and m.visible)
+        pool, left = self.dataplane.pool, list(self.hashes - self.done)
+        held = 0
+        for i in range(0, len(left), HELD_LEFT_CHUNK):  # a chunk at a time: the engine waits on the lock
+            with pool.lock:
+                blocks = pool.blocks
+                held += sum(1 for h in left[i : i + HELD_LEFT_CHUNK] if (m := blocks.get(h)) is not None and m.visible)
+        return held
 
     def report(self) -> None:
         """The drain's final answer: CANCELLED, FAILED or SUCCEEDED, with what was left and why."""

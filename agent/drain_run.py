@@ -182,7 +182,7 @@ class DrainRun:
         began = time.monotonic()
         give_up_at = began + self.dataplane.config.drain_full_wait_seconds
         pause = DRAIN_FULL_RETRY_FIRST_SECONDS
-        while self.waiting and not self.stopping() and time.monotonic() < give_up_at:
+        while self.waiting and self.plan.full_destinations and not self.stopping() and time.monotonic() < give_up_at:
             left = give_up_at - time.monotonic()
             self.note = (
                 f"waiting for room at {', '.join(self.plan.full_destinations)} (full past the drop line): "

@@ -614,7 +614,7 @@ def drain(ctx: Context, agent_id, to_agent_ids, model_id, reason, deadline, wait
         {"agent_id": "AGENT_ID", "to_agent_ids": "--to", "model_id": "--model", "reason": "--reason"},
     )
     op = wait_and_print(ctx, op, wait, wait_timeout)
-    if op.finished and op.num_failed_blocks:  # SUCCEEDED, yet not empty: taking it down loses those
+    if wait and op.finished and op.num_failed_blocks:  # SUCCEEDED, yet not empty: taking it down loses those
         fail(
             f"drain {op.op_id} left {op.num_failed_blocks} of {op.num_total_blocks} blocks on {agent_id} "
             f"(why: `kvctl op {op.op_id}`); taking it down now loses their hits",

@@ -1,5 +1,6 @@
 """C loops compiled on first use and loaded with ctypes, for the few per-element loops that
-numpy or torch run slowly (the block index's per-event probes, the int8 codec).
+numpy or torch run slowly (the block index's per-event probes, the int8, int4 and fp8 codecs,
+the credit tuner's shadow admission).
 
 `load(source, name)` compiles `source` with the machine's C compiler (`cc`, or $CC) into
 $XDG_CACHE_HOME/kvcp (or ~/.cache/kvcp), named by the source's digest and the flags, so an

@@ -64,6 +64,9 @@ PARKED_SECONDS = 600.0  # recovered blocks whose prefix was lost wait this long 
 # not served, another KV layout) are parked: no block's hash, so none is ever adopted here
 UNSERVED_PARENT = b"unserved"
 OTHER_WRITER_WAIT_SECONDS = 2.0  # a store waits this long at most for a block another store is writing
+# how many times a store waits again for a block another store placed just after it looked
+# (it then stops there: the bound keeps a store from chasing other writers without end)
+MAX_LOST_RACES = 8
 
 
 class BlockPool(BlockMoves, DiskCompaction):
@@ -209,16 +212,19 @@ class BlockPool(BlockMoves, DiskCompaction):
         return self.models[model_id]
 
     # ---- writes ---------------------------------------------------------------------
-    def _await_other_writer(self, block_hash: bytes) -> None:
+    def _await_other_writer(self, block_hash: bytes) -> bool:
         """A block another caller is writing (two engines storing one system prompt at
         once): wait a little for it, so this caller's longer chain goes on after it
-        instead of stopping there (its tail was lost, its reply saying nothing stored)."""
+        instead of stopping there (its tail was lost, its reply saying nothing stored).
+        False: it waited all it may."""
         deadline = time.monotonic() + OTHER_WRITER_WAIT_SECONDS
         while True:
             with self.lock:
                 meta = self.blocks.get(block_hash)
-                if meta is None or meta.ready or time.monotonic() >= deadline:
-                    return  # absent, written (readable or not: no wait helps), or waited enough
+                if meta is None or meta.ready:
+                    return True  # absent, or written (readable or not: no wait helps)
+                if time.monotonic() >= deadline:
+                    return False
             time.sleep(0.0005)
 
     def insert_chain(
@@ -248,12 +254,17 @@ class BlockPool(BlockMoves, DiskCompaction):
         pending: BlockMeta | None = None
         try:
             parent = ROOT_PARENT_HASH
-            for i, h in enumerate(block_hashes):
-                self._await_other_writer(h)
+            i, lost_races = 0, 0  # (a block another caller placed first: waited for, then present)
+            while i < len(block_hashes):
+                h = block_hashes[i]
+                waited_out = not self._await_other_writer(h)
                 with self.lock:
                     meta = self.blocks.get(h)
                     if meta is not None:
                         if not meta.visible:
+                            if not meta.ready and not waited_out and lost_races < MAX_LOST_RACES:
+                                lost_races += 1  # another caller placed it just after the wait
+                                continue
                             break  # still being written by another caller (past the wait), or unreadable
                         meta.ref_count += 1
                         if parent_meta is not None:
@@ -262,6 +273,7 @@ class BlockPool(BlockMoves, DiskCompaction):
                         present += 1
                         chain.append(h)
                         parent = h
+                        i += 1
                         continue
                     if parent != ROOT_PARENT_HASH and parent not in self.blocks:
                         break
@@ -311,6 +323,11 @@ class BlockPool(BlockMoves, DiskCompaction):
                     block_codec, payload = self._encode_for(codec, data)
                     digest = payload_checksum(payload)
                 if handle is None:
+                    if h in self.blocks and lost_races < MAX_LOST_RACES:
+                        # another caller placed it while this one encoded it: wait for its
+                        # write and go on after it, rather than stop (the tail lost)
+                        lost_races += 1
+                        continue
                     no_room_at = i if h not in self.blocks else None
                     break
                 try:
@@ -334,6 +351,7 @@ class BlockPool(BlockMoves, DiskCompaction):
                 stored += 1
                 chain.append(h)
                 parent = h
+                i += 1
         finally:
             # a write that failed part way may have GPU copies still landing in its pages
             quiet = pending is None or block_moves.gpu_quiet([self.store_of[pending.tier]], (payload,))

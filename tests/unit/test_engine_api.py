@@ -278,3 +278,45 @@ def test_two_stores_of_one_prefix_at_once_keep_the_longer_ones_tail(monkeypatch)
     assert done["a"].num_stored_blocks in (1, 2) and b.num_present_blocks >= 1
     assert b.num_present_blocks + b.num_stored_blocks == 4  # nothing of B's tail lost
     assert engine.lookup(SPEC.model_id, tokens) == 4 * bs
+
+
+def test_a_store_that_loses_the_race_to_write_a_block_goes_on_after_the_winner(monkeypatch):
+    """Two stores of one prefix both found block 0 absent; A placed it first, while B was
+    encoding it outside the lock. B then stopped at block 0, answering (0, 0) with its tail
+    never cached (seen in a CI run of the test above: B lost the race for block 1 after both
+    waited for block 0). B now waits for A's block and goes on after it."""
+    import threading
+
+    engine = make_engine()
+    bs = SPEC.block_size
+    tokens, kv = list(range(3 * bs)), kv_for(3)
+    a_writing, release = threading.Event(), threading.Event()
+    real_write, real_encode = MemoryTier.write, BlockPool._encode_for
+
+    def slow_write(self, handle, payload, meta=None):
+        if threading.current_thread().name == "engine-a" and not a_writing.is_set():
+            a_writing.set()  # A has placed block 0 (not ready yet) and writes it
+            release.wait(5)
+        return real_write(self, handle, payload, meta)
+
+    def encode_while_a_places_block_0(self, codec, data):
+        if threading.current_thread().name == "engine-b" and not a_writing.is_set():
+            a.start()  # B found block 0 absent; A places it while B encodes
+            assert a_writing.wait(5)
+            threading.Timer(0.2, release.set).start()
+        return real_encode(self, codec, data)
+
+    monkeypatch.setattr(MemoryTier, "write", slow_write)
+    monkeypatch.setattr(BlockPool, "_encode_for", encode_while_a_places_block_0)
+    done = {}
+    a = threading.Thread(target=lambda: done.setdefault("a", engine.store(SPEC.model_id, tokens[:bs], kv[:1])))
+    a.name = "engine-a"
+    b = threading.Thread(target=lambda: done.setdefault("b", engine.store(SPEC.model_id, tokens, kv)))
+    b.name = "engine-b"
+    b.start()
+    b.join(10)
+    a.join(10)
+    assert done["a"].num_stored_blocks == 1
+    assert (done["b"].num_present_blocks, done["b"].num_stored_blocks) == (1, 2), done["b"]
+    res = engine.load(SPEC.model_id, tokens)
+    assert res.num_cached_tokens == 3 * bs and torch.equal(res.kv, kv)

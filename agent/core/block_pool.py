@@ -508,49 +508,65 @@ class BlockPool(BlockMoves, DiskCompaction):
         """Make reserved blocks [num_present, N) visible, all at once (one lock hold).
         `namespace`: one for all, or one per block of the prefix.
         A block stored here meanwhile keeps its copy and the reserved pages are freed.
-        Raises ValueError (and changes nothing) when one is being written by another
-        caller right now, or the leading blocks went away. Returns blocks added."""
+        A block another caller is writing right now (an engine's store of the same prefix)
+        is waited for, outside the lock as a store waits, and its copy kept. Raises
+        ValueError (and changes nothing) when one is still being written after that wait,
+        is unreadable, or the leading blocks went away. Returns blocks added."""
         spec = self.models[model_id]
         store = self.store_of[tier]
-        with self.lock:
-            for h in block_hashes[:num_present]:
-                if h not in self.blocks:
-                    raise ValueError(f"leading block {h.hex()[:12]} is no longer held")
-            for h in block_hashes[num_present:]:
-                meta = self.blocks.get(h)
-                if meta is not None and not meta.visible:
-                    raise ValueError(f"block {h.hex()[:12]} is being written by another caller")
-            parent = block_hashes[num_present - 1] if num_present else ROOT_PARENT_HASH
-            added = 0
-            for i in range(num_present, len(block_hashes)):
-                h, handle = block_hashes[i], handles[i - num_present]
-                if h in self.blocks:
-                    store.free(handle)
+        writing: bytes | None = None  # a block of the prefix another caller is writing
+        lost_races = 0
+        while True:
+            if writing is not None:
+                # an engine's store of the same prefix placed it and writes it: the handoff
+                # was thrown away for it (the sender's blocks, and the tail that store lacked)
+                lost_races += 1
+                if not self._await_other_writer(writing):
+                    raise ValueError(f"block {writing.hex()[:12]} is being written by another caller")
+            with self.lock:
+                for h in block_hashes[:num_present]:
+                    if h not in self.blocks:
+                        raise ValueError(f"leading block {h.hex()[:12]} is no longer held")
+                writing = next((h for h in block_hashes[num_present:] if not self._visible_or_absent(h)), None)
+                if writing is not None:
+                    if self.blocks[writing].ready or lost_races >= MAX_LOST_RACES:
+                        raise ValueError(f"block {writing.hex()[:12]} is being written by another caller")
+                    continue  # (the lock let go) waited for above
+                parent = block_hashes[num_present - 1] if num_present else ROOT_PARENT_HASH
+                added = 0
+                for i in range(num_present, len(block_hashes)):
+                    h, handle = block_hashes[i], handles[i - num_present]
+                    if h in self.blocks:
+                        store.free(handle)
+                        parent = h
+                        continue
+                    meta = BlockMeta(
+                        h,
+                        parent,
+                        model_id,
+                        spec.block_bytes,
+                        tier,
+                        handle,
+                        block_codecs[i],
+                        int(stored_bytes[i]),
+                        namespace=namespace if isinstance(namespace, str) else namespace[i],
+                        checksum=checksums[i - num_present] if checksums else 0,
+                    )
+                    self.blocks[h] = meta
+                    self._account(meta, +1)
+                    if parent in self.blocks:
+                        self.blocks[parent].num_children += 1
+                    self.journal.record(STORED, model_id, tier, h, parent)
+                    if self._parked:
+                        self._adopt_parked(h)
+                    added += 1
                     parent = h
-                    continue
-                meta = BlockMeta(
-                    h,
-                    parent,
-                    model_id,
-                    spec.block_bytes,
-                    tier,
-                    handle,
-                    block_codecs[i],
-                    int(stored_bytes[i]),
-                    namespace=namespace if isinstance(namespace, str) else namespace[i],
-                    checksum=checksums[i - num_present] if checksums else 0,
-                )
-                self.blocks[h] = meta
-                self._account(meta, +1)
-                if parent in self.blocks:
-                    self.blocks[parent].num_children += 1
-                self.journal.record(STORED, model_id, tier, h, parent)
-                if self._parked:
-                    self._adopt_parked(h)
-                added += 1
-                parent = h
-            self.touch(block_hashes)
-            return added
+                self.touch(block_hashes)
+                return added
+
+    def _visible_or_absent(self, block_hash: bytes) -> bool:
+        meta = self.blocks.get(block_hash)
+        return meta is None or meta.visible
 
     def release_reserved(self, handles: Sequence, tier: Tier) -> None:
         """Give reserved pages back (an aborted or expired reservation)."""

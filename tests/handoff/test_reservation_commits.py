@@ -82,3 +82,63 @@ def test_checksums_for_blocks_the_receiver_already_held_are_refused():
         res.commit(r.reservation_id, 1, [0] + sums)
     res.commit(r.reservation_id, 2, sums)  # still open, and right: visible
     assert pool.num_leading(hashes) == 4
+
+
+def test_a_commit_racing_an_engine_store_of_the_same_prefix_waits_for_it_and_commits(monkeypatch):
+    """The decode agent's engine stores the prefix's first block while a handoff of the
+    whole prefix commits: the engine's block is placed and being written (invisible) when
+    the commit looks. The commit refused ('being written by another caller'), throwing the
+    handoff away, its tail the engine never had included; it now waits for that write and
+    commits the rest after it."""
+    import threading
+
+    pool, res = make()
+    _, kv, hashes = prompt(SMALL, 4)
+    r = reserve(res, hashes)
+    assert r.num_present == 0
+    sums = fill(res, r, kv)
+    engine_writing, release, commit_looked = threading.Event(), threading.Event(), threading.Event()
+    real_write, real_wait = MemoryTier.write, pool._await_other_writer
+
+    def engine_write(self, handle, payload, meta=None):
+        if threading.current_thread().name == "engine" and not engine_writing.is_set():
+            engine_writing.set()  # block 0 is placed (not ready) and written now
+            release.wait(5)
+        return real_write(self, handle, payload, meta)
+
+    def commit_waits(block_hash):
+        if threading.current_thread().name == "handoff":
+            commit_looked.set()  # the commit found block 0 being written, and waits for it
+        return real_wait(block_hash)
+
+    monkeypatch.setattr(MemoryTier, "write", engine_write)
+    monkeypatch.setattr(pool, "_await_other_writer", commit_waits)
+    done: dict = {}
+    engine = threading.Thread(
+        target=lambda: done.setdefault("engine", pool.insert_chain(SMALL.model_id, hashes[:1], lambda i: kv[i]))
+    )
+    engine.name = "engine"
+    engine.start()
+    assert engine_writing.wait(5)
+
+    def commit():
+        try:
+            done["commit"] = res.commit(r.reservation_id, 0, sums)
+        except ReservationError as exc:  # the failure the test reports
+            done["commit"] = exc
+        commit_looked.set()
+
+    committer = threading.Thread(target=commit, name="handoff")
+    committer.start()
+    assert commit_looked.wait(5)
+    release.set()
+    engine.join(10)
+    committer.join(10)
+    assert tuple(done["engine"]) == (1, 0)
+    assert not isinstance(done["commit"], ReservationError), done["commit"]
+    assert pool.num_leading(hashes) == 4
+    read = pool.read_chain(hashes)
+    assert len(read.blocks) == 4 and all(torch.equal(b, kv[i]) for i, b in enumerate(read.blocks))
+    store = pool.store_of[Tier.CPU]
+    assert store.used_bytes == 4 * store.footprint(BLOCK)  # the reserved page of block 0 given back
+    assert res.committed_total == 1 and res.open_count() == 0

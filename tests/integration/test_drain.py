@@ -371,23 +371,30 @@ def test_a_drained_block_keeps_its_own_namespace_where_it_lands(controlplane, ma
     wait_for(lambda: all(dst.pool.pin_tier_of(h) for h in shared), 10, what="A's pin holds where they landed")
 
 
+def a_drain_cut_short_by_a_cleanup(c: ControlPlaneClient, make_agent, name: str, start: int, seed: int):
+    """A drain of 30 one-block prefixes over a paced link (4 blocks a second), and a cleanup
+    of its agent once the first block went: the blocks not sent by then are dropped there.
+    Returns the drain's operation, ended, and the drained agent."""
+    from agent.dataplane import DataPlaneConfig
+
+    src = make_agent(f"{name}-src", dataplane=DataPlaneConfig(link_bytes_per_second=4 * M.block_bytes))
+    make_agent(f"{name}-dst")
+    for i in range(30):
+        src.engine.store(M.model_id, tokens(1, start=start + 100 * i), kv(1, seed=seed + i))
+    wait_for(lambda: registered(c, f"{name}-src", f"{name}-dst"), what="agents ready")
+    wait_for(lambda: {a.agent_id: a.num_blocks for a in c.list_agents()}.get(f"{name}-src") == 30, what="indexed")
+    op = c.drain(f"{name}-src")
+    wait_for(lambda: c.get_operation(op.op_id).num_done_blocks >= 1, 20, what="the drain under way")
+    assert c.wait_operation(c.cleanup(agent_id=f"{name}-src").op_id, 30).state == "SUCCEEDED"
+    return c.wait_operation(op.op_id, 60), src
+
+
 def test_a_drain_says_why_blocks_dropped_here_meanwhile_were_not_handed_off(controlplane, make_agent):
     """Review: blocks the drained agent dropped while the drain ran (a cleanup, its own
     LRU) cannot be sent; the drain left them without a word, its error ending in an empty
     reason ("N of M blocks not handed off: ")."""
-    from agent.dataplane import DataPlaneConfig
-
-    src = make_agent("c-src", dataplane=DataPlaneConfig(link_bytes_per_second=4 * M.block_bytes))
-    make_agent("c-dst")
-    for i in range(30):
-        src.engine.store(M.model_id, tokens(1, start=1_100_000 + 100 * i), kv(1, seed=200 + i))
     with ControlPlaneClient(controlplane.address) as c:
-        wait_for(lambda: registered(c, "c-src", "c-dst"), what="agents ready")
-        wait_for(lambda: {a.agent_id: a.num_blocks for a in c.list_agents()}.get("c-src") == 30, what="indexed")
-        op = c.drain("c-src")
-        wait_for(lambda: c.get_operation(op.op_id).num_done_blocks >= 1, 20, what="the drain under way")
-        assert c.wait_operation(c.cleanup(agent_id="c-src").op_id, 30).state == "SUCCEEDED"
-        op = c.wait_operation(op.op_id, 60)
+        op, _src = a_drain_cut_short_by_a_cleanup(c, make_agent, "c", 1_100_000, 200)
         assert op.state == "SUCCEEDED" and 1 <= op.num_done_blocks < 30, op
         left = 30 - op.num_done_blocks
         assert f"{left} of 30 blocks not handed off: " in op.error, op.error
@@ -403,19 +410,8 @@ def test_blocks_dropped_here_meanwhile_are_not_counted_failed_so_kvctl_drain_wai
     none of them any more, yet `kvctl drain A --wait && restart A` stopped there. The
     failed blocks are those not handed off that the agent still holds; the error still
     says which were not handed off, and why."""
-    from agent.dataplane import DataPlaneConfig
-
-    src = make_agent("g-src", dataplane=DataPlaneConfig(link_bytes_per_second=4 * M.block_bytes))
-    make_agent("g-dst")
-    for i in range(30):
-        src.engine.store(M.model_id, tokens(1, start=1_700_000 + 100 * i), kv(1, seed=900 + i))
     with ControlPlaneClient(controlplane.address) as c:
-        wait_for(lambda: registered(c, "g-src", "g-dst"), what="agents ready")
-        wait_for(lambda: {a.agent_id: a.num_blocks for a in c.list_agents()}.get("g-src") == 30, what="indexed")
-        op = c.drain("g-src")
-        wait_for(lambda: c.get_operation(op.op_id).num_done_blocks >= 1, 20, what="the drain under way")
-        assert c.wait_operation(c.cleanup(agent_id="g-src").op_id, 30).state == "SUCCEEDED"
-        op = c.wait_operation(op.op_id, 60)
+        op, src = a_drain_cut_short_by_a_cleanup(c, make_agent, "g", 1_700_000, 900)
         assert op.state == "SUCCEEDED" and 1 <= op.num_done_blocks < 30, op
         # it holds none of the blocks the drain left (the one being sent as the cleanup ran stayed)
         assert sum(u.num_blocks for u in src.pool.usage()) <= 1

@@ -141,8 +141,19 @@ class _Lookup:
     what the vectorised admission needs."""
 
     __slots__ = (
-        *("ids", "levels", "cap", "missing", "simple", "np_ids", "np_prev", "group_levels", "group_ids", "group_of"),
-        *("counts", "c", "c_at"),
+        "ids",
+        "levels",
+        "cap",
+        "missing",
+        "simple",
+        "np_ids",
+        "np_prev",
+        "group_levels",
+        "group_ids",
+        "group_of",
+        "counts",
+        "c",
+        "c_at",
     )
 
     def __init__(self, ids: array, num_lookups: list[int], cap: int, native: bool = False) -> None:

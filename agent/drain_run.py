@@ -259,14 +259,14 @@ class DrainRun:
                 result=result,
                 error=f"the agent stopped with {left} of {total} blocks left",
             )
-        elif left and not done:
+        elif left and not done and (held := self.held_left()):  # (none held: none lost, as below)
             self.say(
-                "FAILED", num_failed_blocks=left, error=f"no block of {total} handed off: {why or 'no destination'}"
+                "FAILED", num_failed_blocks=held, error=f"no block of {total} handed off: {why or 'no destination'}"
             )
         else:
             self.say(
                 "SUCCEEDED",
-                num_failed_blocks=self.held_left() if left else 0,
+                num_failed_blocks=self.held_left() if left and done else 0,
                 result=result,
                 error=f"{left} of {total} blocks not handed off: {why}" if left else "",
             )

@@ -420,6 +420,61 @@ def test_blocks_dropped_here_meanwhile_are_not_counted_failed_so_kvctl_drain_wai
         assert "dropped" in op.error, op.error
 
 
+def test_a_drain_whose_blocks_were_all_dropped_here_before_it_sent_one_succeeds_with_nothing_left(
+    controlplane, make_agent
+):
+    """A drain that handed nothing off because its agent dropped every block before it sent
+    the first (a cleanup, its own LRU) ended FAILED ("no block of N handed off") with all N
+    counted failed, so `kvctl drain A --wait` exited 1 though restarting A loses no hit: it
+    holds none of them. It now ends SUCCEEDED with none failed, and says why nothing went."""
+    with ControlPlaneClient(controlplane.address) as c:
+        src = make_agent("z-src")
+        make_agent("z-dst")
+        for i in range(4):
+            src.engine.store(M.model_id, tokens(1, start=1_900_000 + 100 * i), kv(1, seed=1_900 + i))
+        wait_for(lambda: registered(c, "z-src", "z-dst"), what="agents ready")
+        wait_for(lambda: {a.agent_id: a.num_blocks for a in c.list_agents()}.get("z-src") == 4, what="indexed")
+        handoff = src.dataplane.handoff
+
+        def dropped_first(model_id, block_hashes, *args, **kwargs):  # a cleanup just before each send
+            for h in block_hashes:
+                src.pool.drop(h)
+            return handoff(model_id, block_hashes, *args, **kwargs)
+
+        src.dataplane.handoff = dropped_first
+        op = c.wait_operation(c.drain("z-src").op_id, 60)
+        assert sum(u.num_blocks for u in src.pool.usage()) == 0
+        assert op.state == "SUCCEEDED" and op.num_done_blocks == 0 and op.num_failed_blocks == 0, op
+        assert "4 of 4 blocks not handed off: " in op.error and "dropped" in op.error, op.error
+
+
+def test_a_drain_that_handed_nothing_off_counts_failed_only_the_blocks_still_held(controlplane, make_agent):
+    """The same when its one destination goes (a cordon, a crash) at the first send, whose
+    blocks were dropped here just before: it fails, and counts failed the three blocks it
+    still holds, not the one dropped meanwhile."""
+    from protos import errors
+
+    with ControlPlaneClient(controlplane.address) as c:
+        src = make_agent("y-src")
+        make_agent("y-dst")
+        for i in range(4):
+            src.engine.store(M.model_id, tokens(1, start=2_000_000 + 100 * i), kv(1, seed=2_000 + i))
+        wait_for(lambda: registered(c, "y-src", "y-dst"), what="agents ready")
+        wait_for(lambda: {a.agent_id: a.num_blocks for a in c.list_agents()}.get("y-src") == 4, what="indexed")
+
+        def dropped_then_gone(model_id, block_hashes, *args, **kwargs):
+            for h in block_hashes:
+                src.pool.drop(h)
+            raise errors.FailedPrecondition("y-dst: cordoned by the test")
+
+        src.dataplane.handoff = dropped_then_gone
+        op = c.wait_operation(c.drain("y-src").op_id, 60)
+        assert sum(u.num_blocks for u in src.pool.usage()) == 3
+        assert op.state == "FAILED" and op.num_done_blocks == 0, op
+        assert op.num_failed_blocks == 3, op  # (before: 4)
+        assert "no block of 4 handed off" in op.error, op.error
+
+
 def test_a_drain_of_compressed_blocks_counts_the_pages_they_take_where_they_land(controlplane, make_agent):
     """Review: a destination's room is charged for what a block takes there, whole pages
     of its slab, not the payload's bytes: an int8 block of the demo model (4,352 B) takes

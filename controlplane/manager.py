@@ -108,6 +108,10 @@ class Manager(PinControl, OperationControl, PolicyControl):
         # operation, written from their stream threads, reach etcd in the order they were taken
         self._op_write_locks = [threading.Lock() for _ in range(OP_WRITE_LOCKS)]
         self._drain_start = threading.Lock()  # drain(): one starts at a time
+        # drain op id -> destination -> what it landed there that the destination's reports to
+        # this replica show (manager_ops: _note_landing), kept in memory: those report counts
+        # are this replica's, and another leader's say nothing of the figures it holds
+        self._drain_landings: dict[str, dict[str, ops.DrainLanding]] = {}
         self._lock_threads: set[str] = set()  # cleanups with a thread waiting for or holding their lock
         # operations whose cancel is being written to etcd -> how many cancels write it (a
         # cancel asked again while one is written: the first to end must not end the wait)
@@ -254,6 +258,8 @@ class Manager(PinControl, OperationControl, PolicyControl):
             self.ops = OrderedDict(sorted(merged.items(), key=lambda kv: kv[1].created_unix_seconds))
             for gone in [i for i in self._op_said if i not in self.ops]:
                 del self._op_said[gone]  # what events said of operations no longer kept
+            for gone in [i for i in self._drain_landings if i not in self.ops]:
+                del self._drain_landings[gone]
             for gone in [i for i in self._cancel_asked if i not in self.ops]:
                 del self._cancel_asked[gone]
             for op_id, op in self.ops.items():

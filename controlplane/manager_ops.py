@@ -80,6 +80,7 @@ class OperationControl(ManagerState):
                 self._op_done.pop(old_id, None)
                 self._op_said.pop(old_id, None)
                 self._cancel_asked.pop(old_id, None)
+                self._drain_landings.pop(old_id, None)
                 trimmed.append(old_id)
         for old_id in trimmed:  # outside the lock: a slow etcd holds up no agent's progress report
             try:
@@ -332,13 +333,14 @@ class OperationControl(ManagerState):
         agent.dataplane.run_drain). Destinations: those named, or every ready agent in
         rotation serving the model, the roomiest first: the room of their CPU and disk tiers
         up to where the tier policy would drop blocks (policy.room_without_drops_bytes),
-        less what the drains under way were given there and what Route sent there in the
-        last ROUTED_HOLD_SECONDS (handoffs its last report may not show yet). Each is told
-        its drop line too (policy.drop_line_bytes): Route goes on sending handoffs there
-        while the drain runs, and the destination refuses the drain's blocks past that line
-        as its tiers stand at each one, so they take the room the handoffs left (the agent
-        tries a destination that refused again as room frees there, for a bounded time,
-        within the room it was given: that stays the drain's while it runs)."""
+        less the room the drains under way or just ended hold there (_room_held: what they
+        were given, less what landed that the destination's reports show) and what Route
+        sent there in the last ROUTED_HOLD_SECONDS (handoffs its last report may not show
+        yet). Each is told its drop line too (policy.drop_line_bytes): Route goes on sending
+        handoffs there while the drain runs, and the destination refuses the drain's blocks
+        past that line as its tiers stand at each one, so they take the room the handoffs
+        left (the agent tries a destination that refused again as room frees there, for a
+        bounded time, within the room it was given: that stays the drain's while it runs)."""
         self.ensure_loaded()
         if not 0 <= deadline_seconds <= MAX_HANDOFF_DEADLINE_SECONDS:  # also NaN; the agents refuse more
             raise errors.InvalidArgument(
@@ -403,31 +405,13 @@ class OperationControl(ManagerState):
                     f"nothing to drain {agent_id} to"
                 )
 
-            # the room the drains under way were given is theirs until they end (their blocks
-            # landing show in the reports only as they land): counted as taken, never twice;
-            # and a drain that just ended keeps what it sent until each destination reported
-            # after it
+            # the room the drains under way or just ended hold (_room_held): counted as
+            # taken, never twice
             promised: dict[str, int] = {}
             promised_by: dict[str, set[str]] = {}  # destination -> the drains holding room there
             now = self.clock()
             for o in drains:
-                given_to = zip(o.params.get("to", "").split(","), o.params.get("room", "").split(","), strict=False)
-                ends = o.params.get("reports_at_end", "").split(",")
-                seen = dict(zip(o.params.get("to", "").split(","), ends, strict=False))
-                taken = dict(zip(o.params.get("to", "").split(","), o.params.get("taken", "").split(","), strict=False))
-                for to, given in given_to:
-                    if not to or not given.isdigit():
-                        continue
-                    if o.finished and not self._landing_unreported(to, seen.get(to, ""), now - o.updated_unix_seconds):
-                        continue
-                    # an ended drain holds what its blocks take there, as its agent said (the
-                    # pages: a block's payload may end inside its last one); from an agent that
-                    # did not say, its payload, all of which may have gone to any one of them
-                    there = taken.get(to, "")
-                    sent = int(there) if there.isdigit() else o.moved_bytes
-                    held = min(int(given), sent) if o.finished else int(given)
-                    if not held:
-                        continue
+                for to, held in self._room_held(o, now).items():
                     promised[to] = promised.get(to, 0) + held
                     promised_by.setdefault(to, set()).add(o.op_id)
 
@@ -481,6 +465,36 @@ class OperationControl(ManagerState):
         self._fan_out(op, {agent_id: command})
         return op
 
+    def _room_held(self, o: ops.Operation, now: float) -> dict[str, int]:
+        """Destination -> the room drain `o` holds there, which another drain is not given.
+        Under way: the room it was given (all of which it may fill) less what it landed
+        there that the destination's reports already show (_reported_landed_bytes: those
+        count in its usage). Ended: what its blocks take there, as its agent said (the
+        pages: a block's payload may end inside its last one; from an agent that did not
+        say, its payload, all of which may have gone to any one destination), less the
+        same, until the destination reported twice after the end (_landing_unreported).
+        Where in doubt it holds more, never less: room is never given twice."""
+        to_ids = o.params.get("to", "").split(",")
+        seen = dict(zip(to_ids, o.params.get("reports_at_end", "").split(","), strict=False))
+        taken = dict(zip(to_ids, o.params.get("taken", "").split(","), strict=False))
+        held: dict[str, int] = {}
+        for to, given in zip(to_ids, o.params.get("room", "").split(","), strict=False):
+            if not to or not given.isdigit():
+                continue
+            if o.finished and not self._landing_unreported(to, seen.get(to, ""), now - o.updated_unix_seconds):
+                continue
+            there = taken.get(to, "")
+            filled = min(int(given), int(there) if there.isdigit() else o.moved_bytes) if o.finished else int(given)
+            n = filled - self._reported_landed_bytes(o.op_id, to)
+            if n > 0:
+                held[to] = n
+        return held
+
+    def _reported_twice_since(self, destination: str, reports_at: int) -> bool:
+        """Has `destination` made two usage reports since its count stood at `reports_at`?
+        Those show what had landed there by then (the first may have been on its way)."""
+        return self.cluster.stats_reports(destination) >= reports_at + 2
+
     def _landing_unreported(self, destination: str, reports_at_end: str, seconds_since_end: float) -> bool:
         """Has `destination` not reported its usage since a drain into it ended? Its last
         report may predate the blocks that landed: the next drain must not count that room
@@ -488,7 +502,30 @@ class OperationControl(ManagerState):
         DRAIN_REPORT_WAIT_SECONDS (the counts are this replica's: a new leader's start at 0)."""
         if seconds_since_end > DRAIN_REPORT_WAIT_SECONDS or not reports_at_end.isdigit():
             return False
-        return self.cluster.stats_reports(destination) < int(reports_at_end) + 2
+        return not self._reported_twice_since(destination, int(reports_at_end))
+
+    def _reported_landed_bytes(self, op_id: str, destination: str) -> int:
+        """What drain `op_id` landed at `destination` that the destination's usage reports
+        to this replica show (0: none known here, as on a new leader before its own reports)."""
+        landing = self._drain_landings.get(op_id, {}).get(destination)
+        if landing is None:
+            return 0
+        if self._reported_twice_since(destination, landing.reports_at):
+            return landing.landed_bytes
+        return landing.reported_bytes
+
+    def _note_landing(self, op_id: str, destinations: list[str], taken: list[int]) -> None:
+        """A drain's agent said what its blocks take at each destination so far (`taken`),
+        landed there. Where the destination has reported twice since the last such note
+        kept (or none is kept), that note's bytes show in its reports, and this one is
+        kept with the destination's report count now, to wait for its next two. (Under
+        self._lock; a note is replaced whole, so a drain starting reads one or the other.)"""
+        landings = self._drain_landings.setdefault(op_id, {})
+        for to, landed in zip(destinations, taken, strict=False):
+            kept = landings.get(to)
+            if kept is None or self._reported_twice_since(to, kept.reports_at):
+                reported = self._reported_landed_bytes(op_id, to)
+                landings[to] = ops.DrainLanding(reported, max(landed, reported), self.cluster.stats_reports(to))
 
     def compress(self, scope: Scope, codec: str, tier: Tier | None = None) -> ops.Operation:
         self.ensure_loaded()
@@ -772,6 +809,7 @@ class OperationControl(ManagerState):
                 taken = ",".join(str(n) for n in peer_taken_bytes)
                 changed = changed or op.params.get("taken") != taken
                 op.params["taken"] = taken
+                self._note_landing(op_id, op.params.get("to", "").split(","), peer_taken_bytes)
             if changed and op.kind == "drain" and op.finished and "reports_at_end" not in op.params:
                 # where each destination's usage reports stood: the next drain waits for newer ones
                 op.params["reports_at_end"] = ",".join(

@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any
 
 from controlplane.core.access_stats import AccessStats
 from controlplane.core.cluster import AgentCommand, Cluster, ModelInfo
-from controlplane.core.operations import Operation
+from controlplane.core.operations import DrainLanding, Operation
 from controlplane.core.pins import Pin
 from controlplane.core.policy import Policy
 from controlplane.core.scope import Scope
@@ -62,6 +62,7 @@ class ManagerState:
     _drain_start: threading.Lock
     _lock_threads: set[str]
     _cancelling: dict[str, int]
+    _drain_landings: dict[str, dict[str, DrainLanding]]
     on_finished: Callable[[str, str, float], None] | None
     # policy
     policy: dict[str, str]

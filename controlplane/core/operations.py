@@ -44,6 +44,20 @@ class AgentPart:
     result: str = ""  # what the agent says its part came to (a transfer: the path taken)
 
 
+@dataclass(frozen=True)
+class DrainLanding:
+    """What a drain landed at one destination, as told by its agent's progress and by the
+    destination's usage reports to this control plane (their count, `stats_reports`, is its
+    own: a new leader's start at 0). `reported_bytes` landed by a point the destination
+    has reported twice since (one report may have been on its way then), so its reports
+    show them; `landed_bytes` landed by when its count stood at `reports_at`, shown once it
+    reported twice after that. reported_bytes <= landed_bytes <= what the drain was given there."""
+
+    reported_bytes: int
+    landed_bytes: int
+    reports_at: int
+
+
 @dataclass
 class Operation:
     op_id: str

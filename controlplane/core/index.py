@@ -24,9 +24,13 @@ into the index without being split into `bytes` objects.
 Memory: 60 bytes per distinct block for the entry, 4 of scratch, and 8 per table slot
 at a load between 0.4 and 0.75 (11-20 bytes per block): ~70-80 bytes per replica when
 every replica is a distinct block, much less when agents share blocks. Past 64 agents
-each mask widens by a 64-bit word per 64 agents. Growing the table moves every key in one
-scatter (a doubling splits each bucket in two and a key keeps its slot), which a caller
-that knows its size avoids with `expected_blocks`. The table never shrinks.
+each mask widens by a 64-bit word per 64 agents. Growing the table splits each bucket in
+two (or more) and a key keeps its slot, so keys move bucket by bucket with no placing
+again: the old table stays until all its buckets have moved, a few per key added after
+(each add's keys settle first: their own old buckets move before they are probed or
+placed, here and in the C loops), so no call waits for the whole move, which once held
+the owner's lock ~0.5-1 s at 3M blocks. `expected_blocks` sizes the table up front. The
+table never shrinks.
 """
 
 from __future__ import annotations
@@ -49,6 +53,7 @@ _REBUILD_LOAD = 0.4  # live / slots right after a rebuild
 _OVERSIZED_SLOTS_PER_KEY = 16  # a table this much bigger than its keys stops growing for one
 _MIN_BUCKETS = 16
 _SCALAR_MAX = 8  # keys left after the first vectorised round that are placed one by one
+_MOVE_PER_KEY = 4  # old buckets moved per key added while a growth is under way (8 slots each)
 _C1 = np.uint64(0x9E3779B97F4A7C15)
 _U32 = np.uint64(0xFFFFFFFF)
 _C3 = np.uint64(0x94D049BB133111EB)
@@ -62,6 +67,8 @@ _ONE = np.uint64(1)
 _V16 = np.dtype((np.void, 16))
 _ZERO16 = np.zeros(1, _V16)[0]
 _TIER_VALUES = tuple(int(t) for t in Tier)
+# the arrays of index_kernel.KvIndex, in the order _kernel() lists them
+_KVIEW_ARRAYS = "keys parents mask tlo thi tags ents free_ids counts stored old_tags old_ents moved".split()
 STORED_TICK_SECONDS = 0.1  # resolution of the store stamps (2**32 ticks: 13 years)
 
 
@@ -178,6 +185,12 @@ def _mix(keys: np.ndarray, seed: np.ndarray) -> np.ndarray:
     return _fmix(keys[:, 0] ^ seed[0]) ^ (_fmix(keys[:, 1] ^ seed[1]) * _C1)
 
 
+def _second(h: np.ndarray) -> np.ndarray:
+    """The word a key's second bucket is taken from (its first: the hash word itself)."""
+    h2 = h * _C3
+    return h2 ^ (h2 << np.uint64(29))
+
+
 def _first_set_byte(x: np.ndarray) -> np.ndarray:
     """Index of the lowest non-zero byte of each (non-zero) uint64 of booleans."""
     low = x & (~x + _ONE)  # the lowest set bit: 2 ** (8 * j) for boolean byte j
@@ -233,6 +246,13 @@ class BlockIndex:
         self._free = np.empty(0, np.int64)
         self._nfree = 0
         self._live = 0
+        # a growth under way (see the module docstring): the table it left, which of its
+        # buckets have moved (None: no growth under way), and the next one to move
+        self._old_tags: np.ndarray | None = None
+        self._old_ents: np.ndarray | None = None
+        self._moved: np.ndarray | None = None
+        self._old_shift = np.uint64(0)
+        self._move_next = 0
         nb = _MIN_BUCKETS
         while nb * _BUCKET * _REBUILD_LOAD < expected_blocks:
             nb *= 2
@@ -285,8 +305,7 @@ class BlockIndex:
     def _buckets(self, h: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """The two candidate buckets and the tag of each hash."""
         b1 = (h >> self._shift).astype(np.int64)
-        h2 = h * _C3
-        b2 = ((h2 ^ (h2 << np.uint64(29))) >> self._shift).astype(np.int64)
+        b2 = (_second(h) >> self._shift).astype(np.int64)
         tag = (h & _U32).astype(np.uint32) | _TAG_LOW
         return b1, b2, tag
 
@@ -330,12 +349,19 @@ class BlockIndex:
             self._free,
             self._counts,
             self._stored,
+            self._old_tags,
+            self._old_ents,
+            self._moved,
         )
         x = self._kview
         if x is None or any(a is not b for a, b in zip(arrays, self._kview_arrays, strict=True)):
-            x = index_kernel.KvIndex(*(a.ctypes.data for a in arrays))
+            # a growth's arrays are None when none is under way: NULL there (moved == NULL)
+            ptrs = {n: None if a is None else a.ctypes.data for n, a in zip(_KVIEW_ARRAYS, arrays, strict=True)}
+            x = index_kernel.KvIndex(**ptrs)
             x.cap, x.W, x.shift = len(self._keys), self._W, int(self._shift)
             x.s0, x.s1 = int(self._seed[0]), int(self._seed[1])
+            if self._moved is not None:
+                x.old_shift, x.old_nb = int(self._old_shift), len(self._moved)
             self._kview, self._kview_arrays = x, arrays
         x.nfree, x.hw, x.live, x.now = self._nfree, self._hw, self._live, self._now_tick
         return x
@@ -385,6 +411,7 @@ class BlockIndex:
             return ent, loc
         if h is None:
             h = _mix(keys, self._seed)
+        self._settle(h)
         b1, b2, tag = self._buckets(h)
         if n <= 4096:  # one pass over both buckets: fewer numpy calls for a lookup-sized batch
             b = np.concatenate([b1, b2])
@@ -409,6 +436,7 @@ class BlockIndex:
         distinct keys (a rebuild). Returns the positions (into ids) of keys whose two
         buckets were both full: the caller grows the table and places them again."""
         assert (keys is None) == (ent is None), "keys and ent come together"
+        self._settle(h)
         b1, b2, tag = self._buckets(h)
         pending = np.arange(len(ids))
         failed: list[np.ndarray] = []
@@ -536,37 +564,70 @@ class BlockIndex:
         self._stored = stored
 
     def _grow(self, nb: int) -> None:
-        """Grow the table to `nb` buckets (a power-of-two multiple) without placing keys again:
-        a bucket is the top bits of a hash word, so bucket b splits into b << k .. (b << k) + 2**k - 1
-        by the next k bits, and a key keeps its slot j there. Keys of one old bucket sit at
-        distinct slots, so nothing collides: one scatter, no claim rounds."""
-        old_shift = self._shift
-        occ = np.flatnonzero(self._tags_flat != _EMPTY)
-        tags = self._tags_flat[occ]
-        ents = self._ents_flat[occ]
-        h = _mix(self._keys.take(ents.astype(np.int64), axis=0), self._seed)
-        h2 = h * _C3
-        x2 = h2 ^ (h2 << np.uint64(29))  # the word _buckets takes the second bucket from
-        home = (h >> old_shift).astype(np.int64) == (occ >> 3)
+        """Start growing the table to `nb` buckets (a power-of-two multiple of what it has):
+        the keys move later, bucket by bucket (_move_buckets), the old table kept until then.
+        A growth still under way finishes first (only a batch of keys larger than the table
+        had, or one finding both its buckets full right after a growth, gets here before)."""
+        self._finish_growth()
+        self._old_tags, self._old_ents, self._old_shift = self._tags, self._ents, self._shift
+        self._moved = np.zeros(self._nb, np.uint8)
+        self._move_next = 0
         self._new_table(nb)
-        word = np.where(home, h, x2)
-        slot = (word >> self._shift).astype(np.int64) * _BUCKET + (occ & (_BUCKET - 1))
-        self._tags_flat[slot] = tags
-        self._ents_flat[slot] = ents
 
-    def _rebuild(self, nb: int) -> None:
-        live_ids = self._ents_flat[self._tags_flat != _EMPTY].astype(np.int64)
-        while True:
-            self._new_table(nb)
-            if (
-                not live_ids.size
-                or not self._place(_mix(self._keys.take(live_ids, axis=0), self._seed), live_ids, None, None).size
-            ):
-                return
-            nb *= 2  # two full buckets for some key: rare below the max load; go bigger
+    def _move_buckets(self, b: np.ndarray) -> None:
+        """Old buckets `b` (any order, repeats allowed) into the new table, those not moved
+        yet. The new table's buckets are the old ones split by the hash word's next bits
+        (old bucket b becomes b << k .. (b << k) + 2**k - 1), so a key goes to the one its
+        own word names, at the slot j it had, which no other key can hold: only b's keys map
+        there, and nothing is placed there before b moves (the keys settle first). One
+        scatter, no claim rounds; index_kernel.c's move_bucket is the same, key by key."""
+        moved, old_tags, old_ents = self._moved, self._old_tags, self._old_ents
+        assert moved is not None and old_tags is not None and old_ents is not None, "no growth under way"
+        b = b[moved[b] == 0]
+        if not b.size:
+            return
+        b = np.unique(b)
+        moved[b] = 1
+        tags = old_tags[b]
+        r, j = np.nonzero(tags)
+        if not r.size:
+            return
+        ob = b[r]
+        ents = old_ents[ob, j]
+        h = _mix(self._keys.take(ents.astype(np.int64), axis=0), self._seed)
+        word = np.where((h >> self._old_shift).astype(np.int64) == ob, h, _second(h))  # which of its two it sat in
+        flat = (word >> self._shift).astype(np.int64) * _BUCKET + j
+        self._tags_flat[flat] = tags[r, j]
+        self._ents_flat[flat] = ents
+
+    def _settle(self, h: np.ndarray) -> None:
+        """Before keys (their hash words `h`) are probed or placed during a growth: the old
+        buckets of both their candidates moved."""
+        if self._moved is not None:
+            self._move_buckets(np.concatenate([h >> self._old_shift, _second(h) >> self._old_shift]).astype(np.int64))
+
+    def _move_some(self, n_buckets: int) -> None:
+        """Move the next `n_buckets` old buckets of a growth under way; the old table goes
+        when the last has moved."""
+        if self._moved is None:
+            return
+        first, last = self._move_next, min(self._move_next + n_buckets, len(self._moved))
+        if self._lib is not None:
+            self._lib.kv_move(ctypes.byref(self._kernel()), first, last)
+        else:
+            self._move_buckets(np.arange(first, last))
+        self._move_next = last
+        if last == len(self._moved):
+            self._old_tags = self._old_ents = self._moved = None
+
+    def _finish_growth(self) -> None:
+        if self._moved is not None:
+            self._move_some(len(self._moved))
 
     def _reserve(self, n_new: int) -> None:
-        """Make room in the table for `n_new` more keys (rebuilding it larger)."""
+        """Make room in the table for `n_new` more keys (growing it), and move a growth's
+        next buckets: the keys added pay for it a few at a time."""
+        self._move_some(_MOVE_PER_KEY * n_new)
         if self._live + n_new <= _MAX_LOAD * self._nb * _BUCKET:
             return
         nb = self._nb * 2
@@ -958,8 +1019,11 @@ class BlockIndex:
             self._free,
             self._tags,
             self._ents,
+            self._old_tags,
+            self._old_ents,
+            self._moved,
         )
-        return sum(a.nbytes for a in arrays)
+        return sum(a.nbytes for a in arrays if a is not None)
 
     # ---- the mapping view of older code and tests (materialised; slow) --------------
     @property

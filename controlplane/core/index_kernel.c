@@ -4,7 +4,12 @@
    owns them, sizes them before each call and passes their addresses. Each function
    does, one key at a time, what the vectorised numpy path does for a whole batch, with
    the same hash, buckets, tags and placement rule, so either path can read what the
-   other wrote. Built and loaded by controlplane/core/index_kernel.py (ctypes). */
+   other wrote. Built and loaded by controlplane/core/index_kernel.py (ctypes).
+
+   A growth under way (moved != NULL) keeps the table it left (old_tags, old_ents) until
+   each of its buckets has moved into the new one: every call settles a key (moves the old
+   buckets of its two candidates) before it probes or places it, so probes and inserts
+   only ever see the new table. */
 
 #include <stdint.h>
 #include <string.h>
@@ -34,6 +39,11 @@ typedef struct {
     int64_t live;      /* in/out: keys in the table */
     int64_t now;       /* the clock tick kv_add stamps */
     uint64_t s0, s1;   /* the index's secret hash seed */
+    uint32_t *old_tags; /* the table a growth under way left: (old_nb, 8) */
+    int32_t *old_ents;
+    uint8_t *moved;     /* per old bucket: 1 once its keys are in the new table; NULL: no growth under way */
+    uint64_t old_shift; /* 64 - log2(old_nb) */
+    int64_t old_nb;     /* buckets of the old table */
 } kv_index;
 
 static inline uint64_t fmix(uint64_t h) {
@@ -49,15 +59,56 @@ static inline uint64_t mix(const kv_index *x, const uint64_t *k) {
     return fmix(k[0] ^ x->s0) ^ (fmix(k[1] ^ x->s1) * C1);
 }
 
-static inline void buckets(const kv_index *x, uint64_t h, int64_t *b1, int64_t *b2, uint32_t *tag) {
+/* the word a key's second bucket is taken from (its first: h itself) */
+static inline uint64_t second(uint64_t h) {
     uint64_t h2 = h * C3;
+    return h2 ^ (h2 << 29);
+}
+
+static inline void buckets(const kv_index *x, uint64_t h, int64_t *b1, int64_t *b2, uint32_t *tag) {
     *b1 = (int64_t)(h >> x->shift);
-    *b2 = (int64_t)((h2 ^ (h2 << 29)) >> x->shift);
+    *b2 = (int64_t)(second(h) >> x->shift);
     *tag = (uint32_t)(h & 0xFFFFFFFFull) | 1u;
 }
 
+/* Old bucket b's keys into the new table (index.py's _move_buckets): the new table's
+   buckets are the old ones split by the hash word's next bits, so each key goes to the
+   bucket its own word names there, at the slot j it had, which no other key can hold:
+   only b's keys map to those buckets, and nothing is placed in them before b moves. */
+static void move_bucket(kv_index *x, int64_t b) {
+    if (x->moved[b]) return;
+    x->moved[b] = 1;
+    for (int j = 0; j < BUCKET; j++) {
+        const uint32_t tag = x->old_tags[b * BUCKET + j];
+        if (tag == EMPTY) continue;
+        const int32_t e = x->old_ents[b * BUCKET + j];
+        const uint64_t h = mix(x, x->keys + 2 * (int64_t)e);
+        const uint64_t word = (int64_t)(h >> x->old_shift) == b ? h : second(h); /* which of its two it sat in */
+        const int64_t nb = (int64_t)(word >> x->shift);
+        x->tags[nb * BUCKET + j] = tag;
+        x->ents[nb * BUCKET + j] = e;
+    }
+}
+
+/* Before a key is probed or placed during a growth: both its old buckets moved */
+static inline void settle(kv_index *x, const uint64_t *k) {
+    if (!x->moved) return;
+    const uint64_t h = mix(x, k);
+    move_bucket(x, (int64_t)(h >> x->old_shift));
+    move_bucket(x, (int64_t)(second(h) >> x->old_shift));
+}
+
+/* Old buckets [first, last) into the new table (those not moved yet) */
+void kv_move(kv_index *x, int64_t first, int64_t last) {
+    if (!x->moved) return;
+    if (first < 0) first = 0;
+    if (last > x->old_nb) last = x->old_nb;
+    for (int64_t b = first; b < last; b++) move_bucket(x, b);
+}
+
 /* entry id of key k (-1: absent); *loc gets its flat table slot */
-static inline int64_t find_one(const kv_index *x, const uint64_t *k, int64_t *loc) {
+static inline int64_t find_one(kv_index *x, const uint64_t *k, int64_t *loc) {
+    settle(x, k);
     int64_t b[2];
     uint32_t tag;
     buckets(x, mix(x, k), &b[0], &b[1], &tag);
@@ -85,6 +136,7 @@ static inline int empties(const uint32_t *row) {
 
 /* put key k into the emptier of its buckets as a new entry; -1 when both are full */
 static inline int64_t insert_one(kv_index *x, const uint64_t *k) {
+    settle(x, k);
     int64_t b1, b2;
     uint32_t tag;
     buckets(x, mix(x, k), &b1, &b2, &tag);
@@ -106,7 +158,7 @@ static inline int64_t insert_one(kv_index *x, const uint64_t *k) {
 }
 
 /* entry ids of n keys (-1 where absent) and their table slots (loc may be NULL) */
-void kv_find(const kv_index *x, const uint64_t *keys, int64_t n, int64_t *ent, int64_t *loc) {
+void kv_find(kv_index *x, const uint64_t *keys, int64_t n, int64_t *ent, int64_t *loc) {
     for (int64_t i = 0; i < n; i++) {
         ent[i] = x->live ? find_one(x, keys + 2 * i, loc ? loc + i : NULL) : -1;
         if (loc && ent[i] < 0) loc[i] = -1;
@@ -114,7 +166,7 @@ void kv_find(const kv_index *x, const uint64_t *keys, int64_t n, int64_t *ent, i
 }
 
 /* leading keys present, stopping at the first absent one: their entry ids; returns how many */
-int64_t kv_prefix(const kv_index *x, const uint64_t *keys, int64_t n, int64_t *ent) {
+int64_t kv_prefix(kv_index *x, const uint64_t *keys, int64_t n, int64_t *ent) {
     if (!x->live) return 0;
     for (int64_t i = 0; i < n; i++) {
         ent[i] = find_one(x, keys + 2 * i, NULL);

@@ -45,6 +45,11 @@ class KvIndex(ctypes.Structure):
         ("now", _I),
         ("s0", ctypes.c_uint64),
         ("s1", ctypes.c_uint64),
+        ("old_tags", _P),
+        ("old_ents", _P),
+        ("moved", _P),
+        ("old_shift", ctypes.c_uint64),
+        ("old_nb", _I),
     ]
 
 
@@ -73,5 +78,7 @@ def load() -> ctypes.CDLL | None:
     lib.kv_add.restype = _I
     lib.kv_remove.argtypes = [p, _P, _I, _I]
     lib.kv_remove.restype = _I
+    lib.kv_move.argtypes = [p, _I, _I]
+    lib.kv_move.restype = None
     lib._kvcp_ready = True
     return lib

@@ -1,11 +1,17 @@
 """BlockIndex on both paths, the C loops and numpy's (the fallback where the kernel does
-not build): longest-prefix lookup, removal, and agent slots reused after a drop."""
+not build): longest-prefix lookup, removal, agent slots reused after a drop, and the
+table's growth, whose keys move a few buckets at a time."""
 
 from __future__ import annotations
 
+import random
+import shutil
+
 import pytest
 
+from controlplane.core import index as index_mod
 from controlplane.core.index import AgentMatch, BlockIndex
+from protos import native
 from protos.block_hash import hash_prefix, split_hashes
 from protos.tier import Tier
 
@@ -80,3 +86,135 @@ def test_a_block_an_agent_holds_again_keeps_its_first_store_stamp_per_agent(use_
     assert abs(float(idx.agent_chains("a").stored_seconds[0]) - 100.0) < 2.0
     idx.add("b", hs, Tier.DISK)  # another agent newly holds it: stamped now
     assert abs(float(idx.agent_chains("b").stored_seconds[0]) - 200.0) < 2.0
+
+
+def reference_lookup(ref: dict[str, dict[bytes, int]], chain: list[bytes]) -> list[AgentMatch]:
+    out = []
+    for a, blocks in ref.items():
+        n = 0
+        while n < len(chain) and chain[n] in blocks:
+            n += 1
+        if n:
+            out.append(AgentMatch(a, n, bytes(blocks[h] for h in chain[:n])))
+    out.sort(key=lambda m: (-m.num_hit_blocks, sum(m.tiers), m.agent_id))
+    return out
+
+
+def random_keys(rng: random.Random, n: int) -> list[bytes]:
+    return [rng.randbytes(16) for _ in range(n)]
+
+
+@PATHS
+def test_a_growth_moves_the_table_a_few_buckets_at_a_time_and_every_key_stays_found(use_kernel):
+    """The add that grows the table moves only its own keys' buckets and a few more; the
+    old table serves the rest until later adds have moved them all, and no key is lost or
+    doubled on the way (each probe moves its key's buckets first)."""
+    rng = random.Random(3)
+    idx = BlockIndex(use_kernel=use_kernel)
+    held = random_keys(rng, 90)
+    idx.add("a", held, Tier.CPU)
+    while idx._moved is None:  # until an add starts a growth
+        more = random_keys(rng, 8)
+        idx.add("a", more, Tier.CPU)
+        held += more
+    old_buckets = len(idx._moved)
+    assert old_buckets >= 16 and int(idx._moved.sum()) < old_buckets, "the growth moved every bucket at once"
+    assert idx._nb == 2 * old_buckets and idx._old_tags is not None
+    # mid-growth: lookups, holders, tier changes and removals see every key once
+    assert idx.lookup(held[:5]) == [AgentMatch("a", 5, bytes([Tier.CPU] * 5))]
+    assert all(idx.holders(h) == {"a": Tier.CPU} for h in held)
+    gone, held = held[:10], held[10:]
+    idx.remove("a", gone)
+    idx.add("b", held[:20], Tier.GPU)
+    assert idx.num_blocks == len(held) and idx.num_agent_blocks("a") == len(held)
+    assert all(not idx.holders(h) for h in gone)
+    while idx._moved is not None:  # later adds move the rest; then the old table goes
+        more = random_keys(rng, 4)
+        idx.add("c", more, Tier.DISK)
+        held += more
+    assert idx._old_tags is None and idx._old_ents is None
+    assert idx.num_blocks == len(held)
+    assert all(a in idx.holders(h) for h in held for a in ("a", "b", "c") if h in idx.agent_blocks(a))
+    assert sum(idx.num_agent_blocks(a) for a in ("a", "b", "c")) == idx.num_replicas == len(held) + 20
+    occupied = idx._tags_flat != 0
+    assert int(occupied.sum()) == idx.num_blocks  # each key in one slot: none moved twice, none lost
+    assert len(set(idx._ents_flat[occupied].tolist())) == idx.num_blocks
+
+
+@PATHS
+def test_a_batch_larger_than_the_table_finishes_one_growth_and_starts_another(use_kernel):
+    rng = random.Random(5)
+    idx = BlockIndex(use_kernel=use_kernel)
+    first = random_keys(rng, 100)
+    idx.add("a", first, Tier.CPU)
+    while idx._moved is None:
+        idx.add("a", random_keys(rng, 8), Tier.CPU)
+    big = random_keys(rng, 20 * idx._nb * 8)  # several doublings' worth in one call
+    idx.replace_agent_packed("b", [(b"".join(big), int(Tier.GPU))])
+    assert idx.num_agent_blocks("b") == len(big) and idx.unplaced_total == 0
+    assert all(idx.holders(h) == {"a": Tier.CPU} for h in first)
+    assert idx.lookup(big[:50]) == [AgentMatch("b", 50, bytes([Tier.GPU] * 50))]
+
+
+def test_both_paths_give_the_same_answers_through_many_growths(monkeypatch):
+    """A randomized differential run: the C loops and numpy's, fed the same calls, against
+    a dict reference, checked while growths are under way (lookups, holders, parents,
+    removals and whole inventories landing in a table half moved)."""
+    monkeypatch.setattr(index_mod, "_MOVE_PER_KEY", 1)  # growths last more calls
+    rng = random.Random(11)
+    pool = random_keys(rng, 30_000)
+    parent = {h: rng.choice(pool) for h in pool}
+    paths = [BlockIndex(use_kernel=True), BlockIndex(use_kernel=False)]
+    if shutil.which("cc") and native.enabled("KVCP_INDEX_KERNEL"):
+        assert paths[0]._lib is not None, "the C loops did not build (see the log)"
+    ref: dict[str, dict[bytes, int]] = {}
+    agents = [f"a{i}" for i in range(5)]
+    told: set[bytes] = set()  # blocks whose parent the index was told (and still holds)
+    mid_growth = 0
+    for step in range(1000):
+        a = rng.choice(agents)
+        r = rng.random()
+        if r < 0.6:
+            hs = [rng.choice(pool) for _ in range(rng.randint(1, 120))]
+            t = rng.choice(list(Tier))
+            for idx in paths:
+                idx.add(a, b"".join(hs), t, b"".join(parent[h] for h in hs))
+            ref.setdefault(a, {}).update({h: int(t) for h in hs})
+            told.update(hs)
+        elif r < 0.85:
+            hs = [rng.choice(pool) for _ in range(rng.randint(1, 100))]
+            for idx in paths:
+                idx.remove(a, b"".join(hs))
+            for h in hs:
+                ref.get(a, {}).pop(h, None)
+        elif r < 0.9:
+            for idx in paths:
+                assert idx.drop_agent(a) == len(ref.get(a, {}))
+            ref.pop(a, None)
+        else:
+            blocks = {rng.choice(pool): int(rng.choice(list(Tier))) for _ in range(rng.randint(0, 300))}
+            for idx in paths:
+                idx.replace_agent(a, blocks)
+            ref[a] = blocks
+        held_anywhere = set().union(*ref.values())
+        told &= held_anywhere  # a block nobody holds is forgotten, parent and all
+        growing = any(idx._moved is not None for idx in paths)
+        if step % 20 and not growing:  # every check while a growth is under way
+            continue
+        mid_growth += growing
+        for idx in paths:
+            assert idx.num_blocks == len(held_anywhere)
+            assert idx.num_replicas == sum(len(b) for b in ref.values())
+        for h in rng.sample(pool, 30):
+            want = {x: Tier(b[h]) for x, b in ref.items() if h in b}
+            assert [idx.holders(h) for idx in paths] == [want, want]
+            known = (parent[h] if h in told else bytes(16)) if want else None
+            assert [idx.parent_of(h) for idx in paths] == [known, known]
+        for x in agents:
+            assert [idx.agent_blocks(x) for idx in paths] == [ref.get(x, {})] * 2
+        for _ in range(3):
+            owner = rng.choice(agents)
+            chain = list(ref.get(owner, {}))[:20] + [rng.choice(pool)]
+            got = [idx.lookup(b"".join(chain)) for idx in paths]
+            assert got[0] == got[1] == reference_lookup(ref, chain)
+    assert mid_growth >= 10, "no check fell during a growth: the test checks nothing new"

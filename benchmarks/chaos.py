@@ -30,6 +30,14 @@ FAILED/CANCELLED with a reason: `ops_unfinished` (no end within the wait) must b
 move accepted though its start was answered with an error (the leader died or stopped
 after taking it) is found in the operations list and followed too.
 
+Drains run across the faults as well: every `drain_interval_seconds` one agent, the three
+in turn, is drained (`kvctl drain`: cordoned, its prefixes handed to the others), its end
+awaited as a move's (`drains_unfinished` must be 0), then it is uncordoned. A few marker
+prefixes stored on it just before and pinned cluster-wide must, after a drain SUCCEEDED
+with no block left, load whole and right from another agent (`drain_blocks_lost` must be
+0); a drain's other blocks may be dropped by policy or eviction without loss to anyone.
+The handoff fault waits for the drain under way (its destination must not be cordoned).
+
 Every process started here is stopped on the way out, on an error or Ctrl-C too (and
 the kernel kills them should this process die first, where util-linux setpriv exists)."""
 
@@ -95,6 +103,10 @@ class ChaosConfig:
     # no flag sets it) and a failover on top
     op_wait_seconds: float = 90.0
     keeper_disk_capacity: str = "64MiB"
+    # a drain of each agent in turn, with marker prefixes pinned on it first (see Drains)
+    drain_interval_seconds: float = 20.0
+    drain_markers: int = 2
+    drain_marker_blocks: int = 4
 
 
 @dataclass
@@ -128,6 +140,14 @@ class ChaosResult:
     ops_unfinished: int = 0  # accepted, and no end within op_wait_seconds (must be 0)
     ops_failed_errors: dict[str, int] = field(default_factory=dict)
     ops_refused_codes: dict[str, int] = field(default_factory=dict)
+    drains_started: int = 0  # drains the control plane accepted, an agent at a time
+    drains_succeeded: int = 0
+    drains_failed: int = 0  # FAILED or CANCELLED, with their errors in drains_failed_errors
+    drains_refused: int = 0  # starts refused (by code in drains_refused_codes): not failures
+    drains_unfinished: int = 0  # accepted, and no end within op_wait_seconds (must be 0)
+    drain_blocks_lost: int = 0  # pinned marker blocks of a clean drain served by no other agent (must be 0)
+    drains_failed_errors: dict[str, int] = field(default_factory=dict)
+    drains_refused_codes: dict[str, int] = field(default_factory=dict)
     stats: dict = field(default_factory=dict)
 
     def to_json(self) -> dict:
@@ -169,6 +189,7 @@ class Processes:
         self.prefix = prefix
         self.argv: dict[str, list[str]] = {}
         self.procs: dict[str, subprocess.Popen] = {}
+        self.killed_at: dict[str, float] = {}  # name -> monotonic time of its last SIGKILL
         self._logs: list = []
 
     def start(self, name: str, argv: list[str]) -> subprocess.Popen:
@@ -190,6 +211,7 @@ class Processes:
         if p.poll() is None:
             p.send_signal(sig)
         if sig == signal.SIGKILL:
+            self.killed_at[name] = time.monotonic()
             p.wait(10)
 
     def stop_all(self) -> None:
@@ -432,6 +454,7 @@ class MoveStats:
     failed_errors: dict[str, int] = field(default_factory=dict)
     refused_codes: dict[str, int] = field(default_factory=dict)
     unfinished_op_ids: list[str] = field(default_factory=list)
+    failed_op_ids: list[str] = field(default_factory=list)  # with when each was made (wall clock)
     # accepted though their start was answered with an error (a timeout as the leader
     # died or stopped): found in the control plane's list, counted in started, followed
     found_unanswered: int = 0
@@ -493,8 +516,9 @@ class Moves:
         try:
             op = facade.call(lambda c: c.move(to_tier, namespace=MOVED_NAMESPACE, agent_id=KEEPER), 5.0)
         except ClientError as exc:
+            code = exc.code if exc.code in RETRYABLE else f"{exc.code}: {str(exc)[:60]}"  # (a "no" says why)
             self.stats.refused += 1
-            self.stats.refused_codes[exc.code] = self.stats.refused_codes.get(exc.code, 0) + 1
+            self.stats.refused_codes[code] = self.stats.refused_codes.get(code, 0) + 1
             return
         self.stats.started += 1
         self._seen.add(op.op_id)
@@ -541,9 +565,233 @@ class Moves:
             self.stats.succeeded += 1
             return
         self.stats.failed += 1
+        self.stats.failed_op_ids.append(
+            f"{op.op_id} made {time.strftime('%H:%M:%S', time.localtime(op.created_unix_seconds))}"
+        )
         error = op.error[:ERROR_CHARS] + ("..." if len(op.error) > ERROR_CHARS else "") or "(no reason given)"
         key = error if op.state == "FAILED" else f"{op.state}: {error}"
         self.stats.failed_errors[key] = self.stats.failed_errors.get(key, 0) + 1
+
+
+@dataclass
+class DrainStats:
+    started: int = 0  # drains the control plane accepted
+    succeeded: int = 0
+    failed: int = 0  # FAILED or CANCELLED, with their errors in failed_errors
+    refused: int = 0  # starts refused (by code in refused_codes): not failures
+    unfinished: int = 0  # accepted, and no end within op_wait_seconds (must be 0)
+    checked: int = 0  # SUCCEEDED with no block left: its marker prefixes looked for elsewhere
+    wrong_kv: int = 0  # marker blocks loaded from another agent whose content was not theirs (must be 0)
+    blocks_lost: int = 0  # marker blocks of those served by no other agent (must be 0)
+    blocks_unchecked: int = 0  # missing, but another agent was SIGKILLed since the drain began
+    blocks_left_partial: int = 0  # missing after a drain that said it left blocks (no room): no loss
+    moved_blocks: int = 0
+    failed_errors: dict[str, int] = field(default_factory=dict)
+    refused_codes: dict[str, int] = field(default_factory=dict)
+    unfinished_op_ids: list[str] = field(default_factory=list)
+    found_unanswered: int = 0  # accepted though their start was answered with an error
+    uncordon_failed: int = 0  # drained agents left cordoned (the facade did not answer for 60 s)
+    runs: list[str] = field(default_factory=list)  # one line per drain: agent, end, blocks, seconds
+
+
+class Drains:
+    """One thread that drains an agent every `drain_interval_seconds`, the agents in turn
+    (to the others: kvctl drain's destinations), follows the drain to its end, then
+    uncordons the agent. Before each, a few marker prefixes are stored on that agent and
+    pinned (cluster-wide, so neither the source's eviction nor a destination's policy may
+    drop them): after a drain SUCCEEDED with no block left, each must load, whole and
+    right, from another agent. That is the honest check: the agent's other blocks may be
+    dropped (policy, eviction) before or after they land without any loss to a user.
+    `lock` is held from a drain's start to its uncordon: a fault that needs every agent
+    in rotation (the handoff's destination must not be cordoned) takes it meanwhile.
+    `killed_at` (agent -> monotonic time of its last SIGKILL) tells a marker lost with a
+    destination killed after it landed, not counted lost."""
+
+    def __init__(
+        self,
+        cfg: ChaosConfig,
+        endpoints: list[str],
+        model: Model,
+        agent_addresses: dict[str, str],
+        killed_at: dict[str, float],
+        tokens: Callable[[int, int], list[int]],
+    ):
+        self.cfg = cfg
+        self.endpoints = endpoints
+        self.model = model
+        self.addresses = agent_addresses
+        self.killed_at = killed_at
+        self.tokens = tokens
+        self.stats = DrainStats()
+        self.t_start = 0.0
+        self.lock = threading.Lock()
+        self.stop = threading.Event()  # no more drains; the one under way followed to its end
+        self.abandon = threading.Event()  # none followed any more (the cluster is going away)
+        self._thread = threading.Thread(target=self._run, name="chaos-drains", daemon=True)
+
+    def start(self, t_start: float) -> None:
+        self.t_start = t_start
+        self._thread.start()
+
+    def join(self, timeout_seconds: float | None = None) -> None:
+        self.stop.set()
+        self._thread.join(self.cfg.op_wait_seconds + 120 if timeout_seconds is None else timeout_seconds)
+
+    def _run(self) -> None:
+        facade = Facade(self.endpoints)
+        order = itertools.cycle((HANDOFF_SOURCE, KEEPER, VICTIM))
+        next_at = self.t_start + self.cfg.drain_interval_seconds / 2
+        try:
+            for n in itertools.count():
+                if self.stop.wait(max(0.0, next_at - time.monotonic())):
+                    return
+                with self.lock:
+                    self._one(facade, next(order), n)
+                next_at = max(next_at + self.cfg.drain_interval_seconds, time.monotonic())
+        finally:
+            facade.close()
+
+    def _one(self, facade: Facade, agent_id: str, n: int) -> None:
+        m = self.model
+        markers = [self.tokens(self.cfg.drain_marker_blocks, 1000 + 10 * n + i) for i in range(self.cfg.drain_markers)]
+        pins: list[str] = []
+        t0 = time.monotonic()
+        try:
+            engine = EngineClient(self.addresses[agent_id], timeout_seconds=5.0)
+            try:
+                for tokens in markers:
+                    engine.store(m.model_id, tokens, m.kv(m.hashes(tokens)), namespace="drained")
+            finally:
+                engine.close()
+            for i, tokens in enumerate(markers):
+                pin_id = f"chaos-drain-{n}-{i}-{uuid.uuid4().hex[:6]}"
+                facade.call(
+                    lambda c, t=tokens, p=pin_id: c.pin(
+                        model_id=m.model_id, token_ids=t, ttl_seconds=600, owner="kvcp-bench-chaos", pin_id=p
+                    ),
+                    5.0,
+                )
+                pins.append(pin_id)
+        except (ClientError, grpc.RpcError) as exc:  # the agent is down, or a failover: no drain this turn
+            self._refused(f"pin: {exc.code}" if isinstance(exc, ClientError) else "markers not stored: agent down")
+            self._unpin(facade, pins)
+            return
+        op: OperationView | None = None
+        asked = time.time() - 5.0  # (this machine's clock is the control plane's)
+        try:
+            try:
+                op = facade.call(lambda c: c.drain(agent_id, reason="kvcp-bench chaos"), 5.0)
+            except ClientError as exc:
+                op = self._find_unanswered(facade, agent_id, asked)
+                if op is None:  # (a refusal says why in its first words: no room, not ready)
+                    self._refused(f"{exc.code}: {str(exc)[:40]}" if exc.code == "FAILED_PRECONDITION" else exc.code)
+                    return
+            self.stats.started += 1
+            op = self._follow(facade, op)
+            if op is None:
+                return
+            self.stats.moved_blocks += op.num_done_blocks
+            line = (
+                f"{agent_id} at {t0 - self.t_start:.0f}s: "
+                f"{op.state} {op.num_done_blocks}/{op.num_total_blocks} blocks "
+                f"({op.num_failed_blocks} failed) in {time.monotonic() - t0:.1f}s"
+            )
+            if op.state != "SUCCEEDED":
+                self.stats.failed += 1
+                error = op.error[:ERROR_CHARS] + ("..." if len(op.error) > ERROR_CHARS else "") or "(no reason given)"
+                key = error if op.state == "FAILED" else f"{op.state}: {error}"
+                self.stats.failed_errors[key] = self.stats.failed_errors.get(key, 0) + 1
+            else:
+                self.stats.succeeded += 1
+                line += self._check(agent_id, markers, t0, left=op.num_failed_blocks > 0)
+            if op.error:
+                line += f"; {op.error[:ERROR_CHARS]}"
+
+            self.stats.runs.append(line)
+        finally:
+            self._uncordon(facade, agent_id)
+            self._unpin(facade, pins)
+
+    def _refused(self, code: str) -> None:
+        self.stats.refused += 1
+        self.stats.refused_codes[code] = self.stats.refused_codes.get(code, 0) + 1
+
+    def _find_unanswered(self, facade: Facade, agent_id: str, asked: float) -> OperationView | None:
+        """The drain of `agent_id` the control plane took though its answer was lost (a
+        leader killed or stopped after it took it): followed like one answered."""
+        with contextlib.suppress(ClientError):
+            for op in facade.call(lambda c: c.list_operations(1000), 10.0):
+                if op.kind == "drain" and op.params.get("agent") == agent_id and op.created_unix_seconds >= asked:
+                    self.stats.found_unanswered += 1
+                    return op
+        return None
+
+    def _follow(self, facade: Facade, op: OperationView) -> OperationView | None:
+        """The drain at its end; None (counted unfinished) when it has none within the wait."""
+        wait_end = time.monotonic() + self.cfg.op_wait_seconds
+        while time.monotonic() < wait_end:
+            if self.abandon.is_set():
+                return None
+            with contextlib.suppress(ClientError):  # not answered now (a failover, etcd away): asked again
+                got = facade.call(lambda c: c.get_operation(op.op_id), 2.0)
+                if got.finished:
+                    return got
+            time.sleep(0.25)
+        self.stats.unfinished += 1
+        self.stats.unfinished_op_ids.append(op.op_id)
+        return None
+
+    def _check(self, agent_id: str, markers: list[list[int]], since: float, left: bool) -> str:
+        """Each marker prefix served, whole and right, by an agent other than the drained one.
+        `left`: the drain said it left blocks (no room): one missing is counted apart, no loss."""
+        m = self.model
+        self.stats.checked += not left
+        lost = wrong = 0
+        for tokens in markers:
+            hashes = m.hashes(tokens)
+            served = False
+            for other, address in self.addresses.items():
+                if other == agent_id:
+                    continue
+                engine = EngineClient(address, timeout_seconds=5.0)
+                try:
+                    loaded = engine.load(m.model_id, tokens)
+                except grpc.RpcError:
+                    continue
+                finally:
+                    engine.close()
+                n = loaded.num_cached_tokens // m.block_size
+                bad = m.wrong_blocks(loaded.kv, hashes, n)
+                wrong += bad
+                if n == len(hashes) and not bad:
+                    served = True
+                    break
+            if served:
+                continue
+            if any(t >= since for a, t in self.killed_at.items() if a in self.addresses and a != agent_id):
+                self.stats.blocks_unchecked += len(hashes)
+            else:
+                lost += len(hashes)
+        if left:
+            self.stats.blocks_left_partial += lost
+        else:
+            self.stats.blocks_lost += lost
+        self.stats.wrong_kv += wrong
+        missing = "left (the drain left blocks)" if left else "LOST"
+        return f"; markers: {lost} blocks {missing}, {wrong} wrong" if lost or wrong else ""
+
+    def _uncordon(self, facade: Facade, agent_id: str) -> None:
+        if self.abandon.is_set():
+            return
+        try:
+            facade.call(lambda c: c.uncordon(agent_id), 60.0)
+        except ClientError:
+            self.stats.uncordon_failed += 1
+
+    def _unpin(self, facade: Facade, pins: list[str]) -> None:
+        for pin_id in [] if self.abandon.is_set() else pins:
+            with contextlib.suppress(ClientError):  # a pin left expires with its TTL
+                facade.call(lambda c, p=pin_id: c.unpin(p), 10.0)
 
 
 # ---- the run --------------------------------------------------------------------------
@@ -567,8 +815,11 @@ class Chaos:
         self.replica_of = {f"127.0.0.1:{p}": name for name, p in self.cp_ports.items()}
         self.facade = Facade(self.endpoints)
         self.model: Model | None = None
+        self.drains: Drains | None = None
         self.t_start = 0.0
         self._probe_tokens: list[int] = []
+        # the recovery probe's failures: when, how long, which call, why (a slow recovery's story)
+        self.probe_errors: list[str] = []
 
     # ---- cluster --------------------------------------------------------------------
     def _start_cluster(self) -> None:
@@ -687,12 +938,18 @@ class Chaos:
     def _probe(self) -> bool:
         """A lookup and a pin (then its unpin) through the facade, each in a few seconds."""
         m = self.model
+        t0 = time.monotonic()
+        what = "lookup"
         try:
             self.facade.call(lambda c: c.lookup(m.model_id, self._probe_tokens), 3)
+            what = "pin"
             pin = self.facade.call(
                 lambda c: c.pin(model_id=m.model_id, token_ids=self._probe_tokens, ttl_seconds=30, owner="probe"), 3
             )
-        except ClientError:
+        except ClientError as exc:
+            self.probe_errors.append(
+                f"{t0 - self.t_start:.1f}+{time.monotonic() - t0:.1f}s {what} {exc.code}: {str(exc)[:100]}"
+            )
             return False
         with contextlib.suppress(ClientError):
             self.facade.call(lambda c: c.unpin(pin.pin_id), 3)
@@ -844,6 +1101,11 @@ class Chaos:
     def fault_handoff_kill(self) -> FaultResult:
         if not handoff_available():
             return FaultResult("handoff_kill", False, None, detail="not available: no handoff in this build")
+        # no drain meanwhile: a drained (cordoned) destination refuses the handoff
+        with self.drains.lock if self.drains is not None else contextlib.nullcontext():
+            return self._handoff_kill()
+
+    def _handoff_kill(self) -> FaultResult:
         m = self.big
         tokens = self._tokens(self.cfg.handoff_blocks, salt=99, model=m)
         hashes = m.hashes(tokens)
@@ -906,6 +1168,7 @@ class Chaos:
         self.handoff_wrong = 0
         load: Load | None = None
         moves: Moves | None = None
+        drains: Drains | None = None
         try:
             self._start_cluster()
             self._probe_tokens = self._tokens(2, salt=7)
@@ -922,12 +1185,16 @@ class Chaos:
             load = Load(cfg, self.endpoints, self.model, {a: f"127.0.0.1:{p}" for a, p in self.agent_ports.items()})
             keeper_address = f"127.0.0.1:{self.agent_ports[KEEPER]}"
             moves = Moves(cfg, self.endpoints, self.model, keeper_address, self._tokens(cfg.moved_blocks, salt=11))
+            drains = self.drains = Drains(
+                cfg, self.endpoints, self.model, load.addresses, self.procs.killed_at, self._tokens
+            )
             self.t_start = time.monotonic()
             load.start(fill_agent=KEEPER)
             moves.start()
+            drains.start(self.t_start)
             self.report(
                 f"chaos: load started ({cfg.rate_per_second:g} requests/s); {len(pins)} pins held; "
-                f"a tier move every {cfg.move_interval_seconds:g}s"
+                f"a tier move every {cfg.move_interval_seconds:g}s, a drain every {cfg.drain_interval_seconds:g}s"
             )
             results: list[FaultResult] = []
             for i, fault in enumerate(faults):
@@ -947,8 +1214,10 @@ class Chaos:
                 )
             time.sleep(max(0.0, self.t_start + cfg.seconds - time.monotonic()))
             load.join()
+            drains.stop.set()  # none after the load (the one under way is followed below)
             elapsed = time.monotonic() - self.t_start
             moves.join()  # the operations still running, followed to their end
+            drains.join()  # the drain under way followed to its end, its agent uncordoned
             held = {p.pin_id for p in self.facade.call(lambda c: c.list_pins(), 60)}
             pins_lost = sum(1 for pin_id, _ in pins if pin_id not in held)
             evicted = 0
@@ -963,12 +1232,12 @@ class Chaos:
             # the pins were under pressure only if the tier that holds them was full
             keeper = next(a for a in self.facade.call(lambda c: c.list_agents(), 30) if a.agent_id == KEEPER)
             cpu = next((t for t in keeper.tiers if t.tier == "cpu"), None)
-            s, ms = load.stats, moves.stats
+            s, ms, ds = load.stats, moves.stats, drains.stats
             return ChaosResult(
                 seconds=round(elapsed, 1),
                 requests=s.requests,
                 served=s.served,
-                wrong_kv_served=s.wrong_kv_served + self.handoff_wrong,
+                wrong_kv_served=s.wrong_kv_served + self.handoff_wrong + ds.wrong_kv,
                 pins_lost=pins_lost,
                 pinned_blocks_evicted=evicted,
                 faults=results,
@@ -984,13 +1253,31 @@ class Chaos:
                 ops_unfinished=ms.unfinished,
                 ops_failed_errors=ms.failed_errors,
                 ops_refused_codes=ms.refused_codes,
+                drains_started=ds.started,
+                drains_succeeded=ds.succeeded,
+                drains_failed=ds.failed,
+                drains_refused=ds.refused,
+                drains_unfinished=ds.unfinished,
+                drain_blocks_lost=ds.blocks_lost,
+                drains_failed_errors=ds.failed_errors,
+                drains_refused_codes=ds.refused_codes,
                 stats={
                     "engine_errors": s.engine_errors,
                     "stored_blocks": s.stored_blocks,
                     "pin_holder_cpu_used_fraction": round(cpu.used_bytes / cpu.capacity_bytes, 3) if cpu else None,
                     "ops_moved_blocks": ms.moved_blocks,
                     "ops_unfinished_op_ids": ms.unfinished_op_ids,
+                    "ops_failed_op_ids": ms.failed_op_ids,
                     "ops_found_unanswered": ms.found_unanswered,
+                    "probe_errors": self.probe_errors,
+                    "drains_moved_blocks": ds.moved_blocks,
+                    "drains_checked": ds.checked,
+                    "drain_blocks_unchecked": ds.blocks_unchecked,
+                    "drain_blocks_left_partial": ds.blocks_left_partial,
+                    "drains_uncordon_failed": ds.uncordon_failed,
+                    "drains_unfinished_op_ids": ds.unfinished_op_ids,
+                    "drains_found_unanswered": ds.found_unanswered,
+                    "drains": ds.runs,
                 },
             )
         finally:
@@ -998,6 +1285,9 @@ class Chaos:
                 load.stop.set()
             if moves is not None:
                 moves.abandon.set()
+            if drains is not None:
+                drains.stop.set()
+                drains.abandon.set()
             self.facade.close()
             self.procs.stop_all()
             if self.etcd is not None:
@@ -1008,6 +1298,8 @@ class Chaos:
                 load.join()
             if moves is not None:
                 moves.join()
+            if drains is not None:
+                drains.join(10)  # (abandoned: its last call to a stopped cluster need not be waited out)
 
 
 def handoff_available() -> bool:
@@ -1058,6 +1350,13 @@ def format_table(r: ChaosResult) -> str:
         f"{'ops_failed':22s} {r.ops_failed}{counted(r.ops_failed_errors)}",
         f"{'ops_refused':22s} {r.ops_refused}{counted(r.ops_refused_codes)}",
         f"{'ops_unfinished':22s} {r.ops_unfinished}",
+        f"{'drains_started':22s} {r.drains_started} (drains accepted, an agent at a time)",
+        f"{'drains_succeeded':22s} {r.drains_succeeded} ({r.stats.get('drains_moved_blocks', 0)} blocks handed off; "
+        f"{r.stats.get('drains_checked', 0)} with none left, their pinned markers checked elsewhere)",
+        f"{'drains_failed':22s} {r.drains_failed}{counted(r.drains_failed_errors)}",
+        f"{'drains_refused':22s} {r.drains_refused}{counted(r.drains_refused_codes)}",
+        f"{'drains_unfinished':22s} {r.drains_unfinished}",
+        f"{'drain_blocks_lost':22s} {r.drain_blocks_lost}",
         "",
         f"{'FAULT':18s} {'AT':>6s} {'RECOVERED':9s} {'RECOVERY_S':>10s} {'BACK_S':>7s}  DETAIL",
     ]

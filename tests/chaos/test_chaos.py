@@ -1,6 +1,6 @@
-"""`kvcp-bench chaos` as a user runs it: a short run serves no wrong KV, loses no pin and
-leaves no tier move it accepted unfinished, and Ctrl-C in the middle leaves none of the
-processes it started behind."""
+"""`kvcp-bench chaos` as a user runs it: a short run serves no wrong KV, loses no pin,
+leaves no tier move or drain it accepted unfinished, loses no pinned block a clean drain
+handed off, and Ctrl-C in the middle leaves none of the processes it started behind."""
 
 from __future__ import annotations
 
@@ -53,6 +53,11 @@ def test_a_short_chaos_run_serves_no_wrong_kv_loses_no_pin_and_ends_every_operat
     assert result["ops_refused"] == sum(result["ops_refused_codes"].values())
     assert result["ops_failed"] == sum(result["ops_failed_errors"].values())
     assert not any("(no reason given)" in why for why in result["ops_failed_errors"]), result["ops_failed_errors"]
+    # drains across the faults: every one accepted ended, and a clean one lost no pinned marker
+    assert result["drains_unfinished"] == 0, result["stats"]["drains_unfinished_op_ids"]
+    assert result["drains_succeeded"] + result["drains_failed"] == result["drains_started"]
+    assert result["drain_blocks_lost"] == 0, result["stats"]["drains"]
+    assert result["stats"]["drains_uncordon_failed"] == 0
     faults = {f["fault"]: f for f in result["faults"]}
     expected = {
         "agent_sigkill",

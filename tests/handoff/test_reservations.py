@@ -422,6 +422,45 @@ def test_a_large_batch_is_hashed_on_several_threads_to_the_same_sums(monkeypatch
     assert there == here  # the foreground threads hash at the caller's priority
 
 
+def test_a_foreground_hash_runs_its_first_share_on_the_caller_and_the_rest_on_the_pool(monkeypatch):
+    """The last Commit's hash: the calling thread hashes the first run of blocks itself
+    (no pool thread to wake for it), the pool the others, one task a run; the sums come
+    back in block order."""
+    import threading
+
+    import torch
+
+    from agent.core import handoff
+
+    monkeypatch.setattr(handoff, "VERIFY_THREADS", 2)
+    threads: list[tuple[int, int]] = []  # (thread, first byte of the block hashed)
+    real = handoff.checksum
+
+    def watched(segments):
+        threads.append((threading.get_ident(), int(segments[0][0])))
+        return real(segments)
+
+    monkeypatch.setattr(handoff, "checksum", watched)
+    blocks = [[torch.full((1 << 20,), k, dtype=torch.uint8)] for k in range(6)]
+    assert handoff.checksums_of(blocks) == [real(b) for b in blocks]
+    here = threading.get_ident()
+    assert sorted(k for t, k in threads if t == here) == [0, 1, 2]
+    assert len({t for t, k in threads if k in (3, 4, 5)} - {here}) == 1  # one pool thread, for the second run
+
+
+@given(st.lists(st.integers(1, 64), min_size=1, max_size=40), st.integers(1, 6))
+def test_shares_are_consecutive_runs_of_about_equal_bytes(sizes, num_shares):
+    from agent.core.handoff import _shares
+
+    blocks = [[bytes(n)] for n in sizes]
+    shares = _shares(blocks, num_shares)
+    assert [b for share in shares for b in share] == blocks  # every block once, in order
+    assert 1 <= len(shares) <= num_shares and all(shares)
+    per_share = sum(sizes) / num_shares
+    for share in shares[:-1]:  # a run closes once it holds its part (a block more at most)
+        assert sum(len(b[0]) for b in share) < per_share + max(sizes) + 1
+
+
 def test_a_same_host_senders_groups_hash_at_once(monkeypatch):
     """A verify for a same-host (shm) sender hashes at the caller's priority, while the
     group's bytes are still in cache (an engine handoff's verify: in the background)."""

@@ -281,13 +281,16 @@ class BlockIndex:
         """One more 64-bit word per mask (agents beyond 64 * W)."""
         W = self._W + 1
         cap = len(self._keys)
+        grown: dict[str, np.ndarray] = {}  # all allocated before any is swapped in: a MemoryError leaves W words
         for name in ("_mask", "_tlo", "_thi"):
             old = getattr(self, name)
             new = np.zeros((W, cap), np.uint64)
             new[: W - 1, : self._hw] = old[:, : self._hw]
+            grown[name] = new
+        counts = np.concatenate([self._counts, np.zeros(64, np.int64)])
+        for name, new in grown.items():
             setattr(self, name, new)
-        self._W = W
-        self._counts = np.concatenate([self._counts, np.zeros(64, np.int64)])
+        self._W, self._counts = W, counts
 
     @staticmethod
     def _word_bit(slot: int) -> tuple[int, np.uint64]:
@@ -295,10 +298,12 @@ class BlockIndex:
 
     # ---- table ----------------------------------------------------------------------
     def _new_table(self, nb: int) -> None:
+        # both allocated before anything changes: a MemoryError leaves the table it had
+        tags = np.zeros((nb, _BUCKET), np.uint32)
+        ents = np.zeros((nb, _BUCKET), np.int32)
         self._nb = nb
         self._shift = np.uint64(64 - (nb.bit_length() - 1))
-        self._tags = np.zeros((nb, _BUCKET), np.uint32)
-        self._ents = np.zeros((nb, _BUCKET), np.int32)
+        self._tags, self._ents = tags, ents
         self._tags_flat = self._tags.reshape(-1)
         self._ents_flat = self._ents.reshape(-1)
 
@@ -481,17 +486,17 @@ class BlockIndex:
             self._ents_flat[flat] = pending
             won = self._ents_flat.take(flat) == pending
             wc, wf = pending[won], flat[won]
-            self._tags_flat[wf] = tag[wc]
             if keys is None or ent is None:
                 self._ents_flat[wf] = ids[wc]
             else:
-                new = self._alloc(len(wc))
+                new = self._alloc(len(wc))  # before the tags: a MemoryError leaves the slots empty
                 self._ents_flat[wf] = new
                 q = ids[wc]
                 # 1-D views: fancy assignment to rows of a 2-D array is numpy's slow path
                 self._keys.view(_V16).reshape(-1)[new] = keys.take(q, axis=0).view(_V16).reshape(-1)
                 ent[q] = new
                 self._live += len(wc)
+            self._tags_flat[wf] = tag[wc]
             pending = pending[~won]
         return np.concatenate(failed) if failed else np.zeros(0, np.int64)
 
@@ -516,27 +521,29 @@ class BlockIndex:
         if not free:
             return False
         slot = lo + row.index(_EMPTY)
-        tags[slot] = t
         if keys is None:
             ents[slot] = ids[i]
+            tags[slot] = t
             return True
         q = int(ids[i])
-        new = int(self._alloc(1)[0])
+        new = int(self._alloc(1)[0])  # before the tag: a MemoryError leaves the slot empty
         ents[slot] = new
         self._keys[new] = keys[q]
         ent[q] = new
         self._live += 1
+        tags[slot] = t
         return True
 
     def _alloc(self, n: int) -> np.ndarray:
         take = min(n, self._nfree)
+        rest = n - take
+        if rest:  # first: a MemoryError there takes no id
+            self._grow_entries(self._hw + rest)
         out = np.empty(n, np.int64)
         if take:
             out[:take] = self._free[self._nfree - take : self._nfree]
             self._nfree -= take
-        rest = n - take
         if rest:
-            self._grow_entries(self._hw + rest)
             out[take:] = np.arange(self._hw, self._hw + rest)
             self._hw += rest
         return out
@@ -547,21 +554,22 @@ class BlockIndex:
             return
         new_cap = max(need, cap * 2)
         hw = self._hw
-        keys = np.empty((new_cap, 2), np.uint64)
-        keys[:hw] = self._keys[:hw]
-        self._keys = keys
-        parents = np.zeros((new_cap, 2), np.uint64)
-        parents[:hw] = self._parents[:hw]
-        self._parents = parents
+        # all allocated before any is swapped in: a MemoryError leaves every column as it
+        # was (one column grown alone: the C loops would index the others past their end)
+        grown: dict[str, np.ndarray] = {"_keys": np.empty((new_cap, 2), np.uint64)}
+        grown["_parents"] = np.zeros((new_cap, 2), np.uint64)
         for name in ("_mask", "_tlo", "_thi"):
-            old = getattr(self, name)
-            new = np.zeros((old.shape[0], new_cap), np.uint64)  # calloc: pages cost nothing until used
-            new[:, :hw] = old[:, :hw]
+            grown[name] = np.zeros((getattr(self, name).shape[0], new_cap), np.uint64)  # calloc: free until used
+        grown["_stored"] = np.zeros(new_cap, np.uint32)
+        scratch = np.empty(new_cap, np.int32)
+        for name, new in grown.items():
+            if name in ("_keys", "_parents", "_stored"):  # entry-major
+                new[:hw] = getattr(self, name)[:hw]
+            else:  # word-major
+                new[:, :hw] = getattr(self, name)[:, :hw]
+        for name, new in grown.items():
             setattr(self, name, new)
-        self._scratch = np.empty(new_cap, np.int32)
-        stored = np.zeros(new_cap, np.uint32)
-        stored[:hw] = self._stored[:hw]
-        self._stored = stored
+        self._scratch = scratch
 
     def _grow(self, nb: int) -> None:
         """Start growing the table to `nb` buckets (a power-of-two multiple of what it has):
@@ -569,10 +577,11 @@ class BlockIndex:
         A growth still under way finishes first (only a batch of keys larger than the table
         had, or one finding both its buckets full right after a growth, gets here before)."""
         self._finish_growth()
-        self._old_tags, self._old_ents, self._old_shift = self._tags, self._ents, self._shift
-        self._moved = np.zeros(self._nb, np.uint8)
-        self._move_next = 0
-        self._new_table(nb)
+        moved = np.zeros(self._nb, np.uint8)
+        old = self._tags, self._ents, self._shift
+        self._new_table(nb)  # (a MemoryError there leaves the index as it was: no growth under way)
+        self._old_tags, self._old_ents, self._old_shift = old
+        self._moved, self._move_next = moved, 0
 
     def _move_buckets(self, b: np.ndarray) -> None:
         """Old buckets `b` (any order, repeats allowed) into the new table, those not moved
@@ -587,18 +596,19 @@ class BlockIndex:
         if not b.size:
             return
         b = np.unique(b)
-        moved[b] = 1
         tags = old_tags[b]
         r, j = np.nonzero(tags)
-        if not r.size:
-            return
-        ob = b[r]
-        ents = old_ents[ob, j]
-        h = _mix(self._keys.take(ents.astype(np.int64), axis=0), self._seed)
-        word = np.where((h >> self._old_shift).astype(np.int64) == ob, h, _second(h))  # which of its two it sat in
-        flat = (word >> self._shift).astype(np.int64) * _BUCKET + j
-        self._tags_flat[flat] = tags[r, j]
-        self._ents_flat[flat] = ents
+        if r.size:
+            ob = b[r]
+            ents = old_ents[ob, j]
+            h = _mix(self._keys.take(ents.astype(np.int64), axis=0), self._seed)
+            word = np.where((h >> self._old_shift).astype(np.int64) == ob, h, _second(h))  # which of its two it sat in
+            flat = (word >> self._shift).astype(np.int64) * _BUCKET + j
+            # marked moved only once their keys are written (entries before tags: a slot
+            # counts once its tag is): a MemoryError on the way leaves them to move again
+            self._ents_flat[flat] = ents
+            self._tags_flat[flat] = tags[r, j]
+        moved[b] = 1
 
     def _settle(self, h: np.ndarray) -> None:
         """Before keys (their hash words `h`) are probed or placed during a growth: the old

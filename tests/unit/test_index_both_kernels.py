@@ -7,6 +7,7 @@ from __future__ import annotations
 import random
 import shutil
 
+import numpy as np
 import pytest
 
 from controlplane.core import index as index_mod
@@ -218,3 +219,76 @@ def test_both_paths_give_the_same_answers_through_many_growths(monkeypatch):
             got = [idx.lookup(b"".join(chain)) for idx in paths]
             assert got[0] == got[1] == reference_lookup(ref, chain)
     assert mid_growth >= 10, "no check fell during a growth: the test checks nothing new"
+
+
+class _FailingNumpy:
+    """numpy as controlplane.core.index sees it, whose `fail_at`-th zeros, empty or
+    nonzero call while armed raises MemoryError: an allocation that runs out of memory
+    part way through a growth of the table, of the entry columns, or a bucket's move."""
+
+    def __init__(self, fail_at: int) -> None:
+        self.fail_at, self.calls, self.armed, self.failed = fail_at, 0, False, 0
+
+    def __getattr__(self, name: str):
+        return getattr(np, name)
+
+    def _count(self) -> None:
+        if self.armed:
+            self.calls += 1
+            if self.calls == self.fail_at:
+                self.failed += 1
+                raise MemoryError("out of memory (test)")
+
+    def zeros(self, *args, **kwargs):
+        self._count()
+        return np.zeros(*args, **kwargs)
+
+    def empty(self, *args, **kwargs):
+        self._count()
+        return np.empty(*args, **kwargs)
+
+    def nonzero(self, *args, **kwargs):
+        self._count()
+        return np.nonzero(*args, **kwargs)
+
+
+@PATHS
+@pytest.mark.parametrize("fail_at", [1, 2, 3, 4, 6])
+def test_an_update_out_of_memory_part_way_leaves_the_index_consistent(use_kernel, fail_at, monkeypatch):
+    """The update that ran out of memory fails alone (the agent's stream sends it again);
+    the index it leaves answers every key it held, takes the update again, and the C
+    loops never see a table or column smaller than the sizes they are given."""
+    monkeypatch.setattr(index_mod, "_MOVE_PER_KEY", 1)  # growths last more calls
+    failing = _FailingNumpy(fail_at)
+    monkeypatch.setattr(index_mod, "np", failing)
+    rng = random.Random(fail_at)
+    pool = random_keys(rng, 6000)
+    idx = BlockIndex(use_kernel=use_kernel)
+    ref: dict[str, dict[bytes, int]] = {}
+    for step in range(60):
+        if step % 4 == 3:
+            blocks = {h: int(Tier.DISK) for h in rng.sample(pool, rng.randint(0, 800))}
+
+            def update(blocks=blocks):
+                idx.replace_agent("b", blocks)
+                ref["b"] = blocks
+        else:
+            hs = rng.sample(pool, rng.randint(1, 250))
+
+            def update(hs=hs):
+                idx.add("a", hs, Tier.CPU)
+                ref.setdefault("a", {}).update(dict.fromkeys(hs, int(Tier.CPU)))
+
+        failing.armed, failing.calls = True, 0
+        try:
+            update()
+        except MemoryError:
+            failing.armed = False
+            update()  # sent again
+        failing.armed = False
+        held = set().union(*ref.values())
+        assert idx.num_blocks == len(held)
+        assert all(idx.agent_blocks(a) == blocks for a, blocks in ref.items())
+        for h in rng.sample(sorted(held), min(40, len(held))):
+            assert idx.holders(h) == {a: Tier(b[h]) for a, b in ref.items() if h in b}
+    assert failing.failed >= 10, "few updates ran out of memory: the test checks little"

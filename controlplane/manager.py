@@ -273,8 +273,9 @@ class Manager(PinControl, OperationControl, PolicyControl):
                     if op_id not in kept:
                         adopted.append(op)
                         if stored_commands.get(op_id) and not op.cancel_requested:
-                            # stored before they went out: they may be on their way though etcd
-                            # says unsent (the leader died before recording it), or about to be
+                            # stored before the operation was recorded (_register_op): its
+                            # leader may have died before it sent them, or before it recorded
+                            # that it had (one may be on its way); sent from here either way
                             op.commands_sent = True
                     # sent again once the agent has a stream here (_resend_lost_commands), and
                     # to one this replica holds too: an agent may have given its answer (an

@@ -66,11 +66,42 @@ class OperationControl(ManagerState):
     """Operations, mixed into Manager (whose state and lock they share: see Manager.__init__)."""
 
     # ---- operations -----------------------------------------------------------------
-    def _register_op(self, op: ops.Operation) -> None:
-        self._persist_op(op)
+    def _register_op(
+        self, op: ops.Operation, commands: dict[str, AgentCommand] | None = None
+    ) -> errors.OutcomeUnknown | None:
+        """Record a new operation in etcd and keep it here. Its `commands` are stored
+        first: a leader that finds the record finds them too, and sends them (load(); an
+        agent that had one answers the repeat with where it stands). Stored after the
+        record, a leader that died between the two writes left an accepted operation no
+        next leader could send, which failed at the operation timeout (chaos runs).
+
+        etcd not answering the record's write (OutcomeUnknown: it may land later, and a
+        next leader then follows it) is returned, not raised: memory follows it as
+        applied, the next passes write it (_dirty), and the caller sends its commands and
+        then raises it, so a caller that lists before trying again (as the error says)
+        finds it carried out. Any other failure: nothing is kept (stored commands go with
+        the next pass), and it is raised."""
+        items = self._command_items(op, commands or {})
+        if items:
+            self._write_commands(op, items)
+        unknown = None
+        try:
+            self._persist_op(op)
+        except errors.OutcomeUnknown as exc:
+            unknown = exc
+            log.warning("operation %s may not be recorded yet (kept, written again): %s", op.op_id, exc)
+        except errors.KvcpError:
+            if items:  # not recorded: commands written before it are deleted by the next pass
+                with self._lock:
+                    self._stored_commands.add(op.op_id)
+            raise
         trimmed = []
         with self._lock:
             self.ops[op.op_id] = op
+            if items:  # (only now: a pass before it was kept here would delete them as ended)
+                self._stored_commands.add(op.op_id)
+            if unknown is not None:
+                self._dirty.add(op.op_id)
             self._op_done[op.op_id] = threading.Event()
             while len(self.ops) > MAX_OPS_KEPT:
                 old_id, old = next(iter(self.ops.items()))
@@ -87,6 +118,7 @@ class OperationControl(ManagerState):
                 self.durable.delete(etcd_keys.OPS_PREFIX + old_id)
             except errors.KvcpError:  # etcd away: the record stays; a leader that loads it trims it again
                 break
+        return unknown
 
     def _persist_op(self, op: ops.Operation) -> None:
         """Write the operation as it is when this write's turn comes: one write of an
@@ -146,8 +178,12 @@ class OperationControl(ManagerState):
             with self._lock:
                 self._dirty.discard(op.op_id)
 
-    def _fan_out(self, op: ops.Operation, commands: dict[str, AgentCommand]) -> None:
-        self._store_commands(op, commands)
+    def _fan_out(
+        self, op: ops.Operation, commands: dict[str, AgentCommand], unknown: errors.OutcomeUnknown | None = None
+    ) -> None:
+        """Send a registered operation's commands, stored in etcd before the write that
+        records them as going out (_register_op, _run_locked). `unknown`: that write went
+        unanswered (_register_op's answer), raised once they are out."""
         # under the lock: a cancel that came meanwhile (since the op was registered, or while
         # its start was being recorded) is seen, and none can slip in between check and send
         with self._lock:
@@ -156,8 +192,10 @@ class OperationControl(ManagerState):
                 self._send_commands(op, commands)
         if unsent:
             self._drop_stored_commands(op.op_id)
-            return
-        self._op_changed(op)
+        else:
+            self._op_changed(op)
+        if unknown is not None:
+            raise unknown
 
     def _send_commands(self, op: ops.Operation, commands: dict[str, AgentCommand]) -> None:
         """(Under the lock.)"""
@@ -174,14 +212,24 @@ class OperationControl(ManagerState):
                 self._unheard[(op.op_id, agent_id)] = (cmd, session)
 
     def _store_commands(self, op: ops.Operation, commands: dict[str, AgentCommand]) -> None:
-        """Keep the operation's commands in etcd until it ends: a command still on its way
-        when this leader dies is lost with its stream, and the next leader, which adopts
-        the operation, sends it again (agents run each once). Best effort: etcd refusing
-        it (or a command larger than an etcd request holds) leaves such a part to the
-        operation timeout, as before. One key an agent, so an operation's size is not
-        bounded by one request's."""
-        if op.finished or op.cancel_requested or not commands:
+        """Keep the commands of an operation already registered here in etcd (see
+        _command_items), before the write that records them as about to go out."""
+        items = self._command_items(op, commands)
+        if not items:
             return
+        with self._lock:  # before the writes: one that fails may leave others (or itself) written
+            self._stored_commands.add(op.op_id)
+        self._write_commands(op, items)
+
+    def _command_items(self, op: ops.Operation, commands: dict[str, AgentCommand]) -> list[tuple[str, str]]:
+        """The etcd keys and values that keep the operation's commands until it ends: a
+        command still on its way when this leader dies is lost with its stream, and the
+        next leader, which adopts the operation, sends it again (agents run each once).
+        One key an agent, so an operation's size is not bounded by one request's; a
+        command larger than an etcd request holds is not kept (its part is left to the
+        operation timeout, as before)."""
+        if op.finished or op.cancel_requested or not commands:
+            return []
         items = []
         for agent_id, cmd in commands.items():
             if agent_id not in op.parts:
@@ -196,10 +244,11 @@ class OperationControl(ManagerState):
                 )
                 continue
             items.append((etcd_keys.op_command_key(op.op_id, agent_id), value))
-        if not items:
-            return
-        with self._lock:  # before the writes: one that fails may leave others (or itself) written
-            self._stored_commands.add(op.op_id)
+        return items
+
+    def _write_commands(self, op: ops.Operation, items: list[tuple[str, str]]) -> None:
+        """Best effort: etcd refusing it leaves such a part to the operation timeout, as
+        before (and the write of the record after it most likely fails too)."""
         try:
             self.durable.put_all(items)
         except errors.KvcpError as exc:
@@ -235,22 +284,19 @@ class OperationControl(ManagerState):
         if codec:
             params["codec"] = codec
         op = ops.new_operation("move", params, list(targets), now=self.clock())
-        self._register_op(op)
-        self._fan_out(
-            op,
-            {
-                a: AgentCommand(
-                    op.op_id,
-                    "move",
-                    block_hashes=h,
-                    tier=int(to_tier),
-                    codec=codec,
-                    namespace=namespace if not h else "",
-                    model_id=scope.model_id if not h else "",
-                )
-                for a, h in targets.items()
-            },
-        )
+        commands = {
+            a: AgentCommand(
+                op.op_id,
+                "move",
+                block_hashes=h,
+                tier=int(to_tier),
+                codec=codec,
+                namespace=namespace if not h else "",
+                model_id=scope.model_id if not h else "",
+            )
+            for a, h in targets.items()
+        }
+        self._fan_out(op, commands, self._register_op(op, commands))
         return op
 
     def transfer(
@@ -307,7 +353,6 @@ class OperationControl(ManagerState):
         # the whole prefix goes to the source: the index may lag behind what it holds (its
         # latest events in flight), and the source hands off the leading blocks it has
         op = ops.new_operation("transfer", params, [from_agent_id], now=self.clock())
-        self._register_op(op)
         command = AgentCommand(
             op.op_id,
             "transfer",
@@ -316,7 +361,8 @@ class OperationControl(ManagerState):
             peer_agent_id=to_agent_id,
             deadline_seconds=deadline_seconds,
         )
-        self._fan_out(op, {from_agent_id: command})
+        commands = {from_agent_id: command}
+        self._fan_out(op, commands, self._register_op(op, commands))
         return op
 
     def drain(
@@ -452,17 +498,19 @@ class OperationControl(ManagerState):
                 "model": model_id,
             }
             op = ops.new_operation("drain", params, [agent_id], now=self.clock())
-            self._register_op(op)
-        command = AgentCommand(
-            op.op_id,
-            "drain",
-            model_id=model_id,
-            peer_agent_ids=destinations,
-            peer_free_bytes=room,
-            peer_fill_limit_bytes=lines,
-            deadline_seconds=deadline_seconds,
-        )
-        self._fan_out(op, {agent_id: command})
+            commands = {
+                agent_id: AgentCommand(
+                    op.op_id,
+                    "drain",
+                    model_id=model_id,
+                    peer_agent_ids=destinations,
+                    peer_free_bytes=room,
+                    peer_fill_limit_bytes=lines,
+                    deadline_seconds=deadline_seconds,
+                )
+            }
+            unknown = self._register_op(op, commands)
+        self._fan_out(op, commands, unknown)
         return op
 
     def _room_held(self, o: ops.Operation, now: float) -> dict[str, int]:
@@ -538,22 +586,19 @@ class OperationControl(ManagerState):
         targets = self._targets(scope, packed)
         params = {"codec": codec, "namespace": namespace if not packed else "", "tier": tier.label if tier else ""}
         op = ops.new_operation("compress", params, list(targets), now=self.clock())
-        self._register_op(op)
-        self._fan_out(
-            op,
-            {
-                a: AgentCommand(
-                    op.op_id,
-                    "compress",
-                    block_hashes=h,
-                    codec=codec,
-                    namespace=namespace if not h else "",
-                    model_id=scope.model_id if not h else "",  # a namespace's blocks of this model only
-                    only_tier=int(tier) if tier else 0,
-                )
-                for a, h in targets.items()
-            },
-        )
+        commands = {
+            a: AgentCommand(
+                op.op_id,
+                "compress",
+                block_hashes=h,
+                codec=codec,
+                namespace=namespace if not h else "",
+                model_id=scope.model_id if not h else "",  # a namespace's blocks of this model only
+                only_tier=int(tier) if tier else 0,
+            )
+            for a, h in targets.items()
+        }
+        self._fan_out(op, commands, self._register_op(op, commands))
         return op
 
     def cleanup(
@@ -587,11 +632,14 @@ class OperationControl(ManagerState):
         op = ops.new_operation("cleanup", params, agents, dry_run=dry_run, now=self.clock())
         # a real cleanup of a scope takes that scope's lock: two cleanups never race
         op.waiting_for_lock = not (dry_run or op.finished)
-        self._register_op(op)
-        if op.waiting_for_lock:
+        if op.waiting_for_lock:  # its commands are made, and stored, when it takes its lock
+            unknown = self._register_op(op)
             self._start_locked(op)
+            if unknown is not None:
+                raise unknown
         else:
-            self._fan_out(op, self._cleanup_commands(op))
+            commands = self._cleanup_commands(op)
+            self._fan_out(op, commands, self._register_op(op, commands))
         return op
 
     def _cleanup_commands(self, op: ops.Operation) -> dict[str, AgentCommand]:
@@ -737,6 +785,9 @@ class OperationControl(ManagerState):
                         op.waiting_for_lock = False
                         break
                 time.sleep(0.02)
+            commands = self._cleanup_commands(op)
+            # stored before its start is recorded: a leader that finds it started sends them
+            self._store_commands(op, commands)
             try:
                 self._persist_op(op)  # a leader that takes over now must not send it again
             except errors.KvcpError as exc:
@@ -747,7 +798,7 @@ class OperationControl(ManagerState):
                             ops.fail_part(op, part.agent_id, f"could not record its start in etcd: {exc}")
                     self._op_changed(op)
                 return
-            self._fan_out(op, self._cleanup_commands(op))
+            self._fan_out(op, commands)
             self._keep_scope_lock(op, lock)  # until it finishes (let go while another replica leads)
         finally:
             lock.release()

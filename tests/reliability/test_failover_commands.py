@@ -11,6 +11,8 @@ import contextlib
 import threading
 import time
 
+import pytest
+
 from agent.server import DEMO_MODEL
 from controlplane import manager_ops
 from controlplane.api import convert
@@ -75,6 +77,27 @@ def hold_first_command(monkeypatch, kind: str) -> tuple[threading.Event, list[st
 
     monkeypatch.setattr(convert, "command_to_pb", command_to_pb)
     return released, lost
+
+
+class LeaderDied(BaseException):
+    """The leader process ending at a step of its own: nothing after that step runs."""
+
+
+def die_after_recording(monkeypatch, cp: ControlPlane, kind: str) -> list[str]:
+    """`cp` dies right after etcd recorded the first new operation of `kind` (its id is
+    listed); from then on it writes nothing more."""
+    real, recorded = cp.manager._persist_op, []
+
+    def persist(op):
+        if recorded:
+            raise errors.Unavailable("etcd is unreachable (test: the leader died)")
+        real(op)
+        if op.kind == kind:
+            recorded.append(op.op_id)
+            raise LeaderDied()
+
+    monkeypatch.setattr(cp.manager, "_persist_op", persist)
+    return recorded
 
 
 def take_over(old: ControlPlane, new: ControlPlane) -> None:
@@ -530,3 +553,114 @@ def test_a_cleanup_queued_behind_a_kept_one_waits_for_it_to_take_its_lock_again(
         assert not agent.commands("cleanup", queued.op_id)
         a.manager.on_op_update("a1", op.op_id, "SUCCEEDED", 0, 0, 0, 0, "")
         wait_for(lambda: agent.commands("cleanup", queued.op_id), 15, 0.05, "the queued one sent once it is free")
+
+
+@pytest.mark.parametrize("kind", ["move", "drain"])
+def test_an_operation_whose_leader_died_right_after_recording_it_is_sent_by_the_next(etcd, monkeypatch, kind):
+    """The leader recorded the operation in etcd and died before it stored its commands
+    (the write after the record) or sent them: the next leader adopted it with nothing to
+    send, and its part failed "no progress for 60s" at the operation timeout (chaos runs:
+    a move whose start was answered with an error around a failover, found in the list,
+    never sent again). Its commands are stored before its record now: the next leader
+    sends them at once, and the agent, which never had them, runs them."""
+    a = start_cp(etcd, op_timeout_seconds=60)
+    b = None
+    try:
+        first = on_stream(a, "a1", "s1")
+        if kind == "drain":  # its destination; both ready (their empty inventories synced)
+            on_stream(a, "a2", "s1")
+            for agent_id in ("a1", "a2"):
+                assert a.cluster.apply_inventory_chunk(agent_id, 0, 0, True, []) is None
+        recorded = die_after_recording(monkeypatch, a, kind)
+        with pytest.raises(LeaderDied):
+            if kind == "move":
+                a.manager.move(Scope(namespace="ns1"), Tier.DISK)
+            else:
+                a.manager.drain("a1")
+        [op_id] = recorded
+        assert not first.commands(kind)  # nothing went out
+        assert stored_op(etcd, op_id)["state"] == "PENDING"  # recorded, not finished
+        b = follower(etcd)
+        take_over(a, b)
+        again = on_stream(b, "a1", "t1")
+        if kind == "drain":
+            on_stream(b, "a2", "t1")
+        b.manager.run_once()
+        [sent] = again.commands(kind, op_id)  # within a pass, not at the operation timeout
+        assert sent.op_id == op_id and (sent.tier == int(Tier.DISK) if kind == "move" else sent.peer_agent_ids)
+        assert b.registry.get_sample_value("kvcp_commands_resent_total", {"cause": "leader_changed"}) == 1
+        again.report(op_id, "SUCCEEDED", 1, 1)
+        assert b.manager.get_op(op_id).state == "SUCCEEDED"
+        assert stored_commands(etcd, op_id) is None
+    finally:
+        a.stop()
+        if b is not None:
+            b.stop()
+
+
+def test_an_operation_etcd_recorded_without_answering_is_carried_out(etcd, monkeypatch):
+    """etcd took a move's record but did not answer in time (paused): the start was
+    answered UNKNOWN ("may or may not have been applied: list before trying again"), and
+    the leader forgot a move that etcd then held; the caller's list found it, and the
+    leader that loaded it after the pause (a new epoch) had no command to send: FAILED "no
+    progress for 60s" (chaos runs). The leader now keeps it (written again by its next
+    pass) and sends its commands before it answers UNKNOWN; a next leader that adopts it
+    sends them again, and the agent answers the repeat with where it stands."""
+    a = start_cp(etcd, op_timeout_seconds=60)
+    b = None
+    try:
+        first = on_stream(a, "a1", "s1")
+        real, unanswered = a.manager._persist_op, []
+
+        def taken_unanswered(op):
+            real(op)
+            if not unanswered:
+                unanswered.append(op.op_id)
+                raise errors.OutcomeUnknown(
+                    "etcd did not answer in time (test); the change may or may not have been applied"
+                )
+
+        monkeypatch.setattr(a.manager, "_persist_op", taken_unanswered)
+        with pytest.raises(errors.OutcomeUnknown):
+            a.manager.move(Scope(namespace="ns1"), Tier.DISK)
+        [op_id] = unanswered
+        assert [o.op_id for o in a.manager.list_ops()] == [op_id]  # a caller that lists finds it
+        [sent] = first.commands("move", op_id)  # carried out
+        a.manager.run_once()
+        assert op_id not in a.manager._dirty and stored_op(etcd, op_id)["commands_sent"]
+        b = follower(etcd)
+        take_over(a, b)
+        again = on_stream(b, "a1", "t1")
+        b.manager.run_once()
+        assert again.commands("move", op_id) == [sent]
+        again.report(op_id, "SUCCEEDED", 1, 1)
+        assert b.manager.get_op(op_id).state == "SUCCEEDED"
+    finally:
+        a.stop()
+        if b is not None:
+            b.stop()
+
+
+def test_commands_stored_for_an_operation_etcd_refused_to_record_are_deleted(etcd, monkeypatch):
+    """Commands are stored before their operation's record: a record etcd refuses (away)
+    leaves no operation, sends nothing, and the next pass deletes what was stored."""
+    a = start_cp(etcd, op_timeout_seconds=60)
+    try:
+        agent = on_stream(a, "a1", "s1")
+        real, refused = a.manager._persist_op, []
+
+        def refuse_first(op):
+            if not refused:
+                refused.append(op.op_id)
+                raise errors.Unavailable("etcd is unreachable (test)")
+            real(op)
+
+        monkeypatch.setattr(a.manager, "_persist_op", refuse_first)
+        with pytest.raises(errors.Unavailable):
+            a.manager.move(Scope(namespace="ns1"), Tier.DISK)
+        [op_id] = refused
+        assert not a.manager.list_ops() and not agent.commands("move")
+        a.manager.run_once()
+        assert stored_commands(etcd, op_id) is None
+    finally:
+        a.stop()

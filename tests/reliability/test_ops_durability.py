@@ -256,14 +256,18 @@ def test_cancel_in_the_window_before_fan_out_sends_nothing(etcd):
         m = cp.manager
         real = m._register_op
 
-        def register_then_cancel(op):
-            real(op)
+        def register_then_cancel(op, commands=None):
+            unknown = real(op, commands)
             m.cancel_op(op.op_id)  # a CancelOperation that arrives between the two steps
+            return unknown
 
         m._register_op = register_then_cancel
         op = m.move(Scope(namespace="ns1"), Tier.DISK)
         assert op.state == "CANCELLED"
         assert agent.commands("move") == []
+        raw = etcd_keys.connect(etcd)  # its commands, stored before its record, went with its end
+        assert raw.get(etcd_keys.op_command_key(op.op_id, agent.agent_id))[0] is None
+        raw.close()
     finally:
         cp.stop()
 

@@ -673,7 +673,12 @@ class Drains:
                 )
                 pins.append(pin_id)
         except (ClientError, grpc.RpcError) as exc:  # the agent is down, or a failover: no drain this turn
-            self._refused(f"pin: {exc.code}" if isinstance(exc, ClientError) else "markers not stored: agent down")
+            if not isinstance(exc, ClientError):
+                self._refused("markers not stored: agent down")
+            else:  # (a refusal says why in its first words: a follower that knows no leader)
+                self._refused(
+                    f"pin: {exc.code}: {str(exc)[:40]}" if exc.code == "FAILED_PRECONDITION" else f"pin: {exc.code}"
+                )
             self._unpin(facade, pins)
             return
         op: OperationView | None = None

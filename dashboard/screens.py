@@ -49,6 +49,34 @@ class StatusLine(Static):
         self.set_class(state.connection == RECONNECTING, "-reconnecting")
 
 
+class Table(DataTable):
+    """A DataTable whose rows are laid out again when its columns widen. DataTable keys the
+    renders it caches by a count of changes that a column's new width does not bump, so a
+    row drawn before the table measured it (widths still the headers') kept that narrower
+    layout in a table of fixed height (no resize to bump the count) until the next change:
+    the Cluster screen showed `dash-  127.0.0` for `dash-a1  127.0.0.1:40905` for 30 s in a
+    CI run. (Both methods are DataTable's own, run when it is idle; where a Textual lacks
+    them, the overrides are never called.)"""
+
+    def _column_widths(self) -> list[int]:
+        return [c.content_width for c in self.columns.values()]
+
+    def _redrawn_if_widths_changed(self, before: list[int]) -> None:
+        if self._column_widths() != before:
+            self._update_count += 1  # (the caches' key)
+            self.refresh()
+
+    def _update_column_widths(self, updated_cells) -> None:
+        before = self._column_widths()
+        super()._update_column_widths(updated_cells)
+        self._redrawn_if_widths_changed(before)
+
+    def _update_dimensions(self, new_rows) -> None:
+        before = self._column_widths()
+        super()._update_dimensions(new_rows)
+        self._redrawn_if_widths_changed(before)
+
+
 def _same_cell(a: object, b: object) -> bool:
     """Whether two cell values draw the same. Rich compares Text by its characters and
     spans alone, so a cell that only changed colour (a count turning red) would look the same."""
@@ -160,7 +188,7 @@ class ClusterScreen(DashboardScreen):
                 with Vertical(classes="spark"):
                     yield Label(id=f"spark-{key}-label", classes="spark-label")
                     yield Sparkline([], id=f"spark-{key}")
-        yield DataTable(id="agents", cursor_type="row", zebra_stripes=True)
+        yield Table(id="agents", cursor_type="row", zebra_stripes=True)
         yield Footer()
 
     def on_mount(self) -> None:
@@ -379,7 +407,7 @@ class PinsScreen(DashboardScreen):
     def compose(self) -> ComposeResult:
         yield from self.compose_status()
         yield Static(id="pins-note", classes="note")
-        yield DataTable(id="pins", cursor_type="row", zebra_stripes=True)
+        yield Table(id="pins", cursor_type="row", zebra_stripes=True)
         yield Static(id="pin-detail", classes="detail")
         yield Footer()
 
@@ -632,7 +660,7 @@ class OperationsScreen(DashboardScreen):
     def compose(self) -> ComposeResult:
         yield from self.compose_status()
         yield Static(id="ops-note", classes="note")
-        yield DataTable(id="ops", cursor_type="row", zebra_stripes=True)
+        yield Table(id="ops", cursor_type="row", zebra_stripes=True)
         yield Static(id="op-detail", classes="detail")
         yield Footer()
 

@@ -188,3 +188,34 @@ def test_the_sparkline_labels_claim_no_current_rate_while_the_control_plane_is_l
             assert not any(any(ch.isdigit() for ch in text) for text in labels()), labels()
 
     asyncio.run(scenario())
+
+
+def test_a_row_drawn_before_the_table_measured_it_is_drawn_again_at_its_widths():
+    """A CI run's Cluster screen showed `dash-  127.0.0` for `dash-a1  127.0.0.1:40905`
+    for 30 s: DataTable drew the row before it measured it (the widths still the headers'),
+    kept that drawing when the columns widened (its caches' key ignores widths), and a
+    table of fixed height has no resize to redraw it. A plain DataTable fails this."""
+    from textual.app import App
+
+    from dashboard.screens import Table
+
+    class OneTable(App):
+        CSS = "Table { height: 8; }"
+
+        def compose(self):
+            yield Table()
+
+    async def scenario():
+        app = OneTable()
+        async with app.run_test(size=SIZE) as pilot:
+            table = app.query_one(Table)
+            table.add_column("AGENT", key="agent")
+            table.add_column("ADDRESS", key="address")
+            await pilot.pause()
+            table.add_row("dash-a1", "127.0.0.1:40905", key="a1")
+            assert "dash-  127.0.0 " in table.render_line(1).text  # drawn before it was measured
+            await pilot.pause()
+            await pilot.pause()
+            assert "dash-a1  127.0.0.1:40905" in table.render_line(1).text
+
+    asyncio.run(scenario())

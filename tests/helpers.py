@@ -11,6 +11,7 @@ import time
 from pathlib import Path
 
 from benchmarks.etcd import EtcdServer  # noqa: F401 - the one etcd launcher, shared with the benchmarks
+from controlplane.core.index import AgentMatch
 
 BIN = Path(sys.executable).parent
 REPO = Path(__file__).resolve().parent.parent
@@ -65,3 +66,16 @@ class ExternalEtcd:
 
     def cleanup(self) -> None:
         pass
+
+
+def reference_lookup(ref: dict[str, dict[bytes, int]], chain: list[bytes]) -> list[AgentMatch]:
+    """The index's lookup answer by brute force: `ref` is agent -> block hash -> tier."""
+    out = []
+    for a, blocks in ref.items():
+        n = 0
+        while n < len(chain) and chain[n] in blocks:
+            n += 1
+        if n:
+            out.append(AgentMatch(a, n, bytes(blocks[h] for h in chain[:n])))
+    out.sort(key=lambda m: (-m.num_hit_blocks, sum(m.tiers), m.agent_id))
+    return out

@@ -22,7 +22,7 @@ from controlplane.core.index import AgentMatch, BlockIndex
 from protos import errors, etcd_keys
 from protos.kvcp.v1 import admin_pb2, admin_pb2_grpc, agent_pb2, agent_pb2_grpc, types_pb2
 from protos.tier import Tier
-from tests.helpers import wait_for
+from tests.helpers import reference_lookup, wait_for
 
 MODEL = "scale-model"
 
@@ -33,18 +33,6 @@ def keys(n: int, seed: int) -> bytes:
 
 def split(raw: bytes) -> list[bytes]:
     return [raw[i : i + 16] for i in range(0, len(raw), 16)]
-
-
-def reference_lookup(ref: dict[str, dict[bytes, int]], chain: list[bytes]) -> list[AgentMatch]:
-    out = []
-    for a, blocks in ref.items():
-        n = 0
-        while n < len(chain) and chain[n] in blocks:
-            n += 1
-        if n:
-            out.append(AgentMatch(a, n, bytes(blocks[h] for h in chain[:n])))
-    out.sort(key=lambda m: (-m.num_hit_blocks, sum(m.tiers), m.agent_id))
-    return out
 
 
 @pytest.mark.parametrize("use_kernel", [True, False], ids=["c-loops", "numpy"])

@@ -15,6 +15,7 @@ from controlplane.core.index import AgentMatch, BlockIndex
 from protos import native
 from protos.block_hash import hash_prefix, split_hashes
 from protos.tier import Tier
+from tests.helpers import reference_lookup
 
 PATHS = pytest.mark.parametrize("use_kernel", [True, False], ids=["c-loops", "numpy"])
 
@@ -87,18 +88,6 @@ def test_a_block_an_agent_holds_again_keeps_its_first_store_stamp_per_agent(use_
     assert abs(float(idx.agent_chains("a").stored_seconds[0]) - 100.0) < 2.0
     idx.add("b", hs, Tier.DISK)  # another agent newly holds it: stamped now
     assert abs(float(idx.agent_chains("b").stored_seconds[0]) - 200.0) < 2.0
-
-
-def reference_lookup(ref: dict[str, dict[bytes, int]], chain: list[bytes]) -> list[AgentMatch]:
-    out = []
-    for a, blocks in ref.items():
-        n = 0
-        while n < len(chain) and chain[n] in blocks:
-            n += 1
-        if n:
-            out.append(AgentMatch(a, n, bytes(blocks[h] for h in chain[:n])))
-    out.sort(key=lambda m: (-m.num_hit_blocks, sum(m.tiers), m.agent_id))
-    return out
 
 
 def random_keys(rng: random.Random, n: int) -> list[bytes]:

@@ -420,6 +420,18 @@ def test_blocks_dropped_here_meanwhile_are_not_counted_failed_so_kvctl_drain_wai
         assert "dropped" in op.error, op.error
 
 
+def a_source_of_four_one_block_prefixes(c: ControlPlaneClient, make_agent, name: str, start: int, seed: int):
+    """Agents `{name}-src`, holding four one-block prefixes, indexed, and `{name}-dst`.
+    Returns the source."""
+    src = make_agent(f"{name}-src")
+    make_agent(f"{name}-dst")
+    for i in range(4):
+        src.engine.store(M.model_id, tokens(1, start=start + 100 * i), kv(1, seed=seed + i))
+    wait_for(lambda: registered(c, f"{name}-src", f"{name}-dst"), what="agents ready")
+    wait_for(lambda: {a.agent_id: a.num_blocks for a in c.list_agents()}.get(f"{name}-src") == 4, what="indexed")
+    return src
+
+
 def test_a_drain_whose_blocks_were_all_dropped_here_before_it_sent_one_succeeds_with_nothing_left(
     controlplane, make_agent
 ):
@@ -428,12 +440,7 @@ def test_a_drain_whose_blocks_were_all_dropped_here_before_it_sent_one_succeeds_
     counted failed, so `kvctl drain A --wait` exited 1 though restarting A loses no hit: it
     holds none of them. It now ends SUCCEEDED with none failed, and says why nothing went."""
     with ControlPlaneClient(controlplane.address) as c:
-        src = make_agent("z-src")
-        make_agent("z-dst")
-        for i in range(4):
-            src.engine.store(M.model_id, tokens(1, start=1_900_000 + 100 * i), kv(1, seed=1_900 + i))
-        wait_for(lambda: registered(c, "z-src", "z-dst"), what="agents ready")
-        wait_for(lambda: {a.agent_id: a.num_blocks for a in c.list_agents()}.get("z-src") == 4, what="indexed")
+        src = a_source_of_four_one_block_prefixes(c, make_agent, "z", 1_900_000, 1_900)
         handoff = src.dataplane.handoff
 
         def dropped_first(model_id, block_hashes, *args, **kwargs):  # a cleanup just before each send
@@ -455,12 +462,7 @@ def test_a_drain_that_handed_nothing_off_counts_failed_only_the_blocks_still_hel
     from protos import errors
 
     with ControlPlaneClient(controlplane.address) as c:
-        src = make_agent("y-src")
-        make_agent("y-dst")
-        for i in range(4):
-            src.engine.store(M.model_id, tokens(1, start=2_000_000 + 100 * i), kv(1, seed=2_000 + i))
-        wait_for(lambda: registered(c, "y-src", "y-dst"), what="agents ready")
-        wait_for(lambda: {a.agent_id: a.num_blocks for a in c.list_agents()}.get("y-src") == 4, what="indexed")
+        src = a_source_of_four_one_block_prefixes(c, make_agent, "y", 2_000_000, 2_000)
 
         def dropped_then_gone(model_id, block_hashes, *args, **kwargs):
             for h in block_hashes:

@@ -10,6 +10,7 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 from controlplane.core.index import AgentMatch, BlockIndex
 from protos.block_hash import hash_prefix, split_hashes
 from protos.tier import Tier
+from tests.helpers import reference_lookup
 
 
 def chain(n: int, seed: int = 0) -> list[bytes]:
@@ -205,15 +206,7 @@ class IndexMachine(RuleBasedStateMachine):
 
     @invariant()
     def lookup_agrees_with_reference(self):
-        expected = []
-        for a, blocks in self.ref.items():
-            n = 0
-            while n < len(HASHES) and HASHES[n] in blocks:
-                n += 1
-            if n:
-                expected.append(AgentMatch(a, n, bytes(blocks[h] for h in HASHES[:n])))
-        expected.sort(key=lambda m: (-m.num_hit_blocks, sum(m.tiers), m.agent_id))
-        assert self.idx.lookup(HASHES) == expected
+        assert self.idx.lookup(HASHES) == reference_lookup(self.ref, HASHES)
 
 
 IndexMachine.TestCase.settings = settings(max_examples=60, stateful_step_count=25, deadline=None)

@@ -49,7 +49,7 @@ BLOCK_HASH_BYTES = 16
 _BUCKET = 8
 _EMPTY = 0
 _MAX_LOAD = 0.75  # live / slots before the table is rebuilt larger
-_REBUILD_LOAD = 0.4  # live / slots right after a rebuild
+_GROWN_LOAD = 0.4  # live / slots right after a growth (or sizing up front)
 _OVERSIZED_SLOTS_PER_KEY = 16  # a table this much bigger than its keys stops growing for one
 _MIN_BUCKETS = 16
 _SCALAR_MAX = 8  # keys left after the first vectorised round that are placed one by one
@@ -254,7 +254,7 @@ class BlockIndex:
         self._old_shift = np.uint64(0)
         self._move_next = 0
         nb = _MIN_BUCKETS
-        while nb * _BUCKET * _REBUILD_LOAD < expected_blocks:
+        while nb * _BUCKET * _GROWN_LOAD < expected_blocks:
             nb *= 2
         self._new_table(nb)
 
@@ -434,13 +434,11 @@ class BlockIndex:
             loc[miss] = slot
         return ent, loc
 
-    def _place(self, h: np.ndarray, ids: np.ndarray, keys: np.ndarray | None, ent: np.ndarray | None) -> np.ndarray:
-        """Put keys into the table, each in the emptier of its two buckets. With `keys`: ids
-        are positions into `keys` that were not found; each gets a new entry (duplicates
-        among them share one), written to `ent`. Without: ids are existing entry ids of
-        distinct keys (a rebuild). Returns the positions (into ids) of keys whose two
-        buckets were both full: the caller grows the table and places them again."""
-        assert (keys is None) == (ent is None), "keys and ent come together"
+    def _place(self, h: np.ndarray, ids: np.ndarray, keys: np.ndarray, ent: np.ndarray) -> np.ndarray:
+        """Put keys into the table, each in the emptier of its two buckets: ids are
+        positions into `keys` that were not found; each gets a new entry (duplicates among
+        them share one), written to `ent`. Returns the positions (into ids) of keys whose
+        two buckets were both full: the caller grows the table and places them again."""
         self._settle(h)
         b1, b2, tag = self._buckets(h)
         pending = np.arange(len(ids))
@@ -456,7 +454,7 @@ class BlockIndex:
             p1, p2, tp = b1[pending], b2[pending], tag[pending]
             r1 = np.take(self._tags, p1, axis=0)
             r2 = np.take(self._tags, p2, axis=0)
-            if keys is not None and ent is not None and not first:
+            if not first:
                 # a duplicate of a key placed by an earlier round of this call
                 q = ids[pending]
                 e, _ = self._match(r1, p1, tp, keys, q)
@@ -486,16 +484,13 @@ class BlockIndex:
             self._ents_flat[flat] = pending
             won = self._ents_flat.take(flat) == pending
             wc, wf = pending[won], flat[won]
-            if keys is None or ent is None:
-                self._ents_flat[wf] = ids[wc]
-            else:
-                new = self._alloc(len(wc))  # before the tags: a MemoryError leaves the slots empty
-                self._ents_flat[wf] = new
-                q = ids[wc]
-                # 1-D views: fancy assignment to rows of a 2-D array is numpy's slow path
-                self._keys.view(_V16).reshape(-1)[new] = keys.take(q, axis=0).view(_V16).reshape(-1)
-                ent[q] = new
-                self._live += len(wc)
+            new = self._alloc(len(wc))  # before the tags: a MemoryError leaves the slots empty
+            self._ents_flat[wf] = new
+            q = ids[wc]
+            # 1-D views: fancy assignment to rows of a 2-D array is numpy's slow path
+            self._keys.view(_V16).reshape(-1)[new] = keys.take(q, axis=0).view(_V16).reshape(-1)
+            ent[q] = new
+            self._live += len(wc)
             self._tags_flat[wf] = tag[wc]
             pending = pending[~won]
         return np.concatenate(failed) if failed else np.zeros(0, np.int64)
@@ -508,23 +503,18 @@ class BlockIndex:
         for b in (int(b1[i]), int(b2[i])):
             lo = b * _BUCKET
             row = tags[lo : lo + _BUCKET].tolist()
-            if keys is not None:
-                q = int(ids[i])
-                for j, tj in enumerate(row):
-                    if tj == t:
-                        e = int(ents[lo + j])
-                        if self._keys[e, 0] == keys[q, 0] and self._keys[e, 1] == keys[q, 1]:
-                            ent[q] = e  # placed earlier in this call
-                            return True
+            q = int(ids[i])
+            for j, tj in enumerate(row):
+                if tj == t:
+                    e = int(ents[lo + j])
+                    if self._keys[e, 0] == keys[q, 0] and self._keys[e, 1] == keys[q, 1]:
+                        ent[q] = e  # placed earlier in this call
+                        return True
             rows.append((row.count(_EMPTY), lo, row))
         free, lo, row = max(rows, key=lambda r: r[0])  # the emptier; the first on a tie
         if not free:
             return False
         slot = lo + row.index(_EMPTY)
-        if keys is None:
-            ents[slot] = ids[i]
-            tags[slot] = t
-            return True
         q = int(ids[i])
         new = int(self._alloc(1)[0])  # before the tag: a MemoryError leaves the slot empty
         ents[slot] = new
@@ -641,7 +631,7 @@ class BlockIndex:
         if self._live + n_new <= _MAX_LOAD * self._nb * _BUCKET:
             return
         nb = self._nb * 2
-        while nb * _BUCKET * _REBUILD_LOAD < self._live + n_new:
+        while nb * _BUCKET * _GROWN_LOAD < self._live + n_new:
             nb *= 2
         self._grow(nb)
 
